@@ -1,0 +1,1 @@
+"""Actors: the trainer-side model backends that can export HF-named tensors."""

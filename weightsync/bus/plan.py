@@ -1,0 +1,157 @@
+"""Bucket plans: where every tensor of a sync lives, decided from metadata alone.
+
+The trainer lays tensors out in the order its exporter yields them, so it can send the plan
+(the manifest) before gathering anything. The rollout validates the manifest at the boundary
+(`manifest_from_proto`) before it allocates a byte.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.bus import dtypes
+from weightsync.v1 import bus_pb2
+
+# Offsets are aligned so every tensor view is aligned for any dtype and for vectorised copies.
+ALIGN = 256
+# A manifest claiming more than this is refused outright (a 1T-parameter model in fp32 is 4 TB).
+MAX_TOTAL_BYTES = 8 << 40
+MAX_TENSORS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class Slot:
+    meta: TensorMeta
+    offset: int
+
+
+@dataclass
+class BucketPlan:
+    index: int
+    nbytes: int = 0
+    slots: list[Slot] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    version: int
+    sync_id: str
+    bucket_bytes: int
+    buckets: list[BucketPlan]
+    model_family: str = ""
+    checksum_algo: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.slots) for b in self.buckets)
+
+    def metas(self) -> list[TensorMeta]:
+        return [s.meta for b in self.buckets for s in b.slots]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[BucketPlan]:
+    """Greedy, order-preserving layout. A tensor larger than `bucket_bytes` gets a bucket alone."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is below the {ALIGN}-byte alignment; use at least 1 MiB")
+    buckets: list[BucketPlan] = []
+    cur = BucketPlan(index=0)
+    seen: set[str] = set()
+    for m in metas:
+        if m.name in seen:
+            raise ValueError(f"tensor {m.name} is exported twice; check the model family's rule table")
+        seen.add(m.name)
+        start = _align(cur.nbytes)
+        if cur.slots and start + m.nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur = BucketPlan(index=len(buckets))
+            start = 0
+        cur.slots.append(Slot(m, start))
+        cur.nbytes = start + m.nbytes
+    if cur.slots:
+        buckets.append(cur)
+    return buckets
+
+
+def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
+                  model_family: str = "", checksum_algo: str = "") -> Manifest:
+    return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
+                    buckets=plan_buckets(metas, bucket_bytes), model_family=model_family,
+                    checksum_algo=checksum_algo)
+
+
+def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
+    msg = bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
+                           total_bytes=m.total_bytes, model_family=m.model_family,
+                           checksum_algo=m.checksum_algo)
+    for b in m.buckets:
+        pb = msg.buckets.add(index=b.index, nbytes=b.nbytes)
+        for s in b.slots:
+            pb.tensors.add(name=s.meta.name, dtype=dtypes.to_wire(s.meta.dtype), shape=list(s.meta.shape),
+                           offset=s.offset, nbytes=s.meta.nbytes)
+    return msg
+
+
+def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOTAL_BYTES) -> Manifest:
+    """Validate a manifest received from the network; every error names the offending field."""
+    if not msg.sync_id:
+        raise ValueError("manifest.sync_id is empty")
+    if msg.total_bytes > max_total_bytes:
+        raise ValueError(f"manifest.total_bytes={msg.total_bytes} exceeds the limit {max_total_bytes}")
+    buckets: list[BucketPlan] = []
+    names: set[str] = set()
+    total = 0
+    count = 0
+    for i, pb in enumerate(msg.buckets):
+        if pb.index != i:
+            raise ValueError(f"manifest.buckets[{i}].index={pb.index}, expected {i}")
+        if pb.nbytes > max_total_bytes:
+            raise ValueError(f"manifest.buckets[{i}].nbytes={pb.nbytes} exceeds the limit {max_total_bytes}")
+        plan = BucketPlan(index=i, nbytes=pb.nbytes)
+        end_prev = 0
+        for j, t in enumerate(pb.tensors):
+            where = f"manifest.buckets[{i}].tensors[{j}] ({t.name!r})"
+            count += 1
+            if count > MAX_TENSORS:
+                raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
+            if not t.name or t.name in names:
+                raise ValueError(f"{where}: name is empty or repeated")
+            names.add(t.name)
+            dt = dtypes.from_wire(t.dtype)
+            if any(d < 0 for d in t.shape) or len(t.shape) > 8:
+                raise ValueError(f"{where}: shape {list(t.shape)} is not a valid tensor shape")
+            meta = TensorMeta(t.name, tuple(int(d) for d in t.shape), dt)
+            if meta.nbytes != t.nbytes:
+                raise ValueError(f"{where}: nbytes={t.nbytes} but shape {list(t.shape)} x {dt} needs {meta.nbytes}")
+            if t.offset < end_prev or t.offset % dtypes.element_size(dt):
+                raise ValueError(f"{where}: offset {t.offset} overlaps the previous tensor or is misaligned")
+            end_prev = t.offset + t.nbytes
+            if end_prev > pb.nbytes:
+                raise ValueError(f"{where}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
+            plan.slots.append(Slot(meta, int(t.offset)))
+        total += pb.nbytes
+        buckets.append(plan)
+    if msg.total_bytes and total != msg.total_bytes:
+        raise ValueError(f"manifest.total_bytes={msg.total_bytes} but its buckets add up to {total}")
+    return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
+                    model_family=msg.model_family, checksum_algo=msg.checksum_algo)
