@@ -1,0 +1,115 @@
+"""The sending pipeline: export → pack bucket k+1 while bucket k is on the wire.
+
+A producer thread pulls tensors from the actor's export iterator and packs them into one of
+`num_buffers` reusable flat buffers; the calling thread hands filled buffers to the transport.
+With two buffers, gathering/packing overlaps sending, and extra memory stays at two buckets
+plus whatever single tensor the exporter holds (principle 3 of DESIGN.md).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.pack import alloc_buffer, pack_bucket
+from weightsync.bus.plan import Manifest
+from weightsync.bus.transport import BucketSender, TransportError
+
+
+@dataclass
+class StreamStats:
+    checksums: list[int] = field(default_factory=list)
+    bytes_sent: int = 0
+    pack_seconds: float = 0.0
+    send_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    peak_buffer_bytes: int = 0
+
+
+_DONE = object()
+
+
+def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]], sender: BucketSender, *,
+                   device: torch.device | str = "cpu", num_buffers: int = 2, with_checksums: bool = True,
+                   timeout: float = 600.0) -> StreamStats:
+    """Pack and send every bucket of `manifest`; raise on the first export or transport error."""
+    if num_buffers < 1:
+        raise ValueError(f"num_buffers={num_buffers} must be >= 1")
+    stats = StreamStats()
+    if not manifest.buckets:
+        return stats
+    device = torch.device(device)
+    buf_bytes = max(b.nbytes for b in manifest.buckets)
+    stats.peak_buffer_bytes = buf_bytes * min(num_buffers, len(manifest.buckets))
+    free: queue.Queue = queue.Queue()
+    for _ in range(min(num_buffers, len(manifest.buckets))):
+        free.put(alloc_buffer(buf_bytes, device))
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"sync {manifest.sync_id}: streaming exceeded {timeout:.0f}s")
+        return left
+
+    def produce() -> None:
+        try:
+            it = iter(tensors)
+            for plan in manifest.buckets:
+                buf = None
+                while buf is None:
+                    if stop.is_set():
+                        return
+                    try:
+                        buf = free.get(timeout=min(1.0, remaining()))
+                    except queue.Empty:
+                        pass
+                t0 = time.perf_counter()
+                view = pack_bucket(plan, ((next(it)) for _ in plan.slots), buf)
+                if view.device.type == "cuda":
+                    torch.cuda.current_stream(view.device).synchronize()
+                csum = bucket_checksum(view) if with_checksums else None
+                stats.pack_seconds += time.perf_counter() - t0
+                ready.put((plan, buf, view, csum))
+            leftover = next(it, None)
+            if leftover is not None:
+                raise ValueError(f"exporter yielded {leftover[0]} beyond the manifest's {manifest.num_tensors} tensors")
+            ready.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            ready.put(exc)
+
+    t_start = time.perf_counter()
+    producer = threading.Thread(target=produce, name=f"pack-{manifest.sync_id}", daemon=True)
+    producer.start()
+    try:
+        while True:
+            try:
+                item = ready.get(timeout=remaining())
+            except queue.Empty:
+                raise TimeoutError(f"sync {manifest.sync_id}: exporter produced nothing within {timeout:.0f}s") from None
+            if item is _DONE:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            plan, buf, view, csum = item
+            t0 = time.perf_counter()
+            sender.send(plan, view, csum)
+            stats.send_seconds += time.perf_counter() - t0
+            stats.bytes_sent += plan.nbytes
+            if csum is not None:
+                stats.checksums.append(csum)
+            free.put(buf)
+    finally:
+        stop.set()
+        producer.join(timeout=30)
+        if producer.is_alive():
+            raise TransportError(f"sync {manifest.sync_id}: packing thread did not stop within 30s")
+    stats.wall_seconds = time.perf_counter() - t_start
+    return stats
