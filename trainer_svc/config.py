@@ -1,0 +1,53 @@
+"""trainer-svc settings (flags > env WS_TRAINER_* > --config file > defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.config import ConfigError, field, parse_host_port
+
+ENV_PREFIX = "WS_TRAINER"
+
+
+@dataclass
+class TrainerConfig:
+    grpc_address: str = field("127.0.0.1:50051", help="gRPC listen address (control plane and admin API), host:port")
+    http_address: str = field("127.0.0.1:8081", help="HTTP listen address for /healthz, /readyz, /metrics")
+    backend: str = field("megatron", choices=("megatron", "hf"),
+                         help="model backend: megatron (megatron-core GPTModel) or hf (transformers, one process)")
+    model: str = field("tiny-qwen2", help="HF model directory, or a built-in tiny config name (tiny-qwen2, tiny-llama, tiny-qwen3)")
+    init_seed: int = field(1234, help="seed for random initialisation when --model is a config without weights")
+    tp: int = field(1, help="tensor-parallel size (must equal the torchrun world size / PP / VPP product)")
+    pp: int = field(1, help="pipeline-parallel size")
+    vpp: int = field(1, help="virtual pipeline stages per PP rank")
+    export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
+                              help="dtype tensors are cast to on the bus (match the rollout engine's dtype)")
+    transport: str = field("tcp", choices=("tcp", "nccl", "ipc"), help="default weight-bus transport")
+    bucket_mb: int = field(256, help="flat bucket size in MiB; two buckets are the sender's extra memory")
+    sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
+    rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
+    rollouts: list[str] = field(default_factory=list,
+                                help="static rollout addresses host:port (comma-separated); rollouts may also register themselves")
+    auto_sync_new_rollouts: bool = field(True, help="bring a newly registered rollout to the current version automatically")
+    auth_token: str = field("", help="shared control-plane token; when set, every RPC must carry it (use auth_token_file in Kubernetes)")
+    auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")
+    log_level: str = field("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+    log_format: str = field("text", choices=("text", "json"), help="log format; json gives one structured object per line")
+
+    def validate(self) -> None:
+        parse_host_port("grpc_address", self.grpc_address)
+        parse_host_port("http_address", self.http_address)
+        for a in self.rollouts:
+            parse_host_port("rollouts", a)
+        for name in ("tp", "pp", "vpp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.vpp > 1 and self.pp < 2:
+            raise ConfigError(f"vpp={self.vpp} needs pp >= 2 (virtual stages interleave pipeline ranks)")
+        if self.backend == "hf" and self.tp * self.pp * self.vpp != 1:
+            raise ConfigError("backend=hf runs one process: set tp=pp=vpp=1 or use backend=megatron")
+        if not 1 <= self.bucket_mb <= 16384:
+            raise ConfigError(f"bucket_mb={self.bucket_mb} must be in [1, 16384]")
+        if self.sync_timeout_s <= 0 or self.rpc_timeout_s <= 0:
+            raise ConfigError("sync_timeout_s and rpc_timeout_s must be > 0")
+        if self.auth_token and self.auth_token_file:
+            raise ConfigError("set auth_token or auth_token_file, not both")
