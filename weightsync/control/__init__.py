@@ -1,0 +1,1 @@
+"""Control-plane plumbing shared by both services: gRPC servers/channels, auth, health."""

@@ -1,0 +1,52 @@
+"""Shared-token authentication for the control plane.
+
+The token comes from a flag, env or (in Kubernetes) a file mounted from a Secret. Clients send
+it as `authorization: Bearer <token>` metadata; the server interceptor rejects calls without
+it (UNAUTHENTICATED) except the gRPC health service, which kubelet probes call unauthenticated.
+The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp).
+"""
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+import grpc
+
+from weightsync.config import ConfigError
+
+_HEADER = "authorization"
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+
+def load_token(token: str, token_file: str, field_prefix: str = "") -> str:
+    if token_file:
+        p = Path(token_file)
+        if not p.is_file():
+            raise ConfigError(f"{field_prefix}auth_token_file: {token_file} does not exist (mount the Secret or unset it)")
+        token = p.read_text().strip()
+        if not token:
+            raise ConfigError(f"{field_prefix}auth_token_file: {token_file} is empty")
+    return token
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong control-plane token (wsctl --token-file / auth_token_file)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_OPEN_METHODS):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == _HEADER and hmac.compare_digest(value.encode(), self._expected):
+                return continuation(handler_call_details)
+        return self._deny
+
+
+def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((_HEADER, f"Bearer {token}"),) if token else ()

@@ -1,0 +1,43 @@
+"""Client channels to the services: auth metadata, message limits, per-call deadlines."""
+from __future__ import annotations
+
+import grpc
+
+from weightsync.control.auth import call_metadata
+from weightsync.control.grpc_server import GRPC_OPTIONS
+from weightsync.v1 import rollout_pb2_grpc, trainer_pb2_grpc
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=[o for o in GRPC_OPTIONS if o[0] != "grpc.so_reuseport"])
+
+
+class _Authed:
+    """Wraps a generated stub so that every call carries the token and a deadline."""
+
+    def __init__(self, stub, token: str, timeout: float):
+        self._stub = stub
+        self._md = call_metadata(token)
+        self.timeout = timeout
+
+    def __getattr__(self, name):
+        method = getattr(self._stub, name)
+
+        def call(request, timeout: float | None = None):
+            return method(request, timeout=timeout or self.timeout, metadata=self._md)
+
+        return call
+
+
+def rollout_stub(ch: grpc.Channel, token: str, timeout: float = 30.0):
+    return _Authed(rollout_pb2_grpc.RolloutStub(ch), token, timeout)
+
+
+def trainer_stub(ch: grpc.Channel, token: str, timeout: float = 30.0):
+    return _Authed(trainer_pb2_grpc.TrainerStub(ch), token, timeout)
+
+
+def describe_rpc_error(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return f"{code.name if code else 'UNKNOWN'}: {details}"

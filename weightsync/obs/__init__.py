@@ -1,0 +1,1 @@
+"""Observability: HTTP health and metrics endpoints, metric definitions, structured logs."""
