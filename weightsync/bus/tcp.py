@@ -1,0 +1,168 @@
+"""TCP transport: raw sockets, one connection per (sync, rollout), for CPU hosts and links NCCL can't cross.
+
+Wire format (little-endian), after connecting to the rollout's data address:
+  hello  : b"WSH1" | u16 len | sync_id utf-8 | 32-byte HMAC-SHA256(token, sync_id) (zeros without a token)
+  bucket : b"WSB1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | nbytes of payload
+The receiver checks every header against the manifest it accepted in PrepareSync, so a peer
+cannot make it allocate or write more than the manifest declared.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from weightsync.bus.plan import BucketPlan
+from weightsync.bus.transport import TransportError
+
+HELLO_MAGIC = b"WSH1"
+BUCKET_MAGIC = b"WSB1"
+_BUCKET_HDR = struct.Struct("<4sIQQB")
+_MAX_SYNC_ID = 256
+_SOCK_BUF = 8 << 20
+
+
+def hello_mac(token: str, sync_id: str) -> bytes:
+    if not token:
+        return bytes(32)
+    return hmac.new(token.encode(), sync_id.encode(), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def read_hello(sock: socket.socket, timeout: float) -> tuple[str, bytes]:
+    sock.settimeout(timeout)
+    head = bytearray(6)
+    _recv_exact(sock, memoryview(head))
+    if head[:4] != HELLO_MAGIC:
+        raise TransportError(f"bad hello magic {bytes(head[:4])!r}: not a weightsync bus peer")
+    (n,) = struct.unpack("<H", head[4:6])
+    if not 0 < n <= _MAX_SYNC_ID:
+        raise TransportError(f"hello sync_id length {n} out of range")
+    rest = bytearray(n + 32)
+    _recv_exact(sock, memoryview(rest))
+    return rest[:n].decode("utf-8", errors="replace"), bytes(rest[n:])
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+        except OSError:
+            pass
+
+
+class TcpBucketReceiver:
+    """Reads the buckets of one sync from an accepted, hello-verified connection."""
+
+    def __init__(self, sock: socket.socket):
+        _tune(sock)
+        self.sock = sock
+        self._buf: torch.Tensor | None = None
+
+    def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
+        self.sock.settimeout(timeout)
+        hdr = bytearray(_BUCKET_HDR.size)
+        try:
+            _recv_exact(self.sock, memoryview(hdr))
+        except (socket.timeout, OSError) as exc:
+            raise TransportError(f"bucket {plan.index}: no header within {timeout:.0f}s ({exc})") from None
+        magic, index, nbytes, csum, has_csum = _BUCKET_HDR.unpack(hdr)
+        if magic != BUCKET_MAGIC:
+            raise TransportError(f"bucket {plan.index}: bad frame magic {magic!r}")
+        if index != plan.index or nbytes != plan.nbytes:
+            raise TransportError(f"frame says bucket {index} with {nbytes} bytes; manifest expects bucket "
+                                 f"{plan.index} with {plan.nbytes} bytes")
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = self._buf[:nbytes]
+        try:
+            _recv_exact(self.sock, memoryview(view.numpy()).cast("B"))
+        except (socket.timeout, OSError) as exc:
+            raise TransportError(f"bucket {plan.index}: payload not received within {timeout:.0f}s ({exc})") from None
+        return view, (csum if has_csum else None)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class TcpBucketSender:
+    """Streams each bucket to every target in parallel; a failing target is dropped, not fatal."""
+
+    def __init__(self, targets: dict[str, str], sync_id: str, token: str, timeout: float):
+        if not targets:
+            raise ValueError("TcpBucketSender needs at least one target")
+        self.timeout = timeout
+        self._socks: dict[str, socket.socket] = {}
+        self._failures: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="tcp-send")
+        hello = HELLO_MAGIC + struct.pack("<H", len(sync_id.encode())) + sync_id.encode() + hello_mac(token, sync_id)
+        for tid, fut in [(tid, self._pool.submit(self._connect, addr, hello)) for tid, addr in targets.items()]:
+            try:
+                self._socks[tid] = fut.result()
+            except Exception as exc:  # recorded per target: the others still get the sync
+                self._failures[tid] = f"cannot open the TCP bus to {targets[tid]}: {exc}"
+        if not self._socks:
+            self.close()
+            raise TransportError("no rollout reachable on the TCP bus: " + "; ".join(self._failures.values()))
+
+    def _connect(self, address: str, hello: bytes) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout)
+        _tune(sock)
+        sock.settimeout(self.timeout)
+        sock.sendall(hello)
+        return sock
+
+    def _send_one(self, tid: str, sock: socket.socket, hdr: bytes, payload: memoryview) -> None:
+        try:
+            sock.sendall(hdr)
+            sock.sendall(payload)
+        except OSError as exc:
+            with self._lock:
+                self._failures[tid] = f"TCP bus send failed: {exc}"
+                self._socks.pop(tid, None)
+            sock.close()
+
+    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+        if buf.device.type != "cpu":
+            buf = buf.cpu()
+        payload = memoryview(buf[:plan.nbytes].numpy()).cast("B")
+        hdr = _BUCKET_HDR.pack(BUCKET_MAGIC, plan.index, plan.nbytes, checksum or 0, checksum is not None)
+        with self._lock:
+            live = list(self._socks.items())
+        for f in [self._pool.submit(self._send_one, tid, s, hdr, payload) for tid, s in live]:
+            f.result()
+        if not self._socks:
+            raise TransportError("every rollout dropped off the TCP bus: " + "; ".join(self._failures.values()))
+
+    def failures(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._failures)
+
+    def close(self) -> None:
+        for s in list(self._socks.values()):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._socks.clear()
+        self._pool.shutdown(wait=False)
