@@ -1,0 +1,74 @@
+"""A single-process transformers backend for the trainer (`--backend hf`).
+
+Useful where megatron-core is not installed and for debugging the bus: it exports the model's
+own HF state dict (in checkpoint naming: a tied lm_head is not exported twice).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from weightsync.bus.plan import TensorMeta
+from weightsync.models import family_of
+
+
+class HfActor:
+    def __init__(self, config, *, seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        self.model.eval()
+        self.family = family_of(config)
+        self.export_dtype = export_dtype
+        self.version = 1
+        if weights_dir:
+            self.load_hf(weights_dir)
+            self.version = 1
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        return [(n, p) for n, p in self.model.state_dict().items() if not (tied and n == "lm_head.weight")]
+
+    def export_metas(self) -> list[TensorMeta]:
+        return [TensorMeta(n, tuple(p.shape), self.export_dtype) for n, p in self._named()]
+
+    def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, p in self._named():
+            yield n, p.detach().to(self.export_dtype)
+
+    def load_hf(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"hf_path {path}: no *.safetensors files")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        own = dict(self._named())
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"hf_path {path}: missing tensor {missing[0]} ({len(missing)} missing in all)")
+        with torch.no_grad():
+            for n, p in own.items():
+                if tuple(state[n].shape) != tuple(p.shape):
+                    raise ValueError(f"hf_path {path}: tensor {n} has shape {tuple(state[n].shape)}, model expects {tuple(p.shape)}")
+            for n, p in own.items():
+                p.copy_(state[n])
+        self.version += 1
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for _, p in self._named())
+
+    def describe_parallelism(self) -> str:
+        return "single process (transformers)"
+
+    def hf_config(self):
+        return self.config
+
+    def shutdown(self) -> None:
+        pass

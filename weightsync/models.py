@@ -1,0 +1,53 @@
+"""Model sources both services accept: a local HF directory or a built-in tiny config name.
+
+The tiny configs let the demo and the tests run real transformers / megatron-core models on a
+CPU in seconds without any hub download.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY = {
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "tiny-qwen2-tied": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                       max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+}
+
+
+def resolve_model(spec: str, field_name: str = "model") -> tuple[Any, str | None]:
+    """Return (transformers config, local weights dir or None) for a --model value."""
+    from transformers import AutoConfig
+
+    if spec in TINY:
+        kw = dict(TINY[spec])
+        model_type = kw.pop("model_type")
+        return AutoConfig.for_model(model_type, **kw), None
+    path = Path(spec)
+    if (path / "config.json").is_file():
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        has_weights = any(path.glob("*.safetensors"))
+        return cfg, (str(path) if has_weights else None)
+    raise ValueError(f"{field_name}={spec!r} is neither a local HF directory with config.json nor one of "
+                     f"{sorted(TINY)}")
+
+
+def family_of(config: Any) -> str:
+    """The rule-table family key of a transformers config."""
+    mt = getattr(config, "model_type", "")
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if mt == "qwen2":
+        return "qwen2-tied" if tied else "qwen2"
+    if mt in ("llama", "qwen3"):
+        return mt + ("-tied" if tied else "")
+    return mt
