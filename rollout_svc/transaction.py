@@ -1,0 +1,281 @@
+"""A weight sync on the rollout side, as a transaction: prepare → receive buckets → commit | abort.
+
+Invariant: generation is only ever served from a complete, known version. Generation and
+weight application share one engine lock; the version a response reports is read under it.
+
+Two apply modes (config `apply_mode`):
+- staged  — received tensors are held until commit, then loaded under the lock in one go. The
+            engine keeps serving the old version while bytes stream; an abort just drops the
+            staging copy. Costs a host copy of the weights.
+- inplace — the lock is taken at the first bucket and buckets are loaded as they arrive
+            (generation paused, no extra memory). An abort after the first bucket leaves the
+            engine STALE: generation is refused until a complete sync commits.
+A prepared sync that neither commits nor aborts within its timeout is aborted by a timer.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.bus.checksum import bucket_checksum, combine
+from weightsync.bus.pack import unpack_bucket
+from weightsync.bus.plan import Manifest
+from weightsync.bus.transport import BucketReceiver
+from weightsync.v1 import rollout_pb2
+
+log = logging.getLogger(__name__)
+S = rollout_pb2
+
+
+class SyncError(RuntimeError):
+    """The sync cannot proceed; `code` maps onto a gRPC status in the service layer."""
+
+    def __init__(self, msg: str, code: str = "FAILED_PRECONDITION"):
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass
+class _Pending:
+    manifest: Manifest
+    deadline: float
+    received: list[int | None] = field(default_factory=list)  # our checksum per bucket
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)
+    applied_any: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+class SyncTransaction:
+    def __init__(self, engine, apply_mode: str = "staged", on_change: Callable[[], None] | None = None):
+        if apply_mode not in ("staged", "inplace"):
+            raise ValueError(f"apply_mode={apply_mode!r} must be staged or inplace")
+        self.engine = engine
+        self.apply_mode = apply_mode
+        self.engine_lock = threading.Lock()
+        self._state_lock = threading.RLock()
+        self._pending: _Pending | None = None
+        self._timer: threading.Timer | None = None
+        self._metas = engine.param_metas()
+        self.state = S.SERVING
+        self.version = 0
+        self.weights_checksum = 0
+        self.last_error = ""
+        self.last_apply_seconds = 0.0
+        self._on_change = on_change or (lambda: None)
+        self._lock_held_by_sync = False
+
+    # ---- status -------------------------------------------------------------------------
+    @property
+    def pending_sync_id(self) -> str:
+        p = self._pending
+        return p.manifest.sync_id if p else ""
+
+    def pending_manifest(self, sync_id: str) -> Manifest | None:
+        p = self._pending
+        return p.manifest if p and p.manifest.sync_id == sync_id else None
+
+    # ---- phase 1: prepare ---------------------------------------------------------------
+    def validate(self, manifest: Manifest) -> None:
+        """Check names and shapes against the engine before a byte is accepted."""
+        seen = set()
+        for meta in manifest.metas():
+            want = self._metas.get(meta.name)
+            if want is None:
+                raise SyncError(f"tensor {meta.name}: the engine has no such parameter "
+                                f"(trainer family {manifest.model_family or '?'}; check both serve the same model)",
+                                "INVALID_ARGUMENT")
+            if tuple(want.shape) != tuple(meta.shape):
+                raise SyncError(f"tensor {meta.name}: trainer sends shape {list(meta.shape)}, engine expects "
+                                f"{list(want.shape)} (different model config?)", "INVALID_ARGUMENT")
+            if not (meta.dtype.is_floating_point and want.dtype.is_floating_point) and meta.dtype != want.dtype:
+                raise SyncError(f"tensor {meta.name}: dtype {meta.dtype} cannot be loaded as {want.dtype}",
+                                "INVALID_ARGUMENT")
+            seen.add(meta.name)
+        missing = sorted(set(self._metas) - seen)
+        if missing:
+            raise SyncError(f"tensor {missing[0]}: the manifest lacks it ({len(missing)} engine parameters missing); "
+                            "a sync must carry the whole model", "INVALID_ARGUMENT")
+
+    def prepare(self, manifest: Manifest, timeout: float) -> None:
+        self.validate(manifest)
+        with self._state_lock:
+            if self._pending is not None:
+                # A newer prepare supersedes a dangling one (e.g. the trainer restarted mid-sync).
+                self._abort_locked(f"superseded by sync {manifest.sync_id}")
+            if self.state == S.APPLYING:
+                raise SyncError("engine is applying weights; retry", "UNAVAILABLE")
+            self._pending = _Pending(manifest=manifest, deadline=time.monotonic() + timeout)
+            if self.state != S.STALE:
+                self.state = S.SYNCING
+            self._timer = threading.Timer(timeout, self._expire, args=(manifest.sync_id,))
+            self._timer.daemon = True
+            self._timer.start()
+        log.info("prepared sync %s: version %d, %d buckets, %d bytes, mode %s", manifest.sync_id, manifest.version,
+                 len(manifest.buckets), manifest.total_bytes, self.apply_mode)
+        self._on_change()
+
+    def _expire(self, sync_id: str) -> None:
+        with self._state_lock:
+            if self._pending and self._pending.manifest.sync_id == sync_id:
+                log.warning("sync %s not committed within its timeout; aborting", sync_id)
+                self._abort_locked("timed out before commit")
+
+    # ---- phase 2: receive ---------------------------------------------------------------
+    def _require(self, sync_id: str) -> _Pending:
+        p = self._pending
+        if p is None or p.manifest.sync_id != sync_id:
+            raise SyncError(f"sync {sync_id} is not prepared here (pending: {self.pending_sync_id or 'none'})")
+        if p.error:
+            raise SyncError(f"sync {sync_id} already failed: {p.error}")
+        return p
+
+    def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None) -> None:
+        """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return)."""
+        p = self._require(sync_id)
+        if index != len(p.received):
+            raise SyncError(f"bucket {index} arrived, expected bucket {len(p.received)}", "INVALID_ARGUMENT")
+        plan = p.manifest.buckets[index]
+        ours = bucket_checksum(buf[:plan.nbytes]) if p.manifest.checksum_algo else None
+        if sender_checksum is not None and ours is not None and ours != sender_checksum:
+            raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
+                            "DATA_LOSS")
+        if self.apply_mode == "staged":
+            for name, view in unpack_bucket(plan, buf):
+                p.staging[name] = view.clone()
+        else:
+            if not self._lock_held_by_sync:
+                if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
+                    raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+                self._lock_held_by_sync = True
+                self.state = S.APPLYING
+            p.applied_any = True
+            self.engine.load_weights(unpack_bucket(plan, buf))
+        p.received.append(ours)
+        if len(p.received) == len(p.manifest.buckets):
+            p.done.set()
+
+    def run_receiver(self, sync_id: str, receiver: BucketReceiver) -> None:
+        """Pull every bucket of the pending sync from `receiver`; on failure record it and abort."""
+        try:
+            p = self._require(sync_id)
+            for plan in p.manifest.buckets:
+                left = p.deadline - time.monotonic()
+                if left <= 0:
+                    raise SyncError(f"sync {sync_id}: deadline passed while receiving", "DEADLINE_EXCEEDED")
+                buf, csum = receiver.recv(plan, timeout=left)
+                self.consume_bucket(sync_id, plan.index, buf, csum)
+        except Exception as exc:
+            log.error("sync %s: receiving failed: %s", sync_id, exc)
+            with self._state_lock:
+                if self._pending and self._pending.manifest.sync_id == sync_id:
+                    self._pending.error = str(exc)
+                    self._pending.done.set()
+                    self._abort_locked(f"receive failed: {exc}")
+        finally:
+            receiver.close()
+
+    # ---- phase 3: commit / abort --------------------------------------------------------
+    def commit(self, sync_id: str, version: int, checksums: dict[int, int]) -> tuple[int, int, float]:
+        p = self._require(sync_id)
+        if not p.done.wait(timeout=max(0.0, p.deadline - time.monotonic())):
+            with self._state_lock:
+                self._abort_locked("commit arrived before all buckets did")
+            raise SyncError(f"sync {sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets arrived "
+                            "before the deadline", "DEADLINE_EXCEEDED")
+        with self._state_lock:
+            p = self._require(sync_id)
+            if version != p.manifest.version:
+                self._abort_locked("commit version differs from the manifest")
+                raise SyncError(f"commit version {version} != prepared version {p.manifest.version}", "INVALID_ARGUMENT")
+            if p.manifest.checksum_algo:
+                for i, ours in enumerate(p.received):
+                    if i in checksums and ours != checksums[i]:
+                        self._abort_locked(f"bucket {i} checksum mismatch at commit")
+                        raise SyncError(f"bucket {i}: checksum {ours:#x} != trainer's {checksums[i]:#x}", "DATA_LOSS")
+                if len(checksums) != len(p.received):
+                    self._abort_locked("commit lacks bucket checksums")
+                    raise SyncError(f"commit carries {len(checksums)} checksums for {len(p.received)} buckets",
+                                    "INVALID_ARGUMENT")
+            t0 = time.perf_counter()
+            try:
+                if self.apply_mode == "staged":
+                    with self.engine_lock:
+                        self.state = S.APPLYING
+                        self.engine.load_weights(p.staging.items())
+                        self.engine.flush_cache()
+                        self._finish_locked(p, version)
+                else:
+                    self.engine.flush_cache()
+                    self._finish_locked(p, version)
+                    self._release_sync_lock()
+            except Exception as exc:
+                self.state = S.STALE
+                self.last_error = f"apply failed at commit: {exc}"
+                self._release_sync_lock()
+                self._clear_pending()
+                raise SyncError(self.last_error, "INTERNAL") from exc
+            self.last_apply_seconds = time.perf_counter() - t0 + 0.0
+            log.info("committed sync %s: now serving version %d (%.3fs apply)", sync_id, version, self.last_apply_seconds)
+        self._on_change()
+        return self.version, self.weights_checksum, time.monotonic() - p.started
+
+    def _finish_locked(self, p: _Pending, version: int) -> None:
+        self.version = version
+        self.weights_checksum = combine([c or 0 for c in p.received])
+        self.state = S.SERVING
+        self.last_error = ""
+        self._clear_pending()
+
+    def abort(self, sync_id: str, reason: str) -> None:
+        with self._state_lock:
+            if self._pending is None or (sync_id and self._pending.manifest.sync_id != sync_id):
+                return  # idempotent: nothing (or something else) is pending
+            self._abort_locked(reason)
+        self._on_change()
+
+    def _abort_locked(self, reason: str) -> None:
+        p = self._pending
+        if p is None:
+            return
+        p.error = p.error or reason
+        p.done.set()
+        if p.applied_any or self.state == S.STALE:
+            self.state = S.STALE
+            self.last_error = f"sync {p.manifest.sync_id} aborted after weights were partly applied ({reason}); " \
+                              "generation refused until a complete sync commits"
+        else:
+            self.state = S.SERVING
+            self.last_error = f"sync {p.manifest.sync_id} aborted ({reason}); still serving version {self.version}"
+        log.warning(self.last_error)
+        self._release_sync_lock()
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        if self._timer:
+            self._timer.cancel()
+            self._timer = None
+        self._pending = None
+
+    def _release_sync_lock(self) -> None:
+        if self._lock_held_by_sync:
+            self._lock_held_by_sync = False
+            self.engine_lock.release()
+
+    # ---- serving ------------------------------------------------------------------------
+    def serve(self, fn, timeout: float):
+        """Run `fn(engine)` under the engine lock; returns (result, version it was served from)."""
+        if not self.engine_lock.acquire(timeout=timeout):
+            raise SyncError("engine busy applying weights; retry", "UNAVAILABLE")
+        try:
+            if self.state == S.STALE:
+                raise SyncError(f"engine is STALE: {self.last_error}", "UNAVAILABLE")
+            return fn(self.engine), self.version
+        finally:
+            self.engine_lock.release()
