@@ -1,0 +1,5 @@
+import sys
+
+from rollout_svc.cli import main
+
+sys.exit(main())

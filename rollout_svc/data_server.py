@@ -1,0 +1,67 @@
+"""The rollout's TCP weight-bus listener: authenticates a sender and feeds the pending sync."""
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+
+from weightsync.bus.tcp import TcpBucketReceiver, hello_mac, read_hello
+from weightsync.config import parse_host_port
+
+log = logging.getLogger(__name__)
+
+
+class DataServer:
+    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0):
+        host, port = parse_host_port("data_address", address)
+        self.tx = transaction
+        self.token = token
+        self.hello_timeout = hello_timeout
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise RuntimeError(f"cannot listen on data_address {address}: {exc.strerror} (pick another port)") from None
+        self.sock.listen(16)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, name="bus-accept", daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn, peer), name="bus-recv", daemon=True).start()
+
+    def _handle(self, conn: socket.socket, peer) -> None:
+        try:
+            sync_id, mac = read_hello(conn, self.hello_timeout)
+        except Exception as exc:
+            log.warning("bus connection from %s rejected: %s", peer, exc)
+            conn.close()
+            return
+        if not hmac.compare_digest(mac, hello_mac(self.token, sync_id)):
+            log.warning("bus connection from %s rejected: bad token for sync %s", peer, sync_id)
+            conn.close()
+            return
+        if self.tx.pending_manifest(sync_id) is None:
+            log.warning("bus connection from %s for sync %s, which is not prepared here", peer, sync_id)
+            conn.close()
+            return
+        self.tx.run_receiver(sync_id, TcpBucketReceiver(conn))
+
+    def stop(self) -> None:
+        self._closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,165 @@
+"""The Rollout gRPC servicer: maps RPCs onto the engine and the sync transaction."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from rollout_svc.engine.base import SamplingParams
+from rollout_svc.transaction import SyncError, SyncTransaction
+from weightsync.bus.plan import manifest_from_proto
+from weightsync.obs.metrics import SyncMetrics
+from weightsync.v1 import bus_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_MAX_PROMPTS = 4096
+_SERVE_WAIT_S = 60.0
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    code = getattr(grpc.StatusCode, getattr(exc, "code", "INVALID_ARGUMENT"), grpc.StatusCode.INVALID_ARGUMENT)
+    context.abort(code, str(exc))
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, rollout_id: str, engine, tx: SyncTransaction, metrics: SyncMetrics, engine_name: str,
+                 family: str, data_address: str, sync_timeout: float):
+        self.rollout_id = rollout_id
+        self.engine = engine
+        self.tx = tx
+        self.metrics = metrics
+        self.engine_name = engine_name
+        self.family = family
+        self.data_address = data_address
+        self.sync_timeout = sync_timeout
+        r = metrics.registry
+        from prometheus_client import Counter, Gauge, Histogram
+        self.m_requests = Counter("weightsync_generate_requests_total", "Generate requests by outcome", ["outcome"], registry=r)
+        self.m_hits = Counter("weightsync_prefix_cache_hits_total", "Samples whose prompt prefill came from the prefix cache", registry=r)
+        self.m_apply = Histogram("weightsync_apply_seconds", "Time generation was paused to load weights at commit", registry=r)
+        self.m_state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["state"], registry=r)
+        self._sync_started: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.refresh_state_metric()
+
+    def refresh_state_metric(self) -> None:
+        for name, num in rollout_pb2.EngineState.items():
+            if num:
+                self.m_state.labels(name).set(1 if self.tx.state == num else 0)
+        self.metrics.version.set(self.tx.version)
+        self.metrics.in_progress.set(1 if self.tx.pending_sync_id else 0)
+
+    def status(self) -> rollout_pb2.RolloutStatus:
+        return rollout_pb2.RolloutStatus(
+            rollout_id=self.rollout_id, state=self.tx.state, version=self.tx.version,
+            weights_checksum=self.tx.weights_checksum, engine=self.engine_name, model_family=self.family,
+            num_parameters=self.engine.num_parameters(), num_ranks=self.engine.num_ranks(),
+            pending_sync_id=self.tx.pending_sync_id, last_error=self.tx.last_error,
+            last_apply_seconds=self.tx.last_apply_seconds, prefix_cache_entries=self.engine.prefix_cache_entries())
+
+    # ---- serving ------------------------------------------------------------------------
+    def GetStatus(self, request, context):
+        return self.status()
+
+    def Generate(self, request, context):
+        try:
+            if not request.prompts or len(request.prompts) > _MAX_PROMPTS:
+                raise ValueError(f"prompts: need 1..{_MAX_PROMPTS} prompts, got {len(request.prompts)}")
+            s = request.sampling
+            sampling = SamplingParams(max_new_tokens=s.max_new_tokens or 16, temperature=s.temperature,
+                                      top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
+                                      stop_token_ids=tuple(s.stop_token_ids), n=s.n or 1)
+            sampling.validate()
+            prompts = [list(p.token_ids) for p in request.prompts]
+            results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
+        except (ValueError, SyncError) as exc:
+            self.m_requests.labels("error").inc()
+            _abort(context, exc)
+        self.m_requests.labels("ok").inc()
+        out = rollout_pb2.GenerateResponse(version=version)
+        for r in results:
+            self.m_hits.inc(1 if r.prefix_cache_hit else 0)
+            out.samples.add(prompt_index=r.prompt_index, token_ids=r.token_ids,
+                            logprobs=r.logprobs if request.return_logprobs else [],
+                            finish_reason=r.finish_reason, prefix_cache_hit=r.prefix_cache_hit)
+        return out
+
+    def Score(self, request, context):
+        try:
+            ids = list(request.token_ids)
+            if not ids or not 0 < request.prompt_length <= len(ids):
+                raise ValueError(f"prompt_length={request.prompt_length} must be in [1, len(token_ids)={len(ids)}]")
+            (logprobs, logits), version = self.tx.serve(lambda eng: eng.score(ids, request.prompt_length),
+                                                        timeout=_SERVE_WAIT_S)
+        except (ValueError, SyncError) as exc:
+            _abort(context, exc)
+        resp = rollout_pb2.ScoreResponse(logprobs=logprobs, version=version)
+        if request.return_last_logits:
+            resp.last_logits_f32 = logits.detach().float().contiguous().numpy().astype("<f4").tobytes()
+        return resp
+
+    # ---- sync ---------------------------------------------------------------------------
+    def PrepareSync(self, request, context):
+        import time
+        try:
+            manifest = manifest_from_proto(request.manifest)
+            timeout = request.timeout_seconds if request.timeout_seconds > 0 else self.sync_timeout
+            kind = request.transport.WhichOneof("kind")
+            if kind not in ("tcp", "ipc"):
+                raise SyncError(f"transport {kind or 'unset'} is not served by this rollout "
+                                f"(engine {self.engine_name}); use tcp or ipc", "UNIMPLEMENTED")
+            self.tx.prepare(manifest, timeout)
+        except (ValueError, SyncError) as exc:
+            self.metrics.failure("prepare_rejected")
+            _abort(context, exc)
+        self._sync_started[manifest.sync_id] = time.perf_counter()
+        resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks())
+        if kind == "tcp":
+            resp.transport.tcp.data_address = self.data_address
+        else:
+            resp.transport.ipc.CopyFrom(request.transport.ipc)
+        return resp
+
+    def PushBucket(self, request, context):
+        try:
+            manifest = self.tx.pending_manifest(request.sync_id)
+            if manifest is None:
+                raise SyncError(f"sync {request.sync_id} is not prepared here")
+            if not request.HasField("ipc"):
+                raise SyncError("PushBucket carries CUDA IPC handles only; use the TCP bus for bytes", "INVALID_ARGUMENT")
+            from weightsync.bus.cuda_ipc import open_ipc_bucket  # lazy: CUDA only
+            buf = open_ipc_bucket(request.ipc)
+            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+        except (ValueError, SyncError) as exc:
+            self.tx.abort(request.sync_id, f"push failed: {exc}")
+            _abort(context, exc)
+        return rollout_pb2.PushBucketResponse()
+
+    def CommitSync(self, request, context):
+        import time
+        manifest = self.tx.pending_manifest(request.sync_id)
+        try:
+            version, checksum, _ = self.tx.commit(request.sync_id, request.version,
+                                                  {c.index: c.checksum for c in request.checksums})
+        except SyncError as exc:
+            self.metrics.failure("commit_failed")
+            self.metrics.outcome("failed")
+            _abort(context, exc)
+        started = self._sync_started.pop(request.sync_id, None)
+        if started is not None:
+            self.metrics.sync_duration.observe(time.perf_counter() - started)
+        if manifest is not None:
+            self.metrics.sync_bytes.inc(manifest.total_bytes)
+        self.metrics.outcome("committed")
+        self.m_apply.observe(self.tx.last_apply_seconds)
+        return rollout_pb2.CommitSyncResponse(version=version, weights_checksum=checksum,
+                                              apply_seconds=self.tx.last_apply_seconds)
+
+    def AbortSync(self, request, context):
+        had = self.tx.pending_sync_id == request.sync_id
+        self.tx.abort(request.sync_id, request.reason or "aborted by trainer")
+        if had:
+            self.metrics.outcome("aborted")
+        return rollout_pb2.AbortSyncResponse(state=self.tx.state, version=self.tx.version)

@@ -1,0 +1,5 @@
+import sys
+
+from trainer_svc.cli import main
+
+sys.exit(main())

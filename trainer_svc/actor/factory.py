@@ -1,0 +1,18 @@
+"""Build the configured actor; megatron-core is imported only for backend=megatron."""
+from __future__ import annotations
+
+from weightsync.bus.dtypes import parse_dtype
+from weightsync.models import resolve_model
+
+
+def make_actor(cfg):
+    config, weights_dir = resolve_model(cfg.model)
+    dtype = parse_dtype(cfg.export_dtype)
+    if cfg.backend == "hf":
+        from trainer_svc.actor.hf_actor import HfActor
+
+        return HfActor(config, seed=cfg.init_seed, export_dtype=dtype, weights_dir=weights_dir)
+    from trainer_svc.megatron.actor import MegatronActor
+
+    return MegatronActor.create(config, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, seed=cfg.init_seed,
+                                export_dtype=dtype, weights_dir=weights_dir)

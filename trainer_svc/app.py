@@ -1,0 +1,84 @@
+"""Assemble a running trainer-svc: actor, rollout registry, sync orchestrator, gRPC + HTTP.
+
+Under torchrun, global rank 0 hosts the services and drives the actor; the other ranks only
+follow its collective commands (`actor.worker_loop()`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from trainer_svc.config import TrainerConfig
+from trainer_svc.registry import RolloutRegistry
+from trainer_svc.service import TrainerServicer
+from trainer_svc.sync import SyncOrchestrator
+from weightsync.control.auth import load_token
+from weightsync.control.grpc_server import ServiceServer
+from weightsync.obs.http import HttpEndpoints
+from weightsync.obs.metrics import SyncMetrics
+from weightsync.v1 import trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "weightsync.v1.Trainer"
+
+
+def global_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class TrainerApp:
+    def __init__(self, cfg: TrainerConfig, actor=None):
+        self.cfg = cfg
+        self.token = load_token(cfg.auth_token, cfg.auth_token_file)
+        self.grpc = ServiceServer(cfg.grpc_address, self.token)
+        self.metrics = SyncMetrics("trainer")
+        from prometheus_client import Gauge
+
+        self.m_rollouts = Gauge("weightsync_registered_rollouts", "Rollouts registered with this trainer",
+                                registry=self.metrics.registry)
+        self.http = HttpEndpoints(cfg.http_address, self.metrics.registry, self._readiness)
+        if actor is None:
+            from trainer_svc.actor.factory import make_actor
+
+            actor = make_actor(cfg)
+        self.actor = actor
+        self.actor_lock = threading.Lock()
+        self.registry = RolloutRegistry(self.token, cfg.rpc_timeout_s)
+        self.m_rollouts.set_function(lambda: len(self.registry.all()))
+        self.metrics.version.set_function(lambda: self.actor.version)
+        self.orch = SyncOrchestrator(self.actor, self.actor_lock, self.registry, self.metrics, token=self.token,
+                                     bucket_bytes=cfg.bucket_mb << 20, default_transport=cfg.transport,
+                                     sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s)
+        self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
+                                        cfg.auto_sync_new_rollouts)
+        trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
+        for addr in cfg.rollouts:
+            self.registry.upsert(addr, addr)
+        self._stopped = threading.Event()
+
+    def _readiness(self) -> tuple[bool, str]:
+        return True, f"actor at version {self.actor.version}"
+
+    def start(self) -> None:
+        self.grpc.start()
+        self.http.start()
+        self.grpc.set_serving(SERVICE_NAME, True)
+        log.info("trainer serving: grpc %s, http :%d, backend %s (%s), version %d", self.grpc.address, self.http.port,
+                 self.cfg.backend, self.actor.describe_parallelism(), self.actor.version)
+
+    def stop(self) -> None:
+        self.servicer.stop()
+        self.grpc.stop()
+        self.http.stop()
+        shutdown = getattr(self.actor, "shutdown", None)
+        if shutdown:
+            shutdown()
+
+    def run_forever(self) -> None:
+        self.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stopped.set())
+        self._stopped.wait()
+        self.stop()

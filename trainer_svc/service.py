@@ -1,0 +1,132 @@
+"""The Trainer gRPC servicer: registration, sync, status and the admin calls behind wsctl."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import grpc
+
+from trainer_svc.registry import RolloutRegistry
+from trainer_svc.sync import SyncInProgress, SyncOrchestrator
+from weightsync.config import ConfigError, parse_host_port
+from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, orchestrator: SyncOrchestrator,
+                 backend: str, auto_sync: bool):
+        self.actor = actor
+        self.actor_lock = actor_lock
+        self.registry = registry
+        self.orch = orchestrator
+        self.backend = backend
+        self.auto_sync = auto_sync
+        self._catchup: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._catchup_loop, name="catchup-sync", daemon=True)
+        self._worker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._catchup.put(None)
+
+    # ---- fleet --------------------------------------------------------------------------
+    def RegisterRollout(self, request, context):
+        try:
+            if not request.rollout_id:
+                raise ConfigError("rollout_id is empty")
+            parse_host_port("address", request.address)
+            if request.model_family and request.model_family != self.actor.family:
+                raise ConfigError(f"model_family: rollout serves {request.model_family!r}, trainer trains "
+                                  f"{self.actor.family!r}; start the rollout with the trainer's model")
+        except ConfigError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        entry = self.registry.upsert(request.rollout_id, request.address, max(1, request.num_ranks))
+        self.registry.poll(entry)
+        behind = entry.version != self.actor.version
+        scheduled = self.auto_sync and behind
+        if scheduled:
+            self._catchup.put(request.rollout_id)
+        log.info("rollout %s registered at %s (version %d, trainer %d, catch-up %s)", request.rollout_id,
+                 request.address, entry.version, self.actor.version, scheduled)
+        return trainer_pb2.RegisterRolloutResponse(trainer_version=self.actor.version, sync_scheduled=scheduled)
+
+    def DeregisterRollout(self, request, context):
+        if not self.registry.remove(request.rollout_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"rollout_id {request.rollout_id!r} is not registered")
+        return trainer_pb2.DeregisterRolloutResponse()
+
+    def _catchup_loop(self) -> None:
+        while not self._stop.is_set():
+            rid = self._catchup.get()
+            if rid is None:
+                return
+            entry = self.registry.get(rid)
+            if entry is None or entry.version == self.actor.version:
+                continue
+            try:
+                self.orch.sync([entry], wait_s=self.orch.sync_timeout)
+            except Exception as exc:  # logged and reported in status; the next registration retries
+                entry.last_error = f"catch-up sync failed: {exc}"
+                log.error("catch-up sync to %s failed: %s", rid, exc)
+
+    # ---- sync ---------------------------------------------------------------------------
+    def Sync(self, request, context):
+        try:
+            if request.timeout_seconds < 0:
+                raise ValueError(f"timeout_seconds={request.timeout_seconds} must be >= 0")
+            if request.transport not in ("", "tcp", "nccl", "ipc"):
+                raise ValueError(f"transport={request.transport!r} must be tcp, nccl or ipc")
+            targets = self.registry.select(list(request.rollout_ids))
+            report = self.orch.sync(targets, request.transport, request.timeout_seconds)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except SyncInProgress as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return trainer_pb2.SyncResponse(report=report)
+
+    def GetStatus(self, request, context):
+        st = trainer_pb2.TrainerStatus(version=self.actor.version, model_family=self.actor.family,
+                                       num_parameters=self.actor.num_parameters(), backend=self.backend,
+                                       parallelism=self.actor.describe_parallelism(),
+                                       sync_in_progress=self.orch.in_progress)
+        for e in self.registry.all():
+            self.registry.poll(e)
+            st.rollouts.append(self.registry.info(e))
+        st.last_sync.CopyFrom(self.orch.last_report)
+        return st
+
+    # ---- admin --------------------------------------------------------------------------
+    def LoadWeights(self, request, context):
+        if not request.hf_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hf_path is empty")
+        if not self.actor_lock.acquire(timeout=60):
+            context.abort(grpc.StatusCode.ABORTED, "a sync is running; retry when it finishes")
+        try:
+            self.actor.load_hf(request.hf_path)
+            self.orch.metrics.version.set(self.actor.version)
+        except (ValueError, OSError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load_weights: {exc}")
+        finally:
+            self.actor_lock.release()
+        return trainer_pb2.LoadWeightsResponse(version=self.actor.version)
+
+    def ExportHf(self, request, context):
+        if not request.out_dir:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_dir is empty")
+        if not self.actor_lock.acquire(timeout=60):
+            context.abort(grpc.StatusCode.ABORTED, "a sync is running; retry when it finishes")
+        try:
+            from trainer_svc.export_hf import save_hf_dir
+
+            n = save_hf_dir(self.actor, request.out_dir)
+        except (ValueError, OSError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"export_hf: {exc}")
+        finally:
+            self.actor_lock.release()
+        return trainer_pb2.ExportHfResponse(out_dir=request.out_dir, version=self.actor.version, num_tensors=n)

@@ -1,0 +1,124 @@
+"""wsctl: the operator's admin client for a trainer-svc.
+
+Exit codes: 0 success; 1 the operation ran but failed (e.g. a rollout did not commit);
+2 bad usage; 3 the trainer could not be reached or refused the call (auth, busy).
+Imports neither torch nor megatron, so it starts fast anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from weightsync.control.client import channel, describe_rpc_error, trainer_stub
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def _state_name(num: int) -> str:
+    return rollout_pb2.EngineState.Name(num) if num in rollout_pb2.EngineState.values() else str(num)
+
+
+def _as_dict(msg) -> dict:
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*["-" * w for w in widths])] + [fmt.format(*r) for r in rows])
+
+
+def print_status(st: trainer_pb2.TrainerStatus) -> None:
+    print(f"trainer  version {st.version}  family {st.model_family}  params {st.num_parameters:,}  "
+          f"backend {st.backend} ({st.parallelism}){'  SYNC IN PROGRESS' if st.sync_in_progress else ''}")
+    rows = [[r.rollout_id, r.address, str(r.version), _state_name(r.state), "yes" if r.reachable else "NO",
+             "current" if r.version == st.version else f"behind by {st.version - r.version}", r.last_error[:60]]
+            for r in st.rollouts]
+    print(_table(rows, ["ROLLOUT", "ADDRESS", "VERSION", "STATE", "REACHABLE", "SKEW", "LAST ERROR"]) if rows
+          else "no rollouts registered")
+    if st.last_sync.sync_id:
+        print_report(st.last_sync, prefix="last sync")
+
+
+def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
+    ok = sum(r.ok for r in rep.rollouts)
+    print(f"{prefix} {rep.sync_id}: version {rep.version}, {ok}/{len(rep.rollouts)} committed, {rep.seconds:.3f}s, "
+          f"{rep.bytes / 1e6:.1f} MB in {rep.num_buckets} buckets ({rep.num_tensors} tensors), "
+          f"{rep.gbps:.3f} GB/s over {rep.transport}")
+    for r in rep.rollouts:
+        print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wsctl", description="weightsync admin client",
+                                epilog="exit codes: 0 ok, 1 operation failed, 2 usage, 3 trainer unreachable/refused")
+    p.add_argument("--address", default=os.environ.get("WSCTL_ADDRESS", "127.0.0.1:50051"),
+                   help="trainer gRPC address (env WSCTL_ADDRESS)")
+    p.add_argument("--token-file", default=os.environ.get("WSCTL_TOKEN_FILE", ""),
+                   help="file with the control-plane token (env WSCTL_TOKEN_FILE; or WSCTL_TOKEN)")
+    p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="trainer version, rollouts, their versions and states, last sync")
+    s = sub.add_parser("sync", help="publish the trainer's weights to rollouts and wait for the result")
+    s.add_argument("--rollout", action="append", default=[], help="rollout id (repeatable; default: all)")
+    s.add_argument("--transport", choices=["tcp", "nccl", "ipc"], default="", help="override the default transport")
+    s.add_argument("--sync-timeout", type=float, default=0.0, help="per-sync timeout in seconds (0 = trainer default)")
+    lw = sub.add_parser("load", help="load an HF safetensors directory into the trainer (bumps its version)")
+    lw.add_argument("path")
+    ex = sub.add_parser("export", help="write the trainer's exported HF tensors to a directory on the trainer host")
+    ex.add_argument("out_dir")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else EXIT_OK
+    token = os.environ.get("WSCTL_TOKEN", "")
+    if ns.token_file:
+        try:
+            token = Path(ns.token_file).read_text().strip()
+        except OSError as exc:
+            print(f"wsctl: --token-file {ns.token_file}: {exc.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+    with channel(ns.address) as ch:
+        stub = trainer_stub(ch, token, ns.timeout)
+        try:
+            if ns.command == "status":
+                st = stub.GetStatus(trainer_pb2.TrainerStatusRequest())
+                print(json.dumps(_as_dict(st), indent=2)) if ns.json else print_status(st)
+                return EXIT_OK
+            if ns.command == "sync":
+                rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ns.rollout, transport=ns.transport,
+                                                        timeout_seconds=ns.sync_timeout)).report
+                print(json.dumps(_as_dict(rep), indent=2)) if ns.json else print_report(rep)
+                return EXIT_OK if rep.ok else EXIT_FAILED
+            if ns.command == "load":
+                resp = stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path=ns.path))
+                print(json.dumps(_as_dict(resp))) if ns.json else print(f"trainer now at version {resp.version}")
+                return EXIT_OK
+            if ns.command == "export":
+                resp = stub.ExportHf(trainer_pb2.ExportHfRequest(out_dir=ns.out_dir))
+                print(json.dumps(_as_dict(resp))) if ns.json else print(
+                    f"wrote {resp.num_tensors} tensors of version {resp.version} to {resp.out_dir}")
+                return EXIT_OK
+        except grpc.RpcError as exc:
+            print(f"wsctl: {ns.command} against {ns.address} failed: {describe_rpc_error(exc)}", file=sys.stderr)
+            code = exc.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                return EXIT_FAILED
+            return EXIT_UNREACHABLE
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
