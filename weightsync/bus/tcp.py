@@ -58,10 +58,11 @@ def read_hello(sock: socket.socket, timeout: float) -> tuple[str, bytes]:
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    # Best effort: larger kernel buffers and no Nagle delay; not every socket family has them.
+    for level, opt, val in ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1), (socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF),
+                            (socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+            sock.setsockopt(level, opt, val)
         except OSError:
             pass
 

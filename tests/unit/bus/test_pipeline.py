@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from weightsync.bus.pipeline import stream_buckets
+from weightsync.bus.plan import TensorMeta, make_manifest
+from weightsync.bus.transport import TransportError
+
+
+class CollectingSender:
+    def __init__(self, fail_at=None):
+        self.buckets, self.fail_at = [], fail_at
+
+    def send(self, plan, buf, checksum):
+        if plan.index == self.fail_at:
+            raise TransportError("link down")
+        self.buckets.append((plan.index, buf.clone(), checksum))
+
+    def failures(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def _setup(n=10):
+    ts = {f"w{i}": torch.full((100,), float(i)) for i in range(n)}
+    m = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="p",
+                      bucket_bytes=1024)
+    return ts, m
+
+
+def test_every_bucket_sent_in_order_with_reused_buffers():
+    ts, m = _setup()
+    s = CollectingSender()
+    stats = stream_buckets(m, iter(ts.items()), s, num_buffers=2)
+    assert [i for i, _, _ in s.buckets] == list(range(len(m.buckets)))
+    assert stats.peak_buffer_bytes == 2 * max(b.nbytes for b in m.buckets)
+    first = s.buckets[0][1][:400].view(torch.float32)
+    assert torch.equal(first, ts["w0"])
+
+
+def test_exporter_error_surfaces():
+    ts, m = _setup()
+    bad = list(ts.items())
+    bad[3] = ("wrong", bad[3][1])
+    with pytest.raises(ValueError, match="plan expects w3"):
+        stream_buckets(m, iter(bad), CollectingSender())
+
+
+def test_extra_tensor_from_exporter_is_an_error():
+    ts, m = _setup()
+    items = list(ts.items()) + [("extra", torch.zeros(1))]
+    with pytest.raises(ValueError, match="beyond the manifest"):
+        stream_buckets(m, iter(items), CollectingSender())
+
+
+def test_transport_error_propagates():
+    ts, m = _setup()
+    with pytest.raises(TransportError, match="link down"):
+        stream_buckets(m, iter(ts.items()), CollectingSender(fail_at=2))
+
+
+def test_slow_exporter_hits_timeout():
+    import time
+    ts, m = _setup()
+
+    def slow():
+        for kv in ts.items():
+            time.sleep(0.5)
+            yield kv
+
+    with pytest.raises(TimeoutError):
+        stream_buckets(m, slow(), CollectingSender(), timeout=0.3)
