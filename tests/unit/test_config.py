@@ -1,0 +1,59 @@
+import argparse
+
+import pytest
+
+from rollout_svc.config import RolloutConfig
+from trainer_svc.config import TrainerConfig
+from weightsync.config import ConfigError, add_arguments, resolve
+
+
+def _resolve(cls, argv, env=None, prefix="WS_TRAINER"):
+    p = argparse.ArgumentParser()
+    add_arguments(p, cls, prefix)
+    return resolve(cls, p.parse_args(argv), prefix, env or {})
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("bucket_mb: 8\ntp: 1\nsync_timeout_s: 11\nrollouts: [a:1]\n")
+    cfg = _resolve(TrainerConfig, ["--config", str(f), "--bucket-mb", "32"],
+                   {"WS_TRAINER_BUCKET_MB": "16", "WS_TRAINER_SYNC_TIMEOUT_S": "22"})
+    assert cfg.bucket_mb == 32          # flag beats env and file
+    assert cfg.sync_timeout_s == 22.0   # env beats file
+    assert cfg.rollouts == ["a:1"]      # file beats default
+    assert cfg.rpc_timeout_s == 30.0    # default
+
+
+def test_env_config_file_and_bool_and_list(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text('{"auto_sync_new_rollouts": false}')
+    cfg = _resolve(TrainerConfig, [], {"WS_TRAINER_CONFIG": str(f), "WS_TRAINER_ROLLOUTS": "h:1, h:2"})
+    assert cfg.auto_sync_new_rollouts is False and cfg.rollouts == ["h:1", "h:2"]
+
+
+@pytest.mark.parametrize("argv, env, match", [
+    (["--grpc-address", "nohostport"], {}, "grpc_address"),
+    ([], {"WS_TRAINER_TP": "two"}, "tp: 'two' is not a valid int"),
+    (["--tp", "0"], {}, "tp=0 must be >= 1"),
+    (["--vpp", "2"], {}, "vpp=2 needs pp >= 2"),
+    (["--backend", "hf", "--tp", "2"], {}, "backend=hf runs one process"),
+    ([], {"WS_TRAINER_AUTO_SYNC_NEW_ROLLOUTS": "maybe"}, "not a boolean"),
+    ([], {"WS_TRAINER_TRANSPORT": "carrier-pigeon"}, "transport"),
+])
+def test_errors_name_the_field(argv, env, match):
+    with pytest.raises(ConfigError, match=match):
+        _resolve(TrainerConfig, argv, env)
+
+
+def test_unknown_file_key_is_rejected(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("bucket_mbb: 8\n")
+    with pytest.raises(ConfigError, match="unknown field.*bucket_mbb"):
+        _resolve(TrainerConfig, ["--config", str(f)])
+
+
+def test_rollout_config_validation():
+    with pytest.raises(ConfigError, match="engine=builtin runs one rank"):
+        _resolve(RolloutConfig, ["--tp", "2"], prefix="WS_ROLLOUT")
+    cfg = _resolve(RolloutConfig, ["--apply-mode", "inplace"], prefix="WS_ROLLOUT")
+    assert cfg.apply_mode == "inplace"
