@@ -1,0 +1,109 @@
+"""Start trainer-svc / rollout-svc as real subprocesses on loopback ports and wait until ready."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    grpc_port: int
+    http_port: int
+    log_path: Path
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-4000:]}")
+            try:
+                code, _ = http_get(self.http_port, "/readyz", timeout=1)
+                if code == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log()[-4000:]}")
+
+    def metric(self, name: str, labels: str = "") -> float | None:
+        _, text = http_get(self.http_port, "/metrics")
+        key = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.split()[-1])
+        return None
+
+    def stop(self, sig_kill: bool = False) -> None:
+        if self.popen.poll() is None:
+            if sig_kill:
+                self.popen.kill()
+            else:
+                self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_trainer(workdir: Path, *args: str, nproc: int = 1, name: str = "trainer") -> Proc:
+    gp, hp = free_port(), free_port()
+    log = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "trainer_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
+           "--http-address", f"127.0.0.1:{hp}", *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "trainer_svc", *cmd[3:]]
+    p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    return Proc(name, p, gp, hp, log)
+
+
+def start_rollout(workdir: Path, *args: str, name: str = "rollout", grpc_port: int | None = None) -> Proc:
+    gp, hp = grpc_port or free_port(), free_port()
+    log = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "rollout_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
+           "--http-address", f"127.0.0.1:{hp}", "--rollout-id", name, *args]
+    p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    return Proc(name, p, gp, hp, log)
+
+
+def wsctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightsync.wsctl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
