@@ -35,7 +35,7 @@ def _logits(proc) -> tuple[torch.Tensor, int, bool]:
 def _reference_logits(model_dir: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         return m(torch.tensor([PROMPT])).logits[0, -1].float()
 

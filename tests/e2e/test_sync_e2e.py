@@ -36,7 +36,7 @@ def _status(trainer):
 
 def _hf_logits(model_dir, ids=PROMPT):
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return m(torch.tensor([ids])).logits[0, -1].float()
 

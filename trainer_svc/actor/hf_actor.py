@@ -20,7 +20,7 @@ class HfActor:
 
         torch.manual_seed(seed)
         self.config = config
-        self.model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model.eval()
         self.family = family_of(config)
         self.export_dtype = export_dtype

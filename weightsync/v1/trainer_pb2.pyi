@@ -162,3 +162,102 @@ class ExportHfResponse(_message.Message):
     version: int
     num_tensors: int
     def __init__(self, out_dir: _Optional[str] = ..., version: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+
+class TrainSample(_message.Message):
+    __slots__ = ("prompt_ids", "response_ids", "rollout_logprobs", "reward", "group_id")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_ids: _containers.RepeatedScalarFieldContainer[int]
+    rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reward: float
+    group_id: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., group_id: _Optional[int] = ...) -> None: ...
+
+class LossConfig(_message.Message):
+    __slots__ = ("algorithm", "clip_eps_low", "clip_eps_high", "dual_clip_c", "aggregation", "kl_coef", "entropy_coef", "advantages")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
+    DUAL_CLIP_C_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    clip_eps_low: float
+    clip_eps_high: float
+    dual_clip_c: float
+    aggregation: str
+    kl_coef: float
+    entropy_coef: float
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, algorithm: _Optional[str] = ..., clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., dual_clip_c: _Optional[float] = ..., aggregation: _Optional[str] = ..., kl_coef: _Optional[float] = ..., entropy_coef: _Optional[float] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("samples", "loss", "micro_batch_size")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
+    loss: LossConfig
+    micro_batch_size: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., micro_batch_size: _Optional[int] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("version", "step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class LogprobRow(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ComputeLogprobsRequest(_message.Message):
+    __slots__ = ("samples", "reference")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[TrainSample]
+    reference: bool
+    def __init__(self, samples: _Optional[_Iterable[_Union[TrainSample, _Mapping]]] = ..., reference: _Optional[bool] = ...) -> None: ...
+
+class ComputeLogprobsResponse(_message.Message):
+    __slots__ = ("rows", "version")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[LogprobRow]
+    version: int
+    def __init__(self, rows: _Optional[_Iterable[_Union[LogprobRow, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("dir",)
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    def __init__(self, dir: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("dir", "step", "version")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    step: int
+    version: int
+    def __init__(self, dir: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,21 @@ class TrainerStub:
                 request_serializer=weightsync_dot_v1_dot_trainer__pb2.ExportHfRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_trainer__pb2.ExportHfResponse.FromString,
                 _registered_method=True)
+        self.TrainStep = channel.unary_unary(
+                '/weightsync.v1.Trainer/TrainStep',
+                request_serializer=weightsync_dot_v1_dot_trainer__pb2.TrainStepRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_trainer__pb2.TrainStepResponse.FromString,
+                _registered_method=True)
+        self.ComputeLogprobs = channel.unary_unary(
+                '/weightsync.v1.Trainer/ComputeLogprobs',
+                request_serializer=weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsResponse.FromString,
+                _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/weightsync.v1.Trainer/SaveCheckpoint',
+                request_serializer=weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -105,6 +120,24 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TrainStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeLogprobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +170,21 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ExportHf,
                     request_deserializer=weightsync_dot_v1_dot_trainer__pb2.ExportHfRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_trainer__pb2.ExportHfResponse.SerializeToString,
+            ),
+            'TrainStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrainStep,
+                    request_deserializer=weightsync_dot_v1_dot_trainer__pb2.TrainStepRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_trainer__pb2.TrainStepResponse.SerializeToString,
+            ),
+            'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeLogprobs,
+                    request_deserializer=weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsResponse.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +349,87 @@ class Trainer:
             '/weightsync.v1.Trainer/ExportHf',
             weightsync_dot_v1_dot_trainer__pb2.ExportHfRequest.SerializeToString,
             weightsync_dot_v1_dot_trainer__pb2.ExportHfResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrainStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Trainer/TrainStep',
+            weightsync_dot_v1_dot_trainer__pb2.TrainStepRequest.SerializeToString,
+            weightsync_dot_v1_dot_trainer__pb2.TrainStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Trainer/ComputeLogprobs',
+            weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsRequest.SerializeToString,
+            weightsync_dot_v1_dot_trainer__pb2.ComputeLogprobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Trainer/SaveCheckpoint',
+            weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
+            weightsync_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
