@@ -47,7 +47,7 @@ class RolloutApp:
             req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
                                                      num_ranks=self.engine.num_ranks(),
                                                      model_family=self.servicer.family)
-            self.registrar = Registrar(cfg.trainer_address, token, req, cfg.register_timeout_s)
+            self.registrar = Registrar(cfg.trainer_address, token, req, cfg.register_timeout_s, cfg.heartbeat_s)
         self._stopped = threading.Event()
 
     def _readiness(self) -> tuple[bool, str]:

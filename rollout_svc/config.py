@@ -29,6 +29,7 @@ class RolloutConfig:
                                  "arrive (no extra memory; a failed sync leaves the engine STALE until re-synced)")
     sync_timeout_s: float = field(300.0, help="a prepared sync not committed within this is aborted")
     register_timeout_s: float = field(120.0, help="give up registering with the trainer after this long (0 = forever)")
+    heartbeat_s: float = field(10.0, help="re-register this often, so a restarted trainer finds this rollout (0 = once)")
     max_prefix_cache_entries: int = field(64, help="prefix KV cache capacity (prompts)")
     auth_token: str = field("", help="shared control-plane token (use auth_token_file in Kubernetes)")
     auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")

@@ -1,7 +1,8 @@
-"""Registration with the trainer: retried with backoff until accepted or the deadline passes.
+"""Registration with the trainer: retried with backoff, then repeated as a heartbeat.
 
-Re-registration is how a restarted rollout gets back to the latest version: the trainer answers
-with its version and schedules a sync to it when it is behind.
+Registration is idempotent. Repeating it every `heartbeat_s` is how a restarted trainer
+rediscovers its fleet, and how a restarted rollout gets back to the latest version: the trainer
+answers with its version and schedules a catch-up sync when the rollout is behind.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ log = logging.getLogger(__name__)
 
 class Registrar:
     def __init__(self, trainer_address: str, token: str, request: trainer_pb2.RegisterRolloutRequest,
-                 timeout: float, on_registered=None):
+                 timeout: float, heartbeat_s: float = 10.0, on_registered=None):
         self.trainer_address = trainer_address
         self.token = token
         self.request = request
         self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
         self.registered = threading.Event()
         self.last_error = ""
         self._stop = threading.Event()
@@ -44,17 +46,23 @@ class Registrar:
             while not self._stop.is_set():
                 try:
                     resp = stub.RegisterRollout(self.request)
-                    log.info("registered with trainer %s (trainer version %d, sync scheduled: %s)",
-                             self.trainer_address, resp.trainer_version, resp.sync_scheduled)
+                    if not self.registered.is_set() or resp.sync_scheduled:
+                        log.info("registered with trainer %s (trainer version %d, catch-up sync: %s)",
+                                 self.trainer_address, resp.trainer_version, resp.sync_scheduled)
                     self.registered.set()
+                    self.last_error = ""
                     self._on_registered(resp)
-                    return
+                    delay = 0.2
+                    if self.heartbeat_s <= 0:
+                        return
+                    self._stop.wait(self.heartbeat_s)
+                    continue
                 except grpc.RpcError as exc:
                     self.last_error = describe_rpc_error(exc)
                     if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT):
                         log.error("trainer %s refused registration: %s", self.trainer_address, self.last_error)
                         return
-                if time.monotonic() + delay > deadline:
+                if not self.registered.is_set() and time.monotonic() + delay > deadline:
                     log.error("could not register with trainer %s within %.0fs: %s", self.trainer_address,
                               self.timeout, self.last_error)
                     return

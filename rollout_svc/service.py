@@ -57,7 +57,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             weights_checksum=self.tx.weights_checksum, engine=self.engine_name, model_family=self.family,
             num_parameters=self.engine.num_parameters(), num_ranks=self.engine.num_ranks(),
             pending_sync_id=self.tx.pending_sync_id, last_error=self.tx.last_error,
-            last_apply_seconds=self.tx.last_apply_seconds, prefix_cache_entries=self.engine.prefix_cache_entries())
+            last_apply_seconds=self.tx.last_apply_seconds, prefix_cache_entries=self.engine.prefix_cache_entries(),
+            origin=self.tx.origin)
 
     # ---- serving ------------------------------------------------------------------------
     def GetStatus(self, request, context):

@@ -65,6 +65,7 @@ class SyncTransaction:
         self._metas = engine.param_metas()
         self.state = S.SERVING
         self.version = 0
+        self.origin = ""
         self.weights_checksum = 0
         self.last_error = ""
         self.last_apply_seconds = 0.0
@@ -228,6 +229,7 @@ class SyncTransaction:
 
     def _finish_locked(self, p: _Pending, version: int) -> None:
         self.version = version
+        self.origin = p.manifest.origin
         self.weights_checksum = combine([c or 0 for c in p.received])
         self.state = S.SERVING
         self.last_error = ""

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import uuid
 
 from trainer_svc.config import TrainerConfig
 from trainer_svc.registry import RolloutRegistry
@@ -50,7 +51,8 @@ class TrainerApp:
         self.metrics.version.set_function(lambda: self.actor.version)
         self.orch = SyncOrchestrator(self.actor, self.actor_lock, self.registry, self.metrics, token=self.token,
                                      bucket_bytes=cfg.bucket_mb << 20, default_transport=cfg.transport,
-                                     sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s)
+                                     sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s,
+                                     origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16])
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
                                         cfg.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)

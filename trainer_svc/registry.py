@@ -17,6 +17,7 @@ class RolloutEntry:
     address: str
     num_ranks: int = 1
     version: int = 0
+    origin: str = ""
     state: int = rollout_pb2.ENGINE_STATE_UNSPECIFIED
     reachable: bool = False
     last_error: str = ""
@@ -83,7 +84,7 @@ class RolloutRegistry:
     def poll(self, entry: RolloutEntry) -> None:
         try:
             st = entry.stub(self.token, min(self.rpc_timeout, 5.0)).GetStatus(rollout_pb2.GetStatusRequest())
-            entry.version, entry.state, entry.reachable = st.version, st.state, True
+            entry.version, entry.origin, entry.state, entry.reachable = st.version, st.origin, st.state, True
             if st.last_error:
                 entry.last_error = st.last_error
         except grpc.RpcError as exc:
@@ -93,4 +94,4 @@ class RolloutRegistry:
     def info(self, entry: RolloutEntry) -> trainer_pb2.RolloutInfo:
         return trainer_pb2.RolloutInfo(rollout_id=entry.rollout_id, address=entry.address, version=entry.version,
                                        state=entry.state, reachable=entry.reachable, last_error=entry.last_error,
-                                       last_sync_seconds=entry.last_sync_seconds)
+                                       last_sync_seconds=entry.last_sync_seconds, origin=entry.origin)

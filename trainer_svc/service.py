@@ -46,7 +46,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         entry = self.registry.upsert(request.rollout_id, request.address, max(1, request.num_ranks))
         self.registry.poll(entry)
-        behind = entry.version != self.actor.version
+        behind = not self.orch.is_current(entry)
         scheduled = self.auto_sync and behind
         if scheduled:
             self._catchup.put(request.rollout_id)
@@ -65,7 +65,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if rid is None:
                 return
             entry = self.registry.get(rid)
-            if entry is None or entry.version == self.actor.version:
+            if entry is None or self.orch.is_current(entry):
                 continue
             try:
                 self.orch.sync([entry], wait_s=self.orch.sync_timeout)
@@ -94,7 +94,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         st = trainer_pb2.TrainerStatus(version=self.actor.version, model_family=self.actor.family,
                                        num_parameters=self.actor.num_parameters(), backend=self.backend,
                                        parallelism=self.actor.describe_parallelism(),
-                                       sync_in_progress=self.orch.in_progress)
+                                       sync_in_progress=self.orch.in_progress, origin=self.orch.origin)
         for e in self.registry.all():
             self.registry.poll(e)
             st.rollouts.append(self.registry.info(e))

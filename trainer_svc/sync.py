@@ -34,7 +34,8 @@ class SyncInProgress(RuntimeError):
 
 class SyncOrchestrator:
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
-                 token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float):
+                 token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
+                 origin: str):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -44,6 +45,7 @@ class SyncOrchestrator:
         self.default_transport = default_transport
         self.sync_timeout = sync_timeout
         self.rpc_timeout = rpc_timeout
+        self.origin = origin
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
 
@@ -70,7 +72,8 @@ class SyncOrchestrator:
         version = self.actor.version
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
-                                 bucket_bytes=self.bucket_bytes, model_family=self.actor.family, checksum_algo=ALGO)
+                                 bucket_bytes=self.bucket_bytes, model_family=self.actor.family, checksum_algo=ALGO,
+                                 origin=self.origin)
         report = trainer_pb2.SyncReport(sync_id=sync_id, version=version, transport=transport,
                                         bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
                                         num_tensors=manifest.num_tensors)
@@ -126,6 +129,7 @@ class SyncOrchestrator:
                 else:
                     r.ok, r.version = True, resp.version
                     e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
+                    e.origin = self.origin
             failed = [by_id[r.rollout_id] for r in results.values() if not r.ok]
             for f in [pool.submit(self._call, e, "AbortSync",
                                   rollout_pb2.AbortSyncRequest(sync_id=sync_id, reason="trainer aborted the sync"))
@@ -149,6 +153,9 @@ class SyncOrchestrator:
                  elapsed, report.gbps)
         self.last_report = report
         return report
+
+    def is_current(self, entry: RolloutEntry) -> bool:
+        return entry.origin == self.origin and entry.version == self.actor.version
 
     def _call(self, entry: RolloutEntry, method: str, request):
         try:

@@ -53,6 +53,7 @@ class Manifest:
     buckets: list[BucketPlan]
     model_family: str = ""
     checksum_algo: str = ""
+    origin: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -94,16 +95,16 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[BucketPlan]
 
 
 def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
-                  model_family: str = "", checksum_algo: str = "") -> Manifest:
+                  model_family: str = "", checksum_algo: str = "", origin: str = "") -> Manifest:
     return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
                     buckets=plan_buckets(metas, bucket_bytes), model_family=model_family,
-                    checksum_algo=checksum_algo)
+                    checksum_algo=checksum_algo, origin=origin)
 
 
 def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
     msg = bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
                            total_bytes=m.total_bytes, model_family=m.model_family,
-                           checksum_algo=m.checksum_algo)
+                           checksum_algo=m.checksum_algo, origin=m.origin)
     for b in m.buckets:
         pb = msg.buckets.add(index=b.index, nbytes=b.nbytes)
         for s in b.slots:
@@ -154,4 +155,4 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
     if msg.total_bytes and total != msg.total_bytes:
         raise ValueError(f"manifest.total_bytes={msg.total_bytes} but its buckets add up to {total}")
     return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
-                    model_family=msg.model_family, checksum_algo=msg.checksum_algo)
+                    model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin)

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weightsync/v1/bus.proto\x12\rweightsync.v1\"o\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"X\n\nBucketSpec\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.weightsync.v1.TensorEntry\"\xb0\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07sync_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x04\x12*\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x19.weightsync.v1.BucketSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmodel_family\x18\x06 \x01(\t\x12\x15\n\rchecksum_algo\x18\x07 \x01(\t\"1\n\x0e\x42ucketChecksum\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"$\n\x0cTcpTransport\x12\x14\n\x0c\x64\x61ta_address\x18\x01 \x01(\t\"v\n\rNcclTransport\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x1f\n\x0cIpcTransport\x12\x0f\n\x07host_id\x18\x01 \x01(\t\"\x9d\x01\n\rTransportSpec\x12*\n\x03tcp\x18\x01 \x01(\x0b\x32\x1b.weightsync.v1.TcpTransportH\x00\x12,\n\x04nccl\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.NcclTransportH\x00\x12*\n\x03ipc\x18\x03 \x01(\x0b\x32\x1b.weightsync.v1.IpcTransportH\x00\x42\x06\n\x04kind\"\xdd\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t*\xb7\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n\x12\x11\n\rFLOAT8_E4M3FN\x10\x0b\x12\x0f\n\x0b\x46LOAT8_E5M2\x10\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17weightsync/v1/bus.proto\x12\rweightsync.v1\"o\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.weightsync.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"X\n\nBucketSpec\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.weightsync.v1.TensorEntry\"\xc0\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07sync_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x04\x12*\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x19.weightsync.v1.BucketSpec\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cmodel_family\x18\x06 \x01(\t\x12\x15\n\rchecksum_algo\x18\x07 \x01(\t\x12\x0e\n\x06origin\x18\x08 \x01(\t\"1\n\x0e\x42ucketChecksum\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"$\n\x0cTcpTransport\x12\x14\n\x0c\x64\x61ta_address\x18\x01 \x01(\t\"v\n\rNcclTransport\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x1f\n\x0cIpcTransport\x12\x0f\n\x07host_id\x18\x01 \x01(\t\"\x9d\x01\n\rTransportSpec\x12*\n\x03tcp\x18\x01 \x01(\x0b\x32\x1b.weightsync.v1.TcpTransportH\x00\x12,\n\x04nccl\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.NcclTransportH\x00\x12*\n\x03ipc\x18\x03 \x01(\x0b\x32\x1b.weightsync.v1.IpcTransportH\x00\x42\x06\n\x04kind\"\xdd\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t*\xb7\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n\x12\x11\n\rFLOAT8_E4M3FN\x10\x0b\x12\x0f\n\x0b\x46LOAT8_E5M2\x10\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.bus_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1051
-  _globals['_DTYPE']._serialized_end=1234
+  _globals['_DTYPE']._serialized_start=1067
+  _globals['_DTYPE']._serialized_end=1250
   _globals['_TENSORENTRY']._serialized_start=42
   _globals['_TENSORENTRY']._serialized_end=153
   _globals['_BUCKETSPEC']._serialized_start=155
   _globals['_BUCKETSPEC']._serialized_end=243
   _globals['_MANIFEST']._serialized_start=246
-  _globals['_MANIFEST']._serialized_end=422
-  _globals['_BUCKETCHECKSUM']._serialized_start=424
-  _globals['_BUCKETCHECKSUM']._serialized_end=473
-  _globals['_TCPTRANSPORT']._serialized_start=475
-  _globals['_TCPTRANSPORT']._serialized_end=511
-  _globals['_NCCLTRANSPORT']._serialized_start=513
-  _globals['_NCCLTRANSPORT']._serialized_end=631
-  _globals['_IPCTRANSPORT']._serialized_start=633
-  _globals['_IPCTRANSPORT']._serialized_end=664
-  _globals['_TRANSPORTSPEC']._serialized_start=667
-  _globals['_TRANSPORTSPEC']._serialized_end=824
-  _globals['_CUDAIPCHANDLE']._serialized_start=827
-  _globals['_CUDAIPCHANDLE']._serialized_end=1048
+  _globals['_MANIFEST']._serialized_end=438
+  _globals['_BUCKETCHECKSUM']._serialized_start=440
+  _globals['_BUCKETCHECKSUM']._serialized_end=489
+  _globals['_TCPTRANSPORT']._serialized_start=491
+  _globals['_TCPTRANSPORT']._serialized_end=527
+  _globals['_NCCLTRANSPORT']._serialized_start=529
+  _globals['_NCCLTRANSPORT']._serialized_end=647
+  _globals['_IPCTRANSPORT']._serialized_start=649
+  _globals['_IPCTRANSPORT']._serialized_end=680
+  _globals['_TRANSPORTSPEC']._serialized_start=683
+  _globals['_TRANSPORTSPEC']._serialized_end=840
+  _globals['_CUDAIPCHANDLE']._serialized_start=843
+  _globals['_CUDAIPCHANDLE']._serialized_end=1064
 # @@protoc_insertion_point(module_scope)

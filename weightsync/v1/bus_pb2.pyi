@@ -61,7 +61,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo")
+    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class Manifest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     version: int
     sync_id: str
     bucket_bytes: int
@@ -76,7 +77,8 @@ class Manifest(_message.Message):
     total_bytes: int
     model_family: str
     checksum_algo: str
-    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
+    origin: str
+    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class BucketChecksum(_message.Message):
     __slots__ = ("index", "checksum")

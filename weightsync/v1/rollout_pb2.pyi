@@ -28,7 +28,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries")
+    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class RolloutStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     state: EngineState
     version: int
@@ -53,7 +54,8 @@ class RolloutStatus(_message.Message):
     last_error: str
     last_apply_seconds: float
     prefix_cache_entries: int
-    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ...) -> None: ...
+    origin: str
+    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n")

@@ -98,7 +98,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutInfo(_message.Message):
-    __slots__ = ("rollout_id", "address", "version", "state", "reachable", "last_error", "last_sync_seconds")
+    __slots__ = ("rollout_id", "address", "version", "state", "reachable", "last_error", "last_sync_seconds", "origin")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class RolloutInfo(_message.Message):
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     address: str
     version: int
@@ -113,10 +114,11 @@ class RolloutInfo(_message.Message):
     reachable: bool
     last_error: str
     last_sync_seconds: float
-    def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_rollout_pb2.EngineState, str]] = ..., reachable: _Optional[bool] = ..., last_error: _Optional[str] = ..., last_sync_seconds: _Optional[float] = ...) -> None: ...
+    origin: str
+    def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_rollout_pb2.EngineState, str]] = ..., reachable: _Optional[bool] = ..., last_error: _Optional[str] = ..., last_sync_seconds: _Optional[float] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("version", "model_family", "num_parameters", "backend", "parallelism", "rollouts", "last_sync", "sync_in_progress")
+    __slots__ = ("version", "model_family", "num_parameters", "backend", "parallelism", "rollouts", "last_sync", "sync_in_progress", "origin")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class TrainerStatus(_message.Message):
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     SYNC_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_family: str
     num_parameters: int
@@ -133,7 +136,8 @@ class TrainerStatus(_message.Message):
     rollouts: _containers.RepeatedCompositeFieldContainer[RolloutInfo]
     last_sync: SyncReport
     sync_in_progress: bool
-    def __init__(self, version: _Optional[int] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., backend: _Optional[str] = ..., parallelism: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutInfo, _Mapping]]] = ..., last_sync: _Optional[_Union[SyncReport, _Mapping]] = ..., sync_in_progress: _Optional[bool] = ...) -> None: ...
+    origin: str
+    def __init__(self, version: _Optional[int] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., backend: _Optional[str] = ..., parallelism: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutInfo, _Mapping]]] = ..., last_sync: _Optional[_Union[SyncReport, _Mapping]] = ..., sync_in_progress: _Optional[bool] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("hf_path",)

@@ -35,11 +35,17 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt.format(*header), fmt.format(*["-" * w for w in widths])] + [fmt.format(*r) for r in rows])
 
 
+def _skew(st: trainer_pb2.TrainerStatus, r: trainer_pb2.RolloutInfo) -> str:
+    if r.origin != st.origin:
+        return "never synced" if not r.origin else "other trainer run"
+    return "current" if r.version == st.version else f"behind by {st.version - r.version}"
+
+
 def print_status(st: trainer_pb2.TrainerStatus) -> None:
     print(f"trainer  version {st.version}  family {st.model_family}  params {st.num_parameters:,}  "
           f"backend {st.backend} ({st.parallelism}){'  SYNC IN PROGRESS' if st.sync_in_progress else ''}")
     rows = [[r.rollout_id, r.address, str(r.version), _state_name(r.state), "yes" if r.reachable else "NO",
-             "current" if r.version == st.version else f"behind by {st.version - r.version}", r.last_error[:60]]
+             _skew(st, r), r.last_error[:60]]
             for r in st.rollouts]
     print(_table(rows, ["ROLLOUT", "ADDRESS", "VERSION", "STATE", "REACHABLE", "SKEW", "LAST ERROR"]) if rows
           else "no rollouts registered")
