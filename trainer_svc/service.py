@@ -9,13 +9,14 @@ import grpc
 
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.sync import SyncInProgress, SyncOrchestrator
+from trainer_svc.train.rpc import TrainingServicerMixin
 from weightsync.config import ConfigError, parse_host_port
 from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, orchestrator: SyncOrchestrator,
                  backend: str, auto_sync: bool):
         self.actor = actor

@@ -1,0 +1,156 @@
+"""gRPC training calls of the Trainer service: TrainStep, ComputeLogprobs, SaveCheckpoint.
+
+A mixin for `TrainerServicer` (which provides `self.actor` and `self.actor_lock`). Requests are
+validated here, at the boundary, so a bad sample is an INVALID_ARGUMENT naming the field, never a
+shape error deep inside the model. Every call holds the actor lock: a step never overlaps a sync
+(which would publish half-updated weights) or a weight load.
+
+Training state (optimizer, step, reference model) is created on the first training call; with
+`resume` set, that first call also restores the latest checkpoint under `checkpoint_dir`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from weightsync.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+LOCK_WAIT_S = 60.0
+
+
+def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs: bool = False) -> None:
+    if not samples:
+        raise ValueError("samples: empty; send at least one TrainSample")
+    for i, s in enumerate(samples):
+        if not s.prompt_ids:
+            raise ValueError(f"samples[{i}].prompt_ids: empty (a response needs at least one prompt token)")
+        if not s.response_ids:
+            raise ValueError(f"samples[{i}].response_ids: empty")
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(s, name)
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"samples[{i}].{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if n > max_positions:
+            raise ValueError(f"samples[{i}]: prompt_ids + response_ids = {n} tokens > max_position_embeddings "
+                             f"{max_positions}")
+        if len(s.rollout_logprobs) not in (0, len(s.response_ids)):
+            raise ValueError(f"samples[{i}].rollout_logprobs: {len(s.rollout_logprobs)} values for "
+                             f"{len(s.response_ids)} response_ids")
+    given = sum(1 for s in samples if len(s.rollout_logprobs))
+    if given not in (0, len(samples)):
+        raise ValueError(f"samples[].rollout_logprobs: given for {given} of {len(samples)} samples; send them for "
+                         "all samples or none (none = the trainer scores the behaviour policy itself)")
+
+
+class TrainingServicerMixin:
+    _train_init_lock = threading.Lock()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _training(self):
+        """The actor's TrainState; the first call builds it and applies --resume."""
+        from trainer_svc.train.checkpoint import resume_if_configured
+        from trainer_svc.train.settings import TrainSettings
+        from trainer_svc.train.step import train_state
+
+        st = getattr(self.actor, "_ws_train_state", None)
+        if st is None:
+            settings = TrainSettings.resolve(getattr(self, "train_cfg", None))
+            st = train_state(self.actor, settings)
+            if resume_if_configured(self.actor, settings):
+                self._after_weights_changed()
+        return st
+
+    def _after_weights_changed(self) -> None:
+        orch = getattr(self, "orch", None)
+        if orch is not None:
+            orch.metrics.version.set(self.actor.version)
+
+    def _limits(self) -> tuple[int, int]:
+        cfg = self.actor.hf_config()
+        return int(cfg.vocab_size), int(getattr(cfg, "max_position_embeddings", 1 << 30))
+
+    def _run(self, context, what: str, fn):
+        """Run fn under the actor lock; ValueError → INVALID_ARGUMENT, OSError → FAILED_PRECONDITION,
+        anything else → INTERNAL (logged with its traceback)."""
+        if not self.actor_lock.acquire(timeout=LOCK_WAIT_S):
+            context.abort(grpc.StatusCode.ABORTED, f"{what}: a sync or weight load is running; retry when it finishes")
+        error = None
+        try:
+            return fn()
+        except ValueError as exc:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {exc}")
+        except OSError as exc:
+            error = (grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {exc}")
+        except Exception as exc:
+            log.exception("%s failed", what)
+            error = (grpc.StatusCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
+        finally:
+            self.actor_lock.release()
+        context.abort(*error)
+
+    # ---- RPCs ---------------------------------------------------------------------------
+    def TrainStep(self, request, context):
+        from trainer_svc.train.step import LossSpec
+
+        try:
+            validate_samples(request.samples, *self._limits())
+            LossSpec.from_proto(request.loss)
+            if request.loss.algorithm == "ppo" and len(request.loss.advantages) not in (0, len(request.samples)):
+                raise ValueError(f"loss.advantages: {len(request.loss.advantages)} values for "
+                                 f"{len(request.samples)} samples")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        def step():
+            from trainer_svc.train.step import train_step
+
+            self._training()
+            dispatch = getattr(self.actor, "run_collective", None)
+            metrics = dispatch("train_step", request) if dispatch else train_step(self.actor, request)
+            self._after_weights_changed()
+            return metrics
+
+        metrics = self._run(context, "train_step", step)
+        return trainer_pb2.TrainStepResponse(version=self.actor.version, step=self.actor.step, metrics=metrics)
+
+    def ComputeLogprobs(self, request, context):
+        try:
+            validate_samples(request.samples, *self._limits())
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        def score():
+            from trainer_svc.train.step import compute_logprobs
+
+            self._training()
+            dispatch = getattr(self.actor, "run_collective", None)
+            if dispatch:
+                return dispatch("compute_logprobs", request)
+            return compute_logprobs(self.actor, list(request.samples), reference=request.reference)
+
+        rows = self._run(context, "compute_logprobs", score)
+        resp = trainer_pb2.ComputeLogprobsResponse(version=self.actor.version)
+        for r in rows:
+            resp.rows.add(logprobs=r)
+        return resp
+
+    def SaveCheckpoint(self, request, context):
+        def save():
+            from trainer_svc.train.checkpoint import save_checkpoint
+
+            st = self._training()
+            directory = request.dir or st.settings.checkpoint_dir
+            if not directory:
+                raise ValueError("dir: empty and the trainer has no checkpoint_dir configured")
+            dispatch = getattr(self.actor, "run_collective", None)
+            path = dispatch("save_checkpoint", directory) if dispatch else save_checkpoint(self.actor, directory)
+            return str(path)
+
+        path = self._run(context, "save_checkpoint", save)
+        return trainer_pb2.SaveCheckpointResponse(dir=path, step=self.actor.step, version=self.actor.version)
