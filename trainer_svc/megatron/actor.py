@@ -1,0 +1,137 @@
+"""MegatronActor: the trainer's Megatron-core backend behind the `Actor` protocol.
+
+Under torchrun every rank builds the same actor (construction, including an optional HF load, is
+collective). Global rank 0 then hosts the services and calls the public methods, each of which
+first broadcasts a command; every other rank calls `worker_loop()`, which runs the matching
+collective until rank 0 calls `shutdown()`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from weightsync.bus.plan import TensorMeta
+from trainer_svc.megatron.parallel import Parallelism
+
+log = logging.getLogger(__name__)
+
+
+class MegatronActor:
+    def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
+                 export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
+                 params_dtype: torch.dtype = torch.float32):
+        from trainer_svc.megatron.commands import CommandChannel
+        from trainer_svc.megatron.hf_meta import export_metas
+        from trainer_svc.megatron.model import build_chunks, family_of_config
+        from trainer_svc.megatron.parallel import init_model_parallel, rank_map
+
+        self.config = hf_config
+        self.family = family_of_config(hf_config)
+        self.par = Parallelism(tp, pp, vpp)
+        self.export_dtype = export_dtype
+        init_model_parallel(self.par)
+        self.rmap = rank_map()
+        self.channel = CommandChannel()
+        self._metas = export_metas(hf_config, self.family, export_dtype)
+        #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
+        self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
+                                  init_weights=weights_dir is None)
+        self.version = 0
+        if weights_dir:
+            self._load_hf(weights_dir)
+        self.version = 1
+
+    @classmethod
+    def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
+               export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None) -> "MegatronActor":
+        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, seed=seed, export_dtype=export_dtype, weights_dir=weights_dir)
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kw) -> "MegatronActor":
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(path, local_files_only=True), weights_dir=path, **kw)
+
+    # ---- Actor protocol -------------------------------------------------------------------------
+    def export_metas(self) -> list[TensorMeta]:
+        return list(self._metas)
+
+    def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._check_driver("export_tensors")
+        self.channel.send("export")
+        it = self._export()
+        try:
+            yield from it
+        finally:
+            # the workers are inside the same sequence of collectives: finish it (discarding) if
+            # the consumer stopped early, or the whole job would hang on the next command
+            for _ in it:
+                pass
+
+    def load_hf(self, path: str) -> None:
+        self._check_driver("load_hf")
+        self.channel.send("load_hf", path=str(path))
+        self._load_hf(str(path))
+
+    def save_hf(self, out_dir: str) -> None:
+        """Write a transformers-loadable directory (config.json + safetensors) from the export."""
+        from trainer_svc.megatron.hf_writer import write_hf_dir
+
+        self._check_driver("save_hf")
+        self.channel.send("export")
+        write_hf_dir(out_dir, self.config, self._metas, self._export())
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(m.shape) for m in self._metas)
+
+    def describe_parallelism(self) -> str:
+        return f"megatron-core {self.par.describe()} world={dist.get_world_size()} (local spec)"
+
+    def hf_config(self):
+        return self.config
+
+    # ---- multi-rank plumbing --------------------------------------------------------------------
+    def worker_loop(self) -> None:
+        """Ranks != 0: run rank 0's commands until it calls `shutdown()`."""
+        if self.rmap.rank == 0:
+            raise RuntimeError("worker_loop() is for ranks != 0; rank 0 drives the actor")
+        while True:
+            op, args = self.channel.receive()
+            log.debug("rank %d: command %s %s", self.rmap.rank, op, args)
+            if op == "shutdown":
+                return
+            if op == "export":
+                for _ in self._export():
+                    pass
+            elif op == "load_hf":
+                self._load_hf(args["path"])
+            else:
+                raise ValueError(f"unknown worker command {op!r}")
+
+    def shutdown(self) -> None:
+        """On rank 0: end every worker loop. Idempotent; a no-op on a single-rank job."""
+        if self.rmap.rank == 0 and not getattr(self, "_shut", False):
+            self._shut = True
+            self.channel.send("shutdown")
+
+    def parameters(self):
+        return [p for chunk in self.model for p in chunk.parameters()]
+
+    def _check_driver(self, what: str) -> None:
+        if self.rmap.rank != 0:
+            raise RuntimeError(f"{what}() is driven from global rank 0; rank {self.rmap.rank} runs worker_loop()")
+
+    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from trainer_svc.megatron.export import export_tensors
+
+        return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype)
+
+    def _load_hf(self, path: str) -> None:
+        from trainer_svc.megatron.load import load_hf_into
+
+        load_hf_into(self.model, path, self.config, self.family, self.par)
+        self.version += 1

@@ -1,0 +1,41 @@
+"""Rank 0 -> worker command channel: JSON bytes in a uint8 tensor, broadcast over a gloo group.
+
+Under torchrun only global rank 0 runs the services; the other ranks sit in `MegatronActor.worker_loop`
+and must enter the same collective method rank 0 is about to run. Commands are JSON, never pickle,
+and travel on their own gloo group (CPU tensors, even on GPU hosts) with a long timeout, since a
+worker may legitimately wait hours for the next command.
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# an idle trainer is not an error: workers wait for the next command far longer than a collective
+COMMAND_TIMEOUT = timedelta(days=30)
+
+
+class CommandChannel:
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT) if dist.get_world_size() > 1 else None
+
+    def send(self, op: str, **args) -> None:
+        """On rank 0: tell every worker to run `op` (a no-op on a single-rank job)."""
+        if self.group is None:
+            return
+        payload = torch.frombuffer(bytearray(json.dumps({"op": op, "args": args}).encode()), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src=0, group=self.group)
+        dist.broadcast(payload, src=0, group=self.group)
+
+    def receive(self) -> tuple[str, dict]:
+        """On a worker: block until rank 0 sends the next command."""
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, src=0, group=self.group)
+        payload = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.group)
+        msg = json.loads(bytes(payload.numpy()).decode())
+        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str) or not isinstance(msg.get("args"), dict):
+            raise ValueError(f"malformed worker command {msg!r}")
+        return msg["op"], msg["args"]

@@ -1,0 +1,99 @@
+"""Megatron -> HF export: gather -> rename/split -> cast, one parameter at a time.
+
+For each entry of the export plan (in `export_metas` order) the owning pipeline stage's TP group
+gathers the shards onto its TP rank 0, which splits every shard with the rule's transform and
+concatenates the pieces; a stage other than the first then sends the finished HF tensors to global
+rank 0. Peak extra memory on any rank is about twice the largest gathered parameter. Only global
+rank 0 yields tensors; every other rank must still drain its iterator, since it takes part in the
+collectives (stopping early on one rank but not the others deadlocks the job).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainer_svc.megatron.hf_meta import export_plan, hf_shapes
+from trainer_svc.megatron.model import dims_of, named_parameters_global
+from trainer_svc.megatron.parallel import Parallelism, RankMap, layer_owner
+from trainer_svc.megatron.rules.base import LAYER, PRE
+
+
+def _owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:
+    if section == PRE:
+        return 0
+    if section == LAYER:
+        return layer_owner(layer, num_layers, par)[0]
+    return par.pp - 1
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # collectives move raw bytes so that any export dtype (bf16, fp8) works on gloo as on NCCL
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    return b.view(dtype).reshape(shape)
+
+
+def _gather_tp(shard: torch.Tensor, tp_group, tp: int, tp_rank: int) -> list[torch.Tensor] | None:
+    """All TP shards on TP rank 0 (None elsewhere); shards have equal shapes by construction."""
+    if tp == 1:
+        return [shard]
+    raw = _as_bytes(shard)
+    bufs = [torch.empty_like(raw) for _ in range(tp)] if tp_rank == 0 else None
+    dist.gather(raw, bufs, group=tp_group, group_dst=0)
+    if tp_rank != 0:
+        return None
+    return [_from_bytes(b, shard.dtype, shard.shape) for b in bufs]
+
+
+def export_tensors(chunks, hf_config, family: str, par: Parallelism, rmap: RankMap,
+                   export_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from megatron.core import parallel_state as ps
+
+    d = dims_of(hf_config)
+    shapes = hf_shapes(hf_config)
+    params = named_parameters_global(chunks)
+    tp_group = ps.get_tensor_model_parallel_group()
+    for rule, layer, names in export_plan(hf_config, family):
+        stage = _owner_stage(rule.section, layer, d.num_layers, par)
+        leader = rmap.stage_leader[stage]
+        out: list[torch.Tensor] | None = None
+        if rmap.in_replica0 and rmap.pp_rank == stage:
+            mname = rule.megatron_name(layer)
+            if mname not in params:
+                raise ValueError(f"tensor {mname}: expected on pipeline stage {stage} but this rank's model lacks it "
+                                 f"({par.describe()})")
+            shard = params[mname].detach().to(export_dtype)
+            shards = _gather_tp(shard, tp_group, par.tp, rmap.tp_rank) if rule.tp_dim is not None else [shard]
+            if shards is not None and rmap.tp_rank == 0:
+                per_rank = [rule.transform.to_hf(s, d) for s in shards]
+                out = [torch.cat([pieces[i] for pieces in per_rank], dim=rule.tp_dim or 0) for i in range(len(names))]
+                if rule.vocab:
+                    out = [t[: d.vocab_size] for t in out]
+                del per_rank, shards
+        if leader != 0:
+            if rmap.rank == leader:
+                for t in out:
+                    dist.send(_as_bytes(t), dst=0)
+                out = None
+            elif rmap.rank == 0:
+                out = []
+                for n in names:
+                    buf = torch.empty(torch.Size(shapes[n]).numel() * export_dtype.itemsize, dtype=torch.uint8,
+                                      device=shard_device(params))
+                    dist.recv(buf, src=leader)
+                    out.append(_from_bytes(buf, export_dtype, shapes[n]))
+        if rmap.rank == 0:
+            for n, t in zip(names, out):
+                if tuple(t.shape) != shapes[n]:
+                    raise ValueError(f"tensor {n}: exported shape {tuple(t.shape)} != HF shape {shapes[n]} "
+                                     f"(trainer {par.describe()})")
+                yield n, t
+            out = None
+
+
+def shard_device(params: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device

@@ -1,0 +1,87 @@
+"""HF -> Megatron: fill this rank's shards from an HF safetensors directory.
+
+Each rank opens the files lazily and reads only its own rows/columns (`get_slice`), so no rank
+ever holds a full model copy: peak extra memory is one shard's HF pieces.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer_svc.megatron.hf_meta import hf_shapes
+from trainer_svc.megatron.model import dims_of, named_parameters_global, padded_vocab_size
+from trainer_svc.megatron.parallel import Parallelism
+from trainer_svc.megatron.rules import Rule, rules_for
+
+
+def _tp_slice(sl, full_shape, rule: Rule, tp: int, tp_rank: int, vocab_size: int) -> torch.Tensor:
+    if rule.tp_dim is None:
+        return sl[:]
+    if rule.vocab:
+        # rank r owns padded rows [r*n, (r+1)*n); rows past the HF vocab are padding (zeros)
+        n = padded_vocab_size(vocab_size, tp) // tp
+        start, stop = tp_rank * n, min((tp_rank + 1) * n, vocab_size)
+        rows = sl[start:stop] if stop > start else torch.empty(0, *full_shape[1:])
+        pad = torch.zeros(n - rows.shape[0], *full_shape[1:], dtype=rows.dtype)
+        return torch.cat([rows, pad], dim=0)
+    n = full_shape[rule.tp_dim] // tp
+    start, stop = tp_rank * n, (tp_rank + 1) * n
+    return sl[start:stop] if rule.tp_dim == 0 else sl[:, start:stop]
+
+
+def index_safetensors(path: str) -> dict[str, Path]:
+    """HF tensor name -> file holding it, for every *.safetensors file in `path`."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"hf_path {path}: no *.safetensors files")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                where[k] = f
+    return where
+
+
+def load_hf_into(chunks, path: str, hf_config, family: str, par: Parallelism) -> None:
+    from megatron.core import parallel_state as ps
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    table = rules_for(family)
+    d = dims_of(hf_config)
+    shapes = hf_shapes(hf_config)
+    where = index_safetensors(path)
+    tp, tp_rank = par.tp, ps.get_tensor_model_parallel_rank()
+    params = named_parameters_global(chunks)
+    show = not dist.is_initialized() or dist.get_rank() == 0
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        handles = {}
+        for mname, p in tqdm(params.items(), desc=f"load {Path(path).name}", disable=not show, unit="tensor"):
+            if table.tied and mname == "output_layer.weight":
+                # PP>1 keeps a copy of the tied embedding on the last stage
+                rule, layer = table.match("embedding.word_embeddings.weight")
+            else:
+                rule, layer = table.match(mname)
+            pieces = []
+            for hf_name in rule.hf_names(layer):
+                if hf_name not in where:
+                    raise ValueError(f"hf_path {path}: missing tensor {hf_name} (expected shape {shapes.get(hf_name)}, "
+                                     f"for {mname}, trainer TP={tp})")
+                f = where[hf_name]
+                if f not in handles:
+                    handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+                sl = handles[f].get_slice(hf_name)
+                got, want = tuple(sl.get_shape()), shapes[hf_name]
+                if got != want:
+                    raise ValueError(f"tensor {hf_name}: shape {got} != expected {want} (trainer TP={tp})")
+                pieces.append(_tp_slice(sl, want, rule, tp, tp_rank, d.vocab_size))
+            local = rule.transform.to_megatron(pieces, d)
+            if tuple(local.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {mname}: built shard {tuple(local.shape)} != model shard {tuple(p.shape)} "
+                                 f"(trainer TP={tp})")
+            p.copy_(local.to(device=p.device, dtype=p.dtype))

@@ -1,0 +1,103 @@
+"""Process group and Megatron parallel-state setup, and the rank map export/load need.
+
+Megatron orders ranks tp-fastest (tp, cp, ep, dp, pp); rather than re-derive that order, every
+rank publishes its (tp, pp, dp) coordinates once and the map is read from the gathered table.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self):
+        for field_name in ("tp", "pp", "vpp"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"{field_name}={getattr(self, field_name)} must be >= 1")
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"vpp={self.vpp} needs pp >= 2 (virtual stages interleave pipeline ranks)")
+
+    def describe(self) -> str:
+        return f"TP={self.tp} PP={self.pp} VPP={self.vpp}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the torchrun job (env://), or start a one-process group when not under torchrun."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def init_model_parallel(par: Parallelism) -> None:
+    from megatron.core import parallel_state as ps
+
+    init_distributed()
+    world = dist.get_world_size()
+    if world % (par.tp * par.pp):
+        raise ValueError(f"world size {world} is not a multiple of tp*pp={par.tp * par.pp} ({par.describe()})")
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (par.tp, par.pp):
+            raise ValueError(f"megatron parallel state is already initialised with a different layout than "
+                             f"{par.describe()}")
+        return
+    ps.initialize_model_parallel(par.tp, par.pp, virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None)
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Where this rank sits, and which global rank holds (tp=0, dp=0) of each pipeline stage."""
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    stage_leader: tuple[int, ...]        # global rank of tp=0,dp=0 for each pp rank
+
+    @property
+    def in_replica0(self) -> bool:
+        """Only data-parallel replica 0 takes part in export; the others hold the same weights."""
+        return self.dp_rank == 0
+
+
+def rank_map() -> RankMap:
+    from megatron.core import parallel_state as ps
+
+    me = torch.tensor([dist.get_rank(), ps.get_tensor_model_parallel_rank(),
+                       ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()], dtype=torch.int64)
+    if torch.cuda.is_available():
+        me = me.cuda()
+    table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, me)
+    rows = [tuple(int(x) for x in t.cpu()) for t in table]
+    pp = ps.get_pipeline_model_parallel_world_size()
+    leaders = [next(r for r, tp, p, dp in rows if tp == 0 and dp == 0 and p == stage) for stage in range(pp)]
+    _, tp_rank, pp_rank, dp_rank = rows[dist.get_rank()]
+    return RankMap(dist.get_rank(), tp_rank, pp_rank, dp_rank, tuple(leaders))
+
+
+def layer_owner(layer: int, num_layers: int, par: Parallelism) -> tuple[int, int]:
+    """(pp rank, virtual stage) holding a global layer under Megatron's uniform interleaved split:
+    virtual stage c of pp rank p holds layers [(c*pp + p) * n, (c*pp + p + 1) * n), n = L/(pp*vpp)."""
+    per_chunk = num_layers // (par.pp * par.vpp)
+    chunk = layer // per_chunk
+    return chunk % par.pp, chunk // par.pp
