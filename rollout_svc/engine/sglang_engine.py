@@ -1,0 +1,226 @@
+"""SglangEngine: rollout-svc's Engine protocol on an in-process SGLang `Engine` (`--engine sglang`).
+
+Lifecycle and generation live here; the weight-update paths live in `sglang_weights` (read its
+docstring for the three paths, the NCCL rendezvous mismatch and what the trainer must serve).
+Everything this adapter calls in SGLang is declared in `sglang_api.SGLANG_API_USED` and checked
+against the real sglang wheels by tests/unit/engine_sglang (SGLang cannot be installed or run
+in CI or on the lent GPUs: the adapter is contract-checked, not executed; see docs/sglang.md).
+
+Threading: SGLang's sync `Engine` methods run `loop.run_until_complete` on one asyncio loop, so
+two concurrent calls would collide ("event loop is already running"). Every call goes through
+`self._call` under one lock; rollout-svc's transaction already serialises generation and weight
+application with its engine lock, so this lock is never contended in normal operation.
+
+sglang is imported only inside functions: a builtin-engine pod never needs it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
+from weightsync.bus.plan import TensorMeta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SglangOptions:
+    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config when present."""
+    model_path: str
+    tp_size: int = 1
+    dtype: str = "bfloat16"                 # SGLang's --dtype: auto | bfloat16 | float16 | float32
+    mem_fraction_static: float | None = None  # share of GPU memory for weights + KV cache (None: SGLang picks)
+    base_gpu_id: int = 0                    # first GPU of this engine's TP group
+    random_seed: int | None = None
+    colocated: bool = False                 # enable_memory_saver, so release/resume_memory work
+    # SGLang honours a per-request sampling_seed only with enable_deterministic_inference
+    # (sampling_batch_info.from_schedule_batch); without it our `seed` is ignored.
+    deterministic: bool = False
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    trust_remote_code: bool = False
+    log_level: str = "error"
+
+    def validate(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"sglang tp_size={self.tp_size} must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"sglang mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"sglang dtype={self.dtype!r} must be auto, bfloat16, float16 or float32")
+
+
+def _sampling_params_dict(s: SamplingParams, seed: int | None) -> dict:
+    """Our SamplingParams as SGLang's sampling_params keys (one request, n=1)."""
+    d = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+             stop_token_ids=list(s.stop_token_ids), n=1)
+    if s.top_k > 0:                      # ours: 0 = off; SGLang's default already means "all"
+        d.update(top_k=s.top_k)
+    if seed is not None:
+        d.update(sampling_seed=seed)
+    return d
+
+
+def _to_sample(prompt_index: int, out: dict) -> SampleResult:
+    meta = out["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type", "length") if isinstance(reason, dict) else str(reason)
+    if kind == "abort":
+        raise RuntimeError(f"sglang aborted the request for prompt {prompt_index}: {reason}")
+    # output_token_logprobs: [(logprob, token_id, text_or_None), ...]
+    lps = [float(row[0]) for row in meta.get("output_token_logprobs") or []]
+    return SampleResult(prompt_index=prompt_index, token_ids=list(out["output_ids"]), logprobs=lps,
+                        finish_reason="stop" if kind == "stop" else "length")
+
+
+def _hf_param_metas(config: Any, dtype: torch.dtype) -> dict[str, TensorMeta]:
+    """Names and full shapes of the HF model's parameters, from the config alone (meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # named_parameters() lists a tied lm_head once (as the embedding), as the trainer exports it.
+    return {n: TensorMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters()}
+
+
+class SglangEngine(SglangWeightsMixin):
+    name = "sglang"
+
+    def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
+        opts.validate()
+        self.opts = opts
+        self._hf_config = hf_config
+        self.tp_size = opts.tp_size
+        self._metas = metas
+        self._lock = threading.RLock()
+        self._update_group = ""
+        self._sgl = self._start(opts)
+
+    @staticmethod
+    def _start(o: SglangOptions):
+        from sglang.srt.entrypoints.engine import Engine
+
+        # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
+        return Engine(model_path=o.model_path, tp_size=o.tp_size, dtype=o.dtype,
+                      mem_fraction_static=o.mem_fraction_static, base_gpu_id=o.base_gpu_id,
+                      random_seed=o.random_seed, enable_memory_saver=o.colocated,
+                      context_length=o.context_length, disable_radix_cache=o.disable_radix_cache,
+                      trust_remote_code=o.trust_remote_code, enable_deterministic_inference=o.deterministic,
+                      skip_tokenizer_init=True, log_level=o.log_level)
+
+    @classmethod
+    def from_rollout_config(cls, cfg) -> SglangEngine:
+        from weightsync.bus.dtypes import parse_dtype
+        from weightsync.models import resolve_model
+
+        config, weights_dir = resolve_model(cfg.model)
+        if not weights_dir:
+            raise ValueError(f"model={cfg.model!r}: engine=sglang needs an HF model directory with weights "
+                             "(built-in tiny configs exist only for the builtin engine)")
+        device = str(getattr(cfg, "device", "cuda:0"))
+        gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+
+        def opt(name, default):
+            return getattr(cfg, f"sglang_{name}", default)
+
+        opts = SglangOptions(model_path=weights_dir, tp_size=cfg.tp, dtype=cfg.dtype, base_gpu_id=gpu,
+                             random_seed=cfg.init_seed, mem_fraction_static=opt("mem_fraction_static", None),
+                             colocated=opt("colocated", False), context_length=opt("context_length", None),
+                             disable_radix_cache=opt("disable_radix_cache", False),
+                             trust_remote_code=opt("trust_remote_code", False),
+                             deterministic=opt("deterministic", False))
+        return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
+
+    def _call(self, fn, *args, **kwargs):
+        with self._lock:
+            return fn(*args, **kwargs)
+
+    # ---- Engine protocol ----------------------------------------------------------------
+    def hf_config(self) -> Any:
+        return self._hf_config
+
+    def param_metas(self) -> dict[str, TensorMeta]:
+        return dict(self._metas)
+
+    def num_ranks(self) -> int:
+        return self.tp_size
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(m.shape) for m in self._metas.values())
+
+    def prefix_cache_entries(self) -> int:
+        return 0  # SGLang's radix cache size is not exposed through the Engine API
+
+    def flush_cache(self) -> None:
+        res = self._call(self._sgl.flush_cache)
+        check_result(res, "flush_cache")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[SampleResult]:
+        sampling.validate()
+        # One request per (prompt, sample), prompt-major, so each sample can get its own seed
+        # (SGLang's n>1 would give a prompt's samples one shared seed); the radix cache still
+        # shares the prompt's prefill between them.
+        ids, params, owner = [], [], []
+        for i, p in enumerate(prompts):
+            for j in range(sampling.n):
+                seed = sampling.seed + len(ids) if self.opts.deterministic else None
+                ids.append(list(p))
+                params.append(_sampling_params_dict(sampling, seed))
+                owner.append(i)
+        outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True)
+        if len(outs) != len(ids):
+            raise RuntimeError(f"sglang returned {len(outs)} outputs for {len(ids)} requests")
+        return [_to_sample(owner[k], o) for k, o in enumerate(outs)]
+
+    def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
+        """Teacher-forced log-probs via SGLang's input-token log-probs.
+
+        SGLang's Engine API does not return logits, so the second element is an empty tensor.
+        """
+        if not 0 < prompt_length <= len(token_ids):
+            raise ValueError(f"prompt_length={prompt_length} must be in [1, {len(token_ids)}]")
+        s = SamplingParams(max_new_tokens=1, temperature=0.0)
+        out = self._call(self._sgl.generate, input_ids=list(token_ids), sampling_params=_sampling_params_dict(s, None),
+                         return_logprob=True, logprob_start_len=prompt_length)
+        rows = out["meta_info"]["input_token_logprobs"]
+        lps = [float(r[0]) for r in rows if r[0] is not None]
+        want = len(token_ids) - prompt_length
+        if len(lps) != want:
+            raise RuntimeError(f"sglang returned {len(lps)} input log-probs, expected {want}")
+        return lps, torch.empty(0)
+
+    # ---- around a sync (proposed optional hooks, see docs/sglang.md) -----------------------
+    def begin_apply(self) -> None:
+        """Before the first bucket of a sync: stop the scheduler, open SGLang's update session."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
+        if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
+            self._call(self._sgl.loop.run_until_complete,
+                       self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")))
+        if hasattr(self._sgl, "begin_weight_update"):
+            check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
+
+    def end_apply(self) -> None:
+        """After the last bucket: close the session, flush the KV/radix cache, resume scheduling."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        if hasattr(self._sgl, "end_weight_update"):
+            check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
+        self.flush_cache()
+        if hasattr(self._sgl.tokenizer_manager, "continue_generation"):
+            self._call(self._sgl.loop.run_until_complete,
+                       self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()))
+
+    def close(self) -> None:
+        try:
+            self.leave_update_group()
+        finally:
+            self._call(self._sgl.shutdown)
