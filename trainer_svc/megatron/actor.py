@@ -65,7 +65,9 @@ class MegatronActor:
         self.channel.send("export")
         it = self._export()
         try:
-            yield from it
+            # not `yield from`: closing this generator would close `it` too, and it must be drained
+            for item in it:
+                yield item
         finally:
             # the workers are inside the same sequence of collectives: finish it (discarding) if
             # the consumer stopped early, or the whole job would hang on the next command

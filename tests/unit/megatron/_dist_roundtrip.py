@@ -1,0 +1,91 @@
+"""Run under torchrun (gloo): for each family dir given, HF -> Megatron (TP/PP/VPP) -> HF.
+
+Every rank builds the actor (a collective load). Then rank 0 drives through the public API while
+the other ranks sit in `worker_loop()`: export_tensors (compared bit-exactly with the original
+safetensors), export_metas vs what was yielded, save_hf, an early-stopped export, shutdown. With PP=1
+all ranks then run a forward and rank 0 compares logits with transformers. Rank 0 writes a JSON
+report to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("dirs", nargs="+", help="HF dirs, one per family")
+    args = ap.parse_args()
+    # a hang in a collective should leave stacks behind, not only a test timeout
+    faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "170")), exit=True)
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer_svc.megatron.actor import MegatronActor
+    from trainer_svc.megatron.model import forward_logits
+
+    rank = int(os.environ["RANK"])
+    report = {}
+    for d in args.dirs:
+        cfg = AutoConfig.from_pretrained(d, local_files_only=True)
+        actor = MegatronActor(cfg, tp=args.tp, pp=args.pp, vpp=args.vpp, weights_dir=d)
+        res = {"family": actor.family}
+        if rank != 0:
+            actor.worker_loop()
+        else:
+            try:
+                want = load_file(str(Path(d) / "model.safetensors"))
+                got = list(actor.export_tensors())
+                res["names"] = [n for n, _ in got]
+                res["mismatch"] = [n for n, t in got if n not in want or not torch.equal(t, want[n])]
+                res["missing"] = sorted(set(want) - {n for n, _ in got})
+                res["metas_match"] = [(m.name, list(m.shape), str(m.dtype)) for m in actor.export_metas()] == [
+                    (n, list(t.shape), str(t.dtype)) for n, t in got]
+                it = actor.export_tensors()
+                next(it)
+                it.close()  # stops early: the actor must still finish the collectives
+                out = Path(args.out).parent / f"saved-{actor.family}-{args.tp}{args.pp}{args.vpp}"
+                actor.save_hf(str(out))
+                reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+                ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+                rsd, fsd = reloaded.state_dict(), ref.state_dict()
+                res["saved_exact"] = set(rsd) == set(fsd) and all(torch.equal(rsd[k], fsd[k]) for k in fsd)
+                res["version"] = actor.version
+            except Exception:
+                res["error"] = traceback.format_exc()
+            finally:
+                actor.shutdown()
+        if args.pp == 1:
+            torch.manual_seed(0)
+            ids = torch.randint(0, cfg.vocab_size, (2, 16))
+            with torch.no_grad():
+                logits = forward_logits(actor.model, ids, cfg.vocab_size)
+            if rank == 0:
+                ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+                with torch.no_grad():
+                    want = ref(ids).logits
+                res["logits_rel_err"] = float((logits - want).norm() / want.norm())
+        report[actor.family] = res
+        dist.barrier()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
