@@ -11,7 +11,7 @@ from trainer_svc.train.batch import Batch
 
 class HfBackend:
     tp_group = None
-    is_output_rank = True
+    vocab_size = None
 
     def __init__(self, actor):
         self.actor = actor
@@ -29,8 +29,9 @@ class HfBackend:
             p.requires_grad_(False)
         return [ref]
 
-    def run(self, mbs: list[Batch], fn: Callable, *, train: bool, modules: list[torch.nn.Module] | None = None) -> list:
-        """fn(logits [B, L, V], mb) -> (loss or None, out); back-propagates each loss when train."""
+    def run(self, mbs: list[Batch], fn: Callable, out_shape: Callable, *, train: bool,
+            modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
+        """fn(logits [B, L, V], mb) -> (loss or None, out tensor); back-propagates each loss when train."""
         model = (modules or [self.model])[0]
         # eval mode throughout: RL trains without dropout so the trainer's log-probs are the rollout's.
         model.eval()

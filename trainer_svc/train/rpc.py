@@ -6,12 +6,12 @@ shape error deep inside the model. Every call holds the actor lock: a step never
 (which would publish half-updated weights) or a weight load.
 
 Training state (optimizer, step, reference model) is created on the first training call; with
-`resume` set, that first call also restores the latest checkpoint under `checkpoint_dir`.
+`resume` set, that first call also restores the latest checkpoint under `checkpoint_dir`. Each call
+runs on every trainer rank through `trainer_svc.train.collective`.
 """
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 
@@ -49,22 +49,22 @@ def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs
 
 
 class TrainingServicerMixin:
-    _train_init_lock = threading.Lock()
 
     # ---- helpers ------------------------------------------------------------------------
     def _training(self):
-        """The actor's TrainState; the first call builds it and applies --resume."""
-        from trainer_svc.train.checkpoint import resume_if_configured
-        from trainer_svc.train.settings import TrainSettings
-        from trainer_svc.train.step import train_state
+        """The actor's TrainState; the first call builds it on every rank and applies --resume."""
+        import dataclasses
 
-        st = getattr(self.actor, "_ws_train_state", None)
-        if st is None:
-            settings = TrainSettings.resolve(getattr(self, "train_cfg", None))
-            st = train_state(self.actor, settings)
-            if resume_if_configured(self.actor, settings):
-                self._after_weights_changed()
-        return st
+        from trainer_svc.train import collective
+        from trainer_svc.train.settings import TrainSettings
+
+        if getattr(self.actor, "_ws_train_state", None) is not None:
+            return self.actor._ws_train_state
+        # `train_cfg`: the TrainerConfig, once the app hands it over (fields missing there come from env)
+        settings = TrainSettings.resolve(getattr(self, "train_cfg", None))
+        if collective.run(self.actor, "train_init", settings=dataclasses.asdict(settings)):
+            self._after_weights_changed()
+        return self.actor._ws_train_state
 
     def _after_weights_changed(self) -> None:
         orch = getattr(self, "orch", None)
@@ -108,11 +108,10 @@ class TrainingServicerMixin:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         def step():
-            from trainer_svc.train.step import train_step
+            from trainer_svc.train import collective
 
             self._training()
-            dispatch = getattr(self.actor, "run_collective", None)
-            metrics = dispatch("train_step", request) if dispatch else train_step(self.actor, request)
+            metrics = collective.run(self.actor, "train_step", request)
             self._after_weights_changed()
             return metrics
 
@@ -126,13 +125,10 @@ class TrainingServicerMixin:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         def score():
-            from trainer_svc.train.step import compute_logprobs
+            from trainer_svc.train import collective
 
             self._training()
-            dispatch = getattr(self.actor, "run_collective", None)
-            if dispatch:
-                return dispatch("compute_logprobs", request)
-            return compute_logprobs(self.actor, list(request.samples), reference=request.reference)
+            return collective.run(self.actor, "compute_logprobs", request)
 
         rows = self._run(context, "compute_logprobs", score)
         resp = trainer_pb2.ComputeLogprobsResponse(version=self.actor.version)
@@ -142,15 +138,13 @@ class TrainingServicerMixin:
 
     def SaveCheckpoint(self, request, context):
         def save():
-            from trainer_svc.train.checkpoint import save_checkpoint
+            from trainer_svc.train import collective
 
             st = self._training()
             directory = request.dir or st.settings.checkpoint_dir
             if not directory:
                 raise ValueError("dir: empty and the trainer has no checkpoint_dir configured")
-            dispatch = getattr(self.actor, "run_collective", None)
-            path = dispatch("save_checkpoint", directory) if dispatch else save_checkpoint(self.actor, directory)
-            return str(path)
+            return collective.run(self.actor, "save_checkpoint", dir=directory)
 
         path = self._run(context, "save_checkpoint", save)
         return trainer_pb2.SaveCheckpointResponse(dir=path, step=self.actor.step, version=self.actor.version)

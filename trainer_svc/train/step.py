@@ -102,18 +102,20 @@ def _advantages(samples, lc, spec: LossSpec) -> torch.Tensor:
 
 
 def _score(st: TrainState, batch: Batch, mbs: int, modules=None) -> torch.Tensor:
-    """[B, L] log-probs of the targets (0 off the mask), no grad."""
-    def fn(logits, mb):
-        return None, token_logprobs(logits, mb.targets, tp_group=st.backend.tp_group) * mb.mask
+    """[B, L] log-probs of the targets (0 off the mask), no grad; valid on every rank."""
+    be = st.backend
 
-    outs = st.backend.run(batch.micro_batches(mbs), fn, train=False, modules=modules)
-    if not st.backend.is_output_rank:
-        return torch.zeros_like(batch.mask)
+    def fn(logits, mb):
+        lp = token_logprobs(logits, mb.targets, tp_group=be.tp_group, vocab_size=be.vocab_size)
+        return None, lp * mb.mask
+
+    outs = be.run(batch.micro_batches(mbs), fn, lambda mb: tuple(mb.mask.shape), train=False, modules=modules)
     full = torch.zeros_like(batch.mask)
     row = 0
     for out in outs:
-        full[row: row + out.shape[0], : out.shape[1]] = out
-        row += out.shape[0]
+        n = min(out.shape[0], batch.size - row)
+        full[row: row + n, : out.shape[1]] = out[:n, : full.shape[1]]
+        row += n
     return full
 
 
@@ -125,10 +127,17 @@ def compute_logprobs(actor, samples, reference: bool = False, micro_batch_size: 
     return batch.rows(_score(st, batch, micro_batch_size, modules))
 
 
+#: per-micro-batch values the loss function reports; each is a share of the batch value (summed),
+#: except the *_max ones (max over micro-batches)
+MB_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl",
+              "logprob_diff_mean", "logprob_diff_max")
+
+
 def train_step(actor, request) -> dict[str, float]:
-    """Run one optimisation step on a TrainStepRequest; returns metrics (on the output rank)."""
+    """Run one optimisation step on a TrainStepRequest; returns metrics (identical on every rank)."""
     t0 = time.perf_counter()
     st = train_state(actor)
+    be = st.backend
     spec = LossSpec.from_proto(request.loss)
     samples = list(request.samples)
     batch = make_batch(samples, _advantages(samples, request.loss, spec))
@@ -138,45 +147,42 @@ def train_step(actor, request) -> dict[str, float]:
     if not batch.has_old_logp:
         batch.old_logp = _score(st, batch, mbs)  # on-policy: ratio is exactly 1 at the first step
     n_tok, n_seq = float(batch.mask.sum()), float(batch.size)
-    tp = st.backend.tp_group
+    kw = dict(tp_group=be.tp_group, vocab_size=be.vocab_size)
+    agg = dict(num_tokens=n_tok, num_seqs=n_seq)
 
     def loss_fn(logits, mb):
-        logp = token_logprobs(logits, mb.targets, tp_group=tp)
+        logp = token_logprobs(logits, mb.targets, **kw)
         pg, cs = ppo_clip_loss(logp, mb.old_logp, mb.advantages, mb.mask, clip_low=spec.clip_low,
                                clip_high=spec.clip_high, dual_clip_c=spec.dual_clip_c,
-                               aggregation=spec.aggregation, num_tokens=n_tok, num_seqs=n_seq)
+                               aggregation=spec.aggregation, **agg)
         loss = pg
         with torch.set_grad_enabled(spec.entropy_coef > 0 and torch.is_grad_enabled()):
-            ent = aggregate(token_entropy(logits, tp_group=tp), mb.mask, spec.aggregation, num_tokens=n_tok,
-                            num_seqs=n_seq)
+            ent = aggregate(token_entropy(logits, **kw), mb.mask, spec.aggregation, **agg)
         if spec.entropy_coef > 0:
             loss = loss - spec.entropy_coef * ent
         kl = torch.zeros(())
         if spec.kl_coef > 0:
-            kl = aggregate(kl_k3(logp, mb.ref_logp), mb.mask, spec.aggregation, num_tokens=n_tok, num_seqs=n_seq)
+            kl = aggregate(kl_k3(logp, mb.ref_logp), mb.mask, spec.aggregation, **agg)
             loss = loss + spec.kl_coef * kl
         w = float(mb.mask.sum()) / max(n_tok, 1.0)
-        diff = ((logp.detach() - mb.old_logp).abs() * mb.mask)
-        out = {"loss": float(loss.detach()), "pg_loss": float(pg.detach()), "entropy": float(ent.detach()),
-               "kl": float(kl.detach()),
-               "clip_frac": w * float(cs.clip_frac), "dual_clip_frac": w * float(cs.dual_clip_frac),
-               "ratio_mean": w * float(cs.ratio_mean), "approx_kl": w * float(cs.approx_kl),
-               "logprob_diff_mean": float(diff.sum()) / max(n_tok, 1.0), "logprob_diff_max": float(diff.max())}
+        diff = (logp.detach() - mb.old_logp).abs() * mb.mask
+        out = torch.tensor([float(loss.detach()), float(pg.detach()), float(ent.detach()), float(kl.detach()),
+                            w * float(cs.clip_frac), w * float(cs.dual_clip_frac), w * float(cs.ratio_mean),
+                            w * float(cs.approx_kl), float(diff.sum()) / max(n_tok, 1.0), float(diff.max())])
         return loss, out
 
     lr = st.settings.lr_at(st.step)
     for g in st.optimizer.param_groups:
         g["lr"] = lr
     st.optimizer.zero_grad(set_to_none=True)
-    outs = st.backend.run(batch.micro_batches(mbs), loss_fn, train=True)
-    grad_norm = st.backend.step(st.optimizer, st.settings.grad_clip)
+    outs = be.run(batch.micro_batches(mbs), loss_fn, lambda mb: (len(MB_METRICS),), train=True)
+    grad_norm = be.step(st.optimizer, st.settings.grad_clip)
     st.step += 1
     actor.step = st.step
     actor.version += 1
-    metrics: dict[str, float] = {}
-    for out in outs:
-        for k, v in out.items():
-            metrics[k] = max(metrics.get(k, v), v) if k.endswith("_max") else metrics.get(k, 0.0) + v
+    stacked = torch.stack(outs)
+    metrics = {k: float(stacked[:, i].max() if k.endswith("_max") else stacked[:, i].sum())
+               for i, k in enumerate(MB_METRICS)}
     rewards = torch.tensor([s.reward for s in samples])
     metrics.update(grad_norm=grad_norm, lr=lr, reward_mean=float(rewards.mean()), num_samples=n_seq,
                    num_tokens=n_tok, response_len_mean=n_tok / max(n_seq, 1.0),

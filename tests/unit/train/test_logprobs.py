@@ -24,18 +24,19 @@ _WORKER = textwrap.dedent("""
     dist.init_process_group("gloo")
     r, w = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
-    full = (torch.randn(2, 6, 32, generator=g) * 5)
-    t = torch.randint(0, 32, (2, 6), generator=g)
-    v = 32 // w
+    full = (torch.randn(2, 6, 40, generator=g) * 5)   # vocab 27, padded to 40 (megatron pads per TP rank)
+    t = torch.randint(0, 27, (2, 6), generator=g)
+    v = 40 // w
     shard = full[..., r * v:(r + 1) * v].clone().requires_grad_(True)
     ref = full.clone().requires_grad_(True)
-    lp, ent = token_logprobs(shard, t, tp_group=dist.group.WORLD), token_entropy(shard, tp_group=dist.group.WORLD)
-    lp_ref, ent_ref = token_logprobs(ref, t), token_entropy(ref)
+    kw = dict(tp_group=dist.group.WORLD, vocab_size=27)
+    lp, ent = token_logprobs(shard, t, **kw), token_entropy(shard, **kw)
+    lp_ref, ent_ref = token_logprobs(ref[..., :27], t), token_entropy(ref[..., :27])
     assert torch.allclose(lp, lp_ref, atol=1e-5), (lp - lp_ref).abs().max()
     assert torch.allclose(ent, ent_ref, atol=1e-5), (ent - ent_ref).abs().max()
     (lp.sum() + 0.3 * ent.sum()).backward()
     (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
-    gref = ref.grad[..., r * v:(r + 1) * v]
+    gref = torch.cat([ref.grad[..., :27], torch.zeros(2, 6, 13)], -1)[..., r * v:(r + 1) * v]
     assert torch.allclose(shard.grad, gref, atol=1e-5), (shard.grad - gref).abs().max()
     dist.destroy_process_group()
     open(f"{__import__('sys').argv[1]}/ok{r}", "w").close()
