@@ -48,6 +48,11 @@ def save_random_hf(config, out: Path, seed: int = 0) -> Path:
     return out
 
 
+@pytest.fixture(name="make_config")
+def make_config_fixture():
+    return make_config
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
