@@ -25,7 +25,6 @@ class TrainSettings:
     grad_clip: float = 1.0           # max global grad norm (0 = off)
     checkpoint_dir: str = ""         # where SaveCheckpoint with an empty dir writes, and --resume reads
     resume: bool = False             # at start, load the latest checkpoint under checkpoint_dir if any
-    init_seed: int = 1234            # seeds the training RNG state (saved and restored by checkpoints)
 
     def validate(self) -> None:
         if self.lr <= 0:

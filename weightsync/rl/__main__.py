@@ -18,7 +18,7 @@ from pathlib import Path
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m weightsync.rl", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", choices=["megatron", "hf"], default="hf")
     p.add_argument("--model", default="tiny-qwen2")
     p.add_argument("--rollouts", type=int, default=2, help="rollout processes to start")
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lr-warmup-steps", type=int, default=0)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--entropy-coef", type=float, default=0.0)
@@ -50,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 def _start(ns, workdir: Path):
     from weightsync.local.procs import start_rollout, start_trainer, wsctl
 
-    os.environ.update(WS_TRAINER_LR=str(ns.lr), WS_TRAINER_LR_WARMUP_STEPS=str(ns.lr_warmup_steps),
-                      WS_TRAINER_INIT_SEED=str(ns.seed + 1))
+    # training knobs reach the trainer as WS_TRAINER_* env (trainer_svc.train.settings)
+    os.environ.update(WS_TRAINER_LR=str(ns.lr), WS_TRAINER_LR_WARMUP_STEPS=str(ns.lr_warmup_steps))
     if ns.checkpoint_dir:
         os.environ["WS_TRAINER_CHECKPOINT_DIR"] = ns.checkpoint_dir
     os.environ["WS_TRAINER_RESUME"] = "true" if ns.resume else "false"

@@ -30,6 +30,7 @@ def plot(records, path: Path, title: str = "") -> Path:
         a.set_title(title)
     b.plot(steps, [r.sync_seconds * 1e3 for r in records], marker="o", ms=3, color="tab:orange")
     b.set_ylabel("sync time (ms)")
+    b.set_ylim(bottom=0)
     b.set_xlabel("trainer step")
     b.grid(alpha=0.3)
     fig.tight_layout()
