@@ -50,7 +50,29 @@ def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs
 
 class TrainingServicerMixin:
 
+    # ---- startup ------------------------------------------------------------------------
+    def init_training(self, cfg=None) -> bool:
+        """Build the training state now (on every rank) and apply `resume`; returns whether a
+        checkpoint was loaded. Call once at startup, before serving, so a resumed trainer reports
+        (and publishes) the checkpoint's version from the start; otherwise the first training call
+        does it. `cfg`: the TrainerConfig (fields it lacks come from WS_TRAINER_* env)."""
+        if cfg is not None:
+            self.train_cfg = cfg
+        with self.actor_lock:
+            before = self.actor.version
+            self._training()
+            return self.actor.version != before
+
     # ---- helpers ------------------------------------------------------------------------
+    def _train_metrics(self):
+        tm = getattr(self, "_ws_train_metrics", None)
+        orch = getattr(self, "orch", None)
+        if tm is None and orch is not None:
+            from trainer_svc.train.metrics import TrainMetrics
+
+            tm = self._ws_train_metrics = TrainMetrics(orch.metrics.registry)
+        return tm
+
     def _training(self):
         """The actor's TrainState; the first call builds it on every rank and applies --resume."""
         import dataclasses
@@ -113,6 +135,9 @@ class TrainingServicerMixin:
             self._training()
             metrics = collective.run(self.actor, "train_step", request)
             self._after_weights_changed()
+            tm = self._train_metrics()
+            if tm is not None:
+                tm.observe(self.actor.step, metrics)
             return metrics
 
         metrics = self._run(context, "train_step", step)

@@ -65,3 +65,24 @@ def test_step_logprobs_checkpoint_over_grpc(stub, tmp_path):
     ck = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
     assert (ck.step, ck.version) == (1, 2) and ck.dir.endswith("step_00000001")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000001"
+
+
+def test_init_training_resumes_eagerly(monkeypatch, tmp_path):
+    from trainer_svc.actor.hf_actor import HfActor
+    from trainer_svc.train.checkpoint import save_checkpoint
+    from trainer_svc.train.step import train_step
+    from weightsync.models import resolve_model
+
+    monkeypatch.setenv("WS_TRAINER_LR", "1e-3")
+    a = HfActor(resolve_model("tiny-qwen2")[0], seed=1)
+    s = _Servicer(a)
+    assert s.init_training() is False
+    train_step(a, make_request())
+    save_checkpoint(a, str(tmp_path))
+
+    class Cfg:  # a TrainerConfig that already has the fields
+        lr, checkpoint_dir, resume = 1e-3, str(tmp_path), True
+
+    b = _Servicer(HfActor(resolve_model("tiny-qwen2")[0], seed=5))
+    assert b.init_training(Cfg()) is True
+    assert (b.actor.step, b.actor.version) == (1, 2)
