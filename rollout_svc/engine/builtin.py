@@ -1,0 +1,163 @@
+"""The built-in engine: a transformers causal LM driven by our own decode loop (CPU or one GPU).
+
+It is the embedded default of rollout-svc and the reference the SGLang adapter is held to:
+real transformers modules, KV-cached decoding, per-token log-probs, a prefix cache, and
+in-place weight loading by HF checkpoint names.
+
+Naming: parameters are listed as in an HF checkpoint. With tied embeddings the checkpoint holds
+only `model.embed_tokens.weight` (save_pretrained drops `lm_head.weight`), so that is the name
+listed; `lm_head.weight` is still accepted by `load_weights` and lands in the same tensor.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.prefix_cache import PrefixCache
+from rollout_svc.engine.sampling import choose
+from weightsync.bus.plan import TensorMeta
+
+
+class BuiltinEngine:
+    name = "builtin"
+
+    def __init__(self, model, config, *, max_prefix_cache_entries: int = 64):
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._params = dict(model.named_parameters())
+        if self.tied and "lm_head.weight" in self._params:
+            self._params.pop("lm_head.weight")
+        self.prefix_cache = PrefixCache(max_prefix_cache_entries)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
+        eos = getattr(config, "eos_token_id", None)
+        self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    max_prefix_cache_entries: int = 64) -> "BuiltinEngine":
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device=device, dtype=dtype)
+        return cls(model, config, max_prefix_cache_entries=max_prefix_cache_entries)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        max_prefix_cache_entries: int = 64) -> "BuiltinEngine":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        return cls(model, model.config, max_prefix_cache_entries=max_prefix_cache_entries)
+
+    # ---- weights ------------------------------------------------------------------------
+    def hf_config(self):
+        return self.config
+
+    def param_metas(self) -> dict[str, TensorMeta]:
+        return {n: TensorMeta(n, tuple(p.shape), p.dtype) for n, p in self._params.items()}
+
+    def _target(self, name: str) -> torch.nn.Parameter | None:
+        if self.tied and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        return self._params.get(name)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = list(named)
+        for name, t in items:  # validate the whole batch before touching a parameter
+            p = self._target(name)
+            if p is None:
+                raise ValueError(f"tensor {name}: not a parameter of this {self.config.model_type} model")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {name}: shape {list(t.shape)} != expected {list(p.shape)}")
+        with torch.no_grad():
+            for name, t in items:
+                self._target(name).copy_(t)
+
+    def flush_cache(self) -> None:
+        self.prefix_cache.flush()
+
+    def prefix_cache_entries(self) -> int:
+        return len(self.prefix_cache)
+
+    def num_ranks(self) -> int:
+        return 1
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self._params.values())
+
+    # ---- inference ----------------------------------------------------------------------
+    def _check_ids(self, ids: list[int], what: str, extra: int = 0) -> None:
+        if not ids:
+            raise ValueError(f"{what}: empty token list")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) + extra > self.max_positions:
+            raise ValueError(f"{what}: {len(ids)} tokens + max_new_tokens {extra} exceed max_position_embeddings "
+                             f"{self.max_positions}")
+
+    @torch.no_grad()
+    def _prefill(self, prompt: list[int]) -> tuple[object, torch.Tensor, bool]:
+        from transformers import DynamicCache
+
+        hit = self.prefix_cache.get(prompt)
+        if hit is not None:
+            return hit.cache, hit.last_logits, True
+        cache = DynamicCache(config=self.config)
+        out = self.model(torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True)
+        last = out.logits[:, -1].float()
+        self.prefix_cache.put(prompt, out.past_key_values, last)
+        return out.past_key_values, last, False
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[SampleResult]:
+        sampling.validate()
+        for i, p in enumerate(prompts):
+            self._check_ids(p, f"prompts[{i}]", sampling.max_new_tokens)
+        stops = set(sampling.stop_token_ids) | set(self.eos_ids)
+        results: list[SampleResult] = []
+        for pi, prompt in enumerate(prompts):
+            cache, last, hit = self._prefill(prompt)
+            n = sampling.n
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            logits = last.expand(n, -1)
+            gen = torch.Generator().manual_seed((sampling.seed * 1_000_003 + pi) & ((1 << 63) - 1))
+            toks: list[list[int]] = [[] for _ in range(n)]
+            lps: list[list[float]] = [[] for _ in range(n)]
+            done = [False] * n
+            reason = ["length"] * n
+            for _ in range(sampling.max_new_tokens):
+                tok, lp = choose(logits, sampling, gen)
+                for r in range(n):
+                    if done[r]:
+                        continue
+                    t = int(tok[r])
+                    toks[r].append(t)
+                    lps[r].append(float(lp[r]))
+                    if t in stops:
+                        done[r], reason[r] = True, "stop"
+                if all(done):
+                    break
+                out = self.model(tok[:, None].to(self.device), past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1].float()
+            results += [SampleResult(pi, toks[r], lps[r], reason[r], hit) for r in range(n)]
+        return results
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
+        self._check_ids(token_ids, "token_ids")
+        if not 0 < prompt_length <= len(token_ids):
+            raise ValueError(f"prompt_length={prompt_length} must be in [1, {len(token_ids)}]")
+        logits = self.model(torch.tensor([token_ids], device=self.device)).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1)
+        targets = torch.tensor(token_ids[1:], device=self.device)
+        per_tok = logp.gather(-1, targets[:, None]).squeeze(-1)[prompt_length - 1:]
+        return per_tok.cpu().tolist(), logits[-1].cpu()
