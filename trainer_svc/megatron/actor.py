@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class MegatronActor:
     def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
                  export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None):
         from trainer_svc.megatron.commands import CommandChannel
         from trainer_svc.megatron.hf_meta import export_metas
         from trainer_svc.megatron.model import build_chunks, family_of_config
@@ -39,7 +39,7 @@ class MegatronActor:
         self._metas = export_metas(hf_config, self.family, export_dtype)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
         self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
-                                  init_weights=weights_dir is None)
+                                  init_weights=weights_dir is None if init_weights is None else init_weights)
         self.version = 0
         if weights_dir:
             self._load_hf(weights_dir)

@@ -1,0 +1,133 @@
+"""Checkpoint conversion: HF directory <-> Megatron checkpoint at a given TP/PP/VPP.
+
+The Megatron side is per-rank `torch.save` of each model chunk's state_dict (plus a JSON manifest
+and the HF config), not megatron-core dist checkpointing: on this CPU/gloo setup
+`dist_checkpointing.save` hung in its collectives, and a per-rank file is simple and exact. The
+price is that a checkpoint is tied to its TP/PP/VPP layout; converting back to HF (and from there
+to another layout) is the way to reshard.
+
+Both directions run one process per model-parallel rank. Called outside torchrun with tp*pp > 1,
+`main` relaunches itself under `torch.distributed.run`.
+
+    python -m trainer_svc.megatron.convert to-megatron --hf DIR --out CKPT --tp 2 --pp 2
+    python -m trainer_svc.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FORMAT = "weightsync-megatron-v1"
+MANIFEST = "megatron_checkpoint.json"
+
+
+def _rank_file(ckpt: Path, tp_rank: int, pp_rank: int) -> Path:
+    return ckpt / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.pt"
+
+
+def read_manifest(ckpt: str) -> dict:
+    path = Path(ckpt) / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"ckpt {ckpt}: no {MANIFEST}; not a checkpoint written by `convert to-megatron`")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"ckpt {ckpt}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer_svc.megatron.actor import MegatronActor
+
+    actor = MegatronActor.from_pretrained(hf_dir, tp=tp, pp=pp, vpp=vpp)
+    ckpt = Path(out)
+    if actor.rmap.in_replica0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        torch.save({"chunks": [chunk.state_dict() for chunk in actor.model]},
+                   _rank_file(ckpt, actor.rmap.tp_rank, actor.rmap.pp_rank))
+    if actor.rmap.rank == 0:
+        actor.config.save_pretrained(str(ckpt))
+        (ckpt / MANIFEST).write_text(json.dumps({"format": FORMAT, "family": actor.family, "tp": tp, "pp": pp,
+                                                 "vpp": vpp}, indent=2))
+    dist.barrier()
+
+
+def to_hf(ckpt: str, out: str, dtype: str) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    from trainer_svc.megatron.actor import MegatronActor
+    from weightsync.bus.dtypes import parse_dtype
+
+    meta = read_manifest(ckpt)
+    config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
+    actor = MegatronActor(config, tp=meta["tp"], pp=meta["pp"], vpp=meta["vpp"], export_dtype=parse_dtype(dtype),
+                          init_weights=False)
+    path = _rank_file(Path(ckpt), actor.rmap.tp_rank, actor.rmap.pp_rank)
+    if not path.is_file():
+        raise ValueError(f"ckpt {ckpt}: missing {path.name} for TP rank {actor.rmap.tp_rank}, PP rank {actor.rmap.pp_rank}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if len(state["chunks"]) != len(actor.model):
+        raise ValueError(f"ckpt {ckpt}: {path.name} has {len(state['chunks'])} chunks, VPP={meta['vpp']} needs "
+                         f"{len(actor.model)}")
+    for chunk, sd in zip(actor.model, state["chunks"]):
+        chunk.load_state_dict(sd, strict=True)
+    if actor.rmap.rank == 0:
+        actor.save_hf(out)
+        actor.shutdown()
+    else:
+        actor.worker_loop()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="trainer-svc convert", description="HF <-> Megatron checkpoint conversion")
+    sub = ap.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("to-megatron", help="HF safetensors directory -> Megatron checkpoint at TP/PP/VPP")
+    a.add_argument("--hf", required=True, help="HF directory (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint directory to write")
+    a.add_argument("--tp", type=int, default=1)
+    a.add_argument("--pp", type=int, default=1)
+    a.add_argument("--vpp", type=int, default=1)
+    b = sub.add_parser("to-hf", help="Megatron checkpoint -> HF directory loadable by transformers")
+    b.add_argument("--ckpt", required=True, help="checkpoint directory written by to-megatron")
+    b.add_argument("--out", required=True, help="HF directory to write")
+    b.add_argument("--dtype", default="float32", help="dtype of the written tensors (float32, bfloat16, ...)")
+    return ap
+
+
+def _world_needed(args) -> int:
+    if args.direction == "to-megatron":
+        return args.tp * args.pp
+    meta = read_manifest(args.ckpt)
+    return meta["tp"] * meta["pp"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    need = _world_needed(args)
+    if "WORLD_SIZE" not in os.environ and need > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={need}",
+               "-m", "trainer_svc.megatron.convert", *argv]
+        return subprocess.run(cmd, check=False).returncode
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) % need:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of tp*pp={need}")
+    if args.direction == "to-megatron":
+        to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp)
+    else:
+        to_hf(args.ckpt, args.out, args.dtype)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
