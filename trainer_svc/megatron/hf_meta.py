@@ -8,12 +8,20 @@ from weightsync.bus.plan import TensorMeta
 from trainer_svc.megatron.rules import Rule, rules_for
 
 
-def hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    from transformers import AutoModelForCausalLM
+_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
+
+def hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    # keyed by the config's JSON so an export does not rebuild the meta model every time
+    key = hf_config.to_json_string(use_diff=False)
+    if key not in _SHAPES:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        _SHAPES.clear()
+        _SHAPES[key] = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    return dict(_SHAPES[key])
 
 
 def export_plan(hf_config, family: str) -> list[tuple[Rule, int | None, list[str]]]:

@@ -95,6 +95,7 @@ def transformer_config(hf_config, par: Parallelism, *, params_dtype: torch.dtype
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         pipeline_dtype=params_dtype, params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         normalization="RMSNorm", layernorm_epsilon=float(hf_config.rms_norm_eps),
         gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=features["qkv_bias"], qk_layernorm=features["qk_norm"],
