@@ -12,6 +12,7 @@ import torch
 
 ALGO = "ws-sum64-v1"
 _MASK = (1 << 64) - 1
+_CHUNK_WORDS = 16 << 20
 
 
 def bucket_checksum(buf: torch.Tensor) -> int:
@@ -20,9 +21,13 @@ def bucket_checksum(buf: torch.Tensor) -> int:
         raise ValueError(f"checksum wants a flat uint8 buffer, got {buf.dtype} with shape {tuple(buf.shape)}")
     n = buf.numel()
     whole = n - n % 4
-    words = buf[:whole].view(torch.int32).to(torch.int64)
-    s1 = int(words.sum().item()) if whole else 0
-    s2 = int((words * words).sum().item()) if whole else 0
+    words = buf[:whole].view(torch.int32)
+    s1 = s2 = 0
+    # Chunked so the int64 temporaries stay small next to the bucket (bounded-memory principle).
+    for chunk in words.split(_CHUNK_WORDS):
+        c = chunk.to(torch.int64)
+        s1 += int(c.sum().item())
+        s2 += int((c * c).sum().item())
     tail = bytes(buf[whole:].cpu().tolist())
     t = int.from_bytes(tail, "little") if tail else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK

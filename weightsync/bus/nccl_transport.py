@@ -1,0 +1,141 @@
+"""NCCL transport: one broadcast per whole flat bucket from the trainer (rank 0) to every engine rank.
+
+A group is trainer rank 0 + every receiving engine rank; it is built once from a unique id that
+travels over gRPC (NcclTransport) and reused across syncs while membership is unchanged. Every
+collective is enqueued on the group's own CUDA stream and then polled against a deadline; on
+timeout or an asynchronous NCCL error the communicator is aborted (so no rank hangs forever)
+and the group must be rebuilt.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from weightsync.bus import pynccl
+from weightsync.bus.plan import BucketPlan
+from weightsync.bus.transport import TransportError
+
+_POLL_S = 0.0005
+
+
+class NcclGroup:
+    def __init__(self, unique_id: bytes, world_size: int, rank: int, device: torch.device | str,
+                 timeout: float = 60.0):
+        self.world_size, self.rank, self.timeout = world_size, rank, timeout
+        self.device = torch.device(device)
+        self.comm = None
+        self.broken = ""
+        box: dict = {}
+
+        def init() -> None:
+            try:
+                with torch.cuda.device(self.device):
+                    box["comm"] = pynccl.comm_init_rank(world_size, unique_id, rank)
+            except Exception as exc:  # reported by the waiting thread
+                box["error"] = exc
+
+        # ncclCommInitRank blocks until every rank joins; a missing peer must not hang the caller.
+        t = threading.Thread(target=init, name=f"nccl-init-r{rank}", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            self.broken = f"NCCL group init (rank {rank} of {world_size}) did not complete within {timeout:.0f}s"
+            raise TransportError(self.broken)
+        if "error" in box:
+            raise TransportError(f"NCCL group init failed: {box['error']}")
+        self.comm = box["comm"]
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def enqueue(self, buf: torch.Tensor, after_current: bool = True) -> torch.cuda.Event:
+        """Enqueue a broadcast of `buf` from rank 0 on the group's stream; returns its completion event.
+
+        `after_current` orders it after work already queued on the caller's stream (e.g. the
+        copies out of this buffer's previous contents).
+        """
+        if self.broken:
+            raise TransportError(f"NCCL group unusable: {self.broken}")
+        if buf.device != self.device or buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise ValueError(f"broadcast wants a contiguous uint8 buffer on {self.device}, got {buf.dtype} on {buf.device}")
+        if after_current:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            pynccl.broadcast(self.comm, buf.data_ptr(), buf.numel(), 0, self.stream.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        buf.record_stream(self.stream)
+        return done
+
+    def wait(self, done: torch.cuda.Event, nbytes: int, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while not done.query():
+            err = pynccl.async_error(self.comm)
+            if err != 0 or time.monotonic() > deadline:
+                self.abort(f"NCCL error {err}" if err else f"broadcast of {nbytes} bytes exceeded its timeout")
+                raise TransportError(f"NCCL broadcast failed: {self.broken}")
+            time.sleep(_POLL_S)
+
+    def broadcast(self, buf: torch.Tensor, timeout: float | None = None, after_current: bool = True) -> None:
+        """Broadcast `buf` from rank 0 and return once it is complete on this rank."""
+        self.wait(self.enqueue(buf, after_current), buf.numel(), timeout)
+
+    def abort(self, reason: str) -> None:
+        self.broken = reason
+        if self.comm is not None:
+            pynccl.abort(self.comm)
+            self.comm = None
+
+    def close(self) -> None:
+        if self.comm is not None:
+            pynccl.destroy(self.comm)
+            self.comm = None
+
+
+class NcclBucketSender:
+    """Trainer side; the NCCL group reaches every receiver at once, so failures are group-wide."""
+
+    def __init__(self, group: NcclGroup):
+        if group.rank != 0:
+            raise ValueError("the bus sender must be rank 0 of its NCCL group")
+        self.group = group
+
+    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+        if buf.device != self.group.device:
+            buf = buf.to(self.group.device)
+        # The pipeline's packer synchronised this buffer already: don't wait on its next pack.
+        self.group.broadcast(buf[:plan.nbytes], after_current=False)
+
+    def failures(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class NcclBucketReceiver:
+    """Engine side, double-buffered: bucket k+1 is already being received while the caller loads
+    bucket k, so the engine's copies hide behind the wire time."""
+
+    def __init__(self, group: NcclGroup, buckets: list[BucketPlan]):
+        self.group = group
+        size = max((b.nbytes for b in buckets), default=0)
+        self._bufs = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(min(2, len(buckets)))]
+        self._plans = buckets
+        self._pending: dict[int, torch.cuda.Event] = {}
+
+    def _post(self, index: int) -> None:
+        if index < len(self._plans) and index not in self._pending:
+            buf = self._bufs[index % len(self._bufs)][:self._plans[index].nbytes]
+            self._pending[index] = self.group.enqueue(buf)
+
+    def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
+        self._post(plan.index)
+        self.group.wait(self._pending.pop(plan.index), plan.nbytes, timeout)
+        view = self._bufs[plan.index % len(self._bufs)][:plan.nbytes]
+        # Bucket k+1 goes to the other buffer; ordered after the caller's copies out of it (k-1).
+        self._post(plan.index + 1)
+        return view, None
+
+    def close(self) -> None:
+        pass
