@@ -45,6 +45,19 @@ def main() -> None:
         cfg = AutoConfig.from_pretrained(d, local_files_only=True)
         actor = MegatronActor(cfg, tp=args.tp, pp=args.pp, vpp=args.vpp, weights_dir=d)
         res = {"family": actor.family}
+        # a tied model at PP>1 keeps a second copy of the embedding as the last stage's head; it is
+        # never exported, so check it here against this rank's vocab rows of the HF embedding
+        ok = torch.tensor([1], dtype=torch.int64)
+        head = dict(actor.model[-1].named_parameters()).get("output_layer.weight")
+        if actor.family.endswith("-tied") and head is not None:
+            from megatron.core import parallel_state as ps
+
+            emb = load_file(str(Path(d) / "model.safetensors"))["model.embed_tokens.weight"]
+            n = head.shape[0]
+            rows = emb[ps.get_tensor_model_parallel_rank() * n:][:n]
+            ok[0] = int(torch.equal(head.detach()[: rows.shape[0]], rows) and bool((head.detach()[rows.shape[0]:] == 0).all()))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        res["tied_head_ok"] = bool(ok.item())
         if rank != 0:
             actor.worker_loop()
         else:

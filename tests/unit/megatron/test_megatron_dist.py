@@ -34,6 +34,7 @@ def test_hf_megatron_hf_roundtrip(tp, pp, vpp, hf_dirs, tmp_path):
         assert res["metas_match"], f"{family}: export_metas() differs from what export_tensors() yields"
         assert res["saved_exact"], f"{family}: save_hf() did not reload bit-exactly in transformers"
         assert res["version"] == 1
+        assert res["tied_head_ok"], f"{family}: the last stage's copy of the tied embedding differs"
         if pp == 1:
             # the strongest check of the mapping: same weights, same logits (fp32, CPU)
             assert res["logits_rel_err"] <= 1e-5, f"{family}: logits rel err {res['logits_rel_err']}"
