@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", choices=["megatron", "hf"], default="hf")
     p.add_argument("--model", default="tiny-qwen2")
+    p.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size (megatron; torchrun tp*pp ranks)")
+    p.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (megatron)")
     p.add_argument("--rollouts", type=int, default=2, help="rollout processes to start")
     p.add_argument("--task", default="target-tokens")
     p.add_argument("--reward", default="", help="module:function (prompt_ids, response_ids) -> float; default: the task's")
@@ -55,7 +57,9 @@ def _start(ns, workdir: Path):
     if ns.checkpoint_dir:
         os.environ["WS_TRAINER_CHECKPOINT_DIR"] = ns.checkpoint_dir
     os.environ["WS_TRAINER_RESUME"] = "true" if ns.resume else "false"
-    trainer = start_trainer(workdir, "--backend", ns.backend, "--model", ns.model, "--init-seed", str(ns.seed + 1))
+    par = ["--tp", str(ns.tp), "--pp", str(ns.pp)] if ns.tp * ns.pp > 1 else []
+    trainer = start_trainer(workdir, "--backend", ns.backend, "--model", ns.model, "--init-seed", str(ns.seed + 1),
+                            *par, nproc=ns.tp * ns.pp)
     procs = [trainer]
     trainer.wait_ready(300)
     procs += [start_rollout(workdir, "--model", ns.model, "--init-seed", str(100 + i), "--trainer-address",
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             trainer, procs = _start(ns, workdir)
             trainer_addr, rollout_addrs = trainer.address, [p.address for p in procs[1:]]
-            print(f"started trainer ({ns.backend}, {ns.model}) and {ns.rollouts} rollout(s) in "
+            print(f"started trainer ({ns.backend} TP={ns.tp} PP={ns.pp}, {ns.model}) and {ns.rollouts} rollout(s) in "
                   f"{time.perf_counter() - t0:.1f}s; logs in {workdir}")
         print(f"task {task.name}: chance reward {task.chance_reward:.3f}; sync {'off (control)' if ns.no_sync else 'on'}")
         from tqdm import tqdm

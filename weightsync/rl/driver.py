@@ -118,6 +118,15 @@ def run_loop(trainer_address: str, rollout_addresses: list[str], task: Task, ste
     loss_cfg = trainer_pb2.LossConfig(algorithm=cfg.algorithm, aggregation=cfg.aggregation,
                                       clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                                       kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef)
+    # Any training call makes the trainer build its training state and apply --resume; do it before
+    # the first sync so a resumed trainer publishes its checkpoint, not its fresh init. (A no-op once
+    # trainer-svc calls init_training() at startup.)
+    trainer.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(
+        samples=[trainer_pb2.TrainSample(prompt_ids=[0], response_ids=[0])]))
+    if cfg.sync:  # step 1 must sample from the trainer's current weights, whatever the rollouts held
+        rep = trainer.Sync(trainer_pb2.SyncRequest()).report
+        if not rep.ok:
+            raise RuntimeError(f"initial sync failed: {[r.error for r in rep.rollouts if not r.ok]}")
     records = []
     for _ in range(steps):
         prompts = task.prompts(rng, cfg.prompts_per_step)
