@@ -37,6 +37,10 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return b.view(dtype).reshape(shape)
 
 
+def _device(params: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device
+
+
 def _gather_tp(shard: torch.Tensor, tp_group, tp: int, tp_rank: int) -> list[torch.Tensor] | None:
     """All TP shards on TP rank 0 (None elsewhere); shards have equal shapes by construction."""
     if tp == 1:
@@ -83,7 +87,7 @@ def export_tensors(chunks, hf_config, family: str, par: Parallelism, rmap: RankM
                 out = []
                 for n in names:
                     buf = torch.empty(torch.Size(shapes[n]).numel() * export_dtype.itemsize, dtype=torch.uint8,
-                                      device=shard_device(params))
+                                      device=_device(params))
                     dist.recv(buf, src=leader)
                     out.append(_from_bytes(buf, export_dtype, shapes[n]))
         if rmap.rank == 0:
@@ -93,7 +97,3 @@ def export_tensors(chunks, hf_config, family: str, par: Parallelism, rmap: RankM
                                      f"(trainer {par.describe()})")
                 yield n, t
             out = None
-
-
-def shard_device(params: dict[str, torch.Tensor]) -> torch.device:
-    return next(iter(params.values())).device

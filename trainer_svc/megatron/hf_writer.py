@@ -49,6 +49,5 @@ def write_hf_dir(out_dir: str, hf_config, metas: list[TensorMeta], tensors: Iter
         total = sum(m.nbytes for m in metas)
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": file_of}, indent=2))
-    cfg = hf_config
-    cfg.save_pretrained(str(out))
+    hf_config.save_pretrained(str(out))
     return written
