@@ -56,6 +56,22 @@ def main() -> None:
         rep["act"] = _err(lambda: MegatronActor(make_config("llama", hidden_act="gelu")))
         rep["empty_dir"] = _err(lambda: actor.load_hf(str(work)))
 
+        # Llama 3.1 RoPE scaling (frequencies past 8192 positions' wavelength divided by `factor`)
+        from transformers import AutoModelForCausalLM
+
+        l3 = make_config("llama", rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
+        l3_dir = save_random_hf(l3, work / "llama3")
+        l3_actor = MegatronActor(l3, weights_dir=str(l3_dir))
+        ids = torch.randint(0, 250, (2, 64))
+        with torch.no_grad():
+            got = forward_logits(l3_actor.model, ids, 250)
+            want = AutoModelForCausalLM.from_pretrained(str(l3_dir), dtype=torch.float32).eval()(ids).logits
+        rep["llama3_rope_rel_err"] = float((got - want).norm() / want.norm())
+        bad = make_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+        rep["rope_type"] = _err(lambda: MegatronActor(bad))
+
         # backward through the whole CPU model (the compat layer's RNG tracker and masks included)
         actor.load_hf(str(src))
         ids = torch.randint(0, 250, (2, 8))

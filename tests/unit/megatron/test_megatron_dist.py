@@ -59,4 +59,6 @@ def test_single_rank_errors_versions_seed_backward(hf_dirs, tmp_path):
         and "(128, 64)" in rep["shape"] and "TP=1" in rep["shape"], rep["shape"]
     assert "hidden_act='gelu'" in rep["act"], rep["act"]
     assert "no *.safetensors" in rep["empty_dir"], rep["empty_dir"]
+    assert rep["llama3_rope_rel_err"] <= 1e-5, rep["llama3_rope_rel_err"]
+    assert "rope_type='yarn'" in rep["rope_type"], rep["rope_type"]
     assert rep["backward"]
