@@ -228,11 +228,12 @@ def main():
         got = dict(res_q.get(timeout=560) for _ in procs)
         for pr in procs:
             pr.join(30)
-        results["nccl_1to1"] = [{**s, **{k: v for k, v in r.items() if k in ("exact",)}} for s, r in zip(got[0], got[1])]
-        for s, r in zip(got[0], got[1]):  # the receiver's clock: it finishes last
-            for k, v in r.items():
-                if k.endswith("_s"):
-                    s[k + "_rx"] = v
+        merged = []
+        for s, r in zip(got[0], got[1]):  # times are taken on the receiver's clock: it finishes last
+            rec = dict(s, exact=r.get("exact"))
+            rec.update({k + "_rx": v for k, v in r.items() if k.endswith("_s")})
+            merged.append(rec)
+        results["nccl_1to1"] = merged
     for name in [m for m in args.ipc_models.split(",") if m]:
         q_push, q_ack, res_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=ipc_rank, args=(role, q_push, q_ack, res_q, args, name)) for role in ("trainer", "engine")]

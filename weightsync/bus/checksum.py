@@ -22,12 +22,15 @@ def bucket_checksum(buf: torch.Tensor) -> int:
     n = buf.numel()
     whole = n - n % 4
     words = buf[:whole].view(torch.int32)
-    s1 = s2 = 0
-    # Chunked so the int64 temporaries stay small next to the bucket (bounded-memory principle).
+    acc1 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    acc2 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    # Squares wrap in int32 (deterministic on every device); sums accumulate in int64 without an
+    # int64 copy of the data. Chunked so the one int32 temporary stays small next to the bucket,
+    # and accumulated on the device so there is a single host sync per bucket.
     for chunk in words.split(_CHUNK_WORDS):
-        c = chunk.to(torch.int64)
-        s1 += int(c.sum().item())
-        s2 += int((c * c).sum().item())
+        acc1 += torch.sum(chunk, dtype=torch.int64)
+        acc2 += torch.sum(chunk * chunk, dtype=torch.int64)
+    s1, s2 = (int(v) for v in torch.stack([acc1, acc2]).tolist())
     tail = bytes(buf[whole:].cpu().tolist())
     t = int.from_bytes(tail, "little") if tail else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK

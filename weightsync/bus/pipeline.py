@@ -34,6 +34,23 @@ class StreamStats:
 
 
 _DONE = object()
+
+
+def _zero_copy_candidate(plan, bucket_bytes: int) -> bool:
+    return len(plan.slots) == 1 and plan.nbytes > bucket_bytes
+
+
+def _own_bytes(plan, item, device: torch.device) -> torch.Tensor | None:
+    """The bytes of an oversized tensor, in place when it already has the planned layout."""
+    if item is None:
+        return None
+    name, t = item
+    m = plan.slots[0].meta
+    if name != m.name or tuple(t.shape) != m.shape or t.dtype != m.dtype:
+        raise ValueError(f"bucket {plan.index}: exporter yielded {name} {tuple(t.shape)} {t.dtype}, "
+                         f"plan expects {m.name} {m.shape} {m.dtype}")
+    t = t.detach().to(device).contiguous()
+    return t.reshape(-1).view(torch.uint8)
 log = logging.getLogger(__name__)
 
 
@@ -47,11 +64,16 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     if not manifest.buckets:
         return stats
     device = torch.device(device)
-    buf_bytes = max(b.nbytes for b in manifest.buckets)
-    stats.peak_buffer_bytes = buf_bytes * min(num_buffers, len(manifest.buckets))
+    # A tensor larger than a bucket travels from its own memory (no copy), so the reusable
+    # buffers only need to hold regular buckets: extra memory is num_buffers x bucket_bytes.
+    packed = [b for b in manifest.buckets if not _zero_copy_candidate(b, manifest.bucket_bytes)]
+    buf_bytes = max((b.nbytes for b in packed), default=0)
+    n_bufs = min(num_buffers, len(packed))
+    stats.peak_buffer_bytes = buf_bytes * n_bufs
     free: queue.Queue = queue.Queue()
-    for _ in range(min(num_buffers, len(manifest.buckets))):
+    for _ in range(n_bufs):
         free.put(alloc_buffer(buf_bytes, device))
+    releases_previous = bool(getattr(sender, "releases_previous", False))
     ready: queue.Queue = queue.Queue()
     stop = threading.Event()
     deadline = time.monotonic() + timeout
@@ -66,6 +88,16 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
         try:
             it = iter(tensors)
             for plan in manifest.buckets:
+                if _zero_copy_candidate(plan, manifest.bucket_bytes):
+                    t0 = time.perf_counter()
+                    view = _own_bytes(plan, next(it, None), device)
+                    if view is not None:
+                        csum = bucket_checksum(view) if with_checksums else None
+                        stats.pack_seconds += time.perf_counter() - t0
+                        ready.put((plan, None, view, csum))
+                        continue
+                    raise ValueError(f"bucket {plan.index}: exporter did not yield {plan.slots[0].meta.name} "
+                                     f"as planned")
                 buf = None
                 while buf is None:
                     if stop.is_set():
@@ -91,6 +123,7 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     t_start = time.perf_counter()
     producer = threading.Thread(target=produce, name=f"pack-{manifest.sync_id}", daemon=True)
     producer.start()
+    held = None  # with a releases_previous sender, bucket k's buffer is reusable only after send(k+1)
     try:
         while True:
             try:
@@ -108,7 +141,17 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             stats.bytes_sent += plan.nbytes
             if csum is not None:
                 stats.checksums.append(csum)
-            free.put(buf)
+            if releases_previous:
+                if held is not None:
+                    free.put(held)
+                held = buf
+            elif buf is not None:
+                free.put(buf)
+        flush = getattr(sender, "flush", None)
+        if flush is not None:
+            t0 = time.perf_counter()
+            flush()
+            stats.send_seconds += time.perf_counter() - t0
     finally:
         stop.set()
         producer.join(timeout=30)

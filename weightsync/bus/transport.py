@@ -25,6 +25,10 @@ class BucketSender(Protocol):
         raises TransportError only when no target is left (or a collective transport fails).
         """
 
+    # A sender may instead set `releases_previous = True`: then `send(k)` only has to make the
+    # buffer of bucket k-1 reusable (bucket k may still be on the wire), and `flush()` waits for
+    # everything. This lets a collective transport keep the wire busy without host round trips.
+
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""
 

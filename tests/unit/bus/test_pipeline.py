@@ -71,3 +71,44 @@ def test_slow_exporter_hits_timeout():
 
     with pytest.raises(TimeoutError):
         stream_buckets(m, slow(), CollectingSender(), timeout=0.3)
+
+
+def test_oversized_tensor_travels_from_its_own_memory():
+    big = torch.arange(4096, dtype=torch.float32)  # 16 KiB > 1 KiB buckets
+    ts = {"a": torch.ones(10), "big": big, "b": torch.zeros(10)}
+    m = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="z",
+                      bucket_bytes=1024)
+    seen = {}
+
+    class PtrSender(CollectingSender):
+        def send(self, plan, buf, checksum):
+            seen[plan.index] = buf.data_ptr()
+            super().send(plan, buf, checksum)
+
+    s = PtrSender()
+    stats = stream_buckets(m, iter(ts.items()), s)
+    big_bucket = next(b.index for b in m.buckets if b.slots[0].meta.name == "big")
+    assert seen[big_bucket] == big.data_ptr(), "oversized tensor was copied"
+    assert stats.peak_buffer_bytes < big.numel() * 4
+    assert torch.equal(s.buckets[big_bucket][1].view(torch.float32), big)
+
+
+def test_async_sender_gets_each_buffer_back_only_after_the_next_send():
+    ts, m = _setup(n=20)
+    log = []
+
+    class AsyncSender(CollectingSender):
+        releases_previous = True
+
+        def send(self, plan, buf, checksum):
+            log.append(("send", plan.index, buf.data_ptr()))
+            super().send(plan, buf, checksum)
+
+        def flush(self):
+            log.append(("flush",))
+
+    stream_buckets(m, iter(ts.items()), AsyncSender(), num_buffers=2)
+    sends = [e for e in log if e[0] == "send"]
+    # consecutive buckets never share a buffer: k's buffer is still "on the wire" during send(k+1)
+    assert all(a[2] != b[2] for a, b in zip(sends, sends[1:]))
+    assert log[-1] == ("flush",)
