@@ -164,7 +164,7 @@ def ipc_rank(role, q_push, q_ack, res_q, args, name):
                 q_push.put((plan.index, handle.SerializeToString()))
                 q_ack.get(timeout=120)
 
-            stream_buckets(manifest, iter(model.items()), IpcBucketSender(push), device=dev, num_buffers=2,
+            stream_buckets(manifest, iter(model.items()), IpcBucketSender(push), device=dev, num_buffers=args.ipc_buffers,
                            with_checksums=False, timeout=300)
             q_push.put(None)
             q_ack.get(timeout=120)  # engine done
@@ -211,6 +211,7 @@ def main():
     p.add_argument("--bucket-mb", default="64,256,1024")
     p.add_argument("--ipc-bucket-mb", type=int, default=1024)
     p.add_argument("--ipc-models", default="7b")
+    p.add_argument("--ipc-buffers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers-32b", type=int, default=0, help="trim the 32B config to this many layers (0 = all 64)")
     p.add_argument("--out", default="bench_sync.json")
@@ -243,6 +244,15 @@ def main():
         for pr in procs:
             pr.join(30)
         results.setdefault("ipc", []).append({**got["trainer"], "exact": got["engine"]["exact"]})
+    buf = torch.randint(0, 256, (GiB,), dtype=torch.uint8, device="cuda:0")
+    for _ in range(2):
+        bucket_checksum(buf)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        bucket_checksum(buf)
+    results["checksum_gbps"] = GiB * 5 / (time.perf_counter() - t0) / 1e9
+    del buf
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print_table(results)
@@ -260,6 +270,7 @@ def print_table(results):
             t = median(rec[key + "_s_rx"])
             peak = rec.get(key + "_peak_extra_bytes")
             print(f"  {key:<22}{t:>9.4f}{gb / t:>8.1f}{raw / t:>8.3f}{(max(peak) / 2**20 if peak else float('nan')):>16.0f}")
+    print(f"\nbucket checksum on {results['device']}: {results.get('checksum_gbps', 0):.0f} GB/s")
     for rec in results.get("ipc", []):
         t, bound = median(rec["ipc_s"]), rec["copy_bound_s"]
         print(f"\nIPC colocated {rec['model']}: {rec['bytes'] / 1e9:.2f} GB in {t:.4f}s ({rec['bytes'] / 1e9 / t:.0f} GB/s); "
