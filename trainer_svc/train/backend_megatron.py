@@ -40,6 +40,14 @@ def _pad_rows(mb: Batch, rows: int, width: int) -> Batch:
                    mask=pad(mb.mask), old_logp=pad(mb.old_logp), advantages=adv, ref_logp=pad(mb.ref_logp))
 
 
+def _to(mb: Batch, dev: torch.device) -> Batch:
+    if dev.type == "cpu":
+        return mb
+    mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+    return replace(mb, tokens=mv(mb.tokens), attention=mv(mb.attention), targets=mv(mb.targets), mask=mv(mb.mask),
+                   old_logp=mv(mb.old_logp), advantages=mv(mb.advantages), ref_logp=mv(mb.ref_logp))
+
+
 class _CpuZerosTorch:
     """`torch` as seen by megatron's schedules module, except that zeros(device="cuda") lands on CPU."""
 
@@ -84,7 +92,7 @@ class MegatronBackend:
         self.vpp = len(self.chunks)
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.vocab_size = int(actor.config.vocab_size)
-        self.is_output_rank = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.device = next(self.chunks[0].parameters()).device
         # the rank that holds the pipeline output of TP rank 0 / DP rank 0; it broadcasts results
         self.output_src = actor.rmap.stage_leader[-1] if hasattr(actor, "rmap") else 0
 
@@ -169,15 +177,16 @@ class MegatronBackend:
             padded += [blank] * (self.pp - len(padded) % self.pp)
         n = len(padded)
         outs: list[torch.Tensor] = []
-        pos = torch.arange(width).unsqueeze(0).expand(rows, width)
+        dev = self.device
+        pos = torch.arange(width, device=dev).unsqueeze(0).expand(rows, width)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = _to(next(data_iterator), dev)
             output = model(mb.tokens, pos, attention_mask=None)
 
             def loss_func(logits):
                 loss, out = fn(logits, mb)
-                outs.append(out.detach())
+                outs.append(out.detach().float().cpu())
                 if loss is None:
                     loss = logits.sum() * 0.0
                 # megatron divides a 2-tuple loss by num_microbatches; ours is already the
@@ -206,7 +215,9 @@ class MegatronBackend:
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         flat = torch.cat([o.reshape(-1).float() for o in outs]) if dist.get_rank() == self.output_src \
             else torch.zeros(numel)
+        flat = flat.to(self.device)  # the default group is NCCL on GPU hosts
         dist.broadcast(flat, src=self.output_src)
+        flat = flat.cpu()
         res, off = [], 0
         for s in shapes:
             k = int(torch.Size(s).numel())
@@ -226,7 +237,7 @@ class MegatronBackend:
         # megatron's rule: each distinct parameter element counted once, summed over TP x PP
         if not hasattr(self, "_counted"):
             self._counted = self._norm_params()
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in params:
             if id(p) in self._counted:
                 sq += p.grad.double().pow(2).sum()

@@ -38,8 +38,11 @@ _WORKER = textwrap.dedent("""
     (lp_ref.sum() + 0.3 * ent_ref.sum()).backward()
     gref = torch.cat([ref.grad[..., :27], torch.zeros(2, 6, 13)], -1)[..., r * v:(r + 1) * v]
     assert torch.allclose(shard.grad, gref, atol=1e-5), (shard.grad - gref).abs().max()
-    dist.destroy_process_group()
+    dist.barrier()
     open(f"{__import__('sys').argv[1]}/ok{r}", "w").close()
+    # skip interpreter teardown: gloo's destructors at exit abort now and then
+    # ("terminate called without an active exception"), which is not what this test checks
+    import os; os._exit(0)
 """)
 
 
