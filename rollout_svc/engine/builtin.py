@@ -7,6 +7,13 @@ in-place weight loading by HF checkpoint names.
 Naming: parameters are listed as in an HF checkpoint. With tied embeddings the checkpoint holds
 only `model.embed_tokens.weight` (save_pretrained drops `lm_head.weight`), so that is the name
 listed; `lm_head.weight` is still accepted by `load_weights` and lands in the same tensor.
+
+Log-probs: a generated token's log-prob is log_softmax(logits / T) at that token, before top-k /
+top-p truncation (T = 1 for greedy); `score` uses T = 1. See rollout_svc.engine.sampling.
+
+Concurrency: the service serialises generate and load_weights with its own lock. The engine holds
+no copies of weights (parameters are updated in place), and every load drops the prefix cache, so
+no KV state computed from old weights survives a load even if a caller forgets flush_cache().
 """
 from __future__ import annotations
 
@@ -20,11 +27,17 @@ from rollout_svc.engine.sampling import choose
 from weightsync.bus.plan import TensorMeta
 
 
+# Long prompts on a large model make each entry hundreds of MB, so entries alone do not bound memory.
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
 class BuiltinEngine:
     name = "builtin"
 
-    def __init__(self, model, config, *, max_prefix_cache_entries: int = 64):
-        self.model = model.eval()
+    def __init__(self, model, config, *, max_prefix_cache_entries: int = 64,
+                 max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES):
+        # Inference only: frozen parameters keep a stray forward outside no_grad from building a graph.
+        self.model = model.eval().requires_grad_(False)
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -32,7 +45,7 @@ class BuiltinEngine:
         self._params = dict(model.named_parameters())
         if self.tied and "lm_head.weight" in self._params:
             self._params.pop("lm_head.weight")
-        self.prefix_cache = PrefixCache(max_prefix_cache_entries)
+        self.prefix_cache = PrefixCache(max_prefix_cache_entries, max_prefix_cache_bytes)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
         eos = getattr(config, "eos_token_id", None)
@@ -41,20 +54,29 @@ class BuiltinEngine:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    max_prefix_cache_entries: int = 64) -> "BuiltinEngine":
+                    max_prefix_cache_entries: int = 64,
+                    max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES) -> "BuiltinEngine":
+        """Random init from `seed`: the same (config, seed) gives the same weights on any host
+        (initialised in fp32 on CPU, then cast and moved), without touching the caller's RNG."""
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device=device, dtype=dtype)
-        return cls(model, config, max_prefix_cache_entries=max_prefix_cache_entries)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(device=device, dtype=dtype)
+        return cls(model, config, max_prefix_cache_entries=max_prefix_cache_entries,
+                   max_prefix_cache_bytes=max_prefix_cache_bytes)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        max_prefix_cache_entries: int = 64) -> "BuiltinEngine":
+                        max_prefix_cache_entries: int = 64,
+                        max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES) -> "BuiltinEngine":
+        """Load a local HF directory (config + safetensors); never reaches the hub."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-        return cls(model, model.config, max_prefix_cache_entries=max_prefix_cache_entries)
+        return cls(model, model.config, max_prefix_cache_entries=max_prefix_cache_entries,
+                   max_prefix_cache_bytes=max_prefix_cache_bytes)
 
     # ---- weights ------------------------------------------------------------------------
     def hf_config(self):
@@ -69,16 +91,25 @@ class BuiltinEngine:
         return self._params.get(name)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a (partial) set of HF-named tensors into the parameters in place, cast to the
+        engine's dtype and device. The whole batch is validated first: a bad tensor changes nothing."""
         items = list(named)
-        for name, t in items:  # validate the whole batch before touching a parameter
+        for name, t in items:
             p = self._target(name)
             if p is None:
-                raise ValueError(f"tensor {name}: not a parameter of this {self.config.model_type} model")
+                raise ValueError(f"tensor {name}: not a parameter of this {self.config.model_type} model "
+                                 f"(see param_metas() for the accepted HF names)")
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"tensor {name}: got {type(t).__name__}, expected a torch.Tensor")
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"tensor {name}: shape {list(t.shape)} != expected {list(p.shape)}")
+            if t.dtype.is_complex or t.dtype == torch.bool:
+                raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be cast to {p.dtype}")
+        # Any cached KV was computed from the old weights: drop it now, not only at flush_cache().
+        self.prefix_cache.flush()
         with torch.no_grad():
             for name, t in items:
-                self._target(name).copy_(t)
+                self._target(name).copy_(t, non_blocking=False)
 
     def flush_cache(self) -> None:
         self.prefix_cache.flush()
@@ -107,13 +138,14 @@ class BuiltinEngine:
     def _prefill(self, prompt: list[int]) -> tuple[object, torch.Tensor, bool]:
         from transformers import DynamicCache
 
+        epoch = self.prefix_cache.epoch  # read before the prefill: a flush during it voids the result
         hit = self.prefix_cache.get(prompt)
         if hit is not None:
             return hit.cache, hit.last_logits, True
         cache = DynamicCache(config=self.config)
         out = self.model(torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True)
         last = out.logits[:, -1].float()
-        self.prefix_cache.put(prompt, out.past_key_values, last)
+        self.prefix_cache.put(prompt, out.past_key_values, last, epoch=epoch)
         return out.past_key_values, last, False
 
     @torch.no_grad()
