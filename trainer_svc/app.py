@@ -56,6 +56,8 @@ class TrainerApp:
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
                                         cfg.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
+        # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.
+        self.servicer.init_training(cfg)
         for addr in cfg.rollouts:
             self.registry.upsert(addr, addr)
         self._stopped = threading.Event()

@@ -36,6 +36,7 @@ def _reference_logits(model_dir: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    torch.set_num_threads(1)  # the rollout runs single-threaded: same reduction order, exact comparison
     with torch.no_grad():
         return m(torch.tensor([PROMPT])).logits[0, -1].float()
 

@@ -37,6 +37,7 @@ def _status(trainer):
 def _hf_logits(model_dir, ids=PROMPT):
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.set_num_threads(1)  # as the rollout process runs (weightsync.local.procs): same reduction order
     with torch.no_grad():
         return m(torch.tensor([ids])).logits[0, -1].float()
 

@@ -112,7 +112,10 @@ class MegatronActor:
             elif op == "load_hf":
                 self._load_hf(args["path"])
             else:
-                raise ValueError(f"unknown worker command {op!r}")
+                from trainer_svc.train.collective import handle_worker_command  # training ops live there
+
+                if not handle_worker_command(self, op, args):
+                    raise ValueError(f"unknown worker command {op!r}")
 
     def shutdown(self) -> None:
         """On rank 0: end every worker loop. Idempotent; a no-op on a single-rank job."""

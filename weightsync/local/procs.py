@@ -78,7 +78,10 @@ class Proc:
 
 def _env() -> dict:
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    # One intra-op thread: fp32 results are then bit-reproducible across processes (a reference
+    # computed in another process with torch.set_num_threads(1) matches exactly), and 2-core CI
+    # machines aren't oversubscribed by several services.
+    env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
