@@ -22,7 +22,7 @@ class TrainerConfig:
     export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
                               help="dtype tensors are cast to on the bus (match the rollout engine's dtype)")
     transport: str = field("tcp", choices=("tcp", "nccl", "ipc"), help="default weight-bus transport")
-    bucket_mb: int = field(256, help="flat bucket size in MiB; two buckets are the sender's extra memory")
+    bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
     rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
     rollouts: list[str] = field(default_factory=list,
