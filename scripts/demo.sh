@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up a virtualenv (CPU torch) and run the end-to-end demo: trainer-svc + rollout-svc on this
-# machine with a tiny model, weight syncs driven by wsctl, and a short report.
+# Set up a virtualenv (CPU torch) and run the main job on this machine with a tiny model:
+#  1. the sync demo: trainer-svc + 2 rollout-svc, syncs through wsctl, exactness report;
+#  2. the RL loop: generate → reward → GRPO step on the megatron-core actor → sync, 20 steps,
+#     per-step table and a PNG plot (reward rises from chance as the weights reach the rollouts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,4 +12,8 @@ python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[train]' matplotlib
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python -m weightsync.demo "$@"
+OUTDIR=${OUTDIR:-runs/demo}
+mkdir -p "$OUTDIR"
+python -m weightsync.demo --workdir "$OUTDIR/sync"
+python -m weightsync.rl --steps 20 --backend megatron --workdir "$OUTDIR/rl" --plot "$OUTDIR/rl.png" "$@"
+echo "plot: $OUTDIR/rl.png   logs: $OUTDIR"
