@@ -151,13 +151,19 @@ class SyncTransaction:
             for name, view in unpack_bucket(plan, buf):
                 p.staging[name] = view.clone()
         else:
-            if not self._lock_held_by_sync:
-                if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
-                    raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
-                self._lock_held_by_sync = True
-                self.state = S.APPLYING
-            p.applied_any = True
-            self.engine.load_weights(unpack_bucket(plan, buf))
+            # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
+            # the engine lock between our check and the load, and a bucket of an aborted sync is never
+            # loaded after the abort (or into the next sync's weights).
+            with self._state_lock:
+                if self._pending is not p or p.error:
+                    raise SyncError(f"sync {sync_id} was aborted: {p.error or 'superseded'}")
+                if not self._lock_held_by_sync:
+                    if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
+                        raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+                    self._lock_held_by_sync = True
+                    self.state = S.APPLYING
+                p.applied_any = True
+                self.engine.load_weights(unpack_bucket(plan, buf))
         p.received.append(ours)
         if len(p.received) == len(p.manifest.buckets):
             p.done.set()
