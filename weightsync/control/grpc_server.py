@@ -21,11 +21,38 @@ class BindError(RuntimeError):
     pass
 
 
+class DecodeGuardInterceptor(grpc.ServerInterceptor):
+    """Answer a request that is not a valid protobuf message with INVALID_ARGUMENT.
+
+    grpcio deserializes before the handler runs and reports a parse failure as INTERNAL, which
+    reads as a server bug; a garbled request is the client's error. Unary-unary handlers only
+    (every weightsync RPC is one); streaming handlers pass through unchanged.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if (handler is None or handler.request_streaming or handler.response_streaming
+                or handler.request_deserializer is None):
+            return handler
+        deserialize, behavior, method = handler.request_deserializer, handler.unary_unary, handler_call_details.method
+
+        def guarded(raw: bytes, context):
+            try:
+                request = deserialize(raw)
+            except Exception as exc:  # protobuf DecodeError (and any other parse failure)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{method}: the request is not a valid protobuf message ({exc})")
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=None,
+                                                   response_serializer=handler.response_serializer)
+
+
 class ServiceServer:
     """A started gRPC server plus its health servicer (SERVING/NOT_SERVING per service name)."""
 
     def __init__(self, address: str, token: str, max_workers: int = 16):
-        interceptors = [TokenAuthInterceptor(token)] if token else []
+        interceptors = ([TokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                                   interceptors=interceptors, options=GRPC_OPTIONS)
         self.health = health.HealthServicer()
