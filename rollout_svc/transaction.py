@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 S = rollout_pb2
 
 
+def _optional(engine, name: str):
+    """An optional engine capability (see rollout_svc/engine/base.py), or a no-op."""
+    return getattr(engine, name, None) or (lambda *a, **k: None)
+
+
 class SyncError(RuntimeError):
     """The sync cannot proceed; `code` maps onto a gRPC status in the service layer."""
 
@@ -162,8 +167,14 @@ class SyncTransaction:
                         raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
                     self._lock_held_by_sync = True
                     self.state = S.APPLYING
+                    _optional(self.engine, "begin_apply")()
                 p.applied_any = True
-                self.engine.load_weights(unpack_bucket(plan, buf))
+                # Engines that take whole buckets (SGLang's flattened-bucket path) skip the unpack.
+                load_bucket = getattr(self.engine, "load_bucket", None)
+                if load_bucket is not None:
+                    load_bucket(plan, buf)
+                else:
+                    self.engine.load_weights(unpack_bucket(plan, buf))
         p.received.append(ours)
         if len(p.received) == len(p.manifest.buckets):
             p.done.set()
@@ -219,7 +230,8 @@ class SyncTransaction:
                         self.engine.flush_cache()
                         self._finish_locked(p, version)
                 else:
-                    self.engine.flush_cache()
+                    end_apply = getattr(self.engine, "end_apply", None)  # flushes and resumes (SGLang)
+                    (end_apply or self.engine.flush_cache)()
                     self._finish_locked(p, version)
                     self._release_sync_lock()
             except Exception as exc:

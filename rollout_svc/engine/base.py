@@ -69,3 +69,10 @@ class Engine(Protocol):
     def num_parameters(self) -> int: ...
 
     def prefix_cache_entries(self) -> int: ...
+
+
+# Optional capabilities, looked up with getattr by rollout_svc.transaction (in-place mode):
+#   begin_apply()                    — called when the first bucket of a sync arrives (pause generation)
+#   load_bucket(plan, buf)           — load a whole flat bucket (instead of load_weights(unpack(...)))
+#   end_apply()                      — called at commit instead of flush_cache (flush + resume)
+# The SGLang adapter implements all three; the built-in engine needs none.

@@ -1,0 +1,113 @@
+"""The rollout sync transaction against the real built-in engine (no network)."""
+import pytest
+import torch
+
+from rollout_svc.engine.builtin import BuiltinEngine
+from rollout_svc.transaction import SyncError, SyncTransaction
+from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
+from weightsync.bus.plan import TensorMeta, make_manifest
+from weightsync.models import resolve_model
+from weightsync.v1 import rollout_pb2
+
+IDS = [3, 1, 4, 1, 5, 9]
+
+
+def _engine(seed, cls=BuiltinEngine):
+    return cls.from_config(resolve_model("tiny-qwen2")[0], seed=seed)
+
+
+def _buckets(src, version=1, sync_id="s1"):
+    state = {n: p.detach().clone() for n, p in src._params.items()}
+    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=version,
+                      sync_id=sync_id, bucket_bytes=64 << 10, checksum_algo=ALGO)
+    out = []
+    for b in m.buckets:
+        buf = alloc_buffer(b.nbytes)
+        pack_bucket(b, [(s.meta.name, state[s.meta.name]) for s in b.slots], buf)
+        out.append(buf)
+    return m, out
+
+
+def _logits(tx):
+    (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+    return logits
+
+
+@pytest.mark.parametrize("mode", ["staged", "inplace"])
+def test_commit_applies_exactly_and_abort_keeps_a_complete_version(mode):
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, mode)
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
+    version, _, _ = tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
+    assert version == 1 and tx.state == rollout_pb2.SERVING
+    assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
+
+    m2, bufs2 = _buckets(_engine(3), version=2, sync_id="s2")
+    tx.prepare(m2, timeout=30)
+    tx.consume_bucket("s2", 0, bufs2[0], None)
+    tx.abort("s2", "test")
+    if mode == "staged":  # old version intact and served
+        assert tx.state == rollout_pb2.SERVING and tx.version == 1
+        assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
+    else:  # partly applied: refuse to serve until a complete sync commits
+        assert tx.state == rollout_pb2.STALE
+        with pytest.raises(SyncError, match="STALE"):
+            _logits(tx)
+    assert not torch.equal(before, target.score(IDS, 1)[1])
+
+
+def test_checksum_mismatch_at_commit_is_refused():
+    tx = SyncTransaction(_engine(2), "staged")
+    m, bufs = _buckets(_engine(1))
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, None)
+    with pytest.raises(SyncError, match="checksum"):
+        tx.commit("s1", 1, {i: 0 for i in range(len(bufs))})
+    assert tx.state == rollout_pb2.SERVING and tx.version == 0
+
+
+def test_prepared_sync_expires():
+    import time
+    tx = SyncTransaction(_engine(2), "staged")
+    m, _ = _buckets(_engine(1))
+    tx.prepare(m, timeout=0.3)
+    time.sleep(0.8)
+    assert tx.pending_sync_id == "" and tx.state == rollout_pb2.SERVING
+    assert "timed out" in tx.last_error
+
+
+class HookedEngine(BuiltinEngine):
+    """The built-in engine plus the optional whole-bucket hooks the SGLang adapter implements."""
+
+    calls: list
+
+    def begin_apply(self):
+        self.calls.append("begin")
+
+    def load_bucket(self, plan, buf):
+        self.calls.append(("bucket", plan.index))
+        self.load_weights(unpack_bucket(plan, buf))
+
+    def end_apply(self):
+        self.calls.append("end")
+        self.flush_cache()
+
+
+def test_inplace_uses_optional_engine_hooks():
+    eng = _engine(2, HookedEngine)
+    eng.calls = []
+    tx = SyncTransaction(eng, "inplace")
+    target = _engine(1)
+    m, bufs = _buckets(target)
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, None)
+    tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
+    assert eng.calls == ["begin"] + [("bucket", i) for i in range(len(bufs))] + ["end"]
+    assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
