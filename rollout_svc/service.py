@@ -130,9 +130,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise SyncError(f"sync {request.sync_id} is not prepared here")
             if not request.HasField("ipc"):
                 raise SyncError("PushBucket carries CUDA IPC handles only; use the TCP bus for bytes", "INVALID_ARGUMENT")
-            from weightsync.bus.cuda_ipc import open_ipc_bucket  # lazy: CUDA only
-            buf = open_ipc_bucket(request.ipc)
-            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            if request.index >= len(manifest.buckets):
+                raise SyncError(f"index={request.index}: the manifest has {len(manifest.buckets)} buckets",
+                                "INVALID_ARGUMENT")
+            from weightsync.bus.cuda_ipc import mapped_ipc_bucket  # lazy: CUDA only
+
+            # Consumed while mapped (no extra copy); the sender reuses the buffer after we reply.
+            with mapped_ipc_bucket(request.ipc, manifest.buckets[request.index].nbytes) as buf:
+                self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
         except (ValueError, SyncError) as exc:
             self.tx.abort(request.sync_id, f"push failed: {exc}")
             _abort(context, exc)
