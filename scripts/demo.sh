@@ -4,14 +4,7 @@
 #  2. the RL loop: generate → reward → GRPO step on the megatron-core actor → sync, 20 steps,
 #     per-step table and a PNG plot (reward rises from chance as the weights reach the rollouts).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
-. .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[train]' matplotlib
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+. "$(dirname "$0")/_venv.sh" demo
 OUTDIR=${OUTDIR:-runs/demo}
 mkdir -p "$OUTDIR"
 python -m weightsync.demo --workdir "$OUTDIR/sync"
