@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import grpc
@@ -16,6 +17,7 @@ log = logging.getLogger(__name__)
 
 _MAX_PROMPTS = 4096
 _SERVE_WAIT_S = 60.0
+_MAX_SYNC_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -106,7 +108,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         import time
         try:
             manifest = manifest_from_proto(request.manifest)
-            timeout = request.timeout_seconds if request.timeout_seconds > 0 else self.sync_timeout
+            t = request.timeout_seconds
+            if not (math.isfinite(t) and 0 <= t <= _MAX_SYNC_TIMEOUT_S):
+                # inf / huge values used to crash the abort timer's thread (OverflowError), leaving a
+                # prepared sync that never expires
+                raise ValueError(f"timeout_seconds={t} must be finite and in [0, {_MAX_SYNC_TIMEOUT_S:.0f}] "
+                                 "(0 = the rollout's sync_timeout_s)")
+            timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
             if kind not in ("tcp", "ipc"):
                 raise SyncError(f"transport {kind or 'unset'} is not served by this rollout "

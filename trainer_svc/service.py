@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 
@@ -77,8 +78,9 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
     # ---- sync ---------------------------------------------------------------------------
     def Sync(self, request, context):
         try:
-            if request.timeout_seconds < 0:
-                raise ValueError(f"timeout_seconds={request.timeout_seconds} must be >= 0")
+            if not (math.isfinite(request.timeout_seconds) and 0 <= request.timeout_seconds <= 7 * 24 * 3600):
+                raise ValueError(f"timeout_seconds={request.timeout_seconds} must be finite and in [0, 604800] "
+                                 "(0 = the trainer's sync_timeout_s)")
             if request.transport not in ("", "tcp", "nccl", "ipc"):
                 raise ValueError(f"transport={request.transport!r} must be tcp, nccl or ipc")
             targets = self.registry.select(list(request.rollout_ids))

@@ -26,6 +26,8 @@ TRAINER_METHODS = {"RegisterRollout": trainer_pb2.RegisterRolloutRequest,
                    "DeregisterRollout": trainer_pb2.DeregisterRolloutRequest, "Sync": trainer_pb2.SyncRequest,
                    "GetStatus": trainer_pb2.TrainerStatusRequest, "LoadWeights": trainer_pb2.LoadWeightsRequest,
                    "ComputeLogprobs": trainer_pb2.ComputeLogprobsRequest}
+# a crash in a server thread (e.g. the abort timer) fails the test too
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -91,7 +93,8 @@ def test_trainer_random_bytes(servers, method, payload):
 
 ints = st.integers(min_value=-(2 ** 63), max_value=2 ** 63 - 1)
 small = st.integers(min_value=-3, max_value=600)
-floats = st.floats(allow_nan=True, allow_infinity=True)
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.inf, -math.inf, math.nan,
+                                                                                    1e300, 1e12]))
 text = st.text(max_size=40)
 
 
@@ -231,6 +234,17 @@ def test_trainer_rpcs_structured(servers):
             _call(stub, "ExportHf", trainer_pb2.ExportHfRequest(out_dir=safe))
 
     run()
+
+
+@pytest.mark.parametrize("t", [math.inf, math.nan, 1e300, -1.0])
+def test_out_of_range_sync_timeouts_are_rejected(servers, t):
+    """Found by fuzzing: timeout_seconds=inf was accepted and crashed the abort timer's thread."""
+    trainer, rollout, _ = servers
+    req = rollout_pb2.PrepareSyncRequest(manifest=_real_manifest(trainer), timeout_seconds=t)
+    req.transport.tcp.SetInParent()
+    assert _call(rollout_stub(channel(rollout.grpc.address), ""), "PrepareSync", req) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _call(trainer_stub(channel(trainer.grpc.address), ""), "Sync",
+                 trainer_pb2.SyncRequest(timeout_seconds=t)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_servers_still_serve_and_sync_after_fuzzing(servers):
