@@ -1,0 +1,133 @@
+{{/* Names ----------------------------------------------------------------------------- */}}
+{{- define "weightsync.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "weightsync.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Object names: trunc 40 above leaves room for "-trainer-worker-headless" style suffixes. */}}
+{{- define "weightsync.trainer.name" -}}{{ include "weightsync.fullname" . }}-trainer{{- end -}}
+{{- define "weightsync.worker.name" -}}{{ include "weightsync.fullname" . }}-trainer-worker{{- end -}}
+{{- define "weightsync.headless.name" -}}{{ include "weightsync.fullname" . }}-trainer-headless{{- end -}}
+{{- define "weightsync.rollout.name" -}}{{ include "weightsync.fullname" . }}-rollout{{- end -}}
+{{- define "weightsync.colocated.name" -}}{{ include "weightsync.fullname" . }}-colocated{{- end -}}
+{{- define "weightsync.config.name" -}}{{ include "weightsync.fullname" . }}-config{{- end -}}
+
+{{- define "weightsync.secretName" -}}
+{{- default (printf "%s-token" (include "weightsync.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "weightsync.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "weightsync.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels: call with (dict "ctx" $ "component" "trainer") ------------------------------- */}}
+{{- define "weightsync.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "weightsync.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- with .component }}
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "weightsync.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "weightsync.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: weightsync
+{{- end -}}
+
+{{/* Images: repository:tag[@digest] ------------------------------------------------------ */}}
+{{- define "weightsync.image" -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
+{{- if .image.digest -}}
+{{- printf "%s:%s@%s" .image.repository $tag .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Paths inside the pods. */}}
+{{- define "weightsync.configDir" -}}/etc/weightsync{{- end -}}
+{{- define "weightsync.tokenDir" -}}/var/run/secrets/weightsync{{- end -}}
+
+{{/* Service config files: YAML keys are TrainerConfig / RolloutConfig field names. ---------- */}}
+{{- define "weightsync.trainerConfig" -}}
+{{- $v := .Values -}}
+{{- $managed := dict "grpc_address" (printf "0.0.0.0:%d" (int $v.trainer.ports.grpc)) "http_address" (printf "0.0.0.0:%d" (int $v.trainer.ports.http)) -}}
+{{- if eq $v.mode "colocated" -}}
+{{- $_ := set $managed "transport" "ipc" -}}
+{{- end -}}
+{{- if $v.auth.enabled -}}
+{{- $_ := set $managed "auth_token_file" (printf "%s/%s" (include "weightsync.tokenDir" .) $v.auth.secretKey) -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite (deepCopy $v.trainer.config) $managed) -}}
+{{- end -}}
+
+{{- define "weightsync.rolloutConfig" -}}
+{{- $v := .Values -}}
+{{- $managed := dict "grpc_address" (printf "0.0.0.0:%d" (int $v.rollout.ports.grpc)) "http_address" (printf "0.0.0.0:%d" (int $v.rollout.ports.http)) "data_address" (printf "0.0.0.0:%d" (int $v.rollout.ports.data)) -}}
+{{- if eq $v.mode "colocated" -}}
+{{- /* Same network namespace: the trainer dials the rollout over loopback. */ -}}
+{{- $_ := set $managed "trainer_address" (printf "127.0.0.1:%d" (int $v.trainer.ports.grpc)) -}}
+{{- $_ := set $managed "advertise_address" (printf "127.0.0.1:%d" (int $v.rollout.ports.grpc)) -}}
+{{- $_ := set $managed "advertise_data_host" "127.0.0.1" -}}
+{{- else -}}
+{{- $_ := set $managed "trainer_address" (printf "%s.%s.svc:%d" (include "weightsync.trainer.name" .) .Release.Namespace (int $v.trainer.ports.grpc)) -}}
+{{- end -}}
+{{- if $v.auth.enabled -}}
+{{- $_ := set $managed "auth_token_file" (printf "%s/%s" (include "weightsync.tokenDir" .) $v.auth.secretKey) -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite (deepCopy $v.rollout.config) $managed) -}}
+{{- end -}}
+
+{{/* Render-time checks the schema cannot express. -------------------------------------- */}}
+{{- define "weightsync.validate" -}}
+{{- $v := .Values -}}
+{{- $world := mul $v.trainer.nnodes (max 1 $v.trainer.nprocPerNode) -}}
+{{- $tp := int (default 1 $v.trainer.config.tp) -}}
+{{- $pp := int (default 1 $v.trainer.config.pp) -}}
+{{- if and (eq (default "megatron" $v.trainer.config.backend) "megatron") (ne (int $world) (mul $tp $pp)) -}}
+{{- fail (printf "trainer: tp (%d) * pp (%d) = %d must equal the torchrun world size nnodes (%d) * nprocPerNode (%d) = %d" $tp $pp (mul $tp $pp) (int $v.trainer.nnodes) (int $v.trainer.nprocPerNode) (int $world)) -}}
+{{- end -}}
+{{- if and (eq (default "megatron" $v.trainer.config.backend) "hf") (gt (int $world) 1) -}}
+{{- fail "trainer: backend=hf runs one process: set nnodes=1 and nprocPerNode<=1, or use backend=megatron" -}}
+{{- end -}}
+{{- $ed := default "float32" $v.trainer.config.export_dtype -}}
+{{- $rd := default "float32" $v.rollout.config.dtype -}}
+{{- if ne $ed $rd -}}
+{{- fail (printf "trainer.config.export_dtype (%s) must equal rollout.config.dtype (%s): the bus carries the engine's dtype" $ed $rd) -}}
+{{- end -}}
+{{- if $v.rollout.multiNode.enabled -}}
+{{- fail "rollout.multiNode.enabled: multi-node rollout engines are not implemented yet (see docs/operations.md, 'Scaling rollouts')" -}}
+{{- end -}}
+{{- if eq $v.mode "colocated" -}}
+{{- if ne (int $v.trainer.nnodes) 1 -}}
+{{- fail "mode=colocated runs one pod: trainer.nnodes must be 1" -}}
+{{- end -}}
+{{- if gt (int $v.trainer.nprocPerNode) (int $v.colocated.gpus) -}}
+{{- fail "mode=colocated: trainer.nprocPerNode must not exceed colocated.gpus" -}}
+{{- end -}}
+{{- else if eq (default "" $v.trainer.config.transport) "ipc" -}}
+{{- fail "trainer.config.transport=ipc needs trainer and rollout on one GPU: use mode=colocated" -}}
+{{- end -}}
+{{- if and $v.auth.enabled (not $v.auth.existingSecret) $v.auth.token (lt (len $v.auth.token) 16) -}}
+{{- fail "auth.token must be at least 16 characters (or leave it empty to generate one)" -}}
+{{- end -}}
+{{- end -}}

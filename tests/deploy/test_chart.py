@@ -1,0 +1,208 @@
+"""The Helm chart renders, lints, validates against Kubernetes schemas, and only names knobs the
+services accept. Helm itself runs in-process via helm-python-sdk (Helm v4's Go library); the
+Kubernetes JSON schemas come from kubernetes-validate. No network at test time."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python.chart", reason="pip install helm-python-sdk (see README test command)")
+kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+
+from rollout_svc.config import RolloutConfig  # noqa: E402
+from trainer_svc.config import TrainerConfig  # noqa: E402
+from weightsync.config import flag_name, parse_host_port  # noqa: E402
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "weightsync"
+VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+K8S_VERSION = "1.34.0"
+FIELDS = {"trainer": {f.name for f in dataclasses.fields(TrainerConfig)},
+          "rollout": {f.name for f in dataclasses.fields(RolloutConfig)}}
+PREFIX = {"trainer": "WS_TRAINER_", "rollout": "WS_ROLLOUT_"}
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    chart.validate_schema(values)
+    out = chart.render(values, name="ws", namespace="rl", is_install=True)
+    docs = []
+    for path, text in out.items():
+        if path.endswith(".txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def load(p: Path) -> dict:
+    return yaml.safe_load(p.read_text()) or {}
+
+
+@pytest.fixture(scope="module", params=VALUES, ids=[p.stem for p in VALUES])
+def rendered(request):
+    return request.param, render(load(request.param))
+
+
+def test_example_values_exist():
+    assert {p.stem for p in VALUES} >= {"default-values", "colocated-values", "multi-node-values", "auth-values"}
+
+
+@pytest.mark.parametrize("values", VALUES, ids=[p.stem for p in VALUES])
+def test_helm_lint_strict(values):
+    report = helm.lint(str(CHART), load(values), strict=True, kube_version="v" + K8S_VERSION)
+    bad = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not bad, bad
+
+
+def test_objects_validate_against_kubernetes_schemas(rendered):
+    _, docs = rendered
+    kinds = set()
+    for d in docs:
+        kinds.add(d["kind"])
+        if (d["apiVersion"], d["kind"]) in CRDS:
+            assert d["spec"]["endpoints"] and d["spec"]["selector"]["matchLabels"]
+            continue
+        kv.validate(d, K8S_VERSION, strict=True)
+    assert {"ConfigMap", "Service"} <= kinds
+
+
+def _containers(docs):
+    for d in docs:
+        spec = d.get("spec", {}).get("template", {}).get("spec")
+        if spec:
+            for c in spec["containers"]:
+                yield d, spec, c
+
+
+def _role(c) -> str:
+    return "trainer" if c["name"] == "trainer" else "rollout"
+
+
+def _config_files(docs) -> dict[str, dict]:
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    return {"trainer": yaml.safe_load(cm["data"]["trainer.yaml"]), "rollout": yaml.safe_load(cm["data"]["rollout.yaml"])}
+
+
+def test_config_keys_env_and_flags_are_known_to_the_services(rendered):
+    _, docs = rendered
+    files = _config_files(docs)
+    for role, cfg in files.items():
+        unknown = set(cfg) - FIELDS[role]
+        assert not unknown, f"{role}.yaml keys not in {role} config: {unknown}"
+    seen = 0
+    for _, _, c in _containers(docs):
+        role = _role(c)
+        for e in c.get("env", []):
+            for prefix in PREFIX.values():
+                if e["name"].startswith(prefix):
+                    assert prefix == PREFIX[role], f"{e['name']} set on the {role} container"
+                    field = e["name"][len(prefix):].lower()
+                    assert field in FIELDS[role] or field == "config", e["name"]
+        argv = c["command"]
+        if argv[0] == "/bin/sh":
+            argv = shlex.split(argv[2].replace("$((POD_INDEX + 1))", "1"))[1:]  # drop `exec`
+        tail = argv[argv.index("serve") + 1:]
+        flags = [t for t in tail if t.startswith("--")]
+        allowed = {"--config"} | {flag_name(f) for f in FIELDS[role]}
+        assert set(flags) <= allowed, f"{role}: unknown flags {set(flags) - allowed}"
+        if "--config" in tail:
+            assert tail[tail.index("--config") + 1].endswith(f"/{role}.yaml")
+        seen += 1
+    assert seen >= 1
+
+
+def test_probes_and_ports_match_the_config(rendered):
+    _, docs = rendered
+    files = _config_files(docs)
+    for _, _, c in _containers(docs):
+        role = _role(c)
+        cfg = files[role]
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        if "startupProbe" not in c:  # trainer worker ranks serve neither gRPC nor HTTP
+            assert "torchrun" in " ".join(c["command"])
+            continue
+        grpc_port = parse_host_port("grpc_address", cfg["grpc_address"])[1]
+        http_port = parse_host_port("http_address", cfg["http_address"])[1]
+        assert c["startupProbe"]["grpc"]["port"] == grpc_port
+        assert c["startupProbe"]["grpc"]["service"] in ("", f"weightsync.v1.{role.capitalize()}")
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+            get = c[probe]["httpGet"]
+            assert get["path"] == path
+            assert ports[get["port"]] == http_port, f"{role} {probe} -> {get['port']}"
+        assert grpc_port in ports.values()
+        if role == "rollout":
+            assert parse_host_port("data_address", cfg["data_address"])[1] in ports.values()
+
+
+def test_services_target_declared_ports(rendered):
+    _, docs = rendered
+    names = {p["name"] for _, _, c in _containers(docs) for p in c.get("ports", [])}
+    for d in docs:
+        if d["kind"] == "Service":
+            for p in d["spec"]["ports"]:
+                assert p["targetPort"] in names, (d["metadata"]["name"], p)
+
+
+def test_pods_run_as_non_root(rendered):
+    _, docs = rendered
+    for _, spec, c in _containers(docs):
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_schema_enums_match_config_choices():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for role, cls in (("trainer", TrainerConfig), ("rollout", RolloutConfig)):
+        props = schema["properties"][role]["properties"]["config"]["properties"]
+        for f in dataclasses.fields(cls):
+            if f.name in props and f.metadata.get("choices"):
+                assert props[f.name]["enum"] == list(f.metadata["choices"]), f.name
+        assert set(props) <= FIELDS[role]
+
+
+def test_mode_specific_wiring():
+    colo = render(load(CHART / "ci" / "colocated-values.yaml"))
+    assert _config_files(colo)["trainer"]["transport"] == "ipc"
+    pod = next(d for d in colo if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert [c["resources"]["claims"] for c in pod["containers"]] == [[{"name": "gpus"}]] * 2
+    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
+    auth = render(load(CHART / "ci" / "auth-values.yaml"))
+    token_file = _config_files(auth)["rollout"]["auth_token_file"]
+    assert any(d["kind"] == "Secret" for d in auth) and token_file.startswith("/var/run/secrets/")
+    multi = render(load(CHART / "ci" / "multi-node-values.yaml"))
+    sts = {d["metadata"]["name"]: d for d in multi if d["kind"] == "StatefulSet"}
+    assert sts["ws-weightsync-trainer-worker"]["spec"]["replicas"] == 1
+    assert any(d["kind"] == "ServiceMonitor" for d in multi)
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"mode": "hybrid"}, "mode"),
+    ({"trainer": {"config": {"transport": "carrier-pigeon"}}}, "transport"),
+    ({"trainer": {"config": {"grpc_address": "0.0.0.0:1"}}}, "grpc_address"),
+    ({"rollout": {"ports": {"grpc": 70000}}}, "grpc"),
+    ({"surprise": True}, "surprise"),
+])
+def test_schema_rejects_bad_values(override, match):
+    with pytest.raises(Exception, match=match):
+        render(override)
+
+
+def test_broken_values_file_is_rejected():
+    with pytest.raises(Exception):
+        render(load(Path(__file__).with_name("broken-values.yaml")))
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"trainer": {"nnodes": 2, "nprocPerNode": 4}}, "must equal the torchrun world size"),
+    ({"rollout": {"config": {"dtype": "float16"}}}, "export_dtype"),
+    ({"rollout": {"multiNode": {"enabled": True}}}, "not implemented yet"),
+    ({"mode": "colocated", "trainer": {"nnodes": 2, "config": {"tp": 2}}}, "nnodes must be 1"),
+])
+def test_render_time_checks_fail_with_a_reason(override, match):
+    with pytest.raises(Exception, match=match):
+        render(override)
