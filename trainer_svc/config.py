@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer_svc.megatron.bridge_contract import CONTRACTS, missing_package_error
 from weightsync.config import ConfigError, field, parse_host_port
 
 ENV_PREFIX = "WS_TRAINER"
@@ -21,6 +22,10 @@ class TrainerConfig:
     vpp: int = field(1, help="virtual pipeline stages per PP rank")
     export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
                               help="dtype tensors are cast to on the bus (match the rollout engine's dtype)")
+    converter: str = field("builtin", choices=("builtin", *CONTRACTS),
+                           help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
+                                "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "
+                                "dense qwen2/llama/qwen3; docs/conversion.md)")
     transport: str = field("tcp", choices=("tcp", "nccl", "ipc"), help="default weight-bus transport")
     bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
@@ -54,6 +59,13 @@ class TrainerConfig:
             raise ConfigError(f"vpp={self.vpp} needs pp >= 2 (virtual stages interleave pipeline ranks)")
         if self.backend == "hf" and self.tp * self.pp * self.vpp != 1:
             raise ConfigError("backend=hf runs one process: set tp=pp=vpp=1 or use backend=megatron")
+        if self.converter != "builtin":
+            if self.backend != "megatron":
+                raise ConfigError(f"converter={self.converter} applies to backend=megatron; backend=hf exports "
+                                  f"transformers' own tensors (set converter=builtin)")
+            missing = missing_package_error(self.converter)
+            if missing:
+                raise ConfigError(missing)
         if not 1 <= self.bucket_mb <= 16384:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be in [1, 16384]")
         if self.sync_timeout_s <= 0 or self.rpc_timeout_s <= 0:

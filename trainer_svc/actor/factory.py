@@ -15,4 +15,4 @@ def make_actor(cfg):
     from trainer_svc.megatron.actor import MegatronActor
 
     return MegatronActor.create(config, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, seed=cfg.init_seed,
-                                export_dtype=dtype, weights_dir=weights_dir)
+                                export_dtype=dtype, weights_dir=weights_dir, converter=cfg.converter)

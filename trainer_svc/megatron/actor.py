@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 class MegatronActor:
     def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
                  export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-                 params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None):
+                 params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None,
+                 converter: str = "builtin"):
         from trainer_svc.megatron.commands import CommandChannel
         from trainer_svc.megatron.hf_meta import export_metas
         from trainer_svc.megatron.model import build_chunks, family_of_config
@@ -40,6 +41,13 @@ class MegatronActor:
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
         self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
                                   init_weights=weights_dir is None if init_weights is None else init_weights)
+        from trainer_svc.megatron.bridge import make_converter
+
+        #: None: the built-in rule tables convert; else a bridge package does (bridge.py), and the
+        #: export order becomes the bridge's, checked once here against the built-in plan
+        self.converter = make_converter(converter, hf_config, self.family, self.par, params_dtype)
+        if self.converter is not None:
+            self._metas = self.converter.plan(self.model, self._metas)
         self.version = 0
         if weights_dir:
             self._load_hf(weights_dir)
@@ -47,8 +55,10 @@ class MegatronActor:
 
     @classmethod
     def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
-               export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None) -> "MegatronActor":
-        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, seed=seed, export_dtype=export_dtype, weights_dir=weights_dir)
+               export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
+               converter: str = "builtin") -> "MegatronActor":
+        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, seed=seed, export_dtype=export_dtype, weights_dir=weights_dir,
+                   converter=converter)
 
     @classmethod
     def from_pretrained(cls, path: str, **kw) -> "MegatronActor":
@@ -131,6 +141,8 @@ class MegatronActor:
             raise RuntimeError(f"{what}() is driven from global rank 0; rank {self.rmap.rank} runs worker_loop()")
 
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.converter is not None:
+            return self.converter.export(self.model, self._metas)
         from trainer_svc.megatron.export import export_tensors
 
         return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype)
@@ -138,5 +150,8 @@ class MegatronActor:
     def _load_hf(self, path: str) -> None:
         from trainer_svc.megatron.load import load_hf_into
 
-        load_hf_into(self.model, path, self.config, self.family, self.par)
+        if self.converter is not None:
+            self.converter.load(self.model, path)
+        else:
+            load_hf_into(self.model, path, self.config, self.family, self.par)
         self.version += 1
