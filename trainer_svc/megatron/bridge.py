@@ -108,6 +108,16 @@ class BridgeConverter:
                     problems.append(f"converter {self.name} yielded {name} {tuple(t.shape)} at position {i}, "
                                     f"the plan expects {want}")
                     break
+                if i == len(metas) - 1:
+                    # run the bridge to its end before the last tensor leaves: a consumer that stops
+                    # pulling once it has everything (hf_writer) must not leave the other ranks
+                    # inside the collectives of a trailing tied-head copy
+                    extra = [n for n, _ in it]
+                    if extra:
+                        problems.append(f"converter {self.name} yielded {extra[0]} after the last planned tensor "
+                                        f"({len(extra)} extra)")
+                    if problems:
+                        break
                 yield name, t.detach().to(m.dtype)
                 i += 1
         finally:

@@ -28,8 +28,8 @@ def _all_ranks(ok: bool) -> bool:
     return bool(t.item())
 
 
-def _driven_export(actor, rank: int) -> list | None:
-    """Rank 0: the actor's public export (+ an early-closed one first); others serve it."""
+def _driven_export(actor, rank: int, save_to: Path | None = None) -> list | None:
+    """Rank 0: the actor's public export (+ an early-closed one first, + save_hf); others serve it."""
     if rank != 0:
         actor.worker_loop()
         return None
@@ -37,6 +37,8 @@ def _driven_export(actor, rank: int) -> list | None:
         it = actor.export_tensors()
         next(it)
         it.close()  # the workers must still finish the bridge's collectives
+        if save_to is not None:
+            actor.save_hf(str(save_to))  # stops pulling after the last planned tensor
         return list(actor.export_tensors())
     finally:
         actor.shutdown()
@@ -78,7 +80,8 @@ def main() -> None:
             conv = make_converter("mbridge", cfg, ref.family, ref.par, torch.float32)
             bridge_map = dict(conv.export(ref.model, br.export_metas()))
             builtin = _driven_export(ref, rank)
-            via_actor = _driven_export(br, rank)
+            saved = Path(args.out).parent / f"saved-{Path(d).name}"
+            via_actor = _driven_export(br, rank, saved)
             if rank == 0:
                 want = {n: t.to(dtype) for n, t in load_file(str(Path(d) / "model.safetensors")).items()}
                 builtin_map = dict(builtin)
@@ -86,6 +89,9 @@ def main() -> None:
                 res["export_mismatch"] = [n for n in builtin_map if n not in bridge_map
                                           or bridge_map[n].dtype != builtin_map[n].dtype
                                           or not torch.equal(bridge_map[n], builtin_map[n])]
+                on_disk = load_file(str(saved / "model.safetensors"))
+                res["saved_exact"] = on_disk.keys() == {n for n, _ in via_actor} and all(
+                    torch.equal(on_disk[n], t) for n, t in via_actor)
                 res["actor_mismatch"] = [n for n, t in via_actor if n not in want or not torch.equal(t, want[n])]
                 res["actor_missing"] = sorted(set(want) - {n for n, _ in via_actor}
                                               - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))

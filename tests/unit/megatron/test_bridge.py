@@ -259,6 +259,27 @@ def test_export_closed_early_still_drains_the_bridge():
     assert conv.adapter.consumed == 2
 
 
+def test_export_finishes_the_bridge_before_handing_out_the_last_tensor():
+    # a tied model at PP>1: the last stage's head copy trails the planned tensors
+    emb = torch.zeros(5, 2)
+    conv = _conv([("model.embed_tokens.weight", emb), ("model.norm.weight", torch.ones(2)),
+                  ("model.embed_tokens.weight", emb)], tied=True)
+    it = conv.export(None, REF)
+    next(it)
+    next(it)  # everything planned is out; the consumer need not pull again
+    assert conv.adapter.consumed == 3
+
+
+def test_export_with_an_unplanned_trailing_tensor_is_an_error():
+    conv = _conv([("model.embed_tokens.weight", torch.zeros(5, 2)), ("model.norm.weight", torch.ones(2)),
+                  ("model.layers.0.extra.weight", torch.ones(2))])
+    it = conv.export(None, REF)
+    next(it)
+    with pytest.raises(ValueError, match="tensor model.layers.0.extra.weight: yielded by converter fake, but the "
+                                         "transformers model has no such tensor"):
+        next(it)  # refused before the last planned tensor is handed out
+
+
 def test_export_that_stops_short_is_an_error():
     conv = _conv([("model.embed_tokens.weight", torch.zeros(5, 2))])
     with pytest.raises(ValueError, match=r"stopped after 1 of 2 tensors \(next expected: model.norm.weight\)"):
@@ -298,5 +319,6 @@ def test_builtin_and_mbridge_give_the_same_tensors(tp, pp, vpp, dtype, hf_dirs, 
         assert res["export_same_names"] and res["export_mismatch"] == [], f"{family}: export differs {res}"
         assert res["actor_mismatch"] == [] and res["actor_missing"] == [], f"{family}: {res}"
         assert res["metas_match"], f"{family}: export_metas() is not what the mbridge export yields"
+        assert res["saved_exact"], f"{family}: save_hf() through mbridge wrote other tensors than it exports"
         # the point of planning in the bridge's order: it is not the rule table's
         assert res["order_differs"], f"{family}: expected mbridge's order to differ from the rule table's"
