@@ -22,6 +22,18 @@ TINY = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=False),
+    # 4 experts, top-2 (renormalised, as Qwen3-MoE ships), no shared expert
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False),
+    # Qwen2-MoE: routed experts plus a sigmoid-gated shared expert
+    "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False),
 }
 
 
@@ -48,6 +60,6 @@ def family_of(config: Any) -> str:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if mt == "qwen2":
         return "qwen2-tied" if tied else "qwen2"
-    if mt in ("llama", "qwen3"):
+    if mt in ("llama", "qwen3", "qwen3_moe", "qwen2_moe"):
         return mt + ("-tied" if tied else "")
     return mt

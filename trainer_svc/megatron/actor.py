@@ -21,10 +21,14 @@ log = logging.getLogger(__name__)
 
 
 class MegatronActor:
-    def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
-                 export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
+    def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
+                 seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
                  params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None,
-                 converter: str = "builtin"):
+                 converter: str = "builtin", mtp: str = "off",
+                 expert_layout: str = "sequential"):
+        """ep/etp: expert (tensor) parallel sizes for MoE models; mtp: carry the checkpoint's
+        multi-token-prediction layers under 'deepseek' or 'mimo' names ('off': ignore them);
+        expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP)."""
         from trainer_svc.megatron.commands import CommandChannel
         from trainer_svc.megatron.hf_meta import export_metas
         from trainer_svc.megatron.model import build_chunks, family_of_config
@@ -32,15 +36,17 @@ class MegatronActor:
 
         self.config = hf_config
         self.family = family_of_config(hf_config)
-        self.par = Parallelism(tp, pp, vpp)
+        self.par = Parallelism(tp, pp, vpp, ep=ep, etp=etp)
+        self.mtp = mtp
         self.export_dtype = export_dtype
         init_model_parallel(self.par)
         self.rmap = rank_map()
         self.channel = CommandChannel()
-        self._metas = export_metas(hf_config, self.family, export_dtype)
+        self._metas = export_metas(hf_config, self.family, export_dtype, mtp)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
         self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
-                                  init_weights=weights_dir is None if init_weights is None else init_weights)
+                                  init_weights=weights_dir is None if init_weights is None else init_weights,
+                                  mtp=mtp, expert_layout=expert_layout)
         from trainer_svc.megatron.bridge import make_converter
 
         #: None: the built-in rule tables convert; else a bridge package does (bridge.py), and the
@@ -54,10 +60,12 @@ class MegatronActor:
         self.version = 1
 
     @classmethod
-    def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, seed: int = 0,
+    def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, seed: int = 0,
                export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
+               mtp: str = "off",
                converter: str = "builtin") -> "MegatronActor":
-        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, seed=seed, export_dtype=export_dtype, weights_dir=weights_dir,
+        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed, export_dtype=export_dtype,
+                   weights_dir=weights_dir, mtp=mtp,
                    converter=converter)
 
     @classmethod
@@ -145,7 +153,7 @@ class MegatronActor:
             return self.converter.export(self.model, self._metas)
         from trainer_svc.megatron.export import export_tensors
 
-        return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype)
+        return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype, self.mtp)
 
     def _load_hf(self, path: str) -> None:
         from trainer_svc.megatron.load import load_hf_into
@@ -153,5 +161,5 @@ class MegatronActor:
         if self.converter is not None:
             self.converter.load(self.model, path)
         else:
-            load_hf_into(self.model, path, self.config, self.family, self.par)
+            load_hf_into(self.model, path, self.config, self.family, self.par, self.mtp)
         self.version += 1

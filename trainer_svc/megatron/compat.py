@@ -122,3 +122,17 @@ def apply_cpu_compat() -> bool:
     _applied = True
     log.debug("megatron-core CPU compat patches applied")
     return True
+
+
+def apply_megatron_fixes() -> None:
+    """Work around megatron-core 0.16.1 bugs that hit CPU and GPU hosts alike; idempotent.
+
+    Without Transformer Engine, transformer/moe/moe_utils.py never defines `te_general_gemm` (its
+    import sits in a try block whose except only sets HAVE_TE=False), yet the MoE router's
+    RouterGatingLinearFunction tests `te_general_gemm is not None` and raises NameError. Defining
+    it as None selects the torch.mm path that the code intends when TE is absent.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

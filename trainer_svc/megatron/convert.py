@@ -10,12 +10,14 @@ Both directions run one process per model-parallel rank. Called outside torchrun
 `main` relaunches itself under `torch.distributed.run`.
 
     python -m trainer_svc.megatron.convert to-megatron --hf DIR --out CKPT --tp 2 --pp 2
+    python -m trainer_svc.megatron.convert to-megatron --hf MOE_DIR --out CKPT --ep 2 --mtp deepseek
     python -m trainer_svc.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,8 +27,27 @@ FORMAT = "weightsync-megatron-v1"
 MANIFEST = "megatron_checkpoint.json"
 
 
-def _rank_file(ckpt: Path, tp_rank: int, pp_rank: int) -> Path:
-    return ckpt / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.pt"
+def _rank_key(actor) -> tuple[int, ...]:
+    r = actor.rmap
+    if actor.par.ep == 1 and actor.par.expert_tp == actor.par.tp:
+        return r.tp_rank, r.pp_rank
+    return r.tp_rank, r.pp_rank, r.ep_rank, r.etp_rank
+
+
+def _rank_file(ckpt: Path, key: tuple[int, ...]) -> Path:
+    tail = "".join(f"_{k:03d}" for k in key[2:])
+    return ckpt / f"mp_rank_{key[0]:02d}_{key[1]:03d}{tail}.pt"
+
+
+def _writes_its_file(key: tuple[int, ...]) -> bool:
+    """Whether this rank is the lowest one holding `key` (the others hold the same weights)."""
+    import torch
+    import torch.distributed as dist
+
+    me = torch.tensor(list(key) + [0] * (4 - len(key)), dtype=torch.int64)
+    table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, me)
+    return next(i for i, t in enumerate(table) if torch.equal(t, me)) == dist.get_rank()
 
 
 def read_manifest(ckpt: str) -> dict:
@@ -39,22 +60,24 @@ def read_manifest(ckpt: str) -> dict:
     return meta
 
 
-def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int) -> None:
+def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None,
+                mtp: str = "off") -> None:
     import torch
     import torch.distributed as dist
 
     from trainer_svc.megatron.actor import MegatronActor
 
-    actor = MegatronActor.from_pretrained(hf_dir, tp=tp, pp=pp, vpp=vpp)
+    actor = MegatronActor.from_pretrained(hf_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, mtp=mtp)
     ckpt = Path(out)
-    if actor.rmap.in_replica0:
+    key = _rank_key(actor)
+    if _writes_its_file(key):
         ckpt.mkdir(parents=True, exist_ok=True)
-        torch.save({"chunks": [chunk.state_dict() for chunk in actor.model]},
-                   _rank_file(ckpt, actor.rmap.tp_rank, actor.rmap.pp_rank))
+        torch.save({"chunks": [chunk.state_dict() for chunk in actor.model]}, _rank_file(ckpt, key))
     if actor.rmap.rank == 0:
         actor.config.save_pretrained(str(ckpt))
         (ckpt / MANIFEST).write_text(json.dumps({"format": FORMAT, "family": actor.family, "tp": tp, "pp": pp,
-                                                 "vpp": vpp}, indent=2))
+                                                 "vpp": vpp, "ep": ep, "etp": actor.par.expert_tp, "mtp": mtp,
+                                                 "world": dist.get_world_size()}, indent=2))
     dist.barrier()
 
 
@@ -67,11 +90,13 @@ def to_hf(ckpt: str, out: str, dtype: str) -> None:
 
     meta = read_manifest(ckpt)
     config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
-    actor = MegatronActor(config, tp=meta["tp"], pp=meta["pp"], vpp=meta["vpp"], export_dtype=parse_dtype(dtype),
+    actor = MegatronActor(config, tp=meta["tp"], pp=meta["pp"], vpp=meta["vpp"], ep=meta.get("ep", 1),
+                          etp=meta.get("etp"), mtp=meta.get("mtp", "off"), export_dtype=parse_dtype(dtype),
                           init_weights=False)
-    path = _rank_file(Path(ckpt), actor.rmap.tp_rank, actor.rmap.pp_rank)
+    path = _rank_file(Path(ckpt), _rank_key(actor))
     if not path.is_file():
-        raise ValueError(f"ckpt {ckpt}: missing {path.name} for TP rank {actor.rmap.tp_rank}, PP rank {actor.rmap.pp_rank}")
+        raise ValueError(f"ckpt {ckpt}: missing {path.name} for rank {actor.rmap.rank} (TP rank {actor.rmap.tp_rank}, "
+                         f"PP rank {actor.rmap.pp_rank}, EP rank {actor.rmap.ep_rank})")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if len(state["chunks"]) != len(actor.model):
         raise ValueError(f"ckpt {ckpt}: {path.name} has {len(state['chunks'])} chunks, VPP={meta['vpp']} needs "
@@ -94,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--tp", type=int, default=1)
     a.add_argument("--pp", type=int, default=1)
     a.add_argument("--vpp", type=int, default=1)
+    a.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    a.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
+    a.add_argument("--mtp", default="off", choices=("off", "deepseek", "mimo"),
+                   help="carry the checkpoint's MTP layers, named DeepSeek-V3 or MiMo style")
     b = sub.add_parser("to-hf", help="Megatron checkpoint -> HF directory loadable by transformers")
     b.add_argument("--ckpt", required=True, help="checkpoint directory written by to-megatron")
     b.add_argument("--out", required=True, help="HF directory to write")
@@ -103,9 +132,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _world_needed(args) -> int:
     if args.direction == "to-megatron":
-        return args.tp * args.pp
+        # both the dense (tp x dp x pp) and the expert (etp x ep x edp x pp) grids must tile the world
+        return math.lcm(args.tp * args.pp, (args.etp or args.tp) * args.ep * args.pp)
     meta = read_manifest(args.ckpt)
-    return meta["tp"] * meta["pp"]
+    return meta.get("world", meta["tp"] * meta["pp"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                "-m", "trainer_svc.megatron.convert", *argv]
         return subprocess.run(cmd, check=False).returncode
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) % need:
-        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of tp*pp={need}")
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of {need} (the layout's world)")
     if args.direction == "to-megatron":
-        to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp)
+        to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.etp, args.mtp)
     else:
         to_hf(args.ckpt, args.out, args.dtype)
     import torch.distributed as dist

@@ -3,8 +3,10 @@
 For each entry of the export plan (in `export_metas` order) the owning pipeline stage's TP group
 gathers the shards onto its TP rank 0, which splits every shard with the rule's transform and
 concatenates the pieces; a stage other than the first then sends the finished HF tensors to global
-rank 0. Peak extra memory on any rank is about twice the largest gathered parameter. Only global
-rank 0 yields tensors; every other rank must still drain its iterator, since it takes part in the
+rank 0. An expert's parameters are gathered the same way by the expert-TP group of the EP rank that
+holds the expert (global index = ep_rank * experts_per_rank + local index), and sent on from there.
+Peak extra memory on any rank is about twice the largest gathered parameter. Only global rank 0
+yields tensors; every other rank must still drain its iterator, since it takes part in the
 collectives (stopping early on one rank but not the others deadlocks the job).
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from trainer_svc.megatron.hf_meta import export_plan, hf_shapes
 from trainer_svc.megatron.model import dims_of, named_parameters_global
 from trainer_svc.megatron.parallel import Parallelism, RankMap, layer_owner
-from trainer_svc.megatron.rules.base import LAYER, PRE
+from trainer_svc.megatron.rules.base import LAYER, PRE, Dims, Rule, Site
 
 
 def _owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:
@@ -53,26 +55,40 @@ def _gather_tp(shard: torch.Tensor, tp_group, tp: int, tp_rank: int) -> list[tor
     return [_from_bytes(b, shard.dtype, shard.shape) for b in bufs]
 
 
+def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> tuple[int, bool, str]:
+    """(global rank that assembles the HF tensors, whether this rank holds a shard, group kind)."""
+    stage = _owner_stage(rule.section, site.layer, d.num_layers, par)
+    if rule.expert:
+        # megatron places global expert e on EP rank e // experts_per_rank (MoELayer's offsets)
+        ep_rank = site.expert // (d.num_experts // par.ep)
+        holds = rmap.in_expert_replica0 and rmap.pp_rank == stage and rmap.ep_rank == ep_rank
+        return rmap.expert_leader[stage][ep_rank], holds, "expert"
+    return rmap.stage_leader[stage], rmap.in_replica0 and rmap.pp_rank == stage, "dense"
+
+
 def export_tensors(chunks, hf_config, family: str, par: Parallelism, rmap: RankMap,
-                   export_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                   export_dtype: torch.dtype, mtp: str = "off") -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
-    d = dims_of(hf_config)
-    shapes = hf_shapes(hf_config)
+    d = dims_of(hf_config, mtp)
+    shapes = hf_shapes(hf_config, mtp)
     params = named_parameters_global(chunks)
-    tp_group = ps.get_tensor_model_parallel_group()
-    for rule, layer, names in export_plan(hf_config, family):
-        stage = _owner_stage(rule.section, layer, d.num_layers, par)
-        leader = rmap.stage_leader[stage]
+    # dense parameters split over the TP group, expert parameters over the expert-TP group
+    groups = {"dense": (ps.get_tensor_model_parallel_group(), par.tp, rmap.tp_rank)}
+    if d.num_experts:
+        groups["expert"] = (ps.get_expert_tensor_parallel_group(), par.expert_tp, rmap.etp_rank)
+    for rule, site, names in export_plan(hf_config, family, mtp):
+        leader, holds, kind = _owner(rule, site, d, par, rmap)
+        group, size, group_rank = groups[kind]
         out: list[torch.Tensor] | None = None
-        if rmap.in_replica0 and rmap.pp_rank == stage:
-            mname = rule.megatron_name(layer)
+        if holds:
+            mname = rule.megatron_name(site)
             if mname not in params:
-                raise ValueError(f"tensor {mname}: expected on pipeline stage {stage} but this rank's model lacks it "
-                                 f"({par.describe()})")
+                raise ValueError(f"tensor {mname}: expected on this rank (pipeline stage {rmap.pp_rank}, EP rank "
+                                 f"{rmap.ep_rank}) but its model lacks it ({par.describe()})")
             shard = params[mname].detach().to(export_dtype)
-            shards = _gather_tp(shard, tp_group, par.tp, rmap.tp_rank) if rule.tp_dim is not None else [shard]
-            if shards is not None and rmap.tp_rank == 0:
+            shards = _gather_tp(shard, group, size, group_rank) if rule.tp_dim is not None else [shard]
+            if shards is not None and group_rank == 0:
                 per_rank = [rule.transform.to_hf(s, d) for s in shards]
                 out = [torch.cat([pieces[i] for pieces in per_rank], dim=rule.tp_dim or 0) for i in range(len(names))]
                 if rule.vocab:

@@ -1,7 +1,8 @@
 """HF -> Megatron: fill this rank's shards from an HF safetensors directory.
 
-Each rank opens the files lazily and reads only its own rows/columns (`get_slice`), so no rank
-ever holds a full model copy: peak extra memory is one shard's HF pieces.
+Each rank opens the files lazily and reads only its own rows/columns (`get_slice`), and only the
+experts of its EP rank, so no rank ever holds a full model copy: peak extra memory is one shard's
+HF pieces.
 """
 from __future__ import annotations
 
@@ -47,16 +48,54 @@ def index_safetensors(path: str) -> dict[str, Path]:
     return where
 
 
-def load_hf_into(chunks, path: str, hf_config, family: str, par: Parallelism) -> None:
+def _agree_on_errors(error: str | None) -> None:
+    """Raise the same ValueError on every rank if any rank failed.
+
+    Ranks read different slices (another TP rank's rows, another EP rank's experts), so a missing or
+    misshapen tensor may fail on one rank only; the others would go on into the next collective and
+    wait for it forever. The lowest failing rank's message is broadcast as UTF-8 bytes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error:
+            raise ValueError(error)
+        return
+    world = dist.get_world_size()
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    first = torch.tensor([dist.get_rank() if error else world], dtype=torch.int64, device=dev)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return
+    msg = (error or "").encode()[:4096]
+    n = torch.tensor([len(msg)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=src)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    raise ValueError(bytes(buf.cpu().numpy()).decode(errors="replace") + f" (on rank {src})")
+
+
+def load_hf_into(chunks, path: str, hf_config, family: str, par: Parallelism, mtp: str = "off") -> None:
+    """Collective: every rank calls it; an error on any rank is raised on all of them."""
+    error = None
+    try:
+        _load(chunks, path, hf_config, family, par, mtp)
+    except ValueError as e:
+        error = str(e)
+    _agree_on_errors(error)
+
+
+def _load(chunks, path: str, hf_config, family: str, par: Parallelism, mtp: str) -> None:
     from megatron.core import parallel_state as ps
     from safetensors import safe_open
     from tqdm import tqdm
 
-    table = rules_for(family)
-    d = dims_of(hf_config)
-    shapes = hf_shapes(hf_config)
+    table = rules_for(family, mtp=mtp)
+    d = dims_of(hf_config, mtp)
+    shapes = hf_shapes(hf_config, mtp)
     where = index_safetensors(path)
     tp, tp_rank = par.tp, ps.get_tensor_model_parallel_rank()
+    etp, etp_rank = par.expert_tp, (ps.get_expert_tensor_parallel_rank() if d.num_experts else 0)
     params = named_parameters_global(chunks)
     show = not dist.is_initialized() or dist.get_rank() == 0
     with contextlib.ExitStack() as stack, torch.no_grad():
@@ -64,24 +103,25 @@ def load_hf_into(chunks, path: str, hf_config, family: str, par: Parallelism) ->
         for mname, p in tqdm(params.items(), desc=f"load {Path(path).name}", disable=not show, unit="tensor"):
             if table.tied and mname == "output_layer.weight":
                 # PP>1 keeps a copy of the tied embedding on the last stage
-                rule, layer = table.match("embedding.word_embeddings.weight")
+                rule, site = table.match("embedding.word_embeddings.weight")
             else:
-                rule, layer = table.match(mname)
+                rule, site = table.match(mname)
+            size, rank = (etp, etp_rank) if rule.expert else (tp, tp_rank)
             pieces = []
-            for hf_name in rule.hf_names(layer):
+            for hf_name in rule.hf_names(site, d.num_layers):
                 if hf_name not in where:
                     raise ValueError(f"hf_path {path}: missing tensor {hf_name} (expected shape {shapes.get(hf_name)}, "
-                                     f"for {mname}, trainer TP={tp})")
+                                     f"for {mname}, trainer {par.describe()})")
                 f = where[hf_name]
                 if f not in handles:
                     handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
                 sl = handles[f].get_slice(hf_name)
                 got, want = tuple(sl.get_shape()), shapes[hf_name]
                 if got != want:
-                    raise ValueError(f"tensor {hf_name}: shape {got} != expected {want} (trainer TP={tp})")
-                pieces.append(_tp_slice(sl, want, rule, tp, tp_rank, d.vocab_size))
+                    raise ValueError(f"tensor {hf_name}: shape {got} != expected {want} (trainer {par.describe()})")
+                pieces.append(_tp_slice(sl, want, rule, size, rank, d.vocab_size))
             local = rule.transform.to_megatron(pieces, d)
             if tuple(local.shape) != tuple(p.shape):
                 raise ValueError(f"tensor {mname}: built shard {tuple(local.shape)} != model shard {tuple(p.shape)} "
-                                 f"(trainer TP={tp})")
+                                 f"(trainer {par.describe()})")
             p.copy_(local.to(device=p.device, dtype=p.dtype))

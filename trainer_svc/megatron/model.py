@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer_svc.megatron.moe import check_moe_supported, moe_config_fields, moe_layer_pattern
 from trainer_svc.megatron.parallel import Parallelism
 from trainer_svc.megatron.rules import Dims, family_features
 
@@ -21,15 +22,32 @@ def family_of_config(hf_config) -> str:
     return family_of(hf_config)
 
 
-def dims_of(hf_config) -> Dims:
+def mtp_depth(hf_config, mtp: str) -> int:
+    """How many MTP layers to carry: the config's num_nextn_predict_layers when MTP is on."""
+    from trainer_svc.megatron.rules.mtp import check_style
+
+    if check_style(mtp) == "off":
+        return 0
+    n = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    if n < 1:
+        raise ValueError(f"mtp={mtp!r} but the HF config has no num_nextn_predict_layers >= 1 (model_type="
+                         f"{hf_config.model_type!r}); set mtp=off or use a checkpoint with MTP layers")
+    return n
+
+
+def dims_of(hf_config, mtp: str = "off") -> Dims:
     c = hf_config
     heads = c.num_attention_heads
     groups = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     if heads % groups:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    moe_layers = moe_layer_pattern(c)
     return Dims(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_heads=heads, num_query_groups=groups,
-                head_dim=head_dim, ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size)
+                head_dim=head_dim, ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
+                num_experts=int(getattr(c, "num_experts", 0) or 0) if any(moe_layers) else 0,
+                moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0) if any(moe_layers) else 0,
+                moe_layers=moe_layers, mtp_layers=mtp_depth(c, mtp))
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -42,8 +60,16 @@ def check_layout(d: Dims, par: Parallelism) -> None:
         raise ValueError(f"num_attention_heads={d.num_heads} is not divisible by TP={par.tp}")
     if d.num_query_groups % par.tp:
         raise ValueError(f"num_key_value_heads={d.num_query_groups} is not divisible by TP={par.tp}")
-    if d.ffn_hidden_size % par.tp:
+    if not all(d.moe_layers) and d.ffn_hidden_size % par.tp:
         raise ValueError(f"intermediate_size={d.ffn_hidden_size} is not divisible by TP={par.tp}")
+    if d.num_experts:
+        if d.num_experts % par.ep:
+            raise ValueError(f"num_experts={d.num_experts} is not divisible by EP={par.ep}")
+        if d.moe_ffn_hidden_size % par.expert_tp:
+            raise ValueError(f"moe_intermediate_size={d.moe_ffn_hidden_size} is not divisible by expert TP="
+                             f"{par.expert_tp}")
+    elif par.ep > 1:
+        raise ValueError(f"EP={par.ep} needs a mixture-of-experts model (the HF config has no num_experts)")
     if d.num_layers % (par.pp * par.vpp):
         raise ValueError(f"num_hidden_layers={d.num_layers} is not divisible by PP*VPP={par.pp * par.vpp}")
 
@@ -78,17 +104,20 @@ def _check_supported(hf_config, features: dict) -> None:
         raise ValueError("mlp_bias=True is not supported by the Megatron backend")
     if not features["qkv_bias"] and getattr(c, "attention_bias", False):
         raise ValueError(f"attention_bias=True is not supported for model_type={c.model_type!r}")
+    check_moe_supported(c, features)
 
 
 def transformer_config(hf_config, par: Parallelism, *, params_dtype: torch.dtype = torch.float32,
-                       init_weights: bool = True):
+                       init_weights: bool = True, mtp: str = "off", expert_layout: str = "sequential"):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     features = family_features(family_of_config(hf_config))
     _check_supported(hf_config, features)
-    d = dims_of(hf_config)
+    d = dims_of(hf_config, mtp)
     check_layout(d, par)
+    if expert_layout == "grouped" and params_dtype != torch.bfloat16:
+        raise ValueError(f"expert_layout='grouped' (megatron's GroupedMLP) runs in bfloat16 only, not {params_dtype}")
     return TransformerConfig(
         num_layers=d.num_layers, hidden_size=d.hidden_size, ffn_hidden_size=d.ffn_hidden_size,
         num_attention_heads=d.num_heads, num_query_groups=d.num_query_groups, kv_channels=d.head_dim,
@@ -106,35 +135,76 @@ def transformer_config(hf_config, par: Parallelism, *, params_dtype: torch.dtype
         # CPU init builds each full master weight from the global RNG and slices it, so a seed gives
         # the same model at every TP size
         use_cpu_initialization=True, perform_initialization=init_weights,
+        mtp_num_layers=d.mtp_layers or None,
+        **moe_config_fields(hf_config, features, d.moe_layers, par.ep, par.expert_tp, expert_layout),
     )
 
 
+def _gpt_model_class(with_mtp: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    if not with_mtp:
+        return GPTModel
+
+    class GPTModelWithMTP(GPTModel):
+        """GPTModel whose logits-only forward (labels=None) works with an MTP block.
+
+        megatron-core 0.16.1's `_postprocess` runs the MTP block and then `labels.clone()` whenever
+        mtp_num_layers is set, so a forward without labels (log-probs, logits parity) raises. MTP
+        only adds an auxiliary loss computed from labels and leaves the main logits unchanged, so
+        without labels the block is skipped: the logits are those of the main model."""
+
+        def _postprocess(self, *args, labels=None, mtp_in_postprocess=None, **kwargs):
+            if labels is not None or not mtp_in_postprocess:
+                return super()._postprocess(*args, labels=labels, mtp_in_postprocess=mtp_in_postprocess, **kwargs)
+            depth, self.config.mtp_num_layers = self.config.mtp_num_layers, None
+            try:
+                return super()._postprocess(*args, labels=None, mtp_in_postprocess=False, **kwargs)
+            finally:
+                self.config.mtp_num_layers = depth
+
+    return GPTModelWithMTP
+
+
+def _layer_spec(cfg, features: dict, vp_stage: int | None):
+    """The decoder spec: one local layer spec for a dense model; per-layer dense/MoE specs otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not cfg.num_moe_experts:
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=features["qk_norm"])
+    return get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+
+
 def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True) -> list:
+                 init_weights: bool = True, mtp: str = "off", expert_layout: str = "sequential") -> list:
     """This rank's GPTModel chunks, one per virtual pipeline stage. Parallel state must be initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from trainer_svc.megatron.compat import apply_cpu_compat
+    from trainer_svc.megatron.compat import apply_cpu_compat, apply_megatron_fixes
 
     apply_cpu_compat()
+    apply_megatron_fixes()
     features = family_features(family_of_config(hf_config))
-    cfg = transformer_config(hf_config, par, params_dtype=params_dtype, init_weights=init_weights)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=features["qk_norm"])
+    cfg = transformer_config(hf_config, par, params_dtype=params_dtype, init_weights=init_weights, mtp=mtp,
+                             expert_layout=expert_layout)
+    model_cls = _gpt_model_class(cfg.mtp_num_layers is not None)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     chunks = []
     for vp in range(par.vpp):
         vp_stage = vp if par.vpp > 1 else None
-        chunk = GPTModel(
+        spec = _layer_spec(cfg, features, vp_stage)
+        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage) \
+            if cfg.mtp_num_layers else None
+        chunk = model_cls(
             cfg, spec, vocab_size=padded_vocab_size(hf_config.vocab_size, par.tp),
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=features["tied"], position_embedding_type="rope",
-            vp_stage=vp_stage, **_rope(hf_config))
+            vp_stage=vp_stage, mtp_block_spec=mtp_spec, **_rope(hf_config))
         if torch.cuda.is_available():
             chunk.cuda()
         chunks.append(chunk)
@@ -142,20 +212,10 @@ def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: to
 
 
 def named_parameters_global(chunks) -> dict[str, torch.Tensor]:
-    """This rank's parameters keyed by Megatron name with GLOBAL layer numbers (layer.layer_number
-    is global and 1-based; the module path's index is local to the chunk)."""
-    out: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        local_to_global = {}
-        if hasattr(chunk, "decoder"):
-            for i, layer in enumerate(chunk.decoder.layers):
-                local_to_global[i] = layer.layer_number - 1
-        for name, p in chunk.named_parameters():
-            if name.startswith("decoder.layers."):
-                _, _, idx, rest = name.split(".", 3)
-                name = f"decoder.layers.{local_to_global[int(idx)]}.{rest}"
-            out[name] = p
-    return out
+    """See param_names.py: global layer and expert numbering, every expert layout as sequential."""
+    from trainer_svc.megatron.param_names import named_parameters_global as names
+
+    return names(chunks)
 
 
 def forward_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -167,7 +227,14 @@ def forward_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> torch.Te
         raise ValueError("forward_logits needs PP=1 (one chunk holding embedding and head)")
     model = chunks[0]
     pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-    logits = model(input_ids, pos, attention_mask=None)
+    # eval mode: megatron's MoELayer refuses a training-mode forward at TP>1 without sequence
+    # parallelism, which the local spec's torch norms cannot do; dropout is 0, so the math is the same
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids, pos, attention_mask=None)
+    finally:
+        model.train(was_training)
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]

@@ -227,6 +227,11 @@ class MegatronBackend:
 
     # ---- optimizer ----------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        if self.ps.get_expert_model_parallel_world_size() > 1 or self.ps.get_expert_tensor_parallel_world_size() != self.tp:
+            # expert grads must be averaged over the expert-data-parallel group and counted once per
+            # EP rank in the norm; the code below treats every param as dense and would mix experts
+            raise ValueError("train_step with EP>1 or expert TP != TP is not supported yet (export, load and "
+                             "log-probs are); train with ep=1")
         params = [p for p in self.parameters() if p.grad is not None]
         if self.dp > 1:
             group = self.ps.get_data_parallel_group()

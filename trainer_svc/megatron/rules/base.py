@@ -1,11 +1,15 @@
-"""The rule-table vocabulary: a Rule maps one Megatron parameter (global layer numbering) to one or
-more HF tensors through a pair of pure transforms.
+"""The rule-table vocabulary: a Rule maps one Megatron parameter (global layer and expert numbering)
+to one or more HF tensors through a pair of pure transforms.
 
 Transforms work on *TP-local* pieces. Every HF tensor of a rule is cut into `tp` contiguous chunks
 along `tp_dim`; rank r's Megatron shard is `to_megatron([chunk r of each HF tensor])`, and export is
 the inverse, applied to each rank's shard before concatenating along `tp_dim`. Because a Megatron
 shard always holds whole query groups / a whole gate slice plus the matching up slice, this makes
-every transform independent of the TP size.
+every transform independent of the TP size. (For an expert parameter "tp" is the expert-TP group.)
+
+A rule's names carry placeholders for where it repeats: `{layer}` (global decoder layer),
+`{expert}` (global expert index), `{mtp}` (multi-token-prediction depth) and, on the HF side only,
+`{mtp_layer}` = num_layers + mtp (DeepSeek-V3 numbers its MTP layers after the decoder's).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 
 @dataclass(frozen=True)
 class Dims:
-    """The shape facts transforms need, taken from the HF config."""
+    """The shape facts transforms and the export order need, taken from the HF config."""
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -26,10 +30,17 @@ class Dims:
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[bool, ...] = ()    # per decoder layer: is its MLP a mixture of experts?
+    mtp_layers: int = 0                  # multi-token-prediction depths exported (0: MTP off)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_query_groups
+
+    def layer_kind(self, layer: int) -> str:
+        return MOE if self.moe_layers and self.moe_layers[layer] else DENSE
 
 
 @dataclass(frozen=True)
@@ -40,8 +51,19 @@ class Transform:
     to_megatron: Callable[[Sequence[torch.Tensor], Dims], torch.Tensor]
 
 
-#: where a parameter lives in the pipeline: before the layers, in a layer, after the layers
+#: where a parameter lives in the pipeline: before the layers, in a layer, after the layers (the
+#: final norm, the output layer and the MTP block, which megatron places on the last stage)
 PRE, LAYER, POST = "pre", "layer", "post"
+#: which decoder layers a layer rule applies to
+ALL, DENSE, MOE = "all", "dense", "moe"
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a rule applies: global decoder layer, global expert, MTP depth (None: n/a)."""
+    layer: int | None = None
+    expert: int | None = None
+    mtp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +73,10 @@ class Rule:
     transform: Transform
     tp_dim: int | None = None     # None: replicated across TP ranks
     vocab: bool = False           # rows are the (padded) vocabulary: trim on export, pad on load
+    layers: str = ALL             # ALL, DENSE or MOE: which decoder layers have this parameter
+    # a second HF copy of a parameter that another rule loads (DeepSeek-V3's per-MTP-layer
+    # embed_tokens / shared_head.head): exported, never loaded from
+    export_only: bool = False
 
     @property
     def section(self) -> str:
@@ -58,14 +84,27 @@ class Rule:
             return LAYER
         return PRE if self.megatron.startswith("embedding.") else POST
 
-    def hf_names(self, layer: int | None = None) -> list[str]:
-        return [h.format(layer=layer) for h in self.hf]
+    @property
+    def expert(self) -> bool:
+        """Held by the expert-parallel rank of its expert and split over the expert-TP group."""
+        return "{expert}" in self.megatron
 
-    def megatron_name(self, layer: int | None = None) -> str:
-        return self.megatron.format(layer=layer)
+    @property
+    def per_mtp(self) -> bool:
+        return "{mtp}" in self.megatron or any("{mtp" in h for h in self.hf)
+
+    def hf_names(self, site: Site = Site(), num_layers: int = 0) -> list[str]:
+        mtp_layer = None if site.mtp is None else num_layers + site.mtp
+        return [h.format(layer=site.layer, expert=site.expert, mtp=site.mtp, mtp_layer=mtp_layer) for h in self.hf]
+
+    def megatron_name(self, site: Site = Site()) -> str:
+        return self.megatron.format(layer=site.layer, expert=site.expert, mtp=site.mtp)
 
     def pattern(self) -> re.Pattern:
-        return re.compile("^" + re.escape(self.megatron).replace(r"\{layer\}", r"(?P<layer>\d+)") + "$")
+        p = "^" + re.escape(self.megatron) + "$"
+        for key in ("layer", "expert", "mtp"):
+            p = p.replace(re.escape("{" + key + "}"), f"(?P<{key}>\\d+)")
+        return re.compile(p)
 
 
 @dataclass(frozen=True)
@@ -74,19 +113,33 @@ class RuleTable:
     rules: tuple[Rule, ...]
     tied: bool
 
-    def match(self, megatron_name: str) -> tuple[Rule, int | None]:
-        """The rule for a Megatron parameter name (global layer numbering) and its layer."""
+    def match(self, megatron_name: str) -> tuple[Rule, Site]:
+        """The rule loading a Megatron parameter name (global layer/expert numbering), and where."""
         for rule in self.rules:
+            if rule.export_only:
+                continue
             m = rule.pattern().match(megatron_name)
             if m:
-                layer = m.groupdict().get("layer")
-                return rule, (int(layer) if layer is not None else None)
+                return rule, Site(**{k: int(v) for k, v in m.groupdict().items()})
         raise ValueError(f"tensor {megatron_name}: no rule in the {self.family!r} table maps it to HF")
 
-    def ordered(self, num_layers: int) -> list[tuple[Rule, int | None]]:
-        """Export order: embedding, then each layer's rules in table order, then final norm/head."""
-        out = [(r, None) for r in self.rules if r.section == PRE]
-        for layer in range(num_layers):
-            out += [(r, layer) for r in self.rules if r.section == LAYER]
-        out += [(r, None) for r in self.rules if r.section == POST]
+    def _expand(self, rules: list[Rule], d: Dims, layer: int | None = None, mtp: int | None = None):
+        out = []
+        for r in rules:
+            experts = range(d.num_experts) if "{expert}" in r.megatron else [None]
+            out += [(r, Site(layer=layer, expert=e, mtp=mtp)) for e in experts]
+        return out
+
+    def ordered(self, d: Dims) -> list[tuple[Rule, Site]]:
+        """Export order: embedding, each decoder layer (its experts in index order), final norm and
+        head, then each MTP depth (shaped like the last decoder layer, as megatron builds it)."""
+        plain = [r for r in self.rules if not r.per_mtp]
+        out = self._expand([r for r in plain if r.section == PRE], d)
+        for layer in range(d.num_layers):
+            kind = d.layer_kind(layer)
+            out += self._expand([r for r in plain if r.section == LAYER and r.layers in (ALL, kind)], d, layer=layer)
+        out += self._expand([r for r in plain if r.section == POST], d)
+        mtp_kind = d.layer_kind(d.num_layers - 1) if d.num_layers else DENSE
+        for depth in range(d.mtp_layers):
+            out += self._expand([r for r in self.rules if r.per_mtp and r.layers in (ALL, mtp_kind)], d, mtp=depth)
         return out

@@ -1,7 +1,7 @@
 """The dense decoder-only (Llama-style) table that qwen2 / llama / qwen3 are variations of."""
 from __future__ import annotations
 
-from trainer_svc.megatron.rules.base import Rule
+from trainer_svc.megatron.rules.base import DENSE, Rule
 from trainer_svc.megatron.rules.transforms import GATE_UP, IDENTITY, QKV
 
 L = "decoder.layers.{layer}."
@@ -26,8 +26,10 @@ def dense_rules(*, qkv_bias: bool, qk_norm: bool, tied: bool) -> tuple[Rule, ...
     rules += [
         Rule(L + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), IDENTITY, tp_dim=1),
         Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",), IDENTITY),
-        Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), GATE_UP, tp_dim=0),
-        Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), IDENTITY, tp_dim=1),
+        # a MoE family's dense layers (mlp_only_layers, decoder_sparse_step) keep these too
+        Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), GATE_UP, tp_dim=0,
+             layers=DENSE),
+        Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), IDENTITY, tp_dim=1, layers=DENSE),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), IDENTITY),
     ]
     if not tied:

@@ -63,3 +63,26 @@ def _gate_up_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor
 IDENTITY = Transform("identity", _identity_to_hf, _identity_to_megatron)
 QKV = Transform("qkv", _qkv_to_hf, _qkv_to_megatron)
 GATE_UP = Transform("gate_up", _gate_up_to_hf, _gate_up_to_megatron)
+
+
+# Megatron's MTP eh_proj reads cat(enorm(embedding), hnorm(hidden)) (multi_token_prediction.py,
+# _concat_embeddings), as DeepSeek-V3's eh_proj does; MiMo's input_proj reads cat(hidden, embedding)
+# (vLLM / SGLang mimo_mtp.py). Swapping the two column halves converts one into the other; it acts
+# within each row, so it commutes with the row (TP) split.
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    if t.shape[-1] % 2:
+        raise ValueError(f"MTP input projection has {t.shape[-1]} columns, expected 2*hidden_size")
+    first, second = torch.chunk(t, 2, dim=-1)
+    return torch.cat([second, first], dim=-1)
+
+
+def _swap_to_hf(t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
+    return [_swap_halves(t)]
+
+
+def _swap_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor:
+    (t,) = parts
+    return _swap_halves(t)
+
+
+SWAP_HALVES = Transform("swap_halves", _swap_to_hf, _swap_to_megatron)
