@@ -77,6 +77,7 @@ class RolloutApp:
         self.grpc.stop()
         self.data.stop()
         self.http.stop()
+        self.servicer.nccl.close()
 
     def run_forever(self) -> None:
         self.start()

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
+import time
 
 import grpc
 
 from rollout_svc.engine.base import SamplingParams
+from rollout_svc.gpu_checks import check_ipc, engine_device
+from rollout_svc.nccl_receiver import NcclReceiveSide
 from rollout_svc.transaction import SyncError, SyncTransaction
 from weightsync.bus.plan import manifest_from_proto
 from weightsync.obs.metrics import SyncMetrics
-from weightsync.v1 import bus_pb2, rollout_pb2, rollout_pb2_grpc
+from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +46,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.m_hits = Counter("weightsync_prefix_cache_hits_total", "Samples whose prompt prefill came from the prefix cache", registry=r)
         self.m_apply = Histogram("weightsync_apply_seconds", "Time generation was paused to load weights at commit", registry=r)
         self.m_state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["state"], registry=r)
+        self.m_nccl_builds = Counter("weightsync_nccl_group_builds_total",
+                                     "NCCL groups this rollout joined (a sync that reuses the cached group adds none)",
+                                     registry=r)
         self._sync_started: dict[str, float] = {}
         self._lock = threading.Lock()
+        self.device = engine_device(engine)
+        self.nccl = NcclReceiveSide(tx, self.device, engine_name, on_build=self.m_nccl_builds.inc)
+        self._ipc_sync: tuple[str, str] = ("", "")  # (sync_id, GPU UUID) of the sync prepared for CUDA IPC
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
@@ -105,7 +115,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     # ---- sync ---------------------------------------------------------------------------
     def PrepareSync(self, request, context):
-        import time
         try:
             manifest = manifest_from_proto(request.manifest)
             t = request.timeout_seconds
@@ -116,19 +125,33 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                  "(0 = the rollout's sync_timeout_s)")
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
-            if kind not in ("tcp", "ipc"):
-                raise SyncError(f"transport {kind or 'unset'} is not served by this rollout "
-                                f"(engine {self.engine_name}); use tcp or ipc", "UNIMPLEMENTED")
+            ipc_uuid = ""
+            if kind == "nccl":
+                self.nccl.check(request.transport.nccl)
+            elif kind == "ipc":
+                ipc_uuid = check_ipc(request.transport.ipc, self.device, self.engine_name)
+            elif kind != "tcp":
+                raise SyncError("transport is unset: PrepareSync must say tcp, nccl or ipc", "INVALID_ARGUMENT")
+            deadline = time.monotonic() + timeout
             self.tx.prepare(manifest, timeout)
         except (ValueError, SyncError) as exc:
             self.metrics.failure("prepare_rejected")
             _abort(context, exc)
         self._sync_started[manifest.sync_id] = time.perf_counter()
         resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks())
+        if kind == "nccl":
+            spec = request.transport.nccl
+            self.nccl.start(manifest, spec, deadline)
+            n = resp.transport.nccl
+            n.group_id, n.world_size, n.rank_offset = spec.group_id, spec.world_size, spec.rank_offset
+            return resp
+        # Another transport took over from any NCCL receive still waiting (a superseded sync).
+        self.nccl.cancel_active(f"superseded by sync {manifest.sync_id} over {kind}")
         if kind == "tcp":
             resp.transport.tcp.data_address = self.data_address
         else:
-            resp.transport.ipc.CopyFrom(request.transport.ipc)
+            self._ipc_sync = (manifest.sync_id, ipc_uuid)
+            resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), ipc_uuid
         return resp
 
     def PushBucket(self, request, context):
@@ -141,6 +164,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if request.index >= len(manifest.buckets):
                 raise SyncError(f"index={request.index}: the manifest has {len(manifest.buckets)} buckets",
                                 "INVALID_ARGUMENT")
+            ipc_sync, gpu = self._ipc_sync
+            if ipc_sync != request.sync_id or request.ipc.device_uuid != gpu:
+                raise SyncError(f"ipc.device_uuid={request.ipc.device_uuid!r}: sync {request.sync_id} was not prepared "
+                                f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
+                                "INVALID_ARGUMENT")
             from weightsync.bus.cuda_ipc import mapped_ipc_bucket  # lazy: CUDA only
 
             # Consumed while mapped (no extra copy); the sender reuses the buffer after we reply.
@@ -152,7 +180,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.PushBucketResponse()
 
     def CommitSync(self, request, context):
-        import time
         manifest = self.tx.pending_manifest(request.sync_id)
         try:
             version, checksum, _ = self.tx.commit(request.sync_id, request.version,
@@ -174,6 +201,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def AbortSync(self, request, context):
         had = self.tx.pending_sync_id == request.sync_id
         self.tx.abort(request.sync_id, request.reason or "aborted by trainer")
+        self.nccl.abort(request.sync_id, request.reason or "aborted by trainer")
         if had:
             self.metrics.outcome("aborted")
         return rollout_pb2.AbortSyncResponse(state=self.tx.state, version=self.tx.version)

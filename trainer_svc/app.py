@@ -49,10 +49,18 @@ class TrainerApp:
         self.registry = RolloutRegistry(self.token, cfg.rpc_timeout_s)
         self.m_rollouts.set_function(lambda: len(self.registry.all()))
         self.metrics.version.set_function(lambda: self.actor.version)
+        from prometheus_client import Counter
+        from trainer_svc.actor.device import export_device
+
+        self.m_nccl_builds = Counter("weightsync_nccl_group_builds_total",
+                                     "NCCL groups built by the trainer (a sync that reuses the cached group adds none)",
+                                     registry=self.metrics.registry)
         self.orch = SyncOrchestrator(self.actor, self.actor_lock, self.registry, self.metrics, token=self.token,
                                      bucket_bytes=cfg.bucket_mb << 20, default_transport=cfg.transport,
                                      sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s,
-                                     origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16])
+                                     origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
+                                     device=export_device(self.actor), nccl_init_timeout=cfg.nccl_init_timeout_s,
+                                     on_nccl_group_build=self.m_nccl_builds.inc)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
                                         cfg.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)

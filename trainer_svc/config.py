@@ -1,6 +1,7 @@
 """trainer-svc settings (flags > env WS_TRAINER_* > --config file > defaults)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from trainer_svc.megatron.bridge_contract import CONTRACTS, missing_package_error
@@ -20,13 +21,23 @@ class TrainerConfig:
     tp: int = field(1, help="tensor-parallel size (must equal the torchrun world size / PP / VPP product)")
     pp: int = field(1, help="pipeline-parallel size")
     vpp: int = field(1, help="virtual pipeline stages per PP rank")
+    ep: int = field(1, help="expert-parallel size for MoE models (experts split over ep ranks; world size must be a multiple of ep*pp)")
+    mtp: str = field("off", choices=("off", "deepseek", "mimo"),
+                     help="carry the model's multi-token-prediction layers (num_nextn_predict_layers in its config) and publish them under DeepSeek-V3 (model.layers.N+i.*) or MiMo (model.mtp_layers.i.*) names")
     export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
                               help="dtype tensors are cast to on the bus (match the rollout engine's dtype)")
     converter: str = field("builtin", choices=("builtin", *CONTRACTS),
                            help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
                                 "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "
                                 "dense qwen2/llama/qwen3; docs/conversion.md)")
-    transport: str = field("tcp", choices=("tcp", "nccl", "ipc"), help="default weight-bus transport")
+    device: str = field("", help="torch device of backend hf's model and export (cpu, cuda, cuda:N; empty = cpu); "
+                                 "backend megatron always uses cuda:LOCAL_RANK when CUDA is available. "
+                                 "Transports nccl and ipc need a CUDA device")
+    transport: str = field("tcp", choices=("tcp", "nccl", "ipc"),
+                           help="default weight-bus transport: tcp (any host), nccl (trainer and rollouts on GPUs), "
+                                "ipc (rollouts on the trainer's own GPU)")
+    nccl_init_timeout_s: float = field(120.0, help="bound on building an NCCL group (every rollout must join within "
+                                                   "it, and within the sync timeout)")
     bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
     rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
@@ -52,13 +63,15 @@ class TrainerConfig:
         parse_host_port("http_address", self.http_address)
         for a in self.rollouts:
             parse_host_port("rollouts", a)
-        for name in ("tp", "pp", "vpp"):
+        for name in ("tp", "pp", "vpp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.vpp > 1 and self.pp < 2:
             raise ConfigError(f"vpp={self.vpp} needs pp >= 2 (virtual stages interleave pipeline ranks)")
-        if self.backend == "hf" and self.tp * self.pp * self.vpp != 1:
-            raise ConfigError("backend=hf runs one process: set tp=pp=vpp=1 or use backend=megatron")
+        if self.backend == "hf" and self.tp * self.pp * self.vpp * self.ep != 1:
+            raise ConfigError("backend=hf runs one process: set tp=pp=vpp=ep=1 or use backend=megatron")
+        if self.backend == "hf" and self.mtp != "off":
+            raise ConfigError("mtp needs backend=megatron (transformers models have no MTP layers)")
         if self.converter != "builtin":
             if self.backend != "megatron":
                 raise ConfigError(f"converter={self.converter} applies to backend=megatron; backend=hf exports "
@@ -68,7 +81,12 @@ class TrainerConfig:
                 raise ConfigError(missing)
         if not 1 <= self.bucket_mb <= 16384:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be in [1, 16384]")
-        if self.sync_timeout_s <= 0 or self.rpc_timeout_s <= 0:
-            raise ConfigError("sync_timeout_s and rpc_timeout_s must be > 0")
+        if self.sync_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.nccl_init_timeout_s <= 0:
+            raise ConfigError("sync_timeout_s, rpc_timeout_s and nccl_init_timeout_s must be > 0")
+        if self.device and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(f"device={self.device!r} must be cpu, cuda or cuda:N")
+        if self.device and self.backend == "megatron":
+            raise ConfigError("device applies to backend=hf; megatron places each rank on cuda:LOCAL_RANK itself "
+                              "(leave device empty)")
         if self.auth_token and self.auth_token_file:
             raise ConfigError("set auth_token or auth_token_file, not both")

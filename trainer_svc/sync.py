@@ -1,9 +1,11 @@
 """Sync orchestration on the trainer: prepare every target → stream buckets → commit, or abort.
 
-Targets succeed or fail individually: a rollout that rejects the manifest, drops off the bus or
-fails its commit is aborted and reported, and the others still commit. Every rollout ends on a
-complete version: the new one if it committed, otherwise the one it served before (or STALE,
-refusing generation, in inplace mode — see rollout_svc.transaction).
+With tcp and ipc, targets succeed or fail individually: a rollout that rejects the manifest,
+drops off the bus or fails its commit is aborted and reported, and the others still commit.
+With nccl a failure before or during the stream is group-wide (a collective needs every rank):
+every target of that sync is aborted. Every rollout ends on a complete version: the new one if
+it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
+mode — see rollout_svc.transaction). The transports live in trainer_svc/transports/.
 """
 from __future__ import annotations
 
@@ -14,16 +16,18 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
+from trainer_svc.transports.ipc import IpcSync
+from trainer_svc.transports.nccl import NcclSync
+from trainer_svc.transports.tcp import TcpSync
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import make_manifest, manifest_to_proto
-from weightsync.bus.tcp import TcpBucketSender
-from weightsync.bus.transport import TransportError
 from weightsync.control.client import describe_rpc_error
 from weightsync.obs.metrics import SyncMetrics
-from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,8 @@ class SyncInProgress(RuntimeError):
 class SyncOrchestrator:
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
                  token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
-                 origin: str):
+                 origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
+                 on_nccl_group_build=None):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -46,6 +51,10 @@ class SyncOrchestrator:
         self.sync_timeout = sync_timeout
         self.rpc_timeout = rpc_timeout
         self.origin = origin
+        self.device = torch.device(device)
+        self.transports = {"tcp": TcpSync(token),
+                           "nccl": NcclSync(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build),
+                           "ipc": IpcSync(self.device, self._call)}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
 
@@ -53,9 +62,8 @@ class SyncOrchestrator:
              wait_s: float = 0.0) -> trainer_pb2.SyncReport:
         transport = transport or self.default_transport
         timeout = timeout or self.sync_timeout
-        if transport != "tcp":
-            raise ValueError(f"transport={transport!r}: only tcp is wired into the control plane on this build "
-                             "(nccl/ipc need the GPU bus; see docs/architecture.md)")
+        if transport not in self.transports:
+            raise ValueError(f"transport={transport!r} must be one of {sorted(self.transports)}")
         if not self.actor_lock.acquire(timeout=wait_s):
             raise SyncInProgress("another sync or weight load is running; retry when it finishes")
         try:
@@ -69,52 +77,104 @@ class SyncOrchestrator:
 
     def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float) -> trainer_pb2.SyncReport:
         t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
         version = self.actor.version
-        sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
-        manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
-                                 bucket_bytes=self.bucket_bytes, model_family=self.actor.family, checksum_algo=ALGO,
-                                 origin=self.origin)
-        report = trainer_pb2.SyncReport(sync_id=sync_id, version=version, transport=transport,
-                                        bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
-                                        num_tensors=manifest.num_tensors)
+        for attempt in (1, 2):
+            sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
+            # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
+            session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
+            manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
+                                     bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
+                                     checksum_algo=ALGO, origin=self.origin)
+            report = trainer_pb2.SyncReport(sync_id=sync_id, version=version, transport=transport,
+                                            bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
+                                            num_tensors=manifest.num_tensors)
+            if not targets:
+                report.ok = False
+                log.warning("sync %s: no rollout registered", sync_id)
+                self.last_report = report
+                return report
+            log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s", sync_id,
+                     version, len(targets), manifest.num_tensors, len(manifest.buckets), manifest.total_bytes / 1e6,
+                     transport, " (cached group)" if session.reused else "")
+            results, retry = self._attempt(session, manifest, targets, deadline, timeout)
+            if not (retry and attempt == 1):
+                break
+            log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
+                        sync_id)
+        by_id = {e.rollout_id: e for e in targets}
+        elapsed = time.perf_counter() - t0
+        for r in results.values():
+            r.seconds = elapsed
+            by_id[r.rollout_id].last_sync_seconds = elapsed
+        report.rollouts.extend(results.values())
+        report.ok = all(r.ok for r in results.values())
+        report.seconds = elapsed
+        report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
+        committed = sum(r.ok for r in results.values())
+        self.metrics.sync_duration.observe(elapsed)
+        self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
+        self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
+        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver)", report.sync_id, committed, len(results),
+                 elapsed, report.gbps)
+        self.last_report = report
+        return report
+
+    def _attempt(self, session, manifest, targets: list[RolloutEntry], deadline: float,
+                 timeout: float) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], bool]:
+        """One prepare → stream → commit | abort pass; returns (results, retry with fresh transport state)."""
+        sync_id, version = manifest.sync_id, manifest.version
         results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
-        if not targets:
-            report.ok = False
-            log.warning("sync %s: no rollout registered", sync_id)
-            self.last_report = report
-            return report
-        log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s", sync_id, version,
-                 len(targets), manifest.num_tensors, len(manifest.buckets), manifest.total_bytes / 1e6, transport)
-        prep = rollout_pb2.PrepareSyncRequest(manifest=manifest_to_proto(manifest), timeout_seconds=timeout)
-        prep.transport.tcp.SetInParent()
+        by_id = {e.rollout_id: e for e in targets}
+        left = lambda: max(0.001, deadline - time.monotonic())  # noqa: E731
         pool = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="sync-rpc")
+        retry = False
         try:
-            prepared: dict[str, str] = {}
-            for e, fut in [(e, pool.submit(self._call, e, "PrepareSync", prep)) for e in targets]:
+            prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
+            calls = []
+            for e in targets:
+                req = rollout_pb2.PrepareSyncRequest(manifest=manifest_to_proto(manifest), timeout_seconds=left(),
+                                                     transport=session.spec_for(e))
+                calls.append((e, pool.submit(self._call, e, "PrepareSync", req)))
+            for e, fut in calls:
                 resp, err = fut.result()
+                err = err or session.accept(e, resp)
                 if err:
                     self._fail(results[e.rollout_id], e, "prepare_failed", f"prepare: {err}")
                 else:
-                    prepared[e.rollout_id] = resp.transport.tcp.data_address
-            by_id = {e.rollout_id: e for e in targets}
+                    prepared[e.rollout_id] = resp
+            if session.group_wide and len(prepared) < len(targets):
+                # A member that restarted no longer holds the cached group: one retry builds a new one.
+                retry = session.reused
+                bad = [r for r in results.values() if r.rollout_id not in prepared]
+                why = f"{bad[0].rollout_id}: {bad[0].error}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                for rid in prepared:
+                    self._fail(results[rid], by_id[rid], "transport",
+                               f"{session.name}: not started: every member of the group must prepare, and {why}")
+                prepared.clear()
             checksums: list[int] = []
+            stream_ok, reason = False, "no target prepared"
             export = iter(self.actor.export_tensors()) if prepared else iter(())
             if prepared:
                 try:
-                    sender = TcpBucketSender(prepared, sync_id, self.token, timeout=timeout)
+                    sender = session.open({rid: by_id[rid] for rid in prepared}, left())
                     try:
-                        stats = stream_buckets(manifest, export, sender, timeout=timeout)
-                        checksums = stats.checksums
+                        stats = stream_buckets(manifest, export, sender, device=session.device, timeout=left())
+                        checksums, stream_ok = stats.checksums, True
                     finally:
                         for rid, err in sender.failures().items():
                             if rid in prepared:
                                 prepared.pop(rid)
                                 self._fail(results[rid], by_id[rid], "transport", err)
                         sender.close()
-                except (TransportError, TimeoutError, OSError, ValueError) as exc:
+                except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
+                    reason = f"stream: {exc}"
+                    if not isinstance(exc, (OSError, TimeoutError, ValueError, RuntimeError)):
+                        log.exception("sync %s: unexpected stream failure", sync_id)
                     for rid in list(prepared):
-                        self._fail(results[rid], by_id[rid], "transport", f"stream: {exc}")
+                        self._fail(results[rid], by_id[rid], "transport", f"{session.name} {reason}")
                     prepared.clear()
+            session.finish(stream_ok, reason)
             # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
             for _ in export:
                 pass
@@ -137,22 +197,7 @@ class SyncOrchestrator:
                 f.result()
         finally:
             pool.shutdown(wait=True)
-        elapsed = time.perf_counter() - t0
-        for r in results.values():
-            r.seconds = elapsed
-            by_id[r.rollout_id].last_sync_seconds = elapsed
-        report.rollouts.extend(results.values())
-        report.ok = all(r.ok for r in results.values())
-        report.seconds = elapsed
-        report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
-        committed = sum(r.ok for r in results.values())
-        self.metrics.sync_duration.observe(elapsed)
-        self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
-        self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
-        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver)", sync_id, committed, len(results),
-                 elapsed, report.gbps)
-        self.last_report = report
-        return report
+        return results, retry
 
     def is_current(self, entry: RolloutEntry) -> bool:
         return entry.origin == self.origin and entry.version == self.actor.version

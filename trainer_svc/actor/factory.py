@@ -11,8 +11,11 @@ def make_actor(cfg):
     if cfg.backend == "hf":
         from trainer_svc.actor.hf_actor import HfActor
 
-        return HfActor(config, seed=cfg.init_seed, export_dtype=dtype, weights_dir=weights_dir)
+        from trainer_svc.actor.device import resolve_device
+
+        return HfActor(config, seed=cfg.init_seed, export_dtype=dtype, weights_dir=weights_dir,
+                       device=resolve_device(getattr(cfg, "device", "")))
     from trainer_svc.megatron.actor import MegatronActor
 
-    return MegatronActor.create(config, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, seed=cfg.init_seed,
-                                export_dtype=dtype, weights_dir=weights_dir, converter=cfg.converter)
+    return MegatronActor.create(config, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, ep=cfg.ep, seed=cfg.init_seed,
+                                export_dtype=dtype, weights_dir=weights_dir, converter=cfg.converter, mtp=cfg.mtp)

@@ -1,7 +1,8 @@
 """A single-process transformers backend for the trainer (`--backend hf`).
 
 Useful where megatron-core is not installed and for debugging the bus: it exports the model's
-own HF state dict (in checkpoint naming: a tied lm_head is not exported twice).
+own HF state dict (in checkpoint naming: a tied lm_head is not exported twice), from the device
+the model lives on (`--device`), so the GPU transports send straight from GPU memory.
 """
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from weightsync.models import family_of
 
 
 class HfActor:
-    def __init__(self, config, *, seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None):
+    def __init__(self, config, *, seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
+                 device: torch.device | str = "cpu"):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.config = config
+        # Initialised on the CPU, then moved: the weights for a seed are the same on every device.
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.device = torch.device(device)
+        self.model.to(self.device)
         self.model.eval()
         self.family = family_of(config)
         self.export_dtype = export_dtype

@@ -76,6 +76,42 @@ def open_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int | None = None) -> torc
     return out
 
 
+class HandleCache:
+    """Share each reusable bucket buffer once per sync, not once per bucket.
+
+    The pipeline packs every regular bucket into one of two long-lived buffers, so their handles
+    are made once and pushed again for later buckets; the cache holds the buffers, so the memory a
+    handle names cannot be freed and handed to another tensor while the handle is in use. A buffer
+    that is not reused (an oversized tensor sent from its own memory) is shared on its own, and
+    copied first when it does not start its storage (a handle names a whole allocation).
+    Freshness of the bytes is the sender's job: it synchronises its stream before each push.
+    """
+
+    def __init__(self, share_fn: Callable[[torch.Tensor], bus_pb2.CudaIpcHandle] = share):
+        self._share = share_fn
+        self._cached: dict[int, tuple[torch.Tensor, bus_pb2.CudaIpcHandle]] = {}
+        self.shares = 0
+
+    def handle(self, buf: torch.Tensor, reusable: bool) -> tuple[bus_pb2.CudaIpcHandle, torch.Tensor]:
+        """(handle, tensor the caller keeps alive until the receiver has acknowledged the bucket)."""
+        if not reusable:
+            own = buf if buf.storage_offset() == 0 else buf.clone()
+            self.shares += 1
+            return self._share(own), own
+        key = buf.untyped_storage().data_ptr()
+        hit = self._cached.get(key)
+        if hit is None:
+            if buf.storage_offset() != 0:
+                raise ValueError("a reusable bucket buffer must start its storage (share the buffer, not a view into it)")
+            hit = (buf, self._share(buf))
+            self.shares += 1
+            self._cached[key] = hit
+        return hit[1], hit[0]
+
+    def clear(self) -> None:
+        self._cached.clear()
+
+
 class IpcBucketSender:
     """Trainer side: hands each bucket's handle to `push` and returns once the engine has copied it."""
 

@@ -29,6 +29,9 @@ class NcclGroup:
         self.device = torch.device(device)
         self.comm = None
         self.broken = ""
+        # Another thread may abort the group (an AbortSync, a superseding prepare) while the owner
+        # polls it: every use of `comm` holds this lock, so nobody touches a freed communicator.
+        self._lock = threading.Lock()
         box: dict = {}
 
         def init() -> None:
@@ -50,48 +53,61 @@ class NcclGroup:
         self.comm = box["comm"]
         self.stream = torch.cuda.Stream(device=self.device)
 
+    @property
+    def healthy(self) -> bool:
+        return self.comm is not None and not self.broken
+
     def enqueue(self, buf: torch.Tensor, after_current: bool = True) -> torch.cuda.Event:
         """Enqueue a broadcast of `buf` from rank 0 on the group's stream; returns its completion event.
 
         `after_current` orders it after work already queued on the caller's stream (e.g. the
         copies out of this buffer's previous contents).
         """
-        if self.broken:
-            raise TransportError(f"NCCL group unusable: {self.broken}")
         if buf.device != self.device or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise ValueError(f"broadcast wants a contiguous uint8 buffer on {self.device}, got {buf.dtype} on {buf.device}")
-        if after_current:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            pynccl.broadcast(self.comm, buf.data_ptr(), buf.numel(), 0, self.stream.cuda_stream)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        with self._lock:
+            if self.broken or self.comm is None:
+                raise TransportError(f"NCCL group unusable: {self.broken or 'closed'}")
+            if after_current:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                pynccl.broadcast(self.comm, buf.data_ptr(), buf.numel(), 0, self.stream.cuda_stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
         buf.record_stream(self.stream)
         return done
 
     def wait(self, done: torch.cuda.Event, nbytes: int, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self.timeout)
         while not done.query():
-            err = pynccl.async_error(self.comm)
-            if err != 0 or time.monotonic() > deadline:
+            with self._lock:
+                err = pynccl.async_error(self.comm) if self.comm is not None else 0
+            if self.broken or err != 0 or time.monotonic() > deadline:
                 self.abort(f"NCCL error {err}" if err else f"broadcast of {nbytes} bytes exceeded its timeout")
                 raise TransportError(f"NCCL broadcast failed: {self.broken}")
             time.sleep(_POLL_S)
+        # An abort makes NCCL's kernels exit, which completes the event without the data.
+        if self.broken:
+            raise TransportError(f"NCCL broadcast failed: {self.broken}")
 
     def broadcast(self, buf: torch.Tensor, timeout: float | None = None, after_current: bool = True) -> None:
         """Broadcast `buf` from rank 0 and return once it is complete on this rank."""
         self.wait(self.enqueue(buf, after_current), buf.numel(), timeout)
 
     def abort(self, reason: str) -> None:
-        self.broken = reason
-        if self.comm is not None:
-            pynccl.abort(self.comm)
-            self.comm = None
+        """Make the communicator unusable at once, from any thread; idempotent (the first reason stays)."""
+        with self._lock:
+            self.broken = self.broken or reason
+            if self.comm is not None:
+                pynccl.abort(self.comm)
+                self.comm = None
 
     def close(self) -> None:
-        if self.comm is not None:
-            pynccl.destroy(self.comm)
-            self.comm = None
+        with self._lock:
+            if self.comm is not None:
+                pynccl.destroy(self.comm)
+                self.comm = None
+            self.broken = self.broken or "closed"
 
 
 class NcclBucketSender:
@@ -157,3 +173,26 @@ class NcclBucketReceiver:
 
     def close(self) -> None:
         pass
+
+
+class CudaNcclBus:
+    """The NCCL bus as the services use it: unique ids, groups, senders and receivers over libnccl.
+
+    The services take a bus object rather than these classes directly, so that CPU tests can run
+    the whole orchestration over an in-process loopback with the same interface.
+    """
+
+    needs_cuda = True
+
+    def new_unique_id(self) -> bytes:
+        return pynccl.new_unique_id()
+
+    def open_group(self, unique_id: bytes, world_size: int, rank: int, device: torch.device,
+                   timeout: float) -> NcclGroup:
+        return NcclGroup(unique_id, world_size, rank, device, timeout=timeout)
+
+    def sender(self, group: NcclGroup) -> NcclBucketSender:
+        return NcclBucketSender(group)
+
+    def receiver(self, group: NcclGroup, buckets: list[BucketPlan]) -> NcclBucketReceiver:
+        return NcclBucketReceiver(group, buckets)

@@ -1,0 +1,123 @@
+"""An in-process stand-in for libnccl with the interface of weightsync.bus.nccl_transport.CudaNcclBus.
+
+CI has no GPU, so the orchestration around NCCL (group cache, rank plan, joins that time out,
+group-wide aborts) runs over this loopback: ranks rendezvous by unique id like ncclCommInitRank
+(blocking until the whole world has joined, or timing out), and a broadcast from rank 0 copies
+the bucket to every other rank. Real NCCL is exercised by tests/gpu. Two LoopbackBus objects
+are two networks that cannot reach each other (a rank on the other one never joins).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+from weightsync.bus.transport import TransportError
+
+_BROKEN = object()
+
+
+class _Room:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.joined: set[int] = set()
+        self.cond = threading.Condition()
+        self.queues = {r: queue.Queue() for r in range(1, world_size)}
+        self.broken = ""
+
+
+class LoopbackGroup:
+    def __init__(self, room: _Room, rank: int, timeout: float):
+        self.room, self.rank, self.timeout = room, rank, timeout
+        self.broken = ""
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.broken or self.room.broken)
+
+    def abort(self, reason: str) -> None:
+        # An aborted rank fails the collective for everyone (real NCCL: their waits time out).
+        self.broken = self.broken or reason
+        with self.room.cond:
+            self.room.broken = self.room.broken or f"rank {self.rank}: {reason}"
+        for q in self.room.queues.values():
+            q.put(_BROKEN)
+
+
+class LoopbackSender:
+    releases_previous = False
+
+    def __init__(self, group: LoopbackGroup):
+        self.group = group
+        self.sent = 0
+
+    def send(self, plan, buf, checksum) -> None:
+        if not self.group.healthy:
+            raise TransportError(f"NCCL group unusable: {self.group.broken or self.group.room.broken}")
+        for q in self.group.room.queues.values():
+            q.put(buf[:plan.nbytes].clone())
+        self.sent += 1
+
+    def failures(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class LoopbackReceiver:
+    def __init__(self, group: LoopbackGroup):
+        self.group = group
+
+    def recv(self, plan, timeout: float):
+        try:
+            item = self.group.room.queues[self.group.rank].get(timeout=timeout)
+        except queue.Empty:
+            self.group.abort(f"bucket {plan.index} not received within {timeout:.1f}s")
+            raise TransportError(f"NCCL broadcast failed: {self.group.broken}") from None
+        if item is _BROKEN or not self.group.healthy:
+            raise TransportError(f"NCCL broadcast failed: {self.group.broken or self.group.room.broken}")
+        if item.numel() != plan.nbytes:
+            raise TransportError(f"bucket {plan.index}: got {item.numel()} bytes, expected {plan.nbytes}")
+        return item, None
+
+    def close(self) -> None:
+        pass
+
+
+class LoopbackBus:
+    needs_cuda = False
+
+    def __init__(self):
+        self._rooms: dict[bytes, _Room] = {}
+        self._lock = threading.Lock()
+        self.joins: list[tuple[int, int]] = []  # (rank, world_size) of every completed join
+
+    def new_unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def open_group(self, unique_id: bytes, world_size: int, rank: int, device, timeout: float) -> LoopbackGroup:
+        with self._lock:
+            room = self._rooms.setdefault(unique_id, _Room(world_size))
+        if room.world_size != world_size:
+            raise TransportError(f"NCCL group init failed: world size {world_size} != {room.world_size}")
+        deadline = time.monotonic() + timeout
+        with room.cond:
+            room.joined.add(rank)
+            room.cond.notify_all()
+            while len(room.joined) < world_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"NCCL group init (rank {rank} of {world_size}) did not complete "
+                                         f"within {timeout:.0f}s")
+                room.cond.wait(left)
+        with self._lock:
+            self.joins.append((rank, world_size))
+        return LoopbackGroup(room, rank, timeout)
+
+    def sender(self, group: LoopbackGroup) -> LoopbackSender:
+        return LoopbackSender(group)
+
+    def receiver(self, group: LoopbackGroup, buckets) -> LoopbackReceiver:
+        return LoopbackReceiver(group)

@@ -1,0 +1,210 @@
+"""NCCL sync orchestration through the real services, over an in-process loopback instead of libnccl.
+
+A TrainerApp (hf backend) and RolloutApps (built-in engine) run on loopback gRPC ports; only the
+NCCL library is replaced (nccl_loopback.LoopbackBus: same interface, no GPU). What is checked is
+ours: the rank plan, the group cache keyed by membership, rebuilds after a membership change, a
+failure or a restarted member, group-wide failure when a member cannot prepare or join, and the
+refusal of nccl by a CPU rollout. Real NCCL runs in tests/gpu/test_services_gpu.py.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from nccl_loopback import LoopbackBus
+
+from trainer_svc.transports.nccl import NcclSync
+from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+
+INIT_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    bus = LoopbackBus()
+    trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
+                                       auto_sync_new_rollouts=False))
+    trainer.orch.transports["nccl"] = NcclSync(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.m_nccl_builds.inc)
+    trainer.start()
+    rollouts = {}
+    for rid in ("a", "b", "c", "partitioned", "cpu"):
+        app = RolloutApp(RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
+                                       rollout_id=rid, apply_mode="inplace" if rid == "b" else "staged"))
+        if rid == "partitioned":
+            app.servicer.nccl._bus = LoopbackBus()  # another network: its join never meets the others
+        elif rid != "cpu":  # "cpu" keeps the real bus: a CPU engine must refuse nccl
+            app.servicer.nccl._bus = bus
+        app.start()
+        rollouts[rid] = app
+    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
+    for rid, app in rollouts.items():
+        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+    yield trainer, rollouts, stub, bus
+    for app in rollouts.values():
+        app.stop()
+    trainer.stop()
+
+
+def _sync(stub, ids):
+    return stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ids, transport="nccl")).report
+
+
+def _bump(trainer):
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+
+
+def _assert_exact(trainer, app):
+    exported = list(trainer.actor.export_tensors())
+    assert exported
+    for name, t in exported:
+        assert torch.equal(app.engine._target(name), t), name
+    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+
+
+def _builds(trainer, rollouts):
+    return trainer.orch.transports["nccl"].cache.builds, {rid: a.servicer.nccl.builds for rid, a in rollouts.items()}
+
+
+def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_restart(fleet):
+    trainer, rollouts, stub, bus = fleet
+    a, b, c = rollouts["a"], rollouts["b"], rollouts["c"]
+    t0, r0 = _builds(trainer, rollouts)
+
+    rep = _sync(stub, ["b", "a"])
+    assert rep.ok, rep
+    assert rep.transport == "nccl" and rep.version == trainer.actor.version
+    _assert_exact(trainer, a)
+    _assert_exact(trainer, b)
+    # ranks follow rollout ids (a=1, b=2), whatever the request's order
+    assert a.servicer.nccl._group_key[1:] == (3, 1) and b.servicer.nccl._group_key[1:] == (3, 2)
+    group_id = a.servicer.nccl.group_id
+    assert b.servicer.nccl.group_id == group_id
+    assert _builds(trainer, rollouts) == (t0 + 1, {**r0, "a": r0["a"] + 1, "b": r0["b"] + 1})
+
+    _bump(trainer)  # same membership: the cached group carries the next sync
+    rep = _sync(stub, ["a", "b"])
+    assert rep.ok, rep
+    _assert_exact(trainer, a)
+    _assert_exact(trainer, b)
+    assert _builds(trainer, rollouts)[0] == t0 + 1 and a.servicer.nccl.group_id == group_id
+
+    _bump(trainer)  # a new member: a new group of world size 4
+    rep = _sync(stub, ["a", "b", "c"])
+    assert rep.ok, rep
+    for app in (a, b, c):
+        _assert_exact(trainer, app)
+    assert _builds(trainer, rollouts)[0] == t0 + 2
+    assert c.servicer.nccl._group_key[1:] == (4, 3) and a.servicer.nccl.group_id != group_id
+
+    # a communicator failure on one member: the next sync of the same membership rebuilds
+    c.servicer.nccl._group.abort("test: comm error on c")
+    _bump(trainer)
+    rep = _sync(stub, ["a", "b", "c"])
+    assert rep.ok, rep
+    _assert_exact(trainer, c)
+    assert _builds(trainer, rollouts)[0] == t0 + 3
+
+    # a restarted member no longer holds the group: it refuses the reuse and one retry rebuilds
+    a.servicer.nccl._group, a.servicer.nccl._group_key = None, None
+    _bump(trainer)
+    rep = _sync(stub, ["a", "b", "c"])
+    assert rep.ok, rep
+    for app in (a, b, c):
+        _assert_exact(trainer, app)
+    assert _builds(trainer, rollouts)[0] == t0 + 4
+
+
+def test_member_that_cannot_join_fails_every_member_and_the_next_sync_rebuilds(fleet):
+    trainer, rollouts, stub, bus = fleet
+    a = rollouts["a"]
+    _sync(stub, ["a"])
+    before = a.tx.version
+    _bump(trainer)
+    rep = _sync(stub, ["a", "partitioned"])
+    assert not rep.ok
+    errors = {r.rollout_id: r.error for r in rep.rollouts}
+    assert not any(r.ok for r in rep.rollouts)
+    assert "did not complete within" in errors["a"] and "did not complete within" in errors["partitioned"], errors
+    assert a.tx.version == before and a.tx.state == rollout_pb2.SERVING  # staged: still the old version
+    rep = _sync(stub, ["a", "b"])
+    assert rep.ok, rep
+    _assert_exact(trainer, a)
+
+
+def test_cpu_rollout_refuses_nccl_and_so_the_whole_group_is_not_started(fleet):
+    trainer, rollouts, stub, bus = fleet
+    rep = _sync(stub, ["a", "cpu"])
+    errors = {r.rollout_id: r.error for r in rep.rollouts}
+    assert not rep.ok and not any(r.ok for r in rep.rollouts)
+    assert "transport nccl needs a CUDA engine" in errors["cpu"] and "--device cuda:N" in errors["cpu"], errors
+    assert "not started: every member of the group must prepare, and cpu:" in errors["a"], errors
+    assert rollouts["a"].tx.pending_sync_id == "" and rollouts["a"].tx.state == rollout_pb2.SERVING
+
+    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
+    req.manifest.CopyFrom(_manifest(trainer))
+    req.transport.nccl.CopyFrom(bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1,
+                                                      group_id="g", new_group=True))
+    with pytest.raises(grpc.RpcError) as e:
+        rollout_stub(channel(rollouts["cpu"].grpc.address), "").PrepareSync(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "builtin engine runs on cpu" in e.value.details()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("unique_id", bytes(12), "unique_id has 12 bytes"),
+    ("world_size", 1, "world_size=1"),
+    ("rank_offset", 0, "rank_offset=0"),
+    ("rank_offset", 2, "rank_offset=2"),
+    ("group_id", "", "group_id must have"),
+    ("timeout_seconds", float("inf"), "timeout_seconds=inf"),
+])
+def test_malformed_nccl_transport_is_invalid_argument(fleet, field, value, match):
+    trainer, rollouts, _, _ = fleet
+    spec = bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1, group_id="g", new_group=True)
+    setattr(spec, field, value)
+    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
+    req.manifest.CopyFrom(_manifest(trainer))
+    req.transport.nccl.CopyFrom(spec)
+    with pytest.raises(grpc.RpcError) as e:
+        rollout_stub(channel(rollouts["c"].grpc.address), "").PrepareSync(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+
+
+def test_reuse_of_a_group_the_rollout_does_not_hold_is_refused(fleet):
+    trainer, rollouts, _, _ = fleet
+    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
+    req.manifest.CopyFrom(_manifest(trainer))
+    req.transport.nccl.CopyFrom(bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1,
+                                                      group_id="g-never-built", new_group=False))
+    with pytest.raises(grpc.RpcError) as e:
+        rollout_stub(channel(rollouts["c"].grpc.address), "").PrepareSync(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "nccl group g-never-built (rank 1 of 2) is not held here" in e.value.details()
+    assert rollouts["c"].tx.pending_sync_id == ""
+
+
+def test_gpu_transports_refused_on_a_cpu_trainer(fleet):
+    trainer, _, stub, _ = fleet
+    with pytest.raises(ValueError, match=r"transport=nccl needs the trainer's export on a CUDA device.*--device cuda:0"):
+        NcclSync(torch.device("cpu")).begin([], "s", 1 << 20)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["a"], transport="ipc"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "transport=ipc needs the trainer's export on the rollouts' GPU" in e.value.details()
+
+
+def _manifest(trainer) -> bus_pb2.Manifest:
+    from weightsync.bus.plan import make_manifest, manifest_to_proto
+    a = trainer.actor
+    return manifest_to_proto(make_manifest(a.export_metas(), version=a.version, sync_id="manual",
+                                           bucket_bytes=1 << 20, model_family=a.family))

@@ -1,0 +1,47 @@
+"""TCP sessions: every rollout answers PrepareSync with its bus address; buckets stream from host memory."""
+from __future__ import annotations
+
+import torch
+
+from trainer_svc.transports.base import kind_of
+from weightsync.bus.tcp import TcpBucketSender
+from weightsync.v1 import bus_pb2
+
+
+class TcpSync:
+    name = "tcp"
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_TcpSession":
+        return _TcpSession(self.token, sync_id)
+
+
+class _TcpSession:
+    name = "tcp"
+    device = torch.device("cpu")
+    group_wide = False
+    reused = False
+
+    def __init__(self, token: str, sync_id: str):
+        self.token, self.sync_id = token, sync_id
+        self._addresses: dict[str, str] = {}
+
+    def spec_for(self, entry) -> bus_pb2.TransportSpec:
+        spec = bus_pb2.TransportSpec()
+        spec.tcp.SetInParent()
+        return spec
+
+    def accept(self, entry, resp) -> str:
+        if kind_of(resp) != "tcp" or not resp.transport.tcp.data_address:
+            return f"rollout answered a tcp prepare with transport {kind_of(resp)} and no data address"
+        self._addresses[entry.rollout_id] = resp.transport.tcp.data_address
+        return ""
+
+    def open(self, targets: dict, timeout: float) -> TcpBucketSender:
+        return TcpBucketSender({rid: self._addresses[rid] for rid in targets}, self.sync_id, self.token,
+                               timeout=timeout)
+
+    def finish(self, ok: bool, reason: str) -> None:
+        pass
