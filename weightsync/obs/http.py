@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -9,6 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from weightsync.config import parse_host_port
+
+log = logging.getLogger(__name__)
 
 
 class HttpEndpoints:
@@ -28,7 +31,13 @@ class HttpEndpoints:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError) as exc:
+                    # A probe that gave up (kubelet's timeout, a busy start-up) hung up first: the
+                    # answer has no reader left, which is the client's business, not a server fault.
+                    log.debug("HTTP %s: client at %s hung up before the answer (%s)", self.path,
+                              self.client_address[0], exc)
 
             def do_GET(self):
                 path = self.path.split("?", 1)[0]
