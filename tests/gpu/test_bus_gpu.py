@@ -14,10 +14,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @needs_cuda
-def test_checksum_is_identical_on_gpu_and_cpu():
+@pytest.mark.parametrize("nbytes", [0, 3, 4, 7, (1 << 20) - 4, (1 << 20) + 4, (64 << 20) + 3, (300 << 20) + 2])
+def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
+    from weightsync.bus import checksum_cuda
     from weightsync.bus.checksum import bucket_checksum
-    buf = torch.randint(0, 256, ((64 << 20) + 3,), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    # the fused kernel is what runs on GPU hosts (triton ships with CUDA torch); its partial sums
+    # span many programs at the larger sizes, and must add up exactly as the CPU's do
+    assert checksum_cuda.available()
     assert bucket_checksum(buf) == bucket_checksum(buf.cuda())
+    if nbytes >= 4:
+        buf[nbytes // 2] ^= 1  # one flipped bit changes the value on both devices alike
+        assert bucket_checksum(buf) == bucket_checksum(buf.cuda())
 
 
 @needs_cuda

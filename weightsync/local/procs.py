@@ -80,8 +80,9 @@ def _env() -> dict:
     env = dict(os.environ)
     # One intra-op thread: fp32 results are then bit-reproducible across processes (a reference
     # computed in another process with torch.set_num_threads(1) matches exactly), and 2-core CI
-    # machines aren't oversubscribed by several services.
-    env["OMP_NUM_THREADS"] = "1"
+    # machines aren't oversubscribed by several services. Benchmarks on big hosts raise it
+    # (WS_LOCAL_OMP_THREADS) so that a 7B model's CPU init does not take minutes.
+    env["OMP_NUM_THREADS"] = os.environ.get("WS_LOCAL_OMP_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

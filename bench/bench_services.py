@@ -1,0 +1,268 @@
+"""End-to-end weight-sync benchmark through the real services (trainer-svc -> rollout-svc).
+
+Timed: one `Sync` RPC, from the call until every rollout has committed. `seconds` is the trainer's
+figure (prepare on every rollout -> stream every bucket -> commit on every rollout); `wall_s` is the
+client's time around the RPC. Per model (a Qwen2-shaped config.json; the trainer's `--init-seed`
+makes the weights): a `--backend hf` trainer and `--rollouts` rollouts (`--apply-mode inplace`),
+one warm-up sync (it builds the NCCL group), then `--reps` timed syncs, all of the same version:
+the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on disk, TrainStep
+optimizer memory), and a sync at the same version still streams every byte and commits a new sync
+id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
+once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages between
+cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; ratio = raw_s / sync_s.
+
+    python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
+    python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
+    OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Required on the GPU hosts (NVLink multicast must stay off there); the services inherit them.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+# The services initialise their random weights on the CPU: give each a few threads on GPU hosts.
+os.environ.setdefault("WS_LOCAL_OMP_THREADS", "8")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# The services run as `python -m trainer_svc` / `-m rollout_svc`: make them import this checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from bench.bench_sync import GiB, _barrier  # noqa: E402
+from bench.model_shapes import CONFIGS  # noqa: E402
+from weightsync.control.client import channel, describe_rpc_error, rollout_stub, trainer_stub  # noqa: E402
+from weightsync.local.procs import start_rollout, start_trainer  # noqa: E402
+from weightsync.v1 import rollout_pb2, trainer_pb2  # noqa: E402
+
+# hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
+MODELS = {"0.5b": CONFIGS["0.5b"], "1.5b": (1536, 8960, 28, 12, 2, 151936, True), "7b": CONFIGS["7b"],
+          "tiny": (256, 1024, 4, 4, 2, 4096, False)}
+
+
+def write_config(name: str, root: Path) -> Path:
+    from transformers import Qwen2Config
+
+    h, inter, layers, heads, kv, vocab, tied = MODELS[name]
+    d = root / name
+    Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1e6,
+                rms_norm_eps=1e-6).save_pretrained(str(d))
+    return d
+
+
+def rollout_device(args, i: int) -> str:
+    # NCCL takes one rank per GPU, so each rollout needs a GPU of its own besides the trainer's.
+    return {"nccl": f"cuda:{1 + i}", "ipc": args.device_trainer, "tcp": "cpu"}[args.transport]
+
+
+def wait_registered(stub, ids: list[str], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        known = {r.rollout_id for r in stub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts}
+        if set(ids) <= known:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"rollouts {ids} did not register with the trainer in time")
+
+
+def run_model(name: str, args, work: Path) -> dict:
+    model_dir = write_config(name, work)
+    logs = work / f"{name}-logs"
+    logs.mkdir()
+    procs, channels = [], []
+    try:
+        t = start_trainer(logs, "--backend", "hf", "--model", str(model_dir), "--init-seed", "1",
+                          "--device", args.device_trainer, "--transport", args.transport, "--export-dtype", args.dtype,
+                          "--bucket-mb", str(args.bucket_mb), "--sync-timeout-s", str(args.sync_timeout),
+                          "--no-auto-sync-new-rollouts")
+        procs.append(t)
+        ids = [f"r{i}" for i in range(args.rollouts)]
+        # Started alongside the trainer so that the (slow, CPU) inits overlap; a rollout keeps
+        # retrying its registration until the trainer answers, up to --register-timeout-s.
+        for i, rid in enumerate(ids):
+            procs.append(start_rollout(logs, "--model", str(model_dir), "--init-seed", "2", "--device",
+                                       rollout_device(args, i), "--dtype", args.dtype, "--apply-mode", "inplace",
+                                       "--trainer-address", t.address, "--register-timeout-s", str(args.ready_timeout),
+                                       "--sync-timeout-s", str(args.sync_timeout), name=rid))
+        deadline = time.monotonic() + args.ready_timeout
+        for p in procs:
+            p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+        channels = [channel(p.address) for p in procs]
+        tstub = trainer_stub(channels[0], "", 30)
+        rstubs = {rid: rollout_stub(ch, "", 30) for rid, ch in zip(ids, channels[1:])}
+        wait_registered(tstub, ids, deadline)
+        status = lambda: {rid: s.GetStatus(rollout_pb2.GetStatusRequest()) for rid, s in rstubs.items()}  # noqa: E731
+        # version 0 = never synced, so the first check shows that the warm-up really committed
+        rec = {"model": name, "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],
+               "rollout_versions_before": {rid: st.version for rid, st in status().items()}, "syncs": []}
+        for rep in range(args.reps + 1):
+            t0 = time.perf_counter()
+            report = tstub.Sync(trainer_pb2.SyncRequest(timeout_seconds=args.sync_timeout),
+                                timeout=args.sync_timeout + 60).report
+            wall = time.perf_counter() - t0
+            if not report.ok:
+                errs = "; ".join(f"{r.rollout_id}: {r.error}" for r in report.rollouts if not r.ok)
+                raise RuntimeError(f"sync {report.sync_id} failed: {errs or 'no rollout targeted'}")
+            st = status()
+            rec["syncs"].append({
+                "warmup": rep == 0, "sync_id": report.sync_id, "version": report.version, "seconds": report.seconds,
+                "wall_s": wall, "bytes": report.bytes, "num_buckets": report.num_buckets,
+                "num_tensors": report.num_tensors, "gbps": report.gbps, "transport": report.transport,
+                "rollout_versions": {rid: x.version for rid, x in st.items()},
+                "rollout_checksums": {rid: f"{x.weights_checksum:016x}" for rid, x in st.items()},
+                "rollouts_on_version": all(x.version == report.version and x.state == rollout_pb2.SERVING
+                                           for x in st.values())})
+        if args.transport == "nccl":  # 1 = the warm-up's group carried every timed sync
+            rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total")
+        timed = [s for s in rec["syncs"] if not s["warmup"]]
+        rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"],
+                   sync_s=statistics.median(s["seconds"] for s in timed),
+                   wall_s=statistics.median(s["wall_s"] for s in timed),
+                   rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]))
+        rec["gbps"] = rec["bytes"] / rec["sync_s"] / 1e9
+        return rec
+    except BaseException:
+        for p in procs:
+            print(f"----- {p.name} log (tail, {p.log_path}) -----\n{p.log()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        for ch in channels:
+            ch.close()
+        for p in procs:
+            p.stop()
+
+
+def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
+    from weightsync.bus import pynccl
+    from weightsync.bus.nccl_transport import NcclGroup
+
+    dev = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(dev)
+    uid = pynccl.new_unique_id() if rank == 0 else uid_q.get(timeout=60)
+    if rank == 0:
+        uid_q.put(uid)
+    group = NcclGroup(uid, 2, rank, dev, timeout=120)
+    chunk = torch.empty(min(GiB, max(sizes)), dtype=torch.uint8, device=dev)
+    out = []
+    for total in sizes:
+        times = []
+        for rep in range(reps + 1):
+            _barrier(group, dev)
+            t0 = time.perf_counter()
+            for off in range(0, total, GiB):
+                done = group.enqueue(chunk[:min(GiB, total - off)], after_current=False)
+            group.wait(done, total)
+            torch.cuda.synchronize(dev)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        out.append(times)
+    group.close()
+    res_q.put((rank, out))
+
+
+def raw_nccl(sizes: list[int], reps: int, timeout: float) -> list[list[float]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    uid_q, res_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=raw_rank, args=(r, uid_q, res_q, sizes, reps)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(res_q.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return got[1]  # the receiver's clock, as in bench_sync: it finishes last
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {','.join(MODELS)}")
+    ap.add_argument("--transport", choices=("nccl", "ipc", "tcp"), default=None, help="default nccl on GPU, else tcp")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rollouts", type=int, default=1)
+    ap.add_argument("--device-trainer", default=None, help="default cuda:0 (cpu with --transport tcp)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="start-up + registration bound per model (s)")
+    ap.add_argument("--sync-timeout", type=float, default=600.0, help="bound on one sync (s)")
+    ap.add_argument("--out", default="bench_services.json")
+    args = ap.parse_args()
+    args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
+    args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if unknown or args.reps < 1 or args.rollouts < 1:
+        ap.error(f"unknown models {unknown}" if unknown else "--reps and --rollouts must be >= 1")
+    if args.transport == "nccl" and ngpu < 1 + args.rollouts:
+        ap.error(f"--transport nccl with {args.rollouts} rollout(s) needs {1 + args.rollouts} GPUs, found {ngpu}")
+    results = {"device": torch.cuda.get_device_name(0) if ngpu else "cpu",
+               "gpus": ngpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "command": shlex.join([sys.executable, *sys.argv]), "args": vars(args), "models": []}
+    work = Path(tempfile.mkdtemp(prefix="bench_services-"))
+    failed = False
+    for name in models:
+        try:
+            rec = run_model(name, args, work)
+        except Exception as exc:  # the other models still run; the logs above say why
+            err = describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else f"{type(exc).__name__}: {exc}"
+            print(f"{name}: FAILED: {err}", file=sys.stderr)
+            rec, failed = {"model": name, "error": err}, True
+        results["models"].append(rec)
+    ok = [r for r in results["models"] if "error" not in r]
+    if args.transport == "nccl" and ok:
+        from weightsync.bus import pynccl
+
+        results["nccl"] = pynccl.version()
+        try:
+            raw = raw_nccl([r["bytes"] for r in ok], args.reps, timeout=600)
+        except Exception as exc:  # keep the services' numbers
+            print(f"raw NCCL broadcast FAILED: {exc!r}", file=sys.stderr)
+            results["raw_error"], raw, failed = repr(exc), [], True
+        for r, times in zip(ok, raw):
+            r.update(raw_s_all=times, raw_s=statistics.median(times))
+            r["ratio"] = r["raw_s"] / r["sync_s"]
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print_table(results)
+    if failed:
+        print(f"logs kept under {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed or not all(r["rollouts_on_version"] for r in ok) else 0
+
+
+def print_table(results: dict) -> None:
+    a = results["args"]
+    print(f"\n{results['device']}  torch {results['torch']}  {results['date']}  transport {a['transport']}  "
+          f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}")
+    print(f"{'model':<7}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
+          f"  rollouts on version")
+    for r in results["models"]:
+        if "error" in r:
+            print(f"{r['model']:<7}  FAILED: {r['error'].splitlines()[0][:110]}")
+            continue
+        raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
+        print(f"{r['model']:<7}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
+              f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}")
+    print(f"wrote {a['out']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
