@@ -52,4 +52,5 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    # dtype.itemsize, not a probe tensor: this runs for every tensor of every sync, several times
+    return dtype.itemsize

@@ -6,6 +6,7 @@ The trainer lays tensors out in the order its exporter yields them, so it can se
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.element_size(self.dtype)
 
