@@ -120,6 +120,7 @@ def run_model(name: str, args, work: Path) -> dict:
                 "warmup": rep == 0, "sync_id": report.sync_id, "version": report.version, "seconds": report.seconds,
                 "wall_s": wall, "bytes": report.bytes, "num_buckets": report.num_buckets,
                 "num_tensors": report.num_tensors, "gbps": report.gbps, "transport": report.transport,
+                "phase_seconds": dict(report.phase_seconds),
                 "rollout_versions": {rid: x.version for rid, x in st.items()},
                 "rollout_checksums": {rid: f"{x.weights_checksum:016x}" for rid, x in st.items()},
                 "rollouts_on_version": all(x.version == report.version and x.state == rollout_pb2.SERVING
@@ -130,7 +131,9 @@ def run_model(name: str, args, work: Path) -> dict:
         rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"],
                    sync_s=statistics.median(s["seconds"] for s in timed),
                    wall_s=statistics.median(s["wall_s"] for s in timed),
-                   rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]))
+                   rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
+                   phase_s={k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed)
+                            for k in timed[0]["phase_seconds"]})
         rec["gbps"] = rec["bytes"] / rec["sync_s"] / 1e9
         return rec
     except BaseException:
@@ -261,6 +264,7 @@ def print_table(results: dict) -> None:
         raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
         print(f"{r['model']:<7}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
               f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}")
+        print(f"{'':<7}phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items()))
     print(f"wrote {a['out']}")
 
 

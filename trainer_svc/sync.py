@@ -9,6 +9,7 @@ mode — see rollout_svc.transaction). The transports live in trainer_svc/transp
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -79,13 +80,15 @@ class SyncOrchestrator:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         version = self.actor.version
+        phases = PhaseClock()
         for attempt in (1, 2):
             sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
-            # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
-            session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
-            manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
-                                     bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
-                                     checksum_algo=ALGO, origin=self.origin)
+            with phases("plan"):
+                # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
+                session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
+                manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
+                                         bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
+                                         checksum_algo=ALGO, origin=self.origin)
             report = trainer_pb2.SyncReport(sync_id=sync_id, version=version, transport=transport,
                                             bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
                                             num_tensors=manifest.num_tensors)
@@ -97,7 +100,7 @@ class SyncOrchestrator:
             log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s", sync_id,
                      version, len(targets), manifest.num_tensors, len(manifest.buckets), manifest.total_bytes / 1e6,
                      transport, " (cached group)" if session.reused else "")
-            results, retry = self._attempt(session, manifest, targets, deadline, timeout)
+            results, retry = self._attempt(session, manifest, targets, deadline, phases)
             if not (retry and attempt == 1):
                 break
             log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
@@ -110,18 +113,21 @@ class SyncOrchestrator:
         report.rollouts.extend(results.values())
         report.ok = all(r.ok for r in results.values())
         report.seconds = elapsed
+        for name, seconds in phases.seconds.items():
+            report.phase_seconds[name] = seconds
+            self.metrics.sync_phase.labels(self.metrics.role, name).observe(seconds)
         report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
         committed = sum(r.ok for r in results.values())
         self.metrics.sync_duration.observe(elapsed)
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
         self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
-        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver)", report.sync_id, committed, len(results),
-                 elapsed, report.gbps)
+        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s)", report.sync_id, committed,
+                 len(results), elapsed, report.gbps, phases)
         self.last_report = report
         return report
 
     def _attempt(self, session, manifest, targets: list[RolloutEntry], deadline: float,
-                 timeout: float) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], bool]:
+                 phases: PhaseClock) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], bool]:
         """One prepare → stream → commit | abort pass; returns (results, retry with fresh transport state)."""
         sync_id, version = manifest.sync_id, manifest.version
         results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
@@ -132,8 +138,10 @@ class SyncOrchestrator:
         try:
             prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
             calls = []
+            t_prepare = time.perf_counter()
+            manifest_pb = manifest_to_proto(manifest)  # once: it is the same for every target
             for e in targets:
-                req = rollout_pb2.PrepareSyncRequest(manifest=manifest_to_proto(manifest), timeout_seconds=left(),
+                req = rollout_pb2.PrepareSyncRequest(manifest=manifest_pb, timeout_seconds=left(),
                                                      transport=session.spec_for(e))
                 calls.append((e, pool.submit(self._call, e, "PrepareSync", req)))
             for e, fut in calls:
@@ -152,9 +160,11 @@ class SyncOrchestrator:
                     self._fail(results[rid], by_id[rid], "transport",
                                f"{session.name}: not started: every member of the group must prepare, and {why}")
                 prepared.clear()
+            phases.add("prepare", time.perf_counter() - t_prepare)
             checksums: list[int] = []
             stream_ok, reason = False, "no target prepared"
             export = iter(self.actor.export_tensors()) if prepared else iter(())
+            t_stream = time.perf_counter()
             if prepared:
                 try:
                     sender = session.open({rid: by_id[rid] for rid in prepared}, left())
@@ -178,6 +188,8 @@ class SyncOrchestrator:
             # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
             for _ in export:
                 pass
+            t_commit = time.perf_counter()
+            phases.add("stream", t_commit - t_stream)
             commit = rollout_pb2.CommitSyncRequest(sync_id=sync_id, version=version)
             for i, c in enumerate(checksums):
                 commit.checksums.add(index=i, checksum=c)
@@ -195,6 +207,7 @@ class SyncOrchestrator:
                                   rollout_pb2.AbortSyncRequest(sync_id=sync_id, reason="trainer aborted the sync"))
                       for e in failed]:
                 f.result()
+            phases.add("commit", time.perf_counter() - t_commit)
         finally:
             pool.shutdown(wait=True)
         return results, retry
@@ -213,3 +226,24 @@ class SyncOrchestrator:
         entry.last_error = err
         self.metrics.failure(reason)
         log.warning("sync to %s failed (%s): %s", entry.rollout_id, reason, err)
+
+
+class PhaseClock:
+    """Seconds spent in each named phase of one sync (a retried attempt adds to the same phases)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def __str__(self) -> str:
+        return " ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())

@@ -6,7 +6,6 @@ The trainer lays tensors out in the order its exporter yields them, so it can se
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -28,9 +27,11 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtypes.element_size(self.dtype)
+    # Computed once: it is read several times per tensor per sync (plan, pack, validate, unpack).
+    nbytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * dtypes.element_size(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -131,26 +132,29 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             raise ValueError(f"manifest.buckets[{i}].nbytes={pb.nbytes} exceeds the limit {max_total_bytes}")
         plan = BucketPlan(index=i, nbytes=pb.nbytes)
         end_prev = 0
+        # Each field is read once (protobuf accessors are not free) and the error text is built
+        # only on failure: this runs for every tensor of every PrepareSync.
         for j, t in enumerate(pb.tensors):
-            where = f"manifest.buckets[{i}].tensors[{j}] ({t.name!r})"
+            name, shape, offset, nbytes = t.name, tuple(t.shape), t.offset, t.nbytes
+            where = lambda: f"manifest.buckets[{i}].tensors[{j}] ({name!r})"  # noqa: E731
             count += 1
             if count > MAX_TENSORS:
                 raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
-            if not t.name or t.name in names:
-                raise ValueError(f"{where}: name is empty or repeated")
-            names.add(t.name)
+            if not name or name in names:
+                raise ValueError(f"{where()}: name is empty or repeated")
+            names.add(name)
             dt = dtypes.from_wire(t.dtype)
-            if any(d < 0 for d in t.shape) or len(t.shape) > 8:
-                raise ValueError(f"{where}: shape {list(t.shape)} is not a valid tensor shape")
-            meta = TensorMeta(t.name, tuple(int(d) for d in t.shape), dt)
-            if meta.nbytes != t.nbytes:
-                raise ValueError(f"{where}: nbytes={t.nbytes} but shape {list(t.shape)} x {dt} needs {meta.nbytes}")
-            if t.offset < end_prev or t.offset % dtypes.element_size(dt):
-                raise ValueError(f"{where}: offset {t.offset} overlaps the previous tensor or is misaligned")
-            end_prev = t.offset + t.nbytes
+            if len(shape) > 8 or (shape and min(shape) < 0):
+                raise ValueError(f"{where()}: shape {list(shape)} is not a valid tensor shape")
+            meta = TensorMeta(name, shape, dt)
+            if meta.nbytes != nbytes:
+                raise ValueError(f"{where()}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}")
+            if offset < end_prev or offset % dt.itemsize:
+                raise ValueError(f"{where()}: offset {offset} overlaps the previous tensor or is misaligned")
+            end_prev = offset + nbytes
             if end_prev > pb.nbytes:
-                raise ValueError(f"{where}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
-            plan.slots.append(Slot(meta, int(t.offset)))
+                raise ValueError(f"{where()}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
+            plan.slots.append(Slot(meta, offset))
         total += pb.nbytes
         buckets.append(plan)
     if msg.total_bytes and total != msg.total_bytes:

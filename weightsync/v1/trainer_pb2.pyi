@@ -64,7 +64,14 @@ class RolloutSyncResult(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SyncReport(_message.Message):
-    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps")
+    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds")
+    class PhaseSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +82,7 @@ class SyncReport(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     ok: bool
@@ -85,7 +93,8 @@ class SyncReport(_message.Message):
     transport: str
     rollouts: _containers.RepeatedCompositeFieldContainer[RolloutSyncResult]
     gbps: float
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ...) -> None: ...
+    phase_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SyncResponse(_message.Message):
     __slots__ = ("report",)

@@ -58,6 +58,10 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
     print(f"{prefix} {rep.sync_id}: version {rep.version}, {ok}/{len(rep.rollouts)} committed, {rep.seconds:.3f}s, "
           f"{rep.bytes / 1e6:.1f} MB in {rep.num_buckets} buckets ({rep.num_tensors} tensors), "
           f"{rep.gbps:.3f} GB/s over {rep.transport}")
+    if rep.phase_seconds:
+        order = ["plan", "prepare", "stream", "commit"]
+        names = sorted(rep.phase_seconds, key=lambda n: (order.index(n) if n in order else len(order), n))
+        print("  phases: " + ", ".join(f"{n} {rep.phase_seconds[n] * 1e3:.1f} ms" for n in names))
     for r in rep.rollouts:
         print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
 
