@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from bench.bench_sync import GiB, _barrier  # noqa: E402
 from bench.model_shapes import CONFIGS  # noqa: E402
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub, trainer_stub  # noqa: E402
-from weightsync.local.procs import start_rollout, start_trainer  # noqa: E402
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered  # noqa: E402
 from weightsync.v1 import rollout_pb2, trainer_pb2  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
@@ -66,15 +66,6 @@ def write_config(name: str, root: Path) -> Path:
 def rollout_device(args, i: int) -> str:
     # NCCL takes one rank per GPU, so each rollout needs a GPU of its own besides the trainer's.
     return {"nccl": f"cuda:{1 + i}", "ipc": args.device_trainer, "tcp": "cpu"}[args.transport]
-
-
-def wait_registered(stub, ids: list[str], deadline: float) -> None:
-    while time.monotonic() < deadline:
-        known = {r.rollout_id for r in stub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts}
-        if set(ids) <= known:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"rollouts {ids} did not register with the trainer in time")
 
 
 def run_model(name: str, args, work: Path) -> dict:
@@ -102,7 +93,7 @@ def run_model(name: str, args, work: Path) -> dict:
         channels = [channel(p.address) for p in procs]
         tstub = trainer_stub(channels[0], "", 30)
         rstubs = {rid: rollout_stub(ch, "", 30) for rid, ch in zip(ids, channels[1:])}
-        wait_registered(tstub, ids, deadline)
+        wait_registered(t.address, ids, max(1.0, deadline - time.monotonic()))
         status = lambda: {rid: s.GetStatus(rollout_pb2.GetStatusRequest()) for rid, s in rstubs.items()}  # noqa: E731
         # version 0 = never synced, so the first check shows that the warm-up really committed
         rec = {"model": name, "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],

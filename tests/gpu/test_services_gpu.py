@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.local.procs import start_rollout, start_trainer, wsctl
-from weightsync.v1 import rollout_pb2, trainer_pb2
+from weightsync.control.client import channel, rollout_stub
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl
+from weightsync.v1 import rollout_pb2
 
 pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -76,17 +76,6 @@ def _weights_dir(root, seed: int):
     return d
 
 
-def _wait_registered(trainer, ids, timeout=120.0):
-    stub = trainer_stub(channel(trainer.address), "", 30)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        known = {r.rollout_id for r in stub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts}
-        if set(ids) <= known:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"rollouts {ids} did not register within {timeout}s")
-
-
 def _sync(trainer, *args):
     out = wsctl("--address", trainer.address, "--json", "sync", *args, timeout=300)
     assert out.stdout, out.stderr
@@ -134,7 +123,7 @@ def test_nccl_sync_through_the_services_is_exact_reuses_the_group_and_rebuilds_i
     t.wait_ready()
     r1 = fleet.rollout("r1", "--device", "cuda:1", "--apply-mode", "inplace", trainer_proc=t)
     r1.wait_ready()
-    _wait_registered(t, ["r1"])
+    wait_registered(t.address, ["r1"])
     before, _ = _rollout_logits(r1)
 
     rc, rep = _sync(t)
@@ -159,7 +148,7 @@ def test_nccl_sync_through_the_services_is_exact_reuses_the_group_and_rebuilds_i
     # shares cuda:1 with r1 and the two are synced in turn (each sync is a membership change).
     r2 = fleet.rollout("r2", "--device", "cuda:2" if NGPU >= 3 else "cuda:1", trainer_proc=t)
     r2.wait_ready()
-    _wait_registered(t, ["r1", "r2"])
+    wait_registered(t.address, ["r1", "r2"])
     _load(t, _weights_dir(fleet.tmp, 8))
     if NGPU >= 3:
         rc, rep = _sync(t)
@@ -189,7 +178,7 @@ def test_nccl_member_that_cannot_join_times_out_the_group_on_everyone_then_the_n
     bad = _rollout_with_env(fleet, "bad", bad_env, "--device", "cuda:1", trainer_proc=t)
     good.wait_ready()
     bad.wait_ready()
-    _wait_registered(t, ["good", "bad"])
+    wait_registered(t.address, ["good", "bad"])
     before, v0 = _rollout_logits(good)
 
     t0 = time.monotonic()
@@ -219,7 +208,7 @@ def test_megatron_trainer_exports_on_its_gpu_and_syncs_exactly_over_nccl(fleet):
     t.wait_ready(timeout=240)
     r = fleet.rollout("r-mcore", "--device", "cuda:1", trainer_proc=t)
     r.wait_ready()
-    _wait_registered(t, ["r-mcore"])
+    wait_registered(t.address, ["r-mcore"])
     # nccl is refused unless the actor's parameters are on a CUDA device (trainer_svc.actor.device.export_device)
     rc, rep = _sync(t)
     assert rc == 0 and rep["ok"] and rep["transport"] == "nccl", rep
@@ -252,7 +241,7 @@ def test_ipc_colocated_sync_is_exact_in_bf16_and_a_rollout_on_another_gpu_is_ref
         other = fleet.rollout("other-gpu", "--device", "cuda:1", "--dtype", "bfloat16", trainer_proc=t)
         other.wait_ready()
         ids.append("other-gpu")
-    _wait_registered(t, ids)
+    wait_registered(t.address, ids)
 
     rc, rep = _sync(t, "--rollout", "same-gpu")
     assert rc == 0 and rep["ok"] and rep["transport"] == "ipc", rep

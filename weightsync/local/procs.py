@@ -111,3 +111,23 @@ def start_rollout(workdir: Path, *args: str, name: str = "rollout", grpc_port: i
 def wsctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weightsync.wsctl.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env())
+
+
+def wait_registered(trainer_address: str, rollout_ids: list[str], timeout: float = 120.0, token: str = "") -> None:
+    """Block until every named rollout appears in the trainer's status (registration is asynchronous)."""
+    from weightsync.control.client import channel, trainer_stub
+    from weightsync.v1 import trainer_pb2
+
+    ch = channel(trainer_address)
+    try:
+        stub = trainer_stub(ch, token, 30)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            known = {r.rollout_id for r in stub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts}
+            if set(rollout_ids) <= known:
+                return
+            time.sleep(0.2)
+    finally:
+        ch.close()
+    raise TimeoutError(f"rollouts {sorted(rollout_ids)} did not register with the trainer at {trainer_address} "
+                       f"within {timeout:.0f}s (see the rollouts' logs)")
