@@ -36,9 +36,16 @@ def require_cuda(device: torch.device | None, transport: str, engine_name: str) 
 
 
 def _cuda_uuid(device: torch.device) -> str:
-    from weightsync.bus.cuda_ipc import device_uuid  # lazy: CUDA only
+    from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
 
-    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    return uuid_of(device)
+
+
+def gpu_uuid(device: torch.device | None, uuid_of: Callable[[torch.device], str] | None = None) -> str:
+    """The UUID of the GPU this rollout receives on, "" when it is not a GPU."""
+    if uuid_of is not None:
+        return uuid_of(device)
+    return _cuda_uuid(device) if device is not None and device.type == "cuda" else ""
 
 
 def check_ipc(spec: bus_pb2.IpcTransport, device: torch.device | None, engine_name: str,

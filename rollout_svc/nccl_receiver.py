@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_svc.gpu_checks import require_cuda
+from rollout_svc.gpu_checks import gpu_uuid, require_cuda
 from rollout_svc.transaction import SyncError
 from weightsync.bus.plan import Manifest
 from weightsync.v1 import bus_pb2
@@ -71,6 +71,7 @@ class NcclReceiveSide:
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._bus = bus
         self._on_build = on_build or (lambda: None)
+        self.uuid_of: Callable[[torch.device | None], str] | None = None  # tests name GPUs the loopback lacks
         self._lock = threading.Lock()
         self._group = None
         self._group_key: tuple[str, int, int] | None = None  # (group_id, world_size, rank)
@@ -88,6 +89,9 @@ class NcclReceiveSide:
     @property
     def group_id(self) -> str:
         return self._group_key[0] if self._group_key else ""
+
+    def device_uuid(self) -> str:
+        return gpu_uuid(self.device, self.uuid_of)
 
     # ---- PrepareSync ----------------------------------------------------------------------
     def check(self, spec: bus_pb2.NcclTransport) -> None:

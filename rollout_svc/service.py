@@ -125,9 +125,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                  "(0 = the rollout's sync_timeout_s)")
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
-            ipc_uuid = ""
+            ipc_uuid = nccl_uuid = ""
             if kind == "nccl":
                 self.nccl.check(request.transport.nccl)
+                nccl_uuid = self.nccl.device_uuid()
             elif kind == "ipc":
                 ipc_uuid = check_ipc(request.transport.ipc, self.device, self.engine_name)
             elif kind != "tcp":
@@ -144,6 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.nccl.start(manifest, spec, deadline)
             n = resp.transport.nccl
             n.group_id, n.world_size, n.rank_offset = spec.group_id, spec.world_size, spec.rank_offset
+            n.device_uuid = nccl_uuid
             return resp
         # Another transport took over from any NCCL receive still waiting (a superseded sync).
         self.nccl.cancel_active(f"superseded by sync {manifest.sync_id} over {kind}")

@@ -20,9 +20,9 @@ from weightsync.v1 import bus_pb2, rollout_pb2
 
 
 def _cuda_uuid(device: torch.device) -> str:
-    from weightsync.bus.cuda_ipc import device_uuid  # lazy: CUDA only
+    from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
 
-    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    return uuid_of(device)
 
 
 def _handle_cache():

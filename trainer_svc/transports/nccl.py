@@ -85,8 +85,9 @@ class NcclSync:
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
-                 on_build: Callable[[], None] | None = None):
+                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] | None = None):
         self.device = torch.device(device)
+        self.uuid_of = uuid_of
         self.init_timeout = init_timeout
         self._bus = bus
         self._on_build = on_build
@@ -107,17 +108,29 @@ class NcclSync:
         if needs_cuda and self.device.type != "cuda":
             raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
                              f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
-        return _NcclSession(self, self.cache.plan((e.rollout_id, e.address) for e in targets))
+        return _NcclSession(self, self.cache.plan((e.rollout_id, e.address) for e in targets), self.own_uuid())
+
+    def own_uuid(self) -> str:
+        if self.uuid_of is not None:
+            return self.uuid_of(self.device)
+        if self.device.type != "cuda":
+            return ""
+        from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
+
+        return uuid_of(self.device)
 
 
 class _NcclSession:
     name = "nccl"
     group_wide = True
 
-    def __init__(self, owner: NcclSync, plan: GroupPlan):
+    def __init__(self, owner: NcclSync, plan: GroupPlan, trainer_uuid: str = ""):
         self.owner, self.plan = owner, plan
         self.device = owner.device
         self.reused = not plan.fresh
+        # GPU UUID -> who holds a rank on it; NCCL refuses two ranks on one GPU, but only after
+        # every rank has waited out the init timeout, so the trainer refuses it at prepare.
+        self._gpus = {trainer_uuid: "the trainer"} if trainer_uuid else {}
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
@@ -131,6 +144,13 @@ class _NcclSession:
         if kind_of(resp) != "nccl" or resp.transport.nccl.group_id != self.plan.group_id:
             return (f"rollout answered an nccl prepare (group {self.plan.group_id}) with transport {kind_of(resp)} "
                     f"{resp.transport.nccl.group_id if kind_of(resp) == 'nccl' else ''}").rstrip()
+        gpu = resp.transport.nccl.device_uuid
+        if gpu:
+            other = self._gpus.setdefault(gpu, entry.rollout_id)
+            if other != entry.rollout_id:
+                return (f"nccl: this rollout receives on GPU {gpu}, and so does {other}; NCCL takes one rank per GPU: "
+                        "give each rollout a GPU of its own (not the trainer's), or sync them one at a time "
+                        "(wsctl sync --rollout ID)")
         return ""
 
     def open(self, targets: dict, timeout: float):

@@ -21,6 +21,11 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def uuid_of(device: torch.device) -> str:
+    """The UUID of a CUDA device (an index alone means different GPUs in different processes)."""
+    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def local_index_of(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:

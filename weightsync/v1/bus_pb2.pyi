@@ -95,20 +95,22 @@ class TcpTransport(_message.Message):
     def __init__(self, data_address: _Optional[str] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("unique_id", "world_size", "rank_offset", "group_id", "timeout_seconds", "new_group")
+    __slots__ = ("unique_id", "world_size", "rank_offset", "group_id", "timeout_seconds", "new_group", "device_uuid")
     UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     unique_id: bytes
     world_size: int
     rank_offset: int
     group_id: str
     timeout_seconds: float
     new_group: bool
-    def __init__(self, unique_id: _Optional[bytes] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., new_group: _Optional[bool] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, unique_id: _Optional[bytes] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., new_group: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class IpcTransport(_message.Message):
     __slots__ = ("host_id", "device_uuid")

@@ -141,6 +141,35 @@ def test_member_that_cannot_join_fails_every_member_and_the_next_sync_rebuilds(f
     _assert_exact(trainer, a)
 
 
+def test_two_ranks_on_one_gpu_are_refused_at_prepare_not_after_the_init_timeout(fleet):
+    trainer, rollouts, stub, bus = fleet
+    a, b, c = rollouts["a"], rollouts["b"], rollouts["c"]
+    nccl = trainer.orch.transports["nccl"]
+    builds = _builds(trainer, rollouts)[0]
+    try:
+        a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = lambda dev: "GPU-shared"
+        rep = _sync(stub, ["a", "b"])
+        errors = {r.rollout_id: r.error for r in rep.rollouts}
+        assert not rep.ok and not any(r.ok for r in rep.rollouts), errors
+        assert "receives on GPU GPU-shared, and so does a; NCCL takes one rank per GPU" in errors["b"], errors
+        assert "not started: every member of the group must prepare, and b:" in errors["a"], errors
+        assert rep.seconds < INIT_TIMEOUT, "refused at prepare, without waiting for any join"
+
+        nccl.uuid_of = lambda dev: "GPU-trainer"  # nor may a rollout share the trainer's GPU
+        c.servicer.nccl.uuid_of = lambda dev: "GPU-trainer"
+        rep = _sync(stub, ["c"])
+        assert not rep.ok and "and so does the trainer" in rep.rollouts[0].error, rep
+    finally:
+        nccl.uuid_of = a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = c.servicer.nccl.uuid_of = None
+    assert _builds(trainer, rollouts)[0] == builds
+    for app in (a, b, c):
+        assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
+    _bump(trainer)
+    rep = _sync(stub, ["a", "b", "c"])  # distinct GPUs again: the group forms
+    assert rep.ok, rep
+    _assert_exact(trainer, b)
+
+
 def test_cpu_rollout_refuses_nccl_and_so_the_whole_group_is_not_started(fleet):
     trainer, rollouts, stub, bus = fleet
     rep = _sync(stub, ["a", "cpu"])
