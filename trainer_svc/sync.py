@@ -2,8 +2,10 @@
 
 With tcp and ipc, targets succeed or fail individually: a rollout that rejects the manifest,
 drops off the bus or fails its commit is aborted and reported, and the others still commit.
-With nccl a failure before or during the stream is group-wide (a collective needs every rank):
-every target of that sync is aborted. Every rollout ends on a complete version: the new one if
+With nccl a failure to join or during the stream is group-wide (a collective needs every rank):
+every target of that sync is aborted. A rollout that fails the prepare (unreachable, no GPU, a
+GPU already in the group) is left out instead, and the others are synced in a group without it
+(a retry within the same Sync call). Every rollout ends on a complete version: the new one if
 it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
 mode — see rollout_svc.transaction). The transports live in trainer_svc/transports/.
 """
@@ -81,7 +83,9 @@ class SyncOrchestrator:
         deadline = time.monotonic() + timeout
         version = self.actor.version
         phases = PhaseClock()
-        for attempt in (1, 2):
+        by_id = {e.rollout_id: e for e in targets}
+        final: dict[str, trainer_pb2.RolloutSyncResult] = {}
+        for attempt in (1, 2, 3):
             sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
             with phases("plan"):
                 # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
@@ -101,11 +105,18 @@ class SyncOrchestrator:
                      version, len(targets), manifest.num_tensors, len(manifest.buckets), manifest.total_bytes / 1e6,
                      transport, " (cached group)" if session.reused else "")
             results, retry = self._attempt(session, manifest, targets, deadline, phases)
-            if not (retry and attempt == 1):
+            final.update(results)  # a retried rollout's result replaces its earlier one
+            if not retry or attempt == 3:
                 break
-            log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
-                        sync_id)
-        by_id = {e.rollout_id: e for e in targets}
+            if len(retry) == len(targets):
+                log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
+                            sync_id)
+            else:
+                left_out = sorted({e.rollout_id for e in targets} - {e.rollout_id for e in retry})
+                log.warning("sync %s: %s could not take part; retrying with the %d rollout(s) that prepared",
+                            sync_id, ", ".join(left_out), len(retry))
+            targets = retry
+        results = final
         elapsed = time.perf_counter() - t0
         for r in results.values():
             r.seconds = elapsed
@@ -127,14 +138,19 @@ class SyncOrchestrator:
         return report
 
     def _attempt(self, session, manifest, targets: list[RolloutEntry], deadline: float,
-                 phases: PhaseClock) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], bool]:
-        """One prepare → stream → commit | abort pass; returns (results, retry with fresh transport state)."""
+                 phases: PhaseClock) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
+        """One prepare → stream → commit | abort pass.
+
+        Returns the results and the targets of a retry ([] for none): a group-wide transport
+        retries when the prepare failed on some member — with every member and a new group when
+        the cached group was refused (a restarted member), else with the members that prepared.
+        """
         sync_id, version = manifest.sync_id, manifest.version
         results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
         by_id = {e.rollout_id: e for e in targets}
         left = lambda: max(0.001, deadline - time.monotonic())  # noqa: E731
         pool = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="sync-rpc")
-        retry = False
+        retry: list[RolloutEntry] = []
         try:
             prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
             calls = []
@@ -152,13 +168,20 @@ class SyncOrchestrator:
                 else:
                     prepared[e.rollout_id] = resp
             if session.group_wide and len(prepared) < len(targets):
-                # A member that restarted no longer holds the cached group: one retry builds a new one.
-                retry = session.reused
+                if session.reused:
+                    retry = list(targets)  # a member that restarted no longer holds the cached group
+                elif prepared:
+                    # One rollout that cannot take part (unreachable, no GPU, a GPU already in the
+                    # group) must not hold back the others: they form a group without it.
+                    retry = [by_id[rid] for rid in prepared]
                 bad = [r for r in results.values() if r.rollout_id not in prepared]
                 why = f"{bad[0].rollout_id}: {bad[0].error}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
                 for rid in prepared:
-                    self._fail(results[rid], by_id[rid], "transport",
-                               f"{session.name}: not started: every member of the group must prepare, and {why}")
+                    msg = f"{session.name}: not started: every member of the group must prepare, and {why}"
+                    if retry:  # superseded by the retry's result: not a failure of this rollout
+                        results[rid].ok, results[rid].error = False, msg
+                    else:
+                        self._fail(results[rid], by_id[rid], "transport", msg)
                 prepared.clear()
             phases.add("prepare", time.perf_counter() - t_prepare)
             checksums: list[int] = []

@@ -145,7 +145,7 @@ class _NcclSession:
             return (f"rollout answered an nccl prepare (group {self.plan.group_id}) with transport {kind_of(resp)} "
                     f"{resp.transport.nccl.group_id if kind_of(resp) == 'nccl' else ''}").rstrip()
         gpu = resp.transport.nccl.device_uuid
-        if gpu:
+        if gpu:  # answers are taken in target order: of two rollouts on one GPU, the first listed keeps it
             other = self._gpus.setdefault(gpu, entry.rollout_id)
             if other != entry.rollout_id:
                 return (f"nccl: this rollout receives on GPU {gpu}, and so does {other}; NCCL takes one rank per GPU: "

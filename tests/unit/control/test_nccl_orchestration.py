@@ -141,27 +141,34 @@ def test_member_that_cannot_join_fails_every_member_and_the_next_sync_rebuilds(f
     _assert_exact(trainer, a)
 
 
-def test_two_ranks_on_one_gpu_are_refused_at_prepare_not_after_the_init_timeout(fleet):
+def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_without_them(fleet):
     trainer, rollouts, stub, bus = fleet
     a, b, c = rollouts["a"], rollouts["b"], rollouts["c"]
     nccl = trainer.orch.transports["nccl"]
     builds = _builds(trainer, rollouts)[0]
     try:
         a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = lambda dev: "GPU-shared"
+        _bump(trainer)
         rep = _sync(stub, ["a", "b"])
-        errors = {r.rollout_id: r.error for r in rep.rollouts}
-        assert not rep.ok and not any(r.ok for r in rep.rollouts), errors
-        assert "receives on GPU GPU-shared, and so does a; NCCL takes one rank per GPU" in errors["b"], errors
-        assert "not started: every member of the group must prepare, and b:" in errors["a"], errors
+        by = {r.rollout_id: r for r in rep.rollouts}
+        assert not rep.ok and sorted(by) == ["a", "b"], rep
+        # whichever answered second is refused; the first is synced in a group of its own
+        (ok,) = [rid for rid, r in by.items() if r.ok]
+        (refused,) = [rid for rid, r in by.items() if not r.ok]
+        assert f"receives on GPU GPU-shared, and so does {ok}; NCCL takes one rank per GPU" in by[refused].error, rep
+        assert by[ok].version == trainer.actor.version
+        _assert_exact(trainer, rollouts[ok])
+        assert rollouts[refused].tx.version != trainer.actor.version
         assert rep.seconds < INIT_TIMEOUT, "refused at prepare, without waiting for any join"
+        assert _builds(trainer, rollouts)[0] == builds + 1
 
         nccl.uuid_of = lambda dev: "GPU-trainer"  # nor may a rollout share the trainer's GPU
         c.servicer.nccl.uuid_of = lambda dev: "GPU-trainer"
         rep = _sync(stub, ["c"])
         assert not rep.ok and "and so does the trainer" in rep.rollouts[0].error, rep
+        assert _builds(trainer, rollouts)[0] == builds + 1  # nobody left to form a group with
     finally:
         nccl.uuid_of = a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = c.servicer.nccl.uuid_of = None
-    assert _builds(trainer, rollouts)[0] == builds
     for app in (a, b, c):
         assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
     _bump(trainer)
@@ -170,14 +177,24 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_not_after_the_init_timeout(
     _assert_exact(trainer, b)
 
 
-def test_cpu_rollout_refuses_nccl_and_so_the_whole_group_is_not_started(fleet):
+def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
     trainer, rollouts, stub, bus = fleet
+
+    def failures(reason):
+        return trainer.metrics.registry.get_sample_value(
+            "weightsync_sync_failures_total", {"role": "trainer", "reason": reason}) or 0.0
+
+    before = failures("prepare_failed"), failures("transport")
+    _bump(trainer)
     rep = _sync(stub, ["a", "cpu"])
-    errors = {r.rollout_id: r.error for r in rep.rollouts}
-    assert not rep.ok and not any(r.ok for r in rep.rollouts)
-    assert "transport nccl needs a CUDA engine" in errors["cpu"] and "--device cuda:N" in errors["cpu"], errors
-    assert "not started: every member of the group must prepare, and cpu:" in errors["a"], errors
-    assert rollouts["a"].tx.pending_sync_id == "" and rollouts["a"].tx.state == rollout_pb2.SERVING
+    by = {r.rollout_id: r for r in rep.rollouts}
+    assert not rep.ok and sorted(by) == ["a", "cpu"], rep
+    assert "transport nccl needs a CUDA engine" in by["cpu"].error and "--device cuda:N" in by["cpu"].error, rep
+    assert by["a"].ok and by["a"].version == trainer.actor.version, rep
+    _assert_exact(trainer, rollouts["a"])
+    assert rollouts["cpu"].tx.pending_sync_id == "" and rollouts["cpu"].tx.version != trainer.actor.version
+    # one failure (cpu's prepare); a's first, superseded attempt is not counted against it
+    assert (failures("prepare_failed"), failures("transport")) == (before[0] + 1, before[1])
 
     req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
     req.manifest.CopyFrom(_manifest(trainer))
