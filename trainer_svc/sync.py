@@ -56,7 +56,8 @@ class SyncOrchestrator:
         self.origin = origin
         self.device = torch.device(device)
         self.transports = {"tcp": TcpSync(token),
-                           "nccl": NcclSync(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build),
+                           "nccl": NcclSync(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
+                                            call=self._call),
                            "ipc": IpcSync(self.device, self._call)}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer_svc.transports.base import kind_of
+from trainer_svc.transports.base import RpcCall, kind_of
+from trainer_svc.transports.liveness import GroupWatch
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,11 @@ class NcclSync:
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
-                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] | None = None):
+                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] | None = None,
+                 call: RpcCall | None = None, watch_period: float = 1.0):
         self.device = torch.device(device)
         self.uuid_of = uuid_of
+        self.call, self.watch_period = call, watch_period  # liveness of the members while streaming
         self.init_timeout = init_timeout
         self._bus = bus
         self._on_build = on_build
@@ -131,6 +134,7 @@ class _NcclSession:
         # GPU UUID -> who holds a rank on it; NCCL refuses two ranks on one GPU, but only after
         # every rank has waited out the init timeout, so the trainer refuses it at prepare.
         self._gpus = {trainer_uuid: "the trainer"} if trainer_uuid else {}
+        self._watch: GroupWatch | None = None
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
@@ -156,8 +160,14 @@ class _NcclSession:
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))
         group.timeout = timeout  # each broadcast wait is bounded by what is left of the sync
+        if self.owner.call is not None:
+            self._watch = GroupWatch(group, targets, self.owner.call, self.owner.watch_period).start()
         return self.owner.cache.bus.sender(group)
 
     def finish(self, ok: bool, reason: str) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            if self._watch.tripped:
+                ok, reason = False, self._watch.tripped
         if not ok:
             self.owner.cache.invalidate(reason)

@@ -19,8 +19,8 @@ _BROKEN = object()
 
 
 class _Room:
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, blocking: bool = False):
+        self.world_size, self.blocking = world_size, blocking
         self.joined: set[int] = set()
         self.cond = threading.Condition()
         self.queues = {r: queue.Queue() for r in range(1, world_size)}
@@ -55,9 +55,20 @@ class LoopbackSender:
     def send(self, plan, buf, checksum) -> None:
         if not self.group.healthy:
             raise TransportError(f"NCCL group unusable: {self.group.broken or self.group.room.broken}")
-        for q in self.group.room.queues.values():
+        queues = self.group.room.queues.values()
+        for q in queues:
             q.put(buf[:plan.nbytes].clone())
         self.sent += 1
+        if self.group.room.blocking:
+            # as NCCL: the broadcast completes only once every rank has taken the bucket
+            deadline = time.monotonic() + self.group.timeout
+            while any(not q.empty() for q in queues):
+                if not self.group.healthy:
+                    raise TransportError(f"NCCL broadcast failed: {self.group.broken or self.group.room.broken}")
+                if time.monotonic() > deadline:
+                    self.group.abort(f"bucket {plan.index} not taken within {self.group.timeout:.1f}s")
+                    raise TransportError(f"NCCL broadcast failed: {self.group.broken}")
+                time.sleep(0.01)
 
     def failures(self) -> dict[str, str]:
         return {}
@@ -89,7 +100,8 @@ class LoopbackReceiver:
 class LoopbackBus:
     needs_cuda = False
 
-    def __init__(self):
+    def __init__(self, blocking_send: bool = False):
+        self.blocking_send = blocking_send  # a send waits until every receiver took the bucket
         self._rooms: dict[bytes, _Room] = {}
         self._lock = threading.Lock()
         self.joins: list[tuple[int, int]] = []  # (rank, world_size) of every completed join
@@ -99,7 +111,7 @@ class LoopbackBus:
 
     def open_group(self, unique_id: bytes, world_size: int, rank: int, device, timeout: float) -> LoopbackGroup:
         with self._lock:
-            room = self._rooms.setdefault(unique_id, _Room(world_size))
+            room = self._rooms.setdefault(unique_id, _Room(world_size, self.blocking_send))
         if room.world_size != world_size:
             raise TransportError(f"NCCL group init failed: world size {world_size} != {room.world_size}")
         deadline = time.monotonic() + timeout

@@ -254,3 +254,64 @@ def _manifest(trainer) -> bus_pb2.Manifest:
     a = trainer.actor
     return manifest_to_proto(make_manifest(a.export_metas(), version=a.version, sync_id="manual",
                                            bucket_bytes=1 << 20, model_family=a.family))
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
+def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(watched):
+    """Real NCCL never tells the sender that a receiving process died: the broadcast just waits.
+    The loopback is set to wait the same way (blocking_send); the member's gRPC port going away is
+    what the trainer's liveness watch sees. Unwatched, the same sync waits out its stream timeout."""
+    import threading
+    import time
+
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    bus = LoopbackBus(blocking_send=True)
+    sync_timeout = 6.0
+    trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=sync_timeout,
+                                       auto_sync_new_rollouts=False))
+    trainer.orch.transports["nccl"] = NcclSync(torch.device("cpu"), bus, INIT_TIMEOUT,
+                                               call=trainer.orch._call if watched else None, watch_period=0.2)
+    trainer.start()
+    apps, release = {}, threading.Event()
+    try:
+        for rid in ("live", "dying"):
+            app = RolloutApp(RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                           model="tiny-qwen2", rollout_id=rid))
+            app.servicer.nccl._bus = bus
+            app.start()
+            apps[rid] = app
+        dying = apps["dying"]
+
+        def hang_then_lose_the_control_plane(sync_id, receiver):
+            # joined the group, then stuck before taking any bucket; its gRPC server goes away,
+            # as a killed process's port would, while its NCCL rank never signals anything
+            threading.Timer(0.3, dying.grpc.stop).start()
+            release.wait(30)
+
+        dying.tx.run_receiver = hang_then_lose_the_control_plane
+        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
+        for rid, app in apps.items():
+            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+        before = apps["live"].tx.version
+        t0 = time.monotonic()
+        rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live", "dying"], transport="nccl"),
+                        timeout=sync_timeout + 30).report
+        took = time.monotonic() - t0
+        errors = {r.rollout_id: r.error for r in rep.rollouts}
+        assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
+        assert apps["live"].tx.version == before and apps["live"].tx.state == rollout_pb2.SERVING
+        if watched:
+            assert took < 3.0, f"the group waited {took:.1f}s for a dead member"
+            assert all("rollout dying became unreachable during the stream" in e for e in errors.values()), errors
+        else:
+            assert took >= sync_timeout - 1.0, f"unwatched, the sync should have waited out its timeout ({took:.1f}s)"
+    finally:
+        release.set()
+        for app in apps.values():
+            app.stop()
+        trainer.stop()
