@@ -6,6 +6,7 @@ load, flush and resume, so the built-in engine and SGLang share one sync impleme
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,10 +16,15 @@ import torch
 from weightsync.bus.plan import TensorMeta
 
 
+#: Temperatures below this sample greedily, as SGLang does (its _SAMPLING_EPS): logits / T would
+#: overflow to inf for a denormal T, and such a T is greedy in all but name.
+GREEDY_BELOW = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0         # 0 = greedy
+    temperature: float = 1.0         # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
@@ -28,8 +34,8 @@ class SamplingParams:
     def validate(self) -> None:
         if not 1 <= self.max_new_tokens <= 32768:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens} must be in [1, 32768]")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"sampling.temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:

@@ -1,6 +1,7 @@
 """Logits → next token, and the log-probs reported with each sampled token.
 
-The reported log-prob is log_softmax(logits / T) at the chosen token (T = 1 when greedy),
+The reported log-prob is log_softmax(logits / T) at the chosen token (T = 1 when greedy, which
+includes every T below GREEDY_BELOW),
 taken *before* top-k / top-p truncation: that is the quantity a trainer recomputes from its own
 logits, so the train/inference mismatch metric compares like with like.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_svc.engine.base import SamplingParams
+from rollout_svc.engine.base import GREEDY_BELOW, SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -20,6 +21,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token once the mass before it already reaches top_p; the top token always stays.
         drop = probs.cumsum(-1) - probs >= top_p
+        # ...stated outright: a top_p below fp32's smallest value compares as 0 and would drop all
+        drop[..., 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     return logits
@@ -28,7 +31,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 def choose(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (fp32) → (tokens [B], logprobs [B])."""
     logits = logits.float()
-    if sp.temperature == 0:
+    if sp.temperature < GREEDY_BELOW:
         tokens = logits.argmax(-1)
         logp = torch.log_softmax(logits, -1)
     else:
