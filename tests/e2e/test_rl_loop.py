@@ -60,12 +60,12 @@ def test_reward_rises_with_sync_and_rollouts_track_the_trainer(procs, monkeypatc
         assert r.step == k + 1 and r.sync_ok
         assert r.rollout_version == r.trainer_version - 1, "samples must come from the last published version"
         assert r.synced_version == r.trainer_version
-        assert r.mismatch_max < 1e-4, (k, r.mismatch_max)
-    assert max(r.mismatch_max for r in recs) < 1e-4
+        assert r.mismatch_max < 1e-5, (k, r.mismatch_max)  # issue #5: ≈1e-5 in fp32 on CPU
+    assert max(r.mismatch_max for r in recs) < 1e-5
     for r in rollouts:
         assert r.metric("weightsync_weights_version", 'role="rollout"') == recs[-1].trainer_version
     assert trainer.metric("weightsync_train_steps_total") == STEPS
-    assert trainer.metric("weightsync_train_inference_logprob_diff_max") < 1e-4
+    assert trainer.metric("weightsync_train_inference_logprob_diff_max") < 1e-5
 
 
 def test_no_sync_control_stays_at_chance(tmp_path):
