@@ -41,7 +41,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.bench_sync import GiB, _barrier  # noqa: E402
+from bench.bench_sync import raw_broadcast_seconds  # noqa: E402
 from bench.model_shapes import CONFIGS  # noqa: E402
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub, trainer_stub  # noqa: E402
 from weightsync.local.procs import start_rollout, start_trainer, wait_registered  # noqa: E402
@@ -148,20 +148,7 @@ def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
     if rank == 0:
         uid_q.put(uid)
     group = NcclGroup(uid, 2, rank, dev, timeout=120)
-    chunk = torch.empty(min(GiB, max(sizes)), dtype=torch.uint8, device=dev)
-    out = []
-    for total in sizes:
-        times = []
-        for rep in range(reps + 1):
-            _barrier(group, dev)
-            t0 = time.perf_counter()
-            for off in range(0, total, GiB):
-                done = group.enqueue(chunk[:min(GiB, total - off)], after_current=False)
-            group.wait(done, total)
-            torch.cuda.synchronize(dev)
-            if rep:
-                times.append(time.perf_counter() - t0)
-        out.append(times)
+    out = [raw_broadcast_seconds(group, dev, total, reps) for total in sizes]
     group.close()
     res_q.put((rank, out))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -59,6 +58,21 @@ def _barrier(group, dev):
     torch.cuda.synchronize(dev)
 
 
+def raw_broadcast_seconds(group, dev, total: int, reps: int) -> list[float]:
+    """The ceiling: NCCL broadcasts of `total` bytes in 1 GiB messages, timed `reps` times after a warm-up."""
+    chunk = torch.empty(min(GiB, total), dtype=torch.uint8, device=dev)
+    times = []
+    for rep in range(reps + 1):
+        _barrier(group, dev)
+        t0 = time.perf_counter()
+        events = [group.enqueue(chunk[:min(GiB, total - off)], after_current=False) for off in range(0, total, GiB)]
+        group.wait(events[-1], total)
+        torch.cuda.synchronize(dev)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def run_rank(rank, uid_q, res_q, args):
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
@@ -75,23 +89,7 @@ def run_rank(rank, uid_q, res_q, args):
         total = sum(t.numel() * 2 for t in model.values())
         largest = max(t.numel() * 2 for t in model.values())
         rec = {"model": name, "layers": layers, "bytes": total, "tensors": len(model), "largest_tensor_bytes": largest}
-        # raw ceiling: 1 GiB messages covering the same bytes
-        chunk = torch.empty(GiB, dtype=torch.uint8, device=dev)
-        n_chunks = math.ceil(total / GiB)
-        for rep in range(args.reps + 1):
-            _barrier(group, dev)
-            t0 = time.perf_counter()
-            left = total
-            events = []
-            for _ in range(n_chunks):
-                k = min(GiB, left)
-                events.append(group.enqueue(chunk[:k], after_current=False))
-                left -= k
-            group.wait(events[-1], total)
-            torch.cuda.synchronize(dev)
-            if rep:
-                rec.setdefault("raw_s", []).append(time.perf_counter() - t0)
-        del chunk
+        rec["raw_s"] = raw_broadcast_seconds(group, dev, total, args.reps)
         # naive: one broadcast per tensor into the destination parameter
         for rep in range(args.reps + 1):
             _barrier(group, dev)

@@ -35,21 +35,15 @@ def require_cuda(device: torch.device | None, transport: str, engine_name: str) 
     return device
 
 
-def _cuda_uuid(device: torch.device) -> str:
+def gpu_uuid(device: torch.device | None) -> str:
+    """The UUID of the GPU this rollout receives on, "" when it is not a GPU."""
     from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
 
     return uuid_of(device)
 
 
-def gpu_uuid(device: torch.device | None, uuid_of: Callable[[torch.device], str] | None = None) -> str:
-    """The UUID of the GPU this rollout receives on, "" when it is not a GPU."""
-    if uuid_of is not None:
-        return uuid_of(device)
-    return _cuda_uuid(device) if device is not None and device.type == "cuda" else ""
-
-
 def check_ipc(spec: bus_pb2.IpcTransport, device: torch.device | None, engine_name: str,
-              uuid_of: Callable[[torch.device], str] = _cuda_uuid) -> str:
+              uuid_of: Callable[[torch.device], str] = gpu_uuid) -> str:
     """This engine's GPU UUID if it is the trainer's GPU (`spec.device_uuid`); otherwise SyncError."""
     dev = require_cuda(device, "ipc", engine_name)
     if not spec.device_uuid:

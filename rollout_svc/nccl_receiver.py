@@ -71,7 +71,7 @@ class NcclReceiveSide:
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._bus = bus
         self._on_build = on_build or (lambda: None)
-        self.uuid_of: Callable[[torch.device | None], str] | None = None  # tests name GPUs the loopback lacks
+        self.uuid_of: Callable[[torch.device | None], str] = gpu_uuid  # tests name GPUs the loopback lacks
         self._lock = threading.Lock()
         self._group = None
         self._group_key: tuple[str, int, int] | None = None  # (group_id, world_size, rank)
@@ -91,7 +91,7 @@ class NcclReceiveSide:
         return self._group_key[0] if self._group_key else ""
 
     def device_uuid(self) -> str:
-        return gpu_uuid(self.device, self.uuid_of)
+        return self.uuid_of(self.device)
 
     # ---- PrepareSync ----------------------------------------------------------------------
     def check(self, spec: bus_pb2.NcclTransport) -> None:

@@ -11,6 +11,9 @@ import signal
 import threading
 import uuid
 
+from prometheus_client import Counter
+
+from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
@@ -49,9 +52,6 @@ class TrainerApp:
         self.registry = RolloutRegistry(self.token, cfg.rpc_timeout_s)
         self.m_rollouts.set_function(lambda: len(self.registry.all()))
         self.metrics.version.set_function(lambda: self.actor.version)
-        from prometheus_client import Counter
-        from trainer_svc.actor.device import export_device
-
         self.m_nccl_builds = Counter("weightsync_nccl_group_builds_total",
                                      "NCCL groups built by the trainer (a sync that reuses the cached group adds none)",
                                      registry=self.metrics.registry)

@@ -48,5 +48,12 @@ class Transport(Protocol):
         """A session for one sync; raises ValueError when this trainer cannot use the transport."""
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of the GPU the trainer exports on, "" when it is not a GPU."""
+    from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
+
+    return uuid_of(device)
+
+
 def kind_of(resp: rollout_pb2.PrepareSyncResponse) -> str:
     return resp.transport.WhichOneof("kind") or "unset"

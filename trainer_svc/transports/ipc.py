@@ -14,15 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.transports.base import RpcCall, kind_of
+from trainer_svc.transports.base import RpcCall, gpu_uuid, kind_of
 from weightsync.bus.transport import TransportError
 from weightsync.v1 import bus_pb2, rollout_pb2
-
-
-def _cuda_uuid(device: torch.device) -> str:
-    from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
-
-    return uuid_of(device)
 
 
 def _handle_cache():
@@ -72,7 +66,7 @@ class IpcPushSender:
 class IpcSync:
     name = "ipc"
 
-    def __init__(self, device: torch.device, call: RpcCall, uuid_of: Callable[[torch.device], str] = _cuda_uuid,
+    def __init__(self, device: torch.device, call: RpcCall, uuid_of: Callable[[torch.device], str] = gpu_uuid,
                  needs_cuda: bool = True):
         self.device = torch.device(device)
         self.call, self.uuid_of, self.needs_cuda = call, uuid_of, needs_cuda

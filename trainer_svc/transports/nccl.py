@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer_svc.transports.base import RpcCall, kind_of
+from trainer_svc.transports.base import RpcCall, gpu_uuid, kind_of
 from trainer_svc.transports.liveness import GroupWatch
 from weightsync.v1 import bus_pb2
 
@@ -86,7 +86,7 @@ class NcclSync:
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
-                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] | None = None,
+                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] = gpu_uuid,
                  call: RpcCall | None = None, watch_period: float = 1.0):
         self.device = torch.device(device)
         self.uuid_of = uuid_of
@@ -111,16 +111,8 @@ class NcclSync:
         if needs_cuda and self.device.type != "cuda":
             raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
                              f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
-        return _NcclSession(self, self.cache.plan((e.rollout_id, e.address) for e in targets), self.own_uuid())
-
-    def own_uuid(self) -> str:
-        if self.uuid_of is not None:
-            return self.uuid_of(self.device)
-        if self.device.type != "cuda":
-            return ""
-        from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
-
-        return uuid_of(self.device)
+        return _NcclSession(self, self.cache.plan((e.rollout_id, e.address) for e in targets),
+                            self.uuid_of(self.device))
 
 
 class _NcclSession:

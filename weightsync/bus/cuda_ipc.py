@@ -21,8 +21,11 @@ def device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def uuid_of(device: torch.device) -> str:
-    """The UUID of a CUDA device (an index alone means different GPUs in different processes)."""
+def uuid_of(device: torch.device | None) -> str:
+    """The UUID of a CUDA device (an index alone means different GPUs in different processes); "" for
+    anything else, which no GPU check can match."""
+    if device is None or device.type != "cuda":
+        return ""
     return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 

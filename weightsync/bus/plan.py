@@ -115,6 +115,10 @@ def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
     return msg
 
 
+def _field(bucket: int, tensor: int, name: str) -> str:
+    return f"manifest.buckets[{bucket}].tensors[{tensor}] ({name!r})"
+
+
 def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOTAL_BYTES) -> Manifest:
     """Validate a manifest received from the network; every error names the offending field."""
     if not msg.sync_id:
@@ -136,24 +140,23 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         # only on failure: this runs for every tensor of every PrepareSync.
         for j, t in enumerate(pb.tensors):
             name, shape, offset, nbytes = t.name, tuple(t.shape), t.offset, t.nbytes
-            where = lambda: f"manifest.buckets[{i}].tensors[{j}] ({name!r})"  # noqa: E731
             count += 1
             if count > MAX_TENSORS:
                 raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
             if not name or name in names:
-                raise ValueError(f"{where()}: name is empty or repeated")
+                raise ValueError(f"{_field(i, j, name)}: name is empty or repeated")
             names.add(name)
             dt = dtypes.from_wire(t.dtype)
             if len(shape) > 8 or (shape and min(shape) < 0):
-                raise ValueError(f"{where()}: shape {list(shape)} is not a valid tensor shape")
+                raise ValueError(f"{_field(i, j, name)}: shape {list(shape)} is not a valid tensor shape")
             meta = TensorMeta(name, shape, dt)
             if meta.nbytes != nbytes:
-                raise ValueError(f"{where()}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}")
+                raise ValueError(f"{_field(i, j, name)}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}")
             if offset < end_prev or offset % dt.itemsize:
-                raise ValueError(f"{where()}: offset {offset} overlaps the previous tensor or is misaligned")
+                raise ValueError(f"{_field(i, j, name)}: offset {offset} overlaps the previous tensor or is misaligned")
             end_prev = offset + nbytes
             if end_prev > pb.nbytes:
-                raise ValueError(f"{where()}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
+                raise ValueError(f"{_field(i, j, name)}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
             plan.slots.append(Slot(meta, offset))
         total += pb.nbytes
         buckets.append(plan)

@@ -75,6 +75,21 @@ def _builds(trainer, rollouts):
     return trainer.orch.transports["nccl"].cache.builds, {rid: a.servicer.nccl.builds for rid, a in rollouts.items()}
 
 
+def _spec(**fields) -> bus_pb2.NcclTransport:
+    """A well-formed NcclTransport for a 2-rank group; fields override."""
+    return bus_pb2.NcclTransport(**{**dict(unique_id=bytes(128), world_size=2, rank_offset=1, group_id="g",
+                                           new_group=True), **fields})
+
+
+def _refused_prepare(trainer, app, spec: bus_pb2.NcclTransport) -> grpc.RpcError:
+    """PrepareSync straight to `app` with `spec`, which it must refuse; returns the error."""
+    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5, transport=bus_pb2.TransportSpec(nccl=spec))
+    req.manifest.CopyFrom(_manifest(trainer))
+    with pytest.raises(grpc.RpcError) as e:
+        rollout_stub(channel(app.grpc.address), "").PrepareSync(req, timeout=10)
+    return e.value
+
+
 def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_restart(fleet):
     trainer, rollouts, stub, bus = fleet
     a, b, c = rollouts["a"], rollouts["b"], rollouts["c"]
@@ -146,6 +161,8 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_witho
     a, b, c = rollouts["a"], rollouts["b"], rollouts["c"]
     nccl = trainer.orch.transports["nccl"]
     builds = _builds(trainer, rollouts)[0]
+    sides = [nccl, a.servicer.nccl, b.servicer.nccl, c.servicer.nccl]
+    real = [s.uuid_of for s in sides]
     try:
         a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = lambda dev: "GPU-shared"
         _bump(trainer)
@@ -168,7 +185,8 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_witho
         assert not rep.ok and "and so does the trainer" in rep.rollouts[0].error, rep
         assert _builds(trainer, rollouts)[0] == builds + 1  # nobody left to form a group with
     finally:
-        nccl.uuid_of = a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = c.servicer.nccl.uuid_of = None
+        for side, fn in zip(sides, real):
+            side.uuid_of = fn
     for app in (a, b, c):
         assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
     _bump(trainer)
@@ -196,14 +214,9 @@ def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
     # one failure (cpu's prepare); a's first, superseded attempt is not counted against it
     assert (failures("prepare_failed"), failures("transport")) == (before[0] + 1, before[1])
 
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
-    req.manifest.CopyFrom(_manifest(trainer))
-    req.transport.nccl.CopyFrom(bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1,
-                                                      group_id="g", new_group=True))
-    with pytest.raises(grpc.RpcError) as e:
-        rollout_stub(channel(rollouts["cpu"].grpc.address), "").PrepareSync(req, timeout=10)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "builtin engine runs on cpu" in e.value.details()
+    err = _refused_prepare(trainer, rollouts["cpu"], _spec())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "builtin engine runs on cpu" in err.details()
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -216,26 +229,17 @@ def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
 ])
 def test_malformed_nccl_transport_is_invalid_argument(fleet, field, value, match):
     trainer, rollouts, _, _ = fleet
-    spec = bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1, group_id="g", new_group=True)
+    spec = _spec()
     setattr(spec, field, value)
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
-    req.manifest.CopyFrom(_manifest(trainer))
-    req.transport.nccl.CopyFrom(spec)
-    with pytest.raises(grpc.RpcError) as e:
-        rollout_stub(channel(rollouts["c"].grpc.address), "").PrepareSync(req, timeout=10)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    err = _refused_prepare(trainer, rollouts["c"], spec)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and match in err.details()
 
 
 def test_reuse_of_a_group_the_rollout_does_not_hold_is_refused(fleet):
     trainer, rollouts, _, _ = fleet
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5)
-    req.manifest.CopyFrom(_manifest(trainer))
-    req.transport.nccl.CopyFrom(bus_pb2.NcclTransport(unique_id=bytes(128), world_size=2, rank_offset=1,
-                                                      group_id="g-never-built", new_group=False))
-    with pytest.raises(grpc.RpcError) as e:
-        rollout_stub(channel(rollouts["c"].grpc.address), "").PrepareSync(req, timeout=10)
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "nccl group g-never-built (rank 1 of 2) is not held here" in e.value.details()
+    err = _refused_prepare(trainer, rollouts["c"], _spec(group_id="g-never-built", new_group=False))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "nccl group g-never-built (rank 1 of 2) is not held here" in err.details()
     assert rollouts["c"].tx.pending_sync_id == ""
 
 
