@@ -139,12 +139,12 @@ def run_model(name: str, args, work: Path) -> dict:
 
 
 def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
-    from weightsync.bus import pynccl
-    from weightsync.bus.nccl_transport import NcclGroup
+    from weightsync.bus.nccl import libnccl
+    from weightsync.bus.nccl.group import NcclGroup
 
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
-    uid = pynccl.new_unique_id() if rank == 0 else uid_q.get(timeout=60)
+    uid = libnccl.new_unique_id() if rank == 0 else uid_q.get(timeout=60)
     if rank == 0:
         uid_q.put(uid)
     group = NcclGroup(uid, 2, rank, dev, timeout=120)
@@ -208,9 +208,9 @@ def main() -> int:
         results["models"].append(rec)
     ok = [r for r in results["models"] if "error" not in r]
     if args.transport == "nccl" and ok:
-        from weightsync.bus import pynccl
+        from weightsync.bus.nccl import libnccl
 
-        results["nccl"] = pynccl.version()
+        results["nccl"] = libnccl.version()
         try:
             raw = raw_nccl([r["bytes"] for r in ok], args.reps, timeout=600)
         except Exception as exc:  # keep the services' numbers

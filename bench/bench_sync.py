@@ -27,9 +27,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.model_shapes import shapes  # noqa: E402
-from weightsync.bus import pynccl  # noqa: E402
+from weightsync.bus.nccl import libnccl  # noqa: E402
 from weightsync.bus.checksum import ALGO, bucket_checksum  # noqa: E402
-from weightsync.bus.nccl_transport import NcclBucketReceiver, NcclBucketSender, NcclGroup  # noqa: E402
+from weightsync.bus.nccl.group import NcclBucketReceiver, NcclBucketSender, NcclGroup  # noqa: E402
 from weightsync.bus.pack import unpack_bucket  # noqa: E402
 from weightsync.bus.pipeline import stream_buckets  # noqa: E402
 from weightsync.bus.plan import TensorMeta, make_manifest  # noqa: E402
@@ -77,7 +77,7 @@ def run_rank(rank, uid_q, res_q, args):
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
     if rank == 0:
-        uid = pynccl.new_unique_id()
+        uid = libnccl.new_unique_id()
         uid_q.put(uid)
     else:
         uid = uid_q.get(timeout=60)
@@ -143,7 +143,7 @@ def run_rank(rank, uid_q, res_q, args):
 
 
 def ipc_rank(role, q_push, q_ack, res_q, args, name):
-    from weightsync.bus.cuda_ipc import IpcBucketSender, mapped_ipc_bucket
+    from weightsync.bus.ipc.handles import IpcBucketSender, mapped_ipc_bucket
     from weightsync.v1 import bus_pb2
 
     dev = torch.device("cuda:0")
@@ -220,7 +220,7 @@ def main():
     args.bucket_mb = [int(x) for x in args.bucket_mb.split(",")]
     ctx = mp.get_context("spawn")
     results = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-               "nccl": pynccl.version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+               "nccl": libnccl.version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if torch.cuda.device_count() >= 2:
         uid_q, res_q = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, uid_q, res_q, args)) for r in range(2)]

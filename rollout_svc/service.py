@@ -10,9 +10,11 @@ import time
 import grpc
 
 from rollout_svc.engine.base import SamplingParams
-from rollout_svc.gpu_checks import check_ipc, engine_device
-from rollout_svc.nccl_receiver import NcclReceiveSide
-from rollout_svc.transaction import SyncError, SyncTransaction
+from rollout_svc.transaction import SyncTransaction
+from weightsync.bus.errors import SyncError
+from weightsync.bus.gpu import engine_device
+from weightsync.bus.ipc.receiver import IpcReceiver
+from weightsync.bus.nccl.receiver import NcclReceiver
 from weightsync.bus.plan import manifest_from_proto
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
@@ -52,8 +54,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._sync_started: dict[str, float] = {}
         self._lock = threading.Lock()
         self.device = engine_device(engine)
-        self.nccl = NcclReceiveSide(tx, self.device, engine_name, on_build=self.m_nccl_builds.inc)
-        self._ipc_sync: tuple[str, str] = ("", "")  # (sync_id, GPU UUID) of the sync prepared for CUDA IPC
+        self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=self.m_nccl_builds.inc)
+        self.ipc = IpcReceiver(tx, self.device, engine_name)
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
@@ -130,7 +132,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 self.nccl.check(request.transport.nccl)
                 nccl_uuid = self.nccl.device_uuid()
             elif kind == "ipc":
-                ipc_uuid = check_ipc(request.transport.ipc, self.device, self.engine_name)
+                ipc_uuid = self.ipc.check(request.transport.ipc)
             elif kind != "tcp":
                 raise SyncError("transport is unset: PrepareSync must say tcp, nccl or ipc", "INVALID_ARGUMENT")
             deadline = time.monotonic() + timeout
@@ -152,30 +154,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if kind == "tcp":
             resp.transport.tcp.data_address = self.data_address
         else:
-            self._ipc_sync = (manifest.sync_id, ipc_uuid)
+            self.ipc.start(manifest.sync_id, ipc_uuid)
             resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), ipc_uuid
         return resp
 
     def PushBucket(self, request, context):
         try:
-            manifest = self.tx.pending_manifest(request.sync_id)
-            if manifest is None:
-                raise SyncError(f"sync {request.sync_id} is not prepared here")
-            if not request.HasField("ipc"):
-                raise SyncError("PushBucket carries CUDA IPC handles only; use the TCP bus for bytes", "INVALID_ARGUMENT")
-            if request.index >= len(manifest.buckets):
-                raise SyncError(f"index={request.index}: the manifest has {len(manifest.buckets)} buckets",
-                                "INVALID_ARGUMENT")
-            ipc_sync, gpu = self._ipc_sync
-            if ipc_sync != request.sync_id or request.ipc.device_uuid != gpu:
-                raise SyncError(f"ipc.device_uuid={request.ipc.device_uuid!r}: sync {request.sync_id} was not prepared "
-                                f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
-                                "INVALID_ARGUMENT")
-            from weightsync.bus.cuda_ipc import mapped_ipc_bucket  # lazy: CUDA only
-
-            # Consumed while mapped (no extra copy); the sender reuses the buffer after we reply.
-            with mapped_ipc_bucket(request.ipc, manifest.buckets[request.index].nbytes) as buf:
-                self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            self.ipc.push(request)
         except (ValueError, SyncError) as exc:
             self.tx.abort(request.sync_id, f"push failed: {exc}")
             _abort(context, exc)

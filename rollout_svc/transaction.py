@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import bucket_checksum, combine
+from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import Manifest
-from weightsync.bus.transport import BucketReceiver
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -35,14 +36,6 @@ S = rollout_pb2
 def _optional(engine, name: str):
     """An optional engine capability (see rollout_svc/engine/base.py), or a no-op."""
     return getattr(engine, name, None) or (lambda *a, **k: None)
-
-
-class SyncError(RuntimeError):
-    """The sync cannot proceed; `code` maps onto a gRPC status in the service layer."""
-
-    def __init__(self, msg: str, code: str = "FAILED_PRECONDITION"):
-        super().__init__(msg)
-        self.code = code
 
 
 @dataclass

@@ -7,7 +7,7 @@ every target of that sync is aborted. A rollout that fails the prepare (unreacha
 GPU already in the group) is left out instead, and the others are synced in a group without it
 (a retry within the same Sync call). Every rollout ends on a complete version: the new one if
 it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
-mode — see rollout_svc.transaction). The transports live in trainer_svc/transports/.
+mode — see rollout_svc.transaction). Each transport's sender lives in weightsync/bus/{tcp,nccl,ipc}/sender.py.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import grpc
 import torch
 
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
-from trainer_svc.transports.ipc import IpcSync
-from trainer_svc.transports.nccl import NcclSync
-from trainer_svc.transports.tcp import TcpSync
 from weightsync.bus.checksum import ALGO
+from weightsync.bus.ipc.sender import IpcSender
+from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import make_manifest, manifest_to_proto
+from weightsync.bus.tcp.sender import TcpSender
 from weightsync.control.client import describe_rpc_error
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -55,10 +55,10 @@ class SyncOrchestrator:
         self.rpc_timeout = rpc_timeout
         self.origin = origin
         self.device = torch.device(device)
-        self.transports = {"tcp": TcpSync(token),
-                           "nccl": NcclSync(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
+        self.transports = {"tcp": TcpSender(token),
+                           "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
                                             call=self._call),
-                           "ipc": IpcSync(self.device, self._call)}
+                           "ipc": IpcSender(self.device, self._call)}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
 

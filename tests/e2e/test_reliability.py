@@ -250,7 +250,7 @@ def _raw_hello(address: str, sync_id: str, mac: bytes) -> bytes:
 
 def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     from weightsync.bus.plan import TensorMeta, make_manifest, manifest_to_proto
-    from weightsync.bus.tcp import hello_mac
+    from weightsync.bus.tcp.wire import hello_mac
     tok = tmp_path / "token"
     tok.write_text("s3cret\n")
     trainer = procs.trainer("--model", "tiny-qwen2", "--auth-token-file", str(tok), backend="hf")
@@ -288,7 +288,7 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     assert "bad token" in r.log() and "not prepared here" in r.log()
     # the right token on the same prepared sync goes through: the bus itself works
     from weightsync.bus.pipeline import stream_buckets
-    from weightsync.bus.tcp import TcpBucketSender
+    from weightsync.bus.tcp.wire import TcpBucketSender
     sender = TcpBucketSender({"r": data_addr}, "v5-test", "s3cret", timeout=30)
     try:
         stream_buckets(man, iter([(n, p.detach()) for n, p in hf.named_parameters()]), sender, timeout=30)

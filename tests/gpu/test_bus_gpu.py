@@ -31,12 +31,12 @@ def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
 
 @needs_cuda
 def test_nccl_init_without_peers_times_out_instead_of_hanging():
-    from weightsync.bus import pynccl
-    from weightsync.bus.nccl_transport import NcclGroup
-    from weightsync.bus.transport import TransportError
+    from weightsync.bus.nccl import libnccl
+    from weightsync.bus.nccl.group import NcclGroup
+    from weightsync.bus.errors import TransportError
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="did not complete within"):
-        NcclGroup(pynccl.new_unique_id(), 2, 0, "cuda:0", timeout=5)
+        NcclGroup(libnccl.new_unique_id(), 2, 0, "cuda:0", timeout=5)
     assert time.monotonic() - t0 < 15
 
 

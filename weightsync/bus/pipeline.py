@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest
-from weightsync.bus.transport import BucketSender
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The token comes from a flag, env or (in Kubernetes) a file mounted from a Secret. Clients send
 it as `authorization: Bearer <token>` metadata; the server interceptor rejects calls without
 it (UNAUTHENTICATED) except the gRPC health service, which kubelet probes call unauthenticated.
-The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp).
+The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp.wire).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from weightsync.bus.cuda_ipc import HandleCache
+from weightsync.bus.ipc.handles import HandleCache
 from weightsync.bus.pack import alloc_buffer
 from weightsync.v1 import bus_pb2, rollout_pb2
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.bus.transport import TransportError
 
 
 class CollectingSender:

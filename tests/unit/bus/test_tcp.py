@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.errors import TransportError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.bus.tcp import TcpBucketReceiver, TcpBucketSender, hello_mac, read_hello
-from weightsync.bus.transport import TransportError
+from weightsync.bus.tcp.wire import TcpBucketReceiver, TcpBucketSender, hello_mac, read_hello
 
 
 class Listener:

@@ -1,4 +1,4 @@
-"""An in-process stand-in for libnccl with the interface of weightsync.bus.nccl_transport.CudaNcclBus.
+"""An in-process stand-in for libnccl with the interface of weightsync.bus.nccl.group.CudaNcclBus.
 
 CI has no GPU, so the orchestration around NCCL (group cache, rank plan, joins that time out,
 group-wide aborts) runs over this loopback: ranks rendezvous by unique id like ncclCommInitRank
@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 
-from weightsync.bus.transport import TransportError
+from weightsync.bus.errors import TransportError
 
 _BROKEN = object()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from nccl_loopback import LoopbackBus
 
-from trainer_svc.transports.nccl import NcclSync
+from weightsync.bus.nccl.sender import NcclSender
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
@@ -31,7 +31,7 @@ def fleet():
     trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
                                        model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
                                        auto_sync_new_rollouts=False))
-    trainer.orch.transports["nccl"] = NcclSync(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.m_nccl_builds.inc)
+    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.m_nccl_builds.inc)
     trainer.start()
     rollouts = {}
     for rid in ("a", "b", "c", "partitioned", "cpu"):
@@ -246,7 +246,7 @@ def test_reuse_of_a_group_the_rollout_does_not_hold_is_refused(fleet):
 def test_gpu_transports_refused_on_a_cpu_trainer(fleet):
     trainer, _, stub, _ = fleet
     with pytest.raises(ValueError, match=r"transport=nccl needs the trainer's export on a CUDA device.*--device cuda:0"):
-        NcclSync(torch.device("cpu")).begin([], "s", 1 << 20)
+        NcclSender(torch.device("cpu")).begin([], "s", 1 << 20)
     with pytest.raises(grpc.RpcError) as e:
         stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["a"], transport="ipc"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -278,7 +278,7 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
     trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
                                        model="tiny-qwen2", bucket_mb=1, sync_timeout_s=sync_timeout,
                                        auto_sync_new_rollouts=False))
-    trainer.orch.transports["nccl"] = NcclSync(torch.device("cpu"), bus, INIT_TIMEOUT,
+    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT,
                                                call=trainer.orch._call if watched else None, watch_period=0.2)
     trainer.start()
     apps, release = {}, threading.Event()

@@ -4,14 +4,15 @@ import threading
 import pytest
 import torch
 
-from rollout_svc.gpu_checks import check_ipc, require_cuda
 from rollout_svc.transaction import SyncError
-from trainer_svc.transports.ipc import IpcPushSender, IpcSync
-from trainer_svc.transports.nccl import NcclGroupCache
-from weightsync.bus.cuda_ipc import HandleCache
+from weightsync.bus.errors import TransportError
+from weightsync.bus.gpu import require_cuda
+from weightsync.bus.ipc.handles import HandleCache
+from weightsync.bus.ipc.receiver import check_ipc
+from weightsync.bus.ipc.sender import IpcPushSender, IpcSender
+from weightsync.bus.nccl.sender import NcclGroupCache
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.bus.transport import TransportError
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
@@ -90,7 +91,7 @@ class _Entry:
 
 
 def test_trainer_ipc_session_refuses_a_rollout_on_another_gpu():
-    ipc = IpcSync(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-trainer", needs_cuda=False)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-trainer", needs_cuda=False)
     s = ipc.begin([_Entry("r")], "s1", 1 << 20)
     spec = s.spec_for(_Entry("r"))
     assert spec.ipc.device_uuid == "GPU-trainer"
@@ -102,7 +103,7 @@ def test_trainer_ipc_session_refuses_a_rollout_on_another_gpu():
     resp.transport.tcp.data_address = "h:1"
     assert "answered an ipc prepare with transport tcp" in s.accept(_Entry("r"), resp)
     with pytest.raises(ValueError, match="transport=ipc needs the trainer's export on the rollouts' GPU"):
-        IpcSync(torch.device("cpu"), call=None).begin([_Entry("r")], "s", 1)
+        IpcSender(torch.device("cpu"), call=None).begin([_Entry("r")], "s", 1)
 
 
 def test_ipc_sender_shares_each_pipeline_buffer_once_and_drops_a_failing_target():

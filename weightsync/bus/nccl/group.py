@@ -1,4 +1,4 @@
-"""NCCL transport: one broadcast per whole flat bucket from the trainer (rank 0) to every engine rank.
+"""The NCCL channel: one broadcast per whole flat bucket from the trainer (rank 0) to every engine rank.
 
 A group is trainer rank 0 + every receiving engine rank; it is built once from a unique id that
 travels over gRPC (NcclTransport) and reused across syncs while membership is unchanged. Every
@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from weightsync.bus import pynccl
+from weightsync.bus.errors import TransportError
+from weightsync.bus.nccl import libnccl
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.transport import TransportError
 
 # Poll without sleeping (sleep(0) still releases the GIL to the packing thread): a sleeping
 # poll adds up to its period between buckets, which on NVLink is ~10% of the transfer time.
@@ -37,7 +37,7 @@ class NcclGroup:
         def init() -> None:
             try:
                 with torch.cuda.device(self.device):
-                    box["comm"] = pynccl.comm_init_rank(world_size, unique_id, rank)
+                    box["comm"] = libnccl.comm_init_rank(world_size, unique_id, rank)
             except Exception as exc:  # reported by the waiting thread
                 box["error"] = exc
 
@@ -71,7 +71,7 @@ class NcclGroup:
             if after_current:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                pynccl.broadcast(self.comm, buf.data_ptr(), buf.numel(), 0, self.stream.cuda_stream)
+                libnccl.broadcast(self.comm, buf.data_ptr(), buf.numel(), 0, self.stream.cuda_stream)
                 done = torch.cuda.Event()
                 done.record(self.stream)
         buf.record_stream(self.stream)
@@ -81,7 +81,7 @@ class NcclGroup:
         deadline = time.monotonic() + (timeout or self.timeout)
         while not done.query():
             with self._lock:
-                err = pynccl.async_error(self.comm) if self.comm is not None else 0
+                err = libnccl.async_error(self.comm) if self.comm is not None else 0
             if self.broken or err != 0 or time.monotonic() > deadline:
                 self.abort(f"NCCL error {err}" if err else f"broadcast of {nbytes} bytes exceeded its timeout")
                 raise TransportError(f"NCCL broadcast failed: {self.broken}")
@@ -99,13 +99,13 @@ class NcclGroup:
         with self._lock:
             self.broken = self.broken or reason
             if self.comm is not None:
-                pynccl.abort(self.comm)
+                libnccl.abort(self.comm)
                 self.comm = None
 
     def close(self) -> None:
         with self._lock:
             if self.comm is not None:
-                pynccl.destroy(self.comm)
+                libnccl.destroy(self.comm)
                 self.comm = None
             self.broken = self.broken or "closed"
 
@@ -185,7 +185,7 @@ class CudaNcclBus:
     needs_cuda = True
 
     def new_unique_id(self) -> bytes:
-        return pynccl.new_unique_id()
+        return libnccl.new_unique_id()
 
     def open_group(self, unique_id: bytes, world_size: int, rank: int, device: torch.device,
                    timeout: float) -> NcclGroup:

@@ -1,4 +1,4 @@
-"""The rollout's TCP weight-bus listener: authenticates a sender and feeds the pending sync."""
+"""The rollout's end of TCP: a listener that authenticates the trainer's connection and feeds the pending sync."""
 from __future__ import annotations
 
 import hmac
@@ -6,13 +6,13 @@ import logging
 import socket
 import threading
 
-from weightsync.bus.tcp import TcpBucketReceiver, hello_mac, read_hello
+from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello
 from weightsync.config import parse_host_port
 
 log = logging.getLogger(__name__)
 
 
-class DataServer:
+class TcpReceiver:
     def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0):
         host, port = parse_host_port("data_address", address)
         self.tx = transaction

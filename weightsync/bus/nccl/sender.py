@@ -1,6 +1,6 @@
-"""NCCL sessions: the trainer is rank 0 of one NCCL group with every targeted rollout.
+"""The trainer's end of NCCL: the trainer is rank 0 of one NCCL group with every targeted rollout.
 
-The trainer makes the ncclUniqueId and sends it in PrepareSync (NcclTransport); each rollout joins
+The trainer makes the ncclUniqueId and sends it in PrepareSync (the NcclTransport message); each rollout joins
 in a receive thread while the trainer joins after every prepare has answered. The group is kept
 across syncs while the membership — the set of (rollout_id, address) — is unchanged, and rebuilt
 when it changes or after any failure, because a failed collective leaves the communicator aborted
@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer_svc.transports.base import RpcCall, gpu_uuid, kind_of
-from trainer_svc.transports.liveness import GroupWatch
+from weightsync.bus.gpu import uuid_of as gpu_uuid
+from weightsync.bus.nccl.liveness import GroupWatch
+from weightsync.bus.session import RpcCall, kind_of
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class NcclGroupCache:
         self._group, self._plan = None, None
 
 
-class NcclSync:
+class NcclSender:
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
@@ -100,7 +101,7 @@ class NcclSync:
     def cache(self) -> NcclGroupCache:
         if self._cache is None:
             if self._bus is None:
-                from weightsync.bus.nccl_transport import CudaNcclBus  # lazy: libnccl only when used
+                from weightsync.bus.nccl.group import CudaNcclBus  # lazy: libnccl only when used
 
                 self._bus = CudaNcclBus()
             self._cache = NcclGroupCache(self._bus, self.device, self._on_build)
@@ -119,7 +120,7 @@ class _NcclSession:
     name = "nccl"
     group_wide = True
 
-    def __init__(self, owner: NcclSync, plan: GroupPlan, trainer_uuid: str = ""):
+    def __init__(self, owner: NcclSender, plan: GroupPlan, trainer_uuid: str = ""):
         self.owner, self.plan = owner, plan
         self.device = owner.device
         self.reused = not plan.fresh

@@ -1,4 +1,4 @@
-"""CUDA IPC sessions for rollouts on the trainer's own GPU (colocated).
+"""The trainer's end of CUDA IPC, for rollouts on the trainer's own GPU (colocated).
 
 The trainer names its GPU by UUID in PrepareSync; a rollout whose engine is on another GPU (or
 host) refuses, and the trainer double-checks the UUID the rollout answers with. Buckets are
@@ -14,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.transports.base import RpcCall, gpu_uuid, kind_of
-from weightsync.bus.transport import TransportError
+from weightsync.bus.errors import TransportError
+from weightsync.bus.gpu import uuid_of as gpu_uuid
+from weightsync.bus.session import RpcCall, kind_of
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
 def _handle_cache():
-    from weightsync.bus.cuda_ipc import HandleCache
+    from weightsync.bus.ipc.handles import HandleCache
 
     return HandleCache()
 
@@ -63,7 +64,7 @@ class IpcPushSender:
         self._pool.shutdown(wait=False)
 
 
-class IpcSync:
+class IpcSender:
     name = "ipc"
 
     def __init__(self, device: torch.device, call: RpcCall, uuid_of: Callable[[torch.device], str] = gpu_uuid,
@@ -83,7 +84,7 @@ class _IpcSession:
     group_wide = False
     reused = False
 
-    def __init__(self, owner: IpcSync, uuid: str, sync_id: str, bucket_bytes: int):
+    def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int):
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
         self.device = owner.device
 

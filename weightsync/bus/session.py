@@ -1,8 +1,11 @@
-"""The contract between the sync orchestrator and a transport.
+"""The contract between the trainer's sync orchestrator and a transport's sender.
 
-The orchestrator runs prepare → stream → commit | abort the same way for every transport; a
-transport only decides what each target is told in PrepareSync, whether its answer is usable,
-how buckets move, and whether one target's failure fails them all (a collective).
+Each transport's sender (tcp/sender.py, nccl/sender.py, ipc/sender.py) opens a session per
+sync that says what to put in PrepareSync for each target, checks each target's answer, and
+opens the channel (a BucketSender) once the targets are prepared. The orchestrator runs
+plan → prepare → stream → commit | abort the same way for every transport; a transport only
+decides what each target is told, whether its answer is usable, how buckets move, and whether
+one target's failure fails them all (a collective).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from weightsync.bus.transport import BucketSender
+from weightsync.bus.channel import BucketSender
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 #: (rollout entry, RPC name, request) -> (response or None, error text or "")
@@ -35,24 +38,19 @@ class Session(Protocol):
         """"" if the prepared target can be streamed to, else why not (it is then aborted)."""
 
     def open(self, targets: dict, timeout: float) -> BucketSender:
-        """The sender reaching every prepared target (rollout_id -> entry)."""
+        """The channel reaching every prepared target (rollout_id -> entry)."""
 
     def finish(self, ok: bool, reason: str) -> None:
         """Called once after streaming: ok=False when the stream failed or never started."""
 
 
-class Transport(Protocol):
+class Sender(Protocol):
+    """A transport's trainer end, kept for the trainer's lifetime; opens one session per sync."""
+
     name: str
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> Session:
         """A session for one sync; raises ValueError when this trainer cannot use the transport."""
-
-
-def gpu_uuid(device: torch.device) -> str:
-    """The UUID of the GPU the trainer exports on, "" when it is not a GPU."""
-    from weightsync.bus.cuda_ipc import uuid_of  # lazy: CUDA only
-
-    return uuid_of(device)
 
 
 def kind_of(resp: rollout_pb2.PrepareSyncResponse) -> str:

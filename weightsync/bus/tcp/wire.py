@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.transport import TransportError
 
 HELLO_MAGIC = b"WSH1"
 BUCKET_MAGIC = b"WSB1"

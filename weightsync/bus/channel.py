@@ -1,8 +1,9 @@
-"""What a transport is: something that moves filled bucket buffers from one sender to receivers.
+"""A channel: what moves filled bucket buffers of one sync from the trainer to the rollouts.
 
-Transports never see tensors or names, only (BucketPlan, flat uint8 buffer). The sender side
-is one object per sync that reaches every targeted rollout; the receiving side is one object
-per rollout engine rank. Every blocking call takes or inherits a deadline.
+Channels never see tensors or names, only (BucketPlan, flat uint8 buffer). The trainer's
+BucketSender is one object per sync that reaches every targeted rollout; a BucketReceiver is
+one object per sync and rollout engine rank. Every blocking call takes or inherits a deadline.
+Each transport (tcp/, nccl/, ipc/) has its own pair; the pipeline only knows these protocols.
 """
 from __future__ import annotations
 
@@ -13,21 +14,18 @@ import torch
 from weightsync.bus.plan import BucketPlan
 
 
-class TransportError(RuntimeError):
-    """Moving bytes failed (peer gone, timeout, corrupt frame). The sync must abort."""
-
-
 class BucketSender(Protocol):
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         """Deliver `buf[:plan.nbytes]` to every live target; return when `buf` may be reused.
 
         A target that fails is recorded in `failures()` and skipped from then on; the call
-        raises TransportError only when no target is left (or a collective transport fails).
+        raises TransportError (weightsync.bus.errors) only when no target is left (or a collective
+        transport fails).
         """
 
     # A sender may instead set `releases_previous = True`: then `send(k)` only has to make the
     # buffer of bucket k-1 reusable (bucket k may still be on the wire), and `flush()` waits for
-    # everything. This lets a collective transport keep the wire busy without host round trips.
+    # everything. This lets a collective channel keep the wire busy without host round trips.
 
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""

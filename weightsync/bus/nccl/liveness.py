@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from trainer_svc.transports.base import RpcCall
+from weightsync.bus.session import RpcCall
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

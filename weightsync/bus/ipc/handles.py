@@ -1,8 +1,8 @@
 """CUDA IPC for a trainer and an engine on the same GPU: share bucket buffers by handle.
 
 The handle is the fields of `UntypedStorage._share_cuda_()` carried in a protobuf message
-(CudaIpcHandle) — nothing is pickled. The receiver maps the storage, copies the bucket out and
-drops the mapping; the sender reuses the buffer only after that acknowledgement (the gRPC
+(CudaIpcHandle) — nothing is pickled. The receiver maps the storage, consumes the bucket in
+place and drops the mapping; the sender reuses the buffer only after that acknowledgement (the gRPC
 PushBucket reply). Device indices differ between processes with different CUDA_VISIBLE_DEVICES,
 so the handle names the GPU by UUID and the receiver maps it back to its own index.
 """
@@ -13,28 +13,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from weightsync.bus.gpu import device_uuid, local_index_of
 from weightsync.bus.plan import BucketPlan
 from weightsync.v1 import bus_pb2
-
-
-def device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-def uuid_of(device: torch.device | None) -> str:
-    """The UUID of a CUDA device (an index alone means different GPUs in different processes); "" for
-    anything else, which no GPU check can match."""
-    if device is None or device.type != "cuda":
-        return ""
-    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def local_index_of(uuid: str) -> int:
-    for i in range(torch.cuda.device_count()):
-        if device_uuid(i) == uuid:
-            return i
-    raise ValueError(f"CUDA IPC handle names GPU {uuid}, which this process cannot see "
-                     "(trainer and engine must share the GPU; check CUDA_VISIBLE_DEVICES)")
 
 
 def share(buf: torch.Tensor) -> bus_pb2.CudaIpcHandle:
@@ -66,22 +47,6 @@ def mapped_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int) -> Iterator[torch.T
         torch.cuda.current_stream(dev).synchronize()  # the sender may overwrite the buffer after we return
     finally:
         del mapped, storage
-
-
-def open_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int | None = None) -> torch.Tensor:
-    """Map the sender's buffer and return a private copy of its first `nbytes` bytes."""
-    dev = local_index_of(h.device_uuid) if h.device_uuid else h.device
-    storage = torch.UntypedStorage._new_shared_cuda(dev, h.handle, h.storage_size, h.storage_offset, h.ref_counter_handle,
-                                                    h.ref_counter_offset, h.event_handle or None,
-                                                    h.event_sync_required)
-    mapped = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
-    n = h.storage_size if nbytes is None else nbytes
-    if n > h.storage_size:
-        raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {n} bytes the manifest declares")
-    out = mapped[:n].clone()
-    torch.cuda.current_stream(dev).synchronize()
-    del mapped, storage
-    return out
 
 
 class HandleCache:

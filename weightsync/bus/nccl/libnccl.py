@@ -13,7 +13,7 @@ import os
 import threading
 
 NCCL_UINT8 = 1
-_UNIQUE_ID_BYTES = 128
+UNIQUE_ID_BYTES = 128
 
 
 class NcclError(RuntimeError):
@@ -21,17 +21,17 @@ class NcclError(RuntimeError):
 
 
 class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * _UNIQUE_ID_BYTES)]
+    _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
 
     def to_bytes(self) -> bytes:
-        return bytes(ctypes.string_at(ctypes.addressof(self), _UNIQUE_ID_BYTES))
+        return bytes(ctypes.string_at(ctypes.addressof(self), UNIQUE_ID_BYTES))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "UniqueId":
-        if len(data) != _UNIQUE_ID_BYTES:
-            raise ValueError(f"nccl unique_id must be {_UNIQUE_ID_BYTES} bytes, got {len(data)}")
+        if len(data) != UNIQUE_ID_BYTES:
+            raise ValueError(f"nccl unique_id must be {UNIQUE_ID_BYTES} bytes, got {len(data)}")
         uid = cls()
-        ctypes.memmove(ctypes.addressof(uid), data, _UNIQUE_ID_BYTES)
+        ctypes.memmove(ctypes.addressof(uid), data, UNIQUE_ID_BYTES)
         return uid
 
 

@@ -1,6 +1,6 @@
-"""The rollout's side of the NCCL bus: one cached communicator and the receive thread of a sync.
+"""The rollout's end of NCCL: one cached communicator and the receive thread of a sync.
 
-PrepareSync (NcclTransport) says which group to use: `new_group` builds a communicator from the
+PrepareSync (the NcclTransport message) says which group to use: `new_group` builds a communicator from the
 trainer's unique id (dropping any older one), otherwise the rollout must still hold `group_id`,
 or it refuses, so a restarted rollout makes the trainer rebuild instead of hanging everyone.
 The join and the receive run in a thread started after the transaction is prepared (the trainer
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout_svc.gpu_checks import gpu_uuid, require_cuda
-from rollout_svc.transaction import SyncError
+from weightsync.bus.errors import SyncError
+from weightsync.bus.gpu import require_cuda, uuid_of
+from weightsync.bus.nccl.libnccl import UNIQUE_ID_BYTES
 from weightsync.bus.plan import Manifest
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
 
-_UNIQUE_ID_BYTES = 128
 _MAX_WORLD = 1 << 16
 _MAX_GROUP_ID = 128
 _MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -65,13 +65,13 @@ class _Receive:
     cancelled: str = ""
 
 
-class NcclReceiveSide:
+class NcclReceiver:
     def __init__(self, tx, device: torch.device | None, engine_name: str, bus=None,
                  on_build: Callable[[], None] | None = None):
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._bus = bus
         self._on_build = on_build or (lambda: None)
-        self.uuid_of: Callable[[torch.device | None], str] = gpu_uuid  # tests name GPUs the loopback lacks
+        self.uuid_of: Callable[[torch.device | None], str] = uuid_of  # tests name GPUs the loopback lacks
         self._lock = threading.Lock()
         self._group = None
         self._group_key: tuple[str, int, int] | None = None  # (group_id, world_size, rank)
@@ -81,7 +81,7 @@ class NcclReceiveSide:
     @property
     def bus(self):
         if self._bus is None:
-            from weightsync.bus.nccl_transport import CudaNcclBus  # lazy: libnccl only when used
+            from weightsync.bus.nccl.group import CudaNcclBus  # lazy: libnccl only when used
 
             self._bus = CudaNcclBus()
         return self._bus
@@ -98,9 +98,9 @@ class NcclReceiveSide:
         """Refuse, before anything is prepared, a sync this rollout cannot join."""
         if getattr(self._bus, "needs_cuda", True):
             require_cuda(self.device, "nccl", self.engine_name)
-        if len(spec.unique_id) != _UNIQUE_ID_BYTES:
+        if len(spec.unique_id) != UNIQUE_ID_BYTES:
             raise SyncError(f"transport.nccl.unique_id has {len(spec.unique_id)} bytes, an ncclUniqueId has "
-                            f"{_UNIQUE_ID_BYTES}", "INVALID_ARGUMENT")
+                            f"{UNIQUE_ID_BYTES}", "INVALID_ARGUMENT")
         if not 2 <= spec.world_size <= _MAX_WORLD:
             raise SyncError(f"transport.nccl.world_size={spec.world_size} must be in [2, {_MAX_WORLD}] "
                             "(the trainer plus every receiving rank)", "INVALID_ARGUMENT")

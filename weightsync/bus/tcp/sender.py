@@ -1,14 +1,14 @@
-"""TCP sessions: every rollout answers PrepareSync with its bus address; buckets stream from host memory."""
+"""The trainer's end of TCP: every rollout answers PrepareSync with its bus address; buckets stream from host memory."""
 from __future__ import annotations
 
 import torch
 
-from trainer_svc.transports.base import kind_of
-from weightsync.bus.tcp import TcpBucketSender
+from weightsync.bus.session import kind_of
+from weightsync.bus.tcp.wire import TcpBucketSender
 from weightsync.v1 import bus_pb2
 
 
-class TcpSync:
+class TcpSender:
     name = "tcp"
 
     def __init__(self, token: str):

@@ -1,0 +1,53 @@
+"""Which GPU a process exports or receives on, named so that another process can compare it.
+
+A CUDA index means different GPUs in processes with different CUDA_VISIBLE_DEVICES, so the GPU
+transports name GPUs by UUID. The rollout checks in PrepareSync, before anything is prepared,
+that it can take part (nccl needs a CUDA engine, ipc the trainer's own GPU), so a rollout that
+cannot says why at once instead of timing out a whole NCCL group or failing on the first bucket.
+"""
+from __future__ import annotations
+
+import torch
+
+from weightsync.bus.errors import SyncError
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def uuid_of(device: torch.device | None) -> str:
+    """The UUID of a CUDA device; "" for anything else, which no GPU check can match."""
+    if device is None or device.type != "cuda":
+        return ""
+    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def local_index_of(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    raise ValueError(f"CUDA IPC handle names GPU {uuid}, which this process cannot see "
+                     "(trainer and engine must share the GPU; check CUDA_VISIBLE_DEVICES)")
+
+
+def engine_device(engine) -> torch.device | None:
+    """The GPU (or CPU) this process receives bus buckets on for the engine, if known.
+
+    The built-in engine says `device`; SGLang runs in this process's CUDA context from
+    `base_gpu_id` (its first TP rank's GPU), where the buckets are handed over with load_bucket.
+    """
+    dev = getattr(engine, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    gpu = getattr(getattr(engine, "opts", None), "base_gpu_id", None)
+    return torch.device("cuda", int(gpu)) if gpu is not None else None
+
+
+def require_cuda(device: torch.device | None, transport: str, engine_name: str) -> torch.device:
+    if device is None or device.type != "cuda":
+        where = f"on {device}" if device is not None else "without a device this rollout can receive into"
+        raise SyncError(f"transport {transport} needs a CUDA engine, and this rollout's {engine_name} engine runs "
+                        f"{where}: start it with --device cuda:N, or sync it with --transport tcp",
+                        "FAILED_PRECONDITION")
+    return device
