@@ -117,7 +117,7 @@ def run_model(name: str, args, work: Path) -> dict:
                 "rollouts_on_version": all(x.version == report.version and x.state == rollout_pb2.SERVING
                                            for x in st.values())})
         if args.transport == "nccl":  # 1 = the warm-up's group carried every timed sync
-            rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total")
+            rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total", 'role="trainer"')
         timed = [s for s in rec["syncs"] if not s["warmup"]]
         rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"],
                    sync_s=statistics.median(s["seconds"] for s in timed),

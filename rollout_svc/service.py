@@ -16,7 +16,7 @@ from weightsync.bus.gpu import engine_device
 from weightsync.bus.ipc.receiver import IpcReceiver
 from weightsync.bus.nccl.receiver import NcclReceiver
 from weightsync.bus.plan import manifest_from_proto
-from weightsync.obs.metrics import SyncMetrics
+from weightsync.obs.metrics import RolloutMetrics, SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,26 +42,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.family = family
         self.data_address = data_address
         self.sync_timeout = sync_timeout
-        r = metrics.registry
-        from prometheus_client import Counter, Gauge, Histogram
-        self.m_requests = Counter("weightsync_generate_requests_total", "Generate requests by outcome", ["outcome"], registry=r)
-        self.m_hits = Counter("weightsync_prefix_cache_hits_total", "Samples whose prompt prefill came from the prefix cache", registry=r)
-        self.m_apply = Histogram("weightsync_apply_seconds", "Time generation was paused to load weights at commit", registry=r)
-        self.m_state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["state"], registry=r)
-        self.m_nccl_builds = Counter("weightsync_nccl_group_builds_total",
-                                     "NCCL groups this rollout joined (a sync that reuses the cached group adds none)",
-                                     registry=r)
+        self.rollout_metrics = RolloutMetrics(metrics.registry)
         self._sync_started: dict[str, float] = {}
         self._lock = threading.Lock()
         self.device = engine_device(engine)
-        self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=self.m_nccl_builds.inc)
+        self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=metrics.nccl_group_builds.inc)
         self.ipc = IpcReceiver(tx, self.device, engine_name)
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
         for name, num in rollout_pb2.EngineState.items():
             if num:
-                self.m_state.labels(name).set(1 if self.tx.state == num else 0)
+                self.rollout_metrics.set_state(name, self.tx.state == num)
         self.metrics.version.set(self.tx.version)
         self.metrics.in_progress.set(1 if self.tx.pending_sync_id else 0)
 
@@ -90,12 +82,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             prompts = [list(p.token_ids) for p in request.prompts]
             results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
         except (ValueError, SyncError) as exc:
-            self.m_requests.labels("error").inc()
+            self.rollout_metrics.request("error")
             _abort(context, exc)
-        self.m_requests.labels("ok").inc()
+        self.rollout_metrics.request("ok")
         out = rollout_pb2.GenerateResponse(version=version)
         for r in results:
-            self.m_hits.inc(1 if r.prefix_cache_hit else 0)
+            self.rollout_metrics.prefix_hits.inc(1 if r.prefix_cache_hit else 0)
             out.samples.add(prompt_index=r.prompt_index, token_ids=r.token_ids,
                             logprobs=r.logprobs if request.return_logprobs else [],
                             finish_reason=r.finish_reason, prefix_cache_hit=r.prefix_cache_hit)
@@ -181,7 +173,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if manifest is not None:
             self.metrics.sync_bytes.inc(manifest.total_bytes)
         self.metrics.outcome("committed")
-        self.m_apply.observe(self.tx.last_apply_seconds)
+        self.rollout_metrics.apply_seconds.observe(self.tx.last_apply_seconds)
         return rollout_pb2.CommitSyncResponse(version=version, weights_checksum=checksum,
                                               apply_seconds=self.tx.last_apply_seconds)
 

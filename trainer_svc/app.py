@@ -11,8 +11,6 @@ import signal
 import threading
 import uuid
 
-from prometheus_client import Counter
-
 from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
 from trainer_svc.registry import RolloutRegistry
@@ -21,7 +19,7 @@ from trainer_svc.sync import SyncOrchestrator
 from weightsync.control.auth import load_token
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.obs.http import HttpEndpoints
-from weightsync.obs.metrics import SyncMetrics
+from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
 from weightsync.v1 import trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,10 +36,7 @@ class TrainerApp:
         self.token = load_token(cfg.auth_token, cfg.auth_token_file)
         self.grpc = ServiceServer(cfg.grpc_address, self.token)
         self.metrics = SyncMetrics("trainer")
-        from prometheus_client import Gauge
-
-        self.m_rollouts = Gauge("weightsync_registered_rollouts", "Rollouts registered with this trainer",
-                                registry=self.metrics.registry)
+        self.trainer_metrics = TrainerMetrics(self.metrics.registry)
         self.http = HttpEndpoints(cfg.http_address, self.metrics.registry, self._readiness)
         if actor is None:
             from trainer_svc.actor.factory import make_actor
@@ -50,17 +45,14 @@ class TrainerApp:
         self.actor = actor
         self.actor_lock = threading.Lock()
         self.registry = RolloutRegistry(self.token, cfg.rpc_timeout_s)
-        self.m_rollouts.set_function(lambda: len(self.registry.all()))
+        self.trainer_metrics.registered_rollouts.set_function(lambda: len(self.registry.all()))
         self.metrics.version.set_function(lambda: self.actor.version)
-        self.m_nccl_builds = Counter("weightsync_nccl_group_builds_total",
-                                     "NCCL groups built by the trainer (a sync that reuses the cached group adds none)",
-                                     registry=self.metrics.registry)
         self.orch = SyncOrchestrator(self.actor, self.actor_lock, self.registry, self.metrics, token=self.token,
                                      bucket_bytes=cfg.bucket_mb << 20, default_transport=cfg.transport,
                                      sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s,
                                      origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
                                      device=export_device(self.actor), nccl_init_timeout=cfg.nccl_init_timeout_s,
-                                     on_nccl_group_build=self.m_nccl_builds.inc)
+                                     on_nccl_group_build=self.metrics.nccl_group_builds.inc)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
                                         cfg.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)

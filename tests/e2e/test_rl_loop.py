@@ -64,8 +64,8 @@ def test_reward_rises_with_sync_and_rollouts_track_the_trainer(procs, monkeypatc
     assert max(r.mismatch_max for r in recs) < 1e-5
     for r in rollouts:
         assert r.metric("weightsync_weights_version", 'role="rollout"') == recs[-1].trainer_version
-    assert trainer.metric("weightsync_train_steps_total") == STEPS
-    assert trainer.metric("weightsync_train_inference_logprob_diff_max") < 1e-5
+    assert trainer.metric("weightsync_train_steps_total", 'role="trainer"') == STEPS
+    assert trainer.metric("weightsync_train_inference_logprob_diff_max", 'role="trainer"') < 1e-5
 
 
 def test_no_sync_control_stays_at_chance(tmp_path):

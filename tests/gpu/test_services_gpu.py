@@ -132,8 +132,8 @@ def test_nccl_sync_through_the_services_is_exact_reuses_the_group_and_rebuilds_i
     expected = _reference_logits(t, fleet.tmp, "v1", "cuda:1", torch.float32)
     _assert_exact(r1, expected, version)
     assert not torch.equal(before, expected)
-    assert t.metric("weightsync_nccl_group_builds_total") == 1
-    assert r1.metric("weightsync_nccl_group_builds_total") == 1
+    assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 1
+    assert r1.metric("weightsync_nccl_group_builds_total", 'role="rollout"') == 1
     print(f"nccl sync 1: {rep['bytes']} B in {rep['num_buckets']} buckets, {rep['seconds']:.3f}s")
 
     # new weights, same membership: the cached group carries the sync
@@ -141,8 +141,8 @@ def test_nccl_sync_through_the_services_is_exact_reuses_the_group_and_rebuilds_i
     rc, rep = _sync(t)
     assert rc == 0 and rep["ok"], rep
     _assert_exact(r1, _reference_logits(t, fleet.tmp, "v2", "cuda:1", torch.float32), int(rep["version"]))
-    assert t.metric("weightsync_nccl_group_builds_total") == 1
-    assert r1.metric("weightsync_nccl_group_builds_total") == 1
+    assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 1
+    assert r1.metric("weightsync_nccl_group_builds_total", 'role="rollout"') == 1
 
     # a new member: a new group. NCCL takes one rank per GPU, so with two GPUs the new rollout
     # shares cuda:1 with r1 and the two are synced in turn (each sync is a membership change).
@@ -156,16 +156,16 @@ def test_nccl_sync_through_the_services_is_exact_reuses_the_group_and_rebuilds_i
         version = int(rep["version"])
         _assert_exact(r1, _reference_logits(t, fleet.tmp, "v3-r1", "cuda:1", torch.float32), version)
         _assert_exact(r2, _reference_logits(t, fleet.tmp, "v3-r2", "cuda:2", torch.float32), version)
-        assert t.metric("weightsync_nccl_group_builds_total") == 2
+        assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 2
     else:
         expected = _reference_logits(t, fleet.tmp, "v3", "cuda:1", torch.float32)
         for n, (rid, proc) in enumerate((("r2", r2), ("r1", r1))):
             rc, rep = _sync(t, "--rollout", rid)
             assert rc == 0 and rep["ok"], rep
             _assert_exact(proc, expected, int(rep["version"]))
-            assert t.metric("weightsync_nccl_group_builds_total") == 2 + n
-    assert r1.metric("weightsync_nccl_group_builds_total") == 2
-    assert r2.metric("weightsync_nccl_group_builds_total") == 1
+            assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 2 + n
+    assert r1.metric("weightsync_nccl_group_builds_total", 'role="rollout"') == 2
+    assert r2.metric("weightsync_nccl_group_builds_total", 'role="rollout"') == 1
 
 
 @needs_gpus(2)
@@ -198,7 +198,7 @@ def test_nccl_member_that_cannot_take_part_never_holds_back_the_others_for_long(
         assert took < 60, f"the failed sync took {took:.0f}s (init timeout 15s)"
         after, v1 = _rollout_logits(good)  # staged: still serving its previous weights
         assert v1 == v0 and torch.equal(after, before)
-        assert t.metric("weightsync_nccl_group_builds_total") == 0
+        assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 0
         rc, rep = _sync(t, "--rollout", "good")
         assert rc == 0 and rep["ok"], rep
     else:
@@ -206,7 +206,7 @@ def test_nccl_member_that_cannot_take_part_never_holds_back_the_others_for_long(
         assert by["good"].get("ok"), by
         assert took < 15, f"refused at prepare, yet the sync took {took:.0f}s"
     _assert_exact(good, _reference_logits(t, fleet.tmp, "after-failure", "cuda:1", torch.float32), int(rep["version"]))
-    assert t.metric("weightsync_nccl_group_builds_total") == 1
+    assert t.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == 1
 
 
 @needs_gpus(2)

@@ -68,7 +68,7 @@ class TrainingServicerMixin:
         tm = getattr(self, "_ws_train_metrics", None)
         orch = getattr(self, "orch", None)
         if tm is None and orch is not None:
-            from trainer_svc.train.metrics import TrainMetrics
+            from weightsync.obs.metrics import TrainMetrics
 
             tm = self._ws_train_metrics = TrainMetrics(orch.metrics.registry)
         return tm

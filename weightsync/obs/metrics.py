@@ -1,10 +1,16 @@
-"""Prometheus metrics of both services, in base units, on a per-service registry."""
+"""Every Prometheus metric family of both services, in base units, on a per-service registry.
+
+Each family carries a `role` label ('trainer' or 'rollout'), so one dashboard query can select
+a side and a family shared by both sides (e.g. `weightsync_nccl_group_builds_total`) is defined
+once. Families only one side reports are made by that side's class below.
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TRAIN_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300)
 
 
 class SyncMetrics:
@@ -28,6 +34,9 @@ class SyncMetrics:
                              ["role"], registry=r).labels(role)
         self.in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is running", ["role"],
                                  registry=r).labels(role)
+        self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
+                                         "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
+                                         "cached group adds none", ["role"], registry=r).labels(role)
         self.role = role
 
     def outcome(self, outcome: str) -> None:
@@ -35,3 +44,75 @@ class SyncMetrics:
 
     def failure(self, reason: str) -> None:
         self.failures.labels(self.role, reason).inc()
+
+
+class RolloutMetrics:
+    """What only a rollout reports: serving and applying weights."""
+
+    role = "rollout"
+
+    def __init__(self, registry: CollectorRegistry):
+        r, role = registry, self.role
+        self.requests = Counter("weightsync_generate_requests_total", "Generate requests by outcome",
+                                ["role", "outcome"], registry=r)
+        self.prefix_hits = Counter("weightsync_prefix_cache_hits_total",
+                                   "Samples whose prompt prefill came from the prefix cache", ["role"],
+                                   registry=r).labels(role)
+        self.apply_seconds = Histogram("weightsync_apply_seconds", "Time generation was paused to load weights at commit",
+                                       ["role"], registry=r).labels(role)
+        self.state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"],
+                           registry=r)
+
+    def request(self, outcome: str) -> None:
+        self.requests.labels(self.role, outcome).inc()
+
+    def set_state(self, name: str, current: bool) -> None:
+        self.state.labels(self.role, name).set(1 if current else 0)
+
+
+class TrainerMetrics:
+    """What only a trainer reports about its fleet."""
+
+    role = "trainer"
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registered_rollouts = Gauge("weightsync_registered_rollouts", "Rollouts registered with this trainer",
+                                         ["role"], registry=registry).labels(self.role)
+
+
+class TrainMetrics:
+    """The training calls (TrainStep), registered on the trainer's registry."""
+
+    role = "trainer"
+
+    def __init__(self, registry: CollectorRegistry):
+        r, role = registry, self.role
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["role"], registry=r).labels(role)
+
+        self.steps = Counter("weightsync_train_steps_total", "Optimizer steps taken by TrainStep", ["role"],
+                             registry=r).labels(role)
+        self.step = gauge("weightsync_train_step", "Trainer step counter (restored by --resume)")
+        self.step_seconds = Histogram("weightsync_train_step_duration_seconds", "Wall time of one TrainStep", ["role"],
+                                      buckets=_TRAIN_SECONDS_BUCKETS, registry=r).labels(role)
+        self.loss = gauge("weightsync_train_loss", "Loss of the last TrainStep")
+        self.reward = gauge("weightsync_train_reward_mean", "Mean reward of the last TrainStep's samples")
+        self.grad_norm = gauge("weightsync_train_grad_norm", "Global grad norm of the last step (before clipping)")
+        # the train/inference gap: |rollout log-prob - trainer log-prob| on the sampled tokens, taken
+        # before the update; it measures numerics when the samples came from the current version
+        self.mismatch_max = gauge("weightsync_train_inference_logprob_diff_max",
+                                  "Max |rollout - trainer| log-prob on the last TrainStep's sampled tokens")
+        self.mismatch_mean = gauge("weightsync_train_inference_logprob_diff_mean",
+                                   "Mean |rollout - trainer| log-prob on the last TrainStep's sampled tokens")
+
+    def observe(self, step: int, m: dict[str, float]) -> None:
+        self.steps.inc()
+        self.step.set(step)
+        self.step_seconds.observe(m.get("step_seconds", 0.0))
+        self.loss.set(m.get("loss", 0.0))
+        self.reward.set(m.get("reward_mean", 0.0))
+        self.grad_norm.set(m.get("grad_norm", 0.0))
+        if m.get("rollout_logprobs_given"):
+            self.mismatch_max.set(m.get("logprob_diff_max", 0.0))
+            self.mismatch_mean.set(m.get("logprob_diff_mean", 0.0))

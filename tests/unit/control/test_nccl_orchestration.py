@@ -28,14 +28,14 @@ def fleet():
     from trainer_svc.config import TrainerConfig
 
     bus = LoopbackBus()
-    trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
                                        model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
                                        auto_sync_new_rollouts=False))
-    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.m_nccl_builds.inc)
+    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.metrics.nccl_group_builds.inc)
     trainer.start()
     rollouts = {}
     for rid in ("a", "b", "c", "partitioned", "cpu"):
-        app = RolloutApp(RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
+        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
                                        rollout_id=rid, apply_mode="inplace" if rid == "b" else "staged"))
         if rid == "partitioned":
             app.servicer.nccl._bus = LoopbackBus()  # another network: its join never meets the others
@@ -275,7 +275,7 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
 
     bus = LoopbackBus(blocking_send=True)
     sync_timeout = 6.0
-    trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
                                        model="tiny-qwen2", bucket_mb=1, sync_timeout_s=sync_timeout,
                                        auto_sync_new_rollouts=False))
     trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT,
@@ -284,7 +284,7 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
     apps, release = {}, threading.Event()
     try:
         for rid in ("live", "dying"):
-            app = RolloutApp(RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+            app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
                                            model="tiny-qwen2", rollout_id=rid))
             app.servicer.nccl._bus = bus
             app.start()
