@@ -6,10 +6,10 @@ import signal
 import threading
 
 from rollout_svc.config import RolloutConfig
-from rollout_svc.data_server import DataServer
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
 from rollout_svc.transaction import SyncTransaction
+from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.control.auth import load_token
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.models import family_of
@@ -34,7 +34,7 @@ class RolloutApp:
 
         self.engine = make_engine(cfg)
         self.tx = SyncTransaction(self.engine, cfg.apply_mode, on_change=lambda: self.servicer.refresh_state_metric())
-        self.data = DataServer(cfg.data_address, self.tx, token)
+        self.data = TcpReceiver(cfg.data_address, self.tx, token)
         data_host = cfg.advertise_data_host or self.data.host
         advertise = cfg.advertise_address or self.grpc.address
         self.rollout_id = cfg.rollout_id or advertise
