@@ -24,30 +24,30 @@ SERVICE_NAME = "weightsync.v1.Rollout"
 class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
-        token = load_token(cfg.auth_token, cfg.auth_token_file)
+        token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
-        self.grpc = ServiceServer(cfg.grpc_address, token)
+        self.grpc = ServiceServer(cfg.server.grpc_address, token)
         self.metrics = SyncMetrics("rollout")
         self._ready = False
-        self.http = HttpEndpoints(cfg.http_address, self.metrics.registry, self._readiness)
+        self.http = HttpEndpoints(cfg.server.http_address, self.metrics.registry, self._readiness)
         from rollout_svc.engine.factory import make_engine
 
         self.engine = make_engine(cfg)
-        self.tx = SyncTransaction(self.engine, cfg.apply_mode, on_change=lambda: self.servicer.refresh_state_metric())
-        self.data = TcpReceiver(cfg.data_address, self.tx, token)
-        data_host = cfg.advertise_data_host or self.data.host
-        advertise = cfg.advertise_address or self.grpc.address
-        self.rollout_id = cfg.rollout_id or advertise
-        self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.engine,
+        self.tx = SyncTransaction(self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric())
+        self.data = TcpReceiver(cfg.bus.data_address, self.tx, token)
+        data_host = cfg.bus.advertise_data_host or self.data.host
+        advertise = cfg.registration.advertise_address or self.grpc.address
+        self.rollout_id = cfg.registration.rollout_id or advertise
+        self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.inference.engine,
                                         family_of(self.engine.hf_config()) if hasattr(self.engine, "hf_config") else "",
-                                        f"{data_host}:{self.data.port}", cfg.sync_timeout_s)
+                                        f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s)
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
         self.registrar = None
-        if cfg.trainer_address:
+        if cfg.registration.trainer_address:
             req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
                                                      num_ranks=self.engine.num_ranks(),
                                                      model_family=self.servicer.family)
-            self.registrar = Registrar(cfg.trainer_address, token, req, cfg.register_timeout_s, cfg.heartbeat_s)
+            self.registrar = Registrar(cfg.registration.trainer_address, token, req, cfg.registration.register_timeout_s, cfg.registration.heartbeat_s)
         self._stopped = threading.Event()
 
     def _readiness(self) -> tuple[bool, str]:
@@ -66,7 +66,7 @@ class RolloutApp:
         if self.registrar:
             self.registrar.start()
         log.info("rollout %s serving: grpc %s, bus tcp %s:%d, http :%d, engine %s", self.rollout_id, self.grpc.address,
-                 self.data.host, self.data.port, self.http.port, self.cfg.engine)
+                 self.data.host, self.data.port, self.http.port, self.cfg.inference.engine)
 
     def stop(self) -> None:
         if self._stopped.is_set():

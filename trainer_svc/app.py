@@ -33,32 +33,32 @@ def global_rank() -> int:
 class TrainerApp:
     def __init__(self, cfg: TrainerConfig, actor=None):
         self.cfg = cfg
-        self.token = load_token(cfg.auth_token, cfg.auth_token_file)
-        self.grpc = ServiceServer(cfg.grpc_address, self.token)
+        self.token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
+        self.grpc = ServiceServer(cfg.server.grpc_address, self.token)
         self.metrics = SyncMetrics("trainer")
         self.trainer_metrics = TrainerMetrics(self.metrics.registry)
-        self.http = HttpEndpoints(cfg.http_address, self.metrics.registry, self._readiness)
+        self.http = HttpEndpoints(cfg.server.http_address, self.metrics.registry, self._readiness)
         if actor is None:
             from trainer_svc.actor.factory import make_actor
 
             actor = make_actor(cfg)
         self.actor = actor
         self.actor_lock = threading.Lock()
-        self.registry = RolloutRegistry(self.token, cfg.rpc_timeout_s)
+        self.registry = RolloutRegistry(self.token, cfg.bus.rpc_timeout_s)
         self.trainer_metrics.registered_rollouts.set_function(lambda: len(self.registry.all()))
         self.metrics.version.set_function(lambda: self.actor.version)
         self.orch = SyncOrchestrator(self.actor, self.actor_lock, self.registry, self.metrics, token=self.token,
-                                     bucket_bytes=cfg.bucket_mb << 20, default_transport=cfg.transport,
-                                     sync_timeout=cfg.sync_timeout_s, rpc_timeout=cfg.rpc_timeout_s,
+                                     bucket_bytes=cfg.bus.bucket_mb << 20, default_transport=cfg.bus.transport,
+                                     sync_timeout=cfg.bus.sync_timeout_s, rpc_timeout=cfg.bus.rpc_timeout_s,
                                      origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
-                                     device=export_device(self.actor), nccl_init_timeout=cfg.nccl_init_timeout_s,
+                                     device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc)
-        self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.backend,
-                                        cfg.auto_sync_new_rollouts)
+        self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
+                                        cfg.fleet.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.
         self.servicer.init_training(cfg)
-        for addr in cfg.rollouts:
+        for addr in cfg.fleet.rollouts:
             self.registry.upsert(addr, addr)
         self._stopped = threading.Event()
 
@@ -70,7 +70,7 @@ class TrainerApp:
         self.http.start()
         self.grpc.set_serving(SERVICE_NAME, True)
         log.info("trainer serving: grpc %s, http :%d, backend %s (%s), version %d", self.grpc.address, self.http.port,
-                 self.cfg.backend, self.actor.describe_parallelism(), self.actor.version)
+                 self.cfg.actor.backend, self.actor.describe_parallelism(), self.actor.version)
 
     def stop(self) -> None:
         self.servicer.stop()

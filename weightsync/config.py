@@ -1,8 +1,11 @@
 """Typed service configuration with one precedence rule: flags > env > file > defaults.
 
-A service declares a dataclass whose fields carry `help` (and optionally `choices`) metadata;
-`load_config` builds the argparse CLI from those same fields, so `--help`, the env variables
-(`<PREFIX>_<FIELD>`), the YAML/JSON file keys and the Helm chart all name one set of knobs.
+A service declares a dataclass made of sections (nested dataclasses, declared with `section()`)
+whose leaf fields carry `help` (and optionally `choices`) metadata. Leaf names are unique across
+a service's sections, so each knob keeps one flat name: the flag (`--bucket-mb`), the env variable
+(`<PREFIX>_BUCKET_MB`), the YAML/JSON key (`bucket_mb`, or nested under its section:
+`bus: {bucket_mb: ...}`) and the Helm value all name the same field, and `add_arguments` builds
+the CLI from those same fields. In code a knob is reached through its section: `cfg.bus.bucket_mb`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,15 @@ def field(default: Any = dataclasses.MISSING, *, help: str, choices: Sequence[st
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type, **defaults: Any) -> Any:
+    """A nested section of a service config; `defaults` override the section's own (e.g. ports)."""
+    return dataclasses.field(default_factory=lambda: cls(**defaults), metadata={"section": cls})
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return "section" in f.metadata
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
@@ -81,6 +93,63 @@ def _fields(cls: type) -> list[dataclasses.Field]:
     return out
 
 
+def _leaves(cls: type, base: Any = None) -> list[tuple[dataclasses.Field, Any]]:
+    """(leaf field, its default) of every knob, sections flattened; a leaf name used twice is an error."""
+    out: list[tuple[dataclasses.Field, Any]] = []
+    for f in _fields(cls):
+        if _is_section(f):
+            out += _leaves(f.metadata["section"], f.default_factory() if base is None else getattr(base, f.name))
+            continue
+        if base is not None:
+            default = getattr(base, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        out.append((f, default))
+    names = [f.name for f, _ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise TypeError(f"{cls.__name__}: leaf field(s) {dup} appear in two sections; flat names must be unique")
+    return out
+
+
+def leaf_fields(cls: type) -> list[dataclasses.Field]:
+    """Every knob of a service config, sections flattened (each with its help/choices metadata)."""
+    return [f for f, _ in _leaves(cls)]
+
+
+def leaf_names(cls: type) -> list[str]:
+    """The flat knob names of a service config (flags, env suffixes, file keys, Helm keys)."""
+    return [f.name for f in leaf_fields(cls)]
+
+
+def validate_sections(cfg: Any) -> None:
+    """Run each section's own `validate()`; the service's validate then checks across sections."""
+    for name in sections(type(cfg)):
+        check = getattr(getattr(cfg, name), "validate", None)
+        if check is not None:
+            check()
+
+
+def sections(cls: type) -> dict[str, type]:
+    """Section name -> section class of a service config."""
+    return {f.name: f.metadata["section"] for f in _fields(cls) if _is_section(f)}
+
+
+def build(cls: type[C], values: typing.Mapping[str, Any]) -> C:
+    """An instance of `cls` from flat leaf values (each placed in its section); others keep defaults."""
+    kwargs: dict[str, Any] = {}
+    for f in _fields(cls):
+        if _is_section(f):
+            base = f.default_factory()  # the section's defaults as this service overrides them
+            kwargs[f.name] = dataclasses.replace(base, **{g.name: values[g.name] for g in _fields(type(base))
+                                                          if g.name in values})
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)
+
+
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
@@ -93,10 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
     """Add one flag per field; defaults are None so that 'not given' is distinguishable."""
     parser.add_argument("--config", dest="config_file", default=None,
                         help=f"YAML or JSON file of settings (env {env_prefix}_CONFIG); flags > env > file > defaults")
-    for f in _fields(cls):
+    for f, default in _leaves(cls):
         tp, is_list = _base_type(f.type)
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = f"{f.metadata.get('help', '')} (env {env_name(env_prefix, f.name)}; default {default!r})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if tp is bool and not is_list:
@@ -108,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
         parser.add_argument(flag_name(f.name), **kwargs)
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def _read_file(path: str, cls: type) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -120,16 +187,30 @@ def _read_file(path: str) -> dict[str, Any]:
         data = json.loads(text)
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping of field names to values")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    flat: dict[str, Any] = {}
+    nested = sections(cls)
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key in nested and isinstance(v, dict):  # `bus: {bucket_mb: 8}` as well as `bucket_mb: 8`
+            own = {f.name for f, _ in _leaves(nested[key])}
+            for sk, sv in v.items():
+                sub = str(sk).replace("-", "_")
+                if sub not in own:
+                    raise ConfigError(f"config file {path}: {key}.{sub} is not a field of section {key}; "
+                                      f"its fields: {sorted(own)}")
+                flat[sub] = sv
+        else:
+            flat[key] = v
+    return flat
 
 
 def resolve(cls: type[C], ns: argparse.Namespace, env_prefix: str,
             environ: typing.Mapping[str, str] | None = None) -> C:
     environ = os.environ if environ is None else environ
-    fields = _fields(cls)
+    fields = [f for f, _ in _leaves(cls)]
     known = {f.name for f in fields}
     file_path = getattr(ns, "config_file", None) or environ.get(f"{env_prefix}_CONFIG")
-    file_values = _read_file(file_path) if file_path else {}
+    file_values = _read_file(file_path, cls) if file_path else {}
     unknown = sorted(set(file_values) - known)
     if unknown:
         raise ConfigError(f"config file {file_path}: unknown field(s) {unknown}; known fields: {sorted(known)}")
@@ -145,15 +226,11 @@ def resolve(cls: type[C], ns: argparse.Namespace, env_prefix: str,
         else:
             continue
         values[f.name] = _coerce(f, raw)
-    cfg = cls(**values)
+    cfg = build(cls, values)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         validate()
     return cfg
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
 
 
 def parse_host_port(field_name: str, value: str) -> tuple[str, int]:

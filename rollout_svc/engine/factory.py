@@ -5,7 +5,8 @@ from weightsync.bus.dtypes import parse_dtype
 from weightsync.models import resolve_model
 
 
-def make_engine(cfg):
+def make_engine(rollout_cfg):
+    cfg = rollout_cfg.inference
     if cfg.engine == "sglang":
         from rollout_svc.engine.sglang_engine import SglangEngine  # needs the [sglang] extra and a GPU
         return SglangEngine.from_rollout_config(cfg)

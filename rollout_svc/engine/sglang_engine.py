@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SglangOptions:
-    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config when present."""
+    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config's inference section when present."""
     model_path: str
     tp_size: int = 1
     dtype: str = "bfloat16"                 # SGLang's --dtype: auto | bfloat16 | float16 | float32
@@ -117,6 +117,7 @@ class SglangEngine(SglangWeightsMixin):
 
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
+        """`cfg`: the rollout config's `inference` section."""
         from weightsync.bus.dtypes import parse_dtype
         from weightsync.models import resolve_model
 

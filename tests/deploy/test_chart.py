@@ -3,7 +3,6 @@ services accept. Helm itself runs in-process via helm-python-sdk (Helm v4's Go l
 Kubernetes JSON schemas come from kubernetes-validate. No network at test time."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -16,13 +15,12 @@ kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-v
 
 from rollout_svc.config import RolloutConfig  # noqa: E402
 from trainer_svc.config import TrainerConfig  # noqa: E402
-from weightsync.config import flag_name, parse_host_port  # noqa: E402
+from weightsync.config import flag_name, leaf_fields, leaf_names, parse_host_port  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "weightsync"
 VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 K8S_VERSION = "1.34.0"
-FIELDS = {"trainer": {f.name for f in dataclasses.fields(TrainerConfig)},
-          "rollout": {f.name for f in dataclasses.fields(RolloutConfig)}}
+FIELDS = {"trainer": set(leaf_names(TrainerConfig)), "rollout": set(leaf_names(RolloutConfig))}
 PREFIX = {"trainer": "WS_TRAINER_", "rollout": "WS_ROLLOUT_"}
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
@@ -159,7 +157,7 @@ def test_schema_enums_match_config_choices():
     schema = json.loads((CHART / "values.schema.json").read_text())
     for role, cls in (("trainer", TrainerConfig), ("rollout", RolloutConfig)):
         props = schema["properties"][role]["properties"]["config"]["properties"]
-        for f in dataclasses.fields(cls):
+        for f in leaf_fields(cls):
             if f.name in props and f.metadata.get("choices"):
                 assert props[f.name]["enum"] == list(f.metadata["choices"]), f.name
         assert set(props) <= FIELDS[role]

@@ -63,8 +63,8 @@ def _worker(tp: int, ep: int, dtype_name: str, out: Path, dirs: list[str]) -> No
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer_svc.megatron.actor import MegatronActor
-    from trainer_svc.megatron.model import forward_logits
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.model import forward_logits
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

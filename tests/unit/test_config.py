@@ -18,17 +18,17 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     f.write_text("bucket_mb: 8\ntp: 1\nsync_timeout_s: 11\nrollouts: [a:1]\n")
     cfg = _resolve(TrainerConfig, ["--config", str(f), "--bucket-mb", "32"],
                    {"WS_TRAINER_BUCKET_MB": "16", "WS_TRAINER_SYNC_TIMEOUT_S": "22"})
-    assert cfg.bucket_mb == 32          # flag beats env and file
-    assert cfg.sync_timeout_s == 22.0   # env beats file
-    assert cfg.rollouts == ["a:1"]      # file beats default
-    assert cfg.rpc_timeout_s == 30.0    # default
+    assert cfg.bus.bucket_mb == 32          # flag beats env and file
+    assert cfg.bus.sync_timeout_s == 22.0   # env beats file
+    assert cfg.fleet.rollouts == ["a:1"]      # file beats default
+    assert cfg.bus.rpc_timeout_s == 30.0    # default
 
 
 def test_env_config_file_and_bool_and_list(tmp_path):
     f = tmp_path / "c.json"
     f.write_text('{"auto_sync_new_rollouts": false}')
     cfg = _resolve(TrainerConfig, [], {"WS_TRAINER_CONFIG": str(f), "WS_TRAINER_ROLLOUTS": "h:1, h:2"})
-    assert cfg.auto_sync_new_rollouts is False and cfg.rollouts == ["h:1", "h:2"]
+    assert cfg.fleet.auto_sync_new_rollouts is False and cfg.fleet.rollouts == ["h:1", "h:2"]
 
 
 @pytest.mark.parametrize("argv, env, match", [
@@ -56,4 +56,20 @@ def test_rollout_config_validation():
     with pytest.raises(ConfigError, match="engine=builtin runs one rank"):
         _resolve(RolloutConfig, ["--tp", "2"], prefix="WS_ROLLOUT")
     cfg = _resolve(RolloutConfig, ["--apply-mode", "inplace"], prefix="WS_ROLLOUT")
-    assert cfg.apply_mode == "inplace"
+    assert cfg.bus.apply_mode == "inplace"
+
+
+def test_nested_file_sections_and_flat_names_agree(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("bus:\n  bucket_mb: 8\noptim: {lr: 0.5}\nresume: false\n")
+    cfg = _resolve(TrainerConfig, ["--config", str(f)])
+    assert (cfg.bus.bucket_mb, cfg.optim.lr, cfg.checkpoint.resume) == (8, 0.5, False)
+    f.write_text("bus:\n  lr: 0.5\n")
+    with pytest.raises(ConfigError, match="bus.lr is not a field of section bus"):
+        _resolve(TrainerConfig, ["--config", str(f)])
+
+
+def test_shared_sections_keep_each_service_defaults():
+    t, r = _resolve(TrainerConfig, []), _resolve(RolloutConfig, [], prefix="WS_ROLLOUT")
+    assert (t.server.grpc_address, r.server.grpc_address) == ("127.0.0.1:50051", "127.0.0.1:50061")
+    assert TrainerConfig.from_flat(bucket_mb=8, log_level="DEBUG").bus.bucket_mb == 8

@@ -1,5 +1,8 @@
 """The contract between the trainer service and a model backend (Megatron-core or transformers).
 
+Each backend is one package, `trainer_svc/actor/<backend>/`, holding the actor and its training
+backend (`train_backend()`); the service and `trainer_svc/train/` reach training only through it.
+
 The sync orchestrator only needs: the list of HF tensors the actor will export (metadata,
 without gathering anything), and an iterator that yields those tensors in exactly that order.
 A multi-rank backend runs its collectives inside these methods on every rank; only the bus
@@ -8,11 +11,15 @@ sender rank (global rank 0) receives real tensors, the other ranks' iterators yi
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from weightsync.bus.plan import TensorMeta
+
+if TYPE_CHECKING:
+    from trainer_svc.train.backend import TrainBackend
+    from trainer_svc.train.step import TrainState
 
 
 class Actor(Protocol):
@@ -20,6 +27,10 @@ class Actor(Protocol):
     family: str
     #: bumped whenever the weights change (load, train step); a sync publishes this version
     version: int
+    #: completed optimizer steps (0 until the first TrainStep)
+    step: int
+    #: optimizer, reference model and step count; None until the first training call builds it
+    train_state: TrainState | None
 
     def export_metas(self) -> list[TensorMeta]:
         """HF name, shape and export dtype of every tensor, in export order."""
@@ -36,3 +47,6 @@ class Actor(Protocol):
 
     def hf_config(self):
         """The transformers PretrainedConfig this actor mirrors."""
+
+    def train_backend(self) -> TrainBackend:
+        """A new training backend over this actor's parameters (forward/backward, clipping, optimizer)."""

@@ -5,17 +5,18 @@ from weightsync.bus.dtypes import parse_dtype
 from weightsync.models import resolve_model
 
 
-def make_actor(cfg):
+def make_actor(trainer_cfg):
+    cfg, par = trainer_cfg.actor, trainer_cfg.parallel
     config, weights_dir = resolve_model(cfg.model)
     dtype = parse_dtype(cfg.export_dtype)
     if cfg.backend == "hf":
-        from trainer_svc.actor.hf_actor import HfActor
+        from trainer_svc.actor.hf.actor import HfActor
 
         from trainer_svc.actor.device import resolve_device
 
         return HfActor(config, seed=cfg.init_seed, export_dtype=dtype, weights_dir=weights_dir,
-                       device=resolve_device(getattr(cfg, "device", "")))
-    from trainer_svc.megatron.actor import MegatronActor
+                       device=resolve_device(cfg.device))
+    from trainer_svc.actor.megatron.actor import MegatronActor
 
-    return MegatronActor.create(config, tp=cfg.tp, pp=cfg.pp, vpp=cfg.vpp, ep=cfg.ep, seed=cfg.init_seed,
+    return MegatronActor.create(config, tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, seed=cfg.init_seed,
                                 export_dtype=dtype, weights_dir=weights_dir, converter=cfg.converter, mtp=cfg.mtp)

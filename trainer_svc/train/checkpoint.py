@@ -95,14 +95,13 @@ def load_checkpoint(actor, step_dir: str | Path) -> TrainState:
     return st
 
 
-def resume_if_configured(actor, settings) -> bool:
-    """`--resume`: load the latest checkpoint under settings.checkpoint_dir, if there is one."""
-    if not settings.resume:
+def resume_if_configured(actor, ckpt) -> bool:
+    """`--resume`: load the latest checkpoint under the `checkpoint` section's checkpoint_dir, if any."""
+    if not ckpt.resume:
         return False
-    step_dir = latest_checkpoint(settings.checkpoint_dir)
+    step_dir = latest_checkpoint(ckpt.checkpoint_dir)
     if step_dir is None:
-        log.info("resume: no checkpoint under %s yet; starting fresh", settings.checkpoint_dir)
+        log.info("resume: no checkpoint under %s yet; starting fresh", ckpt.checkpoint_dir)
         return False
-    train_state(actor, settings)
     load_checkpoint(actor, step_dir)
     return True

@@ -31,16 +31,17 @@ def _execute(actor, op: str, args: dict):
     from weightsync.v1 import trainer_pb2
 
     if op == "train_init":
+        from trainer_svc.config import CheckpointConfig, OptimConfig
         from trainer_svc.train.checkpoint import resume_if_configured
-        from trainer_svc.train.settings import TrainSettings
         from trainer_svc.train.step import train_state
 
-        if getattr(actor, "_ws_train_state", None) is not None:
+        if actor.train_state is not None:
             return False
-        settings = TrainSettings(**args["settings"])
-        settings.validate()
-        train_state(actor, settings)
-        return resume_if_configured(actor, settings)
+        optim, ckpt = OptimConfig(**args["optim"]), CheckpointConfig(**args["checkpoint"])
+        optim.validate()
+        ckpt.validate()
+        train_state(actor, optim)
+        return resume_if_configured(actor, ckpt)
     if op == "train_step":
         from trainer_svc.train.step import train_step
 

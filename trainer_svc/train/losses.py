@@ -108,9 +108,3 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """
     d = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(d) - d - 1.0
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits) over the last dim (unsharded vocab)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)

@@ -49,13 +49,17 @@ def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs
 
 
 class TrainingServicerMixin:
+    #: the TrainerConfig training reads (`optim`, `checkpoint`); None = resolved from WS_TRAINER_* env
+    train_cfg = None
+    #: TrainMetrics on the orchestrator's registry, made on the first step
+    train_metrics = None
 
     # ---- startup ------------------------------------------------------------------------
     def init_training(self, cfg=None) -> bool:
         """Build the training state now (on every rank) and apply `resume`; returns whether a
         checkpoint was loaded. Call once at startup, before serving, so a resumed trainer reports
         (and publishes) the checkpoint's version from the start; otherwise the first training call
-        does it. `cfg`: the TrainerConfig (fields it lacks come from WS_TRAINER_* env)."""
+        does it. `cfg`: the TrainerConfig."""
         if cfg is not None:
             self.train_cfg = cfg
         with self.actor_lock:
@@ -65,28 +69,38 @@ class TrainingServicerMixin:
 
     # ---- helpers ------------------------------------------------------------------------
     def _train_metrics(self):
-        tm = getattr(self, "_ws_train_metrics", None)
         orch = getattr(self, "orch", None)
-        if tm is None and orch is not None:
+        if self.train_metrics is None and orch is not None:
             from weightsync.obs.metrics import TrainMetrics
 
-            tm = self._ws_train_metrics = TrainMetrics(orch.metrics.registry)
-        return tm
+            self.train_metrics = TrainMetrics(orch.metrics.registry)
+        return self.train_metrics
 
     def _training(self):
         """The actor's TrainState; the first call builds it on every rank and applies --resume."""
         import dataclasses
 
         from trainer_svc.train import collective
-        from trainer_svc.train.settings import TrainSettings
 
-        if getattr(self.actor, "_ws_train_state", None) is not None:
-            return self.actor._ws_train_state
-        # `train_cfg`: the TrainerConfig, once the app hands it over (fields missing there come from env)
-        settings = TrainSettings.resolve(getattr(self, "train_cfg", None))
-        if collective.run(self.actor, "train_init", settings=dataclasses.asdict(settings)):
+        if self.actor.train_state is not None:
+            return self.actor.train_state
+        cfg = self._train_config()
+        if collective.run(self.actor, "train_init", optim=dataclasses.asdict(cfg.optim),
+                          checkpoint=dataclasses.asdict(cfg.checkpoint)):
             self._after_weights_changed()
-        return self.actor._ws_train_state
+        return self.actor.train_state
+
+    def _train_config(self):
+        """The TrainerConfig handed over by the app; without one (a bare servicer), the one the
+        WS_TRAINER_* env and defaults give, through the same config resolver as the CLI."""
+        if self.train_cfg is None:
+            import argparse
+
+            from trainer_svc.config import ENV_PREFIX, TrainerConfig
+            from weightsync.config import resolve
+
+            self.train_cfg = resolve(TrainerConfig, argparse.Namespace(), ENV_PREFIX)
+        return self.train_cfg
 
     def _after_weights_changed(self) -> None:
         orch = getattr(self, "orch", None)
@@ -165,8 +179,8 @@ class TrainingServicerMixin:
         def save():
             from trainer_svc.train import collective
 
-            st = self._training()
-            directory = request.dir or st.settings.checkpoint_dir
+            self._training()
+            directory = request.dir or self._train_config().checkpoint.checkpoint_dir
             if not directory:
                 raise ValueError("dir: empty and the trainer has no checkpoint_dir configured")
             return collective.run(self.actor, "save_checkpoint", dir=directory)

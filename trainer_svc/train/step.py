@@ -14,42 +14,35 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer_svc.config import OptimConfig
+from trainer_svc.train.backend import TrainBackend
+
 from trainer_svc.train.batch import Batch, make_batch
 from trainer_svc.train.logprobs import token_entropy, token_logprobs
 from trainer_svc.train.losses import AGGREGATIONS, aggregate, group_advantages, kl_k3, ppo_clip_loss
-from trainer_svc.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainState:
-    settings: TrainSettings
-    backend: object
-    optimizer: object
+    """What training adds to an actor; kept in the actor's `train_state` field."""
+    optim: OptimConfig
+    backend: TrainBackend
+    optimizer: torch.optim.Optimizer
     step: int = 0
     reference: list | None = None     # frozen copy of the model chunks (only once kl/reference is used)
     extra: dict = field(default_factory=dict)
 
 
-def backend_for(actor):
-    if type(actor).__module__.startswith("trainer_svc.megatron"):
-        from trainer_svc.train.backend_megatron import MegatronBackend
-
-        return MegatronBackend(actor)
-    from trainer_svc.train.backend_hf import HfBackend
-
-    return HfBackend(actor)
-
-
-def train_state(actor, settings: TrainSettings | None = None) -> TrainState:
-    """The actor's training state, created on first use (optimizer built lazily: serving-only trainers pay nothing)."""
-    st = getattr(actor, "_ws_train_state", None)
+def train_state(actor, optim: OptimConfig | None = None) -> TrainState:
+    """The actor's training state, created on first use (optimizer built lazily: serving-only trainers
+    pay nothing) with the trainer config's `optim` section (defaults when none is given)."""
+    st = actor.train_state
     if st is None:
-        settings = settings or TrainSettings.resolve()
-        backend = backend_for(actor)
-        st = TrainState(settings, backend, backend.make_optimizer(settings))
-        actor._ws_train_state = st
+        optim = optim or OptimConfig()
+        backend = actor.train_backend()
+        st = actor.train_state = TrainState(optim, backend, backend.make_optimizer(optim))
         actor.step = 0
     return st
 
@@ -171,12 +164,12 @@ def train_step(actor, request) -> dict[str, float]:
                             w * float(cs.approx_kl), float(diff.sum()) / max(n_tok, 1.0), float(diff.max())])
         return loss, out
 
-    lr = st.settings.lr_at(st.step)
+    lr = st.optim.lr_at(st.step)
     for g in st.optimizer.param_groups:
         g["lr"] = lr
     st.optimizer.zero_grad(set_to_none=True)
     outs = be.run(batch.micro_batches(mbs), loss_fn, lambda mb: (len(MB_METRICS),), train=True)
-    grad_norm = be.step(st.optimizer, st.settings.grad_clip)
+    grad_norm = be.step(st.optimizer, st.optim.grad_clip)
     st.step += 1
     actor.step = st.step
     actor.version += 1

@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 def _start(ns, workdir: Path):
     from weightsync.local.procs import start_rollout, start_trainer, wsctl
 
-    # training knobs reach the trainer as WS_TRAINER_* env (trainer_svc.train.settings)
+    # training knobs reach the trainer as WS_TRAINER_* env (the trainer config's optim/checkpoint sections)
     os.environ.update(WS_TRAINER_LR=str(ns.lr), WS_TRAINER_LR_WARMUP_STEPS=str(ns.lr_warmup_steps))
     if ns.checkpoint_dir:
         os.environ["WS_TRAINER_CHECKPOINT_DIR"] = ns.checkpoint_dir

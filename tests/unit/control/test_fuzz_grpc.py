@@ -39,11 +39,11 @@ def servers(tmp_path_factory):
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    tcfg = TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2",
+    tcfg = TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2",
                          bucket_mb=1, rpc_timeout_s=3.0, sync_timeout_s=20.0, auto_sync_new_rollouts=False)
     trainer = TrainerApp(tcfg)
     trainer.start()
-    rcfg = RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
+    rcfg = RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
                          rollout_id="real", sync_timeout_s=20.0)
     rollout = RolloutApp(rcfg)
     rollout.start()

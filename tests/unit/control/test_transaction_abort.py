@@ -12,7 +12,7 @@ from weightsync.v1 import rollout_pb2
 def _engine():
     from rollout_svc.config import RolloutConfig
     from rollout_svc.engine.factory import make_engine
-    return make_engine(RolloutConfig(model="tiny-qwen2"))
+    return make_engine(RolloutConfig.from_flat(model="tiny-qwen2"))
 
 
 @pytest.mark.parametrize("mode", ["staged", "inplace"])

@@ -58,8 +58,8 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from trainer_svc.megatron.actor import MegatronActor
-    from trainer_svc.megatron.bridge import make_converter
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.bridge import make_converter
     from weightsync.bus.dtypes import parse_dtype
 
     rank = int(os.environ["RANK"])

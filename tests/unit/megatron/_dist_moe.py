@@ -73,8 +73,8 @@ def _error_on_all_ranks(fn) -> dict:
 def _case(dirs: dict, key: str, mtp: str, layout: str, par: dict, rank: int, work: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer_svc.megatron.actor import MegatronActor
-    from trainer_svc.megatron.model import forward_logits
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.model import forward_logits
 
     d = dirs[key]
     grouped = layout == "grouped"
@@ -119,7 +119,7 @@ def _errors_at_ep2(dirs: dict, rank: int, work: Path) -> dict:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from trainer_svc.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.actor import MegatronActor
 
     rep = {}
     src = Path(dirs["qwen3_moe"])
@@ -140,7 +140,7 @@ def _errors_at_ep2(dirs: dict, rank: int, work: Path) -> dict:
 
 
 def _convert_at_ep2(dirs: dict, rank: int, work: Path) -> dict:
-    from trainer_svc.megatron.convert import to_hf, to_megatron
+    from trainer_svc.actor.megatron.convert import to_hf, to_megatron
 
     ck, back = work / "ck-ep2", work / "hf-ep2"
     to_megatron(dirs["qwen3_moe-mtp"], str(ck), 1, 1, 1, ep=2, mtp="deepseek")

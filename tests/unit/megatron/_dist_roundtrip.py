@@ -36,8 +36,8 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer_svc.megatron.actor import MegatronActor
-    from trainer_svc.megatron.model import forward_logits
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.model import forward_logits
 
     rank = int(os.environ["RANK"])
     report = {}

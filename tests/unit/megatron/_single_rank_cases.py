@@ -27,8 +27,8 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from conftest import make_config, save_random_hf
-    from trainer_svc.megatron.actor import MegatronActor
-    from trainer_svc.megatron.model import forward_logits
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.model import forward_logits
 
     work, out = Path(sys.argv[1]), Path(sys.argv[2])
     rep: dict = {}

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import torchrun
-from trainer_svc.megatron.bridge import BridgeConverter, BridgeUnavailable, make_converter
-from trainer_svc.megatron.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
+from trainer_svc.actor.megatron.bridge import BridgeConverter, BridgeUnavailable, make_converter
+from trainer_svc.actor.megatron.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
                                                   missing_package_error, require_bridge)
-from trainer_svc.megatron.parallel import Parallelism
+from trainer_svc.actor.megatron.parallel import Parallelism
 from weightsync.bus.plan import TensorMeta
 
 HERE = Path(__file__).resolve().parent
@@ -155,7 +155,7 @@ def _trainer_config(argv, env=None):
 def test_config_converter_default_choices_and_backend():
     from weightsync.config import ConfigError
 
-    assert _trainer_config([]).converter == "builtin"
+    assert _trainer_config([]).actor.converter == "builtin"
     with pytest.raises(ConfigError, match=r"converter: 'nope' is not one of \['builtin', 'mbridge', 'megatron-bridge'\]"):
         _trainer_config([], {"WS_TRAINER_CONVERTER": "nope"})
     with pytest.raises(ConfigError, match="converter=mbridge applies to backend=megatron"):
@@ -173,7 +173,7 @@ def test_config_refuses_a_bridge_that_is_not_installed():
 
 @pytest.mark.skipif(not HAS_MBRIDGE, reason="mbridge not installed")
 def test_config_accepts_an_installed_bridge():
-    assert _trainer_config([], {"WS_TRAINER_CONVERTER": "mbridge"}).converter == "mbridge"
+    assert _trainer_config([], {"WS_TRAINER_CONVERTER": "mbridge"}).actor.converter == "mbridge"
 
 
 # ---- the real packages against the pinned contracts ----------------------------------------------
@@ -289,8 +289,8 @@ def test_export_that_stops_short_is_an_error():
 # ---- import hygiene ------------------------------------------------------------------------------
 
 def test_config_side_imports_no_torch_and_bridge_module_imports_no_bridge():
-    code = ("import sys, json; import trainer_svc.megatron.bridge_contract as c; c.missing_package_error('mbridge'); "
-            "a = sorted(sys.modules); import trainer_svc.megatron.bridge; b = sorted(sys.modules); "
+    code = ("import sys, json; import trainer_svc.actor.megatron.bridge_contract as c; c.missing_package_error('mbridge'); "
+            "a = sorted(sys.modules); import trainer_svc.actor.megatron.bridge; b = sorted(sys.modules); "
             "print(json.dumps([a, b]))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])

@@ -17,7 +17,7 @@ def _convert(*argv: str) -> subprocess.CompletedProcess:
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     # main() relaunches itself under torchrun when tp*pp > 1
-    return subprocess.run([sys.executable, "-m", "trainer_svc.megatron.convert", *argv], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "trainer_svc.actor.megatron.convert", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
 
 
@@ -37,7 +37,7 @@ def test_hf_to_megatron_to_hf_is_exact(hf_dirs, tmp_path):
 
 
 def test_not_a_checkpoint_is_refused(tmp_path):
-    from trainer_svc.megatron.convert import main
+    from trainer_svc.actor.megatron.convert import main
 
     with pytest.raises(ValueError, match="megatron_checkpoint.json"):
         main(["to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")])

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer_svc.megatron.rules import Dims, Site, known_families, rules_for
-from trainer_svc.megatron.rules.transforms import GATE_UP, QKV, SWAP_HALVES
+from trainer_svc.actor.megatron.rules import Dims, Site, known_families, rules_for
+from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV, SWAP_HALVES
 
 D = Dims(num_layers=2, hidden_size=8, num_heads=6, num_query_groups=2, head_dim=4, ffn_hidden_size=10, vocab_size=16)
 
@@ -80,7 +80,7 @@ def test_tables_differ_where_the_families_do():
 
 
 def test_table_checked_against_transformers(make_config):
-    from trainer_svc.megatron.hf_meta import export_plan
+    from trainer_svc.actor.megatron.hf_meta import export_plan
 
     # the llama table has no q/k/v bias, the qwen2 model does: the first (sorted) unmapped one is named
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.bias.*12 unmapped"):
@@ -90,8 +90,8 @@ def test_table_checked_against_transformers(make_config):
 
 
 def test_layout_errors_name_the_field(make_config):
-    from trainer_svc.megatron.model import check_layout, dims_of
-    from trainer_svc.megatron.parallel import Parallelism
+    from trainer_svc.actor.megatron.model import check_layout, dims_of
+    from trainer_svc.actor.megatron.parallel import Parallelism
 
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         dims_of(make_config("qwen2", num_key_value_heads=3))
@@ -104,7 +104,7 @@ def test_layout_errors_name_the_field(make_config):
 
 
 def test_export_metas_from_config_only(make_config):
-    from trainer_svc.megatron.hf_meta import export_metas
+    from trainer_svc.actor.megatron.hf_meta import export_metas
 
     metas = export_metas(make_config("qwen3"), "qwen3", torch.bfloat16)
     assert metas[0].name == "model.embed_tokens.weight" and metas[0].shape == (250, 64)
@@ -197,7 +197,7 @@ def test_swap_halves_reorders_embedding_and_hidden_columns_per_tp_shard():
 
 
 def test_grouped_expert_views_follow_grouped_mlp_math_and_write_through():
-    from trainer_svc.megatron.param_names import grouped_expert_views
+    from trainer_svc.actor.megatron.param_names import grouped_expert_views
 
     experts, hidden, ffn = 3, 4, 5
     weight1 = torch.randn(hidden, experts * 2 * ffn)
@@ -222,7 +222,7 @@ def test_grouped_expert_views_follow_grouped_mlp_math_and_write_through():
 def test_every_expert_layout_gets_the_same_global_names():
     from torch import nn
 
-    from trainer_svc.megatron.param_names import named_parameters_global
+    from trainer_svc.actor.megatron.param_names import named_parameters_global
 
     class Layer(nn.Module):
         def __init__(self, number, experts):
@@ -250,7 +250,7 @@ def test_every_expert_layout_gets_the_same_global_names():
 
 
 def test_moe_and_mtp_shapes_come_from_the_checkpoint_layout(make_config):
-    from trainer_svc.megatron.hf_meta import export_metas, hf_shapes
+    from trainer_svc.actor.megatron.hf_meta import export_metas, hf_shapes
 
     cfg = make_config("qwen3_moe", num_nextn_predict_layers=1)
     shapes = hf_shapes(cfg, mtp="deepseek")
@@ -269,9 +269,9 @@ def test_moe_and_mtp_shapes_come_from_the_checkpoint_layout(make_config):
 
 
 def test_moe_config_errors_name_the_field(make_config):
-    from trainer_svc.megatron.hf_meta import export_plan
-    from trainer_svc.megatron.model import check_layout, dims_of, mtp_depth
-    from trainer_svc.megatron.parallel import Parallelism
+    from trainer_svc.actor.megatron.hf_meta import export_plan
+    from trainer_svc.actor.megatron.model import check_layout, dims_of, mtp_depth
+    from trainer_svc.actor.megatron.parallel import Parallelism
 
     d = dims_of(make_config("qwen3_moe"))
     with pytest.raises(ValueError, match="num_experts=4 is not divisible by EP=3"):

@@ -9,9 +9,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from tests.unit.train.conftest import make_request  # noqa: E402
-from trainer_svc.megatron.actor import MegatronActor  # noqa: E402
+from trainer_svc.actor.megatron.actor import MegatronActor  # noqa: E402
 from trainer_svc.train import collective  # noqa: E402
-from trainer_svc.train.settings import TrainSettings  # noqa: E402
+from trainer_svc.config import CheckpointConfig, OptimConfig  # noqa: E402
 from weightsync.models import resolve_model  # noqa: E402
 from weightsync.v1 import trainer_pb2  # noqa: E402
 
@@ -29,7 +29,8 @@ if int(os.environ.get("RANK", "0")) != 0:
 if load is None:
     from trainer_svc.export_hf import save_hf_dir
     save_hf_dir(actor, weights)
-collective.run(actor, "train_init", settings=dataclasses.asdict(TrainSettings(lr=1e-3)))
+collective.run(actor, "train_init", optim=dataclasses.asdict(OptimConfig(lr=1e-3)),
+               checkpoint=dataclasses.asdict(CheckpointConfig()))
 req = make_request(kl_coef=0.1, entropy_coef=0.01)
 req.micro_batch_size = 4
 rows = collective.run(actor, "compute_logprobs", trainer_pb2.ComputeLogprobsRequest(samples=req.samples))

@@ -19,15 +19,15 @@ def make_request(seed=0, n_groups=4, group=4, prompt_len=5, resp_len=6, vocab=25
 
 @pytest.fixture
 def hf_actor_factory():
-    from trainer_svc.actor.hf_actor import HfActor
-    from trainer_svc.train.settings import TrainSettings
+    from trainer_svc.actor.hf.actor import HfActor
+    from trainer_svc.config import OptimConfig
     from trainer_svc.train.step import train_state
     from weightsync.models import resolve_model
 
     def make(seed=1, **settings):
         cfg, _ = resolve_model("tiny-qwen2")
         a = HfActor(cfg, seed=seed)
-        train_state(a, TrainSettings(**{"lr": 1e-3, **settings}))
+        train_state(a, OptimConfig(**{"lr": 1e-3, **settings}))
         return a
 
     return make

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from trainer_svc.train.losses import aggregate, entropy_from_logits, group_advantages, kl_k3, ppo_clip_loss
+from trainer_svc.train.logprobs import token_entropy
+from trainer_svc.train.losses import aggregate, group_advantages, kl_k3, ppo_clip_loss
 
 
 def test_group_advantages_normalise_within_groups_and_zero_std_groups_are_zero():
@@ -83,7 +84,7 @@ def test_kl_k3_hand_values():
 
 
 def test_entropy_uniform_and_peaked():
-    assert float(entropy_from_logits(torch.zeros(8))) == pytest.approx(math.log(8), rel=1e-6)
-    assert float(entropy_from_logits(torch.tensor([100.0, 0.0, 0.0]))) == pytest.approx(0.0, abs=1e-6)
+    assert float(token_entropy(torch.zeros(8))) == pytest.approx(math.log(8), rel=1e-6)
+    assert float(token_entropy(torch.tensor([100.0, 0.0, 0.0]))) == pytest.approx(0.0, abs=1e-6)
     p = torch.tensor([0.5, 0.25, 0.25])
-    assert float(entropy_from_logits(p.log())) == pytest.approx(1.5 * math.log(2), rel=1e-6)
+    assert float(token_entropy(p.log())) == pytest.approx(1.5 * math.log(2), rel=1e-6)

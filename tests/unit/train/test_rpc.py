@@ -18,7 +18,7 @@ class _Servicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
 
 @pytest.fixture
 def stub(monkeypatch, tmp_path):
-    from trainer_svc.actor.hf_actor import HfActor
+    from trainer_svc.actor.hf.actor import HfActor
     from weightsync.models import resolve_model
 
     monkeypatch.setenv("WS_TRAINER_LR", "1e-3")
@@ -68,7 +68,7 @@ def test_step_logprobs_checkpoint_over_grpc(stub, tmp_path):
 
 
 def test_init_training_resumes_eagerly(monkeypatch, tmp_path):
-    from trainer_svc.actor.hf_actor import HfActor
+    from trainer_svc.actor.hf.actor import HfActor
     from trainer_svc.train.checkpoint import save_checkpoint
     from trainer_svc.train.step import train_step
     from weightsync.models import resolve_model
@@ -80,9 +80,8 @@ def test_init_training_resumes_eagerly(monkeypatch, tmp_path):
     train_step(a, make_request())
     save_checkpoint(a, str(tmp_path))
 
-    class Cfg:  # a TrainerConfig that already has the fields
-        lr, checkpoint_dir, resume = 1e-3, str(tmp_path), True
+    from trainer_svc.config import TrainerConfig
 
     b = _Servicer(HfActor(resolve_model("tiny-qwen2")[0], seed=5))
-    assert b.init_training(Cfg()) is True
+    assert b.init_training(TrainerConfig.from_flat(lr=1e-3, checkpoint_dir=str(tmp_path), resume=True)) is True
     assert (b.actor.step, b.actor.version) == (1, 2)

@@ -11,7 +11,7 @@ import torch
 
 from tests.unit.train.conftest import make_request
 from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_svc.train.settings import TrainSettings
+from trainer_svc.config import OptimConfig
 from trainer_svc.train.step import compute_logprobs, train_step, train_state
 
 pytest.importorskip("megatron.core")
@@ -19,11 +19,11 @@ HERE = Path(__file__).parent
 
 
 def _actor(seed=1, **settings):
-    from trainer_svc.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.actor import MegatronActor
     from weightsync.models import resolve_model
 
     a = MegatronActor.create(resolve_model("tiny-qwen2")[0], seed=seed)
-    train_state(a, TrainSettings(**{"lr": 1e-3, **settings}))
+    train_state(a, OptimConfig(**{"lr": 1e-3, **settings}))
     return a
 
 
@@ -34,13 +34,13 @@ def _with_logprobs(actor, req):
 
 
 def test_megatron_step_equals_the_transformers_step_on_the_same_weights(tmp_path, hf_actor_factory):
-    from trainer_svc.actor.hf_actor import HfActor
+    from trainer_svc.actor.hf.actor import HfActor
     from trainer_svc.export_hf import save_hf_dir
 
     m = _actor(grad_clip=0.0)
     save_hf_dir(m, str(tmp_path / "w"))
     h = HfActor(m.config, weights_dir=str(tmp_path / "w"))
-    train_state(h, TrainSettings(lr=1e-3, grad_clip=0.0))
+    train_state(h, OptimConfig(lr=1e-3, grad_clip=0.0))
     req = _with_logprobs(h, make_request(kl_coef=0.1, entropy_coef=0.01))
     req.micro_batch_size = 5
     rows_m = compute_logprobs(m, list(req.samples), micro_batch_size=3)

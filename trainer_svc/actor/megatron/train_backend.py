@@ -65,7 +65,7 @@ def _schedules_on_cpu():
     (schedules.py: `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`), which
     raises on a CPU-only torch. For the duration of one schedule call, and only without CUDA, the
     module's `torch` name points at a proxy that places that tensor on CPU. (Belongs with the other
-    patches in trainer_svc/megatron/compat.py; kept here until it moves.)"""
+    patches in trainer_svc/actor/megatron/compat.py; kept here until it moves.)"""
     if torch.cuda.is_available():
         yield
         return
@@ -136,7 +136,7 @@ class MegatronBackend:
         state dict. Building re-seeds the RNGs, so their states are put back afterwards.)"""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from trainer_svc.megatron.model import build_chunks
+        from trainer_svc.actor.megatron.model import build_chunks
 
         cpu_state, tracker = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
         try:

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from trainer_svc.megatron.hf_meta import export_plan, hf_shapes
-from trainer_svc.megatron.model import dims_of, named_parameters_global
-from trainer_svc.megatron.parallel import Parallelism, RankMap, layer_owner
-from trainer_svc.megatron.rules.base import LAYER, PRE, Dims, Rule, Site
+from trainer_svc.actor.megatron.hf_meta import export_plan, hf_shapes
+from trainer_svc.actor.megatron.model import dims_of, named_parameters_global
+from trainer_svc.actor.megatron.parallel import Parallelism, RankMap, layer_owner
+from trainer_svc.actor.megatron.rules.base import LAYER, PRE, Dims, Rule, Site
 
 
 def _owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:

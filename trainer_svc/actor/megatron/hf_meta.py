@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from trainer_svc.megatron.rules import Rule, Site, rules_for
+from trainer_svc.actor.megatron.rules import Rule, Site, rules_for
 
 _SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 
@@ -34,8 +34,8 @@ def _model_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
 def hf_shapes(hf_config, mtp: str = "off") -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor of the checkpoint (plus its MTP layers when mtp is on)."""
-    from trainer_svc.megatron.model import dims_of, family_of_config
-    from trainer_svc.megatron.rules.mtp import mtp_hf_shape
+    from trainer_svc.actor.megatron.model import dims_of, family_of_config
+    from trainer_svc.actor.megatron.rules.mtp import mtp_hf_shape
 
     shapes = dict(_model_shapes(hf_config))
     if mtp != "off":
@@ -49,7 +49,7 @@ def hf_shapes(hf_config, mtp: str = "off") -> dict[str, tuple[int, ...]]:
 
 def export_plan(hf_config, family: str, mtp: str = "off") -> list[tuple[Rule, Site, list[str]]]:
     """(rule, site, HF names) in export order; refuses a table that misses or invents tensors."""
-    from trainer_svc.megatron.model import dims_of
+    from trainer_svc.actor.megatron.model import dims_of
 
     table = rules_for(family, mtp=mtp)
     if table.tied != bool(getattr(hf_config, "tie_word_embeddings", False)):

@@ -1,8 +1,8 @@
 """The dense decoder-only (Llama-style) table that qwen2 / llama / qwen3 are variations of."""
 from __future__ import annotations
 
-from trainer_svc.megatron.rules.base import DENSE, Rule
-from trainer_svc.megatron.rules.transforms import GATE_UP, IDENTITY, QKV
+from trainer_svc.actor.megatron.rules.base import DENSE, Rule
+from trainer_svc.actor.megatron.rules.transforms import GATE_UP, IDENTITY, QKV
 
 L = "decoder.layers.{layer}."
 H = "model.layers.{layer}."

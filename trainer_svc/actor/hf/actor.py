@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from trainer_svc.actor.hf.train_backend import HfBackend
 from weightsync.bus.plan import TensorMeta
 from weightsync.models import family_of
 
@@ -33,6 +34,9 @@ class HfActor:
         if weights_dir:
             self.load_hf(weights_dir)
             self.version = 1
+        #: completed optimizer steps, and the training state (optimizer, reference) once training starts
+        self.step = 0
+        self.train_state = None
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -74,6 +78,9 @@ class HfActor:
 
     def hf_config(self):
         return self.config
+
+    def train_backend(self) -> HfBackend:
+        return HfBackend(self)
 
     def shutdown(self) -> None:
         pass

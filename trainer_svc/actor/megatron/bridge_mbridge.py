@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer_svc.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, check_instance
+from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, check_instance
 
 # local layer spec name -> the TE spec's fused name in mbridge's tables, and the table holding it
 _LOCAL_NORMS = {
@@ -54,7 +54,7 @@ def mark_tp_sharded(chunks) -> None:
 
 class MbridgeAdapter:
     def __init__(self, mbridge, hf_config, tp: int, params_dtype: torch.dtype):
-        from trainer_svc.megatron.model import VOCAB_DIVISIBLE_BY, padded_vocab_size
+        from trainer_svc.actor.megatron.model import VOCAB_DIVISIBLE_BY, padded_vocab_size
 
         if hf_config.model_type not in mbridge.AutoBridge.list_supported_models():
             raise BridgeUnavailable(f"converter='mbridge': mbridge has no bridge for model_type="

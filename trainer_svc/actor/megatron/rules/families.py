@@ -1,10 +1,10 @@
 """One table per model family; adding a family is adding an entry here and a test."""
 from __future__ import annotations
 
-from trainer_svc.megatron.rules.base import RuleTable
-from trainer_svc.megatron.rules.dense import dense_rules
-from trainer_svc.megatron.rules.moe import moe_rules
-from trainer_svc.megatron.rules.mtp import mtp_rules
+from trainer_svc.actor.megatron.rules.base import RuleTable
+from trainer_svc.actor.megatron.rules.dense import dense_rules
+from trainer_svc.actor.megatron.rules.moe import moe_rules
+from trainer_svc.actor.megatron.rules.mtp import mtp_rules
 
 _DEFAULTS = dict(moe=False, shared_expert=None, shared_expert_gate=False)
 # family -> the GPTModel features its checkpoints use

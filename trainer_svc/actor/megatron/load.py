@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer_svc.megatron.hf_meta import hf_shapes
-from trainer_svc.megatron.model import dims_of, named_parameters_global, padded_vocab_size
-from trainer_svc.megatron.parallel import Parallelism
-from trainer_svc.megatron.rules import Rule, rules_for
+from trainer_svc.actor.megatron.hf_meta import hf_shapes
+from trainer_svc.actor.megatron.model import dims_of, named_parameters_global, padded_vocab_size
+from trainer_svc.actor.megatron.parallel import Parallelism
+from trainer_svc.actor.megatron.rules import Rule, rules_for
 
 
 def _tp_slice(sl, full_shape, rule: Rule, tp: int, tp_rank: int, vocab_size: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer_svc.megatron.rules.base import Dims, Transform
+from trainer_svc.actor.megatron.rules.base import Dims, Transform
 
 
 def _identity_to_hf(t: torch.Tensor, d: Dims) -> list[torch.Tensor]:

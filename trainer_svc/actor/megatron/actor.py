@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync.bus.plan import TensorMeta
-from trainer_svc.megatron.parallel import Parallelism
+from trainer_svc.actor.megatron.parallel import Parallelism
+from trainer_svc.actor.megatron.train_backend import MegatronBackend
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,10 @@ class MegatronActor:
         """ep/etp: expert (tensor) parallel sizes for MoE models; mtp: carry the checkpoint's
         multi-token-prediction layers under 'deepseek' or 'mimo' names ('off': ignore them);
         expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP)."""
-        from trainer_svc.megatron.commands import CommandChannel
-        from trainer_svc.megatron.hf_meta import export_metas
-        from trainer_svc.megatron.model import build_chunks, family_of_config
-        from trainer_svc.megatron.parallel import init_model_parallel, rank_map
+        from trainer_svc.actor.megatron.commands import CommandChannel
+        from trainer_svc.actor.megatron.hf_meta import export_metas
+        from trainer_svc.actor.megatron.model import build_chunks, family_of_config
+        from trainer_svc.actor.megatron.parallel import init_model_parallel, rank_map
 
         self.config = hf_config
         self.family = family_of_config(hf_config)
@@ -47,7 +48,7 @@ class MegatronActor:
         self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
                                   init_weights=weights_dir is None if init_weights is None else init_weights,
                                   mtp=mtp, expert_layout=expert_layout)
-        from trainer_svc.megatron.bridge import make_converter
+        from trainer_svc.actor.megatron.bridge import make_converter
 
         #: None: the built-in rule tables convert; else a bridge package does (bridge.py), and the
         #: export order becomes the bridge's, checked once here against the built-in plan
@@ -58,6 +59,9 @@ class MegatronActor:
         if weights_dir:
             self._load_hf(weights_dir)
         self.version = 1
+        #: completed optimizer steps, and the training state (optimizer, reference) once training starts
+        self.step = 0
+        self.train_state = None
 
     @classmethod
     def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, seed: int = 0,
@@ -99,7 +103,7 @@ class MegatronActor:
 
     def save_hf(self, out_dir: str) -> None:
         """Write a transformers-loadable directory (config.json + safetensors) from the export."""
-        from trainer_svc.megatron.hf_writer import write_hf_dir
+        from trainer_svc.actor.megatron.hf_writer import write_hf_dir
 
         self._check_driver("save_hf")
         self.channel.send("export")
@@ -113,6 +117,9 @@ class MegatronActor:
 
     def hf_config(self):
         return self.config
+
+    def train_backend(self) -> MegatronBackend:
+        return MegatronBackend(self)
 
     # ---- multi-rank plumbing --------------------------------------------------------------------
     def worker_loop(self) -> None:
@@ -151,12 +158,12 @@ class MegatronActor:
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.converter is not None:
             return self.converter.export(self.model, self._metas)
-        from trainer_svc.megatron.export import export_tensors
+        from trainer_svc.actor.megatron.export import export_tensors
 
         return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype, self.mtp)
 
     def _load_hf(self, path: str) -> None:
-        from trainer_svc.megatron.load import load_hf_into
+        from trainer_svc.actor.megatron.load import load_hf_into
 
         if self.converter is not None:
             self.converter.load(self.model, path)

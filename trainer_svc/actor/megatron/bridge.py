@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from trainer_svc.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, contract_for, require_bridge
+from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, contract_for, require_bridge
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +151,14 @@ def make_converter(name: str, hf_config, family: str, par, params_dtype: torch.d
     if getattr(par, "ep", 1) > 1:
         raise ValueError(f"converter={name!r} is wired for dense models only (EP={par.ep}); use converter=builtin")
     root = require_bridge(name)
-    from trainer_svc.megatron.model import padded_vocab_size
+    from trainer_svc.actor.megatron.model import padded_vocab_size
 
     if name == "mbridge":
-        from trainer_svc.megatron.bridge_mbridge import MbridgeAdapter
+        from trainer_svc.actor.megatron.bridge_mbridge import MbridgeAdapter
 
         adapter = MbridgeAdapter(root, hf_config, par.tp, params_dtype)
     else:
-        from trainer_svc.megatron.bridge_megatron import MegatronBridgeAdapter
+        from trainer_svc.actor.megatron.bridge_megatron import MegatronBridgeAdapter
 
         adapter = MegatronBridgeAdapter(root, hf_config)
     log.info("converter %s (pinned %s) for family %s", name, contract_for(name).pinned, family)

@@ -4,7 +4,7 @@ Megatron's MoELayer holds `router.weight` [num_experts, hidden], the routed expe
 shared expert. Experts are named here in their *sequential* layout with a global index,
 `mlp.experts.local_experts.{expert}.linear_fc1|2.weight`; the grouped layouts (legacy GroupedMLP
 `weight1/weight2`, TEGroupedMLP `linear_fc1.weight{i}`) are presented under the same names by
-`trainer_svc/megatron/param_names.py`, so one table serves every layout. Each expert's fc1 fuses
+`trainer_svc/actor/megatron/param_names.py`, so one table serves every layout. Each expert's fc1 fuses
 [gate; up] like the dense MLP and is split the same way (per expert-TP rank).
 
 HF names are the checkpoint's (what `save_pretrained` writes and SGLang's load_weights reads):
@@ -13,8 +13,8 @@ experts into `mlp.experts.gate_up_proj` in memory and converts on load/save (con
 """
 from __future__ import annotations
 
-from trainer_svc.megatron.rules.base import MOE, Rule
-from trainer_svc.megatron.rules.transforms import GATE_UP, IDENTITY
+from trainer_svc.actor.megatron.rules.base import MOE, Rule
+from trainer_svc.actor.megatron.rules.transforms import GATE_UP, IDENTITY
 
 L = "decoder.layers.{layer}.mlp."
 H = "model.layers.{layer}.mlp."

@@ -20,8 +20,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
-from trainer_svc.megatron.rules.base import LAYER, Dims, Rule
-from trainer_svc.megatron.rules.transforms import IDENTITY, SWAP_HALVES
+from trainer_svc.actor.megatron.rules.base import LAYER, Dims, Rule
+from trainer_svc.actor.megatron.rules.transforms import IDENTITY, SWAP_HALVES
 
 MTP_STYLES = ("off", "deepseek", "mimo")
 M = "mtp.layers.{mtp}."

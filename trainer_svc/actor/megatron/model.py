@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from trainer_svc.megatron.moe import check_moe_supported, moe_config_fields, moe_layer_pattern
-from trainer_svc.megatron.parallel import Parallelism
-from trainer_svc.megatron.rules import Dims, family_features
+from trainer_svc.actor.megatron.moe import check_moe_supported, moe_config_fields, moe_layer_pattern
+from trainer_svc.actor.megatron.parallel import Parallelism
+from trainer_svc.actor.megatron.rules import Dims, family_features
 
 # Megatron pads the vocabulary so every TP rank's slice is equal and GEMM-friendly (its default).
 VOCAB_DIVISIBLE_BY = 128
@@ -24,7 +24,7 @@ def family_of_config(hf_config) -> str:
 
 def mtp_depth(hf_config, mtp: str) -> int:
     """How many MTP layers to carry: the config's num_nextn_predict_layers when MTP is on."""
-    from trainer_svc.megatron.rules.mtp import check_style
+    from trainer_svc.actor.megatron.rules.mtp import check_style
 
     if check_style(mtp) == "off":
         return 0
@@ -182,7 +182,7 @@ def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: to
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from trainer_svc.megatron.compat import apply_cpu_compat, apply_megatron_fixes
+    from trainer_svc.actor.megatron.compat import apply_cpu_compat, apply_megatron_fixes
 
     apply_cpu_compat()
     apply_megatron_fixes()
@@ -213,7 +213,7 @@ def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: to
 
 def named_parameters_global(chunks) -> dict[str, torch.Tensor]:
     """See param_names.py: global layer and expert numbering, every expert layout as sequential."""
-    from trainer_svc.megatron.param_names import named_parameters_global as names
+    from trainer_svc.actor.megatron.param_names import named_parameters_global as names
 
     return names(chunks)
 

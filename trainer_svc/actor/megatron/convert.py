@@ -9,9 +9,9 @@ to another layout) is the way to reshard.
 Both directions run one process per model-parallel rank. Called outside torchrun with tp*pp > 1,
 `main` relaunches itself under `torch.distributed.run`.
 
-    python -m trainer_svc.megatron.convert to-megatron --hf DIR --out CKPT --tp 2 --pp 2
-    python -m trainer_svc.megatron.convert to-megatron --hf MOE_DIR --out CKPT --ep 2 --mtp deepseek
-    python -m trainer_svc.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
+    python -m trainer_svc.actor.megatron.convert to-megatron --hf DIR --out CKPT --tp 2 --pp 2
+    python -m trainer_svc.actor.megatron.convert to-megatron --hf MOE_DIR --out CKPT --ep 2 --mtp deepseek
+    python -m trainer_svc.actor.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, 
     import torch
     import torch.distributed as dist
 
-    from trainer_svc.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.actor import MegatronActor
 
     actor = MegatronActor.from_pretrained(hf_dir, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, mtp=mtp)
     ckpt = Path(out)
@@ -85,7 +85,7 @@ def to_hf(ckpt: str, out: str, dtype: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from trainer_svc.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.actor import MegatronActor
     from weightsync.bus.dtypes import parse_dtype
 
     meta = read_manifest(ckpt)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     need = _world_needed(args)
     if "WORLD_SIZE" not in os.environ and need > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={need}",
-               "-m", "trainer_svc.megatron.convert", *argv]
+               "-m", "trainer_svc.actor.megatron.convert", *argv]
         return subprocess.run(cmd, check=False).returncode
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) % need:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of {need} (the layout's world)")

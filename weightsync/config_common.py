@@ -1,0 +1,46 @@
+"""Config sections both services share: listen addresses, control-plane auth, logging.
+
+Each service embeds them with `section(...)` (trainer-svc and rollout-svc differ only in default
+ports), so a shared knob has one definition, one help text and one validation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.config import ConfigError, field, parse_host_port
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass
+class ServerConfig:
+    """Where the service listens."""
+    grpc_address: str = field("127.0.0.1:50051", help="gRPC listen address (control plane), host:port")
+    http_address: str = field("127.0.0.1:8081", help="HTTP listen address for /healthz, /readyz, /metrics")
+
+    def validate(self) -> None:
+        parse_host_port("grpc_address", self.grpc_address)
+        parse_host_port("http_address", self.http_address)
+
+
+@dataclass
+class AuthConfig:
+    """The shared control-plane token."""
+    auth_token: str = field("", help="shared control-plane token; when set, every RPC must carry it "
+                                     "(use auth_token_file in Kubernetes)")
+    auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")
+
+    def validate(self) -> None:
+        if self.auth_token and self.auth_token_file:
+            raise ConfigError("set auth_token or auth_token_file, not both")
+
+
+@dataclass
+class LogConfig:
+    """Process logging."""
+    log_level: str = field("INFO", choices=LOG_LEVELS, help="log level")
+    log_format: str = field("text", choices=("text", "json"),
+                            help="log format; json gives one structured object per line")
+
+    def validate(self) -> None:
+        pass
