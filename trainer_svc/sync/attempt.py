@@ -1,0 +1,151 @@
+"""One pass of a sync over its targets: prepare → stream → commit, then abort whoever failed.
+
+With tcp and ipc, targets succeed or fail individually. With nccl (a group-wide session) a
+target that fails the prepare stops the whole pass, and the attempt names the targets of a retry:
+every member with a new group when the cached group was refused (a restarted member), else the
+members that prepared, which form a group without the one that could not.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from trainer_svc.registry import RolloutEntry
+from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.pipeline import stream_buckets
+from weightsync.bus.plan import Manifest, manifest_to_proto
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+class SyncAttempt:
+    def __init__(self, orch, session, manifest: Manifest, targets: list[RolloutEntry], deadline: float,
+                 phases: PhaseClock):
+        self.orch, self.session, self.manifest, self.deadline, self.phases = orch, session, manifest, deadline, phases
+        self.targets = targets
+        self.by_id = {e.rollout_id: e for e in targets}
+        self.results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
+        #: rollout_id -> PrepareSync answer of every target still in the sync
+        self.prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
+        #: the targets of a retry ([] for none)
+        self.retry: list[RolloutEntry] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
+        """The results and the targets of a retry ([] for none)."""
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.targets)), thread_name_prefix="sync-rpc")
+        try:
+            with self.phases("prepare"):
+                self.prepare()
+            with self.phases("stream"):
+                checksums = self.stream()
+            with self.phases("commit"):
+                self.commit(checksums)
+                self.abort_failed()
+        finally:
+            self._pool.shutdown(wait=True)
+        return self.results, self.retry
+
+    def _left(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def _fail(self, rid: str, reason: str, err: str) -> None:
+        self.orch._fail(self.results[rid], self.by_id[rid], reason, err)
+
+    # ---- prepare ----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """PrepareSync on every target; keeps those that prepared and whose answer the session accepts."""
+        manifest_pb = manifest_to_proto(self.manifest)  # once: it is the same for every target
+        calls = []
+        for e in self.targets:
+            req = rollout_pb2.PrepareSyncRequest(manifest=manifest_pb, timeout_seconds=self._left(),
+                                                 transport=self.session.spec_for(e))
+            calls.append((e, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
+        for e, fut in calls:
+            resp, err = fut.result()
+            err = err or self.session.accept(e, resp)
+            if err:
+                self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
+            else:
+                self.prepared[e.rollout_id] = resp
+        if self.session.group_wide and len(self.prepared) < len(self.targets):
+            self._stop_group()
+
+    def _stop_group(self) -> None:
+        """A group-wide session cannot start without every member: fail (or retry) the ones that prepared."""
+        if self.session.reused:
+            self.retry = list(self.targets)  # a member that restarted no longer holds the cached group
+        elif self.prepared:
+            # One rollout that cannot take part (unreachable, no GPU, a GPU already in the
+            # group) must not hold back the others: they form a group without it.
+            self.retry = [self.by_id[rid] for rid in self.prepared]
+        bad = [r for r in self.results.values() if r.rollout_id not in self.prepared]
+        why = f"{bad[0].rollout_id}: {bad[0].error}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        for rid in self.prepared:
+            msg = f"{self.session.name}: not started: every member of the group must prepare, and {why}"
+            if self.retry:  # superseded by the retry's result: not a failure of this rollout
+                self.results[rid].ok, self.results[rid].error = False, msg
+            else:
+                self._fail(rid, "transport", msg)
+        self.prepared.clear()
+
+    # ---- stream -----------------------------------------------------------------------------
+    def stream(self) -> list[int]:
+        """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
+        checksums: list[int] = []
+        ok, reason = False, "no target prepared"
+        export = iter(self.orch.actor.export_tensors()) if self.prepared else iter(())
+        if self.prepared:
+            try:
+                checksums = self._send(export)
+                ok = True
+            except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
+                reason = f"stream: {exc}"
+                if not isinstance(exc, (OSError, TimeoutError, ValueError, RuntimeError)):
+                    log.exception("sync %s: unexpected stream failure", self.manifest.sync_id)
+                for rid in list(self.prepared):
+                    self._fail(rid, "transport", f"{self.session.name} {reason}")
+                self.prepared.clear()
+        self.session.finish(ok, reason)
+        # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
+        for _ in export:
+            pass
+        return checksums
+
+    def _send(self, export) -> list[int]:
+        channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
+        try:
+            return stream_buckets(self.manifest, export, channel, device=self.session.device,
+                                  timeout=self._left()).checksums
+        finally:
+            for rid, err in channel.failures().items():
+                if rid in self.prepared:
+                    self.prepared.pop(rid)
+                    self._fail(rid, "transport", err)
+            channel.close()
+
+    # ---- commit / abort ---------------------------------------------------------------------
+    def commit(self, checksums: list[int]) -> None:
+        """CommitSync on every target still in the sync."""
+        req = rollout_pb2.CommitSyncRequest(sync_id=self.manifest.sync_id, version=self.manifest.version)
+        for i, c in enumerate(checksums):
+            req.checksums.add(index=i, checksum=c)
+        calls = [(rid, self._pool.submit(self.orch._call, self.by_id[rid], "CommitSync", req)) for rid in self.prepared]
+        for rid, fut in calls:
+            resp, err = fut.result()
+            e, r = self.by_id[rid], self.results[rid]
+            if err:
+                self._fail(rid, "commit_failed", f"commit: {err}")
+            else:
+                r.ok, r.version = True, resp.version
+                e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
+                e.origin = self.orch.origin
+
+    def abort_failed(self) -> None:
+        """AbortSync on every target that did not commit, so none is left holding a prepared sync."""
+        req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
+        failed = [self.by_id[r.rollout_id] for r in self.results.values() if not r.ok]
+        for f in [self._pool.submit(self.orch._call, e, "AbortSync", req) for e in failed]:
+            f.result()

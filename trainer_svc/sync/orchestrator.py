@@ -1,0 +1,166 @@
+"""Sync orchestration on the trainer: prepare every target → stream buckets → commit, or abort.
+
+With tcp and ipc, targets succeed or fail individually: a rollout that rejects the manifest,
+drops off the bus or fails its commit is aborted and reported, and the others still commit.
+With nccl a failure to join or during the stream is group-wide (a collective needs every rank):
+every target of that sync is aborted. A rollout that fails the prepare (unreachable, no GPU, a
+GPU already in the group) is left out instead, and the others are synced in a group without it
+(a retry within the same Sync call). Every rollout ends on a complete version: the new one if
+it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
+mode — see rollout_svc.transaction). Each transport's sender lives in weightsync/bus/{tcp,nccl,ipc}/sender.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+import torch
+
+from trainer_svc.registry import RolloutEntry, RolloutRegistry
+from trainer_svc.sync.attempt import SyncAttempt
+from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.checksum import ALGO
+from weightsync.bus.ipc.sender import IpcSender
+from weightsync.bus.nccl.sender import NcclSender
+from weightsync.bus.plan import make_manifest
+from weightsync.bus.tcp.sender import TcpSender
+from weightsync.control.client import describe_rpc_error
+from weightsync.obs.metrics import SyncMetrics
+from weightsync.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+class SyncInProgress(RuntimeError):
+    pass
+
+
+class SyncOrchestrator:
+    def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
+                 token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
+                 origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
+                 on_nccl_group_build=None):
+        self.actor = actor
+        self.actor_lock = actor_lock
+        self.registry = registry
+        self.metrics = metrics
+        self.token = token
+        self.bucket_bytes = bucket_bytes
+        self.default_transport = default_transport
+        self.sync_timeout = sync_timeout
+        self.rpc_timeout = rpc_timeout
+        self.origin = origin
+        self.device = torch.device(device)
+        self.transports = {"tcp": TcpSender(token),
+                           "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
+                                            call=self._call),
+                           "ipc": IpcSender(self.device, self._call)}
+        self.last_report = trainer_pb2.SyncReport()
+        self.in_progress = False
+
+    def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
+             wait_s: float = 0.0) -> trainer_pb2.SyncReport:
+        transport = transport or self.default_transport
+        timeout = timeout or self.sync_timeout
+        if transport not in self.transports:
+            raise ValueError(f"transport={transport!r} must be one of {sorted(self.transports)}")
+        if not self.actor_lock.acquire(timeout=wait_s):
+            raise SyncInProgress("another sync or weight load is running; retry when it finishes")
+        try:
+            self.in_progress = True
+            self.metrics.in_progress.set(1)
+            return self._sync_locked(targets, transport, timeout)
+        finally:
+            self.in_progress = False
+            self.metrics.in_progress.set(0)
+            self.actor_lock.release()
+
+    def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float) -> trainer_pb2.SyncReport:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        phases = PhaseClock()
+        by_id = {e.rollout_id: e for e in targets}
+        results: dict[str, trainer_pb2.RolloutSyncResult] = {}
+        for attempt in (1, 2, 3):
+            with phases("plan"):
+                session, manifest = self._plan(targets, transport)
+            report = trainer_pb2.SyncReport(sync_id=manifest.sync_id, version=manifest.version, transport=transport,
+                                            bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
+                                            num_tensors=manifest.num_tensors)
+            if not targets:
+                report.ok = False
+                log.warning("sync %s: no rollout registered", manifest.sync_id)
+                self.last_report = report
+                return report
+            log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
+                     manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
+                     manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
+            attempt_results, retry = SyncAttempt(self, session, manifest, targets, deadline, phases).run()
+            results.update(attempt_results)  # a retried rollout's result replaces its earlier one
+            if not retry or attempt == 3:
+                break
+            self._log_retry(manifest.sync_id, targets, retry)
+            targets = retry
+        self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
+        self.last_report = report
+        return report
+
+    def _plan(self, targets: list[RolloutEntry], transport: str):
+        """(the transport's session for this sync or None without targets, the manifest of the actor's weights)."""
+        version = self.actor.version
+        sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
+        # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
+        session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
+        manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
+                                 bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
+                                 checksum_algo=ALGO, origin=self.origin)
+        return session, manifest
+
+    @staticmethod
+    def _log_retry(sync_id: str, targets: list[RolloutEntry], retry: list[RolloutEntry]) -> None:
+        if len(retry) == len(targets):
+            log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
+                        sync_id)
+        else:
+            left_out = sorted({e.rollout_id for e in targets} - {e.rollout_id for e in retry})
+            log.warning("sync %s: %s could not take part; retrying with the %d rollout(s) that prepared",
+                        sync_id, ", ".join(left_out), len(retry))
+
+    def _report(self, report: trainer_pb2.SyncReport, results: dict[str, trainer_pb2.RolloutSyncResult],
+                by_id: dict[str, RolloutEntry], manifest, phases: PhaseClock, elapsed: float) -> None:
+        """Fill the report of the sync and record its metrics."""
+        for r in results.values():
+            r.seconds = elapsed
+            by_id[r.rollout_id].last_sync_seconds = elapsed
+        report.rollouts.extend(results.values())
+        report.ok = all(r.ok for r in results.values())
+        report.seconds = elapsed
+        for name, seconds in phases.seconds.items():
+            report.phase_seconds[name] = seconds
+            self.metrics.sync_phase.labels(self.metrics.role, name).observe(seconds)
+        report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
+        committed = sum(r.ok for r in results.values())
+        self.metrics.sync_duration.observe(elapsed)
+        self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
+        self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
+        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s)", report.sync_id, committed,
+                 len(results), elapsed, report.gbps, phases)
+
+    def is_current(self, entry: RolloutEntry) -> bool:
+        return entry.origin == self.origin and entry.version == self.actor.version
+
+    def _call(self, entry: RolloutEntry, method: str, request):
+        try:
+            return getattr(entry.stub(self.token, self.rpc_timeout), method)(request), ""
+        except grpc.RpcError as exc:
+            return None, describe_rpc_error(exc)
+
+    def _fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
+        result.ok, result.error = False, err
+        entry.last_error = err
+        self.metrics.failure(reason)
+        log.warning("sync to %s failed (%s): %s", entry.rollout_id, reason, err)
+
