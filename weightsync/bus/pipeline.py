@@ -1,9 +1,9 @@
 """The sending pipeline: export → pack bucket k+1 while bucket k is on the wire.
 
 A producer thread pulls tensors from the actor's export iterator and packs them into one of
-`num_buffers` reusable flat buffers; the calling thread hands filled buffers to the transport.
+`num_buffers` reusable flat buffers; the calling thread hands filled buffers to the channel.
 With two buffers, gathering/packing overlaps sending, and extra memory stays at two buckets
-plus whatever single tensor the exporter holds (principle 3 of DESIGN.md).
+plus whatever single tensor the exporter holds: a sync never materialises the whole model.
 """
 from __future__ import annotations
 
