@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine  # noqa: F401  (the real engine)
-from rollout_svc.transaction import SyncError, SyncTransaction
+from rollout_svc.transaction import SyncTransaction
+from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import make_manifest
 from weightsync.v1 import rollout_pb2

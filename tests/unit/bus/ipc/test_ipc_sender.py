@@ -1,88 +1,15 @@
-"""Transport sessions of the trainer and the rollout's GPU checks, with fakes for what needs a GPU."""
+"""The trainer's end of CUDA IPC: the session's GPU check and the push channel, with fakes for the GPU."""
 import threading
 
 import pytest
 import torch
 
-from rollout_svc.transaction import SyncError
 from weightsync.bus.errors import TransportError
-from weightsync.bus.gpu import require_cuda
 from weightsync.bus.ipc.handles import HandleCache
-from weightsync.bus.ipc.receiver import check_ipc
 from weightsync.bus.ipc.sender import IpcPushSender, IpcSender
-from weightsync.bus.nccl.sender import NcclGroupCache
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.v1 import bus_pb2, rollout_pb2
-
-
-class _Group:
-    def __init__(self, world):
-        self.world, self.aborted, self.healthy = world, "", True
-
-    def abort(self, reason):
-        self.aborted, self.healthy = reason, False
-
-
-class _Bus:
-    needs_cuda = False
-
-    def __init__(self):
-        self.ids = 0
-        self.opened = []
-
-    def new_unique_id(self):
-        self.ids += 1
-        return bytes([self.ids]) * 128
-
-    def open_group(self, uid, world, rank, device, timeout):
-        assert rank == 0
-        g = _Group(world)
-        self.opened.append(g)
-        return g
-
-
-def test_group_cache_is_keyed_by_membership_and_rebuilt_after_a_failure():
-    bus = _Bus()
-    cache = NcclGroupCache(bus, torch.device("cpu"))
-    p1 = cache.plan([("b", "h:2"), ("a", "h:1")])
-    assert p1.fresh and p1.world_size == 3 and (p1.rank_of("a"), p1.rank_of("b")) == (1, 2)
-    g1 = cache.join(p1, timeout=5)
-    p2 = cache.plan([("a", "h:1"), ("b", "h:2")])
-    assert not p2.fresh and p2.unique_id == p1.unique_id and p2.group_id == p1.group_id
-    assert cache.join(p2, timeout=5) is g1 and cache.builds == 1
-    # the same id at another address is another member (the pod was replaced)
-    p3 = cache.plan([("a", "h:9"), ("b", "h:2")])
-    assert p3.fresh and p3.unique_id != p1.unique_id and g1.aborted == "membership changed"
-    g3 = cache.join(p3, timeout=5)
-    g3.abort("NCCL error 6")
-    p4 = cache.plan([("a", "h:9"), ("b", "h:2")])
-    assert p4.fresh and p4.group_id != p3.group_id
-    cache.join(p4, timeout=5)
-    cache.invalidate("sync failed")
-    assert cache.plan([("a", "h:9"), ("b", "h:2")]).fresh and cache.builds == 3
-    with pytest.raises(KeyError, match="not a member"):
-        p4.rank_of("zz")
-
-
-def test_require_cuda_and_ipc_device_checks():
-    with pytest.raises(SyncError, match=r"transport nccl needs a CUDA engine.*runs on cpu.*--device cuda:N") as e:
-        require_cuda(torch.device("cpu"), "nccl", "builtin")
-    assert e.value.code == "FAILED_PRECONDITION"
-    gpu1 = torch.device("cuda:1")
-    assert require_cuda(gpu1, "nccl", "builtin") == gpu1
-    uuid_of = {1: "GPU-bbbb"}.__getitem__
-    spec = bus_pb2.IpcTransport(device_uuid="GPU-aaaa")
-    with pytest.raises(SyncError, match="trainer's buffers are on GPU GPU-aaaa, this rollout's engine is on GPU-bbbb") as e:
-        check_ipc(spec, gpu1, "builtin", uuid_of=lambda d: uuid_of(d.index))
-    assert e.value.code == "FAILED_PRECONDITION"
-    assert check_ipc(bus_pb2.IpcTransport(device_uuid="GPU-bbbb"), gpu1, "builtin",
-                     uuid_of=lambda d: uuid_of(d.index)) == "GPU-bbbb"
-    with pytest.raises(SyncError, match="device_uuid is empty") as e:
-        check_ipc(bus_pb2.IpcTransport(), gpu1, "builtin", uuid_of=lambda d: "x")
-    assert e.value.code == "INVALID_ARGUMENT"
-    with pytest.raises(SyncError, match="transport ipc needs a CUDA engine"):
-        check_ipc(spec, torch.device("cpu"), "builtin", uuid_of=lambda d: "x")
 
 
 class _Entry:

@@ -1,7 +1,7 @@
 """NCCL sync orchestration through the real services, over an in-process loopback instead of libnccl.
 
 A TrainerApp (hf backend) and RolloutApps (built-in engine) run on loopback gRPC ports; only the
-NCCL library is replaced (nccl_loopback.LoopbackBus: same interface, no GPU). What is checked is
+NCCL library is replaced (tests/support/nccl_loopback.py's LoopbackBus: same interface, no GPU). What is checked is
 ours: the rank plan, the group cache keyed by membership, rebuilds after a membership change, a
 failure or a restarted member, group-wide failure when a member cannot prepare or join, and the
 refusal of nccl by a CPU rollout. Real NCCL runs in tests/gpu/test_services_gpu.py.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from nccl_loopback import LoopbackBus
 
+from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2

@@ -6,7 +6,7 @@ import torch
 
 from rollout_svc.engine.base import SamplingParams
 from rollout_svc.engine.builtin import BuiltinEngine
-from tests.unit.engine.conftest import CONFIGS, qwen2_config
+from tests.unit.rollout_svc.engine.conftest import CONFIGS, qwen2_config
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 7]]
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
-from rollout_svc.transaction import SyncError, SyncTransaction
+from rollout_svc.transaction import SyncTransaction
+from weightsync.bus.errors import SyncError
 from weightsync.bus.checksum import ALGO, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest

@@ -1,0 +1,1 @@
+"""Helpers shared by tests (fakes, loopbacks); no tests here."""
