@@ -12,7 +12,7 @@ from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.control.auth import load_token
 from weightsync.control.grpc_server import ServiceServer
-from weightsync.models import family_of
+from weightsync.model_spec import family_of
 from weightsync.obs.http import HttpEndpoints
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2

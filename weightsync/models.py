@@ -52,14 +52,3 @@ def resolve_model(spec: str, field_name: str = "model") -> tuple[Any, str | None
         return cfg, (str(path) if has_weights else None)
     raise ValueError(f"{field_name}={spec!r} is neither a local HF directory with config.json nor one of "
                      f"{sorted(TINY)}")
-
-
-def family_of(config: Any) -> str:
-    """The rule-table family key of a transformers config."""
-    mt = getattr(config, "model_type", "")
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if mt == "qwen2":
-        return "qwen2-tied" if tied else "qwen2"
-    if mt in ("llama", "qwen3", "qwen3_moe", "qwen2_moe"):
-        return mt + ("-tied" if tied else "")
-    return mt

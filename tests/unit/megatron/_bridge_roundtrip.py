@@ -77,7 +77,7 @@ def main() -> None:
             res["load_equal"] = _all_ranks(all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
                                                for a, b in zip(pa, pb)))
             # the bridge alone, on the chunks the built-in rules loaded: a collective on every rank
-            conv = make_converter("mbridge", cfg, ref.family, ref.par, torch.float32)
+            conv = make_converter("mbridge", ref.spec, ref.par, torch.float32)
             bridge_map = dict(conv.export(ref.model, br.export_metas()))
             builtin = _driven_export(ref, rank)
             saved = Path(args.out).parent / f"saved-{Path(d).name}"

@@ -126,17 +126,17 @@ def test_missing_package_says_how_to_install(monkeypatch):
 def test_unknown_converter_and_unsupported_family_are_refused_before_any_import():
     cfg = types.SimpleNamespace(vocab_size=250, model_type="qwen3_moe")
     with pytest.raises(ValueError, match="converter='nope' is not one of builtin, mbridge, megatron-bridge"):
-        make_converter("nope", cfg, "qwen2", Parallelism(), torch.float32)
+        make_converter("nope", types.SimpleNamespace(hf_config=cfg, family="qwen2"), Parallelism(), torch.float32)
     with pytest.raises(ValueError, match="supports the families llama, qwen2, qwen3 .* not 'qwen3_moe'"):
-        make_converter("mbridge", cfg, "qwen3_moe", Parallelism(), torch.float32)
-    assert make_converter("builtin", cfg, "qwen3_moe", Parallelism(), torch.float32) is None
+        make_converter("mbridge", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32)
+    assert make_converter("builtin", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32) is None
 
 
 @pytest.mark.skipif(_installed("megatron.bridge"), reason="megatron-bridge is installed here")
 def test_megatron_bridge_absent_gives_the_install_line():
     cfg = types.SimpleNamespace(vocab_size=250, model_type="qwen2")
     with pytest.raises(BridgeUnavailable, match=r"needs the megatron-bridge package.*pip install megatron-bridge==0\.6\.2"):
-        make_converter("megatron-bridge", cfg, "qwen2", Parallelism(), torch.float32)
+        make_converter("megatron-bridge", types.SimpleNamespace(hf_config=cfg, family="qwen2"), Parallelism(), torch.float32)
 
 
 # ---- the config field -----------------------------------------------------------------------------

@@ -80,18 +80,19 @@ def test_tables_differ_where_the_families_do():
 
 
 def test_table_checked_against_transformers(make_config):
-    from trainer_svc.actor.megatron.hf_meta import export_plan
+    from trainer_svc.actor.megatron.hf_meta import build_spec, export_plan
 
     # the llama table has no q/k/v bias, the qwen2 model does: the first (sorted) unmapped one is named
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.bias.*12 unmapped"):
-        export_plan(make_config("qwen2"), "llama")
+        export_plan(build_spec(make_config("qwen2"), family="llama"))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        export_plan(make_config("qwen2"), "qwen2-tied")
+        export_plan(build_spec(make_config("qwen2"), family="qwen2-tied"))
 
 
 def test_layout_errors_name_the_field(make_config):
-    from trainer_svc.actor.megatron.model import check_layout, dims_of
+    from trainer_svc.actor.megatron.model import check_layout
     from trainer_svc.actor.megatron.parallel import Parallelism
+    from weightsync.model_spec import dims_of
 
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         dims_of(make_config("qwen2", num_key_value_heads=3))
@@ -104,9 +105,9 @@ def test_layout_errors_name_the_field(make_config):
 
 
 def test_export_metas_from_config_only(make_config):
-    from trainer_svc.actor.megatron.hf_meta import export_metas
+    from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
 
-    metas = export_metas(make_config("qwen3"), "qwen3", torch.bfloat16)
+    metas = export_metas(build_spec(make_config("qwen3")), torch.bfloat16)
     assert metas[0].name == "model.embed_tokens.weight" and metas[0].shape == (250, 64)
     assert metas[-1].name == "lm_head.weight" and all(m.dtype == torch.bfloat16 for m in metas)
     assert [m.name for m in metas if "layers.1." in m.name][0] == "model.layers.1.input_layernorm.weight"
@@ -250,10 +251,10 @@ def test_every_expert_layout_gets_the_same_global_names():
 
 
 def test_moe_and_mtp_shapes_come_from_the_checkpoint_layout(make_config):
-    from trainer_svc.actor.megatron.hf_meta import export_metas, hf_shapes
+    from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
 
     cfg = make_config("qwen3_moe", num_nextn_predict_layers=1)
-    shapes = hf_shapes(cfg, mtp="deepseek")
+    shapes = build_spec(cfg, mtp="deepseek").hf_shapes
     # on-disk per-expert names (transformers 5 fuses them in memory as experts.gate_up_proj)
     assert shapes["model.layers.0.mlp.experts.3.gate_proj.weight"] == (32, 64)
     assert shapes["model.layers.0.mlp.experts.3.down_proj.weight"] == (64, 32)
@@ -262,16 +263,17 @@ def test_moe_and_mtp_shapes_come_from_the_checkpoint_layout(make_config):
     assert shapes["model.layers.4.eh_proj.weight"] == (64, 128)
     assert shapes["model.layers.4.mlp.experts.0.up_proj.weight"] == (32, 64)   # last layer (3) is MoE
     assert shapes["model.layers.4.shared_head.head.weight"] == (250, 64)
-    metas = export_metas(cfg, "qwen3_moe", torch.bfloat16, mtp="deepseek")
+    metas = export_metas(build_spec(cfg, mtp="deepseek"), torch.bfloat16)
     assert {m.name for m in metas} == set(shapes) and len(metas) == len(shapes)
-    assert len(export_metas(cfg, "qwen3_moe", torch.bfloat16)) == len(shapes) - len(
+    assert len(export_metas(build_spec(cfg), torch.bfloat16)) == len(shapes) - len(
         [n for n in shapes if n.startswith("model.layers.4.")])
 
 
 def test_moe_config_errors_name_the_field(make_config):
-    from trainer_svc.actor.megatron.hf_meta import export_plan
-    from trainer_svc.actor.megatron.model import check_layout, dims_of, mtp_depth
+    from trainer_svc.actor.megatron.hf_meta import build_spec, export_plan
+    from trainer_svc.actor.megatron.model import check_layout
     from trainer_svc.actor.megatron.parallel import Parallelism
+    from weightsync.model_spec import dims_of, mtp_depth
 
     d = dims_of(make_config("qwen3_moe"))
     with pytest.raises(ValueError, match="num_experts=4 is not divisible by EP=3"):
@@ -284,4 +286,4 @@ def test_moe_config_errors_name_the_field(make_config):
         mtp_depth(make_config("qwen3_moe"), "deepseek")
     # a dense table on a MoE checkpoint: the first (sorted) unmapped expert tensor is named
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight.*unmapped"):
-        export_plan(make_config("qwen2_moe"), "qwen2")
+        export_plan(build_spec(make_config("qwen2_moe"), family="qwen2"))

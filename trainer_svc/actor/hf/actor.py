@@ -13,7 +13,7 @@ import torch
 
 from trainer_svc.actor.hf.train_backend import HfBackend
 from weightsync.bus.plan import TensorMeta
-from weightsync.models import family_of
+from weightsync.model_spec import family_of
 
 
 class HfActor:

@@ -31,28 +31,29 @@ class MegatronActor:
         multi-token-prediction layers under 'deepseek' or 'mimo' names ('off': ignore them);
         expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP)."""
         from trainer_svc.actor.megatron.commands import CommandChannel
-        from trainer_svc.actor.megatron.hf_meta import export_metas
-        from trainer_svc.actor.megatron.model import build_chunks, family_of_config
+        from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
+        from trainer_svc.actor.megatron.model import build_chunks
         from trainer_svc.actor.megatron.parallel import init_model_parallel, rank_map
 
+        #: the model's facts (family, dims, HF shapes, MTP), read from the HF config once
+        self.spec = build_spec(hf_config, mtp)
         self.config = hf_config
-        self.family = family_of_config(hf_config)
+        self.family = self.spec.family
         self.par = Parallelism(tp, pp, vpp, ep=ep, etp=etp)
-        self.mtp = mtp
         self.export_dtype = export_dtype
         init_model_parallel(self.par)
         self.rmap = rank_map()
         self.channel = CommandChannel()
-        self._metas = export_metas(hf_config, self.family, export_dtype, mtp)
+        self._metas = export_metas(self.spec, export_dtype)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
-        self.model = build_chunks(hf_config, self.par, seed=seed, params_dtype=params_dtype,
+        self.model = build_chunks(self.spec, self.par, seed=seed, params_dtype=params_dtype,
                                   init_weights=weights_dir is None if init_weights is None else init_weights,
-                                  mtp=mtp, expert_layout=expert_layout)
+                                  expert_layout=expert_layout)
         from trainer_svc.actor.megatron.bridge import make_converter
 
         #: None: the built-in rule tables convert; else a bridge package does (bridge.py), and the
         #: export order becomes the bridge's, checked once here against the built-in plan
-        self.converter = make_converter(converter, hf_config, self.family, self.par, params_dtype)
+        self.converter = make_converter(converter, self.spec, self.par, params_dtype)
         if self.converter is not None:
             self._metas = self.converter.plan(self.model, self._metas)
         self.version = 0
@@ -160,7 +161,7 @@ class MegatronActor:
             return self.converter.export(self.model, self._metas)
         from trainer_svc.actor.megatron.export import export_tensors
 
-        return export_tensors(self.model, self.config, self.family, self.par, self.rmap, self.export_dtype, self.mtp)
+        return export_tensors(self.model, self.spec, self.par, self.rmap, self.export_dtype)
 
     def _load_hf(self, path: str) -> None:
         from trainer_svc.actor.megatron.load import load_hf_into
@@ -168,5 +169,5 @@ class MegatronActor:
         if self.converter is not None:
             self.converter.load(self.model, path)
         else:
-            load_hf_into(self.model, path, self.config, self.family, self.par, self.mtp)
+            load_hf_into(self.model, path, self.spec, self.par)
         self.version += 1

@@ -139,11 +139,12 @@ def check_converter_name(name: str) -> str:
     return name
 
 
-def make_converter(name: str, hf_config, family: str, par, params_dtype: torch.dtype) -> BridgeConverter | None:
-    """None for the built-in rules; otherwise the bridge, imported and checked against its pinned
-    API. Call after the parallel state is initialised (a bridge reads it when built)."""
+def make_converter(name: str, spec, par, params_dtype: torch.dtype) -> BridgeConverter | None:
+    """None for the built-in rules; otherwise the bridge for `spec` (a ModelSpec), imported and checked
+    against its pinned API. Call after the parallel state is initialised (a bridge reads it when built)."""
     if check_converter_name(name) == BUILTIN:
         return None
+    hf_config, family = spec.hf_config, spec.family
     base = family[: -len("-tied")] if family.endswith("-tied") else family
     if base not in BRIDGE_FAMILIES:
         raise ValueError(f"converter={name!r} supports the families {', '.join(sorted(BRIDGE_FAMILIES))} "

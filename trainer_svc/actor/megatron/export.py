@@ -16,10 +16,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from trainer_svc.actor.megatron.hf_meta import export_plan, hf_shapes
-from trainer_svc.actor.megatron.model import dims_of, named_parameters_global
+from trainer_svc.actor.megatron.hf_meta import export_plan
+from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.parallel import Parallelism, RankMap, layer_owner
 from trainer_svc.actor.megatron.rules.base import LAYER, PRE, Dims, Rule, Site
+from weightsync.model_spec import ModelSpec
 
 
 def _owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:
@@ -66,18 +67,17 @@ def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> 
     return rmap.stage_leader[stage], rmap.in_replica0 and rmap.pp_rank == stage, "dense"
 
 
-def export_tensors(chunks, hf_config, family: str, par: Parallelism, rmap: RankMap,
-                   export_dtype: torch.dtype, mtp: str = "off") -> Iterator[tuple[str, torch.Tensor]]:
+def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap,
+                   export_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
-    d = dims_of(hf_config, mtp)
-    shapes = hf_shapes(hf_config, mtp)
+    d, shapes = spec.dims, spec.hf_shapes
     params = named_parameters_global(chunks)
     # dense parameters split over the TP group, expert parameters over the expert-TP group
     groups = {"dense": (ps.get_tensor_model_parallel_group(), par.tp, rmap.tp_rank)}
     if d.num_experts:
         groups["expert"] = (ps.get_expert_tensor_parallel_group(), par.expert_tp, rmap.etp_rank)
-    for rule, site, names in export_plan(hf_config, family, mtp):
+    for rule, site, names in export_plan(spec):
         leader, holds, kind = _owner(rule, site, d, par, rmap)
         group, size, group_rank = groups[kind]
         out: list[torch.Tensor] | None = None

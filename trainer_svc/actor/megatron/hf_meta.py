@@ -1,68 +1,52 @@
-"""What the HF side looks like, from config alone: tensor names and shapes, and the export order.
+"""What the HF side looks like, from the model spec alone: tensor names and shapes, and the export order.
 
-Names and shapes are those of the checkpoint on disk (what `save_pretrained` writes and SGLang's
-load_weights reads), taken from a transformers model on the meta device, so they are checked against
-the real architecture. transformers 5 keeps some tensors fused in memory (MoE experts as one
-`gate_up_proj` [E, 2F, H]) and converts them when saving; `revert_weight_conversion` applies that same
-conversion to the meta state dict. MTP layers are not part of any transformers model: their shapes
-come from the decoder layer they copy (see rules/mtp.py).
+Names and shapes are those of the checkpoint on disk (`ModelSpec.hf_shapes`, read once from a
+transformers model on the meta device, so they are checked against the real architecture). MTP
+layers are not part of any transformers model: `build_spec` adds their names from the rule tables
+and their shapes from the decoder layer they copy (see rules/mtp.py).
 """
 from __future__ import annotations
 
 import torch
 
-from weightsync.bus.plan import TensorMeta
 from trainer_svc.actor.megatron.rules import Rule, Site, rules_for
-
-_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
-
-
-def _model_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    # keyed by the config's JSON so an export does not rebuild the meta model every time
-    key = hf_config.to_json_string(use_diff=False)
-    if key not in _SHAPES:
-        from transformers import AutoModelForCausalLM
-        from transformers.core_model_loading import revert_weight_conversion
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-        on_disk = revert_weight_conversion(model, model.state_dict())
-        _SHAPES.clear()
-        _SHAPES[key] = {n: tuple(t.shape) for n, t in on_disk.items()}
-    return _SHAPES[key]
+from weightsync.bus.plan import TensorMeta
+from weightsync.model_spec import ModelSpec
 
 
-def hf_shapes(hf_config, mtp: str = "off") -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor of the checkpoint (plus its MTP layers when mtp is on)."""
-    from trainer_svc.actor.megatron.model import dims_of, family_of_config
+def _mtp_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     from trainer_svc.actor.megatron.rules.mtp import mtp_hf_shape
 
-    shapes = dict(_model_shapes(hf_config))
-    if mtp != "off":
-        d = dims_of(hf_config, mtp)
-        for rule, site in rules_for(family_of_config(hf_config), mtp=mtp).ordered(d):
-            if rule.per_mtp:
-                for n in rule.hf_names(site, d.num_layers):
-                    shapes[n] = mtp_hf_shape(n, d, shapes)
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.mtp == "off":
+        return shapes
+    d = spec.dims
+    for rule, site in rules_for(spec.family, mtp=spec.mtp).ordered(d):
+        if rule.per_mtp:
+            for n in rule.hf_names(site, d.num_layers):
+                shapes[n] = mtp_hf_shape(n, d, spec.hf_shapes)
     return shapes
 
 
-def export_plan(hf_config, family: str, mtp: str = "off") -> list[tuple[Rule, Site, list[str]]]:
-    """(rule, site, HF names) in export order; refuses a table that misses or invents tensors."""
-    from trainer_svc.actor.megatron.model import dims_of
+def build_spec(hf_config, mtp: str = "off", family: str | None = None) -> ModelSpec:
+    """The Megatron actor's ModelSpec: the checkpoint's tensors plus its MTP layers when mtp is on.
+    `family` overrides the config's own (to check a rule table against another model)."""
+    return ModelSpec.from_hf(hf_config, mtp, family=family, extra_shapes=_mtp_shapes)
 
-    table = rules_for(family, mtp=mtp)
-    if table.tied != bool(getattr(hf_config, "tie_word_embeddings", False)):
-        raise ValueError(f"family {family!r} and tie_word_embeddings={hf_config.tie_word_embeddings} disagree")
-    d = dims_of(hf_config, mtp)
-    shapes = hf_shapes(hf_config, mtp)
+
+def export_plan(spec: ModelSpec) -> list[tuple[Rule, Site, list[str]]]:
+    """(rule, site, HF names) in export order; refuses a table that misses or invents tensors."""
+    family, shapes, d = spec.family, spec.hf_shapes, spec.dims
+    table = rules_for(family, mtp=spec.mtp)
+    if table.tied != spec.tied:
+        raise ValueError(f"family {family!r} and tie_word_embeddings={spec.hf_config.tie_word_embeddings} disagree")
     plan, named = [], set()
     for rule, site in table.ordered(d):
         names = rule.hf_names(site, d.num_layers)
         for n in names:
             if n not in shapes:
                 raise ValueError(f"tensor {n}: the {family!r} rule table names it but the transformers "
-                                 f"{hf_config.model_type} model has no such tensor")
+                                 f"{spec.hf_config.model_type} model has no such tensor")
         named.update(names)
         plan.append((rule, site, names))
     unmapped = sorted(set(shapes) - named - ({"lm_head.weight"} if table.tied else set()))
@@ -72,7 +56,5 @@ def export_plan(hf_config, family: str, mtp: str = "off") -> list[tuple[Rule, Si
     return plan
 
 
-def export_metas(hf_config, family: str, export_dtype: torch.dtype, mtp: str = "off") -> list[TensorMeta]:
-    shapes = hf_shapes(hf_config, mtp)
-    return [TensorMeta(n, shapes[n], export_dtype) for _, _, names in export_plan(hf_config, family, mtp)
-            for n in names]
+def export_metas(spec: ModelSpec, export_dtype: torch.dtype) -> list[TensorMeta]:
+    return [TensorMeta(n, spec.hf_shapes[n], export_dtype) for _, _, names in export_plan(spec) for n in names]

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer_svc.actor.megatron.hf_meta import hf_shapes
-from trainer_svc.actor.megatron.model import dims_of, named_parameters_global, padded_vocab_size
+from trainer_svc.actor.megatron.model import named_parameters_global, padded_vocab_size
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.rules import Rule, rules_for
+from weightsync.model_spec import ModelSpec
 
 
 def _tp_slice(sl, full_shape, rule: Rule, tp: int, tp_rank: int, vocab_size: int) -> torch.Tensor:
@@ -75,24 +75,23 @@ def _agree_on_errors(error: str | None) -> None:
     raise ValueError(bytes(buf.cpu().numpy()).decode(errors="replace") + f" (on rank {src})")
 
 
-def load_hf_into(chunks, path: str, hf_config, family: str, par: Parallelism, mtp: str = "off") -> None:
+def load_hf_into(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
     """Collective: every rank calls it; an error on any rank is raised on all of them."""
     error = None
     try:
-        _load(chunks, path, hf_config, family, par, mtp)
+        _load(chunks, path, spec, par)
     except ValueError as e:
         error = str(e)
     _agree_on_errors(error)
 
 
-def _load(chunks, path: str, hf_config, family: str, par: Parallelism, mtp: str) -> None:
+def _load(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
     from megatron.core import parallel_state as ps
     from safetensors import safe_open
     from tqdm import tqdm
 
-    table = rules_for(family, mtp=mtp)
-    d = dims_of(hf_config, mtp)
-    shapes = hf_shapes(hf_config, mtp)
+    table = rules_for(spec.family, mtp=spec.mtp)
+    d, shapes = spec.dims, spec.hf_shapes
     where = index_safetensors(path)
     tp, tp_rank = par.tp, ps.get_tensor_model_parallel_rank()
     etp, etp_rank = par.expert_tp, (ps.get_expert_tensor_parallel_rank() if d.num_experts else 0)

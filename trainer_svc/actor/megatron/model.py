@@ -1,6 +1,6 @@
 """Build megatron-core GPTModel chunks (local layer spec) that mirror a transformers config.
 
-Every field that decides the math is taken from the HF config and checked: anything the rule tables
+The model's facts come from its `ModelSpec` (weightsync/model_spec.py); every field that decides the math is taken from the HF config and checked: anything the rule tables
 or this builder do not reproduce exactly (sliding windows, other activations, MLP biases, unknown
 RoPE scaling) is refused with a ValueError naming the field, rather than silently diverging.
 """
@@ -8,46 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from trainer_svc.actor.megatron.moe import check_moe_supported, moe_config_fields, moe_layer_pattern
+from trainer_svc.actor.megatron.moe import check_moe_supported, moe_config_fields
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.rules import Dims, family_features
+from weightsync.model_spec import ModelSpec
 
 # Megatron pads the vocabulary so every TP rank's slice is equal and GEMM-friendly (its default).
 VOCAB_DIVISIBLE_BY = 128
-
-
-def family_of_config(hf_config) -> str:
-    from weightsync.models import family_of
-
-    return family_of(hf_config)
-
-
-def mtp_depth(hf_config, mtp: str) -> int:
-    """How many MTP layers to carry: the config's num_nextn_predict_layers when MTP is on."""
-    from trainer_svc.actor.megatron.rules.mtp import check_style
-
-    if check_style(mtp) == "off":
-        return 0
-    n = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
-    if n < 1:
-        raise ValueError(f"mtp={mtp!r} but the HF config has no num_nextn_predict_layers >= 1 (model_type="
-                         f"{hf_config.model_type!r}); set mtp=off or use a checkpoint with MTP layers")
-    return n
-
-
-def dims_of(hf_config, mtp: str = "off") -> Dims:
-    c = hf_config
-    heads = c.num_attention_heads
-    groups = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    if heads % groups:
-        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    moe_layers = moe_layer_pattern(c)
-    return Dims(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_heads=heads, num_query_groups=groups,
-                head_dim=head_dim, ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
-                num_experts=int(getattr(c, "num_experts", 0) or 0) if any(moe_layers) else 0,
-                moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0) if any(moe_layers) else 0,
-                moe_layers=moe_layers, mtp_layers=mtp_depth(c, mtp))
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -107,14 +74,14 @@ def _check_supported(hf_config, features: dict) -> None:
     check_moe_supported(c, features)
 
 
-def transformer_config(hf_config, par: Parallelism, *, params_dtype: torch.dtype = torch.float32,
-                       init_weights: bool = True, mtp: str = "off", expert_layout: str = "sequential"):
+def transformer_config(spec: ModelSpec, par: Parallelism, *, params_dtype: torch.dtype = torch.float32,
+                       init_weights: bool = True, expert_layout: str = "sequential"):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    features = family_features(family_of_config(hf_config))
+    hf_config, d = spec.hf_config, spec.dims
+    features = family_features(spec.family)
     _check_supported(hf_config, features)
-    d = dims_of(hf_config, mtp)
     check_layout(d, par)
     if expert_layout == "grouped" and params_dtype != torch.bfloat16:
         raise ValueError(f"expert_layout='grouped' (megatron's GroupedMLP) runs in bfloat16 only, not {params_dtype}")
@@ -175,8 +142,8 @@ def _layer_spec(cfg, features: dict, vp_stage: int | None):
     return get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
 
 
-def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True, mtp: str = "off", expert_layout: str = "sequential") -> list:
+def build_chunks(spec: ModelSpec, par: Parallelism, *, seed: int = 0, params_dtype: torch.dtype = torch.float32,
+                 init_weights: bool = True, expert_layout: str = "sequential") -> list:
     """This rank's GPTModel chunks, one per virtual pipeline stage. Parallel state must be initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -186,8 +153,9 @@ def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: to
 
     apply_cpu_compat()
     apply_megatron_fixes()
-    features = family_features(family_of_config(hf_config))
-    cfg = transformer_config(hf_config, par, params_dtype=params_dtype, init_weights=init_weights, mtp=mtp,
+    hf_config = spec.hf_config
+    features = family_features(spec.family)
+    cfg = transformer_config(spec, par, params_dtype=params_dtype, init_weights=init_weights,
                              expert_layout=expert_layout)
     model_cls = _gpt_model_class(cfg.mtp_num_layers is not None)
     torch.manual_seed(seed)
@@ -195,11 +163,11 @@ def build_chunks(hf_config, par: Parallelism, *, seed: int = 0, params_dtype: to
     chunks = []
     for vp in range(par.vpp):
         vp_stage = vp if par.vpp > 1 else None
-        spec = _layer_spec(cfg, features, vp_stage)
-        mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False, vp_stage=vp_stage) \
+        layer_spec = _layer_spec(cfg, features, vp_stage)
+        mtp_spec = get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False, vp_stage=vp_stage) \
             if cfg.mtp_num_layers else None
         chunk = model_cls(
-            cfg, spec, vocab_size=padded_vocab_size(hf_config.vocab_size, par.tp),
+            cfg, layer_spec, vocab_size=padded_vocab_size(hf_config.vocab_size, par.tp),
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

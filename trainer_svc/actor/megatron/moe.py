@@ -9,17 +9,6 @@ import torch
 EXPERT_LAYOUTS = ("sequential", "grouped")
 
 
-def moe_layer_pattern(hf_config) -> tuple[bool, ...]:
-    """Which decoder layers are MoE, by the rule Qwen2/Qwen3-MoE's modeling code applies
-    (not in mlp_only_layers, and (i + 1) % decoder_sparse_step == 0)."""
-    experts = int(getattr(hf_config, "num_experts", 0) or 0)
-    if not experts:
-        return ()
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
-
-
 def check_moe_supported(hf_config, features: dict) -> None:
     c = hf_config
     if not features["moe"]:

@@ -140,7 +140,7 @@ class MegatronBackend:
 
         cpu_state, tracker = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
         try:
-            ref = build_chunks(self.actor.config, self.actor.par, init_weights=False,
+            ref = build_chunks(self.actor.spec, self.actor.par, init_weights=False,
                                params_dtype=next(self.chunks[0].parameters()).dtype)
         finally:
             torch.set_rng_state(cpu_state)

@@ -19,28 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Dims:
-    """The shape facts transforms and the export order need, taken from the HF config."""
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_layers: tuple[bool, ...] = ()    # per decoder layer: is its MLP a mixture of experts?
-    mtp_layers: int = 0                  # multi-token-prediction depths exported (0: MTP off)
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_query_groups
-
-    def layer_kind(self, layer: int) -> str:
-        return MOE if self.moe_layers and self.moe_layers[layer] else DENSE
+from weightsync.model_spec import DENSE, MOE, Dims
 
 
 @dataclass(frozen=True)
@@ -55,7 +34,7 @@ class Transform:
 #: final norm, the output layer and the MTP block, which megatron places on the last stage)
 PRE, LAYER, POST = "pre", "layer", "post"
 #: which decoder layers a layer rule applies to
-ALL, DENSE, MOE = "all", "dense", "moe"
+ALL = "all"  # with DENSE and MOE (weightsync.model_spec): which decoder layers a rule covers
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from trainer_svc.actor.megatron.rules.base import LAYER, Dims, Rule
+from weightsync.model_spec import MTP_STYLES, check_mtp_style  # noqa: F401 (MTP_STYLES re-exported)
 from trainer_svc.actor.megatron.rules.transforms import IDENTITY, SWAP_HALVES
 
-MTP_STYLES = ("off", "deepseek", "mimo")
 M = "mtp.layers.{mtp}."
 _PREFIX = {"deepseek": "model.layers.{mtp_layer}.", "mimo": "model.mtp_layers.{mtp}."}
-
-
-def check_style(mtp: str) -> str:
-    if mtp not in MTP_STYLES:
-        raise ValueError(f"mtp={mtp!r} is not one of {MTP_STYLES}")
-    return mtp
 
 
 def _as_mtp_layer(rule: Rule, prefix: str) -> Rule:
@@ -41,7 +35,7 @@ def _as_mtp_layer(rule: Rule, prefix: str) -> Rule:
 
 
 def mtp_rules(style: str, layer_rules: Sequence[Rule], *, tied: bool) -> tuple[Rule, ...]:
-    if check_style(style) == "off":
+    if check_mtp_style(style) == "off":
         return ()
     p = _PREFIX[style]
     block = [_as_mtp_layer(r, p) for r in layer_rules if r.section == LAYER]
