@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[5]
 
 
 def _convert(*argv: str) -> subprocess.CompletedProcess:

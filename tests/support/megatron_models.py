@@ -1,4 +1,7 @@
-"""Tiny random HF checkpoints for the Megatron tests (no hub downloads)."""
+"""Tiny random HF checkpoints for the Megatron tests (no hub downloads), and a torchrun launcher.
+
+Shared by the tests under tests/unit/trainer_svc/actor/megatron/ and the torchrun scripts beside this
+module (`SUPPORT / "_dist_roundtrip.py"` ...)."""
 from __future__ import annotations
 
 import os
@@ -6,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+SUPPORT = Path(__file__).resolve().parent
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
@@ -97,17 +99,6 @@ def add_mtp_layers(hf_dir: Path, style: str, depth: int = 1, seed: int = 1) -> P
     cfg["num_nextn_predict_layers"] = depth
     (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return hf_dir
-
-
-@pytest.fixture(name="make_config")
-def make_config_fixture():
-    return make_config
-
-
-@pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {f: save_random_hf(make_config(f), root / f, seed=i) for i, f in enumerate(FAMILIES)}
 
 
 def torchrun(script: Path, nproc: int, args: list[str], timeout: float, backend_env: dict | None = None):

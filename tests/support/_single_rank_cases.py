@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _err(fn) -> str:
@@ -26,7 +25,7 @@ def _err(fn) -> str:
 def main() -> None:
     from safetensors.torch import load_file, save_file
 
-    from conftest import make_config, save_random_hf
+    from tests.support.megatron_models import make_config, save_random_hf
     from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.model import forward_logits
 

@@ -6,9 +6,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.unit.train.conftest import make_request  # noqa: E402
+from tests.support.train_requests import make_request  # noqa: E402
 from trainer_svc.actor.megatron.actor import MegatronActor  # noqa: E402
 from trainer_svc.train import collective  # noqa: E402
 from trainer_svc.config import CheckpointConfig, OptimConfig  # noqa: E402

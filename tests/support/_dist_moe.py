@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # layout name -> (MegatronActor parallel kwargs, cases: (dir key, mtp, expert layout))
 LAYOUTS = {

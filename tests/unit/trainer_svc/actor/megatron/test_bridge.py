@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import torchrun
+from tests.support.megatron_models import SUPPORT, torchrun
 from trainer_svc.actor.megatron.bridge import BridgeConverter, BridgeUnavailable, make_converter
 from trainer_svc.actor.megatron.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
                                                   missing_package_error, require_bridge)
 from trainer_svc.actor.megatron.parallel import Parallelism
 from weightsync.bus.plan import TensorMeta
 
-HERE = Path(__file__).resolve().parent
 BRIDGE_FAMILIES = ["qwen2", "llama", "qwen3", "qwen2-tied"]
 HAS_MBRIDGE = importlib.util.find_spec("mbridge") is not None
 
@@ -307,7 +306,7 @@ LAYOUTS = [(2, 2, 1, "float32"), (1, 2, 2, "bfloat16")]
 @pytest.mark.parametrize("tp,pp,vpp,dtype", LAYOUTS, ids=[f"tp{t}-pp{p}-vpp{v}-{d}" for t, p, v, d in LAYOUTS])
 def test_builtin_and_mbridge_give_the_same_tensors(tp, pp, vpp, dtype, hf_dirs, tmp_path):
     out = tmp_path / "report.json"
-    proc = torchrun(HERE / "_bridge_roundtrip.py", tp * pp,
+    proc = torchrun(SUPPORT / "_bridge_roundtrip.py", tp * pp,
                     ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--dtype", dtype, "--out", str(out),
                      *[str(hf_dirs[f]) for f in BRIDGE_FAMILIES]], timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]

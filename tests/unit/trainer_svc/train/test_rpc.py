@@ -5,7 +5,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from tests.unit.train.conftest import make_request
+from tests.support.train_requests import make_request
 from trainer_svc.train.rpc import TrainingServicerMixin
 from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
 

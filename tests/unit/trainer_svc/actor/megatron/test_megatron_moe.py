@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import add_mtp_layers, make_config, save_random_hf, torchrun
+from tests.support.megatron_models import SUPPORT, add_mtp_layers, make_config, save_random_hf, torchrun
 
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def moe_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def report(moe_dirs, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("moe-run") / "report.json"
-    proc = torchrun(HERE / "_dist_moe.py", 2, ["--out", str(out), "--dirs", json.dumps(moe_dirs)], timeout=300)
+    proc = torchrun(SUPPORT / "_dist_moe.py", 2, ["--out", str(out), "--dirs", json.dumps(moe_dirs)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.train.conftest import make_request
+from tests.support.train_requests import make_request
 from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_svc.config import OptimConfig
 from trainer_svc.train.step import compute_logprobs, train_step, train_state
 
 pytest.importorskip("megatron.core")
-HERE = Path(__file__).parent
+SUPPORT = Path(__file__).resolve().parents[3] / "support"
 
 
 def _actor(seed=1, **settings):
@@ -76,7 +76,7 @@ def test_megatron_loss_decreases_and_checkpoint_resume_is_exact(tmp_path):
 def test_parallel_layouts_match_tp1(tmp_path, layout):
     tp, pp = layout
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = str(HERE / "_mp_worker.py")
+    script = str(SUPPORT / "_mp_worker.py")
     single = subprocess.run([sys.executable, script, str(tmp_path / "tp1.json"), "1", "1", str(tmp_path / "w")], capture_output=True,
                             text=True, timeout=300, env=env)
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]

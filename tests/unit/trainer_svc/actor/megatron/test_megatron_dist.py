@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAMILIES, torchrun
+from tests.support.megatron_models import FAMILIES, SUPPORT, torchrun
 
-HERE = Path(__file__).resolve().parent
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]
 
 
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS, ids=[f"tp{t}-pp{p}-vpp{v}" for t, p, v in LAYOUTS])
 def test_hf_megatron_hf_roundtrip(tp, pp, vpp, hf_dirs, tmp_path):
     out = tmp_path / "report.json"
-    proc = torchrun(HERE / "_dist_roundtrip.py", tp * pp,
+    proc = torchrun(SUPPORT / "_dist_roundtrip.py", tp * pp,
                     ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--out", str(out),
                      *[str(hf_dirs[f]) for f in FAMILIES]], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -46,7 +45,7 @@ def test_single_rank_errors_versions_seed_backward(hf_dirs, tmp_path):
 
     shutil.copytree(hf_dirs["qwen2"], tmp_path / "qwen2")
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(HERE / "_single_rank_cases.py"), str(tmp_path), str(out)],
+    proc = subprocess.run([sys.executable, str(SUPPORT / "_single_rank_cases.py"), str(tmp_path), str(out)],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rep = json.loads(out.read_text())

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.unit.train.conftest import make_request
+from tests.support.train_requests import make_request
 from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_svc.train.step import compute_logprobs, train_step, train_state
 

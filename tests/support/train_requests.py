@@ -1,4 +1,4 @@
-import pytest
+"""Training requests for the trainer tests (and the torchrun worker tests/support/_mp_worker.py)."""
 import torch
 
 from weightsync.v1 import trainer_pb2
@@ -15,19 +15,3 @@ def make_request(seed=0, n_groups=4, group=4, prompt_len=5, resp_len=6, vocab=25
                                                reward=sum(t < 32 for t in r) / len(r) + 0.1 * (i % group)))
     lc = trainer_pb2.LossConfig(algorithm="grpo", **loss)
     return trainer_pb2.TrainStepRequest(samples=samples, loss=lc)
-
-
-@pytest.fixture
-def hf_actor_factory():
-    from trainer_svc.actor.hf.actor import HfActor
-    from trainer_svc.config import OptimConfig
-    from trainer_svc.train.step import train_state
-    from weightsync.models import resolve_model
-
-    def make(seed=1, **settings):
-        cfg, _ = resolve_model("tiny-qwen2")
-        a = HfActor(cfg, seed=seed)
-        train_state(a, OptimConfig(**{"lr": 1e-3, **settings}))
-        return a
-
-    return make
