@@ -12,7 +12,7 @@ bridge *instance* (never on its classes):
   attributes, which megatron-core 0.16.1 sets only when it initialises a weight
   (`perform_initialization=True`); a model built to load HF weights has none, and mbridge would
   export each rank's shard as if it were the whole tensor. They are restored from the owning
-  layer's type, the same reading as `train/backend_megatron.py`'s grad-norm.
+  layer's type, the same reading as `train_backend.py`'s grad-norm.
 - Vocabulary padding is set up by mbridge's `get_model()`, which we do not call: the divisor and
   both sizes are set to what our builder used (128 x TP).
 - `Qwen2Bridge._adjust_mapping_for_shared_weights` rewrites the class-level `_DIRECT_MAPPING`
