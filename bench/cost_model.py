@@ -304,7 +304,7 @@ def _kv(text: str, cls, flag: str, aliases: dict[str, str] | None = None):
             out[k] = (v.lower() in ("1", "true", "yes")) if typ in (bool, "bool") else \
                 int(v) if typ in (int, "int") else float(v) if typ in (float, "float") else v
         except ValueError:
-            raise SystemExit(f"{flag}: {k}={v!r} is not a {typ}") from None
+            raise SystemExit(f"{flag}: {k}={v!r} is not {'an integer' if typ in (int, 'int') else 'a number'}") from None
     return replace(cls(), **out)
 
 
