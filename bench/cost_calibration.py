@@ -4,8 +4,9 @@ Each point names the JSON file and field it reads, so the measurement is the rec
 number copied by hand. Provenance of the constants in `cost_model.Calibration`:
 
 - nvlink_gbs 367, msg_latency_s 25 us: NCCL broadcast on NV18 is t = 25 us + bytes / 367 GB/s
-  within 2% from 16 MiB to 4 GiB (17/241/321/350/364/367 GB/s at 1 MiB/16 MiB/.../4 GiB); the raw
-  columns of the bus runs (7B 41.4 ms, 32B 177.7 ms in 1 GiB messages) agree to 1%.
+  within 2% from 16 MiB to 4 GiB (`MESSAGE_CURVE`, a message-size sweep on the same 2x H200 host;
+  not kept as a JSON file); the raw columns of the bus runs (7B 41.4 ms, 32B 177.7 ms in 1 GiB
+  messages) agree to 1%.
 - hbm_rw_gbs 3800: the IPC benchmark's copy bound (15.23 GB copied in 8.0 ms, read + write).
 - checksum_gbs 2773: the fused Triton checksum kernel.
 - plan_prepare_s, commit_s: the services run's phase medians for 7B (3.3 + 7.8, 2.1 ms).
@@ -26,6 +27,10 @@ from bench.model_arch import arch, footprint
 BENCH = Path(__file__).resolve().parent
 MIB = 1 << 20
 GIB = 1024 * MIB
+
+
+# NCCL broadcast 1 -> 1 on NV18 (2x H200): message bytes -> GB/s (1 MiB is launch-bound; left out)
+MESSAGE_CURVE = {16 * MIB: 241.0, 64 * MIB: 321.0, 256 * MIB: 350.0, 1024 * MIB: 364.0, 4096 * MIB: 367.0}
 
 
 @dataclass(frozen=True)

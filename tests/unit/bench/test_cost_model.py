@@ -68,6 +68,16 @@ def test_fitted_constants_are_what_the_recorded_runs_give():
     assert rpc == pytest.approx(CAL.ipc_rpc_bucket_s, rel=0.05)
 
 
+def test_link_constants_reproduce_the_nccl_message_size_curve():
+    for size, gbs in calib.MESSAGE_CURVE.items():
+        t = CAL.msg_latency_s + size / (Links().nvlink_gbs * 1e9)
+        assert size / t / 1e9 == pytest.approx(gbs, rel=0.02), size
+    for r in json.loads((calib.BENCH / "results_2xh200_2026-11-23.json").read_text())["nccl_1to1"]:
+        n = math.ceil(r["bytes"] / (1 << 30))  # raw: the same bytes in 1 GiB messages
+        predicted = n * CAL.msg_latency_s + r["bytes"] / (Links().nvlink_gbs * 1e9)
+        assert predicted == pytest.approx(sorted(r["raw_s_rx"])[1], rel=0.02)
+
+
 def test_bandwidth_only_1_to_1_is_bytes_over_link_plus_bucket_latency():
     cal = replace(CAL, per_tensor_s=0.0, hbm_rw_gbs=1e12)
     fp = footprint(arch("qwen2.5-7b"))
@@ -138,6 +148,8 @@ def test_bad_layouts_name_the_field():
         predict(footprint(arch("qwen2.5-7b")), Trainer(ep=2), Fleet())
     with pytest.raises(ValueError, match="receiver='all'"):
         predict(fp, Trainer(), Fleet(receiver="all"))
+    with pytest.raises(ValueError, match="transport ipc: colocated 1 -> 1"):
+        predict(fp, Trainer(), Fleet(), sync=Sync(transport="ipc"))
     with pytest.raises(ValueError, match="model 'gpt-5'"):
         arch("gpt-5")
 
