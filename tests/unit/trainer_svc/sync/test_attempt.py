@@ -1,0 +1,133 @@
+"""One sync attempt's steps (prepare, stream, commit, abort) against fake rollouts and a fake channel."""
+import time
+
+import torch
+
+from trainer_svc.registry import RolloutEntry
+from trainer_svc.sync.attempt import SyncAttempt
+from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.errors import TransportError
+from weightsync.bus.plan import TensorMeta, make_manifest
+from weightsync.v1 import bus_pb2, rollout_pb2
+
+METAS = [TensorMeta(f"w{i}", (32,), torch.float32) for i in range(3)]
+TENSORS = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(METAS)}
+
+
+class _Actor:
+    def export_tensors(self):
+        return iter(TENSORS.items())
+
+
+class _Orch:
+    """What an attempt uses of the orchestrator: the actor, the RPC call and failure bookkeeping."""
+
+    origin = "o1"
+
+    def __init__(self, refuse_prepare=()):
+        self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
+        self.calls: list[tuple[str, str]] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def _call(self, entry, method, req):
+        self.calls.append((entry.rollout_id, method))
+        if method == "PrepareSync":
+            if entry.rollout_id in self.refuse_prepare:
+                return None, "UNAVAILABLE: connection refused"
+            resp = rollout_pb2.PrepareSyncResponse()
+            resp.transport.tcp.data_address = "h:1"
+            return resp, ""
+        if method == "CommitSync":
+            return rollout_pb2.CommitSyncResponse(version=req.version), ""
+        return rollout_pb2.AbortSyncResponse(), ""
+
+    def _fail(self, result, entry, reason, err):
+        result.ok, result.error = False, err
+        self.failed.append((entry.rollout_id, reason))
+
+
+class _Channel:
+    def __init__(self, fail=False):
+        self.fail, self.sent, self.closed = fail, [], False
+
+    def send(self, plan, buf, checksum):
+        if self.fail:
+            raise TransportError("peer gone")
+        self.sent.append((plan.index, checksum, bucket_checksum(buf[:plan.nbytes])))
+
+    def failures(self):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+class _Session:
+    name, device, reused = "fake", torch.device("cpu"), False
+
+    def __init__(self, group_wide=False, fail=False):
+        self.group_wide, self.channel, self.finished = group_wide, _Channel(fail), None
+
+    def spec_for(self, entry):
+        spec = bus_pb2.TransportSpec()
+        spec.tcp.SetInParent()
+        return spec
+
+    def accept(self, entry, resp):
+        return ""
+
+    def open(self, targets, timeout):
+        self.targets = sorted(targets)
+        return self.channel
+
+    def finish(self, ok, reason):
+        self.finished = (ok, reason)
+
+
+def _attempt(orch, session, rids=("a", "b")):
+    manifest = make_manifest(METAS, version=7, sync_id="s1", bucket_bytes=256)
+    targets = [RolloutEntry(rid, f"h:{i}") for i, rid in enumerate(rids)]
+    phases = PhaseClock()
+    return SyncAttempt(orch, session, manifest, targets, time.monotonic() + 60, phases), manifest, targets, phases
+
+
+def test_prepared_targets_commit_and_a_target_that_failed_prepare_is_aborted():
+    orch, session = _Orch(refuse_prepare={"b"}), _Session()
+    attempt, manifest, (a, b), phases = _attempt(orch, session)
+    results, retry = attempt.run()
+    assert retry == []
+    assert results["a"].ok and results["a"].version == 7 and (a.version, a.origin, a.state) == (7, "o1", rollout_pb2.SERVING)
+    assert not results["b"].ok and results["b"].error == "prepare: UNAVAILABLE: connection refused"
+    assert orch.failed == [("b", "prepare_failed")]
+    assert session.targets == ["a"] and session.finished[0] is True
+    assert [(i, c) for i, c, _ in session.channel.sent] == [(i, c) for i, _, c in session.channel.sent]
+    assert len(session.channel.sent) == len(manifest.buckets) and session.channel.closed
+    assert ("a", "CommitSync") in orch.calls and ("b", "CommitSync") not in orch.calls
+    assert ("b", "AbortSync") in orch.calls and ("a", "AbortSync") not in orch.calls
+    assert sorted(phases.seconds) == ["commit", "prepare", "stream"]
+
+
+def test_group_wide_attempt_stops_and_names_the_members_that_prepared_for_a_retry():
+    orch, session = _Orch(refuse_prepare={"b"}), _Session(group_wide=True)
+    attempt, *_ = _attempt(orch, session, rids=("a", "b", "c"))
+    results, retry = attempt.run()
+    assert [e.rollout_id for e in retry] == ["a", "c"]
+    assert not results["a"].ok and "not started: every member of the group must prepare, and b: prepare:" in \
+        results["a"].error
+    assert orch.failed == [("b", "prepare_failed")]  # the retried members are not counted as failures
+    assert session.channel.sent == [] and session.finished == (False, "no target prepared")
+    assert not any(m == "CommitSync" for _, m in orch.calls)
+    assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b", "c"]
+
+
+def test_a_stream_failure_fails_every_prepared_target_and_commits_none():
+    orch, session = _Orch(), _Session(fail=True)
+    attempt, *_ = _attempt(orch, session)
+    results, retry = attempt.run()
+    assert retry == [] and not any(r.ok for r in results.values())
+    assert results["a"].error == "fake stream: peer gone"
+    assert sorted(orch.failed) == [("a", "transport"), ("b", "transport")]
+    assert session.finished == (False, "stream: peer gone") and session.channel.closed
+    assert not any(m == "CommitSync" for _, m in orch.calls)
+    assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
