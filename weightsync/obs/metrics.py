@@ -58,8 +58,9 @@ class RolloutMetrics:
         self.prefix_hits = Counter("weightsync_prefix_cache_hits_total",
                                    "Samples whose prompt prefill came from the prefix cache", ["role"],
                                    registry=r).labels(role)
-        self.apply_seconds = Histogram("weightsync_apply_seconds", "Time generation was paused to load weights at commit",
-                                       ["role"], registry=r).labels(role)
+        self.apply_seconds = Histogram("weightsync_apply_seconds",
+                                       "Time generation was paused to load weights at commit", ["role"],
+                                       registry=r).labels(role)
         self.state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"],
                            registry=r)
 

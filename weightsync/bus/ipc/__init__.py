@@ -1,1 +1,4 @@
-"""CUDA IPC transport: a trainer and rollouts on one GPU share bucket buffers by handle (handles.py, sender.py, receiver.py)."""
+"""CUDA IPC transport: a trainer and rollouts on one GPU share bucket buffers by handle.
+
+handles.py (share / map), sender.py (trainer, one PushBucket per bucket), receiver.py (rollout).
+"""

@@ -1,1 +1,4 @@
-"""TCP transport: raw sockets from host memory, for CPU hosts and links NCCL cannot cross (wire.py, sender.py, receiver.py)."""
+"""TCP transport: raw sockets from host memory, for CPU hosts and links NCCL cannot cross.
+
+wire.py (frames, HMAC hello, the channel), sender.py (trainer), receiver.py (rollout listener).
+"""

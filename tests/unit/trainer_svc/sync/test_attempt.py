@@ -97,7 +97,8 @@ def test_prepared_targets_commit_and_a_target_that_failed_prepare_is_aborted():
     attempt, manifest, (a, b), phases = _attempt(orch, session)
     results, retry = attempt.run()
     assert retry == []
-    assert results["a"].ok and results["a"].version == 7 and (a.version, a.origin, a.state) == (7, "o1", rollout_pb2.SERVING)
+    assert results["a"].ok and results["a"].version == 7
+    assert (a.version, a.origin, a.state) == (7, "o1", rollout_pb2.SERVING)
     assert not results["b"].ok and results["b"].error == "prepare: UNAVAILABLE: connection refused"
     assert orch.failed == [("b", "prepare_failed")]
     assert session.targets == ["a"] and session.finished[0] is True
