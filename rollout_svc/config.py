@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.config import ConfigError, build, field, parse_host_port, section, validate_sections
+from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
 ENV_PREFIX = "WS_ROLLOUT"
@@ -65,18 +65,10 @@ class RegistrationConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(ServiceConfig):
     server: ServerConfig = section(ServerConfig, grpc_address="127.0.0.1:50061", http_address="127.0.0.1:8091")
     inference: InferenceConfig = section(InferenceConfig)
     bus: RolloutBusConfig = section(RolloutBusConfig)
     registration: RegistrationConfig = section(RegistrationConfig)
     auth: AuthConfig = section(AuthConfig)
     log: LogConfig = section(LogConfig)
-
-    @classmethod
-    def from_flat(cls, **values) -> "RolloutConfig":
-        """Built from flat knob names (`apply_mode="inplace"`), as a file or the env would give them; not validated."""
-        return build(cls, values)
-
-    def validate(self) -> None:
-        validate_sections(self)

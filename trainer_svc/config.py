@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, missing_package_error
-from weightsync.config import ConfigError, build, field, parse_host_port, section, validate_sections
+from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
 ENV_PREFIX = "WS_TRAINER"
@@ -136,7 +136,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(ServiceConfig):
     server: ServerConfig = section(ServerConfig)
     actor: ActorConfig = section(ActorConfig)
     parallel: ParallelConfig = section(ParallelConfig)
@@ -147,13 +147,8 @@ class TrainerConfig:
     auth: AuthConfig = section(AuthConfig)
     log: LogConfig = section(LogConfig)
 
-    @classmethod
-    def from_flat(cls, **values) -> "TrainerConfig":
-        """Built from flat knob names (`bucket_mb=8`), as a file or the env would give them; not validated."""
-        return build(cls, values)
-
     def validate(self) -> None:
-        validate_sections(self)
+        super().validate()
         par = self.parallel
         if self.actor.backend == "hf" and par.tp * par.pp * par.vpp * par.ep != 1:
             raise ConfigError("backend=hf runs one process: set tp=pp=vpp=ep=1 or use backend=megatron")

@@ -132,6 +132,19 @@ def validate_sections(cfg: Any) -> None:
             check()
 
 
+class ServiceConfig:
+    """Base of a service's top-level config (a dataclass of sections)."""
+
+    @classmethod
+    def from_flat(cls, **values: Any):
+        """Built from flat knob names (`bucket_mb=8`), as a file or the env would give them; not validated."""
+        return build(cls, values)
+
+    def validate(self) -> None:
+        """Each section's own checks; a service adds the checks that span sections."""
+        validate_sections(self)
+
+
 def sections(cls: type) -> dict[str, type]:
     """Section name -> section class of a service config."""
     return {f.name: f.metadata["section"] for f in _fields(cls) if _is_section(f)}
