@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus import dtypes
+from weightsync.formats.fp8 import BlockFp8
 from weightsync.v1 import bus_pb2
 
 # Offsets are aligned so every tensor view is aligned for any dtype and for vectorised copies.
@@ -56,6 +57,7 @@ class Manifest:
     model_family: str = ""
     checksum_algo: str = ""
     origin: str = ""
+    quantization: BlockFp8 | None = None  # set when weights travel as block FP8 (weightsync.formats)
 
     @property
     def total_bytes(self) -> int:
@@ -97,16 +99,21 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[BucketPlan]
 
 
 def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
-                  model_family: str = "", checksum_algo: str = "", origin: str = "") -> Manifest:
+                  model_family: str = "", checksum_algo: str = "", origin: str = "",
+                  quantization: BlockFp8 | None = None) -> Manifest:
     return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
                     buckets=plan_buckets(metas, bucket_bytes), model_family=model_family,
-                    checksum_algo=checksum_algo, origin=origin)
+                    checksum_algo=checksum_algo, origin=origin, quantization=quantization)
 
 
 def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
     msg = bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
                            total_bytes=m.total_bytes, model_family=m.model_family,
                            checksum_algo=m.checksum_algo, origin=m.origin)
+    if m.quantization is not None:
+        q = m.quantization
+        msg.quantization.CopyFrom(bus_pb2.Quantization(method=q.method, fmt=q.fmt,
+                                                        weight_block_size=list(q.weight_block_size)))
     for b in m.buckets:
         pb = msg.buckets.add(index=b.index, nbytes=b.nbytes)
         for s in b.slots:
@@ -162,5 +169,14 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         buckets.append(plan)
     if msg.total_bytes and total != msg.total_bytes:
         raise ValueError(f"manifest.total_bytes={msg.total_bytes} but its buckets add up to {total}")
+    quantization = None
+    if msg.HasField("quantization"):
+        q = msg.quantization
+        quantization = BlockFp8(q.method, q.fmt, tuple(q.weight_block_size))
+        try:
+            quantization.validate()
+        except ValueError as exc:
+            raise ValueError(f"manifest.quantization: {exc}") from None
     return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
-                    model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin)
+                    model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin,
+                    quantization=quantization)

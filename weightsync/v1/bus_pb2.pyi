@@ -61,7 +61,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin")
+    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin", "quantization")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Manifest(_message.Message):
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     sync_id: str
     bucket_bytes: int
@@ -78,7 +79,18 @@ class Manifest(_message.Message):
     model_family: str
     checksum_algo: str
     origin: str
-    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
+    quantization: Quantization
+    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ..., origin: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
+
+class Quantization(_message.Message):
+    __slots__ = ("method", "fmt", "weight_block_size")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    FMT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    fmt: str
+    weight_block_size: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., fmt: _Optional[str] = ..., weight_block_size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BucketChecksum(_message.Message):
     __slots__ = ("index", "checksum")
