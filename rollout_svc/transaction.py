@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_svc.quantized import plan_apply
 from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
@@ -48,6 +49,14 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     started: float = field(default_factory=time.monotonic)
+    dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
+
+    def loadable(self, named):
+        return self.dequantizer(named) if self.dequantizer is not None else named
+
+    def check_complete(self) -> None:
+        if self.dequantizer is not None:
+            self.dequantizer.check_complete()
 
 
 class SyncTransaction:
@@ -81,10 +90,15 @@ class SyncTransaction:
         return p.manifest if p and p.manifest.sync_id == sync_id else None
 
     # ---- phase 1: prepare ---------------------------------------------------------------
-    def validate(self, manifest: Manifest) -> None:
-        """Check names and shapes against the engine before a byte is accepted."""
+    def validate(self, manifest: Manifest):
+        """Check names and shapes against the engine before a byte is accepted; returns the
+        dequantizer a quantized sync loads through (None otherwise)."""
+        try:
+            metas, dequantizer = plan_apply(self.engine, manifest)
+        except ValueError as exc:
+            raise SyncError(str(exc), "INVALID_ARGUMENT") from exc
         seen = set()
-        for meta in manifest.metas():
+        for meta in metas:
             want = self._metas.get(meta.name)
             if want is None:
                 raise SyncError(f"tensor {meta.name}: the engine has no such parameter "
@@ -101,16 +115,17 @@ class SyncTransaction:
         if missing:
             raise SyncError(f"tensor {missing[0]}: the manifest lacks it ({len(missing)} engine parameters missing); "
                             "a sync must carry the whole model", "INVALID_ARGUMENT")
+        return dequantizer
 
     def prepare(self, manifest: Manifest, timeout: float) -> None:
-        self.validate(manifest)
+        dequantizer = self.validate(manifest)
         with self._state_lock:
             if self._pending is not None:
                 # A newer prepare supersedes a dangling one (e.g. the trainer restarted mid-sync).
                 self._abort_locked(f"superseded by sync {manifest.sync_id}")
             if self.state == S.APPLYING:
                 raise SyncError("engine is applying weights; retry", "UNAVAILABLE")
-            self._pending = _Pending(manifest=manifest, deadline=time.monotonic() + timeout)
+            self._pending = _Pending(manifest=manifest, deadline=time.monotonic() + timeout, dequantizer=dequantizer)
             if self.state != S.STALE:
                 self.state = S.SYNCING
             self._timer = threading.Timer(timeout, self._expire, args=(manifest.sync_id,))
@@ -164,10 +179,10 @@ class SyncTransaction:
                 p.applied_any = True
                 # Engines that take whole buckets (SGLang's flattened-bucket path) skip the unpack.
                 load_bucket = getattr(self.engine, "load_bucket", None)
-                if load_bucket is not None:
+                if load_bucket is not None and p.dequantizer is None:
                     load_bucket(plan, buf)
                 else:
-                    self.engine.load_weights(unpack_bucket(plan, buf))
+                    self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.received.append(ours)
         if len(p.received) == len(p.manifest.buckets):
             p.done.set()
@@ -219,10 +234,12 @@ class SyncTransaction:
                 if self.apply_mode == "staged":
                     with self.engine_lock:
                         self.state = S.APPLYING
-                        self.engine.load_weights(p.staging.items())
+                        self.engine.load_weights(p.loadable(p.staging.items()))
+                        p.check_complete()
                         self.engine.flush_cache()
                         self._finish_locked(p, version)
                 else:
+                    p.check_complete()
                     end_apply = getattr(self.engine, "end_apply", None)  # flushes and resumes (SGLang)
                     (end_apply or self.engine.flush_cache)()
                     self._finish_locked(p, version)

@@ -81,4 +81,6 @@ class Engine(Protocol):
 #   begin_apply()                    — called when the first bucket of a sync arrives (pause generation)
 #   load_bucket(plan, buf)           — load a whole flat bucket (instead of load_weights(unpack(...)))
 #   end_apply()                      — called at commit instead of flush_cache (flush + resume)
-# The SGLang adapter implements all three; the built-in engine needs none.
+#   loads_quantized(quantization)    — True: take block-FP8 pairs (X, X_scale_inv) as they are; absent
+#                                      or False: receive X dequantized (rollout_svc/quantized.py)
+# The SGLang adapter implements all four; the built-in engine needs none.

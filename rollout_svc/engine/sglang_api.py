@@ -127,7 +127,9 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "multiprocessing.resource_sharer:DupFd",
             "sglang.srt.weight_sync.tensor_bucket:FlattenedTensorMetadata",
             "copyreg:__newobj__", "torch:Tensor", "torch.storage:UntypedStorage", "torch:Size",
-            "torch:uint8", "torch:bfloat16", "torch:float16", "torch:float32"),
+            "torch:uint8", "torch:bfloat16", "torch:float16", "torch:float32",
+            # block FP8 syncs (export_dtype=fp8-block): e4m3 weights travel beside float32 scales
+            "torch:float8_e4m3fn"),
         why="the scheduler unpickles update payloads with an allow-list (module prefixes in 0.5.10, exact "
             "(module, name) pairs in 0.5.23); every global our payloads pickle must pass it"),
     # ---- colocated: hand the GPU back to the trainer between rollouts --------------------

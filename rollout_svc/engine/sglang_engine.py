@@ -150,6 +150,13 @@ class SglangEngine(SglangWeightsMixin):
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)
 
+    def loads_quantized(self, quantization) -> bool:
+        """Block FP8 syncs go to SGLang's FP8 loader as they are (`X` e4m3 + `X_scale_inv`) when it
+        serves a block-FP8 checkpoint; for a 16-bit checkpoint the rollout dequantizes first."""
+        from rollout_svc.quantized import serves_same_quantization
+
+        return serves_same_quantization(self._hf_config, quantization)
+
     def num_ranks(self) -> int:
         return self.tp_size
 

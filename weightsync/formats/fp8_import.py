@@ -1,7 +1,7 @@
 """The receiving side of block FP8: check a manifest's pairs, and dequantize a tensor stream.
 
 An engine that cannot run FP8 weights itself (the built-in engine) receives each `X` already
-dequantized, in float32 (its load casts to its own dtype); an engine that loads FP8 natively
+dequantized (to its parameter's dtype); an engine that loads FP8 natively
 (SGLang serving a block-FP8 checkpoint) receives the pairs unchanged.
 """
 from __future__ import annotations
@@ -50,9 +50,12 @@ class Dequantizer:
 
     One per sync: a scale left waiting (a sync that ended early) never meets the next sync's
     weight. Held tensors are copies, since bucket buffers are reused after each bucket.
+    `dtypes` maps a weight to the dtype it is produced in (default float32): the product is
+    always computed in float32 and rounded once, so this equals casting the float32 result later.
     """
 
-    def __init__(self):
+    def __init__(self, dtypes: dict[str, torch.dtype] | None = None):
+        self._dtypes = dtypes or {}
         self._scales: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
 
@@ -61,12 +64,12 @@ class Dequantizer:
             w = weight_name(name)
             if w is not None and t.dtype == SCALE_DTYPE:
                 if w in self._weights:
-                    yield w, dequantize(self._weights.pop(w), t, name=w)
+                    yield w, dequantize(self._weights.pop(w), t, self._dtypes.get(w, torch.float32), name=w)
                 else:
                     self._scales[w] = t.clone()
             elif t.dtype == FP8_DTYPE:
                 if name in self._scales:
-                    yield name, dequantize(t, self._scales.pop(name), name=name)
+                    yield name, dequantize(t, self._scales.pop(name), self._dtypes.get(name, torch.float32), name=name)
                 else:
                     self._weights[name] = t.clone()
             else:

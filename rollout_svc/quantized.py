@@ -1,0 +1,47 @@
+"""How a sync whose manifest announces quantized weights (block FP8) meets the engine.
+
+The engine is checked against the model's own tensors (each `X` / `X_scale_inv` pair counts as
+`X`), then loads either the pairs as they are, when it runs that quantization itself (optional
+engine capability `loads_quantized(quantization) -> bool`: SGLang serving a block-FP8
+checkpoint), or `X` dequantized to the dtype of the engine's parameter (the built-in engine; SGLang
+serving a 16-bit model).
+"""
+from __future__ import annotations
+
+from weightsync.bus.plan import Manifest, TensorMeta
+from weightsync.formats.fp8_import import Dequantizer, logical_metas
+
+
+def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantizer | None]:
+    """(the tensors to check against the engine, the dequantizer loads must go through or None).
+
+    Raises ValueError naming the tensor or the setting at fault.
+    """
+    q = manifest.quantization
+    if q is None:
+        return manifest.metas(), None
+    metas = logical_metas(manifest.metas())
+    native = getattr(engine, "loads_quantized", None)
+    if native is not None and native(q):
+        return metas, None
+    return metas, Dequantizer({n: m.dtype for n, m in engine.param_metas().items()})
+
+
+def serves_same_quantization(hf_config, quantization) -> bool:
+    """Whether a model served from `hf_config` runs `quantization` itself (its loader then takes the
+    `X` / `X_scale_inv` pairs as they are): True for a checkpoint with the same block FP8
+    `quantization_config`, False for an unquantized one. A checkpoint quantized some other way
+    can take neither the pairs nor dequantized weights: ValueError saying what to change.
+    """
+    qc = getattr(hf_config, "quantization_config", None) if hf_config is not None else None
+    if not qc:
+        return False
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    want = quantization.hf_quantization_config()
+    got = (qc.get("quant_method"), qc.get("fmt", "e4m3"), list(qc.get("weight_block_size") or []))
+    if got == (want["quant_method"], want["fmt"], want["weight_block_size"]):
+        return True
+    raise ValueError(f"the served checkpoint is quantized as quant_method={got[0]!r} fmt={got[1]!r} "
+                     f"weight_block_size={got[2]}, the trainer sends {want['quant_method']} {want['fmt']} "
+                     f"blocks of {want['weight_block_size']}: serve a checkpoint quantized that way (ExportHf "
+                     f"from a trainer with export_dtype=fp8-block writes one) or an unquantized one")
