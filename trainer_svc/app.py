@@ -13,6 +13,7 @@ import uuid
 
 from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
+from trainer_svc.export_format import export_format
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
 from trainer_svc.sync import SyncOrchestrator
@@ -52,7 +53,8 @@ class TrainerApp:
                                      sync_timeout=cfg.bus.sync_timeout_s, rpc_timeout=cfg.bus.rpc_timeout_s,
                                      origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
                                      device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
-                                     on_nccl_group_build=self.metrics.nccl_group_builds.inc)
+                                     on_nccl_group_build=self.metrics.nccl_group_builds.inc,
+                                     export_format=export_format(cfg.actor.export_dtype))
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
                                         cfg.fleet.auto_sync_new_rollouts)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)

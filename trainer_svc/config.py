@@ -24,8 +24,10 @@ class ActorConfig:
     init_seed: int = field(1234, help="seed for random initialisation when --model is a config without weights")
     mtp: str = field("off", choices=("off", "deepseek", "mimo"),
                      help="carry the model's multi-token-prediction layers (num_nextn_predict_layers in its config) and publish them under DeepSeek-V3 (model.layers.N+i.*) or MiMo (model.mtp_layers.i.*) names")
-    export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
-                              help="dtype tensors are cast to on the bus (match the rollout engine's dtype)")
+    export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16", "fp8-block"),
+                              help="dtype tensors are cast to on the bus (match the rollout engine's dtype); "
+                                   "fp8-block: linear weights as e4m3 with 128x128 float32 scales, the rest bf16 "
+                                   "(docs/conversion.md, FP8 export)")
     converter: str = field("builtin", choices=("builtin", *CONTRACTS),
                            help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
                                 "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "

@@ -10,11 +10,13 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 
-def save_hf_dir(actor, out_dir: str) -> int:
+def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
+    """`fmt`: the trainer's ExportFormat (trainer_svc.export_format); None = as the actor exports."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in actor.export_tensors()}
+    named = fmt.tensors(actor.export_tensors()) if fmt is not None else actor.export_tensors()
+    tensors = {name: t.detach().cpu().contiguous() for name, t in named}
     if tensors:  # non-sender ranks of a multi-rank actor get nothing and write nothing
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        actor.hf_config().save_pretrained(str(out))
+        (fmt.hf_config(actor.hf_config()) if fmt is not None else actor.hf_config()).save_pretrained(str(out))
     return len(tensors)

@@ -127,7 +127,7 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         try:
             from trainer_svc.export_hf import save_hf_dir
 
-            n = save_hf_dir(self.actor, request.out_dir)
+            n = save_hf_dir(self.actor, request.out_dir, self.orch.export_format)
         except (ValueError, OSError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"export_hf: {exc}")
         finally:

@@ -1,14 +1,14 @@
 """Build the configured actor; megatron-core is imported only for backend=megatron."""
 from __future__ import annotations
 
-from weightsync.bus.dtypes import parse_dtype
+from trainer_svc.export_format import actor_dtype
 from weightsync.models import resolve_model
 
 
 def make_actor(trainer_cfg):
     cfg, par = trainer_cfg.actor, trainer_cfg.parallel
     config, weights_dir = resolve_model(cfg.model)
-    dtype = parse_dtype(cfg.export_dtype)
+    dtype = actor_dtype(cfg.export_dtype)
     if cfg.backend == "hf":
         from trainer_svc.actor.hf.actor import HfActor
 

@@ -96,7 +96,7 @@ class SyncAttempt:
         """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
-        export = iter(self.orch.actor.export_tensors()) if self.prepared else iter(())
+        export = self.orch.export_format.tensors(self.orch.actor.export_tensors()) if self.prepared else iter(())
         if self.prepared:
             try:
                 checksums = self._send(export)

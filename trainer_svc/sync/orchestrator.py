@@ -19,6 +19,7 @@ import uuid
 import grpc
 import torch
 
+from trainer_svc.export_format import ExportFormat
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
@@ -32,6 +33,7 @@ from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
+PLAIN = ExportFormat("as exported by the actor")
 
 
 class SyncInProgress(RuntimeError):
@@ -42,7 +44,7 @@ class SyncOrchestrator:
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
                  token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
                  origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
-                 on_nccl_group_build=None):
+                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -54,6 +56,7 @@ class SyncOrchestrator:
         self.rpc_timeout = rpc_timeout
         self.origin = origin
         self.device = torch.device(device)
+        self.export_format = export_format
         self.transports = {"tcp": TcpSender(token),
                            "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
                                             call=self._call),
@@ -114,9 +117,9 @@ class SyncOrchestrator:
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
         session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
-        manifest = make_manifest(self.actor.export_metas(), version=version, sync_id=sync_id,
-                                 bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
-                                 checksum_algo=ALGO, origin=self.origin)
+        manifest = make_manifest(self.export_format.metas(self.actor.export_metas()), version=version,
+                                 sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
+                                 checksum_algo=ALGO, origin=self.origin, quantization=self.export_format.quantization)
         return session, manifest
 
     @staticmethod

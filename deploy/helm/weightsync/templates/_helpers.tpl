@@ -111,8 +111,8 @@ app.kubernetes.io/part-of: weightsync
 {{- end -}}
 {{- $ed := default "float32" $v.trainer.config.export_dtype -}}
 {{- $rd := default "float32" $v.rollout.config.dtype -}}
-{{- if ne $ed $rd -}}
-{{- fail (printf "trainer.config.export_dtype (%s) must equal rollout.config.dtype (%s): the bus carries the engine's dtype" $ed $rd) -}}
+{{- if and (ne $ed $rd) (ne $ed "fp8-block") -}}
+{{- fail (printf "trainer.config.export_dtype (%s) must equal rollout.config.dtype (%s): the bus carries the engine's dtype (or use fp8-block, which any engine dtype accepts)" $ed $rd) -}}
 {{- end -}}
 {{- if $v.rollout.multiNode.enabled -}}
 {{- fail "rollout.multiNode.enabled: multi-node rollout engines are not implemented yet (see docs/operations.md, 'Scaling rollouts')" -}}
