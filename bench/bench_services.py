@@ -13,6 +13,7 @@ cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; ratio = r
 
     python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
     python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
+    python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
     OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
 """
 from __future__ import annotations
@@ -68,14 +69,14 @@ def rollout_device(args, i: int) -> str:
     return {"nccl": f"cuda:{1 + i}", "ipc": args.device_trainer, "tcp": "cpu"}[args.transport]
 
 
-def run_model(name: str, args, work: Path) -> dict:
-    model_dir = write_config(name, work)
-    logs = work / f"{name}-logs"
+def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
+    model_dir = work / name if (work / name).is_dir() else write_config(name, work)
+    logs = work / f"{name}-{export_dtype}-logs"
     logs.mkdir()
     procs, channels = [], []
     try:
         t = start_trainer(logs, "--backend", "hf", "--model", str(model_dir), "--init-seed", "1",
-                          "--device", args.device_trainer, "--transport", args.transport, "--export-dtype", args.dtype,
+                          "--device", args.device_trainer, "--transport", args.transport, "--export-dtype", export_dtype,
                           "--bucket-mb", str(args.bucket_mb), "--sync-timeout-s", str(args.sync_timeout),
                           "--no-auto-sync-new-rollouts")
         procs.append(t)
@@ -96,7 +97,7 @@ def run_model(name: str, args, work: Path) -> dict:
         wait_registered(t.address, ids, max(1.0, deadline - time.monotonic()))
         status = lambda: {rid: s.GetStatus(rollout_pb2.GetStatusRequest()) for rid, s in rstubs.items()}  # noqa: E731
         # version 0 = never synced, so the first check shows that the warm-up really committed
-        rec = {"model": name, "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],
+        rec = {"model": name, "export_dtype": export_dtype, "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],
                "rollout_versions_before": {rid: st.version for rid, st in status().items()}, "syncs": []}
         for rep in range(args.reps + 1):
             t0 = time.perf_counter()
@@ -175,7 +176,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--transport", choices=("nccl", "ipc", "tcp"), default=None, help="default nccl on GPU, else tcp")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                    help="the rollout engines' dtype (and the trainer's export dtype unless --export-dtypes)")
+    ap.add_argument("--export-dtypes", default="",
+                    help="comma list of trainer export dtypes to run per model, e.g. bfloat16,fp8-block "
+                         "(fp8-block: block-FP8 linear weights, dequantized by the rollout); default --dtype")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
@@ -187,6 +192,10 @@ def main() -> int:
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
     args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
     models = [m for m in args.models.split(",") if m]
+    export_dtypes = [d for d in args.export_dtypes.split(",") if d] or [args.dtype]
+    bad_dtypes = [d for d in export_dtypes if d not in ("bfloat16", "float16", "float32", "fp8-block")]
+    if bad_dtypes:
+        ap.error(f"--export-dtypes: {bad_dtypes} not among bfloat16, float16, float32, fp8-block")
     unknown = [m for m in models if m not in MODELS]
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if unknown or args.reps < 1 or args.rollouts < 1:
@@ -199,13 +208,19 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_services-"))
     failed = False
     for name in models:
-        try:
-            rec = run_model(name, args, work)
-        except Exception as exc:  # the other models still run; the logs above say why
-            err = describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else f"{type(exc).__name__}: {exc}"
-            print(f"{name}: FAILED: {err}", file=sys.stderr)
-            rec, failed = {"model": name, "error": err}, True
-        results["models"].append(rec)
+        for export_dtype in export_dtypes:
+            try:
+                rec = run_model(name, args, work, export_dtype)
+            except Exception as exc:  # the other models still run; the logs above say why
+                err = describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else f"{type(exc).__name__}: {exc}"
+                print(f"{name} ({export_dtype}): FAILED: {err}", file=sys.stderr)
+                rec, failed = {"model": name, "export_dtype": export_dtype, "error": err}, True
+            results["models"].append(rec)
+    by = {(r["model"], r["export_dtype"]): r for r in results["models"] if "error" not in r}
+    for (name, dt), r in by.items():  # same run, same model: how FP8 compares with the bf16 sync
+        base = by.get((name, "bfloat16"))
+        if dt == "fp8-block" and base:
+            r["vs_bfloat16"] = {"time": r["sync_s"] / base["sync_s"], "bytes": r["bytes"] / base["bytes"]}
     ok = [r for r in results["models"] if "error" not in r]
     if args.transport == "nccl" and ok:
         from weightsync.bus.nccl import libnccl
@@ -233,16 +248,19 @@ def print_table(results: dict) -> None:
     a = results["args"]
     print(f"\n{results['device']}  torch {results['torch']}  {results['date']}  transport {a['transport']}  "
           f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}")
-    print(f"{'model':<7}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
+    print(f"{'model':<7}{'export':>10}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
           f"  rollouts on version")
     for r in results["models"]:
         if "error" in r:
-            print(f"{r['model']:<7}  FAILED: {r['error'].splitlines()[0][:110]}")
+            print(f"{r['model']:<7}{r.get('export_dtype', ''):>10}  FAILED: {r['error'].splitlines()[0][:100]}")
             continue
         raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
-        print(f"{r['model']:<7}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
+        print(f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
               f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}")
         print(f"{'':<7}phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items()))
+        if "vs_bfloat16" in r:
+            v = r["vs_bfloat16"]
+            print(f"{'':<7}fp8-block vs bfloat16 in this run: {v['time']:.3f}x the time, {v['bytes']:.3f}x the bytes")
     print(f"wrote {a['out']}")
 
 
