@@ -1,8 +1,8 @@
 """Block FP8 on a GPU (run on a GPU host: pytest -m gpu tests/gpu/test_fp8_gpu.py).
 
-1. The fused Triton quantizer writes the same bytes as the CPU torch path, which the unit tests
-   hold to a from-the-definition reference: odd shapes, stacked experts, bf16 and fp32 inputs,
-   heavy-tailed data, zero and denormal blocks, and 7B-sized matrices (many programs).
+1. The fused Triton quantizer (and dequantizer) writes the same bytes as the CPU torch path, which
+   the unit tests hold to a from-the-definition reference: odd shapes, stacked experts, bf16 and
+   fp32 inputs, heavy-tailed data, zero and denormal blocks, and 7B-sized matrices (many programs).
 2. An fp8-block sync over CUDA IPC through the real services: the rollout (bf16, cuda:0) serves
    exactly the exported FP8 checkpoint, dequantized.
 """
@@ -52,9 +52,12 @@ def test_triton_quantizer_equals_the_cpu_path_bit_for_bit(shape, kind, dtype):
     q_t, s_t = fp8.quantize_torch(w.cuda())
     assert torch.equal(q_t.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
     assert torch.equal(s_t.cpu().view(torch.int32), s_cpu.view(torch.int32))
-    # and dequantization on the GPU gives the CPU's float32 values
+    # and dequantization on the GPU (its own Triton kernel) gives the CPU's values, in every output dtype
     assert torch.equal(fp8.dequantize(q_gpu, s_gpu).cpu().view(torch.int32),
                        fp8.dequantize(q_cpu, s_cpu).view(torch.int32))
+    for out in (torch.bfloat16, torch.float16):
+        assert torch.equal(fp8.dequantize(q_gpu, s_gpu, out).cpu().view(torch.int16),
+                           fp8.dequantize(q_cpu, s_cpu, out).view(torch.int16)), out
 
 
 @needs_cuda
@@ -69,7 +72,7 @@ def test_non_finite_weights_are_refused_on_the_gpu_too(bad):
 
 
 @needs_cuda
-def test_triton_quantizer_throughput_on_a_7b_layer():
+def test_triton_kernels_throughput_on_a_7b_layer():
     from weightsync.formats import fp8
 
     shapes = [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]
@@ -84,6 +87,16 @@ def test_triton_quantizer_throughput_on_a_7b_layer():
     dt = time.perf_counter() - t0
     nbytes = sum(w.numel() * 5 for w in ws)  # read 4 bytes, write 1 per weight
     print(f"fp8 quantize, one Qwen2-7B layer from float32: {dt * 1e3:.2f} ms, {nbytes / dt / 1e9:.0f} GB/s")
+    assert dt < 0.5
+    pairs = [fp8.quantize(w) for w in ws]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for q, s in pairs:
+        fp8.dequantize(q, s, torch.bfloat16)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    nbytes = sum(q.numel() * 3 for q, _ in pairs)  # read 1 byte, write 2 per weight
+    print(f"fp8 dequantize to bf16, same layer: {dt * 1e3:.2f} ms, {nbytes / dt / 1e9:.0f} GB/s")
     assert dt < 0.5
 
 

@@ -126,6 +126,16 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = to
     if tuple(scale_inv.shape) != want or scale_inv.dtype != SCALE_DTYPE:
         raise ValueError(f"tensor {name}{SCALE_SUFFIX}: shape {list(scale_inv.shape)} {scale_inv.dtype}, expected "
                          f"{list(want)} {SCALE_DTYPE} for a weight of shape {list(q.shape)}")
+    if q.is_cuda and q.numel() and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from weightsync.formats import fp8_triton
+
+        if fp8_triton.available():
+            return fp8_triton.dequantize(q, scale_inv, dtype)
+    return dequantize_torch(q, scale_inv, dtype)
+
+
+def dequantize_torch(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The torch implementation of `dequantize` (any device; shapes already checked)."""
     *lead, rows, cols = q.shape
     s = scale_inv.to(q.device).repeat_interleave(BLOCK[0], dim=-2).repeat_interleave(BLOCK[1], dim=-1)
     out = q.to(torch.float32) * s[..., :rows, :cols]

@@ -1,4 +1,4 @@
-"""Block FP8 quantization (weightsync.formats.fp8) as one fused Triton kernel, for CUDA tensors.
+"""Block FP8 quantization (weightsync.formats.fp8) as fused Triton kernels, for CUDA tensors.
 
 One program per 128x128 block: it reads the block once, reduces its amax, and writes the e4m3
 bytes and the block's scale. The result equals the torch path bit for bit (tests/gpu/test_fp8_gpu.py)
@@ -9,6 +9,8 @@ because every step is exactly rounded the same way:
   whichever conversion instruction the compiler picks for the GPU at hand;
 - denormal float32 intermediates (which the GPU may flush to zero) can only occur where the
   result is a signed zero either way, and a block whose scale would be denormal gets scale 1.
+Dequantization is one kernel too (read 1 byte, write the engine's dtype), so a rollout applying FP8
+weights does not pay several float32 passes per weight.
 Triton ships with CUDA builds of torch, not with the CPU build: callers fall back to the torch
 path when `available()` is false.
 """
@@ -61,6 +63,58 @@ def _kernel():
         tl.store(s_ptr + pid, s)
 
     return quant_block
+
+
+@functools.lru_cache(maxsize=1)
+def _dequant_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant_block(q_ptr, s_ptr, out_ptr, rows, cols, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr,
+                      OUT_BF16: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        per_matrix = n_rb * n_cb
+        b = pid // per_matrix
+        r = (pid % per_matrix) // n_cb * BR + tl.arange(0, BR).to(tl.int64)
+        c = pid % n_cb * BC + tl.arange(0, BC).to(tl.int64)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        offs = b * rows * cols + r[:, None] * cols + c[None, :]
+        code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+        s = tl.load(s_ptr + pid)
+        # e4m3fn -> float32 on the bits (exact): normal = 2**(e-7) * 1.m, subnormal = m * 2**-9
+        e = (code >> 3) & 0xF
+        m = code & 0x7
+        normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        v = tl.where((code & 0x7F) == 0x7F, float("nan"), v)  # e4m3fn's only NaN codes
+        # the sign goes on as a bit: Triton's `-v` is `0 - v`, which turns -0.0 into +0.0
+        v = (v.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+        # one float32 product, one rounding to the output dtype (as float32(q) * s then .to(dtype))
+        prod = v * s
+        if OUT_BF16:  # round to nearest even on the bits, as torch's float -> bfloat16 does
+            bits = prod.to(tl.uint32, bitcast=True)
+            half = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(out_ptr + offs, half.to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, prod.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return dequant_block
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32(q) * scale_inv per block, rounded once to `dtype`, for CUDA tensors (shapes checked
+    by the caller). Equals the torch path bit for bit (tests/gpu/test_fp8_gpu.py)."""
+    codes = q.contiguous().view(torch.uint8)
+    s = scale_inv.to(device=q.device, dtype=torch.float32).contiguous()
+    *lead, rows, cols = q.shape
+    n_rb, n_cb = s.shape[-2:]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    bf16 = dtype == torch.bfloat16
+    with torch.cuda.device(q.device):
+        _dequant_kernel()[(s.numel(),)](codes, s, out.view(torch.int16) if bf16 else out, rows, cols, n_rb, n_cb,
+                                        BR=BLOCK[0], BC=BLOCK[1], OUT_BF16=bf16, num_warps=8)
+    return out
 
 
 @functools.lru_cache(maxsize=1)
