@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
 from weightsync.formats.fp8_import import Dequantizer, logical_metas
+from weightsync.formats.fp8_spec import check_supported, hf_quantization_config
 
 
 def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantizer | None]:
@@ -20,6 +21,10 @@ def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantize
     q = manifest.quantization
     if q is None:
         return manifest.metas(), None
+    try:
+        check_supported(q)
+    except ValueError as exc:
+        raise ValueError(f"manifest.quantization: {exc}") from None
     metas = logical_metas(manifest.metas())
     native = getattr(engine, "loads_quantized", None)
     if native is not None and native(q):
@@ -37,7 +42,7 @@ def serves_same_quantization(hf_config, quantization) -> bool:
     if not qc:
         return False
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    want = quantization.hf_quantization_config()
+    want = hf_quantization_config(quantization)
     got = (qc.get("quant_method"), qc.get("fmt", "e4m3"), list(qc.get("weight_block_size") or []))
     if got == (want["quant_method"], want["fmt"], want["weight_block_size"]):
         return True

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.bus.dtypes import parse_dtype
-from weightsync.bus.plan import TensorMeta
+from weightsync.bus.plan import Quantization, TensorMeta
 from weightsync.formats import fp8_export
-from weightsync.formats.fp8 import BlockFp8
+from weightsync.formats.fp8_spec import BLOCK_FP8, hf_quantization_config
 
 FP8_BLOCK = "fp8-block"
 
@@ -26,7 +26,7 @@ FP8_BLOCK = "fp8-block"
 @dataclass(frozen=True)
 class ExportFormat:
     name: str
-    quantization: BlockFp8 | None = None
+    quantization: Quantization | None = None
 
     def metas(self, metas: Iterable[TensorMeta]) -> list[TensorMeta]:
         return fp8_export.export_metas(metas) if self.quantization else list(metas)
@@ -39,12 +39,12 @@ class ExportFormat:
         if self.quantization is None:
             return config
         config = copy.deepcopy(config)
-        config.quantization_config = self.quantization.hf_quantization_config()
+        config.quantization_config = hf_quantization_config(self.quantization)
         return config
 
 
 def export_format(export_dtype: str) -> ExportFormat:
-    return ExportFormat(export_dtype, BlockFp8() if export_dtype == FP8_BLOCK else None)
+    return ExportFormat(export_dtype, BLOCK_FP8 if export_dtype == FP8_BLOCK else None)
 
 
 def actor_dtype(export_dtype: str) -> torch.dtype:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus import dtypes
-from weightsync.formats.fp8 import BlockFp8
 from weightsync.v1 import bus_pb2
 
 # Offsets are aligned so every tensor view is aligned for any dtype and for vectorised copies.
@@ -33,6 +32,15 @@ class TensorMeta:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nbytes", math.prod(self.shape) * dtypes.element_size(self.dtype))
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How quantized tensors of a sync are encoded (bus.proto Quantization); the bus only carries
+    it: the formats that implement a scheme live in weightsync.formats."""
+    method: str
+    fmt: str
+    weight_block_size: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ class Manifest:
     model_family: str = ""
     checksum_algo: str = ""
     origin: str = ""
-    quantization: BlockFp8 | None = None  # set when weights travel as block FP8 (weightsync.formats)
+    quantization: Quantization | None = None  # set when some weights travel quantized (weightsync.formats)
 
     @property
     def total_bytes(self) -> int:
@@ -100,7 +108,7 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[BucketPlan]
 
 def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
                   model_family: str = "", checksum_algo: str = "", origin: str = "",
-                  quantization: BlockFp8 | None = None) -> Manifest:
+                  quantization: Quantization | None = None) -> Manifest:
     return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
                     buckets=plan_buckets(metas, bucket_bytes), model_family=model_family,
                     checksum_algo=checksum_algo, origin=origin, quantization=quantization)
@@ -172,11 +180,9 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
     quantization = None
     if msg.HasField("quantization"):
         q = msg.quantization
-        quantization = BlockFp8(q.method, q.fmt, tuple(q.weight_block_size))
-        try:
-            quantization.validate()
-        except ValueError as exc:
-            raise ValueError(f"manifest.quantization: {exc}") from None
+        if not q.method:
+            raise ValueError("manifest.quantization.method is empty (leave quantization unset for unquantized weights)")
+        quantization = Quantization(q.method, q.fmt, tuple(q.weight_block_size))
     return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
                     model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin,
                     quantization=quantization)

@@ -25,36 +25,11 @@ tests compare with a from-the-definition implementation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float32
-FP8_MAX = 448.0
-BLOCK = (128, 128)
-SCALE_SUFFIX = "_scale_inv"
-#: smallest normal float32; a block scale below it is replaced by 1 (see the module docstring)
-MIN_NORMAL = 2.0 ** -126
-
-
-@dataclass(frozen=True)
-class BlockFp8:
-    """The quantization a manifest announces (and an HF config.json's `quantization_config`)."""
-    method: str = "fp8"
-    fmt: str = "e4m3"
-    weight_block_size: tuple[int, int] = BLOCK
-
-    def hf_quantization_config(self) -> dict:
-        return {"quant_method": self.method, "fmt": self.fmt, "activation_scheme": "dynamic",
-                "weight_block_size": list(self.weight_block_size)}
-
-    def validate(self) -> None:
-        """The only variant both ends implement; anything else is refused by name."""
-        if (self.method, self.fmt, tuple(self.weight_block_size)) != ("fp8", "e4m3", BLOCK):
-            raise ValueError(f"quantization method={self.method!r} fmt={self.fmt!r} weight_block_size="
-                             f"{list(self.weight_block_size)} is not supported; this build handles fp8 / e4m3 / "
-                             f"[128, 128] only")
+from weightsync.formats.fp8_spec import (  # noqa: F401  (re-exported: the format's names live here too)
+    BLOCK, BLOCK_FP8, FP8_DTYPE, FP8_MAX, MIN_NORMAL, SCALE_DTYPE, SCALE_SUFFIX, check_supported,
+    hf_quantization_config)
 
 
 def scale_name(name: str) -> str:

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from weightsync.formats.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, MIN_NORMAL
+from weightsync.formats.fp8_spec import BLOCK, FP8_DTYPE, FP8_MAX, MIN_NORMAL
 
 
 @functools.lru_cache(maxsize=1)

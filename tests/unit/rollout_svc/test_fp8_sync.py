@@ -36,7 +36,7 @@ def _fp8_sync(src: BuiltinEngine, version=1, sync_id="s1", bucket_bytes=8 << 10)
     named = [(n, p.detach().clone()) for n, p in src._params.items()]
     metas = export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
     m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=bucket_bytes, checksum_algo=ALGO,
-                      quantization=fp8.BlockFp8())
+                      quantization=fp8.BLOCK_FP8)
     m = manifest_from_proto(manifest_to_proto(m))  # as the rollout receives it
     stream = iter(export_tensors(iter(named)))
     bufs = []
@@ -100,7 +100,7 @@ def test_fp8_manifest_with_a_broken_pair_is_refused_at_prepare():
     named = [(n, p) for n, p in src._params.items()]
     metas = [x for x in export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
              if x.name != "model.layers.1.mlp.up_proj.weight_scale_inv"]
-    m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20, quantization=fp8.BlockFp8())
+    m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20, quantization=fp8.BLOCK_FP8)
     tx = SyncTransaction(_engine("tiny-qwen2", 2), "inplace")
     with pytest.raises(SyncError, match="model.layers.1.mlp.up_proj.weight is float8_e4m3fn but "
                                         "model.layers.1.mlp.up_proj.weight_scale_inv is missing") as err:
@@ -108,17 +108,22 @@ def test_fp8_manifest_with_a_broken_pair_is_refused_at_prepare():
     assert err.value.code == "INVALID_ARGUMENT" and tx.state == rollout_pb2.SERVING
 
 
-def test_manifest_quantization_round_trips_and_unknown_schemes_are_refused():
+def test_manifest_quantization_round_trips_and_unknown_schemes_are_refused_at_prepare():
     m = make_manifest([TensorMeta("a", (2,), torch.float32)], version=1, sync_id="s", bucket_bytes=1 << 20,
-                      quantization=fp8.BlockFp8())
+                      quantization=fp8.BLOCK_FP8)
     pb = manifest_to_proto(m)
     assert (pb.quantization.method, pb.quantization.fmt, list(pb.quantization.weight_block_size)) == \
         ("fp8", "e4m3", [128, 128])
-    assert manifest_from_proto(pb).quantization == fp8.BlockFp8()
+    assert manifest_from_proto(pb).quantization == fp8.BLOCK_FP8
     assert manifest_from_proto(manifest_to_proto(make_manifest([], version=1, sync_id="s", bucket_bytes=1 << 20))
                                ).quantization is None
     pb.quantization.CopyFrom(bus_pb2.Quantization(method="fp8", fmt="e4m3", weight_block_size=[1, 128]))
-    with pytest.raises(ValueError, match=r"manifest.quantization: .*weight_block_size=\[1, 128\] is not supported"):
+    tx = SyncTransaction(_engine("tiny-qwen2", 2), "staged")
+    with pytest.raises(SyncError, match=r"manifest.quantization: .*weight_block_size=\[1, 128\] is not supported") as err:
+        tx.prepare(manifest_from_proto(pb), timeout=5)
+    assert err.value.code == "INVALID_ARGUMENT"
+    pb.quantization.CopyFrom(bus_pb2.Quantization(fmt="e4m3"))
+    with pytest.raises(ValueError, match="manifest.quantization.method is empty"):
         manifest_from_proto(pb)
 
 
@@ -128,9 +133,9 @@ def test_sglang_takes_pairs_only_when_it_serves_the_same_block_fp8():
     eng = object.__new__(SglangEngine)  # no sglang here: only the decision is exercised
     config = resolve_model("tiny-qwen2")[0]
     eng._hf_config = config
-    assert eng.loads_quantized(fp8.BlockFp8()) is False  # 16-bit checkpoint: the rollout dequantizes
-    config.quantization_config = fp8.BlockFp8().hf_quantization_config()
-    assert eng.loads_quantized(fp8.BlockFp8()) is True
+    assert eng.loads_quantized(fp8.BLOCK_FP8) is False  # 16-bit checkpoint: the rollout dequantizes
+    config.quantization_config = fp8.hf_quantization_config()
+    assert eng.loads_quantized(fp8.BLOCK_FP8) is True
     config.quantization_config = {"quant_method": "fp8", "weight_block_size": None}  # per-tensor FP8
     with pytest.raises(ValueError, match="quant_method='fp8' fmt='e4m3' weight_block_size=\\[\\]"):
-        eng.loads_quantized(fp8.BlockFp8())
+        eng.loads_quantized(fp8.BLOCK_FP8)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tests.support.megatron_models import FAMILIES, MOE_FAMILIES, TINY
-from trainer_svc.actor.megatron.hf_meta import export_plan, hf_shapes
-from trainer_svc.actor.megatron.model import dims_of
+from trainer_svc.actor.megatron.hf_meta import build_spec, export_plan
 from trainer_svc.actor.megatron.rules import rules_for
 from trainer_svc.actor.megatron.rules.te_spec import local_state_dict, spec_of, to_local, to_te
 
@@ -24,12 +23,13 @@ def _config(family: str):
 def _te_state(family: str):
     """(HF tensors, the same weights as a TE-spec Megatron state dict at TP=1, dims)."""
     config = _config(family)
-    dims = dims_of(config)
-    shapes = hf_shapes(config)
+    spec = build_spec(config)
+    assert spec.family == family
+    dims, shapes = spec.dims, spec.hf_shapes
     g = torch.Generator().manual_seed(len(family))
     hf = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
     te = {}
-    for rule, site, names in export_plan(config, family):
+    for rule, site, names in export_plan(spec):
         if rule.export_only:
             continue
         name = to_te(rule.megatron_name(site), dims)
