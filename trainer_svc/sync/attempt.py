@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 class SyncAttempt:
     def __init__(self, orch, session, manifest: Manifest, targets: list[RolloutEntry], deadline: float,
-                 phases: PhaseClock):
+                 phases: PhaseClock, tensors=None):
+        """`tensors()`: the exported stream the manifest describes (default: the actor's own)."""
         self.orch, self.session, self.manifest, self.deadline, self.phases = orch, session, manifest, deadline, phases
+        self.tensors = tensors or (lambda: orch.actor.export_tensors())
         self.targets = targets
         self.by_id = {e.rollout_id: e for e in targets}
         self.results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
@@ -96,7 +98,7 @@ class SyncAttempt:
         """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
-        export = self.orch.export_format.tensors(self.orch.actor.export_tensors()) if self.prepared else iter(())
+        export = iter(self.tensors()) if self.prepared else iter(())
         if self.prepared:
             try:
                 checksums = self._send(export)

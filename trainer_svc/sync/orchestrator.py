@@ -101,7 +101,8 @@ class SyncOrchestrator:
             log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
                      manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
                      manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
-            attempt_results, retry = SyncAttempt(self, session, manifest, targets, deadline, phases).run()
+            attempt_results, retry = SyncAttempt(self, session, manifest, targets, deadline, phases,
+                                                 tensors=self._export).run()
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
@@ -110,6 +111,10 @@ class SyncOrchestrator:
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
         self.last_report = report
         return report
+
+    def _export(self):
+        """The stream `_plan`'s manifest describes: the actor's tensors in the export format."""
+        return self.export_format.tensors(self.actor.export_tensors())
 
     def _plan(self, targets: list[RolloutEntry], transport: str):
         """(the transport's session for this sync or None without targets, the manifest of the actor's weights)."""
