@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, missing_package_error
+from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, contract_for, require_bridge
+from trainer_svc.bridge_contract import CONTRACTS, BridgeUnavailable, contract_for, require_bridge
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer_svc.actor.megatron.bridge_contract import CONTRACTS, BridgeUnavailable, check_instance
+from trainer_svc.bridge_contract import CONTRACTS, BridgeUnavailable, check_instance
 
 # local layer spec name -> the TE spec's fused name in mbridge's tables, and the table holding it
 _LOCAL_NORMS = {

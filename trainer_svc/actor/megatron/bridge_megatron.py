@@ -11,7 +11,7 @@ untrimmed (bridge.py trims it), and for a tied model built from a config it also
 """
 from __future__ import annotations
 
-from trainer_svc.actor.megatron.bridge_contract import BridgeUnavailable
+from trainer_svc.bridge_contract import BridgeUnavailable
 
 
 class MegatronBridgeAdapter:

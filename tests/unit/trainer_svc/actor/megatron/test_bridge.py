@@ -16,7 +16,7 @@ import torch
 
 from tests.support.megatron_models import SUPPORT, torchrun
 from trainer_svc.actor.megatron.bridge import BridgeConverter, BridgeUnavailable, make_converter
-from trainer_svc.actor.megatron.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
+from trainer_svc.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
                                                   missing_package_error, require_bridge)
 from trainer_svc.actor.megatron.parallel import Parallelism
 from weightsync.bus.plan import TensorMeta
@@ -288,7 +288,7 @@ def test_export_that_stops_short_is_an_error():
 # ---- import hygiene ------------------------------------------------------------------------------
 
 def test_config_side_imports_no_torch_and_bridge_module_imports_no_bridge():
-    code = ("import sys, json; import trainer_svc.actor.megatron.bridge_contract as c; c.missing_package_error('mbridge'); "
+    code = ("import sys, json; import trainer_svc.bridge_contract as c; c.missing_package_error('mbridge'); "
             "a = sorted(sys.modules); import trainer_svc.actor.megatron.bridge; b = sorted(sys.modules); "
             "print(json.dumps([a, b]))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
