@@ -58,8 +58,11 @@ def _start(ns, workdir: Path):
         os.environ["WS_TRAINER_CHECKPOINT_DIR"] = ns.checkpoint_dir
     os.environ["WS_TRAINER_RESUME"] = "true" if ns.resume else "false"
     par = ["--tp", str(ns.tp), "--pp", str(ns.pp)] if ns.tp * ns.pp > 1 else []
+    # The control must never publish weights: a rollout that re-registers (heartbeat after a slow
+    # step) would otherwise get a catch-up sync and learn through the back door.
+    no_catch_up = ["--no-auto-sync-new-rollouts"] if ns.no_sync else []
     trainer = start_trainer(workdir, "--backend", ns.backend, "--model", ns.model, "--init-seed", str(ns.seed + 1),
-                            *par, nproc=ns.tp * ns.pp)
+                            *par, *no_catch_up, nproc=ns.tp * ns.pp)
     procs = [trainer]
     trainer.wait_ready(300)
     procs += [start_rollout(workdir, "--model", ns.model, "--init-seed", str(100 + i), "--trainer-address",
