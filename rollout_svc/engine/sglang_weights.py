@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from weightsync.bus.plan import BucketPlan, Slot
+from weightsync.bus.plan import ALIGN, BucketPlan, Slot
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +163,7 @@ class SglangWeightsMixin:
         is ever needed at once."""
         for chunk in _chunks(named, LOAD_CHUNK_BYTES):
             if chunk[0][1].is_cuda:
-                # One flat uint8 buffer: SGLang does one IPC open and one slice pass per chunk.
-                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in chunk])
-                slots, off = [], 0
-                for name, t in chunk:
-                    slots.append((name, tuple(t.shape), t.dtype, off, off + t.numel() * t.element_size()))
-                    off = slots[-1][4]
-                self._send_flattened([self._payload(flat, slots)] * self.tp_size)
+                self._send_flattened(self.chunk_payloads(chunk))
             else:
                 res = self._call(self._sgl.update_weights_from_tensor, named_tensors=chunk, flush_cache=False)
                 check_result(res, "update_weights_from_tensor")
@@ -180,8 +174,31 @@ class SglangWeightsMixin:
             from weightsync.bus.pack import unpack_bucket
             self.load_weights(unpack_bucket(plan, buf))
             return
+        self._send_flattened(self.bucket_payloads(plan, buf))
+
+    # The payload builders are separate from the sends so tests/sglang can hand SGLang's own
+    # receive code exactly these bytes (built from a CPU buffer there).
+    def chunk_payloads(self, chunk: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+        """One flat uint8 buffer per chunk: SGLang does one IPC open and one slice pass for it.
+
+        Offsets are aligned as in a bucket plan: SGLang views each slice as its dtype, which
+        fails for a tensor starting at a byte offset that is not a multiple of its element
+        size (an odd-length bf16 tensor followed by an fp32 one; found by tests/sglang).
+        """
+        slots, off = [], 0
+        for name, t in chunk:
+            off = -(-off // ALIGN) * ALIGN
+            slots.append((name, tuple(t.shape), t.dtype, off, off + t.numel() * t.element_size()))
+            off = slots[-1][4]
+        flat = torch.zeros(off, dtype=torch.uint8, device=chunk[0][1].device)
+        for (_, t), (_, _, _, a, b) in zip(chunk, slots):
+            flat[a:b].copy_(t.detach().reshape(-1).view(torch.uint8))
+        return [self._payload(flat, slots)] * self.tp_size
+
+    def bucket_payloads(self, plan: BucketPlan, buf: torch.Tensor) -> list[bytes]:
+        """The received bucket whole, at the plan's (aligned) offsets; one payload per TP rank."""
         slots = [_slot_row(s) for s in plan.slots]
-        self._send_flattened([self._payload(buf[:plan.nbytes], slots)] * self.tp_size)
+        return [self._payload(buf[:plan.nbytes], slots)] * self.tp_size
 
     # ---- path 2: colocated, trainer's CUDA IPC handle -----------------------------------
     def load_ipc_bucket(self, plan: BucketPlan, handles: list[Any]) -> None:
@@ -197,11 +214,10 @@ class SglangWeightsMixin:
 
     def _payload(self, flat: Any, slots: list[tuple]) -> bytes:
         from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         # Real CUDA tensors then pickle with the device UUID, as SGLang's schedulers expect.
-        monkey_patch_torch_reductions()
+        _patch_reductions()
         metadata = [FlattenedTensorMetadata(name=n, shape=torch.Size(shape), dtype=dt, start_idx=a, end_idx=b,
                                             numel=b - a)
                     for n, shape, dt, a, b in slots]
@@ -259,6 +275,33 @@ class SglangWeightsMixin:
         """Re-map memory. Colocated sync order: resume(["weights"]) -> load buckets -> resume(["kv_cache",
         "cuda_graph"]), so the KV cache is not resident while the trainer's buckets still are."""
         check_result(self._call(self._sgl.resume_memory_occupation, tags=_tags(tags)), "resume_memory_occupation")
+
+
+def _patch_reductions() -> None:
+    """SGLang's `monkey_patch_torch_reductions`, except that CPU tensors keep torch's reducer.
+
+    SGLang's patched reducer rewrites argument 6 (the device) of whatever torch's reducer
+    returns; for a CPU tensor that is `rebuild_tensor`'s 3-tuple, so every later pickle of a CPU
+    tensor in this process raises IndexError (sglang 0.5.10 and 0.5.23, found by tests/sglang).
+    rollout-svc's process also hosts SGLang's Engine, whose named-tensor update path
+    (`load_weights` with CPU tensors) pickles CPU tensors: without this, the first CUDA bucket
+    would break every later CPU load.
+    """
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.multiprocessing import reductions
+
+    monkey_patch_torch_reductions()
+    patched = reductions.reduce_tensor
+    original = getattr(reductions, "_reduce_tensor_original", None)
+    if original is None or getattr(patched, "cpu_keeps_torch_reducer", False):
+        return
+
+    def reduce_tensor(tensor, *args, **kwargs):
+        return (patched if tensor.is_cuda else original)(tensor, *args, **kwargs)
+
+    reduce_tensor.cpu_keeps_torch_reducer = True
+    reductions.reduce_tensor = reduce_tensor
+    reductions.init_reductions()
 
 
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang.srt.constants GPU_MEMORY_TYPE_*
