@@ -1,0 +1,126 @@
+"""SGLang's receive side, run from SGLang's own code on CPU, behind the `Engine` methods the
+adapter calls. Imported only inside the subprocess that `tests.support.sglang_site.activate`d.
+
+`SglangSide` stands where `sglang.srt.entrypoints.engine.Engine` stands for the adapter. What it
+does NOT run is the process plumbing between SGLang's Engine and its scheduler (ZMQ, asyncio,
+the scheduler loop); each method does in-process what that plumbing ends in, calling SGLang's
+functions in SGLang's order:
+  update_weights_from_tensor:  what Engine._serialize_tensors_per_rank does (normalize per-rank
+      payloads, or MultiprocessingSerializer.serialize a named list) -> what
+      TpModelWorker.deserialize_own_rank does (monkey_patch_torch_reductions + SafeUnpickler;
+      both restated in two lines each: their modules import the HTTP server and scheduler stacks) -> WeightUpdater.update_weights_from_tensor
+      (FlattenedTensorBucket.reconstruct_tensors for "flattened_bucket") -> model.load_weights
+  update_weights_from_distributed: WeightUpdater.receive_weights_from_distributed (its
+      FlattenedTensorBucket.empty + broadcast; the broadcast is the one stand-in: it copies the
+      trainer's dense bucket) -> WeightUpdater.load_weights_from_distributed -> model.load_weights
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tp1() -> None:
+    """SGLang's own world-size-1 parallel state on gloo (what its layer tests do at TP=1)."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
+            ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+
+
+MODEL_CLASSES = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                 "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
+
+
+def build_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
+    """SGLang's model class for the config, params in `dtype`, every value NaN (so a parameter that
+    load_weights never writes cannot pass a comparison)."""
+    import importlib
+
+    mod, cls = MODEL_CLASSES[hf_config.model_type]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = getattr(importlib.import_module(f"sglang.srt.models.{mod}"), cls)(hf_config)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    return model
+
+
+class SglangSide:
+    """Engine-level calls in, SGLang's receive code out (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tp_size: int = 1):
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+        self.model = model
+        self.tp_size = tp_size
+        self.updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                                     get_model=lambda: model, update_model_fields=lambda **_: None,
+                                     recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        self.broadcast_source: torch.Tensor | None = None   # the trainer's dense bucket, per call
+        self.calls: list[tuple[str, dict]] = []
+
+    # -- sglang.srt.entrypoints.engine.Engine surface the adapter uses ----------------------
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.utils import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        self.calls.append(("update_weights_from_tensor", dict(load_format=load_format, flush_cache=flush_cache)))
+        # Engine._serialize_tensors_per_rank's two statements (importing sglang.srt.entrypoints.engine
+        # would pull the HTTP server stack: uvloop, fastapi, ...).
+        if load_format == "flattened_bucket":
+            per_rank = normalize_serialized_named_tensor_payloads(named_tensors)
+        else:
+            per_rank = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
+        assert len(per_rank) == self.tp_size, f"{len(per_rank)} payloads for {self.tp_size} TP ranks"
+        # TpModelWorker.deserialize_own_rank's two statements (tp_worker imports the scheduler).
+        monkey_patch_torch_reductions()
+        data = MultiprocessingSerializer.deserialize(per_rank[get_parallel().tp_rank])
+        return self.updater.update_weights_from_tensor(named_tensors=data, load_format=load_format)
+
+    def init_weights_update_group(self, **kw):
+        self.calls.append(("init_weights_update_group", kw))
+        self.updater._model_update_group[kw["group_name"]] = "stand-in group"
+        return True, "ok"
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=True, load_format=None):
+        self.calls.append(("update_weights_from_distributed", dict(group_name=group_name, load_format=load_format)))
+        src = self.broadcast_source
+        real = torch.distributed.broadcast
+
+        def broadcast(tensor, src_rank=0, group=None, async_op=False, **kw):
+            # The one stand-in: NCCL's broadcast from the trainer (rank 0) into SGLang's buffer.
+            assert group == "stand-in group" and tensor.dtype == torch.uint8
+            assert tensor.numel() == src.numel(), f"SGLang allocated {tensor.numel()} bytes, trainer sends {src.numel()}"
+            tensor.copy_(src)
+
+        torch.distributed.broadcast = broadcast
+        try:
+            weights = self.updater.receive_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
+                                                                    group_name=group_name, load_format=load_format)
+        finally:
+            torch.distributed.broadcast = real
+        return self.updater.load_weights_from_distributed(weights)
