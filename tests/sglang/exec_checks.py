@@ -166,8 +166,8 @@ def check_flattened_bucket_reconstruct():
 
 
 def check_dense_distributed_reconstruct():
-    """Path 3: the names/dtypes/shapes the adapter passes -> SGLang's FlattenedTensorBucket.empty
-    layout; the trainer's dense buffer sliced there gives back exact tensors."""
+    """Path 3: the names/dtypes/shapes the adapter passes -> SGLang's receive-bucket layout
+    (FlattenedTensorBucket.empty; in 0.5.10 a bucket of empty tensors); the trainer's dense buffer sliced there gives back exact tensors."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     _, named = trainer_export("tiny-qwen3")
@@ -177,7 +177,11 @@ def check_dense_distributed_reconstruct():
     eng = adapter(rec)
     eng._update_group = "g"
     eng.receive_bucket_distributed(plan)
-    bucket = FlattenedTensorBucket.empty(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"], "cpu")
+    if hasattr(FlattenedTensorBucket, "empty"):   # 0.5.2x
+        bucket = FlattenedTensorBucket.empty(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"], "cpu")
+    else:   # 0.5.10's ModelRunner._update_bucketed_weights_from_distributed allocates this way
+        bucket = FlattenedTensorBucket(named_tensors=[(n, torch.empty(sh, dtype=getattr(torch, dt)))
+                                                      for n, dt, sh in zip(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"])])
     assert bucket.get_flattened_tensor().numel() == buf.numel()
     bucket.get_flattened_tensor().copy_(buf)
     _assert_same_tensors(bucket.reconstruct_tensors(), named)

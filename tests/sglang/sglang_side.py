@@ -28,21 +28,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_0_5_2x() -> bool:
+    """0.5.2x moved the weight updater out of ModelRunner and parallel widths into runtime_context."""
+    import importlib.util
+    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+
+
 def init_tp1() -> None:
     """SGLang's own world-size-1 parallel state on gloo (what its layer tests do at TP=1)."""
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
-            ranks=SpawnRanks(world_rank=0))
-    get_parallel().override_permanently(world_group=parallel_state._WORLD)
-    initialize_model_parallel(backend="gloo")
+    if _is_0_5_2x():
+        from sglang.srt.distributed import parallel_state
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+
+        reset_context()
+        publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
+                ranks=SpawnRanks(world_rank=0))
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+        initialize_model_parallel(backend="gloo")
+    else:
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.dp_attention import initialize_dp_attention
+
+        args = ServerArgs(model_path="dummy", device="cpu", custom_weight_loader=[])  # [] as after a launch's post-init
+        set_global_server_args_for_scheduler(args)
+        initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
+        # What ModelRunner does next; of the model config it reads hidden_size and dtype only
+        # (for a gather buffer that TP=1 without DP attention never uses).
+        initialize_dp_attention(server_args=args, model_config=SimpleNamespace(hidden_size=64, dtype=torch.bfloat16))
 
 
 MODEL_CLASSES = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
@@ -72,33 +93,39 @@ class SglangSide:
     """Engine-level calls in, SGLang's receive code out (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tp_size: int = 1):
-        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-
         self.model = model
         self.tp_size = tp_size
-        self.updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                                     get_model=lambda: model, update_model_fields=lambda **_: None,
-                                     recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+        if _is_0_5_2x():
+            from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+            self.updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None,
+                                         custom_weight_loaders={}, get_model=lambda: model,
+                                         update_model_fields=lambda **_: None, recapture_cuda_graph=lambda: None,
+                                         get_model_runner=lambda: None)
+        else:
+            self.updater = _runner_0_5_10(model)
         self.broadcast_source: torch.Tensor | None = None   # the trainer's dense bucket, per call
         self.calls: list[tuple[str, dict]] = []
 
     # -- sglang.srt.entrypoints.engine.Engine surface the adapter uses ----------------------
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        from sglang.srt.runtime_context import get_parallel
-        from sglang.srt.utils import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+        from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         self.calls.append(("update_weights_from_tensor", dict(load_format=load_format, flush_cache=flush_cache)))
         # Engine._serialize_tensors_per_rank's two statements (importing sglang.srt.entrypoints.engine
         # would pull the HTTP server stack: uvloop, fastapi, ...).
-        if load_format == "flattened_bucket":
+        if load_format == "flattened_bucket" and _is_0_5_2x():
+            from sglang.srt.utils import normalize_serialized_named_tensor_payloads
             per_rank = normalize_serialized_named_tensor_payloads(named_tensors)
+        elif load_format == "flattened_bucket":   # 0.5.10 passes them through
+            per_rank = list(named_tensors)
         else:
             per_rank = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
         assert len(per_rank) == self.tp_size, f"{len(per_rank)} payloads for {self.tp_size} TP ranks"
         # TpModelWorker.deserialize_own_rank's two statements (tp_worker imports the scheduler).
         monkey_patch_torch_reductions()
-        data = MultiprocessingSerializer.deserialize(per_rank[get_parallel().tp_rank])
+        data = MultiprocessingSerializer.deserialize(per_rank[0])   # TP rank 0
         return self.updater.update_weights_from_tensor(named_tensors=data, load_format=load_format)
 
     def init_weights_update_group(self, **kw):
@@ -119,8 +146,27 @@ class SglangSide:
 
         torch.distributed.broadcast = broadcast
         try:
+            if not _is_0_5_2x():   # 0.5.10: ModelRunner receives and loads in one call
+                return self.updater.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                                    load_format=load_format)
             weights = self.updater.receive_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
                                                                     group_name=group_name, load_format=load_format)
         finally:
             torch.distributed.broadcast = real
         return self.updater.load_weights_from_distributed(weights)
+
+
+def _runner_0_5_10(model):
+    """0.5.10's weight-update methods are ModelRunner methods: run them on an object holding only
+    the attributes they read (building a whole ModelRunner needs a GPU, a KV pool, ...)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import get_global_server_args
+
+    methods = ("update_weights_from_tensor", "_update_weights_from_flattened_bucket",
+               "update_weights_from_distributed", "_update_bucketed_weights_from_distributed")
+    runner_cls = type("ModelRunnerWeightPaths", (), {m: getattr(ModelRunner, m) for m in methods})
+    runner = runner_cls()
+    runner.model, runner.device, runner.tp_rank = model, "cpu", 0
+    runner.server_args = get_global_server_args()
+    runner._model_update_group = {}
+    return runner

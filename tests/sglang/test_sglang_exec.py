@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_svc.engine.sglang_api import CHECKED_VERSIONS
 from tests.sglang.exec_checks import CHECKS
 from tests.support.sglang_site import SiteUnavailable, run_in_sglang
 
-# 0.5.10 is not wired yet (its receive side has other module paths); see docs/sglang.md.
-VERSIONS = ("0.5.23",)
+# The two ends of the pinned range, as the AST contract test.
+VERSIONS = CHECKED_VERSIONS
 
 _results: dict[str, dict] = {}
 

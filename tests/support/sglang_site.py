@@ -48,6 +48,11 @@ STUBS = {
     "IPython": "notebook display helpers in sglang/utils.py (frontend logging), pulled in by configs",
 }
 
+# Installed in the test venv but absent from an SGLang deployment; SGLang probes for them with
+# `try: import` and must see them missing (0.5.10's debug_utils/dumper.py imports megatron.core,
+# which then trips over the triton stub).
+HIDDEN = {"megatron": "the trainer's framework; SGLang's optional dumper plugin must find it absent"}
+
 # Light dependencies sglang.srt really needs at import time, pinned; installed --no-deps.
 DEPS = (
     "msgspec==0.22.0", "orjson==3.13.0", "pybase64==1.5.1", "psutil==7.2.2", "pyzmq==27.3.0", "dill==0.4.1",
@@ -112,11 +117,18 @@ def prepare(version: str) -> tuple[Path, Path]:
     return site(version), deps()
 
 
+_NO_DEVICE = {"triton.runtime.driver"}
+
+
 class _Stub(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         full = f"{self.__name__}.{name}"
+        if full in _NO_DEVICE:
+            # Code that probes for a GPU through triton (0.5.10's fla/utils.py) catches this and
+            # falls back to "cpu", as it would with a real triton and no GPU.
+            raise RuntimeError(f"{full}: stubbed, no GPU driver")
         mod = sys.modules.get(full)
         if mod is None:
             mod = _Stub(full)
@@ -133,6 +145,8 @@ class _Stub(types.ModuleType):
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden from SGLang here)", name=name)
         if name.split(".")[0] in STUBS:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
