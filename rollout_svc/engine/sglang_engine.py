@@ -87,7 +87,27 @@ def _hf_param_metas(config: Any, dtype: torch.dtype) -> dict[str, TensorMeta]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     # named_parameters() lists a tied lm_head once (as the embedding), as the trainer exports it.
-    return {n: TensorMeta(n, tuple(p.shape), dtype) for n, p in model.named_parameters()}
+    metas: dict[str, TensorMeta] = {}
+    for n, p in model.named_parameters():
+        for name, shape in _checkpoint_names(n, tuple(p.shape)):
+            metas[name] = TensorMeta(name, shape, dtype)
+    return metas
+
+
+def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors behind one transformers parameter: SGLang's `load_weights` takes
+    checkpoint names, and transformers 5 fuses MoE experts into `mlp.experts.gate_up_proj`
+    [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I]. SGLang's MoE models skip
+    the fused names without an error (the experts would silently keep their old weights), so the
+    manifest must carry per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (as the Megatron
+    trainer exports them). Found by tests/sglang."""
+    if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
+        pre, (e, two_i, h) = name[: -len("gate_up_proj")], shape
+        return [(f"{pre}{x}.{w}_proj.weight", (two_i // 2, h)) for x in range(e) for w in ("gate", "up")]
+    if name.endswith("mlp.experts.down_proj") and len(shape) == 3:
+        pre, (e, h, i) = name[: -len("down_proj")], shape
+        return [(f"{pre}{x}.down_proj.weight", (h, i)) for x in range(e)]
+    return [(name, shape)]
 
 
 class SglangEngine(SglangWeightsMixin):

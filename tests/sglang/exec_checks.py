@@ -13,7 +13,7 @@ import torch
 
 from tests.support.sglang_site import RESULT_MARK, activate
 
-FAMILIES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+FAMILIES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe")
 BUCKET_BYTES = 16 << 10      # small, so every family spans several buckets
 EXPORT_DTYPE = torch.bfloat16
 
@@ -54,7 +54,7 @@ def trainer_export(family: str, seed: int = 3) -> tuple[object, list[tuple[str, 
 def expected_sglang_params(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What every SGLang parameter must hold after loading `hf` (written from the HF semantics,
     not from SGLang's loader): q/k/v stacked into qkv_proj (q, k, v), gate/up into gate_up_proj
-    (gate, up), per-expert gate/up into experts.w13_weight[e] (w1=gate, w3=up), down into
+    (gate, up; also a Qwen2-MoE shared expert's), per-expert gate/up into experts.w13_weight[e] (w1=gate, w3=up), down into
     experts.w2_weight[e]; a tied lm_head is the embedding."""
     exp: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
@@ -71,9 +71,9 @@ def expected_sglang_params(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.
             elif which == "gate_proj":
                 up = hf[name.replace("gate_proj", "up_proj")]
                 exp.setdefault(f"{pre}.mlp.experts.w13_weight", {})[e] = torch.cat([t, up])
-        elif ".mlp.gate_proj." in name:
+        elif name.endswith(".gate_proj.weight"):   # dense MLP, or a MoE's shared expert
             exp[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, hf[name.replace("gate_proj", "up_proj")]])
-        elif ".mlp.up_proj." in name:
+        elif name.endswith(".up_proj.weight"):
             continue
         else:
             exp[name] = t
@@ -245,7 +245,14 @@ def _model(cfg):
 def load_family_path1(family: str):
     """A real sync of `family` over path 1 (the path every SGLang sync takes today): trainer
     export -> our bucket plan + pack -> adapter payloads -> SGLang's receive -> its load_weights."""
+    from rollout_svc.engine.sglang_engine import _hf_param_metas
+
     cfg, named = trainer_export(family)
+    # What the sync transaction will accept for this engine (it refuses any other name or shape)
+    # is exactly what SGLang's load_weights below turns into every one of its parameters.
+    accepted = {n: tuple(m.shape) for n, m in _hf_param_metas(cfg, EXPORT_DTYPE).items()}
+    assert accepted == {n: tuple(t.shape) for n, t in named}, \
+        f"SglangEngine.param_metas differs from the export: {sorted(set(accepted) ^ {n for n, _ in named})[:6]}"
     model = _model(cfg)
     side = SglangSide(model)
     eng = adapter(side)
