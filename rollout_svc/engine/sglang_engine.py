@@ -215,8 +215,12 @@ class SglangEngine(SglangWeightsMixin):
         if not 0 < prompt_length <= len(token_ids):
             raise ValueError(f"prompt_length={prompt_length} must be in [1, {len(token_ids)}]")
         s = SamplingParams(max_new_tokens=1, temperature=0.0)
+        # SGLang's input_token_logprobs start AT token logprob_start_len and that first row has no
+        # log-prob (None); so start one token early to get token_ids[prompt_length:]. (Measured on
+        # SGLang 0.5.23's CPU engine, tests/sglang/engine_e2e.py; asking for prompt_length came back
+        # one short.)
         out = self._call(self._sgl.generate, input_ids=list(token_ids), sampling_params=_sampling_params_dict(s, None),
-                         return_logprob=True, logprob_start_len=prompt_length)
+                         return_logprob=True, logprob_start_len=prompt_length - 1)
         rows = out["meta_info"]["input_token_logprobs"]
         lps = [float(r[0]) for r in rows if r[0] is not None]
         want = len(token_ids) - prompt_length

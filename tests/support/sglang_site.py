@@ -63,6 +63,16 @@ DEPS = (
 )
 
 
+# What SGLang's Engine additionally imports (HTTP server stack, scheduler, grammar backend);
+# only the CPU Engine e2e (tests/sglang/engine_e2e.py) installs them. xgrammar needs the real
+# tvm_ffi, so in that mode tvm_ffi is installed instead of stubbed.
+ENGINE_DEPS = (
+    "uvloop==0.22.1", "setproctitle==1.3.8", "fastapi==0.165.0", "uvicorn==0.54.0", "aiohttp==3.14.5",
+    "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0", "multidict==7.2.1", "propcache==0.5.4",
+    "yarl==1.25.1", "apache-tvm-ffi==0.1.11", "xgrammar==0.2.7",
+)
+
+
 class SiteUnavailable(Exception):
     """PyPI cannot be reached and nothing is cached: the tier is skipped, not passed."""
 
@@ -105,16 +115,17 @@ def site(version: str) -> Path:
     return out
 
 
-def deps() -> Path:
-    out = CACHE_DIR / ("deps-" + hashlib.sha256("\n".join(DEPS).encode()).hexdigest()[:12])
+def deps(engine: bool = False) -> Path:
+    pins = DEPS + (ENGINE_DEPS if engine else ())
+    out = CACHE_DIR / ("deps-" + hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12])
     if not (out / ".installed").is_file():
-        _pip(["install", "--no-deps", "-q", "--target", str(out), *DEPS], "sglang's light dependencies")
-        (out / ".installed").write_text("\n".join(DEPS))
+        _pip(["install", "--no-deps", "-q", "--target", str(out), *pins], "sglang's light dependencies")
+        (out / ".installed").write_text("\n".join(pins))
     return out
 
 
-def prepare(version: str) -> tuple[Path, Path]:
-    return site(version), deps()
+def prepare(version: str, engine: bool = False) -> tuple[Path, Path]:
+    return site(version), deps(engine)
 
 
 _NO_DEVICE = {"triton.runtime.driver"}
@@ -160,9 +171,14 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def activate(version: str) -> Path:
-    """Make `import sglang.srt...` work in THIS process (a dedicated subprocess)."""
-    site_dir, deps_dir = prepare(version)
+def activate(version: str, engine: bool = False) -> Path:
+    """Make `import sglang.srt...` work in THIS process (a dedicated subprocess).
+
+    engine=True: also what SGLang's Engine imports (ENGINE_DEPS; tvm_ffi real, not stubbed), and
+    the triton stub reports a version (sglang.kernels.ops.mamba compares it at import)."""
+    site_dir, deps_dir = prepare(version, engine)
+    if engine:
+        STUBS.pop("tvm_ffi", None)
     # SGLang's CPU platform switch (sglang.srt.utils.common.is_cpu); without it the layers take
     # the CUDA/vLLM branches.
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -177,6 +193,9 @@ def activate(version: str) -> Path:
     sys.path.insert(0, str(site_dir))
     sys.path.append(str(deps_dir))
     sys.meta_path.insert(0, _StubFinder())
+    if engine:
+        import triton
+        triton.__version__ = "3.4.0"
     pkg = types.ModuleType("sglang")
     pkg.__path__ = [str(site_dir / "sglang")]
     pkg.__file__ = str(site_dir / "sglang" / "__init__.py")
@@ -187,9 +206,9 @@ def activate(version: str) -> Path:
 RESULT_MARK = "SGLANG_EXEC_RESULTS "
 
 
-def run_in_sglang(version: str, module: str, timeout_s: float = 300.0) -> dict:
+def run_in_sglang(version: str, module: str, timeout_s: float = 300.0, engine: bool = False) -> dict:
     """Run `python -m <module> <version>` (which prints RESULT_MARK + JSON) and return the JSON."""
-    prepare(version)   # download/unpack here, so a missing network is a skip in the caller
+    prepare(version, engine)   # download/unpack here, so a missing network is a skip in the caller
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -1,0 +1,114 @@
+"""SGLang's real `Engine` on CPU (scheduler subprocess, ZMQ, torch-native attention) behind our
+adapter: generate, a sync through the adapter's weight paths, generate and score again, each
+against transformers on the same weights. Run as `python -m tests.sglang.engine_e2e <version>`
+(test_sglang_engine_cpu.py does, when WEIGHTSYNC_SGLANG_ENGINE_E2E=1).
+
+SGLang's scheduler is a spawned subprocess that re-imports this module as __mp_main__, so the
+activation below runs at import time in both processes (and only when run as a program).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+if __name__ in ("__main__", "__mp_main__"):
+    if __name__ == "__main__":
+        os.environ["WS_SGLANG_E2E_VERSION"] = sys.argv[1]   # inherited by SGLang's subprocesses
+    from tests.support.sglang_site import activate
+    activate(os.environ["WS_SGLANG_E2E_VERSION"], engine=True)
+
+import torch  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 7, 99, 3], [11, 2, 250, 64]]
+N_NEW = 6
+
+
+def _hf_model(cfg, state: dict):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    m.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        m.tie_weights()
+    return m
+
+
+def _hf_greedy(m, ids):
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _hf_logprobs(m, ids, start):
+    with torch.no_grad():
+        lp = torch.log_softmax(m(torch.tensor([ids])).logits[0].float(), -1)
+    return [lp[i - 1, ids[i]].item() for i in range(start, len(ids))]
+
+
+def main() -> dict:
+    from rollout_svc.engine.base import SamplingParams
+    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions, _hf_param_metas
+    from tests.sglang.exec_checks import packed_buckets
+    from trainer_svc.actor.hf_actor import HfActor
+    from weightsync.models import resolve_model
+
+    results = {}
+    cfg, _ = resolve_model("tiny-qwen2")
+    start = HfActor(cfg, seed=11)
+    model_dir = tempfile.mkdtemp(prefix="ws-sglang-e2e-")
+    start.model.save_pretrained(model_dir)
+
+    from sglang.srt.entrypoints.engine import Engine
+    sgl = Engine(model_path=model_dir, device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
+                 disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=1024, dtype="float32",
+                 random_seed=0, log_level="error")
+    try:
+        import threading
+        eng = SglangEngine.__new__(SglangEngine)   # SglangOptions has no CPU device/attention backend yet
+        eng.opts = SglangOptions(model_path=model_dir, dtype="float32")
+        eng.tp_size, eng._lock, eng._update_group, eng._sgl = 1, threading.RLock(), "", sgl
+        eng._metas, eng._hf_config = _hf_param_metas(cfg, torch.float32), cfg
+
+        def agree(tag, state):
+            hf = _hf_model(cfg, state)
+            got = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))]
+            want = [_hf_greedy(hf, p) for p in PROMPTS]
+            assert got == want, f"{tag}: SGLang greedy {got} != transformers {want}"
+            lps, _ = eng.score(PROMPTS[0], 1)
+            ref = _hf_logprobs(hf, PROMPTS[0], 1)
+            err = max(abs(a - b) for a, b in zip(lps, ref))
+            assert len(lps) == len(ref) and err < 1e-4, f"{tag}: score log-probs differ by {err} ({lps} vs {ref})"
+            return err
+
+        def run(name, fn):
+            try:
+                results[name] = f"ok ({fn()})"
+            except Exception:
+                results[name] = traceback.format_exc(limit=-8)
+
+        run("generate_and_score_before_sync", lambda: agree("before", dict(start.model.state_dict())))
+
+        def sync(seed, flattened):
+            trainer = HfActor(cfg, seed=seed)
+            named = list(trainer.export_tensors())
+            eng.begin_apply()
+            for plan, buf in packed_buckets(named, bucket_bytes=64 << 10):
+                if flattened:   # load_bucket's CUDA branch (one flattened bucket), from CPU shared memory
+                    eng._send_flattened(eng.bucket_payloads(plan, buf))
+                else:           # load_bucket's CPU branch (named tensors)
+                    eng.load_bucket(plan, buf)
+            eng.end_apply()
+            return agree(f"after sync seed={seed}", dict(trainer.model.state_dict()))
+
+        run("sync_named_cpu_path", lambda: sync(22, flattened=False))
+        run("sync_flattened_bucket_path", lambda: sync(33, flattened=True))
+    finally:
+        sgl.shutdown()
+    return results
+
+
+if __name__ == "__main__":
+    from tests.support.sglang_site import RESULT_MARK
+    print(RESULT_MARK + json.dumps(main()), flush=True)
