@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.sglang.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
 
 FAMILIES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe")
@@ -238,7 +239,6 @@ def check_ipc_payload_safe_unpickle():
 
 
 def _model(cfg):
-    from tests.sglang.sglang_side import build_model
     return build_model(cfg, EXPORT_DTYPE)
 
 
@@ -299,8 +299,6 @@ CHECKS = {
 
 def main(version: str) -> None:
     activate(version)
-    global SglangSide
-    from tests.sglang.sglang_side import SglangSide, init_tp1
     init_tp1()
     results = {}
     for name, fn in CHECKS.items():
