@@ -100,7 +100,7 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
     [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I]. SGLang's MoE models skip
     the fused names without an error (the experts would silently keep their old weights), so the
     manifest must carry per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (as the Megatron
-    trainer exports them). Found by tests/sglang."""
+    trainer exports them). Found by tests/sglang_exec."""
     if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
         pre, (e, two_i, h) = name[: -len("gate_up_proj")], shape
         return [(f"{pre}{x}.{w}_proj.weight", (two_i // 2, h)) for x in range(e) for w in ("gate", "up")]
@@ -217,7 +217,7 @@ class SglangEngine(SglangWeightsMixin):
         s = SamplingParams(max_new_tokens=1, temperature=0.0)
         # SGLang's input_token_logprobs start AT token logprob_start_len and that first row has no
         # log-prob (None); so start one token early to get token_ids[prompt_length:]. (Measured on
-        # SGLang 0.5.23's CPU engine, tests/sglang/engine_e2e.py; asking for prompt_length came back
+        # SGLang 0.5.23's CPU engine, tests/sglang_exec/engine_e2e.py; asking for prompt_length came back
         # one short.)
         out = self._call(self._sgl.generate, input_ids=list(token_ids), sampling_params=_sampling_params_dict(s, None),
                          return_logprob=True, logprob_start_len=prompt_length - 1)

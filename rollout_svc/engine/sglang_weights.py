@@ -176,14 +176,14 @@ class SglangWeightsMixin:
             return
         self._send_flattened(self.bucket_payloads(plan, buf))
 
-    # The payload builders are separate from the sends so tests/sglang can hand SGLang's own
+    # The payload builders are separate from the sends so tests/sglang_exec can hand SGLang's own
     # receive code exactly these bytes (built from a CPU buffer there).
     def chunk_payloads(self, chunk: list[tuple[str, torch.Tensor]]) -> list[bytes]:
         """One flat uint8 buffer per chunk: SGLang does one IPC open and one slice pass for it.
 
         Offsets are aligned as in a bucket plan: SGLang views each slice as its dtype, which
         fails for a tensor starting at a byte offset that is not a multiple of its element
-        size (an odd-length bf16 tensor followed by an fp32 one; found by tests/sglang).
+        size (an odd-length bf16 tensor followed by an fp32 one; found by tests/sglang_exec).
         """
         slots, off = [], 0
         for name, t in chunk:
@@ -282,7 +282,7 @@ def _patch_reductions() -> None:
 
     SGLang's patched reducer rewrites argument 6 (the device) of whatever torch's reducer
     returns; for a CPU tensor that is `rebuild_tensor`'s 3-tuple, so every later pickle of a CPU
-    tensor in this process raises IndexError (sglang 0.5.10 and 0.5.23, found by tests/sglang).
+    tensor in this process raises IndexError (sglang 0.5.10 and 0.5.23, found by tests/sglang_exec).
     rollout-svc's process also hosts SGLang's Engine, whose named-tensor update path
     (`load_weights` with CPU tensors) pickles CPU tensors: without this, the first CUDA bucket
     would break every later CPU load.

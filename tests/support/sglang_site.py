@@ -64,7 +64,7 @@ DEPS = (
 
 
 # What SGLang's Engine additionally imports (HTTP server stack, scheduler, grammar backend);
-# only the CPU Engine e2e (tests/sglang/engine_e2e.py) installs them. xgrammar needs the real
+# only the CPU Engine e2e (tests/sglang_exec/engine_e2e.py) installs them. xgrammar needs the real
 # tvm_ffi, so in that mode tvm_ffi is installed instead of stubbed.
 ENGINE_DEPS = (
     "uvloop==0.22.1", "setproctitle==1.3.8", "fastapi==0.165.0", "uvicorn==0.54.0", "aiohttp==3.14.5",

@@ -1,6 +1,6 @@
 """SGLang's own code on our payloads (not parsed: imported and executed), per pinned version.
 
-Each version runs in one fresh interpreter (`python -m tests.sglang.exec_checks <version>`) where
+Each version runs in one fresh interpreter (`python -m tests.sglang_exec.exec_checks <version>`) where
 tests/support/sglang_site.py has put the unpacked wheel on sys.path; this module turns that
 process's per-check results into one test each. What is stubbed and why: sglang_site.STUBS and
 docs/sglang.md. Skipped (not passed) when PyPI is unreachable and nothing is cached.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_svc.engine.sglang_api import CHECKED_VERSIONS
-from tests.sglang.exec_checks import CHECKS
+from tests.sglang_exec.exec_checks import CHECKS
 from tests.support.sglang_site import SiteUnavailable, run_in_sglang
 
 # The two ends of the pinned range, as the AST contract test.
@@ -22,7 +22,7 @@ _results: dict[str, dict] = {}
 def _results_for(version: str) -> dict:
     if version not in _results:
         try:
-            _results[version] = run_in_sglang(version, "tests.sglang.exec_checks")
+            _results[version] = run_in_sglang(version, "tests.sglang_exec.exec_checks")
         except SiteUnavailable as exc:
             _results[version] = {"__skip__": str(exc)}
     return _results[version]

@@ -1,6 +1,6 @@
 """SGLang's real `Engine` on CPU (scheduler subprocess, ZMQ, torch-native attention) behind our
 adapter: generate, a sync through the adapter's weight paths, generate and score again, each
-against transformers on the same weights. Run as `python -m tests.sglang.engine_e2e <version>`
+against transformers on the same weights. Run as `python -m tests.sglang_exec.engine_e2e <version>`
 (test_sglang_engine_cpu.py does, when WEIGHTSYNC_SGLANG_ENGINE_E2E=1).
 
 SGLang's scheduler is a spawned subprocess that re-imports this module as __mp_main__, so the
@@ -50,8 +50,8 @@ def _hf_logprobs(m, ids, start):
 def main() -> dict:
     from rollout_svc.engine.base import SamplingParams
     from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions, _hf_param_metas
-    from tests.sglang.exec_checks import packed_buckets
-    from trainer_svc.actor.hf_actor import HfActor
+    from tests.sglang_exec.exec_checks import packed_buckets
+    from trainer_svc.actor.hf.actor import HfActor
     from weightsync.models import resolve_model
 
     results = {}

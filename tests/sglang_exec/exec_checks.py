@@ -1,4 +1,4 @@
-"""The checks of the SGLang execution tier; run as `python -m tests.sglang.exec_checks <version>`
+"""The checks of the SGLang execution tier; run as `python -m tests.sglang_exec.exec_checks <version>`
 (one fresh interpreter per SGLang version, see tests/support/sglang_site.py). Prints one line,
 RESULT_MARK + JSON {check name: "ok" | traceback}; test_sglang_exec.py turns each into a test.
 """
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.sglang.sglang_side import SglangSide, build_model, init_tp1
+from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
 
 FAMILIES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe")
@@ -23,14 +23,14 @@ EXPORT_DTYPE = torch.bfloat16
 def trainer_export(family: str, seed: int = 3) -> tuple[object, list[tuple[str, torch.Tensor]]]:
     """The HF-named tensors a sync of `family` carries, in the trainer's export order and names.
 
-    Names/shapes/order are the Megatron trainer's export list (`trainer_svc.megatron.hf_meta.export_metas`,
+    Names/shapes/order are the Megatron trainer's export list (`trainer_svc.actor.megatron.hf_meta.export_metas`,
     checkpoint naming: per-expert tensors for MoE); values come from a transformers model of the
     same config. transformers 5 stores MoE experts fused (`experts.gate_up_proj` [E, 2I, H],
     gate rows first; `experts.down_proj` [E, H, I]); they are split per expert here.
     """
-    from trainer_svc.actor.hf_actor import HfActor
-    from trainer_svc.megatron.hf_meta import export_metas
-    from weightsync.models import family_of, resolve_model
+    from trainer_svc.actor.hf.actor import HfActor
+    from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
+    from weightsync.models import resolve_model
 
     cfg, _ = resolve_model(family)
     state = dict(HfActor(cfg, seed=seed).export_tensors())
@@ -42,7 +42,7 @@ def trainer_export(family: str, seed: int = 3) -> tuple[object, list[tuple[str, 
             state[f"{pre}{e}.gate_proj.weight"] = gate_up[e, :inter]
             state[f"{pre}{e}.up_proj.weight"] = gate_up[e, inter:]
             state[f"{pre}{e}.down_proj.weight"] = down[e]
-    metas = export_metas(cfg, family_of(cfg), EXPORT_DTYPE)
+    metas = export_metas(build_spec(cfg), EXPORT_DTYPE)
     assert sorted(m.name for m in metas) == sorted(state), "trainer export list != HF checkpoint names"
     out = []
     for m in metas:

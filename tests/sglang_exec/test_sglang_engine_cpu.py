@@ -1,4 +1,4 @@
-"""CI-optional: SGLang's real Engine on CPU behind the adapter (tests/sglang/engine_e2e.py).
+"""CI-optional: SGLang's real Engine on CPU behind the adapter (tests/sglang_exec/engine_e2e.py).
 
 Opt in with WEIGHTSYNC_SGLANG_ENGINE_E2E=1: it installs SGLang's server-side imports as well
 (sglang_site.ENGINE_DEPS, ~25 MB once) and takes ~2-3 min on a 2-core machine.
@@ -22,7 +22,7 @@ _results: dict = {}
 def test_sglang_engine_on_cpu(check):
     if not _results:
         try:
-            _results.update(run_in_sglang("0.5.23", "tests.sglang.engine_e2e", timeout_s=900, engine=True))
+            _results.update(run_in_sglang("0.5.23", "tests.sglang_exec.engine_e2e", timeout_s=900, engine=True))
         except SiteUnavailable as exc:
             _results["__skip__"] = str(exc)
     if "__skip__" in _results:
