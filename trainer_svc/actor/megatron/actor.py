@@ -26,10 +26,14 @@ class MegatronActor:
                  seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
                  params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None,
                  converter: str = "builtin", mtp: str = "off",
-                 expert_layout: str = "sequential"):
+                 expert_layout: str = "sequential", megatron_checkpoint: str | None = None):
         """ep/etp: expert (tensor) parallel sizes for MoE models; mtp: carry the checkpoint's
         multi-token-prediction layers under 'deepseek' or 'mimo' names ('off': ignore them);
-        expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP)."""
+        expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP);
+        megatron_checkpoint: start from this Megatron torch_dist checkpoint (any TP/PP layout)
+        instead of HF weights (dist_ckpt.py)."""
+        if weights_dir and megatron_checkpoint:
+            raise ValueError("weights_dir and megatron_checkpoint both given: start from one of them")
         from trainer_svc.actor.megatron.commands import CommandChannel
         from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
         from trainer_svc.actor.megatron.model import build_chunks
@@ -47,7 +51,8 @@ class MegatronActor:
         self._metas = export_metas(self.spec, export_dtype)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
         self.model = build_chunks(self.spec, self.par, seed=seed, params_dtype=params_dtype,
-                                  init_weights=weights_dir is None if init_weights is None else init_weights,
+                                  init_weights=(weights_dir is None and megatron_checkpoint is None)
+                                  if init_weights is None else init_weights,
                                   expert_layout=expert_layout)
         from trainer_svc.actor.megatron.bridge import make_converter
 
@@ -59,6 +64,8 @@ class MegatronActor:
         self.version = 0
         if weights_dir:
             self._load_hf(weights_dir)
+        elif megatron_checkpoint:
+            self._load_megatron(megatron_checkpoint)
         self.version = 1
         #: completed optimizer steps, and the training state (optimizer, reference) once training starts
         self.step = 0
@@ -68,10 +75,10 @@ class MegatronActor:
     def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, seed: int = 0,
                export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
                mtp: str = "off",
-               converter: str = "builtin") -> "MegatronActor":
+               converter: str = "builtin", megatron_checkpoint: str | None = None) -> "MegatronActor":
         return cls(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed, export_dtype=export_dtype,
                    weights_dir=weights_dir, mtp=mtp,
-                   converter=converter)
+                   converter=converter, megatron_checkpoint=megatron_checkpoint)
 
     @classmethod
     def from_pretrained(cls, path: str, **kw) -> "MegatronActor":
@@ -101,6 +108,20 @@ class MegatronActor:
         self._check_driver("load_hf")
         self.channel.send("load_hf", path=str(path))
         self._load_hf(str(path))
+
+    def load_megatron(self, path: str) -> None:
+        """Replace the weights with a Megatron torch_dist checkpoint's (any TP/PP layout)."""
+        self._check_driver("load_megatron")
+        self.channel.send("load_megatron", path=str(path))
+        self._load_megatron(str(path))
+
+    def save_megatron(self, directory: str, *, iteration: int, names: str = "megatron") -> str:
+        """Collective (every rank calls it, e.g. through a training op): write the weights as a
+        Megatron torch_dist checkpoint `<directory>/iter_{iteration:07d}`; returns that path."""
+        from trainer_svc.actor.megatron.dist_ckpt import save_torch_dist
+
+        return str(save_torch_dist(self.model, directory, self.spec, iteration=iteration, version=self.version,
+                                   names=names))
 
     def save_hf(self, out_dir: str) -> None:
         """Write a transformers-loadable directory (config.json + safetensors) from the export."""
@@ -137,6 +158,8 @@ class MegatronActor:
                     pass
             elif op == "load_hf":
                 self._load_hf(args["path"])
+            elif op == "load_megatron":
+                self._load_megatron(args["path"])
             else:
                 from trainer_svc.train.collective import handle_worker_command  # training ops live there
 
@@ -170,4 +193,10 @@ class MegatronActor:
             self.converter.load(self.model, path)
         else:
             load_hf_into(self.model, path, self.spec, self.par)
+        self.version += 1
+
+    def _load_megatron(self, path: str) -> None:
+        from trainer_svc.actor.megatron.dist_ckpt import load_torch_dist
+
+        load_torch_dist(self.model, path, self.spec)
         self.version += 1

@@ -48,7 +48,7 @@ def index_safetensors(path: str) -> dict[str, Path]:
     return where
 
 
-def _agree_on_errors(error: str | None) -> None:
+def agree_on_errors(error: str | None) -> None:
     """Raise the same ValueError on every rank if any rank failed.
 
     Ranks read different slices (another TP rank's rows, another EP rank's experts), so a missing or
@@ -82,7 +82,7 @@ def load_hf_into(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
         _load(chunks, path, spec, par)
     except ValueError as e:
         error = str(e)
-    _agree_on_errors(error)
+    agree_on_errors(error)
 
 
 def _load(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
