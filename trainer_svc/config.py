@@ -131,6 +131,10 @@ class CheckpointConfig:
     """Training checkpoints."""
     checkpoint_dir: str = field("", help="directory for training checkpoints (model, optimizer, RNG, step, version)")
     resume: bool = field(False, help="resume from the latest checkpoint in checkpoint_dir at start-up")
+    load_megatron_checkpoint: str = field("", help="backend=megatron: start from this Megatron distributed checkpoint "
+                                                   "(torch_dist, written at any TP/PP layout; a Megatron-LM save dir "
+                                                   "or one iter_N dir) instead of --model's weights; --model still "
+                                                   "gives the architecture (docs/conversion.md)")
 
     def validate(self) -> None:
         if self.resume and not self.checkpoint_dir:
@@ -154,3 +158,6 @@ class TrainerConfig(ServiceConfig):
         par = self.parallel
         if self.actor.backend == "hf" and par.tp * par.pp * par.vpp * par.ep != 1:
             raise ConfigError("backend=hf runs one process: set tp=pp=vpp=ep=1 or use backend=megatron")
+        if self.checkpoint.load_megatron_checkpoint and self.actor.backend != "megatron":
+            raise ConfigError("load_megatron_checkpoint needs backend=megatron (it fills a Megatron model); with "
+                              "backend=hf start from an HF directory in --model")

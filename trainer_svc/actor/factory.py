@@ -18,5 +18,8 @@ def make_actor(trainer_cfg):
                        device=resolve_device(cfg.device))
     from trainer_svc.actor.megatron.actor import MegatronActor
 
+    megatron_ckpt = trainer_cfg.checkpoint.load_megatron_checkpoint or None
+    # a Megatron checkpoint replaces --model's weights (the model still gives the architecture)
     return MegatronActor.create(config, tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, seed=cfg.init_seed,
-                                export_dtype=dtype, weights_dir=weights_dir, converter=cfg.converter, mtp=cfg.mtp)
+                                export_dtype=dtype, weights_dir=None if megatron_ckpt else weights_dir,
+                                converter=cfg.converter, mtp=cfg.mtp, megatron_checkpoint=megatron_ckpt)

@@ -52,6 +52,9 @@ def _execute(actor, op: str, args: dict):
         req = _decode(trainer_pb2.ComputeLogprobsRequest, args["request"])
         return compute_logprobs(actor, list(req.samples), reference=req.reference)
     if op == "save_checkpoint":
+        if args.get("format", "native") == "torch_dist":
+            # weights only, every rank writes its shards; numbered by completed steps like native
+            return actor.save_megatron(args["dir"], iteration=actor.step)
         from trainer_svc.train.checkpoint import save_checkpoint
 
         return str(save_checkpoint(actor, args["dir"]))

@@ -48,6 +48,17 @@ def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs
                          "all samples or none (none = the trainer scores the behaviour policy itself)")
 
 
+CHECKPOINT_FORMATS = ("native", "torch_dist")
+
+
+def check_checkpoint_format(fmt: str, actor) -> None:
+    if fmt not in CHECKPOINT_FORMATS:
+        raise ValueError(f"format: {fmt!r} is not one of {', '.join(CHECKPOINT_FORMATS)} (empty = native)")
+    if fmt == "torch_dist" and not hasattr(actor, "save_megatron"):
+        raise ValueError("format: torch_dist is a Megatron distributed checkpoint; this trainer's backend has no "
+                         "Megatron model (use backend=megatron, or format native)")
+
+
 class TrainingServicerMixin:
     #: the TrainerConfig training reads (`optim`, `checkpoint`); None = resolved from WS_TRAINER_* env
     train_cfg = None
@@ -183,7 +194,9 @@ class TrainingServicerMixin:
             directory = request.dir or self._train_config().checkpoint.checkpoint_dir
             if not directory:
                 raise ValueError("dir: empty and the trainer has no checkpoint_dir configured")
-            return collective.run(self.actor, "save_checkpoint", dir=directory)
+            fmt = request.format or "native"
+            check_checkpoint_format(fmt, self.actor)
+            return collective.run(self.actor, "save_checkpoint", dir=directory, format=fmt)
 
         path = self._run(context, "save_checkpoint", save)
         return trainer_pb2.SaveCheckpointResponse(dir=path, step=self.actor.step, version=self.actor.version)

@@ -260,10 +260,12 @@ class ComputeLogprobsResponse(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[LogprobRow, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("dir",)
+    __slots__ = ("dir", "format")
     DIR_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     dir: str
-    def __init__(self, dir: _Optional[str] = ...) -> None: ...
+    format: str
+    def __init__(self, dir: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
     __slots__ = ("dir", "step", "version")

@@ -73,3 +73,15 @@ def test_shared_sections_keep_each_service_defaults():
     t, r = _resolve(TrainerConfig, []), _resolve(RolloutConfig, [], prefix="WS_ROLLOUT")
     assert (t.server.grpc_address, r.server.grpc_address) == ("127.0.0.1:50051", "127.0.0.1:50061")
     assert TrainerConfig.from_flat(bucket_mb=8, log_level="DEBUG").bus.bucket_mb == 8
+
+
+def test_load_megatron_checkpoint_flag_env_file_and_backend(tmp_path):
+    assert _resolve(TrainerConfig, []).checkpoint.load_megatron_checkpoint == ""
+    cfg = _resolve(TrainerConfig, ["--load-megatron-checkpoint", "/ck/a"], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"})
+    assert cfg.checkpoint.load_megatron_checkpoint == "/ck/a"
+    assert _resolve(TrainerConfig, [], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"}).checkpoint.load_megatron_checkpoint == "/ck/b"
+    f = tmp_path / "c.yaml"
+    f.write_text("checkpoint:\n  load_megatron_checkpoint: /ck/c\n")
+    assert _resolve(TrainerConfig, ["--config", str(f)]).checkpoint.load_megatron_checkpoint == "/ck/c"
+    with pytest.raises(ConfigError, match="load_megatron_checkpoint needs backend=megatron"):
+        _resolve(TrainerConfig, ["--backend", "hf", "--load-megatron-checkpoint", "/ck/a"])

@@ -85,3 +85,11 @@ def test_init_training_resumes_eagerly(monkeypatch, tmp_path):
     b = _Servicer(HfActor(resolve_model("tiny-qwen2")[0], seed=5))
     assert b.init_training(TrainerConfig.from_flat(lr=1e-3, checkpoint_dir=str(tmp_path), resume=True)) is True
     assert (b.actor.step, b.actor.version) == (1, 2)
+
+
+def test_save_checkpoint_format_is_validated(stub):
+    code, msg = _err(stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(format="zip"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "format: 'zip'" in msg and "torch_dist" in msg
+    # a Megatron distributed checkpoint needs a Megatron model; this servicer holds a transformers one
+    code, msg = _err(stub.SaveCheckpoint, trainer_pb2.SaveCheckpointRequest(format="torch_dist"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "backend=megatron" in msg

@@ -89,3 +89,40 @@ def test_parallel_layouts_match_tp1(tmp_path, layout):
     for sa, sb in zip(a["steps"], b["steps"]):
         for k in ("loss", "entropy", "kl", "grad_norm"):
             assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), (k, sa, sb)
+
+
+def test_save_checkpoint_torch_dist_holds_the_trained_weights(tmp_path):
+    """SaveCheckpoint(format=torch_dist) after training: a trainer started from it holds exactly the
+    trained weights (the step numbers the directory, as Megatron-LM does)."""
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.model import named_parameters_global
+    from trainer_svc.train import collective
+    from weightsync.models import resolve_model
+
+    req = make_request()
+    a = _actor()
+    _with_logprobs(a, req)
+    for _ in range(2):
+        train_step(a, req)
+    path = collective.run(a, "save_checkpoint", dir=str(tmp_path), format="torch_dist")
+    assert path == str(tmp_path / "iter_0000002")
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    b = MegatronActor.create(resolve_model("tiny-qwen2")[0], seed=5, megatron_checkpoint=str(tmp_path))
+    want, got = named_parameters_global(a.model), named_parameters_global(b.model)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert b.version == 1
+    # the same through the trainer's config (--load-megatron-checkpoint) and actor factory
+    import argparse
+
+    from trainer_svc.actor.factory import make_actor
+    from trainer_svc.config import ENV_PREFIX, TrainerConfig
+    from weightsync.config import add_arguments, resolve
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, TrainerConfig, ENV_PREFIX)
+    cfg = resolve(TrainerConfig, p.parse_args(["--model", "tiny-qwen2", "--init-seed", "9",
+                                               "--load-megatron-checkpoint", str(tmp_path / "iter_0000002")]),
+                  ENV_PREFIX, {})
+    c = make_actor(cfg)
+    got = named_parameters_global(c.model)
+    assert all(torch.equal(got[k], want[k]) for k in want)
