@@ -5,7 +5,8 @@ numbers its experts from 0, and the expert layouts differ (SequentialMLP
 `local_experts.{i}.linear_fc1.weight`, TEGroupedMLP `linear_fc1.weight{i}`, legacy GroupedMLP one
 `weight1`/`weight2` for all local experts). Here every parameter gets its global layer and global
 expert index, and every layout is shown as the sequential one, so the tables need one set of expert
-rules. A grouped layout's experts are *views* into weight1/weight2, so load writes through them and
+rules; a TE-spec model's fused norm names (`linear_qkv.layer_norm_weight`) are shown as the local
+spec's (`rules/te_spec.py`). A grouped layout's experts are *views* into weight1/weight2, so load writes through them and
 export reads them without a copy.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from trainer_svc.actor.megatron.rules.te_spec import to_local
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERTS = re.compile(r"^(?P<moe>.+\.mlp)\.experts\.(?:local_experts\.(?P<seq>\d+)\.(?P<rest>.+)"
@@ -71,5 +74,6 @@ def named_parameters_global(chunks) -> dict[str, torch.Tensor]:
                 layer = _LAYER.match(n)
                 if layer:
                     n = f"decoder.layers.{local_to_global[int(layer.group(1))]}.{n[layer.end():]}"
-                out[n] = t
+                # a model built with the TE spec names its fused norms the TE way
+                out[to_local(n) or n] = t
     return out

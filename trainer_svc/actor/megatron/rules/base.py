@@ -93,7 +93,14 @@ class RuleTable:
     tied: bool
 
     def match(self, megatron_name: str) -> tuple[Rule, Site]:
-        """The rule loading a Megatron parameter name (global layer/expert numbering), and where."""
+        """The rule loading a Megatron parameter name (global layer/expert numbering), and where.
+        TE-spec names are accepted too: they are read as the local-spec parameter they spell."""
+        from trainer_svc.actor.megatron.rules.te_spec import to_local  # te_spec imports this module
+
+        local = to_local(megatron_name)
+        if local is None:
+            raise ValueError(f"tensor {megatron_name}: TE `_extra_state` holds no weights; no rule maps it to HF")
+        megatron_name = local
         for rule in self.rules:
             if rule.export_only:
                 continue

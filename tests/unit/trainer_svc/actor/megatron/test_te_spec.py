@@ -101,3 +101,54 @@ def test_a_state_dict_with_both_spellings_is_refused_by_name():
     with pytest.raises(ValueError, match="both 'decoder.layers.0.input_layernorm.weight' and "
                                          "'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight'"):
         local_state_dict(state)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_the_rule_table_matches_te_names_as_their_local_parameter(family):
+    spec = build_spec(_config(family))
+    table = rules_for(spec.family, mtp=spec.mtp)
+    for rule, site, _ in export_plan(spec):
+        if rule.export_only:
+            continue
+        local = rule.megatron_name(site)
+        assert table.match(to_te(local, spec.dims)) == table.match(local) == (rule, site)
+    with pytest.raises(ValueError, match="_extra_state` holds no weights"):
+        table.match("decoder.layers.0.self_attention.linear_qkv._extra_state")
+
+
+def _te_named_model(chunks):
+    """Give a local-spec model the TE spec's parameter names: each fused norm's weight moves onto the
+    linear layer TE fuses it into (as TELayerNormColumnParallelLinear holds it), a MoE layer's
+    pre-MLP norm stays. Only names change (load and export never run the forward)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            fused = [(layer.input_layernorm, layer.self_attention.linear_qkv)]
+            if not isinstance(layer.mlp, MoELayer):
+                fused.append((layer.pre_mlp_layernorm, layer.mlp.linear_fc1))
+            for norm, linear in fused:
+                linear.register_parameter("layer_norm_weight", norm._parameters.pop("weight"))
+    names = {n for c in chunks for n, _ in c.named_parameters()}
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n in names)
+    assert not any(n.endswith("input_layernorm.weight") for n in names)
+    return chunks
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe"])
+def test_a_te_named_model_loads_and_exports_hf_exactly(family, tmp_path):
+    """The load and export paths on a model whose parameters carry TE-spec names (single rank)."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from tests.support.megatron_models import make_config, save_random_hf
+    from trainer_svc.actor.megatron.actor import MegatronActor
+
+    hf_dir = save_random_hf(make_config(family), tmp_path / family, seed=3)
+    actor = MegatronActor(make_config(family), seed=11)
+    _te_named_model(actor.model)
+    actor.load_hf(str(hf_dir))
+    want = load_file(str(hf_dir / "model.safetensors"))
+    got = dict(actor.export_tensors())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert [(m.name, tuple(m.shape)) for m in actor.export_metas()] == [(n, tuple(t.shape)) for n, t in got.items()]
