@@ -1,16 +1,16 @@
 """Checkpoint conversion: HF directory <-> Megatron checkpoint at a given TP/PP/VPP.
 
 The Megatron side is per-rank `torch.save` of each model chunk's state_dict (plus a JSON manifest
-and the HF config), not megatron-core dist checkpointing: on this CPU/gloo setup
-`dist_checkpointing.save` hung in its collectives, and a per-rank file is simple and exact. The
-price is that a checkpoint is tied to its TP/PP/VPP layout; converting back to HF (and from there
-to another layout) is the way to reshard.
+and the HF config), under the local or the Transformer-Engine spec's parameter names (`--names`;
+to-hf reads either). Such a checkpoint is tied to its TP/PP/VPP layout; for one that loads at any
+layout, save a Megatron distributed (torch_dist) checkpoint from the trainer (`dist_ckpt.py`).
 
 Both directions run one process per model-parallel rank. Called outside torchrun with tp*pp > 1,
 `main` relaunches itself under `torch.distributed.run`.
 
     python -m trainer_svc.actor.megatron.convert to-megatron --hf DIR --out CKPT --tp 2 --pp 2
     python -m trainer_svc.actor.megatron.convert to-megatron --hf MOE_DIR --out CKPT --ep 2 --mtp deepseek
+    python -m trainer_svc.actor.megatron.convert to-megatron --hf DIR --out CKPT --pp 2 --names te
     python -m trainer_svc.actor.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
 """
 from __future__ import annotations
@@ -60,8 +60,30 @@ def read_manifest(ckpt: str) -> dict:
     return meta
 
 
+def _chunk_state(actor, chunk, names: str) -> dict:
+    from trainer_svc.actor.megatron.rules.te_spec import te_chunk_state_dict
+
+    sd = chunk.state_dict()
+    if names == "local":
+        return sd
+    global_layer = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    return te_chunk_state_dict(sd, actor.spec.dims, global_layer)
+
+
+def _load_chunk(chunk, sd: dict) -> None:
+    """Load a chunk's plain state dict written under either spec's names (TE `_extra_state` is
+    dropped; the local layers' own, which hold nothing, are kept)."""
+    from trainer_svc.actor.megatron.rules.te_spec import is_extra_state, local_state_dict
+
+    sd = local_state_dict(sd)
+    for k, v in chunk.state_dict().items():
+        if is_extra_state(k):
+            sd.setdefault(k, v)
+    chunk.load_state_dict(sd, strict=True)
+
+
 def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None,
-                mtp: str = "off") -> None:
+                mtp: str = "off", names: str = "local") -> None:
     import torch
     import torch.distributed as dist
 
@@ -72,11 +94,11 @@ def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, 
     key = _rank_key(actor)
     if _writes_its_file(key):
         ckpt.mkdir(parents=True, exist_ok=True)
-        torch.save({"chunks": [chunk.state_dict() for chunk in actor.model]}, _rank_file(ckpt, key))
+        torch.save({"chunks": [_chunk_state(actor, chunk, names) for chunk in actor.model]}, _rank_file(ckpt, key))
     if actor.rmap.rank == 0:
         actor.config.save_pretrained(str(ckpt))
         (ckpt / MANIFEST).write_text(json.dumps({"format": FORMAT, "family": actor.family, "tp": tp, "pp": pp,
-                                                 "vpp": vpp, "ep": ep, "etp": actor.par.expert_tp, "mtp": mtp,
+                                                 "vpp": vpp, "ep": ep, "etp": actor.par.expert_tp, "mtp": mtp, "names": names,
                                                  "world": dist.get_world_size()}, indent=2))
     dist.barrier()
 
@@ -102,7 +124,7 @@ def to_hf(ckpt: str, out: str, dtype: str) -> None:
         raise ValueError(f"ckpt {ckpt}: {path.name} has {len(state['chunks'])} chunks, VPP={meta['vpp']} needs "
                          f"{len(actor.model)}")
     for chunk, sd in zip(actor.model, state["chunks"]):
-        chunk.load_state_dict(sd, strict=True)
+        _load_chunk(chunk, sd)
     if actor.rmap.rank == 0:
         actor.save_hf(out)
         actor.shutdown()
@@ -123,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     a.add_argument("--mtp", default="off", choices=("off", "deepseek", "mimo"),
                    help="carry the checkpoint's MTP layers, named DeepSeek-V3 or MiMo style")
+    a.add_argument("--names", default="local", choices=("local", "te"),
+                   help="parameter names in the written state dicts: the local layer spec's, or the "
+                        "Transformer-Engine spec's (fused norms, TEGroupedMLP experts; to-hf reads both)")
     b = sub.add_parser("to-hf", help="Megatron checkpoint -> HF directory loadable by transformers")
     b.add_argument("--ckpt", required=True, help="checkpoint directory written by to-megatron")
     b.add_argument("--out", required=True, help="HF directory to write")
@@ -149,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) % need:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of {need} (the layout's world)")
     if args.direction == "to-megatron":
-        to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.etp, args.mtp)
+        to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.etp, args.mtp, args.names)
     else:
         to_hf(args.ckpt, args.out, args.dtype)
     import torch.distributed as dist

@@ -94,6 +94,25 @@ def local_state_dict(state: Mapping[str, T]) -> dict[str, T]:
     return out
 
 
+def te_chunk_state_dict(state: Mapping[str, T], dims: Dims, global_layer: Mapping[int, int]) -> dict[str, T]:
+    """A local-spec model chunk's plain state dict (chunk-local layer numbers, `global_layer` maps
+    them to global ones) under TE-spec names, `_extra_state` dropped: TE's holds its FP8 recipe
+    state, which a model built without Transformer Engine does not have. A layer's kind (dense or
+    MoE) is looked up by its global number, so the pre-MLP norm is fused only where TE fuses it."""
+    out: dict[str, T] = {}
+    for name, value in state.items():
+        if is_extra_state(name):
+            continue
+        m = _LAYER.match(name)
+        if m:
+            local_prefix, global_prefix = m.group(0), f"decoder.layers.{global_layer[int(m.group(1))]}."
+            name = local_prefix + to_te(global_prefix + name[m.end():], dims)[len(global_prefix):]
+        else:
+            name = to_te(name, dims)
+        out[name] = value
+    return out
+
+
 def spec_of(names) -> str:
     """'te' when any name is spelled the TE way, else 'local'."""
     for n in names:
