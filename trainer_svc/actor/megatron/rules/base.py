@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer_svc.actor.megatron.rules.te_spec import to_local
 from weightsync.model_spec import DENSE, MOE, Dims
 
 
@@ -95,8 +96,6 @@ class RuleTable:
     def match(self, megatron_name: str) -> tuple[Rule, Site]:
         """The rule loading a Megatron parameter name (global layer/expert numbering), and where.
         TE-spec names are accepted too: they are read as the local-spec parameter they spell."""
-        from trainer_svc.actor.megatron.rules.te_spec import to_local  # te_spec imports this module
-
         local = to_local(megatron_name)
         if local is None:
             raise ValueError(f"tensor {megatron_name}: TE `_extra_state` holds no weights; no rule maps it to HF")

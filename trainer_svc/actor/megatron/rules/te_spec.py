@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import TypeVar
 
-from trainer_svc.actor.megatron.rules.base import DENSE, Dims
+from weightsync.model_spec import DENSE, Dims
 
 T = TypeVar("T")
 
