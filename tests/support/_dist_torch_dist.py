@@ -25,7 +25,8 @@ SPELLINGS = ("megatron", "te", "local")
 
 
 def _all_ranks_true(flag: bool) -> bool:
-    t = torch.tensor([int(flag)], dtype=torch.int64)
+    # NCCL on GPU hosts (the same script serves tests/gpu/test_torch_dist_gpu.py), gloo on CPU
+    t = torch.tensor([int(flag)], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -92,7 +93,7 @@ def main() -> None:
             if rank == 0:
                 try:
                     hf = load_file(str(Path(d) / "model.safetensors"))
-                    exported = dict(actor.export_tensors())
+                    exported = {k: v.cpu() for k, v in actor.export_tensors()}
                     res[f"export_exact_{names}"] = set(exported) == set(hf) and all(
                         torch.equal(exported[k], hf[k]) for k in hf)
                 finally:
