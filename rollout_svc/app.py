@@ -6,11 +6,13 @@ import signal
 import threading
 
 from rollout_svc.config import RolloutConfig
+from rollout_svc.pinning import TrainerPin
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
 from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.control.auth import load_token
+from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.model_spec import family_of
 from weightsync.obs.http import HttpEndpoints
@@ -25,6 +27,8 @@ class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
         token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
+        check_exposure({"grpc_address": cfg.server.grpc_address, "http_address": cfg.server.http_address,
+                        "data_address": cfg.bus.data_address}, token, cfg.auth.insecure, "rollout-svc")
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token)
         self.metrics = SyncMetrics("rollout")
@@ -34,27 +38,43 @@ class RolloutApp:
 
         self.engine = make_engine(cfg)
         self.tx = SyncTransaction(self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric())
-        self.data = TcpReceiver(cfg.bus.data_address, self.tx, token)
+        self.data = TcpReceiver(cfg.bus.data_address, self.tx, token, max_connections=cfg.limits.max_bus_connections)
         data_host = cfg.bus.advertise_data_host or self.data.host
         advertise = cfg.registration.advertise_address or self.grpc.address
         self.rollout_id = cfg.registration.rollout_id or advertise
+        reg = cfg.registration
+        self.registrar = None
+        self.pin = TrainerPin(reg.trainer_id, reg.trainer_address, ask_trainer=lambda: self.registrar.trainer_id())
         self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.inference.engine,
                                         family_of(self.engine.hf_config()) if hasattr(self.engine, "hf_config") else "",
-                                        f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s)
+                                        f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s, limits=cfg.limits,
+                                        pin=self.pin, serve_initial_weights=reg.serve_initial_weights)
+        # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
+        self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
-        self.registrar = None
-        if cfg.registration.trainer_address:
+        if reg.trainer_address:
             req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
                                                      num_ranks=self.engine.num_ranks(),
                                                      model_family=self.servicer.family)
-            self.registrar = Registrar(cfg.registration.trainer_address, token, req, cfg.registration.register_timeout_s, cfg.registration.heartbeat_s)
+            self.registrar = Registrar(reg.trainer_address, token, req, reg.register_timeout_s, reg.heartbeat_s,
+                                       on_registered=self._registered)
         self._stopped = threading.Event()
+
+    def _registered(self, resp) -> None:
+        self.pin.learn(resp.trainer_id, f"the trainer at {self.cfg.registration.trainer_address}")
+        if resp.current and resp.trainer_id == self.pin.pinned:
+            self.servicer.current = True
 
     def _readiness(self) -> tuple[bool, str]:
         if not self._ready:
             return False, "engine loading"
         if self.tx.state == rollout_pb2.STALE:
             return False, f"STALE: {self.tx.last_error}"
+        if not self.servicer.current:
+            # A (re)started rollout holds its own initial weights: not the trainer's. It becomes ready
+            # when the catch-up sync commits, so a Service never routes to weights nobody trained.
+            return False, ("not current: waiting for a sync from the trainer (serving initial weights, version "
+                           f"{self.tx.version}); --serve-initial-weights serves them without one")
         return True, f"serving version {self.tx.version}"
 
     def start(self) -> None:
@@ -72,8 +92,21 @@ class RolloutApp:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        pending = self.tx.pending_sync_id
+        if pending:
+            # Abort rather than finish: the trainer may be gone, and a commit after this point
+            # would race the gRPC server's shutdown. Staged engines keep their version.
+            self.tx.abort(pending, "rollout shutting down")
+            self.servicer.nccl.abort(pending, "rollout shutting down")
         if self.registrar:
             self.registrar.stop()
+            err = self.registrar.deregister()
+            log.info("rollout %s shutting down: %s; deregistered from trainer %s%s", self.rollout_id,
+                     f"aborted pending sync {pending}" if pending else "no sync in flight",
+                     self.cfg.registration.trainer_address, f" FAILED ({err})" if err else "")
+        else:
+            log.info("rollout %s shutting down: %s", self.rollout_id,
+                     f"aborted pending sync {pending}" if pending else "no sync in flight")
         self.grpc.stop()
         self.data.stop()
         self.http.stop()

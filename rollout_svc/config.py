@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_svc.limits import LimitsConfig
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
@@ -56,6 +57,11 @@ class RegistrationConfig:
     trainer_address: str = field("", help="trainer gRPC address to register with (empty: wait to be listed by the trainer)")
     register_timeout_s: float = field(120.0, help="give up registering with the trainer after this long (0 = forever)")
     heartbeat_s: float = field(10.0, help="re-register this often, so a restarted trainer finds this rollout (0 = once)")
+    trainer_id: str = field("", help="accept syncs only from the trainer with this id (its own --trainer-id); empty: "
+                                     "follow the trainer this rollout registers with, else the first to commit a sync")
+    serve_initial_weights: bool = field(False, help="report ready (/readyz 200) on the engine's own initial weights "
+                                                    "before any sync; default: ready only once a sync from the "
+                                                    "trainer committed (a rejoining rollout is caught up first)")
 
     def validate(self) -> None:
         if self.advertise_address:
@@ -70,5 +76,6 @@ class RolloutConfig(ServiceConfig):
     inference: InferenceConfig = section(InferenceConfig)
     bus: RolloutBusConfig = section(RolloutBusConfig)
     registration: RegistrationConfig = section(RegistrationConfig)
+    limits: LimitsConfig = section(LimitsConfig)
     auth: AuthConfig = section(AuthConfig)
     log: LogConfig = section(LogConfig)

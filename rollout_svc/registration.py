@@ -38,6 +38,25 @@ class Registrar:
     def stop(self) -> None:
         self._stop.set()
 
+    def deregister(self, timeout: float = 3.0) -> str:
+        """Tell the trainer this rollout is leaving; returns "" or the error (a shutdown must not hang on it)."""
+        try:
+            with channel(self.trainer_address) as ch:
+                trainer_stub(ch, self.token, timeout=timeout).DeregisterRollout(
+                    trainer_pb2.DeregisterRolloutRequest(rollout_id=self.request.rollout_id))
+            return ""
+        except grpc.RpcError as exc:
+            return describe_rpc_error(exc)
+
+    def trainer_id(self, timeout: float = 5.0) -> str:
+        """The id of the trainer at `trainer_address` now ("" when it cannot be asked)."""
+        try:
+            with channel(self.trainer_address) as ch:
+                return trainer_stub(ch, self.token, timeout=timeout).GetStatus(trainer_pb2.TrainerStatusRequest()).trainer_id
+        except grpc.RpcError as exc:
+            log.warning("cannot ask trainer %s for its id: %s", self.trainer_address, describe_rpc_error(exc))
+            return ""
+
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else float("inf")
         delay = 0.2

@@ -10,6 +10,8 @@ import time
 import grpc
 
 from rollout_svc.engine.base import SamplingParams
+from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestRefused, check_generate
+from rollout_svc.pinning import TrainerPin
 from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import engine_device
@@ -21,7 +23,6 @@ from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_MAX_PROMPTS = 4096
 _SERVE_WAIT_S = 60.0
 _MAX_SYNC_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -33,7 +34,8 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, rollout_id: str, engine, tx: SyncTransaction, metrics: SyncMetrics, engine_name: str,
-                 family: str, data_address: str, sync_timeout: float):
+                 family: str, data_address: str, sync_timeout: float, limits: LimitsConfig | None = None,
+                 pin: TrainerPin | None = None, serve_initial_weights: bool = False):
         self.rollout_id = rollout_id
         self.engine = engine
         self.tx = tx
@@ -44,6 +46,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.sync_timeout = sync_timeout
         self.rollout_metrics = RolloutMetrics(metrics.registry)
         self._sync_started: dict[str, float] = {}
+        self.limits = limits or LimitsConfig()
+        self.admission = Admission(self.limits.max_inflight_requests, self.limits.max_inflight_per_client)
+        self.manifest_limits = ManifestLimits(engine.param_metas(), self.limits.max_bucket_mb)
+        self.pin = pin or TrainerPin()
+        #: sync_id -> (trainer id that prepared it, is an allowed rollback)
+        self._sync_origin: dict[str, tuple[str, bool]] = {}
+        #: True once a sync from the trainer committed (or the operator opted into the initial weights)
+        self.current = serve_initial_weights
         self._lock = threading.Lock()
         self.device = engine_device(engine)
         self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=metrics.nccl_group_builds.inc)
@@ -64,7 +74,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             num_parameters=self.engine.num_parameters(), num_ranks=self.engine.num_ranks(),
             pending_sync_id=self.tx.pending_sync_id, last_error=self.tx.last_error,
             last_apply_seconds=self.tx.last_apply_seconds, prefix_cache_entries=self.engine.prefix_cache_entries(),
-            origin=self.tx.origin)
+            origin=self.tx.origin, trainer_id=self.pin.pinned, current=self.current)
 
     # ---- serving ------------------------------------------------------------------------
     def GetStatus(self, request, context):
@@ -72,15 +82,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def Generate(self, request, context):
         try:
-            if not request.prompts or len(request.prompts) > _MAX_PROMPTS:
-                raise ValueError(f"prompts: need 1..{_MAX_PROMPTS} prompts, got {len(request.prompts)}")
+            if not request.prompts:
+                raise ValueError("prompts: need at least 1 prompt, got 0")
             s = request.sampling
             sampling = SamplingParams(max_new_tokens=s.max_new_tokens or 16, temperature=s.temperature,
                                       top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
                                       stop_token_ids=tuple(s.stop_token_ids), n=s.n or 1)
+            # The budget before anything else: a 60-byte request must not buy hours of engine time.
+            check_generate(self.limits, len(request.prompts), sampling.n, sampling.max_new_tokens)
             sampling.validate()
-            prompts = [list(p.token_ids) for p in request.prompts]
-            results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
+            with self.admission.admit(context.peer()):
+                prompts = [list(p.token_ids) for p in request.prompts]
+                results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
+        except RequestRefused as exc:
+            self.rollout_metrics.refused.labels("rollout", "busy" if exc.code == "RESOURCE_EXHAUSTED" else "budget").inc()
+            self.rollout_metrics.request("error")
+            _abort(context, exc)
         except (ValueError, SyncError) as exc:
             self.rollout_metrics.request("error")
             _abort(context, exc)
@@ -98,8 +115,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             ids = list(request.token_ids)
             if not ids or not 0 < request.prompt_length <= len(ids):
                 raise ValueError(f"prompt_length={request.prompt_length} must be in [1, len(token_ids)={len(ids)}]")
-            (logprobs, logits), version = self.tx.serve(lambda eng: eng.score(ids, request.prompt_length),
-                                                        timeout=_SERVE_WAIT_S)
+            if len(ids) > self.limits.max_request_tokens:
+                raise RequestRefused(f"token_ids: {len(ids)} tokens exceed this rollout's limit "
+                                     f"max_request_tokens={self.limits.max_request_tokens}", "INVALID_ARGUMENT")
+            with self.admission.admit(context.peer()):
+                (logprobs, logits), version = self.tx.serve(lambda eng: eng.score(ids, request.prompt_length),
+                                                            timeout=_SERVE_WAIT_S)
         except (ValueError, SyncError) as exc:
             _abort(context, exc)
         resp = rollout_pb2.ScoreResponse(logprobs=logprobs, version=version)
@@ -110,6 +131,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     # ---- sync ---------------------------------------------------------------------------
     def PrepareSync(self, request, context):
         try:
+            # Identity and sizes first: both are read without touching a tensor entry.
+            self.pin.check(request.trainer_id, "PrepareSync")
+            self.manifest_limits.check(request.manifest)
+            rollback = self.pin.check_rollback(request.trainer_id, request.manifest.version, self.tx.version,
+                                               request.allow_rollback)
             manifest = manifest_from_proto(request.manifest)
             t = request.timeout_seconds
             if not (math.isfinite(t) and 0 <= t <= _MAX_SYNC_TIMEOUT_S):
@@ -133,6 +159,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.metrics.failure("prepare_rejected")
             _abort(context, exc)
         self._sync_started[manifest.sync_id] = time.perf_counter()
+        self._sync_origin = {manifest.sync_id: (request.trainer_id, rollback)}  # only the pending sync can commit
         resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks())
         if kind == "nccl":
             spec = request.transport.nccl
@@ -161,6 +188,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def CommitSync(self, request, context):
         manifest = self.tx.pending_manifest(request.sync_id)
         try:
+            prepared_by, rollback = self._sync_origin.get(request.sync_id, (request.trainer_id, False))
+            if request.trainer_id != prepared_by:
+                raise SyncError(f"CommitSync of sync {request.sync_id} from trainer {request.trainer_id!r}, but trainer "
+                                f"{prepared_by!r} prepared it; only the preparing trainer may commit",
+                                "FAILED_PRECONDITION")
             version, checksum, _ = self.tx.commit(request.sync_id, request.version,
                                                   {c.index: c.checksum for c in request.checksums})
         except SyncError as exc:
@@ -173,6 +205,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if manifest is not None:
             self.metrics.sync_bytes.inc(manifest.total_bytes)
         self.metrics.outcome("committed")
+        self.pin.committed(prepared_by)
+        self.current = True
+        if rollback:
+            self.metrics.rollbacks.inc()
+            log.warning("ROLLBACK committed: now serving version %d from trainer %s", version, prepared_by)
         self.rollout_metrics.apply_seconds.observe(self.tx.last_apply_seconds)
         return rollout_pb2.CommitSyncResponse(version=version, weights_checksum=checksum,
                                               apply_seconds=self.tx.last_apply_seconds)

@@ -14,10 +14,12 @@ import uuid
 from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
 from trainer_svc.export_format import export_format
+from trainer_svc.paths import DataRoots
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
 from trainer_svc.sync import SyncOrchestrator
 from weightsync.control.auth import load_token
+from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.obs.http import HttpEndpoints
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
@@ -35,6 +37,9 @@ class TrainerApp:
     def __init__(self, cfg: TrainerConfig, actor=None):
         self.cfg = cfg
         self.token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
+        check_exposure({"grpc_address": cfg.server.grpc_address, "http_address": cfg.server.http_address},
+                       self.token, cfg.auth.insecure, "trainer-svc")
+        self.trainer_id = cfg.fleet.trainer_id or f"trainer-{uuid.uuid4().hex[:12]}"
         self.grpc = ServiceServer(cfg.server.grpc_address, self.token)
         self.metrics = SyncMetrics("trainer")
         self.trainer_metrics = TrainerMetrics(self.metrics.registry)
@@ -54,9 +59,10 @@ class TrainerApp:
                                      origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
                                      device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc,
-                                     export_format=export_format(cfg.actor.export_dtype))
+                                     export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
-                                        cfg.fleet.auto_sync_new_rollouts)
+                                        cfg.fleet.auto_sync_new_rollouts,
+                                        roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.
         self.servicer.init_training(cfg)
@@ -71,8 +77,9 @@ class TrainerApp:
         self.grpc.start()
         self.http.start()
         self.grpc.set_serving(SERVICE_NAME, True)
-        log.info("trainer serving: grpc %s, http :%d, backend %s (%s), version %d", self.grpc.address, self.http.port,
-                 self.cfg.actor.backend, self.actor.describe_parallelism(), self.actor.version)
+        log.info("trainer %s serving: grpc %s, http :%d, backend %s (%s), version %d, data_root %s", self.trainer_id,
+                 self.grpc.address, self.http.port, self.cfg.actor.backend, self.actor.describe_parallelism(),
+                 self.actor.version, self.servicer.roots.data_root)
 
     def stop(self) -> None:
         self.servicer.stop()

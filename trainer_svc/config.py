@@ -94,6 +94,9 @@ class FleetConfig:
     rollouts: list[str] = field(default_factory=list,
                                 help="static rollout addresses host:port (comma-separated); rollouts may also register themselves")
     auto_sync_new_rollouts: bool = field(True, help="bring a newly registered rollout to the current version automatically")
+    trainer_id: str = field("", help="this trainer's identity, sent with every sync; rollouts follow one trainer id. "
+                                     "Empty: a random id per start (a restarted trainer is followed by rollouts that "
+                                     "register with it). Set the same value on restarts to keep rollouts that do not")
 
     def validate(self) -> None:
         for a in self.rollouts:
@@ -135,6 +138,9 @@ class CheckpointConfig:
                                                    "(torch_dist, written at any TP/PP layout; a Megatron-LM save dir "
                                                    "or one iter_N dir) instead of --model's weights; --model still "
                                                    "gives the architecture (docs/conversion.md)")
+    data_root: str = field("", help="admin file operations (ExportHf, SaveCheckpoint, LoadWeights: wsctl export/load) "
+                                    "only read and write under this directory (or checkpoint_dir); relative paths are "
+                                    "taken from it. Empty: the working directory at start")
 
     def validate(self) -> None:
         if self.resume and not self.checkpoint_dir:

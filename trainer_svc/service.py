@@ -8,6 +8,7 @@ import threading
 
 import grpc
 
+from trainer_svc.paths import DataRoots, PathRefused
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.sync import SyncInProgress, SyncOrchestrator
 from trainer_svc.train.rpc import TrainingServicerMixin
@@ -19,13 +20,14 @@ log = logging.getLogger(__name__)
 
 class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, orchestrator: SyncOrchestrator,
-                 backend: str, auto_sync: bool):
+                 backend: str, auto_sync: bool, roots: DataRoots | None = None):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
         self.orch = orchestrator
         self.backend = backend
         self.auto_sync = auto_sync
+        self.roots = roots or DataRoots()
         self._catchup: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._worker = threading.Thread(target=self._catchup_loop, name="catchup-sync", daemon=True)
@@ -54,7 +56,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             self._catchup.put(request.rollout_id)
         log.info("rollout %s registered at %s (version %d, trainer %d, catch-up %s)", request.rollout_id,
                  request.address, entry.version, self.actor.version, scheduled)
-        return trainer_pb2.RegisterRolloutResponse(trainer_version=self.actor.version, sync_scheduled=scheduled)
+        return trainer_pb2.RegisterRolloutResponse(trainer_version=self.actor.version, sync_scheduled=scheduled,
+                                                   trainer_id=self.orch.trainer_id, current=not behind)
 
     def DeregisterRollout(self, request, context):
         if not self.registry.remove(request.rollout_id):
@@ -84,7 +87,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             if request.transport not in ("", "tcp", "nccl", "ipc"):
                 raise ValueError(f"transport={request.transport!r} must be tcp, nccl or ipc")
             targets = self.registry.select(list(request.rollout_ids))
-            report = self.orch.sync(targets, request.transport, request.timeout_seconds)
+            report = self.orch.sync(targets, request.transport, request.timeout_seconds,
+                                    allow_rollback=request.allow_rollback)
         except KeyError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except ValueError as exc:
@@ -97,7 +101,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         st = trainer_pb2.TrainerStatus(version=self.actor.version, model_family=self.actor.family,
                                        num_parameters=self.actor.num_parameters(), backend=self.backend,
                                        parallelism=self.actor.describe_parallelism(),
-                                       sync_in_progress=self.orch.in_progress, origin=self.orch.origin)
+                                       sync_in_progress=self.orch.in_progress, origin=self.orch.origin,
+                                       trainer_id=self.orch.trainer_id)
         for e in self.registry.all():
             self.registry.poll(e)
             st.rollouts.append(self.registry.info(e))
@@ -105,13 +110,21 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         return st
 
     # ---- admin --------------------------------------------------------------------------
+    def _resolve(self, context, field: str, path: str) -> str:
+        try:
+            return self.roots.resolve(field, path)
+        except PathRefused as exc:
+            log.warning("refused %s: %s", field, exc)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     def LoadWeights(self, request, context):
-        if not request.hf_path:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hf_path is empty")
+        hf_path = self._resolve(context, "hf_path", request.hf_path)
         if not self.actor_lock.acquire(timeout=60):
             context.abort(grpc.StatusCode.ABORTED, "a sync is running; retry when it finishes")
         try:
-            self.actor.load_hf(request.hf_path)
+            self.actor.load_hf(hf_path)
             self.orch.metrics.version.set(self.actor.version)
         except (ValueError, OSError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load_weights: {exc}")
@@ -120,14 +133,13 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.LoadWeightsResponse(version=self.actor.version)
 
     def ExportHf(self, request, context):
-        if not request.out_dir:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "out_dir is empty")
+        out_dir = self._resolve(context, "out_dir", request.out_dir)
         if not self.actor_lock.acquire(timeout=60):
             context.abort(grpc.StatusCode.ABORTED, "a sync is running; retry when it finishes")
         try:
             from trainer_svc.export_hf import save_hf_dir
 
-            n = save_hf_dir(self.actor, request.out_dir, self.orch.export_format)
+            n = save_hf_dir(self.actor, out_dir, self.orch.export_format)
         except (ValueError, OSError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"export_hf: {exc}")
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -65,9 +66,14 @@ def _parse_scalar(name: str, tp: Any, raw: Any) -> Any:
             return False
         raise ConfigError(f"{name}: {raw!r} is not a boolean (use true/false)")
     try:
-        return tp(raw)
+        value = tp(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: {raw!r} is not a valid {tp.__name__}") from None
+    # float("nan") and float("inf") parse, but no timeout, rate or size is meaningful as either:
+    # nan compares false with every bound a validate() checks, so it would slip through them all.
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{name}: {raw!r} is not a finite number (give a real value, e.g. 30)")
+    return value
 
 
 def _coerce(f: dataclasses.Field, raw: Any) -> Any:

@@ -29,6 +29,8 @@ class AuthConfig:
     auth_token: str = field("", help="shared control-plane token; when set, every RPC must carry it "
                                      "(use auth_token_file in Kubernetes)")
     auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")
+    insecure: bool = field(False, help="allow listening beyond loopback without a token (logged as a WARNING); "
+                                       "without it a service with a non-loopback address and no token refuses to start")
 
     def validate(self) -> None:
         if self.auth_token and self.auth_token_file:

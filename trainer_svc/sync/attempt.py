@@ -63,7 +63,8 @@ class SyncAttempt:
         calls = []
         for e in self.targets:
             req = rollout_pb2.PrepareSyncRequest(manifest=manifest_pb, timeout_seconds=self._left(),
-                                                 transport=self.session.spec_for(e))
+                                                 transport=self.session.spec_for(e), trainer_id=self.orch.trainer_id,
+                                                 allow_rollback=self.orch.allow_rollback)
             calls.append((e, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
         for e, fut in calls:
             resp, err = fut.result()
@@ -131,7 +132,8 @@ class SyncAttempt:
     # ---- commit / abort ---------------------------------------------------------------------
     def commit(self, checksums: list[int]) -> None:
         """CommitSync on every target still in the sync."""
-        req = rollout_pb2.CommitSyncRequest(sync_id=self.manifest.sync_id, version=self.manifest.version)
+        req = rollout_pb2.CommitSyncRequest(sync_id=self.manifest.sync_id, version=self.manifest.version,
+                                            trainer_id=self.orch.trainer_id)
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
         calls = [(rid, self._pool.submit(self.orch._call, self.by_id[rid], "CommitSync", req)) for rid in self.prepared]

@@ -44,7 +44,7 @@ class SyncOrchestrator:
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
                  token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
                  origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
-                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN):
+                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN, trainer_id: str = ""):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -55,6 +55,8 @@ class SyncOrchestrator:
         self.sync_timeout = sync_timeout
         self.rpc_timeout = rpc_timeout
         self.origin = origin
+        self.trainer_id = trainer_id
+        self.allow_rollback = False  # per Sync call, read by the attempt's PrepareSync
         self.device = torch.device(device)
         self.export_format = export_format
         self.transports = {"tcp": TcpSender(token),
@@ -65,7 +67,7 @@ class SyncOrchestrator:
         self.in_progress = False
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
-             wait_s: float = 0.0) -> trainer_pb2.SyncReport:
+             wait_s: float = 0.0, allow_rollback: bool = False) -> trainer_pb2.SyncReport:
         transport = transport or self.default_transport
         timeout = timeout or self.sync_timeout
         if transport not in self.transports:
@@ -75,8 +77,14 @@ class SyncOrchestrator:
         try:
             self.in_progress = True
             self.metrics.in_progress.set(1)
+            self.allow_rollback = allow_rollback
+            if allow_rollback:
+                self.metrics.rollbacks.inc()
+                log.warning("ROLLBACK requested: sync of version %d to %s may take rollouts back to a lower version",
+                            self.actor.version, [e.rollout_id for e in targets] or "every rollout")
             return self._sync_locked(targets, transport, timeout)
         finally:
+            self.allow_rollback = False
             self.in_progress = False
             self.metrics.in_progress.set(0)
             self.actor_lock.release()

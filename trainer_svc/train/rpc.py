@@ -187,11 +187,14 @@ class TrainingServicerMixin:
         return resp
 
     def SaveCheckpoint(self, request, context):
+        # A path from the network stays inside the data roots (trainer_svc/paths.py); "" = checkpoint_dir.
+        requested = self._resolve(context, "dir", request.dir) if request.dir else ""
+
         def save():
             from trainer_svc.train import collective
 
             self._training()
-            directory = request.dir or self._train_config().checkpoint.checkpoint_dir
+            directory = requested or self._train_config().checkpoint.checkpoint_dir
             if not directory:
                 raise ValueError("dir: empty and the trainer has no checkpoint_dir configured")
             fmt = request.format or "native"

@@ -42,9 +42,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_OPEN_METHODS):
             return continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == _HEADER and hmac.compare_digest(value.encode(), self._expected):
-                return continuation(handler_call_details)
+        # Exactly one authorization header: with several, a proxy and this server could each read
+        # a different one (and "any of them matches" lets a caller smuggle extra credentials).
+        values = [v for k, v in handler_call_details.invocation_metadata or () if k == _HEADER]
+        if len(values) == 1 and isinstance(values[0], str) and hmac.compare_digest(values[0].encode(), self._expected):
+            return continuation(handler_call_details)
         return self._deny
 
 

@@ -8,7 +8,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from weightsync.control.auth import TokenAuthInterceptor
 
-# Buckets never ride the control plane (except IPC handles), but manifests of big models do.
+# Buckets never ride the control plane (except IPC handles), but manifests of big models (~10^5
+# tensors, 10-20 MB) and TrainStep batches (samples x tokens) do. Services bound individual methods
+# tighter (`request_limits`), e.g. a rollout's PrepareSync by the manifest size of its own model.
 MAX_MESSAGE_BYTES = 256 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -29,6 +31,10 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
     (every weightsync RPC is one); streaming handlers pass through unchanged.
     """
 
+    def __init__(self, request_limits: dict[str, int] | None = None):
+        #: full method name -> largest request accepted, in bytes (checked before parsing)
+        self.request_limits = request_limits if request_limits is not None else {}
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if (handler is None or handler.request_streaming or handler.response_streaming
@@ -37,6 +43,12 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
         deserialize, behavior, method = handler.request_deserializer, handler.unary_unary, handler_call_details.method
 
         def guarded(raw: bytes, context):
+            limit = self.request_limits.get(method)
+            if limit is not None and len(raw) > limit:
+                # Refused on its length: parsing a hostile 28 MB message alone costs most of a second.
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{method}: request of {len(raw)} bytes exceeds this server's limit of {limit} "
+                              "bytes for it (a manifest larger than this model's can be)")
             try:
                 request = deserialize(raw)
             except Exception as exc:  # protobuf DecodeError (and any other parse failure)
@@ -52,7 +64,10 @@ class ServiceServer:
     """A started gRPC server plus its health servicer (SERVING/NOT_SERVING per service name)."""
 
     def __init__(self, address: str, token: str, max_workers: int = 16):
-        interceptors = ([TokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
+        self.decode_guard = DecodeGuardInterceptor()
+        #: full method name -> largest request in bytes; a service fills it once it knows its model
+        self.request_limits = self.decode_guard.request_limits
+        interceptors = ([TokenAuthInterceptor(token)] if token else []) + [self.decode_guard]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                                   interceptors=interceptors, options=GRPC_OPTIONS)
         self.health = health.HealthServicer()

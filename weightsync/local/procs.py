@@ -1,10 +1,16 @@
-"""Start trainer-svc / rollout-svc as real subprocesses on loopback ports and wait until ready."""
+"""Start trainer-svc / rollout-svc as real subprocesses on loopback ports and wait until ready.
+
+Everything binds 127.0.0.1, which the services allow without a token. The trainer's admin file
+operations are confined to its `--data-root`; unless a caller passes one, the launcher gives it
+the system temp directory, where the demo, the RL driver and the tests keep their files.
+"""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -33,6 +39,9 @@ class Proc:
     http_port: int
     log_path: Path
     extra: dict = field(default_factory=dict)
+    #: a rollout is started (engine loaded, serving) before it is ready: /readyz says 503 "not current"
+    #: until its first sync commits, and the callers of wait_ready() want the started process
+    started_ok: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -47,8 +56,8 @@ class Proc:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-4000:]}")
             try:
-                code, _ = http_get(self.http_port, "/readyz", timeout=1)
-                if code == 200:
+                code, body = http_get(self.http_port, "/readyz", timeout=1)
+                if code == 200 or (self.started_ok and code == 503 and body.startswith(self.started_ok)):
                     return
             except OSError:
                 pass
@@ -90,8 +99,9 @@ def _env() -> dict:
 def start_trainer(workdir: Path, *args: str, nproc: int = 1, name: str = "trainer") -> Proc:
     gp, hp = free_port(), free_port()
     log = workdir / f"{name}.log"
+    root = () if "--data-root" in args else ("--data-root", tempfile.gettempdir())
     cmd = [sys.executable, "-m", "trainer_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
-           "--http-address", f"127.0.0.1:{hp}", *args]
+           "--http-address", f"127.0.0.1:{hp}", *root, *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "trainer_svc", *cmd[3:]]
@@ -105,7 +115,7 @@ def start_rollout(workdir: Path, *args: str, name: str = "rollout", grpc_port: i
     cmd = [sys.executable, "-m", "rollout_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
            "--http-address", f"127.0.0.1:{hp}", "--rollout-id", name, *args]
     p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    return Proc(name, p, gp, hp, log)
+    return Proc(name, p, gp, hp, log, started_ok=("not current",))
 
 
 def wsctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:

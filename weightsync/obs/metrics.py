@@ -37,6 +37,9 @@ class SyncMetrics:
         self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
                                          "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
                                          "cached group adds none", ["role"], registry=r).labels(role)
+        self.rollbacks = Counter("weightsync_sync_rollbacks_total",
+                                 "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; "
+                                 "rollout: applied)", ["role"], registry=r).labels(role)
         self.role = role
 
     def outcome(self, outcome: str) -> None:
@@ -55,6 +58,9 @@ class RolloutMetrics:
         r, role = registry, self.role
         self.requests = Counter("weightsync_generate_requests_total", "Generate requests by outcome",
                                 ["role", "outcome"], registry=r)
+        self.refused = Counter("weightsync_requests_refused_total", "Generate/Score requests refused before any "
+                               "work, by the limit they hit (budget: over a per-request limit; busy: admission full)",
+                               ["role", "reason"], registry=r)
         self.prefix_hits = Counter("weightsync_prefix_cache_hits_total",
                                    "Samples whose prompt prefill came from the prefix cache", ["role"],
                                    registry=r).labels(role)

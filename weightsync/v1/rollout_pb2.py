@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from weightsync.v1 import bus_pb2 as weightsync_dot_v1_dot_bus__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bweightsync/v1/rollout.proto\x12\rweightsync.v1\x1a\x17weightsync/v1/bus.proto\"\x12\n\x10GetStatusRequest\"\xc1\x02\n\rRolloutStatus\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.weightsync.v1.EngineState\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x18\n\x10weights_checksum\x18\x04 \x01(\x06\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x14\n\x0cmodel_family\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\x11\n\tnum_ranks\x18\x08 \x01(\x05\x12\x17\n\x0fpending_sync_id\x18\t \x01(\t\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1a\n\x12last_apply_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14prefix_cache_entries\x18\x0c \x01(\x04\x12\x0e\n\x06origin\x18\r \x01(\t\"\x8c\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\t\n\x01n\x18\x07 \x01(\r\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x83\x01\n\x0fGenerateRequest\x12&\n\x07prompts\x18\x01 \x03(\x0b\x32\x15.weightsync.v1.Prompt\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.weightsync.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\"t\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x10prefix_cache_hit\x18\x05 \x01(\x08\"K\n\x10GenerateResponse\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.weightsync.v1.Sample\x12\x0f\n\x07version\x18\x02 \x01(\x04\"T\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rprompt_length\x18\x02 \x01(\r\x12\x1a\n\x12return_last_logits\x18\x03 \x01(\x08\"K\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x17\n\x0flast_logits_f32\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"\x89\x01\n\x12PrepareSyncRequest\x12)\n\x08manifest\x18\x01 \x01(\x0b\x32\x17.weightsync.v1.Manifest\x12/\n\ttransport\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.TransportSpec\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"Y\n\x13PrepareSyncResponse\x12/\n\ttransport\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.TransportSpec\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\"p\n\x11PushBucketRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x03ipc\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.CudaIpcHandle\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\"\x14\n\x12PushBucketResponse\"g\n\x11\x43ommitSyncRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x30\n\tchecksums\x18\x03 \x03(\x0b\x32\x1d.weightsync.v1.BucketChecksum\"V\n\x12\x43ommitSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10weights_checksum\x18\x02 \x01(\x06\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\"3\n\x10\x41\x62ortSyncRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x11\x41\x62ortSyncResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.weightsync.v1.EngineState\x12\x0f\n\x07version\x18\x02 \x01(\x04*k\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0b\n\x07SYNCING\x10\x03\x12\x0c\n\x08\x41PPLYING\x10\x04\x12\t\n\x05STALE\x10\x05\x32\xb2\x04\n\x07Rollout\x12J\n\tGetStatus\x12\x1f.weightsync.v1.GetStatusRequest\x1a\x1c.weightsync.v1.RolloutStatus\x12K\n\x08Generate\x12\x1e.weightsync.v1.GenerateRequest\x1a\x1f.weightsync.v1.GenerateResponse\x12\x42\n\x05Score\x12\x1b.weightsync.v1.ScoreRequest\x1a\x1c.weightsync.v1.ScoreResponse\x12T\n\x0bPrepareSync\x12!.weightsync.v1.PrepareSyncRequest\x1a\".weightsync.v1.PrepareSyncResponse\x12Q\n\nPushBucket\x12 .weightsync.v1.PushBucketRequest\x1a!.weightsync.v1.PushBucketResponse\x12Q\n\nCommitSync\x12 .weightsync.v1.CommitSyncRequest\x1a!.weightsync.v1.CommitSyncResponse\x12N\n\tAbortSync\x12\x1f.weightsync.v1.AbortSyncRequest\x1a .weightsync.v1.AbortSyncResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bweightsync/v1/rollout.proto\x12\rweightsync.v1\x1a\x17weightsync/v1/bus.proto\"\x12\n\x10GetStatusRequest\"\xe6\x02\n\rRolloutStatus\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.weightsync.v1.EngineState\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x18\n\x10weights_checksum\x18\x04 \x01(\x06\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x14\n\x0cmodel_family\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x04\x12\x11\n\tnum_ranks\x18\x08 \x01(\x05\x12\x17\n\x0fpending_sync_id\x18\t \x01(\t\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1a\n\x12last_apply_seconds\x18\x0b \x01(\x01\x12\x1c\n\x14prefix_cache_entries\x18\x0c \x01(\x04\x12\x0e\n\x06origin\x18\r \x01(\t\x12\x12\n\ntrainer_id\x18( \x01(\t\x12\x0f\n\x07\x63urrent\x18) \x01(\x08\"\x8c\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\t\n\x01n\x18\x07 \x01(\r\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x83\x01\n\x0fGenerateRequest\x12&\n\x07prompts\x18\x01 \x03(\x0b\x32\x15.weightsync.v1.Prompt\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.weightsync.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\"t\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x10prefix_cache_hit\x18\x05 \x01(\x08\"K\n\x10GenerateResponse\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.weightsync.v1.Sample\x12\x0f\n\x07version\x18\x02 \x01(\x04\"T\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rprompt_length\x18\x02 \x01(\r\x12\x1a\n\x12return_last_logits\x18\x03 \x01(\x08\"K\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x17\n\x0flast_logits_f32\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\x04\"\xb5\x01\n\x12PrepareSyncRequest\x12)\n\x08manifest\x18\x01 \x01(\x0b\x32\x17.weightsync.v1.Manifest\x12/\n\ttransport\x18\x02 \x01(\x0b\x32\x1c.weightsync.v1.TransportSpec\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x12\n\ntrainer_id\x18( \x01(\t\x12\x16\n\x0e\x61llow_rollback\x18) \x01(\x08\"Y\n\x13PrepareSyncResponse\x12/\n\ttransport\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.TransportSpec\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\"p\n\x11PushBucketRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x03ipc\x18\x03 \x01(\x0b\x32\x1c.weightsync.v1.CudaIpcHandle\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\"\x14\n\x12PushBucketResponse\"{\n\x11\x43ommitSyncRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x30\n\tchecksums\x18\x03 \x03(\x0b\x32\x1d.weightsync.v1.BucketChecksum\x12\x12\n\ntrainer_id\x18( \x01(\t\"V\n\x12\x43ommitSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x18\n\x10weights_checksum\x18\x02 \x01(\x06\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\"3\n\x10\x41\x62ortSyncRequest\x12\x0f\n\x07sync_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"O\n\x11\x41\x62ortSyncResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.weightsync.v1.EngineState\x12\x0f\n\x07version\x18\x02 \x01(\x04*k\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0b\n\x07SYNCING\x10\x03\x12\x0c\n\x08\x41PPLYING\x10\x04\x12\t\n\x05STALE\x10\x05\x32\xb2\x04\n\x07Rollout\x12J\n\tGetStatus\x12\x1f.weightsync.v1.GetStatusRequest\x1a\x1c.weightsync.v1.RolloutStatus\x12K\n\x08Generate\x12\x1e.weightsync.v1.GenerateRequest\x1a\x1f.weightsync.v1.GenerateResponse\x12\x42\n\x05Score\x12\x1b.weightsync.v1.ScoreRequest\x1a\x1c.weightsync.v1.ScoreResponse\x12T\n\x0bPrepareSync\x12!.weightsync.v1.PrepareSyncRequest\x1a\".weightsync.v1.PrepareSyncResponse\x12Q\n\nPushBucket\x12 .weightsync.v1.PushBucketRequest\x1a!.weightsync.v1.PushBucketResponse\x12Q\n\nCommitSync\x12 .weightsync.v1.CommitSyncRequest\x1a!.weightsync.v1.CommitSyncResponse\x12N\n\tAbortSync\x12\x1f.weightsync.v1.AbortSyncRequest\x1a .weightsync.v1.AbortSyncResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=1773
-  _globals['_ENGINESTATE']._serialized_end=1880
+  _globals['_ENGINESTATE']._serialized_start=1874
+  _globals['_ENGINESTATE']._serialized_end=1981
   _globals['_GETSTATUSREQUEST']._serialized_start=71
   _globals['_GETSTATUSREQUEST']._serialized_end=89
   _globals['_ROLLOUTSTATUS']._serialized_start=92
-  _globals['_ROLLOUTSTATUS']._serialized_end=413
-  _globals['_SAMPLINGPARAMS']._serialized_start=416
-  _globals['_SAMPLINGPARAMS']._serialized_end=556
-  _globals['_PROMPT']._serialized_start=558
-  _globals['_PROMPT']._serialized_end=585
-  _globals['_GENERATEREQUEST']._serialized_start=588
-  _globals['_GENERATEREQUEST']._serialized_end=719
-  _globals['_SAMPLE']._serialized_start=721
-  _globals['_SAMPLE']._serialized_end=837
-  _globals['_GENERATERESPONSE']._serialized_start=839
-  _globals['_GENERATERESPONSE']._serialized_end=914
-  _globals['_SCOREREQUEST']._serialized_start=916
-  _globals['_SCOREREQUEST']._serialized_end=1000
-  _globals['_SCORERESPONSE']._serialized_start=1002
-  _globals['_SCORERESPONSE']._serialized_end=1077
-  _globals['_PREPARESYNCREQUEST']._serialized_start=1080
-  _globals['_PREPARESYNCREQUEST']._serialized_end=1217
-  _globals['_PREPARESYNCRESPONSE']._serialized_start=1219
-  _globals['_PREPARESYNCRESPONSE']._serialized_end=1308
-  _globals['_PUSHBUCKETREQUEST']._serialized_start=1310
-  _globals['_PUSHBUCKETREQUEST']._serialized_end=1422
-  _globals['_PUSHBUCKETRESPONSE']._serialized_start=1424
-  _globals['_PUSHBUCKETRESPONSE']._serialized_end=1444
-  _globals['_COMMITSYNCREQUEST']._serialized_start=1446
-  _globals['_COMMITSYNCREQUEST']._serialized_end=1549
-  _globals['_COMMITSYNCRESPONSE']._serialized_start=1551
-  _globals['_COMMITSYNCRESPONSE']._serialized_end=1637
-  _globals['_ABORTSYNCREQUEST']._serialized_start=1639
-  _globals['_ABORTSYNCREQUEST']._serialized_end=1690
-  _globals['_ABORTSYNCRESPONSE']._serialized_start=1692
-  _globals['_ABORTSYNCRESPONSE']._serialized_end=1771
-  _globals['_ROLLOUT']._serialized_start=1883
-  _globals['_ROLLOUT']._serialized_end=2445
+  _globals['_ROLLOUTSTATUS']._serialized_end=450
+  _globals['_SAMPLINGPARAMS']._serialized_start=453
+  _globals['_SAMPLINGPARAMS']._serialized_end=593
+  _globals['_PROMPT']._serialized_start=595
+  _globals['_PROMPT']._serialized_end=622
+  _globals['_GENERATEREQUEST']._serialized_start=625
+  _globals['_GENERATEREQUEST']._serialized_end=756
+  _globals['_SAMPLE']._serialized_start=758
+  _globals['_SAMPLE']._serialized_end=874
+  _globals['_GENERATERESPONSE']._serialized_start=876
+  _globals['_GENERATERESPONSE']._serialized_end=951
+  _globals['_SCOREREQUEST']._serialized_start=953
+  _globals['_SCOREREQUEST']._serialized_end=1037
+  _globals['_SCORERESPONSE']._serialized_start=1039
+  _globals['_SCORERESPONSE']._serialized_end=1114
+  _globals['_PREPARESYNCREQUEST']._serialized_start=1117
+  _globals['_PREPARESYNCREQUEST']._serialized_end=1298
+  _globals['_PREPARESYNCRESPONSE']._serialized_start=1300
+  _globals['_PREPARESYNCRESPONSE']._serialized_end=1389
+  _globals['_PUSHBUCKETREQUEST']._serialized_start=1391
+  _globals['_PUSHBUCKETREQUEST']._serialized_end=1503
+  _globals['_PUSHBUCKETRESPONSE']._serialized_start=1505
+  _globals['_PUSHBUCKETRESPONSE']._serialized_end=1525
+  _globals['_COMMITSYNCREQUEST']._serialized_start=1527
+  _globals['_COMMITSYNCREQUEST']._serialized_end=1650
+  _globals['_COMMITSYNCRESPONSE']._serialized_start=1652
+  _globals['_COMMITSYNCRESPONSE']._serialized_end=1738
+  _globals['_ABORTSYNCREQUEST']._serialized_start=1740
+  _globals['_ABORTSYNCREQUEST']._serialized_end=1791
+  _globals['_ABORTSYNCRESPONSE']._serialized_start=1793
+  _globals['_ABORTSYNCRESPONSE']._serialized_end=1872
+  _globals['_ROLLOUT']._serialized_start=1984
+  _globals['_ROLLOUT']._serialized_end=2546
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin")
+    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin", "trainer_id", "current")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class RolloutStatus(_message.Message):
     LAST_APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     state: EngineState
     version: int
@@ -55,7 +57,9 @@ class RolloutStatus(_message.Message):
     last_apply_seconds: float
     prefix_cache_entries: int
     origin: str
-    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ...) -> None: ...
+    trainer_id: str
+    current: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n")
@@ -134,14 +138,18 @@ class ScoreResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., last_logits_f32: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrepareSyncRequest(_message.Message):
-    __slots__ = ("manifest", "transport", "timeout_seconds")
+    __slots__ = ("manifest", "transport", "timeout_seconds", "trainer_id", "allow_rollback")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     manifest: _bus_pb2.Manifest
     transport: _bus_pb2.TransportSpec
     timeout_seconds: float
-    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    trainer_id: str
+    allow_rollback: bool
+    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
     __slots__ = ("transport", "num_ranks")
@@ -168,14 +176,16 @@ class PushBucketResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CommitSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "version", "checksums")
+    __slots__ = ("sync_id", "version", "checksums", "trainer_id")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     checksums: _containers.RepeatedCompositeFieldContainer[_bus_pb2.BucketChecksum]
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., checksums: _Optional[_Iterable[_Union[_bus_pb2.BucketChecksum, _Mapping]]] = ...) -> None: ...
+    trainer_id: str
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., checksums: _Optional[_Iterable[_Union[_bus_pb2.BucketChecksum, _Mapping]]] = ..., trainer_id: _Optional[str] = ...) -> None: ...
 
 class CommitSyncResponse(_message.Message):
     __slots__ = ("version", "weights_checksum", "apply_seconds")

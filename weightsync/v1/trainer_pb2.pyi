@@ -22,12 +22,16 @@ class RegisterRolloutRequest(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., num_ranks: _Optional[int] = ..., model_family: _Optional[str] = ..., param_signature: _Optional[int] = ...) -> None: ...
 
 class RegisterRolloutResponse(_message.Message):
-    __slots__ = ("trainer_version", "sync_scheduled")
+    __slots__ = ("trainer_version", "sync_scheduled", "trainer_id", "current")
     TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SYNC_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
     trainer_version: int
     sync_scheduled: bool
-    def __init__(self, trainer_version: _Optional[int] = ..., sync_scheduled: _Optional[bool] = ...) -> None: ...
+    trainer_id: str
+    current: bool
+    def __init__(self, trainer_version: _Optional[int] = ..., sync_scheduled: _Optional[bool] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRolloutRequest(_message.Message):
     __slots__ = ("rollout_id",)
@@ -40,14 +44,16 @@ class DeregisterRolloutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SyncRequest(_message.Message):
-    __slots__ = ("rollout_ids", "transport", "timeout_seconds")
+    __slots__ = ("rollout_ids", "transport", "timeout_seconds", "allow_rollback")
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: str
     timeout_seconds: float
-    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    allow_rollback: bool
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class RolloutSyncResult(_message.Message):
     __slots__ = ("rollout_id", "ok", "version", "error", "seconds")
@@ -127,7 +133,7 @@ class RolloutInfo(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_rollout_pb2.EngineState, str]] = ..., reachable: _Optional[bool] = ..., last_error: _Optional[str] = ..., last_sync_seconds: _Optional[float] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("version", "model_family", "num_parameters", "backend", "parallelism", "rollouts", "last_sync", "sync_in_progress", "origin")
+    __slots__ = ("version", "model_family", "num_parameters", "backend", "parallelism", "rollouts", "last_sync", "sync_in_progress", "origin", "trainer_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +143,7 @@ class TrainerStatus(_message.Message):
     LAST_SYNC_FIELD_NUMBER: _ClassVar[int]
     SYNC_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_family: str
     num_parameters: int
@@ -146,7 +153,8 @@ class TrainerStatus(_message.Message):
     last_sync: SyncReport
     sync_in_progress: bool
     origin: str
-    def __init__(self, version: _Optional[int] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., backend: _Optional[str] = ..., parallelism: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutInfo, _Mapping]]] = ..., last_sync: _Optional[_Union[SyncReport, _Mapping]] = ..., sync_in_progress: _Optional[bool] = ..., origin: _Optional[str] = ...) -> None: ...
+    trainer_id: str
+    def __init__(self, version: _Optional[int] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., backend: _Optional[str] = ..., parallelism: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutInfo, _Mapping]]] = ..., last_sync: _Optional[_Union[SyncReport, _Mapping]] = ..., sync_in_progress: _Optional[bool] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("hf_path",)

@@ -7,7 +7,6 @@ publishes its coordinates in both once and the map is read from the gathered tab
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +41,6 @@ class Parallelism:
         return s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> None:
     """Join the torchrun job (env://), or start a one-process group when not under torchrun."""
     if dist.is_initialized():
@@ -58,7 +51,9 @@ def init_distributed() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        # One process: an in-memory store, so nothing listens. A tcp:// init method would start a
+        # TCPStore server, which binds every interface whatever host the URL names.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def init_model_parallel(par: Parallelism) -> None:

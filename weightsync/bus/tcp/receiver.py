@@ -1,4 +1,10 @@
-"""The rollout's end of TCP: a listener that authenticates the trainer's connection and feeds the pending sync."""
+"""The rollout's end of TCP: a listener that authenticates the trainer's connection and feeds the pending sync.
+
+Nothing is allocated for a connection before its hello proves the token and names the sync
+prepared here: the hello is at most 294 bytes, and a bucket buffer is sized from the accepted
+manifest at the first matching frame header. At most `max_connections` connections are handled at
+once (one thread each); extra ones are closed at accept.
+"""
 from __future__ import annotations
 
 import hmac
@@ -13,11 +19,13 @@ log = logging.getLogger(__name__)
 
 
 class TcpReceiver:
-    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0):
+    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0, max_connections: int = 8):
         host, port = parse_host_port("data_address", address)
         self.tx = transaction
         self.token = token
         self.hello_timeout = hello_timeout
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -40,7 +48,18 @@ class TcpReceiver:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn, peer), name="bus-recv", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                log.warning("bus connection from %s refused: %d connections already open (max_bus_connections)",
+                            peer, self.max_connections)
+                conn.close()
+                continue
+            threading.Thread(target=self._handle_slot, args=(conn, peer), name="bus-recv", daemon=True).start()
+
+    def _handle_slot(self, conn: socket.socket, peer) -> None:
+        try:
+            self._handle(conn, peer)
+        finally:
+            self._slots.release()
 
     def _handle(self, conn: socket.socket, peer) -> None:
         try:
