@@ -62,7 +62,8 @@ def run(backend: str, model: str, rounds: int, workdir: Path) -> int:
     print(f"weightsync demo: backend={backend} model={model} rollouts=2 rounds={rounds} (logs in {workdir})")
     procs = []
     try:
-        trainer = start_trainer(workdir, "--backend", backend, "--model", model, "--init-seed", "1")
+        trainer = start_trainer(workdir, "--backend", backend, "--model", model, "--init-seed", "1",
+                                "--data-root", str(workdir))  # wsctl export/load below write and read there
         procs.append(trainer)
         trainer.wait_ready(300)
         rollouts = [start_rollout(workdir, "--model", model, "--init-seed", str(10 + i), "--trainer-address",

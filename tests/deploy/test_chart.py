@@ -204,3 +204,30 @@ def test_broken_values_file_is_rejected():
 def test_render_time_checks_fail_with_a_reason(override, match):
     with pytest.raises(Exception, match=match):
         render(override)
+
+
+def test_default_values_render_a_secret_backed_token():
+    """Secure by default: no values at all give both services a generated token from a Secret."""
+    import base64
+
+    docs = render({})
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    assert len(secrets) == 1, "the default install must create the token Secret"
+    token = base64.b64decode(secrets[0]["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    files = _config_files(docs)
+    for role in ("trainer", "rollout"):
+        assert files[role]["auth_token_file"] == "/var/run/secrets/weightsync/token", role
+        assert "insecure" not in files[role]
+    mounted = 0
+    for _, pod, c in _containers(docs):
+        vols = {v["name"]: v for v in pod.get("volumes", [])}
+        for m in c.get("volumeMounts", []):
+            if m["mountPath"] == "/var/run/secrets/weightsync":
+                assert vols[m["name"]]["secret"]["secretName"] == secrets[0]["metadata"]["name"]
+                mounted += 1
+    assert mounted >= 2  # the trainer and the rollout
+    # turning auth off is an explicit, visible choice: the services are told they run insecure
+    off = render({"auth": {"enabled": False}})
+    assert not any(d["kind"] == "Secret" for d in off)
+    assert all(f.get("insecure") is True and "auth_token_file" not in f for f in _config_files(off).values())

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rollout", action="append", default=[], help="rollout id (repeatable; default: all)")
     s.add_argument("--transport", choices=["tcp", "nccl", "ipc"], default="", help="override the default transport")
     s.add_argument("--sync-timeout", type=float, default=0.0, help="per-sync timeout in seconds (0 = trainer default)")
+    s.add_argument("--allow-rollback", action="store_true",
+                   help="let rollouts go back to a lower version of this trainer (refused otherwise; logged and "
+                        "counted in weightsync_sync_rollbacks_total)")
     lw = sub.add_parser("load", help="load an HF safetensors directory into the trainer (bumps its version)")
     lw.add_argument("path")
     ex = sub.add_parser("export", help="write the trainer's exported HF tensors to a directory on the trainer host")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_OK
             if ns.command == "sync":
                 rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ns.rollout, transport=ns.transport,
-                                                        timeout_seconds=ns.sync_timeout)).report
+                                                        timeout_seconds=ns.sync_timeout,
+                                                        allow_rollback=ns.allow_rollback)).report
                 print(json.dumps(_as_dict(rep), indent=2)) if ns.json else print_report(rep)
                 return EXIT_OK if rep.ok else EXIT_FAILED
             if ns.command == "load":

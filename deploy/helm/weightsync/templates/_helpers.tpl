@@ -76,6 +76,9 @@ app.kubernetes.io/part-of: weightsync
 {{- end -}}
 {{- if $v.auth.enabled -}}
 {{- $_ := set $managed "auth_token_file" (printf "%s/%s" (include "weightsync.tokenDir" .) $v.auth.secretKey) -}}
+{{- else -}}
+{{- /* Pods listen on 0.0.0.0: without a token the services refuse to start unless told this is on purpose. */ -}}
+{{- $_ := set $managed "insecure" true -}}
 {{- end -}}
 {{- toYaml (mustMergeOverwrite (deepCopy $v.trainer.config) $managed) -}}
 {{- end -}}
@@ -93,6 +96,9 @@ app.kubernetes.io/part-of: weightsync
 {{- end -}}
 {{- if $v.auth.enabled -}}
 {{- $_ := set $managed "auth_token_file" (printf "%s/%s" (include "weightsync.tokenDir" .) $v.auth.secretKey) -}}
+{{- else -}}
+{{- /* Pods listen on 0.0.0.0: without a token the services refuse to start unless told this is on purpose. */ -}}
+{{- $_ := set $managed "insecure" true -}}
 {{- end -}}
 {{- toYaml (mustMergeOverwrite (deepCopy $v.rollout.config) $managed) -}}
 {{- end -}}
