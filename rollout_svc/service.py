@@ -131,18 +131,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     # ---- sync ---------------------------------------------------------------------------
     def PrepareSync(self, request, context):
         try:
-            # Identity and sizes first: both are read without touching a tensor entry.
-            self.pin.check(request.trainer_id, "PrepareSync")
-            self.manifest_limits.check(request.manifest)
-            rollback = self.pin.check_rollback(request.trainer_id, request.manifest.version, self.tx.version,
-                                               request.allow_rollback)
-            manifest = manifest_from_proto(request.manifest)
             t = request.timeout_seconds
             if not (math.isfinite(t) and 0 <= t <= _MAX_SYNC_TIMEOUT_S):
                 # inf / huge values used to crash the abort timer's thread (OverflowError), leaving a
                 # prepared sync that never expires
                 raise ValueError(f"timeout_seconds={t} must be finite and in [0, {_MAX_SYNC_TIMEOUT_S:.0f}] "
                                  "(0 = the rollout's sync_timeout_s)")
+            # Identity and sizes before the manifest is parsed: neither touches a tensor entry.
+            self.pin.check(request.trainer_id, "PrepareSync")
+            self.manifest_limits.check(request.manifest)
+            rollback = self.pin.check_rollback(request.trainer_id, request.manifest.version, self.tx.version,
+                                               request.allow_rollback)
+            manifest = manifest_from_proto(request.manifest)
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
             ipc_uuid = nccl_uuid = ""

@@ -39,8 +39,11 @@ def servers(tmp_path_factory):
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
+    tmp = tmp_path_factory.mktemp("fuzz")
+    # ExportHf's fuzzed paths lie under tmp: the trainer's data root, so they are really written
     tcfg = TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2",
-                         bucket_mb=1, rpc_timeout_s=3.0, sync_timeout_s=20.0, auto_sync_new_rollouts=False)
+                         bucket_mb=1, rpc_timeout_s=3.0, sync_timeout_s=20.0, auto_sync_new_rollouts=False,
+                         data_root=str(tmp))
     trainer = TrainerApp(tcfg)
     trainer.start()
     rcfg = RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
@@ -49,7 +52,7 @@ def servers(tmp_path_factory):
     rollout.start()
     tstub = trainer_stub(channel(trainer.grpc.address), "", 30)
     tstub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="real", address=rollout.grpc.address))
-    yield trainer, rollout, tmp_path_factory.mktemp("fuzz")
+    yield trainer, rollout, tmp
     rollout.stop()
     trainer.stop()
 
