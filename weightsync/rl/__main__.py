@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = ns.workdir or Path(tempfile.mkdtemp(prefix="weightsync-rl-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if ns.checkpoint_dir:
+        # absolute: the trainer takes a relative SaveCheckpoint path from its data root, not our cwd
+        ns.checkpoint_dir = str(Path(ns.checkpoint_dir).resolve())
     vocab = int(resolve_model(ns.model)[0].vocab_size)
     task = make_task(ns.task, vocab)
     reward_fn = load_reward(ns.reward) if ns.reward else None
