@@ -77,6 +77,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             origin=self.tx.origin, trainer_id=self.pin.pinned, current=self.current)
 
     # ---- serving ------------------------------------------------------------------------
+    def _refused(self, exc: RequestRefused) -> None:
+        self.rollout_metrics.refused.labels("rollout", "busy" if exc.code == "RESOURCE_EXHAUSTED" else "budget").inc()
+
     def GetStatus(self, request, context):
         return self.status()
 
@@ -95,7 +98,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 prompts = [list(p.token_ids) for p in request.prompts]
                 results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
         except RequestRefused as exc:
-            self.rollout_metrics.refused.labels("rollout", "busy" if exc.code == "RESOURCE_EXHAUSTED" else "budget").inc()
+            self._refused(exc)
             self.rollout_metrics.request("error")
             _abort(context, exc)
         except (ValueError, SyncError) as exc:
@@ -121,6 +124,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             with self.admission.admit(context.peer()):
                 (logprobs, logits), version = self.tx.serve(lambda eng: eng.score(ids, request.prompt_length),
                                                             timeout=_SERVE_WAIT_S)
+        except RequestRefused as exc:
+            self._refused(exc)
+            _abort(context, exc)
         except (ValueError, SyncError) as exc:
             _abort(context, exc)
         resp = rollout_pb2.ScoreResponse(logprobs=logprobs, version=version)

@@ -119,6 +119,7 @@ def test_admission_is_bounded_and_fair(rollout):
                 _gen(c, timeout=5)
             assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_inflight_requests=2" in ei.value.details()
+            assert rollout.servicer.rollout_metrics.refused.labels("rollout", "busy")._value.get() >= 2
             rollout.tx.engine_lock.release()
             released = True
             assert len(first.result(30).samples) == 1 and len(second.result(30).samples) == 1
