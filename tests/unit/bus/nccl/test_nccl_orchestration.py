@@ -83,7 +83,9 @@ def _spec(**fields) -> bus_pb2.NcclTransport:
 
 def _refused_prepare(trainer, app, spec: bus_pb2.NcclTransport) -> grpc.RpcError:
     """PrepareSync straight to `app` with `spec`, which it must refuse; returns the error."""
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5, transport=bus_pb2.TransportSpec(nccl=spec))
+    # sent as the fleet's trainer: the rollouts follow its id once it has synced them
+    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5, transport=bus_pb2.TransportSpec(nccl=spec),
+                                         trainer_id=trainer.trainer_id)
     req.manifest.CopyFrom(_manifest(trainer))
     with pytest.raises(grpc.RpcError) as e:
         rollout_stub(channel(app.grpc.address), "").PrepareSync(req, timeout=10)
