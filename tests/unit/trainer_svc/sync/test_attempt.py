@@ -24,6 +24,8 @@ class _Orch:
     """What an attempt uses of the orchestrator: the actor, the RPC call and failure bookkeeping."""
 
     origin = "o1"
+    trainer_id = "trainer-test"
+    allow_rollback = False
 
     def __init__(self, refuse_prepare=()):
         self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
