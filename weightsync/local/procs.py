@@ -7,6 +7,7 @@ the system temp directory, where the demo, the RL driver and the tests keep thei
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,7 +18,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A loopback port that is free now, picked *below* the kernel's ephemeral range: between this
+    check and the service's bind (a second or two of imports) any outgoing connection on the
+    machine may be given an ephemeral port, so a port from that range can be taken in between."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 16384), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
