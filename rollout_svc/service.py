@@ -17,7 +17,7 @@ from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import engine_device
 from weightsync.bus.ipc.receiver import IpcReceiver
 from weightsync.bus.nccl.receiver import NcclReceiver
-from weightsync.bus.plan import manifest_from_proto
+from weightsync.bus.layout import KnownLayouts
 from weightsync.obs.metrics import RolloutMetrics, SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -58,6 +58,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.device = engine_device(engine)
         self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=metrics.nccl_group_builds.inc)
         self.ipc = IpcReceiver(tx, self.device, engine_name)
+        self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
@@ -148,7 +149,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.manifest_limits.check(request.manifest)
             rollback = self.pin.check_rollback(request.trainer_id, request.manifest.version, self.tx.version,
                                                request.allow_rollback)
-            manifest = manifest_from_proto(request.manifest)
+            manifest = self.layouts.manifest_of(request.manifest)
+            if manifest is None:  # named by a digest not held here: nothing prepared, ask for the full one
+                return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
             ipc_uuid = nccl_uuid = ""
@@ -161,6 +164,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise SyncError("transport is unset: PrepareSync must say tcp, nccl or ipc", "INVALID_ARGUMENT")
             deadline = time.monotonic() + timeout
             self.tx.prepare(manifest, timeout)
+            self.layouts.remember(manifest)  # the engine accepted it
         except (ValueError, SyncError) as exc:
             self.metrics.failure("prepare_rejected")
             _abort(context, exc)

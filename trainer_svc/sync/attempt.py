@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.phases import PhaseClock
 from weightsync.bus.pipeline import stream_buckets
-from weightsync.bus.plan import Manifest, manifest_to_proto
+from weightsync.bus.layout import compact_proto
+from weightsync.bus.plan import Manifest
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -33,21 +33,17 @@ class SyncAttempt:
         self.prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
         #: the targets of a retry ([] for none)
         self.retry: list[RolloutEntry] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = orch.pool  # long-lived: no threads started per sync
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.targets)), thread_name_prefix="sync-rpc")
-        try:
-            with self.phases("prepare"):
-                self.prepare()
-            with self.phases("stream"):
-                checksums = self.stream()
-            with self.phases("commit"):
-                self.commit(checksums)
-                self.abort_failed()
-        finally:
-            self._pool.shutdown(wait=True)
+        with self.phases("prepare"):
+            self.prepare()
+        with self.phases("stream"):
+            checksums = self.stream()
+        with self.phases("commit"):
+            self.commit(checksums)
+            self.abort_failed()
         return self.results, self.retry
 
     def _left(self) -> float:
@@ -59,15 +55,9 @@ class SyncAttempt:
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self) -> None:
         """PrepareSync on every target; keeps those that prepared and whose answer the session accepts."""
-        manifest_pb = manifest_to_proto(self.manifest)  # once: it is the same for every target
-        calls = []
+        answers = self._prepare_calls()
         for e in self.targets:
-            req = rollout_pb2.PrepareSyncRequest(manifest=manifest_pb, timeout_seconds=self._left(),
-                                                 transport=self.session.spec_for(e), trainer_id=self.orch.trainer_id,
-                                                 allow_rollback=self.orch.allow_rollback)
-            calls.append((e, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
-        for e, fut in calls:
-            resp, err = fut.result()
+            resp, err = answers[e.rollout_id]
             err = err or self.session.accept(e, resp)
             if err:
                 self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
@@ -75,6 +65,43 @@ class SyncAttempt:
                 self.prepared[e.rollout_id] = resp
         if self.session.group_wide and len(self.prepared) < len(self.targets):
             self._stop_group()
+
+    def _prepare_calls(self) -> dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]]:
+        """PrepareSync on every target at once: rollout_id -> (answer, error).
+
+        A target that holds the layout gets its digest only (ManifestCache); the others, and any
+        that answers `manifest_needed` (it restarted, or dropped the layout), the full manifest.
+        """
+        cache, digest = self.orch.manifests, self.manifest.layout_digest
+        compact, full = compact_proto(self.manifest), None
+        out: dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]] = {}
+        pending = list(self.targets)
+        while pending:
+            calls = []
+            for e in pending:
+                send_full = not cache.holds(e, digest)
+                if send_full and full is None:
+                    full = cache.full_proto(self.manifest)
+                req = rollout_pb2.PrepareSyncRequest(manifest=full if send_full else compact,
+                                                     timeout_seconds=self._left(), transport=self.session.spec_for(e),
+                                                     trainer_id=self.orch.trainer_id,
+                                                     allow_rollback=self.orch.allow_rollback)
+                calls.append((e, send_full, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
+            pending = []
+            for e, sent_full, fut in calls:
+                resp, err = fut.result()
+                if not err and resp.manifest_needed:
+                    cache.forget(e)
+                    if not sent_full:
+                        pending.append(e)  # once more, in full (then it holds the layout, or it errs)
+                        continue
+                    err = "the rollout asked for the full manifest it was just sent"
+                if err:
+                    cache.forget(e)
+                else:
+                    cache.learned(e, digest)
+                out[e.rollout_id] = (resp, err)
+        return out
 
     def _stop_group(self) -> None:
         """A group-wide session cannot start without every member: fail (or retry) the ones that prepared."""

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -26,7 +27,7 @@ from trainer_svc.sync.phases import PhaseClock
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.ipc.sender import IpcSender
 from weightsync.bus.nccl.sender import NcclSender
-from weightsync.bus.plan import make_manifest
+from weightsync.bus.layout import ManifestCache
 from weightsync.bus.tcp.sender import TcpSender
 from weightsync.control.client import describe_rpc_error
 from weightsync.obs.metrics import SyncMetrics
@@ -65,6 +66,10 @@ class SyncOrchestrator:
                            "ipc": IpcSender(self.device, self._call)}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
+        # Kept across syncs: the planned layout (re-planned only when the export metadata changes,
+        # sent in full once per rollout) and the RPC threads that reach every target at once.
+        self.manifests = ManifestCache()
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False) -> trainer_pb2.SyncReport:
@@ -130,9 +135,10 @@ class SyncOrchestrator:
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
         session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
-        manifest = make_manifest(self.export_format.metas(self.actor.export_metas()), version=version,
-                                 sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
-                                 checksum_algo=ALGO, origin=self.origin, quantization=self.export_format.quantization)
+        manifest = self.manifests.manifest(self.export_format.metas(self.actor.export_metas()), version=version,
+                                           sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
+                                           checksum_algo=ALGO, origin=self.origin,
+                                           quantization=self.export_format.quantization)
         return session, manifest
 
     @staticmethod

@@ -66,6 +66,8 @@ class Manifest:
     checksum_algo: str = ""
     origin: str = ""
     quantization: Quantization | None = None  # set when some weights travel quantized (weightsync.formats)
+    #: sha256 of the layout (weightsync.bus.layout); "" when not computed
+    layout_digest: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -117,7 +119,7 @@ def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket
 def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
     msg = bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
                            total_bytes=m.total_bytes, model_family=m.model_family,
-                           checksum_algo=m.checksum_algo, origin=m.origin)
+                           checksum_algo=m.checksum_algo, origin=m.origin, layout_digest=m.layout_digest)
     if m.quantization is not None:
         q = m.quantization
         msg.quantization.CopyFrom(bus_pb2.Quantization(method=q.method, fmt=q.fmt,
@@ -185,4 +187,4 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         quantization = Quantization(q.method, q.fmt, tuple(q.weight_block_size))
     return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
                     model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin,
-                    quantization=quantization)
+                    quantization=quantization, layout_digest=msg.layout_digest)

@@ -61,7 +61,7 @@ class BucketSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin", "quantization")
+    __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin", "quantization", "layout_digest")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class Manifest(_message.Message):
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     sync_id: str
     bucket_bytes: int
@@ -80,7 +81,8 @@ class Manifest(_message.Message):
     checksum_algo: str
     origin: str
     quantization: Quantization
-    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ..., origin: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ...) -> None: ...
+    layout_digest: str
+    def __init__(self, version: _Optional[int] = ..., sync_id: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., model_family: _Optional[str] = ..., checksum_algo: _Optional[str] = ..., origin: _Optional[str] = ..., quantization: _Optional[_Union[Quantization, _Mapping]] = ..., layout_digest: _Optional[str] = ...) -> None: ...
 
 class Quantization(_message.Message):
     __slots__ = ("method", "fmt", "weight_block_size")

@@ -152,12 +152,14 @@ class PrepareSyncRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
-    __slots__ = ("transport", "num_ranks")
+    __slots__ = ("transport", "num_ranks", "manifest_needed")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_NEEDED_FIELD_NUMBER: _ClassVar[int]
     transport: _bus_pb2.TransportSpec
     num_ranks: int
-    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ...) -> None: ...
+    manifest_needed: bool
+    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
     __slots__ = ("sync_id", "index", "ipc", "checksum")
@@ -172,8 +174,10 @@ class PushBucketRequest(_message.Message):
     def __init__(self, sync_id: _Optional[str] = ..., index: _Optional[int] = ..., ipc: _Optional[_Union[_bus_pb2.CudaIpcHandle, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PushBucketResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("index",)
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    def __init__(self, index: _Optional[int] = ...) -> None: ...
 
 class CommitSyncRequest(_message.Message):
     __slots__ = ("sync_id", "version", "checksums", "trainer_id")

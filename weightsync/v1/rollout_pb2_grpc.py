@@ -59,6 +59,11 @@ class RolloutStub:
                 request_serializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.FromString,
                 _registered_method=True)
+        self.IpcBuckets = channel.stream_stream(
+                '/weightsync.v1.Rollout/IpcBuckets',
+                request_serializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.FromString,
+                _registered_method=True)
         self.CommitSync = channel.unary_unary(
                 '/weightsync.v1.Rollout/CommitSync',
                 request_serializer=weightsync_dot_v1_dot_rollout__pb2.CommitSyncRequest.SerializeToString,
@@ -104,6 +109,15 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IpcBuckets(self, request_iterator, context):
+        """CUDA IPC buckets of one sync on one stream: a request per bucket, an acknowledgement per bucket
+        once the engine has copied it out of the trainer's buffer. Ends at the last bucket or on the
+        first error (the stream's status says why; the sync is then aborted on this rollout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitSync(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -141,6 +155,11 @@ def add_RolloutServicer_to_server(servicer, server):
             ),
             'PushBucket': grpc.unary_unary_rpc_method_handler(
                     servicer.PushBucket,
+                    request_deserializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.SerializeToString,
+            ),
+            'IpcBuckets': grpc.stream_stream_rpc_method_handler(
+                    servicer.IpcBuckets,
                     request_deserializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.SerializeToString,
             ),
@@ -288,6 +307,33 @@ class Rollout:
             request,
             target,
             '/weightsync.v1.Rollout/PushBucket',
+            weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.SerializeToString,
+            weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IpcBuckets(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/weightsync.v1.Rollout/IpcBuckets',
             weightsync_dot_v1_dot_rollout__pb2.PushBucketRequest.SerializeToString,
             weightsync_dot_v1_dot_rollout__pb2.PushBucketResponse.FromString,
             options,

@@ -1,0 +1,114 @@
+"""The manifest goes in full once per layout and rollout; later prepares carry its digest only.
+
+Real TrainerApp (hf backend) and RolloutApps on loopback gRPC, TCP bus. Checked: the layout is
+planned once; the second sync sends no buckets in PrepareSync and still commits bit-exact
+weights; a rollout that lost its layouts (a restart) answers manifest_needed and is sent the
+full manifest within the same Sync; a changed layout (another bucket size) goes in full again.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from weightsync.bus.layout import KnownLayouts
+from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
+                                       auto_sync_new_rollouts=False))
+    trainer.start()
+    rollouts = {}
+    for rid, mode in (("a", "staged"), ("b", "inplace")):
+        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
+                                       rollout_id=rid, apply_mode=mode))
+        app.start()
+        rollouts[rid] = app
+    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
+    for rid, app in rollouts.items():
+        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+    sent: list[tuple[str, int]] = []  # (rollout id, buckets in the PrepareSync manifest)
+    call = trainer.orch._call
+
+    def spy(entry, method, req):
+        if method == "PrepareSync":
+            sent.append((entry.rollout_id, len(req.manifest.buckets)))
+        return call(entry, method, req)
+
+    trainer.orch._call = spy
+    yield trainer, rollouts, stub, sent
+    for app in rollouts.values():
+        app.stop()
+    trainer.stop()
+
+
+def _sync_and_check(trainer, rollouts, stub):
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    exported = list(trainer.actor.export_tensors())
+    for app in rollouts.values():
+        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+        for name, t in exported:
+            assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
+    return report
+
+
+def test_full_manifest_once_then_digest_then_full_again_after_restart_or_change(fleet):
+    trainer, rollouts, stub, sent = fleet
+    _sync_and_check(trainer, rollouts, stub)
+    n_buckets = len(trainer.orch.manifests._template.buckets)
+    assert n_buckets >= 1 and sorted(sent) == [("a", n_buckets), ("b", n_buckets)]
+    sent.clear()
+    _sync_and_check(trainer, rollouts, stub)
+    assert sorted(sent) == [("a", 0), ("b", 0)] and trainer.orch.manifests.plans == 1
+
+    # "a" restarts (its validated layouts are gone): it asks, and gets the full manifest in the same Sync
+    rollouts["a"].servicer.layouts = KnownLayouts()
+    sent.clear()
+    _sync_and_check(trainer, rollouts, stub)
+    assert sorted(sent) == [("a", 0), ("a", n_buckets), ("b", 0)]
+
+    # another bucket size is another layout (more buckets): planned again, sent in full to everyone
+    trainer.orch.bucket_bytes = 64 << 10
+    sent.clear()
+    _sync_and_check(trainer, rollouts, stub)
+    assert trainer.orch.manifests.plans == 2 and len(sent) == 2
+    assert all(n == len(trainer.orch.manifests._template.buckets) > n_buckets for _, n in sent)
+    sent.clear()
+    _sync_and_check(trainer, rollouts, stub)
+    assert sorted(sent) == [("a", 0), ("b", 0)]
+
+
+def test_unknown_digest_prepares_nothing_and_a_contradicting_one_is_refused(fleet):
+    trainer, rollouts, stub, _ = fleet
+    app = rollouts["a"]
+    r = rollout_stub(channel(app.grpc.address), "", 10)
+    held = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=99, sync_id="probe",
+                                           bucket_bytes=trainer.orch.bucket_bytes, model_family=trainer.actor.family,
+                                           checksum_algo="ws-sum64-v1", origin="x")
+    from weightsync.bus.layout import compact_proto
+
+    req = rollout_pb2.PrepareSyncRequest(manifest=compact_proto(held))
+    req.transport.tcp.SetInParent()
+    req.manifest.layout_digest = "0" * 64
+    resp = r.PrepareSync(req)
+    assert resp.manifest_needed and app.tx.pending_sync_id == ""
+    req.manifest.layout_digest = held.layout_digest
+    req.manifest.total_bytes += 256
+    with pytest.raises(grpc.RpcError) as err:
+        r.PrepareSync(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "differs from the layout" in err.value.details()
+    assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
