@@ -30,6 +30,9 @@ class HfActor:
         self.model.eval()
         self.family = family_of(config)
         self.export_dtype = export_dtype
+        # Names, shapes and the export dtype never change after construction (load_hf copies in
+        # place): computed once, so planning a sync does not walk the module tree (~1 ms for 339 tensors).
+        self._metas = [TensorMeta(n, tuple(p.shape), self.export_dtype) for n, p in self._named()]
         self.version = 1
         if weights_dir:
             self.load_hf(weights_dir)
@@ -43,7 +46,7 @@ class HfActor:
         return [(n, p) for n, p in self.model.state_dict().items() if not (tied and n == "lm_head.weight")]
 
     def export_metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, tuple(p.shape), self.export_dtype) for n, p in self._named()]
+        return self._metas
 
     def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, p in self._named():
