@@ -11,6 +11,7 @@ from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
 from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
+from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
@@ -52,6 +53,10 @@ class RolloutApp:
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
+        # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
+        warm = bucket_checksum_warm_up(self.servicer.device)
+        if warm:
+            log.info("checksum kernel ready on %s in %.2fs", self.servicer.device, warm)
         if reg.trainer_address:
             req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
                                                      num_ranks=self.engine.num_ranks(),

@@ -18,6 +18,7 @@ from trainer_svc.paths import DataRoots
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
 from trainer_svc.sync import SyncOrchestrator
+from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
@@ -60,6 +61,10 @@ class TrainerApp:
                                      device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc,
                                      export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id)
+        # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
+        warm = bucket_checksum_warm_up(self.orch.device)
+        if warm:
+            log.info("checksum kernel ready on %s in %.2fs", self.orch.device, warm)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
                                         cfg.fleet.auto_sync_new_rollouts,
                                         roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))

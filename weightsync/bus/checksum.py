@@ -49,3 +49,21 @@ def combine(checksums: list[int]) -> int:
     for c in checksums:
         acc = ((acc ^ c) * 0x100000001B3) & _MASK
     return acc
+
+
+def warm_up(device) -> float:
+    """Compile and run the checksum for `device` now; seconds it took (0.0 off-GPU).
+
+    On CUDA the first checksum JIT-compiles the Triton kernel (about a second, more on a cold
+    cache), once per specialisation: the word count divisible by 16 or not. A service calls this
+    at start-up, before it reports ready, so the first sync after a start does not pay it.
+    """
+    import time
+
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    for nbytes in (64 << 10, (64 << 10) + 4, (64 << 10) + 6):  # word count % 16 == 0, != 0, and a tail
+        bucket_checksum(torch.zeros(nbytes, dtype=torch.uint8, device=device))
+    return time.perf_counter() - t0
