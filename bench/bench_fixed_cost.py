@@ -63,9 +63,9 @@ def run(layout: str, args) -> dict:
     from weightsync.v1 import trainer_pb2
 
     model = write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-"))
-    trainer = TrainerApp(TrainerConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
                                        model=model, export_dtype="bfloat16", auto_sync_new_rollouts=False))
-    rollout = RolloutApp(RolloutConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=model,
+    rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=model,
                                        rollout_id="r0", apply_mode="inplace", dtype="bfloat16"))
     trainer.orch.bucket_bytes = args.bucket_kb << 10  # below the 1 MiB floor of the config: 7B's bucket count
     side = {"rollout_prepare": [], "rollout_commit": [], "commit_waited": []}
