@@ -3,17 +3,22 @@
 Timed: one `Sync` RPC, from the call until every rollout has committed. `seconds` is the trainer's
 figure (prepare on every rollout -> stream every bucket -> commit on every rollout); `wall_s` is the
 client's time around the RPC. Per model (a Qwen2-shaped config.json; the trainer's `--init-seed`
-makes the weights): a `--backend hf` trainer and `--rollouts` rollouts (`--apply-mode inplace`),
-one warm-up sync (it builds the NCCL group), then `--reps` timed syncs, all of the same version:
+makes the weights): a `--backend hf|megatron` trainer (parameters in `--param-dtype`, by default
+the export dtype: a bf16 trainer, the real case) and `--rollouts` rollouts (`--apply-mode inplace`),
+one sync after start (it builds the NCCL group; `first_sync_s`), then `--reps` timed syncs, all of the same version:
 the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on disk, TrainStep
 optimizer memory), and a sync at the same version still streams every byte and commits a new sync
 id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
 once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages between
-cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; ratio = raw_s / sync_s.
+cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; with `--transport ipc`, one
+device-to-device copy of the same bytes on the same GPU, in this process; ratio = raw_s / sync_s.
+Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
+the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
 
     python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
     python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
     python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
+    python bench/bench_services.py --models 1.5b,7b --backend megatron --out services_nccl_megatron.json
     OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
 """
 from __future__ import annotations
@@ -75,8 +80,10 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
     logs.mkdir()
     procs, channels = [], []
     try:
-        t = start_trainer(logs, "--backend", "hf", "--model", str(model_dir), "--init-seed", "1",
-                          "--device", args.device_trainer, "--transport", args.transport, "--export-dtype", export_dtype,
+        # megatron places itself on cuda:LOCAL_RANK (cuda:0 here); hf goes where --device-trainer says
+        where = ("--device", args.device_trainer) if args.backend == "hf" else ()
+        t = start_trainer(logs, "--backend", args.backend, "--model", str(model_dir), "--init-seed", "1", *where,
+                          "--param-dtype", args.param_dtype, "--transport", args.transport, "--export-dtype", export_dtype,
                           "--bucket-mb", str(args.bucket_mb), "--sync-timeout-s", str(args.sync_timeout),
                           "--no-auto-sync-new-rollouts")
         procs.append(t)
@@ -120,7 +127,7 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
         if args.transport == "nccl":  # 1 = the warm-up's group carried every timed sync
             rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total", 'role="trainer"')
         timed = [s for s in rec["syncs"] if not s["warmup"]]
-        rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"],
+        rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"], first_sync_s=rec["syncs"][0]["seconds"],
                    sync_s=statistics.median(s["seconds"] for s in timed),
                    wall_s=statistics.median(s["wall_s"] for s in timed),
                    rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
@@ -137,6 +144,24 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             ch.close()
         for p in procs:
             p.stop()
+
+
+def d2d_copy_seconds(nbytes: int, reps: int, device: str) -> list[float]:
+    """One device-to-device copy of `nbytes` on one GPU: the bound of a colocated (IPC) sync, which
+    must at least move every byte once into the engine's memory. Same process, same run."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    out = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        if i:  # the first copy is a warm-up
+            out.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
 
 
 def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
@@ -181,6 +206,11 @@ def main() -> int:
     ap.add_argument("--export-dtypes", default="",
                     help="comma list of trainer export dtypes to run per model, e.g. bfloat16,fp8-block "
                          "(fp8-block: block-FP8 linear weights, dequantized by the rollout); default --dtype")
+    ap.add_argument("--backend", choices=("hf", "megatron"), default="hf",
+                    help="trainer backend: megatron (megatron-core GPTModel on cuda:0, the real case) or hf")
+    ap.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                    help="trainer parameter dtype (default: --dtype, so nothing is cast while streaming; "
+                         "float32 with --dtype bfloat16 measures a cast on every sync)")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
@@ -190,6 +220,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench_services.json")
     args = ap.parse_args()
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
+    args.param_dtype = args.param_dtype or args.dtype
     args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
     models = [m for m in args.models.split(",") if m]
     export_dtypes = [d for d in args.export_dtypes.split(",") if d] or [args.dtype]
@@ -232,7 +263,17 @@ def main() -> int:
             print(f"raw NCCL broadcast FAILED: {exc!r}", file=sys.stderr)
             results["raw_error"], raw, failed = repr(exc), [], True
         for r, times in zip(ok, raw):
-            r.update(raw_s_all=times, raw_s=statistics.median(times))
+            r.update(raw_s_all=times, raw_s=statistics.median(times), raw_kind="nccl broadcast, 1 GiB messages")
+            r["ratio"] = r["raw_s"] / r["sync_s"]
+    if args.transport == "ipc" and ok:
+        for r in ok:  # the services are stopped: their memory is free again
+            try:
+                times = d2d_copy_seconds(r["bytes"], args.reps, args.device_trainer)
+            except Exception as exc:  # keep the services' numbers
+                print(f"D2D copy bound FAILED: {exc!r}", file=sys.stderr)
+                results["raw_error"], failed = repr(exc), True
+                continue
+            r.update(raw_s_all=times, raw_s=statistics.median(times), raw_kind="one D2D copy of the bytes")
             r["ratio"] = r["raw_s"] / r["sync_s"]
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -247,7 +288,8 @@ def main() -> int:
 def print_table(results: dict) -> None:
     a = results["args"]
     print(f"\n{results['device']}  torch {results['torch']}  {results['date']}  transport {a['transport']}  "
-          f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}")
+          f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}  "
+          f"trainer {a['backend']} {a['param_dtype']}")
     print(f"{'model':<7}{'export':>10}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
           f"  rollouts on version")
     for r in results["models"]:
@@ -257,7 +299,8 @@ def print_table(results: dict) -> None:
         raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
         print(f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
               f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}")
-        print(f"{'':<7}phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items()))
+        print(f"{'':<7}phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items())
+              + f"; first sync after start {r['first_sync_s']:.3f} s")
         if "vs_bfloat16" in r:
             v = r["vs_bfloat16"]
             print(f"{'':<7}fp8-block vs bfloat16 in this run: {v['time']:.3f}x the time, {v['bytes']:.3f}x the bytes")

@@ -57,7 +57,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._lock = threading.Lock()
         self.device = engine_device(engine)
         self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=metrics.nccl_group_builds.inc)
-        self.ipc = IpcReceiver(tx, self.device, engine_name)
+        self.ipc = IpcReceiver(tx, self.device, engine_name, on_open=self.rollout_metrics.ipc_opens.inc)
+        self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
         self.refresh_state_metric()
 
@@ -183,7 +184,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if kind == "tcp":
             resp.transport.tcp.data_address = self.data_address
         else:
-            self.ipc.start(manifest.sync_id, ipc_uuid)
+            self.ipc.start(manifest.sync_id, ipc_uuid, manifest.origin)
             resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), ipc_uuid
         return resp
 
@@ -193,7 +194,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         except (ValueError, SyncError) as exc:
             self.tx.abort(request.sync_id, f"push failed: {exc}")
             _abort(context, exc)
-        return rollout_pb2.PushBucketResponse()
+        return rollout_pb2.PushBucketResponse(index=request.index)
+
+    def IpcBuckets(self, request_iterator, context):
+        first: list[str] = []  # the stream's sync, to abort it on a bad bucket
+
+        def requests():
+            for req in request_iterator:
+                if not first:
+                    first.append(req.sync_id)
+                yield req
+
+        try:
+            yield from self.ipc.stream(requests())
+        except (ValueError, SyncError) as exc:
+            if first:
+                self.tx.abort(first[0], f"IPC bucket failed: {exc}")
+            _abort(context, exc)
 
     def CommitSync(self, request, context):
         manifest = self.tx.pending_manifest(request.sync_id)

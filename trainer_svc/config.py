@@ -28,6 +28,10 @@ class ActorConfig:
                               help="dtype tensors are cast to on the bus (match the rollout engine's dtype); "
                                    "fp8-block: linear weights as e4m3 with 128x128 float32 scales, the rest bf16 "
                                    "(docs/conversion.md, FP8 export)")
+    param_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
+                             help="dtype of the trainer's parameters (backend hf: the model's; megatron: params_dtype). "
+                                  "Equal to export_dtype on a GPU, backend hf sends its parameters' own memory on the "
+                                  "bus, with no pack copy")
     converter: str = field("builtin", choices=("builtin", *CONTRACTS),
                            help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
                                 "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "

@@ -268,3 +268,28 @@ def test_ipc_colocated_sync_is_exact_in_bf16_and_a_rollout_on_another_gpu_is_ref
         # the refused rollout still serves its own initial weights (version 0)
         assert _rollout_logits(other)[1] == 0
 
+
+
+@needs_gpus(1)
+def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_once(fleet):
+    """hf trainer holding bf16 = the export as it is: no pack copy (its parameters live in the
+    buckets' layout), one IpcBuckets stream per sync, and the rollout maps each buffer once: later
+    syncs, even of new weights, open no handle. Every sync exact."""
+    t = fleet.trainer("--device", "cuda:0", "--transport", "ipc", "--export-dtype", "bfloat16", "--param-dtype",
+                      "bfloat16", "--init-seed", "1")
+    t.wait_ready()
+    r = fleet.rollout("same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
+    r.wait_ready()
+    wait_registered(t.address, ["same-gpu"])
+    opens = lambda: r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"')  # noqa: E731
+    rc, rep = _sync(t, "--rollout", "same-gpu")
+    assert rc == 0 and rep["ok"] and rep["transport"] == "ipc", rep
+    first_opens = opens()
+    assert first_opens == rep["num_buckets"] == r.metric("weightsync_ipc_mapped_buffers", 'role="rollout"'), rep
+    _assert_exact(r, _reference_logits(t, fleet.tmp, "own1", "cuda:0", torch.bfloat16), int(rep["version"]))
+    for i, seed in enumerate((9, 10)):
+        _load(t, _weights_dir(fleet.tmp, seed))
+        rc, rep = _sync(t, "--rollout", "same-gpu")
+        assert rc == 0 and rep["ok"], rep
+        _assert_exact(r, _reference_logits(t, fleet.tmp, f"own{seed}", "cuda:0", torch.bfloat16), int(rep["version"]))
+        assert opens() == first_opens, f"sync {i + 2} mapped handles again"

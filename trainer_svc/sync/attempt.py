@@ -126,10 +126,12 @@ class SyncAttempt:
         """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
-        export = iter(self.tensors()) if self.prepared else iter(())
+        in_place = self._in_place() if self.prepared else None
+        # Sending the actor's own storage needs no export pass (nor, then, a drain of one).
+        export = iter(self.tensors()) if self.prepared and in_place is None else iter(())
         if self.prepared:
             try:
-                checksums = self._send(export)
+                checksums = self._send(export, in_place)
                 ok = True
             except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
                 reason = f"stream: {exc}"
@@ -144,11 +146,30 @@ class SyncAttempt:
             pass
         return checksums
 
-    def _send(self, export) -> list[int]:
+    def _in_place(self):
+        """The actor's own storage as this manifest's buckets (no pack copy), or None.
+
+        Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
+        """
+        flat = getattr(self.orch.actor, "flat_buckets", None)
+        # a quantized export is computed per sync: the actor's storage is not what travels
+        if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
+            return None
+        buffers = flat(self.manifest)
+        if buffers is not None and hasattr(self.session, "use_in_place"):
+            self.session.use_in_place(buffers)
+        return buffers
+
+    def _send(self, export, in_place) -> list[int]:
         channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
         try:
-            return stream_buckets(self.manifest, export, channel, device=self.session.device,
-                                  timeout=self._left()).checksums
+            stats = stream_buckets(self.manifest, export, channel, device=self.session.device, timeout=self._left(),
+                                   buffers=getattr(self.session, "buffers", None), in_place=in_place)
+            # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
+            # and all the trainer's work per bucket (export + pack + checksum)
+            self.phases.add("stream.export", stats.export_seconds)
+            self.phases.add("stream.pack", stats.pack_seconds)
+            return stats.checksums
         finally:
             for rid, err in channel.failures().items():
                 if rid in self.prepared:

@@ -63,7 +63,7 @@ class SyncOrchestrator:
         self.transports = {"tcp": TcpSender(token),
                            "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
                                             call=self._call),
-                           "ipc": IpcSender(self.device, self._call)}
+                           "ipc": IpcSender(self.device, self._call, stream=self._open_stream)}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
         # Kept across syncs: the planned layout (re-planned only when the export metadata changes,
@@ -179,6 +179,10 @@ class SyncOrchestrator:
             return getattr(entry.stub(self.token, self.rpc_timeout), method)(request), ""
         except grpc.RpcError as exc:
             return None, describe_rpc_error(exc)
+
+    def _open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
+        """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""
+        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)
 
     def _fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
         result.ok, result.error = False, err

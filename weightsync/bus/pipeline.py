@@ -4,6 +4,11 @@ A producer thread pulls tensors from the actor's export iterator and packs them 
 `num_buffers` reusable flat buffers; the calling thread hands filled buffers to the channel.
 With two buffers, gathering/packing overlaps sending, and extra memory stays at two buckets
 plus whatever single tensor the exporter holds: a sync never materialises the whole model.
+
+Two variations: a `BufferPool` keeps the buffers across syncs (CUDA IPC shares a buffer once and
+the rollout keeps it mapped, so the buffers must outlive the sync), and `in_place` buckets —
+flat storage in which the actor's own tensors already sit in the manifest's layout and dtype —
+are checksummed and sent as they are, with no export pass and no pack copy.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from weightsync.bus.plan import Manifest
 class StreamStats:
     checksums: list[int] = field(default_factory=list)
     bytes_sent: int = 0
+    #: time inside the actor's exporter (gather, rename, convert), a part of pack_seconds
+    export_seconds: float = 0.0
     pack_seconds: float = 0.0
     send_seconds: float = 0.0
     wall_seconds: float = 0.0
@@ -54,10 +61,57 @@ def _own_bytes(plan, item, device: torch.device) -> torch.Tensor | None:
 log = logging.getLogger(__name__)
 
 
+class BufferPool:
+    """Bucket buffers kept from one sync to the next; reallocated only when they no longer fit."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+        self.allocations = 0
+
+    def take(self, count: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        bufs = self.buffers
+        if len(bufs) < count or any(b.numel() < nbytes or b.device != device for b in bufs[:count]):
+            self.buffers = bufs = []  # dropped first, so old and new are never both held
+            bufs.extend(alloc_buffer(nbytes, device) for _ in range(count))
+            self.allocations += 1
+        return bufs[:count]
+
+
+def _in_place_views(manifest: Manifest, in_place: list[torch.Tensor]) -> list[torch.Tensor]:
+    if len(in_place) != len(manifest.buckets):
+        raise ValueError(f"in_place has {len(in_place)} buffers for the manifest's {len(manifest.buckets)} buckets")
+    views = []
+    for plan, buf in zip(manifest.buckets, in_place):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < plan.nbytes:
+            raise ValueError(f"in_place[{plan.index}]: need a flat uint8 buffer of at least {plan.nbytes} bytes, "
+                             f"got {buf.dtype} {tuple(buf.shape)}")
+        views.append(buf[:plan.nbytes])
+    return views
+
+
+def _timed(it: Iterator, stats: StreamStats) -> Iterator:
+    """`it`, adding the time spent inside it to stats.export_seconds."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            stats.export_seconds += time.perf_counter() - t0
+        yield item
+
+
 def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]], sender: BucketSender, *,
                    device: torch.device | str = "cpu", num_buffers: int = 2, with_checksums: bool = True,
-                   timeout: float = 600.0) -> StreamStats:
-    """Pack and send every bucket of `manifest`; raise on the first export or transport error."""
+                   timeout: float = 600.0, buffers: BufferPool | None = None,
+                   in_place: list[torch.Tensor] | None = None) -> StreamStats:
+    """Pack and send every bucket of `manifest`; raise on the first export or transport error.
+
+    `buffers`: take the reusable buffers from this pool (kept after the sync) instead of
+    allocating them. `in_place`: one flat buffer per bucket that already holds its bytes (the
+    actor's own storage); `tensors` is then not read and nothing is packed.
+    """
     if num_buffers < 1:
         raise ValueError(f"num_buffers={num_buffers} must be >= 1")
     stats = StreamStats()
@@ -68,11 +122,13 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     # buffers only need to hold regular buckets: extra memory is num_buffers x bucket_bytes.
     packed = [b for b in manifest.buckets if not _zero_copy_candidate(b, manifest.bucket_bytes)]
     buf_bytes = max((b.nbytes for b in packed), default=0)
-    n_bufs = min(num_buffers, len(packed))
+    n_bufs = 0 if in_place is not None else min(num_buffers, len(packed))
     stats.peak_buffer_bytes = buf_bytes * n_bufs
     free: queue.Queue = queue.Queue()
-    for _ in range(n_bufs):
-        free.put(alloc_buffer(buf_bytes, device))
+    for buf in (buffers.take(n_bufs, buf_bytes, device) if buffers is not None and n_bufs
+                else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
+        free.put(buf)
+    views = _in_place_views(manifest, in_place) if in_place is not None else None
     releases_previous = bool(getattr(sender, "releases_previous", False))
     ready: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -86,7 +142,17 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
 
     def produce() -> None:
         try:
-            it = iter(tensors)
+            if views is not None:
+                for plan, view in zip(manifest.buckets, views):
+                    if stop.is_set():
+                        return
+                    t0 = time.perf_counter()
+                    csum = bucket_checksum(view) if with_checksums else None
+                    stats.pack_seconds += time.perf_counter() - t0
+                    ready.put((plan, None, view, csum))
+                ready.put(_DONE)
+                return
+            it = _timed(iter(tensors), stats)
             for plan in manifest.buckets:
                 if _zero_copy_candidate(plan, manifest.bucket_bytes):
                     t0 = time.perf_counter()

@@ -37,7 +37,12 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong control-plane token (wsctl --token-file / auth_token_file)")
 
+        def deny_stream(request_iterator, context):
+            deny(None, context)
+            yield  # never reached: a generator, as a streaming handler must be
+
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_OPEN_METHODS):
@@ -47,6 +52,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         values = [v for k, v in handler_call_details.invocation_metadata or () if k == _HEADER]
         if len(values) == 1 and isinstance(values[0], str) and hmac.compare_digest(values[0].encode(), self._expected):
             return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        # the refusal must have the method's shape, or grpc fails the call with a confusing error
+        if handler is not None and handler.request_streaming and handler.response_streaming:
+            return self._deny_stream
         return self._deny
 
 

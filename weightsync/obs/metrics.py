@@ -69,6 +69,12 @@ class RolloutMetrics:
                                        registry=r).labels(role)
         self.state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"],
                            registry=r)
+        self.ipc_mappings = Gauge("weightsync_ipc_mapped_buffers",
+                                  "Trainer buffers this rollout holds mapped by CUDA IPC (kept across syncs)", ["role"],
+                                  registry=r).labels(role)
+        self.ipc_opens = Counter("weightsync_ipc_handle_opens_total",
+                                 "CUDA IPC handles this rollout mapped; a steady-state sync maps none", ["role"],
+                                 registry=r).labels(role)
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.role, outcome).inc()

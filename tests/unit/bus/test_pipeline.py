@@ -112,3 +112,52 @@ def test_async_sender_gets_each_buffer_back_only_after_the_next_send():
     # consecutive buckets never share a buffer: k's buffer is still "on the wire" during send(k+1)
     assert all(a[2] != b[2] for a, b in zip(sends, sends[1:]))
     assert log[-1] == ("flush",)
+
+
+def test_buffer_pool_keeps_its_buffers_across_syncs_and_regrows_when_too_small():
+    from weightsync.bus.pipeline import BufferPool
+
+    ts, m = _setup()
+    pool = BufferPool()
+    for _ in range(2):
+        stream_buckets(m, iter(ts.items()), CollectingSender(), buffers=pool)
+    assert pool.allocations == 1 and len(pool.buffers) == 2
+    kept = [b.data_ptr() for b in pool.buffers]
+    stream_buckets(m, iter(ts.items()), CollectingSender(), buffers=pool)
+    assert [b.data_ptr() for b in pool.buffers] == kept
+    big = {f"w{i}": torch.full((200,), float(i)) for i in range(4)}
+    m2 = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in big.items()], version=1, sync_id="q",
+                       bucket_bytes=2048)
+    s = CollectingSender()
+    stream_buckets(m2, iter(big.items()), s, buffers=pool)
+    assert pool.allocations == 2 and all(b.numel() >= m2.buckets[0].nbytes for b in pool.buffers)
+    assert torch.equal(s.buckets[0][1][:800].view(torch.float32), big["w0"])
+
+
+def test_in_place_buckets_are_sent_as_they_are_checksummed_as_they_are():
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.pack import pack_bucket, unpack_bucket
+
+    ts, m = _setup()
+    packed = CollectingSender()
+    stream_buckets(m, iter(ts.items()), packed)
+    flats = []
+    for plan in m.buckets:
+        flat = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(plan, ((s.meta.name, ts[s.meta.name]) for s in plan.slots), flat)
+        flats.append(flat)
+    s = CollectingSender()
+
+    def no_export():
+        raise AssertionError("the exporter must not run when the buckets are in place")
+        yield
+
+    in_place = stream_buckets(m, no_export(), s, in_place=flats)
+    assert in_place.checksums == [bucket_checksum(f) for f in flats] and in_place.peak_buffer_bytes == 0
+    assert [i for i, _, _ in s.buckets] == [i for i, _, _ in packed.buckets]
+    for plan, (_, a, _), (_, b, _) in zip(m.buckets, s.buckets, packed.buckets):  # same tensors (padding aside)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(unpack_bucket(plan, a), unpack_bucket(plan, b)))
+    with pytest.raises(ValueError, match=r"in_place has 1 buffers for the manifest's \d+ buckets"):
+        stream_buckets(m, iter(()), CollectingSender(), in_place=flats[:1])
+    with pytest.raises(ValueError, match=r"in_place\[0\]: need a flat uint8 buffer"):
+        stream_buckets(m, iter(()), CollectingSender(), in_place=[f.view(torch.int32) for f in flats])

@@ -18,21 +18,23 @@ from weightsync.model_spec import family_of
 
 class HfActor:
     def __init__(self, config, *, seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", param_dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.config = config
-        # Initialised on the CPU, then moved: the weights for a seed are the same on every device.
+        # Initialised on the CPU in fp32, then moved and cast: the weights for a seed are the same
+        # on every device (and, to the cast's rounding, in every dtype).
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.device = torch.device(device)
-        self.model.to(self.device)
+        self.model.to(device=self.device, dtype=param_dtype)
         self.model.eval()
         self.family = family_of(config)
         self.export_dtype = export_dtype
         # Names, shapes and the export dtype never change after construction (load_hf copies in
         # place): computed once, so planning a sync does not walk the module tree (~1 ms for 339 tensors).
         self._metas = [TensorMeta(n, tuple(p.shape), self.export_dtype) for n, p in self._named()]
+        self._flat: tuple[str, list[torch.Tensor]] | None = None  # (layout digest, bucket storage): flat_buckets
         self.version = 1
         if weights_dir:
             self.load_hf(weights_dir)
@@ -47,6 +49,39 @@ class HfActor:
 
     def export_metas(self) -> list[TensorMeta]:
         return self._metas
+
+    def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
+        """The manifest's buckets as this model's own memory, so a sync sends it with no pack copy.
+
+        The first call for a layout moves every exported parameter into flat buffers laid out as
+        the manifest's buckets (bucket by bucket: the extra memory is one bucket at a time), and
+        points the parameter there; training, loads and exports go on using the same parameters.
+        None when the parameters are not the export as they are (another dtype) or the layout has
+        no digest to recognise it by.
+        """
+        digest = manifest.layout_digest
+        if not digest:
+            return None
+        if self._flat is not None and self._flat[0] == digest:
+            return self._flat[1]
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for b in manifest.buckets:
+            for slot in b.slots:
+                p = params.get(slot.meta.name)
+                if p is None or p.dtype != slot.meta.dtype or tuple(p.shape) != slot.meta.shape:
+                    return None
+        flats = []
+        with torch.no_grad():
+            for b in manifest.buckets:
+                flat = torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device)  # padding included: checksummed
+                for slot in b.slots:
+                    p = params[slot.meta.name]
+                    view = flat[slot.offset:slot.offset + slot.meta.nbytes].view(p.dtype).view(p.shape)
+                    view.copy_(p)
+                    p.data = view
+                flats.append(flat)
+        self._flat = (digest, flats)
+        return flats
 
     def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, p in self._named():

@@ -75,10 +75,11 @@ class MegatronActor:
     def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, seed: int = 0,
                export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
                mtp: str = "off",
-               converter: str = "builtin", megatron_checkpoint: str | None = None) -> "MegatronActor":
+               converter: str = "builtin", megatron_checkpoint: str | None = None,
+               params_dtype: torch.dtype = torch.float32) -> "MegatronActor":
         return cls(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed, export_dtype=export_dtype,
                    weights_dir=weights_dir, mtp=mtp,
-                   converter=converter, megatron_checkpoint=megatron_checkpoint)
+                   converter=converter, megatron_checkpoint=megatron_checkpoint, params_dtype=params_dtype)
 
     @classmethod
     def from_pretrained(cls, path: str, **kw) -> "MegatronActor":

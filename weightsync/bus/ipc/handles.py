@@ -1,10 +1,12 @@
 """CUDA IPC for a trainer and an engine on the same GPU: share bucket buffers by handle.
 
 The handle is the fields of `UntypedStorage._share_cuda_()` carried in a protobuf message
-(CudaIpcHandle) — nothing is pickled. The receiver maps the storage, consumes the bucket in
-place and drops the mapping; the sender reuses the buffer only after that acknowledgement (the gRPC
-PushBucket reply). Device indices differ between processes with different CUDA_VISIBLE_DEVICES,
-so the handle names the GPU by UUID and the receiver maps it back to its own index.
+(CudaIpcHandle) — nothing is pickled. The trainer shares each of its long-lived buffers once
+(HandleCache) and the rollout maps each once and keeps the mapping from sync to sync while the
+trainer is the same (MappedBuffers): opening a handle is not free, and neither is closing it.
+The sender reuses a buffer only after the receiver's acknowledgement that it has copied the
+bucket out. Device indices differ between processes with different CUDA_VISIBLE_DEVICES, so the
+handle names the GPU by UUID and the receiver maps it back to its own index.
 """
 from __future__ import annotations
 
@@ -50,10 +52,11 @@ def mapped_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int) -> Iterator[torch.T
 
 
 class HandleCache:
-    """Share each reusable bucket buffer once per sync, not once per bucket.
+    """Share each long-lived buffer once for the trainer's lifetime, not once per bucket or sync.
 
-    The pipeline packs every regular bucket into one of two long-lived buffers, so their handles
-    are made once and pushed again for later buckets; the cache holds the buffers, so the memory a
+    The pipeline packs every regular bucket into one of two buffers kept across syncs (or sends
+    the actor's own bucket storage), so their handles are made once and pushed again for later
+    buckets and syncs; the cache holds the buffers, so the memory a
     handle names cannot be freed and handed to another tensor while the handle is in use. A buffer
     that is not reused (an oversized tensor sent from its own memory) is shared on its own, and
     copied first when it does not start its storage (a handle names a whole allocation).
@@ -81,8 +84,71 @@ class HandleCache:
             self._cached[key] = hit
         return hit[1], hit[0]
 
+    def retain(self, buffers: list[torch.Tensor]) -> None:
+        """Forget the buffers not in `buffers` (a pool that reallocated): their memory may go."""
+        keep = {b.untyped_storage().data_ptr() for b in buffers}
+        for key in [k for k in self._cached if k not in keep]:
+            del self._cached[key]
+
     def clear(self) -> None:
         self._cached.clear()
+
+
+def open_mapping(h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
+    """Map the storage a handle names, as a flat uint8 tensor (no copy); unmapped when it is freed."""
+    dev = local_index_of(h.device_uuid) if h.device_uuid else h.device
+    storage = torch.UntypedStorage._new_shared_cuda(dev, h.handle, h.storage_size, h.storage_offset,
+                                                    h.ref_counter_handle, h.ref_counter_offset,
+                                                    h.event_handle or None, h.event_sync_required)
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
+
+
+class MappedBuffers:
+    """The rollout's open mappings of the trainer's buffers, kept across the syncs of one pairing.
+
+    Keyed by what names the memory (GPU, IPC handle, offset and size within the allocation), so
+    the same buffer pushed again — the next bucket, the next sync — is not mapped again. At the
+    start of each sync (`begin`) the mappings of another trainer (a new origin) and those the last
+    sync did not use are dropped: a mapping keeps the trainer's memory from being reused.
+    """
+
+    def __init__(self, open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor] = open_mapping,
+                 on_open: Callable[[], None] | None = None):
+        self._open, self._on_open = open_fn, on_open or (lambda: None)
+        self._maps: dict[tuple, torch.Tensor] = {}
+        self._used: set[tuple] = set()
+        self.owner = ""
+        self.opens = 0
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def begin(self, owner: str) -> None:
+        if owner != self.owner:
+            self._maps.clear()
+            self.owner = owner
+        else:
+            for key in [k for k in self._maps if k not in self._used]:
+                del self._maps[key]
+        self._used = set()
+
+    def get(self, h: bus_pb2.CudaIpcHandle, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the buffer `h` names, mapped (once) into this process."""
+        if nbytes > h.storage_size:
+            raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest "
+                             "declares")
+        key = (h.device_uuid, h.device, bytes(h.handle), h.storage_offset, h.storage_size)
+        buf = self._maps.get(key)
+        if buf is None:
+            buf = self._maps[key] = self._open(h)
+            self.opens += 1
+            self._on_open()
+        self._used.add(key)
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self._maps.clear()
+        self._used = set()
 
 
 class IpcBucketSender:

@@ -1,13 +1,13 @@
 """The rollout's end of CUDA IPC: check the trainer's GPU at prepare, consume pushed handles in place.
 
 PrepareSync names the trainer's GPU by UUID; this rollout takes part only if its engine is on
-that GPU. Each PushBucket then carries one bucket's CUDA IPC handle: the buffer is mapped,
-consumed by the sync transaction while mapped (no extra copy) and unmapped before the reply,
-which is what lets the trainer reuse it.
+that GPU. The buckets then arrive on one IpcBuckets stream per sync, each a CUDA IPC handle of a
+trainer buffer: mapped once per pairing, consumed by the sync transaction while mapped (no extra
+copy), and acknowledged once the engine has copied it out, which lets the trainer reuse it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,22 +32,38 @@ def check_ipc(spec: bus_pb2.IpcTransport, device: torch.device | None, engine_na
 
 
 class IpcReceiver:
-    """Remembers which sync was prepared for CUDA IPC (and on which GPU) and feeds its pushed buckets."""
+    """Remembers which sync was prepared for CUDA IPC (and on which GPU) and feeds its buckets.
 
-    def __init__(self, tx, device: torch.device | None, engine_name: str):
+    Buckets come on one IpcBuckets stream per sync (or, one at a time, as PushBucket calls). Each
+    names a buffer of the trainer's by handle; the buffer is mapped once per pairing and kept
+    (MappedBuffers), and the engine copies the bucket out of it on a side stream: the
+    acknowledgement waits for that stream's event only, never for the whole device.
+    """
+
+    def __init__(self, tx, device: torch.device | None, engine_name: str, maps=None,
+                 on_open: Callable[[], None] | None = None):
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._sync: tuple[str, str] = ("", "")  # (sync_id, GPU UUID) of the sync prepared for CUDA IPC
+        if maps is None:
+            from weightsync.bus.ipc.handles import MappedBuffers
+
+            maps = MappedBuffers(on_open=on_open)
+        self.maps = maps
+        self._side: torch.cuda.Stream | None = None
 
     def check(self, spec: bus_pb2.IpcTransport) -> str:
         """PrepareSync: this engine's GPU UUID, or SyncError when it is not the trainer's GPU."""
         return check_ipc(spec, self.device, self.engine_name)
 
-    def start(self, sync_id: str, gpu: str) -> None:
-        """The sync is prepared: accept its pushes (replacing any earlier IPC sync)."""
+    def start(self, sync_id: str, gpu: str, origin: str = "") -> None:
+        """The sync is prepared: accept its buckets (replacing any earlier IPC sync).
+
+        `origin` names the trainer run: the mappings of another one are dropped now."""
         self._sync = (sync_id, gpu)
+        self.maps.begin(origin)
 
     def push(self, request: rollout_pb2.PushBucketRequest) -> None:
-        """Consume one pushed bucket of the prepared sync; SyncError for anything it cannot be."""
+        """Consume one bucket of the prepared sync; SyncError for anything it cannot be."""
         manifest = self.tx.pending_manifest(request.sync_id)
         if manifest is None:
             raise SyncError(f"sync {request.sync_id} is not prepared here")
@@ -61,8 +77,32 @@ class IpcReceiver:
             raise SyncError(f"ipc.device_uuid={request.ipc.device_uuid!r}: sync {request.sync_id} was not prepared "
                             f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
                             "INVALID_ARGUMENT")
-        from weightsync.bus.ipc.handles import mapped_ipc_bucket  # lazy: maps CUDA memory
-
-        # Consumed while mapped (no extra copy); the sender reuses the buffer after we reply.
-        with mapped_ipc_bucket(request.ipc, manifest.buckets[request.index].nbytes) as buf:
+        buf = self.maps.get(request.ipc, manifest.buckets[request.index].nbytes)
+        if buf.device.type != "cuda":  # (CPU tests stand in for the mapping)
             self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            return
+        side = self._side_stream(buf.device)
+        # after whatever this process queued on its stream (generation used the weights there)
+        side.wait_stream(torch.cuda.current_stream(buf.device))
+        with torch.cuda.stream(side):
+            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()  # the bucket is out of the trainer's buffer: it may be overwritten
+
+    def stream(self, requests) -> Iterator[rollout_pb2.PushBucketResponse]:
+        """IpcBuckets: consume each bucket of one sync in turn and acknowledge it once copied out."""
+        sync_id = None
+        for request in requests:
+            if sync_id is None:
+                sync_id = request.sync_id
+            elif request.sync_id != sync_id:
+                raise SyncError(f"sync_id={request.sync_id!r}: this IpcBuckets stream carries sync {sync_id}",
+                                "INVALID_ARGUMENT")
+            self.push(request)
+            yield rollout_pb2.PushBucketResponse(index=request.index)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._side is None or self._side.device != device:
+            self._side = torch.cuda.Stream(device)
+        return self._side

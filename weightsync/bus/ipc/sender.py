@@ -2,16 +2,19 @@
 
 The trainer names its GPU by UUID in PrepareSync; a rollout whose engine is on another GPU (or
 host) refuses, and the trainer double-checks the UUID the rollout answers with. Buckets are
-then handed over as CUDA IPC handles in one PushBucket RPC per bucket and target: the rollout
-maps the buffer, consumes the bucket in place and replies, and that reply is what lets the
-pipeline reuse the buffer. Each pipeline buffer is shared once per sync (HandleCache).
+then handed over as CUDA IPC handles on one IpcBuckets stream per target and sync: the rollout
+copies each bucket out of the mapped buffer and acknowledges it on the stream, and that
+acknowledgement is what lets the pipeline reuse the buffer. The buffers — the pipeline's, kept
+in a BufferPool, or the actor's own parameter storage when it already is the export — live as
+long as the trainer and are shared once (HandleCache); the rollout maps each once and keeps it.
 """
 from __future__ import annotations
 
+import queue
 import socket
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 
+import grpc
 import torch
 
 from weightsync.bus.errors import TransportError
@@ -20,57 +23,148 @@ from weightsync.bus.session import RpcCall, kind_of
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
-def _handle_cache():
-    from weightsync.bus.ipc.handles import HandleCache
+def describe(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    return f"{code.name if code else 'UNKNOWN'}: {exc.details() if hasattr(exc, 'details') else exc}"
 
-    return HandleCache()
+
+#: (rollout entry, RPC name, request iterator, timeout) -> the call's response iterator (grpc stream call)
+StreamCall = Callable[[object, str, Iterator, float], Iterator]
+_END = None
 
 
-class IpcPushSender:
-    """Sends each bucket to every target as a CUDA IPC handle; a target that fails is dropped, not fatal."""
+class _TargetStream:
+    """One rollout's IpcBuckets call: requests go in through a queue, acknowledgements come back in order."""
 
-    def __init__(self, targets: dict, sync_id: str, call: RpcCall, bucket_bytes: int, cache=None):
+    def __init__(self, entry, open_stream: StreamCall, timeout: float):
+        self._q: queue.Queue = queue.Queue()
+        self.responses = open_stream(entry, "IpcBuckets", iter(self._q.get, _END), timeout)
+
+    def put(self, request) -> None:
+        self._q.put(request)
+
+    def end(self) -> None:
+        self._q.put(_END)  # also releases grpc's thread that reads the requests
+
+    def cancel(self) -> None:
+        self.end()
+        cancel = getattr(self.responses, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+
+class IpcStreamSender:
+    """Sends each bucket's handle to every target on one IpcBuckets stream per target.
+
+    `send(k)` queues bucket k on every stream and returns once every live target has
+    acknowledged bucket k-1 (releases_previous): the rollout is already copying bucket k while
+    the pipeline refills k-1's buffer. A target whose stream fails is dropped, not fatal.
+    """
+
+    releases_previous = True
+
+    def __init__(self, targets: dict, sync_id: str, open_stream: StreamCall, cache, reusable: Callable[[torch.Tensor], bool],
+                 timeout: float):
         if not targets:
-            raise ValueError("IpcPushSender needs at least one target")
-        self._live = dict(targets)
+            raise ValueError("IpcStreamSender needs at least one target")
+        self.sync_id, self.cache, self.reusable = sync_id, cache, reusable
         self._failures: dict[str, str] = {}
-        self.sync_id, self.call, self.bucket_bytes = sync_id, call, bucket_bytes
-        self.cache = cache if cache is not None else _handle_cache()
-        self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="ipc-push")
+        self._live: dict[str, _TargetStream] = {}
+        for rid, entry in targets.items():
+            try:
+                self._live[rid] = _TargetStream(entry, open_stream, timeout)
+            except grpc.RpcError as exc:
+                self._failures[rid] = f"IpcBuckets: {describe(exc)}"
+        self._unacked: list[tuple[int, torch.Tensor]] = []  # (bucket index, memory its handle names)
 
     def send(self, plan, buf: torch.Tensor, checksum: int | None) -> None:
         if buf.device.type == "cuda":
             # The rollout reads the buffer through another CUDA context: every write must be done.
             torch.cuda.current_stream(buf.device).synchronize()
-        # Oversized tensors travel from their own memory (see pipeline._zero_copy_candidate).
-        reusable = not (len(plan.slots) == 1 and plan.nbytes > self.bucket_bytes)
-        handle, keep = self.cache.handle(buf, reusable)
+        handle, keep = self.cache.handle(buf, self.reusable(buf))
         req = rollout_pb2.PushBucketRequest(sync_id=self.sync_id, index=plan.index, ipc=handle,
                                             checksum=checksum or 0)
-        for rid, fut in [(rid, self._pool.submit(self.call, e, "PushBucket", req)) for rid, e in self._live.items()]:
-            _, err = fut.result()
-            if err:
-                self._failures[rid] = f"PushBucket of bucket {plan.index}: {err}"
-                self._live.pop(rid)
-        del keep  # acknowledged (or failed) by every target: the memory may be reused
+        for st in self._live.values():
+            st.put(req)
+        self._unacked.append((plan.index, keep))
+        if len(self._unacked) > 1:
+            self._await(self._unacked[-2][0])
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
+
+    def flush(self) -> None:
+        """Wait for the last acknowledgement, then end every stream."""
+        if self._unacked:
+            self._await(self._unacked[-1][0])
+        for rid, st in list(self._live.items()):
+            st.end()
+            try:
+                extra = next(st.responses, None)  # the rollout ends its side once ours has ended
+            except grpc.RpcError as exc:
+                extra = None
+                self._drop(rid, f"IpcBuckets ended with {describe(exc)}")
+            if extra is not None:
+                self._drop(rid, f"IpcBuckets: unexpected acknowledgement of bucket {extra.index} after the last")
+        if not self._live:
+            raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
+
+    def _await(self, index: int) -> None:
+        """Every live target's acknowledgement of bucket `index` (in order: streams keep it)."""
+        for rid, st in list(self._live.items()):
+            try:
+                ack = next(st.responses)
+            except StopIteration:
+                self._drop(rid, f"IpcBuckets ended before acknowledging bucket {index}")
+                continue
+            except grpc.RpcError as exc:
+                self._drop(rid, f"IpcBuckets, bucket {index}: {describe(exc)}")
+                continue
+            if ack.index != index:
+                self._drop(rid, f"IpcBuckets: acknowledgement of bucket {ack.index}, expected {index}")
+        # acknowledged (or failed) by every target: the memory up to `index` may be reused
+        self._unacked = [(i, t) for i, t in self._unacked if i > index]
+
+    def _drop(self, rid: str, err: str) -> None:
+        self._failures[rid] = err
+        self._live.pop(rid).cancel()
 
     def failures(self) -> dict[str, str]:
         return dict(self._failures)
 
     def close(self) -> None:
-        self.cache.clear()
-        self._pool.shutdown(wait=False)
+        for st in self._live.values():
+            st.cancel()
+        self._live.clear()
+        self._unacked.clear()
 
 
 class IpcSender:
+    """The trainer's CUDA IPC end, kept for the trainer's lifetime.
+
+    It owns what must outlive a sync for the rollouts to keep their mappings: the pipeline's
+    bucket buffers (a BufferPool) and their handles (a HandleCache), each shared once.
+    """
+
     name = "ipc"
 
     def __init__(self, device: torch.device, call: RpcCall, uuid_of: Callable[[torch.device], str] = gpu_uuid,
-                 needs_cuda: bool = True):
+                 needs_cuda: bool = True, stream: StreamCall | None = None, cache=None):
+        from weightsync.bus.pipeline import BufferPool
+
         self.device = torch.device(device)
-        self.call, self.uuid_of, self.needs_cuda = call, uuid_of, needs_cuda
+        self.call, self.uuid_of, self.needs_cuda, self.stream = call, uuid_of, needs_cuda, stream
+        self.buffers = BufferPool()
+        if cache is None:
+            from weightsync.bus.ipc.handles import HandleCache
+
+            cache = HandleCache()
+        self.cache = cache
+        self.in_place: list[torch.Tensor] = []  # the actor's own bucket storage, when it sends from there
+
+    def long_lived(self, buf: torch.Tensor) -> bool:
+        """Whether `buf` lies in memory kept across syncs (shared once), not in a one-off tensor."""
+        ptr = buf.untyped_storage().data_ptr()
+        return any(ptr == b.untyped_storage().data_ptr() for b in (*self.buffers.buffers, *self.in_place))
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_IpcSession":
         if self.needs_cuda and self.device.type != "cuda":
@@ -87,6 +181,11 @@ class _IpcSession:
     def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int):
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
         self.device = owner.device
+        self.buffers = owner.buffers  # the pipeline packs into these, kept across syncs
+
+    def use_in_place(self, buffers: list[torch.Tensor]) -> None:
+        """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once)."""
+        self.owner.in_place = list(buffers)
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
@@ -102,8 +201,12 @@ class _IpcSession:
                     "CUDA IPC needs both on one GPU: colocate them or use --transport nccl")
         return ""
 
-    def open(self, targets: dict, timeout: float) -> IpcPushSender:
-        return IpcPushSender(targets, self.sync_id, self.owner.call, self.bucket_bytes)
+    def open(self, targets: dict, timeout: float) -> IpcStreamSender:
+        if self.owner.stream is None:
+            raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")
+        return IpcStreamSender(targets, self.sync_id, self.owner.stream, self.owner.cache, self.owner.long_lived,
+                               timeout)
 
     def finish(self, ok: bool, reason: str) -> None:
-        pass
+        # handles of buffers no longer in use (a pool that reallocated, a re-laid-out actor) go
+        self.owner.cache.retain([*self.owner.buffers.buffers, *self.owner.in_place])

@@ -1,12 +1,11 @@
-"""The trainer's end of CUDA IPC: the session's GPU check and the push channel, with fakes for the GPU."""
-import threading
-
+"""The trainer's end of CUDA IPC: the session's GPU check and the IpcBuckets stream, with fakes for the GPU and the stream."""
+import grpc
 import pytest
 import torch
 
 from weightsync.bus.errors import TransportError
 from weightsync.bus.ipc.handles import HandleCache
-from weightsync.bus.ipc.sender import IpcPushSender, IpcSender
+from weightsync.bus.ipc.sender import IpcSender
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.v1 import bus_pb2, rollout_pb2
@@ -33,36 +32,92 @@ def test_trainer_ipc_session_refuses_a_rollout_on_another_gpu():
         IpcSender(torch.device("cpu"), call=None).begin([_Entry("r")], "s", 1)
 
 
-def test_ipc_sender_shares_each_pipeline_buffer_once_and_drops_a_failing_target():
-    """Five regular buckets through the pipeline's two buffers plus one oversized tensor: three shares."""
+class _RpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def _fake_streams(got: dict, fail_at: dict):
+    """Stands in for the IpcBuckets call: acknowledges each request in order, as the rollout does."""
+
+    def open_stream(entry, method, requests, timeout):
+        assert method == "IpcBuckets" and timeout > 0
+
+        def responses():
+            for req in requests:
+                got[entry.rollout_id].append((req.sync_id, req.index, req.ipc.handle, req.checksum))
+                if fail_at.get(entry.rollout_id) == req.index:
+                    raise _RpcError(grpc.StatusCode.DATA_LOSS, f"bucket {req.index}: checksum mismatch")
+                yield rollout_pb2.PushBucketResponse(index=req.index)
+
+        return responses()
+
+    return open_stream
+
+
+def _share_counting(calls):
+    def share(t):
+        calls.append(t.untyped_storage().data_ptr())
+        return bus_pb2.CudaIpcHandle(handle=str(t.untyped_storage().data_ptr()).encode())
+    return share
+
+
+def test_ipc_stream_shares_each_long_lived_buffer_once_across_syncs_and_drops_a_failing_target():
+    """Five regular buckets through two pooled buffers plus one oversized tensor, synced twice:
+    the pool's buffers are shared once for both syncs, the one-off tensor once per sync."""
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(5)] + [TensorMeta("big", (1024,), torch.float32)]
-    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
     manifest = make_manifest(metas, version=1, sync_id="s1", bucket_bytes=256)
     assert len(manifest.buckets) == 6
     got: dict[str, list] = {"ok": [], "bad": []}
-    lock = threading.Lock()
+    share_calls: list[int] = []
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=_fake_streams(got, {"bad": 2}), cache=HandleCache(_share_counting(share_calls)))
+    targets = {"ok": _Entry("ok"), "bad": _Entry("bad")}
+    for sync_id in ("s1", "s2"):
+        tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+        session = ipc.begin(list(targets.values()), sync_id, manifest.bucket_bytes)
+        sender = session.open(targets, timeout=30)
+        stats = stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=session.buffers)
+        session.finish(True, "")
+        assert [i for s, i, _, _ in got["ok"] if s == sync_id] == list(range(6))
+        assert [c for s, _, _, c in got["ok"] if s == sync_id] == stats.checksums
+        assert [i for s, i, _, _ in got["bad"] if s == sync_id] == [0, 1, 2]  # dropped at its failing bucket
+        assert sender.failures() == {"bad": "IpcBuckets, bucket 2: DATA_LOSS: bucket 2: checksum mismatch"}
+        sender.close()
+    pooled = {h for s, i, h, _ in got["ok"] if i < 5}
+    assert len(pooled) == 2 and ipc.buffers.allocations == 1
+    assert len(share_calls) == 2 + 2  # two pool buffers once, the oversized tensor once per sync
 
-    def call(entry, method, req):
-        assert method == "PushBucket" and req.sync_id in ("s1", "s2")
-        with lock:
-            got[entry.rollout_id].append((req.index, req.ipc.handle, req.checksum))
-        return (None, "UNAVAILABLE: gone") if entry.rollout_id == "bad" else (object(), "")
 
-    share_calls = []
+def test_ipc_stream_waits_for_the_previous_acknowledgement_and_fails_when_no_target_is_left():
+    got: dict[str, list] = {"r": []}
+    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
+    manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=_fake_streams(got, {"r": 1}), cache=HandleCache(_share_counting([])))
+    sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
+    buf = torch.zeros(256, dtype=torch.uint8)
+    sender.send(manifest.buckets[0], buf, 1)
+    assert got["r"] == []  # queued: the acknowledgement of bucket 0 is awaited with bucket 1's send
+    with pytest.raises(TransportError, match="every rollout dropped off the IPC bus: IpcBuckets, bucket 1"):
+        sender.send(manifest.buckets[1], buf, 2)
+        sender.flush()
+    assert [i for _, i, _, _ in got["r"]] == [0, 1]
+    with pytest.raises(ValueError, match="no IpcBuckets stream opener"):
+        IpcSender(torch.device("cpu"), call=None, needs_cuda=False).begin([_Entry("r")], "s", 256).open({}, 1)
 
-    def share(t):
-        share_calls.append(t.untyped_storage().data_ptr())
-        return bus_pb2.CudaIpcHandle(handle=str(t.untyped_storage().data_ptr()).encode())
 
-    sender = IpcPushSender({"ok": _Entry("ok"), "bad": _Entry("bad")}, "s1", call, manifest.bucket_bytes,
-                           cache=HandleCache(share))
-    stats = stream_buckets(manifest, iter(tensors.items()), sender, timeout=30)
-    assert [i for i, _, _ in got["ok"]] == list(range(6)) and [i for i, _, _ in got["bad"]] == [0]
-    assert sender.failures() == {"bad": "PushBucket of bucket 0: UNAVAILABLE: gone"}
-    assert len(share_calls) == 3 and len({h for _, h, _ in got["ok"][:5]}) == 2
-    assert [c for _, _, c in got["ok"]] == stats.checksums
-    sender.close()
-
-    lone = IpcPushSender({"bad": _Entry("bad")}, "s2", call, manifest.bucket_bytes, cache=HandleCache(share))
-    with pytest.raises(TransportError, match="every rollout dropped off the IPC bus"):
-        lone.send(manifest.buckets[0], torch.zeros(256, dtype=torch.uint8), None)
+def test_in_place_buckets_are_long_lived_for_the_handle_cache():
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=_fake_streams({}, {}), cache=HandleCache(_share_counting([])))
+    flats = [torch.zeros(512, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)]
+    session = ipc.begin([_Entry("r")], "s", 256)
+    assert not ipc.long_lived(flats[1][:10])
+    session.use_in_place(flats)
+    assert ipc.long_lived(flats[0][:100]) and ipc.long_lived(flats[1]) and not ipc.long_lived(torch.zeros(4))

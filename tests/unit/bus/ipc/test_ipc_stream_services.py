@@ -1,0 +1,164 @@
+"""CUDA IPC through the real services, on a CPU: everything but the GPU itself.
+
+A TrainerApp (hf backend) and RolloutApps (built-in engine) on loopback gRPC sync over
+transport ipc. What a CPU cannot do is replaced at the GPU boundary only: the trainer's
+`_share_cuda_` (a fake share records the buffer under a made-up handle) and the rollout's
+`_new_shared_cuda` (a fake open returns that buffer: the same memory, as a real mapping would
+be), and the GPU-UUID checks. Everything else is ours and real: the IpcBuckets stream with
+token auth, per-bucket acknowledgements, the trainer's pooled buffers shared once for every sync,
+the rollout's mappings opened once per pairing, checksums, commit and abort. The real mapping,
+side stream and event are exercised by tests/gpu/test_services_gpu.py.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
+from weightsync.bus.pack import pack_bucket
+from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+
+GPU = "GPU-fake-0"
+TOKEN = "s3cret"
+
+
+class FakeGpu:
+    """Shared memory of one 'GPU': handles name tensors of this process."""
+
+    def __init__(self):
+        self.memory: dict[bytes, torch.Tensor] = {}
+        self.shares = 0
+
+    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
+        storage = t.untyped_storage()
+        key = f"h{storage.data_ptr()}".encode()
+        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.shares += 1
+        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
+
+    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
+        return self.memory[bytes(h.handle)]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    gpu = FakeGpu()
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                                 model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
+                                                 auto_sync_new_rollouts=False, auth_token=TOKEN))
+    ipc = trainer.orch.transports["ipc"]
+    ipc.needs_cuda, ipc.uuid_of, ipc.cache = False, (lambda d: GPU), HandleCache(gpu.share)
+    trainer.orch.bucket_bytes = 64 << 10  # several buckets: two pooled buffers take turns
+    trainer.start()
+    rollouts = {}
+    for rid, mode in (("a", "inplace"), ("b", "staged")):
+        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                                 model="tiny-qwen2", rollout_id=rid, apply_mode=mode, auth_token=TOKEN))
+        app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
+        app.servicer.ipc.maps = MappedBuffers(gpu.open)
+        app.start()
+        rollouts[rid] = app
+    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
+    for rid, app in rollouts.items():
+        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+    yield trainer, rollouts, stub, gpu
+    for app in rollouts.values():
+        app.stop()
+    trainer.stop()
+
+
+def _bump(trainer):
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+
+
+def _assert_exact(trainer, app):
+    for name, t in trainer.actor.export_tensors():
+        assert torch.equal(app.engine._target(name), t), name
+    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+
+
+def test_ipc_sync_shares_once_maps_once_and_stays_exact_across_syncs(fleet):
+    trainer, rollouts, stub, gpu = fleet
+    for i in range(3):
+        _bump(trainer)
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+        assert report.ok and report.transport == "ipc", [r.error for r in report.rollouts]
+        assert report.num_buckets > 2
+        for app in rollouts.values():
+            _assert_exact(trainer, app)
+    ipc = trainer.orch.transports["ipc"]
+    assert ipc.buffers.allocations == 1 and gpu.shares == 2  # two pooled buffers, shared once for three syncs
+    for app in rollouts.values():
+        assert app.servicer.ipc.maps.opens == 2 and len(app.servicer.ipc.maps) == 2
+
+
+def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(fleet):
+    trainer, rollouts, stub, gpu = fleet
+    _bump(trainer)
+    a = rollouts["a"]
+    consume = a.tx.consume_bucket
+
+    def flip_a_bit(sync_id, index, buf, checksum):  # corruption between the trainer's buffer and the engine
+        if index == 1:
+            buf = buf.clone()
+            buf[7] ^= 1
+        return consume(sync_id, index, buf, checksum)
+
+    a.tx.consume_bucket = flip_a_bit
+    try:
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    finally:
+        a.tx.consume_bucket = consume
+    results = {r.rollout_id: r for r in report.rollouts}
+    assert not results["a"].ok and "DATA_LOSS" in results["a"].error and "bucket 1" in results["a"].error
+    assert results["b"].ok
+    _assert_exact(trainer, rollouts["b"])
+    # in place, bucket 0 was already loaded: STALE, refusing generation until a complete sync
+    assert a.tx.state == rollout_pb2.STALE and a.tx.pending_sync_id == ""
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    _assert_exact(trainer, a)
+
+
+def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(fleet):
+    trainer, rollouts, _, gpu = fleet
+    app = rollouts["b"]
+    bad = rollout_stub(channel(app.grpc.address), "wrong", 10)
+    with pytest.raises(grpc.RpcError) as err:
+        list(bad.IpcBuckets(iter([rollout_pb2.PushBucketRequest(sync_id="x")])))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    good = rollout_stub(channel(app.grpc.address), TOKEN, 10)
+    with pytest.raises(grpc.RpcError) as err:
+        list(good.IpcBuckets(iter([rollout_pb2.PushBucketRequest(sync_id="never-prepared")])))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not prepared here" in err.value.details()
+
+    # a prepared ipc sync whose stream switches to another sync id is refused and aborted
+    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=trainer.actor.version,
+                                               sync_id="mixed", bucket_bytes=trainer.orch.bucket_bytes,
+                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
+                                               origin=trainer.orch.origin)
+    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30)
+    req.transport.ipc.device_uuid = GPU
+    good.PrepareSync(req)
+    buf = torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8)
+    pack_bucket(manifest.buckets[0], iter(list(trainer.actor.export_tensors())[:len(manifest.buckets[0].slots)]), buf)
+    h = gpu.share(buf)
+    pushes = [rollout_pb2.PushBucketRequest(sync_id="mixed", index=0, ipc=h),
+              rollout_pb2.PushBucketRequest(sync_id="other", index=1, ipc=h)]
+    acks = []
+    with pytest.raises(grpc.RpcError) as err:
+        for ack in good.IpcBuckets(iter(pushes)):
+            acks.append(ack.index)
+    assert acks == [0]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries sync mixed" in err.value.details()
+    assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING  # staged: aborted, still serving
