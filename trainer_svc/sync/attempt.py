@@ -73,13 +73,14 @@ class SyncAttempt:
         that answers `manifest_needed` (it restarted, or dropped the layout), the full manifest.
         """
         cache, digest = self.orch.manifests, self.manifest.layout_digest
-        compact, full = compact_proto(self.manifest), None
+        # (a manifest planned without ManifestCache has no digest: it always goes in full)
+        compact, full = (compact_proto(self.manifest) if digest else None), None
         out: dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]] = {}
         pending = list(self.targets)
         while pending:
             calls = []
             for e in pending:
-                send_full = not cache.holds(e, digest)
+                send_full = compact is None or not cache.holds(e, digest)
                 if send_full and full is None:
                     full = cache.full_proto(self.manifest)
                 req = rollout_pb2.PrepareSyncRequest(manifest=full if send_full else compact,

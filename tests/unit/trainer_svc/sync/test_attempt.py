@@ -1,5 +1,6 @@
 """One sync attempt's steps (prepare, stream, commit, abort) against fake rollouts and a fake channel."""
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -8,6 +9,7 @@ from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
+from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.v1 import bus_pb2, rollout_pb2
 
@@ -21,7 +23,8 @@ class _Actor:
 
 
 class _Orch:
-    """What an attempt uses of the orchestrator: the actor, the RPC call and failure bookkeeping."""
+    """What an attempt uses of the orchestrator: the actor, the RPC call and its threads, the layout cache and
+    failure bookkeeping."""
 
     origin = "o1"
     trainer_id = "trainer-test"
@@ -29,6 +32,7 @@ class _Orch:
 
     def __init__(self, refuse_prepare=()):
         self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
+        self.manifests, self.pool = ManifestCache(), ThreadPoolExecutor(max_workers=4)
         self.calls: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
 
@@ -108,7 +112,7 @@ def test_prepared_targets_commit_and_a_target_that_failed_prepare_is_aborted():
     assert len(session.channel.sent) == len(manifest.buckets) and session.channel.closed
     assert ("a", "CommitSync") in orch.calls and ("b", "CommitSync") not in orch.calls
     assert ("b", "AbortSync") in orch.calls and ("a", "AbortSync") not in orch.calls
-    assert sorted(phases.seconds) == ["commit", "prepare", "stream"]
+    assert sorted(phases.seconds) == ["commit", "prepare", "stream", "stream.export", "stream.pack"]
 
 
 def test_group_wide_attempt_stops_and_names_the_members_that_prepared_for_a_retry():
