@@ -156,7 +156,12 @@ class SyncAttempt:
         # a quantized export is computed per sync: the actor's storage is not what travels
         if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
             return None
-        buffers = flat(self.manifest)
+        try:
+            buffers = flat(self.manifest)
+        except Exception:  # an optimisation only: every parameter still holds its value; pack instead
+            log.exception("sync %s: the actor could not lay its parameters out as the buckets; packing them",
+                          self.manifest.sync_id)
+            return None
         if buffers is not None and hasattr(self.session, "use_in_place"):
             self.session.use_in_place(buffers)
         return buffers
