@@ -293,3 +293,25 @@ def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_onc
         assert rc == 0 and rep["ok"], rep
         _assert_exact(r, _reference_logits(t, fleet.tmp, f"own{seed}", "cuda:0", torch.bfloat16), int(rep["version"]))
         assert opens() == first_opens, f"sync {i + 2} mapped handles again"
+
+
+@needs_gpus(1)
+def test_megatron_bf16_trainer_syncs_exactly_over_ipc_twice_mapping_its_buffers_once(fleet):
+    """The real case of the benchmark: megatron-core parameters in bf16, colocated rollout; its
+    export is a conversion, so buckets are packed into the trainer's pooled buffers, shared once."""
+    pytest.importorskip("megatron.core")
+    t = fleet.trainer("--transport", "ipc", "--init-seed", "3", "--param-dtype", "bfloat16", "--export-dtype",
+                      "bfloat16", backend="megatron")
+    t.wait_ready(timeout=240)
+    r = fleet.rollout("r-mcore-ipc", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
+    r.wait_ready()
+    wait_registered(t.address, ["r-mcore-ipc"])
+    opens = []
+    for _ in range(2):
+        rc, rep = _sync(t)
+        assert rc == 0 and rep["ok"] and rep["transport"] == "ipc", rep
+        assert rep["num_buckets"] > 2, rep  # more buckets than pooled buffers: the buffers take turns
+        opens.append(r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"'))
+        _assert_exact(r, _reference_logits(t, fleet.tmp, f"mcore-ipc{len(opens)}", "cuda:0", torch.bfloat16),
+                      int(rep["version"]))
+    assert opens[0] == opens[1] == 2, opens  # two pooled buffers, mapped by the first sync only

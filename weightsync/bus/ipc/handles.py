@@ -11,6 +11,7 @@ handle names the GPU by UUID and the receiver maps it back to its own index.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -115,6 +116,7 @@ class MappedBuffers:
     def __init__(self, open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor] = open_mapping,
                  on_open: Callable[[], None] | None = None):
         self._open, self._on_open = open_fn, on_open or (lambda: None)
+        self._lock = threading.Lock()  # a prepare (begin) may race the stream of the sync it supersedes
         self._maps: dict[tuple, torch.Tensor] = {}
         self._used: set[tuple] = set()
         self.owner = ""
@@ -124,13 +126,14 @@ class MappedBuffers:
         return len(self._maps)
 
     def begin(self, owner: str) -> None:
-        if owner != self.owner:
-            self._maps.clear()
-            self.owner = owner
-        else:
-            for key in [k for k in self._maps if k not in self._used]:
-                del self._maps[key]
-        self._used = set()
+        with self._lock:
+            if owner != self.owner:
+                self._maps.clear()
+                self.owner = owner
+            else:
+                for key in [k for k in self._maps if k not in self._used]:
+                    del self._maps[key]
+            self._used = set()
 
     def get(self, h: bus_pb2.CudaIpcHandle, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the buffer `h` names, mapped (once) into this process."""
@@ -138,17 +141,19 @@ class MappedBuffers:
             raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest "
                              "declares")
         key = (h.device_uuid, h.device, bytes(h.handle), h.storage_offset, h.storage_size)
-        buf = self._maps.get(key)
-        if buf is None:
-            buf = self._maps[key] = self._open(h)
-            self.opens += 1
-            self._on_open()
-        self._used.add(key)
+        with self._lock:
+            buf = self._maps.get(key)
+            if buf is None:
+                buf = self._maps[key] = self._open(h)
+                self.opens += 1
+                self._on_open()
+            self._used.add(key)
         return buf[:nbytes]
 
     def clear(self) -> None:
-        self._maps.clear()
-        self._used = set()
+        with self._lock:
+            self._maps.clear()
+            self._used = set()
 
 
 class IpcBucketSender:
