@@ -73,7 +73,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             if entry is None or self.orch.is_current(entry):
                 continue
             try:
-                self.orch.sync([entry], wait_s=self.orch.sync_timeout)
+                # re-checked once it holds the sync lock: a sync running now may bring it up to date
+                self.orch.sync([entry], wait_s=self.orch.sync_timeout, only_behind=True)
             except Exception as exc:  # logged and reported in status; the next registration retries
                 entry.last_error = f"catch-up sync failed: {exc}"
                 log.error("catch-up sync to %s failed: %s", rid, exc)

@@ -72,7 +72,11 @@ class SyncOrchestrator:
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
-             wait_s: float = 0.0, allow_rollback: bool = False) -> trainer_pb2.SyncReport:
+             wait_s: float = 0.0, allow_rollback: bool = False,
+             only_behind: bool = False) -> trainer_pb2.SyncReport | None:
+        """Sync `targets`; with `only_behind`, first drop those already on the trainer's version
+        (asked afresh once no other sync runs) and return None when none is left — a catch-up
+        queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
         timeout = timeout or self.sync_timeout
         if transport not in self.transports:
@@ -80,6 +84,12 @@ class SyncOrchestrator:
         if not self.actor_lock.acquire(timeout=wait_s):
             raise SyncInProgress("another sync or weight load is running; retry when it finishes")
         try:
+            if only_behind:
+                for e in targets:
+                    self.registry.poll(e)
+                targets = [e for e in targets if not self.is_current(e)]
+                if not targets:
+                    return None
             self.in_progress = True
             self.metrics.in_progress.set(1)
             self.allow_rollback = allow_rollback
