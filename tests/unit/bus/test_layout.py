@@ -117,3 +117,28 @@ def test_known_layouts_keep_the_most_recent():
     assert known.manifest_of(compact_proto(ms[2])) is not None
     with pytest.raises(ValueError, match="capacity"):
         KnownLayouts(capacity=0)
+
+
+def test_quantization_is_part_of_the_layout():
+    """The same tensors sent as FP8 blocks are read differently by the rollout: another digest, a re-plan,
+    and a compact manifest of the bf16 layout cannot stand for the quantized one."""
+    from weightsync.bus.plan import Quantization
+
+    metas, fp8 = _metas(), Quantization("fp8", "e4m3", (128, 128))
+    plain = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10)
+    quant = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10, quantization=fp8)
+    other_block = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10,
+                                quantization=Quantization("fp8", "e4m3", (64, 64)))
+    assert len({layout_digest(plain), layout_digest(quant), layout_digest(other_block)}) == 3
+    cache = ManifestCache()
+    p = _plan(cache, metas)
+    q = _plan(cache, metas, sync_id="s2", quantization=fp8)
+    assert cache.plans == 2 and q.quantization == fp8 and q.layout_digest == layout_digest(q) != p.layout_digest
+    known = KnownLayouts()
+    full = manifest_from_proto(cache.full_proto(q))
+    assert full.quantization == fp8
+    full.layout_digest = layout_digest(full)
+    known.remember(full)
+    held = known.manifest_of(compact_proto(q))
+    assert held is not None and held.quantization == fp8
+    assert known.manifest_of(compact_proto(p)) is None  # the bf16 layout is not held: the full one is asked for

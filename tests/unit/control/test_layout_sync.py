@@ -101,7 +101,7 @@ def test_unknown_digest_prepares_nothing_and_a_contradicting_one_is_refused(flee
                                            checksum_algo="ws-sum64-v1", origin="x")
     from weightsync.bus.layout import compact_proto
 
-    req = rollout_pb2.PrepareSyncRequest(manifest=compact_proto(held))
+    req = rollout_pb2.PrepareSyncRequest(manifest=compact_proto(held), trainer_id=trainer.orch.trainer_id)
     req.transport.tcp.SetInParent()
     req.manifest.layout_digest = "0" * 64
     resp = r.PrepareSync(req)
@@ -112,3 +112,33 @@ def test_unknown_digest_prepares_nothing_and_a_contradicting_one_is_refused(flee
         r.PrepareSync(req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "differs from the layout" in err.value.details()
     assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
+
+
+def test_a_digest_alone_neither_lets_a_foreign_trainer_in_nor_rolls_back(fleet):
+    """The digest path skips the manifest's validation, not the rollout's identity and version checks."""
+    trainer, rollouts, stub, _ = fleet
+    app = rollouts["a"]
+    stub.Sync(trainer_pb2.SyncRequest())  # the rollout holds the current layout and serves version >= 1
+    served = app.tx.version
+    assert served >= 1
+    r = rollout_stub(channel(app.grpc.address), "", 10)
+    from weightsync.bus.layout import compact_proto
+
+    def compact(version):
+        m = trainer.orch.manifests.manifest(trainer.orch.export_format.metas(trainer.actor.export_metas()), version=version, sync_id=f"probe-{version}",
+                                            bucket_bytes=trainer.orch.bucket_bytes, model_family=trainer.actor.family,
+                                            checksum_algo="ws-sum64-v1", origin="x")
+        assert m.layout_digest in app.servicer.layouts._by_digest  # named by a digest the rollout holds
+        return compact_proto(m)
+
+    foreign = rollout_pb2.PrepareSyncRequest(manifest=compact(served + 1), trainer_id="someone-else")
+    foreign.transport.tcp.SetInParent()
+    with pytest.raises(grpc.RpcError) as err:
+        r.PrepareSync(foreign)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "follows trainer" in err.value.details()
+    back = rollout_pb2.PrepareSyncRequest(manifest=compact(served - 1), trainer_id=trainer.orch.trainer_id)
+    back.transport.tcp.SetInParent()
+    with pytest.raises(grpc.RpcError) as err:
+        r.PrepareSync(back)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "allow-rollback" in err.value.details()
+    assert app.tx.pending_sync_id == "" and app.tx.version == served and app.tx.state == rollout_pb2.SERVING

@@ -147,7 +147,8 @@ def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(flee
                                                sync_id="mixed", bucket_bytes=trainer.orch.bucket_bytes,
                                                model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
                                                origin=trainer.orch.origin)
-    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30)
+    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
+                                         trainer_id=trainer.orch.trainer_id)
     req.transport.ipc.device_uuid = GPU
     good.PrepareSync(req)
     buf = torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8)
