@@ -3,6 +3,11 @@
 The trainer lays tensors out in the order its exporter yields them, so it can send the plan
 (the manifest) before gathering anything. The rollout validates the manifest at the boundary
 (`manifest_from_proto`) before it allocates a byte.
+
+With several senders (every trainer rank that assembles HF tensors streams its own), each tensor
+has an owner rank; the buckets of one sender hold only its tensors, in its export order, and the
+senders' buckets follow each other in rank order. The layout is a pure function of (metadata,
+owners, bucket size), so every trainer rank computes the same manifest without talking.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ ALIGN = 256
 # A manifest claiming more than this is refused outright (a 1T-parameter model in fp32 is 4 TB).
 MAX_TOTAL_BYTES = 8 << 40
 MAX_TENSORS = 1_000_000
+# A rollout accepts one data connection per sender; more than this many is not a trainer.
+MAX_SENDERS = 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,12 @@ class BucketPlan:
     index: int
     nbytes: int = 0
     slots: list[Slot] = field(default_factory=list)
+    sender: int = 0  # global trainer rank that streams this bucket
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors alone (nbytes also counts the alignment gaps between them)."""
+        return sum(s.meta.nbytes for s in self.slots)
 
 
 @dataclass
@@ -80,39 +93,74 @@ class Manifest:
     def metas(self) -> list[TensorMeta]:
         return [s.meta for b in self.buckets for s in b.slots]
 
+    @property
+    def senders(self) -> list[int]:
+        """The trainer ranks streaming this sync, ascending."""
+        return sorted({b.sender for b in self.buckets})
+
+    def buckets_of(self, sender: int) -> list[BucketPlan]:
+        """The buckets `sender` streams, in the order it sends them."""
+        return [b for b in self.buckets if b.sender == sender]
+
+    def digest(self) -> str:
+        """A fingerprint of the layout (names, shapes, dtypes, offsets, senders): trainer ranks that
+        computed the manifest independently compare it before streaming."""
+        import hashlib
+
+        h = hashlib.sha256(f"{self.sync_id}|{self.version}|{self.bucket_bytes}".encode())
+        for b in self.buckets:
+            h.update(f"|{b.index}:{b.sender}:{b.nbytes}".encode())
+            for s in b.slots:
+                h.update(f";{s.meta.name}:{s.meta.shape}:{s.meta.dtype}:{s.offset}".encode())
+        return h.hexdigest()[:32]
+
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[BucketPlan]:
-    """Greedy, order-preserving layout. A tensor larger than `bucket_bytes` gets a bucket alone."""
+def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, owners: list[int] | None = None) -> list[BucketPlan]:
+    """Greedy, order-preserving layout. A tensor larger than `bucket_bytes` gets a bucket alone.
+
+    `owners` (one global trainer rank per meta): each rank's tensors, in their order, fill that
+    rank's own buckets; ranks follow each other in ascending order. None: one sender, rank 0.
+    """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} is below the {ALIGN}-byte alignment; use at least 1 MiB")
-    buckets: list[BucketPlan] = []
-    cur = BucketPlan(index=0)
+    if owners is None:
+        owners = [0] * len(metas)
+    if len(owners) != len(metas):
+        raise ValueError(f"owners has {len(owners)} entries for {len(metas)} tensors")
     seen: set[str] = set()
-    for m in metas:
+    by_owner: dict[int, list[TensorMeta]] = {}
+    for m, owner in zip(metas, owners):
         if m.name in seen:
             raise ValueError(f"tensor {m.name} is exported twice; check the model family's rule table")
         seen.add(m.name)
-        start = _align(cur.nbytes)
-        if cur.slots and start + m.nbytes > bucket_bytes:
+        if not 0 <= owner < MAX_SENDERS:
+            raise ValueError(f"tensor {m.name}: owner rank {owner} is outside [0, {MAX_SENDERS})")
+        by_owner.setdefault(owner, []).append(m)
+    buckets: list[BucketPlan] = []
+    for sender in sorted(by_owner):
+        cur = BucketPlan(index=len(buckets), sender=sender)
+        for m in by_owner[sender]:
+            start = _align(cur.nbytes)
+            if cur.slots and start + m.nbytes > bucket_bytes:
+                buckets.append(cur)
+                cur = BucketPlan(index=len(buckets), sender=sender)
+                start = 0
+            cur.slots.append(Slot(m, start))
+            cur.nbytes = start + m.nbytes
+        if cur.slots:
             buckets.append(cur)
-            cur = BucketPlan(index=len(buckets))
-            start = 0
-        cur.slots.append(Slot(m, start))
-        cur.nbytes = start + m.nbytes
-    if cur.slots:
-        buckets.append(cur)
     return buckets
 
 
 def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
                   model_family: str = "", checksum_algo: str = "", origin: str = "",
-                  quantization: Quantization | None = None) -> Manifest:
+                  quantization: Quantization | None = None, owners: list[int] | None = None) -> Manifest:
     return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
-                    buckets=plan_buckets(metas, bucket_bytes), model_family=model_family,
+                    buckets=plan_buckets(metas, bucket_bytes, owners), model_family=model_family,
                     checksum_algo=checksum_algo, origin=origin, quantization=quantization)
 
 
@@ -125,7 +173,7 @@ def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
         msg.quantization.CopyFrom(bus_pb2.Quantization(method=q.method, fmt=q.fmt,
                                                         weight_block_size=list(q.weight_block_size)))
     for b in m.buckets:
-        pb = msg.buckets.add(index=b.index, nbytes=b.nbytes)
+        pb = msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender)
         for s in b.slots:
             pb.tensors.add(name=s.meta.name, dtype=dtypes.to_wire(s.meta.dtype), shape=list(s.meta.shape),
                            offset=s.offset, nbytes=s.meta.nbytes)
@@ -151,7 +199,9 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             raise ValueError(f"manifest.buckets[{i}].index={pb.index}, expected {i}")
         if pb.nbytes > max_total_bytes:
             raise ValueError(f"manifest.buckets[{i}].nbytes={pb.nbytes} exceeds the limit {max_total_bytes}")
-        plan = BucketPlan(index=i, nbytes=pb.nbytes)
+        if pb.sender >= MAX_SENDERS:
+            raise ValueError(f"manifest.buckets[{i}].sender={pb.sender} exceeds the limit {MAX_SENDERS - 1}")
+        plan = BucketPlan(index=i, nbytes=pb.nbytes, sender=pb.sender)
         end_prev = 0
         # Each field is read once (protobuf accessors are not free) and the error text is built
         # only on failure: this runs for every tensor of every PrepareSync.

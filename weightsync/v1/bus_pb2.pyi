@@ -51,14 +51,16 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
-    __slots__ = ("index", "nbytes", "tensors")
+    __slots__ = ("index", "nbytes", "tensors", "sender")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     index: int
     nbytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
-    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+    sender: int
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., sender: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin", "quantization", "layout_digest")

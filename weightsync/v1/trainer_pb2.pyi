@@ -69,8 +69,24 @@ class RolloutSyncResult(_message.Message):
     seconds: float
     def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class SenderReport(_message.Message):
+    __slots__ = ("rank", "bytes", "num_buckets", "seconds", "error", "forwarded_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    bytes: int
+    num_buckets: int
+    seconds: float
+    error: str
+    forwarded_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., forwarded_bytes: _Optional[int] = ...) -> None: ...
+
 class SyncReport(_message.Message):
-    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds")
+    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +105,7 @@ class SyncReport(_message.Message):
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GBPS_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SENDERS_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     ok: bool
@@ -100,7 +117,8 @@ class SyncReport(_message.Message):
     rollouts: _containers.RepeatedCompositeFieldContainer[RolloutSyncResult]
     gbps: float
     phase_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    senders: _containers.RepeatedCompositeFieldContainer[SenderReport]
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., senders: _Optional[_Iterable[_Union[SenderReport, _Mapping]]] = ...) -> None: ...
 
 class SyncResponse(_message.Message):
     __slots__ = ("report",)
