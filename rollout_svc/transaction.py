@@ -11,6 +11,11 @@ Two apply modes (config `apply_mode`):
             (generation paused, no extra memory). An abort after the first bucket leaves the
             engine STALE: generation is refused until a complete sync commits.
 A prepared sync that neither commits nor aborts within its timeout is aborted by a timer.
+
+A sync may have several senders (trainer ranks each streaming the buckets of the tensors they
+own; `BucketSpec.sender`). Each sender's buckets arrive in their own order on their own
+connection, concurrently with the others; the sync is complete only when every bucket of every
+sender has arrived and verified, and a failure on any sender's connection aborts the whole sync.
 """
 from __future__ import annotations
 
@@ -43,13 +48,47 @@ def _optional(engine, name: str):
 class _Pending:
     manifest: Manifest
     deadline: float
-    received: list[int | None] = field(default_factory=list)  # our checksum per bucket
+    received: dict[int, int | None] = field(default_factory=dict)  # bucket index -> our checksum
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
     applied_any: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
+    # per sender: its buckets in sending order, and how many of them arrived
+    order: dict[int, list[int]] = field(default_factory=dict)
+    arrived: dict[int, int] = field(default_factory=dict)
+    connected: set[int] = field(default_factory=set)  # senders that opened their stream
+    lock: threading.Lock = field(default_factory=threading.Lock)  # bookkeeping of concurrent senders
+
+    def __post_init__(self) -> None:
+        for b in self.manifest.buckets:
+            self.order.setdefault(b.sender, []).append(b.index)
+        self.arrived = dict.fromkeys(self.order, 0)
+
+    def admit(self, index: int) -> None:
+        """Bucket `index` is the next one its sender owes; raise otherwise."""
+        sender = self.manifest.buckets[index].sender if 0 <= index < len(self.manifest.buckets) else None
+        if sender is None:
+            raise SyncError(f"bucket {index} arrived; the manifest has {len(self.manifest.buckets)} buckets",
+                            "INVALID_ARGUMENT")
+        with self.lock:
+            k = self.arrived[sender]
+            order = self.order[sender]
+            if k >= len(order) or order[k] != index:
+                want = order[k] if k < len(order) else "none (all arrived)"
+                raise SyncError(f"bucket {index} arrived from sender {sender}, expected bucket {want}",
+                                "INVALID_ARGUMENT")
+            self.arrived[sender] = k + 1
+
+    def record(self, index: int, checksum: int | None) -> None:
+        with self.lock:
+            self.received[index] = checksum
+            if len(self.received) == len(self.manifest.buckets):
+                self.done.set()
+
+    def checksums(self) -> list[int | None]:
+        return [self.received[i] for i in range(len(self.manifest.buckets))]
 
     def loadable(self, named):
         return self.dequantizer(named) if self.dequantizer is not None else named
@@ -153,16 +192,16 @@ class SyncTransaction:
     def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None) -> None:
         """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return)."""
         p = self._require(sync_id)
-        if index != len(p.received):
-            raise SyncError(f"bucket {index} arrived, expected bucket {len(p.received)}", "INVALID_ARGUMENT")
+        p.admit(index)
         plan = p.manifest.buckets[index]
         ours = bucket_checksum(buf[:plan.nbytes]) if p.manifest.checksum_algo else None
         if sender_checksum is not None and ours is not None and ours != sender_checksum:
             raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
                             "DATA_LOSS")
         if self.apply_mode == "staged":
-            for name, view in unpack_bucket(plan, buf):
-                p.staging[name] = view.clone()
+            staged = {name: view.clone() for name, view in unpack_bucket(plan, buf)}
+            with p.lock:
+                p.staging.update(staged)
         else:
             # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
             # the engine lock between our check and the load, and a bucket of an aborted sync is never
@@ -183,15 +222,27 @@ class SyncTransaction:
                     load_bucket(plan, buf)
                 else:
                     self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
-        p.received.append(ours)
-        if len(p.received) == len(p.manifest.buckets):
-            p.done.set()
+        p.record(index, ours)
 
-    def run_receiver(self, sync_id: str, receiver: BucketReceiver) -> None:
-        """Pull every bucket of the pending sync from `receiver`; on failure record it and abort."""
+    def run_receiver(self, sync_id: str, receiver: BucketReceiver, sender: int = 0) -> None:
+        """Pull every bucket `sender` streams in the pending sync from `receiver`; on failure record
+        it and abort the whole sync (every sender's part). A second stream claiming a sender that
+        already has one is refused without touching the sync."""
+        p = self._pending
+        if p is not None and p.manifest.sync_id == sync_id:
+            with p.lock:
+                duplicate = sender in p.connected
+                p.connected.add(sender)
+            if duplicate:
+                log.warning("sync %s: a second stream for sender %d refused", sync_id, sender)
+                receiver.close()
+                return
         try:
             p = self._require(sync_id)
-            for plan in p.manifest.buckets:
+            if sender not in p.order:
+                raise SyncError(f"sender {sender} streams no bucket of sync {sync_id} (senders: "
+                                f"{sorted(p.order)})", "INVALID_ARGUMENT")
+            for plan in p.manifest.buckets_of(sender):
                 left = p.deadline - time.monotonic()
                 if left <= 0:
                     raise SyncError(f"sync {sync_id}: deadline passed while receiving", "DEADLINE_EXCEEDED")
@@ -213,15 +264,16 @@ class SyncTransaction:
         if not p.done.wait(timeout=max(0.0, p.deadline - time.monotonic())):
             with self._state_lock:
                 self._abort_locked("commit arrived before all buckets did")
+            missing = {s: len(o) - p.arrived[s] for s, o in p.order.items() if p.arrived[s] < len(o)}
             raise SyncError(f"sync {sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets arrived "
-                            "before the deadline", "DEADLINE_EXCEEDED")
+                            f"before the deadline (missing per sender rank: {missing})", "DEADLINE_EXCEEDED")
         with self._state_lock:
             p = self._require(sync_id)
             if version != p.manifest.version:
                 self._abort_locked("commit version differs from the manifest")
                 raise SyncError(f"commit version {version} != prepared version {p.manifest.version}", "INVALID_ARGUMENT")
             if p.manifest.checksum_algo:
-                for i, ours in enumerate(p.received):
+                for i, ours in enumerate(p.checksums()):
                     if i in checksums and ours != checksums[i]:
                         self._abort_locked(f"bucket {i} checksum mismatch at commit")
                         raise SyncError(f"bucket {i}: checksum {ours:#x} != trainer's {checksums[i]:#x}", "DATA_LOSS")
@@ -258,7 +310,7 @@ class SyncTransaction:
     def _finish_locked(self, p: _Pending, version: int) -> None:
         self.version = version
         self.origin = p.manifest.origin
-        self.weights_checksum = combine([c or 0 for c in p.received])
+        self.weights_checksum = combine([c or 0 for c in p.checksums()])
         self.state = S.SERVING
         self.last_error = ""
         self._clear_pending()
