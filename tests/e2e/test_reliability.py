@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -239,11 +238,12 @@ def test_bus_connection_cut_or_stalled_by_a_proxy(procs, model):
         proxy.close()
 
 
-def _raw_hello(address: str, sync_id: str, mac: bytes) -> bytes:
+def _raw_hello(address: str, sync_id: str, mac: bytes, sender: int = 0) -> bytes:
     """Connect to the bus, send a hello, and return what the rollout does (b'' = it closed on us)."""
+    from weightsync.bus.tcp import hello_frame
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"WSH1" + struct.pack("<H", len(sync_id)) + sync_id.encode() + mac)
+        s.sendall(hello_frame(sync_id, sender, mac))
         s.settimeout(10)
         try:
             return s.recv(1) or b""
@@ -285,6 +285,8 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     data_addr = rstub(r, "s3cret").PrepareSync(req).transport.tcp.data_address
     assert _raw_hello(data_addr, "v5-test", hello_mac("not-the-token", "v5-test")) == b""
     assert _raw_hello(data_addr, "v5-test", bytes(32)) == b""
+    # a MAC proves one (sync, sender): sender 0's MAC does not open a stream as another sender
+    assert _raw_hello(data_addr, "v5-test", hello_mac("s3cret", "v5-test", 0), sender=1) == b""
     assert _raw_hello(data_addr, "v9-unprepared", hello_mac("s3cret", "v9-unprepared")) == b""
     st = status(rstub(r, "s3cret"))
     assert st.pending_sync_id == "v5-test" and st.state == rollout_pb2.SYNCING and st.version == 0

@@ -63,20 +63,20 @@ class TcpReceiver:
 
     def _handle(self, conn: socket.socket, peer) -> None:
         try:
-            sync_id, mac = read_hello(conn, self.hello_timeout)
+            sync_id, sender, mac = read_hello(conn, self.hello_timeout)
         except Exception as exc:
             log.warning("bus connection from %s rejected: %s", peer, exc)
             conn.close()
             return
-        if not hmac.compare_digest(mac, hello_mac(self.token, sync_id)):
-            log.warning("bus connection from %s rejected: bad token for sync %s", peer, sync_id)
+        if not hmac.compare_digest(mac, hello_mac(self.token, sync_id, sender)):
+            log.warning("bus connection from %s rejected: bad token for sync %s (sender %d)", peer, sync_id, sender)
             conn.close()
             return
         if self.tx.pending_manifest(sync_id) is None:
             log.warning("bus connection from %s for sync %s, which is not prepared here", peer, sync_id)
             conn.close()
             return
-        self.tx.run_receiver(sync_id, TcpBucketReceiver(conn))
+        self.tx.run_receiver(sync_id, TcpBucketReceiver(conn), sender)
 
     def stop(self) -> None:
         self._closed = True

@@ -1,7 +1,10 @@
 """TCP transport: raw sockets, one connection per (sync, rollout), for CPU hosts and links NCCL can't cross.
 
 Wire format (little-endian), after connecting to the rollout's data address:
-  hello  : b"WSH1" | u16 len | sync_id utf-8 | 32-byte HMAC-SHA256(token, sync_id) (zeros without a token)
+  hello  : b"WSH2" | u16 len | sync_id utf-8 | u32 sender | 32-byte HMAC-SHA256(token, sync_id "\n" sender)
+           (zeros without a token); sender is the trainer rank streaming on this connection: with
+           several senders a rollout accepts one connection per sender, each proving the token for
+           its own (sync, sender), so rank 0 hands the other senders their MACs, never the token
   bucket : b"WSB1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | nbytes of payload
 The receiver checks every header against the manifest it accepted in PrepareSync, so a peer
 cannot make it allocate or write more than the manifest declared.
@@ -20,17 +23,22 @@ import torch
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
 
-HELLO_MAGIC = b"WSH1"
+HELLO_MAGIC = b"WSH2"
 BUCKET_MAGIC = b"WSB1"
 _BUCKET_HDR = struct.Struct("<4sIQQB")
 _MAX_SYNC_ID = 256
 _SOCK_BUF = 8 << 20
 
 
-def hello_mac(token: str, sync_id: str) -> bytes:
+def hello_mac(token: str, sync_id: str, sender: int = 0) -> bytes:
     if not token:
         return bytes(32)
-    return hmac.new(token.encode(), sync_id.encode(), hashlib.sha256).digest()
+    return hmac.new(token.encode(), f"{sync_id}\n{sender}".encode(), hashlib.sha256).digest()
+
+
+def hello_frame(sync_id: str, sender: int, mac: bytes) -> bytes:
+    sid = sync_id.encode()
+    return HELLO_MAGIC + struct.pack("<H", len(sid)) + sid + struct.pack("<I", sender) + mac
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -43,7 +51,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def read_hello(sock: socket.socket, timeout: float) -> tuple[str, bytes]:
+def read_hello(sock: socket.socket, timeout: float) -> tuple[str, int, bytes]:
+    """(sync_id, sender rank, MAC) of a connection's hello."""
     sock.settimeout(timeout)
     head = bytearray(6)
     _recv_exact(sock, memoryview(head))
@@ -52,9 +61,10 @@ def read_hello(sock: socket.socket, timeout: float) -> tuple[str, bytes]:
     (n,) = struct.unpack("<H", head[4:6])
     if not 0 < n <= _MAX_SYNC_ID:
         raise TransportError(f"hello sync_id length {n} out of range")
-    rest = bytearray(n + 32)
+    rest = bytearray(n + 4 + 32)
     _recv_exact(sock, memoryview(rest))
-    return rest[:n].decode("utf-8", errors="replace"), bytes(rest[n:])
+    (sender,) = struct.unpack("<I", rest[n:n + 4])
+    return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4:])
 
 
 def _tune(sock: socket.socket) -> None:
@@ -105,9 +115,13 @@ class TcpBucketReceiver:
 
 
 class TcpBucketSender:
-    """Streams each bucket to every target in parallel; a failing target is dropped, not fatal."""
+    """Streams each bucket to every target in parallel; a failing target is dropped, not fatal.
 
-    def __init__(self, targets: dict[str, str], sync_id: str, token: str, timeout: float):
+    `sender`: the trainer rank this stream belongs to; `mac`: its hello MAC when the caller holds
+    the MAC but not the token (a sender rank other than 0), else computed from `token`."""
+
+    def __init__(self, targets: dict[str, str], sync_id: str, token: str, timeout: float, *, sender: int = 0,
+                 mac: bytes | None = None):
         if not targets:
             raise ValueError("TcpBucketSender needs at least one target")
         self.timeout = timeout
@@ -115,7 +129,7 @@ class TcpBucketSender:
         self._failures: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="tcp-send")
-        hello = HELLO_MAGIC + struct.pack("<H", len(sync_id.encode())) + sync_id.encode() + hello_mac(token, sync_id)
+        hello = hello_frame(sync_id, sender, hello_mac(token, sync_id, sender) if mac is None else mac)
         for tid, fut in [(tid, self._pool.submit(self._connect, addr, hello)) for tid, addr in targets.items()]:
             try:
                 self._socks[tid] = fut.result()

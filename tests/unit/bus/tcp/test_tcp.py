@@ -28,8 +28,8 @@ class Listener:
 
     def _run(self):
         conn, _ = self.sock.accept()
-        sync_id, mac = read_hello(conn, 5)
-        self.hello_ok = mac == hello_mac(self.token, sync_id)
+        sync_id, sender, mac = read_hello(conn, 5)
+        self.hello_ok = sender == 0 and mac == hello_mac(self.token, sync_id, sender)
         rx = TcpBucketReceiver(conn)
         try:
             for plan in self.manifest.buckets:
