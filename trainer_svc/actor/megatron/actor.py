@@ -61,6 +61,8 @@ class MegatronActor:
         self.converter = make_converter(converter, self.spec, self.par, params_dtype)
         if self.converter is not None:
             self._metas = self.converter.plan(self.model, self._metas)
+        #: what the last funnelled export moved to rank 0 (bytes of other stages' tensors)
+        self.export_stats: dict = {}
         self.version = 0
         if weights_dir:
             self._load_hf(weights_dir)
@@ -91,10 +93,38 @@ class MegatronActor:
     def export_metas(self) -> list[TensorMeta]:
         return list(self._metas)
 
+    def export_owners(self) -> list[int]:
+        """The global rank that assembles each tensor of `export_metas()` (its bus sender when every
+        owner streams its own); all 0 with a bridge converter, which funnels through rank 0."""
+        if self.converter is not None:
+            return [0] * len(self._metas)
+        from trainer_svc.megatron.export import export_owners
+
+        return export_owners(self.spec, self.par, self.rmap)
+
+    @property
+    def rank(self) -> int:
+        return self.rmap.rank
+
+    def export_own_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank: run the export without the funnel; yields the tensors this rank owns."""
+        return self._export(to_rank0=False)
+
+    def run_senders(self, job: dict) -> list[dict]:
+        """Rank 0: every rank streams the buckets it owns (trainer_svc.multisender); their reports."""
+        from dataclasses import asdict
+
+        from trainer_svc.multisender import SendJob, run_sender
+
+        self._check_driver("run_senders")
+        self.channel.send("stream", **job)
+        return self.channel.gather(asdict(run_sender(self, SendJob.from_args(job))))
+
     def export_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._check_driver("export_tensors")
         self.channel.send("export")
-        it = self._export()
+        self.export_stats = {}
+        it = self._export(stats=self.export_stats)
         try:
             # not `yield from`: closing this generator would close `it` too, and it must be drained
             for item in it:
@@ -157,6 +187,12 @@ class MegatronActor:
             if op == "export":
                 for _ in self._export():
                     pass
+            elif op == "stream":
+                from dataclasses import asdict
+
+                from trainer_svc.multisender import SendJob, run_sender
+
+                self.channel.gather(asdict(run_sender(self, SendJob.from_args(args))))
             elif op == "load_hf":
                 self._load_hf(args["path"])
             elif op == "load_megatron":
@@ -180,12 +216,15 @@ class MegatronActor:
         if self.rmap.rank != 0:
             raise RuntimeError(f"{what}() is driven from global rank 0; rank {self.rmap.rank} runs worker_loop()")
 
-    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _export(self, to_rank0: bool = True, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         if self.converter is not None:
+            if not to_rank0:
+                raise ValueError(f"converter={self.converter!r} exports through rank 0 only; use bus senders=rank0")
             return self.converter.export(self.model, self._metas)
         from trainer_svc.actor.megatron.export import export_tensors
 
-        return export_tensors(self.model, self.spec, self.par, self.rmap, self.export_dtype)
+        return export_tensors(self.model, self.spec, self.par, self.rmap, self.export_dtype, to_rank0=to_rank0,
+                              stats=stats)
 
     def _load_hf(self, path: str) -> None:
         from trainer_svc.actor.megatron.load import load_hf_into

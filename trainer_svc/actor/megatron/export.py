@@ -2,12 +2,17 @@
 
 For each entry of the export plan (in `export_metas` order) the owning pipeline stage's TP group
 gathers the shards onto its TP rank 0, which splits every shard with the rule's transform and
-concatenates the pieces; a stage other than the first then sends the finished HF tensors to global
-rank 0. An expert's parameters are gathered the same way by the expert-TP group of the EP rank that
-holds the expert (global index = ep_rank * experts_per_rank + local index), and sent on from there.
-Peak extra memory on any rank is about twice the largest gathered parameter. Only global rank 0
-yields tensors; every other rank must still drain its iterator, since it takes part in the
-collectives (stopping early on one rank but not the others deadlocks the job).
+concatenates the pieces. An expert's parameters are gathered the same way by the expert-TP group of
+the EP rank that holds the expert (global index = ep_rank * experts_per_rank + local index). The
+rank that assembled a tensor (its *owner*: `export_owners`) then either
+
+- yields it itself (`to_rank0=False`, multi-sender streaming: every owner puts its own tensors on
+  the bus, nothing crosses to rank 0), or
+- sends it to global rank 0, which yields every tensor (`to_rank0=True`, the single-sender funnel).
+
+Peak extra memory on any rank is about twice the largest gathered parameter. Every rank must drain
+its iterator, since it takes part in the collectives (stopping early on one rank but not the others
+deadlocks the job).
 """
 from __future__ import annotations
 
@@ -67,8 +72,27 @@ def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> 
     return rmap.stage_leader[stage], rmap.in_replica0 and rmap.pp_rank == stage, "dense"
 
 
-def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap,
-                   export_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked(names: list[str], out: list[torch.Tensor], shapes, par: Parallelism):
+    for n, t in zip(names, out):
+        if tuple(t.shape) != shapes[n]:
+            raise ValueError(f"tensor {n}: exported shape {tuple(t.shape)} != HF shape {shapes[n]} "
+                             f"(trainer {par.describe()})")
+        yield n, t
+
+
+def export_owners(spec: ModelSpec, par: Parallelism, rmap: RankMap) -> list[int]:
+    """The global rank that assembles each exported tensor, in `export_metas` order; from config
+    alone, so every rank computes the same list without communicating."""
+    owners: list[int] = []
+    for rule, site, names in export_plan(spec):
+        owners += [_owner(rule, site, spec.dims, par, rmap)[0]] * len(names)
+    return owners
+
+
+def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap, export_dtype: torch.dtype, *,
+                   to_rank0: bool = True, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor): on rank 0 every tensor (to_rank0) or, without the funnel, on each
+    owner rank the tensors it assembled. `stats['forwarded_bytes']` counts what rank 0 received."""
     from megatron.core import parallel_state as ps
 
     d, shapes = spec.dims, spec.hf_shapes
@@ -94,6 +118,11 @@ def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap,
                 if rule.vocab:
                     out = [t[: d.vocab_size] for t in out]
                 del per_rank, shards
+        if not to_rank0:
+            if rmap.rank == leader:
+                yield from _checked(names, out, shapes, par)
+            out = None
+            continue
         if leader != 0:
             if rmap.rank == leader:
                 for t in out:
@@ -106,10 +135,8 @@ def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap,
                                       device=_device(params))
                     dist.recv(buf, src=leader)
                     out.append(_from_bytes(buf, export_dtype, shapes[n]))
+                    if stats is not None:
+                        stats["forwarded_bytes"] = stats.get("forwarded_bytes", 0) + buf.numel()
         if rmap.rank == 0:
-            for n, t in zip(names, out):
-                if tuple(t.shape) != shapes[n]:
-                    raise ValueError(f"tensor {n}: exported shape {tuple(t.shape)} != HF shape {shapes[n]} "
-                                     f"(trainer {par.describe()})")
-                yield n, t
+            yield from _checked(names, out, shapes, par)
             out = None

@@ -1,0 +1,144 @@
+"""Multi-sender streaming: every trainer rank that assembles HF tensors streams its own buckets.
+
+Rank 0 stays the only control-plane endpoint. Once the rollouts are prepared it hands every rank
+a `SendJob` through the actor's command channel (JSON over the trainer's own gloo group): the
+sync's identity and layout parameters — every rank recomputes the manifest from metadata and
+checks its digest against rank 0's, so all agree on who sends which bucket without exchanging the
+layout — the rollouts' data addresses, and for each sender the hello MAC of its (sync, sender)
+pair; the token itself never leaves rank 0. Every rank then runs the export; each owner packs and
+streams its own buckets to every rollout, concurrently with the other owners, with the usual
+double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns), and reports
+a `SenderResult` back to rank 0: its bucket checksums, per-rollout failures, bytes and seconds.
+Rank 0 merges them (`merge`) into the stream's outcome, so commit and abort reflect every sender.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+from weightsync.bus.plan import Manifest, make_manifest
+from weightsync.bus.tcp import hello_mac
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SendJob:
+    """What every trainer rank needs to stream its part of a sync (travels as JSON)."""
+    sync_id: str
+    version: int
+    bucket_bytes: int
+    model_family: str
+    checksum_algo: str
+    origin: str
+    digest: str                       # Manifest.digest() on rank 0
+    targets: dict[str, str]           # rollout id -> TCP data address
+    macs: dict[str, str]              # str(sender rank) -> hex hello MAC of (sync_id, sender)
+    timeout: float                    # seconds this stream may take
+
+    @classmethod
+    def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float) -> "SendJob":
+        return cls(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
+                   model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
+                   digest=manifest.digest(), targets=dict(targets),
+                   macs={str(s): hello_mac(token, manifest.sync_id, s).hex() for s in manifest.senders},
+                   timeout=timeout)
+
+    def to_args(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_args(cls, args: dict) -> "SendJob":
+        return cls(**args)
+
+
+@dataclass
+class SenderResult:
+    rank: int
+    buckets: int = 0
+    bytes: int = 0                    # tensor bytes of the buckets it streamed (per receiver)
+    seconds: float = 0.0
+    error: str = ""                   # the whole stream failed (every target misses its buckets)
+    failures: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was dropped
+    checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
+
+
+def sender_manifest(metas, owners, job: SendJob) -> Manifest:
+    return make_manifest(metas, owners=owners, version=job.version, sync_id=job.sync_id,
+                         bucket_bytes=job.bucket_bytes, model_family=job.model_family,
+                         checksum_algo=job.checksum_algo, origin=job.origin)
+
+
+def run_sender(actor, job: SendJob) -> SenderResult:
+    """This rank's part of a multi-sender stream: export (always drained: the other ranks are in
+    the same collectives), and stream the buckets this rank owns, if any."""
+    from weightsync.bus.pipeline import stream_buckets
+    from weightsync.bus.tcp import TcpBucketSender
+
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + job.timeout
+    rank = actor.rank
+    res = SenderResult(rank=rank)
+    export = iter(())
+    try:
+        export = iter(actor.export_own_tensors())
+        manifest = sender_manifest(actor.export_metas(), actor.export_owners(), job)
+        if manifest.digest() != job.digest:
+            raise ValueError(f"rank {rank} computed a different bucket layout than rank 0 (digest "
+                             f"{manifest.digest()} != {job.digest}): every rank must run the same model config")
+        mine = manifest.buckets_of(rank)
+        if mine:
+            sender = TcpBucketSender(job.targets, job.sync_id, "", timeout=max(0.001, deadline - time.monotonic()),
+                                     sender=rank, mac=bytes.fromhex(job.macs[str(rank)]))
+            try:
+                stats = stream_buckets(replace(manifest, buckets=mine), export, sender,
+                                       timeout=max(0.001, deadline - time.monotonic()))
+                res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
+                res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
+            finally:
+                res.failures = sender.failures()
+                sender.close()
+    except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
+        res.error = f"rank {rank}: {exc}"
+        log.warning("sync %s: sender rank %d failed: %s", job.sync_id, rank, exc)
+    finally:
+        for _ in export:
+            pass
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+@dataclass
+class StreamOutcome:
+    checksums: list[int]              # by bucket index; complete only when error == ""
+    failures: dict[str, str]          # rollout id -> why it misses some sender's buckets
+    error: str                        # a sender failed as a whole: no target can commit
+    senders: list[SenderResult]       # one per sending rank, in rank order
+
+
+def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
+    """One outcome from every rank's report: a rollout that any sender dropped fails; a sender that
+    failed outright (or a bucket without a checksum) fails every rollout."""
+    by_index: dict[int, int] = {}
+    failures: dict[str, str] = {}
+    errors = [r.error for r in results if r.error]
+    for r in results:
+        for i, c in r.checksums:
+            by_index[int(i)] = int(c)
+        for rid, err in r.failures.items():
+            failures.setdefault(rid, f"sender rank {r.rank}: {err}")
+    if not errors and len(by_index) != len(manifest.buckets):
+        missing = sorted(set(range(len(manifest.buckets))) - set(by_index))
+        errors.append(f"no sender streamed bucket(s) {missing[:8]} (of {len(manifest.buckets)})")
+    checksums = [by_index.get(i, 0) for i in range(len(manifest.buckets))]
+    senders = [r for r in results if r.rank in set(manifest.senders)]
+    return StreamOutcome(checksums, failures, "; ".join(errors), senders)
+
+
+def stream_from_every_owner(actor, manifest: Manifest, targets: dict[str, str], token: str,
+                            timeout: float) -> StreamOutcome:
+    """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address)."""
+    job = SendJob.make(manifest, targets, token, timeout)
+    results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
+    return merge(manifest, results)
