@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.checkpoint_names import checkpoint_views
 from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
 from weightsync.bus.plan import TensorMeta
@@ -42,7 +43,8 @@ class BuiltinEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self._params = dict(model.named_parameters())
+        # checkpoint names (an MoE's experts one by one, not transformers' fused in-memory tensors)
+        self._params = checkpoint_views(model)
         if self.tied and "lm_head.weight" in self._params:
             self._params.pop("lm_head.weight")
         self.prefix_cache = PrefixCache(max_prefix_cache_entries, max_prefix_cache_bytes)
@@ -85,7 +87,7 @@ class BuiltinEngine:
     def param_metas(self) -> dict[str, TensorMeta]:
         return {n: TensorMeta(n, tuple(p.shape), p.dtype) for n, p in self._params.items()}
 
-    def _target(self, name: str) -> torch.nn.Parameter | None:
+    def _target(self, name: str):
         if self.tied and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
         return self._params.get(name)
