@@ -60,7 +60,8 @@ class TrainerApp:
                                      origin=getattr(self.actor, "origin", "") or uuid.uuid4().hex[:16],
                                      device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc,
-                                     export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id)
+                                     export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id,
+                                     senders=cfg.bus.senders)
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.orch.device)
         if warm:

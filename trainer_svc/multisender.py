@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from weightsync.bus.plan import Manifest, make_manifest
-from weightsync.bus.tcp import hello_mac
+from weightsync.bus.tcp.wire import hello_mac
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class SenderResult:
     error: str = ""                   # the whole stream failed (every target misses its buckets)
     failures: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was dropped
     checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
+    forwarded_bytes: int = 0          # other ranks' tensors it received first (the funnel only)
 
 
 def sender_manifest(metas, owners, job: SendJob) -> Manifest:
@@ -74,15 +75,16 @@ def run_sender(actor, job: SendJob) -> SenderResult:
     """This rank's part of a multi-sender stream: export (always drained: the other ranks are in
     the same collectives), and stream the buckets this rank owns, if any."""
     from weightsync.bus.pipeline import stream_buckets
-    from weightsync.bus.tcp import TcpBucketSender
+    from weightsync.bus.tcp.wire import TcpBucketSender
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
     rank = actor.rank
     res = SenderResult(rank=rank)
     export = iter(())
+    received: dict = {}
     try:
-        export = iter(actor.export_own_tensors())
+        export = iter(actor.export_own_tensors(received))
         manifest = sender_manifest(actor.export_metas(), actor.export_owners(), job)
         if manifest.digest() != job.digest:
             raise ValueError(f"rank {rank} computed a different bucket layout than rank 0 (digest "
@@ -106,6 +108,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         for _ in export:
             pass
         res.seconds = time.perf_counter() - t0
+        res.forwarded_bytes = int(received.get("forwarded_bytes", 0))
     return res
 
 

@@ -4,14 +4,20 @@ With tcp and ipc, targets succeed or fail individually. With nccl (a group-wide 
 target that fails the prepare stops the whole pass, and the attempt names the targets of a retry:
 every member with a new group when the cached group was refused (a restarted member), else the
 members that prepared, which form a group without the one that could not.
+
+When the manifest has several senders (trainer ranks streaming the buckets they own), the stream
+phase hands the job to every rank (trainer_svc.multisender) instead of streaming from this one; a
+rollout that any sender dropped fails, and a sender that failed as a whole fails every target.
 """
 from __future__ import annotations
 
 import logging
 import time
 
+from trainer_svc.multisender import SenderResult, stream_from_every_owner
 from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.layout import compact_proto
 from weightsync.bus.plan import Manifest
@@ -33,6 +39,8 @@ class SyncAttempt:
         self.prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
         #: the targets of a retry ([] for none)
         self.retry: list[RolloutEntry] = []
+        #: what each sending rank did in the stream (one entry for the single sender)
+        self.senders: list[SenderResult] = []
         self._pool = orch.pool  # long-lived: no threads started per sync
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
@@ -127,12 +135,14 @@ class SyncAttempt:
         """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
-        in_place = self._in_place() if self.prepared else None
-        # Sending the actor's own storage needs no export pass (nor, then, a drain of one).
-        export = iter(self.tensors()) if self.prepared and in_place is None else iter(())
+        multi = len(self.manifest.senders) > 1
+        in_place = self._in_place() if self.prepared and not multi else None
+        # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
+        # several senders every rank exports its own tensors (trainer_svc/multisender.py).
+        export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
         if self.prepared:
             try:
-                checksums = self._send(export, in_place)
+                checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
                 ok = True
             except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
                 reason = f"stream: {exc}"
@@ -166,8 +176,24 @@ class SyncAttempt:
             self.session.use_in_place(buffers)
         return buffers
 
+    def _send_from_every_owner(self) -> list[int]:
+        targets = {rid: self.session.data_address(rid) for rid in self.prepared}
+        out = stream_from_every_owner(self.orch.actor, self.manifest, targets, self.orch.token, self._left())
+        self.senders = out.senders
+        for rid, err in out.failures.items():
+            if rid in self.prepared:
+                self.prepared.pop(rid)
+                self._fail(rid, "transport", err)
+        if out.error:
+            raise TransportError(out.error)
+        return out.checksums
+
     def _send(self, export, in_place) -> list[int]:
         channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
+        t0 = time.perf_counter()
+        sender = SenderResult(rank=0, buckets=len(self.manifest.buckets),
+                              bytes=sum(b.tensor_bytes for b in self.manifest.buckets))
+        self.senders = [sender]
         try:
             stats = stream_buckets(self.manifest, export, channel, device=self.session.device, timeout=self._left(),
                                    buffers=getattr(self.session, "buffers", None), in_place=in_place)
@@ -176,7 +202,12 @@ class SyncAttempt:
             self.phases.add("stream.export", stats.export_seconds)
             self.phases.add("stream.pack", stats.pack_seconds)
             return stats.checksums
+        except Exception as exc:
+            sender.error = str(exc)
+            raise
         finally:
+            sender.seconds = time.perf_counter() - t0
+            sender.forwarded_bytes = int(getattr(self.orch.actor, "export_stats", {}).get("forwarded_bytes", 0))
             for rid, err in channel.failures().items():
                 if rid in self.prepared:
                     self.prepared.pop(rid)

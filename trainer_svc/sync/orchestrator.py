@@ -45,7 +45,8 @@ class SyncOrchestrator:
     def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
                  token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
                  origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
-                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN, trainer_id: str = ""):
+                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN, trainer_id: str = "",
+                 senders: str = "all"):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -60,6 +61,9 @@ class SyncOrchestrator:
         self.allow_rollback = False  # per Sync call, read by the attempt's PrepareSync
         self.device = torch.device(device)
         self.export_format = export_format
+        if senders not in ("all", "rank0"):
+            raise ValueError(f"senders={senders!r} must be all or rank0")
+        self.senders = senders
         self.transports = {"tcp": TcpSender(token),
                            "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
                                             call=self._call),
@@ -70,6 +74,7 @@ class SyncOrchestrator:
         # sent in full once per rollout) and the RPC threads that reach every target at once.
         self.manifests = ManifestCache()
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
+        self._warned_funnel = False
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
@@ -124,14 +129,15 @@ class SyncOrchestrator:
             log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
                      manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
                      manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
-            attempt_results, retry = SyncAttempt(self, session, manifest, targets, deadline, phases,
-                                                 tensors=self._export).run()
+            attempt = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export)
+            attempt_results, retry = attempt.run()
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
             self._log_retry(manifest.sync_id, targets, retry)
             targets = retry
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
+        self._report_senders(report, attempt.senders)
         self.last_report = report
         return report
 
@@ -148,8 +154,38 @@ class SyncOrchestrator:
         manifest = self.manifests.manifest(self.export_format.metas(self.actor.export_metas()), version=version,
                                            sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
                                            checksum_algo=ALGO, origin=self.origin,
-                                           quantization=self.export_format.quantization)
+                                           quantization=self.export_format.quantization,
+                                           owners=self._owners(transport))
         return session, manifest
+
+    def _owners(self, transport: str) -> list[int] | None:
+        """Each tensor's sender rank when every owner streams its own (senders=all over tcp), else None:
+        the funnel through rank 0."""
+        owners = getattr(self.actor, "export_owners", None)
+        if self.senders != "all" or owners is None:
+            return None
+        owners = owners()
+        if transport != "tcp" and len(set(owners)) > 1:
+            if not self._warned_funnel:
+                log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "
+                            "(multi-sender streaming is built for tcp; docs/architecture.md)", transport)
+                self._warned_funnel = True
+            return None
+        return owners
+
+    def _report_senders(self, report: trainer_pb2.SyncReport, senders) -> None:
+        """The per-sender split of the stream, in the report and the metrics."""
+        m = self.metrics
+        for s in senders:
+            report.senders.add(rank=s.rank, bytes=s.bytes, num_buckets=s.buckets, seconds=s.seconds, error=s.error,
+                               forwarded_bytes=s.forwarded_bytes)
+            rank = str(s.rank)
+            m.sender_bytes.labels(m.role, rank).inc(s.bytes)
+            m.sender_seconds.labels(m.role, rank).observe(s.seconds)
+            m.forwarded_bytes.labels(m.role, rank).inc(s.forwarded_bytes)
+        if len(senders) > 1:
+            log.info("sync %s: per sender %s", report.sync_id,
+                     ", ".join(f"rank {s.rank} {s.bytes / 1e6:.1f} MB in {s.seconds:.3f}s" for s in senders))
 
     @staticmethod
     def _log_retry(sync_id: str, targets: list[RolloutEntry], retry: list[RolloutEntry]) -> None:

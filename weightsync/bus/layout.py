@@ -36,7 +36,9 @@ def layout_digest(m: Manifest) -> str:
     quant = "" if q is None else f"{q.method}\0{q.fmt}\0{tuple(q.weight_block_size)}"
     parts = [f"{DIGEST_SCHEME}\0{m.bucket_bytes}\0{m.total_bytes}\0{m.model_family}\0{m.checksum_algo}\0{quant}"]
     for b in m.buckets:
-        parts.append(f"#{b.index}\0{b.nbytes}")
+        # the sender of each bucket is layout too: a rollout expects each sender's buckets, in its
+        # order, on that sender's own stream
+        parts.append(f"#{b.index}\0{b.nbytes}\0{b.sender}")
         parts.extend(f"{s.meta.name}\0{dtypes.to_wire(s.meta.dtype)}\0{s.meta.shape}\0{s.offset}" for s in b.slots)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -53,8 +55,8 @@ def compact_proto(m: Manifest) -> bus_pb2.Manifest:
 class ManifestCache:
     """The trainer's side: one planned layout (the current one) and which rollout holds it.
 
-    `manifest()` re-plans only when the export metadata, bucket size, family, checksum algorithm or
-    quantization differ from the cached layout's; a hit costs one comparison of the metadata list (an identity
+    `manifest()` re-plans only when the export metadata, bucket size, family, checksum algorithm,
+    quantization or the tensors' senders differ from the cached layout's; a hit costs one comparison of the metadata list (an identity
     check when the actor hands back the same list).
     """
 
@@ -68,11 +70,12 @@ class ManifestCache:
 
     def manifest(self, metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
                  model_family: str = "", checksum_algo: str = "", origin: str = "",
-                 quantization: Quantization | None = None) -> Manifest:
-        key = (bucket_bytes, model_family, checksum_algo, quantization)
+                 quantization: Quantization | None = None, owners: list[int] | None = None) -> Manifest:
+        # owners: each tensor's sender rank (None: one sender, rank 0), as for make_manifest
+        key = (bucket_bytes, model_family, checksum_algo, quantization, tuple(owners) if owners else None)
         if self._template is None or key != self._key or not (metas is self._metas or metas == self._metas):
             template = Manifest(version=0, sync_id="", bucket_bytes=bucket_bytes,
-                                buckets=plan_buckets(list(metas), bucket_bytes), model_family=model_family,
+                                buckets=plan_buckets(list(metas), bucket_bytes, owners), model_family=model_family,
                                 checksum_algo=checksum_algo, quantization=quantization)
             template.layout_digest = layout_digest(template)
             self._key, self._metas, self._template, self._full = key, metas, template, None

@@ -34,6 +34,17 @@ class SyncMetrics:
                              ["role"], registry=r).labels(role)
         self.in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is running", ["role"],
                                  registry=r).labels(role)
+        # trainer: the per-sender split of the stream, so an operator sees one rank holding the rest back
+        self.sender_bytes = Counter("weightsync_sync_sender_bytes_total",
+                                    "Tensor bytes each trainer rank streamed as a bus sender (its own buckets, "
+                                    "counted once per sync, not per receiver)", ["role", "rank"], registry=r)
+        self.sender_seconds = Histogram("weightsync_sync_sender_seconds",
+                                        "Wall time of each trainer rank's stream (export + pack + send)",
+                                        ["role", "rank"], buckets=_PHASE_BUCKETS, registry=r)
+        self.forwarded_bytes = Counter("weightsync_sync_forwarded_bytes_total",
+                                       "Bytes of other ranks' tensors that a sender received to send them on "
+                                       "(the rank-0 funnel; 0 with multi-sender streaming)", ["role", "rank"],
+                                       registry=r)
         self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
                                          "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
                                          "cached group adds none", ["role"], registry=r).labels(role)

@@ -62,6 +62,15 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
         order = ["plan", "prepare", "stream", "commit"]
         names = sorted(rep.phase_seconds, key=lambda n: (order.index(n) if n in order else len(order), n))
         print("  phases: " + ", ".join(f"{n} {rep.phase_seconds[n] * 1e3:.1f} ms" for n in names))
+    if rep.senders:
+        # the per-sender split: one slow or overloaded rank shows as the longest stream
+        slowest = max(s.seconds for s in rep.senders)
+        print(f"  senders ({len(rep.senders)}):")
+        for s in rep.senders:
+            mark = "  <- slowest" if len(rep.senders) > 1 and s.seconds == slowest else ""
+            fwd = f", {s.forwarded_bytes / 1e6:.1f} MB forwarded to it" if s.forwarded_bytes else ""
+            err = f"  FAILED: {s.error}" if s.error else ""
+            print(f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{fwd}{mark}{err}")
     for r in rep.rollouts:
         print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
 

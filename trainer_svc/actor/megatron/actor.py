@@ -98,7 +98,7 @@ class MegatronActor:
         owner streams its own); all 0 with a bridge converter, which funnels through rank 0."""
         if self.converter is not None:
             return [0] * len(self._metas)
-        from trainer_svc.megatron.export import export_owners
+        from trainer_svc.actor.megatron.export import export_owners
 
         return export_owners(self.spec, self.par, self.rmap)
 
@@ -106,9 +106,9 @@ class MegatronActor:
     def rank(self) -> int:
         return self.rmap.rank
 
-    def export_own_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_own_tensors(self, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank: run the export without the funnel; yields the tensors this rank owns."""
-        return self._export(to_rank0=False)
+        return self._export(to_rank0=False, stats=stats)
 
     def run_senders(self, job: dict) -> list[dict]:
         """Rank 0: every rank streams the buckets it owns (trainer_svc.multisender); their reports."""

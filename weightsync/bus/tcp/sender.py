@@ -39,6 +39,10 @@ class _TcpSession:
         self._addresses[entry.rollout_id] = resp.transport.tcp.data_address
         return ""
 
+    def data_address(self, rollout_id: str) -> str:
+        """Where `rollout_id` takes bus connections (one per sender), as its PrepareSync answered."""
+        return self._addresses[rollout_id]
+
     def open(self, targets: dict, timeout: float) -> TcpBucketSender:
         return TcpBucketSender({rid: self._addresses[rid] for rid in targets}, self.sync_id, self.token,
                                timeout=timeout)
