@@ -240,7 +240,7 @@ def test_bus_connection_cut_or_stalled_by_a_proxy(procs, model):
 
 def _raw_hello(address: str, sync_id: str, mac: bytes, sender: int = 0) -> bytes:
     """Connect to the bus, send a hello, and return what the rollout does (b'' = it closed on us)."""
-    from weightsync.bus.tcp import hello_frame
+    from weightsync.bus.tcp.wire import hello_frame
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(hello_frame(sync_id, sender, mac))

@@ -12,7 +12,7 @@ from rollout_svc.transaction import SyncError, SyncTransaction
 from weightsync.bus.checksum import ALGO, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.bus.transport import TransportError
+from weightsync.bus.errors import TransportError
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2
 
