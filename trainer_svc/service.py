@@ -87,9 +87,11 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
                                  "(0 = the trainer's sync_timeout_s)")
             if request.transport not in ("", "tcp", "nccl", "ipc"):
                 raise ValueError(f"transport={request.transport!r} must be tcp, nccl or ipc")
+            if request.senders not in ("", "all", "rank0"):
+                raise ValueError(f"senders={request.senders!r} must be all or rank0 (or empty for the configured one)")
             targets = self.registry.select(list(request.rollout_ids))
             report = self.orch.sync(targets, request.transport, request.timeout_seconds,
-                                    allow_rollback=request.allow_rollback)
+                                    allow_rollback=request.allow_rollback, senders=request.senders)
         except KeyError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except ValueError as exc:

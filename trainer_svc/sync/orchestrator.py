@@ -78,11 +78,14 @@ class SyncOrchestrator:
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
-             only_behind: bool = False) -> trainer_pb2.SyncReport | None:
+             only_behind: bool = False, senders: str = "") -> trainer_pb2.SyncReport | None:
         """Sync `targets`; with `only_behind`, first drop those already on the trainer's version
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
         queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
+        senders = senders or self.senders
+        if senders not in ("all", "rank0"):
+            raise ValueError(f"senders={senders!r} must be all or rank0")
         timeout = timeout or self.sync_timeout
         if transport not in self.transports:
             raise ValueError(f"transport={transport!r} must be one of {sorted(self.transports)}")
@@ -102,14 +105,15 @@ class SyncOrchestrator:
                 self.metrics.rollbacks.inc()
                 log.warning("ROLLBACK requested: sync of version %d to %s may take rollouts back to a lower version",
                             self.actor.version, [e.rollout_id for e in targets] or "every rollout")
-            return self._sync_locked(targets, transport, timeout)
+            return self._sync_locked(targets, transport, timeout, senders)
         finally:
             self.allow_rollback = False
             self.in_progress = False
             self.metrics.in_progress.set(0)
             self.actor_lock.release()
 
-    def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float) -> trainer_pb2.SyncReport:
+    def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float,
+                     senders: str = "all") -> trainer_pb2.SyncReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         phases = PhaseClock()
@@ -117,7 +121,7 @@ class SyncOrchestrator:
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
         for attempt in (1, 2, 3):
             with phases("plan"):
-                session, manifest = self._plan(targets, transport)
+                session, manifest = self._plan(targets, transport, senders)
             report = trainer_pb2.SyncReport(sync_id=manifest.sync_id, version=manifest.version, transport=transport,
                                             bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
                                             num_tensors=manifest.num_tensors)
@@ -145,7 +149,7 @@ class SyncOrchestrator:
         """The stream `_plan`'s manifest describes: the actor's tensors in the export format."""
         return self.export_format.tensors(self.actor.export_tensors())
 
-    def _plan(self, targets: list[RolloutEntry], transport: str):
+    def _plan(self, targets: list[RolloutEntry], transport: str, senders: str = "all"):
         """(the transport's session for this sync or None without targets, the manifest of the actor's weights)."""
         version = self.actor.version
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
@@ -155,14 +159,14 @@ class SyncOrchestrator:
                                            sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
                                            checksum_algo=ALGO, origin=self.origin,
                                            quantization=self.export_format.quantization,
-                                           owners=self._owners(transport))
+                                           owners=self._owners(transport, senders))
         return session, manifest
 
-    def _owners(self, transport: str) -> list[int] | None:
+    def _owners(self, transport: str, senders: str) -> list[int] | None:
         """Each tensor's sender rank when every owner streams its own (senders=all over tcp), else None:
         the funnel through rank 0."""
         owners = getattr(self.actor, "export_owners", None)
-        if self.senders != "all" or owners is None:
+        if senders != "all" or owners is None:
             return None
         owners = owners()
         if transport != "tcp" and len(set(owners)) > 1:

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-rollback", action="store_true",
                    help="let rollouts go back to a lower version of this trainer (refused otherwise; logged and "
                         "counted in weightsync_sync_rollbacks_total)")
+    s.add_argument("--senders", choices=["all", "rank0"], default="",
+                   help="override who streams: every rank that owns tensors (all) or global rank 0 alone")
     lw = sub.add_parser("load", help="load an HF safetensors directory into the trainer (bumps its version)")
     lw.add_argument("path")
     ex = sub.add_parser("export", help="write the trainer's exported HF tensors to a directory on the trainer host")
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_OK
             if ns.command == "sync":
                 rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ns.rollout, transport=ns.transport,
-                                                        timeout_seconds=ns.sync_timeout,
+                                                        timeout_seconds=ns.sync_timeout, senders=ns.senders,
                                                         allow_rollback=ns.allow_rollback)).report
                 print(json.dumps(_as_dict(rep), indent=2)) if ns.json else print_report(rep)
                 return EXIT_OK if rep.ok else EXIT_FAILED
