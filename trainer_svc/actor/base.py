@@ -5,8 +5,15 @@ backend (`train_backend()`); the service and `trainer_svc/train/` reach training
 
 The sync orchestrator only needs: the list of HF tensors the actor will export (metadata,
 without gathering anything), and an iterator that yields those tensors in exactly that order.
-A multi-rank backend runs its collectives inside these methods on every rank; only the bus
-sender rank (global rank 0) receives real tensors, the other ranks' iterators yield nothing.
+A multi-rank backend runs its collectives inside these methods on every rank; through
+`export_tensors` only global rank 0 receives real tensors (the funnel), the other ranks'
+iterators yield nothing.
+
+A multi-rank backend may also let every rank that assembles tensors stream them itself
+(trainer_svc/multisender.py): it then offers `export_owners()` (the global rank assembling each
+tensor of `export_metas()`, from metadata alone) and `run_senders(job)` (rank 0: hand the job to
+every rank, stream this rank's part, return every rank's report). Backends without them stream
+from rank 0.
 """
 from __future__ import annotations
 

@@ -83,6 +83,9 @@ class SyncOrchestrator:
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
         queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
+        if senders == "all" and transport != "tcp":
+            raise ValueError(f"senders=all streams over tcp only; transport={transport} sends every bucket from "
+                             "global rank 0: ask for senders=rank0 (or leave it empty), or transport=tcp")
         senders = senders or self.senders
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")

@@ -1,0 +1,132 @@
+"""trainer_svc.multisender without torchrun: two sender ranks (threads with a stand-in for the
+megatron actor's per-rank export) stream their own buckets to real rollout receivers (TcpReceiver
++ SyncTransaction + built-in engine); rank 0 merges their reports. The torchrun version of the
+same path runs in tests/e2e/test_multisender.py."""
+import threading
+
+import pytest
+import torch
+
+from rollout_svc.engine.builtin import BuiltinEngine
+from rollout_svc.transaction import SyncTransaction
+from trainer_svc.multisender import SenderResult, SendJob, merge, run_sender
+from weightsync.bus.checksum import ALGO
+from weightsync.bus.plan import TensorMeta, make_manifest
+from weightsync.bus.tcp.receiver import TcpReceiver
+from weightsync.models import resolve_model
+from weightsync.v1 import rollout_pb2
+
+IDS = [3, 1, 4, 1, 5, 9]
+TOKEN = "s3cret"
+
+
+class RankActor:
+    """One trainer rank's view: the full metadata and owners, and only its own tensors."""
+
+    def __init__(self, rank, state, owners, die_after=None):
+        self.rank, self.state, self.owners, self.die_after = rank, state, owners, die_after
+
+    def export_metas(self):
+        return [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in self.state.items()]
+
+    def export_owners(self):
+        return list(self.owners)
+
+    def export_own_tensors(self, stats=None):
+        for i, ((n, t), o) in enumerate(zip(self.state.items(), self.owners)):
+            if o == self.rank:
+                if self.die_after is not None and i >= self.die_after:
+                    raise RuntimeError(f"rank {self.rank}: gather failed")
+                yield n, t
+
+
+def _setup(tmp_bucket=16 << 10):
+    src = BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=1)
+    state = {n: p.detach().clone() for n, p in src._params.items()}
+    half = len(state) // 2
+    owners = [0] * half + [1] * (len(state) - half)
+    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=7,
+                      sync_id="v7-test", bucket_bytes=tmp_bucket, checksum_algo=ALGO, owners=owners)
+    rollouts = []
+    for _ in range(2):
+        tx = SyncTransaction(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=2), "staged")
+        rx = TcpReceiver("127.0.0.1:0", tx, TOKEN)
+        rx.start()
+        tx.prepare(m, timeout=30)
+        rollouts.append((tx, rx))
+    return src, state, owners, m, rollouts
+
+
+def _run(actors, job):
+    results = [None] * len(actors)
+
+    def go(i):
+        results[i] = run_sender(actors[i], SendJob.from_args(job.to_args()))  # through JSON, as the channel does
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(actors))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_two_senders_stream_their_own_buckets_and_both_rollouts_commit_exactly():
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        assert TOKEN not in str(job.to_args())  # the other ranks get MACs, never the token
+        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
+        assert out.error == "" and out.failures == {}
+        assert [(s.rank, s.buckets, s.bytes) for s in out.senders] == [
+            (r, len(m.buckets_of(r)), sum(b.tensor_bytes for b in m.buckets_of(r))) for r in (0, 1)]
+        for tx, _ in rollouts:
+            version, _, _ = tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))
+            assert version == 7
+            (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+            assert torch.equal(logits, src.score(IDS, 1)[1])
+    finally:
+        for _, rx in rollouts:
+            rx.stop()
+
+
+def test_a_sender_failing_mid_export_fails_the_stream_and_every_rollout_aborts():
+    src, state, owners, m, rollouts = _setup(tmp_bucket=4 << 10)
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        results = _run([RankActor(0, state, owners), RankActor(1, state, owners, die_after=len(state) - 2)], job)
+        out = merge(m, results)
+        assert "rank 1: gather failed" in out.error
+        for tx, _ in rollouts:
+            for _ in range(100):
+                if tx.pending_sync_id == "":
+                    break
+                threading.Event().wait(0.05)
+            # the stream of rank 1 ended early: each rollout aborted and serves what it had
+            assert tx.pending_sync_id == "" and tx.state == rollout_pb2.SERVING and tx.version == 0
+    finally:
+        for _, rx in rollouts:
+            rx.stop()
+
+
+def test_a_rank_with_another_layout_refuses_to_stream():
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {"r0": f"127.0.0.1:{rollouts[0][1].port}"}, TOKEN, 30)
+        res = run_sender(RankActor(1, state, [1] * len(owners)), job)
+        assert "different bucket layout" in res.error and res.buckets == 0
+    finally:
+        for _, rx in rollouts:
+            rx.stop()
+
+
+def test_merge_names_the_dropped_rollouts_and_missing_buckets():
+    m = make_manifest([TensorMeta(f"t{i}", (64,), torch.float32) for i in range(4)], version=1, sync_id="s",
+                      bucket_bytes=256, owners=[0, 0, 1, 1])
+    ok0 = SenderResult(rank=0, buckets=2, checksums=[[0, 11], [1, 12]])
+    ok1 = SenderResult(rank=1, buckets=2, checksums=[[2, 21], [3, 22]], failures={"rB": "TCP bus send failed"})
+    out = merge(m, [ok0, ok1, SenderResult(rank=2)])
+    assert out.error == "" and out.checksums == [11, 12, 21, 22]
+    assert out.failures == {"rB": "sender rank 1: TCP bus send failed"}
+    assert [s.rank for s in out.senders] == [0, 1]  # rank 2 owns nothing: not a sender
+    short = merge(m, [ok0, SenderResult(rank=1, checksums=[[2, 21]])])
+    assert "no sender streamed bucket(s) [3]" in short.error
