@@ -261,12 +261,17 @@ class SyncTransaction:
     # ---- phase 3: commit / abort --------------------------------------------------------
     def commit(self, sync_id: str, version: int, checksums: dict[int, int]) -> tuple[int, int, float]:
         p = self._require(sync_id)
-        if not p.done.wait(timeout=max(0.0, p.deadline - time.monotonic())):
+        finished = p.done.wait(timeout=max(0.0, p.deadline - time.monotonic()))
+        if not finished or p.error:
+            # the deadline passed, or the sync was aborted meanwhile (a stream failed, or the timer
+            # fired at the same deadline): name the senders that still owed buckets
             with self._state_lock:
                 self._abort_locked("commit arrived before all buckets did")
             missing = {s: len(o) - p.arrived[s] for s, o in p.order.items() if p.arrived[s] < len(o)}
+            late = not finished or p.error == "timed out before commit"
             raise SyncError(f"sync {sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets arrived "
-                            f"before the deadline (missing per sender rank: {missing})", "DEADLINE_EXCEEDED")
+                            f"{'before the deadline' if late else 'before it was aborted: ' + p.error} "
+                            f"(missing per sender rank: {missing})", "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION")
         with self._state_lock:
             p = self._require(sync_id)
             if version != p.manifest.version:
