@@ -22,6 +22,8 @@ from weightsync.local.procs import free_port, wait_registered, wsctl
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3]
+# a torchrun trainer (2 or 4 ranks) and two rollouts per test: 35-75 s each on 2 shared cores
+pytestmark = pytest.mark.slow
 
 
 def _fleet(procs, model: str, nproc: int, *trainer_args: str, rate: float | None = None):

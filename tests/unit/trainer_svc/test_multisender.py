@@ -85,7 +85,8 @@ def test_two_senders_stream_their_own_buckets_and_both_rollouts_commit_exactly()
             (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
             assert torch.equal(logits, src.score(IDS, 1)[1])
     finally:
-        for _, rx in rollouts:
+        for tx, rx in rollouts:
+            tx.abort("v7-test", "test over")
             rx.stop()
 
 
@@ -104,7 +105,8 @@ def test_a_sender_failing_mid_export_fails_the_stream_and_every_rollout_aborts()
             # the stream of rank 1 ended early: each rollout aborted and serves what it had
             assert tx.pending_sync_id == "" and tx.state == rollout_pb2.SERVING and tx.version == 0
     finally:
-        for _, rx in rollouts:
+        for tx, rx in rollouts:
+            tx.abort("v7-test", "test over")
             rx.stop()
 
 
@@ -115,7 +117,8 @@ def test_a_rank_with_another_layout_refuses_to_stream():
         res = run_sender(RankActor(1, state, [1] * len(owners)), job)
         assert "different bucket layout" in res.error and res.buckets == 0
     finally:
-        for _, rx in rollouts:
+        for tx, rx in rollouts:
+            tx.abort("v7-test", "test over")
             rx.stop()
 
 
