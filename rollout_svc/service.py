@@ -155,6 +155,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
+            if kind in ("nccl", "ipc") and len(manifest.senders) > 1:
+                # nccl and ipc move one sender's buckets; the other senders' would never come
+                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
+                                "buckets of one sender (multi-sender streaming is tcp only)", "INVALID_ARGUMENT")
             ipc_uuid = nccl_uuid = ""
             if kind == "nccl":
                 self.nccl.check(request.transport.nccl)

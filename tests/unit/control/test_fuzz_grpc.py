@@ -250,6 +250,26 @@ def test_out_of_range_sync_timeouts_are_rejected(servers, t):
                  trainer_pb2.SyncRequest(timeout_seconds=t)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_multi_sender_manifest_is_refused_over_nccl_and_ipc(servers):
+    """Only the TCP bus carries several senders' buckets (one connection each)."""
+    trainer, rollout, _ = servers
+    m = _real_manifest(trainer)
+    assert len(m.buckets) > 1
+    m.buckets[-1].sender = 1
+    stub = rollout_stub(channel(rollout.grpc.address), "")
+    for kind in ("nccl", "ipc"):
+        req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30)
+        getattr(req.transport, kind).SetInParent()
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.PrepareSync(req)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"name senders [0, 1]; transport {kind} carries the buckets of one sender" in ei.value.details()
+    req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30)
+    req.transport.tcp.SetInParent()
+    assert stub.PrepareSync(req).transport.tcp.data_address
+    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id=m.sync_id, reason="test over"))
+
+
 def test_servers_still_serve_and_sync_after_fuzzing(servers):
     trainer, rollout, _ = servers
     rstub = rollout_stub(channel(rollout.grpc.address), "")

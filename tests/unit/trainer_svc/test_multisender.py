@@ -1,7 +1,7 @@
 """trainer_svc.multisender without torchrun: two sender ranks (threads with a stand-in for the
 megatron actor's per-rank export) stream their own buckets to real rollout receivers (TcpReceiver
 + SyncTransaction + built-in engine); rank 0 merges their reports. The torchrun version of the
-same path runs in tests/e2e/test_multisender.py."""
+same path runs in tests/e2e/test_multisender_e2e.py."""
 import threading
 
 import pytest

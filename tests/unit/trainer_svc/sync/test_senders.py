@@ -1,0 +1,141 @@
+"""The orchestrator's choice of senders and its merge of their reports, with a fake two-rank actor
+(the torchrun version runs in tests/e2e/test_multisender_e2e.py)."""
+import threading
+
+import pytest
+import torch
+
+from trainer_svc.multisender import SenderResult, SendJob
+from trainer_svc.registry import RolloutEntry
+from trainer_svc.sync.orchestrator import SyncOrchestrator
+from weightsync.bus.plan import TensorMeta
+from weightsync.bus.tcp.wire import hello_mac
+from weightsync.obs.metrics import SyncMetrics
+from weightsync.v1 import rollout_pb2
+
+METAS = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
+OWNERS = [0, 0, 1, 1]
+
+
+class TwoRankActor:
+    """Owns w0, w1 on rank 0 and w2, w3 on rank 1; `run_senders` answers with canned reports."""
+
+    family, version = "fake", 3
+
+    def __init__(self, rank1=None):
+        self.rank1 = rank1 or {}
+        self.jobs, self.funnelled = [], 0
+        self.export_stats = {}
+
+    def export_metas(self):
+        return list(METAS)
+
+    def export_owners(self):
+        return list(OWNERS)
+
+    def export_tensors(self):  # the funnel: rank 0 yields everything, having received rank 1's half
+        self.funnelled += 1
+        self.export_stats = {"forwarded_bytes": 2 * 64 * 4}
+        return iter((m.name, torch.zeros(m.shape)) for m in METAS)
+
+    def run_senders(self, job):
+        self.jobs.append(SendJob.from_args(job))
+        mine = [[0, 100], [1, 101]]
+        ranks = [SenderResult(rank=0, buckets=2, bytes=512, seconds=0.5, checksums=mine),
+                 SenderResult(**{"rank": 1, "buckets": 2, "bytes": 512, "seconds": 0.9,
+                                 "checksums": [[2, 102], [3, 103]], **self.rank1})]
+        return [r.__dict__ for r in ranks]
+
+
+def _orch(actor, calls, **kw):
+    o = SyncOrchestrator(actor, threading.Lock(), None, SyncMetrics("trainer"), token="tok", bucket_bytes=256,
+                         default_transport="tcp", sync_timeout=30, rpc_timeout=5, origin="o", **kw)
+
+    def call(entry, method, req):
+        calls.append((entry.rollout_id, method, req))
+        if method == "PrepareSync":
+            resp = rollout_pb2.PrepareSyncResponse()
+            resp.transport.tcp.data_address = f"{entry.rollout_id}:9"
+            return resp, ""
+        if method == "CommitSync":
+            return rollout_pb2.CommitSyncResponse(version=req.version), ""
+        return rollout_pb2.AbortSyncResponse(), ""
+    o._call = call
+    return o
+
+
+def _targets():
+    return [RolloutEntry("a", "a:1"), RolloutEntry("b", "b:1")]
+
+
+def test_every_owner_streams_and_the_commit_carries_all_senders_checksums():
+    calls, actor = [], TwoRankActor()
+    orch = _orch(actor, calls)
+    rep = orch.sync(_targets())
+    assert rep.ok and actor.funnelled == 0
+    (job,) = actor.jobs
+    assert job.targets == {"a": "a:9", "b": "b:9"} and job.version == 3
+    assert job.macs == {"0": hello_mac("tok", rep.sync_id, 0).hex(), "1": hello_mac("tok", rep.sync_id, 1).hex()}
+    prepared = [req for _, m, req in calls if m == "PrepareSync"][0]
+    assert [b.sender for b in prepared.manifest.buckets] == [0, 0, 1, 1]
+    commit = [req for _, m, req in calls if m == "CommitSync"][0]
+    assert [(c.index, c.checksum) for c in commit.checksums] == [(0, 100), (1, 101), (2, 102), (3, 103)]
+    assert [(s.rank, s.bytes, s.seconds) for s in rep.senders] == [(0, 512, 0.5), (1, 512, 0.9)]
+    m = orch.metrics
+    assert m.sender_bytes.labels("trainer", "1")._value.get() == 512
+
+
+def test_a_rollout_one_sender_dropped_fails_alone_and_a_failed_sender_fails_all():
+    calls = []
+    rep = _orch(TwoRankActor({"failures": {"b": "TCP bus send failed"}}), calls).sync(_targets())
+    ok = {r.rollout_id: r for r in rep.rollouts}
+    assert ok["a"].ok and not ok["b"].ok and ok["b"].error == "sender rank 1: TCP bus send failed"
+    assert [r for r, m, _ in calls if m == "AbortSync"] == ["b"]
+    calls = []
+    rep = _orch(TwoRankActor({"error": "rank 1: export failed", "checksums": []}), calls).sync(_targets())
+    assert not any(r.ok for r in rep.rollouts) and all("rank 1: export failed" in r.error for r in rep.rollouts)
+    assert not any(m == "CommitSync" for _, m, _ in calls)
+    assert sorted(r for r, m, _ in calls if m == "AbortSync") == ["a", "b"]
+    assert rep.senders[1].error == "rank 1: export failed"
+
+
+def test_rank0_funnels_and_reports_what_was_forwarded_to_it():
+    calls, actor = [], TwoRankActor()
+    orch = _orch(actor, calls, senders="rank0")
+    orch.transports["tcp"].begin = _fake_tcp_begin(orch.transports["tcp"].begin)
+    rep = orch.sync(_targets())
+    assert actor.jobs == [] and actor.funnelled == 1
+    assert [(s.rank, s.bytes, s.forwarded_bytes) for s in rep.senders] == [(0, 1024, 512)]
+    prepared = [req for _, m, req in calls if m == "PrepareSync"][0]
+    assert {b.sender for b in prepared.manifest.buckets} == {0}
+
+
+def _fake_tcp_begin(begin):
+    """The funnel streams through the session's channel: give it one that takes the bytes."""
+    def wrapped(*a, **kw):
+        session = begin(*a, **kw)
+
+        class Sink:
+            def send(self, plan, buf, checksum):
+                pass
+
+            def failures(self):
+                return {}
+
+            def close(self):
+                pass
+        session.open = lambda targets, timeout: Sink()
+        return session
+    return wrapped
+
+
+def test_senders_all_is_refused_for_nccl_and_ipc_per_request_and_falls_back_when_configured(caplog):
+    calls, actor = [], TwoRankActor()
+    orch = _orch(actor, calls)
+    for transport in ("nccl", "ipc"):
+        with pytest.raises(ValueError, match=f"senders=all streams over tcp only; transport={transport}"):
+            orch.sync(_targets(), transport, senders="all")
+    assert orch._owners("nccl", "all") is None and "streams from global rank 0 only" in caplog.text
+    assert orch._owners("tcp", "all") == OWNERS and orch._owners("tcp", "rank0") is None
+    with pytest.raises(ValueError, match="senders='everyone' must be all or rank0"):
+        orch.sync(_targets(), senders="everyone")
