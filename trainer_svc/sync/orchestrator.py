@@ -136,15 +136,15 @@ class SyncOrchestrator:
             log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
                      manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
                      manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
-            attempt = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export)
-            attempt_results, retry = attempt.run()
+            one = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export)
+            attempt_results, retry = one.run()
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
             self._log_retry(manifest.sync_id, targets, retry)
             targets = retry
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
-        self._report_senders(report, attempt.senders)
+        self._report_senders(report, one.senders)
         self.last_report = report
         return report
 
