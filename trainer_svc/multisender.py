@@ -63,6 +63,7 @@ class SenderResult:
     failures: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was dropped
     checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
     forwarded_bytes: int = 0          # other ranks' tensors it received first (the funnel only)
+    peak_buffer_bytes: int = 0        # its pack buffers (<= 2 buckets)
 
 
 def sender_manifest(metas, owners, job: SendJob) -> Manifest:
@@ -98,6 +99,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                                        timeout=max(0.001, deadline - time.monotonic()))
                 res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
+                res.peak_buffer_bytes = stats.peak_buffer_bytes
             finally:
                 res.failures = sender.failures()
                 sender.close()

@@ -90,6 +90,7 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
         assert sorted(s) == [0, 1], rep.senders
         assert (s[0].bytes, s[1].bytes) == (stage0, stage1)
         assert s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0  # nothing crossed to rank 0
+        assert all(0 < x.peak_buffer_bytes <= 2 << 20 for x in s.values())  # two 1 MiB buckets at most
         assert trainer.metric("weightsync_sync_sender_bytes_total", 'rank="0",role="trainer"') == stage0
         assert trainer.metric("weightsync_sync_sender_bytes_total", 'rank="1",role="trainer"') == stage1
         assert trainer.metric("weightsync_sync_forwarded_bytes_total", 'rank="0",role="trainer"') == 0

@@ -2,7 +2,7 @@
 
 Every rank builds the actor (a collective load). Then rank 0 drives through the public API while
 the other ranks sit in `worker_loop()`: export_tensors (compared bit-exactly with the original
-safetensors), export_metas vs what was yielded, save_hf, an early-stopped export, shutdown. With PP=1
+safetensors; before that, every rank's own export without the rank-0 funnel, the multi-sender path), export_metas vs what was yielded, save_hf, an early-stopped export, shutdown. With PP=1
 all ranks then run a forward and rank 0 compares logits with transformers. Rank 0 writes a JSON
 report to --out.
 """
@@ -37,6 +37,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer_svc.actor.megatron.actor import MegatronActor
+    from tests.support.own_export import check_own_export
     from trainer_svc.actor.megatron.model import forward_logits
 
     rank = int(os.environ["RANK"])
@@ -58,6 +59,8 @@ def main() -> None:
             ok[0] = int(torch.equal(head.detach()[: rows.shape[0]], rows) and bool((head.detach()[rows.shape[0]:] == 0).all()))
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         res["tied_head_ok"] = bool(ok.item())
+        # multi-sender export, every rank at once: each yields exactly its own tensors
+        res["own_export_ok"], res["senders"] = check_own_export(actor, load_file(str(Path(d) / "model.safetensors")))
         if rank != 0:
             actor.worker_loop()
         else:

@@ -201,6 +201,7 @@ class SyncAttempt:
             # and all the trainer's work per bucket (export + pack + checksum)
             self.phases.add("stream.export", stats.export_seconds)
             self.phases.add("stream.pack", stats.pack_seconds)
+            sender.peak_buffer_bytes = stats.peak_buffer_bytes
             return stats.checksums
         except Exception as exc:
             sender.error = str(exc)

@@ -185,7 +185,7 @@ class SyncOrchestrator:
         m = self.metrics
         for s in senders:
             report.senders.add(rank=s.rank, bytes=s.bytes, num_buckets=s.buckets, seconds=s.seconds, error=s.error,
-                               forwarded_bytes=s.forwarded_bytes)
+                               forwarded_bytes=s.forwarded_bytes, peak_buffer_bytes=s.peak_buffer_bytes)
             rank = str(s.rank)
             m.sender_bytes.labels(m.role, rank).inc(s.bytes)
             m.sender_seconds.labels(m.role, rank).observe(s.seconds)

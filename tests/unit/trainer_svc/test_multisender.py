@@ -79,6 +79,9 @@ def test_two_senders_stream_their_own_buckets_and_both_rollouts_commit_exactly()
         assert out.error == "" and out.failures == {}
         assert [(s.rank, s.buckets, s.bytes) for s in out.senders] == [
             (r, len(m.buckets_of(r)), sum(b.tensor_bytes for b in m.buckets_of(r))) for r in (0, 1)]
+        # each sender's pack buffers: at most two of its own buckets
+        for s in out.senders:
+            assert 0 < s.peak_buffer_bytes <= 2 * max(b.nbytes for b in m.buckets_of(s.rank)), s
         for tx, _ in rollouts:
             version, _, _ = tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))
             assert version == 7

@@ -34,6 +34,9 @@ def test_hf_megatron_hf_roundtrip(tp, pp, vpp, hf_dirs, tmp_path):
         assert res["saved_exact"], f"{family}: save_hf() did not reload bit-exactly in transformers"
         assert res["version"] == 1
         assert res["tied_head_ok"], f"{family}: the last stage's copy of the tied embedding differs"
+        # multi-sender: every owner yields exactly its tensors; one sender per pipeline stage
+        assert res["own_export_ok"], f"{family}: a rank's own export differs from what export_owners() gives it"
+        assert len(res["senders"]) == pp, res["senders"]
         if pp == 1:
             # the strongest check of the mapping: same weights, same logits (fp32, CPU)
             assert res["logits_rel_err"] <= 1e-5, f"{family}: logits rel err {res['logits_rel_err']}"

@@ -50,6 +50,10 @@ def test_roundtrip_is_bit_exact_and_logits_match(report):
         assert res["mismatch"] == [] and res["missing"] == [], f"{case}: not bit-exact {res}"
         assert res["metas_match"], f"{case}: export_metas() differs from what export_tensors() yields"
         assert res["saved_exact"], f"{case}: save_hf() wrote different tensors"
+        assert res["own_export_ok"], f"{case}: a rank's own export differs from what export_owners() gives it"
+        # one sender per pipeline stage, and with EP=2 (TP=1 or ETP=1) the second EP rank sends its experts
+        assert len(res["senders"]) == (2 if case.startswith(("ep2/", "pp2-vpp2/", "tp2-ep2-etp1/")) else 1), \
+            (case, res["senders"])
         if "logits_rel_err" in res:
             # fp32 agrees to rounding; the grouped layout runs in bf16 on both sides
             tol = 2e-2 if case.endswith("/grouped") else 1e-5
