@@ -17,12 +17,12 @@ no KV state computed from old weights survives a load even if a caller forgets f
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from rollout_svc.engine.base import SampleResult, SamplingParams
-from rollout_svc.engine.checkpoint_names import checkpoint_views
+from rollout_svc.engine.checkpoint_names import SplitParam, checkpoint_views
 from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
 from weightsync.bus.plan import TensorMeta
@@ -86,6 +86,12 @@ class BuiltinEngine:
 
     def param_metas(self) -> dict[str, TensorMeta]:
         return {n: TensorMeta(n, tuple(p.shape), p.dtype) for n, p in self._params.items()}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) for every weight: the parameter itself, or a copy of the part
+        of a fused parameter a checkpoint tensor is (MoE experts)."""
+        for n, p in self._params.items():
+            yield n, (p.value() if isinstance(p, SplitParam) else p)
 
     def _target(self, name: str):
         if self.tied and name == "lm_head.weight":

@@ -25,6 +25,11 @@ class SplitParam:
     def numel(self) -> int:
         return self.index.numel()
 
+    def value(self) -> torch.Tensor:
+        """A copy of the tensor's current values, in its checkpoint shape."""
+        flat = self.fused.data.view(-1)
+        return flat.index_select(0, self.index.reshape(-1).to(flat.device)).reshape(self.shape)
+
     def copy_(self, t: torch.Tensor, non_blocking: bool = False) -> None:
         flat = self.fused.data.view(-1)
         flat.index_copy_(0, self.index.reshape(-1).to(flat.device),

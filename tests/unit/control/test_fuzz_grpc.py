@@ -257,14 +257,15 @@ def test_a_multi_sender_manifest_is_refused_over_nccl_and_ipc(servers):
     assert len(m.buckets) > 1
     m.buckets[-1].sender = 1
     stub = rollout_stub(channel(rollout.grpc.address), "")
+    tid = trainer.trainer_id  # the rollout follows this trainer once an earlier test synced it
     for kind in ("nccl", "ipc"):
-        req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30)
+        req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
         getattr(req.transport, kind).SetInParent()
         with pytest.raises(grpc.RpcError) as ei:
             stub.PrepareSync(req)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"name senders [0, 1]; transport {kind} carries the buckets of one sender" in ei.value.details()
-    req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30)
+    req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
     req.transport.tcp.SetInParent()
     assert stub.PrepareSync(req).transport.tcp.data_address
     stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id=m.sync_id, reason="test over"))

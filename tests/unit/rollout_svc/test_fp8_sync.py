@@ -33,7 +33,7 @@ def _engine(spec: str, seed: int, dtype=torch.float32) -> BuiltinEngine:
 
 
 def _fp8_sync(src: BuiltinEngine, version=1, sync_id="s1", bucket_bytes=8 << 10):
-    named = [(n, p.detach().clone()) for n, p in src._params.items()]
+    named = [(n, p.detach().clone()) for n, p in src.named_weights()]
     metas = export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
     m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=bucket_bytes, checksum_algo=ALGO,
                       quantization=fp8.BLOCK_FP8)
@@ -75,11 +75,12 @@ def test_fp8_sync_loads_dequantized_weights_and_logits_stay_close(spec, mode):
     _apply(tx, m, bufs)
     assert tx.state == rollout_pb2.SERVING and tx.version == 1
     # exactly the dequantized weights (one rounding to bf16), the rest as bf16 copies
-    for n, p in src._params.items():
+    got = dict(eng.named_weights())
+    for n, p in src.named_weights():
         want = fp8.dequantize(*fp8.quantize(p)) if is_quantized(n, tuple(p.shape)) else p
-        assert torch.equal(eng._params[n], want.to(torch.bfloat16)), n
+        assert torch.equal(got[n], want.to(torch.bfloat16)), n
     ref = _engine(spec, seed=2, dtype=torch.bfloat16)
-    ref.load_weights((n, p) for n, p in src._params.items())
+    ref.load_weights((n, p) for n, p in src.named_weights())
     rel = _rel(_logits(eng), _logits(ref))
     assert 0 < rel < LOGITS_RTOL, f"{spec}: FP8 logits {rel:.4f} off the bf16 logits"
 
@@ -97,7 +98,7 @@ def test_fp8_sync_with_a_bad_checksum_aborts_and_keeps_serving_the_old_version()
 
 def test_fp8_manifest_with_a_broken_pair_is_refused_at_prepare():
     src = _engine("tiny-qwen2", 1)
-    named = [(n, p) for n, p in src._params.items()]
+    named = [(n, p) for n, p in src.named_weights()]
     metas = [x for x in export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
              if x.name != "model.layers.1.mlp.up_proj.weight_scale_inv"]
     m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20, quantization=fp8.BLOCK_FP8)
