@@ -75,6 +75,7 @@ class SyncOrchestrator:
         self.manifests = ManifestCache()
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
         self._warned_funnel = False
+        self._warned_quantized = False
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
@@ -172,6 +173,14 @@ class SyncOrchestrator:
         if senders != "all" or owners is None:
             return None
         owners = owners()
+        if self.export_format.quantization is not None and len(set(owners)) > 1:
+            # The format is applied to rank 0's stream (trainer_svc/export_format.py); the other
+            # ranks export their own tensors unquantized, so a quantized sync goes through rank 0.
+            if not self._warned_quantized:
+                log.warning("export_dtype=%s streams from global rank 0 only: multi-sender streaming sends "
+                            "plain dtypes", self.export_format.name)
+                self._warned_quantized = True
+            return None
         if transport != "tcp" and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "

@@ -139,3 +139,16 @@ def test_senders_all_is_refused_for_nccl_and_ipc_per_request_and_falls_back_when
     assert orch._owners("tcp", "all") == OWNERS and orch._owners("tcp", "rank0") is None
     with pytest.raises(ValueError, match="senders='everyone' must be all or rank0"):
         orch.sync(_targets(), senders="everyone")
+
+
+def test_a_quantized_export_goes_through_rank0(caplog):
+    """fp8-block is applied to rank 0's stream only: its metas (weight + scale_inv pairs) are not
+    the owners' tensors, so the sync funnels instead of planning senders over the wrong layout."""
+    from trainer_svc.export_format import FP8_BLOCK, export_format
+
+    calls, actor = [], TwoRankActor()
+    orch = _orch(actor, calls, export_format=export_format(FP8_BLOCK))
+    assert orch._owners("tcp", "all") is None and "streams from global rank 0 only" in caplog.text
+    session, manifest = orch._plan([], "tcp", "all")
+    assert manifest.senders == [0] and manifest.quantization is not None
+    assert _orch(TwoRankActor(), [])._owners("tcp", "all") == OWNERS  # plain export: every owner sends
