@@ -50,7 +50,8 @@ def _sync(stub, senders: str) -> trainer_pb2.SyncReport:
 def _row(rep: trainer_pb2.SyncReport) -> dict:
     return {"seconds": rep.seconds, "stream_s": rep.phase_seconds.get("stream", 0.0),
             "senders": [{"rank": s.rank, "mb": s.bytes / 1e6, "seconds": s.seconds,
-                         "forwarded_mb": s.forwarded_bytes / 1e6} for s in rep.senders]}
+                         "forwarded_mb": s.forwarded_bytes / 1e6, "buffer_mb": s.peak_buffer_bytes / 1e6}
+                        for s in rep.senders]}
 
 
 def main() -> int:

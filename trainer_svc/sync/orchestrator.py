@@ -199,6 +199,7 @@ class SyncOrchestrator:
             m.sender_bytes.labels(m.role, rank).inc(s.bytes)
             m.sender_seconds.labels(m.role, rank).observe(s.seconds)
             m.forwarded_bytes.labels(m.role, rank).inc(s.forwarded_bytes)
+            m.sender_buffer_bytes.labels(m.role, rank).set(s.peak_buffer_bytes)
         if len(senders) > 1:
             log.info("sync %s: per sender %s", report.sync_id,
                      ", ".join(f"rank {s.rank} {s.bytes / 1e6:.1f} MB in {s.seconds:.3f}s" for s in senders))

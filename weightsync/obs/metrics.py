@@ -45,6 +45,10 @@ class SyncMetrics:
                                        "Bytes of other ranks' tensors that a sender received to send them on "
                                        "(the rank-0 funnel; 0 with multi-sender streaming)", ["role", "rank"],
                                        registry=r)
+        self.sender_buffer_bytes = Gauge("weightsync_sync_sender_buffer_bytes",
+                                         "Each trainer rank's reusable pack buffers in its last sync (two buckets "
+                                         "at most): with the tensor it is assembling, its extra memory",
+                                         ["role", "rank"], registry=r)
         self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
                                          "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
                                          "cached group adds none", ["role"], registry=r).labels(role)

@@ -70,7 +70,9 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
             mark = "  <- slowest" if len(rep.senders) > 1 and s.seconds == slowest else ""
             fwd = f", {s.forwarded_bytes / 1e6:.1f} MB forwarded to it" if s.forwarded_bytes else ""
             err = f"  FAILED: {s.error}" if s.error else ""
-            print(f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{fwd}{mark}{err}")
+            buf = f", buffers {s.peak_buffer_bytes / 1e6:.1f} MB" if s.peak_buffer_bytes else ""
+            print(f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{buf}{fwd}"
+                  f"{mark}{err}")
     for r in rep.rollouts:
         print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
 

@@ -41,8 +41,8 @@ class TwoRankActor:
     def run_senders(self, job):
         self.jobs.append(SendJob.from_args(job))
         mine = [[0, 100], [1, 101]]
-        ranks = [SenderResult(rank=0, buckets=2, bytes=512, seconds=0.5, checksums=mine),
-                 SenderResult(**{"rank": 1, "buckets": 2, "bytes": 512, "seconds": 0.9,
+        ranks = [SenderResult(rank=0, buckets=2, bytes=512, seconds=0.5, checksums=mine, peak_buffer_bytes=512),
+                 SenderResult(**{"rank": 1, "buckets": 2, "bytes": 512, "seconds": 0.9, "peak_buffer_bytes": 256,
                                  "checksums": [[2, 102], [3, 103]], **self.rank1})]
         return [r.__dict__ for r in ranks]
 
@@ -83,6 +83,9 @@ def test_every_owner_streams_and_the_commit_carries_all_senders_checksums():
     assert [(s.rank, s.bytes, s.seconds) for s in rep.senders] == [(0, 512, 0.5), (1, 512, 0.9)]
     m = orch.metrics
     assert m.sender_bytes.labels("trainer", "1")._value.get() == 512
+    # each sender's pack buffers, in the report and as a gauge (its memory bound, per rank)
+    assert [s.peak_buffer_bytes for s in rep.senders] == [512, 256]
+    assert m.sender_buffer_bytes.labels("trainer", "1")._value.get() == 256
 
 
 def test_a_rollout_one_sender_dropped_fails_alone_and_a_failed_sender_fails_all():
