@@ -155,7 +155,14 @@ def test_a_sender_killed_mid_stream_aborts_the_sync_on_every_rollout(procs):
     Qwen2Config(**MODEL_KW).save_pretrained(str(model))
     trainer, rollouts, proxies, links = _fleet(procs, str(model), 2, rate=5e6)
     try:
+        # first a complete multi-sender sync (unpaced): the version the rollouts must keep serving
+        initial = [score(rstub(r), PROMPT) for r in rollouts]
+        links.reset(None)
+        first = sync_rpc(trainer.address)
+        assert first.ok and sorted(s.rank for s in first.senders) == [0, 1], first
         served = [score(rstub(r), PROMPT) for r in rollouts]
+        assert all(v == first.version and not torch.equal(a, b) for (a, _), (b, v) in zip(initial, served))
+        links.reset(5e6)
         victim = _rank_pid(trainer.popen.pid, 1)
         links.hooks.append((1, 1_000_000, lambda: os.kill(victim, signal.SIGKILL)))
         errors = []
@@ -176,7 +183,7 @@ def test_a_sender_killed_mid_stream_aborts_the_sync_on_every_rollout(procs):
         assert links.sent.get(1, 0) < 20e6, links.sent
         for r, (logits, version) in zip(rollouts, served):
             st = status(rstub(r))
-            assert st.state == rollout_pb2.SERVING and st.version == version == 0, st
+            assert st.state == rollout_pb2.SERVING and st.version == version == first.version, st
             assert "aborted" in st.last_error, st.last_error
             now, v = score(rstub(r), PROMPT)
             assert v == version and torch.equal(now, logits)
