@@ -1,6 +1,13 @@
 """Multi-sender streaming with the trainer's ranks on GPUs: a torchrun megatron trainer with PP=2
 (rank r on cuda:r) streams each stage's buckets from its own GPU over TCP to two rollouts (one per
-GPU). Run on a host with >= 2 GPUs: pytest -m gpu tests/gpu/test_multisender_gpu.py.
+GPU). Run on a host with >= 2 GPUs:
+
+    OMP_NUM_THREADS=4 python -m pytest -q -s -m gpu tests/gpu/test_multisender_gpu.py
+
+The second test times multi-sender against the rank-0 funnel on a model big enough to measure
+(about 0.5 B parameters in fp32 by default; `WS_MS_GPU_LAYERS` / `WS_MS_GPU_HIDDEN` resize it,
+`WS_MS_GPU_REPS` sets the syncs of each kind), checks both exactly, and writes its figures as JSON
+to `WS_BENCH_OUT` when set.
 
 Exactness as in test_services_gpu.py: a rollout's logits equal, bit for bit, those of a reference
 engine loaded from the trainer's own export on the rollout's GPU. NCCL streams from rank 0 only
@@ -8,11 +15,15 @@ engine loaded from the trainer's own export on the rollout's GPU. NCCL streams f
 """
 from __future__ import annotations
 
+import json
+import os
+import statistics
+
 import torch
 
 from test_services_gpu import (NGPU, _assert_exact, _model_dir, _reference_logits, _sync, needs_gpus,  # noqa: F401
                                fleet)
-from weightsync.local.procs import start_trainer, wait_registered, wsctl
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl
 
 import pytest
 
@@ -55,3 +66,69 @@ def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_fun
         _assert_exact(rs[1], _reference_logits(t, fleet.tmp, "nccl", "cuda:1", torch.float32), int(rep["version"]))
     finally:
         t.stop()
+
+
+def _big_model(root):
+    """A Qwen2 whose two pipeline halves weigh about the same (untied head), written where
+    test_services_gpu._model_dir looks, so the reference engine is built from the same config."""
+    from transformers import Qwen2Config
+
+    hidden = int(os.environ.get("WS_MS_GPU_HIDDEN", "2048"))
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_attention_heads=16,
+                      num_key_value_heads=4, num_hidden_layers=int(os.environ.get("WS_MS_GPU_LAYERS", "8")),
+                      vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+    d = root / "model"
+    cfg.save_pretrained(str(d))
+    return d
+
+
+@needs_gpus(2)
+def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
+    reps = int(os.environ.get("WS_MS_GPU_REPS", "3"))
+    d = _big_model(tmp_path)
+    started = []
+    try:
+        t = start_trainer(tmp_path, "--backend", "megatron", "--model", str(d), "--pp", "2", "--bucket-mb", "64",
+                          "--no-auto-sync-new-rollouts", "--init-seed", "1", nproc=2)
+        started.append(t)
+        t.wait_ready(600)
+        rs = []
+        for i in range(2):
+            rs.append(start_rollout(tmp_path, "--model", str(d), "--init-seed", "2", "--trainer-address", t.address,
+                                    "--device", f"cuda:{i}", name=f"r{i}"))
+            started.append(rs[-1])
+        for r in rs:
+            r.wait_ready(300)
+        wait_registered(t.address, ["r0", "r1"])
+        runs = {"all": [], "rank0": []}
+        for _ in range(reps):  # alternating, so drift on the host hits both kinds alike
+            for kind in ("all", "rank0"):
+                rc, rep = _sync(t, "--senders", kind)
+                assert rc == 0 and rep["ok"] and rep["transport"] == "tcp", rep
+                ranks = sorted(int(s["rank"]) for s in rep["senders"])
+                assert ranks == ([0, 1] if kind == "all" else [0]), rep["senders"]
+                runs[kind].append(rep)
+        # both kinds published the same weights; each rollout serves them exactly
+        version = int(runs["all"][-1]["version"])
+        for i, r in enumerate(rs):
+            _assert_exact(r, _reference_logits(t, tmp_path, f"timed-{i}", f"cuda:{i}", torch.float32), version)
+        ms = {int(s["rank"]): s for s in runs["all"][-1]["senders"]}
+        assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in ms.values())
+        assert int(runs["rank0"][-1]["senders"][0]["forwarded_bytes"]) == int(ms[1]["bytes"])
+        med = {k: statistics.median(float(r["seconds"]) for r in v) for k, v in runs.items()}
+        stream = {k: statistics.median(float(r["phase_seconds"]["stream"]) for r in v) for k, v in runs.items()}
+        out = {"bytes_per_rollout": int(runs["all"][-1]["bytes"]), "rollouts": 2, "reps": reps,
+               "median_seconds": med, "median_stream_seconds": stream, "speedup": med["rank0"] / med["all"],
+               "senders_all": [{"rank": k, "bytes": int(s["bytes"]), "seconds": float(s["seconds"]),
+                                "peak_buffer_bytes": int(s.get("peak_buffer_bytes", 0))} for k, s in sorted(ms.items())],
+               "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
+               "runs": runs}
+        print("multi-sender vs funnel:", json.dumps({k: v for k, v in out.items() if k != "runs"}))
+        if os.environ.get("WS_BENCH_OUT"):
+            with open(os.environ["WS_BENCH_OUT"], "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        for p in started:
+            p.stop()
+        for p in started:
+            print(f"----- {p.name} log (tail) -----\n{p.log()[-2000:]}")
