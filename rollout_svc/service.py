@@ -159,6 +159,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 # nccl and ipc move one sender's buckets; the other senders' would never come
                 raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
                                 "buckets of one sender (multi-sender streaming is tcp only)", "INVALID_ARGUMENT")
+            if kind == "tcp" and len(manifest.senders) > self.limits.max_bus_connections:
+                # one bus connection per sender: the extra ones would be closed and the sync time out
+                raise SyncError(f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
+                                f"max_bus_connections={self.limits.max_bus_connections} bus connections: raise "
+                                "limits.max_bus_connections to at least the trainer's sender count, or sync with "
+                                "senders=rank0", "INVALID_ARGUMENT")
             ipc_uuid = nccl_uuid = ""
             if kind == "nccl":
                 self.nccl.check(request.transport.nccl)

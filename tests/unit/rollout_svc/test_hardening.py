@@ -250,6 +250,26 @@ def test_bus_connections_are_capped(rollout):
             s.close()
 
 
+def test_a_manifest_with_more_senders_than_bus_connections_is_refused_at_prepare(rollout):
+    """One bus connection per sender: with max_bus_connections=2 a third sender's stream would be
+    closed at the door and the sync time out, so PrepareSync refuses it and names the knob."""
+    from weightsync.bus.plan import make_manifest, manifest_to_proto
+
+    metas = list(rollout.engine.param_metas().values())
+    stub = rollout_stub(channel(rollout.grpc.address), "", 30)
+
+    def manifest(n: int, sync_id: str):
+        owners = [i * n // len(metas) for i in range(len(metas))]
+        return manifest_to_proto(make_manifest(metas, version=5, sync_id=sync_id, bucket_bytes=1 << 16, owners=owners))
+
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.PrepareSync(_prepare_req(manifest(3, "v5-three")))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "name 3 senders; this rollout accepts max_bus_connections=2" in ei.value.details()
+    assert stub.PrepareSync(_prepare_req(manifest(2, "v5-two"))).transport.tcp.data_address
+    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="v5-two", reason="test over"))
+
+
 # ---- pinned to its trainer, rollback, ready only when current ---------------------------------
 
 def test_foreign_trainer_is_refused_and_rollback_needs_allow(tmp_path):
