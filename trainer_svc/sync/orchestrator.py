@@ -87,6 +87,9 @@ class SyncOrchestrator:
         if senders == "all" and transport != "tcp":
             raise ValueError(f"senders=all streams over tcp only; transport={transport} sends every bucket from "
                              "global rank 0: ask for senders=rank0 (or leave it empty), or transport=tcp")
+        if senders == "all" and self.export_format.quantization is not None:
+            raise ValueError(f"senders=all streams plain dtypes only; export_dtype={self.export_format.name} is "
+                             "streamed from global rank 0: ask for senders=rank0 (or leave it empty)")
         senders = senders or self.senders
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
@@ -172,15 +175,16 @@ class SyncOrchestrator:
         owners = getattr(self.actor, "export_owners", None)
         if senders != "all" or owners is None:
             return None
-        owners = owners()
-        if self.export_format.quantization is not None and len(set(owners)) > 1:
-            # The format is applied to rank 0's stream (trainer_svc/export_format.py); the other
-            # ranks export their own tensors unquantized, so a quantized sync goes through rank 0.
-            if not self._warned_quantized:
+        if self.export_format.quantization is not None:
+            # The format is applied to rank 0's stream (trainer_svc/export_format.py) and changes its
+            # tensors (weight + scale pairs): the owners list describes the actor's plain tensors, and
+            # the other ranks export theirs unquantized, so a quantized sync goes through rank 0.
+            if not self._warned_quantized and len(set(owners())) > 1:
                 log.warning("export_dtype=%s streams from global rank 0 only: multi-sender streaming sends "
                             "plain dtypes", self.export_format.name)
                 self._warned_quantized = True
             return None
+        owners = owners()
         if transport != "tcp" and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "

@@ -154,4 +154,11 @@ def test_a_quantized_export_goes_through_rank0(caplog):
     assert orch._owners("tcp", "all") is None and "streams from global rank 0 only" in caplog.text
     session, manifest = orch._plan([], "tcp", "all")
     assert manifest.senders == [0] and manifest.quantization is not None
+    assert len(manifest.buckets[0].slots) and manifest.num_tensors == len(orch.export_format.metas(METAS))
+    with pytest.raises(ValueError, match="senders=all streams plain dtypes only; export_dtype=fp8-block"):
+        orch.sync(_targets(), senders="all")
+    # one owner (PP=1) too: the owners list has one entry per plain tensor, not per exported one
+    single = TwoRankActor()
+    single.export_owners = lambda: [0] * len(METAS)
+    assert _orch(single, [], export_format=export_format(FP8_BLOCK))._owners("tcp", "all") is None
     assert _orch(TwoRankActor(), [])._owners("tcp", "all") == OWNERS  # plain export: every owner sends
