@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.bus.layout import KnownLayouts, ManifestCache, compact_proto, layout_digest
-from weightsync.bus.plan import TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
+from weightsync.bus.plan import ALIGN, TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
 
 
 def _metas(n: int = 6, dtype=torch.bfloat16) -> list[TensorMeta]:
@@ -142,3 +142,36 @@ def test_quantization_is_part_of_the_layout():
     held = known.manifest_of(compact_proto(q))
     assert held is not None and held.quantization == fp8
     assert known.manifest_of(compact_proto(p)) is None  # the bf16 layout is not held: the full one is asked for
+
+
+def test_digest_covers_which_sender_streams_each_bucket():
+    """Multi-sender: the same buckets streamed by other ranks are another layout. Each tensor fills
+    its own bucket here, so moving t2 from rank 1 to rank 0 changes nothing but bucket 2's sender —
+    a rollout holding the old layout would wait for bucket 2 on rank 1's stream while rank 0 sent it."""
+    metas, kw = _metas(4), dict(version=1, sync_id="a", bucket_bytes=ALIGN)
+    a = make_manifest(metas, owners=[0, 0, 1, 1], **kw)
+    b = make_manifest(metas, owners=[0, 0, 0, 1], **kw)
+    funnel = make_manifest(metas, **kw)
+    slots = [[(s.meta.name, s.offset) for s in x.slots] for x in a.buckets]
+    assert slots == [[(s.meta.name, s.offset) for s in x.slots] for x in b.buckets] == \
+        [[(s.meta.name, s.offset) for s in x.slots] for x in funnel.buckets]
+    assert [x.sender for x in a.buckets] == [0, 0, 1, 1] and [x.sender for x in b.buckets] == [0, 0, 0, 1]
+    assert len({layout_digest(a), layout_digest(b), layout_digest(funnel)}) == 3
+    # the rollout computes the same digest from the full manifest it receives (senders on the wire)
+    assert layout_digest(manifest_from_proto(manifest_to_proto(a))) == layout_digest(a)
+
+
+def test_manifest_cache_replans_when_the_senders_change_and_the_rollout_asks_again():
+    cache, metas = ManifestCache(), _metas(4)
+    multi = _plan(cache, metas, bucket_bytes=ALIGN, owners=[0, 0, 1, 1])
+    assert cache.plans == 1 and [b.sender for b in multi.buckets] == [0, 0, 1, 1]
+    assert _plan(cache, metas, sync_id="s2", bucket_bytes=ALIGN, owners=[0, 0, 1, 1]).layout_digest == multi.layout_digest
+    assert cache.plans == 1
+    funnel = _plan(cache, metas, sync_id="s3", bucket_bytes=ALIGN)  # senders=rank0 for this sync
+    assert cache.plans == 2 and funnel.senders == [0] and funnel.layout_digest != multi.layout_digest
+    # a rollout that validated the multi-sender layout does not take the funnel's by digest
+    known = KnownLayouts()
+    held = known.manifest_of(manifest_to_proto(multi))
+    known.remember(held)
+    assert known.manifest_of(compact_proto(multi)).senders == [0, 1]
+    assert known.manifest_of(compact_proto(funnel)) is None  # manifest_needed: the full one follows
