@@ -286,15 +286,25 @@ class SyncTransaction:
                     self._abort_locked("commit lacks bucket checksums")
                     raise SyncError(f"commit carries {len(checksums)} checksums for {len(p.received)} buckets",
                                     "INVALID_ARGUMENT")
+            if self.apply_mode == "staged":
+                # A generation holds the engine; wait for it no longer than the sync may last, then
+                # abort (the staged weights were never applied: the old version keeps serving).
+                if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
+                    self._abort_locked("the engine stayed busy generating until the sync's deadline")
+                    raise SyncError(f"sync {sync_id}: the engine did not become free to apply the weights "
+                                    "before the sync's deadline (a long generation holds it); raise the sync "
+                                    "timeout or lower the rollout's generation limits", "DEADLINE_EXCEEDED")
             t0 = time.perf_counter()
             try:
                 if self.apply_mode == "staged":
-                    with self.engine_lock:
+                    try:
                         self.state = S.APPLYING
                         self.engine.load_weights(p.loadable(p.staging.items()))
                         p.check_complete()
                         self.engine.flush_cache()
                         self._finish_locked(p, version)
+                    finally:
+                        self.engine_lock.release()
                 else:
                     p.check_complete()
                     end_apply = getattr(self.engine, "end_apply", None)  # flushes and resumes (SGLang)

@@ -112,3 +112,33 @@ def test_inplace_uses_optional_engine_hooks():
     tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
     assert eng.calls == ["begin"] + [("bucket", i) for i in range(len(bufs))] + ["end"]
     assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
+
+
+def test_staged_commit_waits_for_a_busy_engine_only_until_the_deadline():
+    """A generation that holds the engine past the sync's deadline makes the commit fail in time
+    (DEADLINE_EXCEEDED), not hang: the staged weights are dropped and the old version keeps serving."""
+    import threading
+    import time
+
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "staged")
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    tx.prepare(m, timeout=1.0)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
+    release = threading.Event()
+    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(10), timeout=5), daemon=True)
+    busy.start()
+    deadline = time.monotonic() + 5
+    while not tx.engine_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tx.engine_lock.locked()
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="did not become free") as err:
+        tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
+    assert err.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 2.0
+    release.set()
+    busy.join(5)
+    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
+    assert torch.equal(_logits(tx), before)
