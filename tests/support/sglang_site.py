@@ -77,7 +77,7 @@ class SiteUnavailable(Exception):
     """PyPI cannot be reached and nothing is cached: the tier is skipped, not passed."""
 
 
-def _pypi_reachable() -> bool:
+def pypi_reachable() -> bool:
     try:
         socket.create_connection(("pypi.org", 443), timeout=5).close()
         return True
@@ -89,7 +89,7 @@ def _pip(args: list[str], what: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=600)
     if proc.returncode == 0:
         return
-    if not _pypi_reachable():
+    if not pypi_reachable():
         raise SiteUnavailable(f"PyPI unreachable; cannot fetch {what} (cache: {CACHE_DIR})")
     raise RuntimeError(f"pip {' '.join(args[:2])} for {what} failed (PyPI is reachable):\n{proc.stderr[-2000:]}")
 

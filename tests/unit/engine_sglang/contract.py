@@ -3,7 +3,6 @@ and find what the adapter modules actually use of sglang."""
 from __future__ import annotations
 
 import ast
-import socket
 import subprocess
 import sys
 import zipfile
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_svc.engine.sglang_api import ApiUse
+from tests.support.sglang_site import pypi_reachable
 
 CACHE_DIR = Path.home() / ".cache" / "weightsync" / "sglang"
 # sglang 0.5.2x ships cp311 manylinux wheels only (compiled Rust extensions inside); ask pip for
@@ -21,14 +21,6 @@ _PIP_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--implementatio
 
 class WheelUnavailable(Exception):
     """PyPI cannot be reached: the contract cannot be checked here (a skip, not a pass)."""
-
-
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
 
 
 def fetch_wheel(version: str, cache_dir: Path = CACHE_DIR) -> Path:
@@ -42,7 +34,7 @@ def fetch_wheel(version: str, cache_dir: Path = CACHE_DIR) -> Path:
     have = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
     if proc.returncode == 0 and have:
         return have[0]
-    if not _pypi_reachable():
+    if not pypi_reachable():
         raise WheelUnavailable(f"PyPI unreachable; cannot download sglang=={version} to check the adapter contract")
     raise RuntimeError(f"pip download sglang=={version} failed (PyPI is reachable):\n{proc.stderr[-2000:]}")
 
