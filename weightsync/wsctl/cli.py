@@ -85,10 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=os.environ.get("WSCTL_TOKEN_FILE", ""),
                    help="file with the control-plane token (env WSCTL_TOKEN_FILE; or WSCTL_TOKEN)")
     p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output (also accepted after the subcommand)")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="trainer version, rollouts, their versions and states, last sync")
-    s = sub.add_parser("sync", help="publish the trainer's weights to rollouts and wait for the result")
+    # `--json` on either side of the subcommand; SUPPRESS keeps a subcommand without it from
+    # resetting what was given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    sub.add_parser("status", parents=[common], help="trainer version, rollouts, their versions and states, last sync")
+    s = sub.add_parser("sync", parents=[common], help="publish the trainer's weights to rollouts and wait for the result")
     s.add_argument("--rollout", action="append", default=[], help="rollout id (repeatable; default: all)")
     s.add_argument("--transport", choices=["tcp", "nccl", "ipc"], default="", help="override the default transport")
     s.add_argument("--sync-timeout", type=float, default=0.0, help="per-sync timeout in seconds (0 = trainer default)")
@@ -97,14 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "counted in weightsync_sync_rollbacks_total)")
     s.add_argument("--senders", choices=["all", "rank0"], default="",
                    help="override who streams: every rank that owns tensors (all) or global rank 0 alone")
-    lw = sub.add_parser("load", help="load an HF safetensors directory into the trainer (bumps its version)")
+    lw = sub.add_parser("load", parents=[common], help="load an HF safetensors directory into the trainer (bumps its version)")
     lw.add_argument("path")
-    ex = sub.add_parser("export", help="write the trainer's exported HF tensors to a directory on the trainer host")
+    ex = sub.add_parser("export", parents=[common], help="write the trainer's exported HF tensors to a directory on the trainer host")
     ex.add_argument("out_dir")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `wsctl status | head`: the reader left after the command did its work. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise (and print a traceback) again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:

@@ -88,6 +88,7 @@ class HfActor:
             yield n, p.detach().to(self.export_dtype)
 
     def load_hf(self, path: str) -> None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -95,7 +96,10 @@ class HfActor:
             raise ValueError(f"hf_path {path}: no *.safetensors files")
         state = {}
         for f in files:
-            state.update(load_file(str(f)))
+            try:
+                state.update(load_file(str(f)))
+            except SafetensorError as exc:  # truncated or not safetensors at all: the caller's file, not our bug
+                raise ValueError(f"hf_path {path}: {f.name} is not a readable safetensors file ({exc})") from None
         own = dict(self._named())
         missing = sorted(set(own) - set(state))
         if missing:

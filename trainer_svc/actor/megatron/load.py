@@ -35,16 +35,19 @@ def _tp_slice(sl, full_shape, rule: Rule, tp: int, tp_rank: int, vocab_size: int
 
 def index_safetensors(path: str) -> dict[str, Path]:
     """HF tensor name -> file holding it, for every *.safetensors file in `path`."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"hf_path {path}: no *.safetensors files")
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                where[k] = f
+        try:
+            with safe_open(str(f), framework="pt") as h:  # checks the header against the file size
+                for k in h.keys():
+                    where[k] = f
+        except SafetensorError as exc:
+            raise ValueError(f"hf_path {path}: {f.name} is not a readable safetensors file ({exc})") from None
     return where
 
 

@@ -1,0 +1,88 @@
+"""wsctl against a real in-process trainer: `--json` on either side of the subcommand, a closed
+stdout pipe, and a corrupt checkpoint answered INVALID_ARGUMENT (exit 1, not 3 "unreachable")."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.wsctl.cli import EXIT_FAILED, EXIT_OK, main
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-root")
+
+
+@pytest.fixture(scope="module")
+def trainer(root):
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    # admin file operations stay under the data root: the corrupt checkpoints are written there
+    app = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                             model="tiny-qwen2", data_root=str(root)))
+    app.start()
+    yield app
+    app.stop()
+
+
+@pytest.mark.parametrize("argv", [["--json", "status"], ["status", "--json"], ["--json", "status", "--json"]])
+def test_json_on_either_side(trainer, capsys, argv):
+    assert main(["--address", trainer.grpc.address, *argv]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["version"] == str(trainer.actor.version)
+
+
+def test_sync_json_after_the_subcommand(trainer, capsys):
+    # no rollout registered: the sync "fails" (exit 1) but the report is JSON, not a usage error (2)
+    assert main(["--address", trainer.grpc.address, "sync", "--json"]) == EXIT_FAILED
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] is False and rep["rollouts"] == []
+
+
+def test_plain_output_without_json(trainer, capsys):
+    assert main(["--address", trainer.grpc.address, "status"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("trainer  version") and not out.lstrip().startswith("{")
+
+
+def test_closed_pipe_is_quiet(trainer):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen([sys.executable, "-m", "weightsync.wsctl.cli", "--address", trainer.grpc.address, "status",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # like `| head` that has already exited
+    err = p.stderr.read().decode()
+    assert p.wait(60) == EXIT_OK, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\"", os.urandom(4096), "truncated"])
+def test_load_of_a_corrupt_safetensors_is_invalid_argument(trainer, root, capsys, content):
+    tmp_path = root / f"case-{abs(hash(content if isinstance(content, str) else bytes(content[:64]))):x}"
+    tmp_path.mkdir()
+    if content == "truncated":
+        from trainer_svc.export_hf import save_hf_dir
+
+        good = tmp_path / "good"
+        save_hf_dir(trainer.actor, str(good))
+        data = (good / "model.safetensors").read_bytes()
+        content = data[: len(data) // 2]
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(content)
+    version = trainer.actor.version
+    assert main(["--address", trainer.grpc.address, "load", str(d)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in err and "model.safetensors" in err and "not a readable safetensors file" in err, err
+    assert trainer.actor.version == version  # nothing loaded
+
+
+def test_megatron_index_names_the_corrupt_file(tmp_path):
+    from trainer_svc.actor.megatron.load import index_safetensors
+
+    (tmp_path / "model-00001.safetensors").write_bytes(os.urandom(100))
+    with pytest.raises(ValueError, match="model-00001.safetensors is not a readable safetensors file"):
+        index_safetensors(str(tmp_path))
