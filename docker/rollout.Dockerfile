@@ -25,14 +25,15 @@ COPY weightsync ./weightsync
 COPY trainer_svc ./trainer_svc
 COPY rollout_svc ./rollout_svc
 
-# grpcio / health checking / protobuf are the control plane's; everything else (torch,
+# grpcio / health checking / protobuf are the control plane's, fastapi / uvicorn its HTTP side
+# (pinned as in pyproject.toml; SGLang's server uses them too); everything else (torch,
 # transformers, safetensors, numpy, prometheus-client, tqdm, pyyaml) comes with SGLang.
 # The import check fails the build if SGLang's environment lacks something we need.
 RUN python -m pip install --no-cache-dir --no-deps . \
  && python -m pip install --no-cache-dir \
         "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "protobuf>=7.35.1" \
-        "prometheus-client>=0.20" "safetensors>=0.4" "pyyaml>=6" \
- && python -c "import rollout_svc.cli, sglang, weightsync.v1.rollout_pb2" \
+        "prometheus-client>=0.20" "safetensors>=0.4" "pyyaml>=6" "fastapi==0.165.0" "uvicorn==0.54.0" \
+ && python -c "import rollout_svc.cli, rollout_svc.app, sglang, uvicorn, weightsync.v1.rollout_pb2" \
  && rollout-svc serve --help >/dev/null
 
 RUN groupadd --gid 10001 ws \

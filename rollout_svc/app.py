@@ -16,7 +16,7 @@ from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.model_spec import family_of
-from weightsync.obs.http import HttpEndpoints
+from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
@@ -34,7 +34,8 @@ class RolloutApp:
         self.grpc = ServiceServer(cfg.server.grpc_address, token)
         self.metrics = SyncMetrics("rollout")
         self._ready = False
-        self.http = HttpEndpoints(cfg.server.http_address, self.metrics.registry, self._readiness)
+        self.http = serve_http(cfg.server.http_address, title="weightsync rollout-svc", registry=self.metrics.registry,
+                               ready=self._readiness)
         from rollout_svc.engine.factory import make_engine
 
         self.engine = make_engine(cfg)

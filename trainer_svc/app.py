@@ -13,6 +13,7 @@ import uuid
 
 from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
+from trainer_svc.http_api import trainer_router
 from trainer_svc.export_format import export_format
 from trainer_svc.paths import DataRoots
 from trainer_svc.registry import RolloutRegistry
@@ -22,7 +23,7 @@ from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
-from weightsync.obs.http import HttpEndpoints
+from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
 from weightsync.v1 import trainer_pb2_grpc
 
@@ -44,7 +45,8 @@ class TrainerApp:
         self.grpc = ServiceServer(cfg.server.grpc_address, self.token)
         self.metrics = SyncMetrics("trainer")
         self.trainer_metrics = TrainerMetrics(self.metrics.registry)
-        self.http = HttpEndpoints(cfg.server.http_address, self.metrics.registry, self._readiness)
+        self.http = serve_http(cfg.server.http_address, title="weightsync trainer-svc", registry=self.metrics.registry,
+                               ready=self._readiness)
         if actor is None:
             from trainer_svc.actor.factory import make_actor
 
@@ -70,6 +72,7 @@ class TrainerApp:
                                         cfg.fleet.auto_sync_new_rollouts,
                                         roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
+        self.http.include(trainer_router(self.servicer, self.token))
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.
         self.servicer.init_training(cfg)
         for addr in cfg.fleet.rollouts:
