@@ -6,6 +6,7 @@ import signal
 import threading
 
 from rollout_svc.config import RolloutConfig
+from rollout_svc.http_api import rollout_router
 from rollout_svc.pinning import TrainerPin
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
@@ -54,6 +55,7 @@ class RolloutApp:
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
+        self.http.include(rollout_router(self.servicer, token, cfg.inference.model))
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.servicer.device)
         if warm:

@@ -93,27 +93,38 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             sampling = SamplingParams(max_new_tokens=s.max_new_tokens or 16, temperature=s.temperature,
                                       top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
                                       stop_token_ids=tuple(s.stop_token_ids), n=s.n or 1)
-            # The budget before anything else: a 60-byte request must not buy hours of engine time.
-            check_generate(self.limits, len(request.prompts), sampling.n, sampling.max_new_tokens)
-            sampling.validate()
-            with self.admission.admit(context.peer()):
-                prompts = [list(p.token_ids) for p in request.prompts]
-                results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
-        except RequestRefused as exc:
-            self._refused(exc)
-            self.rollout_metrics.request("error")
-            _abort(context, exc)
+            results, version = self.generate([list(p.token_ids) for p in request.prompts], sampling, context.peer())
         except (ValueError, SyncError) as exc:
-            self.rollout_metrics.request("error")
             _abort(context, exc)
-        self.rollout_metrics.request("ok")
         out = rollout_pb2.GenerateResponse(version=version)
         for r in results:
-            self.rollout_metrics.prefix_hits.inc(1 if r.prefix_cache_hit else 0)
             out.samples.add(prompt_index=r.prompt_index, token_ids=r.token_ids,
                             logprobs=r.logprobs if request.return_logprobs else [],
                             finish_reason=r.finish_reason, prefix_cache_hit=r.prefix_cache_hit)
         return out
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, client: str):
+        """(results, version) of one generation request: gRPC Generate and HTTP /v1/completions share
+        the budget, the validation, fair admission per `client`, the engine run and the metrics."""
+        try:
+            if not prompts:
+                raise ValueError("prompts: need at least 1 prompt, got 0")
+            # The budget before anything else: a 60-byte request must not buy hours of engine time.
+            check_generate(self.limits, len(prompts), sampling.n, sampling.max_new_tokens)
+            sampling.validate()
+            with self.admission.admit(client):
+                results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
+        except RequestRefused as exc:
+            self._refused(exc)
+            self.rollout_metrics.request("error")
+            raise
+        except (ValueError, SyncError):
+            self.rollout_metrics.request("error")
+            raise
+        self.rollout_metrics.request("ok")
+        for r in results:
+            self.rollout_metrics.prefix_hits.inc(1 if r.prefix_cache_hit else 0)
+        return results, version
 
     def Score(self, request, context):
         try:

@@ -4,7 +4,7 @@ Like tests/unit/control/test_fuzz_grpc.py for the gRPC handlers: every request, 
 gets a deliberate answer: 2xx, or 4xx with a message (503 "busy" is deliberate too), never a 500
 (an unhandled exception) or a hang; the services keep serving afterwards. Values are drawn around
 the edges (NaN, inf, huge and negative numbers, lone surrogates, wrong types, unknown fields), with
-the number of examples kept small so the run stays bounded (< 60 s).
+valid generation sizes kept small so the run stays bounded (< 60 s).
 """
 from __future__ import annotations
 
@@ -43,6 +43,22 @@ def _check(code: int, text: str, what) -> None:
         assert detail and str(detail).strip(), f"{what}: {code} without a message"
 
 
+completion_body = st.fixed_dictionaries({}, optional={
+    "prompt": st.one_of(st.lists(st.integers(-(2 ** 40), 300), max_size=4),
+                        st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=3), weird_text,
+                        st.lists(weird_text, max_size=2), json_any),
+    "max_tokens": st.one_of(st.integers(1, 4), huge, json_leaf),
+    "temperature": st.one_of(floats, json_leaf),
+    "top_p": st.one_of(floats, json_leaf),
+    "top_k": st.one_of(st.integers(-5, 5), huge),
+    "n": st.one_of(st.integers(1, 3), huge, json_leaf),
+    "logprobs": st.one_of(st.integers(-3, 8), huge, json_leaf),
+    "seed": st.one_of(st.integers(0, 2 ** 63 + 5), huge, json_leaf),
+    "stop_token_ids": st.lists(st.integers(-(2 ** 70), 2 ** 70), max_size=3),
+    "stream": json_leaf, "echo": json_leaf, "model": json_leaf, "user": json_leaf,
+    "bogus": json_leaf,
+})
+
 sync_body = st.fixed_dictionaries({}, optional={
     "rollout_ids": st.one_of(st.lists(weird_text, max_size=3), json_any, st.just(["r1"])),
     "transport": st.one_of(weird_text, st.sampled_from(["", "tcp", "nccl", "ipc"]), json_leaf),
@@ -51,6 +67,17 @@ sync_body = st.fixed_dictionaries({}, optional={
     "allow_rollback": json_leaf,
     "extra": json_leaf,
 })
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(body=st.one_of(completion_body, json_any))
+def test_fuzz_completions(services, body):
+    _, rollout = services
+    code, _, text = http(rollout.http.port, "/v1/completions", raw=_dumps(body), headers=AUTH, timeout=30)
+    _check(code, text, body)
+    if code == 200:
+        out = json.loads(text)
+        assert out["weight_version"] == rollout.tx.version and out["choices"]
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -62,13 +89,13 @@ def test_fuzz_sync(services, body):
 
 
 @settings(max_examples=100, **SETTINGS)
-@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/sync", "/v1/status", "/readyz", "/metrics"]),
+@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/completions", "/v1/sync", "/v1/status", "/readyz"]),
        ctype=st.sampled_from(["application/json", "text/plain", "multipart/form-data", ""]),
        auth=st.one_of(st.just(f"Bearer {TOKEN}"), weird_text.filter(lambda s: s.isascii() and "\n" not in s
                                                                     and "\r" not in s and "\x00" not in s)))
 def test_fuzz_raw_requests(services, raw, path, ctype, auth):
     trainer, rollout = services
-    port = rollout.http.port if path == "/metrics" else trainer.http.port
+    port = rollout.http.port if path == "/v1/completions" else trainer.http.port
     code, _, text = http(port, path, raw=raw, method="POST", headers={"Content-Type": ctype, "Authorization": auth},
                          timeout=30)
     _check(code, text, (path, raw, ctype, auth))
@@ -80,3 +107,6 @@ def test_services_still_serve_after_fuzzing(services):
     assert code == 200 and json.loads(text)["ok"] is True
     assert rollout.tx.version == trainer.actor.version
     assert http(rollout.http.port, "/readyz")[0] == 200
+    code, _, text = http(rollout.http.port, "/v1/completions", body={"prompt": [1, 2], "max_tokens": 2}, headers=AUTH)
+    assert code == 200 and json.loads(text)["weight_version"] == trainer.actor.version
+    assert not rollout.tx.engine_lock.locked()  # no request left holding the engine

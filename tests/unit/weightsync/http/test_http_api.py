@@ -1,8 +1,9 @@
 """The HTTP side of both services, against real in-process services on loopback ports.
 
 Probes and metrics behave as before the move to FastAPI; the trainer's REST mirror answers what
-the gRPC admin API answers (same validation, same JSON as `wsctl --json`); both refuse
-bodies over the limit before reading them.
+the gRPC admin API answers (same validation, same JSON as `wsctl --json`); a rollout's
+/v1/completions is gRPC Generate in OpenAI's shape, token for token; both refuse bodies over the
+limit before reading them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST
 from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, http
 
-from weightsync.control.client import channel, trainer_stub
+from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
@@ -141,7 +142,9 @@ def test_openapi_describes_the_api(services):
     assert set(spec["components"]["schemas"]["SyncBody"]["properties"]) == {
         "rollout_ids", "transport", "timeout_seconds", "senders", "allow_rollback"}
     spec = json.loads(http(rollout.http.port, "/openapi.json")[2])
-    assert {"/healthz", "/readyz", "/metrics"} <= set(spec["paths"]) and "/v1/sync" not in spec["paths"]
+    assert "/v1/completions" in spec["paths"] and "/v1/sync" not in spec["paths"]
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "temperature", "top_p", "n", "logprobs", "seed"} <= set(props)
 
 
 def test_oversized_body_is_413_before_it_is_read(services):
@@ -150,3 +153,98 @@ def test_oversized_body_is_413_before_it_is_read(services):
         s.sendall(b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {1 << 30}\r\n\r\n{{".encode())
         assert s.recv(100).startswith(b"HTTP/1.1 413")
+
+
+# ---- rollout /v1/completions ---------------------------------------------------------------
+def _grpc_generate(rollout, prompts, **sampling):
+    with channel(rollout.grpc.address) as ch:
+        return rollout_stub(ch, TOKEN).Generate(rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], return_logprobs=True,
+            sampling=rollout_pb2.SamplingParams(**sampling)))
+
+
+def test_completions_equal_grpc_generate(services):
+    _, rollout = services
+    prompts = [[5, 6, 7], [9, 10]]
+    code, headers, body = http(rollout.http.port, "/v1/completions", headers=AUTH, body={
+        "model": "m", "prompt": prompts, "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "n": 2, "seed": 11,
+        "logprobs": 1})
+    assert code == 200, body
+    out = json.loads(body)
+    ref = _grpc_generate(rollout, prompts, max_new_tokens=7, temperature=0.8, top_p=0.9, n=2, seed=11)
+    assert out["object"] == "text_completion" and out["model"] == "m" and out["id"].startswith("cmpl-")
+    assert out["weight_version"] == ref.version == int(headers["X-Weight-Version"]) == rollout.tx.version
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in out["choices"]] == [list(s.token_ids) for s in ref.samples]
+    assert [c["logprobs"]["token_logprobs"] for c in out["choices"]] == [list(s.logprobs) for s in ref.samples]
+    assert [c["finish_reason"] for c in out["choices"]] == [s.finish_reason for s in ref.samples]
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": sum(len(s.token_ids) for s in ref.samples),
+                            "total_tokens": 5 + sum(len(s.token_ids) for s in ref.samples)}
+    # a flat token list is one prompt; logprobs not asked -> null
+    code, _, body = http(rollout.http.port, "/v1/completions", headers=AUTH,
+                         body={"prompt": [5, 6, 7], "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "seed": 11})
+    one = json.loads(body)
+    assert one["choices"][0]["logprobs"] is None and len(one["choices"]) == 1
+    ref = _grpc_generate(rollout, [[5, 6, 7]], max_new_tokens=7, temperature=0.8, top_p=0.9, seed=11)
+    assert one["choices"][0]["token_ids"] == list(ref.samples[0].token_ids)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "hello"}, "token ids"),
+    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1, 2], "n": 0}, "n="),
+    ({"prompt": [1, 2], "top_p": 0}, "top_p"),
+    ({"prompt": [1, 999]}, "999"),
+    ({"prompt": []}, "prompts"),
+    ({"prompt": [[]]}, "empty"),
+    ({"prompt": [1, 2], "logprobs": 9}, "logprobs"),
+    ({"prompt": [1, 2], "seed": -1}, "seed"),
+    ({"prompt": [1, 2], "stream": True}, "stream"),
+    ({"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_completions_reject_bad_requests_naming_the_field(services, body, needle):
+    _, rollout = services
+    code, _, text = http(rollout.http.port, "/v1/completions", body=body, headers=AUTH)
+    assert code == 400 and needle in json.loads(text)["detail"], text
+
+
+def test_completions_need_the_token(services):
+    _, rollout = services
+    assert http(rollout.http.port, "/v1/completions", body={"prompt": [1]})[0] == 401
+
+
+def test_text_prompts_with_a_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from weightsync.models import TINY
+
+    kw = dict(TINY["tiny-qwen2"])
+    AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(str(tmp_path))
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cat sat on a mat dog ran".split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(tmp_path))
+    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                             model=str(tmp_path), rollout_id="tok", serve_initial_weights=True))
+    app.start()
+    try:
+        code, _, body = http(app.http.port, "/v1/completions",
+                             body={"prompt": ["the cat sat", "a dog"], "max_tokens": 4, "temperature": 0,
+                                   "logprobs": 0})
+        assert code == 200, body
+        out = json.loads(body)
+        hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)  # what a client of the model uses
+        ids = [hf.encode(t, add_special_tokens=False) for t in ("the cat sat", "a dog")]
+        assert all(ids) and out["usage"]["prompt_tokens"] == sum(map(len, ids))
+        ref = _grpc_generate(app, ids, max_new_tokens=4, temperature=0)
+        for c, s in zip(out["choices"], ref.samples, strict=True):
+            assert c["token_ids"] == list(s.token_ids)
+            assert c["text"] == hf.decode(list(s.token_ids))
+            assert c["logprobs"]["tokens"] == [hf.decode([t]) for t in s.token_ids]
+    finally:
+        app.stop()
