@@ -1,7 +1,8 @@
 """OpenAI-compatible `POST /v1/completions` on a rollout, for agent environments that speak that API.
 
 It runs through the same generation path as gRPC Generate (`RolloutServicer.generate`): the same
-budget and validation, the same fair admission, the same engine lock and metrics.
+budget and validation, the same fair admission, the same engine lock and metrics; a client that
+disconnects stops its generation at the next decode step.
 Differences from OpenAI's API, all explicit: the prompt may be token ids (the tiny built-in models
 have no tokenizer, so text needs a model directory with one); `logprobs` returns the sampled token's
 log-prob only (`top_logprobs` is null); no streaming; `weight_version` (and the `X-Weight-Version`
@@ -9,6 +10,7 @@ header) says which weights produced the answer.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -140,13 +142,31 @@ def rollout_router(servicer, token: str, model: str) -> APIRouter:
             raise HTTPException(400, str(exc)) from None
         # Fair admission counts requests per client, as gRPC does per peer.
         client = f"http:{request.client.host if request.client else 'unknown'}"
+        gone = threading.Event()  # the client disconnected: the generation stops at its next step
+        stopping = request.app.state.stopping  # the service is shutting down
+
+        async def watch_disconnect():
+            while not gone.is_set():
+                if await request.is_disconnected():
+                    gone.set()
+                    return
+                await anyio.sleep(0.1)
+
+        def run():
+            return servicer.generate(prompts, sampling, client,
+                                     is_active=lambda: not (gone.is_set() or stopping.is_set()))
+
+        watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            results, version = await anyio.to_thread.run_sync(servicer.generate, prompts, sampling, client)
+            results, version = await anyio.to_thread.run_sync(run)
         except (ValueError, SyncError) as exc:
             code = getattr(exc, "code", "INVALID_ARGUMENT")
             # name the fields as this API does (the shared validation speaks of the gRPC fields)
             msg = str(exc).replace("sampling.max_new_tokens", "max_tokens").replace("sampling.", "")
             raise HTTPException(_HTTP_STATUS.get(code, 503), f"{code}: {msg}") from None
+        finally:
+            gone.set()  # a disconnect seen after this changes nothing
+            watcher.cancel()
         tok = await anyio.to_thread.run_sync(tokenizer.get)  # loads once, off the event loop
         choices = _choices(results, tok, body.logprobs is not None)
         prompt_tokens = sum(len(p) for p in prompts)

@@ -32,6 +32,10 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     context.abort(code, str(exc))
 
 
+class GenerationCancelled(SyncError):
+    """The client of a generation went away (gRPC cancel or deadline, HTTP disconnect)."""
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, rollout_id: str, engine, tx: SyncTransaction, metrics: SyncMetrics, engine_name: str,
                  family: str, data_address: str, sync_timeout: float, limits: LimitsConfig | None = None,
@@ -93,7 +97,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             sampling = SamplingParams(max_new_tokens=s.max_new_tokens or 16, temperature=s.temperature,
                                       top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
                                       stop_token_ids=tuple(s.stop_token_ids), n=s.n or 1)
-            results, version = self.generate([list(p.token_ids) for p in request.prompts], sampling, context.peer())
+            # context.is_active() turns False once the client cancels or its deadline passes
+            results, version = self.generate([list(p.token_ids) for p in request.prompts], sampling, context.peer(),
+                                             is_active=context.is_active)
         except (ValueError, SyncError) as exc:
             _abort(context, exc)
         out = rollout_pb2.GenerateResponse(version=version)
@@ -103,9 +109,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                             finish_reason=r.finish_reason, prefix_cache_hit=r.prefix_cache_hit)
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, client: str):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, client: str, is_active=None):
         """(results, version) of one generation request: gRPC Generate and HTTP /v1/completions share
-        the budget, the validation, fair admission per `client`, the engine run and the metrics."""
+        the budget, the validation, fair admission per `client`, the engine run and the metrics.
+
+        `is_active()` is asked between decode steps (engines that yield between steps); once it says
+        False the request stops with CANCELLED and the engine is free for the next one."""
+
+        def step():
+            if is_active is not None and not is_active():
+                raise GenerationCancelled("the client cancelled the request or its deadline passed; "
+                                          "generation stopped", "CANCELLED")
+
+        run = ((lambda eng: eng.generate(prompts, sampling, step=step))
+               if getattr(self.engine, "yields_between_steps", False) else
+               (lambda eng: eng.generate(prompts, sampling)))
         try:
             if not prompts:
                 raise ValueError("prompts: need at least 1 prompt, got 0")
@@ -113,7 +131,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             check_generate(self.limits, len(prompts), sampling.n, sampling.max_new_tokens)
             sampling.validate()
             with self.admission.admit(client):
-                results, version = self.tx.serve(lambda eng: eng.generate(prompts, sampling), timeout=_SERVE_WAIT_S)
+                results, version = self.tx.serve(run, timeout=_SERVE_WAIT_S)
+        except GenerationCancelled:
+            self.rollout_metrics.request("cancelled")
+            raise
         except RequestRefused as exc:
             self._refused(exc)
             self.rollout_metrics.request("error")

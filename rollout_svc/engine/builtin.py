@@ -34,6 +34,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 class BuiltinEngine:
     name = "builtin"
+    # generate(..., step=f) calls f() before each prefill and decode step (it may raise to stop)
+    yields_between_steps = True
 
     def __init__(self, model, config, *, max_prefix_cache_entries: int = 64,
                  max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES):
@@ -157,13 +159,17 @@ class BuiltinEngine:
         return out.past_key_values, last, False
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[SampleResult]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
+        """`step()`, if given, runs before each prefill and decode step; raising there stops the
+        request (its client went away) and frees the engine within one step."""
         sampling.validate()
         for i, p in enumerate(prompts):
             self._check_ids(p, f"prompts[{i}]", sampling.max_new_tokens)
         stops = set(sampling.stop_token_ids) | set(self.eos_ids)
         results: list[SampleResult] = []
+        step = step or (lambda: None)
         for pi, prompt in enumerate(prompts):
+            step()
             cache, last, hit = self._prefill(prompt)
             n = sampling.n
             if n > 1:
@@ -186,6 +192,7 @@ class BuiltinEngine:
                         done[r], reason[r] = True, "stop"
                 if all(done):
                     break
+                step()
                 out = self.model(tok[:, None].to(self.device), past_key_values=cache, use_cache=True)
                 cache, logits = out.past_key_values, out.logits[:, -1].float()
             results += [SampleResult(pi, toks[r], lps[r], reason[r], hit) for r in range(n)]

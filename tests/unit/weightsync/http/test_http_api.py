@@ -215,6 +215,25 @@ def test_completions_need_the_token(services):
     assert http(rollout.http.port, "/v1/completions", body={"prompt": [1]})[0] == 401
 
 
+def test_http_disconnect_frees_the_engine(services):
+    _, rollout = services
+    lock = rollout.tx.engine_lock
+    body = json.dumps({"prompt": [[1, 2, 3]] * 50, "max_tokens": 500, "n": 8}).encode()
+    s = socket.create_connection(("127.0.0.1", rollout.http.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 10
+    while not lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lock.locked(), "the request never started"
+    time.sleep(0.3)
+    s.close()
+    t0 = time.monotonic()
+    while lock.locked() and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert not lock.locked() and time.monotonic() - t0 < 1.0, time.monotonic() - t0
+
+
 def test_text_prompts_with_a_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
