@@ -165,7 +165,9 @@ def test_million_unknown_tensor_manifest_is_refused_fast(rollout):
     # End to end this includes moving 23 MB through loopback HTTP/2, 0.1-0.3 s on this shared 2-core
     # box; before the fix the call took 6.5 s of CPU and +460 MB (parsing alone is ~0.7 s here).
     assert min(times) < 0.5, times
-    assert _rss_kb() - rss0 < 150_000
+    # This process is client and server: the client's own copies of the 23 MB request, kept by the
+    # allocator, are up to ~150 MB of noise here (seen: +152 MB in one CI run). Parsing the manifest cost +460 MB.
+    assert _rss_kb() - rss0 < 250_000
     ch.close()
     assert rollout.tx.pending_sync_id == ""
     # The server's own work, from the received bytes to the refusal, is a length check.
