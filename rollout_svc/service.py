@@ -115,15 +115,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
         `is_active()` is asked between decode steps (engines that yield between steps); once it says
         False the request stops with CANCELLED and the engine is free for the next one."""
+        active = is_active if is_active is not None else (lambda: True)
 
-        def step():
-            if is_active is not None and not is_active():
-                raise GenerationCancelled("the client cancelled the request or its deadline passed; "
-                                          "generation stopped", "CANCELLED")
+        def run(eng, turn):
+            if not getattr(eng, "yields_between_steps", False):
+                return eng.generate(prompts, sampling)
 
-        run = ((lambda eng: eng.generate(prompts, sampling, step=step))
-               if getattr(self.engine, "yields_between_steps", False) else
-               (lambda eng: eng.generate(prompts, sampling)))
+            def step():
+                if not active():
+                    raise GenerationCancelled("the client cancelled the request or its deadline passed; "
+                                              "generation stopped", "CANCELLED")
+                turn()  # other pinned requests may take a turn here (engine_gate.py)
+            return eng.generate(prompts, sampling, step=step)
+
         try:
             if not prompts:
                 raise ValueError("prompts: need at least 1 prompt, got 0")
@@ -131,15 +135,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             check_generate(self.limits, len(prompts), sampling.n, sampling.max_new_tokens)
             sampling.validate()
             with self.admission.admit(client):
-                results, version = self.tx.serve(run, timeout=_SERVE_WAIT_S)
-        except GenerationCancelled:
+                results, version = self.tx.serve_turns(run, _SERVE_WAIT_S, active)
+        except SyncError as exc:
+            if exc.code != "CANCELLED":  # GenerationCancelled, or the gate's while queued for a turn
+                if isinstance(exc, RequestRefused):
+                    self._refused(exc)
+                self.rollout_metrics.request("error")
+                raise
             self.rollout_metrics.request("cancelled")
             raise
-        except RequestRefused as exc:
-            self._refused(exc)
-            self.rollout_metrics.request("error")
-            raise
-        except (ValueError, SyncError):
+        except ValueError:
             self.rollout_metrics.request("error")
             raise
         self.rollout_metrics.request("ok")

@@ -1,7 +1,9 @@
 """A weight sync on the rollout side, as a transaction: prepare → receive buckets → commit | abort.
 
-Invariant: generation is only ever served from a complete, known version. Generation and
-weight application share one engine lock; the version a response reports is read under it.
+Invariant: generation is only ever served from a complete, known version. Weight application
+holds the engine gate (rollout_svc/engine_gate.py) exclusively, like a lock; a request holds a
+version pin on it for its whole run (requests interleave between decode steps, a sync waits for
+the pins), and the version a response reports is read under its pin.
 
 Two apply modes (config `apply_mode`):
 - staged  — received tensors are held until commit, then loaded under the lock in one go. The
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_svc.engine_gate import EngineGate
 from rollout_svc.quantized import plan_apply
 from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import bucket_checksum, combine
@@ -104,7 +107,8 @@ class SyncTransaction:
             raise ValueError(f"apply_mode={apply_mode!r} must be staged or inplace")
         self.engine = engine
         self.apply_mode = apply_mode
-        self.engine_lock = threading.Lock()
+        # A sync acquires it like a lock; requests pin the version and take turns (engine_gate.py).
+        self.engine_lock = EngineGate()
         self._state_lock = threading.RLock()
         self._pending: _Pending | None = None
         self._timer: threading.Timer | None = None
@@ -367,12 +371,15 @@ class SyncTransaction:
 
     # ---- serving ------------------------------------------------------------------------
     def serve(self, fn, timeout: float):
-        """Run `fn(engine)` under the engine lock; returns (result, version it was served from)."""
-        if not self.engine_lock.acquire(timeout=timeout):
-            raise SyncError("engine busy applying weights; retry", "UNAVAILABLE")
-        try:
+        """Run `fn(engine)` pinned to the served version; returns (result, version it was served from)."""
+        return self.serve_turns(lambda engine, turn: fn(engine), timeout)
+
+    def serve_turns(self, fn, timeout: float, is_active: Callable[[], bool] = lambda: True):
+        """Run `fn(engine, turn)` under a version pin; `fn` calls `turn()` between engine steps to
+        let other requests interleave (and to stop once `is_active()` turns false). No sync can
+        change the weights while the pin is held, so the version returned is the one every step used."""
+        with self.engine_lock.pinned(timeout, is_active) as turn:
             if self.state == S.STALE:
                 raise SyncError(f"engine is STALE: {self.last_error}", "UNAVAILABLE")
-            return fn(self.engine), self.version
-        finally:
-            self.engine_lock.release()
+            turn.check()
+            return fn(self.engine, turn), self.version
