@@ -8,6 +8,7 @@ import threading
 from rollout_svc.config import RolloutConfig
 from rollout_svc.http_api import rollout_router
 from rollout_svc.pinning import TrainerPin
+from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
 from rollout_svc.transaction import SyncTransaction
@@ -60,6 +61,9 @@ class RolloutApp:
         warm = bucket_checksum_warm_up(self.servicer.device)
         if warm:
             log.info("checksum kernel ready on %s in %.2fs", self.servicer.device, warm)
+        warm = fp8_dequantize_warm_up(self.engine, self.servicer.device)
+        if warm:
+            log.info("FP8 dequantize kernel ready on %s in %.2fs", self.servicer.device, warm)
         if reg.trainer_address:
             req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
                                                      num_ranks=self.engine.num_ranks(),

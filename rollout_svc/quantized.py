@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
 from weightsync.formats.fp8_import import Dequantizer, logical_metas
-from weightsync.formats.fp8_spec import check_supported, hf_quantization_config
+from weightsync.formats.fp8_spec import BLOCK_FP8, check_supported, hf_quantization_config
+from weightsync.formats.fp8_warm import warm_dequantize as _warm_dequantize
 
 
 def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantizer | None]:
@@ -50,3 +51,21 @@ def serves_same_quantization(hf_config, quantization) -> bool:
                      f"weight_block_size={got[2]}, the trainer sends {want['quant_method']} {want['fmt']} "
                      f"blocks of {want['weight_block_size']}: serve a checkpoint quantized that way (ExportHf "
                      f"from a trainer with export_dtype=fp8-block writes one) or an unquantized one")
+
+
+def warm_dequantize(engine, device) -> float:
+    """Compile the FP8 dequantize kernel for the engine's parameters on `device` now; seconds it took.
+
+    Whether a trainer will send block FP8 is known only at a sync's prepare, so a rollout that would
+    have to dequantize it (its engine does not load the pairs itself) on a GPU compiles at start-up,
+    as it does the checksum. 0.0 off-GPU, without triton, or when the engine loads FP8 pairs itself.
+    """
+    native = getattr(engine, "loads_quantized", None)
+    try:
+        if native is not None and native(BLOCK_FP8):
+            return 0.0
+    except ValueError:
+        # a checkpoint quantized another way: a block-FP8 sync is refused at its prepare, saying
+        # why (plan_apply); nothing is ever dequantized here
+        return 0.0
+    return _warm_dequantize(engine.param_metas().values(), device)

@@ -23,6 +23,7 @@ from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
+from weightsync.formats.fp8_warm import warm_quantize as fp8_quantize_warm_up
 from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
 from weightsync.v1 import trainer_pb2_grpc
@@ -68,6 +69,11 @@ class TrainerApp:
         warm = bucket_checksum_warm_up(self.orch.device)
         if warm:
             log.info("checksum kernel ready on %s in %.2fs", self.orch.device, warm)
+        if self.orch.export_format.quantization is not None:
+            # So does the FP8 quantizer, once per dtype and shape class of the model's weights.
+            warm = fp8_quantize_warm_up(self.actor.export_metas(), self.orch.device)
+            if warm:
+                log.info("FP8 quantize kernel ready on %s in %.2fs", self.orch.device, warm)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
                                         cfg.fleet.auto_sync_new_rollouts,
                                         roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))

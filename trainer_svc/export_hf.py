@@ -13,9 +13,12 @@ from safetensors.torch import save_file
 def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
     """`fmt`: the trainer's ExportFormat (trainer_svc.export_format); None = as the actor exports."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     named = fmt.tensors(actor.export_tensors()) if fmt is not None else actor.export_tensors()
+    # Read to its end before anything is written: a quantized export refuses non-finite weights
+    # only after its last tensor (weightsync/formats/fp8_export.py), and a failed export must
+    # leave no directory behind, nor touch one that already holds an export.
     tensors = {name: t.detach().cpu().contiguous() for name, t in named}
+    out.mkdir(parents=True, exist_ok=True)
     if tensors:  # non-sender ranks of a multi-rank actor get nothing and write nothing
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (fmt.hf_config(actor.hf_config()) if fmt is not None else actor.hf_config()).save_pretrained(str(out))

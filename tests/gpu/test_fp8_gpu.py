@@ -153,3 +153,70 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
             p.stop()
         for p in procs:
             print(f"----- {p.name} log (tail) -----\n{p.log()[-3000:]}")
+
+
+@needs_cuda
+def test_the_fp8_export_stream_waits_for_the_gpu_once_at_its_end():
+    from weightsync.bus.plan import TensorMeta
+    from weightsync.formats.fp8_export import export_metas, export_tensors
+
+    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(1000, 700, device="cuda")) for i in range(6)]
+    named.insert(3, ("model.norm.weight", torch.ones(700, device="cuda")))
+    n = len(export_metas(TensorMeta(name, tuple(t.shape), t.dtype) for name, t in named))
+
+    def every_tensor_then_the_end(stream):
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+        try:
+            got = [next(stream) for _ in range(n)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return got, list(stream)  # the end of the stream: its one check
+
+    got, rest = every_tensor_then_the_end(export_tensors(iter(named)))
+    assert len(got) == n and rest == []
+    named[5][1][999, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"tensor model.layers.4.mlp.up_proj.weight: block \[7, 0\] holds inf or nan"):
+        every_tensor_then_the_end(export_tensors(iter(named)))
+
+
+_FP8_WARM_PROBE = """
+import json, time, torch
+from bench.model_shapes import shapes
+from weightsync.bus.plan import TensorMeta
+from weightsync.formats import fp8_triton, fp8_warm
+from weightsync.formats.fp8_export import is_quantized
+metas = [TensorMeta(n, s, torch.float32) for n, s in shapes("7b")]
+warm_q = fp8_warm.warm_quantize(metas, "cuda:0")
+warm_d = fp8_warm.warm_dequantize([TensorMeta(m.name, m.shape, torch.bfloat16) for m in metas], "cuda:0")
+after = {}
+for m in metas[:13]:  # embeddings and layer 0: every distinct shape
+    if not is_quantized(m.name, m.shape) or str(m.shape) in after:
+        continue
+    w = torch.randn(m.shape, device="cuda:0") * 0.02
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    q, s = fp8_triton.quantize(w)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    fp8_triton.dequantize(q, s, torch.bfloat16)
+    torch.cuda.synchronize()
+    after[str(m.shape)] = (t1 - t0, time.perf_counter() - t1)
+print(json.dumps({"warm_q": warm_q, "warm_d": warm_d, "after": after}))
+"""
+
+
+@needs_cuda
+def test_fp8_warm_up_leaves_nothing_to_compile_for_the_first_sync():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # a fresh process: nothing compiled in memory (Triton's disk cache may be warm: the restart case)
+    out = subprocess.run([sys.executable, "-c", _FP8_WARM_PROBE], check=True, timeout=300, capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[2])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"fp8 warm-up: quantize {res['warm_q']:.2f}s, dequantize {res['warm_d']:.2f}s; first calls after: "
+          f"{res['after']}")
+    assert res["warm_q"] > 0 and res["warm_d"] > 0 and len(res["after"]) == 4
+    # a compile takes hundreds of ms; a compiled kernel on the largest 7B matrix well under 10 ms
+    assert max(max(v) for v in res["after"].values()) < 0.05, res

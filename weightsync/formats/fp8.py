@@ -48,8 +48,13 @@ def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     return (*lead, -(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
 
 
-def quantize(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 tensor, float32 scale_inv) of `w` on `w`'s device; ValueError for inf/nan weights."""
+def quantize(w: torch.Tensor, name: str = "tensor", check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 tensor, float32 scale_inv) of `w` on `w`'s device; ValueError for inf/nan weights.
+
+    `check_finite=False` leaves that check to the caller (`check_scales`, or fp8_export's one
+    check per stream): on a GPU the check makes the host wait for the kernel, which a stream of
+    many tensors should do once, not per tensor. A non-finite block's scale is then inf or nan.
+    """
     if not w.dtype.is_floating_point or w.dtype.itemsize == 1:
         raise ValueError(f"tensor {name}: dtype {w.dtype} cannot be quantized to FP8 (want float32/bfloat16/float16)")
     scale_shape(w.shape)  # validates the rank
@@ -65,11 +70,22 @@ def quantize(w: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, torch
             q, s = quantize_torch(w)
     else:
         q, s = quantize_torch(w)
-    if not bool(torch.isfinite(s).all()):  # the one host sync per tensor
-        bad = (~torch.isfinite(s)).nonzero()[0].tolist()
-        raise ValueError(f"tensor {name}: block {bad} holds inf or nan; refusing to export it as FP8 "
-                         f"(the trainer's weights have diverged)")
+    if check_finite:
+        check_scales(s, name)
     return q, s
+
+
+def check_scales(s: torch.Tensor, name: str = "tensor") -> None:
+    """ValueError naming `name` and its first block when a scale is inf or nan (a host sync on a GPU)."""
+    if not bool(torch.isfinite(s).all()):
+        raise non_finite_error(s, name)
+
+
+def non_finite_error(s: torch.Tensor, name: str) -> ValueError:
+    """The error for a tensor whose scales `s` hold inf or nan: it names the first such block."""
+    bad = (~torch.isfinite(s)).nonzero()[0].tolist()
+    return ValueError(f"tensor {name}: block {bad} holds inf or nan; refusing to export it as FP8 "
+                      f"(the trainer's weights have diverged)")
 
 
 def quantize_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,3 +150,80 @@ def test_fp8_export_bytes_are_half_of_bf16_plus_scales_on_a_7b_shape():
     # and the bucket plan carries it (alignment padding aside)
     man = make_manifest(f8, version=1, sync_id="s", bucket_bytes=1 << 30)
     assert total_f8 <= man.total_bytes < total_f8 + 256 * len(f8)
+
+
+def _linear_stream(bad: dict[str, tuple[int, int]] | None = None):
+    """Four quantized projections and a norm; `bad`: name -> (row, col) of a NaN weight."""
+    torch.manual_seed(0)
+    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(300, 200)) for i in range(4)]
+    named.insert(2, ("model.norm.weight", torch.ones(200)))
+    for name, (r, c) in (bad or {}).items():
+        dict(named)[name][r, c] = float("nan")
+    return named
+
+
+def test_a_non_finite_weight_fails_the_stream_after_its_last_tensor_naming_the_first_bad_one():
+    named = _linear_stream({"model.layers.1.mlp.up_proj.weight": (290, 10),
+                            "model.layers.3.mlp.up_proj.weight": (0, 0)})
+    want = export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
+    got = []
+    stream = export_tensors(iter(named))
+    with pytest.raises(ValueError, match=r"^tensor model.layers.1.mlp.up_proj.weight: block \[2, 0\] holds inf or "
+                                         r"nan; refusing to export it as FP8 \(the trainer's weights have diverged\)$"):
+        for item in stream:
+            got.append(item)
+    assert [n for n, _ in got] == [m.name for m in want]  # every tensor went out before the error
+    assert not torch.isfinite(dict(got)["model.layers.1.mlp.up_proj.weight_scale_inv"]).all()
+
+
+def test_quantize_can_leave_the_finiteness_check_to_its_caller():
+    w = torch.randn(200, 300)
+    w[150, 260] = float("inf")
+    q, s = fp8.quantize(w, "w", check_finite=False)
+    assert s[1, 2] == float("inf") and torch.isfinite(s).sum() == s.numel() - 1
+    with pytest.raises(ValueError, match=r"tensor w: block \[1, 2\] holds inf or nan"):
+        fp8.check_scales(s, "w")
+    with pytest.raises(ValueError, match=r"tensor w: block \[1, 2\] holds inf or nan"):
+        fp8.quantize(w, "w")  # the default still checks every call
+
+
+class _HostSyncs:
+    """Counts what makes the host wait for a device tensor's value: bool(), .item(), .tolist()."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for attr in ("__bool__", "item", "tolist"):
+            orig = getattr(torch.Tensor, attr)
+            monkeypatch.setattr(torch.Tensor, attr, self._counting(attr, orig))
+
+    def _counting(self, attr, orig):
+        def f(t, *a, **k):
+            self.calls.append(attr)
+            return orig(t, *a, **k)
+        return f
+
+
+def test_the_stream_waits_for_the_device_once_at_its_end_not_per_tensor(monkeypatch):
+    named = _linear_stream()
+    syncs = _HostSyncs(monkeypatch)
+    stream = export_tensors(iter(named))
+    n = 0
+    for _ in stream:
+        n += 1
+        assert syncs.calls == [], f"host synchronisation before tensor {n} of the stream: {syncs.calls}"
+    assert n == 2 * 4 + 1 and syncs.calls == ["__bool__"]  # one check, after the last tensor
+
+
+def test_the_end_check_costs_one_wait_per_device_and_searches_only_when_something_is_bad(monkeypatch):
+    from weightsync.formats import fp8_export
+
+    checked: list[int] = []
+    orig = fp8_export._all_finite
+    monkeypatch.setattr(fp8_export, "_all_finite", lambda t: checked.append(t.numel()) or orig(t))
+    list(export_tensors(iter(_linear_stream())))
+    blocks = 4 * 3 * 2  # four 300x200 weights of 3x2 blocks, one concatenated check
+    assert checked == [blocks]
+    checked.clear()
+    with pytest.raises(ValueError, match="layers.2.mlp.up_proj.weight: block \\[0, 1\\]"):
+        list(export_tensors(iter(_linear_stream({"model.layers.2.mlp.up_proj.weight": (5, 130)}))))
+    assert checked == [blocks, 6, 6, 6]  # then tensor by tensor up to the first bad one
