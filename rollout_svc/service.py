@@ -192,10 +192,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
-            if kind in ("nccl", "ipc") and len(manifest.senders) > 1:
-                # nccl and ipc move one sender's buckets; the other senders' would never come
-                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
-                                "buckets of one sender (multi-sender streaming is tcp only)", "INVALID_ARGUMENT")
+            if kind == "ipc" and len(manifest.senders) > 1:
+                # ipc shares one GPU's buckets; the other senders' would never come
+                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport ipc carries the "
+                                "buckets of one sender (multi-sender streaming is tcp or nccl)", "INVALID_ARGUMENT")
             if kind == "tcp" and len(manifest.senders) > self.limits.max_bus_connections:
                 # one bus connection per sender: the extra ones would be closed and the sync time out
                 raise SyncError(f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
@@ -204,7 +204,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                 "senders=rank0", "INVALID_ARGUMENT")
             ipc_uuid = nccl_uuid = ""
             if kind == "nccl":
-                self.nccl.check(request.transport.nccl)
+                self.nccl.check(request.transport.nccl, manifest.senders)
                 nccl_uuid = self.nccl.device_uuid()
             elif kind == "ipc":
                 ipc_uuid = self.ipc.check(request.transport.ipc)

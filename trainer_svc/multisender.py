@@ -10,12 +10,20 @@ streams its own buckets to every rollout, concurrently with the other owners, wi
 double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns), and reports
 a `SenderResult` back to rank 0: its bucket checksums, per-rollout failures, bytes and seconds.
 Rank 0 merges them (`merge`) into the stream's outcome, so commit and abort reflect every sender.
+
+Over NCCL the job carries, instead of data addresses and MACs, each sender's group (rank 0 plans
+one per sender: weightsync/bus/nccl/sender.py); the rank builds or reuses its communicator
+(weightsync/bus/nccl/sender_groups.py, kept on the actor across syncs) and broadcasts its buckets
+on it from the GPU it exports on. A failed stream drops the rank's group; rank 0, seeing the
+failure in the merged outcome, plans new groups for every sender.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
+
+import torch
 
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
@@ -36,14 +44,22 @@ class SendJob:
     targets: dict[str, str]           # rollout id -> TCP data address
     macs: dict[str, str]              # str(sender rank) -> hex hello MAC of (sync_id, sender)
     timeout: float                    # seconds this stream may take
+    transport: str = "tcp"            # tcp: `targets` and `macs`; nccl: `nccl_groups`
+    nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
 
     @classmethod
-    def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float) -> "SendJob":
-        return cls(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
-                   model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
-                   digest=manifest.digest(), targets=dict(targets),
-                   macs={str(s): hello_mac(token, manifest.sync_id, s).hex() for s in manifest.senders},
-                   timeout=timeout)
+    def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float,
+             nccl_groups: dict[str, dict] | None = None) -> "SendJob":
+        common = dict(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
+                      model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
+                      digest=manifest.digest(), timeout=timeout)
+        if nccl_groups is not None:
+            missing = sorted(set(manifest.senders) - {int(s) for s in nccl_groups})
+            if missing:
+                raise ValueError(f"no NCCL group planned for sender rank(s) {missing}")
+            return cls(**common, targets={}, macs={}, transport="nccl", nccl_groups=dict(nccl_groups))
+        return cls(**common, targets=dict(targets),
+                   macs={str(s): hello_mac(token, manifest.sync_id, s).hex() for s in manifest.senders})
 
     def to_args(self) -> dict:
         return asdict(self)
@@ -76,7 +92,6 @@ def run_sender(actor, job: SendJob) -> SenderResult:
     """This rank's part of a multi-sender stream: export (always drained: the other ranks are in
     the same collectives), and stream the buckets this rank owns, if any."""
     from weightsync.bus.pipeline import stream_buckets
-    from weightsync.bus.tcp.wire import TcpBucketSender
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
@@ -92,10 +107,9 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                              f"{manifest.digest()} != {job.digest}): every rank must run the same model config")
         mine = manifest.buckets_of(rank)
         if mine:
-            sender = TcpBucketSender(job.targets, job.sync_id, "", timeout=max(0.001, deadline - time.monotonic()),
-                                     sender=rank, mac=bytes.fromhex(job.macs[str(rank)]))
+            sender, device = _bus_sender(actor, job, rank, deadline)
             try:
-                stats = stream_buckets(replace(manifest, buckets=mine), export, sender,
+                stats = stream_buckets(replace(manifest, buckets=mine), export, sender, device=device,
                                        timeout=max(0.001, deadline - time.monotonic()))
                 res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
@@ -105,6 +119,8 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 sender.close()
     except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
         res.error = f"rank {rank}: {exc}"
+        if job.transport == "nccl":  # the collective may have failed on some rank: never reuse it
+            nccl_groups(actor).drop(f"sync {job.sync_id} failed on this rank: {exc}")
         log.warning("sync %s: sender rank %d failed: %s", job.sync_id, rank, exc)
     finally:
         for _ in export:
@@ -112,6 +128,45 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         res.seconds = time.perf_counter() - t0
         res.forwarded_bytes = int(received.get("forwarded_bytes", 0))
     return res
+
+
+def nccl_groups(actor):
+    """This rank's multi-sender NCCL communicator, kept on the actor across syncs."""
+    from weightsync.bus.nccl.sender_groups import SenderGroupCache
+
+    cache = getattr(actor, "_nccl_sender_groups", None)
+    if cache is None:
+        cache = actor._nccl_sender_groups = SenderGroupCache()
+    return cache
+
+
+def export_device(actor) -> torch.device:
+    """Where this rank's exported tensors live, and so where its buckets are packed."""
+    for p in actor.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _bus_sender(actor, job: SendJob, rank: int, deadline: float):
+    """(the bucket sender of this rank's stream, the device its buckets are packed on)."""
+    from weightsync.bus.tcp.wire import TcpBucketSender
+
+    left = max(0.001, deadline - time.monotonic())
+    if job.transport == "tcp":
+        return TcpBucketSender(job.targets, job.sync_id, "", timeout=left, sender=rank,
+                               mac=bytes.fromhex(job.macs[str(rank)])), torch.device("cpu")
+    if job.transport != "nccl":
+        raise ValueError(f"SendJob.transport={job.transport!r} must be tcp or nccl")
+    from weightsync.bus.nccl.sender_groups import SenderGroupJob
+
+    spec = job.nccl_groups.get(str(rank))
+    if spec is None:
+        raise ValueError(f"rank {rank} owns buckets but the job plans no NCCL group for it")
+    device = export_device(actor)
+    cache = nccl_groups(actor)
+    group = cache.get(SenderGroupJob(**spec), device, left)
+    group.timeout = left  # each broadcast wait is bounded by what is left of the stream
+    return cache.bus.sender(group), device
 
 
 @dataclass
@@ -142,8 +197,9 @@ def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
 
 
 def stream_from_every_owner(actor, manifest: Manifest, targets: dict[str, str], token: str,
-                            timeout: float) -> StreamOutcome:
-    """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address)."""
-    job = SendJob.make(manifest, targets, token, timeout)
+                            timeout: float, nccl_groups: dict[str, dict] | None = None) -> StreamOutcome:
+    """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address),
+    or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group."""
+    job = SendJob.make(manifest, targets, token, timeout, nccl_groups)
     results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
     return merge(manifest, results)

@@ -10,8 +10,10 @@ The second test times multi-sender against the rank-0 funnel on a model big enou
 to `WS_BENCH_OUT` when set.
 
 Exactness as in test_services_gpu.py: a rollout's logits equal, bit for bit, those of a reference
-engine loaded from the trainer's own export on the rollout's GPU. NCCL streams from rank 0 only
-(docs/architecture.md): with PP=2 its sync takes the funnel, and asking for senders=all is refused.
+engine loaded from the trainer's own export on the rollout's GPU. Over NCCL each sending rank has a
+group of its own with the rollouts; a rollout on a sending rank's GPU cannot join that rank's
+group, so on two GPUs the NCCL sync takes the funnel; with four, the last test streams each
+stage over NCCL from its own GPU to rollouts on the other two.
 """
 from __future__ import annotations
 
@@ -58,12 +60,14 @@ def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_fun
         assert int(funnel["senders"][0]["forwarded_bytes"]) == int(senders[1]["bytes"])
         print(f"funnel: {funnel['seconds']:.3f}s")
 
-        # NCCL: explicit senders=all is refused; the configured default falls back to the funnel
-        refused = wsctl("--address", t.address, "sync", "--transport", "nccl", "--senders", "all", "--rollout", "r1")
-        assert refused.returncode != 0 and "senders=all streams over tcp only" in refused.stdout + refused.stderr
+        # NCCL with two GPUs: r1 sits on rank 1's GPU, so it cannot join rank 1's group (one rank
+        # per GPU in a group); the sync is retried through rank 0's group at once, and stays there
+        rc, rep = _sync(t, "--transport", "nccl", "--senders", "all", "--rollout", "r1")
+        assert rc == 0 and rep["ok"] and [int(s["rank"]) for s in rep["senders"]] == [0], rep
+        assert "receives on the GPU of trainer rank 1" in t.log()
+        _assert_exact(rs[1], _reference_logits(t, fleet.tmp, "nccl", "cuda:1", torch.float32), int(rep["version"]))
         rc, rep = _sync(t, "--transport", "nccl", "--rollout", "r1")
         assert rc == 0 and rep["ok"] and [int(s["rank"]) for s in rep["senders"]] == [0], rep
-        _assert_exact(rs[1], _reference_logits(t, fleet.tmp, "nccl", "cuda:1", torch.float32), int(rep["version"]))
     finally:
         t.stop()
 
@@ -132,3 +136,39 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
             p.stop()
         for p in started:
             print(f"----- {p.name} log (tail) -----\n{p.log()[-2000:]}")
+
+
+@needs_gpus(4)
+def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faster_than_the_funnel(fleet):
+    """Trainer PP=2 on cuda:0 and cuda:1, rollouts on cuda:2 and cuda:3: one NCCL group per stage."""
+    _big_model(fleet.tmp)
+    t = start_trainer(fleet.tmp, "--backend", "megatron", "--model", str(_model_dir(fleet.tmp)), "--pp", "2",
+                      "--bucket-mb", "64", "--no-auto-sync-new-rollouts", "--init-seed", "1", nproc=2)
+    try:
+        t.wait_ready(600)
+        rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
+        for r in rs:
+            r.wait_ready()
+        wait_registered(t.address, ["r0", "r1"])
+        reps = int(os.environ.get("WS_MS_GPU_REPS", "3"))
+        multi, funnel = [], []
+        for _ in range(reps + 1):
+            rc, rep = _sync(t, "--transport", "nccl", "--senders", "all")
+            assert rc == 0 and rep["ok"] and sorted(int(s["rank"]) for s in rep["senders"]) == [0, 1], rep
+            assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in rep["senders"])
+            multi.append(rep["seconds"])
+        for i, r in enumerate(rs):
+            _assert_exact(r, _reference_logits(t, fleet.tmp, f"nccl-all-{i}", f"cuda:{i + 2}", torch.float32),
+                          int(rep["version"]))
+        for _ in range(reps + 1):
+            rc, rep = _sync(t, "--transport", "nccl", "--senders", "rank0")
+            assert rc == 0 and rep["ok"] and [int(s["rank"]) for s in rep["senders"]] == [0], rep
+            funnel.append(rep["seconds"])
+        m, f = statistics.median(multi[1:]), statistics.median(funnel[1:])
+        print(f"nccl PP=2 on 4 GPUs: multi-sender {m:.3f}s, funnel {f:.3f}s (x{f / m:.2f})")
+        if os.environ.get("WS_BENCH_OUT"):
+            with open(os.environ["WS_BENCH_OUT"] + ".nccl4.json", "w") as fh:
+                json.dump({"multi_s": multi, "funnel_s": funnel, "speedup": f / m}, fh, indent=1)
+        assert m < f, (multi, funnel)
+    finally:
+        t.stop()

@@ -6,8 +6,9 @@ every member with a new group when the cached group was refused (a restarted mem
 members that prepared, which form a group without the one that could not.
 
 When the manifest has several senders (trainer ranks streaming the buckets they own), the stream
-phase hands the job to every rank (trainer_svc.multisender) instead of streaming from this one; a
-rollout that any sender dropped fails, and a sender that failed as a whole fails every target.
+phase hands the job to every rank (trainer_svc.multisender) instead of streaming from this one,
+over tcp (each rank to every rollout's data port) or nccl (each rank on its own group); a rollout
+that any sender dropped fails, and a sender that failed as a whole fails every target.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class SyncAttempt:
         self.prepared: dict[str, rollout_pb2.PrepareSyncResponse] = {}
         #: the targets of a retry ([] for none)
         self.retry: list[RolloutEntry] = []
+        #: the retry must stream from global rank 0 alone (a rollout sits on a sending rank's GPU)
+        self.funnel_retry = ""
         #: what each sending rank did in the stream (one entry for the single sender)
         self.senders: list[SenderResult] = []
         self._pool = orch.pool  # long-lived: no threads started per sync
@@ -67,10 +70,16 @@ class SyncAttempt:
         for e in self.targets:
             resp, err = answers[e.rollout_id]
             err = err or self.session.accept(e, resp)
-            if err:
+            if err and getattr(self.session, "sender_gpu_clash", ""):
+                r = self.results[e.rollout_id]  # retried through the funnel: not a failure of this rollout
+                r.ok, r.error = False, f"prepare: {err}"
+            elif err:
                 self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
             else:
                 self.prepared[e.rollout_id] = resp
+        clash = getattr(self.session, "sender_gpu_clash", "")
+        if clash:
+            self.funnel_retry = clash
         if self.session.group_wide and len(self.prepared) < len(self.targets):
             self._stop_group()
 
@@ -114,7 +123,9 @@ class SyncAttempt:
 
     def _stop_group(self) -> None:
         """A group-wide session cannot start without every member: fail (or retry) the ones that prepared."""
-        if self.session.reused:
+        if self.funnel_retry:
+            self.retry = list(self.targets)  # all of them, in one group of rank 0
+        elif self.session.reused:
             self.retry = list(self.targets)  # a member that restarted no longer holds the cached group
         elif self.prepared:
             # One rollout that cannot take part (unreachable, no GPU, a GPU already in the
@@ -140,6 +151,7 @@ class SyncAttempt:
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
         # several senders every rank exports its own tensors (trainer_svc/multisender.py).
         export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
+        streamed = list(self.prepared)
         if self.prepared:
             try:
                 checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
@@ -153,8 +165,18 @@ class SyncAttempt:
                 self.prepared.clear()
         self.session.finish(ok, reason)
         # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
-        for _ in export:
-            pass
+        try:
+            for _ in export:
+                pass
+        except Exception as exc:
+            if ok:  # a stream that went through read the export to its end: nothing may fail here
+                raise
+            # The exporter can still fail after a failed stream, e.g. on non-finite FP8 weights,
+            # which it reports at its end: raising would skip the aborts below, so it joins the
+            # failed targets' errors.
+            log.error("sync %s: the export failed after the stream did: %s", self.manifest.sync_id, exc)
+            for rid in streamed:
+                self.results[rid].error += f"; the export failed too: {exc}"
         return checksums
 
     def _in_place(self):
@@ -177,8 +199,12 @@ class SyncAttempt:
         return buffers
 
     def _send_from_every_owner(self) -> list[int]:
-        targets = {rid: self.session.data_address(rid) for rid in self.prepared}
-        out = stream_from_every_owner(self.orch.actor, self.manifest, targets, self.orch.token, self._left())
+        if self.session.name == "nccl":  # each sender broadcasts on its own group; no data addresses
+            targets, groups = {}, self.session.sender_jobs(self._left())
+        else:
+            targets, groups = {rid: self.session.data_address(rid) for rid in self.prepared}, None
+        out = stream_from_every_owner(self.orch.actor, self.manifest, targets, self.orch.token, self._left(),
+                                      nccl_groups=groups)
         self.senders = out.senders
         for rid, err in out.failures.items():
             if rid in self.prepared:

@@ -75,6 +75,8 @@ class SyncOrchestrator:
         self.manifests = ManifestCache()
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
         self._warned_funnel = False
+        #: rollouts found on the GPU of a sending rank other than 0 (NCCL syncs to them funnel)
+        self._nccl_gpu_clash: set[str] = set()
         self._warned_quantized = False
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
@@ -84,9 +86,9 @@ class SyncOrchestrator:
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
         queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
-        if senders == "all" and transport != "tcp":
-            raise ValueError(f"senders=all streams over tcp only; transport={transport} sends every bucket from "
-                             "global rank 0: ask for senders=rank0 (or leave it empty), or transport=tcp")
+        if senders == "all" and transport == "ipc":
+            raise ValueError("senders=all streams over tcp or nccl; transport=ipc shares the buckets of global "
+                             "rank 0's GPU: ask for senders=rank0 (or leave it empty), or transport tcp or nccl")
         if senders == "all" and self.export_format.quantization is not None:
             raise ValueError(f"senders=all streams plain dtypes only; export_dtype={self.export_format.name} is "
                              "streamed from global rank 0: ask for senders=rank0 (or leave it empty)")
@@ -126,6 +128,8 @@ class SyncOrchestrator:
         phases = PhaseClock()
         by_id = {e.rollout_id: e for e in targets}
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
+        if transport == "nccl" and senders == "all" and any(e.rollout_id in self._nccl_gpu_clash for e in targets):
+            senders = "rank0"  # learned at an earlier prepare: a target sits on a sending rank's GPU
         for attempt in (1, 2, 3):
             with phases("plan"):
                 session, manifest = self._plan(targets, transport, senders)
@@ -145,6 +149,11 @@ class SyncOrchestrator:
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
+            if one.funnel_retry:
+                log.warning("sync %s: %s; NCCL takes one rank per GPU, so syncs to it stream from global rank 0 "
+                            "(senders=rank0)", manifest.sync_id, one.funnel_retry)
+                senders = "rank0"
+                self._nccl_gpu_clash |= session.clashing
             self._log_retry(manifest.sync_id, targets, retry)
             targets = retry
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
@@ -167,11 +176,13 @@ class SyncOrchestrator:
                                            checksum_algo=ALGO, origin=self.origin,
                                            quantization=self.export_format.quantization,
                                            owners=self._owners(transport, senders))
+        if session is not None and len(manifest.senders) > 1 and hasattr(session, "use_senders"):
+            session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
         return session, manifest
 
     def _owners(self, transport: str, senders: str) -> list[int] | None:
-        """Each tensor's sender rank when every owner streams its own (senders=all over tcp), else None:
-        the funnel through rank 0."""
+        """Each tensor's sender rank when every owner streams its own (senders=all over tcp or nccl),
+        else None: the funnel through rank 0."""
         owners = getattr(self.actor, "export_owners", None)
         if senders != "all" or owners is None:
             return None
@@ -185,10 +196,10 @@ class SyncOrchestrator:
                 self._warned_quantized = True
             return None
         owners = owners()
-        if transport != "tcp" and len(set(owners)) > 1:
+        if transport == "ipc" and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "
-                            "(multi-sender streaming is built for tcp; docs/architecture.md)", transport)
+                            "(multi-sender streaming is built for tcp and nccl; docs/architecture.md)", transport)
                 self._warned_funnel = True
             return None
         return owners

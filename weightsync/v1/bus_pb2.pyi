@@ -111,7 +111,7 @@ class TcpTransport(_message.Message):
     def __init__(self, data_address: _Optional[str] = ...) -> None: ...
 
 class NcclTransport(_message.Message):
-    __slots__ = ("unique_id", "world_size", "rank_offset", "group_id", "timeout_seconds", "new_group", "device_uuid")
+    __slots__ = ("unique_id", "world_size", "rank_offset", "group_id", "timeout_seconds", "new_group", "device_uuid", "sender_groups")
     UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class NcclTransport(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     unique_id: bytes
     world_size: int
     rank_offset: int
@@ -126,7 +127,20 @@ class NcclTransport(_message.Message):
     timeout_seconds: float
     new_group: bool
     device_uuid: str
-    def __init__(self, unique_id: _Optional[bytes] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., new_group: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    sender_groups: _containers.RepeatedCompositeFieldContainer[NcclSenderGroup]
+    def __init__(self, unique_id: _Optional[bytes] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., group_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., new_group: _Optional[bool] = ..., device_uuid: _Optional[str] = ..., sender_groups: _Optional[_Iterable[_Union[NcclSenderGroup, _Mapping]]] = ...) -> None: ...
+
+class NcclSenderGroup(_message.Message):
+    __slots__ = ("sender", "unique_id", "group_id", "new_group")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    sender: int
+    unique_id: bytes
+    group_id: str
+    new_group: bool
+    def __init__(self, sender: _Optional[int] = ..., unique_id: _Optional[bytes] = ..., group_id: _Optional[str] = ..., new_group: _Optional[bool] = ...) -> None: ...
 
 class IpcTransport(_message.Message):
     __slots__ = ("host_id", "device_uuid")

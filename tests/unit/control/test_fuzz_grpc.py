@@ -250,21 +250,21 @@ def test_out_of_range_sync_timeouts_are_rejected(servers, t):
                  trainer_pb2.SyncRequest(timeout_seconds=t)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_multi_sender_manifest_is_refused_over_nccl_and_ipc(servers):
-    """Only the TCP bus carries several senders' buckets (one connection each)."""
+def test_a_multi_sender_manifest_is_refused_over_ipc(servers):
+    """IPC shares one GPU's buckets; tcp (a connection per sender) and nccl (a group per sender:
+    tests/unit/bus/nccl/test_nccl_multisender_rollout.py) carry several senders'."""
     trainer, rollout, _ = servers
     m = _real_manifest(trainer)
     assert len(m.buckets) > 1
     m.buckets[-1].sender = 1
     stub = rollout_stub(channel(rollout.grpc.address), "")
     tid = trainer.trainer_id  # the rollout follows this trainer once an earlier test synced it
-    for kind in ("nccl", "ipc"):
-        req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
-        getattr(req.transport, kind).SetInParent()
-        with pytest.raises(grpc.RpcError) as ei:
-            stub.PrepareSync(req)
-        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"name senders [0, 1]; transport {kind} carries the buckets of one sender" in ei.value.details()
+    req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
+    req.transport.ipc.SetInParent()
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.PrepareSync(req)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "name senders [0, 1]; transport ipc carries the buckets of one sender" in ei.value.details()
     req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
     req.transport.tcp.SetInParent()
     assert stub.PrepareSync(req).transport.tcp.data_address

@@ -48,6 +48,10 @@ class MegatronActor:
         init_model_parallel(self.par)
         self.rmap = rank_map()
         self.channel = CommandChannel()
+        #: global rank -> the UUID of the GPU it exports on ("" on CPU): NCCL takes one rank per GPU
+        #: in a group, so rank 0 keeps a rollout on a sending rank's GPU out of that rank's group
+        gpus = self.channel.gather({"gpu": _own_gpu_uuid()})  # a collective: every rank is in __init__
+        self.rank_gpus: list[str] = [g["gpu"] for g in gpus] if gpus else []
         self._metas = export_metas(self.spec, export_dtype)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
         self.model = build_chunks(self.spec, self.par, seed=seed, params_dtype=params_dtype,
@@ -240,3 +244,9 @@ class MegatronActor:
 
         load_torch_dist(self.model, path, self.spec)
         self.version += 1
+
+
+def _own_gpu_uuid() -> str:
+    from weightsync.bus.gpu import uuid_of
+
+    return uuid_of(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else ""

@@ -149,27 +149,32 @@ class NcclBucketSender:
 
 class NcclBucketReceiver:
     """Engine side, double-buffered: bucket k+1 is already being received while the caller loads
-    bucket k, so the engine's copies hide behind the wire time."""
+    bucket k, so the engine's copies hide behind the wire time. `buckets` are the ones this group
+    carries (one sender's, in its sending order); `recv` is called in that order."""
 
     def __init__(self, group: NcclGroup, buckets: list[BucketPlan]):
         self.group = group
         size = max((b.nbytes for b in buckets), default=0)
         self._bufs = [torch.empty(size, dtype=torch.uint8, device=group.device) for _ in range(min(2, len(buckets)))]
-        self._plans = buckets
+        self._plans = list(buckets)
+        self._pos = {b.index: i for i, b in enumerate(self._plans)}
         self._pending: dict[int, torch.cuda.Event] = {}
 
-    def _post(self, index: int) -> None:
-        if index < len(self._plans) and index not in self._pending:
-            buf = self._bufs[index % len(self._bufs)][:self._plans[index].nbytes]
-            self._pending[index] = self.group.enqueue(buf)
+    def _post(self, pos: int) -> None:
+        if pos < len(self._plans) and pos not in self._pending:
+            buf = self._bufs[pos % len(self._bufs)][:self._plans[pos].nbytes]
+            self._pending[pos] = self.group.enqueue(buf)
 
     def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
-        self._post(plan.index)
+        pos = self._pos.get(plan.index)
+        if pos is None:
+            raise ValueError(f"bucket {plan.index} does not travel on this NCCL group")
+        self._post(pos)
         # Bucket k+1 goes to the other buffer, ordered after the caller's copies out of it (bucket
         # k-1, already queued): posting it before waiting keeps the wire busy across buckets.
-        self._post(plan.index + 1)
-        self.group.wait(self._pending.pop(plan.index), plan.nbytes, timeout)
-        return self._bufs[plan.index % len(self._bufs)][:plan.nbytes], None
+        self._post(pos + 1)
+        self.group.wait(self._pending.pop(pos), plan.nbytes, timeout)
+        return self._bufs[pos % len(self._bufs)][:plan.nbytes], None
 
     def close(self) -> None:
         pass
@@ -196,3 +201,24 @@ class CudaNcclBus:
 
     def receiver(self, group: NcclGroup, buckets: list[BucketPlan]) -> NcclBucketReceiver:
         return NcclBucketReceiver(group, buckets)
+
+
+def default_bus():
+    """The bus the services use when none is given: libnccl (CudaNcclBus).
+
+    WEIGHTSYNC_NCCL_BUS="module:attr" names a stand-in with the same interface instead. It exists
+    for the CPU test suite, which runs the multi-process NCCL paths (several trainer ranks, each
+    rollout process) over a gloo stand-in; a service logs loudly when it is set.
+    """
+    import importlib
+    import logging
+    import os
+
+    name = os.environ.get("WEIGHTSYNC_NCCL_BUS", "")
+    if not name:
+        return CudaNcclBus()
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise ValueError(f"WEIGHTSYNC_NCCL_BUS={name!r} must be module:attr (a stand-in bus for tests), or unset")
+    logging.getLogger(__name__).warning("NCCL bus replaced by %s (WEIGHTSYNC_NCCL_BUS): for tests only", name)
+    return getattr(importlib.import_module(module), attr)()

@@ -1,23 +1,35 @@
-"""The trainer's end of NCCL: the trainer is rank 0 of one NCCL group with every targeted rollout.
+"""The trainer's end of NCCL, planned on global rank 0.
 
-The trainer makes the ncclUniqueId and sends it in PrepareSync (the NcclTransport message); each rollout joins
-in a receive thread while the trainer joins after every prepare has answered. The group is kept
-across syncs while the membership — the set of (rollout_id, address) — is unchanged, and rebuilt
-when it changes or after any failure, because a failed collective leaves the communicator aborted
-on at least one rank. A collective needs every rank, so NCCL failures are group-wide: if one
-target fails to prepare, join or receive, every target of that sync fails and is aborted.
+Funnel (one sender): the trainer is rank 0 of one NCCL group with every targeted rollout. The
+trainer makes the ncclUniqueId and sends it in PrepareSync (the NcclTransport message); each
+rollout joins in a receive thread while the trainer joins after every prepare has answered.
+
+Multi-sender (the manifest's buckets come from several trainer ranks): one group per sending
+rank, that rank as its rank 0 and the rollouts at the same ranks in every group. Collectives on
+one communicator run in order on every rank, so one group with several roots would make the
+senders take turns; a group each lets them stream at once. Rank 0 makes every group's unique id
+(the id is only a rendezvous address: rank 0's process hosts the bootstrap, the sending rank
+joins with it) and hands each rank its own in the SendJob; the communicators live in the sending
+ranks (weightsync/bus/nccl/sender_groups.py).
+
+Groups are kept across syncs while the membership — the set of (rollout_id, address), and the
+senders — is unchanged, and rebuilt when it changes or after any failure, because a failed
+collective leaves the communicator aborted on at least one rank. A collective needs every rank,
+so NCCL failures are group-wide: if one target fails to prepare, join or receive, every target
+of that sync fails and is aborted.
 """
 from __future__ import annotations
 
 import logging
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from weightsync.bus.gpu import uuid_of as gpu_uuid
 from weightsync.bus.nccl.liveness import GroupWatch
+from weightsync.bus.nccl.sender_groups import SenderGroupJob
 from weightsync.bus.session import RpcCall, kind_of
 from weightsync.v1 import bus_pb2
 
@@ -45,17 +57,21 @@ class GroupPlan:
 
 
 class NcclGroupCache:
-    """The trainer's rank-0 communicator for one membership, reused until it changes or breaks."""
+    """Rank 0's plans: its own communicator for the funnel, or one group per sender, reused until
+    the membership changes or a sync fails."""
 
     def __init__(self, bus, device: torch.device, on_build: Callable[[], None] | None = None):
         self.bus, self.device = bus, device
         self._on_build = on_build or (lambda: None)
         self._group = None
         self._plan: GroupPlan | None = None
+        self._multi: dict[int, GroupPlan] = {}  # sender rank -> its group (the communicators live there)
         self.builds = 0
 
     def plan(self, members: Iterable[Member]) -> GroupPlan:
         key = tuple(sorted(members))
+        if self._multi:
+            self.invalidate("the sync streams from global rank 0 alone")
         if self._group is not None and self._plan is not None and self._plan.members == key \
                 and getattr(self._group, "healthy", True):
             return self._plan
@@ -63,6 +79,28 @@ class NcclGroupCache:
             self.invalidate("membership changed" if self._plan and self._plan.members != key else "group broken")
         return GroupPlan(group_id=f"g-{uuid.uuid4().hex[:16]}", unique_id=self.bus.new_unique_id(), members=key,
                          fresh=True)
+
+    def plan_senders(self, members: Iterable[Member], senders: Iterable[int]) -> dict[int, GroupPlan]:
+        """One group per sending rank; the held plans while members and senders are unchanged."""
+        key, senders = tuple(sorted(members)), sorted(set(senders))
+        if self._group is not None:
+            self.invalidate("the sync streams from several ranks")
+        held = self._multi
+        if held and sorted(held) == senders and all(p.members == key and not p.fresh for p in held.values()):
+            return dict(held)
+        if held:
+            self.invalidate("membership or senders changed" if any(p.members != key for p in held.values())
+                            or sorted(held) != senders else "groups never completed")
+        self._multi = {s: GroupPlan(group_id=f"g-{uuid.uuid4().hex[:12]}-s{s}", unique_id=self.bus.new_unique_id(),
+                                    members=key, fresh=True) for s in senders}
+        return dict(self._multi)
+
+    def built_senders(self) -> None:
+        """Every sender's group was built and streamed: reuse them."""
+        if any(p.fresh for p in self._multi.values()):
+            self.builds += 1
+            self._on_build()
+        self._multi = {s: replace(p, fresh=False) for s, p in self._multi.items()}
 
     def join(self, plan: GroupPlan, timeout: float):
         """The communicator for `plan`: the cached one, or a new one once every member has joined."""
@@ -80,7 +118,9 @@ class NcclGroupCache:
         if self._group is not None:
             log.info("NCCL group %s dropped: %s", self._plan.group_id if self._plan else "?", reason)
             self._group.abort(reason)
-        self._group, self._plan = None, None
+        if self._multi:
+            log.info("NCCL sender groups %s dropped: %s", ", ".join(p.group_id for p in self._multi.values()), reason)
+        self._group, self._plan, self._multi = None, None, {}
 
 
 class NcclSender:
@@ -101,47 +141,89 @@ class NcclSender:
     def cache(self) -> NcclGroupCache:
         if self._cache is None:
             if self._bus is None:
-                from weightsync.bus.nccl.group import CudaNcclBus  # lazy: libnccl only when used
+                from weightsync.bus.nccl.group import default_bus  # lazy: libnccl only when used
 
-                self._bus = CudaNcclBus()
+                self._bus = default_bus()
             self._cache = NcclGroupCache(self._bus, self.device, self._on_build)
         return self._cache
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_NcclSession":
-        needs_cuda = getattr(self._bus, "needs_cuda", True)
+        needs_cuda = getattr(self.cache.bus, "needs_cuda", True)
         if needs_cuda and self.device.type != "cuda":
             raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
                              f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
-        return _NcclSession(self, self.cache.plan((e.rollout_id, e.address) for e in targets),
-                            self.uuid_of(self.device))
+        return _NcclSession(self, [(e.rollout_id, e.address) for e in targets], self.uuid_of(self.device))
 
 
 class _NcclSession:
     name = "nccl"
     group_wide = True
 
-    def __init__(self, owner: NcclSender, plan: GroupPlan, trainer_uuid: str = ""):
-        self.owner, self.plan = owner, plan
+    def __init__(self, owner: NcclSender, members: Iterable[Member], trainer_uuid: str = ""):
+        self.owner = owner
+        self.members: tuple[Member, ...] = tuple(sorted(members))
         self.device = owner.device
-        self.reused = not plan.fresh
+        self._plan: GroupPlan | None = None
+        #: sender rank -> its group, when several trainer ranks stream (use_senders)
+        self.sender_plans: dict[int, GroupPlan] = {}
         # GPU UUID -> who holds a rank on it; NCCL refuses two ranks on one GPU, but only after
         # every rank has waited out the init timeout, so the trainer refuses it at prepare.
         self._gpus = {trainer_uuid: "the trainer"} if trainer_uuid else {}
+        self._sender_gpus: dict[str, int] = {}  # GPU UUID -> the sending rank (not 0) on it
+        self.sender_gpu_clash = ""
+        self.clashing: set[str] = set()  # rollouts on a sending rank's GPU
         self._watch: GroupWatch | None = None
+
+    @property
+    def plan(self) -> GroupPlan:
+        """Global rank 0's group (the funnel), planned on first use."""
+        if self._plan is None:
+            self._plan = self.owner.cache.plan(self.members)
+        return self._plan
+
+    @property
+    def reused(self) -> bool:
+        """Every group of this sync is one the members already hold."""
+        if self.sender_plans:
+            return not any(p.fresh for p in self.sender_plans.values())
+        return not self.plan.fresh
+
+    def use_senders(self, senders: list[int], rank_gpus: list[str] | None = None) -> None:
+        """Several trainer ranks stream this sync: plan a group for each instead of rank 0's.
+        `rank_gpus`: each global rank's GPU UUID, so that a rollout on a sending rank's GPU is
+        caught at prepare (NCCL refuses two ranks of a group on one GPU)."""
+        if len(set(senders)) > 1:
+            self.sender_plans = self.owner.cache.plan_senders(self.members, senders)
+            for rank in senders:
+                gpu = (rank_gpus or [])[rank] if rank < len(rank_gpus or []) else ""
+                if gpu and rank != 0:
+                    self._sender_gpus[gpu] = rank
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
         n = spec.nccl
-        n.unique_id, n.world_size, n.rank_offset = self.plan.unique_id, self.plan.world_size, \
-            self.plan.rank_of(entry.rollout_id)
-        n.group_id, n.timeout_seconds, n.new_group = self.plan.group_id, self.owner.init_timeout, self.plan.fresh
+        rank = GroupPlan("", b"", self.members, True).rank_of(entry.rollout_id)
+        n.world_size, n.rank_offset = 1 + len(self.members), rank
+        n.timeout_seconds = self.owner.init_timeout
+        if self.sender_plans:
+            for sender, p in sorted(self.sender_plans.items()):
+                n.sender_groups.add(sender=sender, unique_id=p.unique_id, group_id=p.group_id, new_group=p.fresh)
+        else:
+            n.unique_id, n.group_id, n.new_group = self.plan.unique_id, self.plan.group_id, self.plan.fresh
         return spec
 
     def accept(self, entry, resp) -> str:
-        if kind_of(resp) != "nccl" or resp.transport.nccl.group_id != self.plan.group_id:
-            return (f"rollout answered an nccl prepare (group {self.plan.group_id}) with transport {kind_of(resp)} "
+        want = "" if self.sender_plans else self.plan.group_id
+        if kind_of(resp) != "nccl" or resp.transport.nccl.group_id != want:
+            return (f"rollout answered an nccl prepare (group {want or 'per sender'}) with transport {kind_of(resp)} "
                     f"{resp.transport.nccl.group_id if kind_of(resp) == 'nccl' else ''}").rstrip()
         gpu = resp.transport.nccl.device_uuid
+        if gpu in self._sender_gpus:
+            self.clashing.add(entry.rollout_id)
+            self.sender_gpu_clash = (f"rollout {entry.rollout_id} receives on the GPU of trainer rank "
+                                     f"{self._sender_gpus[gpu]}, which sends on its own NCCL group")
+            return (f"nccl: this rollout receives on GPU {gpu}, where trainer rank {self._sender_gpus[gpu]} sends; "
+                    "NCCL takes one rank per GPU: the sync is retried through global rank 0 (senders=rank0)")
         if gpu:  # answers are taken in target order: of two rollouts on one GPU, the first listed keeps it
             other = self._gpus.setdefault(gpu, entry.rollout_id)
             if other != entry.rollout_id:
@@ -149,6 +231,13 @@ class _NcclSession:
                         "give each rollout a GPU of its own (not the trainer's), or sync them one at a time "
                         "(wsctl sync --rollout ID)")
         return ""
+
+    def sender_jobs(self, timeout: float) -> dict[str, dict]:
+        """str(sender rank) -> the SenderGroupJob fields of its group (multi-sender only)."""
+        return {str(s): asdict(SenderGroupJob(group_id=p.group_id, unique_id=p.unique_id.hex(), new_group=p.fresh,
+                                              world_size=p.world_size,
+                                              init_timeout=min(self.owner.init_timeout, timeout)))
+                for s, p in self.sender_plans.items()}
 
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))
@@ -164,3 +253,5 @@ class _NcclSession:
                 ok, reason = False, self._watch.tripped
         if not ok:
             self.owner.cache.invalidate(reason)
+        elif self.sender_plans:
+            self.owner.cache.built_senders()

@@ -103,7 +103,7 @@ def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_
     _assert_exact(trainer, a)
     _assert_exact(trainer, b)
     # ranks follow rollout ids (a=1, b=2), whatever the request's order
-    assert a.servicer.nccl._group_key[1:] == (3, 1) and b.servicer.nccl._group_key[1:] == (3, 2)
+    assert a.servicer.nccl.held_key()[1:] == (3, 1) and b.servicer.nccl.held_key()[1:] == (3, 2)
     group_id = a.servicer.nccl.group_id
     assert b.servicer.nccl.group_id == group_id
     assert _builds(trainer, rollouts) == (t0 + 1, {**r0, "a": r0["a"] + 1, "b": r0["b"] + 1})
@@ -121,10 +121,10 @@ def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_
     for app in (a, b, c):
         _assert_exact(trainer, app)
     assert _builds(trainer, rollouts)[0] == t0 + 2
-    assert c.servicer.nccl._group_key[1:] == (4, 3) and a.servicer.nccl.group_id != group_id
+    assert c.servicer.nccl.held_key()[1:] == (4, 3) and a.servicer.nccl.group_id != group_id
 
     # a communicator failure on one member: the next sync of the same membership rebuilds
-    c.servicer.nccl._group.abort("test: comm error on c")
+    c.servicer.nccl._groups[0][0].abort("test: comm error on c")
     _bump(trainer)
     rep = _sync(stub, ["a", "b", "c"])
     assert rep.ok, rep
@@ -132,7 +132,7 @@ def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_
     assert _builds(trainer, rollouts)[0] == t0 + 3
 
     # a restarted member no longer holds the group: it refuses the reuse and one retry rebuilds
-    a.servicer.nccl._group, a.servicer.nccl._group_key = None, None
+    a.servicer.nccl._groups.clear()
     _bump(trainer)
     rep = _sync(stub, ["a", "b", "c"])
     assert rep.ok, rep
@@ -293,7 +293,7 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
             apps[rid] = app
         dying = apps["dying"]
 
-        def hang_then_lose_the_control_plane(sync_id, receiver):
+        def hang_then_lose_the_control_plane(sync_id, receiver, sender=0):
             # joined the group, then stuck before taking any bucket; its gRPC server goes away,
             # as a killed process's port would, while its NCCL rank never signals anything
             threading.Timer(0.3, dying.grpc.stop).start()

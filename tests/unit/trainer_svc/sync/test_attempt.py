@@ -138,3 +138,43 @@ def test_a_stream_failure_fails_every_prepared_target_and_commits_none():
     assert session.finished == (False, "stream: peer gone") and session.channel.closed
     assert not any(m == "CommitSync" for _, m in orch.calls)
     assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
+
+
+def _fp8_attempt(orch, session, bad: str):
+    """An attempt over the block-FP8 stream of three projections, one of them holding a NaN."""
+    from trainer_svc.export_format import FP8_BLOCK, export_format
+
+    fmt = export_format(FP8_BLOCK)
+    named = [(f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(8, 8)) for i in range(3)]
+    dict(named)[bad][3, 4] = float("nan")
+    manifest = make_manifest(fmt.metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named), version=7,
+                             sync_id="s1", bucket_bytes=256, quantization=fmt.quantization)
+    targets = [RolloutEntry(rid, f"h:{i}") for i, rid in enumerate(("a", "b"))]
+    attempt = SyncAttempt(orch, session, manifest, targets, time.monotonic() + 60, PhaseClock(),
+                          tensors=lambda: fmt.tensors(iter(named)))
+    return attempt, manifest
+
+
+def test_non_finite_fp8_weights_fail_the_stream_after_its_last_bucket_and_nothing_commits():
+    orch, session = _Orch(), _Session()
+    attempt, manifest = _fp8_attempt(orch, session, bad="model.layers.1.self_attn.q_proj.weight")
+    results, _ = attempt.run()
+    want = ("fake stream: tensor model.layers.1.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
+            "to export it as FP8 (the trainer's weights have diverged)")
+    assert [r.error for r in results.values()] == [want, want]
+    # the check is deferred to the end of the export: every bucket went out, and none was committed
+    assert len(session.channel.sent) == len(manifest.buckets) > 2
+    assert session.finished == (False, want.removeprefix("fake "))
+    assert not any(m == "CommitSync" for _, m in orch.calls)
+    assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
+
+
+def test_an_export_error_after_a_failed_stream_joins_the_errors_and_the_targets_are_still_aborted():
+    orch, session = _Orch(), _Session(fail=True)
+    attempt, _ = _fp8_attempt(orch, session, bad="model.layers.0.self_attn.q_proj.weight")
+    results, retry = attempt.run()  # the drain's error does not escape past the aborts
+    assert retry == [] and not any(r.ok for r in results.values())
+    assert results["a"].error == ("fake stream: peer gone; the export failed too: tensor "
+                                  "model.layers.0.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
+                                  "to export it as FP8 (the trainer's weights have diverged)")
+    assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]

@@ -132,14 +132,14 @@ def _fake_tcp_begin(begin):
     return wrapped
 
 
-def test_senders_all_is_refused_for_nccl_and_ipc_per_request_and_falls_back_when_configured(caplog):
+def test_senders_all_is_refused_for_ipc_per_request_and_falls_back_when_configured(caplog):
     calls, actor = [], TwoRankActor()
     orch = _orch(actor, calls)
-    for transport in ("nccl", "ipc"):
-        with pytest.raises(ValueError, match=f"senders=all streams over tcp only; transport={transport}"):
-            orch.sync(_targets(), transport, senders="all")
-    assert orch._owners("nccl", "all") is None and "streams from global rank 0 only" in caplog.text
+    with pytest.raises(ValueError, match="senders=all streams over tcp or nccl; transport=ipc"):
+        orch.sync(_targets(), "ipc", senders="all")
+    assert orch._owners("ipc", "all") is None and "streams from global rank 0 only" in caplog.text
     assert orch._owners("tcp", "all") == OWNERS and orch._owners("tcp", "rank0") is None
+    assert orch._owners("nccl", "all") == OWNERS and orch._owners("nccl", "rank0") is None
     with pytest.raises(ValueError, match="senders='everyone' must be all or rank0"):
         orch.sync(_targets(), senders="everyone")
 
@@ -162,3 +162,125 @@ def test_a_quantized_export_goes_through_rank0(caplog):
     single.export_owners = lambda: [0] * len(METAS)
     assert _orch(single, [], export_format=export_format(FP8_BLOCK))._owners("tcp", "all") is None
     assert _orch(TwoRankActor(), [])._owners("tcp", "all") == OWNERS  # plain export: every owner sends
+
+
+def _nccl_orch(actor, calls, answers=None):
+    """An orchestrator whose nccl sender plans over the in-process loopback (no GPU); rollouts answer
+    PrepareSync as the real ones do (echoing no group id when the sync names one group per sender)."""
+    from tests.support.nccl_loopback import LoopbackBus
+    from weightsync.bus.nccl.sender import NcclSender
+
+    orch = _orch(actor, calls)
+    orch.transports["nccl"] = NcclSender(torch.device("cpu"), LoopbackBus(), 5.0)
+    plain = orch._call
+
+    def call(entry, method, req):
+        if method != "PrepareSync":
+            return plain(entry, method, req)
+        calls.append((entry.rollout_id, method, req))
+        err = (answers or {}).get(entry.rollout_id, "")
+        if err:
+            return None, err
+        resp = rollout_pb2.PrepareSyncResponse()
+        n = req.transport.nccl
+        resp.transport.nccl.group_id = n.group_id  # "" with sender_groups, as the rollout echoes it
+        resp.transport.nccl.device_uuid = f"GPU-{entry.rollout_id}"
+        return resp, ""
+    orch._call = call
+    return orch
+
+
+def test_nccl_multi_sender_plans_one_group_per_sender_reuses_them_and_replans_after_a_failure():
+    calls, actor = [], TwoRankActor()
+    orch = _nccl_orch(actor, calls)
+    rep = orch.sync(_targets(), "nccl", senders="all")
+    assert rep.ok and actor.funnelled == 0, rep
+    (job,) = actor.jobs
+    assert job.transport == "nccl" and job.targets == {} and job.macs == {}
+    assert sorted(job.nccl_groups) == ["0", "1"]
+    g0, g1 = job.nccl_groups["0"], job.nccl_groups["1"]
+    assert g0["new_group"] and g1["new_group"] and g0["group_id"] != g1["group_id"]
+    assert g0["unique_id"] != g1["unique_id"] and len(bytes.fromhex(g0["unique_id"])) == 128
+    assert g0["world_size"] == g1["world_size"] == 3  # the sender + both rollouts
+    # every rollout was told both groups, at the same rank in each, and no single group
+    preps = {rid: req.transport.nccl for rid, m, req in calls if m == "PrepareSync"}
+    for rid, rank in (("a", 1), ("b", 2)):
+        n = preps[rid]
+        assert n.rank_offset == rank and n.world_size == 3 and n.unique_id == b"" and n.group_id == ""
+        assert [(g.sender, g.group_id, g.new_group) for g in n.sender_groups] == \
+            [(0, g0["group_id"], True), (1, g1["group_id"], True)]
+        assert bytes(n.sender_groups[1].unique_id).hex() == g1["unique_id"]
+    assert orch.transports["nccl"].cache.builds == 1
+
+    # the next sync reuses both groups
+    calls.clear()
+    assert orch.sync(_targets(), "nccl", senders="all").ok
+    again = actor.jobs[-1].nccl_groups
+    assert [again[k]["group_id"] for k in ("0", "1")] == [g0["group_id"], g1["group_id"]]
+    assert not again["0"]["new_group"] and not again["1"]["new_group"]
+    assert not any(g.new_group for _, m, r in calls if m == "PrepareSync" for g in r.transport.nccl.sender_groups)
+
+    # a sender that fails fails every rollout, and the groups are planned anew for the next sync
+    actor.rank1 = {"error": "rank 1: NCCL broadcast failed: peer gone", "checksums": []}
+    bad = orch.sync(_targets(), "nccl", senders="all")
+    assert not bad.ok and all("NCCL broadcast failed" in r.error for r in bad.rollouts)
+    actor.rank1 = {}
+    assert orch.sync(_targets(), "nccl", senders="all").ok
+    fresh = actor.jobs[-1].nccl_groups
+    assert fresh["0"]["new_group"] and fresh["1"]["new_group"]
+    assert fresh["0"]["group_id"] not in (g0["group_id"], g1["group_id"])
+
+    # back to the funnel: one group of rank 0 (the per-sender plans are dropped)
+    calls.clear()
+    orch.transports["nccl"].begin = _fake_nccl_open(orch.transports["nccl"].begin)
+    assert orch.sync(_targets(), "nccl", senders="rank0").ok
+    n = [r.transport.nccl for _, m, r in calls if m == "PrepareSync"][0]
+    assert not n.sender_groups and n.new_group and len(n.unique_id) == 128
+
+
+def test_nccl_multi_sender_a_rollout_that_cannot_prepare_is_left_out_of_new_groups():
+    calls, actor = [], TwoRankActor()
+    orch = _nccl_orch(actor, calls, answers={"b": "UNAVAILABLE: connection refused"})
+    rep = orch.sync(_targets(), "nccl", senders="all")
+    ok = {r.rollout_id: r for r in rep.rollouts}
+    assert ok["a"].ok and not ok["b"].ok, rep
+    job = actor.jobs[-1]  # the retry: groups of the sender and "a" alone
+    assert all(g["world_size"] == 2 and g["new_group"] for g in job.nccl_groups.values())
+
+
+def _fake_nccl_open(begin):
+    """The funnel over nccl streams through rank 0's own group: give it one that takes the bytes."""
+    def wrapped(*a, **kw):
+        session = begin(*a, **kw)
+
+        class Sink:
+            def send(self, plan, buf, checksum):
+                pass
+
+            def failures(self):
+                return {}
+
+            def close(self):
+                pass
+        session.open = lambda targets, timeout: Sink()
+        return session
+    return wrapped
+
+
+def test_nccl_multi_sender_funnels_when_a_rollout_sits_on_a_sending_ranks_gpu(caplog):
+    """NCCL takes one rank per GPU in a group: rollout b on rank 1's GPU cannot join rank 1's group.
+    The sync is retried through rank 0 at once, and later syncs to b go straight to the funnel."""
+    calls, actor = [], TwoRankActor()
+    actor.rank_gpus = ["GPU-t0", "GPU-b"]
+    orch = _nccl_orch(actor, calls)
+    orch.transports["nccl"].begin = _fake_nccl_open(orch.transports["nccl"].begin)
+    rep = orch.sync(_targets(), "nccl", senders="all")
+    assert rep.ok and all(r.ok for r in rep.rollouts), rep
+    assert actor.jobs == [] and actor.funnelled == 1 and [s.rank for s in rep.senders] == [0]
+    first, retry = [r.transport.nccl for _, m, r in calls if m == "PrepareSync" and _ == "b"]
+    assert len(first.sender_groups) == 2 and not retry.sender_groups and retry.new_group
+    assert "receives on the GPU of trainer rank 1" in caplog.text
+    assert orch.metrics.failures.labels("trainer", "prepare_failed")._value.get() == 0
+    calls.clear()
+    assert orch.sync(_targets(), "nccl", senders="all").ok
+    assert [len(r.transport.nccl.sender_groups) for _, m, r in calls if m == "PrepareSync"] == [0, 0]

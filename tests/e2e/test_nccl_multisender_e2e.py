@@ -1,0 +1,109 @@
+"""Multi-sender NCCL through the real services and processes: a torchrun megatron trainer (gloo)
+with PP=2 whose two stages each broadcast their own buckets on their own group to two rollout
+processes. CI has no GPU, so libnccl is replaced in every process by a gloo stand-in with the
+same interface (weightsync.local.gloo_nccl, selected by WEIGHTSYNC_NCCL_BUS); what runs is ours:
+rank 0 planning a group per sender, the SendJob carrying each rank its group, every rank building
+and keeping its communicator, each rollout joining both groups and committing once both senders'
+buckets have arrived. The same paths on real NCCL: tests/gpu/test_multisender_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+import torch
+
+from reliability_helpers import MODEL_KW, rstub, score, status, tstub, wait_for
+from test_multisender_e2e import PROMPT, _bytes, _exported, _hf_logits, _layer, _rank_pid, _senders
+from weightsync.local.procs import wait_registered
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def gloo_nccl(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "weightsync.local.gloo_nccl:GlooNcclBus")
+
+
+def _fleet(procs, model: str):
+    trainer = procs.trainer("--model", model, "--pp", "2", "--bucket-mb", "1", "--no-auto-sync-new-rollouts",
+                            "--nccl-init-timeout-s", "60", nproc=2)
+    rollouts = [procs.rollout("--model", model, "--init-seed", str(10 + i), "--trainer-address", trainer.address,
+                              name=f"r{i}") for i in range(2)]
+    trainer.wait_ready(240)
+    for r in rollouts:
+        r.wait_ready()
+    wait_registered(trainer.address, ["r0", "r1"])
+    return trainer, rollouts
+
+
+def _sync(trainer, timeout: float = 120.0, **kw) -> trainer_pb2.SyncReport:
+    return tstub(trainer, timeout=timeout).Sync(trainer_pb2.SyncRequest(transport="nccl", **kw)).report
+
+
+def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(procs, gloo_nccl):
+    trainer, rollouts = _fleet(procs, "tiny-qwen2")
+    rep = _sync(trainer, senders="all")
+    assert rep.ok, rep
+    sd = _exported(trainer, procs.tmp / "exported")
+    stage0 = _bytes(sd, lambda n: n.startswith("model.embed_tokens.") or _layer(n) == 0)
+    stage1 = _bytes(sd, lambda n: not (n.startswith("model.embed_tokens.") or _layer(n) == 0))
+    s = _senders(rep)
+    assert sorted(s) == [0, 1] and (s[0].bytes, s[1].bytes) == (stage0, stage1), rep.senders
+    assert s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0  # nothing crossed to rank 0
+    assert all(0 < x.peak_buffer_bytes <= 2 << 20 for x in s.values())
+    want = _hf_logits(procs.tmp / "exported")
+    for r in rollouts:
+        logits, version = score(rstub(r), PROMPT)
+        assert version == rep.version and torch.equal(logits, want), (logits - want).abs().max()
+        assert "joined NCCL group" in r.log() and "(sender rank 1)" in r.log()
+    assert "NCCL sender group" in trainer.log()
+    builds = trainer.metric("weightsync_nccl_group_builds_total", 'role="trainer"')
+
+    # the next sync reuses both groups: no rank or rollout builds a communicator again
+    joins = [r.log().count("joined NCCL group") for r in rollouts]
+    again = _sync(trainer, senders="all")
+    assert again.ok and again.version == rep.version
+    assert [r.log().count("joined NCCL group") for r in rollouts] == joins == [2, 2]
+    assert trainer.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == builds
+
+    # the funnel over nccl, for contrast: one group of rank 0, stage 1's tensors forwarded to it
+    funnel = _sync(trainer, senders="rank0")
+    assert funnel.ok and [x.rank for x in funnel.senders] == [0], funnel
+    assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
+
+
+def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs, gloo_nccl):
+    from transformers import Qwen2Config
+    model = procs.tmp / "model"
+    Qwen2Config(**MODEL_KW).save_pretrained(str(model))
+    trainer, rollouts = _fleet(procs, str(model))
+    first = _sync(trainer, senders="all")
+    assert first.ok and sorted(x.rank for x in first.senders) == [0, 1], first
+    served = [score(rstub(r), PROMPT) for r in rollouts]
+    # rank 1 dies as soon as it has built its group for the next sync (its buckets never come)
+    victim = _rank_pid(trainer.popen.pid, 1)
+    errors = []
+
+    def sync():
+        try:
+            _sync(trainer, timeout=90, senders="all")
+        except grpc.RpcError as exc:  # the whole torchrun job goes down with its rank
+            errors.append(exc.code())
+
+    t = threading.Thread(target=sync)
+    t.start()
+    wait_for(lambda: all(status(rstub(r)).pending_sync_id for r in rollouts), 60, "the sync prepared")
+    os.kill(victim, signal.SIGKILL)
+    for r in rollouts:
+        wait_for(lambda r=r: "aborted" in status(rstub(r)).last_error, 90, f"{r.name} aborted")
+    t.join(120)
+    for r, (logits, version) in zip(rollouts, served):
+        st = status(rstub(r))
+        assert st.state == rollout_pb2.SERVING and st.version == version == first.version, st
+        now, v = score(rstub(r), PROMPT)
+        assert v == version and torch.equal(now, logits)

@@ -1,0 +1,129 @@
+"""A stand-in for libnccl over gloo, with the interface of weightsync.bus.nccl.group.CudaNcclBus.
+
+CI has no GPU, yet the NCCL paths that span processes — a multi-sender sync in which several
+trainer ranks each build a group with every rollout process — need real processes to be tested.
+This bus gives them the same shape on CPU: `new_unique_id` starts a TCPStore in the calling
+process (as ncclGetUniqueId starts NCCL's bootstrap root there) and returns its address; every
+rank's `open_group` rendezvous there and builds a gloo group (blocking until the whole world has
+joined, or timing out, as ncclCommInitRank); a bucket is a gloo broadcast from rank 0.
+Selected with WEIGHTSYNC_NCCL_BUS=weightsync.local.gloo_nccl:GlooNcclBus (tests only: loopback
+addresses, no authentication beyond the services' own). Real NCCL is exercised by tests/gpu.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+from weightsync.bus.errors import TransportError
+
+_HOST = "127.0.0.1"
+_ID_BYTES = 128
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+class GlooGroup:
+    def __init__(self, pg: ProcessGroupGloo, rank: int, world_size: int, timeout: float, store):
+        self.pg, self.rank, self.world_size, self.timeout = pg, rank, world_size, timeout
+        self._store = store  # keeps the rendezvous client alive with the group
+        self.device = torch.device("cpu")
+        self.broken = ""
+        self._lock = threading.Lock()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.broken
+
+    def broadcast(self, buf: torch.Tensor, timeout: float | None = None) -> None:
+        if self.broken:
+            raise TransportError(f"NCCL group unusable: {self.broken}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        try:
+            self.pg.broadcast([buf], opts).wait(_td(timeout or self.timeout))
+        except Exception as exc:  # gloo: a peer gone or the wait timed out; the group is done for
+            self.abort(f"broadcast of {buf.numel()} bytes failed: {exc}")
+            raise TransportError(f"NCCL broadcast failed: {self.broken}") from None
+        if self.broken:
+            raise TransportError(f"NCCL broadcast failed: {self.broken}")
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self.broken:
+                return
+            self.broken = reason
+        try:
+            self.pg.abort()  # ends waits posted on it at once (on every rank, as NCCL's abort does not)
+        except Exception:  # noqa: BLE001 — aborting an already failed group: nothing left to stop
+            pass
+
+    def close(self) -> None:
+        self.abort("closed")
+
+
+class GlooSender:
+    releases_previous = False
+
+    def __init__(self, group: GlooGroup):
+        if group.rank != 0:
+            raise ValueError("the bus sender must be rank 0 of its NCCL group")
+        self.group = group
+
+    def send(self, plan, buf: torch.Tensor, checksum) -> None:
+        self.group.broadcast(buf[:plan.nbytes].cpu().contiguous())
+
+    def failures(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class GlooReceiver:
+    def __init__(self, group: GlooGroup, buckets):
+        self.group = group
+
+    def recv(self, plan, timeout: float):
+        buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+        self.group.broadcast(buf, timeout)
+        return buf, None
+
+    def close(self) -> None:
+        pass
+
+
+class GlooNcclBus:
+    needs_cuda = False
+
+    def __init__(self):
+        self._stores: list = []  # rendezvous servers made here live as long as the bus
+
+    def new_unique_id(self) -> bytes:
+        store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False, timeout=_td(600))
+        self._stores.append(store)
+        addr = f"{_HOST}:{store.port}".encode()
+        return addr + b"\0" * (_ID_BYTES - len(addr))
+
+    def open_group(self, unique_id: bytes, world_size: int, rank: int, device, timeout: float) -> GlooGroup:
+        host, _, port = unique_id.rstrip(b"\0").decode().partition(":")
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout))
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = _td(timeout)
+            opts._devices = [ProcessGroupGloo.create_device(hostname=_HOST)]
+            pg = ProcessGroupGloo(store, rank, world_size, opts)
+        except Exception as exc:
+            raise TransportError(f"NCCL group init (rank {rank} of {world_size}) failed: {exc}") from None
+        return GlooGroup(pg, rank, world_size, timeout, store)
+
+    def sender(self, group: GlooGroup) -> GlooSender:
+        return GlooSender(group)
+
+    def receiver(self, group: GlooGroup, buckets) -> GlooReceiver:
+        return GlooReceiver(group, buckets)
