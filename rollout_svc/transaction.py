@@ -36,6 +36,7 @@ from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import Manifest
+from weightsync.bus.verified_copy import copy_bucket, copy_into
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -194,19 +195,31 @@ class SyncTransaction:
         return p
 
     def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None) -> None:
-        """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return)."""
+        """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return).
+
+        The copy out of `buf` and the checksum are one pass over the bytes where they can be
+        (weightsync/bus/verified_copy.py): staged mode copies the bucket whole and checks it before
+        anything enters the staging copy; inplace mode writes straight into the engine's parameters
+        and checks after, except for a sync's first bucket, which is checked before the engine is
+        touched, so that a bad first bucket still leaves the old version serving, as before."""
         p = self._require(sync_id)
         p.admit(index)
         plan = p.manifest.buckets[index]
-        ours = bucket_checksum(buf[:plan.nbytes]) if p.manifest.checksum_algo else None
-        if sender_checksum is not None and ours is not None and ours != sender_checksum:
-            raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
-                            "DATA_LOSS")
+        checked = bool(p.manifest.checksum_algo)
+        ours = None
         if self.apply_mode == "staged":
-            staged = {name: view.clone() for name, view in unpack_bucket(plan, buf)}
+            if checked:
+                flat, ours = copy_bucket(plan, buf)
+                self._verify(index, ours, sender_checksum)
+                staged = dict(unpack_bucket(plan, flat))  # views of this sync's own copy
+            else:
+                staged = {name: view.clone() for name, view in unpack_bucket(plan, buf)}
             with p.lock:
                 p.staging.update(staged)
         else:
+            if checked and not p.applied_any:
+                ours = bucket_checksum(buf[:plan.nbytes])
+                self._verify(index, ours, sender_checksum)
             # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
             # the engine lock between our check and the load, and a bucket of an aborted sync is never
             # loaded after the abort (or into the next sync's weights).
@@ -220,13 +233,35 @@ class SyncTransaction:
                     self.state = S.APPLYING
                     _optional(self.engine, "begin_apply")()
                 p.applied_any = True
-                # Engines that take whole buckets (SGLang's flattened-bucket path) skip the unpack.
-                load_bucket = getattr(self.engine, "load_bucket", None)
-                if load_bucket is not None and p.dequantizer is None:
-                    load_bucket(plan, buf)
-                else:
-                    self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
+                direct = self._direct_params(plan, p) if checked and ours is None else None
+                if direct is not None:
+                    # Already in the parameters when the check runs: a mismatch aborts the sync, and
+                    # since buckets were applied the engine is STALE until a complete sync commits.
+                    ours = copy_into(plan, buf, direct)
+                if checked and ours is None:
+                    ours = bucket_checksum(buf[:plan.nbytes])
+                self._verify(index, ours, sender_checksum)
+                if direct is None:
+                    # Engines that take whole buckets (SGLang's flattened-bucket path) skip the unpack.
+                    load_bucket = getattr(self.engine, "load_bucket", None)
+                    if load_bucket is not None and p.dequantizer is None:
+                        load_bucket(plan, buf)
+                    else:
+                        self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.record(index, ours)
+
+    @staticmethod
+    def _verify(index: int, ours: int | None, sender_checksum: int | None) -> None:
+        if sender_checksum is not None and ours is not None and ours != sender_checksum:
+            raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
+                            "DATA_LOSS")
+
+    def _direct_params(self, plan, p: _Pending) -> list[torch.Tensor] | None:
+        """The engine's parameters that bucket `plan` can be written into byte for byte, or None."""
+        writable = getattr(self.engine, "writable_params", None)
+        if writable is None or p.dequantizer is not None or getattr(self.engine, "load_bucket", None) is not None:
+            return None
+        return writable([slot.meta for slot in plan.slots])
 
     def run_receiver(self, sync_id: str, receiver: BucketReceiver, sender: int = 0) -> None:
         """Pull every bucket `sender` streams in the pending sync from `receiver`; on failure record

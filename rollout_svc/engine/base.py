@@ -83,4 +83,7 @@ class Engine(Protocol):
 #   end_apply()                      — called at commit instead of flush_cache (flush + resume)
 #   loads_quantized(quantization)    — True: take block-FP8 pairs (X, X_scale_inv) as they are; absent
 #                                      or False: receive X dequantized (rollout_svc/quantized.py)
-# The SGLang adapter implements all four; the built-in engine needs none.
+#   writable_params(metas)           — the parameters a bucket's tensors can be written into byte for
+#                                      byte (or None), so the copy out of the bus buffer is also its
+#                                      checksum pass (weightsync/bus/verified_copy.py)
+# The SGLang adapter implements the first four; the built-in engine only writable_params.

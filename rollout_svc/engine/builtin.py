@@ -123,6 +123,20 @@ class BuiltinEngine:
             for name, t in items:
                 self._target(name).copy_(t, non_blocking=False)
 
+    def writable_params(self, metas) -> list[torch.Tensor] | None:
+        """The parameters that tensors `metas` (name, shape, dtype) load into, when each already is
+        exactly that tensor's layout (same shape and dtype, contiguous), so that a caller can write
+        the received bytes straight in (rollout_svc/transaction.py); None when any is not, and
+        load_weights must cast. The caller writes now: the cached KV is dropped, as load_weights does."""
+        out = []
+        for m in metas:
+            p = self._target(m.name)
+            if p is None or tuple(p.shape) != tuple(m.shape) or p.dtype != m.dtype or not p.is_contiguous():
+                return None
+            out.append(p.data)
+        self.prefix_cache.flush()
+        return out
+
     def flush_cache(self) -> None:
         self.prefix_cache.flush()
 

@@ -29,6 +29,40 @@ def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
         assert bucket_checksum(buf) == bucket_checksum(buf.cuda())
 
 
+@needs_cuda
+@pytest.mark.parametrize("nbytes", [4, 8, (1 << 20) - 4, (1 << 20) + 4, (300 << 20) + 8])
+def test_copy_out_kernel_copies_exactly_and_sums_as_the_cpu_does(nbytes):
+    from weightsync.bus.checksum import copy_word_sums, word_sums
+    g = torch.Generator().manual_seed(nbytes)
+    words = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=g)
+    dst = torch.empty_like(words, device="cuda:0")
+    got = copy_word_sums(words.cuda(), dst)
+    assert torch.equal(dst.cpu(), words)
+    assert got.cpu().tolist() == word_sums(words).tolist()
+
+
+@needs_cuda
+def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
+    """The rollout's one-pass copy-out (verified_copy.py) on the GPU: bf16 tensors of a Qwen-like mix,
+    odd sizes included, into separately allocated CUDA tensors."""
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.pack import alloc_buffer, pack_bucket
+    from weightsync.bus.plan import TensorMeta, plan_buckets
+    from weightsync.bus.verified_copy import copy_bucket, copy_into
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3584, 3584), (3584,), (512, 3584), (7,), (18944, 3584), (3, 5)]
+    named = [(f"t{i}", torch.randn(s, generator=g).to(torch.bfloat16).cuda()) for i, s in enumerate(shapes)]
+    (plan,) = plan_buckets([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 30)
+    buf = alloc_buffer(plan.nbytes, torch.device("cuda:0"))
+    view = pack_bucket(plan, iter(named), buf)
+    dests = [torch.empty_like(t) for _, t in named]
+    assert copy_into(plan, buf, dests) == bucket_checksum(view) == bucket_checksum(view.cpu())
+    for (name, t), d in zip(named, dests):
+        assert torch.equal(d.view(torch.int16), t.view(torch.int16)), name
+    flat, csum = copy_bucket(plan, buf)
+    assert csum == bucket_checksum(view) and torch.equal(flat, view)
+
+
 _WARM_PROBE = """
 import json, sys, time, torch
 from weightsync.bus.checksum import bucket_checksum, warm_up

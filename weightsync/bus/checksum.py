@@ -4,7 +4,8 @@ A sum of 32-bit words (and of their squares) accumulated in int64 with wrap-arou
 independent of reduction order, so a bucket checksummed on a GPU by the sender and on a
 CPU (or another GPU) by the receiver agrees bit for bit. It detects corruption and
 truncation, not deliberate tampering or word reordering; authentication is the control
-plane's job. Costs one read of the buffer; on CUDA a fused Triton kernel (checksum_cuda.py).
+plane's job. Costs one read of the buffer; on CUDA a fused Triton kernel (checksum_cuda.py),
+which also comes as a copy that checksums what it copies (a rollout's copy-out, verified_copy.py).
 """
 from __future__ import annotations
 
@@ -22,10 +23,36 @@ def bucket_checksum(buf: torch.Tensor) -> int:
     n = buf.numel()
     whole = n - n % 4
     words = buf[:whole].view(torch.int32)
-    s1, s2 = (int(v) for v in _word_sums(words).tolist())  # the one host sync per bucket
-    tail = bytes(buf[whole:].cpu().tolist())
-    t = int.from_bytes(tail, "little") if tail else 0
+    return from_sums(_word_sums(words), buf[whole:], n)
+
+
+def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
+    """The checksum of an `n`-byte buffer from its word sums (int64 [sum, sum of squares] over its
+    n // 4 whole words, in any order) and its last n % 4 bytes."""
+    s1, s2 = (int(v) for v in sums.tolist())  # the one host sync per bucket
+    tail_bytes = bytes(tail.cpu().tolist())
+    t = int.from_bytes(tail_bytes, "little") if tail_bytes else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK
+
+
+def word_sums(words: torch.Tensor) -> torch.Tensor:
+    """int64 [sum of words, sum of wrapped squares] of an int32 tensor, on its device."""
+    return _word_sums(words)
+
+
+def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Copy the int32 words `src` into `dst` and return their word sums, reading `src` once on CUDA
+    (one fused Triton kernel: the copy and the checksum are one pass over the bytes)."""
+    if src.shape != dst.shape or src.dtype != torch.int32 or dst.dtype != torch.int32:
+        raise ValueError(f"copy_word_sums wants two int32 tensors of one shape, got {src.dtype} "
+                         f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    if src.is_cuda and dst.is_cuda and src.numel():
+        from weightsync.bus import checksum_cuda
+
+        if checksum_cuda.available():
+            return checksum_cuda.copy_word_sums(src, dst)
+    dst.copy_(src)
+    return _word_sums(src)
 
 
 def _word_sums(words: torch.Tensor) -> torch.Tensor:
@@ -65,5 +92,8 @@ def warm_up(device) -> float:
         return 0.0
     t0 = time.perf_counter()
     for nbytes in (64 << 10, (64 << 10) + 4, (64 << 10) + 6):  # word count % 16 == 0, != 0, and a tail
-        bucket_checksum(torch.zeros(nbytes, dtype=torch.uint8, device=device))
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        bucket_checksum(buf)
+        words = buf[:nbytes - nbytes % 4].view(torch.int32)
+        copy_word_sums(words, torch.empty_like(words))  # the rollout's copy-out kernel (verified_copy.py)
     return time.perf_counter() - t0

@@ -40,6 +40,30 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=1)
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_sum64(src_ptr, dst_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        start = pid * BLOCK * STEPS
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(STEPS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n_words
+            w = tl.load(src_ptr + offs, mask=mask, other=0)
+            tl.store(dst_ptr + offs, w, mask=mask)
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)
+        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+    return copy_sum64
+
+
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
     try:
         import triton  # noqa: F401
@@ -56,4 +80,15 @@ def word_sums(words: torch.Tensor) -> torch.Tensor:
     partial = torch.empty(programs * 2, dtype=torch.int64, device=words.device)
     with torch.cuda.device(words.device):
         _kernel()[(programs,)](words, partial, n, BLOCK=_BLOCK, STEPS=_STEPS)
+    return partial.view(programs, 2).sum(dim=0)
+
+
+def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Copy contiguous int32 CUDA `src` into `dst` and return word_sums(src), reading src once."""
+    n = src.numel()
+    per_program = _BLOCK * _STEPS
+    programs = max(1, -(-n // per_program))
+    partial = torch.empty(programs * 2, dtype=torch.int64, device=src.device)
+    with torch.cuda.device(src.device):
+        _copy_kernel()[(programs,)](src, dst, partial, n, BLOCK=_BLOCK, STEPS=_STEPS)
     return partial.view(programs, 2).sum(dim=0)

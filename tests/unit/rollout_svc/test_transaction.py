@@ -142,3 +142,45 @@ def test_staged_commit_waits_for_a_busy_engine_only_until_the_deadline():
     busy.join(5)
     assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
     assert torch.equal(_logits(tx), before)
+
+
+@pytest.mark.parametrize("mode,bad,after", [("staged", 1, "SERVING"), ("inplace", 0, "SERVING"),
+                                            ("inplace", 1, "STALE")])
+def test_a_corrupted_bucket_is_data_loss_and_only_an_inplace_sync_past_its_first_bucket_turns_stale(mode, bad, after):
+    """The copy out of the bus buffer is the checksum pass (weightsync/bus/verified_copy.py): inplace
+    mode checks a bucket after writing it into the parameters, except the first one, which is still
+    checked before the engine is touched."""
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, mode)
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    assert len(m.buckets) > 2
+    sums = [bucket_checksum(b) for b in bufs]
+    bufs[bad][5] ^= 0x01  # one flipped bit inside the bucket's first tensor
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets[:bad], bufs):
+        tx.consume_bucket("s1", b.index, buf, sums[b.index])
+    want = rf"bucket {bad}: checksum 0x[0-9a-f]+ != sender.s 0x[0-9a-f]+ \(corrupted in transit\)"
+    with pytest.raises(SyncError, match=want) as err:
+        tx.consume_bucket("s1", bad, bufs[bad], sums[bad])
+    assert err.value.code == "DATA_LOSS"
+    tx.abort("s1", "checksum")
+    assert tx.state == getattr(rollout_pb2, after) and tx.version == 0
+    if after == "SERVING":
+        assert torch.equal(_logits(tx), before)
+
+
+def test_inplace_writes_the_parameters_directly_and_the_result_equals_the_target():
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "inplace")
+    m, bufs = _buckets(target)
+    calls = []
+    load = eng.load_weights
+    eng.load_weights = lambda named: calls.append(1) or load(named)
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
+    tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
+    assert calls == [1]  # the first bucket (checked before the engine is touched); the rest copied in
+    for name, p in target._params.items():
+        assert torch.equal(eng._params[name], p), name

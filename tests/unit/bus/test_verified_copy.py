@@ -1,0 +1,67 @@
+"""The one-pass copy-out: the tensors land exactly, and the checksum equals bucket_checksum's."""
+import pytest
+import torch
+
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
+from weightsync.bus.plan import TensorMeta, plan_buckets
+from weightsync.bus.verified_copy import copy_bucket, copy_into
+
+
+def _bucket(shapes_dtypes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for i, (shape, dtype) in enumerate(shapes_dtypes):
+        t = torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(dtype)
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=g).to(dtype)
+        named.append((f"t{i}", t))
+    metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named]
+    (plan,) = plan_buckets(metas, 1 << 20)
+    buf = alloc_buffer(plan.nbytes + 64, torch.device("cpu"))
+    buf.fill_(0x5A)  # gaps hold whatever the sender left there: they count in the checksum
+    view = pack_bucket(plan, iter(named), buf)
+    return plan, buf, view, named
+
+
+# odd byte counts (bf16 x 3 = 6 bytes, int8 x 7) end inside a word that the next gap finishes
+SHAPES = [((5, 3), torch.bfloat16), ((7,), torch.int8), ((4, 4), torch.float32), ((3,), torch.bfloat16)]
+
+
+def test_copy_into_lands_every_tensor_exactly_and_checksums_the_whole_bucket_with_its_gaps():
+    plan, buf, view, named = _bucket(SHAPES)
+    dests = [torch.empty_like(t) for _, t in named]
+    got = copy_into(plan, buf, dests)
+    assert got == bucket_checksum(view)
+    for (name, t), d in zip(named, dests):
+        assert torch.equal(d.view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+def test_a_changed_gap_byte_changes_the_checksum_but_not_the_tensors():
+    plan, buf, view, named = _bucket(SHAPES)
+    before = copy_into(plan, buf, [torch.empty_like(t) for _, t in named])
+    gap = plan.slots[0].offset + plan.slots[0].meta.nbytes  # first byte after tensor 0
+    buf[gap + 1] ^= 0xFF
+    assert copy_into(plan, buf, [torch.empty_like(t) for _, t in named]) != before
+
+
+def test_copy_bucket_is_a_private_copy_with_the_same_checksum():
+    plan, buf, view, named = _bucket(SHAPES + [((1,), torch.int8)])  # the bucket ends off a word boundary
+    assert plan.nbytes % 4
+    flat, csum = copy_bucket(plan, buf)
+    assert csum == bucket_checksum(view) and torch.equal(flat, view)
+    buf.zero_()  # the bus buffer is reused: the copy keeps the tensors
+    for (name, t), (n2, v) in zip(named, unpack_bucket(plan, flat)):
+        assert name == n2 and torch.equal(v.view(torch.uint8), t.contiguous().view(torch.uint8))
+
+
+def test_copy_into_declines_destinations_it_cannot_write_as_words_and_copies_nothing():
+    plan, buf, view, named = _bucket(SHAPES)
+    dests = [torch.zeros_like(t) for _, t in named]
+    dests[2] = torch.zeros(4, 8, dtype=torch.float32)[:, ::2]  # not contiguous
+    assert copy_into(plan, buf, dests) is None
+    assert all(not d.any() for d in dests)
+    odd = torch.zeros(2 + 5 * 3, dtype=torch.bfloat16)[1:16].view(5, 3)  # 2-byte aligned only
+    assert copy_into(plan, buf, [odd, *dests[1:2], torch.zeros(4, 4), dests[3]]) is None
+    with pytest.raises(ValueError, match="3 destinations for 4 tensors"):
+        copy_into(plan, buf, dests[:3])

@@ -1,0 +1,78 @@
+"""Copy a received bucket out of the bus buffer and checksum it in the same pass.
+
+A rollout used to read every bucket twice: once for its `ws-sum64-v1` checksum, then again to
+copy each tensor out (into its staging copy, or into the engine's parameters) before the bus
+buffer is reused. Here every word is read once: the copy also accumulates the checksum's word
+sums (one fused Triton kernel per tensor on CUDA, checksum.copy_word_sums; copy-then-sum on the
+CPU). The sums are order-independent, so the tensors' sums plus those of the alignment gaps
+between them give exactly the value `bucket_checksum` gives for the whole buffer.
+
+Nothing here decides what a mismatch means: callers compare the returned checksum with the
+sender's, as before, and say what to do with bytes already copied.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from weightsync.bus.checksum import copy_word_sums, from_sums, word_sums
+from weightsync.bus.plan import BucketPlan
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.int32)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s own bytes as a flat uint8 view, or None when they cannot be written as int32 words."""
+    if not t.is_contiguous() or t.data_ptr() % 4:
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> int | None:
+    """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
+    dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
+    not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way."""
+    if len(dests) != len(plan.slots):
+        raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
+    if buf.numel() < plan.nbytes or buf.data_ptr() % 4:
+        raise ValueError(f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
+                         f"cannot hold its {plan.nbytes} bytes as words")
+    views = []
+    for slot, d in zip(plan.slots, dests):
+        v = _byte_view(d)
+        if v is None or v.numel() != slot.meta.nbytes or d.device != buf.device:
+            return None
+        views.append(v)
+    acc = torch.zeros(2, dtype=torch.int64, device=buf.device)
+    pos = 0  # bytes of buf before `pos` are summed; always a whole number of words
+    for slot, dst in zip(plan.slots, views):
+        off, nb = slot.offset, slot.meta.nbytes  # offsets are aligned (plan.ALIGN): whole words
+        if off > pos:  # the alignment gap before this tensor counts in the checksum
+            acc += word_sums(_words(buf[pos:off]))
+        whole = nb - nb % 4
+        if whole:
+            acc += copy_word_sums(_words(buf[off:off + whole]), _words(dst[:whole]))
+        if nb % 4:  # its last bytes start the next gap's first word
+            dst[whole:].copy_(buf[off + whole:off + nb])
+        pos = off + whole
+    n = plan.nbytes
+    end = n - n % 4
+    if end > pos:
+        acc += word_sums(_words(buf[pos:end]))
+    return from_sums(acc, buf[end:n], n)
+
+
+def copy_bucket(plan: BucketPlan, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A copy of the bucket's bytes (a new flat buffer on `buf`'s device) and their checksum."""
+    n = plan.nbytes
+    if buf.numel() < n or buf.data_ptr() % 4:
+        raise ValueError(f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
+                         f"cannot hold its {n} bytes as words")
+    out = torch.empty(n, dtype=torch.uint8, device=buf.device)
+    end = n - n % 4
+    sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
+    out[end:].copy_(buf[end:n])
+    return out, from_sums(sums, buf[end:n], n)
