@@ -59,6 +59,10 @@ def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
     assert copy_into(plan, buf, dests) == bucket_checksum(view) == bucket_checksum(view.cpu())
     for (name, t), d in zip(named, dests):
         assert torch.equal(d.view(torch.int16), t.view(torch.int16)), name
+    # the work table is kept per layout and addresses: new destinations get their own
+    others = [torch.zeros_like(t) for _, t in named]
+    assert copy_into(plan, buf, others) == bucket_checksum(view)
+    assert all(torch.equal(o.view(torch.int16), t.view(torch.int16)) for o, (_, t) in zip(others, named))
     flat, csum = copy_bucket(plan, buf)
     assert csum == bucket_checksum(view) and torch.equal(flat, view)
 

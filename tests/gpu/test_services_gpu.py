@@ -271,14 +271,18 @@ def test_ipc_colocated_sync_is_exact_in_bf16_and_a_rollout_on_another_gpu_is_ref
 
 
 @needs_gpus(1)
-def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_once(fleet):
+@pytest.mark.parametrize("apply_mode", ["staged", "inplace"])
+def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_once(fleet, apply_mode):
     """hf trainer holding bf16 = the export as it is: no pack copy (its parameters live in the
     buckets' layout), one IpcBuckets stream per sync, and the rollout maps each buffer once: later
-    syncs, even of new weights, open no handle. Every sync exact."""
+    syncs, even of new weights, open no handle. Every sync exact, in both apply modes: staged
+    copies each bucket once (copy_bucket), inplace writes it into the engine's parameters in the
+    same pass as its checksum (copy_into's one-launch kernel)."""
     t = fleet.trainer("--device", "cuda:0", "--transport", "ipc", "--export-dtype", "bfloat16", "--param-dtype",
                       "bfloat16", "--init-seed", "1")
     t.wait_ready()
-    r = fleet.rollout("same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
+    r = fleet.rollout("same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", apply_mode,
+                      trainer_proc=t)
     r.wait_ready()
     wait_registered(t.address, ["same-gpu"])
     opens = lambda: r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"')  # noqa: E731

@@ -95,5 +95,12 @@ def warm_up(device) -> float:
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         bucket_checksum(buf)
         words = buf[:nbytes - nbytes % 4].view(torch.int32)
-        copy_word_sums(words, torch.empty_like(words))  # the rollout's copy-out kernel (verified_copy.py)
+        copy_word_sums(words, torch.empty_like(words))  # the rollout's copy-out kernels (verified_copy.py)
+    from weightsync.bus import checksum_cuda
+
+    if checksum_cuda.available():
+        words = torch.zeros(64, dtype=torch.int32, device=device)
+        dst = torch.empty(32, dtype=torch.int32, device=device)
+        checksum_cuda.scatter_word_sums(words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)],
+                                                                           device))
     return time.perf_counter() - t0

@@ -92,3 +92,53 @@ def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     with torch.cuda.device(src.device):
         _copy_kernel()[(programs,)](src, dst, partial, n, BLOCK=_BLOCK, STEPS=_STEPS)
     return partial.view(programs, 2).sum(dim=0)
+
+
+@functools.lru_cache(maxsize=1)
+def _scatter_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scatter_sum64(src_ptr, table_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        # One row of the table per program: (first source word, word count <= BLOCK * STEPS,
+        # destination address or 0 for words that are only summed: the gaps between tensors).
+        pid = tl.program_id(0).to(tl.int64)
+        src_off = tl.load(table_ptr + pid * 3)
+        n = tl.load(table_ptr + pid * 3 + 1)
+        dst_addr = tl.load(table_ptr + pid * 3 + 2)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(STEPS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            w = tl.load(src_ptr + src_off + offs, mask=mask, other=0)
+            if dst_addr != 0:
+                tl.store(dst_addr.to(tl.pointer_type(tl.int32)) + offs, w, mask=mask)
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)
+        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+    return scatter_sum64
+
+
+def scatter_table(regions: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """The work table of `scatter_word_sums` for `regions` (first word, word count, destination
+    address or 0), cut into rows of at most one program's words; built once per layout."""
+    per_program = _BLOCK * _STEPS
+    rows = []
+    for start, count, addr in regions:
+        for k in range(0, count, per_program):
+            rows.append((start + k, min(per_program, count - k), addr + 4 * k if addr else 0))
+    return torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device)
+
+
+def scatter_word_sums(src_words: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Copy each region of `table` out of `src_words` to its address and return the word sums of
+    every word the table names: one launch for a whole bucket, whatever its number of tensors."""
+    programs = table.shape[0]
+    partial = torch.empty(programs * 2, dtype=torch.int64, device=src_words.device)
+    with torch.cuda.device(src_words.device):
+        _scatter_kernel()[(programs,)](src_words, table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    return partial.view(programs, 2).sum(dim=0)

@@ -46,6 +46,8 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
         if v is None or v.numel() != slot.meta.nbytes or d.device != buf.device:
             return None
         views.append(v)
+    if buf.is_cuda and _fused():
+        return _copy_into_cuda(plan, buf, views)
     acc = torch.zeros(2, dtype=torch.int64, device=buf.device)
     pos = 0  # bytes of buf before `pos` are summed; always a whole number of words
     for slot, dst in zip(plan.slots, views):
@@ -63,6 +65,51 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     if end > pos:
         acc += word_sums(_words(buf[pos:end]))
     return from_sums(acc, buf[end:n], n)
+
+
+def _fused() -> bool:
+    from weightsync.bus import checksum_cuda  # lazy: triton comes only with CUDA builds of torch
+
+    return checksum_cuda.available()
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_TABLES = 1024  # a few layouts' worth of buckets; the parameters' addresses do not move
+
+
+def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, views: list[torch.Tensor]) -> int:
+    """copy_into in one kernel launch per bucket: a launch from Python costs tens of microseconds,
+    which per tensor (hundreds in a bucket) would cost more than the copy saves. The work table
+    (regions of the bucket and where each goes) depends only on the layout and the destinations'
+    addresses, so it is built once and kept."""
+    from weightsync.bus import checksum_cuda
+
+    regions, pos = [], 0
+    for slot, dst in zip(plan.slots, views):
+        off, nb = slot.offset, slot.meta.nbytes
+        if off > pos:
+            regions.append((pos // 4, (off - pos) // 4, 0))
+        whole = nb - nb % 4
+        if whole:
+            regions.append((off // 4, whole // 4, dst.data_ptr()))
+        pos = off + whole
+    n = plan.nbytes
+    end = n - n % 4
+    if end > pos:
+        regions.append((pos // 4, (end - pos) // 4, 0))
+    key = (buf.device.index, *regions)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        table = _TABLES[key] = checksum_cuda.scatter_table(regions, buf.device)
+    sums = checksum_cuda.scatter_word_sums(_words(buf[:end]), table)
+    for slot, dst in zip(plan.slots, views):
+        nb = slot.meta.nbytes
+        if nb % 4:  # the last bytes of a tensor that does not end on a word: summed with the gap after it
+            whole = nb - nb % 4
+            dst[whole:].copy_(buf[slot.offset + whole:slot.offset + nb])
+    return from_sums(sums, buf[end:n], n)
 
 
 def copy_bucket(plan: BucketPlan, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
