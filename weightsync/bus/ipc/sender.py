@@ -58,20 +58,16 @@ class IpcStreamSender:
 
     `send(k)` queues bucket k on every stream and returns once every live target has
     acknowledged bucket k-1 (releases_previous): the rollout is already copying bucket k while
-    the pipeline refills k-1's buffer. With `paced=False` (the buckets are the actor's own
-    storage, which nothing rewrites during the sync) `send` never waits: every handle is queued
-    at once and the acknowledgements are read at `flush`, so the rollout goes from one bucket to
-    the next without a round trip to the trainer in between. A target whose stream fails is
-    dropped, not fatal.
+    the pipeline refills k-1's buffer. A target whose stream fails is dropped, not fatal.
     """
 
     releases_previous = True
 
     def __init__(self, targets: dict, sync_id: str, open_stream: StreamCall, cache, reusable: Callable[[torch.Tensor], bool],
-                 timeout: float, paced: bool = True):
+                 timeout: float):
         if not targets:
             raise ValueError("IpcStreamSender needs at least one target")
-        self.sync_id, self.cache, self.reusable, self.paced = sync_id, cache, reusable, paced
+        self.sync_id, self.cache, self.reusable = sync_id, cache, reusable
         self._failures: dict[str, str] = {}
         self._live: dict[str, _TargetStream] = {}
         for rid, entry in targets.items():
@@ -91,7 +87,7 @@ class IpcStreamSender:
         for st in self._live.values():
             st.put(req)
         self._unacked.append((plan.index, keep))
-        if self.paced and len(self._unacked) > 1:
+        if len(self._unacked) > 1:
             self._await(self._unacked[-2][0])
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
@@ -113,21 +109,18 @@ class IpcStreamSender:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
 
     def _await(self, index: int) -> None:
-        """Every live target's acknowledgements up to bucket `index` (in order: streams keep it)."""
-        owed = [i for i, _ in self._unacked if i <= index]
+        """Every live target's acknowledgement of bucket `index` (in order: streams keep it)."""
         for rid, st in list(self._live.items()):
-            for want in owed:
-                try:
-                    ack = next(st.responses)
-                except StopIteration:
-                    self._drop(rid, f"IpcBuckets ended before acknowledging bucket {want}")
-                    break
-                except grpc.RpcError as exc:
-                    self._drop(rid, f"IpcBuckets, bucket {want}: {describe(exc)}")
-                    break
-                if ack.index != want:
-                    self._drop(rid, f"IpcBuckets: acknowledgement of bucket {ack.index}, expected {want}")
-                    break
+            try:
+                ack = next(st.responses)
+            except StopIteration:
+                self._drop(rid, f"IpcBuckets ended before acknowledging bucket {index}")
+                continue
+            except grpc.RpcError as exc:
+                self._drop(rid, f"IpcBuckets, bucket {index}: {describe(exc)}")
+                continue
+            if ack.index != index:
+                self._drop(rid, f"IpcBuckets: acknowledgement of bucket {ack.index}, expected {index}")
         # acknowledged (or failed) by every target: the memory up to `index` may be reused
         self._unacked = [(i, t) for i, t in self._unacked if i > index]
 
@@ -189,12 +182,10 @@ class _IpcSession:
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
         self.device = owner.device
         self.buffers = owner.buffers  # the pipeline packs into these, kept across syncs
-        self.in_place = False  # this sync sends the actor's own storage (no buffer is reused)
 
     def use_in_place(self, buffers: list[torch.Tensor]) -> None:
         """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once)."""
         self.owner.in_place = list(buffers)
-        self.in_place = True
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
@@ -214,7 +205,7 @@ class _IpcSession:
         if self.owner.stream is None:
             raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")
         return IpcStreamSender(targets, self.sync_id, self.owner.stream, self.owner.cache, self.owner.long_lived,
-                               timeout, paced=not self.in_place)
+                               timeout)
 
     def finish(self, ok: bool, reason: str) -> None:
         # handles of buffers no longer in use (a pool that reallocated, a re-laid-out actor) go

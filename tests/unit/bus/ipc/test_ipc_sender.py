@@ -121,26 +121,3 @@ def test_in_place_buckets_are_long_lived_for_the_handle_cache():
     assert not ipc.long_lived(flats[1][:10])
     session.use_in_place(flats)
     assert ipc.long_lived(flats[0][:100]) and ipc.long_lived(flats[1]) and not ipc.long_lived(torch.zeros(4))
-
-
-def test_in_place_buckets_are_queued_without_waiting_and_every_acknowledgement_is_checked_at_flush():
-    """The actor's own storage is not rewritten during a sync: nothing waits between buckets, and
-    flush still reads each target's acknowledgements in order (a missing one drops the target)."""
-    got: dict[str, list] = {"ok": [], "bad": []}
-    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
-    manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_fake_streams(got, {"bad": 2}), cache=HandleCache(_share_counting([])))
-    targets = {"ok": _Entry("ok"), "bad": _Entry("bad")}
-    session = ipc.begin(list(targets.values()), "s", 256)
-    flats = [torch.full((256,), i, dtype=torch.uint8) for i in range(4)]
-    session.use_in_place(flats)
-    sender = session.open(targets, timeout=30)
-    for b, flat in zip(manifest.buckets, flats):
-        sender.send(b, flat, b.index + 1)
-    assert got == {"ok": [], "bad": []}  # queued, none awaited: the fake rollouts have read nothing yet
-    sender.flush()
-    assert [i for _, i, _, _ in got["ok"]] == [0, 1, 2, 3]
-    assert sender.failures() == {"bad": "IpcBuckets, bucket 2: DATA_LOSS: bucket 2: checksum mismatch"}
-    # a packed sync (pool buffers are reused) is paced again
-    assert ipc.begin(list(targets.values()), "s2", 256).open(targets, timeout=30).paced
