@@ -105,7 +105,7 @@ def test_a_rollout_one_sender_dropped_fails_alone_and_a_failed_sender_fails_all(
 def test_rank0_funnels_and_reports_what_was_forwarded_to_it():
     calls, actor = [], TwoRankActor()
     orch = _orch(actor, calls, senders="rank0")
-    orch.transports["tcp"].begin = _fake_tcp_begin(orch.transports["tcp"].begin)
+    orch.transports["tcp"].begin = _fake_open(orch.transports["tcp"].begin)
     rep = orch.sync(_targets())
     assert actor.jobs == [] and actor.funnelled == 1
     assert [(s.rank, s.bytes, s.forwarded_bytes) for s in rep.senders] == [(0, 1024, 512)]
@@ -113,8 +113,9 @@ def test_rank0_funnels_and_reports_what_was_forwarded_to_it():
     assert {b.sender for b in prepared.manifest.buckets} == {0}
 
 
-def _fake_tcp_begin(begin):
-    """The funnel streams through the session's channel: give it one that takes the bytes."""
+def _fake_open(begin):
+    """The funnel streams through the session's channel (tcp's, or rank 0's own nccl group): give it
+    one that takes the bytes."""
     def wrapped(*a, **kw):
         session = begin(*a, **kw)
 
@@ -232,7 +233,7 @@ def test_nccl_multi_sender_plans_one_group_per_sender_reuses_them_and_replans_af
 
     # back to the funnel: one group of rank 0 (the per-sender plans are dropped)
     calls.clear()
-    orch.transports["nccl"].begin = _fake_nccl_open(orch.transports["nccl"].begin)
+    orch.transports["nccl"].begin = _fake_open(orch.transports["nccl"].begin)
     assert orch.sync(_targets(), "nccl", senders="rank0").ok
     n = [r.transport.nccl for _, m, r in calls if m == "PrepareSync"][0]
     assert not n.sender_groups and n.new_group and len(n.unique_id) == 128
@@ -248,32 +249,13 @@ def test_nccl_multi_sender_a_rollout_that_cannot_prepare_is_left_out_of_new_grou
     assert all(g["world_size"] == 2 and g["new_group"] for g in job.nccl_groups.values())
 
 
-def _fake_nccl_open(begin):
-    """The funnel over nccl streams through rank 0's own group: give it one that takes the bytes."""
-    def wrapped(*a, **kw):
-        session = begin(*a, **kw)
-
-        class Sink:
-            def send(self, plan, buf, checksum):
-                pass
-
-            def failures(self):
-                return {}
-
-            def close(self):
-                pass
-        session.open = lambda targets, timeout: Sink()
-        return session
-    return wrapped
-
-
 def test_nccl_multi_sender_funnels_when_a_rollout_sits_on_a_sending_ranks_gpu(caplog):
     """NCCL takes one rank per GPU in a group: rollout b on rank 1's GPU cannot join rank 1's group.
     The sync is retried through rank 0 at once, and later syncs to b go straight to the funnel."""
     calls, actor = [], TwoRankActor()
     actor.rank_gpus = ["GPU-t0", "GPU-b"]
     orch = _nccl_orch(actor, calls)
-    orch.transports["nccl"].begin = _fake_nccl_open(orch.transports["nccl"].begin)
+    orch.transports["nccl"].begin = _fake_open(orch.transports["nccl"].begin)
     rep = orch.sync(_targets(), "nccl", senders="all")
     assert rep.ok and all(r.ok for r in rep.rollouts), rep
     assert actor.jobs == [] and actor.funnelled == 1 and [s.rank for s in rep.senders] == [0]
