@@ -30,7 +30,7 @@ def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
     """The checksum of an `n`-byte buffer from its word sums (int64 [sum, sum of squares] over its
     n // 4 whole words, in any order) and its last n % 4 bytes."""
     s1, s2 = (int(v) for v in sums.tolist())  # the one host sync per bucket
-    tail_bytes = bytes(tail.cpu().tolist())
+    tail_bytes = bytes(tail.cpu().tolist()) if tail.numel() else b""  # no device round trip for none
     t = int.from_bytes(tail_bytes, "little") if tail_bytes else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK
 

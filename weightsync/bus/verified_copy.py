@@ -40,14 +40,15 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     if buf.numel() < plan.nbytes or buf.data_ptr() % 4:
         raise ValueError(f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
                          f"cannot hold its {plan.nbytes} bytes as words")
-    views = []
+    device = buf.device
     for slot, d in zip(plan.slots, dests):
-        v = _byte_view(d)
-        if v is None or v.numel() != slot.meta.nbytes or d.device != buf.device:
+        # checked on the tensors themselves, no views: this runs for every tensor of every sync
+        if (not d.is_contiguous() or d.data_ptr() % 4 or d.numel() * d.element_size() != slot.meta.nbytes
+                or d.device != device):
             return None
-        views.append(v)
     if buf.is_cuda and _fused():
-        return _copy_into_cuda(plan, buf, views)
+        return _copy_into_cuda(plan, buf, dests)
+    views = [_byte_view(d) for d in dests]
     acc = torch.zeros(2, dtype=torch.int64, device=buf.device)
     pos = 0  # bytes of buf before `pos` are summed; always a whole number of words
     for slot, dst in zip(plan.slots, views):
@@ -77,7 +78,7 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 _MAX_TABLES = 1024  # a few layouts' worth of buckets; the parameters' addresses do not move
 
 
-def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, views: list[torch.Tensor]) -> int:
+def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> int:
     """copy_into in one kernel launch per bucket: a launch from Python costs tens of microseconds,
     which per tensor (hundreds in a bucket) would cost more than the copy saves. The work table
     (regions of the bucket and where each goes) depends only on the layout and the destinations'
@@ -85,7 +86,7 @@ def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, views: list[torch.Tenso
     from weightsync.bus import checksum_cuda
 
     regions, pos = [], 0
-    for slot, dst in zip(plan.slots, views):
+    for slot, dst in zip(plan.slots, dests):
         off, nb = slot.offset, slot.meta.nbytes
         if off > pos:
             regions.append((pos // 4, (off - pos) // 4, 0))
@@ -104,11 +105,11 @@ def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, views: list[torch.Tenso
             _TABLES.clear()
         table = _TABLES[key] = checksum_cuda.scatter_table(regions, buf.device)
     sums = checksum_cuda.scatter_word_sums(_words(buf[:end]), table)
-    for slot, dst in zip(plan.slots, views):
+    for slot, dst in zip(plan.slots, dests):
         nb = slot.meta.nbytes
         if nb % 4:  # the last bytes of a tensor that does not end on a word: summed with the gap after it
             whole = nb - nb % 4
-            dst[whole:].copy_(buf[slot.offset + whole:slot.offset + nb])
+            _byte_view(dst)[whole:].copy_(buf[slot.offset + whole:slot.offset + nb])
     return from_sums(sums, buf[end:n], n)
 
 
