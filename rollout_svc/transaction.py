@@ -36,7 +36,7 @@ from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import Manifest
-from weightsync.bus.verified_copy import copy_bucket, copy_into
+from weightsync.bus.verified_copy import PendingChecksum, copy_bucket, copy_into
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -48,17 +48,26 @@ def _optional(engine, name: str):
     return getattr(engine, name, None) or (lambda *a, **k: None)
 
 
+def _verify(index: int, ours: int | None, sender_checksum: int | None) -> None:
+    if sender_checksum is not None and ours is not None and ours != sender_checksum:
+        raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
+                        "DATA_LOSS")
+
+
 @dataclass
 class _Pending:
     manifest: Manifest
     deadline: float
-    received: dict[int, int | None] = field(default_factory=dict)  # bucket index -> our checksum
+    #: bucket index -> our checksum (a PendingChecksum until commit reads it, for deferred checks)
+    received: dict[int, object] = field(default_factory=dict)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
     applied_any: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
+    #: bucket index -> the sender's checksum, for buckets whose own checksum is read at commit
+    deferred: dict[int, int | None] = field(default_factory=dict)
     # per sender: its buckets in sending order, and how many of them arrived
     order: dict[int, list[int]] = field(default_factory=dict)
     arrived: dict[int, int] = field(default_factory=dict)
@@ -90,6 +99,26 @@ class _Pending:
             self.received[index] = checksum
             if len(self.received) == len(self.manifest.buckets):
                 self.done.set()
+
+    def defer(self, index: int, pending: PendingChecksum, sender_checksum: int | None) -> None:
+        with self.lock:
+            self.deferred[index] = sender_checksum
+
+    def resolve(self) -> None:
+        """Read every checksum whose copy was left queued (consume_bucket's defer_check) and check
+        it against the sender's; SyncError DATA_LOSS on the first mismatch."""
+        with self.lock:
+            deferred, self.deferred = self.deferred, {}
+        for index in sorted(deferred):
+            ours = self.received[index].value()
+            self.received[index] = ours
+            _verify(index, ours, deferred[index])
+
+    def wait_copies(self) -> None:
+        """Until no queued copy reads a sender's buffer any more (before an abort lets go of it)."""
+        for v in list(self.received.values()):
+            if isinstance(v, PendingChecksum):
+                v.wait()
 
     def checksums(self) -> list[int | None]:
         return [self.received[i] for i in range(len(self.manifest.buckets))]
@@ -194,14 +223,20 @@ class SyncTransaction:
             raise SyncError(f"sync {sync_id} already failed: {p.error}")
         return p
 
-    def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None) -> None:
-        """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return).
+    def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None,
+                       defer_check: bool = False) -> None:
+        """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return, or, with
+        `defer_check`, only once the sync has committed or aborted).
 
         The copy out of `buf` and the checksum are one pass over the bytes where they can be
         (weightsync/bus/verified_copy.py): staged mode copies the bucket whole and checks it before
         anything enters the staging copy; inplace mode writes straight into the engine's parameters
         and checks after, except for a sync's first bucket, which is checked before the engine is
-        touched, so that a bad first bucket still leaves the old version serving, as before."""
+        touched, so that a bad first bucket still leaves the old version serving, as before.
+        `defer_check` (the sender keeps `buf` unchanged until the sync ends): the copy is queued and
+        its checksum read at commit, so a caller on a GPU need not wait for it; a mismatch then
+        aborts the sync at commit, with the same outcome as at receipt (staged: the old version
+        keeps serving; inplace: STALE)."""
         p = self._require(sync_id)
         p.admit(index)
         plan = p.manifest.buckets[index]
@@ -209,8 +244,11 @@ class SyncTransaction:
         ours = None
         if self.apply_mode == "staged":
             if checked:
-                flat, ours = copy_bucket(plan, buf)
-                self._verify(index, ours, sender_checksum)
+                flat, ours = copy_bucket(plan, buf, wait=not defer_check)
+                if defer_check:
+                    p.defer(index, ours, sender_checksum)
+                else:
+                    _verify(index, ours, sender_checksum)
                 staged = dict(unpack_bucket(plan, flat))  # views of this sync's own copy
             else:
                 staged = {name: view.clone() for name, view in unpack_bucket(plan, buf)}
@@ -219,7 +257,7 @@ class SyncTransaction:
         else:
             if checked and not p.applied_any:
                 ours = bucket_checksum(buf[:plan.nbytes])
-                self._verify(index, ours, sender_checksum)
+                _verify(index, ours, sender_checksum)
             # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
             # the engine lock between our check and the load, and a bucket of an aborted sync is never
             # loaded after the abort (or into the next sync's weights).
@@ -237,10 +275,13 @@ class SyncTransaction:
                 if direct is not None:
                     # Already in the parameters when the check runs: a mismatch aborts the sync, and
                     # since buckets were applied the engine is STALE until a complete sync commits.
-                    ours = copy_into(plan, buf, direct)
+                    ours = copy_into(plan, buf, direct, wait=not defer_check)
+                    if defer_check:
+                        p.defer(index, ours, sender_checksum)
                 if checked and ours is None:
                     ours = bucket_checksum(buf[:plan.nbytes])
-                self._verify(index, ours, sender_checksum)
+                if not isinstance(ours, PendingChecksum):
+                    _verify(index, ours, sender_checksum)
                 if direct is None:
                     # Engines that take whole buckets (SGLang's flattened-bucket path) skip the unpack.
                     load_bucket = getattr(self.engine, "load_bucket", None)
@@ -249,12 +290,6 @@ class SyncTransaction:
                     else:
                         self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.record(index, ours)
-
-    @staticmethod
-    def _verify(index: int, ours: int | None, sender_checksum: int | None) -> None:
-        if sender_checksum is not None and ours is not None and ours != sender_checksum:
-            raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
-                            "DATA_LOSS")
 
     def _direct_params(self, plan, p: _Pending) -> list[torch.Tensor] | None:
         """The engine's parameters that bucket `plan` can be written into byte for byte, or None."""
@@ -316,6 +351,11 @@ class SyncTransaction:
             if version != p.manifest.version:
                 self._abort_locked("commit version differs from the manifest")
                 raise SyncError(f"commit version {version} != prepared version {p.manifest.version}", "INVALID_ARGUMENT")
+            try:
+                p.resolve()
+            except SyncError as exc:
+                self._abort_locked(f"at commit: {exc}")
+                raise
             if p.manifest.checksum_algo:
                 for i, ours in enumerate(p.checksums()):
                     if i in checksums and ours != checksums[i]:
@@ -380,6 +420,7 @@ class SyncTransaction:
         p = self._pending
         if p is None:
             return
+        p.wait_copies()  # a copy still queued reads the sender's buffer, which it may now reuse
         p.error = p.error or reason
         p.done.set()
         if p.applied_any or self.state == S.STALE:

@@ -13,11 +13,40 @@ sender's, as before, and say what to do with bytes already copied.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from weightsync.bus.checksum import copy_word_sums, from_sums, word_sums
 from weightsync.bus.plan import BucketPlan
+
+
+@dataclass
+class PendingChecksum:
+    """A bucket checksum whose copy is still queued on the GPU: read it with `value()`."""
+    sums: torch.Tensor
+    tail: torch.Tensor
+    nbytes: int
+    ready: object = None  # a torch.cuda.Event recorded after the copy, or None on the CPU
+
+    def wait(self) -> None:
+        """Until the copy (and so every read of the source buffer) has completed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def value(self) -> int:
+        self.wait()
+        return from_sums(self.sums, self.tail, self.nbytes)
+
+
+def _result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool):
+    if wait:
+        return from_sums(sums, buf[end:n], n)
+    ready = None
+    if buf.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buf.device))
+    return PendingChecksum(sums, buf[end:n].clone(), n, ready)
 
 
 def _words(b: torch.Tensor) -> torch.Tensor:
@@ -31,10 +60,12 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> int | None:
+def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool = True):
     """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
     dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
-    not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way."""
+    not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way.
+    `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
+    `buf` unchanged until it has read the value)."""
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     if buf.numel() < plan.nbytes or buf.data_ptr() % 4:
@@ -47,7 +78,7 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
                 or d.device != device):
             return None
     if buf.is_cuda and _fused():
-        return _copy_into_cuda(plan, buf, dests)
+        return _copy_into_cuda(plan, buf, dests, wait)
     views = [_byte_view(d) for d in dests]
     acc = torch.zeros(2, dtype=torch.int64, device=buf.device)
     pos = 0  # bytes of buf before `pos` are summed; always a whole number of words
@@ -65,7 +96,7 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     end = n - n % 4
     if end > pos:
         acc += word_sums(_words(buf[pos:end]))
-    return from_sums(acc, buf[end:n], n)
+    return _result(acc, buf, end, n, wait)
 
 
 def _fused() -> bool:
@@ -78,7 +109,7 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 _MAX_TABLES = 1024  # a few layouts' worth of buckets; the parameters' addresses do not move
 
 
-def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> int:
+def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool):
     """copy_into in one kernel launch per bucket: a launch from Python costs tens of microseconds,
     which per tensor (hundreds in a bucket) would cost more than the copy saves. The work table
     (regions of the bucket and where each goes) depends only on the layout and the destinations'
@@ -110,11 +141,12 @@ def _copy_into_cuda(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.T
         if nb % 4:  # the last bytes of a tensor that does not end on a word: summed with the gap after it
             whole = nb - nb % 4
             _byte_view(dst)[whole:].copy_(buf[slot.offset + whole:slot.offset + nb])
-    return from_sums(sums, buf[end:n], n)
+    return _result(sums, buf, end, n, wait)
 
 
-def copy_bucket(plan: BucketPlan, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A copy of the bucket's bytes (a new flat buffer on `buf`'s device) and their checksum."""
+def copy_bucket(plan: BucketPlan, buf: torch.Tensor, wait: bool = True):
+    """A copy of the bucket's bytes (a new flat buffer on `buf`'s device) and their checksum (a
+    PendingChecksum with `wait=False`, as for copy_into)."""
     n = plan.nbytes
     if buf.numel() < n or buf.data_ptr() % 4:
         raise ValueError(f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
@@ -123,4 +155,4 @@ def copy_bucket(plan: BucketPlan, buf: torch.Tensor) -> tuple[torch.Tensor, int]
     end = n - n % 4
     sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
     out[end:].copy_(buf[end:n])
-    return out, from_sums(sums, buf[end:n], n)
+    return out, _result(sums, buf, end, n, wait)

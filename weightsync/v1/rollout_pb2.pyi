@@ -162,16 +162,18 @@ class PrepareSyncResponse(_message.Message):
     def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
-    __slots__ = ("sync_id", "index", "ipc", "checksum")
+    __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    HELD_UNTIL_COMMIT_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     index: int
     ipc: _bus_pb2.CudaIpcHandle
     checksum: int
-    def __init__(self, sync_id: _Optional[str] = ..., index: _Optional[int] = ..., ipc: _Optional[_Union[_bus_pb2.CudaIpcHandle, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    held_until_commit: bool
+    def __init__(self, sync_id: _Optional[str] = ..., index: _Optional[int] = ..., ipc: _Optional[_Union[_bus_pb2.CudaIpcHandle, _Mapping]] = ..., checksum: _Optional[int] = ..., held_until_commit: _Optional[bool] = ...) -> None: ...
 
 class PushBucketResponse(_message.Message):
     __slots__ = ("index",)

@@ -184,3 +184,32 @@ def test_inplace_writes_the_parameters_directly_and_the_result_equals_the_target
     assert calls == [1]  # the first bucket (checked before the engine is touched); the rest copied in
     for name, p in target._params.items():
         assert torch.equal(eng._params[name], p), name
+
+
+@pytest.mark.parametrize("mode,after", [("staged", "SERVING"), ("inplace", "STALE")])
+def test_deferred_checks_are_read_at_commit_where_a_corrupted_bucket_aborts_as_at_receipt(mode, after):
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, mode)
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    sums = [bucket_checksum(b) for b in bufs]
+    # a clean sync with every check deferred commits exactly
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True)
+    version, _, _ = tx.commit("s1", 1, dict(enumerate(sums)))
+    assert version == 1 and torch.equal(_logits(tx), target.score(IDS, 1)[1])
+    # the same bytes with one bit flipped in bucket 1: accepted at receipt, refused at commit
+    m2, bufs2 = _buckets(_engine(3), version=2, sync_id="s2")
+    sums2 = [bucket_checksum(b) for b in bufs2]
+    bufs2[1][5] ^= 0x01
+    tx.prepare(m2, timeout=30)
+    for b, buf in zip(m2.buckets, bufs2):
+        tx.consume_bucket("s2", b.index, buf, sums2[b.index], defer_check=True)
+    with pytest.raises(SyncError, match=r"bucket 1: checksum 0x[0-9a-f]+ != sender.s") as err:
+        tx.commit("s2", 2, dict(enumerate(sums2)))
+    assert err.value.code == "DATA_LOSS"
+    assert tx.state == getattr(rollout_pb2, after) and tx.version == 1 and tx.pending_sync_id == ""
+    if after == "SERVING":
+        assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
+    assert not torch.equal(before, target.score(IDS, 1)[1])

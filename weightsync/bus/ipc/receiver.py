@@ -3,7 +3,9 @@
 PrepareSync names the trainer's GPU by UUID; this rollout takes part only if its engine is on
 that GPU. The buckets then arrive on one IpcBuckets stream per sync, each a CUDA IPC handle of a
 trainer buffer: mapped once per pairing, consumed by the sync transaction while mapped (no extra
-copy), and acknowledged once the engine has copied it out, which lets the trainer reuse it.
+copy), and acknowledged once the engine has copied it out, which lets the trainer reuse it — or,
+for a buffer the trainer holds unchanged until the sync ends (its own parameters), as soon as the
+copy is queued, the checksum being read at commit.
 """
 from __future__ import annotations
 
@@ -78,17 +80,21 @@ class IpcReceiver:
                             f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
                             "INVALID_ARGUMENT")
         buf = self.maps.get(request.ipc, manifest.buckets[request.index].nbytes)
+        # A buffer the trainer leaves alone until the sync ends need not be copied out before the
+        # acknowledgement: the copy is queued and its checksum read at commit (consume_bucket).
+        held = request.held_until_commit
         if buf.device.type != "cuda":  # (CPU tests stand in for the mapping)
-            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None, defer_check=held)
             return
         side = self._side_stream(buf.device)
         # after whatever this process queued on its stream (generation used the weights there)
         side.wait_stream(torch.cuda.current_stream(buf.device))
         with torch.cuda.stream(side):
-            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None)
+            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None, defer_check=held)
             done = torch.cuda.Event()
             done.record(side)
-        done.synchronize()  # the bucket is out of the trainer's buffer: it may be overwritten
+        if not held:
+            done.synchronize()  # the bucket is out of the trainer's buffer: it may be overwritten
 
     def stream(self, requests) -> Iterator[rollout_pb2.PushBucketResponse]:
         """IpcBuckets: consume each bucket of one sync in turn and acknowledge it once copied out."""

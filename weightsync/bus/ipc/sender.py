@@ -64,10 +64,12 @@ class IpcStreamSender:
     releases_previous = True
 
     def __init__(self, targets: dict, sync_id: str, open_stream: StreamCall, cache, reusable: Callable[[torch.Tensor], bool],
-                 timeout: float):
+                 timeout: float, held: bool = False):
         if not targets:
             raise ValueError("IpcStreamSender needs at least one target")
-        self.sync_id, self.cache, self.reusable = sync_id, cache, reusable
+        # held: the buffers are the actor's own storage, unchanged until the sync ends, so a rollout
+        # may acknowledge a bucket once its copy is queued (PushBucketRequest.held_until_commit)
+        self.sync_id, self.cache, self.reusable, self.held = sync_id, cache, reusable, held
         self._failures: dict[str, str] = {}
         self._live: dict[str, _TargetStream] = {}
         for rid, entry in targets.items():
@@ -83,7 +85,7 @@ class IpcStreamSender:
             torch.cuda.current_stream(buf.device).synchronize()
         handle, keep = self.cache.handle(buf, self.reusable(buf))
         req = rollout_pb2.PushBucketRequest(sync_id=self.sync_id, index=plan.index, ipc=handle,
-                                            checksum=checksum or 0)
+                                            checksum=checksum or 0, held_until_commit=self.held)
         for st in self._live.values():
             st.put(req)
         self._unacked.append((plan.index, keep))
@@ -182,10 +184,13 @@ class _IpcSession:
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
         self.device = owner.device
         self.buffers = owner.buffers  # the pipeline packs into these, kept across syncs
+        self.in_place = False  # this sync sends the actor's own storage, no reused buffer
 
     def use_in_place(self, buffers: list[torch.Tensor]) -> None:
-        """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once)."""
+        """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once;
+        unchanged until the sync ends, as the sync holds the actor)."""
         self.owner.in_place = list(buffers)
+        self.in_place = True
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
@@ -205,7 +210,7 @@ class _IpcSession:
         if self.owner.stream is None:
             raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")
         return IpcStreamSender(targets, self.sync_id, self.owner.stream, self.owner.cache, self.owner.long_lived,
-                               timeout)
+                               timeout, held=self.in_place)
 
     def finish(self, ok: bool, reason: str) -> None:
         # handles of buffers no longer in use (a pool that reallocated, a re-laid-out actor) go

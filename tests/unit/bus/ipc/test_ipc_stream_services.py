@@ -108,11 +108,11 @@ def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(f
     a = rollouts["a"]
     consume = a.tx.consume_bucket
 
-    def flip_a_bit(sync_id, index, buf, checksum):  # corruption between the trainer's buffer and the engine
+    def flip_a_bit(sync_id, index, buf, checksum, **kw):  # corruption between the trainer's buffer and the engine
         if index == 1:
             buf = buf.clone()
             buf[7] ^= 1
-        return consume(sync_id, index, buf, checksum)
+        return consume(sync_id, index, buf, checksum, **kw)
 
     a.tx.consume_bucket = flip_a_bit
     try:
@@ -120,7 +120,7 @@ def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(f
     finally:
         a.tx.consume_bucket = consume
     results = {r.rollout_id: r for r in report.rollouts}
-    assert not results["a"].ok and "DATA_LOSS" in results["a"].error and "bucket 1" in results["a"].error
+    assert not results["a"].ok and "DATA_LOSS" in results["a"].error and "bucket 1" in results["a"].error, results["a"].error
     assert results["b"].ok
     _assert_exact(trainer, rollouts["b"])
     # in place, bucket 0 was already loaded: STALE, refusing generation until a complete sync
@@ -128,6 +128,52 @@ def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(f
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]
     _assert_exact(trainer, a)
+
+
+def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked_at_commit(fleet, monkeypatch):
+    """A trainer that sends its own parameter storage (on a GPU: bf16 hf) marks each bucket
+    held_until_commit; the rollouts acknowledge it without waiting for their copy and read its
+    checksum at commit, where a corrupted bucket still fails that rollout alone."""
+    from trainer_svc.sync.attempt import SyncAttempt
+
+    def in_place(self):  # what a GPU trainer does; a CPU one packs (SyncAttempt._in_place)
+        buffers = self.orch.actor.flat_buckets(self.manifest)
+        if buffers is not None:
+            self.session.use_in_place(buffers)
+        return buffers
+
+    monkeypatch.setattr(SyncAttempt, "_in_place", in_place)
+    trainer, rollouts, stub, gpu = fleet
+    _bump(trainer)
+    a = rollouts["a"]
+    seen, push = [], a.servicer.ipc.push
+    consume = a.tx.consume_bucket
+
+    def recording_push(request):
+        seen.append(request.held_until_commit)
+        return push(request)
+
+    def flip_a_bit(sync_id, index, buf, checksum, **kw):
+        if index == 1:
+            buf = buf.clone()
+            buf[7] ^= 1
+        return consume(sync_id, index, buf, checksum, **kw)
+
+    monkeypatch.setattr(a.servicer.ipc, "push", recording_push)
+    monkeypatch.setattr(a.tx, "consume_bucket", flip_a_bit)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    results = {r.rollout_id: r for r in report.rollouts}
+    assert seen and all(seen), seen
+    err = results["a"].error
+    assert not results["a"].ok and "commit" in err and "DATA_LOSS" in err and "bucket 1: checksum" in err, err
+    assert results["b"].ok
+    _assert_exact(trainer, rollouts["b"])
+    assert a.tx.state == rollout_pb2.STALE and a.tx.pending_sync_id == ""
+    monkeypatch.setattr(a.tx, "consume_bucket", consume)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    for app in rollouts.values():
+        _assert_exact(trainer, app)
 
 
 def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(fleet):
