@@ -142,3 +142,64 @@ def scatter_word_sums(src_words: torch.Tensor, table: torch.Tensor) -> torch.Ten
     with torch.cuda.device(src_words.device):
         _scatter_kernel()[(programs,)](src_words, table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
     return partial.view(programs, 2).sum(dim=0)
+
+
+@functools.lru_cache(maxsize=1)
+def _gather_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_sum64(table_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        # One row per program: (address of its first word, word count <= BLOCK * STEPS).
+        pid = tl.program_id(0).to(tl.int64)
+        src = tl.load(table_ptr + pid * 2).to(tl.pointer_type(tl.int32))
+        n = tl.load(table_ptr + pid * 2 + 1)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(STEPS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            w = tl.load(src + offs, mask=offs < n, other=0)
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)
+        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+    return gather_sum64
+
+
+_GATHER_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def many_word_sums(words: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """word_sums of several contiguous int32 CUDA tensors on one device, in one launch and one
+    host synchronisation: (sum, sum of squares) per tensor, as Python ints congruent mod 2**64
+    to the int64 sums (which is all the checksum uses)."""
+    device = words[0].device
+    key = (device.index, *((w.data_ptr(), w.numel()) for w in words))
+    cached = _GATHER_TABLES.get(key)
+    if cached is None:
+        per_program = _BLOCK * _STEPS
+        rows, ends = [], []
+        for w in words:
+            addr, n = w.data_ptr(), w.numel()
+            for k in range(0, n, per_program):
+                rows.append((addr + 4 * k, min(per_program, n - k)))
+            ends.append(len(rows) - 1)  # -1: a tensor of no words ends where the one before it did
+        if len(_GATHER_TABLES) >= 64:
+            _GATHER_TABLES.clear()
+        cached = _GATHER_TABLES[key] = (torch.tensor(rows or [(0, 0)], dtype=torch.int64).to(device),
+                                        torch.tensor(ends, dtype=torch.int64))
+    table, ends = cached
+    programs = table.shape[0]
+    partial = torch.empty(programs * 2, dtype=torch.int64, device=device)
+    with torch.cuda.device(device):
+        _gather_kernel()[(programs,)](table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    # running sums (int64 wraps, consistently) read at each tensor's last row; one D2H copy
+    running = partial.view(programs, 2).cumsum(dim=0).cpu().tolist()
+    out, prev = [], (0, 0)
+    for e in ends.tolist():
+        cur = tuple(running[e]) if e >= 0 else (0, 0)
+        out.append((cur[0] - prev[0], cur[1] - prev[1]))
+        prev = cur
+    return out
