@@ -188,18 +188,19 @@ def many_word_sums(words: list[torch.Tensor]) -> list[tuple[int, int]]:
             ends.append(len(rows) - 1)  # -1: a tensor of no words ends where the one before it did
         if len(_GATHER_TABLES) >= 64:
             _GATHER_TABLES.clear()
+        # row 0 of the running sums is a zero row, so a tensor of no words at the start reads it
         cached = _GATHER_TABLES[key] = (torch.tensor(rows or [(0, 0)], dtype=torch.int64).to(device),
-                                        torch.tensor(ends, dtype=torch.int64))
+                                        torch.tensor([e + 1 for e in ends], dtype=torch.int64).to(device))
     table, ends = cached
     programs = table.shape[0]
-    partial = torch.empty(programs * 2, dtype=torch.int64, device=device)
+    partial = torch.zeros((programs + 1) * 2, dtype=torch.int64, device=device)
     with torch.cuda.device(device):
-        _gather_kernel()[(programs,)](table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
-    # running sums (int64 wraps, consistently) read at each tensor's last row; one D2H copy
-    running = partial.view(programs, 2).cumsum(dim=0).cpu().tolist()
+        _gather_kernel()[(programs,)](table, partial[2:], BLOCK=_BLOCK, STEPS=_STEPS)
+    # running sums (int64 wraps, consistently) read at each tensor's last row, on the device: one
+    # small copy to the host, not one row per program
+    running = partial.view(programs + 1, 2).cumsum(dim=0).index_select(0, ends).tolist()
     out, prev = [], (0, 0)
-    for e in ends.tolist():
-        cur = tuple(running[e]) if e >= 0 else (0, 0)
+    for cur in running:
         out.append((cur[0] - prev[0], cur[1] - prev[1]))
         prev = cur
     return out
