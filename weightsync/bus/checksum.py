@@ -30,31 +30,9 @@ def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
     """The checksum of an `n`-byte buffer from its word sums (int64 [sum, sum of squares] over its
     n // 4 whole words, in any order) and its last n % 4 bytes."""
     s1, s2 = (int(v) for v in sums.tolist())  # the one host sync per bucket
-    return _mix(s1, s2, tail, n)
-
-
-def _mix(s1: int, s2: int, tail: torch.Tensor, n: int) -> int:
-    # s1, s2 matter mod 2**64 only (the int64 sums wrap): the multiplications below are mod 2**64 too
     tail_bytes = bytes(tail.cpu().tolist()) if tail.numel() else b""  # no device round trip for none
     t = int.from_bytes(tail_bytes, "little") if tail_bytes else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK
-
-
-def bucket_checksums(bufs: list[torch.Tensor]) -> list[int]:
-    """bucket_checksum of each buffer; on one CUDA device in one kernel launch and one host
-    synchronisation for all of them (a trainer sending its own storage checksums a sync's buckets
-    up front, instead of one launch and one wait per bucket)."""
-    for b in bufs:
-        if b.dtype != torch.uint8 or b.dim() != 1:
-            raise ValueError(f"checksum wants flat uint8 buffers, got {b.dtype} with shape {tuple(b.shape)}")
-    if len(bufs) > 1 and all(b.is_cuda and b.device == bufs[0].device and b.data_ptr() % 4 == 0 for b in bufs):
-        from weightsync.bus import checksum_cuda
-
-        if checksum_cuda.available():
-            whole = [b.numel() - b.numel() % 4 for b in bufs]
-            sums = checksum_cuda.many_word_sums([b[:w].view(torch.int32) for b, w in zip(bufs, whole)])
-            return [_mix(s1, s2, b[w:], b.numel()) for (s1, s2), b, w in zip(sums, bufs, whole)]
-    return [bucket_checksum(b) for b in bufs]
 
 
 def word_sums(words: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import bucket_checksum, bucket_checksums
+from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest
 
@@ -130,7 +130,6 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
         free.put(buf)
     views = _in_place_views(manifest, in_place) if in_place is not None else None
     releases_previous = bool(getattr(sender, "releases_previous", False))
-    up_front = bool(getattr(sender, "checksums_up_front", False))
     ready: queue.Queue = queue.Queue()
     stop = threading.Event()
     deadline = time.monotonic() + timeout
@@ -143,24 +142,6 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
 
     def produce() -> None:
         try:
-            if views is not None and up_front and with_checksums:
-                # The receivers share this GPU (CUDA IPC) and the actor's storage does not change
-                # during the sync: the first bucket goes out at once, the others' checksums follow
-                # in one pass instead of a launch and a host wait per bucket, each of which would
-                # queue behind the receivers' copies on the one GPU.
-                t0 = time.perf_counter()
-                csum = bucket_checksum(views[0])
-                stats.pack_seconds += time.perf_counter() - t0
-                ready.put((manifest.buckets[0], None, views[0], csum))
-                t0 = time.perf_counter()
-                rest = bucket_checksums(views[1:]) if len(views) > 1 else []
-                stats.pack_seconds += time.perf_counter() - t0
-                for plan, view, csum in zip(manifest.buckets[1:], views[1:], rest):
-                    if stop.is_set():
-                        return
-                    ready.put((plan, None, view, csum))
-                ready.put(_DONE)
-                return
             if views is not None:
                 for plan, view in zip(manifest.buckets, views):
                     if stop.is_set():

@@ -62,8 +62,6 @@ class IpcStreamSender:
     """
 
     releases_previous = True
-    #: the receivers share the trainer's GPU: the pipeline checksums in-place buckets in one pass
-    checksums_up_front = True
 
     def __init__(self, targets: dict, sync_id: str, open_stream: StreamCall, cache, reusable: Callable[[torch.Tensor], bool],
                  timeout: float, held: bool = False):
