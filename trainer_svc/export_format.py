@@ -34,6 +34,19 @@ class ExportFormat:
     def tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return fp8_export.export_tensors(named) if self.quantization else iter(named)
 
+    def owners(self, metas: Iterable[TensorMeta], owners: Iterable[int]) -> list[int]:
+        """The owner rank of each exported tensor (`metas(metas)`), from the owner of each plain one:
+        a weight's scale travels with it, from the rank that assembles the weight."""
+        metas, owners = list(metas), list(owners)
+        if len(owners) != len(metas):
+            raise ValueError(f"{len(owners)} owners for {len(metas)} tensors")
+        if not self.quantization:
+            return owners
+        out: list[int] = []
+        for m, o in zip(metas, owners):
+            out += [o] * len(self.metas([m]))  # the format maps each tensor on its own, in order
+        return out
+
     def hf_config(self, config):
         """The config an exported directory declares (with `quantization_config` when quantized)."""
         if self.quantization is None:
@@ -41,6 +54,10 @@ class ExportFormat:
         config = copy.deepcopy(config)
         config.quantization_config = hf_quantization_config(self.quantization)
         return config
+
+
+#: no format of its own: the tensors as the actor exports them
+PLAIN = ExportFormat("as exported by the actor")
 
 
 def export_format(export_dtype: str) -> ExportFormat:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from trainer_svc.export_format import PLAIN, export_format
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
 
@@ -46,13 +47,14 @@ class SendJob:
     timeout: float                    # seconds this stream may take
     transport: str = "tcp"            # tcp: `targets` and `macs`; nccl: `nccl_groups`
     nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
+    export_dtype: str = ""            # a quantized export format each rank applies to its own tensors ("": none)
 
     @classmethod
     def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float,
-             nccl_groups: dict[str, dict] | None = None) -> "SendJob":
+             nccl_groups: dict[str, dict] | None = None, export_dtype: str = "") -> "SendJob":
         common = dict(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
                       model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
-                      digest=manifest.digest(), timeout=timeout)
+                      digest=manifest.digest(), timeout=timeout, export_dtype=export_dtype)
         if nccl_groups is not None:
             missing = sorted(set(manifest.senders) - {int(s) for s in nccl_groups})
             if missing:
@@ -101,7 +103,11 @@ def run_sender(actor, job: SendJob) -> SenderResult:
     received: dict = {}
     try:
         export = iter(actor.export_own_tensors(received))
-        manifest = sender_manifest(actor.export_metas(), actor.export_owners(), job)
+        # A quantized format maps each rank's own stream (weight -> FP8 weight + its scale, checked
+        # for inf/nan at the stream's end), so every owner sends quantized bytes it quantized itself.
+        fmt = export_format(job.export_dtype) if job.export_dtype else PLAIN
+        plain = actor.export_metas()
+        manifest = sender_manifest(fmt.metas(plain), fmt.owners(plain, actor.export_owners()), job)
         if manifest.digest() != job.digest:
             raise ValueError(f"rank {rank} computed a different bucket layout than rank 0 (digest "
                              f"{manifest.digest()} != {job.digest}): every rank must run the same model config")
@@ -109,7 +115,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         if mine:
             sender, device = _bus_sender(actor, job, rank, deadline)
             try:
-                stats = stream_buckets(replace(manifest, buckets=mine), export, sender, device=device,
+                stats = stream_buckets(replace(manifest, buckets=mine), fmt.tensors(export), sender, device=device,
                                        timeout=max(0.001, deadline - time.monotonic()))
                 res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
@@ -197,9 +203,11 @@ def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
 
 
 def stream_from_every_owner(actor, manifest: Manifest, targets: dict[str, str], token: str,
-                            timeout: float, nccl_groups: dict[str, dict] | None = None) -> StreamOutcome:
+                            timeout: float, nccl_groups: dict[str, dict] | None = None,
+                            export_dtype: str = "") -> StreamOutcome:
     """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address),
-    or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group."""
-    job = SendJob.make(manifest, targets, token, timeout, nccl_groups)
+    or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group.
+    `export_dtype`: a quantized export format (fp8-block) every rank applies to its own tensors."""
+    job = SendJob.make(manifest, targets, token, timeout, nccl_groups, export_dtype)
     results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
     return merge(manifest, results)

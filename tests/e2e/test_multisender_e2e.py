@@ -132,6 +132,34 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
             p.close()
 
 
+def test_pp2_fp8_every_stage_quantizes_and_streams_its_own_layers(procs):
+    """export_dtype fp8-block with senders=all: each stage quantizes the weights it assembles and
+    streams them with their scales; the rollouts serve exactly what the rank-0 funnel gives."""
+    trainer, rollouts, proxies, links = _fleet(procs, "tiny-qwen2", 2, "--export-dtype", "fp8-block")
+    try:
+        rep = sync_rpc(trainer.address)
+        assert rep.ok, rep
+        from rollout_svc.engine.builtin import BuiltinEngine
+        from weightsync.models import resolve_model
+        plain = len(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=0).param_metas())
+        assert rep.num_tensors > plain  # weights travel with their *_scale_inv
+        s = _senders(rep)
+        assert sorted(s) == [0, 1] and s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0, rep.senders
+        assert all(sorted(p.connections) == [0, 1] for p in proxies), [p.connections for p in proxies]
+        multi = [score(rstub(r), PROMPT) for r in rollouts]
+        assert all(v == rep.version for _, v in multi)
+        out = wsctl("--address", trainer.address, "sync", "--senders", "rank0")
+        assert out.returncode == 0 and "senders (1):" in out.stdout, out.stdout
+        funnel = tstub(trainer).GetStatus(trainer_pb2.TrainerStatusRequest()).last_sync
+        assert funnel.ok and funnel.senders[0].bytes == s[0].bytes + s[1].bytes, (funnel.senders, rep.senders)
+        for r, (logits, _) in zip(rollouts, multi):
+            again, _ = score(rstub(r), PROMPT)
+            assert torch.equal(again, logits)
+    finally:
+        for p in proxies:
+            p.close()
+
+
 def _rank_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of the torchrun child running global rank `rank`."""
     for d in Path("/proc").iterdir():

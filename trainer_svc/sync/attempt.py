@@ -203,8 +203,9 @@ class SyncAttempt:
             targets, groups = {}, self.session.sender_jobs(self._left())
         else:
             targets, groups = {rid: self.session.data_address(rid) for rid in self.prepared}, None
+        fmt = self.orch.export_format
         out = stream_from_every_owner(self.orch.actor, self.manifest, targets, self.orch.token, self._left(),
-                                      nccl_groups=groups)
+                                      nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "")
         self.senders = out.senders
         for rid, err in out.failures.items():
             if rid in self.prepared:

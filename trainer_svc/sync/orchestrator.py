@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from trainer_svc.export_format import ExportFormat
+from trainer_svc.export_format import PLAIN, ExportFormat
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
@@ -34,7 +34,6 @@ from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
-PLAIN = ExportFormat("as exported by the actor")
 
 
 class SyncInProgress(RuntimeError):
@@ -77,7 +76,6 @@ class SyncOrchestrator:
         self._warned_funnel = False
         #: rollouts found on the GPU of a sending rank other than 0 (NCCL syncs to them funnel)
         self._nccl_gpu_clash: set[str] = set()
-        self._warned_quantized = False
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
@@ -89,9 +87,6 @@ class SyncOrchestrator:
         if senders == "all" and transport == "ipc":
             raise ValueError("senders=all streams over tcp or nccl; transport=ipc shares the buckets of global "
                              "rank 0's GPU: ask for senders=rank0 (or leave it empty), or transport tcp or nccl")
-        if senders == "all" and self.export_format.quantization is not None:
-            raise ValueError(f"senders=all streams plain dtypes only; export_dtype={self.export_format.name} is "
-                             "streamed from global rank 0: ask for senders=rank0 (or leave it empty)")
         senders = senders or self.senders
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
@@ -186,16 +181,8 @@ class SyncOrchestrator:
         owners = getattr(self.actor, "export_owners", None)
         if senders != "all" or owners is None:
             return None
-        if self.export_format.quantization is not None:
-            # The format is applied to rank 0's stream (trainer_svc/export_format.py) and changes its
-            # tensors (weight + scale pairs): the owners list describes the actor's plain tensors, and
-            # the other ranks export theirs unquantized, so a quantized sync goes through rank 0.
-            if not self._warned_quantized and len(set(owners())) > 1:
-                log.warning("export_dtype=%s streams from global rank 0 only: multi-sender streaming sends "
-                            "plain dtypes", self.export_format.name)
-                self._warned_quantized = True
-            return None
-        owners = owners()
+        # a quantized format gives each weight's scale the weight's owner (each rank quantizes its own)
+        owners = self.export_format.owners(self.actor.export_metas(), owners())
         if transport == "ipc" and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "

@@ -113,6 +113,86 @@ def test_a_sender_failing_mid_export_fails_the_stream_and_every_rollout_aborts()
             rx.stop()
 
 
+def _fp8_setup(state, owners):
+    """Rollouts prepared for the fp8-block manifest of `state` with each scale on its weight's owner."""
+    from trainer_svc.export_format import FP8_BLOCK, export_format
+
+    fmt = export_format(FP8_BLOCK)
+    plain = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    m = make_manifest(fmt.metas(plain), version=7, sync_id="v7-fp8", bucket_bytes=16 << 10, checksum_algo=ALGO,
+                      owners=fmt.owners(plain, owners), quantization=fmt.quantization)
+    rollouts = []
+    for _ in range(2):
+        tx = SyncTransaction(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=2), "staged")
+        rx = TcpReceiver("127.0.0.1:0", tx, TOKEN)
+        rx.start()
+        tx.prepare(m, timeout=30)
+        rollouts.append((tx, rx))
+    return fmt, m, rollouts
+
+
+def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
+    """fp8-block with two senders: each rank quantizes the tensors it assembles (a weight's scale
+    goes with it), and the rollouts end with exactly what one stream of the whole model gives."""
+    from weightsync.formats.fp8_import import Dequantizer
+
+    src, state, owners, _, plain_rollouts = _setup()
+    for tx, rx in plain_rollouts:
+        tx.abort("v7-test", "not this test's")
+        rx.stop()
+    fmt, m, rollouts = _fp8_setup(state, owners)
+    try:
+        scales = [s.meta.name for b in m.buckets for s in b.slots if s.meta.name.endswith("_scale_inv")]
+        assert scales and set(m.senders) == {0, 1}
+        for b in m.buckets:  # a scale rides with its weight's owner
+            for s in b.slots:
+                if s.meta.name.endswith("_scale_inv"):
+                    weight = s.meta.name.removesuffix("_scale_inv")
+                    assert owners[list(state).index(weight)] == b.sender, s.meta.name
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
+                           export_dtype="fp8-block")
+        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
+        assert out.error == "" and out.failures == {}
+        dtypes = {n: p.dtype for n, p in rollouts[0][0].engine._params.items()}
+        want = dict(Dequantizer(dtypes)(fmt.tensors(state.items())))  # the whole model as one stream
+        for tx, _ in rollouts:
+            assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
+            for name, t in want.items():
+                assert torch.equal(tx.engine._target(name), t.to(dtypes[name])), name
+    finally:
+        for tx, rx in rollouts:
+            tx.abort("v7-fp8", "test over")
+            rx.stop()
+
+
+def test_fp8_a_rank_with_diverged_weights_fails_the_sync_on_every_rollout():
+    src, state, owners, _, plain_rollouts = _setup()
+    for tx, rx in plain_rollouts:
+        tx.abort("v7-test", "not this test's")
+        rx.stop()
+    bad = next(n for n, o in zip(state, owners) if o == 1 and n.endswith("proj.weight"))
+    state = dict(state)
+    state[bad] = state[bad].clone()
+    state[bad][0, 0] = float("inf")
+    fmt, m, rollouts = _fp8_setup(state, owners)
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
+                           export_dtype="fp8-block")
+        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
+        # The check runs at the end of rank 1's stream, so its bytes may all have arrived: the
+        # report is what fails the sync (rank 0 then aborts every target instead of committing).
+        assert f"rank 1: tensor {bad}: block [0, 0] holds inf or nan" in out.error, out.error
+        assert [s.rank for s in out.senders if s.error] == [1]
+        for tx, _ in rollouts:
+            assert tx.version == 0 and tx.pending_sync_id == "v7-fp8"  # nothing committed; rank 0 aborts
+            tx.abort("v7-fp8", "sender rank 1 failed")
+            assert tx.state == rollout_pb2.SERVING and tx.version == 0
+    finally:
+        for tx, rx in rollouts:
+            tx.abort("v7-fp8", "test over")
+            rx.stop()
+
+
 def test_a_rank_with_another_layout_refuses_to_stream():
     src, state, owners, m, rollouts = _setup()
     try:

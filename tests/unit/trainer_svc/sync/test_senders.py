@@ -145,24 +145,35 @@ def test_senders_all_is_refused_for_ipc_per_request_and_falls_back_when_configur
         orch.sync(_targets(), senders="everyone")
 
 
-def test_a_quantized_export_goes_through_rank0(caplog):
-    """fp8-block is applied to rank 0's stream only: its metas (weight + scale_inv pairs) are not
-    the owners' tensors, so the sync funnels instead of planning senders over the wrong layout."""
+def test_a_quantized_export_streams_from_every_owner_with_each_scale_on_its_weights_owner():
+    """fp8-block over senders=all: every rank applies the format to its own tensors (SendJob.export_dtype),
+    and the plan gives each `*_scale_inv` its weight's owner."""
     from trainer_svc.export_format import FP8_BLOCK, export_format
 
     calls, actor = [], TwoRankActor()
+    linear = [TensorMeta(f"model.layers.{i}.mlp.down_proj.weight", (128, 128), torch.float32) for i in range(4)]
+    actor.export_metas = lambda: list(linear)
     orch = _orch(actor, calls, export_format=export_format(FP8_BLOCK))
-    assert orch._owners("tcp", "all") is None and "streams from global rank 0 only" in caplog.text
+    owners = orch._owners("tcp", "all")
+    metas = orch.export_format.metas(linear)
+    assert {m.name for m in metas[:2]} == {linear[0].name, linear[0].name + "_scale_inv"}
+    assert owners == [0, 0, 0, 0, 1, 1, 1, 1] and len(owners) == len(metas)
     session, manifest = orch._plan([], "tcp", "all")
-    assert manifest.senders == [0] and manifest.quantization is not None
-    assert len(manifest.buckets[0].slots) and manifest.num_tensors == len(orch.export_format.metas(METAS))
-    with pytest.raises(ValueError, match="senders=all streams plain dtypes only; export_dtype=fp8-block"):
-        orch.sync(_targets(), senders="all")
-    # one owner (PP=1) too: the owners list has one entry per plain tensor, not per exported one
-    single = TwoRankActor()
-    single.export_owners = lambda: [0] * len(METAS)
-    assert _orch(single, [], export_format=export_format(FP8_BLOCK))._owners("tcp", "all") is None
-    assert _orch(TwoRankActor(), [])._owners("tcp", "all") == OWNERS  # plain export: every owner sends
+    assert manifest.senders == [0, 1] and manifest.quantization is not None
+    by_rank = {r: [b.index for b in manifest.buckets_of(r)] for r in (0, 1)}
+
+    def run_senders(job):  # each rank reports the buckets of its weights and their scales
+        actor.jobs.append(SendJob.from_args(job))
+        return [SenderResult(rank=r, buckets=len(ix), checksums=[[i, 100 + i] for i in ix]).__dict__
+                for r, ix in by_rank.items()]
+
+    actor.run_senders = run_senders
+    rep = orch.sync(_targets(), senders="all")
+    assert rep.ok and actor.funnelled == 0, [r.error for r in rep.rollouts]
+    assert [j.export_dtype for j in actor.jobs] == ["fp8-block"]
+    assert _orch(TwoRankActor(), [])._owners("tcp", "all") == OWNERS  # plain export: owners as they are
+    with pytest.raises(ValueError, match="3 owners for 4 tensors"):
+        orch.export_format.owners(linear, [0, 0, 1])
 
 
 def _nccl_orch(actor, calls, answers=None):
