@@ -7,12 +7,16 @@ cannot says why at once instead of timing out a whole NCCL group or failing on t
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from weightsync.bus.errors import SyncError
 
 
+@functools.lru_cache(maxsize=None)
 def device_uuid(index: int) -> str:
+    # asked at every IPC/NCCL prepare on both sides; a device's UUID does not change in a process
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
