@@ -224,7 +224,7 @@ class SyncTransaction:
         return p
 
     def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None,
-                       defer_check: bool = False) -> None:
+                       defer_check: bool = False) -> bool:
         """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return, or, with
         `defer_check`, only once the sync has committed or aborted).
 
@@ -236,7 +236,9 @@ class SyncTransaction:
         `defer_check` (the sender keeps `buf` unchanged until the sync ends): the copy is queued and
         its checksum read at commit, so a caller on a GPU need not wait for it; a mismatch then
         aborts the sync at commit, with the same outcome as at receipt (staged: the old version
-        keeps serving; inplace: STALE)."""
+        keeps serving; inplace: STALE). Returns whether it did defer: only then does the commit
+        wait for this bucket's copies, and otherwise the caller must (no checksums, the engine's
+        own loader, the first inplace bucket)."""
         p = self._require(sync_id)
         p.admit(index)
         plan = p.manifest.buckets[index]
@@ -290,6 +292,7 @@ class SyncTransaction:
                     else:
                         self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.record(index, ours)
+        return isinstance(ours, PendingChecksum)
 
     def _direct_params(self, plan, p: _Pending) -> list[torch.Tensor] | None:
         """The engine's parameters that bucket `plan` can be written into byte for byte, or None."""

@@ -195,8 +195,10 @@ def test_deferred_checks_are_read_at_commit_where_a_corrupted_bucket_aborts_as_a
     sums = [bucket_checksum(b) for b in bufs]
     # a clean sync with every check deferred commits exactly
     tx.prepare(m, timeout=30)
-    for b, buf in zip(m.buckets, bufs):
-        tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True)
+    deferred = [tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True)
+                for b, buf in zip(m.buckets, bufs)]
+    # the caller waits for the copies of what was not deferred: an inplace sync's first bucket
+    assert deferred == [mode == "staged"] + [True] * (len(bufs) - 1)
     version, _, _ = tx.commit("s1", 1, dict(enumerate(sums)))
     assert version == 1 and torch.equal(_logits(tx), target.score(IDS, 1)[1])
     # the same bytes with one bit flipped in bucket 1: accepted at receipt, refused at commit

@@ -90,11 +90,15 @@ class IpcReceiver:
         # after whatever this process queued on its stream (generation used the weights there)
         side.wait_stream(torch.cuda.current_stream(buf.device))
         with torch.cuda.stream(side):
-            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None, defer_check=held)
+            deferred = self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None,
+                                              defer_check=held)
             done = torch.cuda.Event()
             done.record(side)
-        if not held:
-            done.synchronize()  # the bucket is out of the trainer's buffer: it may be overwritten
+        if not deferred:
+            # the bucket is out of the trainer's buffer (it may be overwritten), and in the engine
+            # or the staging copy before anything else reads them; a deferred bucket's copy is
+            # waited for at commit, with its checksum
+            done.synchronize()
 
     def stream(self, requests) -> Iterator[rollout_pb2.PushBucketResponse]:
         """IpcBuckets: consume each bucket of one sync in turn and acknowledge it once copied out."""
