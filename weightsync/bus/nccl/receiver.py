@@ -29,6 +29,7 @@ import torch
 
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import require_cuda, uuid_of
+from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.libnccl import UNIQUE_ID_BYTES
 from weightsync.bus.plan import Manifest
 from weightsync.v1 import bus_pb2
@@ -102,7 +103,7 @@ class _Receive:
         return all(p.rx is not None and p.rx.complete for p in self.parts.values())
 
 
-class NcclReceiver:
+class NcclReceiver(LazyBus):
     def __init__(self, tx, device: torch.device | None, engine_name: str, bus=None,
                  on_build: Callable[[], None] | None = None):
         self.tx, self.device, self.engine_name = tx, device, engine_name
@@ -113,14 +114,6 @@ class NcclReceiver:
         self._groups: dict[int, tuple[object, GroupKey]] = {}  # sender rank -> (communicator, its key)
         self._active: _Receive | None = None
         self.builds = 0
-
-    @property
-    def bus(self):
-        if self._bus is None:
-            from weightsync.bus.nccl.group import default_bus  # lazy: libnccl only when used
-
-            self._bus = default_bus()
-        return self._bus
 
     @property
     def group_id(self) -> str:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from weightsync.bus.gpu import uuid_of as gpu_uuid
+from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.liveness import GroupWatch
 from weightsync.bus.nccl.sender_groups import SenderGroupJob
 from weightsync.bus.session import RpcCall, kind_of
@@ -123,7 +124,7 @@ class NcclGroupCache:
         self._group, self._plan, self._multi = None, None, {}
 
 
-class NcclSender:
+class NcclSender(LazyBus):
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
@@ -140,11 +141,7 @@ class NcclSender:
     @property
     def cache(self) -> NcclGroupCache:
         if self._cache is None:
-            if self._bus is None:
-                from weightsync.bus.nccl.group import default_bus  # lazy: libnccl only when used
-
-                self._bus = default_bus()
-            self._cache = NcclGroupCache(self._bus, self.device, self._on_build)
+            self._cache = NcclGroupCache(self.bus, self.device, self._on_build)
         return self._cache
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_NcclSession":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.bus.errors import TransportError
+from weightsync.bus.nccl.lazy_bus import LazyBus
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +31,13 @@ class SenderGroupJob:
     init_timeout: float     # seconds to build the communicator (every rollout must join within it)
 
 
-class SenderGroupCache:
+class SenderGroupCache(LazyBus):
     def __init__(self, bus=None):
         self._bus = bus
         self._lock = threading.Lock()
         self._group = None
         self._group_id = ""
         self.builds = 0
-
-    @property
-    def bus(self):
-        if self._bus is None:
-            from weightsync.bus.nccl.group import default_bus  # lazy: libnccl only when used
-
-            self._bus = default_bus()
-        return self._bus
 
     @property
     def group_id(self) -> str:
