@@ -40,11 +40,16 @@ class RankActor:
                 yield n, t
 
 
-def _setup(tmp_bucket=16 << 10):
+def _model():
+    """The source engine, its tensors, and their owners: the first half rank 0's, the rest rank 1's."""
     src = BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=1)
     state = {n: p.detach().clone() for n, p in src._params.items()}
     half = len(state) // 2
-    owners = [0] * half + [1] * (len(state) - half)
+    return src, state, [0] * half + [1] * (len(state) - half)
+
+
+def _setup(tmp_bucket=16 << 10):
+    src, state, owners = _model()
     m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=7,
                       sync_id="v7-test", bucket_bytes=tmp_bucket, checksum_algo=ALGO, owners=owners)
     rollouts = []
@@ -113,8 +118,9 @@ def test_a_sender_failing_mid_export_fails_the_stream_and_every_rollout_aborts()
             rx.stop()
 
 
-def _fp8_setup(state, owners):
-    """Rollouts prepared for the fp8-block manifest of `state` with each scale on its weight's owner."""
+def _fp8_sync(state, owners):
+    """Rollouts prepared for the fp8-block manifest of `state` (each scale on its weight's owner),
+    and the outcome of two sender ranks streaming it to them."""
     from trainer_svc.export_format import FP8_BLOCK, export_format
 
     fmt = export_format(FP8_BLOCK)
@@ -128,7 +134,20 @@ def _fp8_setup(state, owners):
         rx.start()
         tx.prepare(m, timeout=30)
         rollouts.append((tx, rx))
-    return fmt, m, rollouts
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
+                           export_dtype="fp8-block")
+        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
+    except BaseException:
+        _stop(rollouts, m.sync_id)
+        raise
+    return fmt, m, rollouts, out
+
+
+def _stop(rollouts, sync_id):
+    for tx, rx in rollouts:
+        tx.abort(sync_id, "test over")
+        rx.stop()
 
 
 def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
@@ -136,11 +155,8 @@ def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
     goes with it), and the rollouts end with exactly what one stream of the whole model gives."""
     from weightsync.formats.fp8_import import Dequantizer
 
-    src, state, owners, _, plain_rollouts = _setup()
-    for tx, rx in plain_rollouts:
-        tx.abort("v7-test", "not this test's")
-        rx.stop()
-    fmt, m, rollouts = _fp8_setup(state, owners)
+    _, state, owners = _model()
+    fmt, m, rollouts, out = _fp8_sync(state, owners)
     try:
         scales = [s.meta.name for b in m.buckets for s in b.slots if s.meta.name.endswith("_scale_inv")]
         assert scales and set(m.senders) == {0, 1}
@@ -149,9 +165,6 @@ def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
                 if s.meta.name.endswith("_scale_inv"):
                     weight = s.meta.name.removesuffix("_scale_inv")
                     assert owners[list(state).index(weight)] == b.sender, s.meta.name
-        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
-                           export_dtype="fp8-block")
-        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
         assert out.error == "" and out.failures == {}
         dtypes = {n: p.dtype for n, p in rollouts[0][0].engine._params.items()}
         want = dict(Dequantizer(dtypes)(fmt.tensors(state.items())))  # the whole model as one stream
@@ -160,25 +173,17 @@ def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
             for name, t in want.items():
                 assert torch.equal(tx.engine._target(name), t.to(dtypes[name])), name
     finally:
-        for tx, rx in rollouts:
-            tx.abort("v7-fp8", "test over")
-            rx.stop()
+        _stop(rollouts, m.sync_id)
 
 
 def test_fp8_a_rank_with_diverged_weights_fails_the_sync_on_every_rollout():
-    src, state, owners, _, plain_rollouts = _setup()
-    for tx, rx in plain_rollouts:
-        tx.abort("v7-test", "not this test's")
-        rx.stop()
+    _, state, owners = _model()
     bad = next(n for n, o in zip(state, owners) if o == 1 and n.endswith("proj.weight"))
     state = dict(state)
     state[bad] = state[bad].clone()
     state[bad][0, 0] = float("inf")
-    fmt, m, rollouts = _fp8_setup(state, owners)
+    fmt, m, rollouts, out = _fp8_sync(state, owners)
     try:
-        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
-                           export_dtype="fp8-block")
-        out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
         # The check runs at the end of rank 1's stream, so its bytes may all have arrived: the
         # report is what fails the sync (rank 0 then aborts every target instead of committing).
         assert f"rank 1: tensor {bad}: block [0, 0] holds inf or nan" in out.error, out.error
@@ -188,9 +193,7 @@ def test_fp8_a_rank_with_diverged_weights_fails_the_sync_on_every_rollout():
             tx.abort("v7-fp8", "sender rank 1 failed")
             assert tx.state == rollout_pb2.SERVING and tx.version == 0
     finally:
-        for tx, rx in rollouts:
-            tx.abort("v7-fp8", "test over")
-            rx.stop()
+        _stop(rollouts, m.sync_id)
 
 
 def test_a_rank_with_another_layout_refuses_to_stream():
