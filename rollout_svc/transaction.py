@@ -278,7 +278,9 @@ class SyncTransaction:
                     # Already in the parameters when the check runs: a mismatch aborts the sync, and
                     # since buckets were applied the engine is STALE until a complete sync commits.
                     ours = copy_into(plan, buf, direct, wait=not defer_check)
-                    if defer_check:
+                    if ours is None:  # declined (a parameter not laid out for it): the engine loads
+                        direct = None
+                    elif defer_check:
                         p.defer(index, ours, sender_checksum)
                 if checked and ours is None:
                     ours = bucket_checksum(buf[:plan.nbytes])

@@ -215,3 +215,29 @@ def test_deferred_checks_are_read_at_commit_where_a_corrupted_bucket_aborts_as_a
     if after == "SERVING":
         assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
     assert not torch.equal(before, target.score(IDS, 1)[1])
+
+
+def test_parameters_the_copy_cannot_write_directly_are_loaded_by_the_engine_instead():
+    """writable_params names a parameter copy_into declines (not contiguous): the bucket is then
+    loaded through load_weights, checked as before, and the result is still exact."""
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "inplace")
+    m, bufs = _buckets(target)
+    own = eng.writable_params
+
+    def awkward(metas):
+        params = own(metas)
+        if params is None:
+            return None
+        first = params[0]  # a stand-in of the same shape and dtype, every other element: not contiguous
+        params[0] = torch.empty(first.numel() * 2, dtype=first.dtype)[::2].view(first.shape)
+        assert not params[0].is_contiguous()
+        return params
+
+    eng.writable_params = awkward
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf), defer_check=True)
+    tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
+    for name, p in target._params.items():
+        assert torch.equal(eng._params[name], p), name
