@@ -66,8 +66,8 @@ class _Pending:
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
-    #: bucket index -> the sender's checksum, for buckets whose own checksum is read at commit
-    deferred: dict[int, int | None] = field(default_factory=dict)
+    #: bucket index -> (our checksum still on the GPU, the sender's), until commit reads it
+    deferred: dict[int, tuple] = field(default_factory=dict)
     # per sender: its buckets in sending order, and how many of them arrived
     order: dict[int, list[int]] = field(default_factory=dict)
     arrived: dict[int, int] = field(default_factory=dict)
@@ -102,23 +102,28 @@ class _Pending:
 
     def defer(self, index: int, pending: PendingChecksum, sender_checksum: int | None) -> None:
         with self.lock:
-            self.deferred[index] = sender_checksum
+            self.deferred[index] = (pending, sender_checksum)
 
     def resolve(self) -> None:
         """Read every checksum whose copy was left queued (consume_bucket's defer_check) and check
         it against the sender's; SyncError DATA_LOSS on the first mismatch."""
         with self.lock:
-            deferred, self.deferred = self.deferred, {}
+            deferred = dict(self.deferred)
         for index in sorted(deferred):
-            ours = self.received[index].value()
-            self.received[index] = ours
-            _verify(index, ours, deferred[index])
+            pending, sender_checksum = deferred[index]
+            ours = pending.value()
+            with self.lock:
+                self.received[index] = ours
+                del self.deferred[index]
+            _verify(index, ours, sender_checksum)
 
     def wait_copies(self) -> None:
-        """Until no queued copy reads a sender's buffer any more (before an abort lets go of it)."""
-        for v in list(self.received.values()):
-            if isinstance(v, PendingChecksum):
-                v.wait()
+        """Until no queued copy reads a sender's buffer any more (before an abort lets go of it);
+        from the moment a copy is deferred, even before its bucket is recorded."""
+        with self.lock:
+            pending = [p for p, _ in self.deferred.values()]
+        for p in pending:
+            p.wait()
 
     def checksums(self) -> list[int | None]:
         return [self.received[i] for i in range(len(self.manifest.buckets))]
