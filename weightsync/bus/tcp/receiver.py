@@ -28,6 +28,9 @@ class TcpReceiver:
         self._slots = threading.BoundedSemaphore(max_connections)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
+        # A restarted rollout binds its data port again while the connections its predecessor closed
+        # are still in TIME_WAIT on it (a minute on Linux); an active listener still refuses the bind.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
         except OSError as exc:

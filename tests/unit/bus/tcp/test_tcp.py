@@ -123,3 +123,26 @@ def test_frame_that_disagrees_with_manifest_is_refused():
     with pytest.raises(TransportError, match="manifest expects bucket 0"):
         TcpBucketReceiver(a).recv(m.buckets[0], timeout=2)
     b.close()
+
+
+def test_a_restarted_receiver_binds_its_port_while_the_old_connections_linger_in_time_wait():
+    """The data listener closes accepted connections first (a rollout killed mid-sync does), which
+    leaves them in TIME_WAIT on its port; a receiver started again on that port must still bind."""
+    from weightsync.bus.tcp.receiver import TcpReceiver
+
+    first = TcpReceiver("127.0.0.1:0", transaction=None, token="tok")
+    port = first.port
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    conn, _ = first.sock.accept()
+    conn.close()  # the server side closes first: its end goes to TIME_WAIT
+    time.sleep(0.1)
+    client.close()
+    first.sock.close()
+    again = TcpReceiver(f"127.0.0.1:{port}", transaction=None, token="tok")
+    try:
+        assert again.port == port
+        # a port that an active listener holds is still refused, naming the fix
+        with pytest.raises(RuntimeError, match=rf"cannot listen on data_address 127.0.0.1:{port}: .*pick another port"):
+            TcpReceiver(f"127.0.0.1:{port}", transaction=None, token="tok")
+    finally:
+        again.sock.close()
