@@ -48,17 +48,23 @@ def _model():
     return src, state, [0] * half + [1] * (len(state) - half)
 
 
-def _setup(tmp_bucket=16 << 10):
-    src, state, owners = _model()
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=7,
-                      sync_id="v7-test", bucket_bytes=tmp_bucket, checksum_algo=ALGO, owners=owners)
-    rollouts = []
+def _rollouts(m):
+    """Two staged rollouts (built-in engine, TCP receiver) with `m` prepared."""
+    out = []
     for _ in range(2):
         tx = SyncTransaction(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=2), "staged")
         rx = TcpReceiver("127.0.0.1:0", tx, TOKEN)
         rx.start()
         tx.prepare(m, timeout=30)
-        rollouts.append((tx, rx))
+        out.append((tx, rx))
+    return out
+
+
+def _setup(tmp_bucket=16 << 10):
+    src, state, owners = _model()
+    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=7,
+                      sync_id="v7-test", bucket_bytes=tmp_bucket, checksum_algo=ALGO, owners=owners)
+    rollouts = _rollouts(m)
     return src, state, owners, m, rollouts
 
 
@@ -127,13 +133,7 @@ def _fp8_sync(state, owners):
     plain = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]
     m = make_manifest(fmt.metas(plain), version=7, sync_id="v7-fp8", bucket_bytes=16 << 10, checksum_algo=ALGO,
                       owners=fmt.owners(plain, owners), quantization=fmt.quantization)
-    rollouts = []
-    for _ in range(2):
-        tx = SyncTransaction(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=2), "staged")
-        rx = TcpReceiver("127.0.0.1:0", tx, TOKEN)
-        rx.start()
-        tx.prepare(m, timeout=30)
-        rollouts.append((tx, rx))
+    rollouts = _rollouts(m)
     try:
         job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
                            export_dtype="fp8-block")
