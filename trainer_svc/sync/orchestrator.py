@@ -166,23 +166,25 @@ class SyncOrchestrator:
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
         session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
-        manifest = self.manifests.manifest(self.export_format.metas(self.actor.export_metas()), version=version,
+        plain = self.actor.export_metas()
+        manifest = self.manifests.manifest(self.export_format.metas(plain), version=version,
                                            sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
                                            checksum_algo=ALGO, origin=self.origin,
                                            quantization=self.export_format.quantization,
-                                           owners=self._owners(transport, senders))
+                                           owners=self._owners(transport, senders, plain))
         if session is not None and len(manifest.senders) > 1 and hasattr(session, "use_senders"):
             session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
         return session, manifest
 
-    def _owners(self, transport: str, senders: str) -> list[int] | None:
+    def _owners(self, transport: str, senders: str, plain=None) -> list[int] | None:
         """Each tensor's sender rank when every owner streams its own (senders=all over tcp or nccl),
         else None: the funnel through rank 0."""
         owners = getattr(self.actor, "export_owners", None)
         if senders != "all" or owners is None:
             return None
         # a quantized format gives each weight's scale the weight's owner (each rank quantizes its own)
-        owners = self.export_format.owners(self.actor.export_metas(), owners())
+        plain = self.actor.export_metas() if plain is None else plain  # the actor's metas, unformatted
+        owners = self.export_format.owners(plain, owners())
         if transport == "ipc" and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "

@@ -302,12 +302,6 @@ class NcclReceiver(LazyBus):
         if held is not None:
             held[0].abort(reason)
 
-    def drop_groups(self, reason: str) -> None:
-        """Forget every held communicator (as a restart would); the next sync must build new ones."""
-        with self._lock:
-            for sender in list(self._groups):
-                self._drop_group_locked(sender, reason)
-
     def _settle(self) -> None:
         """Let the previous sync's threads finish their last bucket before judging whether the groups are reusable."""
         job = self._active
