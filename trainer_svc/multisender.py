@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from trainer_svc.export_format import PLAIN, export_format
+from weightsync.bus.errors import TransportError
+from weightsync.bus.nccl.liveness import Watch
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
 
@@ -48,13 +50,15 @@ class SendJob:
     transport: str = "tcp"            # tcp: `targets` and `macs`; nccl: `nccl_groups`
     nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
     export_dtype: str = ""            # a quantized export format each rank applies to its own tensors ("": none)
+    watch_period: float = 1.0         # nccl: how often a sender looks for rank 0's abort flag (seconds)
 
     @classmethod
     def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float,
-             nccl_groups: dict[str, dict] | None = None, export_dtype: str = "") -> "SendJob":
+             nccl_groups: dict[str, dict] | None = None, export_dtype: str = "",
+             watch_period: float = 1.0) -> "SendJob":
         common = dict(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
                       model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
-                      digest=manifest.digest(), timeout=timeout, export_dtype=export_dtype)
+                      digest=manifest.digest(), timeout=timeout, export_dtype=export_dtype, watch_period=watch_period)
         if nccl_groups is not None:
             missing = sorted(set(manifest.senders) - {int(s) for s in nccl_groups})
             if missing:
@@ -113,7 +117,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                              f"{manifest.digest()} != {job.digest}): every rank must run the same model config")
         mine = manifest.buckets_of(rank)
         if mine:
-            sender, device = _bus_sender(actor, job, rank, deadline)
+            sender, device, watch = _bus_sender(actor, job, rank, deadline)
             try:
                 stats = stream_buckets(replace(manifest, buckets=mine), fmt.tensors(export), sender, device=device,
                                        timeout=max(0.001, deadline - time.monotonic()))
@@ -121,8 +125,12 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
                 res.peak_buffer_bytes = stats.peak_buffer_bytes
             finally:
+                if watch is not None:
+                    watch.stop()
                 res.failures = sender.failures()
                 sender.close()
+            if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
+                raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
     except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
         res.error = f"rank {rank}: {exc}"
         if job.transport == "nccl":  # the collective may have failed on some rank: never reuse it
@@ -154,13 +162,14 @@ def export_device(actor) -> torch.device:
 
 
 def _bus_sender(actor, job: SendJob, rank: int, deadline: float):
-    """(the bucket sender of this rank's stream, the device its buckets are packed on)."""
+    """(the bucket sender of this rank's stream, the device its buckets are packed on, the watch
+    that aborts its NCCL group when rank 0 raises the sync's abort flag, or None)."""
     from weightsync.bus.tcp.wire import TcpBucketSender
 
     left = max(0.001, deadline - time.monotonic())
-    if job.transport == "tcp":
+    if job.transport == "tcp":  # a dead rollout breaks its own connection: nothing to watch
         return TcpBucketSender(job.targets, job.sync_id, "", timeout=left, sender=rank,
-                               mac=bytes.fromhex(job.macs[str(rank)])), torch.device("cpu")
+                               mac=bytes.fromhex(job.macs[str(rank)])), torch.device("cpu"), None
     if job.transport != "nccl":
         raise ValueError(f"SendJob.transport={job.transport!r} must be tcp or nccl")
     from weightsync.bus.nccl.sender_groups import SenderGroupJob
@@ -172,7 +181,12 @@ def _bus_sender(actor, job: SendJob, rank: int, deadline: float):
     cache = nccl_groups(actor)
     group = cache.get(SenderGroupJob(**spec), device, left)
     group.timeout = left  # each broadcast wait is bounded by what is left of the stream
-    return cache.bus.sender(group), device
+    watch = None
+    flags = getattr(actor, "stream_flags", None)
+    if flags is not None:  # NCCL never tells this rank that a rollout died; rank 0 sees it and says so
+        watch = Watch(lambda: flags.raised(job.sync_id), group.abort, job.watch_period,
+                      what=f"rank {rank}'s NCCL sender group").start()
+    return cache.bus.sender(group), device, watch
 
 
 @dataclass
@@ -204,10 +218,10 @@ def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
 
 def stream_from_every_owner(actor, manifest: Manifest, targets: dict[str, str], token: str,
                             timeout: float, nccl_groups: dict[str, dict] | None = None,
-                            export_dtype: str = "") -> StreamOutcome:
+                            export_dtype: str = "", watch_period: float = 1.0) -> StreamOutcome:
     """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address),
     or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group.
     `export_dtype`: a quantized export format (fp8-block) every rank applies to its own tensors."""
-    job = SendJob.make(manifest, targets, token, timeout, nccl_groups, export_dtype)
+    job = SendJob.make(manifest, targets, token, timeout, nccl_groups, export_dtype, watch_period)
     results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
     return merge(manifest, results)

@@ -199,13 +199,21 @@ class SyncAttempt:
         return buffers
 
     def _send_from_every_owner(self) -> list[int]:
+        actor, period = self.orch.actor, 1.0
         if self.session.name == "nccl":  # each sender broadcasts on its own group; no data addresses
             targets, groups = {}, self.session.sender_jobs(self._left())
+            flags = getattr(actor, "stream_flags", None)
+            if flags is not None:  # every sender ends its broadcasts once a rollout can no longer take part
+                sync_id = self.manifest.sync_id
+                self.session.watch({rid: self.by_id[rid] for rid in self.prepared},
+                                   lambda reason: flags.raise_flag(sync_id, reason))
+            period = self.session.owner.watch_period
         else:
             targets, groups = {rid: self.session.data_address(rid) for rid in self.prepared}, None
         fmt = self.orch.export_format
-        out = stream_from_every_owner(self.orch.actor, self.manifest, targets, self.orch.token, self._left(),
-                                      nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "")
+        out = stream_from_every_owner(actor, self.manifest, targets, self.orch.token, self._left(),
+                                      nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "",
+                                      watch_period=period)
         self.senders = out.senders
         for rid, err in out.failures.items():
             if rid in self.prepared:

@@ -48,6 +48,8 @@ class MegatronActor:
         init_model_parallel(self.par)
         self.rmap = rank_map()
         self.channel = CommandChannel()
+        #: rank 0 raises a sync's flag to end every rank's NCCL broadcasts (trainer_svc/multisender.py)
+        self.stream_flags = self.channel.flags
         #: global rank -> the UUID of the GPU it exports on ("" on CPU): NCCL takes one rank per GPU
         #: in a group, so rank 0 keeps a rollout on a sending rank's GPU out of that rank's group
         gpus = self.channel.gather({"gpu": _own_gpu_uuid()})  # a collective: every rank is in __init__

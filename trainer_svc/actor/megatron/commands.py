@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from weightsync.bus.nccl.liveness import StoreFlags
+
 # an idle trainer is not an error: workers wait for the next command far longer than a collective
 COMMAND_TIMEOUT = timedelta(days=30)
 # results of a command (a sender's stream report) come back within its own timeout; this bounds
@@ -25,6 +27,9 @@ class CommandChannel:
         multi = dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT) if multi else None
         self.results = dist.new_group(backend="gloo", timeout=RESULT_TIMEOUT) if multi else None
+        #: rank 0 -> senders while a multi-sender stream runs (the broadcast channel above is busy
+        #: then): per-sync abort flags on the job's own store, which every rank already reaches
+        self.flags = StoreFlags(dist.distributed_c10d._get_default_store()) if multi else None
 
     def send(self, op: str, **args) -> None:
         """On rank 0: tell every worker to run `op` (a no-op on a single-rank job)."""

@@ -29,7 +29,7 @@ import torch
 
 from weightsync.bus.gpu import uuid_of as gpu_uuid
 from weightsync.bus.nccl.lazy_bus import LazyBus
-from weightsync.bus.nccl.liveness import GroupWatch
+from weightsync.bus.nccl.liveness import Watch, members_probe
 from weightsync.bus.nccl.sender_groups import SenderGroupJob
 from weightsync.bus.session import RpcCall, kind_of
 from weightsync.v1 import bus_pb2
@@ -149,15 +149,15 @@ class NcclSender(LazyBus):
         if needs_cuda and self.device.type != "cuda":
             raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
                              f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
-        return _NcclSession(self, [(e.rollout_id, e.address) for e in targets], self.uuid_of(self.device))
+        return _NcclSession(self, [(e.rollout_id, e.address) for e in targets], self.uuid_of(self.device), sync_id)
 
 
 class _NcclSession:
     name = "nccl"
     group_wide = True
 
-    def __init__(self, owner: NcclSender, members: Iterable[Member], trainer_uuid: str = ""):
-        self.owner = owner
+    def __init__(self, owner: NcclSender, members: Iterable[Member], trainer_uuid: str = "", sync_id: str = ""):
+        self.owner, self.sync_id = owner, sync_id
         self.members: tuple[Member, ...] = tuple(sorted(members))
         self.device = owner.device
         self._plan: GroupPlan | None = None
@@ -169,7 +169,7 @@ class _NcclSession:
         self._sender_gpus: dict[str, int] = {}  # GPU UUID -> the sending rank (not 0) on it
         self.sender_gpu_clash = ""
         self.clashing: set[str] = set()  # rollouts on a sending rank's GPU
-        self._watch: GroupWatch | None = None
+        self._watch: Watch | None = None
 
     @property
     def plan(self) -> GroupPlan:
@@ -239,9 +239,15 @@ class _NcclSession:
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))
         group.timeout = timeout  # each broadcast wait is bounded by what is left of the sync
-        if self.owner.call is not None:
-            self._watch = GroupWatch(group, targets, self.owner.call, self.owner.watch_period).start()
+        self.watch(targets, group.abort)
         return self.owner.cache.bus.sender(group)
+
+    def watch(self, targets: dict, abort) -> None:
+        """While the stream runs, `abort(reason)` once a target can no longer take part (dead, or
+        out of the sync): rank 0's group, or with several senders the flag they all watch."""
+        if self.owner.call is not None:
+            probe = members_probe(targets, self.owner.call, self.sync_id)
+            self._watch = Watch(probe, abort, self.owner.watch_period).start()
 
     def finish(self, ok: bool, reason: str) -> None:
         if self._watch is not None:

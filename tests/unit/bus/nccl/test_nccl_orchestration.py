@@ -262,11 +262,13 @@ def _manifest(trainer) -> bus_pb2.Manifest:
                                            bucket_bytes=1 << 20, model_family=a.family))
 
 
-@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
-def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(watched):
-    """Real NCCL never tells the sender that a receiving process died: the broadcast just waits.
-    The loopback is set to wait the same way (blocking_send); the member's gRPC port going away is
-    what the trainer's liveness watch sees. Unwatched, the same sync waits out its stream timeout."""
+@pytest.mark.parametrize("how, watched", [("dies", True), ("leaves", True), ("dies", False)],
+                         ids=["dead-watched", "left-watched", "dead-unwatched"])
+def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how, watched):
+    """Real NCCL never tells the sender that a receiving process died, or that it aborted its side
+    of the sync and stopped receiving: the broadcast just waits. The loopback is set to wait the
+    same way (blocking_send); the member's gRPC port going away, or its status no longer naming the
+    sync, is what the trainer's liveness watch sees. Unwatched, the same sync waits out its timeout."""
     import threading
     import time
 
@@ -295,8 +297,12 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
 
         def hang_then_lose_the_control_plane(sync_id, receiver, sender=0):
             # joined the group, then stuck before taking any bucket; its gRPC server goes away,
-            # as a killed process's port would, while its NCCL rank never signals anything
-            threading.Timer(0.3, dying.grpc.stop).start()
+            # as a killed process's port would (or it gives the sync up, alive), while its NCCL
+            # rank never signals anything
+            if how == "dies":
+                threading.Timer(0.3, dying.grpc.stop).start()
+            else:
+                threading.Timer(0.3, dying.tx.abort, (sync_id, "test: a bucket failed its checksum")).start()
             release.wait(30)
 
         dying.tx.run_receiver = hang_then_lose_the_control_plane
@@ -313,7 +319,8 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(wat
         assert apps["live"].tx.version == before and apps["live"].tx.state == rollout_pb2.SERVING
         if watched:
             assert took < 3.0, f"the group waited {took:.1f}s for a dead member"
-            assert all("rollout dying became unreachable during the stream" in e for e in errors.values()), errors
+            want = "rollout dying became unreachable during the stream" if how == "dies" else "rollout dying left sync"
+            assert all(want in e for e in errors.values()), errors
         else:
             assert took >= sync_timeout - 1.0, f"unwatched, the sync should have waited out its timeout ({took:.1f}s)"
     finally:

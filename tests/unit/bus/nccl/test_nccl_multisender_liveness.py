@@ -1,0 +1,187 @@
+"""A multi-sender NCCL sync ends within a second or so when a rollout can no longer take part.
+
+NCCL never tells a sender that a receiving rank died or stopped receiving: every sender's broadcast
+waits until the sync's deadline. Global rank 0 is the only rank that talks to the rollouts, so it
+watches them (gRPC status) and raises the sync's abort flag; every sending rank watches that flag
+and aborts its own communicator. Here the whole rank-0 path is real (TrainerApp, SyncAttempt,
+planning a group per sender, the watch); two threads play the two trainer ranks through
+`trainer_svc.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
+broadcast until every rank took the bucket, as NCCL does. A dead rollout (its gRPC port gone) and
+a live one that left the sync are both caught; unwatched, the same sync waits out its deadline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from tests.support.nccl_loopback import LoopbackBus
+from trainer_svc.multisender import SendJob, run_sender
+from weightsync.bus.nccl.liveness import LocalFlags
+from weightsync.bus.nccl.sender import NcclSender
+from weightsync.bus.nccl.sender_groups import SenderGroupCache
+from weightsync.control.client import channel, trainer_stub
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+SYNC_TIMEOUT = 8.0
+PERIOD = 0.2
+
+
+class _Rank:
+    """One trainer rank's view of the hf actor: every tensor's metadata and owner, its own tensors."""
+
+    def __init__(self, rank: int, actor, owners: list[int], bus, flags):
+        self.rank, self.actor, self.owners, self.stream_flags = rank, actor, owners, flags
+        self._nccl_sender_groups = SenderGroupCache(bus)
+
+    def export_metas(self):
+        return self.actor.export_metas()
+
+    def export_owners(self):
+        return list(self.owners)
+
+    def export_own_tensors(self, stats=None):
+        for (name, t), owner in zip(self.actor.export_tensors(), self.owners):
+            if owner == self.rank:
+                yield name, t
+
+    def parameters(self):
+        return iter(())  # exports on the CPU
+
+
+class TwoRankActor:
+    """The hf actor as a two-rank trainer: the first half of the tensors rank 0's, the rest rank 1's."""
+
+    def __init__(self, actor, bus, watched: bool):
+        self._actor = actor
+        n = len(actor.export_metas())
+        self._owners = [0] * (n // 2) + [1] * (n - n // 2)
+        self.stream_flags = LocalFlags() if watched else None
+        self.ranks = [_Rank(r, actor, self._owners, bus, self.stream_flags) for r in (0, 1)]
+
+    def __getattr__(self, name):
+        return getattr(self._actor, name)
+
+    def export_owners(self):
+        return list(self._owners)
+
+    def run_senders(self, job: dict) -> list[dict]:
+        results: list = [None, None]
+
+        def go(r: int) -> None:
+            results[r] = asdict(run_sender(self.ranks[r], SendJob.from_args(job)))
+        threads = [threading.Thread(target=go, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(SYNC_TIMEOUT + 30)
+        return results
+
+
+@pytest.fixture
+def fleet():
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    made = []
+
+    def make(watched: bool):
+        bus = LoopbackBus(blocking_send=True)
+        trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                                     backend="hf", model="tiny-qwen2", bucket_mb=1,
+                                                     sync_timeout_s=SYNC_TIMEOUT, auto_sync_new_rollouts=False))
+        trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
+        trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 5.0, call=trainer.orch._call,
+                                                     watch_period=PERIOD)
+        trainer.start()
+        made.append(trainer)
+        apps = {}
+        for rid in ("live", "victim"):
+            app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                                     model="tiny-qwen2", rollout_id=rid))
+            app.servicer.nccl._bus = bus
+            app.start()
+            made.append(app)
+            apps[rid] = app
+        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
+        for rid, app in apps.items():
+            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+        return trainer, apps, stub
+
+    yield make
+    for m in reversed(made):
+        m.stop()
+
+
+def _sync(stub) -> tuple[trainer_pb2.SyncReport, float]:
+    t0 = time.monotonic()
+    rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live", "victim"], transport="nccl", senders="all"),
+                    timeout=SYNC_TIMEOUT + 30).report
+    return rep, time.monotonic() - t0
+
+
+def test_both_senders_stream_their_own_groups_when_nothing_goes_wrong(fleet):
+    trainer, apps, stub = fleet(watched=True)
+    rep, _ = _sync(stub)
+    assert rep.ok and sorted(s.rank for s in rep.senders) == [0, 1], rep
+    for app in apps.values():
+        assert app.tx.version == rep.version and app.tx.state == rollout_pb2.SERVING
+        for name, t in trainer.actor.export_tensors():
+            assert torch.equal(app.engine._target(name), t), name
+    assert trainer.orch.actor.stream_flags.raised(rep.sync_id) == ""  # a good sync raises nothing
+
+
+@pytest.mark.parametrize("how, watched", [("dies", True), ("leaves", True), ("dies", False)],
+                         ids=["dead-watched", "left-watched", "dead-unwatched"])
+def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, watched):
+    trainer, apps, stub = fleet(watched)
+    first, _ = _sync(stub)
+    assert first.ok, first
+    victim, release = apps["victim"], threading.Event()
+
+    def stuck(sync_id, receiver, sender=0):
+        # joined this sender's group, then takes no bucket; either its process goes away (its gRPC
+        # port with it) or it gives up on the sync on its own, both while its NCCL rank says nothing
+        if sender == 0:
+            if how == "dies":
+                threading.Timer(0.3, victim.grpc.stop).start()
+            else:
+                threading.Timer(0.3, victim.tx.abort, (sync_id, "test: a bucket failed its checksum")).start()
+        release.wait(SYNC_TIMEOUT + 30)
+
+    victim.tx.run_receiver = stuck
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    try:
+        rep, took = _sync(stub)
+    finally:
+        release.set()
+    errors = {r.rollout_id: r.error for r in rep.rollouts}
+    assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
+    live = apps["live"]
+    for _ in range(100):  # the live rollout aborts once its receives fail
+        if not live.tx.pending_sync_id:
+            break
+        time.sleep(0.05)
+    assert live.tx.version == first.version and live.tx.state == rollout_pb2.SERVING and not live.tx.pending_sync_id
+    if not watched:
+        assert took >= SYNC_TIMEOUT - 1.5, f"unwatched, the senders should have waited out the deadline ({took:.1f}s)"
+        return
+    assert took < 4.0, f"the senders waited {took:.1f}s for a rollout that could not take part"
+    want = "rollout victim became unreachable" if how == "dies" else "rollout victim left sync"
+    assert all(want in e for e in errors.values()), errors
+    assert trainer.orch.actor.stream_flags.raised(rep.sync_id).startswith(want)
+    # every sender rank's report says why its stream ended, and both dropped their communicators
+    assert {s.rank for s in rep.senders if want in s.error} == {0, 1}, rep.senders
+    assert all(r._nccl_sender_groups.group_id == "" for r in trainer.orch.actor.ranks)
+    # the next sync without the victim plans new groups and goes through
+    again = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"),
+                      timeout=SYNC_TIMEOUT + 30).report
+    assert again.ok and live.tx.version == again.version == trainer.actor.version, again
