@@ -166,7 +166,14 @@ class MegatronActor:
 
         self._check_driver("save_hf")
         self.channel.send("export")
-        write_hf_dir(out_dir, self.config, self._metas, self._export())
+        it = self._export()
+        try:
+            write_hf_dir(out_dir, self.config, self._metas, it)
+        finally:
+            # the workers are inside the export's collectives: a write that failed part-way must
+            # still finish them, or the whole job hangs on the next command
+            for _ in it:
+                pass
 
     def num_parameters(self) -> int:
         return sum(math.prod(m.shape) for m in self._metas)
