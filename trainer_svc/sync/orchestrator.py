@@ -74,8 +74,10 @@ class SyncOrchestrator:
         self.manifests = ManifestCache()
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
         self._warned_funnel = False
-        #: rollouts found on the GPU of a sending rank other than 0 (NCCL syncs to them funnel)
-        self._nccl_gpu_clash: set[str] = set()
+        #: (rollout id, address) of rollouts found on the GPU of a sending rank other than 0: NCCL
+        #: syncs to them funnel. Keyed by address too, so a rollout rescheduled elsewhere (a new
+        #: pod, a new address) is given multi-sender streaming again.
+        self._nccl_gpu_clash: set[tuple[str, str]] = set()
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
@@ -123,7 +125,7 @@ class SyncOrchestrator:
         phases = PhaseClock()
         by_id = {e.rollout_id: e for e in targets}
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
-        if transport == "nccl" and senders == "all" and any(e.rollout_id in self._nccl_gpu_clash for e in targets):
+        if transport == "nccl" and senders == "all" and any((e.rollout_id, e.address) in self._nccl_gpu_clash for e in targets):
             senders = "rank0"  # learned at an earlier prepare: a target sits on a sending rank's GPU
         for attempt in (1, 2, 3):
             with phases("plan"):
@@ -148,7 +150,7 @@ class SyncOrchestrator:
                 log.warning("sync %s: %s; NCCL takes one rank per GPU, so syncs to it stream from global rank 0 "
                             "(senders=rank0)", manifest.sync_id, one.funnel_retry)
                 senders = "rank0"
-                self._nccl_gpu_clash |= session.clashing
+                self._nccl_gpu_clash |= {(rid, by_id[rid].address) for rid in session.clashing}
             self._log_retry(manifest.sync_id, targets, retry)
             targets = retry
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)

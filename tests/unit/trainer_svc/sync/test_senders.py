@@ -277,3 +277,9 @@ def test_nccl_multi_sender_funnels_when_a_rollout_sits_on_a_sending_ranks_gpu(ca
     calls.clear()
     assert orch.sync(_targets(), "nccl", senders="all").ok
     assert [len(r.transport.nccl.sender_groups) for _, m, r in calls if m == "PrepareSync"] == [0, 0]
+    # b rescheduled (a new address) on another GPU: multi-sender again, no funnel
+    calls.clear()
+    actor.rank_gpus = ["GPU-t0", "GPU-t1"]
+    assert orch.sync([RolloutEntry("a", "a:1"), RolloutEntry("b", "b:2")], "nccl", senders="all").ok
+    assert [len(r.transport.nccl.sender_groups) for _, m, r in calls if m == "PrepareSync"] == [2, 2]
+    assert actor.funnelled == 2 and len(actor.jobs) == 1  # the two syncs to b on rank 1's GPU only
