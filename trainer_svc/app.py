@@ -19,11 +19,10 @@ from trainer_svc.paths import DataRoots
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
 from trainer_svc.sync import SyncOrchestrator
-from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
+from trainer_svc.warm_up import warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
-from weightsync.formats.fp8_warm import warm_quantize as fp8_quantize_warm_up
 from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
 from weightsync.v1 import trainer_pb2_grpc
@@ -65,15 +64,7 @@ class TrainerApp:
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc,
                                      export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id,
                                      senders=cfg.bus.senders)
-        # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
-        warm = bucket_checksum_warm_up(self.orch.device)
-        if warm:
-            log.info("checksum kernel ready on %s in %.2fs", self.orch.device, warm)
-        if self.orch.export_format.quantization is not None:
-            # So does the FP8 quantizer, once per dtype and shape class of the model's weights.
-            warm = fp8_quantize_warm_up(self.actor.export_metas(), self.orch.device)
-            if warm:
-                log.info("FP8 quantize kernel ready on %s in %.2fs", self.orch.device, warm)
+        warm_up(self.orch.device, self.actor.export_metas(), self.orch.export_format.quantization is not None)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
                                         cfg.fleet.auto_sync_new_rollouts,
                                         roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))

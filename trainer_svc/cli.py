@@ -18,8 +18,11 @@ def _make_app(cfg: TrainerConfig):
 
     if global_rank() != 0:  # torchrun worker: run rank 0's collective commands, serve nothing
         from trainer_svc.actor.factory import make_actor
+        from trainer_svc.warm_up import warm_up_sender
 
-        make_actor(cfg).worker_loop()
+        actor = make_actor(cfg)
+        warm_up_sender(actor, cfg)
+        actor.worker_loop()
         return None
     return TrainerApp(cfg)
 

@@ -77,10 +77,11 @@ def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
 
 def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypatch):
     import trainer_svc.app as app_mod
+    import trainer_svc.warm_up as warm_mod
     from trainer_svc.config import TrainerConfig
 
     calls = []
-    monkeypatch.setattr(app_mod, "fp8_quantize_warm_up", lambda metas, device: calls.append((metas, device)) or 0.0)
+    monkeypatch.setattr(warm_mod, "warm_quantize", lambda metas, device: calls.append((metas, device)) or 0.0)
     for export_dtype in ("bfloat16", "fp8-block"):
         app = app_mod.TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
                                                          backend="hf", model="tiny-qwen2", export_dtype=export_dtype))
@@ -138,3 +139,30 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
     del Engine.loads_quantized  # the built-in engine has no such capability: it always dequantizes
     assert quantized.warm_dequantize(engine, "cuda:0") == 1.0
     assert seen == [list(metas.values())] * 2
+
+
+@pytest.mark.parametrize("senders, export_dtype, quantized", [("all", "fp8-block", True), ("all", "bfloat16", False),
+                                                              ("rank0", "fp8-block", None)])
+def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeypatch, senders, export_dtype, quantized):
+    """With --senders all every torchrun worker packs, checksums and (fp8-block) quantizes its own
+    buckets: it compiles those kernels before its first sync, for its own tensors only; in the
+    funnel rank 0 does all of that and the workers warm nothing."""
+    from types import SimpleNamespace
+
+    import trainer_svc.warm_up as warm_mod
+
+    metas = _metas(torch.float32)
+    calls = []
+    monkeypatch.setattr(warm_mod, "warm_quantize", lambda ms, device: calls.append(("quantize", list(ms), device)) or 0.0)
+    monkeypatch.setattr(warm_mod, "bucket_checksum_warm_up", lambda device: calls.append(("checksum", device)) or 0.0)
+    owners = [i % 2 for i in range(len(metas))]
+    actor = SimpleNamespace(rank=1, export_owners=lambda: owners, export_metas=lambda: list(metas),
+                            parameters=lambda: iter([torch.zeros(1)]))
+    cfg = SimpleNamespace(bus=SimpleNamespace(senders=senders), actor=SimpleNamespace(export_dtype=export_dtype))
+    warm_mod.warm_up_sender(actor, cfg)
+    if quantized is None:
+        assert calls == []
+        return
+    mine = [m for m, o in zip(metas, owners) if o == 1]
+    want = [("checksum", torch.device("cpu"))] + ([("quantize", mine, torch.device("cpu"))] if quantized else [])
+    assert calls == want
