@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors.torch import save_file
+from trainer_svc.atomic_file import save_config, save_safetensors
 
 
 def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
@@ -20,6 +20,7 @@ def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
     tensors = {name: t.detach().cpu().contiguous() for name, t in named}
     out.mkdir(parents=True, exist_ok=True)
     if tensors:  # non-sender ranks of a multi-rank actor get nothing and write nothing
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (fmt.hf_config(actor.hf_config()) if fmt is not None else actor.hf_config()).save_pretrained(str(out))
+        # each file replaced whole: a reader (LoadWeights) or a crash mid-write never sees half of one
+        save_safetensors(tensors, out / "model.safetensors")
+        save_config(fmt.hf_config(actor.hf_config()) if fmt is not None else actor.hf_config(), out)
     return len(tensors)

@@ -11,13 +11,13 @@ previous checkpoint intact and `latest` never points at a partial one.
 from __future__ import annotations
 
 import logging
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from trainer_svc.atomic_file import atomic_write
 from trainer_svc.train.step import TrainState, train_state
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,6 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save_checkpoint(actor, directory: str) -> Path:
@@ -50,10 +44,10 @@ def save_checkpoint(actor, directory: str) -> Path:
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
     }
     rank = _rank()
-    _atomic_write(step_dir / f"rank_{rank:05d}.pt", lambda p: torch.save(state, p))
+    atomic_write(step_dir / f"rank_{rank:05d}.pt", lambda p: torch.save(state, p))
     st.backend.barrier()
     if rank == 0:
-        _atomic_write(root / "latest", lambda p: p.write_text(step_dir.name + "\n"))
+        atomic_write(root / "latest", lambda p: p.write_text(step_dir.name + "\n"))
     st.backend.barrier()
     log.info("checkpoint saved: %s (step %d, version %d)", step_dir, st.step, actor.version)
     return step_dir

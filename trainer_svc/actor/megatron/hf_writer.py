@@ -1,5 +1,5 @@
 """Write an HF directory (config.json + safetensors) from an export iterator, holding at most one
-output shard in memory."""
+output shard in memory; each file is replaced whole (trainer_svc/atomic_file.py)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from trainer_svc.atomic_file import atomic_write, save_config, save_safetensors
 from weightsync.bus.plan import TensorMeta
 
 MAX_SHARD_BYTES = 2 << 30
@@ -15,8 +16,6 @@ MAX_SHARD_BYTES = 2 << 30
 
 def write_hf_dir(out_dir: str, hf_config, metas: list[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
                  max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # plan the shards from metadata so file names are known before the first tensor arrives
@@ -42,12 +41,12 @@ def write_hf_dir(out_dir: str, hf_config, metas: list[TensorMeta], tensors: Iter
                 raise ValueError(f"tensor {got}: exported out of order, expected {name}")
             pending[name] = t.detach().cpu().contiguous()
         path = out / file_of[names[0]]
-        save_file(pending, str(path), metadata={"format": "pt"})
+        save_safetensors(pending, path)
         written.append(path)
         pending = {}
     if n > 1:
         total = sum(m.nbytes for m in metas)
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": file_of}, indent=2))
-    hf_config.save_pretrained(str(out))
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": file_of}, indent=2)
+        atomic_write(out / "model.safetensors.index.json", lambda p: p.write_text(index))
+    save_config(hf_config, out)
     return written
