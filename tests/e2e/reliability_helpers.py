@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.local.bus_links import close_sockets
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3, 1000, 2047]
@@ -191,21 +192,12 @@ class BusProxy:
                     self.forwarded += len(data)
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        close_sockets((src, dst), shutdown=True)
 
     def close(self) -> None:
         self._closed = True
         self.sock.close()
-        for s in self._conns:
-            try:
-                s.close()
-            except OSError:
-                pass
+        close_sockets(self._conns)
 
 
 def jitter(max_s: float) -> None:

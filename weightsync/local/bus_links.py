@@ -19,6 +19,21 @@ from collections.abc import Callable
 _CHUNK = 16 << 10
 
 
+def close_sockets(socks, shutdown: bool = False) -> None:
+    """Close each socket (shut down both directions first: the peer sees EOF at once), ignoring
+    ones already gone. Shared by the test proxies in front of a data port."""
+    for s in socks:
+        try:
+            if shutdown:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            s.close()
+        except OSError:
+            pass
+
+
 class SenderLinks:
     """Per-sender-rank byte budgets (token-bucket pacing) and counters, shared by every proxy."""
 
@@ -129,18 +144,9 @@ class LinkProxy:
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        close_sockets((src, dst), shutdown=True)
 
     def close(self) -> None:
         self._closed = True
         self.sock.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+        close_sockets(self._socks)
