@@ -143,12 +143,14 @@ class MixedWeightChecker:
 
 
 class BusProxy:
-    """Forwards TCP connections listen_host:port -> target; can cut or stall after `after_bytes` (trainer→rollout)."""
+    """Forwards TCP connections listen_host:port -> target; after `after_bytes` (trainer→rollout) it can cut,
+    stall (forward nothing, hold both sockets open) or go slow (forward at `rate` bytes/s, a slow link)."""
 
     def __init__(self, listen_host: str, listen_port: int, target: tuple[str, int]):
         self.target = target
-        self.mode = "pass"  # pass | cut | stall
+        self.mode = "pass"  # pass | cut | stall | slow
         self.after_bytes = 0
+        self.rate = 0.0
         self.forwarded = 0
         self.connections = 0
         self.sock = socket.socket()
@@ -159,8 +161,10 @@ class BusProxy:
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def set(self, mode: str, after_bytes: int = 0) -> None:
-        self.mode, self.after_bytes, self.forwarded = mode, after_bytes, 0
+    def set(self, mode: str, after_bytes: int = 0, rate: float = 0.0) -> None:
+        if mode == "slow" and rate <= 0:
+            raise ValueError("slow mode needs rate > 0 (bytes/s)")
+        self.mode, self.after_bytes, self.rate, self.forwarded = mode, after_bytes, rate, 0
 
     def _accept(self) -> None:
         while not self._closed:
@@ -181,7 +185,9 @@ class BusProxy:
                 data = src.recv(65536)
                 if not data:
                     break
-                if downstream and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
+                if downstream and self.mode == "slow" and self.forwarded + len(data) > self.after_bytes:
+                    time.sleep(len(data) / self.rate)
+                elif downstream and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
                     if self.mode == "cut":
                         break
                     while not self._closed:  # stall: hold both sockets open, forward nothing more

@@ -33,8 +33,11 @@ def model(tmp_path_factory):
     return cfg_dir, sets
 
 
-def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_args=(), rollout_args=()):
-    """Rollouts first (to record the version-0 logits), then the trainer on a fixed port; all caught up."""
+def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_args=(), rollout_args=(),
+                 proxies=None):
+    """Rollouts first (to record the version-0 logits), then the trainer on a fixed port; all caught up.
+    proxies: {rollout index: BusProxy}; that rollout listens on 127.0.0.1 at the proxy's port and advertises
+    the proxy's host, so the trainer's bus connection passes through the proxy."""
     tport = free_port()
     taddr = f"127.0.0.1:{tport}"
     rollouts = []
@@ -42,6 +45,9 @@ def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_
         port = free_port()
         args = ("--model", str(cfg_dir), "--init-seed", "7", "--trainer-address", taddr, "--apply-mode", mode,
                 "--heartbeat-s", "1", *rollout_args)
+        if proxies and i in proxies:
+            host, dport = proxies[i].sock.getsockname()
+            args += ("--data-address", f"127.0.0.1:{dport}", "--advertise-data-host", host)
         rollouts.append(dict(name=f"r{i}", port=port, args=args, proc=procs.rollout(*args, name=f"r{i}", grpc_port=port)))
     for r in rollouts:
         r["proc"].wait_ready()
@@ -139,13 +145,19 @@ def _check_complete(r, refs, prev, new, seen_stale):
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_trainer_dies_mid_sync(procs, model, fault):
+def test_trainer_dies_mid_sync(procs, model, fault, request):
     """kill: the bus socket closes, the rollouts abort at once. stop (SIGSTOP, a hung trainer): nothing
     closes, only the rollouts' own timers (PrepareSync timeout_seconds = trainer --sync-timeout-s) abort."""
     cfg_dir, sets = model
     timeout_s = 4.0
+    # r1 (inplace) receives the bus through a proxy that slows its stream down, so the fault lands
+    # mid-stream however fast the box streams (racing a fast stream lost 8 times in a row in CI)
+    dport = free_port()
+    proxy = BusProxy("127.0.0.3", dport, ("127.0.0.1", dport))
+    request.addfinalizer(proxy.close)
     trainer, taddr, targs, rollouts, refs = _start_fleet(procs, cfg_dir, sets[0], modes=("staged", "inplace"),
-                                                         trainer_args=("--sync-timeout-s", str(timeout_s)))
+                                                         trainer_args=("--sync-timeout-s", str(timeout_s)),
+                                                         proxies={1: proxy})
     for r, mode in zip(rollouts, ("staged", "inplace")):
         r["mode"] = mode
     by_set = _set_refs(taddr, rollouts, sets[:2], refs)
@@ -155,10 +167,12 @@ def test_trainer_dies_mid_sync(procs, model, fault):
         v = load(taddr, sets[attempt % 2])
         refs[v] = by_set[attempt % 2]
         prev = status(rstub(rollouts[0]["proc"])).version
+        # even attempts: stop once the inplace engine applied a bucket (mid-stream); odd: right after prepare
+        streaming = attempt % 2 == 0
+        # 4 MB/s: r1's 24 MB take ~6 s, its first (4 MB) bucket is applied after ~1 s, well before the end
+        proxy.set("slow" if streaming else "pass", rate=4 << 20)
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(lambda: tstub(taddr).Sync(trainer_pb2.SyncRequest()))
-            # even attempts: stop once the inplace engine applied a bucket (mid-stream); odd: right after prepare
-            streaming = attempt % 2 == 0
             ready = (lambda: status(rstub(rollouts[1]["proc"])).state == rollout_pb2.APPLYING) if streaming else \
                 (lambda: all(status(rstub(r["proc"])).pending_sync_id for r in rollouts))
             try:
@@ -184,6 +198,7 @@ def test_trainer_dies_mid_sync(procs, model, fault):
             except grpc.RpcError:
                 pass
         print(f"\n{fault}: engines left the sync after {waited:.2f}s; stale: {seen_stale}")
+        proxy.set("pass")
         # restart the trainer on the same address: heartbeats re-register, catch-up syncs heal STALE
         trainer = procs.trainer(*targs, backend="hf")
         trainer.wait_ready()
