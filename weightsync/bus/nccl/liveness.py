@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Callable
 
 from weightsync.bus.session import RpcCall
@@ -43,6 +45,9 @@ class Watch:
         """Stop watching; returns at once (a probe in flight is left to finish and ignored)."""
         with self._lock:
             self._stop.set()
+        close = getattr(self.probe, "close", None)
+        if close is not None:
+            close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -62,21 +67,63 @@ class Watch:
             return
 
 
-def members_probe(members: dict, call: RpcCall, sync_id: str) -> Probe:
-    """Ask every member (rollout id -> registry entry) for its status; a verdict for the first that
-    is unreachable or no longer holds `sync_id`."""
-    members = dict(members)
+class MembersProbe:
+    """Asks every member (rollout id -> registry entry) for its status, all at once; a verdict for the
+    first that is unreachable or no longer holds `sync_id`.
 
-    def probe() -> str:
-        for rid, entry in members.items():
-            resp, err = call(entry, "GetStatus", rollout_pb2.GetStatusRequest())
-            if err.startswith("UNAVAILABLE"):
-                return f"rollout {rid} became unreachable during the stream ({err})"
-            if not err and resp is not None and resp.pending_sync_id != sync_id:
-                return (f"rollout {rid} left sync {sync_id} during the stream "
-                        f"({resp.last_error or 'no error given'})")
+    In parallel, because one member whose answer hangs (until the RPC timeout, tens of seconds) must not
+    hide another that died; a member still answering the previous round is not asked again, so a
+    hung one holds one thread, not one per period."""
+
+    def __init__(self, members: dict, call: RpcCall, sync_id: str, wait_s: float = 1.0):
+        self.members, self.call, self.sync_id, self.wait_s = dict(members), call, sync_id, wait_s
+        self._pool: ThreadPoolExecutor | None = None
+        self._asked: dict[str, Future] = {}
+        self._closed = False
+        self._lock = threading.Lock()  # close() and a round's submissions exclude each other
+
+    def __call__(self) -> str:
+        if len(self.members) == 1:
+            (rid, entry), = self.members.items()
+            return self._verdict(rid, *self.call(entry, "GetStatus", rollout_pb2.GetStatusRequest()))
+        with self._lock:
+            if self._closed:
+                return ""
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=min(len(self.members), 32),
+                                                thread_name_prefix="nccl-probe")
+            for rid, entry in self.members.items():
+                if rid not in self._asked:
+                    self._asked[rid] = self._pool.submit(self.call, entry, "GetStatus",
+                                                         rollout_pb2.GetStatusRequest())
+        rid_of = {f: rid for rid, f in self._asked.items()}
+        try:
+            for f in as_completed(rid_of, timeout=self.wait_s):  # the first verdict ends the round
+                del self._asked[rid_of[f]]
+                verdict = self._verdict(rid_of[f], *f.result())  # a call that raised: the watch logs it
+                if verdict:
+                    return verdict
+        except FuturesTimeout:
+            pass  # the slow ones stay asked; their answers count in a later round
         return ""
-    return probe
+
+    def _verdict(self, rid: str, resp, err: str) -> str:
+        if err.startswith("UNAVAILABLE"):
+            return f"rollout {rid} became unreachable during the stream ({err})"
+        if not err and resp is not None and resp.pending_sync_id != self.sync_id:
+            return (f"rollout {rid} left sync {self.sync_id} during the stream "
+                    f"({resp.last_error or 'no error given'})")
+        return ""
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # a call in flight ends with its own RPC timeout
+
+
+def members_probe(members: dict, call: RpcCall, sync_id: str, wait_s: float = 1.0) -> MembersProbe:
+    return MembersProbe(members, call, sync_id, wait_s)
 
 
 class StoreFlags:

@@ -246,7 +246,7 @@ class _NcclSession:
         """While the stream runs, `abort(reason)` once a target can no longer take part (dead, or
         out of the sync): rank 0's group, or with several senders the flag they all watch."""
         if self.owner.call is not None:
-            probe = members_probe(targets, self.owner.call, self.sync_id)
+            probe = members_probe(targets, self.owner.call, self.sync_id, wait_s=self.owner.watch_period)
             self._watch = Watch(probe, abort, self.owner.watch_period).start()
 
     def finish(self, ok: bool, reason: str) -> None:

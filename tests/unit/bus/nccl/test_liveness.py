@@ -65,3 +65,52 @@ def test_members_probe_names_the_dead_and_the_departed_and_passes_busy_or_presen
     assert members_probe({"a": "ok", "g": "gone"}, call, "s1")() == (
         "rollout g became unreachable during the stream (UNAVAILABLE: connection refused)")
     assert members_probe({"l": "left"}, call, "s1")() == "rollout l left sync s1 during the stream (checksum mismatch)"
+
+
+def test_members_probe_is_not_held_up_by_a_member_whose_answer_hangs():
+    """A member that answers only after its RPC timeout must not hide one that died meanwhile, and is
+    not asked again while its call is still out (one thread per hung member, not one per round)."""
+    release = threading.Event()
+    asked = {"hung": 0, "dead": 0}
+
+    def call(entry, method, req):
+        asked[entry] += 1
+        if entry == "hung":
+            release.wait(10)
+            return None, "DEADLINE_EXCEEDED: no answer"
+        return None, "UNAVAILABLE: connection refused"
+
+    probe = members_probe({"h": "hung", "d": "dead"}, call, "s1", wait_s=5.0)
+    try:
+        t0 = time.monotonic()
+        assert probe() == "rollout d became unreachable during the stream (UNAVAILABLE: connection refused)"
+        assert time.monotonic() - t0 < 1.0  # the verdict came at once, not after the hung call or wait_s
+        probe()
+        assert asked == {"hung": 1, "dead": 2}
+    finally:
+        release.set()
+        probe.close()
+    assert probe() == ""  # a closed probe asks nobody
+
+
+def test_a_watch_over_members_aborts_on_a_death_while_another_member_hangs():
+    release = threading.Event()
+
+    def call(entry, method, req):
+        if entry == "hung":
+            release.wait(10)
+            return None, "DEADLINE_EXCEEDED: no answer"
+        if entry == "dies" and time.monotonic() > died_at:
+            return None, "UNAVAILABLE: connection refused"
+        return rollout_pb2.RolloutStatus(pending_sync_id="s1"), ""
+
+    died_at = time.monotonic() + 0.2
+    aborted, done = [], threading.Event()
+    w = Watch(members_probe({"h": "hung", "x": "dies"}, call, "s1", wait_s=0.05),
+              lambda r: (aborted.append(r), done.set()), 0.05).start()
+    try:
+        assert done.wait(3), "the death was not seen while the other member hung"
+        assert aborted == ["rollout x became unreachable during the stream (UNAVAILABLE: connection refused)"]
+    finally:
+        release.set()
+        w.stop()
