@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
+
 _BLOCK = 4096       # words per inner step of one program
 _STEPS = 16         # inner steps per program: 256 KiB of the buffer each
 
@@ -61,15 +63,6 @@ def _copy_kernel():
         tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
 
     return copy_sum64
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def word_sums(words: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from weightsync.formats.fp8_spec import BLOCK, FP8_DTYPE, FP8_MAX, MIN_NORMAL
+from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,15 +116,6 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
         _dequant_kernel()[(s.numel(),)](codes, s, out.view(torch.int16) if bf16 else out, rows, cols, n_rb, n_cb,
                                         BR=BLOCK[0], BC=BLOCK[1], OUT_BF16=bf16, num_warps=8)
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
