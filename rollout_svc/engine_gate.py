@@ -69,18 +69,20 @@ class EngineGate:
         self._tickets = itertools.count()
 
     # ---- exclusive side: a sync changing the weights (lock-like) -------------------------
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float = -1,
+                give_up: Callable[[], bool] | None = None) -> bool:
+        """Lock-like; `give_up` (checked every 100 ms while waiting) ends the wait early, False."""
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
         with self._cond:
             self._writers_waiting += 1
             try:
                 while self._exclusive or self._pins:
-                    if not blocking:
+                    if not blocking or (give_up is not None and give_up()):
                         return False
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False
-                    self._cond.wait(left)
+                    self._cond.wait(left if give_up is None else min(_POLL_S, left if left is not None else _POLL_S))
                 self._exclusive = True
                 return True
             finally:

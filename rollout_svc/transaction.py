@@ -73,6 +73,7 @@ class _Pending:
     arrived: dict[int, int] = field(default_factory=dict)
     connected: set[int] = field(default_factory=set)  # senders that opened their stream
     lock: threading.Lock = field(default_factory=threading.Lock)  # bookkeeping of concurrent senders
+    committing: bool = False  # a commit passed its checks (it may still wait for the engine)
 
     def __post_init__(self) -> None:
         for b in self.manifest.buckets:
@@ -358,6 +359,8 @@ class SyncTransaction:
                             f"(missing per sender rank: {missing})", "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION")
         with self._state_lock:
             p = self._require(sync_id)
+            if p.committing:
+                raise SyncError(f"sync {sync_id} is already being committed", "FAILED_PRECONDITION")
             if version != p.manifest.version:
                 self._abort_locked("commit version differs from the manifest")
                 raise SyncError(f"commit version {version} != prepared version {p.manifest.version}", "INVALID_ARGUMENT")
@@ -375,14 +378,14 @@ class SyncTransaction:
                     self._abort_locked("commit lacks bucket checksums")
                     raise SyncError(f"commit carries {len(checksums)} checksums for {len(p.received)} buckets",
                                     "INVALID_ARGUMENT")
-            if self.apply_mode == "staged":
-                # A generation holds the engine; wait for it no longer than the sync may last, then
-                # abort (the staged weights were never applied: the old version keeps serving).
-                if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
-                    self._abort_locked("the engine stayed busy generating until the sync's deadline")
-                    raise SyncError(f"sync {sync_id}: the engine did not become free to apply the weights "
-                                    "before the sync's deadline (a long generation holds it); raise the sync "
-                                    "timeout or lower the rollout's generation limits", "DEADLINE_EXCEEDED")
+            p.committing = True
+        if self.apply_mode == "staged":
+            self._acquire_engine_for_commit(p)
+        with self._state_lock:
+            if self._pending is not p or p.error:  # aborted while the engine was awaited
+                if self.apply_mode == "staged":
+                    self.engine_lock.release()
+                raise SyncError(f"sync {sync_id} was aborted before it could commit: {p.error or 'superseded'}")
             t0 = time.perf_counter()
             try:
                 if self.apply_mode == "staged":
@@ -410,6 +413,24 @@ class SyncTransaction:
             log.info("committed sync %s: now serving version %d (%.3fs apply)", sync_id, version, self.last_apply_seconds)
         self._on_change()
         return self.version, self.weights_checksum, time.monotonic() - p.started
+
+    def _acquire_engine_for_commit(self, p: _Pending) -> None:
+        """Staged commit: wait until no generation pins the engine, no longer than the sync may last.
+
+        Outside the state lock, so that an abort (the trainer's, SIGTERM's, the timer's) or a newer
+        prepare is taken at once rather than after the wait, and ends the wait; the staged weights
+        were never applied, so the old version keeps serving either way."""
+        gone = lambda: self._pending is not p or bool(p.error)  # noqa: E731
+        if self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic()), give_up=gone):
+            return
+        with self._state_lock:
+            if gone():
+                raise SyncError(f"sync {p.manifest.sync_id} was aborted while its commit waited for the engine: "
+                                f"{p.error or 'superseded'}")
+            self._abort_locked("the engine stayed busy generating until the sync's deadline")
+        raise SyncError(f"sync {p.manifest.sync_id}: the engine did not become free to apply the weights "
+                        "before the sync's deadline (a long generation holds it); raise the sync "
+                        "timeout or lower the rollout's generation limits", "DEADLINE_EXCEEDED")
 
     def _finish_locked(self, p: _Pending, version: int) -> None:
         self.version = version

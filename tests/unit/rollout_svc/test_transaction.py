@@ -241,3 +241,43 @@ def test_parameters_the_copy_cannot_write_directly_are_loaded_by_the_engine_inst
     tx.commit("s1", 1, {i: bucket_checksum(b) for i, b in enumerate(bufs)})
     for name, p in target._params.items():
         assert torch.equal(eng._params[name], p), name
+
+
+def test_an_abort_is_taken_at_once_while_a_staged_commit_waits_for_a_busy_engine():
+    """The commit waits for the engine outside the transaction's state lock: the trainer's abort (or
+    SIGTERM's, or a newer prepare) answers at once and ends the wait, instead of queueing behind it
+    until the sync's deadline; the old version keeps serving."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "staged")
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    tx.prepare(m, timeout=20.0)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
+    release = threading.Event()
+    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(15), timeout=5), daemon=True)
+    busy.start()
+    deadline = time.monotonic() + 5
+    while not tx.engine_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sums = {i: bucket_checksum(b) for i, b in enumerate(bufs)}
+    with ThreadPoolExecutor(2) as pool:
+        commit = pool.submit(tx.commit, "s1", 1, sums)
+        time.sleep(0.3)  # the commit is now waiting for the engine
+        assert not commit.done()
+        with pytest.raises(SyncError, match="already being committed"):
+            tx.commit("s1", 1, sums)  # a second commit of the same sync does not queue a second apply
+        t0 = time.monotonic()
+        pool.submit(tx.abort, "s1", "the trainer gave up").result(timeout=2)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(SyncError, match="aborted while its commit waited for the engine: the trainer gave up"):
+            commit.result(timeout=2)
+    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
+    release.set()
+    busy.join(5)
+    assert not tx.engine_lock.locked()
+    assert torch.equal(_logits(tx), before)
