@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_svc.alarm import Alarm
 from rollout_svc.engine_gate import EngineGate
 from rollout_svc.quantized import plan_apply
 from weightsync.bus.channel import BucketReceiver
@@ -147,7 +148,7 @@ class SyncTransaction:
         self.engine_lock = EngineGate()
         self._state_lock = threading.RLock()
         self._pending: _Pending | None = None
-        self._timer: threading.Timer | None = None
+        self._timeout = Alarm("sync-timeout")  # the prepared sync's deadline
         self._metas = engine.param_metas()
         self.state = S.SERVING
         self.version = 0
@@ -207,9 +208,8 @@ class SyncTransaction:
             self._pending = _Pending(manifest=manifest, deadline=time.monotonic() + timeout, dequantizer=dequantizer)
             if self.state != S.STALE:
                 self.state = S.SYNCING
-            self._timer = threading.Timer(timeout, self._expire, args=(manifest.sync_id,))
-            self._timer.daemon = True
-            self._timer.start()
+            sync_id = manifest.sync_id
+            self._timeout.arm(timeout, lambda: self._expire(sync_id))
         log.info("prepared sync %s: version %d, %d buckets, %d bytes, mode %s", manifest.sync_id, manifest.version,
                  len(manifest.buckets), manifest.total_bytes, self.apply_mode)
         self._on_change()
@@ -466,9 +466,7 @@ class SyncTransaction:
         self._clear_pending()
 
     def _clear_pending(self) -> None:
-        if self._timer:
-            self._timer.cancel()
-            self._timer = None
+        self._timeout.cancel()
         self._pending = None
 
     def _release_sync_lock(self) -> None:

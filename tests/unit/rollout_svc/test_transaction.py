@@ -81,6 +81,13 @@ def test_prepared_sync_expires():
     time.sleep(0.8)
     assert tx.pending_sync_id == "" and tx.state == rollout_pb2.SERVING
     assert "timed out" in tx.last_error
+    # a sync that supersedes a prepared one runs on its own deadline, not the one it replaced
+    tx.prepare(m, timeout=0.3)
+    m2, _ = _buckets(_engine(1), version=2, sync_id="s2")
+    tx.prepare(m2, timeout=30)
+    time.sleep(0.6)
+    assert tx.pending_sync_id == "s2"
+    tx.abort("s2", "test over")
 
 
 class HookedEngine(BuiltinEngine):
