@@ -55,6 +55,9 @@ def _verify(index: int, ours: int | None, sender_checksum: int | None) -> None:
                         "DATA_LOSS")
 
 
+_TIMED_OUT = "timed out before commit"  # the reason the sync's own timer gives
+
+
 @dataclass
 class _Pending:
     manifest: Manifest
@@ -158,6 +161,7 @@ class SyncTransaction:
         self.last_apply_seconds = 0.0
         self._on_change = on_change or (lambda: None)
         self._lock_held_by_sync = False
+        self._pausing = threading.Lock()  # one inplace sender thread waits to pause generation at a time
 
     # ---- status -------------------------------------------------------------------------
     @property
@@ -218,7 +222,7 @@ class SyncTransaction:
         with self._state_lock:
             if self._pending and self._pending.manifest.sync_id == sync_id:
                 log.warning("sync %s not committed within its timeout; aborting", sync_id)
-                self._abort_locked("timed out before commit")
+                self._abort_locked(_TIMED_OUT)
 
     # ---- phase 2: receive ---------------------------------------------------------------
     def _require(self, sync_id: str) -> _Pending:
@@ -266,18 +270,14 @@ class SyncTransaction:
             if checked and not p.applied_any:
                 ours = bucket_checksum(buf[:plan.nbytes])
                 _verify(index, ours, sender_checksum)
+            if not self._lock_held_by_sync:
+                self._pause_engine_for_inplace(p)
             # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
             # the engine lock between our check and the load, and a bucket of an aborted sync is never
             # loaded after the abort (or into the next sync's weights).
             with self._state_lock:
                 if self._pending is not p or p.error:
                     raise SyncError(f"sync {sync_id} was aborted: {p.error or 'superseded'}")
-                if not self._lock_held_by_sync:
-                    if not self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
-                        raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
-                    self._lock_held_by_sync = True
-                    self.state = S.APPLYING
-                    _optional(self.engine, "begin_apply")()
                 p.applied_any = True
                 direct = self._direct_params(plan, p) if checked and ours is None else None
                 if direct is not None:
@@ -353,7 +353,7 @@ class SyncTransaction:
             with self._state_lock:
                 self._abort_locked("commit arrived before all buckets did")
             missing = {s: len(o) - p.arrived[s] for s, o in p.order.items() if p.arrived[s] < len(o)}
-            late = not finished or p.error == "timed out before commit"
+            late = not finished or p.error == _TIMED_OUT
             raise SyncError(f"sync {sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets arrived "
                             f"{'before the deadline' if late else 'before it was aborted: ' + p.error} "
                             f"(missing per sender rank: {missing})", "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION")
@@ -414,6 +414,33 @@ class SyncTransaction:
         self._on_change()
         return self.version, self.weights_checksum, time.monotonic() - p.started
 
+    def _pause_engine_for_inplace(self, p: _Pending) -> None:
+        """Inplace: take the engine for the rest of the sync before its first bucket is loaded.
+
+        The wait for running generations happens outside the state lock, so an abort or a newer
+        prepare is answered at once and ends it (nothing was loaded yet: the old version serves);
+        with several senders, one thread waits and the others wait for it."""
+        gone = lambda: self._pending is not p or bool(p.error)  # noqa: E731
+        if not self._pausing.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
+            raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+        try:
+            if self._lock_held_by_sync:
+                return  # another sender's thread paused it meanwhile
+            got = self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic()), give_up=gone)
+            with self._state_lock:
+                if got and gone():
+                    self.engine_lock.release()
+                if gone() and p.error != _TIMED_OUT:
+                    raise SyncError(f"sync {p.manifest.sync_id} was aborted while it waited to pause generation: "
+                                    f"{p.error or 'superseded'}")
+                if not got or gone():  # the deadline passed (our wait's or the sync's timer)
+                    raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+                self._lock_held_by_sync = True
+                self.state = S.APPLYING
+                _optional(self.engine, "begin_apply")()
+        finally:
+            self._pausing.release()
+
     def _acquire_engine_for_commit(self, p: _Pending) -> None:
         """Staged commit: wait until no generation pins the engine, no longer than the sync may last.
 
@@ -424,10 +451,11 @@ class SyncTransaction:
         if self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic()), give_up=gone):
             return
         with self._state_lock:
-            if gone():
+            if not gone():
+                self._abort_locked("the engine stayed busy generating until the sync's deadline")
+            elif p.error != _TIMED_OUT:  # the timer at the same deadline is the same verdict as ours
                 raise SyncError(f"sync {p.manifest.sync_id} was aborted while its commit waited for the engine: "
                                 f"{p.error or 'superseded'}")
-            self._abort_locked("the engine stayed busy generating until the sync's deadline")
         raise SyncError(f"sync {p.manifest.sync_id}: the engine did not become free to apply the weights "
                         "before the sync's deadline (a long generation holds it); raise the sync "
                         "timeout or lower the rollout's generation limits", "DEADLINE_EXCEEDED")

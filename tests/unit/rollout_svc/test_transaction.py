@@ -288,3 +288,37 @@ def test_an_abort_is_taken_at_once_while_a_staged_commit_waits_for_a_busy_engine
     busy.join(5)
     assert not tx.engine_lock.locked()
     assert torch.equal(_logits(tx), before)
+
+
+def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generation():
+    """An inplace sync's first bucket waits for running generations outside the state lock: an abort
+    answers at once and ends the wait; nothing was loaded, so the old version keeps serving."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "inplace")
+    before = _logits(tx)
+    m, bufs = _buckets(target)
+    tx.prepare(m, timeout=20.0)
+    release = threading.Event()
+    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(15), timeout=5), daemon=True)
+    busy.start()
+    deadline = time.monotonic() + 5
+    while not tx.engine_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(tx.consume_bucket, "s1", 0, bufs[0], bucket_checksum(bufs[0]))
+        time.sleep(0.3)  # the first bucket now waits for the generation to leave the engine
+        assert not first.done()
+        t0 = time.monotonic()
+        pool.submit(tx.abort, "s1", "the trainer gave up").result(timeout=2)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(SyncError, match="aborted while it waited to pause generation: the trainer gave up"):
+            first.result(timeout=2)
+    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
+    release.set()
+    busy.join(5)
+    assert not tx.engine_lock.locked()
+    assert torch.equal(_logits(tx), before)
