@@ -10,7 +10,8 @@ gRPC, TCP bus, checksums on. The bucket size gives about as many buckets as a 7B
 Timed: the trainer's `SyncReport.phase_seconds` (plan, prepare, stream, commit), median over
 `--reps` syncs after `--warmup` (the first sync sends the full manifest; the others its digest).
 Also timed, from the rollout's side: SyncTransaction.prepare and .commit, and how long commit
-waited for the last bucket (part of the commit phase, but receive work, not fixed cost).
+waited for the last bucket (part of the commit phase, but receive work, not fixed cost); and, as
+the floor of the prepare and commit phases (one RPC each), a GetStatus round trip on the same path.
 
     OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results_fixed_cost_cpu.json
 """
@@ -60,7 +61,7 @@ def run(layout: str, args) -> dict:
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
     from weightsync.control.client import channel, trainer_stub
-    from weightsync.v1 import trainer_pb2
+    from weightsync.v1 import rollout_pb2, trainer_pb2
 
     model = write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-"))
     trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
@@ -106,6 +107,16 @@ def run(layout: str, args) -> dict:
                                                       for k in ("plan", "prepare", "commit")))
             for k, v in side.items():
                 phases.setdefault(k, []).append(sum(v))
+        # The floor of a phase: one unary round trip to the rollout on the same path (the trainer's
+        # RPC helper, its stub, auth, the rollout's servicer), a GetStatus that does no work.
+        entry, req = trainer.orch.registry.get("r0"), rollout_pb2.GetStatusRequest()
+        for rep in range(args.warmup + args.reps):
+            t0 = time.perf_counter()
+            _, err = trainer.orch._call(entry, "GetStatus", req)
+            if err:
+                raise RuntimeError(f"GetStatus failed: {err}")
+            if rep >= args.warmup:
+                phases.setdefault("rpc_round_trip", []).append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in phases.items()}
         p90 = {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in phases.items()}
         return {"layout": layout, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
@@ -138,7 +149,8 @@ def main() -> int:
               f"median of {r['samples']}: plan {m['plan'] * 1e3:.2f} + prepare {m['prepare'] * 1e3:.2f} + commit "
               f"{m['commit'] * 1e3:.2f} = fixed {m['fixed'] * 1e3:.2f} ms (commit waited {m['commit_waited'] * 1e3:.2f} "
               f"ms for the last bucket); stream {m['stream'] * 1e3:.2f}, total {m['total'] * 1e3:.2f} ms; rollout "
-              f"transaction: prepare {m['rollout_prepare'] * 1e3:.2f}, commit {m['rollout_commit'] * 1e3:.2f} ms")
+              f"transaction: prepare {m['rollout_prepare'] * 1e3:.2f}, commit {m['rollout_commit'] * 1e3:.2f} ms; "
+              f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms")
     out["loadavg_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:
