@@ -113,19 +113,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         """(results, version) of one generation request: gRPC Generate and HTTP /v1/completions share
         the budget, the validation, fair admission per `client`, the engine run and the metrics.
 
-        `is_active()` is asked between decode steps (engines that yield between steps); once it says
-        False the request stops with CANCELLED and the engine is free for the next one."""
+        `is_active()` is asked between decode steps (engines that yield between steps), or every few
+        tens of ms while the engine runs the request (SGLang: `stops_on_cancel`); once it says False
+        the request stops with CANCELLED and the engine is free for the next one."""
         active = is_active if is_active is not None else (lambda: True)
 
         def run(eng, turn):
-            if not getattr(eng, "yields_between_steps", False):
+            takes_turns = getattr(eng, "yields_between_steps", False)
+            if not takes_turns and not getattr(eng, "stops_on_cancel", False):
                 return eng.generate(prompts, sampling)
 
             def step():
                 if not active():
                     raise GenerationCancelled("the client cancelled the request or its deadline passed; "
                                               "generation stopped", "CANCELLED")
-                turn()  # other pinned requests may take a turn here (engine_gate.py)
+                if takes_turns:
+                    turn()  # other pinned requests may take a turn here (engine_gate.py)
             return eng.generate(prompts, sampling, step=step)
 
         try:

@@ -68,13 +68,16 @@ SGLANG_API_USED: dict[str, ApiUse] = {
     "Engine.tokenizer_manager": ApiUse("attribute", _ENGINE, "Engine", "tokenizer_manager"),
     # ---- generation --------------------------------------------------------------------
     "Engine.generate": ApiUse("method", _ENGINE, "Engine", "generate",
-                              params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len")),
+                              params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid")),
     "SamplingParams": ApiUse("fields", "sglang.srt.sampling.sampling_params", "SamplingParams",
                              params=("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n",
                                      "sampling_seed"),
                              why="keys of the sampling_params dict passed to Engine.generate"),
     "GenerateReqInput": ApiUse("fields", _IO, "GenerateReqInput",
-                               params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len")),
+                               params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid")),
+    "TokenizerManager.abort_request": ApiUse(
+        "method", _TM, "TokenizerManager", "abort_request", params=("rid",),
+        why="a cancelled Generate aborts its requests (called on Engine.loop: it writes the scheduler's ZMQ socket)"),
     "generate output keys": ApiUse("literal", "sglang.srt.managers", "", params=(
         "output_ids", "meta_info", "finish_reason", "output_token_logprobs", "input_token_logprobs", "type")),
     # ---- cache and scheduling around a sync --------------------------------------------

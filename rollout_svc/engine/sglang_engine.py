@@ -3,8 +3,9 @@
 Lifecycle and generation live here; the weight-update paths live in `sglang_weights` (read its
 docstring for the three paths, the NCCL rendezvous mismatch and what the trainer must serve).
 Everything this adapter calls in SGLang is declared in `sglang_api.SGLANG_API_USED` and checked
-against the real sglang wheels by tests/unit/engine_sglang (SGLang cannot be installed or run
-in CI or on the lent GPUs: the adapter is contract-checked, not executed; see docs/sglang.md).
+against the real sglang wheels by tests/unit/engine_sglang; SGLang's own CPU Engine runs behind
+the adapter in the opt-in tests/sglang_exec/test_sglang_engine_cpu.py (it cannot run on the lent
+GPU hosts; see docs/sglang.md).
 
 Threading: SGLang's sync `Engine` methods run `loop.run_until_complete` on one asyncio loop, so
 two concurrent calls would collide ("event loop is already running"). Every call goes through
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +192,13 @@ class SglangEngine(SglangWeightsMixin):
         res = self._call(self._sgl.flush_cache)
         check_result(res, "flush_cache")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[SampleResult]:
+    #: `generate(step=)` is asked every CANCEL_POLL_S while SGLang runs the request, and a `step` that
+    #: raises aborts the request in SGLang's scheduler (rollout_svc.service). SGLang batches requests
+    #: itself: there are no turns to hand over between steps, so `yields_between_steps` stays off.
+    stops_on_cancel = True
+    CANCEL_POLL_S = 0.05
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
         sampling.validate()
         # One request per (prompt, sample), prompt-major, so each sample can get its own seed
         # (SGLang's n>1 would give a prompt's samples one shared seed); the radix cache still
@@ -202,10 +210,49 @@ class SglangEngine(SglangWeightsMixin):
                 ids.append(list(p))
                 params.append(_sampling_params_dict(sampling, seed))
                 owner.append(i)
-        outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True)
+        rids = [uuid.uuid4().hex for _ in ids]
+        if step is None:
+            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
+        else:
+            outs = self._generate_until_cancelled(ids, params, rids, step)
         if len(outs) != len(ids):
             raise RuntimeError(f"sglang returned {len(outs)} outputs for {len(ids)} requests")
         return [_to_sample(owner[k], o) for k, o in enumerate(outs)]
+
+    def _generate_until_cancelled(self, ids, params, rids, step) -> list[dict]:
+        """Engine.generate, with a watcher that asks `step()` every CANCEL_POLL_S; once it raises,
+        the requests are aborted in SGLang (their KV cache freed, the batch slot given back), the
+        generate call returns, and `step`'s exception is raised here."""
+        done, stopped = threading.Event(), []
+
+        def watch():
+            while not done.wait(self.CANCEL_POLL_S):
+                try:
+                    step()
+                except BaseException as exc:  # noqa: BLE001 — handed to the caller below
+                    stopped.append(exc)
+                    tm = self._sgl.tokenizer_manager
+                    # on SGLang's own loop: abort_request writes to the scheduler's ZMQ socket,
+                    # which belongs to the thread now running that loop
+                    for rid in rids:
+                        self._sgl.loop.call_soon_threadsafe(tm.abort_request, rid)
+                    return
+
+        watcher = threading.Thread(target=watch, name="sglang-cancel-watch", daemon=True)
+        watcher.start()
+        try:
+            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True,
+                              rid=rids)
+        except Exception:
+            if not stopped:
+                raise
+            outs = None  # SGLang may answer an aborted request with an error: the cancellation wins
+        finally:
+            done.set()
+            watcher.join(timeout=5)
+        if stopped:
+            raise stopped[0]
+        return outs
 
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
         """Teacher-forced log-probs via SGLang's input-token log-probs.

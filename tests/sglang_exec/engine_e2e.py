@@ -90,6 +90,38 @@ def main() -> dict:
 
         run("generate_and_score_before_sync", lambda: agree("before", dict(start.model.state_dict())))
 
+        def cancel():
+            """A request whose client goes away stops in SGLang's scheduler, and the engine serves on."""
+            import time
+
+            class ClientGone(Exception):
+                pass
+
+            t0 = time.monotonic()
+
+            def step():
+                if time.monotonic() - t0 > 0.2:
+                    raise ClientGone()
+            # 8 x (4 + 500) tokens: the model's 512 positions, and 4 times the engine's 1024-token KV
+            # pool, so SGLang runs the samples two by two; the tiny config's EOS id lies outside its
+            # vocabulary, so nothing stops early
+            long = SamplingParams(max_new_tokens=500, temperature=1.0, n=8)
+            try:
+                res = eng.generate(PROMPTS[1:], long, step=step)
+                raise AssertionError(f"finished before the cancellation after {time.monotonic() - t0:.2f}s "
+                                     f"({[len(r.token_ids) for r in res]} tokens)")
+            except ClientGone:
+                stopped = time.monotonic() - t0
+            assert stopped < 1.0, f"the cancelled request ran {stopped:.2f}s (cancelled at 0.2s)"
+            t1 = time.monotonic()
+            eng.generate(PROMPTS[1:], long)  # how long the whole request takes, for the record
+            full = time.monotonic() - t1
+            agree("after a cancelled request", dict(start.model.state_dict()))
+            assert full > 2 * stopped, f"uncancelled, the request took {full:.2f}s: too short to tell"
+            return f"stopped {stopped:.2f}s after start (cancelled at 0.2s); uncancelled it takes {full:.2f}s"
+
+        run("generate_cancelled", cancel)
+
         def sync(seed, flattened):
             trainer = HfActor(cfg, seed=seed)
             named = list(trainer.export_tensors())

@@ -14,7 +14,8 @@ from tests.support.sglang_site import SiteUnavailable, run_in_sglang
 pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTSYNC_SGLANG_ENGINE_E2E") != "1",
                                 reason="SGLang CPU Engine e2e is opt-in: set WEIGHTSYNC_SGLANG_ENGINE_E2E=1")
 
-CHECKS = ("generate_and_score_before_sync", "sync_named_cpu_path", "sync_flattened_bucket_path")
+CHECKS = ("generate_and_score_before_sync", "generate_cancelled", "sync_named_cpu_path",
+          "sync_flattened_bucket_path")
 _results: dict = {}
 
 

@@ -129,3 +129,65 @@ def test_load_weights_is_chunked(monkeypatch):
     eng = _engine()
     eng.load_weights([(f"t{i}", torch.zeros(8)) for i in range(5)])  # 32 B each -> 2 + 2 + 1
     assert [len(kw["named_tensors"]) for _, kw in eng._sgl.calls] == [2, 2, 1]
+
+
+class _SlowSgl:
+    """Engine.generate that runs until its requests are aborted (on Engine.loop, as SGLang wants)."""
+
+    def __init__(self):
+        import asyncio
+        import threading
+        self.loop = asyncio.new_event_loop()
+        self.aborted: list[str] = []
+        self.started = threading.Event()
+        sgl = self
+
+        class _TM:
+            def abort_request(self, rid):
+                assert threading.current_thread() is sgl.loop_thread, "abort_request must run on Engine.loop"
+                sgl.aborted.append(rid)
+
+        self.tokenizer_manager = _TM()
+        self.loop_thread = None
+
+    def generate(self, input_ids, sampling_params, return_logprob, rid):
+        import asyncio
+        import threading
+        self.loop_thread = threading.current_thread()
+        self.started.set()
+
+        async def run():
+            while set(rid) - set(self.aborted):
+                await asyncio.sleep(0.01)
+            return [{"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in rid]
+        return self.loop.run_until_complete(asyncio.wait_for(run(), 10))
+
+
+def test_a_cancelled_generate_aborts_every_request_on_sglangs_loop_and_raises_the_cancellation():
+    import time
+
+    eng = _engine()
+    eng._sgl = sgl = _SlowSgl()
+    cancel_at = time.monotonic() + 0.3
+
+    class Cancelled(Exception):
+        pass
+
+    def step():
+        if time.monotonic() > cancel_at:
+            raise Cancelled("client went away")
+
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled, match="client went away"):
+        eng.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=32768), step=step)
+    assert time.monotonic() - t0 < 2.0
+    assert len(sgl.aborted) == 4 and len(set(sgl.aborted)) == 4  # one rid per (prompt, sample), all aborted
+
+
+def test_generate_without_step_passes_one_request_id_per_sample():
+    eng = _engine()
+    eng._sgl.result = [{"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
+                                                         "output_token_logprobs": [(-0.1, 7, None)]}}] * 2
+    eng.generate([[1]], SamplingParams(n=2))
+    name, kw = eng._sgl.calls[0]
+    assert name == "generate" and len(kw["rid"]) == 2 and len(set(kw["rid"])) == 2

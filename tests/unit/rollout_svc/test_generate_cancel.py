@@ -70,3 +70,40 @@ def test_generate_stops_when_its_deadline_passes(rollout):
             prompts=[rollout_pb2.Prompt(token_ids=[1, 2])], sampling=rollout_pb2.SamplingParams(max_new_tokens=4)),
             timeout=10)
         assert time.monotonic() - t1 < 2.0
+
+
+def test_an_engine_that_stops_on_cancel_without_taking_turns_is_given_the_check():
+    """SGLang's adapter runs a request whole (no turns between steps) but stops it when asked
+    (`stops_on_cancel`): the service hands it the cancellation check, without the gate's turns."""
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from rollout_svc.engine.builtin import BuiltinEngine
+
+    class WholeRequests(BuiltinEngine):
+        yields_between_steps = False
+        stops_on_cancel = True
+        checks = 0
+
+        def generate(self, prompts, sampling, step=None):
+            assert step is not None, "a stops_on_cancel engine must be given the cancellation check"
+
+            def counted():
+                WholeRequests.checks += 1
+                step()
+            return super().generate(prompts, sampling, step=counted)
+
+    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                             model="tiny-qwen2", rollout_id="w", serve_initial_weights=True))
+    app.tx.engine.__class__ = WholeRequests
+    app.start()
+    try:
+        gate = app.tx.engine_lock
+        with channel(app.grpc.address) as ch:
+            fut = rollout_pb2_grpc.RolloutStub(ch).Generate.future(BIG, timeout=300)
+            _wait(lambda: gate.locked(), 10)
+            time.sleep(0.3)
+            fut.cancel()
+            assert _wait(lambda: not gate.locked(), 5) < 1.0
+        assert WholeRequests.checks > 0
+    finally:
+        app.stop()
