@@ -27,7 +27,8 @@ def test_small_request_p99_within_2x_of_idle_while_a_large_request_runs(procs):
     assert BIG["big_prompts"] * BIG["big_n"] * BIG["big_tokens"] == _L.max_request_tokens  # the largest allowed
     r = procs.rollout("--model", "tiny-qwen2", "--serve-initial-weights")  # no trainer here
     r.wait_ready()
-    res = measure(r.address, samples=60, **BIG)
+    # 200 samples: the p99 of 60 is their second largest, one scheduling hiccup on a shared 2-core box
+    res = measure(r.address, samples=200, **BIG)
     print("\n" + json.dumps(res, indent=2))
     assert res["big"]["running_through_measurement"], "the large request ended early: the load was not applied"
     assert res["big"]["outcome"] == "cancelled"
