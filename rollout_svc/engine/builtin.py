@@ -198,12 +198,12 @@ class BuiltinEngine:
             reason = ["length"] * n
             for _ in range(sampling.max_new_tokens):
                 tok, lp = choose(logits, sampling, gen)
-                for r in range(n):
+                # one conversion per step, not two tensor indexings per sample (n = 64: ~0.3 ms a step)
+                for r, (t, p) in enumerate(zip(tok.tolist(), lp.tolist())):
                     if done[r]:
                         continue
-                    t = int(tok[r])
                     toks[r].append(t)
-                    lps[r].append(float(lp[r]))
+                    lps[r].append(p)
                     if t in stops:
                         done[r], reason[r] = True, "stop"
                 if all(done):
