@@ -30,6 +30,51 @@ def _buckets(src, version=1, sync_id="s1"):
     return m, out
 
 
+def _staged_sync_all_received(timeout: float):
+    """A staged transaction with sync s1 (seed 1's weights) prepared and every bucket received:
+    (tx, the logits it served before, the buckets)."""
+    tx = SyncTransaction(_engine(2), "staged")
+    before = _logits(tx)
+    m, bufs = _buckets(_engine(1))
+    tx.prepare(m, timeout=timeout)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
+    return tx, before, bufs
+
+
+def _generation_holding_the_engine(tx):
+    """A request that pins the engine until the returned event is set: (event, its thread)."""
+    import threading
+    import time
+
+    release = threading.Event()
+    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(15), timeout=5), daemon=True)
+    busy.start()
+    deadline = time.monotonic() + 5
+    while not tx.engine_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return release, busy
+
+
+def _abort_ends_the_wait(tx, pool, waiting, why: str) -> None:
+    """The trainer's abort of s1 is answered within a second and ends `waiting` with `why`."""
+    import time
+
+    t0 = time.monotonic()
+    pool.submit(tx.abort, "s1", "the trainer gave up").result(timeout=2)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(SyncError, match=f"{why}: the trainer gave up"):
+        waiting.result(timeout=2)
+
+
+def _still_serving_version_0(tx, release, busy, before) -> None:
+    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
+    release.set()
+    busy.join(5)
+    assert not tx.engine_lock.locked()
+    assert torch.equal(_logits(tx), before)
+
+
 def _logits(tx):
     (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
     return logits
@@ -124,22 +169,10 @@ def test_inplace_uses_optional_engine_hooks():
 def test_staged_commit_waits_for_a_busy_engine_only_until_the_deadline():
     """A generation that holds the engine past the sync's deadline makes the commit fail in time
     (DEADLINE_EXCEEDED), not hang: the staged weights are dropped and the old version keeps serving."""
-    import threading
     import time
 
-    target, eng = _engine(1), _engine(2)
-    tx = SyncTransaction(eng, "staged")
-    before = _logits(tx)
-    m, bufs = _buckets(target)
-    tx.prepare(m, timeout=1.0)
-    for b, buf in zip(m.buckets, bufs):
-        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
-    release = threading.Event()
-    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(10), timeout=5), daemon=True)
-    busy.start()
-    deadline = time.monotonic() + 5
-    while not tx.engine_lock.locked() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    tx, before, bufs = _staged_sync_all_received(timeout=1.0)
+    release, busy = _generation_holding_the_engine(tx)
     assert tx.engine_lock.locked()
     t0 = time.monotonic()
     with pytest.raises(SyncError, match="did not become free") as err:
@@ -254,23 +287,11 @@ def test_an_abort_is_taken_at_once_while_a_staged_commit_waits_for_a_busy_engine
     """The commit waits for the engine outside the transaction's state lock: the trainer's abort (or
     SIGTERM's, or a newer prepare) answers at once and ends the wait, instead of queueing behind it
     until the sync's deadline; the old version keeps serving."""
-    import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    target, eng = _engine(1), _engine(2)
-    tx = SyncTransaction(eng, "staged")
-    before = _logits(tx)
-    m, bufs = _buckets(target)
-    tx.prepare(m, timeout=20.0)
-    for b, buf in zip(m.buckets, bufs):
-        tx.consume_bucket("s1", b.index, buf, bucket_checksum(buf))
-    release = threading.Event()
-    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(15), timeout=5), daemon=True)
-    busy.start()
-    deadline = time.monotonic() + 5
-    while not tx.engine_lock.locked() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    tx, before, bufs = _staged_sync_all_received(timeout=20.0)
+    release, busy = _generation_holding_the_engine(tx)
     sums = {i: bucket_checksum(b) for i, b in enumerate(bufs)}
     with ThreadPoolExecutor(2) as pool:
         commit = pool.submit(tx.commit, "s1", 1, sums)
@@ -278,16 +299,8 @@ def test_an_abort_is_taken_at_once_while_a_staged_commit_waits_for_a_busy_engine
         assert not commit.done()
         with pytest.raises(SyncError, match="already being committed"):
             tx.commit("s1", 1, sums)  # a second commit of the same sync does not queue a second apply
-        t0 = time.monotonic()
-        pool.submit(tx.abort, "s1", "the trainer gave up").result(timeout=2)
-        assert time.monotonic() - t0 < 1.0
-        with pytest.raises(SyncError, match="aborted while its commit waited for the engine: the trainer gave up"):
-            commit.result(timeout=2)
-    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
-    release.set()
-    busy.join(5)
-    assert not tx.engine_lock.locked()
-    assert torch.equal(_logits(tx), before)
+        _abort_ends_the_wait(tx, pool, commit, "aborted while its commit waited for the engine")
+    _still_serving_version_0(tx, release, busy, before)
 
 
 def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generation():
@@ -302,23 +315,10 @@ def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generati
     before = _logits(tx)
     m, bufs = _buckets(target)
     tx.prepare(m, timeout=20.0)
-    release = threading.Event()
-    busy = threading.Thread(target=lambda: tx.serve(lambda e: release.wait(15), timeout=5), daemon=True)
-    busy.start()
-    deadline = time.monotonic() + 5
-    while not tx.engine_lock.locked() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    release, busy = _generation_holding_the_engine(tx)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(tx.consume_bucket, "s1", 0, bufs[0], bucket_checksum(bufs[0]))
         time.sleep(0.3)  # the first bucket now waits for the generation to leave the engine
         assert not first.done()
-        t0 = time.monotonic()
-        pool.submit(tx.abort, "s1", "the trainer gave up").result(timeout=2)
-        assert time.monotonic() - t0 < 1.0
-        with pytest.raises(SyncError, match="aborted while it waited to pause generation: the trainer gave up"):
-            first.result(timeout=2)
-    assert tx.state == rollout_pb2.SERVING and tx.version == 0 and tx.pending_sync_id == ""
-    release.set()
-    busy.join(5)
-    assert not tx.engine_lock.locked()
-    assert torch.equal(_logits(tx), before)
+        _abort_ends_the_wait(tx, pool, first, "aborted while it waited to pause generation")
+    _still_serving_version_0(tx, release, busy, before)
