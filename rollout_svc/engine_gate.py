@@ -82,7 +82,9 @@ class EngineGate:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False
-                    self._cond.wait(left if give_up is None else min(_POLL_S, left if left is not None else _POLL_S))
+                    if give_up is not None:  # wake to ask it
+                        left = _POLL_S if left is None else min(left, _POLL_S)
+                    self._cond.wait(left)
                 self._exclusive = True
                 return True
             finally:

@@ -21,6 +21,7 @@ sender has arrived and verified, and a failure on any sender's connection aborts
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -276,7 +277,7 @@ class SyncTransaction:
             # the engine lock between our check and the load, and a bucket of an aborted sync is never
             # loaded after the abort (or into the next sync's weights).
             with self._state_lock:
-                if self._pending is not p or p.error:
+                if self._left_behind(p):
                     raise SyncError(f"sync {sync_id} was aborted: {p.error or 'superseded'}")
                 p.applied_any = True
                 direct = self._direct_params(plan, p) if checked and ours is None else None
@@ -382,7 +383,7 @@ class SyncTransaction:
         if self.apply_mode == "staged":
             self._acquire_engine_for_commit(p)
         with self._state_lock:
-            if self._pending is not p or p.error:  # aborted while the engine was awaited
+            if self._left_behind(p):  # aborted while the engine was awaited
                 if self.apply_mode == "staged":
                     self.engine_lock.release()
                 raise SyncError(f"sync {sync_id} was aborted before it could commit: {p.error or 'superseded'}")
@@ -414,13 +415,17 @@ class SyncTransaction:
         self._on_change()
         return self.version, self.weights_checksum, time.monotonic() - p.started
 
+    def _left_behind(self, p: _Pending) -> bool:
+        """`p` is no longer the sync in progress: aborted, or superseded by a newer prepare."""
+        return self._pending is not p or bool(p.error)
+
     def _pause_engine_for_inplace(self, p: _Pending) -> None:
         """Inplace: take the engine for the rest of the sync before its first bucket is loaded.
 
         The wait for running generations happens outside the state lock, so an abort or a newer
         prepare is answered at once and ends it (nothing was loaded yet: the old version serves);
         with several senders, one thread waits and the others wait for it."""
-        gone = lambda: self._pending is not p or bool(p.error)  # noqa: E731
+        gone = functools.partial(self._left_behind, p)
         if not self._pausing.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
             raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
         try:
@@ -447,7 +452,7 @@ class SyncTransaction:
         Outside the state lock, so that an abort (the trainer's, SIGTERM's, the timer's) or a newer
         prepare is taken at once rather than after the wait, and ends the wait; the staged weights
         were never applied, so the old version keeps serving either way."""
-        gone = lambda: self._pending is not p or bool(p.error)  # noqa: E731
+        gone = functools.partial(self._left_behind, p)
         if self.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic()), give_up=gone):
             return
         with self._state_lock:

@@ -210,19 +210,19 @@ class SglangEngine(SglangWeightsMixin):
                 ids.append(list(p))
                 params.append(_sampling_params_dict(sampling, seed))
                 owner.append(i)
-        rids = [uuid.uuid4().hex for _ in ids]
-        if step is None:
-            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
-        else:
-            outs = self._generate_until_cancelled(ids, params, rids, step)
+        outs = self._generate(ids, params, step)
         if len(outs) != len(ids):
             raise RuntimeError(f"sglang returned {len(outs)} outputs for {len(ids)} requests")
         return [_to_sample(owner[k], o) for k, o in enumerate(outs)]
 
-    def _generate_until_cancelled(self, ids, params, rids, step) -> list[dict]:
-        """Engine.generate, with a watcher that asks `step()` every CANCEL_POLL_S; once it raises,
-        the requests are aborted in SGLang (their KV cache freed, the batch slot given back), the
-        generate call returns, and `step`'s exception is raised here."""
+    def _generate(self, ids, params, step) -> list[dict]:
+        """Engine.generate, one request id per request; with `step`, a watcher asks it every
+        CANCEL_POLL_S, and once it raises the requests are aborted in SGLang (their KV cache freed,
+        the batch slot given back), the generate call returns, and `step`'s exception is raised here."""
+        rids = [uuid.uuid4().hex for _ in ids]
+        if step is None:
+            return self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True,
+                              rid=rids)
         done, stopped = threading.Event(), []
 
         def watch():

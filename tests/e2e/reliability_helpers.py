@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.local.bus_links import close_sockets
+from weightsync.local.bus_links import SenderLinks, close_sockets
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3, 1000, 2047]
@@ -150,7 +150,7 @@ class BusProxy:
         self.target = target
         self.mode = "pass"  # pass | cut | stall | slow
         self.after_bytes = 0
-        self.rate = 0.0
+        self._pace: SenderLinks | None = None  # slow mode: the paced links' own token bucket
         self.forwarded = 0
         self.connections = 0
         self.sock = socket.socket()
@@ -164,7 +164,8 @@ class BusProxy:
     def set(self, mode: str, after_bytes: int = 0, rate: float = 0.0) -> None:
         if mode == "slow" and rate <= 0:
             raise ValueError("slow mode needs rate > 0 (bytes/s)")
-        self.mode, self.after_bytes, self.rate, self.forwarded = mode, after_bytes, rate, 0
+        self._pace = SenderLinks(rate) if mode == "slow" else None
+        self.mode, self.after_bytes, self.forwarded = mode, after_bytes, 0
 
     def _accept(self) -> None:
         while not self._closed:
@@ -185,8 +186,9 @@ class BusProxy:
                 data = src.recv(65536)
                 if not data:
                     break
-                if downstream and self.mode == "slow" and self.forwarded + len(data) > self.after_bytes:
-                    time.sleep(len(data) / self.rate)
+                pace = self._pace
+                if downstream and pace is not None and self.forwarded + len(data) > self.after_bytes:
+                    pace.take(0, len(data))
                 elif downstream and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
                     if self.mode == "cut":
                         break
