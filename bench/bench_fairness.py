@@ -6,7 +6,7 @@ This measures it against any rollout-svc (gRPC), e.g. on a GPU host:
 
     python -m bench.bench_fairness --address 127.0.0.1:50061 --big-prompts 8 --big-n 64 --big-tokens 480
 
-It prints one JSON object: p50/p99 of the small requests idle (before and after the loaded round,
+It prints one JSON object: p50/p99 of the small requests idle (before and after each loaded round,
 pooled) and loaded, their ratio, and how long the engine took to free up after the large request
 was cancelled.
 """
@@ -46,39 +46,46 @@ def _timed(stub, req, samples: int) -> list[float]:
 
 
 def measure(address: str, token: str = "", samples: int = 100, small_tokens: int = 8, big_prompts: int = 8,
-            big_n: int = 64, big_tokens: int = 480, big_timeout: float = 600.0) -> dict:
+            big_n: int = 64, big_tokens: int = 480, big_timeout: float = 600.0, rounds: int = 1) -> dict:
+    """`rounds` alternations of an idle phase and a loaded one (samples/rounds small requests each,
+    the large request started and cancelled in each loaded phase), then one more idle phase: a
+    machine that gets busier or quieter meanwhile tilts both sides alike."""
+    per = max(1, samples // rounds)
+    idle: list[float] = []
+    loaded: list[float] = []
+    still_running, outcomes, freed = True, set(), []
     with channel(address) as ch:
         stub = rollout_stub(ch, token, 60)
         small = _request(1, 1, small_tokens, 8, seed=1)
         _timed(stub, small, 5)  # warm-up
-        idle = _timed(stub, small, samples)
-        # gRPC's own future: cancelling it cancels the call on the server too
-        big = rollout_pb2_grpc.RolloutStub(ch).Generate.future(_request(big_prompts, big_n, big_tokens, 16, seed=2),
-                                                               timeout=big_timeout, metadata=call_metadata(token))
-        time.sleep(0.5)  # the large request is prefilled and decoding
-        loaded = _timed(stub, small, samples)
-        big_still_running = not big.done()
-        t0 = time.perf_counter()
-        big.cancel()
-        # the engine is free again once a small request gets through without queueing behind it
-        _timed(stub, small, 1)
-        freed_s = time.perf_counter() - t0
-        # idle again, pooled with the first idle round: the baseline spans the loaded round, so a
-        # machine that got busier (or quieter) meanwhile does not tilt the comparison
-        idle += _timed(stub, small, max(1, samples // 2))
-        try:
-            big.result()
-            big_outcome = "finished"
-        except grpc.FutureCancelledError:
-            big_outcome = "cancelled"
-        except grpc.RpcError as exc:
-            big_outcome = exc.code().name
-    r = {"samples": samples, "small_tokens": small_tokens,
-         "big": {"prompts": big_prompts, "n": big_n, "max_new_tokens": big_tokens, "outcome": big_outcome,
-                 "running_through_measurement": big_still_running},
+        for _ in range(rounds):
+            idle += _timed(stub, small, per)
+            # gRPC's own future: cancelling it cancels the call on the server too
+            big = rollout_pb2_grpc.RolloutStub(ch).Generate.future(
+                _request(big_prompts, big_n, big_tokens, 16, seed=2), timeout=big_timeout,
+                metadata=call_metadata(token))
+            time.sleep(0.5)  # the large request is prefilled and decoding
+            loaded += _timed(stub, small, per)
+            still_running &= not big.done()
+            t0 = time.perf_counter()
+            big.cancel()
+            # the engine is free again once a small request gets through without queueing behind it
+            _timed(stub, small, 1)
+            freed.append(time.perf_counter() - t0)
+            try:
+                big.result()
+                outcomes.add("finished")
+            except grpc.FutureCancelledError:
+                outcomes.add("cancelled")
+            except grpc.RpcError as exc:
+                outcomes.add(exc.code().name)
+        idle += _timed(stub, small, max(1, per // 2))
+    r = {"samples": samples, "rounds": rounds, "small_tokens": small_tokens,
+         "big": {"prompts": big_prompts, "n": big_n, "max_new_tokens": big_tokens,
+                 "outcome": "/".join(sorted(outcomes)), "running_through_measurement": still_running},
          "idle_p50_s": _pct(idle, 0.5), "idle_p99_s": _pct(idle, 0.99),
          "loaded_p50_s": _pct(loaded, 0.5), "loaded_p99_s": _pct(loaded, 0.99),
-         "engine_free_after_cancel_s": freed_s}
+         "engine_free_after_cancel_s": max(freed)}
     r["p99_ratio"] = r["loaded_p99_s"] / r["idle_p99_s"]
     return r
 
@@ -92,9 +99,10 @@ def main() -> None:
     p.add_argument("--big-prompts", type=int, default=8)
     p.add_argument("--big-n", type=int, default=64)
     p.add_argument("--big-tokens", type=int, default=480)
+    p.add_argument("--rounds", type=int, default=1, help="alternations of idle and loaded phases")
     a = p.parse_args()
-    print(json.dumps(measure(a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens),
-                     indent=2))
+    print(json.dumps(measure(a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens,
+                             rounds=a.rounds), indent=2))
 
 
 if __name__ == "__main__":
