@@ -18,6 +18,7 @@ import time
 from trainer_svc.multisender import SenderResult, stream_from_every_owner
 from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.layout import compact_proto
@@ -45,17 +46,32 @@ class SyncAttempt:
         #: what each sending rank did in the stream (one entry for the single sender)
         self.senders: list[SenderResult] = []
         self._pool = orch.pool  # long-lived: no threads started per sync
+        self._in_place_bufs: list | None = None
+        self._in_place_checksums: InFlightChecksums | None = None
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
-        with self.phases("prepare"):
-            self.prepare()
-        with self.phases("stream"):
-            checksums = self.stream()
-        with self.phases("commit"):
-            self.commit(checksums)
-            self.abort_failed()
+        try:
+            with self.phases("prepare"):
+                # The actor's own storage needs no export: its checksums start on the GPU now, while
+                # the rollouts prepare, and the stream reads them when it needs them.
+                self._start_in_place()
+                self.prepare()
+            with self.phases("stream"):
+                checksums = self.stream()
+            with self.phases("commit"):
+                self.commit(checksums)
+                self.abort_failed()
+        finally:
+            if self._in_place_checksums is not None:
+                self._in_place_checksums.release()
         return self.results, self.retry
+
+    def _start_in_place(self) -> None:
+        self._in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
+        if self._in_place_bufs is not None and self.manifest.checksum_algo:
+            views = [buf[:plan.nbytes] for plan, buf in zip(self.manifest.buckets, self._in_place_bufs)]
+            self._in_place_checksums = InFlightChecksums(views)
 
     def _left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
@@ -147,7 +163,7 @@ class SyncAttempt:
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
         multi = len(self.manifest.senders) > 1
-        in_place = self._in_place() if self.prepared and not multi else None
+        in_place = self._in_place_bufs if self.prepared else None
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
         # several senders every rank exports its own tensors (trainer_svc/multisender.py).
         export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
@@ -231,7 +247,8 @@ class SyncAttempt:
         self.senders = [sender]
         try:
             stats = stream_buckets(self.manifest, export, channel, device=self.session.device, timeout=self._left(),
-                                   buffers=getattr(self.session, "buffers", None), in_place=in_place)
+                                   buffers=getattr(self.session, "buffers", None), in_place=in_place,
+                                   in_place_checksums=self._in_place_checksums if in_place is not None else None)
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
             self.phases.add("stream.export", stats.export_seconds)

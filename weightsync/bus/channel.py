@@ -26,6 +26,9 @@ class BucketSender(Protocol):
     # A sender may instead set `releases_previous = True`: then `send(k)` only has to make the
     # buffer of bucket k-1 reusable (bucket k may still be on the wire), and `flush()` waits for
     # everything. This lets a collective channel keep the wire busy without host round trips.
+    # And `checksums_in_band` ("all" by default, "first" or "none"): which buckets' checksums it
+    # carries with the bucket; the others reach the rollouts with the commit, so the pipeline
+    # need not wait for them before sending (weightsync/bus/pipeline.py).
 
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""

@@ -31,6 +31,10 @@ def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
     n // 4 whole words, in any order) and its last n % 4 bytes."""
     s1, s2 = (int(v) for v in sums.tolist())  # the one host sync per bucket
     tail_bytes = bytes(tail.cpu().tolist()) if tail.numel() else b""  # no device round trip for none
+    return _mix(s1, s2, tail_bytes, n)
+
+
+def _mix(s1: int, s2: int, tail_bytes: bytes, n: int) -> int:
     t = int.from_bytes(tail_bytes, "little") if tail_bytes else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK
 
@@ -104,3 +108,72 @@ def warm_up(device) -> float:
         checksum_cuda.scatter_word_sums(words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)],
                                                                            device))
     return time.perf_counter() - t0
+
+
+class InFlightChecksums:
+    """The checksums of flat buffers that stay unchanged while they are read (a sync's in-place
+    buckets: the actor's own storage, held by the sync), all started at once.
+
+    On CUDA every buffer's sums are queued on a side stream, after whatever the caller's stream has
+    queued (the last optimizer step), with an event per buffer: the GPU works on them while the
+    control plane still prepares the rollouts, the caller reads one buffer's value when it needs it
+    (`value(i)`: the one a rollout checks before touching its engine) and all the others with a
+    single host sync (`values()`), instead of one sync per bucket. Off the GPU each is computed at
+    construction (a CPU has nothing to overlap).
+    """
+
+    def __init__(self, bufs: list[torch.Tensor]):
+        for b in bufs:
+            if b.dtype != torch.uint8 or b.dim() != 1:
+                raise ValueError(f"checksum wants flat uint8 buffers, got {b.dtype} with shape {tuple(b.shape)}")
+        self._n = [b.numel() for b in bufs]
+        self._side = None
+        if not bufs or not bufs[0].is_cuda:
+            self._values: list[int | None] = [bucket_checksum(b) for b in bufs]
+            return
+        self._values = [None] * len(bufs)
+        device = bufs[0].device
+        self._side = side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        self._sums, self._tails, self._events = [], [], []
+        with torch.cuda.stream(side):
+            for b in bufs:
+                n = b.numel()
+                whole = n - n % 4
+                self._sums.append(_word_sums(b[:whole].view(torch.int32)) if whole
+                                  else torch.zeros(2, dtype=torch.int64, device=device))
+                self._tails.append(b[whole:])  # unchanged until the reader is done, like the words
+                ev = torch.cuda.Event()
+                ev.record(side)
+                self._events.append(ev)
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def value(self, i: int) -> int:
+        """Buffer i's checksum, waiting for its kernel only."""
+        if self._values[i] is None:
+            self._events[i].synchronize()
+            self._values[i] = from_sums(self._sums[i], self._tails[i], self._n[i])
+        return self._values[i]
+
+    def values(self) -> list[int]:
+        """Every buffer's checksum, with one wait and one read for all those not read yet."""
+        todo = [i for i, v in enumerate(self._values) if v is None]
+        if todo:
+            self._events[todo[-1]].synchronize()  # kernels run in order on the side stream
+            sums = torch.stack([self._sums[i] for i in todo]).tolist()
+            tails = [self._tails[i] for i in todo]
+            tail_bytes = (torch.cat(tails).cpu().tolist() if any(t.numel() for t in tails) else [])
+            pos = 0
+            for i, (s1, s2), t in zip(todo, sums, tails):
+                k = t.numel()
+                self._values[i] = _mix(int(s1), int(s2), bytes(tail_bytes[pos:pos + k]), self._n[i])
+                pos += k
+        return list(self._values)
+
+    def release(self) -> None:
+        """Order what the caller's stream does next (an optimizer step writing the buffers) after
+        the reads still queued, whether or not their values were read (a sync that failed early)."""
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)

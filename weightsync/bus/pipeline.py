@@ -8,7 +8,9 @@ plus whatever single tensor the exporter holds: a sync never materialises the wh
 Two variations: a `BufferPool` keeps the buffers across syncs (CUDA IPC shares a buffer once and
 the rollout keeps it mapped, so the buffers must outlive the sync), and `in_place` buckets —
 flat storage in which the actor's own tensors already sit in the manifest's layout and dtype —
-are checksummed and sent as they are, with no export pass and no pack copy.
+are sent as they are, with no export pass and no pack copy; their checksums are all started at
+once (InFlightChecksums) and a sender that does not carry them with every bucket
+(`checksums_in_band`) gets them at the end, for the commit, instead of waiting for each.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest
 
@@ -105,12 +107,19 @@ def _timed(it: Iterator, stats: StreamStats) -> Iterator:
 def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]], sender: BucketSender, *,
                    device: torch.device | str = "cpu", num_buffers: int = 2, with_checksums: bool = True,
                    timeout: float = 600.0, buffers: BufferPool | None = None,
-                   in_place: list[torch.Tensor] | None = None) -> StreamStats:
+                   in_place: list[torch.Tensor] | None = None,
+                   in_place_checksums: InFlightChecksums | None = None) -> StreamStats:
     """Pack and send every bucket of `manifest`; raise on the first export or transport error.
 
     `buffers`: take the reusable buffers from this pool (kept after the sync) instead of
     allocating them. `in_place`: one flat buffer per bucket that already holds its bytes (the
     actor's own storage); `tensors` is then not read and nothing is packed.
+    `in_place_checksums`: their checksums, started earlier (by default started here).
+
+    `sender.checksums_in_band` says which buckets' checksums it sends with the bucket: "all" (the
+    default: tcp), "first" (CUDA IPC of held buffers: a rollout checks the first before it touches
+    its engine, the rest at commit) or "none" (nccl); an in-place bucket whose checksum is not
+    sent with it is not waited for.
     """
     if num_buffers < 1:
         raise ValueError(f"num_buffers={num_buffers} must be >= 1")
@@ -129,6 +138,17 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
                 else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
         free.put(buf)
     views = _in_place_views(manifest, in_place) if in_place is not None else None
+    in_band = getattr(sender, "checksums_in_band", "all")
+    if in_band not in ("all", "first", "none"):
+        raise ValueError(f"sender.checksums_in_band={in_band!r} must be all, first or none")
+    csums = None
+    if views is not None and with_checksums:
+        csums = in_place_checksums if in_place_checksums is not None else InFlightChecksums(views)
+        if len(csums) != len(views):
+            raise ValueError(f"in_place_checksums has {len(csums)} for the manifest's {len(views)} buckets")
+    if views is not None and views[0].is_cuda:
+        # Sent without a pack (whose synchronisation this stands for): the actor's writes are done.
+        torch.cuda.current_stream(views[0].device).synchronize()
     releases_previous = bool(getattr(sender, "releases_previous", False))
     ready: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -143,11 +163,12 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     def produce() -> None:
         try:
             if views is not None:
-                for plan, view in zip(manifest.buckets, views):
+                for k, (plan, view) in enumerate(zip(manifest.buckets, views)):
                     if stop.is_set():
                         return
                     t0 = time.perf_counter()
-                    csum = bucket_checksum(view) if with_checksums else None
+                    wanted = csums is not None and (in_band == "all" or (in_band == "first" and k == 0))
+                    csum = csums.value(k) if wanted else None
                     stats.pack_seconds += time.perf_counter() - t0
                     ready.put((plan, None, view, csum))
                 ready.put(_DONE)
@@ -205,7 +226,7 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             sender.send(plan, view, csum)
             stats.send_seconds += time.perf_counter() - t0
             stats.bytes_sent += plan.nbytes
-            if csum is not None:
+            if csum is not None and csums is None:
                 stats.checksums.append(csum)
             if releases_previous:
                 if held is not None:
@@ -218,8 +239,14 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             t0 = time.perf_counter()
             flush()
             stats.send_seconds += time.perf_counter() - t0
+        if csums is not None:
+            t0 = time.perf_counter()
+            stats.checksums = csums.values()
+            stats.pack_seconds += time.perf_counter() - t0
     finally:
         stop.set()
+        if csums is not None:
+            csums.release()
         producer.join(timeout=30)
         if producer.is_alive():
             # Raising here would hide the error that got us here; the thread is a daemon.

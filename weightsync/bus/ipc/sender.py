@@ -59,6 +59,11 @@ class IpcStreamSender:
     `send(k)` queues bucket k on every stream and returns once every live target has
     acknowledged bucket k-1 (releases_previous): the rollout is already copying bucket k while
     the pipeline refills k-1's buffer. A target whose stream fails is dropped, not fatal.
+
+    `held` buffers (the actor's own storage, unchanged until the sync ends) are never refilled, so
+    their handles go out without waiting for any acknowledgement (all of them are awaited at
+    `flush`), and only the first carries its checksum: a rollout checks that one before it
+    touches its engine and every other at commit, where the trainer sends them all.
     """
 
     releases_previous = True
@@ -70,6 +75,7 @@ class IpcStreamSender:
         # held: the buffers are the actor's own storage, unchanged until the sync ends, so a rollout
         # may acknowledge a bucket once its copy is queued (PushBucketRequest.held_until_commit)
         self.sync_id, self.cache, self.reusable, self.held = sync_id, cache, reusable, held
+        self.checksums_in_band = "first" if held else "all"
         self._failures: dict[str, str] = {}
         self._live: dict[str, _TargetStream] = {}
         for rid, entry in targets.items():
@@ -89,7 +95,7 @@ class IpcStreamSender:
         for st in self._live.values():
             st.put(req)
         self._unacked.append((plan.index, keep))
-        if len(self._unacked) > 1:
+        if len(self._unacked) > 1 and not self.held:
             self._await(self._unacked[-2][0])
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
@@ -111,18 +117,21 @@ class IpcStreamSender:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
 
     def _await(self, index: int) -> None:
-        """Every live target's acknowledgement of bucket `index` (in order: streams keep it)."""
+        """Every live target's acknowledgements up to bucket `index` (in order: streams keep it)."""
+        owed = [i for i, _ in self._unacked if i <= index]
         for rid, st in list(self._live.items()):
-            try:
-                ack = next(st.responses)
-            except StopIteration:
-                self._drop(rid, f"IpcBuckets ended before acknowledging bucket {index}")
-                continue
-            except grpc.RpcError as exc:
-                self._drop(rid, f"IpcBuckets, bucket {index}: {describe(exc)}")
-                continue
-            if ack.index != index:
-                self._drop(rid, f"IpcBuckets: acknowledgement of bucket {ack.index}, expected {index}")
+            for expected in owed:
+                try:
+                    ack = next(st.responses)
+                except StopIteration:
+                    self._drop(rid, f"IpcBuckets ended before acknowledging bucket {expected}")
+                    break
+                except grpc.RpcError as exc:
+                    self._drop(rid, f"IpcBuckets, bucket {expected}: {describe(exc)}")
+                    break
+                if ack.index != expected:
+                    self._drop(rid, f"IpcBuckets: acknowledgement of bucket {ack.index}, expected {expected}")
+                    break
         # acknowledged (or failed) by every target: the memory up to `index` may be reused
         self._unacked = [(i, t) for i, t in self._unacked if i > index]
 
