@@ -20,7 +20,7 @@ from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.phases import PhaseClock
 from weightsync.bus.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
-from weightsync.bus.pipeline import stream_buckets
+from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.bus.layout import compact_proto
 from weightsync.bus.plan import Manifest
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -70,8 +70,7 @@ class SyncAttempt:
     def _start_in_place(self) -> None:
         self._in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
         if self._in_place_bufs is not None and self.manifest.checksum_algo:
-            views = [buf[:plan.nbytes] for plan, buf in zip(self.manifest.buckets, self._in_place_bufs)]
-            self._in_place_checksums = InFlightChecksums(views)
+            self._in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self._in_place_bufs))
 
     def _left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())

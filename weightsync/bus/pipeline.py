@@ -79,7 +79,7 @@ class BufferPool:
         return bufs[:count]
 
 
-def _in_place_views(manifest: Manifest, in_place: list[torch.Tensor]) -> list[torch.Tensor]:
+def in_place_views(manifest: Manifest, in_place: list[torch.Tensor]) -> list[torch.Tensor]:
     if len(in_place) != len(manifest.buckets):
         raise ValueError(f"in_place has {len(in_place)} buffers for the manifest's {len(manifest.buckets)} buckets")
     views = []
@@ -137,7 +137,7 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     for buf in (buffers.take(n_bufs, buf_bytes, device) if buffers is not None and n_bufs
                 else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
         free.put(buf)
-    views = _in_place_views(manifest, in_place) if in_place is not None else None
+    views = in_place_views(manifest, in_place) if in_place is not None else None
     in_band = getattr(sender, "checksums_in_band", "all")
     if in_band not in ("all", "first", "none"):
         raise ValueError(f"sender.checksums_in_band={in_band!r} must be all, first or none")
@@ -245,7 +245,7 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             stats.pack_seconds += time.perf_counter() - t0
     finally:
         stop.set()
-        if csums is not None:
+        if csums is not None and in_place_checksums is None:  # a caller's own are the caller's to release
             csums.release()
         producer.join(timeout=30)
         if producer.is_alive():
