@@ -38,7 +38,7 @@ from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import Manifest
-from weightsync.bus.verified_copy import PendingChecksum, copy_bucket, copy_into
+from weightsync.bus.verified_copy import PendingChecksum, copy_bucket, copy_into, pending_values
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -114,14 +114,14 @@ class _Pending:
         """Read every checksum whose copy was left queued (consume_bucket's defer_check) and check
         it against the sender's; SyncError DATA_LOSS on the first mismatch."""
         with self.lock:
-            deferred = dict(self.deferred)
-        for index in sorted(deferred):
-            pending, sender_checksum = deferred[index]
-            ours = pending.value()
-            with self.lock:
-                self.received[index] = ours
+            deferred = sorted(self.deferred.items())
+        ours = pending_values([pending for _, (pending, _) in deferred])  # one device read for all
+        with self.lock:
+            for (index, _), value in zip(deferred, ours):
+                self.received[index] = value
                 del self.deferred[index]
-            _verify(index, ours, sender_checksum)
+        for (index, (_, sender_checksum)), value in zip(deferred, ours):
+            _verify(index, value, sender_checksum)
 
     def wait_copies(self) -> None:
         """Until no queued copy reads a sender's buffer any more (before an abort lets go of it);

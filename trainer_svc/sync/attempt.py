@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent import futures
 
 from trainer_svc.multisender import SenderResult, stream_from_every_owner
 from trainer_svc.registry import RolloutEntry
@@ -53,10 +55,9 @@ class SyncAttempt:
         """The results and the targets of a retry ([] for none)."""
         try:
             with self.phases("prepare"):
-                # The actor's own storage needs no export: its checksums start on the GPU now, while
-                # the rollouts prepare, and the stream reads them when it needs them.
-                self._start_in_place()
-                self.prepare()
+                # The actor's own storage needs no export: its checksums start on the GPU while the
+                # rollouts answer PrepareSync, and the stream reads them when it needs them.
+                self.prepare(meanwhile=self._start_in_place)
             with self.phases("stream"):
                 checksums = self.stream()
             with self.phases("commit"):
@@ -68,9 +69,13 @@ class SyncAttempt:
         return self.results, self.retry
 
     def _start_in_place(self) -> None:
+        t0 = time.perf_counter()
         self._in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
-        if self._in_place_bufs is not None and self.manifest.checksum_algo:
+        if self._in_place_bufs is None:
+            return
+        if self.manifest.checksum_algo:
             self._in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self._in_place_bufs))
+        self.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
 
     def _left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
@@ -79,9 +84,12 @@ class SyncAttempt:
         self.orch._fail(self.results[rid], self.by_id[rid], reason, err)
 
     # ---- prepare ----------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """PrepareSync on every target; keeps those that prepared and whose answer the session accepts."""
-        answers = self._prepare_calls()
+    def prepare(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """PrepareSync on every target; keeps those that prepared and whose answer the session accepts.
+
+        `meanwhile` runs once the requests are out, before their answers are read: the trainer's
+        own work for the sync overlaps the rollouts'."""
+        answers = self._prepare_calls(meanwhile)
         for e in self.targets:
             resp, err = answers[e.rollout_id]
             err = err or self.session.accept(e, resp)
@@ -98,7 +106,8 @@ class SyncAttempt:
         if self.session.group_wide and len(self.prepared) < len(self.targets):
             self._stop_group()
 
-    def _prepare_calls(self) -> dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]]:
+    def _prepare_calls(self, meanwhile: Callable[[], None] | None
+                       ) -> dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]]:
         """PrepareSync on every target at once: rollout_id -> (answer, error).
 
         A target that holds the layout gets its digest only (ManifestCache); the others, and any
@@ -121,6 +130,13 @@ class SyncAttempt:
                                                      allow_rollback=self.orch.allow_rollback)
                 calls.append((e, send_full, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
             pending = []
+            if meanwhile is not None:
+                run, meanwhile = meanwhile, None
+                try:
+                    run()
+                except BaseException:  # the requests already out end before the failure is raised
+                    futures.wait([fut for _, _, fut in calls], timeout=self._left())
+                    raise
             for e, sent_full, fut in calls:
                 resp, err = fut.result()
                 if not err and resp.manifest_needed:
@@ -134,6 +150,8 @@ class SyncAttempt:
                 else:
                     cache.learned(e, digest)
                 out[e.rollout_id] = (resp, err)
+        if meanwhile is not None:  # no target to prepare
+            meanwhile()
         return out
 
     def _stop_group(self) -> None:

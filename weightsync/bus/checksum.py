@@ -34,6 +34,25 @@ def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
     return _mix(s1, s2, tail_bytes, n)
 
 
+def from_many_sums(sums: list[torch.Tensor], tails: list[torch.Tensor], ns: list[int]) -> list[int]:
+    """`from_sums` of many buffers with one device read for all their sums (and one for any tail
+    bytes), where a loop would wait on the device once per buffer."""
+    if not (len(sums) == len(tails) == len(ns)):
+        raise ValueError(f"from_many_sums: {len(sums)} sums, {len(tails)} tails and {len(ns)} sizes")
+    if not sums:
+        return []
+    pairs = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+    tail_bytes = []
+    if any(t.numel() for t in tails):
+        tail_bytes = torch.cat([t.to(tails[0].device) for t in tails]).cpu().tolist()
+    out, pos = [], 0
+    for (s1, s2), t, n in zip(pairs, tails, ns):
+        k = t.numel()
+        out.append(_mix(int(s1), int(s2), bytes(tail_bytes[pos:pos + k]), n))
+        pos += k
+    return out
+
+
 def _mix(s1: int, s2: int, tail_bytes: bytes, n: int) -> int:
     t = int.from_bytes(tail_bytes, "little") if tail_bytes else 0
     return (s1 * 0x9E3779B97F4A7C15 + s2 * 0xC2B2AE3D27D4EB4F + t * 0x165667B19E3779F9 + n) & _MASK
@@ -162,14 +181,10 @@ class InFlightChecksums:
         todo = [i for i, v in enumerate(self._values) if v is None]
         if todo:
             self._events[todo[-1]].synchronize()  # kernels run in order on the side stream
-            sums = torch.stack([self._sums[i] for i in todo]).tolist()
-            tails = [self._tails[i] for i in todo]
-            tail_bytes = (torch.cat(tails).cpu().tolist() if any(t.numel() for t in tails) else [])
-            pos = 0
-            for i, (s1, s2), t in zip(todo, sums, tails):
-                k = t.numel()
-                self._values[i] = _mix(int(s1), int(s2), bytes(tail_bytes[pos:pos + k]), self._n[i])
-                pos += k
+            got = from_many_sums([self._sums[i] for i in todo], [self._tails[i] for i in todo],
+                                 [self._n[i] for i in todo])
+            for i, v in zip(todo, got):
+                self._values[i] = v
         return list(self._values)
 
     def release(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus.checksum import copy_word_sums, from_sums, word_sums
+from weightsync.bus.checksum import copy_word_sums, from_many_sums, from_sums, word_sums
 from weightsync.bus.plan import BucketPlan
 
 
@@ -40,6 +40,14 @@ class PendingChecksum:
     def value(self) -> int:
         self.wait()
         return from_sums(self.sums, self.tail, self.nbytes)
+
+
+def pending_values(pending: list[PendingChecksum]) -> list[int]:
+    """Every pending checksum's value, read from the device at once (one wait per copy, which
+    costs nothing once the copies are done, and a single read of all the sums)."""
+    for p in pending:
+        p.wait()
+    return from_many_sums([p.sums for p in pending], [p.tail for p in pending], [p.nbytes for p in pending])
 
 
 def _result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool):

@@ -161,3 +161,44 @@ def test_in_place_buckets_are_sent_as_they_are_checksummed_as_they_are():
         stream_buckets(m, iter(()), CollectingSender(), in_place=flats[:1])
     with pytest.raises(ValueError, match=r"in_place\[0\]: need a flat uint8 buffer"):
         stream_buckets(m, iter(()), CollectingSender(), in_place=[f.view(torch.int32) for f in flats])
+
+
+def _flats(ts, m):
+    from weightsync.bus.pack import pack_bucket
+
+    flats = []
+    for plan in m.buckets:
+        flat = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(plan, ((s.meta.name, ts[s.meta.name]) for s in plan.slots), flat)
+        flats.append(flat)
+    return flats
+
+
+@pytest.mark.parametrize("in_band, carried", [("all", "every"), ("first", "first"), ("none", "no")])
+def test_in_place_checksums_travel_in_band_only_where_the_sender_carries_them_and_all_reach_the_commit(in_band, carried):
+    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+
+    ts, m = _setup()
+    flats = _flats(ts, m)
+    want = [bucket_checksum(f) for f in flats]
+    s = CollectingSender()
+    s.checksums_in_band = in_band
+    started = InFlightChecksums(flats)  # as the attempt starts them before PrepareSync
+    stats = stream_buckets(m, iter(()), s, in_place=flats, in_place_checksums=started)
+    assert stats.checksums == want  # what CommitSync carries, whichever went in band
+    sent = [c for _, _, c in s.buckets]
+    expect = {"every": want, "first": [want[0]] + [None] * (len(want) - 1), "no": [None] * len(want)}[carried]
+    assert sent == expect and len(m.buckets) > 2
+
+
+def test_a_sender_naming_an_unknown_checksums_in_band_is_refused_and_a_short_checksum_list_too():
+    from weightsync.bus.checksum import InFlightChecksums
+
+    ts, m = _setup()
+    flats = _flats(ts, m)
+    s = CollectingSender()
+    s.checksums_in_band = "some"
+    with pytest.raises(ValueError, match="sender.checksums_in_band='some' must be all, first or none"):
+        stream_buckets(m, iter(()), s, in_place=flats)
+    with pytest.raises(ValueError, match=r"in_place_checksums has 1 for the manifest's \d+ buckets"):
+        stream_buckets(m, iter(()), CollectingSender(), in_place=flats, in_place_checksums=InFlightChecksums(flats[:1]))

@@ -65,3 +65,16 @@ def test_copy_into_declines_destinations_it_cannot_write_as_words_and_copies_not
     assert copy_into(plan, buf, [odd, *dests[1:2], torch.zeros(4, 4), dests[3]]) is None
     with pytest.raises(ValueError, match="3 destinations for 4 tensors"):
         copy_into(plan, buf, dests[:3])
+
+
+def test_pending_checksums_read_together_equal_each_read_alone():
+    from weightsync.bus.verified_copy import pending_values
+
+    pending, want = [], []
+    for seed in range(3):
+        plan, buf, view, named = _bucket(SHAPES, seed=seed)
+        _, p = copy_bucket(plan, buf, wait=False)
+        pending.append(p)
+        want.append(bucket_checksum(view))
+    assert pending_values(pending) == [p.value() for p in pending] == want
+    assert pending_values([]) == []

@@ -121,3 +121,26 @@ def test_in_place_buckets_are_long_lived_for_the_handle_cache():
     assert not ipc.long_lived(flats[1][:10])
     session.use_in_place(flats)
     assert ipc.long_lived(flats[0][:100]) and ipc.long_lived(flats[1]) and not ipc.long_lived(torch.zeros(4))
+
+
+def test_held_buckets_go_out_without_waiting_for_acknowledgements_and_only_the_first_carries_its_checksum():
+    """The actor's own storage is never refilled during a sync: nothing waits per bucket, and
+    flush reads every acknowledgement in order."""
+    got: dict[str, list] = {"r": []}
+    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
+    manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=_fake_streams(got, {}), cache=HandleCache(_share_counting([])))
+    flats = [torch.full((256,), i, dtype=torch.uint8) for i in range(len(manifest.buckets))]
+    session = ipc.begin([_Entry("r")], "s", 256)
+    session.use_in_place(flats)
+    sender = session.open({"r": _Entry("r")}, timeout=30)
+    assert sender.checksums_in_band == "first"
+    awaited, real_await = [], sender._await
+    sender._await = lambda index: (awaited.append((index, len(sender._unacked))), real_await(index))
+    stats = stream_buckets(manifest, iter(()), sender, timeout=30, in_place=flats)
+    assert awaited == [(len(flats) - 1, len(flats))]  # once, at flush, for every bucket
+    assert [i for _, i, _, _ in got["r"]] == list(range(len(flats)))
+    assert [c for _, _, _, c in got["r"]] == [stats.checksums[0]] + [0] * (len(flats) - 1)
+    assert sender.failures() == {} and sender._unacked == []
+    sender.close()

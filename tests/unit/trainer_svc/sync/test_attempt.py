@@ -178,3 +178,48 @@ def test_an_export_error_after_a_failed_stream_joins_the_errors_and_the_targets_
                                   "model.layers.0.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
                                   "to export it as FP8 (the trainer's weights have diverged)")
     assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
+
+
+def test_the_trainers_own_prepare_work_runs_while_the_rollouts_answer_prepare_sync():
+    """`meanwhile` starts once every PrepareSync is out: a rollout that answers only after it ran
+    proves the overlap (run after the answers, it would time out)."""
+    import threading
+
+    ran = threading.Event()
+    orch, session = _Orch(), _Session()
+    answer = orch._call
+
+    def call(entry, method, req):
+        if method == "PrepareSync" and not ran.wait(10):
+            return None, "UNAVAILABLE: the trainer waited for this answer before its own work"
+        return answer(entry, method, req)
+
+    orch._call = call
+    attempt, _, _, _ = _attempt(orch, session)
+    attempt.prepare(meanwhile=ran.set)
+    assert sorted(attempt.prepared) == ["a", "b"] and orch.failed == []
+
+
+def test_a_failure_of_the_trainers_own_prepare_work_is_raised_after_the_requests_out_have_ended():
+    import pytest
+
+    orch, session = _Orch(), _Session()
+    answer, answered = orch._call, []
+
+    def call(entry, method, req):
+        time.sleep(0.2)
+        answered.append(entry.rollout_id)
+        return answer(entry, method, req)
+
+    def broken():
+        raise RuntimeError("in-place views")
+
+    orch._call = call
+    attempt, _, _, _ = _attempt(orch, session)
+    with pytest.raises(RuntimeError, match="in-place views"):
+        attempt.prepare(meanwhile=broken)
+    assert sorted(answered) == ["a", "b"]
+    ran = []
+    attempt, _, _, _ = _attempt(_Orch(), _Session(), rids=())
+    attempt.prepare(meanwhile=lambda: ran.append(1))
+    assert ran == [1]  # no target: it still runs
