@@ -30,6 +30,27 @@ def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
 
 
 @needs_cuda
+def test_in_flight_checksums_of_many_buffers_in_one_launch_equal_the_cpu_ones():
+    """Buffers of unequal lengths (the longest spans many programs, one is shorter than a word,
+    one empty), tail bytes, the same layout twice (its table reused) and a changed byte."""
+    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    g = torch.Generator().manual_seed(7)
+    sizes = [(3 << 20) + 1, (64 << 20) + 6, 2, 4096, (17 << 20) + 3, 0, 12]
+    cpu = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    want = [bucket_checksum(b) for b in cpu]
+    gpu = [b.cuda() for b in cpu]
+    first = InFlightChecksums(gpu)
+    assert first.value(0) == want[0] and first.value(3) == want[3] and first.values() == want
+    first.release()
+    again = InFlightChecksums(gpu)  # the same layout: the table built above
+    assert again.values() == want
+    flipped = [b.clone() for b in gpu]
+    flipped[4][12345] ^= 0x10
+    assert InFlightChecksums(flipped).values() == want[:4] + [bucket_checksum(flipped[4].cpu())] + want[5:]
+    assert bucket_checksum(flipped[4].cpu()) != want[4]
+
+
+@needs_cuda
 @pytest.mark.parametrize("nbytes", [4, 8, (1 << 20) - 4, (1 << 20) + 4, (300 << 20) + 8])
 def test_copy_out_kernel_copies_exactly_and_sums_as_the_cpu_does(nbytes):
     from weightsync.bus.checksum import copy_word_sums, word_sums
@@ -69,7 +90,7 @@ def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
 
 _WARM_PROBE = """
 import json, sys, time, torch
-from weightsync.bus.checksum import bucket_checksum, warm_up
+from weightsync.bus.checksum import InFlightChecksums, bucket_checksum, warm_up
 warm = warm_up(torch.device("cuda:0"))
 after = []
 for nbytes in ((3 << 20), (3 << 20) + 4, (3 << 20) + 6, (1 << 30) + 2):  # sizes warm_up never saw
@@ -78,6 +99,11 @@ for nbytes in ((3 << 20), (3 << 20) + 4, (3 << 20) + 6, (1 << 30) + 2):  # sizes
     t0 = time.perf_counter()
     bucket_checksum(buf)
     after.append(time.perf_counter() - t0)
+bufs = [torch.ones(n, dtype=torch.uint8, device="cuda:0") for n in ((5 << 20) + 2, 7 << 20, 1 << 20)]
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+InFlightChecksums(bufs).values()  # the in-place buckets' kernels
+after.append(time.perf_counter() - t0)
 print(json.dumps({"warm": warm, "after": after}))
 """
 

@@ -93,6 +93,42 @@ def _word_sums(words: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+#: (device, ((address, words), ...)) -> the table of many_word_sums on that device; the actor's
+#: in-place buckets keep their addresses from sync to sync, so this is built once per layout
+_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_TABLES = 8
+
+
+def _many_table(bufs: list[torch.Tensor], whole: list[int]) -> tuple[torch.Tensor, int] | None:
+    """The GPU table of (address, word count) rows for `bufs` and the longest count; None where
+    the one-launch kernel is not available (each buffer is then summed on its own)."""
+    from weightsync.bus import checksum_cuda
+
+    if not checksum_cuda.available():
+        return None
+    rows = tuple((b.data_ptr(), w // 4) for b, w in zip(bufs, whole))
+    if any(addr % 4 for addr, _ in rows):
+        return None  # not word-aligned: the words cannot be read as int32 from there
+    key = (bufs[0].device, rows)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(bufs[0].device)
+    return table, max(n for _, n in rows)
+
+
+def _many_word_sums(rest: tuple[torch.Tensor, int] | None, bufs: list[torch.Tensor], whole: list[int]) -> torch.Tensor:
+    """[len(bufs), 2] word sums: one launch from the table `rest`, or one per buffer without it."""
+    if rest is not None:
+        from weightsync.bus import checksum_cuda
+
+        return checksum_cuda.many_word_sums(*rest)
+    device = bufs[0].device
+    return torch.stack([_word_sums(b[:w].view(torch.int32)) if w else torch.zeros(2, dtype=torch.int64, device=device)
+                        for b, w in zip(bufs, whole)])
+
+
 def combine(checksums: list[int]) -> int:
     """Order-dependent combination of bucket checksums into one weights checksum."""
     acc = 0xCBF29CE484222325
@@ -126,6 +162,8 @@ def warm_up(device) -> float:
         dst = torch.empty(32, dtype=torch.int32, device=device)
         checksum_cuda.scatter_word_sums(words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)],
                                                                            device))
+        table = torch.tensor([(words.data_ptr(), 64), (dst.data_ptr(), 32)], dtype=torch.int64).to(device)
+        checksum_cuda.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
     return time.perf_counter() - t0
 
 
@@ -133,12 +171,13 @@ class InFlightChecksums:
     """The checksums of flat buffers that stay unchanged while they are read (a sync's in-place
     buckets: the actor's own storage, held by the sync), all started at once.
 
-    On CUDA every buffer's sums are queued on a side stream, after whatever the caller's stream has
-    queued (the last optimizer step), with an event per buffer: the GPU works on them while the
-    control plane still prepares the rollouts, the caller reads one buffer's value when it needs it
-    (`value(i)`: the one a rollout checks before touching its engine) and all the others with a
-    single host sync (`values()`), instead of one sync per bucket. Off the GPU each is computed at
-    construction (a CPU has nothing to overlap).
+    On CUDA the sums are queued on a side stream, after whatever the caller's stream has queued
+    (the last optimizer step): the first buffer's alone (the one a rollout checks before it touches
+    its engine, read with `value(0)` as soon as its kernel is done), then every other buffer's in
+    one launch (a launch per buffer costs tens of microseconds of Python each, milliseconds for a
+    large model). The GPU works on them while the control plane still prepares the rollouts;
+    `values()` reads all with a single host sync. Off the GPU each is computed at construction (a
+    CPU has nothing to overlap).
     """
 
     def __init__(self, bufs: list[torch.Tensor]):
@@ -152,19 +191,21 @@ class InFlightChecksums:
             return
         self._values = [None] * len(bufs)
         device = bufs[0].device
+        whole = [n - n % 4 for n in self._n]
+        self._tails = [b[w:] for b, w in zip(bufs, whole)]  # unchanged until the reader is done, like the words
+        rest = _many_table(bufs[1:], whole[1:]) if len(bufs) > 1 else None  # (may copy to the GPU: not on the side)
         self._side = side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        self._sums, self._tails, self._events = [], [], []
         with torch.cuda.stream(side):
-            for b in bufs:
-                n = b.numel()
-                whole = n - n % 4
-                self._sums.append(_word_sums(b[:whole].view(torch.int32)) if whole
-                                  else torch.zeros(2, dtype=torch.int64, device=device))
-                self._tails.append(b[whole:])  # unchanged until the reader is done, like the words
-                ev = torch.cuda.Event()
-                ev.record(side)
-                self._events.append(ev)
+            self._sums = [_word_sums(bufs[0][:whole[0]].view(torch.int32)) if whole[0]
+                          else torch.zeros(2, dtype=torch.int64, device=device)]
+            self._events = [torch.cuda.Event()]
+            self._events[0].record(side)
+            if len(bufs) > 1:
+                sums = _many_word_sums(rest, bufs[1:], whole[1:])
+                self._sums.extend(sums.unbind(0))
+                self._events.append(torch.cuda.Event())
+                self._events[1].record(side)
 
     def __len__(self) -> int:
         return len(self._n)
@@ -172,7 +213,7 @@ class InFlightChecksums:
     def value(self, i: int) -> int:
         """Buffer i's checksum, waiting for its kernel only."""
         if self._values[i] is None:
-            self._events[i].synchronize()
+            self._events[min(i, 1)].synchronize()
             self._values[i] = from_sums(self._sums[i], self._tails[i], self._n[i])
         return self._values[i]
 
@@ -180,7 +221,7 @@ class InFlightChecksums:
         """Every buffer's checksum, with one wait and one read for all those not read yet."""
         todo = [i for i, v in enumerate(self._values) if v is None]
         if todo:
-            self._events[todo[-1]].synchronize()  # kernels run in order on the side stream
+            self._events[-1].synchronize()  # kernels run in order on the side stream
             got = from_many_sums([self._sums[i] for i in todo], [self._tails[i] for i in todo],
                                  [self._n[i] for i in todo])
             for i, v in zip(todo, got):

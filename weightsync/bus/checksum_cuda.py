@@ -88,6 +88,47 @@ def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1)
+def _many_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def many_sum64(table_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        # Grid (chunks of the longest buffer, buffers); the table row of each buffer is (address,
+        # word count). A chunk past its buffer's end stores zeros, so every partial is written.
+        pid = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        chunks = tl.num_programs(0).to(tl.int64)
+        src = tl.load(table_ptr + b * 2).to(tl.pointer_type(tl.int32))
+        n = tl.load(table_ptr + b * 2 + 1)
+        start = pid * BLOCK * STEPS
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(STEPS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            w = tl.load(src + offs, mask=offs < n, other=0)
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)
+        tl.store(out_ptr + (b * chunks + pid) * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + (b * chunks + pid) * 2 + 1, tl.sum(acc2, axis=0))
+
+    return many_sum64
+
+
+def many_word_sums(table: torch.Tensor, max_words: int) -> torch.Tensor:
+    """int64 [buffers, 2]: the word sums of every buffer of `table` (rows of (address of its
+    int32 words, word count), on the GPU, `max_words` the longest count) in one launch, where one
+    launch per buffer costs tens of microseconds of Python each."""
+    per_program = _BLOCK * _STEPS
+    chunks = max(1, -(-max_words // per_program))
+    buffers = table.shape[0]
+    partial = torch.empty(buffers * chunks * 2, dtype=torch.int64, device=table.device)
+    with torch.cuda.device(table.device):
+        _many_kernel()[(chunks, buffers)](table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    return partial.view(buffers, chunks, 2).sum(dim=1)
+
+
+@functools.lru_cache(maxsize=1)
 def _scatter_kernel():
     import triton
     import triton.language as tl
