@@ -236,6 +236,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         else:
             self.ipc.start(manifest.sync_id, ipc_uuid, manifest.origin)
             resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), ipc_uuid
+            resp.commit_on_stream = True
         return resp
 
     def PushBucket(self, request, context):
@@ -248,9 +249,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def IpcBuckets(self, request_iterator, context):
         first: list[str] = []  # the stream's sync, to abort it on a bad bucket
+        commit: list[rollout_pb2.CommitSyncRequest] = []  # its last message, when the trainer commits here
 
         def requests():
             for req in request_iterator:
+                if req.HasField("commit"):
+                    commit.append(req.commit)
+                    return  # nothing may follow the commit
                 if not first:
                     first.append(req.sync_id)
                 yield req
@@ -261,21 +266,38 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if first:
                 self.tx.abort(first[0], f"IPC bucket failed: {exc}")
             _abort(context, exc)
+        if commit:
+            try:
+                if first and commit[0].sync_id != first[0]:
+                    self.tx.abort(first[0], f"the IpcBuckets stream carried a commit of sync {commit[0].sync_id}")
+                    raise SyncError(f"commit of sync {commit[0].sync_id!r} on the IpcBuckets stream of sync "
+                                    f"{first[0]!r}", "INVALID_ARGUMENT")
+                yield rollout_pb2.PushBucketResponse(commit=self._commit(commit[0]))
+            except SyncError as exc:
+                _abort(context, exc)
 
     def CommitSync(self, request, context):
+        try:
+            return self._commit(request)
+        except SyncError as exc:
+            _abort(context, exc)
+
+    def _commit(self, request: rollout_pb2.CommitSyncRequest) -> rollout_pb2.CommitSyncResponse:
+        """Commit the prepared sync (CommitSync, or the last message of an IpcBuckets stream);
+        SyncError when refused."""
         manifest = self.tx.pending_manifest(request.sync_id)
         try:
             prepared_by, rollback = self._sync_origin.get(request.sync_id, (request.trainer_id, False))
             if request.trainer_id != prepared_by:
-                raise SyncError(f"CommitSync of sync {request.sync_id} from trainer {request.trainer_id!r}, but trainer "
-                                f"{prepared_by!r} prepared it; only the preparing trainer may commit",
+                raise SyncError(f"CommitSync of sync {request.sync_id} from trainer {request.trainer_id!r}, but "
+                                f"trainer {prepared_by!r} prepared it; only the preparing trainer may commit",
                                 "FAILED_PRECONDITION")
             version, checksum, _ = self.tx.commit(request.sync_id, request.version,
                                                   {c.index: c.checksum for c in request.checksums})
-        except SyncError as exc:
+        except SyncError:
             self.metrics.failure("commit_failed")
             self.metrics.outcome("failed")
-            _abort(context, exc)
+            raise
         started = self._sync_started.pop(request.sync_id, None)
         if started is not None:
             self.metrics.sync_duration.observe(time.perf_counter() - started)

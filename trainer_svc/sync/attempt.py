@@ -50,6 +50,8 @@ class SyncAttempt:
         self._pool = orch.pool  # long-lived: no threads started per sync
         self._in_place_bufs: list | None = None
         self._in_place_checksums: InFlightChecksums | None = None
+        #: the stream's channel, kept open after the stream for targets that commit on it (ipc)
+        self._commit_channel = None
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
@@ -64,6 +66,8 @@ class SyncAttempt:
                 self.commit(checksums)
                 self.abort_failed()
         finally:
+            if self._commit_channel is not None:
+                self._commit_channel.close()
             if self._in_place_checksums is not None:
                 self._in_place_checksums.release()
         return self.results, self.retry
@@ -258,6 +262,10 @@ class SyncAttempt:
 
     def _send(self, export, in_place) -> list[int]:
         channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
+        on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream]
+        if on_stream and hasattr(channel, "commit_on_stream"):
+            channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
+            self._commit_channel = channel
         t0 = time.perf_counter()
         sender = SenderResult(rank=0, buckets=len(self.manifest.buckets),
                               bytes=sum(b.tensor_bytes for b in self.manifest.buckets))
@@ -282,7 +290,8 @@ class SyncAttempt:
                 if rid in self.prepared:
                     self.prepared.pop(rid)
                     self._fail(rid, "transport", err)
-            channel.close()
+            if channel is not self._commit_channel:
+                channel.close()
 
     # ---- commit / abort ---------------------------------------------------------------------
     def commit(self, checksums: list[int]) -> None:
@@ -291,7 +300,7 @@ class SyncAttempt:
                                             trainer_id=self.orch.trainer_id)
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
-        calls = [(rid, self._pool.submit(self.orch._call, self.by_id[rid], "CommitSync", req)) for rid in self.prepared]
+        calls = [(rid, self._pool.submit(self._commit_one, rid, req)) for rid in self.prepared]
         for rid, fut in calls:
             resp, err = fut.result()
             e, r = self.by_id[rid], self.results[rid]
@@ -301,6 +310,11 @@ class SyncAttempt:
                 r.ok, r.version = True, resp.version
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
                 e.origin = self.orch.origin
+
+    def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
+        if self._commit_channel is not None and self.prepared[rid].commit_on_stream:
+            return self._commit_channel.commit(rid, req)
+        return self.orch._call(self.by_id[rid], "CommitSync", req)
 
     def abort_failed(self) -> None:
         """AbortSync on every target that did not commit, so none is left holding a prepared sync."""

@@ -152,34 +152,40 @@ class PrepareSyncRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
-    __slots__ = ("transport", "num_ranks", "manifest_needed")
+    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
     transport: _bus_pb2.TransportSpec
     num_ranks: int
     manifest_needed: bool
-    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ...) -> None: ...
+    commit_on_stream: bool
+    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
-    __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit")
+    __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit", "commit")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     HELD_UNTIL_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     index: int
     ipc: _bus_pb2.CudaIpcHandle
     checksum: int
     held_until_commit: bool
-    def __init__(self, sync_id: _Optional[str] = ..., index: _Optional[int] = ..., ipc: _Optional[_Union[_bus_pb2.CudaIpcHandle, _Mapping]] = ..., checksum: _Optional[int] = ..., held_until_commit: _Optional[bool] = ...) -> None: ...
+    commit: CommitSyncRequest
+    def __init__(self, sync_id: _Optional[str] = ..., index: _Optional[int] = ..., ipc: _Optional[_Union[_bus_pb2.CudaIpcHandle, _Mapping]] = ..., checksum: _Optional[int] = ..., held_until_commit: _Optional[bool] = ..., commit: _Optional[_Union[CommitSyncRequest, _Mapping]] = ...) -> None: ...
 
 class PushBucketResponse(_message.Message):
-    __slots__ = ("index",)
+    __slots__ = ("index", "commit")
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     index: int
-    def __init__(self, index: _Optional[int] = ...) -> None: ...
+    commit: CommitSyncResponse
+    def __init__(self, index: _Optional[int] = ..., commit: _Optional[_Union[CommitSyncResponse, _Mapping]] = ...) -> None: ...
 
 class CommitSyncRequest(_message.Message):
     __slots__ = ("sync_id", "version", "checksums", "trainer_id")

@@ -84,6 +84,12 @@ class IpcStreamSender:
             except grpc.RpcError as exc:
                 self._failures[rid] = f"IpcBuckets: {describe(exc)}"
         self._unacked: list[tuple[int, torch.Tensor]] = []  # (bucket index, memory its handle names)
+        self._commit_here: set[str] = set()  # targets whose stream stays open for the commit
+
+    def commit_on_stream(self, rollout_ids) -> None:
+        """These targets take the commit on their stream (PrepareSyncResponse.commit_on_stream):
+        `flush` leaves their streams open and `commit` ends them."""
+        self._commit_here = set(rollout_ids) & set(self._live)
 
     def send(self, plan, buf: torch.Tensor, checksum: int | None) -> None:
         if buf.device.type == "cuda":
@@ -105,6 +111,8 @@ class IpcStreamSender:
         if self._unacked:
             self._await(self._unacked[-1][0])
         for rid, st in list(self._live.items()):
+            if rid in self._commit_here:
+                continue
             st.end()
             try:
                 extra = next(st.responses, None)  # the rollout ends its side once ours has ended
@@ -115,6 +123,26 @@ class IpcStreamSender:
                 self._drop(rid, f"IpcBuckets: unexpected acknowledgement of bucket {extra.index} after the last")
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
+
+    def commit(self, rid: str, request: rollout_pb2.CommitSyncRequest
+               ) -> tuple[rollout_pb2.CommitSyncResponse | None, str]:
+        """Commit on `rid`'s stream after `flush`: (answer, "") or (None, error), as a CommitSync call.
+
+        Safe to call for different targets from different threads (each reads its own stream);
+        bounded by the stream's deadline, set when it was opened."""
+        st = self._live.get(rid)
+        if st is None or rid not in self._commit_here:
+            return None, self._failures.get(rid, f"no IpcBuckets stream open to {rid} for the commit")
+        st.put(rollout_pb2.PushBucketRequest(sync_id=request.sync_id, commit=request))
+        st.end()  # the commit is the stream's last message
+        try:
+            answer = next(st.responses, None)
+            if answer is None or not answer.HasField("commit"):
+                return None, "IpcBuckets ended without answering the commit"
+            next(st.responses, None)  # the rollout's end of the stream (it ends right after the answer)
+        except grpc.RpcError as exc:
+            return None, describe(exc)
+        return answer.commit, ""
 
     def _await(self, index: int) -> None:
         """Every live target's acknowledgements up to bucket `index` (in order: streams keep it)."""

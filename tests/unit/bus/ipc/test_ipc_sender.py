@@ -144,3 +144,43 @@ def test_held_buckets_go_out_without_waiting_for_acknowledgements_and_only_the_f
     assert [c for _, _, _, c in got["r"]] == [stats.checksums[0]] + [0] * (len(flats) - 1)
     assert sender.failures() == {} and sender._unacked == []
     sender.close()
+
+
+def _committing_streams(got: dict, refuse: set):
+    """IpcBuckets that acknowledges buckets and answers a commit message (or refuses it, as CommitSync would)."""
+
+    def open_stream(entry, method, requests, timeout):
+        def responses():
+            for req in requests:
+                got[entry.rollout_id].append("commit" if req.HasField("commit") else req.index)
+                if req.HasField("commit"):
+                    if entry.rollout_id in refuse:
+                        raise _RpcError(grpc.StatusCode.DATA_LOSS, "bucket 1: checksum 0x1 != trainer's 0x2")
+                    yield rollout_pb2.PushBucketResponse(commit=rollout_pb2.CommitSyncResponse(version=req.commit.version))
+                    return
+                yield rollout_pb2.PushBucketResponse(index=req.index)
+
+        return responses()
+
+    return open_stream
+
+
+def test_targets_that_commit_on_their_stream_keep_it_open_past_flush_and_get_the_commit_answer_on_it():
+    got: dict[str, list] = {"s": [], "u": [], "bad": []}
+    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
+    manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=_committing_streams(got, {"bad"}), cache=HandleCache(_share_counting([])))
+    targets = {rid: _Entry(rid) for rid in got}
+    sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
+    sender.commit_on_stream(["s", "bad", "not-a-target"])
+    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
+    assert got == {"s": [0, 1, 2], "u": [0, 1, 2], "bad": [0, 1, 2]} and sender.failures() == {}
+    req = rollout_pb2.CommitSyncRequest(sync_id="s", version=4)
+    assert sender.commit("s", req) == (rollout_pb2.CommitSyncResponse(version=4), "")
+    assert sender.commit("bad", req) == (None, "DATA_LOSS: bucket 1: checksum 0x1 != trainer's 0x2")
+    resp, err = sender.commit("u", req)  # its stream ended at flush: it commits with CommitSync
+    assert resp is None and "no IpcBuckets stream open to u" in err
+    assert got["s"][-1] == "commit" and got["bad"][-1] == "commit" and got["u"] == [0, 1, 2]
+    sender.close()

@@ -209,3 +209,51 @@ def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(flee
     assert acks == [0]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries sync mixed" in err.value.details()
     assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING  # staged: aborted, still serving
+
+
+def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_is_refused(fleet, monkeypatch):
+    """Both rollouts answer PrepareSync with commit_on_stream: the trainer commits each as the last
+    message of its IpcBuckets stream, so no CommitSync call is made; a commit naming another sync
+    than the stream's is refused and that sync aborted."""
+    trainer, rollouts, _, gpu = fleet
+    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
+    methods, call = [], trainer.orch._call
+
+    def recording_call(entry, method, req):
+        methods.append(method)
+        return call(entry, method, req)
+
+    monkeypatch.setattr(trainer.orch, "_call", recording_call)
+    _bump(trainer)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    assert sorted(methods) == ["PrepareSync", "PrepareSync"]  # no CommitSync, no AbortSync
+    for app in rollouts.values():
+        _assert_exact(trainer, app)
+    assert {r.version for r in report.rollouts} == {trainer.actor.version}
+
+    app = rollouts["b"]
+    good = rollout_stub(channel(app.grpc.address), TOKEN, 10)
+    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=trainer.actor.version + 1,
+                                               sync_id="stream-commit", bucket_bytes=trainer.orch.bucket_bytes,
+                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
+                                               origin=trainer.orch.origin)
+    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
+                                         trainer_id=trainer.orch.trainer_id)
+    req.transport.ipc.device_uuid = GPU
+    assert good.PrepareSync(req).commit_on_stream
+    buf = torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8)
+    pack_bucket(manifest.buckets[0], iter(list(trainer.actor.export_tensors())[:len(manifest.buckets[0].slots)]), buf)
+    foreign = rollout_pb2.CommitSyncRequest(sync_id="another", version=manifest.version,
+                                            trainer_id=trainer.orch.trainer_id)
+    msgs = [rollout_pb2.PushBucketRequest(sync_id="stream-commit", index=0, ipc=gpu.share(buf)),
+            rollout_pb2.PushBucketRequest(commit=foreign)]
+    answers = []
+    with pytest.raises(grpc.RpcError) as err:
+        for ans in good.IpcBuckets(iter(msgs)):
+            answers.append(ans)
+    assert [a.index for a in answers] == [0] and not answers[0].HasField("commit")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "commit of sync 'another' on the IpcBuckets stream of sync 'stream-commit'" in err.value.details()
+    assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
+    assert app.tx.version == trainer.actor.version  # staged: the old version serves on
