@@ -154,6 +154,9 @@ class SyncTransaction:
         self._pending: _Pending | None = None
         self._timeout = Alarm("sync-timeout")  # the prepared sync's deadline
         self._metas = engine.param_metas()
+        #: layout digests of unquantized manifests already checked against the engine, whose
+        #: parameters do not change shape: a steady-state prepare skips walking every tensor again
+        self._valid_layouts: set[str] = set()
         self.state = S.SERVING
         self.version = 0
         self.origin = ""
@@ -178,6 +181,9 @@ class SyncTransaction:
     def validate(self, manifest: Manifest):
         """Check names and shapes against the engine before a byte is accepted; returns the
         dequantizer a quantized sync loads through (None otherwise)."""
+        digest = manifest.layout_digest if manifest.quantization is None else ""
+        if digest and digest in self._valid_layouts:
+            return None
         try:
             metas, dequantizer = plan_apply(self.engine, manifest)
         except ValueError as exc:
@@ -200,6 +206,10 @@ class SyncTransaction:
         if missing:
             raise SyncError(f"tensor {missing[0]}: the manifest lacks it ({len(missing)} engine parameters missing); "
                             "a sync must carry the whole model", "INVALID_ARGUMENT")
+        if digest:
+            if len(self._valid_layouts) >= 16:  # layouts change rarely; keep the set small
+                self._valid_layouts.clear()
+            self._valid_layouts.add(digest)
         return dequantizer
 
     def prepare(self, manifest: Manifest, timeout: float) -> None:

@@ -322,3 +322,32 @@ def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generati
         assert not first.done()
         _abort_ends_the_wait(tx, pool, first, "aborted while it waited to pause generation")
     _still_serving_version_0(tx, release, busy, before)
+
+
+def test_a_layout_checked_once_is_not_walked_again_and_other_layouts_are_still_checked(monkeypatch):
+    import rollout_svc.transaction as txmod
+    from weightsync.bus.layout import layout_digest
+
+    tx = SyncTransaction(_engine(2), "staged")
+    m, _ = _buckets(_engine(1))
+    m.layout_digest = layout_digest(m)
+    walks, plan = [], txmod.plan_apply
+
+    def counting_plan(engine, manifest):
+        walks.append(manifest.sync_id)
+        return plan(engine, manifest)
+
+    monkeypatch.setattr(txmod, "plan_apply", counting_plan)
+    tx.validate(m)
+    tx.validate(m)
+    assert walks == ["s1"]  # the second prepare of the same layout skipped the walk
+    wrong = make_manifest([TensorMeta(n, (3,) if i == 0 else s.meta.shape, s.meta.dtype)
+                           for i, (n, s) in enumerate((s.meta.name, s) for b in m.buckets for s in b.slots)],
+                          version=2, sync_id="s2", bucket_bytes=64 << 10, checksum_algo=ALGO)
+    wrong.layout_digest = layout_digest(wrong)
+    with pytest.raises(SyncError, match="trainer sends shape \\[3\\]"):
+        tx.validate(wrong)
+    undigested = make_manifest(m.metas(), version=3, sync_id="s3", bucket_bytes=64 << 10, checksum_algo=ALGO)
+    tx.validate(undigested)
+    tx.validate(undigested)
+    assert walks == ["s1", "s2", "s3", "s3"]  # no digest: checked every time

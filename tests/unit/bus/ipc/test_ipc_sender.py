@@ -156,7 +156,8 @@ def _committing_streams(got: dict, refuse: set):
                 if req.HasField("commit"):
                     if entry.rollout_id in refuse:
                         raise _RpcError(grpc.StatusCode.DATA_LOSS, "bucket 1: checksum 0x1 != trainer's 0x2")
-                    yield rollout_pb2.PushBucketResponse(commit=rollout_pb2.CommitSyncResponse(version=req.commit.version))
+                    answer = rollout_pb2.CommitSyncResponse(version=req.commit.version)
+                    yield rollout_pb2.PushBucketResponse(commit=answer)
                     return
                 yield rollout_pb2.PushBucketResponse(index=req.index)
 
