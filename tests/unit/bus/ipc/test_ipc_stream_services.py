@@ -87,6 +87,23 @@ def _assert_exact(trainer, app):
     assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
 
 
+def _prepared_by_hand(trainer, stub, gpu, sync_id: str, version: int):
+    """PrepareSync of an ipc sync of the trainer's layout, sent to `stub` by the test itself:
+    (manifest, the rollout's answer, the handle of bucket 0 packed from the trainer's weights)."""
+    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=version, sync_id=sync_id,
+                                               bucket_bytes=trainer.orch.bucket_bytes,
+                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
+                                               origin=trainer.orch.origin)
+    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
+                                         trainer_id=trainer.orch.trainer_id)
+    req.transport.ipc.device_uuid = GPU
+    answer = stub.PrepareSync(req)
+    first = manifest.buckets[0]
+    buf = torch.zeros(first.nbytes, dtype=torch.uint8)
+    pack_bucket(first, iter(list(trainer.actor.export_tensors())[:len(first.slots)]), buf)
+    return manifest, answer, gpu.share(buf)
+
+
 def test_ipc_sync_shares_once_maps_once_and_stays_exact_across_syncs(fleet):
     trainer, rollouts, stub, gpu = fleet
     for i in range(3):
@@ -189,17 +206,7 @@ def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(flee
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not prepared here" in err.value.details()
 
     # a prepared ipc sync whose stream switches to another sync id is refused and aborted
-    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=trainer.actor.version,
-                                               sync_id="mixed", bucket_bytes=trainer.orch.bucket_bytes,
-                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
-                                               origin=trainer.orch.origin)
-    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
-                                         trainer_id=trainer.orch.trainer_id)
-    req.transport.ipc.device_uuid = GPU
-    good.PrepareSync(req)
-    buf = torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8)
-    pack_bucket(manifest.buckets[0], iter(list(trainer.actor.export_tensors())[:len(manifest.buckets[0].slots)]), buf)
-    h = gpu.share(buf)
+    manifest, _, h = _prepared_by_hand(trainer, good, gpu, "mixed", trainer.actor.version)
     pushes = [rollout_pb2.PushBucketRequest(sync_id="mixed", index=0, ipc=h),
               rollout_pb2.PushBucketRequest(sync_id="other", index=1, ipc=h)]
     acks = []
@@ -234,19 +241,11 @@ def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_
 
     app = rollouts["b"]
     good = rollout_stub(channel(app.grpc.address), TOKEN, 10)
-    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=trainer.actor.version + 1,
-                                               sync_id="stream-commit", bucket_bytes=trainer.orch.bucket_bytes,
-                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
-                                               origin=trainer.orch.origin)
-    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
-                                         trainer_id=trainer.orch.trainer_id)
-    req.transport.ipc.device_uuid = GPU
-    assert good.PrepareSync(req).commit_on_stream
-    buf = torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8)
-    pack_bucket(manifest.buckets[0], iter(list(trainer.actor.export_tensors())[:len(manifest.buckets[0].slots)]), buf)
+    manifest, prepared, h = _prepared_by_hand(trainer, good, gpu, "stream-commit", trainer.actor.version + 1)
+    assert prepared.commit_on_stream
     foreign = rollout_pb2.CommitSyncRequest(sync_id="another", version=manifest.version,
                                             trainer_id=trainer.orch.trainer_id)
-    msgs = [rollout_pb2.PushBucketRequest(sync_id="stream-commit", index=0, ipc=gpu.share(buf)),
+    msgs = [rollout_pb2.PushBucketRequest(sync_id="stream-commit", index=0, ipc=h),
             rollout_pb2.PushBucketRequest(commit=foreign)]
     answers = []
     with pytest.raises(grpc.RpcError) as err:
