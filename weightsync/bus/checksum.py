@@ -124,9 +124,14 @@ def _many_word_sums(rest: tuple[torch.Tensor, int] | None, bufs: list[torch.Tens
         from weightsync.bus import checksum_cuda
 
         return checksum_cuda.many_word_sums(*rest)
-    device = bufs[0].device
-    return torch.stack([_word_sums(b[:w].view(torch.int32)) if w else torch.zeros(2, dtype=torch.int64, device=device)
-                        for b, w in zip(bufs, whole)])
+    return torch.stack([_whole_word_sums(b, w) for b, w in zip(bufs, whole)])
+
+
+def _whole_word_sums(buf: torch.Tensor, whole: int) -> torch.Tensor:
+    """The word sums of `buf`'s first `whole` bytes (a multiple of 4; zeros for none)."""
+    if not whole:
+        return torch.zeros(2, dtype=torch.int64, device=buf.device)
+    return _word_sums(buf[:whole].view(torch.int32))
 
 
 def combine(checksums: list[int]) -> int:
@@ -197,8 +202,7 @@ class InFlightChecksums:
         self._side = side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._sums = [_word_sums(bufs[0][:whole[0]].view(torch.int32)) if whole[0]
-                          else torch.zeros(2, dtype=torch.int64, device=device)]
+            self._sums = [_whole_word_sums(bufs[0], whole[0])]
             self._events = [torch.cuda.Event()]
             self._events[0].record(side)
             if len(bufs) > 1:
