@@ -8,10 +8,12 @@ gRPC, TCP bus, checksums on. The bucket size gives about as many buckets as a 7B
 1 GiB), so the commit phase waits only for the last small bucket, as on a GPU.
 
 Timed: the trainer's `SyncReport.phase_seconds` (plan, prepare, stream, commit), median over
-`--reps` syncs after `--warmup` (the first sync sends the full manifest; the others its digest).
+`--reps` syncs after `--warmup` (the first sync sends the full manifest; the others its digest),
+once per `--paths`: prepare and commit over the rollout's sync link, or as gRPC calls.
 Also timed, from the rollout's side: SyncTransaction.prepare and .commit, and how long commit
 waited for the last bucket (part of the commit phase, but receive work, not fixed cost); and, as
-the floor of the prepare and commit phases (one RPC each), a GetStatus round trip on the same path.
+the floor of the prepare and commit phases (one RPC each), a GetStatus round trip on the same path
+and, over the link, an AbortSync of no sync.
 
     OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results_fixed_cost_cpu.json
 """
@@ -55,7 +57,7 @@ def timed(fn, into: list):
     return wrapper
 
 
-def run(layout: str, args) -> dict:
+def run(layout: str, sync_link: bool, args) -> dict:
     from rollout_svc.app import RolloutApp
     from rollout_svc.config import RolloutConfig
     from trainer_svc.app import TrainerApp
@@ -65,7 +67,8 @@ def run(layout: str, args) -> dict:
 
     model = write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-"))
     trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                       model=model, export_dtype="bfloat16", auto_sync_new_rollouts=False))
+                                       model=model, export_dtype="bfloat16", auto_sync_new_rollouts=False,
+                                       sync_link=sync_link))
     rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=model,
                                        rollout_id="r0", apply_mode="inplace", dtype="bfloat16"))
     trainer.orch.bucket_bytes = args.bucket_kb << 10  # below the 1 MiB floor of the config: 7B's bucket count
@@ -117,9 +120,18 @@ def run(layout: str, args) -> dict:
                 raise RuntimeError(f"GetStatus failed: {err}")
             if rep >= args.warmup:
                 phases.setdefault("rpc_round_trip", []).append(time.perf_counter() - t0)
+        # The floor over the sync link: an AbortSync of no sync, the cheapest call it carries.
+        abort = rollout_pb2.AbortSyncRequest(sync_id="none")
+        for rep in range(args.warmup + args.reps if entry.link is not None else 0):
+            t0 = time.perf_counter()
+            _, err = trainer.orch._call(entry, "AbortSync", abort)
+            if err:
+                raise RuntimeError(f"AbortSync failed: {err}")
+            if rep >= args.warmup:
+                phases.setdefault("link_round_trip", []).append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in phases.items()}
         p90 = {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in phases.items()}
-        return {"layout": layout, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
+        return {"layout": layout, "sync_link": sync_link, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
                 "bytes": report.bytes, "median_s": med, "p90_s": p90, "samples": len(phases["total"]),
                 "manifest_plans": getattr(getattr(trainer.orch, "manifests", None), "plans", None)}
     finally:
@@ -134,6 +146,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-kb", type=int, default=64, help="bucket size (64 KiB: 15 buckets for 7b-thin)")
+    ap.add_argument("--paths", default="link,grpc",
+                    help="comma list: link (prepare and commit over the sync link), grpc (as gRPC calls)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -141,16 +155,20 @@ def main() -> int:
 
     out = {"command": shlex.join([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "results": []}
-    for layout in [x for x in args.layouts.split(",") if x]:
-        r = run(layout, args)
+    runs = [(layout, path) for layout in args.layouts.split(",") if layout for path in args.paths.split(",") if path]
+    for layout, path in runs:
+        if path not in ("link", "grpc"):
+            raise SystemExit(f"--paths: {path!r} is not link or grpc")
+        r = run(layout, path == "link", args)
         out["results"].append(r)
         m = r["median_s"]
-        print(f"{layout}: {r['num_tensors']} tensors, {r['num_buckets']} buckets, {r['bytes'] / 1e6:.2f} MB; "
+        link = f", one sync-link round trip (AbortSync) {m['link_round_trip'] * 1e3:.2f} ms" if "link_round_trip" in m else ""
+        print(f"{layout} over {path}: {r['num_tensors']} tensors, {r['num_buckets']} buckets, {r['bytes'] / 1e6:.2f} MB; "
               f"median of {r['samples']}: plan {m['plan'] * 1e3:.2f} + prepare {m['prepare'] * 1e3:.2f} + commit "
               f"{m['commit'] * 1e3:.2f} = fixed {m['fixed'] * 1e3:.2f} ms (commit waited {m['commit_waited'] * 1e3:.2f} "
               f"ms for the last bucket); stream {m['stream'] * 1e3:.2f}, total {m['total'] * 1e3:.2f} ms; rollout "
               f"transaction: prepare {m['rollout_prepare'] * 1e3:.2f}, commit {m['rollout_commit'] * 1e3:.2f} ms; "
-              f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms")
+              f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms{link}")
     out["loadavg_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

@@ -85,7 +85,7 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
         t = start_trainer(logs, "--backend", args.backend, "--model", str(model_dir), "--init-seed", "1", *where,
                           "--param-dtype", args.param_dtype, "--transport", args.transport, "--export-dtype", export_dtype,
                           "--bucket-mb", str(args.bucket_mb), "--sync-timeout-s", str(args.sync_timeout),
-                          "--no-auto-sync-new-rollouts")
+                          "--no-auto-sync-new-rollouts", *(() if args.sync_link == "on" else ("--no-sync-link",)))
         procs.append(t)
         ids = [f"r{i}" for i in range(args.rollouts)]
         # Started alongside the trainer so that the (slow, CPU) inits overlap; a rollout keeps
@@ -217,6 +217,8 @@ def main() -> int:
     ap.add_argument("--device-trainer", default=None, help="default cuda:0 (cpu with --transport tcp)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="start-up + registration bound per model (s)")
     ap.add_argument("--sync-timeout", type=float, default=600.0, help="bound on one sync (s)")
+    ap.add_argument("--sync-link", choices=("on", "off"), default="on",
+                    help="off: the trainer sends PrepareSync / CommitSync as gRPC calls (the baseline of the sync link)")
     ap.add_argument("--out", default="bench_services.json")
     args = ap.parse_args()
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")

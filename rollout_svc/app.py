@@ -11,12 +11,14 @@ from rollout_svc.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
+from rollout_svc.sync_link import SyncLinkServer
 from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
+from weightsync.control.sync_link import LINK_MAGIC
 from weightsync.model_spec import family_of
 from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics
@@ -56,6 +58,10 @@ class RolloutApp:
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
+        self.link = SyncLinkServer(self.servicer, token, self.grpc.request_limits, cfg.limits.max_sync_links)
+        if cfg.bus.sync_link:
+            self.data.other_protocols[LINK_MAGIC] = self.link.serve
+            self.servicer.sync_link = self.servicer.data_address
         self.http.include(rollout_router(self.servicer, token, cfg.inference.model))
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.servicer.device)
@@ -121,6 +127,7 @@ class RolloutApp:
                      f"aborted pending sync {pending}" if pending else "no sync in flight")
         self.grpc.stop()
         self.data.stop()
+        self.link.stop()
         self.http.stop()
         self.servicer.nccl.close()
 

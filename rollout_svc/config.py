@@ -42,6 +42,9 @@ class RolloutBusConfig:
                                  "(needs a copy of the weights); inplace: pause generation and load buckets as they "
                                  "arrive (no extra memory; a failed sync leaves the engine STALE until re-synced)")
     sync_timeout_s: float = field(300.0, help="a prepared sync not committed within this is aborted")
+    sync_link: bool = field(True, help="offer the trainer the sync link on the data port: later PrepareSync, "
+                                       "CommitSync and AbortSync as frames on one authenticated connection "
+                                       "instead of gRPC calls (saves most of their round trips); false: gRPC only")
 
     def validate(self) -> None:
         parse_host_port("data_address", self.data_address)

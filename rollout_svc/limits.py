@@ -42,10 +42,12 @@ class LimitsConfig:
                                                  "(fair share: one client cannot take every slot)")
     max_bucket_mb: int = field(16384, help="largest weight-bus bucket a PrepareSync may declare, MiB")
     max_bus_connections: int = field(8, help="concurrent TCP weight-bus connections; extra ones are closed at once")
+    max_sync_links: int = field(4, help="concurrent sync links (one per trainer that syncs this rollout); extra ones "
+                                        "are closed at once and that trainer uses gRPC")
 
     def validate(self) -> None:
         for name in ("max_prompts", "max_n", "max_new_tokens", "max_request_tokens", "max_inflight_requests",
-                     "max_inflight_per_client", "max_bucket_mb", "max_bus_connections"):
+                     "max_inflight_per_client", "max_bucket_mb", "max_bus_connections", "max_sync_links"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_inflight_per_client > self.max_inflight_requests:

@@ -64,6 +64,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.ipc = IpcReceiver(tx, self.device, engine_name, on_open=self.rollout_metrics.ipc_opens.inc)
         self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
+        #: host:port of the sync link (rollout_svc.sync_link) this rollout offers, "" for none
+        self.sync_link = ""
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
@@ -221,7 +223,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             _abort(context, exc)
         self._sync_started[manifest.sync_id] = time.perf_counter()
         self._sync_origin = {manifest.sync_id: (request.trainer_id, rollback)}  # only the pending sync can commit
-        resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks())
+        resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks(), sync_link=self.sync_link)
         if kind == "nccl":
             spec = request.transport.nccl
             self.nccl.start(manifest, spec, deadline)

@@ -63,7 +63,7 @@ class TrainerApp:
                                      device=export_device(self.actor), nccl_init_timeout=cfg.bus.nccl_init_timeout_s,
                                      on_nccl_group_build=self.metrics.nccl_group_builds.inc,
                                      export_format=export_format(cfg.actor.export_dtype), trainer_id=self.trainer_id,
-                                     senders=cfg.bus.senders)
+                                     senders=cfg.bus.senders, sync_link=cfg.bus.sync_link)
         warm_up(self.orch.device, self.actor.export_metas(), self.orch.export_format.quantization is not None)
         self.servicer = TrainerServicer(self.actor, self.actor_lock, self.registry, self.orch, cfg.actor.backend,
                                         cfg.fleet.auto_sync_new_rollouts,

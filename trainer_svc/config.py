@@ -84,6 +84,9 @@ class BusConfig:
     bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
     rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
+    sync_link: bool = field(True, help="send PrepareSync, CommitSync and AbortSync over the sync link a rollout "
+                                       "offers on its data port (one authenticated connection kept across syncs; "
+                                       "a fraction of a gRPC call's round trip); false: gRPC only")
     senders: str = field("all", choices=("all", "rank0"),
                          help="who streams the buckets (tcp): all = every rank that assembles tensors (each pipeline "
                               "stage's and expert-parallel leader) streams its own, concurrently; rank0 = every tensor "

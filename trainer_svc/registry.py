@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from trainer_svc.sync_link import SyncLinkClient
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -24,16 +25,29 @@ class RolloutEntry:
     last_sync_seconds: float = 0.0
     registered_at: float = field(default_factory=time.time)
     _channel: grpc.Channel | None = None
+    #: the sync link this rollout offered in its last PrepareSync answer (trainer_svc.sync_link)
+    link: SyncLinkClient | None = None
 
     def stub(self, token: str, timeout: float):
         if self._channel is None:
             self._channel = channel(self.address)
         return rollout_stub(self._channel, token, timeout)
 
+    def offer_link(self, address: str, token: str) -> None:
+        """The rollout's answer named its sync link ("" for none): keep the open one if unchanged."""
+        if self.link is not None and self.link.address == address:
+            return
+        if self.link is not None:
+            self.link.close()
+        self.link = SyncLinkClient(address, token) if address else None
+
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
 
 class RolloutRegistry:

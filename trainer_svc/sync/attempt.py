@@ -52,6 +52,7 @@ class SyncAttempt:
         self._in_place_checksums: InFlightChecksums | None = None
         #: the stream's channel, kept open after the stream for targets that commit on it (ipc)
         self._commit_channel = None
+        self._on_stream: set[str] = set()
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
@@ -132,17 +133,20 @@ class SyncAttempt:
                                                      timeout_seconds=self._left(), transport=self.session.spec_for(e),
                                                      trainer_id=self.orch.trainer_id,
                                                      allow_rollback=self.orch.allow_rollback)
-                calls.append((e, send_full, self._pool.submit(self.orch._call, e, "PrepareSync", req)))
+                calls.append((e, send_full, req))
             pending = []
             if meanwhile is not None:
+                futs = [self._pool.submit(self.orch._call, e, "PrepareSync", req) for e, _, req in calls]
                 run, meanwhile = meanwhile, None
                 try:
                     run()
                 except BaseException:  # the requests already out end before the failure is raised
-                    futures.wait([fut for _, _, fut in calls], timeout=self._left())
+                    futures.wait(futs, timeout=self._left())
                     raise
-            for e, sent_full, fut in calls:
-                resp, err = fut.result()
+                answers = [f.result() for f in futs]
+            else:
+                answers = self._on_each(lambda c: self.orch._call(c[0], "PrepareSync", c[2]), calls)
+            for (e, sent_full, _), (resp, err) in zip(calls, answers):
                 if not err and resp.manifest_needed:
                     cache.forget(e)
                     if not sent_full:
@@ -262,10 +266,12 @@ class SyncAttempt:
 
     def _send(self, export, in_place) -> list[int]:
         channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
-        on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream]
+        # A target on the sync link commits there (the cheapest round trip); one without a link,
+        # on its IpcBuckets stream when it offered that; the rest call CommitSync.
+        on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream and not self._linked(rid)]
         if on_stream and hasattr(channel, "commit_on_stream"):
             channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
-            self._commit_channel = channel
+            self._commit_channel, self._on_stream = channel, set(on_stream)
         t0 = time.perf_counter()
         sender = SenderResult(rank=0, buckets=len(self.manifest.buckets),
                               bytes=sum(b.tensor_bytes for b in self.manifest.buckets))
@@ -300,9 +306,8 @@ class SyncAttempt:
                                             trainer_id=self.orch.trainer_id)
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
-        calls = [(rid, self._pool.submit(self._commit_one, rid, req)) for rid in self.prepared]
-        for rid, fut in calls:
-            resp, err = fut.result()
+        rids = list(self.prepared)
+        for rid, (resp, err) in zip(rids, self._on_each(lambda r: self._commit_one(r, req), rids)):
             e, r = self.by_id[rid], self.results[rid]
             if err:
                 self._fail(rid, "commit_failed", f"commit: {err}")
@@ -312,13 +317,27 @@ class SyncAttempt:
                 e.origin = self.orch.origin
 
     def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
-        if self._commit_channel is not None and self.prepared[rid].commit_on_stream:
+        if rid in self._on_stream:
             return self._commit_channel.commit(rid, req)
         return self.orch._call(self.by_id[rid], "CommitSync", req)
+
+    def _linked(self, rid: str) -> bool:
+        link = self.by_id[rid].link
+        return bool(getattr(self.orch, "sync_link", False)) and link is not None and link.usable()
 
     def abort_failed(self) -> None:
         """AbortSync on every target that did not commit, so none is left holding a prepared sync."""
         req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
         failed = [self.by_id[r.rollout_id] for r in self.results.values() if not r.ok]
-        for f in [self._pool.submit(self.orch._call, e, "AbortSync", req) for e in failed]:
-            f.result()
+        self._on_each(lambda e: self.orch._call(e, "AbortSync", req), failed)
+
+    def _on_each(self, fn: Callable, items: list) -> list:
+        """[fn(x) for x in items], all at once: the first on this thread, the others on the RPC
+        pool's (a sync to one rollout hands nothing to another thread and back)."""
+        futs = [self._pool.submit(fn, x) for x in items[1:]]
+        try:
+            first = [fn(items[0])] if items else []
+        except BaseException:  # the calls already out end before the failure is raised
+            futures.wait(futs, timeout=self._left())
+            raise
+        return first + [f.result() for f in futs]

@@ -24,12 +24,14 @@ from trainer_svc.export_format import PLAIN, ExportFormat
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
+from trainer_svc.sync_link import RETRY_AFTER_S, LinkDown
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.ipc.sender import IpcSender
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.tcp.sender import TcpSender
 from weightsync.control.client import describe_rpc_error
+from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import trainer_pb2
 
@@ -45,7 +47,7 @@ class SyncOrchestrator:
                  token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
                  origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
                  on_nccl_group_build=None, export_format: ExportFormat = PLAIN, trainer_id: str = "",
-                 senders: str = "all"):
+                 senders: str = "all", sync_link: bool = True):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -63,6 +65,8 @@ class SyncOrchestrator:
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
         self.senders = senders
+        #: use the sync links rollouts offer (trainer_svc.sync_link); False: every call over gRPC
+        self.sync_link = sync_link
         self.transports = {"tcp": TcpSender(token),
                            "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
                                             call=self._call),
@@ -244,10 +248,32 @@ class SyncOrchestrator:
         return entry.origin == self.origin and entry.version == self.actor.version
 
     def _call(self, entry: RolloutEntry, method: str, request):
+        """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
+        (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC."""
+        link = entry.link if self.sync_link and method in LINK_METHODS else None
+        if link is not None and link.usable():
+            try:
+                resp, err = link.call(method, request, self.rpc_timeout)
+            except LinkDown as exc:
+                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method, RETRY_AFTER_S)
+            else:
+                self.metrics.calls.labels("trainer", method, "link").inc()
+                self._learn_link(entry, method, resp)
+                return resp, err
         try:
-            return getattr(entry.stub(self.token, self.rpc_timeout), method)(request), ""
+            resp = getattr(entry.stub(self.token, self.rpc_timeout), method)(request)
         except grpc.RpcError as exc:
             return None, describe_rpc_error(exc)
+        finally:
+            if method in LINK_METHODS:
+                self.metrics.calls.labels("trainer", method, "grpc").inc()
+        self._learn_link(entry, method, resp)
+        return resp, ""
+
+    def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
+        # only an accepted prepare names the link (a manifest_needed answer is not one)
+        if self.sync_link and method == "PrepareSync" and resp is not None and not resp.manifest_needed:
+            entry.offer_link(resp.sync_link, self.token)
 
     def _open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
         """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""

@@ -55,6 +55,10 @@ class SyncMetrics:
         self.rollbacks = Counter("weightsync_sync_rollbacks_total",
                                  "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; "
                                  "rollout: applied)", ["role"], registry=r).labels(role)
+        self.calls = Counter("weightsync_sync_calls_total",
+                             "PrepareSync, CommitSync and AbortSync calls the trainer made, by path: link (the "
+                             "rollout's sync link) or grpc (the first of a pairing, no link offered, or a link "
+                             "that could not be opened)", ["role", "method", "path"], registry=r)
         self.role = role
 
     def outcome(self, outcome: str) -> None:

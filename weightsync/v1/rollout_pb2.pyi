@@ -152,16 +152,18 @@ class PrepareSyncRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
-    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream")
+    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_NEEDED_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
+    SYNC_LINK_FIELD_NUMBER: _ClassVar[int]
     transport: _bus_pb2.TransportSpec
     num_ranks: int
     manifest_needed: bool
     commit_on_stream: bool
-    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ...) -> None: ...
+    sync_link: str
+    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ..., sync_link: _Optional[str] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
     __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit", "commit")

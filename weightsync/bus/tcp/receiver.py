@@ -3,7 +3,9 @@
 Nothing is allocated for a connection before its hello proves the token and names the sync
 prepared here: the hello is at most 294 bytes, and a bucket buffer is sized from the accepted
 manifest at the first matching frame header. At most `max_connections` connections are handled at
-once (one thread each); extra ones are closed at accept.
+once (one thread each); extra ones are closed at accept. A connection that opens with another
+protocol's magic instead of a hello is handed to that protocol (`other_protocols`: the rollout's
+sync link), which then holds none of these slots.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import hmac
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
-from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello
+from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello, recv_magic
 from weightsync.config import parse_host_port
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ class TcpReceiver:
         self.port = self.sock.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name="bus-accept", daemon=True)
         self._closed = False
+        #: 4-byte magic -> serve(conn, peer): other protocols on this port (the rollout's sync link)
+        self.other_protocols: dict[bytes, Callable[[socket.socket, object], None]] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -59,14 +64,30 @@ class TcpReceiver:
             threading.Thread(target=self._handle_slot, args=(conn, peer), name="bus-recv", daemon=True).start()
 
     def _handle_slot(self, conn: socket.socket, peer) -> None:
+        released = False
         try:
-            self._handle(conn, peer)
-        finally:
+            try:
+                conn.settimeout(self.hello_timeout)
+                magic = recv_magic(conn)
+            except Exception as exc:
+                log.warning("bus connection from %s rejected: %s", peer, exc)
+                conn.close()
+                return
+            serve = self.other_protocols.get(magic)
+            if serve is None:
+                self._handle(conn, peer, magic)
+                return
+            # a long-lived connection of another protocol holds none of the bus's slots
             self._slots.release()
+            released = True
+            serve(conn, peer)
+        finally:
+            if not released:
+                self._slots.release()
 
-    def _handle(self, conn: socket.socket, peer) -> None:
+    def _handle(self, conn: socket.socket, peer, magic: bytes) -> None:
         try:
-            sync_id, sender, mac = read_hello(conn, self.hello_timeout)
+            sync_id, sender, mac = read_hello(conn, self.hello_timeout, magic)
         except Exception as exc:
             log.warning("bus connection from %s rejected: %s", peer, exc)
             conn.close()

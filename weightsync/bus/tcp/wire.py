@@ -51,20 +51,29 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def read_hello(sock: socket.socket, timeout: float) -> tuple[str, int, bytes]:
-    """(sync_id, sender rank, MAC) of a connection's hello."""
+def read_hello(sock: socket.socket, timeout: float, magic: bytes | None = None) -> tuple[str, int, bytes]:
+    """(sync_id, sender rank, MAC) of a connection's hello (`magic`: its first 4 bytes, if already read)."""
     sock.settimeout(timeout)
-    head = bytearray(6)
+    if magic is None:
+        magic = recv_magic(sock)
+    if magic != HELLO_MAGIC:
+        raise TransportError(f"bad hello magic {magic!r}: not a weightsync bus peer")
+    head = bytearray(2)
     _recv_exact(sock, memoryview(head))
-    if head[:4] != HELLO_MAGIC:
-        raise TransportError(f"bad hello magic {bytes(head[:4])!r}: not a weightsync bus peer")
-    (n,) = struct.unpack("<H", head[4:6])
+    (n,) = struct.unpack("<H", head)
     if not 0 < n <= _MAX_SYNC_ID:
         raise TransportError(f"hello sync_id length {n} out of range")
     rest = bytearray(n + 4 + 32)
     _recv_exact(sock, memoryview(rest))
     (sender,) = struct.unpack("<I", rest[n:n + 4])
     return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4:])
+
+
+def recv_magic(sock: socket.socket) -> bytes:
+    """A connection's first 4 bytes: a bus hello's or the sync link's magic."""
+    magic = bytearray(4)
+    _recv_exact(sock, memoryview(magic))
+    return bytes(magic)
 
 
 def _tune(sock: socket.socket) -> None:

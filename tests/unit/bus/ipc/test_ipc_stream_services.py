@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
+from weightsync.bus.ipc.sender import IpcStreamSender
 from weightsync.bus.pack import pack_bucket
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
@@ -219,10 +220,11 @@ def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(flee
 
 
 def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_is_refused(fleet, monkeypatch):
-    """Both rollouts answer PrepareSync with commit_on_stream: the trainer commits each as the last
-    message of its IpcBuckets stream, so no CommitSync call is made; a commit naming another sync
-    than the stream's is refused and that sync aborted."""
+    """Both rollouts answer PrepareSync with commit_on_stream: a trainer that does not use their
+    sync links commits each as the last message of its IpcBuckets stream, so no CommitSync call is
+    made; a commit naming another sync than the stream's is refused and that sync aborted."""
     trainer, rollouts, _, gpu = fleet
+    monkeypatch.setattr(trainer.orch, "sync_link", False)
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
     methods, call = [], trainer.orch._call
 
@@ -256,3 +258,24 @@ def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_
     assert "commit of sync 'another' on the IpcBuckets stream of sync 'stream-commit'" in err.value.details()
     assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
     assert app.tx.version == trainer.actor.version  # staged: the old version serves on
+
+
+def test_with_the_sync_link_an_ipc_sync_prepares_and_commits_there_and_ends_its_streams(fleet, monkeypatch):
+    """Once a rollout's PrepareSync answer named its sync link, the next sync's prepare and commit
+    go over it (no IpcBuckets stream waits for a commit: each ends after its last bucket)."""
+    trainer, rollouts, stub, _ = fleet
+    _bump(trainer)
+    assert stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report.ok  # the links are known from here on
+    served = {rid: app.link.requests for rid, app in rollouts.items()}
+    stream_commits = []
+
+    real = IpcStreamSender.commit_on_stream
+    monkeypatch.setattr(IpcStreamSender, "commit_on_stream",
+                        lambda self, rids: (stream_commits.append(list(rids)), real(self, rids))[1])
+    _bump(trainer)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    assert stream_commits == []
+    assert {rid: app.link.requests - served[rid] for rid, app in rollouts.items()} == {"a": 2, "b": 2}
+    for app in rollouts.values():
+        _assert_exact(trainer, app)

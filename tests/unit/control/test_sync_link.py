@@ -1,0 +1,224 @@
+"""The sync link: PrepareSync, CommitSync and AbortSync as frames on one connection per rollout.
+
+Real TrainerApp (hf backend) and RolloutApps on loopback with a token, TCP bus. Checked: after
+the first prepare of a pairing (over gRPC, which names the link) every call goes over the link
+and the weights stay bit-exact; a rollout with the link off is synced over gRPC throughout; a
+link the rollout closed is reopened, one it refuses falls back to gRPC; the link answers errors
+with the codes gRPC gives, refuses a wrong token, an unknown method, a garbled or an oversized
+request, and a link past max_sync_links; a call not answered in time fails and the next one
+opens a fresh link.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import grpc
+import pytest
+import torch
+
+from trainer_svc.sync_link import LinkDown, SyncLinkClient
+from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.control.sync_link import ACCEPTED, LINK_MAGIC, NONCE_BYTES, link_mac, read_frame, recv_exact, status_code
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+TOKEN = "link-s3cret"
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+
+    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
+                                                 model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
+                                                 auto_sync_new_rollouts=False, auth_token=TOKEN))
+    trainer.start()
+    rollouts = {}
+    for rid, mode, link in (("a", "staged", True), ("b", "inplace", True), ("c", "staged", False)):
+        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                                 model="tiny-qwen2", rollout_id=rid, apply_mode=mode,
+                                                 auth_token=TOKEN, sync_link=link, max_sync_links=2))
+        app.start()
+        rollouts[rid] = app
+    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
+    for rid, app in rollouts.items():
+        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+    yield trainer, rollouts, stub
+    for app in rollouts.values():
+        app.stop()
+    trainer.stop()
+
+
+def _calls(trainer) -> dict[tuple[str, str], float]:
+    out = {}
+    for metric in trainer.orch.metrics.calls.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                out[(s.labels["method"], s.labels["path"])] = s.value
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def _sync(trainer, rollouts, stub):
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    exported = list(trainer.actor.export_tensors())
+    for app in rollouts.values():
+        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+        for name, t in exported:
+            assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
+    return report
+
+
+def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
+    trainer, rollouts, stub = fleet
+    before = _calls(trainer)
+    _sync(trainer, rollouts, stub)
+    # the first prepare of each pairing is a gRPC call; its answer names the link, so the commit takes it
+    assert _delta(before, _calls(trainer)) == {("PrepareSync", "grpc"): 3, ("CommitSync", "link"): 2,
+                                                ("CommitSync", "grpc"): 1}
+    assert rollouts["c"].servicer.sync_link == "" and trainer.registry.get("c").link is None
+    for rid in "ab":
+        assert trainer.registry.get(rid).link.address == rollouts[rid].servicer.sync_link != ""
+    served = {rid: rollouts[rid].link.requests for rid in "ab"}
+    before = _calls(trainer)
+    _sync(trainer, rollouts, stub)
+    assert _delta(before, _calls(trainer)) == {("PrepareSync", "link"): 2, ("CommitSync", "link"): 2,
+                                                ("PrepareSync", "grpc"): 1, ("CommitSync", "grpc"): 1}
+    assert {rid: rollouts[rid].link.requests - served[rid] for rid in "ab"} == {"a": 2, "b": 2}
+    assert rollouts["c"].link.requests == 0
+
+
+def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_grpc(fleet):
+    trainer, rollouts, stub = fleet
+    _sync(trainer, rollouts, stub)  # every link open
+    link = rollouts["a"].link
+    for conn in list(link._open):  # the rollout drops its end, as a restarted one would have
+        conn.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 5
+    while link._open and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before = _calls(trainer)
+    _sync(trainer, rollouts, stub)
+    assert _delta(before, _calls(trainer)).get(("PrepareSync", "link")) == 2  # "a" reopened it before sending
+
+    link.token = "not-the-token"  # "a" now refuses the trainer's link handshake
+    for conn in list(link._open):
+        conn.shutdown(socket.SHUT_RDWR)
+    time.sleep(0.05)
+    before = _calls(trainer)
+    _sync(trainer, rollouts, stub)  # still committed everywhere: "a" over gRPC
+    delta = _delta(before, _calls(trainer))
+    assert delta[("PrepareSync", "grpc")] == 2 and delta[("CommitSync", "grpc")] == 2, delta
+    entry = trainer.registry.get("a")
+    assert not entry.link.usable() and entry.link.retry_at > time.monotonic() + 30
+    link.token = TOKEN
+    entry.link.retry_at = 0.0
+    before = _calls(trainer)
+    _sync(trainer, rollouts, stub)
+    assert _delta(before, _calls(trainer))[("PrepareSync", "link")] == 2
+
+
+def test_the_link_answers_with_the_codes_grpc_gives(fleet):
+    trainer, rollouts, _ = fleet
+    app = rollouts["a"]
+    client = SyncLinkClient(app.servicer.sync_link, TOKEN)
+    stub = rollout_stub(channel(app.grpc.address), TOKEN, 10)
+    commit = rollout_pb2.CommitSyncRequest(sync_id="never-prepared", version=99, trainer_id=trainer.orch.trainer_id)
+    foreign = rollout_pb2.PrepareSyncRequest(trainer_id="another-trainer", timeout_seconds=5)
+    foreign.transport.tcp.SetInParent()
+    bad_timeout = rollout_pb2.PrepareSyncRequest(trainer_id=trainer.orch.trainer_id, timeout_seconds=float("inf"))
+    for method, req in (("CommitSync", commit), ("PrepareSync", foreign), ("PrepareSync", bad_timeout)):
+        resp, err = client.call(method, req, 5)
+        with pytest.raises(grpc.RpcError) as over_grpc:
+            getattr(stub, method)(req)
+        assert resp is None and err == f"{over_grpc.value.code().name}: {over_grpc.value.details()}"
+    resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="never-prepared"), 5)
+    assert err == "" and resp.state == rollout_pb2.SERVING and resp.version == app.tx.version
+    client.close()
+    with pytest.raises(LinkDown, match="could not be opened"):
+        SyncLinkClient(app.servicer.sync_link, "wrong-token").call("AbortSync", rollout_pb2.AbortSyncRequest(), 5)
+
+
+def _open_raw(address: str, token: str = TOKEN) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(LINK_MAGIC)
+    sock.sendall(link_mac(token, recv_exact(sock, NONCE_BYTES, time.monotonic() + 5)))
+    assert recv_exact(sock, 1, time.monotonic() + 5) == ACCEPTED
+    return sock
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_link_refuses_unknown_garbled_oversized_and_extra_links(fleet):
+    _, rollouts, _ = fleet
+    app = rollouts["b"]
+    sock = _open_raw(app.servicer.sync_link)
+    sock.sendall(struct.pack("<BI", 9, 3) + b"abc")
+    code, details = read_frame(sock, time.monotonic() + 5)
+    assert status_code(code) == grpc.StatusCode.UNIMPLEMENTED and b"no method 9" in details
+    sock.sendall(struct.pack("<BI", 2, 4) + b"\xff\xff\xff\xff")  # not a CommitSyncRequest
+    code, details = read_frame(sock, time.monotonic() + 5)
+    assert status_code(code) == grpc.StatusCode.INVALID_ARGUMENT and b"not a valid protobuf message" in details
+    abort = rollout_pb2.AbortSyncRequest(sync_id="x").SerializeToString()
+    sock.sendall(struct.pack("<BI", 3, len(abort)) + abort)  # the link still serves after refused requests
+    code, payload = read_frame(sock, time.monotonic() + 5)
+    assert code == 0 and rollout_pb2.AbortSyncResponse.FromString(payload).state == rollout_pb2.SERVING
+    limit = app.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"]
+    sock.sendall(struct.pack("<BI", 1, limit + 1))  # refused on its length, before a byte of it is read
+    code, details = read_frame(sock, time.monotonic() + 5)
+    assert status_code(code) == grpc.StatusCode.INVALID_ARGUMENT and f"limit of {limit} bytes".encode() in details
+    assert _closed(sock)
+
+    # max_sync_links=2: the trainer's link and one more; a third is closed unauthenticated
+    deadline = time.monotonic() + 5
+    while len(app.link._open) > 1 and time.monotonic() < deadline:  # the refused one above is gone
+        time.sleep(0.01)
+    held = [_open_raw(app.servicer.sync_link) for _ in range(2 - len(app.link._open))]
+    host, port = app.servicer.sync_link.rsplit(":", 1)
+    extra = socket.create_connection((host, int(port)), timeout=5)
+    extra.sendall(LINK_MAGIC)
+    assert _closed(extra)
+    for s in held + [extra]:
+        s.close()
+
+
+def test_a_call_not_answered_in_time_fails_and_the_next_opens_a_fresh_link(fleet, monkeypatch):
+    _, rollouts, _ = fleet
+    app = rollouts["a"]
+    abort = app.servicer.AbortSync
+
+    def slow(request, context):
+        time.sleep(1.0)
+        return abort(request, context)
+
+    monkeypatch.setattr(app.servicer, "AbortSync", slow)
+    client = SyncLinkClient(app.servicer.sync_link, TOKEN)
+    t0 = time.monotonic()
+    resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="x"), 0.2)
+    assert resp is None and err.startswith("DEADLINE_EXCEEDED") and time.monotonic() - t0 < 0.9
+    monkeypatch.setattr(app.servicer, "AbortSync", abort)
+    deadline = time.monotonic() + 5
+    while len(app.link._open) > 1 and time.monotonic() < deadline:  # the slow handler's link slot frees at its end
+        time.sleep(0.01)
+    resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="y"), 5)
+    assert err == "" and resp.state == rollout_pb2.SERVING  # not the late answer to "x": a new connection
+    client.close()

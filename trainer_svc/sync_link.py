@@ -1,0 +1,121 @@
+"""The trainer's end of the sync link (weightsync.control.sync_link) to one rollout.
+
+Opened on first use, after a PrepareSync answer over gRPC named the link's address, and kept
+across syncs; one request at a time. `call` answers as the orchestrator's gRPC call does
+((response, "") or (None, "CODE: details")), so a sync cannot tell which path a call took, except
+that it is faster. LinkDown means the request never reached the rollout (no connection, refused,
+or a link found closed before sending): the caller sends it over gRPC instead. A failure after the
+request went out is the call's failure, as a broken gRPC call's would be: a commit is never sent twice.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+from weightsync.bus.errors import TransportError
+from weightsync.config import parse_host_port
+from weightsync.control.sync_link import (ACCEPTED, LINK_MAGIC, METHODS, NONCE_BYTES, NUMBER_OF, frame, link_mac,
+                                          read_frame, recv_exact, status_code)
+
+#: a link that could not be opened is not tried again for this long (gRPC meanwhile)
+RETRY_AFTER_S = 60.0
+_CONNECT_TIMEOUT_S = 2.0
+
+
+class LinkDown(Exception):
+    """The request did not reach the rollout; it may be sent over gRPC."""
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """An idle link is readable only when the rollout closed it (it never speaks unasked)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+class SyncLinkClient:
+    def __init__(self, address: str, token: str):
+        self.address = address
+        self.host, self.port = parse_host_port("sync_link", address)
+        self.token = token
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        #: time.monotonic() before which the link is not tried (after it could not be opened)
+        self.retry_at = 0.0
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def call(self, method: str, request, timeout: float):
+        """(response, "") or (None, "CODE: details"); LinkDown if the request was not sent."""
+        _, _, response_type = METHODS[NUMBER_OF[method]]
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            sock = self._open(deadline)
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.sendall(frame(NUMBER_OF[method], request.SerializeToString()))
+            except OSError as exc:  # a failed send: the rollout cannot have read the whole request
+                self._drop()
+                raise LinkDown(f"sync link to {self.address}: send failed: {exc}") from None
+            try:
+                status, payload = read_frame(sock, deadline)
+            except TimeoutError:
+                self._drop()  # its answer may still come: the next request must not read it
+                return None, f"DEADLINE_EXCEEDED: sync link to {self.address}: {method} not answered in {timeout:.1f}s"
+            except (OSError, TransportError) as exc:
+                self._drop()
+                return None, f"UNAVAILABLE: sync link to {self.address}: {method}: {exc}"
+        if status:
+            return None, f"{status_code(status).name}: {payload.decode('utf-8', errors='replace')}"
+        try:
+            return response_type.FromString(payload), ""
+        except Exception as exc:  # protobuf DecodeError
+            return None, f"INTERNAL: sync link to {self.address}: {method}: unreadable answer ({exc})"
+
+    def _open(self, deadline: float) -> socket.socket:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self._drop()  # the rollout restarted or dropped the link since the last sync: open another
+        if self._sock is not None:
+            return self._sock
+        try:
+            self._sock = self._connect(deadline)
+        except (OSError, TransportError, TimeoutError) as exc:
+            self.retry_at = time.monotonic() + RETRY_AFTER_S
+            raise LinkDown(f"sync link to {self.address} could not be opened: {exc}") from None
+        return self._sock
+
+    def _connect(self, deadline: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port),
+                                        timeout=max(0.001, min(_CONNECT_TIMEOUT_S, deadline - time.monotonic())))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(LINK_MAGIC)
+            hello_deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+            nonce = recv_exact(sock, NONCE_BYTES, hello_deadline)
+            sock.sendall(link_mac(self.token, nonce))
+            if recv_exact(sock, 1, hello_deadline) != ACCEPTED:
+                raise TransportError("the rollout refused the link")
+        except TransportError as exc:
+            sock.close()
+            raise TransportError(f"{exc} (a wrong token, or no link offered on this port)") from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
