@@ -50,7 +50,8 @@ class SyncAttempt:
         self._pool = orch.pool  # long-lived: no threads started per sync
         self._in_place_bufs: list | None = None
         self._in_place_checksums: InFlightChecksums | None = None
-        #: the stream's channel, kept open after the stream for targets that commit on it (ipc)
+        #: the stream's channel, kept open after the stream for targets that commit on it or whose
+        #: stream end is awaited after their commit (ipc)
         self._commit_channel = None
         self._on_stream: set[str] = set()
 
@@ -272,6 +273,11 @@ class SyncAttempt:
         if on_stream and hasattr(channel, "commit_on_stream"):
             channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
             self._commit_channel, self._on_stream = channel, set(on_stream)
+        linked = [rid for rid in self.prepared if self._linked(rid)]
+        if linked and hasattr(channel, "commit_elsewhere"):
+            # their streams' ends need not hold up the stream phase: awaited when the channel closes
+            channel.commit_elsewhere(linked)
+            self._commit_channel = channel
         t0 = time.perf_counter()
         sender = SenderResult(rank=0, buckets=len(self.manifest.buckets),
                               bytes=sum(b.tensor_bytes for b in self.manifest.buckets))

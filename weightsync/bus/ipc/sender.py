@@ -11,6 +11,7 @@ long as the trainer and are shared once (HandleCache); the rollout maps each onc
 from __future__ import annotations
 
 import queue
+import threading
 import socket
 from collections.abc import Callable, Iterator
 
@@ -31,6 +32,7 @@ def describe(exc: grpc.RpcError) -> str:
 #: (rollout entry, RPC name, request iterator, timeout) -> the call's response iterator (grpc stream call)
 StreamCall = Callable[[object, str, Iterator, float], Iterator]
 _END = None
+_END_WAIT_S = 2.0
 
 
 class _TargetStream:
@@ -51,6 +53,17 @@ class _TargetStream:
         cancel = getattr(self.responses, "cancel", None)
         if cancel is not None:
             cancel()
+
+    def wait_ended(self, timeout: float) -> None:
+        """Until the rollout has ended its side (at most `timeout`)."""
+        add_callback = getattr(self.responses, "add_done_callback", None)
+        if add_callback is None:  # a plain iterator (tests): read it out
+            for _ in self.responses:
+                pass
+            return
+        ended = threading.Event()
+        add_callback(lambda _call: ended.set())  # runs at once when the call has already ended
+        ended.wait(timeout)
 
 
 class IpcStreamSender:
@@ -85,11 +98,18 @@ class IpcStreamSender:
                 self._failures[rid] = f"IpcBuckets: {describe(exc)}"
         self._unacked: list[tuple[int, torch.Tensor]] = []  # (bucket index, memory its handle names)
         self._commit_here: set[str] = set()  # targets whose stream stays open for the commit
+        self._commit_elsewhere: set[str] = set()  # targets whose stream's end is not awaited by flush
 
     def commit_on_stream(self, rollout_ids) -> None:
         """These targets take the commit on their stream (PrepareSyncResponse.commit_on_stream):
         `flush` leaves their streams open and `commit` ends them."""
         self._commit_here = set(rollout_ids) & set(self._live)
+
+    def commit_elsewhere(self, rollout_ids) -> None:
+        """These targets commit over another path (the sync link) once `flush` returns: flush ends
+        their streams without waiting for the rollout's end (a round trip), which `close` awaits.
+        Every bucket is acknowledged before flush returns, so the commit follows all of them."""
+        self._commit_elsewhere = set(rollout_ids) & set(self._live)
 
     def send(self, plan, buf: torch.Tensor, checksum: int | None) -> None:
         if buf.device.type == "cuda":
@@ -114,6 +134,8 @@ class IpcStreamSender:
             if rid in self._commit_here:
                 continue
             st.end()
+            if rid in self._commit_elsewhere:
+                continue
             try:
                 extra = next(st.responses, None)  # the rollout ends its side once ours has ended
             except grpc.RpcError as exc:
@@ -171,6 +193,10 @@ class IpcStreamSender:
         return dict(self._failures)
 
     def close(self) -> None:
+        for rid in self._commit_elsewhere & set(self._live):
+            # ended by flush; the rollout ends its side right after (it ended long before, unless
+            # it misbehaves): cancelling earlier would cut off a handler still finishing
+            self._live[rid].wait_ended(_END_WAIT_S)
         for st in self._live.values():
             st.cancel()
         self._live.clear()

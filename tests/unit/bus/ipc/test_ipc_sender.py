@@ -185,3 +185,30 @@ def test_targets_that_commit_on_their_stream_keep_it_open_past_flush_and_get_the
     assert resp is None and "no IpcBuckets stream open to u" in err
     assert got["s"][-1] == "commit" and got["bad"][-1] == "commit" and got["u"] == [0, 1, 2]
     sender.close()
+
+
+def test_targets_that_commit_elsewhere_have_their_stream_ended_at_flush_and_its_end_read_at_close():
+    """A target that commits over its sync link: flush sends the end of its stream but does not
+    wait for the rollout's (a round trip in the stream phase); close reads it before cancelling."""
+    ends_read: list[str] = []
+
+    def open_stream(entry, method, requests, timeout):
+        def responses():
+            for req in requests:
+                yield rollout_pb2.PushBucketResponse(index=req.index)
+            ends_read.append(entry.rollout_id)  # the trainer asked for more after the last ack
+
+        return responses()
+
+    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
+    manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=open_stream, cache=HandleCache(_share_counting([])))
+    targets = {rid: _Entry(rid) for rid in ("linked", "plain")}
+    sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
+    sender.commit_elsewhere(["linked", "not-a-target"])
+    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
+    assert ends_read == ["plain"] and sender.failures() == {}
+    sender.close()
+    assert ends_read == ["plain", "linked"]
