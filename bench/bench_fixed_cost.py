@@ -57,6 +57,19 @@ def timed(fn, into: list):
     return wrapper
 
 
+def round_trips(orch, entry, method: str, request, args) -> list[float]:
+    """Seconds of each of `args.reps` calls through the trainer's RPC helper, after `args.warmup`."""
+    out = []
+    for rep in range(args.warmup + args.reps):
+        t0 = time.perf_counter()
+        _, err = orch._call(entry, method, request)
+        if err:
+            raise RuntimeError(f"{method} failed: {err}")
+        if rep >= args.warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def run(layout: str, sync_link: bool, args) -> dict:
     from rollout_svc.app import RolloutApp
     from rollout_svc.config import RolloutConfig
@@ -111,24 +124,13 @@ def run(layout: str, sync_link: bool, args) -> dict:
             for k, v in side.items():
                 phases.setdefault(k, []).append(sum(v))
         # The floor of a phase: one unary round trip to the rollout on the same path (the trainer's
-        # RPC helper, its stub, auth, the rollout's servicer), a GetStatus that does no work.
-        entry, req = trainer.orch.registry.get("r0"), rollout_pb2.GetStatusRequest()
-        for rep in range(args.warmup + args.reps):
-            t0 = time.perf_counter()
-            _, err = trainer.orch._call(entry, "GetStatus", req)
-            if err:
-                raise RuntimeError(f"GetStatus failed: {err}")
-            if rep >= args.warmup:
-                phases.setdefault("rpc_round_trip", []).append(time.perf_counter() - t0)
-        # The floor over the sync link: an AbortSync of no sync, the cheapest call it carries.
-        abort = rollout_pb2.AbortSyncRequest(sync_id="none")
-        for rep in range(args.warmup + args.reps if entry.link is not None else 0):
-            t0 = time.perf_counter()
-            _, err = trainer.orch._call(entry, "AbortSync", abort)
-            if err:
-                raise RuntimeError(f"AbortSync failed: {err}")
-            if rep >= args.warmup:
-                phases.setdefault("link_round_trip", []).append(time.perf_counter() - t0)
+        # RPC helper, its stub, auth, the rollout's servicer), a GetStatus that does no work; over
+        # the sync link, an AbortSync of no sync, the cheapest call it carries.
+        entry = trainer.orch.registry.get("r0")
+        phases["rpc_round_trip"] = round_trips(trainer.orch, entry, "GetStatus", rollout_pb2.GetStatusRequest(), args)
+        if entry.link is not None:
+            phases["link_round_trip"] = round_trips(trainer.orch, entry, "AbortSync",
+                                                    rollout_pb2.AbortSyncRequest(sync_id="none"), args)
         med = {k: statistics.median(v) for k, v in phases.items()}
         p90 = {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in phases.items()}
         return {"layout": layout, "sync_link": sync_link, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-import torch
 
+from tests.support.fleet_sync import bump_and_sync_exactly
 from weightsync.bus.layout import KnownLayouts
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -51,44 +51,29 @@ def fleet():
     trainer.stop()
 
 
-def _sync_and_check(trainer, rollouts, stub):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
-    report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
-    assert report.ok, [r.error for r in report.rollouts]
-    exported = list(trainer.actor.export_tensors())
-    for app in rollouts.values():
-        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
-        for name, t in exported:
-            assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
-    return report
-
-
 def test_full_manifest_once_then_digest_then_full_again_after_restart_or_change(fleet):
     trainer, rollouts, stub, sent = fleet
-    _sync_and_check(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     n_buckets = len(trainer.orch.manifests._template.buckets)
     assert n_buckets >= 1 and sorted(sent) == [("a", n_buckets), ("b", n_buckets)]
     sent.clear()
-    _sync_and_check(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert sorted(sent) == [("a", 0), ("b", 0)] and trainer.orch.manifests.plans == 1
 
     # "a" restarts (its validated layouts are gone): it asks, and gets the full manifest in the same Sync
     rollouts["a"].servicer.layouts = KnownLayouts()
     sent.clear()
-    _sync_and_check(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert sorted(sent) == [("a", 0), ("a", n_buckets), ("b", 0)]
 
     # another bucket size is another layout (more buckets): planned again, sent in full to everyone
     trainer.orch.bucket_bytes = 64 << 10
     sent.clear()
-    _sync_and_check(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert trainer.orch.manifests.plans == 2 and len(sent) == 2
     assert all(n == len(trainer.orch.manifests._template.buckets) > n_buckets for _, n in sent)
     sent.clear()
-    _sync_and_check(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert sorted(sent) == [("a", 0), ("b", 0)]
 
 

@@ -16,8 +16,8 @@ import time
 
 import grpc
 import pytest
-import torch
 
+from tests.support.fleet_sync import bump_and_sync_exactly
 from trainer_svc.sync_link import LinkDown, SyncLinkClient
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.control.sync_link import ACCEPTED, LINK_MAGIC, NONCE_BYTES, link_mac, read_frame, recv_exact, status_code
@@ -66,25 +66,10 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
-def _sync(trainer, rollouts, stub):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
-    report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
-    assert report.ok, [r.error for r in report.rollouts]
-    exported = list(trainer.actor.export_tensors())
-    for app in rollouts.values():
-        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
-        for name, t in exported:
-            assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
-    return report
-
-
 def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
     trainer, rollouts, stub = fleet
     before = _calls(trainer)
-    _sync(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     # the first prepare of each pairing is a gRPC call; its answer names the link, so the commit takes it
     assert _delta(before, _calls(trainer)) == {("PrepareSync", "grpc"): 3, ("CommitSync", "link"): 2,
                                                 ("CommitSync", "grpc"): 1}
@@ -93,7 +78,7 @@ def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
         assert trainer.registry.get(rid).link.address == rollouts[rid].servicer.sync_link != ""
     served = {rid: rollouts[rid].link.requests for rid in "ab"}
     before = _calls(trainer)
-    _sync(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert _delta(before, _calls(trainer)) == {("PrepareSync", "link"): 2, ("CommitSync", "link"): 2,
                                                 ("PrepareSync", "grpc"): 1, ("CommitSync", "grpc"): 1}
     assert {rid: rollouts[rid].link.requests - served[rid] for rid in "ab"} == {"a": 2, "b": 2}
@@ -102,7 +87,7 @@ def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
 
 def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_grpc(fleet):
     trainer, rollouts, stub = fleet
-    _sync(trainer, rollouts, stub)  # every link open
+    bump_and_sync_exactly(trainer, rollouts, stub)  # every link open
     link = rollouts["a"].link
     for conn in list(link._open):  # the rollout drops its end, as a restarted one would have
         conn.shutdown(socket.SHUT_RDWR)
@@ -110,7 +95,7 @@ def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_g
     while link._open and time.monotonic() < deadline:
         time.sleep(0.01)
     before = _calls(trainer)
-    _sync(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert _delta(before, _calls(trainer)).get(("PrepareSync", "link")) == 2  # "a" reopened it before sending
 
     link.token = "not-the-token"  # "a" now refuses the trainer's link handshake
@@ -118,7 +103,7 @@ def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_g
         conn.shutdown(socket.SHUT_RDWR)
     time.sleep(0.05)
     before = _calls(trainer)
-    _sync(trainer, rollouts, stub)  # still committed everywhere: "a" over gRPC
+    bump_and_sync_exactly(trainer, rollouts, stub)  # still committed everywhere: "a" over gRPC
     delta = _delta(before, _calls(trainer))
     assert delta[("PrepareSync", "grpc")] == 2 and delta[("CommitSync", "grpc")] == 2, delta
     entry = trainer.registry.get("a")
@@ -126,7 +111,7 @@ def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_g
     link.token = TOKEN
     entry.link.retry_at = 0.0
     before = _calls(trainer)
-    _sync(trainer, rollouts, stub)
+    bump_and_sync_exactly(trainer, rollouts, stub)
     assert _delta(before, _calls(trainer))[("PrepareSync", "link")] == 2
 
 

@@ -1,0 +1,23 @@
+"""A sync through real services in-process, checked bit-exact: shared by the control-plane tests."""
+from __future__ import annotations
+
+import torch
+
+from weightsync.v1 import rollout_pb2, trainer_pb2
+
+
+def bump_and_sync_exactly(trainer, rollouts: dict, stub, transport: str = "tcp"):
+    """Change every trainer weight, Sync, and check every rollout serves exactly the export at the
+    new version; returns the SyncReport."""
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    report = stub.Sync(trainer_pb2.SyncRequest(transport=transport)).report
+    assert report.ok, [r.error for r in report.rollouts]
+    exported = list(trainer.actor.export_tensors())
+    for app in rollouts.values():
+        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+        for name, t in exported:
+            assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
+    return report
