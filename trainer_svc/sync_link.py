@@ -29,12 +29,15 @@ class LinkDown(Exception):
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
-    """An idle link is readable only when the rollout closed it (it never speaks unasked)."""
+    """An idle link is readable only when the rollout closed it (it never speaks unasked).
+
+    poll, not select: a trainer with many rollouts has descriptors past select's 1024."""
+    poller = select.poll()
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # a closed socket (fileno -1)
         return True
-    return bool(readable)
 
 
 class SyncLinkClient:

@@ -207,3 +207,17 @@ def test_a_call_not_answered_in_time_fails_and_the_next_opens_a_fresh_link(fleet
     resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="y"), 5)
     assert err == "" and resp.state == rollout_pb2.SERVING  # not the late answer to "x": a new connection
     client.close()
+
+
+def test_an_idle_link_counts_as_closed_once_the_rollout_closed_its_end():
+    from trainer_svc.sync_link import _closed_by_peer
+
+    ours, theirs = socket.socketpair()
+    try:
+        assert not _closed_by_peer(ours)
+        theirs.close()
+        assert _closed_by_peer(ours)
+        ours.close()
+        assert _closed_by_peer(ours)  # a socket closed here too
+    finally:
+        ours.close()
