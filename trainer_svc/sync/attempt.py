@@ -324,7 +324,7 @@ class SyncAttempt:
 
     def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
         if rid in self._on_stream:
-            return self._commit_channel.commit(rid, req)
+            return self._commit_channel.commit(rid, req, timeout=self.orch.rpc_timeout)
         return self.orch._call(self.by_id[rid], "CommitSync", req)
 
     def _linked(self, rid: str) -> bool:

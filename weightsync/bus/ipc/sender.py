@@ -146,24 +146,40 @@ class IpcStreamSender:
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
 
-    def commit(self, rid: str, request: rollout_pb2.CommitSyncRequest
+    def commit(self, rid: str, request: rollout_pb2.CommitSyncRequest, timeout: float | None = None
                ) -> tuple[rollout_pb2.CommitSyncResponse | None, str]:
         """Commit on `rid`'s stream after `flush`: (answer, "") or (None, error), as a CommitSync call.
 
-        Safe to call for different targets from different threads (each reads its own stream);
-        bounded by the stream's deadline, set when it was opened."""
+        Safe to call for different targets from different threads (each reads its own stream).
+        Bounded by `timeout` (the trainer's rpc_timeout_s, as a CommitSync call is: the stream is
+        cancelled when it passes) and in any case by the stream's deadline, set when it was opened."""
         st = self._live.get(rid)
         if st is None or rid not in self._commit_here:
             return None, self._failures.get(rid, f"no IpcBuckets stream open to {rid} for the commit")
+        expired = threading.Event()
+
+        def expire():
+            expired.set()
+            st.cancel()
+
+        timer = threading.Timer(timeout, expire) if timeout else None
         st.put(rollout_pb2.PushBucketRequest(sync_id=request.sync_id, commit=request))
         st.end()  # the commit is the stream's last message
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
             answer = next(st.responses, None)
             if answer is None or not answer.HasField("commit"):
                 return None, "IpcBuckets ended without answering the commit"
             next(st.responses, None)  # the rollout's end of the stream (it ends right after the answer)
         except grpc.RpcError as exc:
+            if expired.is_set():
+                return None, f"DEADLINE_EXCEEDED: IpcBuckets: the commit was not answered within {timeout:.1f}s"
             return None, describe(exc)
+        finally:
+            if timer is not None:
+                timer.cancel()
         return answer.commit, ""
 
     def _await(self, index: int) -> None:

@@ -1,4 +1,8 @@
 """The trainer's end of CUDA IPC: the session's GPU check and the IpcBuckets stream, with fakes for the GPU and the stream."""
+import queue
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -212,3 +216,46 @@ def test_targets_that_commit_elsewhere_have_their_stream_ended_at_flush_and_its_
     assert ends_read == ["plain"] and sender.failures() == {}
     sender.close()
     assert ends_read == ["plain", "linked"]
+
+
+class _HangingCall:
+    """An IpcBuckets call whose rollout acknowledges buckets but never answers the commit; cancel
+    ends it the way grpc does (the blocked read raises CANCELLED)."""
+
+    def __init__(self, requests):
+        self._requests, self._out = requests, queue.Queue()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        for req in self._requests:
+            if not req.HasField("commit"):
+                self._out.put(rollout_pb2.PushBucketResponse(index=req.index))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._out.get(timeout=30)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self._out.put(_RpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+
+
+def test_a_commit_on_the_stream_not_answered_within_the_timeout_fails_as_a_deadline():
+    metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(2)]
+    manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
+    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
+                    stream=lambda entry, method, requests, timeout: _HangingCall(requests),
+                    cache=HandleCache(_share_counting([])))
+    sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
+    sender.commit_on_stream(["r"])
+    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
+    t0 = time.monotonic()
+    resp, err = sender.commit("r", rollout_pb2.CommitSyncRequest(sync_id="s", version=4), timeout=0.2)
+    assert resp is None and err == "DEADLINE_EXCEEDED: IpcBuckets: the commit was not answered within 0.2s"
+    assert time.monotonic() - t0 < 5
+    sender.close()
