@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import torch
 
+from weightsync.bus.tcp.wire import HELLO_MAGIC
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.local.bus_links import SenderLinks, close_sockets
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -144,7 +145,11 @@ class MixedWeightChecker:
 
 class BusProxy:
     """Forwards TCP connections listen_host:port -> target; after `after_bytes` (trainer→rollout) it can cut,
-    stall (forward nothing, hold both sockets open) or go slow (forward at `rate` bytes/s, a slow link)."""
+    stall (forward nothing, hold both sockets open) or go slow (forward at `rate` bytes/s, a slow link).
+
+    Only weight-bus connections (those that open with the bus hello) are shaped and counted in
+    `connections`; the sync link, which shares the rollout's data port, always passes. A connection
+    the target refuses (the rollout is down) is closed, as a real proxy does."""
 
     def __init__(self, listen_host: str, listen_port: int, target: tuple[str, int]):
         self.target = target
@@ -173,30 +178,48 @@ class BusProxy:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            self.connections += 1
+            threading.Thread(target=self._open, args=(c,), daemon=True).start()
+
+    def _open(self, c: socket.socket) -> None:
+        try:
+            c.settimeout(10)
+            magic = b""
+            while len(magic) < 4:  # which protocol: the bus hello's magic, or the sync link's
+                got = c.recv(4 - len(magic))
+                if not got:
+                    raise OSError("closed before its first bytes")
+                magic += got
+            c.settimeout(None)
             u = socket.create_connection(self.target, timeout=10)
             u.settimeout(None)
-            self._conns += [c, u]
-            threading.Thread(target=self._pump, args=(c, u, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c, False), daemon=True).start()
+            u.sendall(magic)
+        except OSError:
+            close_sockets((c,), shutdown=True)
+            return
+        bus = magic == HELLO_MAGIC
+        self.connections += bus
+        self._conns += [c, u]
+        threading.Thread(target=self._pump, args=(c, u, bus), daemon=True).start()
+        threading.Thread(target=self._pump, args=(u, c, False), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, shaped: bool) -> None:
+        """Forward src -> dst; `shaped`: a bus connection's trainer→rollout side, which the mode applies to."""
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
                 pace = self._pace
-                if downstream and pace is not None and self.forwarded + len(data) > self.after_bytes:
+                if shaped and pace is not None and self.forwarded + len(data) > self.after_bytes:
                     pace.take(0, len(data))
-                elif downstream and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
+                elif shaped and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
                     if self.mode == "cut":
                         break
                     while not self._closed:  # stall: hold both sockets open, forward nothing more
                         time.sleep(0.1)
                     return
                 dst.sendall(data)
-                if downstream:
+                if shaped:
                     self.forwarded += len(data)
         except OSError:
             pass
