@@ -231,3 +231,13 @@ def test_default_values_render_a_secret_backed_token():
     off = render({"auth": {"enabled": False}})
     assert not any(d["kind"] == "Secret" for d in off)
     assert all(f.get("insecure") is True and "auth_token_file" not in f for f in _config_files(off).values())
+
+
+def test_the_sync_link_can_be_turned_off_and_bounded_from_values():
+    docs = render({"trainer": {"config": {"sync_link": False}},
+                   "rollout": {"config": {"sync_link": False, "max_sync_links": 2}}})
+    files = _config_files(docs)
+    assert files["trainer"]["sync_link"] is False
+    assert files["rollout"]["sync_link"] is False and files["rollout"]["max_sync_links"] == 2
+    with pytest.raises(Exception, match="max_sync_links"):
+        render({"rollout": {"config": {"max_sync_links": 0}}})
