@@ -19,8 +19,11 @@ from weightsync.config import parse_host_port
 from weightsync.control.sync_link import (ACCEPTED, LINK_MAGIC, METHODS, NONCE_BYTES, NUMBER_OF, frame, link_mac,
                                           read_frame, recv_exact, status_code)
 
-#: a link that could not be opened is not tried again for this long (gRPC meanwhile)
+#: a link that could not be opened is not tried again for this long (gRPC meanwhile): it may be
+#: black-holed (each try costs the connect timeout) or refuse the token
 RETRY_AFTER_S = 60.0
+#: ... unless the connection was refused: the rollout is down (restarting), a try costs nothing
+RETRY_REFUSED_S = 1.0
 _CONNECT_TIMEOUT_S = 2.0
 
 
@@ -88,7 +91,8 @@ class SyncLinkClient:
         try:
             self._sock = self._connect(deadline)
         except (OSError, TransportError, TimeoutError) as exc:
-            self.retry_at = time.monotonic() + RETRY_AFTER_S
+            wait = RETRY_REFUSED_S if isinstance(exc, ConnectionRefusedError) else RETRY_AFTER_S
+            self.retry_at = time.monotonic() + wait
             raise LinkDown(f"sync link to {self.address} could not be opened: {exc}") from None
         return self._sock
 

@@ -24,7 +24,7 @@ from trainer_svc.export_format import PLAIN, ExportFormat
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync_link import RETRY_AFTER_S, LinkDown
+from trainer_svc.sync_link import LinkDown
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.ipc.sender import IpcSender
 from weightsync.bus.nccl.sender import NcclSender
@@ -255,7 +255,8 @@ class SyncOrchestrator:
             try:
                 resp, err = link.call(method, request, self.rpc_timeout)
             except LinkDown as exc:
-                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method, RETRY_AFTER_S)
+                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method,
+                            max(0.0, link.retry_at - time.monotonic()))
             else:
                 self.metrics.calls.labels("trainer", method, "link").inc()
                 self._learn_link(entry, method, resp)

@@ -221,3 +221,17 @@ def test_an_idle_link_counts_as_closed_once_the_rollout_closed_its_end():
         assert _closed_by_peer(ours)  # a socket closed here too
     finally:
         ours.close()
+
+
+def test_a_refused_connection_is_retried_within_a_second_a_refused_handshake_after_a_minute(fleet):
+    _, rollouts, _ = fleet
+    with socket.socket() as s:  # a port nobody listens on: the rollout is down
+        s.bind(("127.0.0.1", 0))
+        down = SyncLinkClient(f"127.0.0.1:{s.getsockname()[1]}", TOKEN)
+    with pytest.raises(LinkDown, match="could not be opened"):
+        down.call("AbortSync", rollout_pb2.AbortSyncRequest(), 5)
+    assert 0 < down.retry_at - time.monotonic() <= 1.0
+    wrong = SyncLinkClient(rollouts["a"].servicer.sync_link, "wrong-token")
+    with pytest.raises(LinkDown):
+        wrong.call("AbortSync", rollout_pb2.AbortSyncRequest(), 5)
+    assert wrong.retry_at - time.monotonic() > 30
