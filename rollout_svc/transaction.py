@@ -253,18 +253,20 @@ class SyncTransaction:
         (weightsync/bus/verified_copy.py): staged mode copies the bucket whole and checks it before
         anything enters the staging copy; inplace mode writes straight into the engine's parameters
         and checks after, except for a sync's first bucket, which is checked before the engine is
-        touched, so that a bad first bucket still leaves the old version serving, as before.
+        touched, so that a bad first bucket still leaves the old version serving, as before (then
+        copied in the same way, its copy's sum checked once more).
         `defer_check` (the sender keeps `buf` unchanged until the sync ends): the copy is queued and
         its checksum read at commit, so a caller on a GPU need not wait for it; a mismatch then
         aborts the sync at commit, with the same outcome as at receipt (staged: the old version
         keeps serving; inplace: STALE). Returns whether it did defer: only then does the commit
-        wait for this bucket's copies, and otherwise the caller must (no checksums, the engine's
-        own loader, the first inplace bucket)."""
+        wait for this bucket's copies, and otherwise the caller must (no checksums, or the engine's
+        own loader)."""
         p = self._require(sync_id)
         p.admit(index)
         plan = p.manifest.buckets[index]
         checked = bool(p.manifest.checksum_algo)
         ours = None
+        deferred = False  # a copy of this bucket was left queued, its checksum read at commit
         if self.apply_mode == "staged":
             if checked:
                 flat, ours = copy_bucket(plan, buf, wait=not defer_check)
@@ -290,15 +292,22 @@ class SyncTransaction:
                 if self._left_behind(p):
                     raise SyncError(f"sync {sync_id} was aborted: {p.error or 'superseded'}")
                 p.applied_any = True
-                direct = self._direct_params(plan, p) if checked and ours is None else None
+                direct = self._direct_params(plan, p) if checked else None
                 if direct is not None:
                     # Already in the parameters when the check runs: a mismatch aborts the sync, and
                     # since buckets were applied the engine is STALE until a complete sync commits.
-                    ours = copy_into(plan, buf, direct, wait=not defer_check)
-                    if ours is None:  # declined (a parameter not laid out for it): the engine loads
+                    # (The first bucket, checked above, takes the same one-launch copy rather than
+                    # the engine's per-tensor loader; its copy's sum is checked once more.)
+                    copied = copy_into(plan, buf, direct, wait=not defer_check)
+                    if copied is None:  # declined (a parameter not laid out for it): the engine loads
                         direct = None
                     elif defer_check:
-                        p.defer(index, ours, sender_checksum)
+                        p.defer(index, copied, sender_checksum)
+                        deferred = True
+                    elif ours is not None:
+                        _verify(index, copied, sender_checksum)
+                    if ours is None and copied is not None:
+                        ours = copied
                 if checked and ours is None:
                     ours = bucket_checksum(buf[:plan.nbytes])
                 if not isinstance(ours, PendingChecksum):
@@ -311,7 +320,7 @@ class SyncTransaction:
                     else:
                         self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.record(index, ours)
-        return isinstance(ours, PendingChecksum)
+        return isinstance(ours, PendingChecksum) or deferred
 
     def _direct_params(self, plan, p: _Pending) -> list[torch.Tensor] | None:
         """The engine's parameters that bucket `plan` can be written into byte for byte, or None."""
