@@ -19,6 +19,11 @@ def test_store_flags_raised_by_one_rank_are_seen_by_another_per_sync():
     rank0, rank1 = StoreFlags(dist.PrefixStore("default_pg", master)), StoreFlags(dist.PrefixStore("default_pg", client))
     assert rank1.raised("v3-a") == ""
     rank0.raise_flag("v3-a", "rollout r1 became unreachable during the stream")
+    # A read on another connection right after the set may not see it yet (this test flaked in CI
+    # reading it at once): the ranks poll, and so does the test.
+    deadline = time.monotonic() + 5
+    while not rank1.raised("v3-a") and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert rank1.raised("v3-a") == "rollout r1 became unreachable during the stream"
     assert rank1.raised("v3-b") == ""  # another sync's flag is its own
 
