@@ -272,6 +272,7 @@ class SyncTransaction:
                 flat, ours = copy_bucket(plan, buf, wait=not defer_check)
                 if defer_check:
                     p.defer(index, ours, sender_checksum)
+                    deferred = True
                 else:
                     _verify(index, ours, sender_checksum)
                 staged = dict(unpack_bucket(plan, flat))  # views of this sync's own copy
@@ -304,9 +305,9 @@ class SyncTransaction:
                     elif defer_check:
                         p.defer(index, copied, sender_checksum)
                         deferred = True
-                    elif ours is not None:
+                    else:
                         _verify(index, copied, sender_checksum)
-                    if ours is None and copied is not None:
+                    if ours is None:
                         ours = copied
                 if checked and ours is None:
                     ours = bucket_checksum(buf[:plan.nbytes])
@@ -320,7 +321,7 @@ class SyncTransaction:
                     else:
                         self.engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
         p.record(index, ours)
-        return isinstance(ours, PendingChecksum) or deferred
+        return deferred
 
     def _direct_params(self, plan, p: _Pending) -> list[torch.Tensor] | None:
         """The engine's parameters that bucket `plan` can be written into byte for byte, or None."""

@@ -328,8 +328,7 @@ class SyncAttempt:
         return self.orch._call(self.by_id[rid], "CommitSync", req)
 
     def _linked(self, rid: str) -> bool:
-        link = self.by_id[rid].link
-        return bool(getattr(self.orch, "sync_link", False)) and link is not None and link.usable()
+        return self.orch.link_of(self.by_id[rid]) is not None
 
     def abort_failed(self) -> None:
         """AbortSync on every target that did not commit, so none is left holding a prepared sync."""

@@ -24,7 +24,7 @@ from trainer_svc.export_format import PLAIN, ExportFormat
 from trainer_svc.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync_link import LinkDown
+from trainer_svc.sync_link import LinkDown, SyncLinkClient
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.ipc.sender import IpcSender
 from weightsync.bus.nccl.sender import NcclSender
@@ -250,8 +250,8 @@ class SyncOrchestrator:
     def _call(self, entry: RolloutEntry, method: str, request):
         """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
         (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC."""
-        link = entry.link if self.sync_link and method in LINK_METHODS else None
-        if link is not None and link.usable():
+        link = self.link_of(entry) if method in LINK_METHODS else None
+        if link is not None:
             try:
                 resp, err = link.call(method, request, self.rpc_timeout)
             except LinkDown as exc:
@@ -270,6 +270,11 @@ class SyncOrchestrator:
                 self.metrics.calls.labels("trainer", method, "grpc").inc()
         self._learn_link(entry, method, resp)
         return resp, ""
+
+    def link_of(self, entry: RolloutEntry) -> SyncLinkClient | None:
+        """The sync link `entry`'s next PrepareSync / CommitSync / AbortSync takes; None: gRPC."""
+        link = entry.link if self.sync_link else None
+        return link if link is not None and link.usable() else None
 
     def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
         # only an accepted prepare names the link (a manifest_needed answer is not one)

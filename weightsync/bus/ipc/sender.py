@@ -11,8 +11,8 @@ long as the trainer and are shared once (HandleCache); the rollout maps each onc
 from __future__ import annotations
 
 import queue
-import threading
 import socket
+import threading
 from collections.abc import Callable, Iterator
 
 import grpc
