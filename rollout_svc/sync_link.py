@@ -96,10 +96,10 @@ class SyncLinkServer:
         except (OSError, TimeoutError, ValueError) as exc:  # the peer went away or broke the protocol
             log.info("sync link from %s dropped: %s", peer, exc)
         finally:
-            with self._lock:
-                self._open.discard(conn)
             conn.close()
             self._slots.release()
+            with self._lock:  # last: while a link is listed open, its slot is still taken
+                self._open.discard(conn)
 
     def _authenticate(self, conn: socket.socket, peer) -> bool:
         nonce = os.urandom(NONCE_BYTES)
