@@ -8,5 +8,6 @@ set -euo pipefail
 OUTDIR=${OUTDIR:-runs/demo}
 mkdir -p "$OUTDIR"
 python -m weightsync.demo --workdir "$OUTDIR/sync"
-python -m weightsync.rl --steps 20 --backend megatron --workdir "$OUTDIR/rl" --plot "$OUTDIR/rl.png" "$@"
+python -m weightsync.rl --steps 20 --backend megatron --workdir "$OUTDIR/rl" --plot "$OUTDIR/rl.png" \
+    --require-learning 0.3 "$@"
 echo "plot: $OUTDIR/rl.png   logs: $OUTDIR"

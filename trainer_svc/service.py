@@ -133,7 +133,7 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load_weights: {exc}")
         finally:
             self.actor_lock.release()
-        return trainer_pb2.LoadWeightsResponse(version=self.actor.version)
+        return trainer_pb2.LoadWeightsResponse(version=self.actor.version, hf_path=hf_path)
 
     def ExportHf(self, request, context):
         out_dir = self._resolve(context, "out_dir", request.out_dir)
@@ -147,4 +147,4 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"export_hf: {exc}")
         finally:
             self.actor_lock.release()
-        return trainer_pb2.ExportHfResponse(out_dir=request.out_dir, version=self.actor.version, num_tensors=n)
+        return trainer_pb2.ExportHfResponse(out_dir=out_dir, version=self.actor.version, num_tensors=n)

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None)
     ns = p.parse_args(argv)
-    workdir = ns.workdir or Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
+    # Absolute: the trainer takes this as its data root, and the export/load paths below are handed
+    # to it over gRPC, where a relative path would be resolved again under that root.
+    workdir = (ns.workdir or Path(tempfile.mkdtemp(prefix="weightsync-demo-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     return run(ns.backend, ns.model, ns.rounds, workdir)
 

@@ -121,7 +121,7 @@ def _env() -> dict:
 def start_trainer(workdir: Path, *args: str, nproc: int = 1, name: str = "trainer") -> Proc:
     gp, hp = free_port(), free_port()
     log = workdir / f"{name}.log"
-    root = () if "--data-root" in args else ("--data-root", tempfile.gettempdir())
+    root = () if "--data-root" in args else ("--data-root", os.path.realpath(tempfile.gettempdir()))
     cmd = [sys.executable, "-m", "trainer_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
            "--http-address", f"127.0.0.1:{hp}", *root, *args]
     if nproc > 1:

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-address", default="", help="use a running trainer instead of starting one")
     p.add_argument("--rollout-addresses", default="", help="comma-separated running rollouts")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--require-learning", type=float, default=None, metavar="MARGIN",
+                   help="exit 1 unless the mean reward of the last fifth of the steps exceeds that of the first "
+                        "fifth by at least MARGIN (the main job's check that synced weights reach the rollouts)")
     return p
 
 
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.rl.reward import load_reward
     from weightsync.rl.tasks import make_task
 
-    workdir = ns.workdir or Path(tempfile.mkdtemp(prefix="weightsync-rl-"))
+    workdir = (ns.workdir or Path(tempfile.mkdtemp(prefix="weightsync-rl-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     if ns.checkpoint_dir:
         # absolute: the trainer takes a relative SaveCheckpoint path from its data root, not our cwd
@@ -137,7 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         last = sum(r.reward_mean for r in records[-k:]) / k
         print(f"reward: first {k} steps {first:.3f} → last {k} steps {last:.3f} (chance {task.chance_reward:.3f}); "
               f"{len(records)} steps in {wall:.1f}s; plot {png}")
-        return 0
+        if ns.require_learning is None:
+            return 0
+        if last - first >= ns.require_learning:
+            print(f"PASS: reward rose by {last - first:.3f} (required {ns.require_learning:.3f})")
+            return 0
+        print(f"FAIL: reward rose by {last - first:.3f}, less than the required {ns.require_learning:.3f}; "
+              f"logs in {workdir}")
+        return 1
     finally:
         for p in reversed(procs):
             p.stop()

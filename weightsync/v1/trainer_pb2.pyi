@@ -185,10 +185,12 @@ class LoadWeightsRequest(_message.Message):
     def __init__(self, hf_path: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "hf_path")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HF_PATH_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    hf_path: str
+    def __init__(self, version: _Optional[int] = ..., hf_path: _Optional[str] = ...) -> None: ...
 
 class ExportHfRequest(_message.Message):
     __slots__ = ("out_dir",)

@@ -20,6 +20,13 @@ from weightsync.v1 import rollout_pb2, trainer_pb2
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
+# `load` and `export` act on the trainer's filesystem, which may be another host's: a path is sent
+# as written, so a relative one cannot mean this shell's working directory.
+PATHS_HELP = ("paths (load, export): a directory on the trainer's host, absolute or relative to the trainer's\n"
+              "--data-root (which defaults to the trainer's working directory), never to this shell's;\n"
+              "it must lie under the data root or the trainer's checkpoint_dir. The reply names the\n"
+              "absolute path the trainer used.")
+
 
 def _state_name(num: int) -> str:
     return rollout_pb2.EngineState.Name(num) if num in rollout_pb2.EngineState.values() else str(num)
@@ -79,7 +86,8 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wsctl", description="weightsync admin client",
-                                epilog="exit codes: 0 ok, 1 operation failed, 2 usage, 3 trainer unreachable/refused")
+                                epilog=PATHS_HELP + "\n\nexit codes: 0 ok, 1 operation failed, 2 usage, 3 trainer unreachable/refused",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=os.environ.get("WSCTL_ADDRESS", "127.0.0.1:50051"),
                    help="trainer gRPC address (env WSCTL_ADDRESS)")
     p.add_argument("--token-file", default=os.environ.get("WSCTL_TOKEN_FILE", ""),
@@ -101,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "counted in weightsync_sync_rollbacks_total)")
     s.add_argument("--senders", choices=["all", "rank0"], default="",
                    help="override who streams: every rank that owns tensors (all) or global rank 0 alone")
-    lw = sub.add_parser("load", parents=[common], help="load an HF safetensors directory into the trainer (bumps its version)")
-    lw.add_argument("path")
-    ex = sub.add_parser("export", parents=[common], help="write the trainer's exported HF tensors to a directory on the trainer host")
-    ex.add_argument("out_dir")
+    lw = sub.add_parser("load", parents=[common], epilog=PATHS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="load an HF safetensors directory into the trainer (bumps its version)")
+    lw.add_argument("path", help="on the trainer's host: absolute, or relative to its --data-root")
+    ex = sub.add_parser("export", parents=[common], epilog=PATHS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="write the trainer's exported HF tensors to a directory on the trainer host")
+    ex.add_argument("out_dir", help="on the trainer's host: absolute, or relative to its --data-root")
     return p
 
 
@@ -147,7 +157,8 @@ def _main(argv: list[str] | None) -> int:
                 return EXIT_OK if rep.ok else EXIT_FAILED
             if ns.command == "load":
                 resp = stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path=ns.path))
-                print(json.dumps(_as_dict(resp))) if ns.json else print(f"trainer now at version {resp.version}")
+                print(json.dumps(_as_dict(resp))) if ns.json else print(
+                    f"loaded {resp.hf_path}: trainer now at version {resp.version}")
                 return EXIT_OK
             if ns.command == "export":
                 resp = stub.ExportHf(trainer_pb2.ExportHfRequest(out_dir=ns.out_dir))
