@@ -46,7 +46,7 @@ def _perturb(src: Path, dst: Path, seed: int) -> None:
 
     g = torch.Generator().manual_seed(seed)
     state = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in load_file(str(src / "model.safetensors")).items()}
-    dst.mkdir(parents=True)
+    dst.mkdir(parents=True, exist_ok=True)  # a rerun of the demo writes over its own earlier round
     save_file(state, str(dst / "model.safetensors"))
     (dst / "config.json").write_text((src / "config.json").read_text())
 

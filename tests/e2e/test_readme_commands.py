@@ -5,8 +5,8 @@ this test (e.g. `wsctl ... sync --json`, which once failed because `--json` was 
 before the subcommand). They run in bash from the repository root on the README's own ports; only
 if one of those ports is taken on this machine are all four moved to free ports. The two `&`
 lines are started first and the rest run once both services answer, as a person would wait.
-The fresh-machine commands at the top (`./scripts/test.sh`, `./scripts/demo.sh`) are not run here:
-CI runs `./scripts/test.sh` itself (.ci/run), and it would be this very suite.
+The fresh-machine commands at the top run elsewhere: `./scripts/demo.sh` in tests/e2e/test_main_job.py,
+`./scripts/test.sh` as CI itself (.ci/run; here it would be this very suite).
 """
 from __future__ import annotations
 

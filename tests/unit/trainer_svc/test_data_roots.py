@@ -47,7 +47,8 @@ def test_export_outside_the_root_is_refused(trainer):
     # inside the root (absolute or relative to it) works
     resp = stub.ExportHf(trainer_pb2.ExportHfRequest(out_dir="exports/v1"))
     assert resp.num_tensors > 0 and (root / "exports" / "v1" / "config.json").is_file()
-    assert resp.out_dir == "exports/v1"
+    # the reply names where it landed: a relative path is taken from the data root, not the client's cwd
+    assert resp.out_dir == os.path.realpath(root / "exports" / "v1")
 
 
 def test_load_and_checkpoint_outside_the_root_are_refused(trainer):
@@ -58,4 +59,5 @@ def test_load_and_checkpoint_outside_the_root_are_refused(trainer):
     assert not (base / "ckpt").exists()
     stub.ExportHf(trainer_pb2.ExportHfRequest(out_dir=str(root / "w")))
     v = app.actor.version
-    assert stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path="w")).version == v + 1
+    resp = stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path="w"))
+    assert resp.version == v + 1 and resp.hf_path == os.path.realpath(root / "w")
