@@ -232,24 +232,87 @@ def test_bucket_over_max_bucket_mb_is_refused():
         app.stop()
 
 
-def test_bus_connections_are_capped(rollout):
-    """max_bus_connections=2: a third idle connection is closed at once, the first two are kept."""
-    socks = [socket.create_connection((rollout.data.host, rollout.data.port), timeout=5) for _ in range(2)]
+class _Trickler:
+    """An unauthenticated bus peer from another loopback address that sends the start of a valid hello
+    one byte at a time, `every` seconds apart, until the rollout closes the connection."""
+
+    def __init__(self, address, every: float, source: str = "127.0.0.2"):
+        from weightsync.bus.tcp.wire import hello_frame
+
+        self.sock = socket.create_connection(address, timeout=5, source_address=(source, 0))
+        self.payload = hello_frame("v1-attack", 0, b"\0" * 32)
+        self.every = every
+        self.closed_at: float | None = None
+        self.opened_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        for b in self.payload:
+            try:
+                self.sock.send(bytes([b]))
+                self.sock.settimeout(self.every)
+                if self.sock.recv(1) == b"":
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        self.closed_at = time.monotonic()
+
+    def wait_closed(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        return None if self.closed_at is None else self.closed_at - self.opened_at
+
+    def close(self):
+        self.sock.close()
+
+
+def test_unauthenticated_peers_hold_no_stream_slot_and_a_sync_still_commits():
+    """8 peers trickling a hello (one byte per 0.5 s) while max_bus_connections=2: the trainer's sync
+    still streams and commits exactly (before, the idle peers held every slot and it failed at once)."""
+    from tests.support.fleet_sync import bump_and_sync_exactly
+
+    trainer = _trainer()
+    app = _rollout(trainer_address=trainer.grpc.address, max_bus_connections=2, rollout_id="r-slots")
+    tricklers = []
     try:
-        time.sleep(0.3)
-        extra = socket.create_connection((rollout.data.host, rollout.data.port), timeout=5)
-        extra.settimeout(3)
-        t0 = time.perf_counter()
-        assert extra.recv(1) == b""
-        assert time.perf_counter() - t0 < 2.0
-        extra.close()
-        for s in socks:
-            s.setblocking(False)
-            with pytest.raises(BlockingIOError):  # still open, waiting for a hello
-                s.recv(1)
+        deadline = time.monotonic() + 30
+        while "r-slots" not in [e.rollout_id for e in trainer.registry.all()] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tricklers = [_Trickler((app.data.host, app.data.port), every=0.5) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while app.data.handshakes.waiting() < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.data.handshakes.waiting() == 8
+        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
+        bump_and_sync_exactly(trainer, {"r-slots": app}, stub)
+        # a ninth from the same address is over its per-address handshake cap: closed at once
+        extra = _Trickler((app.data.host, app.data.port), every=0.2)
+        assert extra.wait_closed(3.0) is not None
+        assert all(t.closed_at is None for t in tricklers)  # the others still wait inside their deadline
     finally:
-        for s in socks:
-            s.close()
+        for t in tricklers:
+            t.close()
+        app.stop()
+        trainer.stop()
+
+
+def test_a_hello_must_arrive_within_one_total_deadline():
+    """hello_timeout bounds the whole handshake, not each recv: a peer that sends a byte every 0.2 s
+    (each recv well inside the timeout) is dropped about hello_timeout after it connected."""
+    from weightsync.bus.tcp.receiver import TcpReceiver
+
+    rx = TcpReceiver("127.0.0.1:0", transaction=None, token="tok", hello_timeout=1.5)
+    rx.start()
+    try:
+        t = _Trickler((rx.host, rx.port), every=0.2)
+        held = t.wait_closed(10.0)
+        t.close()
+        assert held is not None and 1.3 <= held <= 3.5, held
+        assert rx.handshakes.waiting() == 0
+    finally:
+        rx.stop()
 
 
 def test_a_manifest_with_more_senders_than_bus_connections_is_refused_at_prepare(rollout):

@@ -1,11 +1,13 @@
 """The rollout's end of TCP: a listener that authenticates the trainer's connection and feeds the pending sync.
 
-Nothing is allocated for a connection before its hello proves the token and names the sync
-prepared here: the hello is at most 294 bytes, and a bucket buffer is sized from the accepted
-manifest at the first matching frame header. At most `max_connections` connections are handled at
-once (one thread each); extra ones are closed at accept. A connection that opens with another
-protocol's magic instead of a hello is handed to that protocol (`other_protocols`: the rollout's
-sync link), which then holds none of these slots.
+Before its hello proves the token, a connection costs almost nothing and holds nothing a trainer
+needs: it waits in a *handshake* budget of its own (`max_handshakes` in all, at most
+`max_handshakes_per_address` from one address; more are closed at accept), and its magic and hello
+(at most 294 bytes) must arrive within `hello_timeout` seconds in total, however the peer spaces
+its bytes. Only an authenticated connection for the sync prepared here takes one of the
+`max_connections` stream slots (one thread each), and a bucket buffer is sized from the accepted
+manifest at its first frame header. A connection that opens with another protocol's magic is
+handed to that protocol (`other_protocols`: the rollout's sync link), which bounds its own.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello, recv_magic
@@ -21,14 +24,44 @@ from weightsync.config import parse_host_port
 log = logging.getLogger(__name__)
 
 
+class HandshakeBudget:
+    """Connections not yet authenticated: a total cap and a cap per peer address."""
+
+    def __init__(self, total: int, per_address: int):
+        self.total, self.per_address = total, per_address
+        self._lock = threading.Lock()
+        self._by_address: dict[str, int] = {}
+
+    def enter(self, address: str) -> bool:
+        with self._lock:
+            if sum(self._by_address.values()) >= self.total or self._by_address.get(address, 0) >= self.per_address:
+                return False
+            self._by_address[address] = self._by_address.get(address, 0) + 1
+            return True
+
+    def leave(self, address: str) -> None:
+        with self._lock:
+            left = self._by_address[address] - 1
+            if left:
+                self._by_address[address] = left
+            else:
+                del self._by_address[address]
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(self._by_address.values())
+
+
 class TcpReceiver:
-    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0, max_connections: int = 8):
+    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0, max_connections: int = 8,
+                 max_handshakes: int = 64, max_handshakes_per_address: int = 8):
         host, port = parse_host_port("data_address", address)
         self.tx = transaction
         self.token = token
         self.hello_timeout = hello_timeout
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.handshakes = HandshakeBudget(max_handshakes, max_handshakes_per_address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         # A restarted rollout binds its data port again while the connections its predecessor closed
@@ -56,42 +89,33 @@ class TcpReceiver:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                log.warning("bus connection from %s refused: %d connections already open (max_bus_connections)",
-                            peer, self.max_connections)
+            address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            if not self.handshakes.enter(address):
+                log.warning("bus connection from %s refused: too many unauthenticated connections (%d waiting; at "
+                            "most %d from one address)", peer, self.handshakes.waiting(), self.handshakes.per_address)
                 conn.close()
                 continue
-            threading.Thread(target=self._handle_slot, args=(conn, peer), name="bus-recv", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(conn, peer, address), name="bus-hello", daemon=True).start()
 
-    def _handle_slot(self, conn: socket.socket, peer) -> None:
-        released = False
+    def _handshake(self, conn: socket.socket, peer, address: str) -> None:
+        """Read the first bytes under the handshake budget, then hand the connection on."""
+        deadline = time.monotonic() + self.hello_timeout
         try:
-            try:
-                conn.settimeout(self.hello_timeout)
-                magic = recv_magic(conn)
-            except Exception as exc:
-                log.warning("bus connection from %s rejected: %s", peer, exc)
-                conn.close()
-                return
+            magic = recv_magic(conn, deadline)
             serve = self.other_protocols.get(magic)
-            if serve is None:
-                self._handle(conn, peer, magic)
-                return
-            # a long-lived connection of another protocol holds none of the bus's slots
-            self._slots.release()
-            released = True
-            serve(conn, peer)
-        finally:
-            if not released:
-                self._slots.release()
-
-    def _handle(self, conn: socket.socket, peer, magic: bytes) -> None:
-        try:
-            sync_id, sender, mac = read_hello(conn, self.hello_timeout, magic)
+            hello = None if serve is not None else read_hello(conn, deadline, magic)
         except Exception as exc:
             log.warning("bus connection from %s rejected: %s", peer, exc)
             conn.close()
             return
+        finally:
+            self.handshakes.leave(address)
+        if serve is not None:
+            serve(conn, peer)
+        else:
+            self._stream(conn, peer, *hello)
+
+    def _stream(self, conn: socket.socket, peer, sync_id: str, sender: int, mac: bytes) -> None:
         if not hmac.compare_digest(mac, hello_mac(self.token, sync_id, sender)):
             log.warning("bus connection from %s rejected: bad token for sync %s (sender %d)", peer, sync_id, sender)
             conn.close()
@@ -100,7 +124,15 @@ class TcpReceiver:
             log.warning("bus connection from %s for sync %s, which is not prepared here", peer, sync_id)
             conn.close()
             return
-        self.tx.run_receiver(sync_id, TcpBucketReceiver(conn), sender)
+        if not self._slots.acquire(blocking=False):
+            log.warning("bus connection from %s for sync %s refused: %d streams already open (max_bus_connections)",
+                        peer, sync_id, self.max_connections)
+            conn.close()
+            return
+        try:
+            self.tx.run_receiver(sync_id, TcpBucketReceiver(conn), sender)
+        finally:
+            self._slots.release()
 
     def stop(self) -> None:
         self._closed = True

@@ -16,6 +16,7 @@ import hmac
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -41,38 +42,45 @@ def hello_frame(sync_id: str, sender: int, mac: bytes) -> bytes:
     return HELLO_MAGIC + struct.pack("<H", len(sid)) + sid + struct.pack("<I", sender) + mac
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view`; with a `deadline` (time.monotonic()) the whole read must end by then, however the
+    peer spaces its bytes (a socket timeout alone bounds each recv, not their sum)."""
     got = 0
     n = len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"peer sent {got} of {n} bytes before the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise TransportError(f"peer closed the connection after {got} of {n} bytes")
         got += k
 
 
-def read_hello(sock: socket.socket, timeout: float, magic: bytes | None = None) -> tuple[str, int, bytes]:
-    """(sync_id, sender rank, MAC) of a connection's hello (`magic`: its first 4 bytes, if already read)."""
-    sock.settimeout(timeout)
+def read_hello(sock: socket.socket, deadline: float, magic: bytes | None = None) -> tuple[str, int, bytes]:
+    """(sync_id, sender rank, MAC) of a connection's hello (`magic`: its first 4 bytes, if already read),
+    all of it received by `deadline` (time.monotonic())."""
     if magic is None:
-        magic = recv_magic(sock)
+        magic = recv_magic(sock, deadline)
     if magic != HELLO_MAGIC:
         raise TransportError(f"bad hello magic {magic!r}: not a weightsync bus peer")
     head = bytearray(2)
-    _recv_exact(sock, memoryview(head))
+    _recv_exact(sock, memoryview(head), deadline)
     (n,) = struct.unpack("<H", head)
     if not 0 < n <= _MAX_SYNC_ID:
         raise TransportError(f"hello sync_id length {n} out of range")
     rest = bytearray(n + 4 + 32)
-    _recv_exact(sock, memoryview(rest))
+    _recv_exact(sock, memoryview(rest), deadline)
     (sender,) = struct.unpack("<I", rest[n:n + 4])
     return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4:])
 
 
-def recv_magic(sock: socket.socket) -> bytes:
-    """A connection's first 4 bytes: a bus hello's or the sync link's magic."""
+def recv_magic(sock: socket.socket, deadline: float) -> bytes:
+    """A connection's first 4 bytes, by `deadline`: a bus hello's or the sync link's magic."""
     magic = bytearray(4)
-    _recv_exact(sock, memoryview(magic))
+    _recv_exact(sock, memoryview(magic), deadline)
     return bytes(magic)
 
 

@@ -28,7 +28,7 @@ class Listener:
 
     def _run(self):
         conn, _ = self.sock.accept()
-        sync_id, sender, mac = read_hello(conn, 5)
+        sync_id, sender, mac = read_hello(conn, time.monotonic() + 5)
         self.hello_ok = sender == 0 and mac == hello_mac(self.token, sync_id, sender)
         rx = TcpBucketReceiver(conn)
         try:
