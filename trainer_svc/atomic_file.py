@@ -3,6 +3,8 @@
 Exports and checkpoints are read by other processes (a rollout's LoadWeights, a resumed trainer)
 and may be overwritten in place; a process killed mid-write must leave the previous file intact.
 The bytes go to a temporary name beside the target (same filesystem) and are renamed over it.
+Every file is made 0600 before it appears: weights, optimizer state and configs are the trainer's
+alone (readers run as the same user).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     finally:
         if tmp.exists():  # the write failed: leave no stray partial file

@@ -28,8 +28,9 @@ class ConfigError(ValueError):
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, choices: Sequence[str] | None = None,
-          default_factory: Any = dataclasses.MISSING) -> Any:
-    meta = {"help": help, "choices": tuple(choices) if choices else None}
+          default_factory: Any = dataclasses.MISSING, secret: bool = False) -> Any:
+    """`secret`: settable from env, file or code but never a flag, so it never shows in a process list."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -182,6 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
     parser.add_argument("--config", dest="config_file", default=None,
                         help=f"YAML or JSON file of settings (env {env_prefix}_CONFIG); flags > env > file > defaults")
     for f, default in _leaves(cls):
+        if f.metadata.get("secret"):
+            continue
         tp, is_list = _base_type(f.type)
         help_text = f"{f.metadata.get('help', '')} (env {env_name(env_prefix, f.name)}; default {default!r})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}

@@ -26,8 +26,10 @@ class ServerConfig:
 @dataclass
 class AuthConfig:
     """The shared control-plane token."""
-    auth_token: str = field("", help="shared control-plane token; when set, every RPC must carry it "
-                                     "(use auth_token_file in Kubernetes)")
+    auth_token: str = field("", secret=True,
+                            help="shared control-plane token; when set, every RPC must carry it. Env or config file "
+                                 "only (never a flag, which any local user could read in the process list); "
+                                 "auth_token_file in Kubernetes")
     auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")
     insecure: bool = field(False, help="allow listening beyond loopback without a token (logged as a WARNING); "
                                        "without it a service with a non-loopback address and no token refuses to start")

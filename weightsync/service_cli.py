@@ -32,7 +32,9 @@ class Service:
     def build_parser(self) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog=self.prog, description=self.description)
         sub = parser.add_subparsers(dest="command", required=True)
-        add_arguments(sub.add_parser("serve", help=self.serve_help), self.config_cls, self.env_prefix)
+        # no abbreviations: `--auth-token X` would otherwise be taken as `--auth-token-file X`
+        serve = sub.add_parser("serve", help=self.serve_help, allow_abbrev=False)
+        add_arguments(serve, self.config_cls, self.env_prefix)
         for name, (help_text, _) in dict(self.tools).items():
             sub.add_parser(name, help=help_text, add_help=False)
         return parser

@@ -85,3 +85,19 @@ def test_load_megatron_checkpoint_flag_env_file_and_backend(tmp_path):
     assert _resolve(TrainerConfig, ["--config", str(f)]).checkpoint.load_megatron_checkpoint == "/ck/c"
     with pytest.raises(ConfigError, match="load_megatron_checkpoint needs backend=megatron"):
         _resolve(TrainerConfig, ["--backend", "hf", "--load-megatron-checkpoint", "/ck/a"])
+
+
+@pytest.mark.parametrize("cls, prefix", [(TrainerConfig, "WS_TRAINER"), (RolloutConfig, "WS_ROLLOUT")])
+def test_the_token_is_never_a_flag_but_env_and_file_set_it(cls, prefix, tmp_path):
+    """A flag's value is in every local user's process list: the token comes from env, file or auth_token_file."""
+    from trainer_svc.cli import SERVICE as TRAINER_CLI
+    from rollout_svc.cli import SERVICE as ROLLOUT_CLI
+
+    cli = TRAINER_CLI if cls is TrainerConfig else ROLLOUT_CLI
+    with pytest.raises(SystemExit) as ei:  # not even as an abbreviation of --auth-token-file
+        cli.build_parser().parse_args(["serve", "--auth-token", "s3cret"])
+    assert ei.value.code == 2
+    assert _resolve(cls, [], {f"{prefix}_AUTH_TOKEN": "from-env"}, prefix=prefix).auth.auth_token == "from-env"
+    f = tmp_path / "c.yaml"
+    f.write_text("auth: {auth_token: from-file}\n")
+    assert _resolve(cls, ["--config", str(f)], prefix=prefix).auth.auth_token == "from-file"

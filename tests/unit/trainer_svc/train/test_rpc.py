@@ -65,6 +65,9 @@ def test_step_logprobs_checkpoint_over_grpc(stub, tmp_path):
     ck = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=60)
     assert (ck.step, ck.version) == (1, 2) and ck.dir.endswith("step_00000001")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000001"
+    # model and optimizer state are the trainer's alone, like its exports
+    written = [tmp_path / "ckpt" / "latest", *(tmp_path / "ckpt" / "step_00000001").iterdir()]
+    assert written[1:] and {oct(f.stat().st_mode & 0o777) for f in written} == {"0o600"}
 
 
 def test_init_training_resumes_eagerly(monkeypatch, tmp_path):
