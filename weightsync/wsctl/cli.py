@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from weightsync import __version__
 from weightsync.control.client import channel, describe_rpc_error, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -93,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=os.environ.get("WSCTL_TOKEN_FILE", ""),
                    help="file with the control-plane token (env WSCTL_TOKEN_FILE; or WSCTL_TOKEN)")
     p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
-    p.add_argument("--json", action="store_true", help="machine-readable output (also accepted after the subcommand)")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output, errors included (also accepted after the subcommand)")
+    p.add_argument("--version", action="version", version=f"wsctl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     # `--json` on either side of the subcommand; SUPPRESS keeps a subcommand without it from
     # resetting what was given before it.
@@ -115,7 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", parents=[common], epilog=PATHS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                         help="write the trainer's exported HF tensors to a directory on the trainer host")
     ex.add_argument("out_dir", help="on the trainer's host: absolute, or relative to its --data-root")
+    co = sub.add_parser("completion", help="print a shell completion script: source <(wsctl completion bash)")
+    co.add_argument("shell", choices=["bash", "zsh"])
     return p
+
+
+def _fail(ns, exit_code: int, message: str, code: str = "") -> int:
+    """An error on stderr, or in --json mode as one JSON object on stdout (what a script parses)."""
+    if getattr(ns, "json", False):
+        print(json.dumps({"error": {"command": ns.command, "address": ns.address, "code": code, "message": message,
+                                    "exit_code": exit_code}}))
+    else:
+        print(f"wsctl: {message}", file=sys.stderr)
+    return exit_code
+
+
+NOTHING_TO_SYNC = ("nothing to sync: no rollout is registered with this trainer (a rollout registers itself when "
+                   "started with --trainer-address pointing here; `wsctl status` lists them)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,13 +154,17 @@ def _main(argv: list[str] | None) -> int:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
+    if ns.command == "completion":
+        from weightsync.wsctl.completion import script
+
+        print(script(build_parser(), ns.shell), end="")
+        return EXIT_OK
     token = os.environ.get("WSCTL_TOKEN", "")
     if ns.token_file:
         try:
             token = Path(ns.token_file).read_text().strip()
         except OSError as exc:
-            print(f"wsctl: --token-file {ns.token_file}: {exc.strerror}", file=sys.stderr)
-            return EXIT_USAGE
+            return _fail(ns, EXIT_USAGE, f"--token-file {ns.token_file}: {exc.strerror}", "USAGE")
     with channel(ns.address) as ch:
         stub = trainer_stub(ch, token, ns.timeout)
         try:
@@ -153,7 +176,15 @@ def _main(argv: list[str] | None) -> int:
                 rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ns.rollout, transport=ns.transport,
                                                         timeout_seconds=ns.sync_timeout, senders=ns.senders,
                                                         allow_rollback=ns.allow_rollback)).report
-                print(json.dumps(_as_dict(rep), indent=2)) if ns.json else print_report(rep)
+                if ns.json:
+                    out = _as_dict(rep)
+                    if not rep.rollouts:  # the report as always, and why it is empty
+                        out["error"] = {"code": "NO_ROLLOUTS", "message": NOTHING_TO_SYNC, "exit_code": EXIT_FAILED}
+                    print(json.dumps(out, indent=2))
+                elif rep.rollouts:
+                    print_report(rep)
+                else:
+                    print(f"wsctl: {NOTHING_TO_SYNC}", file=sys.stderr)
                 return EXIT_OK if rep.ok else EXIT_FAILED
             if ns.command == "load":
                 resp = stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path=ns.path))
@@ -166,11 +197,11 @@ def _main(argv: list[str] | None) -> int:
                     f"wrote {resp.num_tensors} tensors of version {resp.version} to {resp.out_dir}")
                 return EXIT_OK
         except grpc.RpcError as exc:
-            print(f"wsctl: {ns.command} against {ns.address} failed: {describe_rpc_error(exc)}", file=sys.stderr)
             code = exc.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                return EXIT_FAILED
-            return EXIT_UNREACHABLE
+            failed = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+            return _fail(ns, EXIT_FAILED if failed else EXIT_UNREACHABLE,
+                         f"{ns.command} against {ns.address} failed: {describe_rpc_error(exc)}",
+                         code.name if code is not None else "UNKNOWN")
     return EXIT_USAGE
 
 

@@ -41,6 +41,44 @@ def test_sync_json_after_the_subcommand(trainer, capsys):
     assert main(["--address", trainer.grpc.address, "sync", "--json"]) == EXIT_FAILED
     rep = json.loads(capsys.readouterr().out)
     assert rep["ok"] is False and rep["rollouts"] == []
+    assert rep["error"]["code"] == "NO_ROLLOUTS" and "no rollout is registered" in rep["error"]["message"]
+
+
+def test_nothing_to_sync_says_why(trainer, capsys):
+    assert main(["--address", trainer.grpc.address, "sync"]) == EXIT_FAILED
+    io = capsys.readouterr()
+    assert io.out == "" and "nothing to sync: no rollout is registered" in io.err, io
+
+
+def test_errors_are_json_in_json_mode(trainer, capsys):
+    assert main(["--address", trainer.grpc.address, "--json", "sync", "--rollout", "nope"]) == EXIT_FAILED
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["code"] == "NOT_FOUND" and "'nope' is not registered" in err["message"] and err["exit_code"] == 1
+    assert main(["--address", "127.0.0.1:1", "--timeout", "5", "status", "--json"]) == 3
+    assert json.loads(capsys.readouterr().out)["error"]["code"] in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    assert main(["--json", "--token-file", "/nonexistent/token", "status"]) == 2
+    assert "No such file" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_version(capsys):
+    from weightsync import __version__
+
+    assert main(["--version"]) == EXIT_OK
+    assert capsys.readouterr().out.strip() == f"wsctl {__version__}"
+
+
+def test_bash_completion_completes_subcommands_and_their_options(tmp_path):
+    (tmp_path / "c.sh").write_text(subprocess.run([sys.executable, "-m", "weightsync.wsctl.cli", "completion", "bash"],
+                                                  capture_output=True, text=True, check=True).stdout)
+
+    def complete(*words):
+        line = f'source {tmp_path / "c.sh"}; COMP_WORDS=(wsctl {" ".join(words)}); COMP_CWORD={len(words)}; ' \
+               '_wsctl; echo "${COMPREPLY[@]}"'
+        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, check=True).stdout.split()
+
+    assert set(complete("sy")) == {"sync"}
+    assert "--allow-rollback" in complete("sync", "--al") and complete("sync", "--tr") == ["--transport"]
+    assert complete("completion", "z") == ["zsh"]
 
 
 def test_plain_output_without_json(trainer, capsys):
