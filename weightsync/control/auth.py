@@ -1,6 +1,6 @@
 """Shared-token authentication for the control plane.
 
-The token comes from a flag, env or (in Kubernetes) a file mounted from a Secret. Clients send
+The token comes from env, a config file or (in Kubernetes) a file mounted from a Secret. Clients send
 it as `authorization: Bearer <token>` metadata; the server interceptor rejects calls without
 it (UNAUTHENTICATED) except the gRPC health service, which kubelet probes call unauthenticated.
 The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp.wire).
@@ -30,18 +30,25 @@ def load_token(token: str, token_file: str, field_prefix: str = "") -> str:
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Checks the token on the call's metadata, before any of its request is read.
+
+    A refused call is answered by a handler that takes the request as a stream and never reads
+    it: grpcio receives a unary request whole before a unary handler runs, so a unary refusal
+    would let any unauthenticated peer make the server buffer up to max_receive_message_length
+    (256 MiB) per call. The refusal only has to match the response shape (unary or streamed)."""
+
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):
+        def deny(request_iterator, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong control-plane token (wsctl --token-file / auth_token_file)")
 
         def deny_stream(request_iterator, context):
-            deny(None, context)
+            deny(request_iterator, context)
             yield  # never reached: a generator, as a streaming handler must be
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     def intercept_service(self, continuation, handler_call_details):
@@ -53,10 +60,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if len(values) == 1 and isinstance(values[0], str) and hmac.compare_digest(values[0].encode(), self._expected):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        # the refusal must have the method's shape, or grpc fails the call with a confusing error
-        if handler is not None and handler.request_streaming and handler.response_streaming:
-            return self._deny_stream
-        return self._deny
+        return self._deny_stream if handler is not None and handler.response_streaming else self._deny
 
 
 def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
