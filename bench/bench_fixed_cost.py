@@ -15,7 +15,7 @@ waited for the last bucket (part of the commit phase, but receive work, not fixe
 the floor of the prepare and commit phases (one RPC each), a GetStatus round trip on the same path
 and, over the link, an AbortSync of no sync.
 
-    OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results_fixed_cost_cpu.json
+    OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results/results_fixed_cost_cpu.json
 """
 from __future__ import annotations
 

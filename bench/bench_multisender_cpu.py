@@ -1,7 +1,7 @@
 """Multi-sender vs the rank-0 funnel, on one CPU machine, with each sender's link throttled.
 
 A torchrun megatron trainer (gloo, PP=`--pp`) and `--rollouts` rollouts run as real services. Each
-rollout's data port sits behind a LinkProxy (weightsync/local/bus_links.py) that paces every trainer
+rollout's data port sits behind a BusProxy (tests/support/bus_proxy.py) that paces every trainer
 rank's bytes to `--rate-mb` MB/s across all its connections, as if each rank had its own NIC of
 that speed. Then, in one run and alternating, `--reps` syncs of each kind through the same services:
 
@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
+from tests.support.bus_proxy import BusProxy, SenderLinks  # noqa: E402  (the test proxy: run from a checkout)
 from weightsync.control.client import channel, trainer_stub  # noqa: E402
-from weightsync.local.bus_links import LinkProxy, SenderLinks  # noqa: E402
 from weightsync.local.procs import free_port, start_rollout, start_trainer, wait_registered  # noqa: E402
 from weightsync.v1 import trainer_pb2  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> int:
     try:
         for i in range(args.rollouts):
             dport = free_port()
-            proxies.append(LinkProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
+            proxies.append(BusProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
             procs.append(start_rollout(work, "--model", str(work / "model"), "--trainer-address", trainer.address,
                                        "--data-address", f"127.0.0.1:{dport}", "--advertise-data-host",
                                        f"127.0.0.{2 + i}", name=f"r{i}"))

@@ -10,7 +10,7 @@ comparison, in this process:
   fed through a queue (as the IPC bucket stream is);
 - `socket`: a blocking TCP socket echo (the host's floor: two thread wake-ups per round trip).
 
-    OMP_NUM_THREADS=1 python bench/bench_rpc_floor.py --reps 2000 --out bench/results_rpc_floor.json
+    OMP_NUM_THREADS=1 python bench/bench_rpc_floor.py --reps 2000 --out bench/results/results_rpc_floor.json
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ device-to-device copy of the same bytes on the same GPU, in this process; ratio 
 Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
 the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
 
+Without --out a run is written to bench/results/results_services_<transport>_<UTC date and time>.json.
+
     python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
     python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
     python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
@@ -47,6 +49,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench import default_out  # noqa: E402
 from bench.bench_sync import raw_broadcast_seconds  # noqa: E402
 from bench.model_shapes import CONFIGS  # noqa: E402
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub, trainer_stub  # noqa: E402
@@ -219,10 +222,12 @@ def main() -> int:
     ap.add_argument("--sync-timeout", type=float, default=600.0, help="bound on one sync (s)")
     ap.add_argument("--sync-link", choices=("on", "off"), default="on",
                     help="off: the trainer sends PrepareSync / CommitSync as gRPC calls (the baseline of the sync link)")
-    ap.add_argument("--out", default="bench_services.json")
+    ap.add_argument("--out", default="",
+                    help="result JSON (default: bench/results/results_services_<transport>_<time>.json)")
     args = ap.parse_args()
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
     args.param_dtype = args.param_dtype or args.dtype
+    args.out = args.out or default_out(f"services_{args.transport}")
     args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
     models = [m for m in args.models.split(",") if m]
     export_dtypes = [d for d in args.export_dtypes.split(",") if d] or [args.dtype]

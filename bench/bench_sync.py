@@ -11,7 +11,7 @@ Two processes (trainer on cuda:0, engine on cuda:1) that share nothing but an nc
              handle, vs a device-to-device copy of the same bytes (the copy bound)
 and the trainer's peak extra memory during the bus sync vs 2 buckets + the largest tensor.
 
-    python bench/bench_sync.py --models 0.5b,7b,32b --out results.json
+    python bench/bench_sync.py --models 0.5b,7b,32b     # writes bench/results/results_sync_<UTC date and time>.json
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import default_out  # noqa: E402
 from bench.model_shapes import shapes  # noqa: E402
 from weightsync.bus.nccl import libnccl  # noqa: E402
 from weightsync.bus.checksum import ALGO, bucket_checksum  # noqa: E402
@@ -214,8 +215,9 @@ def main():
     p.add_argument("--ipc-buffers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers-32b", type=int, default=0, help="trim the 32B config to this many layers (0 = all 64)")
-    p.add_argument("--out", default="bench_sync.json")
+    p.add_argument("--out", default="", help="result JSON (default: bench/results/results_sync_<time>.json)")
     args = p.parse_args()
+    args.out = args.out or default_out("sync")
     args.models = args.models.split(",")
     args.bucket_mb = [int(x) for x in args.bucket_mb.split(",")]
     ctx = mp.get_context("spawn")

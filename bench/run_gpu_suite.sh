@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU work in steps that each fit one device call (10 minutes at most); output under $OUT.
+# GPU work in steps that each fit one device call (10 minutes at most); output under $OUT. The runs that
+# docs/BENCHMARKS.md cites are copied from there into bench/results/ (results_*.json, gpu_tests_*.txt).
 #
 #   STEP=tests-a bash bench/run_gpu_suite.sh   # GPU tests, first half (bus, services, IPC, multi-sender, FP8 sync)
 #   STEP=tests-b bash bench/run_gpu_suite.sh   # GPU tests, second half (megatron parity, torch_dist, FP8 kernels)

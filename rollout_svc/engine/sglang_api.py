@@ -1,7 +1,7 @@
 """Every piece of SGLang's API that the SGLang adapter touches, as data.
 
 The adapter (`sglang_engine`, `sglang_weights`) may use a SGLang class, method, keyword, request
-field or output key only if it is listed here. `tests/unit/engine_sglang` checks this table
+field or output key only if it is listed here. `tests/unit/rollout_svc/engine/sglang` checks this table
 against the real sglang wheels (parsed with `ast`, never imported) and checks that the adapter
 uses nothing outside it. This module imports nothing heavy: it is safe on any pod.
 

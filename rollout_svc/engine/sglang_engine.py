@@ -3,7 +3,7 @@
 Lifecycle and generation live here; the weight-update paths live in `sglang_weights` (read its
 docstring for the three paths, the NCCL rendezvous mismatch and what the trainer must serve).
 Everything this adapter calls in SGLang is declared in `sglang_api.SGLANG_API_USED` and checked
-against the real sglang wheels by tests/unit/engine_sglang; SGLang's own CPU Engine runs behind
+against the real sglang wheels by tests/unit/rollout_svc/engine/sglang; SGLang's own CPU Engine runs behind
 the adapter in the opt-in tests/sglang_exec/test_sglang_engine_cpu.py (it cannot run on the lent
 GPU hosts; see docs/sglang.md).
 

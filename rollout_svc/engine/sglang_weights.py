@@ -344,7 +344,7 @@ def serve_rendezvous(group: UpdateGroup, timeout_s: float = 600.0):
     the group exactly as SGLang's `init_custom_process_group` does for ranks >= 1, because torch's
     `_new_process_group_helper` nests further store prefixes ("<group>/", then "<device>/")
     under SGLang's `PrefixStore(group_name, ...)`; a hand-built TCPStore + ProcessGroupNCCL
-    would wait on different keys and time out (tests/unit/engine_sglang checks this on gloo
+    would wait on different keys and time out (tests/unit/rollout_svc/engine/sglang checks this on gloo
     against SGLang's own function). Trainer and SGLang should run the same torch minor so the
     c10d key layout agrees. The group is registered by name in torch's c10d registry; the
     default process group is neither needed nor touched.

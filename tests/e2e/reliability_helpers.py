@@ -1,9 +1,9 @@
-"""Helpers for the reliability e2e tests: a model big enough to interrupt, weight sets, RPC shortcuts,
-a Score checker that detects mixed weights, and a TCP proxy that can cut or stall the bus."""
+"""Helpers for the reliability e2e tests: a model big enough to interrupt, weight sets, RPC shortcuts
+and a Score checker that detects mixed weights. The proxy that cuts, stalls or paces the bus is
+tests.support.bus_proxy."""
 from __future__ import annotations
 
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -12,9 +12,7 @@ import grpc
 import numpy as np
 import torch
 
-from weightsync.bus.tcp.wire import HELLO_MAGIC
 from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.local.bus_links import SenderLinks, close_sockets
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3, 1000, 2047]
@@ -141,94 +139,6 @@ class MixedWeightChecker:
                 self.mismatches.append(f"{address} v{version}: max diff {(ref - logits).abs().max().item():.3g}")
             self.checked += 1
             self._stop.wait(self.pause_s)
-
-
-class BusProxy:
-    """Forwards TCP connections listen_host:port -> target; after `after_bytes` (trainer→rollout) it can cut,
-    stall (forward nothing, hold both sockets open) or go slow (forward at `rate` bytes/s, a slow link).
-
-    Only weight-bus connections (those that open with the bus hello) are shaped and counted in
-    `connections`; the sync link, which shares the rollout's data port, always passes. A connection
-    the target refuses (the rollout is down) is closed, as a real proxy does."""
-
-    def __init__(self, listen_host: str, listen_port: int, target: tuple[str, int]):
-        self.target = target
-        self.mode = "pass"  # pass | cut | stall | slow
-        self.after_bytes = 0
-        self._pace: SenderLinks | None = None  # slow mode: the paced links' own token bucket
-        self.forwarded = 0
-        self.connections = 0
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((listen_host, listen_port))
-        self.sock.listen(8)
-        self._closed = False
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def set(self, mode: str, after_bytes: int = 0, rate: float = 0.0) -> None:
-        if mode == "slow" and rate <= 0:
-            raise ValueError("slow mode needs rate > 0 (bytes/s)")
-        self._pace = SenderLinks(rate) if mode == "slow" else None
-        self.mode, self.after_bytes, self.forwarded = mode, after_bytes, 0
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._open, args=(c,), daemon=True).start()
-
-    def _open(self, c: socket.socket) -> None:
-        try:
-            c.settimeout(10)
-            magic = b""
-            while len(magic) < 4:  # which protocol: the bus hello's magic, or the sync link's
-                got = c.recv(4 - len(magic))
-                if not got:
-                    raise OSError("closed before its first bytes")
-                magic += got
-            c.settimeout(None)
-            u = socket.create_connection(self.target, timeout=10)
-            u.settimeout(None)
-            u.sendall(magic)
-        except OSError:
-            close_sockets((c,), shutdown=True)
-            return
-        bus = magic == HELLO_MAGIC
-        self.connections += bus
-        self._conns += [c, u]
-        threading.Thread(target=self._pump, args=(c, u, bus), daemon=True).start()
-        threading.Thread(target=self._pump, args=(u, c, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, shaped: bool) -> None:
-        """Forward src -> dst; `shaped`: a bus connection's trainer→rollout side, which the mode applies to."""
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                pace = self._pace
-                if shaped and pace is not None and self.forwarded + len(data) > self.after_bytes:
-                    pace.take(0, len(data))
-                elif shaped and self.mode != "pass" and self.forwarded + len(data) > self.after_bytes:
-                    if self.mode == "cut":
-                        break
-                    while not self._closed:  # stall: hold both sockets open, forward nothing more
-                        time.sleep(0.1)
-                    return
-                dst.sendall(data)
-                if shaped:
-                    self.forwarded += len(data)
-        except OSError:
-            pass
-        close_sockets((src, dst), shutdown=True)
-
-    def close(self) -> None:
-        self._closed = True
-        self.sock.close()
-        close_sockets(self._conns)
 
 
 def jitter(max_s: float) -> None:

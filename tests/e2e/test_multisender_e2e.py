@@ -1,7 +1,7 @@
 """Multi-sender streaming through the real services: a torchrun megatron trainer (gloo) whose
 pipeline stages (and expert-parallel leaders) each stream their own buckets to two rollouts over
-TCP. Each rollout's data port sits behind a LinkProxy, which sees which trainer rank sends on each
-connection and can cut one sender's link or fire a hook mid-stream.
+TCP. Each rollout's data port sits behind a BusProxy (tests.support.bus_proxy), which sees which trainer
+rank sends on each connection and can cut one sender's link or fire a hook mid-stream.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from reliability_helpers import MODEL_KW, rstub, score, status, sync_rpc, tstub, wait_for
-from weightsync.local.bus_links import LinkProxy, SenderLinks
+from tests.support.bus_proxy import BusProxy, SenderLinks
 from weightsync.local.procs import free_port, wait_registered, wsctl
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -35,7 +35,7 @@ def _fleet(procs, model: str, nproc: int, *trainer_args: str, rate: float | None
     for i in range(2):
         dport = free_port()
         # the rollout listens on 127.0.0.1 and advertises 127.0.0.(2+i), where its proxy listens
-        proxies.append(LinkProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
+        proxies.append(BusProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
         rollouts.append(procs.rollout("--model", model, "--init-seed", str(10 + i), "--trainer-address",
                                       trainer.address, "--data-address", f"127.0.0.1:{dport}",
                                       "--advertise-data-host", f"127.0.0.{2 + i}", name=f"r{i}"))

@@ -1,7 +1,7 @@
 """Multi-sender NCCL through the real services and processes: a torchrun megatron trainer (gloo)
 with PP=2 whose two stages each broadcast their own buckets on their own group to two rollout
 processes. CI has no GPU, so libnccl is replaced in every process by a gloo stand-in with the
-same interface (weightsync.local.gloo_nccl, selected by WEIGHTSYNC_NCCL_BUS); what runs is ours:
+same interface (tests.support.gloo_nccl, selected by WEIGHTSYNC_NCCL_BUS); what runs is ours:
 rank 0 planning a group per sender, the SendJob carrying each rank its group, every rank building
 and keeping its communicator, each rollout joining both groups and committing once both senders'
 buckets have arrived. The same paths on real NCCL: tests/gpu/test_multisender_gpu.py.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,11 +23,15 @@ from weightsync.local.procs import wait_registered
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def gloo_nccl(monkeypatch):
-    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "weightsync.local.gloo_nccl:GlooNcclBus")
+    """Every service process started by the test builds its NCCL groups over the gloo stand-in,
+    which it imports from the repository root (tests.support is not part of the product)."""
+    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "tests.support.gloo_nccl:GlooNcclBus")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def _fleet(procs, model: str):

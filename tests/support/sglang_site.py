@@ -32,7 +32,7 @@ import zipfile
 from pathlib import Path
 
 CACHE_DIR = Path(os.environ.get("WEIGHTSYNC_SGLANG_CACHE", Path.home() / ".cache" / "weightsync" / "sglang"))
-# Same tags as tests/unit/engine_sglang/contract.py: 0.5.2x ships cp311 manylinux wheels only.
+# Same tags as tests/unit/rollout_svc/engine/sglang/contract.py: 0.5.2x ships cp311 manylinux wheels only.
 _PIP_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
              "--platform", "manylinux_2_34_x86_64"]
 

@@ -1,8 +1,8 @@
 """Copy a received bucket out of the bus buffer and checksum it in the same pass.
 
-A rollout used to read every bucket twice: once for its `ws-sum64-v1` checksum, then again to
-copy each tensor out (into its staging copy, or into the engine's parameters) before the bus
-buffer is reused. Here every word is read once: the copy also accumulates the checksum's word
+Checksumming a bucket (`ws-sum64-v1`) and then copying each tensor out (into its staging copy, or
+into the engine's parameters) before the bus buffer is reused would read every word twice. Here
+every word is read once: the copy also accumulates the checksum's word
 sums (on CUDA one Triton kernel per bucket, checksum_cuda.scatter_word_sums). The sums are
 order-independent, so the tensors' sums plus those of the alignment gaps between them give exactly
 the value `bucket_checksum` gives for the whole buffer. Without that kernel (the CPU) each
@@ -11,7 +11,7 @@ tensor copied in one more: two reads of small buckets beat hundreds of per-regio
 339-tensor sync on the 2-core CPU: 1.1 ms commit instead of 8).
 
 Nothing here decides what a mismatch means: callers compare the returned checksum with the
-sender's, as before, and say what to do with bytes already copied.
+sender's and say what to do with bytes already copied.
 """
 from __future__ import annotations
 

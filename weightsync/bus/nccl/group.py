@@ -207,9 +207,12 @@ class CudaNcclBus:
 def default_bus():
     """The bus the services use when none is given: libnccl (CudaNcclBus).
 
-    WEIGHTSYNC_NCCL_BUS="module:attr" names a stand-in with the same interface instead. It exists
-    for the CPU test suite, which runs the multi-process NCCL paths (several trainer ranks, each
-    rollout process) over a gloo stand-in; a service logs loudly when it is set.
+    WEIGHTSYNC_NCCL_BUS="module:attr" names a stand-in with the same interface instead: the module
+    is imported from the process's path and `attr` called with no arguments. It exists for the CPU
+    test suite, which runs the multi-process NCCL paths (several trainer ranks, each rollout
+    process) over a gloo stand-in that lives with the tests (tests.support.gloo_nccl:GlooNcclBus);
+    the product ships no stand-in and imports no test code unless this names it. A service logs
+    loudly when it is set.
     """
     import importlib
     import logging

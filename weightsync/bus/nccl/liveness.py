@@ -129,8 +129,8 @@ def members_probe(members: dict, call: RpcCall, sync_id: str, wait_s: float = 1.
 class StoreFlags:
     """Per-sync abort flags on a store every trainer rank reaches (torch.distributed's own store of
     the trainer job): nothing new listens, and only the job's ranks can raise or read them. A read
-    on another rank's connection right after a set may not see it yet (seen in CI), so readers
-    poll (Watch) rather than read once."""
+    on another rank's connection right after a set may not see it yet, so readers poll (Watch)
+    rather than read once."""
 
     PREFIX = "weightsync/stream-abort/"
 

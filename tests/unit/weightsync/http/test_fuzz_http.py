@@ -1,6 +1,6 @@
 """Property-based fuzzing of the REST endpoints against real in-process services.
 
-Like tests/unit/control/test_fuzz_grpc.py for the gRPC handlers: every request, however malformed,
+Like tests/unit/weightsync/control/test_fuzz_grpc.py for the gRPC handlers: every request, however malformed,
 gets a deliberate answer: 2xx, or 4xx with a message (503 "busy" is deliberate too), never a 500
 (an unhandled exception) or a hang; the services keep serving afterwards. Values are drawn around
 the edges (NaN, inf, huge and negative numbers, lone surrogates, wrong types, unknown fields), with

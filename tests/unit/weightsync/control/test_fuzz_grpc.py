@@ -252,7 +252,7 @@ def test_out_of_range_sync_timeouts_are_rejected(servers, t):
 
 def test_a_multi_sender_manifest_is_refused_over_ipc(servers):
     """IPC shares one GPU's buckets; tcp (a connection per sender) and nccl (a group per sender:
-    tests/unit/bus/nccl/test_nccl_multisender_rollout.py) carry several senders'."""
+    tests/unit/weightsync/bus/nccl/test_nccl_multisender_rollout.py) carry several senders'."""
     trainer, rollout, _ = servers
     m = _real_manifest(trainer)
     assert len(m.buckets) > 1

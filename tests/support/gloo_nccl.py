@@ -6,8 +6,9 @@ This bus gives them the same shape on CPU: `new_unique_id` starts a TCPStore in 
 process (as ncclGetUniqueId starts NCCL's bootstrap root there) and returns its address; every
 rank's `open_group` rendezvous there and builds a gloo group (blocking until the whole world has
 joined, or timing out, as ncclCommInitRank); a bucket is a gloo broadcast from rank 0.
-Selected with WEIGHTSYNC_NCCL_BUS=weightsync.local.gloo_nccl:GlooNcclBus (tests only: loopback
-addresses, no authentication beyond the services' own). Real NCCL is exercised by tests/gpu.
+Selected with WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus, in processes that have the
+repository root on their path (tests only: loopback addresses, no authentication beyond the
+services' own). Real NCCL is exercised by tests/gpu.
 """
 from __future__ import annotations
 

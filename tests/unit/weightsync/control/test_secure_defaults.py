@@ -13,7 +13,7 @@ import pytest
 from weightsync.config import ConfigError
 from weightsync.control.exposure import check_exposure, is_loopback
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("[::1]", True),
