@@ -30,3 +30,14 @@ def test_a_broken_contract_fails_the_check(tmp_path):
                    'source_modules = ["weightsync.bus.pipeline"]\nforbidden_modules = ["weightsync.bus.plan"]\n')
     res = _lint_imports("--config", str(cfg))
     assert res.returncode != 0 and "deliberately broken BROKEN" in res.stdout, res.stdout[-2000:]
+
+
+def test_the_product_never_imports_the_tests():
+    """Test stand-ins live under tests/ (import-linter's root packages do not include it, so this
+    is checked here): the product may name a test module in an env hook, never import one."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import)\s+tests(\.|\s|$)", re.M)
+    offenders = [str(p.relative_to(REPO)) for pkg in ("weightsync", "trainer_svc", "rollout_svc")
+                 for p in (REPO / pkg).rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
