@@ -6,7 +6,7 @@ import signal
 import threading
 
 from rollout_svc.config import RolloutConfig
-from rollout_svc.http_api import rollout_router
+from rollout_svc.openai_api import Served, rollout_router
 from rollout_svc.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
@@ -39,7 +39,7 @@ class RolloutApp:
         self.metrics = SyncMetrics("rollout")
         self._ready = False
         self.http = serve_http(cfg.server.http_address, title="weightsync rollout-svc", registry=self.metrics.registry,
-                               ready=self._readiness)
+                               ready=self._readiness, token=token)
         from rollout_svc.engine.factory import make_engine
 
         self.engine = make_engine(cfg)
@@ -62,7 +62,10 @@ class RolloutApp:
         if cfg.bus.sync_link:
             self.data.other_protocols[LINK_MAGIC] = self.link.serve
             self.servicer.sync_link = self.servicer.data_address
-        self.http.include(rollout_router(self.servicer, token, cfg.inference.model))
+        hf = self.engine.hf_config() if hasattr(self.engine, "hf_config") else None
+        self.http.include(rollout_router(self.servicer, Served(
+            cfg.inference.model, version=lambda: self.tx.version, max_new_tokens=cfg.limits.max_new_tokens,
+            context_length=getattr(hf, "max_position_embeddings", None))))
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.servicer.device)
         if warm:

@@ -46,7 +46,7 @@ class TrainerApp:
         self.metrics = SyncMetrics("trainer")
         self.trainer_metrics = TrainerMetrics(self.metrics.registry)
         self.http = serve_http(cfg.server.http_address, title="weightsync trainer-svc", registry=self.metrics.registry,
-                               ready=self._readiness)
+                               ready=self._readiness, token=self.token)
         if actor is None:
             from trainer_svc.actor.factory import make_actor
 
@@ -69,7 +69,7 @@ class TrainerApp:
                                         cfg.fleet.auto_sync_new_rollouts,
                                         roots=DataRoots(cfg.checkpoint.data_root, cfg.checkpoint.checkpoint_dir))
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)
-        self.http.include(trainer_router(self.servicer, self.token))
+        self.http.include(trainer_router(self.servicer))
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.
         self.servicer.init_training(cfg)
         for addr in cfg.fleet.rollouts:

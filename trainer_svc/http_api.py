@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.http.auth import bearer_auth
 from weightsync.http.grpc_bridge import call
 from weightsync.http.types import Text
 from weightsync.v1 import trainer_pb2
@@ -38,8 +37,9 @@ _ERRORS = {400: {"description": "invalid option (the message names it)"},
            404: {"description": "unknown rollout id"}, 409: {"description": "another sync is running"}}
 
 
-def trainer_router(servicer, token: str) -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["admin"], dependencies=[Depends(bearer_auth(token))])
+def trainer_router(servicer) -> APIRouter:
+    """The token is checked before any route runs (weightsync/http/auth.py)."""
+    r = APIRouter(prefix="/v1", tags=["admin"])
 
     @r.get("/status", summary="trainer version, registered rollouts and their versions, the last sync report",
            responses={401: _ERRORS[401]})

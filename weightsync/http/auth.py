@@ -1,27 +1,53 @@
-"""Bearer-token check for the REST routes: the same token and comparison as the gRPC interceptor.
+"""Bearer-token check for the protected HTTP routes, as pure ASGI middleware.
 
-A request must carry exactly one `Authorization: Bearer <token>` header: several headers are refused
-rather than accepted when any of them matches. With no token configured the routes are open, as
-the gRPC API is.
+It runs on the request's headers alone, before any route, body parsing or validation: an
+unauthenticated request costs a header comparison, and its body is never read (the 401 closes the
+connection, so the unread body is not drained either). The token and the comparison are those of
+the gRPC interceptor. A request must carry exactly one `Authorization: Bearer <token>` header:
+several headers are refused rather than accepted when any of them matches. With no token
+configured every route is open, as the gRPC API is.
 """
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
-from fastapi import HTTPException, Request
+from weightsync.http.errors import error_bytes
+
+#: Route prefixes that need the token; probes, metrics and the schema stay open.
+PROTECTED_PREFIXES = ("/v1/",)
 
 
-def bearer_auth(token: str):
-    expected = f"Bearer {token}".encode()
+def is_protected(path: str, prefixes: Iterable[str] = PROTECTED_PREFIXES) -> bool:
+    return any(path.startswith(p) for p in prefixes)
 
-    def check(request: Request) -> None:
-        if not token:
-            return
-        values = request.headers.getlist("authorization")
-        if len(values) != 1 or not hmac.compare_digest(values[0].encode(), expected):
-            detail = ("send exactly one Authorization header" if len(values) > 1 else
-                      "missing or wrong control-plane token: send 'Authorization: Bearer <token>' "
-                      "(the token of auth_token / auth_token_file)")
-            raise HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
 
-    return check
+def auth_failure(header_values: list[bytes], expected: bytes) -> str | None:
+    """Why the request's Authorization headers do not authenticate it, or None when they do."""
+    if len(header_values) == 1 and hmac.compare_digest(header_values[0], expected):
+        return None
+    if len(header_values) > 1:
+        return "send exactly one Authorization header"
+    return ("missing or wrong token: send 'Authorization: Bearer <token>' "
+            "(the token of auth_token / auth_token_file; openai clients: api_key=<token>)")
+
+
+class BearerAuth:
+    def __init__(self, app, token: str, prefixes: Iterable[str] = PROTECTED_PREFIXES):
+        self.app, self.prefixes = app, tuple(prefixes)
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is None or scope["type"] != "http" or not is_protected(scope["path"], self.prefixes):
+            return await self.app(scope, receive, send)
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        why = auth_failure(values, self.expected)
+        if why is None:
+            return await self.app(scope, receive, send)
+        body = error_bytes(401, why, code="invalid_api_key")
+        # Connection: close: the server drops the connection after the answer instead of reading
+        # (and discarding) whatever body the client still sends.
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -3,7 +3,9 @@
 The socket is bound in the constructor so a port clash fails the service at start-up, in
 milliseconds and with the address in the message, instead of as a log line from a thread.
 Every wait on the way down is bounded: a request that does not finish within the grace period
-is cut off rather than holding the process.
+is cut off rather than holding the process. Every wait on a client is bounded too: its request's
+headers within `header_timeout_s` (weightsync/http/protocol.py), an idle keep-alive connection
+within `KEEP_ALIVE_S`, a body within the body deadline (weightsync/http/limits.py).
 """
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ from weightsync.config import parse_host_port
 
 log = logging.getLogger(__name__)
 
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5
+
 
 class HttpServer:
-    def __init__(self, address: str, app, grace_s: float = 2.0):
+    def __init__(self, address: str, app, grace_s: float = 2.0, header_timeout_s: float = HEADER_TIMEOUT_S):
         host, port = parse_host_port("http_address", address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -41,9 +46,14 @@ class HttpServer:
         app.state.stopping = self.stopping
         import uvicorn  # lazy: only the services need it, not wsctl
 
+        from weightsync.http.protocol import MAX_HEADER_BYTES, header_deadline_protocol
+
         # log_config=None keeps the service's own logging setup; access logs would log every probe.
+        # h11 with a header deadline, whatever else is installed (httptools would have none); no websockets.
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=KEEP_ALIVE_S,
+                                http=header_deadline_protocol(header_timeout_s), ws="none",
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
 

@@ -19,3 +19,10 @@ def http(port: int, path: str, body=None, method: str | None = None, headers=Non
             return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read().decode()
+
+
+def error_message(text: str) -> str:
+    """The message of an error answer, which is OpenAI's body `{"error": {"message", "type", "param", "code"}}`."""
+    err = json.loads(text)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err["message"]

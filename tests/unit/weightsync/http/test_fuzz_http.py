@@ -36,11 +36,8 @@ def _dumps(body) -> bytes:
 def _check(code: int, text: str, what) -> None:
     assert code < 500 or code == 503, f"{what}: {code} {text[:500]}"
     if code >= 400:
-        try:
-            detail = json.loads(text).get("detail")
-        except ValueError:
-            detail = text
-        assert detail and str(detail).strip(), f"{what}: {code} without a message"
+        err = json.loads(text)["error"]  # OpenAI's error body, for every error
+        assert err["message"].strip() and err["type"], f"{what}: {code} without a message"
 
 
 completion_body = st.fixed_dictionaries({}, optional={
@@ -55,7 +52,9 @@ completion_body = st.fixed_dictionaries({}, optional={
     "logprobs": st.one_of(st.integers(-3, 8), huge, json_leaf),
     "seed": st.one_of(st.integers(0, 2 ** 63 + 5), huge, json_leaf),
     "stop_token_ids": st.lists(st.integers(-(2 ** 70), 2 ** 70), max_size=3),
-    "stream": json_leaf, "echo": json_leaf, "model": json_leaf, "user": json_leaf,
+    "stream": json_leaf, "echo": json_leaf, "model": st.one_of(json_leaf, st.just("tiny-qwen2")), "user": json_leaf,
+    "stop": st.one_of(json_leaf, st.lists(weird_text, max_size=3)),
+    "stream_options": st.one_of(json_any, st.just({"include_usage": True})),
     "bogus": json_leaf,
 })
 
@@ -73,9 +72,15 @@ sync_body = st.fixed_dictionaries({}, optional={
 @given(body=st.one_of(completion_body, json_any))
 def test_fuzz_completions(services, body):
     _, rollout = services
-    code, _, text = http(rollout.http.port, "/v1/completions", raw=_dumps(body), headers=AUTH, timeout=30)
+    code, headers, text = http(rollout.http.port, "/v1/completions", raw=_dumps(body), headers=AUTH, timeout=30)
     _check(code, text, body)
-    if code == 200:
+    if code == 200 and headers["Content-Type"].startswith("text/event-stream"):  # stream: a lax true
+        events = [line[len("data: "):] for line in text.split("\n\n") if line]
+        assert events[-1] == "[DONE]" and len(events) > 2, text[:500]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["weight_version"] == rollout.tx.version for c in chunks)
+        assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    elif code == 200:
         out = json.loads(text)
         assert out["weight_version"] == rollout.tx.version and out["choices"]
 

@@ -1,0 +1,192 @@
+"""The OpenAI routes of a rollout: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+The token is checked before a route runs (weightsync/http/auth.py); errors are OpenAI's error body
+(weightsync/http/errors.py). Streams (`stream: true`) are sent once the whole answer exists: the
+engines have no per-token API, so generation runs to its end (a stop token, max_tokens) and the
+tokens are then sent one chunk each. A stream therefore starts late but is exact: its text, ids
+and log-probs are those of the same request without `stream`, and a request that fails does so
+with an ordinary HTTP error, never mid-stream.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import anyio
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from rollout_svc.openai_api import answers
+from rollout_svc.openai_api.generation import check_ranges, generate, sampling_params
+from rollout_svc.openai_api.schemas import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from rollout_svc.openai_api.text import finish
+from rollout_svc.openai_api.tokenizer import ModelTokenizer
+from weightsync.http.errors import ApiError
+
+
+@dataclass
+class Served:
+    """What the routes serve: the model id clients name, and the bounds of a default max_tokens."""
+    model: str
+    version: Callable[[], int]
+    max_new_tokens: int                 # the rollout's limits.max_new_tokens
+    context_length: int | None = None   # the model's positions (prompt + completion), when known
+
+
+_ERRORS = {400: {"description": "invalid request (the message names the field)"},
+           404: {"description": "not the served model (GET /v1/models)"},
+           429: {"description": "too many requests in flight (this client's share or the rollout's); retry"},
+           503: {"description": "engine busy applying weights, STALE, or not ready; retry"}}
+_STREAM = {200: {"content": {"text/event-stream": {}},
+                 "description": "the answer; with `stream: true`, server-sent events ending with `data: [DONE]`"}}
+
+
+def _sse(chunks: Iterable[dict], version: int) -> StreamingResponse:
+    async def body():
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"X-Weight-Version": str(version), "Cache-Control": "no-cache"})
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise ApiError(400, f"stop: give at most {MAX_STOP_STRINGS} non-empty strings, got {stops!r}"[:300], "stop")
+    return stops
+
+
+def rollout_router(servicer, served: Served) -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["openai"])
+    tokenizer = ModelTokenizer(served.model)
+    created = int(time.time())
+
+    def card() -> ModelCard:
+        return ModelCard(id=served.model, created=created, root=served.model, weight_version=served.version())
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served.model:
+            raise ApiError(404, f"model: {name!r} is not served here; this rollout serves {served.model!r} "
+                                "(GET /v1/models)", "model", "model_not_found")
+
+    def head(prefix: str, version: int) -> answers.Head:
+        return answers.Head(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), served.model, version)
+
+    @r.get("/models", response_model=ModelList, summary="the served model, with the weight version it serves now")
+    def models():
+        return ModelList(data=[card()])
+
+    @r.get("/models/{model_id:path}", response_model=ModelCard, summary="the served model by id",
+           responses={404: _ERRORS[404]})
+    def model(model_id: str):
+        check_model(model_id)
+        return card()
+
+    @r.post("/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS},
+            summary="OpenAI-compatible completions from the rollout's current weights")
+    async def completions(body: CompletionRequest, request: Request, response: Response):
+        check_model(body.model)
+        if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+            raise ApiError(400, f"logprobs={body.logprobs} must be in [0, 5]", "logprobs")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo: not with logprobs (the prompt's log-probs are not computed); use the gRPC "
+                                "Score call for them", "echo")
+        stops = _stops(body.stop)
+        sampling = sampling_params(body, body.max_tokens)
+
+        def prepare():
+            if stops:
+                tokenizer.require("stop", "stop strings", "use stop_token_ids")
+            p = body.prompt
+            if isinstance(p, str) or (p and isinstance(p[0], str)):
+                texts = [p] if isinstance(p, str) else list(p)
+                return tokenizer.encode_texts(texts), texts
+            ids = [list(p)] if p and isinstance(p[0], int) else [list(x) for x in p]
+            tok = tokenizer.get() if body.echo else None
+            return ids, [tok.decode(x) if tok is not None else "" for x in ids]
+
+        prompts, prompt_texts = await anyio.to_thread.run_sync(prepare)
+        results, version = await generate(servicer, request, prompts, sampling)
+
+        def answer():
+            tok = tokenizer.get()
+            decode = tok.decode if tok is not None else None
+            samples = finish(results, decode, stops)
+            echo = prompt_texts if body.echo else None
+            logprobs = body.logprobs is not None
+            use = answers.usage(sum(map(len, prompts)), samples)
+            h = head("cmpl", version)
+            if body.stream:
+                include = body.stream_options is not None and body.stream_options.include_usage
+                return list(answers.completion_chunks(h, samples, decode, logprobs, echo, use if include else None))
+            return h.obj("text_completion", choices=answers.completion_choices(samples, decode, logprobs, echo),
+                         usage=use)
+
+        out = await anyio.to_thread.run_sync(answer)  # decoding is CPU work: off the event loop
+        if body.stream:
+            return _sse(out, version)
+        response.headers["X-Weight-Version"] = str(version)
+        return out
+
+    @r.post("/chat/completions", response_model=ChatCompletionResponse, responses={**_STREAM, **_ERRORS},
+            summary="OpenAI-compatible chat completions: the messages rendered with the model's chat template")
+    async def chat(body: ChatCompletionRequest, request: Request, response: Response):
+        check_model(body.model)
+        if body.top_logprobs:
+            raise ApiError(400, f"top_logprobs={body.top_logprobs}: only 0 is supported (the engine reports the "
+                                "sampled token's log-prob; set logprobs: true)", "top_logprobs")
+        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+            raise ApiError(400, f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
+                                "disagree; send one of them", "max_completion_tokens")
+        stops = _stops(body.stop)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        check_ranges(max_completion_tokens=asked)
+        messages = []
+        for m in body.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):  # text parts are joined, as vLLM does for text-only models
+                d["content"] = "\n".join(part.text for part in m.content)
+            messages.append(d)
+        prompt = await anyio.to_thread.run_sync(tokenizer.chat_prompt, messages, body.add_generation_prompt)
+        if not prompt:
+            raise ApiError(400, "messages: the chat template rendered them to no tokens", "messages")
+        if asked is None:  # OpenAI's default: the rest of the context; here also within the rollout's limit
+            room = served.context_length - len(prompt) if served.context_length else served.max_new_tokens
+            asked = max(1, min(served.max_new_tokens, room))
+        sampling = sampling_params(body, asked)
+        results, version = await generate(servicer, request, [prompt], sampling)
+
+        def answer():
+            tok = tokenizer.get()
+
+            def decode(ids):  # the message's text: the end-of-turn token is not part of it
+                return tok.decode(ids, skip_special_tokens=True)
+
+            samples = finish(results, decode, stops)
+            use = answers.usage(len(prompt), samples)
+            h = head("chatcmpl", version)
+            if body.stream:
+                include = body.stream_options is not None and body.stream_options.include_usage
+                return list(answers.chat_chunks(h, samples, decode, body.logprobs, use if include else None))
+            return h.obj("chat.completion", choices=answers.chat_choices(samples, decode, body.logprobs), usage=use)
+
+        out = await anyio.to_thread.run_sync(answer)
+        if body.stream:
+            return _sse(out, version)
+        response.headers["X-Weight-Version"] = str(version)
+        return out
+
+    return r

@@ -1,0 +1,86 @@
+"""Token ids -> the text of an answer: stop strings, and the per-token pieces a stream sends.
+
+The engine stops on token ids only, so a stop string is applied to the finished sample: it is cut
+after the first token whose text completes a stop string, and its text ends just before that
+string (OpenAI's rule: the stop string itself is not returned). `token_ids` and `logprobs` are cut
+at the same token, so an RL caller still gets exactly the tokens whose text it reads.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass
+class Sample:
+    """One finished choice, as the surface reports it."""
+    index: int
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def cut_at_stop(decode: Decode, ids: list[int], logprobs: list[float], stops: list[str]
+                ) -> tuple[list[int], list[float], str, bool]:
+    """(ids, logprobs, text, stopped): cut at the first token whose text contains a stop string."""
+    text = decode(ids)
+    if not stops or _first_stop(text, stops) < 0:
+        return ids, logprobs, text, False
+    # The shortest prefix whose text holds a stop string (log2(len) decodes; the whole holds one).
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _first_stop(decode(ids[:mid]), stops) >= 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    text = decode(ids[:lo])
+    return ids[:lo], logprobs[:lo], text[:_first_stop(text, stops)], True
+
+
+def token_pieces(decode: Decode, ids: list[int], text: str) -> list[str]:
+    """One text piece per token whose concatenation is exactly `text` (the answer's final text).
+
+    Incremental detokenization as vLLM does it: decode a short window ending at the token and send
+    what it adds, holding back an incomplete UTF-8 character (U+FFFD) until its last byte arrives.
+    Tokenizers whose text is not prefix-stable, and the cut at a stop string, can make a window
+    disagree with the final text: from there on the pieces are empty and the last one carries the
+    rest, so a client that joins the stream always reads the same text as a non-streaming answer.
+    """
+    pieces, sent, start, read = [], 0, 0, 0
+    for i in range(len(ids)):
+        before, now = decode(ids[start:read]), decode(ids[start:i + 1])
+        piece = ""
+        if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
+            piece = now[len(before):]
+            start, read = read, i + 1
+        if piece and text.startswith(piece, sent):
+            sent += len(piece)
+        else:
+            piece = ""
+        pieces.append(piece)
+    if pieces:
+        pieces[-1] += text[sent:]
+    return pieces
+
+
+def finish(results, decode: Decode | None, stops: list[str]) -> list[Sample]:
+    """The engine's results -> samples, stop strings applied (they need `decode`; the caller checks)."""
+    out = []
+    for i, r in enumerate(results):
+        ids, lps, reason = list(r.token_ids), list(r.logprobs), r.finish_reason
+        text = ""
+        if decode is not None:
+            ids, lps, text, stopped = cut_at_stop(decode, ids, lps, stops)
+            reason = "stop" if stopped else reason
+        out.append(Sample(i, r.prompt_index, ids, lps, text, reason))
+    return out
