@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
-from weightsync.bus.transports import NAMES as TRANSPORTS, choices, multi_sender_names, summary
+from weightsync.bus.transports import NAMES as TRANSPORTS, choices, multi_sender_names, single_sender_names, summary
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
@@ -89,7 +89,8 @@ class BusConfig:
     senders: str = field("all", choices=("all", "rank0"),
                          help="who streams the buckets: all = every rank that assembles tensors (each pipeline "
                               "stage's and expert-parallel leader) streams its own, concurrently, over "
-                              f"{choices(multi_sender_names())} (a transport that carries one sender funnels); "
+                              f"{choices(multi_sender_names())} ({choices(single_sender_names())} carries one sender, "
+                              "so its syncs funnel); "
                               "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)")
 
     def validate(self) -> None:

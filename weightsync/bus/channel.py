@@ -33,7 +33,8 @@ class BucketSender:
         raise NotImplementedError
 
     def flush(self) -> None:
-        """After the last `send`: wait until every bucket is delivered (a releases_previous channel)."""
+        """After the last `send` of a releases_previous channel (the pipeline calls it for those alone):
+        wait until every bucket is delivered."""
 
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""

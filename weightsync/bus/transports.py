@@ -85,6 +85,10 @@ def multi_sender_names() -> tuple[str, ...]:
     return tuple(t.name for t in TRANSPORTS.values() if t.multi_sender)
 
 
+def single_sender_names() -> tuple[str, ...]:
+    return tuple(t.name for t in TRANSPORTS.values() if not t.multi_sender)
+
+
 def summary() -> str:
     """"tcp (any host), nccl (…), ipc (…)": each transport with where it runs, for help texts."""
     return ", ".join(f"{t.name} ({t.summary})" for t in TRANSPORTS.values())

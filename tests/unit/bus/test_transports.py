@@ -9,7 +9,8 @@ import pytest
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.bus.session import Sender
-from weightsync.bus.transports import NAMES, TRANSPORTS, choices, multi_sender_names, summary, transport
+from weightsync.bus.transports import (NAMES, TRANSPORTS, choices, multi_sender_names, single_sender_names, summary,
+                                       transport)
 
 
 def test_the_transports_and_their_capabilities():
@@ -19,7 +20,7 @@ def test_the_transports_and_their_capabilities():
     assert caps == {"tcp": (True, False, "all", False, False),
                     "nccl": (True, False, "none", True, True),
                     "ipc": (False, True, "all", True, False)}
-    assert multi_sender_names() == ("tcp", "nccl")
+    assert multi_sender_names() == ("tcp", "nccl") and single_sender_names() == ("ipc",)
     assert choices() == "tcp, nccl or ipc" and choices(["tcp"]) == "tcp"
     assert summary().startswith("tcp (any host), nccl (")
 
