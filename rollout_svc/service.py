@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 
@@ -15,9 +14,8 @@ from rollout_svc.pinning import TrainerPin
 from rollout_svc.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import engine_device
-from weightsync.bus.ipc.receiver import IpcReceiver
-from weightsync.bus.nccl.receiver import NcclReceiver
 from weightsync.bus.layout import KnownLayouts
+from weightsync.bus.transports import TRANSPORTS, RolloutSide, choices, multi_sender_names
 from weightsync.obs.metrics import RolloutMetrics, SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -60,8 +58,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.current = serve_initial_weights
         self._lock = threading.Lock()
         self.device = engine_device(engine)
-        self.nccl = NcclReceiver(tx, self.device, engine_name, on_build=metrics.nccl_group_builds.inc)
-        self.ipc = IpcReceiver(tx, self.device, engine_name, on_open=self.rollout_metrics.ipc_opens.inc)
+        side = RolloutSide(tx, self.device, engine_name, data_address, self.limits.max_bus_connections,
+                           options={"nccl": {"on_build": metrics.nccl_group_builds.inc},
+                                    "ipc": {"on_open": self.rollout_metrics.ipc_opens.inc}})
+        #: transport name -> its rollout end (weightsync.bus.transports), which takes part in PrepareSync
+        self.ends = {t.name: t.rollout_end_class().for_rollout(side) for t in TRANSPORTS.values()}
+        self.nccl, self.ipc = self.ends["nccl"], self.ends["ipc"]  # for their own RPCs (AbortSync, IpcBuckets)
         self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
         #: host:port of the sync link (rollout_svc.sync_link) this rollout offers, "" for none
@@ -197,24 +199,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
-            if kind == "ipc" and len(manifest.senders) > 1:
-                # ipc shares one GPU's buckets; the other senders' would never come
-                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport ipc carries the "
-                                "buckets of one sender (multi-sender streaming is tcp or nccl)", "INVALID_ARGUMENT")
-            if kind == "tcp" and len(manifest.senders) > self.limits.max_bus_connections:
-                # one bus connection per sender: the extra ones would be closed and the sync time out
-                raise SyncError(f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
-                                f"max_bus_connections={self.limits.max_bus_connections} bus connections: raise "
-                                "limits.max_bus_connections to at least the trainer's sender count, or sync with "
-                                "senders=rank0", "INVALID_ARGUMENT")
-            ipc_uuid = nccl_uuid = ""
-            if kind == "nccl":
-                self.nccl.check(request.transport.nccl, manifest.senders)
-                nccl_uuid = self.nccl.device_uuid()
-            elif kind == "ipc":
-                ipc_uuid = self.ipc.check(request.transport.ipc)
-            elif kind != "tcp":
-                raise SyncError("transport is unset: PrepareSync must say tcp, nccl or ipc", "INVALID_ARGUMENT")
+            end = self.ends.get(kind)
+            if end is None:
+                raise SyncError(f"transport is unset: PrepareSync must say {choices()}", "INVALID_ARGUMENT")
+            if len(manifest.senders) > 1 and not TRANSPORTS[kind].multi_sender:
+                # the other senders' buckets would never come
+                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
+                                f"buckets of one sender (multi-sender streaming is {choices(multi_sender_names())})",
+                                "INVALID_ARGUMENT")
+            resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks(), sync_link=self.sync_link,
+                                                   commit_on_stream=TRANSPORTS[kind].commit_on_stream)
+            end.prepare(request.transport, manifest, resp)
             deadline = time.monotonic() + timeout
             self.tx.prepare(manifest, timeout)
             self.layouts.remember(manifest)  # the engine accepted it
@@ -223,22 +218,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             _abort(context, exc)
         self._sync_started[manifest.sync_id] = time.perf_counter()
         self._sync_origin = {manifest.sync_id: (request.trainer_id, rollback)}  # only the pending sync can commit
-        resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks(), sync_link=self.sync_link)
-        if kind == "nccl":
-            spec = request.transport.nccl
-            self.nccl.start(manifest, spec, deadline)
-            n = resp.transport.nccl
-            n.group_id, n.world_size, n.rank_offset = spec.group_id, spec.world_size, spec.rank_offset
-            n.device_uuid = nccl_uuid
-            return resp
-        # Another transport took over from any NCCL receive still waiting (a superseded sync).
-        self.nccl.cancel_active(f"superseded by sync {manifest.sync_id} over {kind}")
-        if kind == "tcp":
-            resp.transport.tcp.data_address = self.data_address
-        else:
-            self.ipc.start(manifest.sync_id, ipc_uuid, manifest.origin)
-            resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), ipc_uuid
-            resp.commit_on_stream = True
+        for other in self.ends.values():
+            if other is not end:  # this transport takes over from any receive still waiting on another
+                other.supersede(f"superseded by sync {manifest.sync_id} over {kind}")
+        end.receive(manifest, request.transport, deadline, resp)
         return resp
 
     def PushBucket(self, request, context):

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
+from weightsync.bus.transports import NAMES as TRANSPORTS, choices, multi_sender_names, single_sender_names, summary
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
@@ -76,9 +77,7 @@ class ParallelConfig:
 @dataclass
 class BusConfig:
     """The weight bus as the trainer drives it: transport, buckets, timeouts of a sync."""
-    transport: str = field("tcp", choices=("tcp", "nccl", "ipc"),
-                           help="default weight-bus transport: tcp (any host), nccl (trainer and rollouts on GPUs), "
-                                "ipc (rollouts on the trainer's own GPU)")
+    transport: str = field("tcp", choices=TRANSPORTS, help=f"default weight-bus transport: {summary()}")
     nccl_init_timeout_s: float = field(120.0, help="bound on building an NCCL group (every rollout must join within "
                                                    "it, and within the sync timeout)")
     bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
@@ -88,9 +87,11 @@ class BusConfig:
                                        "offers on its data port (one authenticated connection kept across syncs; "
                                        "a fraction of a gRPC call's round trip); false: gRPC only")
     senders: str = field("all", choices=("all", "rank0"),
-                         help="who streams the buckets (tcp): all = every rank that assembles tensors (each pipeline "
-                              "stage's and expert-parallel leader) streams its own, concurrently; rank0 = every tensor "
-                              "is sent to global rank 0, the only sender (the funnel; nccl and ipc always use it)")
+                         help="who streams the buckets: all = every rank that assembles tensors (each pipeline "
+                              "stage's and expert-parallel leader) streams its own, concurrently, over "
+                              f"{choices(multi_sender_names())} ({choices(single_sender_names())} carries one sender, "
+                              "so its syncs funnel); "
+                              "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)")
 
     def validate(self) -> None:
         if not 1 <= self.bucket_mb <= 16384:

@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
+from weightsync.bus.transports import choices
 from weightsync.http.grpc_bridge import call
 from weightsync.http.types import Text
 from weightsync.v1 import trainer_pb2
@@ -20,7 +21,7 @@ class SyncBody(BaseModel):
     """The options of `wsctl sync` (gRPC SyncRequest)."""
     model_config = ConfigDict(extra="forbid")
     rollout_ids: list[Text] = Field(default_factory=list, description="rollout ids to sync; empty = every rollout")
-    transport: Text = Field("", description="tcp, nccl or ipc; empty = the trainer's default transport")
+    transport: Text = Field("", description=f"{choices()}; empty = the trainer's default transport")
     timeout_seconds: float = Field(0.0, description="per-sync timeout in seconds; 0 = the trainer's sync_timeout_s")
     senders: Text = Field("", description="who streams: all (every rank that owns tensors) or rank0; "
                                           "empty = the trainer's bus.senders")

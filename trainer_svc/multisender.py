@@ -30,6 +30,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.nccl.liveness import Watch
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
+from weightsync.bus.transports import choices
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,9 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
     except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
         res.error = f"rank {rank}: {exc}"
-        if job.transport == "nccl":  # the collective may have failed on some rank: never reuse it
-            nccl_groups(actor).drop(f"sync {job.sync_id} failed on this rank: {exc}")
+        end = RANK_ENDS.get(job.transport)
+        if end is not None:
+            end.failed(actor, job, exc)
         log.warning("sync %s: sender rank %d failed: %s", job.sync_id, rank, exc)
     finally:
         for _ in export:
@@ -164,29 +166,58 @@ def export_device(actor) -> torch.device:
 def _bus_sender(actor, job: SendJob, rank: int, deadline: float):
     """(the bucket sender of this rank's stream, the device its buckets are packed on, the watch
     that aborts its NCCL group when rank 0 raises the sync's abort flag, or None)."""
-    from weightsync.bus.tcp.wire import TcpBucketSender
+    end = RANK_ENDS.get(job.transport)
+    if end is None:
+        raise ValueError(f"SendJob.transport={job.transport!r} must be {choices(RANK_ENDS)}")
+    return end.open(actor, job, rank, max(0.001, deadline - time.monotonic()))
 
-    left = max(0.001, deadline - time.monotonic())
-    if job.transport == "tcp":  # a dead rollout breaks its own connection: nothing to watch
+
+class _TcpRank:
+    """A rank's stream over TCP: a connection to every rollout's data port, opened with its own hello MAC."""
+
+    @staticmethod
+    def open(actor, job: SendJob, rank: int, left: float):
+        from weightsync.bus.tcp.wire import TcpBucketSender
+
+        # a dead rollout breaks its own connection: nothing to watch
         return TcpBucketSender(job.targets, job.sync_id, "", timeout=left, sender=rank,
                                mac=bytes.fromhex(job.macs[str(rank)])), torch.device("cpu"), None
-    if job.transport != "nccl":
-        raise ValueError(f"SendJob.transport={job.transport!r} must be tcp or nccl")
-    from weightsync.bus.nccl.sender_groups import SenderGroupJob
 
-    spec = job.nccl_groups.get(str(rank))
-    if spec is None:
-        raise ValueError(f"rank {rank} owns buckets but the job plans no NCCL group for it")
-    device = export_device(actor)
-    cache = nccl_groups(actor)
-    group = cache.get(SenderGroupJob(**spec), device, left)
-    group.timeout = left  # each broadcast wait is bounded by what is left of the stream
-    watch = None
-    flags = getattr(actor, "stream_flags", None)
-    if flags is not None:  # NCCL never tells this rank that a rollout died; rank 0 sees it and says so
-        watch = Watch(lambda: flags.raised(job.sync_id), group.abort, job.watch_period,
-                      what=f"rank {rank}'s NCCL sender group").start()
-    return cache.bus.sender(group), device, watch
+    @staticmethod
+    def failed(actor, job: SendJob, exc: Exception) -> None:
+        pass
+
+
+class _NcclRank:
+    """A rank's stream over NCCL: a broadcast on its own group (kept on the actor across syncs)."""
+
+    @staticmethod
+    def open(actor, job: SendJob, rank: int, left: float):
+        from weightsync.bus.nccl.sender_groups import SenderGroupJob
+
+        spec = job.nccl_groups.get(str(rank))
+        if spec is None:
+            raise ValueError(f"rank {rank} owns buckets but the job plans no NCCL group for it")
+        device = export_device(actor)
+        cache = nccl_groups(actor)
+        group = cache.get(SenderGroupJob(**spec), device, left)
+        group.timeout = left  # each broadcast wait is bounded by what is left of the stream
+        watch = None
+        flags = getattr(actor, "stream_flags", None)
+        if flags is not None:  # NCCL never tells this rank that a rollout died; rank 0 sees it and says so
+            watch = Watch(lambda: flags.raised(job.sync_id), group.abort, job.watch_period,
+                          what=f"rank {rank}'s NCCL sender group").start()
+        return cache.bus.sender(group), device, watch
+
+    @staticmethod
+    def failed(actor, job: SendJob, exc: Exception) -> None:
+        # the collective may have failed on some rank: never reuse it
+        nccl_groups(actor).drop(f"sync {job.sync_id} failed on this rank: {exc}")
+
+
+#: how one rank streams its part over each multi-sender transport (weightsync.bus.transports:
+#: multi_sender; tests/unit/weightsync/bus/test_transports.py checks that every one has its entry)
+RANK_ENDS = {"tcp": _TcpRank, "nccl": _NcclRank}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from trainer_svc.paths import DataRoots, PathRefused
 from trainer_svc.registry import RolloutRegistry
 from trainer_svc.sync import SyncInProgress, SyncOrchestrator
 from trainer_svc.train.rpc import TrainingServicerMixin
+from weightsync.bus.transports import transport as transport_named
 from weightsync.config import ConfigError, parse_host_port
 from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -85,8 +86,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
             if not (math.isfinite(request.timeout_seconds) and 0 <= request.timeout_seconds <= 7 * 24 * 3600):
                 raise ValueError(f"timeout_seconds={request.timeout_seconds} must be finite and in [0, 604800] "
                                  "(0 = the trainer's sync_timeout_s)")
-            if request.transport not in ("", "tcp", "nccl", "ipc"):
-                raise ValueError(f"transport={request.transport!r} must be tcp, nccl or ipc")
+            if request.transport:
+                transport_named(request.transport)  # ValueError naming the choices
             if request.senders not in ("", "all", "rank0"):
                 raise ValueError(f"senders={request.senders!r} must be all or rank0 (or empty for the configured one)")
             targets = self.registry.select(list(request.rollout_ids))

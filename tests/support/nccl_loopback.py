@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.errors import TransportError
 
 _BROKEN = object()
@@ -45,7 +46,7 @@ class LoopbackGroup:
             q.put(_BROKEN)
 
 
-class LoopbackSender:
+class LoopbackSender(BucketSender):
     releases_previous = False
 
     def __init__(self, group: LoopbackGroup):

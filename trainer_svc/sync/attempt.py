@@ -99,16 +99,15 @@ class SyncAttempt:
         for e in self.targets:
             resp, err = answers[e.rollout_id]
             err = err or self.session.accept(e, resp)
-            if err and getattr(self.session, "sender_gpu_clash", ""):
+            if err and self.session.sender_gpu_clash:
                 r = self.results[e.rollout_id]  # retried through the funnel: not a failure of this rollout
                 r.ok, r.error = False, f"prepare: {err}"
             elif err:
                 self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
             else:
                 self.prepared[e.rollout_id] = resp
-        clash = getattr(self.session, "sender_gpu_clash", "")
-        if clash:
-            self.funnel_retry = clash
+        if self.session.sender_gpu_clash:
+            self.funnel_retry = self.session.sender_gpu_clash
         if self.session.group_wide and len(self.prepared) < len(self.targets):
             self._stop_group()
 
@@ -236,22 +235,16 @@ class SyncAttempt:
             log.exception("sync %s: the actor could not lay its parameters out as the buckets; packing them",
                           self.manifest.sync_id)
             return None
-        if buffers is not None and hasattr(self.session, "use_in_place"):
+        if buffers is not None:
             self.session.use_in_place(buffers)
         return buffers
 
     def _send_from_every_owner(self) -> list[int]:
-        actor, period = self.orch.actor, 1.0
-        if self.session.name == "nccl":  # each sender broadcasts on its own group; no data addresses
-            targets, groups = {}, self.session.sender_jobs(self._left())
-            flags = getattr(actor, "stream_flags", None)
-            if flags is not None:  # every sender ends its broadcasts once a rollout can no longer take part
-                sync_id = self.manifest.sync_id
-                self.session.watch({rid: self.by_id[rid] for rid in self.prepared},
-                                   lambda reason: flags.raise_flag(sync_id, reason))
-            period = self.session.owner.watch_period
-        else:
-            targets, groups = {rid: self.session.data_address(rid) for rid in self.prepared}, None
+        actor, sync_id = self.orch.actor, self.manifest.sync_id
+        flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
+        raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
+        targets, groups, period = self.session.owner_streams({rid: self.by_id[rid] for rid in self.prepared},
+                                                             self._left(), raise_flag)
         fmt = self.orch.export_format
         out = stream_from_every_owner(actor, self.manifest, targets, self.orch.token, self._left(),
                                       nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "",
@@ -270,11 +263,11 @@ class SyncAttempt:
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream and not self._linked(rid)]
-        if on_stream and hasattr(channel, "commit_on_stream"):
+        if on_stream and self.session.commit_on_stream:
             channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
             self._commit_channel, self._on_stream = channel, set(on_stream)
         linked = [rid for rid in self.prepared if self._linked(rid)]
-        if linked and hasattr(channel, "commit_elsewhere"):
+        if linked and self.session.commit_on_stream:
             # their streams' ends need not hold up the stream phase: awaited when the channel closes
             channel.commit_elsewhere(linked)
             self._commit_channel = channel
@@ -284,7 +277,7 @@ class SyncAttempt:
         self.senders = [sender]
         try:
             stats = stream_buckets(self.manifest, export, channel, device=self.session.device, timeout=self._left(),
-                                   buffers=getattr(self.session, "buffers", None), in_place=in_place,
+                                   buffers=self.session.buffers, in_place=in_place,
                                    in_place_checksums=self._in_place_checksums if in_place is not None else None)
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)

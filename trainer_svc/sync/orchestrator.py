@@ -26,10 +26,8 @@ from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
 from trainer_svc.sync_link import LinkDown, SyncLinkClient
 from weightsync.bus.checksum import ALGO
-from weightsync.bus.ipc.sender import IpcSender
-from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.layout import ManifestCache
-from weightsync.bus.tcp.sender import TcpSender
+from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.control.client import describe_rpc_error
 from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
@@ -67,10 +65,11 @@ class SyncOrchestrator:
         self.senders = senders
         #: use the sync links rollouts offer (trainer_svc.sync_link); False: every call over gRPC
         self.sync_link = sync_link
-        self.transports = {"tcp": TcpSender(token),
-                           "nccl": NcclSender(self.device, nccl_bus, nccl_init_timeout, on_nccl_group_build,
-                                            call=self._call),
-                           "ipc": IpcSender(self.device, self._call, stream=self._open_stream)}
+        side = TrainerSide(token, self.device, call=self._call, open_stream=self._open_stream,
+                           options={"nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout,
+                                             "on_build": on_nccl_group_build}})
+        #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
+        self.transports = {t.name: t.trainer_end_class().for_trainer(side) for t in TRANSPORTS.values()}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
         # Kept across syncs: the planned layout (re-planned only when the export metadata changes,
@@ -78,10 +77,10 @@ class SyncOrchestrator:
         self.manifests = ManifestCache()
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sync-rpc")
         self._warned_funnel = False
-        #: (rollout id, address) of rollouts found on the GPU of a sending rank other than 0: NCCL
-        #: syncs to them funnel. Keyed by address too, so a rollout rescheduled elsewhere (a new
-        #: pod, a new address) is given multi-sender streaming again.
-        self._nccl_gpu_clash: set[tuple[str, str]] = set()
+        #: (rollout id, address) of rollouts found on the GPU of a sending rank other than 0: syncs to
+        #: them over a transport that takes one rank per GPU (NCCL) funnel. Keyed by address too, so
+        #: a rollout rescheduled elsewhere (a new pod, a new address) is given multi-sender streaming again.
+        self._gpu_clash: set[tuple[str, str]] = set()
 
     def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
              wait_s: float = 0.0, allow_rollback: bool = False,
@@ -90,9 +89,10 @@ class SyncOrchestrator:
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
         queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
-        if senders == "all" and transport == "ipc":
-            raise ValueError("senders=all streams over tcp or nccl; transport=ipc shares the buckets of global "
-                             "rank 0's GPU: ask for senders=rank0 (or leave it empty), or transport tcp or nccl")
+        if senders == "all" and transport in TRANSPORTS and not TRANSPORTS[transport].multi_sender:
+            multi = choices(multi_sender_names())
+            raise ValueError(f"senders=all streams over {multi}; transport={transport} carries the buckets of global "
+                             f"rank 0 alone: ask for senders=rank0 (or leave it empty), or transport {multi}")
         senders = senders or self.senders
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
@@ -129,7 +129,8 @@ class SyncOrchestrator:
         phases = PhaseClock()
         by_id = {e.rollout_id: e for e in targets}
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
-        if transport == "nccl" and senders == "all" and any((e.rollout_id, e.address) in self._nccl_gpu_clash for e in targets):
+        if TRANSPORTS[transport].one_rank_per_gpu and senders == "all" \
+                and any((e.rollout_id, e.address) in self._gpu_clash for e in targets):
             senders = "rank0"  # learned at an earlier prepare: a target sits on a sending rank's GPU
         for attempt in (1, 2, 3):
             with phases("plan"):
@@ -154,7 +155,7 @@ class SyncOrchestrator:
                 log.warning("sync %s: %s; NCCL takes one rank per GPU, so syncs to it stream from global rank 0 "
                             "(senders=rank0)", manifest.sync_id, one.funnel_retry)
                 senders = "rank0"
-                self._nccl_gpu_clash |= {(rid, by_id[rid].address) for rid in session.clashing}
+                self._gpu_clash |= {(rid, by_id[rid].address) for rid in session.clashing}
             self._log_retry(manifest.sync_id, targets, retry)
             targets = retry
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
@@ -178,7 +179,7 @@ class SyncOrchestrator:
                                            checksum_algo=ALGO, origin=self.origin,
                                            quantization=self.export_format.quantization,
                                            owners=self._owners(transport, senders, plain))
-        if session is not None and len(manifest.senders) > 1 and hasattr(session, "use_senders"):
+        if session is not None and len(manifest.senders) > 1:
             session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
         return session, manifest
 
@@ -191,10 +192,11 @@ class SyncOrchestrator:
         # a quantized format gives each weight's scale the weight's owner (each rank quantizes its own)
         plain = self.actor.export_metas() if plain is None else plain  # the actor's metas, unformatted
         owners = self.export_format.owners(plain, owners())
-        if transport == "ipc" and len(set(owners)) > 1:
+        if not TRANSPORTS[transport].multi_sender and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "
-                            "(multi-sender streaming is built for tcp and nccl; docs/architecture.md)", transport)
+                            "(multi-sender streaming is built for %s; docs/architecture.md)", transport,
+                            " and ".join(multi_sender_names()))
                 self._warned_funnel = True
             return None
         return owners

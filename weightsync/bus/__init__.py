@@ -11,5 +11,7 @@ Words, one per layer:
 - channel: the object that moves one sync's bucket bytes (`channel.py`: BucketSender on the
   trainer, BucketReceiver on the rollout), built on the transport's wire or library binding
   (`tcp/wire.py`, `nccl/libnccl.py` + `nccl/group.py`, `ipc/handles.py`).
+- registry: `transports.py` names each transport's ends and channel and declares what it can do;
+  everything that lists transports or asks what one can do reads it.
 This package imports nothing of the services (trainer_svc, rollout_svc) or of weightsync.control.
 """

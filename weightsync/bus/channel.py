@@ -3,18 +3,26 @@
 Channels never see tensors or names, only (BucketPlan, flat uint8 buffer). The trainer's
 BucketSender is one object per sync that reaches every targeted rollout; a BucketReceiver is
 one object per sync and rollout engine rank. Every blocking call takes or inherits a deadline.
-Each transport (tcp/, nccl/, ipc/) has its own pair; the pipeline only knows these protocols.
+Each transport (tcp/, nccl/, ipc/) has its own pair, subclassing these; the pipeline only knows
+these classes, and what a channel can do is declared on them (the defaults are the simplest channel's).
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
 from weightsync.bus.plan import BucketPlan
 
 
-class BucketSender(Protocol):
+class BucketSender:
+    #: False: `send(k)` returns once bucket k's buffer may be reused. True: `send(k)` only has to
+    #: make bucket k-1's buffer reusable (bucket k may still be on the wire) and `flush()` waits
+    #: for everything, which lets a collective channel keep the wire busy without host round trips.
+    releases_previous: bool = False
+    #: which buckets' checksums it carries with the bucket: "all", "first" or "none"; the others
+    #: reach the rollouts with the commit, so the pipeline need not wait for them before sending
+    #: (weightsync/bus/pipeline.py)
+    checksums_in_band: str = "all"
+
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         """Deliver `buf[:plan.nbytes]` to every live target; return when `buf` may be reused.
 
@@ -22,25 +30,41 @@ class BucketSender(Protocol):
         raises TransportError (weightsync.bus.errors) only when no target is left (or a collective
         transport fails).
         """
+        raise NotImplementedError
 
-    # A sender may instead set `releases_previous = True`: then `send(k)` only has to make the
-    # buffer of bucket k-1 reusable (bucket k may still be on the wire), and `flush()` waits for
-    # everything. This lets a collective channel keep the wire busy without host round trips.
-    # And `checksums_in_band` ("all" by default, "first" or "none"): which buckets' checksums it
-    # carries with the bucket; the others reach the rollouts with the commit, so the pipeline
-    # need not wait for them before sending (weightsync/bus/pipeline.py).
+    def flush(self) -> None:
+        """After the last `send` of a releases_previous channel (the pipeline calls it for those alone):
+        wait until every bucket is delivered."""
 
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""
+        return {}
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass
+
+    # A channel of a transport that commits on its stream (weightsync.bus.transports: commit_on_stream)
+    # also routes the commits:
+    def commit_on_stream(self, rollout_ids) -> None:
+        """These targets take the commit on this channel's stream, with `commit`, after `flush`."""
+        raise NotImplementedError(f"{type(self).__name__} carries no commit")
+
+    def commit_elsewhere(self, rollout_ids) -> None:
+        """These targets commit over another path once `flush` returns (the channel is closed after)."""
+        raise NotImplementedError(f"{type(self).__name__} carries no commit")
+
+    def commit(self, rid: str, request, timeout: float | None = None):
+        """(CommitSyncResponse, "") or (None, error): `rid`'s commit on its stream."""
+        raise NotImplementedError(f"{type(self).__name__} carries no commit")
 
 
-class BucketReceiver(Protocol):
+class BucketReceiver:
     def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
         """Return (buffer holding the bucket's bytes, sender's checksum if the transport carries one).
 
         The buffer is valid until the next `recv` call.
         """
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        pass

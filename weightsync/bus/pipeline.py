@@ -14,6 +14,7 @@ once (InFlightChecksums) and a sender that does not carry them with every bucket
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -104,6 +105,26 @@ def _timed(it: Iterator, stats: StreamStats) -> Iterator:
         yield item
 
 
+@dataclass
+class _Stream:
+    """What the producer thread and the consumer of one stream share."""
+    manifest: Manifest
+    stats: StreamStats
+    timeout: float
+    deadline: float
+    #: (plan, its reusable buffer or None, the bytes to send, checksum or None), _DONE, or the producer's error
+    ready: queue.Queue = field(default_factory=queue.Queue)
+    #: reusable buffers the producer may pack into
+    free: queue.Queue = field(default_factory=queue.Queue)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"sync {self.manifest.sync_id}: streaming exceeded {self.timeout:.0f}s")
+        return left
+
+
 def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]], sender: BucketSender, *,
                    device: torch.device | str = "cpu", num_buffers: int = 2, with_checksums: bool = True,
                    timeout: float = 600.0, buffers: BufferPool | None = None,
@@ -127,124 +148,32 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
     if not manifest.buckets:
         return stats
     device = torch.device(device)
-    # A tensor larger than a bucket travels from its own memory (no copy), so the reusable
-    # buffers only need to hold regular buckets: extra memory is num_buffers x bucket_bytes.
-    packed = [b for b in manifest.buckets if not _zero_copy_candidate(b, manifest.bucket_bytes)]
-    buf_bytes = max((b.nbytes for b in packed), default=0)
-    n_bufs = 0 if in_place is not None else min(num_buffers, len(packed))
-    stats.peak_buffer_bytes = buf_bytes * n_bufs
-    free: queue.Queue = queue.Queue()
-    for buf in (buffers.take(n_bufs, buf_bytes, device) if buffers is not None and n_bufs
-                else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
-        free.put(buf)
+    st = _Stream(manifest, stats, timeout, time.monotonic() + timeout)
     views = in_place_views(manifest, in_place) if in_place is not None else None
-    in_band = getattr(sender, "checksums_in_band", "all")
+    in_band = sender.checksums_in_band
     if in_band not in ("all", "first", "none"):
         raise ValueError(f"sender.checksums_in_band={in_band!r} must be all, first or none")
     csums = None
-    if views is not None and with_checksums:
-        csums = in_place_checksums if in_place_checksums is not None else InFlightChecksums(views)
-        if len(csums) != len(views):
-            raise ValueError(f"in_place_checksums has {len(csums)} for the manifest's {len(views)} buckets")
-    if views is not None and views[0].is_cuda:
-        # Sent without a pack (whose synchronisation this stands for): the actor's writes are done.
-        torch.cuda.current_stream(views[0].device).synchronize()
-    releases_previous = bool(getattr(sender, "releases_previous", False))
-    ready: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    deadline = time.monotonic() + timeout
-
-    def remaining() -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"sync {manifest.sync_id}: streaming exceeded {timeout:.0f}s")
-        return left
-
-    def produce() -> None:
-        try:
-            if views is not None:
-                for k, (plan, view) in enumerate(zip(manifest.buckets, views)):
-                    if stop.is_set():
-                        return
-                    t0 = time.perf_counter()
-                    wanted = csums is not None and (in_band == "all" or (in_band == "first" and k == 0))
-                    csum = csums.value(k) if wanted else None
-                    stats.pack_seconds += time.perf_counter() - t0
-                    ready.put((plan, None, view, csum))
-                ready.put(_DONE)
-                return
-            it = _timed(iter(tensors), stats)
-            for plan in manifest.buckets:
-                if _zero_copy_candidate(plan, manifest.bucket_bytes):
-                    t0 = time.perf_counter()
-                    view = _own_bytes(plan, next(it, None), device)
-                    if view is not None:
-                        csum = bucket_checksum(view) if with_checksums else None
-                        stats.pack_seconds += time.perf_counter() - t0
-                        ready.put((plan, None, view, csum))
-                        continue
-                    raise ValueError(f"bucket {plan.index}: exporter did not yield {plan.slots[0].meta.name} "
-                                     f"as planned")
-                buf = None
-                while buf is None:
-                    if stop.is_set():
-                        return
-                    try:
-                        buf = free.get(timeout=min(1.0, remaining()))
-                    except queue.Empty:
-                        pass
-                t0 = time.perf_counter()
-                view = pack_bucket(plan, itertools.islice(it, len(plan.slots)), buf)
-                if view.device.type == "cuda":
-                    torch.cuda.current_stream(view.device).synchronize()
-                csum = bucket_checksum(view) if with_checksums else None
-                stats.pack_seconds += time.perf_counter() - t0
-                ready.put((plan, buf, view, csum))
-            leftover = next(it, None)
-            if leftover is not None:
-                raise ValueError(f"exporter yielded {leftover[0]} beyond the manifest's {manifest.num_tensors} tensors")
-            ready.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            ready.put(exc)
-
+    if views is None:
+        _fill_free(st, device, num_buffers, buffers)
+        produce = functools.partial(_produce_packed, st, tensors, device, with_checksums)
+    else:
+        if with_checksums:
+            csums = in_place_checksums if in_place_checksums is not None else InFlightChecksums(views)
+            if len(csums) != len(views):
+                raise ValueError(f"in_place_checksums has {len(csums)} for the manifest's {len(views)} buckets")
+        if views[0].is_cuda:
+            # Sent without a pack (whose synchronisation this stands for): the actor's writes are done.
+            torch.cuda.current_stream(views[0].device).synchronize()
+        produce = functools.partial(_produce_in_place, st, views, csums, in_band)
     t_start = time.perf_counter()
-    producer = threading.Thread(target=produce, name=f"pack-{manifest.sync_id}", daemon=True)
+    producer = threading.Thread(target=_handing_errors_on, args=(st, produce), name=f"pack-{manifest.sync_id}",
+                                daemon=True)
     producer.start()
-    held = None  # with a releases_previous sender, bucket k's buffer is reusable only after send(k+1)
     try:
-        while True:
-            try:
-                item = ready.get(timeout=remaining())
-            except queue.Empty:
-                raise TimeoutError(f"sync {manifest.sync_id}: exporter produced nothing within {timeout:.0f}s") from None
-            if item is _DONE:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            plan, buf, view, csum = item
-            t0 = time.perf_counter()
-            sender.send(plan, view, csum)
-            stats.send_seconds += time.perf_counter() - t0
-            stats.bytes_sent += plan.nbytes
-            if csum is not None and csums is None:
-                stats.checksums.append(csum)
-            if releases_previous:
-                if held is not None:
-                    free.put(held)
-                held = buf
-            elif buf is not None:
-                free.put(buf)
-        flush = getattr(sender, "flush", None)
-        if flush is not None:
-            t0 = time.perf_counter()
-            flush()
-            stats.send_seconds += time.perf_counter() - t0
-        if csums is not None:
-            t0 = time.perf_counter()
-            stats.checksums = csums.values()
-            stats.pack_seconds += time.perf_counter() - t0
+        _consume(st, sender, csums)
     finally:
-        stop.set()
+        st.stop.set()
         if csums is not None and in_place_checksums is None:  # a caller's own are the caller's to release
             csums.release()
         producer.join(timeout=30)
@@ -253,3 +182,114 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             log.error("sync %s: packing thread still busy 30s after the stream ended", manifest.sync_id)
     stats.wall_seconds = time.perf_counter() - t_start
     return stats
+
+
+def _fill_free(st: _Stream, device: torch.device, num_buffers: int, pool: BufferPool | None) -> None:
+    """The reusable buffers packed buckets go through, into `st.free`."""
+    manifest = st.manifest
+    # A tensor larger than a bucket travels from its own memory (no copy), so the reusable
+    # buffers only need to hold regular buckets: extra memory is num_buffers x bucket_bytes.
+    packed = [b for b in manifest.buckets if not _zero_copy_candidate(b, manifest.bucket_bytes)]
+    buf_bytes = max((b.nbytes for b in packed), default=0)
+    n_bufs = min(num_buffers, len(packed))
+    st.stats.peak_buffer_bytes = buf_bytes * n_bufs
+    for buf in (pool.take(n_bufs, buf_bytes, device) if pool is not None and n_bufs
+                else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
+        st.free.put(buf)
+
+
+def _handing_errors_on(st: _Stream, produce) -> None:
+    try:
+        produce()
+    except BaseException as exc:  # handed to the consumer, which re-raises it
+        st.ready.put(exc)
+
+
+def _produce_in_place(st: _Stream, views: list[torch.Tensor], csums: InFlightChecksums | None, in_band: str) -> None:
+    """Producer of in-place buckets: each already holds its bytes; only its checksum may be waited for."""
+    for k, (plan, view) in enumerate(zip(st.manifest.buckets, views)):
+        if st.stop.is_set():
+            return
+        t0 = time.perf_counter()
+        wanted = csums is not None and (in_band == "all" or (in_band == "first" and k == 0))
+        csum = csums.value(k) if wanted else None
+        st.stats.pack_seconds += time.perf_counter() - t0
+        st.ready.put((plan, None, view, csum))
+    st.ready.put(_DONE)
+
+
+def _produce_packed(st: _Stream, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
+                    with_checksums: bool) -> None:
+    """Producer of packed buckets: the exporter's tensors packed into the free buffers (an
+    oversized tensor is sent from its own memory)."""
+    manifest, stats = st.manifest, st.stats
+    it = _timed(iter(tensors), stats)
+    for plan in manifest.buckets:
+        if _zero_copy_candidate(plan, manifest.bucket_bytes):
+            t0 = time.perf_counter()
+            view = _own_bytes(plan, next(it, None), device)
+            if view is None:
+                raise ValueError(f"bucket {plan.index}: exporter did not yield {plan.slots[0].meta.name} as planned")
+            buf = None
+        else:
+            buf = _take_free(st)
+            if buf is None:
+                return
+            t0 = time.perf_counter()
+            view = pack_bucket(plan, itertools.islice(it, len(plan.slots)), buf)
+            if view.device.type == "cuda":
+                torch.cuda.current_stream(view.device).synchronize()
+        csum = bucket_checksum(view) if with_checksums else None
+        stats.pack_seconds += time.perf_counter() - t0
+        st.ready.put((plan, buf, view, csum))
+    leftover = next(it, None)
+    if leftover is not None:
+        raise ValueError(f"exporter yielded {leftover[0]} beyond the manifest's {manifest.num_tensors} tensors")
+    st.ready.put(_DONE)
+
+
+def _take_free(st: _Stream) -> torch.Tensor | None:
+    """A free buffer once the consumer has sent what it held; None when the stream stopped."""
+    while not st.stop.is_set():
+        try:
+            return st.free.get(timeout=min(1.0, st.remaining()))
+        except queue.Empty:
+            pass
+    return None
+
+
+def _consume(st: _Stream, sender: BucketSender, csums: InFlightChecksums | None) -> None:
+    """Hand each produced bucket to `sender` in order, giving its buffer back once reusable."""
+    stats, manifest = st.stats, st.manifest
+    releases_previous = sender.releases_previous
+    held = None  # with a releases_previous sender, bucket k's buffer is reusable only after send(k+1)
+    while True:
+        try:
+            item = st.ready.get(timeout=st.remaining())
+        except queue.Empty:
+            raise TimeoutError(f"sync {manifest.sync_id}: exporter produced nothing within {st.timeout:.0f}s") from None
+        if item is _DONE:
+            break
+        if isinstance(item, BaseException):
+            raise item
+        plan, buf, view, csum = item
+        t0 = time.perf_counter()
+        sender.send(plan, view, csum)
+        stats.send_seconds += time.perf_counter() - t0
+        stats.bytes_sent += plan.nbytes
+        if csum is not None and csums is None:
+            stats.checksums.append(csum)
+        if releases_previous:
+            if held is not None:
+                st.free.put(held)
+            held = buf
+        elif buf is not None:
+            st.free.put(buf)
+    if releases_previous:  # the others' sends returned with their buckets delivered
+        t0 = time.perf_counter()
+        sender.flush()
+        stats.send_seconds += time.perf_counter() - t0
+    if csums is not None:
+        t0 = time.perf_counter()
+        stats.checksums = csums.values()
+        stats.pack_seconds += time.perf_counter() - t0

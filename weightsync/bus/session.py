@@ -10,47 +10,84 @@ one target's failure fails them all (a collective).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from weightsync.bus.channel import BucketSender
+from weightsync.bus.transports import TrainerSide, choices, multi_sender_names
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 #: (rollout entry, RPC name, request) -> (response or None, error text or "")
 RpcCall = Callable[[object, str, object], tuple[object | None, str]]
 
 
-class Session(Protocol):
-    name: str
+class Session:
+    """One sync's part of a transport's trainer end; the defaults are those of a transport that
+    needs none of the optional steps."""
+
+    name: str = ""
     #: where the pipeline packs buckets (cpu for tcp; the trainer's GPU for nccl and ipc)
-    device: torch.device
+    device: torch.device = torch.device("cpu")
     #: one target's failure fails every target of the sync (NCCL: a collective needs every rank)
-    group_wide: bool
+    group_wide: bool = False
     #: the session reuses state a restarted peer may have lost (a cached NCCL group); the
     #: orchestrator retries once with fresh state when such a sync fails at prepare
-    reused: bool
+    reused: bool = False
+    #: bucket buffers kept across syncs for the pipeline to pack into (a BufferPool), or None
+    buffers = None
+    #: the channel can take each target's commit on its stream (Transport.commit_on_stream)
+    commit_on_stream: bool = False
+    #: why a prepared target cannot be streamed to while several ranks send ("" when none can't):
+    #: the sync is then retried from global rank 0 alone
+    sender_gpu_clash: str = ""
+    #: the rollout ids of that clash
+    clashing: frozenset[str] = frozenset()
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         """The `transport` of this target's PrepareSyncRequest."""
+        raise NotImplementedError
 
     def accept(self, entry, resp: rollout_pb2.PrepareSyncResponse) -> str:
         """"" if the prepared target can be streamed to, else why not (it is then aborted)."""
+        raise NotImplementedError
 
     def open(self, targets: dict, timeout: float) -> BucketSender:
         """The channel reaching every prepared target (rollout_id -> entry)."""
+        raise NotImplementedError
 
     def finish(self, ok: bool, reason: str) -> None:
         """Called once after streaming: ok=False when the stream failed or never started."""
 
+    def use_senders(self, senders: list[int], rank_gpus: list[str] | None = None) -> None:
+        """Several trainer ranks stream this sync (each the buckets it owns); called before any prepare.
+        `rank_gpus`: each global rank's GPU UUID, when the actor knows them."""
 
-class Sender(Protocol):
+    def use_in_place(self, buffers: list[torch.Tensor]) -> None:
+        """The pipeline sends the actor's own bucket storage this sync instead of packed buffers."""
+
+    def owner_streams(self, prepared: dict, timeout: float, raise_flag: Callable[[str], None] | None
+                      ) -> tuple[dict[str, str], dict[str, dict] | None, float]:
+        """What every sending rank needs to stream its own buckets to the `prepared` targets
+        (rollout_id -> entry), for trainer_svc.multisender: (rollout_id -> data address,
+        str(sender rank) -> its group's job fields or None, how often a sender looks for the abort
+        flag). `raise_flag(reason)` tells every sender to stop (None: the actor has no flags)."""
+        raise ValueError(f"transport {self.name} carries the buckets of one sender; multi-sender streaming is "
+                         f"{choices(multi_sender_names())}")
+
+
+class Sender:
     """A transport's trainer end, kept for the trainer's lifetime; opens one session per sync."""
 
-    name: str
+    name: str = ""
+
+    @classmethod
+    def for_trainer(cls, side: TrainerSide) -> "Sender":
+        """This end as a trainer builds it (weightsync.bus.transports)."""
+        raise NotImplementedError
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> Session:
         """A session for one sync; raises ValueError when this trainer cannot use the transport."""
+        raise NotImplementedError
 
 
 def kind_of(resp: rollout_pb2.PrepareSyncResponse) -> str:

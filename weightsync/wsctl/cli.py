@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from weightsync import __version__
+from weightsync.bus.transports import NAMES as TRANSPORTS
 from weightsync.control.client import channel, describe_rpc_error, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="trainer version, rollouts, their versions and states, last sync")
     s = sub.add_parser("sync", parents=[common], help="publish the trainer's weights to rollouts and wait for the result")
     s.add_argument("--rollout", action="append", default=[], help="rollout id (repeatable; default: all)")
-    s.add_argument("--transport", choices=["tcp", "nccl", "ipc"], default="", help="override the default transport")
+    s.add_argument("--transport", choices=TRANSPORTS, default="", help="override the default transport")
     s.add_argument("--sync-timeout", type=float, default=0.0, help="per-sync timeout in seconds (0 = trainer default)")
     s.add_argument("--allow-rollback", action="store_true",
                    help="let rollouts go back to a lower version of this trainer (refused otherwise; logged and "

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.gpu import device_uuid, local_index_of
 from weightsync.bus.plan import BucketPlan
 from weightsync.v1 import bus_pb2
@@ -156,7 +157,7 @@ class MappedBuffers:
             self._used = set()
 
 
-class IpcBucketSender:
+class IpcBucketSender(BucketSender):
     """Trainer side: hands each bucket's handle to `push` and returns once the engine has copied it."""
 
     def __init__(self, push: Callable[[BucketPlan, bus_pb2.CudaIpcHandle, int | None], None]):

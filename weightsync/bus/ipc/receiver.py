@@ -9,12 +9,14 @@ copy is queued, the checksum being read at commit.
 """
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 
 import torch
 
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import require_cuda, uuid_of
+from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
@@ -33,7 +35,7 @@ def check_ipc(spec: bus_pb2.IpcTransport, device: torch.device | None, engine_na
     return own
 
 
-class IpcReceiver:
+class IpcReceiver(RolloutEnd):
     """Remembers which sync was prepared for CUDA IPC (and on which GPU) and feeds its buckets.
 
     Buckets come on one IpcBuckets stream per sync (or, one at a time, as PushBucket calls). Each
@@ -41,6 +43,8 @@ class IpcReceiver:
     (MappedBuffers), and the engine copies the bucket out of it on a side stream: the
     acknowledgement waits for that stream's event only, never for the whole device.
     """
+
+    name = "ipc"
 
     def __init__(self, tx, device: torch.device | None, engine_name: str, maps=None,
                  on_open: Callable[[], None] | None = None):
@@ -52,6 +56,17 @@ class IpcReceiver:
             maps = MappedBuffers(on_open=on_open)
         self.maps = maps
         self._side: torch.cuda.Stream | None = None
+
+    @classmethod
+    def for_rollout(cls, side) -> "IpcReceiver":
+        """`side.options["ipc"]`: `on_open` (counts mappings opened)."""
+        return cls(side.tx, side.device, side.engine_name, **side.options.get(cls.name, {}))
+
+    def prepare(self, spec: bus_pb2.TransportSpec, manifest, resp) -> None:
+        resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), self.check(spec.ipc)
+
+    def receive(self, manifest, spec, deadline: float, resp) -> None:
+        self.start(manifest.sync_id, resp.transport.ipc.device_uuid, manifest.origin)
 
     def check(self, spec: bus_pb2.IpcTransport) -> str:
         """PrepareSync: this engine's GPU UUID, or SyncError when it is not the trainer's GPU."""

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 import grpc
 import torch
 
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.errors import TransportError
 from weightsync.bus.gpu import uuid_of as gpu_uuid
-from weightsync.bus.session import RpcCall, kind_of
+from weightsync.bus.session import RpcCall, Sender, Session, kind_of
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
@@ -66,7 +67,7 @@ class _TargetStream:
         ended.wait(timeout)
 
 
-class IpcStreamSender:
+class IpcStreamSender(BucketSender):
     """Sends each bucket's handle to every target on one IpcBuckets stream per target.
 
     `send(k)` queues bucket k on every stream and returns once every live target has
@@ -219,7 +220,7 @@ class IpcStreamSender:
         self._unacked.clear()
 
 
-class IpcSender:
+class IpcSender(Sender):
     """The trainer's CUDA IPC end, kept for the trainer's lifetime.
 
     It owns what must outlive a sync for the rollouts to keep their mappings: the pipeline's
@@ -242,6 +243,10 @@ class IpcSender:
         self.cache = cache
         self.in_place: list[torch.Tensor] = []  # the actor's own bucket storage, when it sends from there
 
+    @classmethod
+    def for_trainer(cls, side) -> "IpcSender":
+        return cls(side.device, side.call, stream=side.open_stream, **side.options.get(cls.name, {}))
+
     def long_lived(self, buf: torch.Tensor) -> bool:
         """Whether `buf` lies in memory kept across syncs (shared once), not in a one-off tensor."""
         ptr = buf.untyped_storage().data_ptr()
@@ -254,10 +259,9 @@ class IpcSender:
         return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes)
 
 
-class _IpcSession:
+class _IpcSession(Session):
     name = "ipc"
-    group_wide = False
-    reused = False
+    commit_on_stream = True  # on the IpcBuckets stream that carried the buckets
 
     def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int):
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes

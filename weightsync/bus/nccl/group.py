@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from weightsync.bus.channel import BucketReceiver, BucketSender
 from weightsync.bus.errors import TransportError
 from weightsync.bus.nccl import libnccl
 from weightsync.bus.plan import BucketPlan
@@ -110,7 +111,7 @@ class NcclGroup:
             self.broken = self.broken or "closed"
 
 
-class NcclBucketSender:
+class NcclBucketSender(BucketSender):
     """Trainer side; the NCCL group reaches every receiver at once, so failures are group-wide.
 
     Bucket k+1 is enqueued before bucket k has finished, so the wire never waits for the host;
@@ -148,7 +149,7 @@ class NcclBucketSender:
         self._inflight.clear()
 
 
-class NcclBucketReceiver:
+class NcclBucketReceiver(BucketReceiver):
     """Engine side, double-buffered: bucket k+1 is already being received while the caller loads
     bucket k, so the engine's copies hide behind the wire time. `buckets` are the ones this group
     carries (one sender's, in its sending order); `recv` is called in that order."""

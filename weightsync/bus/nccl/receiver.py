@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import require_cuda, uuid_of
 from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.libnccl import UNIQUE_ID_BYTES
 from weightsync.bus.plan import Manifest
+from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ def sender_groups(spec: bus_pb2.NcclTransport) -> list[SenderGroupSpec]:
     return [SenderGroupSpec(g.sender, g.unique_id, g.group_id, g.new_group) for g in spec.sender_groups]
 
 
-class _CountingReceiver:
+class _CountingReceiver(BucketReceiver):
     """The bus receiver of one sender's buckets; aborts its communicator if the sync ends before its last bucket."""
 
     def __init__(self, inner, group, num_buckets: int):
@@ -103,7 +105,9 @@ class _Receive:
         return all(p.rx is not None and p.rx.complete for p in self.parts.values())
 
 
-class NcclReceiver(LazyBus):
+class NcclReceiver(LazyBus, RolloutEnd):
+    name = "nccl"
+
     def __init__(self, tx, device: torch.device | None, engine_name: str, bus=None,
                  on_build: Callable[[], None] | None = None):
         self.tx, self.device, self.engine_name = tx, device, engine_name
@@ -132,11 +136,28 @@ class NcclReceiver(LazyBus):
     def device_uuid(self) -> str:
         return self.uuid_of(self.device)
 
+    @classmethod
+    def for_rollout(cls, side) -> "NcclReceiver":
+        """`side.options["nccl"]`: `bus` (a stand-in for libnccl), `on_build` (counts groups built)."""
+        return cls(side.tx, side.device, side.engine_name, **side.options.get(cls.name, {}))
+
     # ---- PrepareSync ----------------------------------------------------------------------
+    def prepare(self, spec: bus_pb2.TransportSpec, manifest: Manifest, resp) -> None:
+        self.check(spec.nccl, manifest.senders)
+        n, asked = resp.transport.nccl, spec.nccl
+        n.group_id, n.world_size, n.rank_offset = asked.group_id, asked.world_size, asked.rank_offset
+        n.device_uuid = self.device_uuid()
+
+    def receive(self, manifest: Manifest, spec: bus_pb2.TransportSpec, deadline: float, resp) -> None:
+        self.start(manifest, spec.nccl, deadline)
+
+    def supersede(self, reason: str) -> None:
+        self.cancel_active(reason)
+
     def check(self, spec: bus_pb2.NcclTransport, senders: list[int] | None = None) -> None:
         """Refuse, before anything is prepared, a sync this rollout cannot join. `senders`: the
         manifest's sending ranks, which must be exactly those the groups name."""
-        if getattr(self.bus, "needs_cuda", True):
+        if self.bus.needs_cuda:
             require_cuda(self.device, "nccl", self.engine_name)
         if not 2 <= spec.world_size <= _MAX_WORLD:
             raise SyncError(f"transport.nccl.world_size={spec.world_size} must be in [2, {_MAX_WORLD}] "
@@ -160,7 +181,7 @@ class NcclReceiver(LazyBus):
         with self._lock:
             for g in reused:
                 held = self._groups.get(g.sender)
-                ok = held is not None and getattr(held[0], "healthy", True) \
+                ok = held is not None and held[0].healthy \
                     and held[1] == (g.group_id, spec.world_size, spec.rank_offset) \
                     and (self._active is None or self._active.complete)
                 if not ok:

@@ -31,7 +31,7 @@ from weightsync.bus.gpu import uuid_of as gpu_uuid
 from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.liveness import Watch, members_probe
 from weightsync.bus.nccl.sender_groups import SenderGroupJob
-from weightsync.bus.session import RpcCall, kind_of
+from weightsync.bus.session import RpcCall, Sender, Session, kind_of
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class NcclGroupCache:
         if self._multi:
             self.invalidate("the sync streams from global rank 0 alone")
         if self._group is not None and self._plan is not None and self._plan.members == key \
-                and getattr(self._group, "healthy", True):
+                and self._group.healthy:
             return self._plan
         if self._group is not None:
             self.invalidate("membership changed" if self._plan and self._plan.members != key else "group broken")
@@ -124,7 +124,7 @@ class NcclGroupCache:
         self._group, self._plan, self._multi = None, None, {}
 
 
-class NcclSender(LazyBus):
+class NcclSender(LazyBus, Sender):
     name = "nccl"
 
     def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
@@ -138,6 +138,11 @@ class NcclSender(LazyBus):
         self._on_build = on_build
         self._cache: NcclGroupCache | None = None
 
+    @classmethod
+    def for_trainer(cls, side) -> "NcclSender":
+        """`side.options["nccl"]`: `bus` (a stand-in for libnccl), `init_timeout`, `on_build`."""
+        return cls(side.device, call=side.call, **side.options.get(cls.name, {}))
+
     @property
     def cache(self) -> NcclGroupCache:
         if self._cache is None:
@@ -145,14 +150,14 @@ class NcclSender(LazyBus):
         return self._cache
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_NcclSession":
-        needs_cuda = getattr(self.cache.bus, "needs_cuda", True)
+        needs_cuda = self.cache.bus.needs_cuda
         if needs_cuda and self.device.type != "cuda":
             raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
                              f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
         return _NcclSession(self, [(e.rollout_id, e.address) for e in targets], self.uuid_of(self.device), sync_id)
 
 
-class _NcclSession:
+class _NcclSession(Session):
     name = "nccl"
     group_wide = True
 
@@ -235,6 +240,13 @@ class _NcclSession:
                                               world_size=p.world_size,
                                               init_timeout=min(self.owner.init_timeout, timeout)))
                 for s, p in self.sender_plans.items()}
+
+    def owner_streams(self, prepared: dict, timeout: float, raise_flag) -> tuple[dict, dict[str, dict], float]:
+        # each sender broadcasts on its own group: no data addresses
+        groups = self.sender_jobs(timeout)
+        if raise_flag is not None:  # every sender ends its broadcasts once a rollout can no longer take part
+            self.watch(prepared, raise_flag)
+        return {}, groups, self.owner.watch_period
 
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))

@@ -47,7 +47,7 @@ class SenderGroupCache(LazyBus):
         """This rank's communicator for `job`: built now (new_group) or the one it holds."""
         with self._lock:
             if not job.new_group:
-                if self._group is not None and self._group_id == job.group_id and getattr(self._group, "healthy", True):
+                if self._group is not None and self._group_id == job.group_id and self._group.healthy:
                     return self._group
                 raise TransportError(f"nccl group {job.group_id} is not held by this rank (it holds "
                                      f"{self._group_id or 'none'}): global rank 0 must plan a new group")

@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from weightsync.bus.errors import SyncError
+from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello, recv_magic
 from weightsync.config import parse_host_port
 
@@ -50,6 +52,29 @@ class HandshakeBudget:
     def waiting(self) -> int:
         with self._lock:
             return sum(self._by_address.values())
+
+
+class TcpRolloutEnd(RolloutEnd):
+    """TCP's part in PrepareSync: the answer names the data port, whose listener (TcpReceiver,
+    run beside the gRPC server) feeds the prepared sync by itself."""
+
+    name = "tcp"
+
+    def __init__(self, data_address: str, max_connections: int):
+        self.data_address, self.max_connections = data_address, max_connections
+
+    @classmethod
+    def for_rollout(cls, side) -> "TcpRolloutEnd":
+        return cls(side.data_address, side.max_connections)
+
+    def prepare(self, spec, manifest, resp) -> None:
+        if len(manifest.senders) > self.max_connections:
+            # one bus connection per sender: the extra ones would be closed and the sync time out
+            raise SyncError(f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
+                            f"max_bus_connections={self.max_connections} bus connections: raise "
+                            "limits.max_bus_connections to at least the trainer's sender count, or sync with "
+                            "senders=rank0", "INVALID_ARGUMENT")
+        resp.transport.tcp.data_address = self.data_address
 
 
 class TcpReceiver:

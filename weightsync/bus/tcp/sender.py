@@ -3,26 +3,28 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.bus.session import kind_of
+from weightsync.bus.session import Sender, Session, kind_of
 from weightsync.bus.tcp.wire import TcpBucketSender
 from weightsync.v1 import bus_pb2
 
 
-class TcpSender:
+class TcpSender(Sender):
     name = "tcp"
 
     def __init__(self, token: str):
         self.token = token
 
+    @classmethod
+    def for_trainer(cls, side) -> "TcpSender":
+        return cls(side.token)
+
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_TcpSession":
         return _TcpSession(self.token, sync_id)
 
 
-class _TcpSession:
+class _TcpSession(Session):
     name = "tcp"
     device = torch.device("cpu")
-    group_wide = False
-    reused = False
 
     def __init__(self, token: str, sync_id: str):
         self.token, self.sync_id = token, sync_id
@@ -47,5 +49,7 @@ class _TcpSession:
         return TcpBucketSender({rid: self._addresses[rid] for rid in targets}, self.sync_id, self.token,
                                timeout=timeout)
 
-    def finish(self, ok: bool, reason: str) -> None:
-        pass
+    def owner_streams(self, prepared: dict, timeout: float, raise_flag) -> tuple[dict[str, str], None, float]:
+        # every sender connects to each rollout's data port; a dead rollout breaks its own
+        # connections, so there is no flag to watch
+        return {rid: self._addresses[rid] for rid in prepared}, None, 1.0

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from weightsync.bus.channel import BucketReceiver, BucketSender
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
 
@@ -94,7 +95,7 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
-class TcpBucketReceiver:
+class TcpBucketReceiver(BucketReceiver):
     """Reads the buckets of one sync from an accepted, hello-verified connection."""
 
     def __init__(self, sock: socket.socket):
@@ -131,7 +132,7 @@ class TcpBucketReceiver:
             pass
 
 
-class TcpBucketSender:
+class TcpBucketSender(BucketSender):
     """Streams each bucket to every target in parallel; a failing target is dropped, not fatal.
 
     `sender`: the trainer rank this stream belongs to; `mac`: its hello MAC when the caller holds

@@ -7,10 +7,12 @@ import torch
 from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta, make_manifest
+from weightsync.bus.session import Session
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (32,), torch.float32) for i in range(3)]
@@ -56,7 +58,7 @@ class _Orch:
         return None  # every call through _call
 
 
-class _Channel:
+class _Channel(BucketSender):
     def __init__(self, fail=False):
         self.fail, self.sent, self.closed = fail, [], False
 
@@ -72,7 +74,7 @@ class _Channel:
         self.closed = True
 
 
-class _Session:
+class _Session(Session):
     name, device, reused = "fake", torch.device("cpu"), False
 
     def __init__(self, group_wide=False, fail=False):

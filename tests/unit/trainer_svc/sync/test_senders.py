@@ -1,15 +1,18 @@
 """The orchestrator's choice of senders and its merge of their reports, with a fake two-rank actor
 (the torchrun version runs in tests/e2e/test_multisender_e2e.py)."""
 import threading
+import time
 
 import pytest
 import torch
 
-from trainer_svc.multisender import SenderResult, SendJob
+from trainer_svc.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
 from trainer_svc.registry import RolloutEntry
 from trainer_svc.sync.orchestrator import SyncOrchestrator
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.plan import TensorMeta
 from weightsync.bus.tcp.wire import hello_mac
+from weightsync.bus.transports import multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2
 
@@ -119,7 +122,7 @@ def _fake_open(begin):
     def wrapped(*a, **kw):
         session = begin(*a, **kw)
 
-        class Sink:
+        class Sink(BucketSender):
             def send(self, plan, buf, checksum):
                 pass
 
@@ -143,6 +146,14 @@ def test_senders_all_is_refused_for_ipc_per_request_and_falls_back_when_configur
     assert orch._owners("nccl", "all") == OWNERS and orch._owners("nccl", "rank0") is None
     with pytest.raises(ValueError, match="senders='everyone' must be all or rank0"):
         orch.sync(_targets(), senders="everyone")
+
+
+def test_every_multi_sender_transport_streams_from_each_rank_and_another_is_refused():
+    assert sorted(RANK_ENDS) == sorted(multi_sender_names())
+    job = SendJob(sync_id="s", version=1, bucket_bytes=256, model_family="", checksum_algo="", origin="", digest="",
+                  targets={}, macs={}, timeout=1.0, transport="ipc")
+    with pytest.raises(ValueError, match=r"^SendJob.transport='ipc' must be tcp or nccl$"):
+        _bus_sender(TwoRankActor(), job, 1, time.monotonic() + 1)
 
 
 def test_a_quantized_export_streams_from_every_owner_with_each_scale_on_its_weights_owner():

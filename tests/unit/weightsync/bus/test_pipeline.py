@@ -1,12 +1,13 @@
 import pytest
 import torch
 
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import TensorMeta, make_manifest
 
 
-class CollectingSender:
+class CollectingSender(BucketSender):
     def __init__(self, fail_at=None):
         self.buckets, self.fail_at = [], fail_at
 

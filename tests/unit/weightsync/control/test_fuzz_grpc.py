@@ -250,6 +250,20 @@ def test_out_of_range_sync_timeouts_are_rejected(servers, t):
                  trainer_pb2.SyncRequest(timeout_seconds=t)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_an_unknown_transport_is_refused_naming_the_field_and_the_choices(servers):
+    trainer, rollout, _ = servers
+    with pytest.raises(grpc.RpcError) as ei:
+        trainer_stub(channel(trainer.grpc.address), "").Sync(trainer_pb2.SyncRequest(transport="udp"))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "transport='udp' must be tcp, nccl or ipc"
+    req = rollout_pb2.PrepareSyncRequest(manifest=_real_manifest(trainer), timeout_seconds=30,
+                                         trainer_id=trainer.trainer_id)  # no transport set
+    with pytest.raises(grpc.RpcError) as ei:
+        rollout_stub(channel(rollout.grpc.address), "").PrepareSync(req)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "transport is unset: PrepareSync must say tcp, nccl or ipc" in ei.value.details()
+
+
 def test_a_multi_sender_manifest_is_refused_over_ipc(servers):
     """IPC shares one GPU's buckets; tcp (a connection per sender) and nccl (a group per sender:
     tests/unit/weightsync/bus/nccl/test_nccl_multisender_rollout.py) carry several senders'."""

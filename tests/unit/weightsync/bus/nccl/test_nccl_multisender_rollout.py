@@ -19,6 +19,7 @@ import torch
 
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.checksum import ALGO
+from weightsync.bus.channel import BucketSender
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import make_manifest, manifest_to_proto
 from weightsync.control.client import channel, rollout_stub
@@ -89,7 +90,7 @@ def _stream(trainer, bus, manifest, owners, uids, groups_held=None, fail_sender=
             mine = iter(t for t, o in zip(tensors, owners) if o == s)
             sender = bus.sender(group)
             if s == fail_sender:
-                class Dies:  # streams one bucket, then its communicator breaks
+                class Dies(BucketSender):  # streams one bucket, then its communicator breaks
                     releases_previous = False
 
                     def __init__(self):
