@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
+from weightsync.bus.channel import BucketReceiver, BucketSender
 from weightsync.bus.errors import TransportError
 
 _HOST = "127.0.0.1"
@@ -68,8 +69,7 @@ class GlooGroup:
         self.abort("closed")
 
 
-class GlooSender:
-    releases_previous = False
+class GlooSender(BucketSender):
     checksums_in_band = "none"  # as NCCL's: the receivers checksum what arrived
 
     def __init__(self, group: GlooGroup):
@@ -80,14 +80,9 @@ class GlooSender:
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
         self.group.broadcast(buf[:plan.nbytes].cpu().contiguous())
 
-    def failures(self) -> dict[str, str]:
-        return {}
-
-    def close(self) -> None:
-        pass
 
 
-class GlooReceiver:
+class GlooReceiver(BucketReceiver):
     def __init__(self, group: GlooGroup, buckets):
         self.group = group
 
@@ -95,9 +90,6 @@ class GlooReceiver:
         buf = torch.empty(plan.nbytes, dtype=torch.uint8)
         self.group.broadcast(buf, timeout)
         return buf, None
-
-    def close(self) -> None:
-        pass
 
 
 class GlooNcclBus:
