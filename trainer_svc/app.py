@@ -16,7 +16,7 @@ from trainer_svc.config import TrainerConfig
 from trainer_svc.http_api import trainer_router
 from trainer_svc.export_format import export_format
 from trainer_svc.paths import DataRoots
-from trainer_svc.registry import RolloutRegistry
+from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.service import TrainerServicer
 from trainer_svc.sync import SyncOrchestrator
 from trainer_svc.warm_up import warm_up

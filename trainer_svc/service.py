@@ -9,7 +9,7 @@ import threading
 import grpc
 
 from trainer_svc.paths import DataRoots, PathRefused
-from trainer_svc.registry import RolloutRegistry
+from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.sync import SyncInProgress, SyncOrchestrator
 from trainer_svc.train.rpc import TrainingServicerMixin
 from weightsync.bus.transports import transport as transport_named

@@ -6,7 +6,7 @@ every member with a new group when the cached group was refused (a restarted mem
 members that prepared, which form a group without the one that could not.
 
 When the manifest has several senders (trainer ranks streaming the buckets they own), the stream
-phase hands the job to every rank (trainer_svc.multisender) instead of streaming from this one,
+phase hands the job to every rank (trainer_svc.sync.multisender) instead of streaming from this one,
 over tcp (each rank to every rollout's data port) or nccl (each rank on its own group); a rollout
 that any sender dropped fails, and a sender that failed as a whole fails every target.
 """
@@ -16,26 +16,46 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
+from typing import Any, Protocol
 
-from trainer_svc.multisender import SenderResult, stream_from_every_owner
-from trainer_svc.registry import RolloutEntry
+from trainer_svc.export_format import ExportFormat
+from trainer_svc.sync.multisender import SenderResult, stream_from_every_owner
 from trainer_svc.sync.phases import PhaseClock
+from trainer_svc.sync.registry import RolloutEntry
+from trainer_svc.sync.rollout_calls import RolloutCalls
 from weightsync.bus.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
+from weightsync.bus.layout import ManifestCache, compact_proto
 from weightsync.bus.pipeline import in_place_views, stream_buckets
-from weightsync.bus.layout import compact_proto
 from weightsync.bus.plan import Manifest
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 
 
+class Fleet(Protocol):
+    """What an attempt uses of its orchestrator: the actor it exports, the calls that reach a rollout
+    (and record a failed one), the long-lived RPC threads and layout cache, and the trainer's identity."""
+
+    actor: Any
+    rollouts: RolloutCalls
+    pool: futures.Executor
+    manifests: ManifestCache
+    token: str
+    trainer_id: str
+    origin: str
+    export_format: ExportFormat
+
+
 class SyncAttempt:
-    def __init__(self, orch, session, manifest: Manifest, targets: list[RolloutEntry], deadline: float,
-                 phases: PhaseClock, tensors=None):
-        """`tensors()`: the exported stream the manifest describes (default: the actor's own)."""
-        self.orch, self.session, self.manifest, self.deadline, self.phases = orch, session, manifest, deadline, phases
-        self.tensors = tensors or (lambda: orch.actor.export_tensors())
+    def __init__(self, fleet: Fleet, session, manifest: Manifest, targets: list[RolloutEntry], deadline: float,
+                 phases: PhaseClock, tensors=None, allow_rollback: bool = False):
+        """`tensors()`: the exported stream the manifest describes (default: the actor's own);
+        `allow_rollback`: this Sync call lets rollouts go back to a lower version."""
+        self.fleet, self.session, self.manifest, self.deadline, self.phases = fleet, session, manifest, deadline, phases
+        self.rollouts = fleet.rollouts
+        self.allow_rollback = allow_rollback
+        self.tensors = tensors or (lambda: fleet.actor.export_tensors())
         self.targets = targets
         self.by_id = {e.rollout_id: e for e in targets}
         self.results = {e.rollout_id: trainer_pb2.RolloutSyncResult(rollout_id=e.rollout_id) for e in targets}
@@ -47,7 +67,7 @@ class SyncAttempt:
         self.funnel_retry = ""
         #: what each sending rank did in the stream (one entry for the single sender)
         self.senders: list[SenderResult] = []
-        self._pool = orch.pool  # long-lived: no threads started per sync
+        self._pool = fleet.pool  # long-lived: no threads started per sync
         self._in_place_bufs: list | None = None
         self._in_place_checksums: InFlightChecksums | None = None
         #: the stream's channel, kept open after the stream for targets that commit on it or whose
@@ -87,7 +107,7 @@ class SyncAttempt:
         return max(0.001, self.deadline - time.monotonic())
 
     def _fail(self, rid: str, reason: str, err: str) -> None:
-        self.orch._fail(self.results[rid], self.by_id[rid], reason, err)
+        self.rollouts.fail(self.results[rid], self.by_id[rid], reason, err)
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, meanwhile: Callable[[], None] | None = None) -> None:
@@ -118,7 +138,7 @@ class SyncAttempt:
         A target that holds the layout gets its digest only (ManifestCache); the others, and any
         that answers `manifest_needed` (it restarted, or dropped the layout), the full manifest.
         """
-        cache, digest = self.orch.manifests, self.manifest.layout_digest
+        cache, digest = self.fleet.manifests, self.manifest.layout_digest
         # (a manifest planned without ManifestCache has no digest: it always goes in full)
         compact, full = (compact_proto(self.manifest) if digest else None), None
         out: dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]] = {}
@@ -131,12 +151,12 @@ class SyncAttempt:
                     full = cache.full_proto(self.manifest)
                 req = rollout_pb2.PrepareSyncRequest(manifest=full if send_full else compact,
                                                      timeout_seconds=self._left(), transport=self.session.spec_for(e),
-                                                     trainer_id=self.orch.trainer_id,
-                                                     allow_rollback=self.orch.allow_rollback)
+                                                     trainer_id=self.fleet.trainer_id,
+                                                     allow_rollback=self.allow_rollback)
                 calls.append((e, send_full, req))
             pending = []
             if meanwhile is not None:
-                futs = [self._pool.submit(self.orch._call, e, "PrepareSync", req) for e, _, req in calls]
+                futs = [self._pool.submit(self.rollouts.call, e, "PrepareSync", req) for e, _, req in calls]
                 run, meanwhile = meanwhile, None
                 try:
                     run()
@@ -145,7 +165,7 @@ class SyncAttempt:
                     raise
                 answers = [f.result() for f in futs]
             else:
-                answers = self._on_each(lambda c: self.orch._call(c[0], "PrepareSync", c[2]), calls)
+                answers = self._on_each(lambda c: self.rollouts.call(c[0], "PrepareSync", c[2]), calls)
             for (e, sent_full, _), (resp, err) in zip(calls, answers):
                 if not err and resp.manifest_needed:
                     cache.forget(e)
@@ -190,7 +210,7 @@ class SyncAttempt:
         multi = len(self.manifest.senders) > 1
         in_place = self._in_place_bufs if self.prepared else None
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
-        # several senders every rank exports its own tensors (trainer_svc/multisender.py).
+        # several senders every rank exports its own tensors (trainer_svc/sync/multisender.py).
         export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
         streamed = list(self.prepared)
         if self.prepared:
@@ -225,7 +245,7 @@ class SyncAttempt:
 
         Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
         """
-        flat = getattr(self.orch.actor, "flat_buckets", None)
+        flat = getattr(self.fleet.actor, "flat_buckets", None)
         # a quantized export is computed per sync: the actor's storage is not what travels
         if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
             return None
@@ -240,13 +260,13 @@ class SyncAttempt:
         return buffers
 
     def _send_from_every_owner(self) -> list[int]:
-        actor, sync_id = self.orch.actor, self.manifest.sync_id
+        actor, sync_id = self.fleet.actor, self.manifest.sync_id
         flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
         raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
         targets, groups, period = self.session.owner_streams({rid: self.by_id[rid] for rid in self.prepared},
                                                              self._left(), raise_flag)
-        fmt = self.orch.export_format
-        out = stream_from_every_owner(actor, self.manifest, targets, self.orch.token, self._left(),
+        fmt = self.fleet.export_format
+        out = stream_from_every_owner(actor, self.manifest, targets, self.fleet.token, self._left(),
                                       nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "",
                                       watch_period=period)
         self.senders = out.senders
@@ -290,7 +310,7 @@ class SyncAttempt:
             raise
         finally:
             sender.seconds = time.perf_counter() - t0
-            sender.forwarded_bytes = int(getattr(self.orch.actor, "export_stats", {}).get("forwarded_bytes", 0))
+            sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
             for rid, err in channel.failures().items():
                 if rid in self.prepared:
                     self.prepared.pop(rid)
@@ -302,7 +322,7 @@ class SyncAttempt:
     def commit(self, checksums: list[int]) -> None:
         """CommitSync on every target still in the sync."""
         req = rollout_pb2.CommitSyncRequest(sync_id=self.manifest.sync_id, version=self.manifest.version,
-                                            trainer_id=self.orch.trainer_id)
+                                            trainer_id=self.fleet.trainer_id)
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
         rids = list(self.prepared)
@@ -313,21 +333,21 @@ class SyncAttempt:
             else:
                 r.ok, r.version = True, resp.version
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
-                e.origin = self.orch.origin
+                e.origin = self.fleet.origin
 
     def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
         if rid in self._on_stream:
-            return self._commit_channel.commit(rid, req, timeout=self.orch.rpc_timeout)
-        return self.orch._call(self.by_id[rid], "CommitSync", req)
+            return self._commit_channel.commit(rid, req, timeout=self.rollouts.rpc_timeout)
+        return self.rollouts.call(self.by_id[rid], "CommitSync", req)
 
     def _linked(self, rid: str) -> bool:
-        return self.orch.link_of(self.by_id[rid]) is not None
+        return self.rollouts.link_of(self.by_id[rid]) is not None
 
     def abort_failed(self) -> None:
         """AbortSync on every target that did not commit, so none is left holding a prepared sync."""
         req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
         failed = [self.by_id[r.rollout_id] for r in self.results.values() if not r.ok]
-        self._on_each(lambda e: self.orch._call(e, "AbortSync", req), failed)
+        self._on_each(lambda e: self.rollouts.call(e, "AbortSync", req), failed)
 
     def _on_each(self, fn: Callable, items: list) -> list:
         """[fn(x) for x in items], all at once: the first on this thread, the others on the RPC

@@ -21,15 +21,13 @@ import grpc
 import torch
 
 from trainer_svc.export_format import PLAIN, ExportFormat
-from trainer_svc.registry import RolloutEntry, RolloutRegistry
+from trainer_svc.sync.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync_link import LinkDown, SyncLinkClient
+from trainer_svc.sync.rollout_calls import RolloutCalls
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
-from weightsync.control.client import describe_rpc_error
-from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import trainer_pb2
 
@@ -57,15 +55,14 @@ class SyncOrchestrator:
         self.rpc_timeout = rpc_timeout
         self.origin = origin
         self.trainer_id = trainer_id
-        self.allow_rollback = False  # per Sync call, read by the attempt's PrepareSync
         self.device = torch.device(device)
         self.export_format = export_format
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
         self.senders = senders
-        #: use the sync links rollouts offer (trainer_svc.sync_link); False: every call over gRPC
-        self.sync_link = sync_link
-        side = TrainerSide(token, self.device, call=self._call, open_stream=self._open_stream,
+        #: how this trainer reaches a rollout during a sync (sync link or gRPC), and records a failed one
+        self.rollouts = RolloutCalls(token, rpc_timeout, metrics, sync_link)
+        side = TrainerSide(token, self.device, call=self.rollouts.call, open_stream=self.rollouts.open_stream,
                            options={"nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout,
                                              "on_build": on_nccl_group_build}})
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
@@ -110,20 +107,18 @@ class SyncOrchestrator:
                     return None
             self.in_progress = True
             self.metrics.in_progress.set(1)
-            self.allow_rollback = allow_rollback
             if allow_rollback:
                 self.metrics.rollbacks.inc()
                 log.warning("ROLLBACK requested: sync of version %d to %s may take rollouts back to a lower version",
                             self.actor.version, [e.rollout_id for e in targets] or "every rollout")
-            return self._sync_locked(targets, transport, timeout, senders)
+            return self._sync_locked(targets, transport, timeout, senders, allow_rollback)
         finally:
-            self.allow_rollback = False
             self.in_progress = False
             self.metrics.in_progress.set(0)
             self.actor_lock.release()
 
     def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float,
-                     senders: str = "all") -> trainer_pb2.SyncReport:
+                     senders: str = "all", allow_rollback: bool = False) -> trainer_pb2.SyncReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         phases = PhaseClock()
@@ -146,7 +141,8 @@ class SyncOrchestrator:
             log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
                      manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
                      manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
-            one = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export)
+            one = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export,
+                              allow_rollback=allow_rollback)
             attempt_results, retry = one.run()
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
@@ -248,48 +244,4 @@ class SyncOrchestrator:
 
     def is_current(self, entry: RolloutEntry) -> bool:
         return entry.origin == self.origin and entry.version == self.actor.version
-
-    def _call(self, entry: RolloutEntry, method: str, request):
-        """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
-        (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC."""
-        link = self.link_of(entry) if method in LINK_METHODS else None
-        if link is not None:
-            try:
-                resp, err = link.call(method, request, self.rpc_timeout)
-            except LinkDown as exc:
-                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method,
-                            max(0.0, link.retry_at - time.monotonic()))
-            else:
-                self.metrics.calls.labels("trainer", method, "link").inc()
-                self._learn_link(entry, method, resp)
-                return resp, err
-        try:
-            resp = getattr(entry.stub(self.token, self.rpc_timeout), method)(request)
-        except grpc.RpcError as exc:
-            return None, describe_rpc_error(exc)
-        finally:
-            if method in LINK_METHODS:
-                self.metrics.calls.labels("trainer", method, "grpc").inc()
-        self._learn_link(entry, method, resp)
-        return resp, ""
-
-    def link_of(self, entry: RolloutEntry) -> SyncLinkClient | None:
-        """The sync link `entry`'s next PrepareSync / CommitSync / AbortSync takes; None: gRPC."""
-        link = entry.link if self.sync_link else None
-        return link if link is not None and link.usable() else None
-
-    def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
-        # only an accepted prepare names the link (a manifest_needed answer is not one)
-        if self.sync_link and method == "PrepareSync" and resp is not None and not resp.manifest_needed:
-            entry.offer_link(resp.sync_link, self.token)
-
-    def _open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
-        """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""
-        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)
-
-    def _fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
-        result.ok, result.error = False, err
-        entry.last_error = err
-        self.metrics.failure(reason)
-        log.warning("sync to %s failed (%s): %s", entry.rollout_id, reason, err)
 

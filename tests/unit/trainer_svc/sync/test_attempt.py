@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.registry import RolloutEntry
+from trainer_svc.sync.registry import RolloutEntry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
 from weightsync.bus.channel import BucketSender
@@ -25,20 +25,21 @@ class _Actor:
 
 
 class _Orch:
-    """What an attempt uses of the orchestrator: the actor, the RPC call and its threads, the layout cache and
-    failure bookkeeping."""
+    """What an attempt uses of the orchestrator (attempt.Fleet): the actor, the calls to rollouts (here the fleet
+    itself), the RPC threads, the layout cache and the trainer's identity."""
 
     origin = "o1"
     trainer_id = "trainer-test"
-    allow_rollback = False
+    rpc_timeout = 5.0
 
     def __init__(self, refuse_prepare=()):
         self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
         self.manifests, self.pool = ManifestCache(), ThreadPoolExecutor(max_workers=4)
         self.calls: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
+        self.rollouts = self
 
-    def _call(self, entry, method, req):
+    def call(self, entry, method, req):
         self.calls.append((entry.rollout_id, method))
         if method == "PrepareSync":
             if entry.rollout_id in self.refuse_prepare:
@@ -50,12 +51,12 @@ class _Orch:
             return rollout_pb2.CommitSyncResponse(version=req.version), ""
         return rollout_pb2.AbortSyncResponse(), ""
 
-    def _fail(self, result, entry, reason, err):
+    def fail(self, result, entry, reason, err):
         result.ok, result.error = False, err
         self.failed.append((entry.rollout_id, reason))
 
     def link_of(self, entry):
-        return None  # every call through _call
+        return None  # every call through call()
 
 
 class _Channel(BucketSender):
@@ -192,14 +193,14 @@ def test_the_trainers_own_prepare_work_runs_while_the_rollouts_answer_prepare_sy
 
     ran = threading.Event()
     orch, session = _Orch(), _Session()
-    answer = orch._call
+    answer = orch.call
 
     def call(entry, method, req):
         if method == "PrepareSync" and not ran.wait(10):
             return None, "UNAVAILABLE: the trainer waited for this answer before its own work"
         return answer(entry, method, req)
 
-    orch._call = call
+    orch.call = call
     attempt, _, _, _ = _attempt(orch, session)
     attempt.prepare(meanwhile=ran.set)
     assert sorted(attempt.prepared) == ["a", "b"] and orch.failed == []
@@ -209,7 +210,7 @@ def test_a_failure_of_the_trainers_own_prepare_work_is_raised_after_the_requests
     import pytest
 
     orch, session = _Orch(), _Session()
-    answer, answered = orch._call, []
+    answer, answered = orch.call, []
 
     def call(entry, method, req):
         time.sleep(0.2)
@@ -219,7 +220,7 @@ def test_a_failure_of_the_trainers_own_prepare_work_is_raised_after_the_requests
     def broken():
         raise RuntimeError("in-place views")
 
-    orch._call = call
+    orch.call = call
     attempt, _, _, _ = _attempt(orch, session)
     with pytest.raises(RuntimeError, match="in-place views"):
         attempt.prepare(meanwhile=broken)

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from trainer_svc.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
-from trainer_svc.registry import RolloutEntry
+from trainer_svc.sync.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
+from trainer_svc.sync.registry import RolloutEntry
 from trainer_svc.sync.orchestrator import SyncOrchestrator
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.plan import TensorMeta
@@ -63,7 +63,7 @@ def _orch(actor, calls, **kw):
         if method == "CommitSync":
             return rollout_pb2.CommitSyncResponse(version=req.version), ""
         return rollout_pb2.AbortSyncResponse(), ""
-    o._call = call
+    o.rollouts.call = call
     return o
 
 
@@ -195,7 +195,7 @@ def _nccl_orch(actor, calls, answers=None):
 
     orch = _orch(actor, calls)
     orch.transports["nccl"] = NcclSender(torch.device("cpu"), LoopbackBus(), 5.0)
-    plain = orch._call
+    plain = orch.rollouts.call
 
     def call(entry, method, req):
         if method != "PrepareSync":
@@ -209,7 +209,7 @@ def _nccl_orch(actor, calls, answers=None):
         resp.transport.nccl.group_id = n.group_id  # "" with sender_groups, as the rollout echoes it
         resp.transport.nccl.device_uuid = f"GPU-{entry.rollout_id}"
         return resp, ""
-    orch._call = call
+    orch.rollouts.call = call
     return orch
 
 

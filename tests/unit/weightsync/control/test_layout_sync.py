@@ -37,14 +37,14 @@ def fleet():
     for rid, app in rollouts.items():
         stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
     sent: list[tuple[str, int]] = []  # (rollout id, buckets in the PrepareSync manifest)
-    call = trainer.orch._call
+    call = trainer.orch.rollouts.call
 
     def spy(entry, method, req):
         if method == "PrepareSync":
             sent.append((entry.rollout_id, len(req.manifest.buckets)))
         return call(entry, method, req)
 
-    trainer.orch._call = spy
+    trainer.orch.rollouts.call = spy
     yield trainer, rollouts, stub, sent
     for app in rollouts.values():
         app.stop()

@@ -155,7 +155,7 @@ def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked
     from trainer_svc.sync.attempt import SyncAttempt
 
     def in_place(self):  # what a GPU trainer does; a CPU one packs (SyncAttempt._in_place)
-        buffers = self.orch.actor.flat_buckets(self.manifest)
+        buffers = self.fleet.actor.flat_buckets(self.manifest)
         if buffers is not None:
             self.session.use_in_place(buffers)
         return buffers
@@ -224,15 +224,15 @@ def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_
     sync links commits each as the last message of its IpcBuckets stream, so no CommitSync call is
     made; a commit naming another sync than the stream's is refused and that sync aborted."""
     trainer, rollouts, _, gpu = fleet
-    monkeypatch.setattr(trainer.orch, "sync_link", False)
+    monkeypatch.setattr(trainer.orch.rollouts, "sync_link", False)
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    methods, call = [], trainer.orch._call
+    methods, call = [], trainer.orch.rollouts.call
 
     def recording_call(entry, method, req):
         methods.append(method)
         return call(entry, method, req)
 
-    monkeypatch.setattr(trainer.orch, "_call", recording_call)
+    monkeypatch.setattr(trainer.orch.rollouts, "call", recording_call)
     _bump(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]

@@ -5,7 +5,7 @@ waits until the sync's deadline. Global rank 0 is the only rank that talks to th
 watches them (gRPC status) and raises the sync's abort flag; every sending rank watches that flag
 and aborts its own communicator. Here the whole rank-0 path is real (TrainerApp, SyncAttempt,
 planning a group per sender, the watch); two threads play the two trainer ranks through
-`trainer_svc.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
+`trainer_svc.sync.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
 broadcast until every rank took the bucket, as NCCL does. A dead rollout (its gRPC port gone) and
 a live one that left the sync are both caught; unwatched, the same sync waits out its deadline.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.support.nccl_loopback import LoopbackBus
-from trainer_svc.multisender import SendJob, run_sender
+from trainer_svc.sync.multisender import SendJob, run_sender
 from weightsync.bus.nccl.liveness import LocalFlags
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.nccl.sender_groups import SenderGroupCache
@@ -96,7 +96,7 @@ def fleet():
                                                      backend="hf", model="tiny-qwen2", bucket_mb=1,
                                                      sync_timeout_s=SYNC_TIMEOUT, auto_sync_new_rollouts=False))
         trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
-        trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 5.0, call=trainer.orch._call,
+        trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 5.0, call=trainer.orch.rollouts.call,
                                                      watch_period=PERIOD)
         trainer.start()
         made.append(trainer)

@@ -283,7 +283,7 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
                                        model="tiny-qwen2", bucket_mb=1, sync_timeout_s=sync_timeout,
                                        auto_sync_new_rollouts=False))
     trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT,
-                                               call=trainer.orch._call if watched else None, watch_period=0.2)
+                                               call=trainer.orch.rollouts.call if watched else None, watch_period=0.2)
     trainer.start()
     apps, release = {}, threading.Event()
     try:

@@ -1,4 +1,4 @@
-"""trainer_svc.multisender without torchrun: two sender ranks (threads with a stand-in for the
+"""trainer_svc.sync.multisender without torchrun: two sender ranks (threads with a stand-in for the
 megatron actor's per-rank export) stream their own buckets to real rollout receivers (TcpReceiver
 + SyncTransaction + built-in engine); rank 0 merges their reports. The torchrun version of the
 same path runs in tests/e2e/test_multisender_e2e.py."""
@@ -9,7 +9,7 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.transaction import SyncTransaction
-from trainer_svc.multisender import SenderResult, SendJob, merge, run_sender
+from trainer_svc.sync.multisender import SenderResult, SendJob, merge, run_sender
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.tcp.receiver import TcpReceiver

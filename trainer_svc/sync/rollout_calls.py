@@ -1,0 +1,74 @@
+"""The trainer's calls to its rollouts during a sync: the narrow interface a SyncAttempt (and the
+transports' trainer ends) use to reach a rollout, and how a failed target is recorded.
+
+PrepareSync, CommitSync and AbortSync go over a rollout's sync link when it offered one
+(trainer_svc.sync.link_client), else — or when the link cannot be opened — over gRPC.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from trainer_svc.sync.link_client import LinkDown, SyncLinkClient
+from trainer_svc.sync.registry import RolloutEntry
+from weightsync.control.client import describe_rpc_error
+from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
+from weightsync.obs.metrics import SyncMetrics
+from weightsync.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RolloutCalls:
+    def __init__(self, token: str, rpc_timeout: float, metrics: SyncMetrics, sync_link: bool = True):
+        self.token = token
+        self.rpc_timeout = rpc_timeout
+        self.metrics = metrics
+        #: use the sync links rollouts offer; False: every call over gRPC
+        self.sync_link = sync_link
+
+    def call(self, entry: RolloutEntry, method: str, request):
+        """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
+        (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC."""
+        link = self.link_of(entry) if method in LINK_METHODS else None
+        if link is not None:
+            try:
+                resp, err = link.call(method, request, self.rpc_timeout)
+            except LinkDown as exc:
+                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method,
+                            max(0.0, link.retry_at - time.monotonic()))
+            else:
+                self.metrics.calls.labels("trainer", method, "link").inc()
+                self._learn_link(entry, method, resp)
+                return resp, err
+        try:
+            resp = getattr(entry.stub(self.token, self.rpc_timeout), method)(request)
+        except grpc.RpcError as exc:
+            return None, describe_rpc_error(exc)
+        finally:
+            if method in LINK_METHODS:
+                self.metrics.calls.labels("trainer", method, "grpc").inc()
+        self._learn_link(entry, method, resp)
+        return resp, ""
+
+    def link_of(self, entry: RolloutEntry) -> SyncLinkClient | None:
+        """The sync link `entry`'s next PrepareSync / CommitSync / AbortSync takes; None: gRPC."""
+        link = entry.link if self.sync_link else None
+        return link if link is not None and link.usable() else None
+
+    def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
+        # only an accepted prepare names the link (a manifest_needed answer is not one)
+        if self.sync_link and method == "PrepareSync" and resp is not None and not resp.manifest_needed:
+            entry.offer_link(resp.sync_link, self.token)
+
+    def open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
+        """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""
+        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)
+
+    def fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
+        result.ok, result.error = False, err
+        entry.last_error = err
+        self.metrics.failure(reason)
+        log.warning("sync to %s failed (%s): %s", entry.rollout_id, reason, err)
