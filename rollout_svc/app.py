@@ -7,12 +7,12 @@ import threading
 
 from rollout_svc.config import RolloutConfig
 from rollout_svc.http_api import rollout_router
-from rollout_svc.pinning import TrainerPin
+from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
-from rollout_svc.sync_link import SyncLinkServer
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.link_server import SyncLinkServer
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token

@@ -11,8 +11,8 @@ import grpc
 
 from rollout_svc.engine.base import SamplingParams
 from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestRefused, check_generate
-from rollout_svc.pinning import TrainerPin
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.pinning import TrainerPin
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import engine_device
 from weightsync.bus.ipc.receiver import IpcReceiver
@@ -64,7 +64,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.ipc = IpcReceiver(tx, self.device, engine_name, on_open=self.rollout_metrics.ipc_opens.inc)
         self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
-        #: host:port of the sync link (rollout_svc.sync_link) this rollout offers, "" for none
+        #: host:port of the sync link (rollout_svc.sync.link_server) this rollout offers, "" for none
         self.sync_link = ""
         self.refresh_state_metric()
 

@@ -1,7 +1,7 @@
 """The contract between rollout-svc's sync transaction and an inference engine.
 
 An engine generates, scores, and loads HF-named tensors. It knows nothing about versions,
-manifests or transports: the transaction (rollout_svc.transaction) decides when to pause,
+manifests or transports: the transaction (rollout_svc.sync.transaction) decides when to pause,
 load, flush and resume, so the built-in engine and SGLang share one sync implementation.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Engine(Protocol):
     def prefix_cache_entries(self) -> int: ...
 
 
-# Optional capabilities, looked up with getattr by rollout_svc.transaction (in-place mode):
+# Optional capabilities, looked up with getattr by rollout_svc.sync.transaction (in-place mode):
 #   begin_apply()                    — called when the first bucket of a sync arrives (pause generation)
 #   load_bucket(plan, buf)           — load a whole flat bucket (instead of load_weights(unpack(...)))
 #   end_apply()                      — called at commit instead of flush_cache (flush + resume)

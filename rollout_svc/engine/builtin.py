@@ -126,7 +126,7 @@ class BuiltinEngine:
     def writable_params(self, metas) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` (name, shape, dtype) load into, when each already is
         exactly that tensor's layout (same shape and dtype, contiguous), so that a caller can write
-        the received bytes straight in (rollout_svc/transaction.py); None when any is not, and
+        the received bytes straight in (rollout_svc/sync/transaction.py); None when any is not, and
         load_weights must cast. The caller writes now: the cached KV is dropped, as load_weights does."""
         out = []
         for m in metas:

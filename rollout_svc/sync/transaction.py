@@ -1,7 +1,7 @@
 """A weight sync on the rollout side, as a transaction: prepare → receive buckets → commit | abort.
 
 Invariant: generation is only ever served from a complete, known version. Weight application
-holds the engine gate (rollout_svc/engine_gate.py) exclusively, like a lock; a request holds a
+holds the engine gate (rollout_svc/sync/engine_gate.py) exclusively, like a lock; a request holds a
 version pin on it for its whole run (requests interleave between decode steps, a sync waits for
 the pins), and the version a response reports is read under its pin.
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout_svc.alarm import Alarm
-from rollout_svc.engine_gate import EngineGate
+from rollout_svc.sync.alarm import Alarm
+from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.quantized import plan_apply
 from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import bucket_checksum, combine
