@@ -52,7 +52,7 @@ class RolloutApp:
         self.registrar = None
         self.pin = TrainerPin(reg.trainer_id, reg.trainer_address, ask_trainer=lambda: self.registrar.trainer_id())
         self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.inference.engine,
-                                        family_of(self.engine.hf_config()) if hasattr(self.engine, "hf_config") else "",
+                                        family_of(self.engine.hf_config()),
                                         f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s, limits=cfg.limits,
                                         pin=self.pin, serve_initial_weights=reg.serve_initial_weights)
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.

@@ -121,8 +121,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         active = is_active if is_active is not None else (lambda: True)
 
         def run(eng, turn):
-            takes_turns = getattr(eng, "yields_between_steps", False)
-            if not takes_turns and not getattr(eng, "stops_on_cancel", False):
+            takes_turns = eng.yields_between_steps
+            if not takes_turns and not eng.stops_on_cancel:
                 return eng.generate(prompts, sampling)
 
             def step():

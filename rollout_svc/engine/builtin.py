@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.base import Engine, SampleResult, SamplingParams
 from rollout_svc.engine.checkpoint_names import SplitParam, checkpoint_views
 from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
@@ -34,9 +34,8 @@ from weightsync.bus.plan import TensorMeta
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
-class BuiltinEngine:
+class BuiltinEngine(Engine):
     name = "builtin"
-    # generate(..., step=f) calls f() before each prefill and decode step (it may raise to stop)
     yields_between_steps = True
 
     def __init__(self, model, config, *, max_prefix_cache_entries: int = 64,

@@ -35,7 +35,7 @@ _POLL_S = 0.1
 # A request hands the engine over only to a waiter this many steps behind it. Handing over at
 # every step would make requests of similar length alternate step by step, each hand-over costing
 # a thread wake-up (milliseconds on a loaded host); with a lead, similar requests run one after
-# the other as before, and a short request still overtakes a long one after at most this many
+# the other, and a short request still overtakes a long one after at most this many
 # steps of it.
 MIN_LEAD_STEPS = 16
 

@@ -140,6 +140,9 @@ class HookedEngine(BuiltinEngine):
 
     calls: list
 
+    def writable_params(self, metas):
+        return None  # as the SGLang adapter: its parameters live in SGLang's processes
+
     def begin_apply(self):
         self.calls.append("begin")
 
