@@ -159,7 +159,7 @@ class SglangWeightsMixin:
 
     # ---- path 1: tensors held by rollout-svc --------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Protocol path (staged commit, or any caller holding tensors). Sent in chunks of about
+        """Engine.load_weights (staged commit, or any caller holding tensors). Sent in chunks of about
         LOAD_CHUNK_BYTES so neither a whole-model flat copy nor one fd per tensor of a whole model
         is ever needed at once."""
         for chunk in _chunks(named, LOAD_CHUNK_BYTES):
