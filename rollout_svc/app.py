@@ -7,12 +7,12 @@ import threading
 
 from rollout_svc.config import RolloutConfig
 from rollout_svc.openai_api import Served, rollout_router
-from rollout_svc.pinning import TrainerPin
+from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
-from rollout_svc.sync_link import SyncLinkServer
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.link_server import SyncLinkServer
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.control.auth import load_token
@@ -52,7 +52,7 @@ class RolloutApp:
         self.registrar = None
         self.pin = TrainerPin(reg.trainer_id, reg.trainer_address, ask_trainer=lambda: self.registrar.trainer_id())
         self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.inference.engine,
-                                        family_of(self.engine.hf_config()) if hasattr(self.engine, "hf_config") else "",
+                                        family_of(self.engine.hf_config()),
                                         f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s, limits=cfg.limits,
                                         pin=self.pin, serve_initial_weights=reg.serve_initial_weights)
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.

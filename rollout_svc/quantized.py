@@ -1,10 +1,10 @@
 """How a sync whose manifest announces quantized weights (block FP8) meets the engine.
 
 The engine is checked against the model's own tensors (each `X` / `X_scale_inv` pair counts as
-`X`), then loads either the pairs as they are, when it runs that quantization itself (optional
-engine capability `loads_quantized(quantization) -> bool`: SGLang serving a block-FP8
-checkpoint), or `X` dequantized to the dtype of the engine's parameter (the built-in engine; SGLang
-serving a 16-bit model).
+`X`), then loads either the pairs as they are, when it runs that quantization itself
+(`Engine.loads_quantized(quantization) -> True`: SGLang serving a block-FP8 checkpoint), or `X`
+dequantized to the dtype of the engine's parameter (the built-in engine; SGLang serving a 16-bit
+model).
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantize
     except ValueError as exc:
         raise ValueError(f"manifest.quantization: {exc}") from None
     metas = logical_metas(manifest.metas())
-    native = getattr(engine, "loads_quantized", None)
-    if native is not None and native(q):
+    if engine.loads_quantized(q):
         return metas, None
     return metas, Dequantizer({n: m.dtype for n, m in engine.param_metas().items()})
 
@@ -60,9 +59,8 @@ def warm_dequantize(engine, device) -> float:
     have to dequantize it (its engine does not load the pairs itself) on a GPU compiles at start-up,
     as it does the checksum. 0.0 off-GPU, without triton, or when the engine loads FP8 pairs itself.
     """
-    native = getattr(engine, "loads_quantized", None)
     try:
-        if native is not None and native(BLOCK_FP8):
+        if engine.loads_quantized(BLOCK_FP8):
             return 0.0
     except ValueError:
         # a checkpoint quantized another way: a block-FP8 sync is refused at its prepare, saying

@@ -10,8 +10,8 @@ import grpc
 
 from rollout_svc.engine.base import SamplingParams
 from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestRefused, check_generate
-from rollout_svc.pinning import TrainerPin
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.pinning import TrainerPin
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import engine_device
 from weightsync.bus.layout import KnownLayouts
@@ -66,7 +66,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.nccl, self.ipc = self.ends["nccl"], self.ends["ipc"]  # for their own RPCs (AbortSync, IpcBuckets)
         self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
-        #: host:port of the sync link (rollout_svc.sync_link) this rollout offers, "" for none
+        #: host:port of the sync link (rollout_svc.sync.link_server) this rollout offers, "" for none
         self.sync_link = ""
         self.refresh_state_metric()
 
@@ -123,8 +123,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         active = is_active if is_active is not None else (lambda: True)
 
         def run(eng, turn):
-            takes_turns = getattr(eng, "yields_between_steps", False)
-            if not takes_turns and not getattr(eng, "stops_on_cancel", False):
+            takes_turns = eng.yields_between_steps
+            if not takes_turns and not eng.stops_on_cancel:
                 return eng.generate(prompts, sampling)
 
             def step():

@@ -26,12 +26,12 @@ _lock = threading.Lock()
 
 ROLLOUT = [("weightsync.bus.ipc.receiver", "IpcReceiver", "push", "r.push"),
            ("weightsync.bus.ipc.handles", "MappedBuffers", "get", "r.maps.get"),
-           ("rollout_svc.transaction", "SyncTransaction", "consume_bucket", "r.consume_bucket"),
-           ("rollout_svc.transaction", "SyncTransaction", "_pause_engine_for_inplace", "r.pause_engine"),
-           ("rollout_svc.transaction", "SyncTransaction", "prepare", "r.tx.prepare"),
-           ("rollout_svc.transaction", "SyncTransaction", "commit", "r.tx.commit"),
-           ("rollout_svc.transaction", None, "bucket_checksum", "r.bucket_checksum"),
-           ("rollout_svc.transaction", None, "copy_into", "r.copy_into"),
+           ("rollout_svc.sync.transaction", "SyncTransaction", "consume_bucket", "r.consume_bucket"),
+           ("rollout_svc.sync.apply_inplace", "InPlaceApply", "_pause_engine", "r.pause_engine"),
+           ("rollout_svc.sync.transaction", "SyncTransaction", "prepare", "r.tx.prepare"),
+           ("rollout_svc.sync.transaction", "SyncTransaction", "commit", "r.tx.commit"),
+           ("rollout_svc.sync.apply_inplace", None, "bucket_checksum", "r.bucket_checksum"),
+           ("rollout_svc.sync.apply_inplace", None, "copy_into", "r.copy_into"),
            ("rollout_svc.service", "RolloutServicer", "_commit", "r._commit"),
            ("rollout_svc.service", "RolloutServicer", "PrepareSync", "r.PrepareSync")]
 TRAINER = [("trainer_svc.sync.attempt", "SyncAttempt", "_send", "t._send"),

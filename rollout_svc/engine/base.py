@@ -1,19 +1,21 @@
 """The contract between rollout-svc's sync transaction and an inference engine.
 
 An engine generates, scores, and loads HF-named tensors. It knows nothing about versions,
-manifests or transports: the transaction (rollout_svc.transaction) decides when to pause,
+manifests or transports: the transaction (rollout_svc.sync.transaction) decides when to pause,
 load, flush and resume, so the built-in engine and SGLang share one sync implementation.
 """
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import torch
 
-from weightsync.bus.plan import TensorMeta
+from weightsync.bus.pack import unpack_bucket
+from weightsync.bus.plan import BucketPlan, TensorMeta
 
 
 #: Temperatures below this sample greedily, as SGLang does (its _SAMPLING_EPS): logits / T would
@@ -53,37 +55,77 @@ class SampleResult:
     prefix_cache_hit: bool = False
 
 
-class Engine(Protocol):
-    name: str
+class Engine(ABC):
+    """An inference engine as the transaction and the service drive it.
 
+    The abstract methods are what every engine must do. The rest are capabilities with defaults
+    that suit an engine holding its weights in this process; an engine overrides the ones it does
+    differently (the SGLang adapter: begin_apply, load_bucket, end_apply, loads_quantized; the
+    built-in engine: writable_params)."""
+
+    name: str = ""
+    #: generate(..., step=f) calls f() before each prefill and decode step (f may raise to stop the
+    #: request), so requests take turns between steps (rollout_svc/sync/engine_gate.py)
+    yields_between_steps: bool = False
+    #: generate(..., step=f) asks f() while the request runs and stops the request once f raises,
+    #: without turns (the engine batches requests itself)
+    stops_on_cancel: bool = False
+
+    @abstractmethod
     def param_metas(self) -> dict[str, TensorMeta]:
         """HF name -> shape/dtype of every tensor `load_weights` accepts (full, unsharded shapes)."""
 
+    @abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the given tensors into the model. Partial sets are allowed (bucket by bucket)."""
 
+    @abstractmethod
     def flush_cache(self) -> None:
         """Drop every cached KV / prefix entry; called after every weight update."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[SampleResult]: ...
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
+        """`step` is given only to an engine that yields_between_steps or stops_on_cancel."""
 
+    @abstractmethod
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
         """Teacher-forced log-probs of token_ids[prompt_length:] and the last position's fp32 logits."""
 
+    @abstractmethod
     def num_ranks(self) -> int: ...
 
+    @abstractmethod
     def num_parameters(self) -> int: ...
 
+    @abstractmethod
     def prefix_cache_entries(self) -> int: ...
 
+    # ---- capabilities with defaults ------------------------------------------------------
+    def hf_config(self) -> Any:
+        """The transformers config of the served model (its family is reported in GetStatus), or None."""
+        return None
 
-# Optional capabilities, looked up with getattr by rollout_svc.transaction (in-place mode):
-#   begin_apply()                    — called when the first bucket of a sync arrives (pause generation)
-#   load_bucket(plan, buf)           — load a whole flat bucket (instead of load_weights(unpack(...)))
-#   end_apply()                      — called at commit instead of flush_cache (flush + resume)
-#   loads_quantized(quantization)    — True: take block-FP8 pairs (X, X_scale_inv) as they are; absent
-#                                      or False: receive X dequantized (rollout_svc/quantized.py)
-#   writable_params(metas)           — the parameters a bucket's tensors can be written into byte for
-#                                      byte (or None), so the copy out of the bus buffer is also its
-#                                      checksum pass (weightsync/bus/verified_copy.py)
-# The SGLang adapter implements the first four; the built-in engine only writable_params.
+    def begin_apply(self) -> None:
+        """In-place sync: before its first bucket is loaded, with generation already paused by the
+        engine gate. An engine that schedules requests itself pauses them here."""
+
+    def load_bucket(self, plan: BucketPlan, buf: torch.Tensor) -> None:
+        """In-place sync: load one whole flat bucket (bytes laid out as `plan` says). An engine that
+        takes flat buckets as they are (SGLang's flattened-bucket update) skips the unpack."""
+        self.load_weights(unpack_bucket(plan, buf))
+
+    def end_apply(self) -> None:
+        """In-place sync, at commit: after the last bucket; flushes the cache (SGLang also resumes)."""
+        self.flush_cache()
+
+    def loads_quantized(self, quantization) -> bool:
+        """True: a quantized sync's block-FP8 pairs (X, X_scale_inv) are loaded as they are; False:
+        X arrives dequantized to the parameter's dtype (rollout_svc/quantized.py). ValueError when
+        the engine can take neither (it serves a checkpoint quantized another way)."""
+        return False
+
+    def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
+        """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
+        the bus buffer is also its checksum pass (weightsync/bus/verified_copy.py), or None: the
+        bucket then goes through load_bucket. An engine that overrides load_bucket keeps None."""
+        return None

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.base import Engine, SampleResult, SamplingParams
 from rollout_svc.engine.checkpoint_names import SplitParam, checkpoint_views
 from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
@@ -34,9 +34,8 @@ from weightsync.bus.plan import TensorMeta
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
-class BuiltinEngine:
+class BuiltinEngine(Engine):
     name = "builtin"
-    # generate(..., step=f) calls f() before each prefill and decode step (it may raise to stop)
     yields_between_steps = True
 
     def __init__(self, model, config, *, max_prefix_cache_entries: int = 64,
@@ -126,7 +125,7 @@ class BuiltinEngine:
     def writable_params(self, metas) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` (name, shape, dtype) load into, when each already is
         exactly that tensor's layout (same shape and dtype, contiguous), so that a caller can write
-        the received bytes straight in (rollout_svc/transaction.py); None when any is not, and
+        the received bytes straight in (rollout_svc/sync/transaction.py); None when any is not, and
         load_weights must cast. The caller writes now: the cached KV is dropped, as load_weights does."""
         out = []
         for m in metas:

@@ -1,4 +1,4 @@
-"""SglangEngine: rollout-svc's Engine protocol on an in-process SGLang `Engine` (`--engine sglang`).
+"""SglangEngine: rollout-svc's Engine (engine/base.py) on an in-process SGLang `Engine` (`--engine sglang`).
 
 Lifecycle and generation live here; the weight-update paths live in `sglang_weights` (read its
 docstring for the three paths, the NCCL rendezvous mismatch and what the trainer must serve).
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rollout_svc.engine.base import SampleResult, SamplingParams
+from rollout_svc.engine.base import Engine, SampleResult, SamplingParams
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
 from weightsync.bus.plan import TensorMeta
 
@@ -112,7 +112,7 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
     return [(name, shape)]
 
 
-class SglangEngine(SglangWeightsMixin):
+class SglangEngine(SglangWeightsMixin, Engine):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -165,7 +165,7 @@ class SglangEngine(SglangWeightsMixin):
         with self._lock:
             return fn(*args, **kwargs)
 
-    # ---- Engine protocol ----------------------------------------------------------------
+    # ---- Engine ----------------------------------------------------------------
     def hf_config(self) -> Any:
         return self._hf_config
 
@@ -275,7 +275,7 @@ class SglangEngine(SglangWeightsMixin):
             raise RuntimeError(f"sglang returned {len(lps)} input log-probs, expected {want}")
         return lps, torch.empty(0)
 
-    # ---- around a sync (proposed optional hooks, see docs/sglang.md) -----------------------
+    # ---- around an in-place sync (Engine's begin_apply / end_apply; docs/sglang.md) -------
     def begin_apply(self) -> None:
         """Before the first bucket of a sync: stop the scheduler, open SGLang's update session."""
         from sglang.srt.managers.io_struct import PauseGenerationReqInput

@@ -155,10 +155,11 @@ class SglangWeightsMixin:
     _sgl: Any
     tp_size: int
     _call: Any
+    _update_group: str = ""  # the SGLang weight-update group joined, "" for none
 
     # ---- path 1: tensors held by rollout-svc --------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Protocol path (staged commit, or any caller holding tensors). Sent in chunks of about
+        """Engine.load_weights (staged commit, or any caller holding tensors). Sent in chunks of about
         LOAD_CHUNK_BYTES so neither a whole-model flat copy nor one fd per tensor of a whole model
         is ever needed at once."""
         for chunk in _chunks(named, LOAD_CHUNK_BYTES):
@@ -238,7 +239,7 @@ class SglangWeightsMixin:
         self._update_group = group.group_name
 
     def leave_update_group(self) -> None:
-        name = getattr(self, "_update_group", "")
+        name = self._update_group
         if name:
             self._update_group = ""
             check_result(self._call(self._sgl.destroy_weights_update_group, group_name=name),
@@ -250,7 +251,7 @@ class SglangWeightsMixin:
         Returns when every SGLang rank has loaded it. The bytes never pass through this process,
         so there is no buffer to checksum here (see docs/sglang.md).
         """
-        group = getattr(self, "_update_group", "")
+        group = self._update_group
         if not group:
             raise SglangUpdateError("receive_bucket_distributed before join_update_group")
         why = dense_layout_error(plan)

@@ -19,7 +19,7 @@ def test_wsctl_imports_no_torch():
 
 @pytest.mark.parametrize("stmt", [
     "import trainer_svc.cli, trainer_svc.service, trainer_svc.sync",
-    "import rollout_svc.cli, rollout_svc.service, rollout_svc.transaction",
+    "import rollout_svc.cli, rollout_svc.service, rollout_svc.sync.transaction",
 ])
 def test_services_import_no_megatron_or_sglang(stmt):
     mods = _modules_after(stmt)

@@ -7,7 +7,7 @@ every target of that sync is aborted. A rollout that fails the prepare (unreacha
 GPU already in the group) is left out instead, and the others are synced in a group without it
 (a retry within the same Sync call). Every rollout ends on a complete version: the new one if
 it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
-mode — see rollout_svc.transaction). Each transport's sender lives in weightsync/bus/{tcp,nccl,ipc}/sender.py.
+mode — see rollout_svc.sync.transaction). Each transport's sender lives in weightsync/bus/{tcp,nccl,ipc}/sender.py.
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ class TrainerSide:
 @dataclass
 class RolloutSide:
     """What a rollout's end is built from (`Class.for_rollout`): the rollout's own pieces."""
-    #: the sync transaction its buckets feed (rollout_svc.transaction.SyncTransaction)
+    #: the sync transaction its buckets feed (rollout_svc.sync.transaction.SyncTransaction)
     tx: object
     #: the engine's device (torch.device or None)
     device: object

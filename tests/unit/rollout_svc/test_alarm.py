@@ -1,10 +1,10 @@
-"""rollout_svc.alarm: the prepared sync's deadline on one long-lived thread."""
+"""rollout_svc.sync.alarm: the prepared sync's deadline on one long-lived thread."""
 from __future__ import annotations
 
 import threading
 import time
 
-from rollout_svc.alarm import Alarm
+from rollout_svc.sync.alarm import Alarm
 
 
 def _fired(alarm_calls, n, timeout=5.0):

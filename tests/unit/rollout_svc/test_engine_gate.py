@@ -13,8 +13,8 @@ import torch
 
 from rollout_svc.engine.base import SamplingParams
 from rollout_svc.engine.builtin import BuiltinEngine
-from rollout_svc.engine_gate import MIN_LEAD_STEPS, EngineGate, GateError
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.engine_gate import MIN_LEAD_STEPS, EngineGate, GateError
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.models import resolve_model
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.checksum import ALGO, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
@@ -139,6 +139,9 @@ class HookedEngine(BuiltinEngine):
     """The built-in engine plus the optional whole-bucket hooks the SGLang adapter implements."""
 
     calls: list
+
+    def writable_params(self, metas):
+        return None  # as the SGLang adapter: its parameters live in SGLang's processes
 
     def begin_apply(self):
         self.calls.append("begin")
@@ -328,7 +331,7 @@ def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generati
 
 
 def test_a_layout_checked_once_is_not_walked_again_and_other_layouts_are_still_checked(monkeypatch):
-    import rollout_svc.transaction as txmod
+    import rollout_svc.sync.transaction as txmod
     from weightsync.bus.layout import layout_digest
 
     tx = SyncTransaction(_engine(2), "staged")

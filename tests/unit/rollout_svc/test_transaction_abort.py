@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine  # noqa: F401  (the real engine)
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import make_manifest

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
-from rollout_svc.transaction import SyncTransaction
+from rollout_svc.sync.transaction import SyncTransaction
 from trainer_svc.sync.multisender import SenderResult, SendJob, merge, run_sender
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.plan import TensorMeta, make_manifest

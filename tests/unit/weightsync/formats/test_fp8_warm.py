@@ -113,13 +113,16 @@ def test_the_rollout_warms_the_dequantizer_at_start_up(monkeypatch):
 
 def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkeypatch):
     import rollout_svc.quantized as quantized
+    from rollout_svc.engine.base import Engine as BaseEngine
 
     seen = []
     monkeypatch.setattr(quantized, "_warm_dequantize", lambda metas, device: seen.append(list(metas)) or 1.0)
     metas = {"model.layers.0.mlp.up_proj.weight": TensorMeta("model.layers.0.mlp.up_proj.weight", (8, 8),
                                                              torch.bfloat16)}
 
-    class Engine:
+    class Engine(BaseEngine):
+        load_weights = flush_cache = generate = score = num_ranks = num_parameters = prefix_cache_entries = None
+
         def __init__(self, native):
             self.native = native
 
@@ -136,7 +139,7 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
     assert seen == []
     assert quantized.warm_dequantize(Engine(False), "cuda:0") == 1.0
     engine = Engine(False)
-    del Engine.loads_quantized  # the built-in engine has no such capability: it always dequantizes
+    del Engine.loads_quantized  # the base's default, as the built-in engine: it always dequantizes
     assert quantized.warm_dequantize(engine, "cuda:0") == 1.0
     assert seen == [list(metas.values())] * 2
 

@@ -2,7 +2,7 @@
 
 Two levels:
 - Version pins. A request pins the weights for its whole run; a sync that wants to change them
-  (the exclusive side, `acquire`/`release`, used by rollout_svc.transaction like a lock) waits until
+  (the exclusive side, `acquire`/`release`, used by rollout_svc.sync.transaction like a lock) waits until
   no request holds a pin, and while it waits no new pin is granted, so a stream of requests cannot
   starve a sync. A response is therefore computed from one version only, even though requests
   interleave: the weights never change under a pinned request.

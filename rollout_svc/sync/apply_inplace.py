@@ -1,0 +1,128 @@
+"""In-place apply: the engine gate is taken at a sync's first bucket and buckets are loaded as they
+arrive (generation paused, no extra memory).
+
+An abort after the first bucket leaves the engine STALE: generation is refused until a complete
+sync commits. A sync's first bucket is checked before the engine is touched, so a bad first bucket
+still leaves the old version serving. Where the engine offers its parameters (`writable_params`),
+a bucket is copied straight into them and that copy is its checksum pass
+(weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
+sync with the engine STALE.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+
+from rollout_svc.sync.apply import ApplyStrategy, SyncHost
+from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.errors import SyncError
+from weightsync.bus.pack import unpack_bucket
+from weightsync.bus.plan import BucketPlan
+from weightsync.bus.verified_copy import copy_into
+from weightsync.v1 import rollout_pb2
+
+S = rollout_pb2
+
+
+class InPlaceApply(ApplyStrategy):
+    mode = "inplace"
+
+    def __init__(self, host: SyncHost):
+        super().__init__(host)
+        self._holding = False  # the sync holds the engine gate since its first bucket (host.state_lock)
+        self._pausing = threading.Lock()  # one sender thread waits to pause generation at a time
+
+    def consume(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
+                defer_check: bool) -> tuple[object, bool]:
+        checked = bool(p.manifest.checksum_algo)
+        ours = None
+        if checked and not p.applied_any:
+            ours = bucket_checksum(buf[:plan.nbytes])
+            verify(plan.index, ours, sender_checksum)
+        if not self._holding:
+            self._pause_engine(p)
+        # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
+        # the engine gate between our check and the load, and a bucket of an aborted sync is never
+        # loaded after the abort (or into the next sync's weights).
+        with self.host.state_lock:
+            if self.host.left_behind(p):
+                raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
+            p.applied_any = True
+            copied, deferred = self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked \
+                else (None, False)
+            if copied is None:
+                if checked and ours is None:
+                    ours = bucket_checksum(buf[:plan.nbytes])
+                    verify(plan.index, ours, sender_checksum)
+                self._load(p, plan, buf)
+            elif ours is None:  # the first bucket keeps the sum checked before the write
+                ours = copied
+        return ours, deferred
+
+    def _write_direct(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
+                      defer_check: bool) -> tuple[object, bool]:
+        """Copy the bucket byte for byte into the engine's parameters, checksumming as it copies:
+        (the copy's checksum, whether it was deferred), or (None, False) when the parameters cannot
+        take it as it is (the engine then loads it). Already in the parameters when the check runs:
+        a mismatch aborts the sync, and since buckets were applied the engine is STALE."""
+        if p.dequantizer is not None:
+            return None, False
+        params = self.host.engine.writable_params([slot.meta for slot in plan.slots])
+        if params is None:
+            return None, False
+        copied = copy_into(plan, buf, params, wait=not defer_check)
+        if copied is None:  # declined (a parameter not laid out for it)
+            return None, False
+        if defer_check:
+            p.defer(plan.index, copied, sender_checksum)
+            return copied, True
+        verify(plan.index, copied, sender_checksum)
+        return copied, False
+
+    def _load(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor) -> None:
+        engine = self.host.engine
+        if p.dequantizer is None:
+            engine.load_bucket(plan, buf)
+        else:
+            engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
+
+    def _pause_engine(self, p: PendingSync) -> None:
+        """Take the engine for the rest of the sync before its first bucket is loaded.
+
+        The wait for running generations happens outside the state lock, so an abort or a newer
+        prepare is answered at once and ends it (nothing was loaded yet: the old version serves);
+        with several senders, one thread waits and the others wait for it."""
+        host = self.host
+        gone = functools.partial(host.left_behind, p)
+        if not self._pausing.acquire(timeout=max(0.0, p.deadline - time.monotonic())):
+            raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+        try:
+            if self._holding:
+                return  # another sender's thread paused it meanwhile
+            got = host.engine_lock.acquire(timeout=max(0.0, p.deadline - time.monotonic()), give_up=gone)
+            with host.state_lock:
+                if got and gone():
+                    host.engine_lock.release()
+                if gone() and p.error != TIMED_OUT:
+                    raise SyncError(f"sync {p.manifest.sync_id} was aborted while it waited to pause generation: "
+                                    f"{p.error or 'superseded'}")
+                if not got or gone():  # the deadline passed (our wait's or the sync's timer)
+                    raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
+                self._holding = True
+                host.state = S.APPLYING
+                host.engine.begin_apply()
+        finally:
+            self._pausing.release()
+
+    def apply(self, p: PendingSync) -> None:
+        p.check_complete()
+        self.host.engine.end_apply()
+
+    def release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.host.engine_lock.release()
