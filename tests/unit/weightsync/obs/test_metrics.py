@@ -1,8 +1,12 @@
 """Every weightsync metric family is defined once, in weightsync/obs/metrics.py, with `role` as a label."""
 from prometheus_client import CollectorRegistry
 
-from weightsync.obs.metrics import RolloutMetrics, SyncMetrics, TrainerMetrics, TrainMetrics
-
+from weightsync.obs.metrics import (
+    RolloutMetrics,
+    SyncMetrics,
+    TrainerMetrics,
+    TrainMetrics,
+)
 
 # the standard collectors of a service registry (process, platform, GC): no role label of ours
 _STANDARD = {"process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
@@ -100,12 +104,10 @@ def test_generation_records_latency_tokens_and_in_flight_only_for_answers():
     assert value("weightsync_generation_requests_in_flight") == 0
     assert value("weightsync_generation_duration_seconds_count") == 1
     assert (value("weightsync_prompt_tokens_total"), value("weightsync_completion_tokens_total")) == (7, 12)
-    with pytest.raises(RuntimeError):
-        with rm.generation("grpc_generate"):
-            raise RuntimeError("engine failed")
+    with pytest.raises(RuntimeError), rm.generation("grpc_generate"):
+        raise RuntimeError("engine failed")
     assert value("weightsync_generation_requests_in_flight") == 0
     assert value("weightsync_generation_duration_seconds_count") == 1 and value("weightsync_prompt_tokens_total") == 7
     assert value("weightsync_generation_duration_seconds_count", "http_completions") == 0
-    with pytest.raises(ValueError, match="endpoint='grpc' must be one of"):
-        with rm.generation("grpc"):
-            pass
+    with pytest.raises(ValueError, match="endpoint='grpc' must be one of"), rm.generation("grpc"):
+        pass
