@@ -6,9 +6,9 @@ defined once. A family only one side reports is made only on that side's registr
 below, or SyncMetrics' trainer-only part), so neither side exports the other's empty families.
 
 A service's registry (`service_registry`) also carries the standard `process_*` and `python_*`
-collectors, and exposes no `_created` series: Prometheus ignores them, and every counter and
-histogram would otherwise export a twin. That is per registry, not prometheus_client's global
-switch, so a library user's own registries keep its defaults.
+collectors, and exposes no `_created` series: in the text format Prometheus scrapes, each would be
+a gauge twin of every counter and histogram series that no query or alert here needs. That is per
+registry, not prometheus_client's global switch, so a library user's own registries keep its defaults.
 """
 from __future__ import annotations
 
