@@ -6,6 +6,7 @@ import signal
 import threading
 
 from rollout_svc.config import RolloutConfig
+from rollout_svc.metered import metered_generate
 from rollout_svc.openai_api import Served, rollout_router
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
@@ -57,6 +58,8 @@ class RolloutApp:
                                         pin=self.pin, serve_initial_weights=reg.serve_initial_weights)
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
+        # gRPC Generate timed and counted per request; servicer.generate (shared with HTTP) stays unmetered
+        self.servicer.Generate = metered_generate(self.servicer.Generate, self.servicer.rollout_metrics)
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
         self.link = SyncLinkServer(self.servicer, token, self.grpc.request_limits, cfg.limits.max_sync_links)
         if cfg.bus.sync_link:

@@ -30,6 +30,8 @@ class InferenceConfig:
             raise ConfigError(f"tp={self.tp} must be >= 1")
         if self.engine == "builtin" and self.tp != 1:
             raise ConfigError("engine=builtin runs one rank: set tp=1 or use engine=sglang")
+        if self.max_prefix_cache_entries < 0:
+            raise ConfigError(f"max_prefix_cache_entries={self.max_prefix_cache_entries} must be >= 0 (0 = no cache)")
 
 
 @dataclass
@@ -67,6 +69,10 @@ class RegistrationConfig:
                                                     "trainer committed (a rejoining rollout is caught up first)")
 
     def validate(self) -> None:
+        if self.register_timeout_s < 0:
+            raise ConfigError(f"register_timeout_s={self.register_timeout_s} must be >= 0 (0 = keep trying forever)")
+        if self.heartbeat_s < 0:
+            raise ConfigError(f"heartbeat_s={self.heartbeat_s} must be >= 0 (0 = register once)")
         if self.advertise_address:
             parse_host_port("advertise_address", self.advertise_address)
         if self.trainer_address:

@@ -131,6 +131,16 @@ def leaf_names(cls: type) -> list[str]:
     return [f.name for f in leaf_fields(cls)]
 
 
+def leaf_defaults(cls: type) -> dict[str, Any]:
+    """Flat knob name -> its default, as the service's sections override them (e.g. its ports)."""
+    return {f.name: default for f, default in _leaves(cls)}
+
+
+def field_type(f: dataclasses.Field) -> tuple[Any, bool]:
+    """(scalar type, is a list) of a leaf field from `leaf_fields`; Optional[X] is X."""
+    return _base_type(f.type)
+
+
 def validate_sections(cfg: Any) -> None:
     """Run each section's own `validate()`; the service's validate then checks across sections."""
     for name in sections(type(cfg)):

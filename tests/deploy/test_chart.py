@@ -17,8 +17,10 @@ from rollout_svc.config import RolloutConfig  # noqa: E402
 from trainer_svc.config import TrainerConfig  # noqa: E402
 from weightsync.config import flag_name, leaf_fields, leaf_names, parse_host_port  # noqa: E402
 
-CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "weightsync"
-VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "weightsync"
+# the CI cases and the documented GPU-cluster example
+VALUES = sorted((CHART / "ci").glob("*-values.yaml")) + [CHART / "values-gpu-example.yaml"]
 K8S_VERSION = "1.34.0"
 FIELDS = {"trainer": set(leaf_names(TrainerConfig)), "rollout": set(leaf_names(RolloutConfig))}
 PREFIX = {"trainer": "WS_TRAINER_", "rollout": "WS_ROLLOUT_"}
@@ -47,7 +49,8 @@ def rendered(request):
 
 
 def test_example_values_exist():
-    assert {p.stem for p in VALUES} >= {"default-values", "colocated-values", "multi-node-values", "auth-values"}
+    assert {p.stem for p in VALUES} >= {"default-values", "colocated-values", "multi-node-values", "auth-values",
+                                        "values-gpu-example"}
 
 
 @pytest.mark.parametrize("values", VALUES, ids=[p.stem for p in VALUES])

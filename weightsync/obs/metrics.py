@@ -1,30 +1,79 @@
 """Every Prometheus metric family of both services, in base units, on a per-service registry.
 
-Each family carries a `role` label ('trainer' or 'rollout'), so one dashboard query can select
-a side and a family shared by both sides (e.g. `weightsync_nccl_group_builds_total`) is defined
-once. Families only one side reports are made by that side's class below.
+Each weightsync family carries a `role` label ('trainer' or 'rollout'), so one dashboard query can
+select a side and a family shared by both sides (e.g. `weightsync_nccl_group_builds_total`) is
+defined once. A family only one side reports is made only on that side's registry (by the classes
+below, or SyncMetrics' trainer-only part), so neither side exports the other's empty families.
+
+A service's registry (`service_registry`) also carries the standard `process_*` and `python_*`
+collectors, and exposes no `_created` series: in the text format Prometheus scrapes, each would be
+a gauge twin of every counter and histogram series that no query or alert here needs. That is per
+registry, not prometheus_client's global switch, so a library user's own registries keep its defaults.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.metrics_core import Metric
 
 _SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TRAIN_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300)
+# one request: a few decode steps of a tiny model up to a long sample of a large one
+_GENERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# the `endpoint` label of the generation families: one per API that generates
+ENDPOINTS = ("grpc_generate", "http_completions", "http_chat_completions")
+# the sample types that prometheus_client gives a `_created` twin
+_CREATED_TYPES = frozenset({"counter", "histogram", "summary"})
+
+
+class ServiceRegistry(CollectorRegistry):
+    """A service's registry: collects without the `_created` samples of counters and histograms."""
+
+    def collect(self) -> Iterable[Metric]:
+        for fam in super().collect():
+            created = fam.name + "_created"
+            if fam.type not in _CREATED_TYPES or not any(s.name == created for s in fam.samples):
+                yield fam
+                continue
+            # a copy: a custom collector may hand out the same Metric on every scrape
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s for s in fam.samples if s.name != created]
+            yield out
+
+
+def service_registry() -> ServiceRegistry:
+    """A registry with the process (CPU, memory, fds, start time), platform (python_info) and GC collectors."""
+    r = ServiceRegistry()
+    ProcessCollector(registry=r)
+    PlatformCollector(registry=r)
+    GCCollector(registry=r)
+    return r
 
 
 class SyncMetrics:
-    """Metrics both sides of a sync report; `role` is 'trainer' or 'rollout'."""
+    """Metrics both sides of a sync report; `role` is 'trainer' or 'rollout'. The trainer's
+    per-sender and per-call families exist only on a trainer's registry."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        if role not in ("trainer", "rollout"):
+            raise ValueError(f"role={role!r} must be 'trainer' or 'rollout'")
+        self.registry = registry or service_registry()
         r = self.registry
         self.sync_duration = Histogram("weightsync_sync_duration_seconds",
                                        "Wall time of a sync: trainer from Sync call to last commit; rollout from "
                                        "prepare to commit", ["role"], buckets=_SYNC_BUCKETS, registry=r).labels(role)
-        self.sync_phase = Histogram("weightsync_sync_phase_seconds",
-                                    "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit)",
-                                    ["role", "phase"], buckets=_PHASE_BUCKETS, registry=r)
         self.sync_bytes = Counter("weightsync_sync_bytes_total", "Weight bytes moved by committed and failed syncs "
                                   "(trainer: per receiver)", ["role"], registry=r).labels(role)
         self.syncs = Counter("weightsync_syncs_total", "Syncs by outcome", ["role", "outcome"], registry=r)
@@ -34,6 +83,20 @@ class SyncMetrics:
                              ["role"], registry=r).labels(role)
         self.in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is running", ["role"],
                                  registry=r).labels(role)
+        self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
+                                         "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
+                                         "cached group adds none", ["role"], registry=r).labels(role)
+        self.rollbacks = Counter("weightsync_sync_rollbacks_total",
+                                 "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; "
+                                 "rollout: applied)", ["role"], registry=r).labels(role)
+        self.role = role
+        if role == "trainer":
+            self._trainer_families(r)
+
+    def _trainer_families(self, r: CollectorRegistry) -> None:
+        self.sync_phase = Histogram("weightsync_sync_phase_seconds",
+                                    "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit)",
+                                    ["role", "phase"], buckets=_PHASE_BUCKETS, registry=r)
         # trainer: the per-sender split of the stream, so an operator sees one rank holding the rest back
         self.sender_bytes = Counter("weightsync_sync_sender_bytes_total",
                                     "Tensor bytes each trainer rank streamed as a bus sender (its own buckets, "
@@ -49,17 +112,10 @@ class SyncMetrics:
                                          "Each trainer rank's reusable pack buffers in its last sync (two buckets "
                                          "at most): with the tensor it is assembling, its extra memory",
                                          ["role", "rank"], registry=r)
-        self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
-                                         "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
-                                         "cached group adds none", ["role"], registry=r).labels(role)
-        self.rollbacks = Counter("weightsync_sync_rollbacks_total",
-                                 "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; "
-                                 "rollout: applied)", ["role"], registry=r).labels(role)
         self.calls = Counter("weightsync_sync_calls_total",
                              "PrepareSync, CommitSync and AbortSync calls the trainer made, by path: link (the "
                              "rollout's sync link) or grpc (the first of a pairing, no link offered, or a link "
                              "that could not be opened)", ["role", "method", "path"], registry=r)
-        self.role = role
 
     def outcome(self, outcome: str) -> None:
         self.syncs.labels(self.role, outcome).inc()
@@ -94,12 +150,50 @@ class RolloutMetrics:
         self.ipc_opens = Counter("weightsync_ipc_handle_opens_total",
                                  "CUDA IPC handles this rollout mapped; a steady-state sync maps none", ["role"],
                                  registry=r).labels(role)
+        # generation requests by endpoint (ENDPOINTS): gRPC Generate, HTTP completions
+        self.generation_seconds = Histogram("weightsync_generation_duration_seconds",
+                                            "Wall time of a completed generation request, admission and queueing "
+                                            "included", ["role", "endpoint"], buckets=_GENERATION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("weightsync_prompt_tokens_total",
+                                     "Prompt tokens of completed generation requests (each prompt once, whatever n)",
+                                     ["role", "endpoint"], registry=r)
+        self.completion_tokens = Counter("weightsync_completion_tokens_total",
+                                         "Tokens generated for completed generation requests (every sample)",
+                                         ["role", "endpoint"], registry=r)
+        self.in_flight = Gauge("weightsync_generation_requests_in_flight",
+                               "Generation requests being served now (admitted, queued or running)",
+                               ["role", "endpoint"], registry=r)
+        for endpoint in ENDPOINTS:  # every series from the start, so rate() and dashboards see 0, not nothing
+            for fam in (self.generation_seconds, self.prompt_tokens, self.completion_tokens, self.in_flight):
+                fam.labels(role, endpoint)
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.role, outcome).inc()
 
     def set_state(self, name: str, current: bool) -> None:
         self.state.labels(self.role, name).set(1 if current else 0)
+
+    @contextmanager
+    def generation(self, endpoint: str) -> Iterator[Callable[[int, int], None]]:
+        """Count one generation request in flight while the block runs; the block calls the yielded
+        `done(prompt_tokens, completion_tokens)` once it has the answer, which records the latency
+        and the tokens. A request that raises, or never calls `done`, adds neither (its outcome is
+        in weightsync_generate_requests_total)."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint={endpoint!r} must be one of {ENDPOINTS} (add it there first)")
+        started = time.perf_counter()
+        gauge = self.in_flight.labels(self.role, endpoint)
+
+        def done(prompt_tokens: int, completion_tokens: int) -> None:
+            self.generation_seconds.labels(self.role, endpoint).observe(time.perf_counter() - started)
+            self.prompt_tokens.labels(self.role, endpoint).inc(prompt_tokens)
+            self.completion_tokens.labels(self.role, endpoint).inc(completion_tokens)
+
+        gauge.inc()
+        try:
+            yield done
+        finally:
+            gauge.dec()
 
 
 class TrainerMetrics:

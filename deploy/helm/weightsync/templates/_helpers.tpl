@@ -24,8 +24,41 @@
 {{- define "weightsync.colocated.name" -}}{{ include "weightsync.fullname" . }}-colocated{{- end -}}
 {{- define "weightsync.config.name" -}}{{ include "weightsync.fullname" . }}-config{{- end -}}
 
+{{- define "weightsync.dataClaimName" -}}
+{{- default (printf "%s-data" (include "weightsync.fullname" .)) .Values.persistence.existingClaim -}}
+{{- end -}}
+
 {{- define "weightsync.secretName" -}}
 {{- default (printf "%s-token" (include "weightsync.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The token of the chart-created Secret: auth.token, else the one already in the cluster (kept
+     across upgrades), else a random one. Computed once per render and kept on the root context, so the
+     Secret and the pods' checksum/token annotation see the same value. */}}
+{{- define "weightsync.token" -}}
+{{- if not (hasKey . "weightsyncToken") -}}
+{{- $token := .Values.auth.token -}}
+{{- if not $token -}}
+{{- /* `lookup` is empty under `helm template`: a fresh token each render there. */ -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "weightsync.secretName" .) -}}
+{{- if and $old $old.data (hasKey $old.data .Values.auth.secretKey) -}}
+{{- $token = index $old.data .Values.auth.secretKey | b64dec -}}
+{{- else -}}
+{{- $token = randAlphaNum 48 -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set . "weightsyncToken" $token -}}
+{{- end -}}
+{{- .weightsyncToken -}}
+{{- end -}}
+
+{{/* Pod annotations that restart the pods when what they read at start changes: the ConfigMap,
+     and the token when the chart owns its Secret (a Secret of your own: `kubectl rollout restart`). */}}
+{{- define "weightsync.podChecksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) }}
+checksum/token: {{ include "weightsync.token" . | sha256sum }}
+{{- end }}
 {{- end -}}
 
 {{- define "weightsync.serviceAccountName" -}}
@@ -80,7 +113,12 @@ app.kubernetes.io/part-of: weightsync
 {{- /* Pods listen on 0.0.0.0: without a token the services refuse to start unless told this is on purpose. */ -}}
 {{- $_ := set $managed "insecure" true -}}
 {{- end -}}
-{{- toYaml (mustMergeOverwrite (deepCopy $v.trainer.config) $managed) -}}
+{{- $cfg := deepCopy $v.trainer.config -}}
+{{- if $v.persistence.enabled -}}
+{{- /* Defaults, not overrides: a value set under trainer.config wins (checked to be on the volume). */ -}}
+{{- $cfg = mustMergeOverwrite (dict "data_root" $v.persistence.mountPath "checkpoint_dir" (printf "%s/checkpoints" $v.persistence.mountPath)) $cfg -}}
+{{- end -}}
+{{- toYaml (mustMergeOverwrite $cfg $managed) -}}
 {{- end -}}
 
 {{- define "weightsync.rolloutConfig" -}}
@@ -132,6 +170,18 @@ app.kubernetes.io/part-of: weightsync
 {{- end -}}
 {{- else if eq (default "" $v.trainer.config.transport) "ipc" -}}
 {{- fail "trainer.config.transport=ipc needs trainer and rollout on one GPU: use mode=colocated" -}}
+{{- end -}}
+{{- if $v.persistence.enabled -}}
+{{- $root := trimSuffix "/" $v.persistence.mountPath -}}
+{{- range $key := list "data_root" "checkpoint_dir" -}}
+{{- $path := index $v.trainer.config $key | default "" -}}
+{{- if and $path (ne $path $root) (not (hasPrefix (printf "%s/" $root) $path)) -}}
+{{- fail (printf "trainer.config.%s=%s is outside persistence.mountPath (%s): it would not survive a restart; put it under %s or leave it unset (default: %s)" $key $path $root $root (ternary $root (printf "%s/checkpoints" $root) (eq $key "data_root"))) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (gt (int $v.trainer.nnodes) 1) (not $v.persistence.existingClaim) (not (has "ReadWriteMany" $v.persistence.accessModes)) -}}
+{{- fail (printf "persistence: trainer.nnodes=%d pods write checkpoints to one directory: set persistence.accessModes to [ReadWriteMany] (a class that supports it, e.g. NFS/CephFS) or persistence.existingClaim" (int $v.trainer.nnodes)) -}}
+{{- end -}}
 {{- end -}}
 {{- if and $v.auth.enabled (not $v.auth.existingSecret) $v.auth.token (lt (len $v.auth.token) 16) -}}
 {{- fail "auth.token must be at least 16 characters (or leave it empty to generate one)" -}}

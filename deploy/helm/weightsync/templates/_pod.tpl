@@ -129,6 +129,10 @@ readinessProbe:
   mountPath: /tmp
 - name: {{ .component }}-home
   mountPath: /home/ws
+{{- if and (eq .component "trainer") .ctx.Values.persistence.enabled }}
+- name: data
+  mountPath: {{ .ctx.Values.persistence.mountPath }}
+{{- end }}
 {{- if .ctx.Values.model.volume }}
 - name: model
   mountPath: {{ .ctx.Values.model.mountPath }}
@@ -159,6 +163,11 @@ readinessProbe:
 {{- range .homes }}
 - name: {{ . }}-home
   emptyDir: {}
+{{- end }}
+{{- if and (has "trainer" .homes) $ctx.Values.persistence.enabled }}
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ include "weightsync.dataClaimName" $ctx }}
 {{- end }}
 {{- with $ctx.Values.model.volume }}
 - name: model
