@@ -41,8 +41,9 @@ def sampling_params(body, max_tokens: int) -> SamplingParams:
         raise ApiError(400, str(exc)) from None
 
 
-async def generate(servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams):
-    """(results, weight version) of one request; the engine runs in a worker thread."""
+async def generate(servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str):
+    """(results, weight version) of one request; the engine runs in a worker thread. `endpoint`
+    labels its latency and token metrics (weightsync.obs.metrics.ENDPOINTS)."""
     # Fair admission counts requests per client, as gRPC does per peer.
     client = f"http:{request.client.host if request.client else 'unknown'}"
     gone = threading.Event()  # the client disconnected: the generation stops at its next step
@@ -56,7 +57,11 @@ async def generate(servicer, request: Request, prompts: list[list[int]], samplin
             await anyio.sleep(0.1)
 
     def run():
-        return servicer.generate(prompts, sampling, client, is_active=lambda: not (gone.is_set() or stopping.is_set()))
+        with servicer.rollout_metrics.generation(endpoint) as done:
+            results, version = servicer.generate(prompts, sampling, client,
+                                                 is_active=lambda: not (gone.is_set() or stopping.is_set()))
+            done(sum(map(len, prompts)), sum(len(r.token_ids) for r in results))
+            return results, version
 
     watcher = asyncio.ensure_future(watch_disconnect())
     try:

@@ -119,7 +119,7 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             return ids, [tok.decode(x) if tok is not None else "" for x in ids]
 
         prompts, prompt_texts = await anyio.to_thread.run_sync(prepare)
-        results, version = await generate(servicer, request, prompts, sampling)
+        results, version = await generate(servicer, request, prompts, sampling, "http_completions")
 
         def answer():
             tok = tokenizer.get()
@@ -167,7 +167,7 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             room = served.context_length - len(prompt) if served.context_length else served.max_new_tokens
             asked = max(1, min(served.max_new_tokens, room))
         sampling = sampling_params(body, asked)
-        results, version = await generate(servicer, request, [prompt], sampling)
+        results, version = await generate(servicer, request, [prompt], sampling, "http_chat_completions")
 
         def answer():
             tok = tokenizer.get()

@@ -113,3 +113,25 @@ def test_one_generate_moves_latency_count_and_token_counters_by_its_size(service
                  **ep) == count0 + 1
     assert value(fams, "weightsync_generation_requests_in_flight", "weightsync_generation_requests_in_flight",
                  **ep) == 0
+
+
+def test_an_http_completion_is_measured_under_its_endpoint(services):
+    import json
+
+    _, rollout = services
+    ep = {"role": "rollout", "endpoint": "http_completions"}
+    fams = scrape(rollout.http.port)
+    count0 = value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count", **ep)
+    prompt0 = value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep)
+    completion0 = value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total", **ep)
+    body = json.dumps({"model": "tiny-qwen2", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{rollout.http.port}/v1/completions", data=body,
+                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        answer = json.loads(r.read())
+    fams = scrape(rollout.http.port)
+    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count",
+                 **ep) == count0 + 1
+    assert value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep) == prompt0 + 3
+    assert value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total",
+                 **ep) == completion0 + answer["usage"]["completion_tokens"]
