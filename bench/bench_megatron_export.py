@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MOVING = {"copy_", "cat", "_to_copy", "clone", "_foreach_copy_", "index_select", "contiguous"}
 
@@ -137,12 +137,12 @@ def main() -> int:
 
     def run_old():
         it = old_export(a)
-        return list(bucket_checksum(v) for v in pack_all(manifest, it, bufs)) if checking else \
+        return [bucket_checksum(v) for v in pack_all(manifest, it, bufs)] if checking else \
             [v.numel() for v in pack_all(manifest, it, bufs)]
 
     def run_iter():
         it = export_tensors(a.model, a.spec, a.par, a.rmap, a.export_dtype, to_rank0=True)
-        return list(bucket_checksum(v) for v in pack_all(manifest, it, bufs)) if checking else \
+        return [bucket_checksum(v) for v in pack_all(manifest, it, bufs)] if checking else \
             [v.numel() for v in pack_all(manifest, it, bufs)]
 
     def run_flat():

@@ -8,7 +8,12 @@ import torch
 
 from trainer_svc.actor.megatron.hf_copy import copy_pairs
 from trainer_svc.actor.megatron.rules.base import Rule
-from trainer_svc.actor.megatron.rules.transforms import GATE_UP, IDENTITY, QKV, SWAP_HALVES
+from trainer_svc.actor.megatron.rules.transforms import (
+    GATE_UP,
+    IDENTITY,
+    QKV,
+    SWAP_HALVES,
+)
 from weightsync.model_spec import Dims
 
 
