@@ -67,6 +67,8 @@ class MegatronActor:
         self.converter = make_converter(converter, self.spec, self.par, params_dtype)
         if self.converter is not None:
             self._metas = self.converter.plan(self.model, self._metas)
+        #: the model laid out as the current layout's buckets (flat_buckets), once a sync asked for it
+        self._flat = None
         #: what the last funnelled export moved to rank 0 (bytes of other stages' tensors)
         self.export_stats: dict = {}
         self.version = 0
@@ -107,6 +109,34 @@ class MegatronActor:
         from trainer_svc.actor.megatron.export import export_owners
 
         return export_owners(self.spec, self.par, self.rmap)
+
+    def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
+        """Rank 0: the manifest's buckets written straight from this model (flat_export.py), so a
+        sync needs neither the per-tensor export nor the pack copy; the parameters that are their
+        own HF bytes move into the buckets on the first call for a layout and stay there.
+
+        None (the sync exports and packs instead) unless this rank holds the whole model (TP=PP=EP=1,
+        no bridge converter), mostly in the export dtype: a parameter in another dtype (megatron's
+        fp32 norms in a bf16 model) is cast into its slot at every sync and its slots are memory
+        kept beside the model, which is worth it for a few norms, not for a model-sized second copy
+        (the pack path casts with two buckets' memory).
+        """
+        par = self.par
+        if not manifest.layout_digest or self.converter is not None or (par.tp, par.pp, par.vpp, par.ep) != (1, 1, 1, 1):
+            return None
+        if self.rmap.rank != 0:
+            return None
+        params = self.parameters()
+        cast = sum(p.numel() for p in params if p.dtype != self.export_dtype)
+        if cast * 8 > sum(p.numel() for p in params):
+            return None
+        flat = self._flat
+        if flat is None or flat.digest != manifest.layout_digest or flat.stale():
+            from trainer_svc.actor.megatron.flat_export import FlatExport
+
+            self._flat = None  # the previous layout's buckets are dropped before the new ones are built
+            flat = self._flat = FlatExport(manifest, self.model, self.spec)
+        return flat.refresh()
 
     @property
     def rank(self) -> int:

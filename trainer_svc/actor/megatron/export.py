@@ -1,8 +1,11 @@
 """Megatron -> HF export: gather -> rename/split -> cast, one parameter at a time.
 
 For each entry of the export plan (in `export_metas` order) the owning pipeline stage's TP group
-gathers the shards onto its TP rank 0, which splits every shard with the rule's transform and
-concatenates the pieces. An expert's parameters are gathered the same way by the expert-TP group of
+gathers the shards onto its TP rank 0, which writes every shard's pieces (the rule's transform)
+straight into their regions of the HF tensors (hf_copy.py), casting on the way; an unsharded
+parameter whose HF tensors are plain views of it in the export dtype is yielded as those views,
+so the bucket's copy is the only one. (On one GPU the whole export can skip this iterator:
+flat_export.py.) An expert's parameters are gathered the same way by the expert-TP group of
 the EP rank that holds the expert (global index = ep_rank * experts_per_rank + local index). The
 rank that assembled a tensor (its *owner*: `export_owners`) then either
 
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from trainer_svc.actor.megatron.hf_copy import copy_pairs
 from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.parallel import Parallelism, RankMap, layer_owner
@@ -72,6 +76,20 @@ def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> 
     return rmap.stage_leader[stage], rmap.in_replica0 and rmap.pp_rank == stage, "dense"
 
 
+def _assemble(rule: Rule, shards: list[torch.Tensor], names: list[str], shapes, d: Dims,
+              export_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The rule's HF tensors from its shards: views of the parameter when they need no conversion
+    (the bucket's copy is then the only one), else written once each (hf_copy.py: no per-rank
+    split temporaries, no concatenation)."""
+    if len(shards) == 1 and rule.transform.to_hf_views and shards[0].dtype == export_dtype:
+        out = rule.transform.to_hf(shards[0], d)
+        return [t[: d.vocab_size] for t in out] if rule.vocab else out
+    out = [torch.empty(shapes[n], dtype=export_dtype, device=shards[0].device) for n in names]
+    for dst, src in copy_pairs(rule, shards, out, d):
+        dst.copy_(src)
+    return out
+
+
 def _checked(names: list[str], out: list[torch.Tensor], shapes, par: Parallelism):
     for n, t in zip(names, out):
         if tuple(t.shape) != shapes[n]:
@@ -110,14 +128,14 @@ def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap, exp
             if mname not in params:
                 raise ValueError(f"tensor {mname}: expected on this rank (pipeline stage {rmap.pp_rank}, EP rank "
                                  f"{rmap.ep_rank}) but its model lacks it ({par.describe()})")
-            shard = params[mname].detach().to(export_dtype)
-            shards = _gather_tp(shard, group, size, group_rank) if rule.tp_dim is not None else [shard]
+            shard = params[mname].detach()
+            gathered = rule.tp_dim is not None and size > 1
+            if gathered:  # the collective moves the export dtype's bytes; unsharded, the copy below casts
+                shard = shard.to(export_dtype)
+            shards = _gather_tp(shard, group, size, group_rank) if gathered else [shard]
             if shards is not None and group_rank == 0:
-                per_rank = [rule.transform.to_hf(s, d) for s in shards]
-                out = [torch.cat([pieces[i] for pieces in per_rank], dim=rule.tp_dim or 0) for i in range(len(names))]
-                if rule.vocab:
-                    out = [t[: d.vocab_size] for t in out]
-                del per_rank, shards
+                out = _assemble(rule, shards, names, shapes, d, export_dtype)
+                del shards
         if not to_rank0:
             if rmap.rank == leader:
                 yield from _checked(names, out, shapes, par)

@@ -39,7 +39,12 @@ def write_hf_dir(out_dir: str, hf_config, metas: list[TensorMeta], tensors: Iter
             got, t = next(it)
             if got != name:
                 raise ValueError(f"tensor {got}: exported out of order, expected {name}")
-            pending[name] = t.detach().cpu().contiguous()
+            t = t.detach().cpu().contiguous()
+            if any(t.data_ptr() == o.data_ptr() for o in pending.values()):
+                # the export yields parameters' own memory where it can, so a tensor written twice
+                # (DeepSeek's MTP copies of embedding and head) arrives twice: safetensors wants two
+                t = t.clone()
+            pending[name] = t
         path = out / file_of[names[0]]
         save_safetensors(pending, path)
         written.append(path)

@@ -25,10 +25,17 @@ from weightsync.model_spec import DENSE, MOE, Dims
 
 @dataclass(frozen=True)
 class Transform:
-    """to_hf: Megatron TP-local tensor -> HF TP-local pieces; to_megatron: the inverse."""
+    """to_hf: Megatron TP-local tensor -> HF TP-local pieces; to_megatron: the inverse.
+
+    hf_copies: the same conversion as to_hf, written into given HF TP-local pieces instead of new
+    tensors: (destination view, source view) pairs whose `copy_` (which may also cast) writes each
+    byte once, with no temporary (the export straight into a bucket: trainer_svc/actor/megatron/
+    flat_export.py). to_hf_views: to_hf returns views of its argument (no copy at all)."""
     name: str
     to_hf: Callable[[torch.Tensor, Dims], list[torch.Tensor]]
     to_megatron: Callable[[Sequence[torch.Tensor], Dims], torch.Tensor]
+    hf_copies: Callable[[torch.Tensor, Sequence[torch.Tensor], Dims], list[tuple[torch.Tensor, torch.Tensor]]]
+    to_hf_views: bool = False
 
 
 #: where a parameter lives in the pipeline: before the layers, in a layer, after the layers (the

@@ -17,12 +17,18 @@ def _identity_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tenso
     return t
 
 
+def _identity_copies(t: torch.Tensor, dsts: Sequence[torch.Tensor], d: Dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    (dst,) = dsts
+    return [(dst, t)]
+
+
 # Megatron's linear_qkv rows are grouped by query group, not by q/k/v: for each KV head g it holds
 # the heads_per_group query heads that attend with g, then k_g, then v_g. That keeps one query group
 # (its q heads and the k/v they share) together, so a TP split along rows hands each rank whole
 # groups and attention needs no communication. HF keeps q_proj, k_proj, v_proj separate, with q heads
 # ordered so that head h uses KV head h // heads_per_group, i.e. the same grouping, flattened.
-def _qkv_to_hf(t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
+def _qkv_groups(t: torch.Tensor, d: Dims) -> tuple[torch.Tensor, ...]:
+    """(q, k, v) as strided views [groups, rows, ...] of the fused rows (no copy)."""
     hpg, hd = d.heads_per_group, d.head_dim
     rows_per_group = (hpg + 2) * hd
     if t.shape[0] % rows_per_group:
@@ -31,8 +37,17 @@ def _qkv_to_hf(t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
                          f"num_key_value_heads={d.num_query_groups}, head_dim={hd})")
     groups = t.shape[0] // rows_per_group
     g = t.reshape(groups, rows_per_group, *t.shape[1:])
-    q, k, v = torch.split(g, [hpg * hd, hd, hd], dim=1)
-    return [x.reshape(-1, *t.shape[1:]) for x in (q, k, v)]
+    return torch.split(g, [hpg * hd, hd, hd], dim=1)
+
+
+def _qkv_to_hf(t: torch.Tensor, d: Dims) -> list[torch.Tensor]:
+    return [x.reshape(-1, *t.shape[1:]) for x in _qkv_groups(t, d)]
+
+
+def _qkv_copies(t: torch.Tensor, dsts: Sequence[torch.Tensor], d: Dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # each HF piece is contiguous rows, read as [groups, rows per group, ...]: `view`, never `reshape`,
+    # so that a destination that cannot be viewed so raises instead of silently becoming a copy
+    return [(dst.view(src.shape), src) for dst, src in zip(dsts, _qkv_groups(t, d), strict=True)]
 
 
 def _qkv_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor:
@@ -60,9 +75,13 @@ def _gate_up_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor
     return torch.cat([gate, up], dim=0)
 
 
-IDENTITY = Transform("identity", _identity_to_hf, _identity_to_megatron)
-QKV = Transform("qkv", _qkv_to_hf, _qkv_to_megatron)
-GATE_UP = Transform("gate_up", _gate_up_to_hf, _gate_up_to_megatron)
+def _gate_up_copies(t: torch.Tensor, dsts: Sequence[torch.Tensor], d: Dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(dsts, _gate_up_to_hf(t, d), strict=True))
+
+
+IDENTITY = Transform("identity", _identity_to_hf, _identity_to_megatron, _identity_copies, to_hf_views=True)
+QKV = Transform("qkv", _qkv_to_hf, _qkv_to_megatron, _qkv_copies)
+GATE_UP = Transform("gate_up", _gate_up_to_hf, _gate_up_to_megatron, _gate_up_copies, to_hf_views=True)
 
 
 # Megatron's MTP eh_proj reads cat(enorm(embedding), hnorm(hidden)) (multi_token_prediction.py,
@@ -85,4 +104,13 @@ def _swap_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor:
     return _swap_halves(t)
 
 
-SWAP_HALVES = Transform("swap_halves", _swap_to_hf, _swap_to_megatron)
+def _swap_copies(t: torch.Tensor, dsts: Sequence[torch.Tensor], d: Dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    (dst,) = dsts
+    if t.shape[-1] % 2:
+        raise ValueError(f"MTP input projection has {t.shape[-1]} columns, expected 2*hidden_size")
+    first, second = torch.chunk(t, 2, dim=-1)
+    out_first, out_second = torch.chunk(dst, 2, dim=-1)
+    return [(out_first, second), (out_second, first)]
+
+
+SWAP_HALVES = Transform("swap_halves", _swap_to_hf, _swap_to_megatron, _swap_copies)

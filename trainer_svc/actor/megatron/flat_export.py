@@ -1,0 +1,138 @@
+"""The Megatron model as a manifest's buckets: the export straight into the bus, on one rank.
+
+The per-parameter export (export.py) casts, splits and assembles every tensor, and the pipeline
+then copies it into a bucket: a second pass over every byte and several launches per tensor. When
+one rank holds the whole model (TP = PP = EP = 1, the colocated case) the layout of every HF tensor
+in the buckets is known before any byte moves and does not change between syncs, so it is planned
+once per layout (the manifest's digest) and each sync moves each byte at most once:
+
+- a parameter whose HF tensors are its own bytes in order (the export dtype, an identity or the
+  [gate; up] split, no vocabulary padding, its tensors adjacent in one bucket) is moved into its
+  bucket slots once, and the parameter then lives there (as the hf actor's do: hf/actor.py
+  `flat_buckets`); training, loads and exports go on using the same parameter, and a sync sends it
+  with no copy at all;
+- every other HF tensor (the query-group interleaved QKV, a padded vocabulary, a parameter shared
+  by two slots, one split across buckets) is written from its parameter into its slot at each sync
+  by strided-view copies (hf_copy.py), all of them in one batched call.
+
+Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
+the export), kept with the buckets.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer_svc.actor.megatron.hf_copy import copy_pairs
+from trainer_svc.actor.megatron.hf_meta import export_plan
+from trainer_svc.actor.megatron.model import named_parameters_global
+from trainer_svc.actor.megatron.rules.base import Rule
+from weightsync.bus.plan import Manifest, Slot
+from weightsync.model_spec import ModelSpec
+
+
+def _slot_view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    m = slot.meta
+    return flat[slot.offset:slot.offset + m.nbytes].view(m.dtype).view(m.shape)
+
+
+def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims, claimed: set[int]) -> bool:
+    """Whether `p`'s storage, as it is, holds `where`'s slots back to back (so it can live there)."""
+    if not isinstance(p, torch.nn.Parameter) or id(p) in claimed or not rule.transform.to_hf_views:
+        return False
+    if not p.is_contiguous() or any(s.meta.dtype != p.dtype for _, s in where):
+        return False
+    if len({b for b, _ in where}) != 1:
+        return False
+    pos = where[0][1].offset
+    for _, s in where:
+        if s.offset != pos:  # an alignment gap, or not in this order
+            return False
+        pos += s.meta.nbytes
+    if pos - where[0][1].offset != p.numel() * p.element_size():  # e.g. vocabulary padding rows
+        return False
+    # the transform's pieces must be the parameter's bytes in slot order (true of identity and
+    # gate_up by construction; checked, since a wrong alias would send wrong bytes silently)
+    pieces = rule.transform.to_hf(p.detach(), dims)
+    at = p.data_ptr()
+    for piece, (_, s) in zip(pieces, where, strict=True):
+        if not piece.is_contiguous() or piece.data_ptr() != at or tuple(piece.shape) != s.meta.shape:
+            return False
+        at += s.meta.nbytes
+    return True
+
+
+class FlatExport:
+    """One layout's buckets over one rank's whole model; `refresh()` writes the converted slots."""
+
+    def __init__(self, manifest: Manifest, chunks, spec: ModelSpec):
+        if not manifest.layout_digest:
+            raise ValueError("FlatExport needs manifest.layout_digest (a layout planned by ManifestCache)")
+        self.digest = manifest.layout_digest
+        slots = {s.meta.name: (b.index, s) for b in manifest.buckets for s in b.slots}
+        params = named_parameters_global(chunks)
+        device = next(iter(params.values())).device
+        aliases: dict[int, list[tuple[torch.nn.Parameter, Slot]]] = {b.index: [] for b in manifest.buckets}
+        converted: list[tuple[Rule, str, list[Slot]]] = []
+        claimed: set[int] = set()
+        planned = 0
+        for rule, site, names in export_plan(spec):
+            mname = rule.megatron_name(site)
+            p = params.get(mname)
+            if p is None:
+                raise ValueError(f"tensor {mname}: not on this rank; the flat export needs the whole model "
+                                 f"(TP=PP=EP=1)")
+            missing = [n for n in names if n not in slots]
+            if missing:
+                raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
+            where = [slots[n] for n in names]
+            planned += len(names)
+            if _aliasable(p, rule, where, spec.dims, claimed):
+                claimed.add(id(p))
+                aliases[where[0][0]].append((p, where[0][1]))
+            else:
+                converted.append((rule, mname, [s for _, s in where]))
+        if planned != len(slots):
+            raise ValueError(f"the manifest has {len(slots)} tensors, the export plan {planned}")
+        self._aliased: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, address of its slot)
+        self.flats: list[torch.Tensor] = []
+        with torch.no_grad():
+            # bucket by bucket, as the hf actor: the extra memory is one bucket, not the model
+            for b in manifest.buckets:
+                flat = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)  # gaps included: checksummed
+                for p, slot in aliases[b.index]:
+                    view = flat[slot.offset:slot.offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                    view.copy_(p)
+                    p.data = view
+                    self._aliased.append((p, view.data_ptr()))
+                self.flats.append(flat)
+        # sources are taken after the moves above: a parameter read here must be its new storage
+        params = named_parameters_global(chunks)
+        by_slot = {s.meta.name: _slot_view(self.flats[b], s) for b, s in slots.values()}
+        self._dsts: list[torch.Tensor] = []
+        self._srcs: list[torch.Tensor] = []
+        #: (parameter, address) of every source: one moved elsewhere since (a load that assigns new
+        #: storage) makes this plan stale, so the next sync plans again instead of sending old bytes
+        self._sources = list(self._aliased)
+        for rule, mname, where in converted:
+            outs = [by_slot[s.meta.name] for s in where]
+            p = params[mname]
+            self._sources.append((p, p.data_ptr()))
+            for dst, src in copy_pairs(rule, [p.detach()], outs, spec.dims):
+                self._dsts.append(dst)
+                self._srcs.append(src)
+        self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
+        self.copied_bytes = sum(math.prod(d.shape) * d.element_size() for d in self._dsts)
+        self.copies = len(self._dsts)
+
+    def stale(self) -> bool:
+        """A parameter's storage was replaced since the plan (the slots would not follow it)."""
+        return any(p.data_ptr() != ptr for p, ptr in self._sources)
+
+    def refresh(self) -> list[torch.Tensor]:
+        """Write every converted slot from its parameter (one batched call); the buckets."""
+        if self._dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(self._dsts, self._srcs)
+        return self.flats
