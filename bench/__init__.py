@@ -1,4 +1,5 @@
 """Benchmarks, run from a checkout (`python bench/<script>.py`); the runs they record live in bench/results/."""
+
 from __future__ import annotations
 
 import time

@@ -10,6 +10,7 @@ It prints one JSON object: p50/p99 of the small requests idle (before and after 
 pooled) and loaded, their ratio, and how long the engine took to free up after the large request
 was cancelled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _request(prompts: int, n: int, tokens: int, prompt_len: int, seed: int) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
-        prompts=[rollout_pb2.Prompt(token_ids=[(seed + i * 7 + j) % 200 + 1 for j in range(prompt_len)])
-                 for i in range(prompts)],
-        sampling=rollout_pb2.SamplingParams(max_new_tokens=tokens, n=n, temperature=1.0, seed=seed))
+        prompts=[
+            rollout_pb2.Prompt(token_ids=[(seed + i * 7 + j) % 200 + 1 for j in range(prompt_len)])
+            for i in range(prompts)
+        ],
+        sampling=rollout_pb2.SamplingParams(max_new_tokens=tokens, n=n, temperature=1.0, seed=seed),
+    )
 
 
 def _timed(stub, req, samples: int) -> list[float]:
@@ -45,8 +49,17 @@ def _timed(stub, req, samples: int) -> list[float]:
     return out
 
 
-def measure(address: str, token: str = "", samples: int = 100, small_tokens: int = 8, big_prompts: int = 8,
-            big_n: int = 64, big_tokens: int = 480, big_timeout: float = 600.0, rounds: int = 1) -> dict:
+def measure(
+    address: str,
+    token: str = "",
+    samples: int = 100,
+    small_tokens: int = 8,
+    big_prompts: int = 8,
+    big_n: int = 64,
+    big_tokens: int = 480,
+    big_timeout: float = 600.0,
+    rounds: int = 1,
+) -> dict:
     """`rounds` alternations of an idle phase and a loaded one (samples/rounds small requests each,
     the large request started and cancelled in each loaded phase), then one more idle phase: a
     machine that gets busier or quieter meanwhile tilts both sides alike."""
@@ -62,8 +75,8 @@ def measure(address: str, token: str = "", samples: int = 100, small_tokens: int
             idle += _timed(stub, small, per)
             # gRPC's own future: cancelling it cancels the call on the server too
             big = rollout_pb2_grpc.RolloutStub(ch).Generate.future(
-                _request(big_prompts, big_n, big_tokens, 16, seed=2), timeout=big_timeout,
-                metadata=call_metadata(token))
+                _request(big_prompts, big_n, big_tokens, 16, seed=2), timeout=big_timeout, metadata=call_metadata(token)
+            )
             time.sleep(0.5)  # the large request is prefilled and decoding
             loaded += _timed(stub, small, per)
             still_running &= not big.done()
@@ -80,12 +93,23 @@ def measure(address: str, token: str = "", samples: int = 100, small_tokens: int
             except grpc.RpcError as exc:
                 outcomes.add(exc.code().name)
         idle += _timed(stub, small, max(1, per // 2))
-    r = {"samples": samples, "rounds": rounds, "small_tokens": small_tokens,
-         "big": {"prompts": big_prompts, "n": big_n, "max_new_tokens": big_tokens,
-                 "outcome": "/".join(sorted(outcomes)), "running_through_measurement": still_running},
-         "idle_p50_s": _pct(idle, 0.5), "idle_p99_s": _pct(idle, 0.99),
-         "loaded_p50_s": _pct(loaded, 0.5), "loaded_p99_s": _pct(loaded, 0.99),
-         "engine_free_after_cancel_s": max(freed)}
+    r = {
+        "samples": samples,
+        "rounds": rounds,
+        "small_tokens": small_tokens,
+        "big": {
+            "prompts": big_prompts,
+            "n": big_n,
+            "max_new_tokens": big_tokens,
+            "outcome": "/".join(sorted(outcomes)),
+            "running_through_measurement": still_running,
+        },
+        "idle_p50_s": _pct(idle, 0.5),
+        "idle_p99_s": _pct(idle, 0.99),
+        "loaded_p50_s": _pct(loaded, 0.5),
+        "loaded_p99_s": _pct(loaded, 0.99),
+        "engine_free_after_cancel_s": max(freed),
+    }
     r["p99_ratio"] = r["loaded_p99_s"] / r["idle_p99_s"]
     return r
 
@@ -101,8 +125,14 @@ def main() -> None:
     p.add_argument("--big-tokens", type=int, default=480)
     p.add_argument("--rounds", type=int, default=1, help="alternations of idle and loaded phases")
     a = p.parse_args()
-    print(json.dumps(measure(a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens,
-                             rounds=a.rounds), indent=2))
+    print(
+        json.dumps(
+            measure(
+                a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens, rounds=a.rounds
+            ),
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

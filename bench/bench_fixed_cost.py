@@ -17,6 +17,7 @@ and, over the link, an AbortSync of no sync.
 
     OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results/results_fixed_cost_cpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,15 @@ def write_config(name: str, root: str) -> str:
     from transformers import Qwen2Config
 
     h, inter, layers, heads, kv, vocab, tied = LAYOUTS[name]
-    Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied).save_pretrained(root)
+    Qwen2Config(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    ).save_pretrained(root)
     return root
 
 
@@ -54,6 +62,7 @@ def timed(fn, into: list):
             return fn(*a, **k)
         finally:
             into.append(time.perf_counter() - t0)
+
     return wrapper
 
 
@@ -79,11 +88,27 @@ def run(layout: str, sync_link: bool, args) -> dict:
     from weightsync.v1 import rollout_pb2, trainer_pb2
 
     model = write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-"))
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                       model=model, export_dtype="bfloat16", auto_sync_new_rollouts=False,
-                                       sync_link=sync_link))
-    rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=model,
-                                       rollout_id="r0", apply_mode="inplace", dtype="bfloat16"))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model=model,
+            export_dtype="bfloat16",
+            auto_sync_new_rollouts=False,
+            sync_link=sync_link,
+        )
+    )
+    rollout = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model=model,
+            rollout_id="r0",
+            apply_mode="inplace",
+            dtype="bfloat16",
+        )
+    )
     trainer.orch.bucket_bytes = args.bucket_kb << 10  # below the 1 MiB floor of the config: 7B's bucket count
     side = {"rollout_prepare": [], "rollout_commit": [], "commit_waited": []}
     tx = rollout.tx
@@ -119,8 +144,9 @@ def run(layout: str, sync_link: bool, args) -> dict:
             for k, v in report.phase_seconds.items():
                 phases.setdefault(k, []).append(v)
             phases.setdefault("total", []).append(report.seconds)
-            phases.setdefault("fixed", []).append(sum(report.phase_seconds.get(k, 0.0)
-                                                      for k in ("plan", "prepare", "commit")))
+            phases.setdefault("fixed", []).append(
+                sum(report.phase_seconds.get(k, 0.0) for k in ("plan", "prepare", "commit"))
+            )
             for k, v in side.items():
                 phases.setdefault(k, []).append(sum(v))
         # The floor of a phase: one unary round trip to the rollout on the same path (the trainer's
@@ -129,13 +155,22 @@ def run(layout: str, sync_link: bool, args) -> dict:
         entry = trainer.orch.registry.get("r0")
         phases["rpc_round_trip"] = round_trips(trainer.orch, entry, "GetStatus", rollout_pb2.GetStatusRequest(), args)
         if entry.link is not None:
-            phases["link_round_trip"] = round_trips(trainer.orch, entry, "AbortSync",
-                                                    rollout_pb2.AbortSyncRequest(sync_id="none"), args)
+            phases["link_round_trip"] = round_trips(
+                trainer.orch, entry, "AbortSync", rollout_pb2.AbortSyncRequest(sync_id="none"), args
+            )
         med = {k: statistics.median(v) for k, v in phases.items()}
         p90 = {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in phases.items()}
-        return {"layout": layout, "sync_link": sync_link, "num_tensors": report.num_tensors, "num_buckets": report.num_buckets,
-                "bytes": report.bytes, "median_s": med, "p90_s": p90, "samples": len(phases["total"]),
-                "manifest_plans": getattr(getattr(trainer.orch, "manifests", None), "plans", None)}
+        return {
+            "layout": layout,
+            "sync_link": sync_link,
+            "num_tensors": report.num_tensors,
+            "num_buckets": report.num_buckets,
+            "bytes": report.bytes,
+            "median_s": med,
+            "p90_s": p90,
+            "samples": len(phases["total"]),
+            "manifest_plans": getattr(getattr(trainer.orch, "manifests", None), "plans", None),
+        }
     finally:
         ch.close()
         rollout.stop()
@@ -148,15 +183,24 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-kb", type=int, default=64, help="bucket size (64 KiB: 15 buckets for 7b-thin)")
-    ap.add_argument("--paths", default="link,grpc",
-                    help="comma list: link (prepare and commit over the sync link), grpc (as gRPC calls)")
+    ap.add_argument(
+        "--paths",
+        default="link,grpc",
+        help="comma list: link (prepare and commit over the sync link), grpc (as gRPC calls)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import torch
 
-    out = {"command": shlex.join([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "results": []}
+    out = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_before": os.getloadavg(),
+        "results": [],
+    }
     runs = [(layout, path) for layout in args.layouts.split(",") if layout for path in args.paths.split(",") if path]
     for layout, path in runs:
         if path not in ("link", "grpc"):
@@ -164,13 +208,19 @@ def main() -> int:
         r = run(layout, path == "link", args)
         out["results"].append(r)
         m = r["median_s"]
-        link = f", one sync-link round trip (AbortSync) {m['link_round_trip'] * 1e3:.2f} ms" if "link_round_trip" in m else ""
-        print(f"{layout} over {path}: {r['num_tensors']} tensors, {r['num_buckets']} buckets, {r['bytes'] / 1e6:.2f} MB; "
-              f"median of {r['samples']}: plan {m['plan'] * 1e3:.2f} + prepare {m['prepare'] * 1e3:.2f} + commit "
-              f"{m['commit'] * 1e3:.2f} = fixed {m['fixed'] * 1e3:.2f} ms (commit waited {m['commit_waited'] * 1e3:.2f} "
-              f"ms for the last bucket); stream {m['stream'] * 1e3:.2f}, total {m['total'] * 1e3:.2f} ms; rollout "
-              f"transaction: prepare {m['rollout_prepare'] * 1e3:.2f}, commit {m['rollout_commit'] * 1e3:.2f} ms; "
-              f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms{link}")
+        link = (
+            f", one sync-link round trip (AbortSync) {m['link_round_trip'] * 1e3:.2f} ms"
+            if "link_round_trip" in m
+            else ""
+        )
+        print(
+            f"{layout} over {path}: {r['num_tensors']} tensors, {r['num_buckets']} buckets, {r['bytes'] / 1e6:.2f} MB; "
+            f"median of {r['samples']}: plan {m['plan'] * 1e3:.2f} + prepare {m['prepare'] * 1e3:.2f} + commit "
+            f"{m['commit'] * 1e3:.2f} = fixed {m['fixed'] * 1e3:.2f} ms (commit waited {m['commit_waited'] * 1e3:.2f} "
+            f"ms for the last bucket); stream {m['stream'] * 1e3:.2f}, total {m['total'] * 1e3:.2f} ms; rollout "
+            f"transaction: prepare {m['rollout_prepare'] * 1e3:.2f}, commit {m['rollout_commit'] * 1e3:.2f} ms; "
+            f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms{link}"
+        )
     out["loadavg_after"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:

@@ -19,6 +19,7 @@ a separate pass under a dispatch mode. Every path's buckets are checked byte for
     python bench/bench_megatron_export.py --model 1.5b --reps 3 --out /tmp/export_cpu.json
     python bench/bench_megatron_export.py --model 7b --device cuda --out $OUT/export_gpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,8 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch  # noqa: E402 (after the repo root is on the path)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 MOVING = {"copy_", "cat", "_to_copy", "clone", "_foreach_copy_", "index_select", "contiguous"}
 
@@ -84,15 +85,24 @@ def make_actor(name: str, dtype: torch.dtype):
     from trainer_svc.actor.megatron.actor import MegatronActor
 
     h, inter, layers, heads, kv, vocab, tied = MODELS[name]
-    cfg = Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1e6,
-                      rms_norm_eps=1e-6)
+    cfg = Qwen2Config(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
     actor = MegatronActor(cfg, params_dtype=dtype, export_dtype=dtype, init_weights=False)
     g = torch.Generator(device=actor.parameters()[0].device).manual_seed(0)
     with torch.no_grad():
         for p in actor.parameters():  # random bits: a wrong byte anywhere shows in the checksums
-            p.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (p.numel() * p.element_size(),),
-                                                             dtype=torch.uint8, device=p.device, generator=g))
+            p.view(-1).view(torch.uint8).copy_(
+                torch.randint(0, 256, (p.numel() * p.element_size(),), dtype=torch.uint8, device=p.device, generator=g)
+            )
     return actor
 
 
@@ -129,31 +139,48 @@ def main() -> int:
     actor = make_actor(args.model, dtype)
     dev = actor.parameters()[0].device
     build_s = time.perf_counter() - t0
-    manifest = ManifestCache().manifest(actor.export_metas(), version=1, sync_id="bench",
-                                        bucket_bytes=args.bucket_mb << 20, model_family=actor.family)
+    manifest = ManifestCache().manifest(
+        actor.export_metas(), version=1, sync_id="bench", bucket_bytes=args.bucket_mb << 20, model_family=actor.family
+    )
     nbytes = sum(b.tensor_bytes for b in manifest.buckets)
     bufs = [alloc_buffer(max(b.nbytes for b in manifest.buckets), dev) for _ in range(2)]
     a = actor
 
     def run_old():
         it = old_export(a)
-        return [bucket_checksum(v) for v in pack_all(manifest, it, bufs)] if checking else \
-            [v.numel() for v in pack_all(manifest, it, bufs)]
+        return (
+            [bucket_checksum(v) for v in pack_all(manifest, it, bufs)]
+            if checking
+            else [v.numel() for v in pack_all(manifest, it, bufs)]
+        )
 
     def run_iter():
         it = export_tensors(a.model, a.spec, a.par, a.rmap, a.export_dtype, to_rank0=True)
-        return [bucket_checksum(v) for v in pack_all(manifest, it, bufs)] if checking else \
-            [v.numel() for v in pack_all(manifest, it, bufs)]
+        return (
+            [bucket_checksum(v) for v in pack_all(manifest, it, bufs)]
+            if checking
+            else [v.numel() for v in pack_all(manifest, it, bufs)]
+        )
 
     def run_flat():
         flats = a.flat_buckets(manifest)
-        return [bucket_checksum(f[:b.nbytes]) for f, b in zip(flats, manifest.buckets)] if checking else flats
+        return [bucket_checksum(f[: b.nbytes]) for f, b in zip(flats, manifest.buckets)] if checking else flats
 
     paths = {"old": run_old, "iter": run_iter, "flat": run_flat}
-    rec = {"model": args.model, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "param_dtype": args.param_dtype,
-           "bytes": nbytes, "buckets": len(manifest.buckets), "tensors": manifest.num_tensors,
-           "build_s": build_s, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), "paths": {}}
+    rec = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "param_dtype": args.param_dtype,
+        "bytes": nbytes,
+        "buckets": len(manifest.buckets),
+        "tensors": manifest.num_tensors,
+        "build_s": build_s,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+        "paths": {},
+    }
     want = None
     for name in [p for p in args.paths.split(",") if p]:
         fn, r = paths[name], {}
@@ -187,9 +214,12 @@ def main() -> int:
             want = got
         r["bit_exact_vs_first"] = got == want
         rec["paths"][name] = r
-        print(f"{args.model} {name:>5}: {r['s'] * 1e3:9.1f} ms  {r['gbps']:7.2f} GB/s  copy calls "
-              f"{r['copy_calls_total']:5d}  bytes written/byte {r['bytes_written_per_byte']:.2f}  "
-              f"exact {r['bit_exact_vs_first']}", flush=True)
+        print(
+            f"{args.model} {name:>5}: {r['s'] * 1e3:9.1f} ms  {r['gbps']:7.2f} GB/s  copy calls "
+            f"{r['copy_calls_total']:5d}  bytes written/byte {r['bytes_written_per_byte']:.2f}  "
+            f"exact {r['bit_exact_vs_first']}",
+            flush=True,
+        )
     actor.shutdown()
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=1))

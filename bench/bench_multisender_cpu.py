@@ -14,6 +14,7 @@ same model is reported next to it). Speed-up = median rank0 sync seconds / media
 
     OMP_NUM_THREADS=1 python bench/bench_multisender_cpu.py --out /tmp/ms.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,16 @@ from weightsync.local.procs import free_port, start_rollout, start_trainer, wait
 from weightsync.v1 import trainer_pb2  # noqa: E402
 
 # a Qwen2 shape whose two pipeline halves weigh about the same (untied embedding and head)
-MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False)
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def _sync(stub, senders: str) -> trainer_pb2.SyncReport:
@@ -48,10 +57,20 @@ def _sync(stub, senders: str) -> trainer_pb2.SyncReport:
 
 
 def _row(rep: trainer_pb2.SyncReport) -> dict:
-    return {"seconds": rep.seconds, "stream_s": rep.phase_seconds.get("stream", 0.0),
-            "senders": [{"rank": s.rank, "mb": s.bytes / 1e6, "seconds": s.seconds,
-                         "forwarded_mb": s.forwarded_bytes / 1e6, "buffer_mb": s.peak_buffer_bytes / 1e6}
-                        for s in rep.senders]}
+    return {
+        "seconds": rep.seconds,
+        "stream_s": rep.phase_seconds.get("stream", 0.0),
+        "senders": [
+            {
+                "rank": s.rank,
+                "mb": s.bytes / 1e6,
+                "seconds": s.seconds,
+                "forwarded_mb": s.forwarded_bytes / 1e6,
+                "buffer_mb": s.peak_buffer_bytes / 1e6,
+            }
+            for s in rep.senders
+        ],
+    }
 
 
 def main() -> int:
@@ -67,16 +86,38 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-ms-"))
     Qwen2Config(**MODEL).save_pretrained(str(work / "model"))
     links = SenderLinks(None)
-    trainer = start_trainer(work, "--backend", "megatron", "--model", str(work / "model"), "--pp", str(args.pp),
-                            "--bucket-mb", "4", "--no-auto-sync-new-rollouts", nproc=args.pp)
+    trainer = start_trainer(
+        work,
+        "--backend",
+        "megatron",
+        "--model",
+        str(work / "model"),
+        "--pp",
+        str(args.pp),
+        "--bucket-mb",
+        "4",
+        "--no-auto-sync-new-rollouts",
+        nproc=args.pp,
+    )
     procs, proxies = [trainer], []
     try:
         for i in range(args.rollouts):
             dport = free_port()
             proxies.append(BusProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
-            procs.append(start_rollout(work, "--model", str(work / "model"), "--trainer-address", trainer.address,
-                                       "--data-address", f"127.0.0.1:{dport}", "--advertise-data-host",
-                                       f"127.0.0.{2 + i}", name=f"r{i}"))
+            procs.append(
+                start_rollout(
+                    work,
+                    "--model",
+                    str(work / "model"),
+                    "--trainer-address",
+                    trainer.address,
+                    "--data-address",
+                    f"127.0.0.1:{dport}",
+                    "--advertise-data-host",
+                    f"127.0.0.{2 + i}",
+                    name=f"r{i}",
+                )
+            )
         for p in procs:
             p.wait_ready(300)
         wait_registered(trainer.address, [f"r{i}" for i in range(args.rollouts)])
@@ -94,10 +135,17 @@ def main() -> int:
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
-            "model_mb": rep.bytes / 1e6, "pp": args.pp, "rollouts": args.rollouts, "rate_mb_s_per_sender": args.rate_mb,
-            "unthrottled": unthrottled, "runs": runs, "median_s": med,
-            "link_bound_s": {"rank0": rep.bytes * args.rollouts / (args.rate_mb * 1e6),
-                             "all": max(s.bytes for s in rep.senders) * args.rollouts / (args.rate_mb * 1e6)},
+            "model_mb": rep.bytes / 1e6,
+            "pp": args.pp,
+            "rollouts": args.rollouts,
+            "rate_mb_s_per_sender": args.rate_mb,
+            "unthrottled": unthrottled,
+            "runs": runs,
+            "median_s": med,
+            "link_bound_s": {
+                "rank0": rep.bytes * args.rollouts / (args.rate_mb * 1e6),
+                "all": max(s.bytes for s in rep.senders) * args.rollouts / (args.rate_mb * 1e6),
+            },
             "speedup": med["rank0"] / med["all"],
         }
         print(json.dumps({k: result[k] for k in ("model_mb", "median_s", "link_bound_s", "speedup")}, indent=1))

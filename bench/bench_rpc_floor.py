@@ -12,6 +12,7 @@ comparison, in this process:
 
     OMP_NUM_THREADS=1 python bench/bench_rpc_floor.py --reps 2000 --out bench/results/results_rpc_floor.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,10 @@ def _serve_grpc(port_q) -> None:
         for req in it:
             yield req
 
-    handler = grpc.method_handlers_generic_handler(_SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        "Stream": grpc.stream_stream_rpc_method_handler(stream)})
+    handler = grpc.method_handlers_generic_handler(
+        _SERVICE,
+        {"Unary": grpc.unary_unary_rpc_method_handler(unary), "Stream": grpc.stream_stream_rpc_method_handler(stream)},
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[handler])
     port_q.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
@@ -101,6 +103,7 @@ def time_grpc(port: int, reps: int, warmup: int) -> dict[str, list[float]]:
         def exchange():
             requests.put(payload)
             next(answers)
+
         out["grpc_stream"] = _times(exchange, reps, warmup)
         requests.put(_END)
         for _ in answers:
@@ -118,13 +121,17 @@ def time_socket(port: int, reps: int, warmup: int) -> list[float]:
             got = 0
             while got < len(payload):
                 got += len(s.recv(65536))
+
         return _times(exchange, reps, warmup)
 
 
 def summary(samples: list[float]) -> dict[str, float]:
     s = sorted(samples)
-    return {"median_us": round(statistics.median(s) * 1e6, 1), "p10_us": round(s[len(s) // 10] * 1e6, 1),
-            "p90_us": round(s[9 * len(s) // 10] * 1e6, 1)}
+    return {
+        "median_us": round(statistics.median(s) * 1e6, 1),
+        "p10_us": round(s[len(s) // 10] * 1e6, 1),
+        "p90_us": round(s[9 * len(s) // 10] * 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -144,9 +151,15 @@ def main() -> None:
             if p is not None:
                 p.terminate()
                 p.join(timeout=10)
-    doc = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpus": os.cpu_count(),
-           "python": sys.version.split()[0], "reps": args.reps, "loadavg": os.getloadavg(), "results": results}
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "reps": args.reps,
+        "loadavg": os.getloadavg(),
+        "results": results,
+    }
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

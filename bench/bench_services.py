@@ -23,6 +23,7 @@ Without --out a run is written to bench/results/results_services_<transport>_<UT
     python bench/bench_services.py --models 1.5b,7b --backend megatron --out services_nccl_megatron.json
     OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,12 @@ from weightsync.local.procs import start_rollout, start_trainer, wait_registered
 from weightsync.v1 import rollout_pb2, trainer_pb2  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
-MODELS = {"0.5b": CONFIGS["0.5b"], "1.5b": (1536, 8960, 28, 12, 2, 151936, True), "7b": CONFIGS["7b"],
-          "tiny": (256, 1024, 4, 4, 2, 4096, False)}
+MODELS = {
+    "0.5b": CONFIGS["0.5b"],
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "7b": CONFIGS["7b"],
+    "tiny": (256, 1024, 4, 4, 2, 4096, False),
+}
 
 
 def write_config(name: str, root: Path) -> Path:
@@ -66,9 +71,17 @@ def write_config(name: str, root: Path) -> Path:
 
     h, inter, layers, heads, kv, vocab, tied = MODELS[name]
     d = root / name
-    Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, rope_theta=1e6,
-                rms_norm_eps=1e-6).save_pretrained(str(d))
+    Qwen2Config(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    ).save_pretrained(str(d))
     return d
 
 
@@ -85,19 +98,55 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
     try:
         # megatron places itself on cuda:LOCAL_RANK (cuda:0 here); hf goes where --device-trainer says
         where = ("--device", args.device_trainer) if args.backend == "hf" else ()
-        t = start_trainer(logs, "--backend", args.backend, "--model", str(model_dir), "--init-seed", "1", *where,
-                          "--param-dtype", args.param_dtype, "--transport", args.transport, "--export-dtype", export_dtype,
-                          "--bucket-mb", str(args.bucket_mb), "--sync-timeout-s", str(args.sync_timeout),
-                          "--no-auto-sync-new-rollouts", *(() if args.sync_link == "on" else ("--no-sync-link",)))
+        t = start_trainer(
+            logs,
+            "--backend",
+            args.backend,
+            "--model",
+            str(model_dir),
+            "--init-seed",
+            "1",
+            *where,
+            "--param-dtype",
+            args.param_dtype,
+            "--transport",
+            args.transport,
+            "--export-dtype",
+            export_dtype,
+            "--bucket-mb",
+            str(args.bucket_mb),
+            "--sync-timeout-s",
+            str(args.sync_timeout),
+            "--no-auto-sync-new-rollouts",
+            *(() if args.sync_link == "on" else ("--no-sync-link",)),
+        )
         procs.append(t)
         ids = [f"r{i}" for i in range(args.rollouts)]
         # Started alongside the trainer so that the (slow, CPU) inits overlap; a rollout keeps
         # retrying its registration until the trainer answers, up to --register-timeout-s.
         for i, rid in enumerate(ids):
-            procs.append(start_rollout(logs, "--model", str(model_dir), "--init-seed", "2", "--device",
-                                       rollout_device(args, i), "--dtype", args.dtype, "--apply-mode", "inplace",
-                                       "--trainer-address", t.address, "--register-timeout-s", str(args.ready_timeout),
-                                       "--sync-timeout-s", str(args.sync_timeout), name=rid))
+            procs.append(
+                start_rollout(
+                    logs,
+                    "--model",
+                    str(model_dir),
+                    "--init-seed",
+                    "2",
+                    "--device",
+                    rollout_device(args, i),
+                    "--dtype",
+                    args.dtype,
+                    "--apply-mode",
+                    "inplace",
+                    "--trainer-address",
+                    t.address,
+                    "--register-timeout-s",
+                    str(args.ready_timeout),
+                    "--sync-timeout-s",
+                    str(args.sync_timeout),
+                    name=rid,
+                )
+            )
         deadline = time.monotonic() + args.ready_timeout
         for p in procs:
             p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
@@ -107,35 +156,57 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
         wait_registered(t.address, ids, max(1.0, deadline - time.monotonic()))
         status = lambda: {rid: s.GetStatus(rollout_pb2.GetStatusRequest()) for rid, s in rstubs.items()}  # noqa: E731
         # version 0 = never synced, so the first check shows that the warm-up really committed
-        rec = {"model": name, "export_dtype": export_dtype, "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],
-               "rollout_versions_before": {rid: st.version for rid, st in status().items()}, "syncs": []}
+        rec = {
+            "model": name,
+            "export_dtype": export_dtype,
+            "rollout_devices": [rollout_device(args, i) for i in range(args.rollouts)],
+            "rollout_versions_before": {rid: st.version for rid, st in status().items()},
+            "syncs": [],
+        }
         for rep in range(args.reps + 1):
             t0 = time.perf_counter()
-            report = tstub.Sync(trainer_pb2.SyncRequest(timeout_seconds=args.sync_timeout),
-                                timeout=args.sync_timeout + 60).report
+            report = tstub.Sync(
+                trainer_pb2.SyncRequest(timeout_seconds=args.sync_timeout), timeout=args.sync_timeout + 60
+            ).report
             wall = time.perf_counter() - t0
             if not report.ok:
                 errs = "; ".join(f"{r.rollout_id}: {r.error}" for r in report.rollouts if not r.ok)
                 raise RuntimeError(f"sync {report.sync_id} failed: {errs or 'no rollout targeted'}")
             st = status()
-            rec["syncs"].append({
-                "warmup": rep == 0, "sync_id": report.sync_id, "version": report.version, "seconds": report.seconds,
-                "wall_s": wall, "bytes": report.bytes, "num_buckets": report.num_buckets,
-                "num_tensors": report.num_tensors, "gbps": report.gbps, "transport": report.transport,
-                "phase_seconds": dict(report.phase_seconds),
-                "rollout_versions": {rid: x.version for rid, x in st.items()},
-                "rollout_checksums": {rid: f"{x.weights_checksum:016x}" for rid, x in st.items()},
-                "rollouts_on_version": all(x.version == report.version and x.state == rollout_pb2.SERVING
-                                           for x in st.values())})
+            rec["syncs"].append(
+                {
+                    "warmup": rep == 0,
+                    "sync_id": report.sync_id,
+                    "version": report.version,
+                    "seconds": report.seconds,
+                    "wall_s": wall,
+                    "bytes": report.bytes,
+                    "num_buckets": report.num_buckets,
+                    "num_tensors": report.num_tensors,
+                    "gbps": report.gbps,
+                    "transport": report.transport,
+                    "phase_seconds": dict(report.phase_seconds),
+                    "rollout_versions": {rid: x.version for rid, x in st.items()},
+                    "rollout_checksums": {rid: f"{x.weights_checksum:016x}" for rid, x in st.items()},
+                    "rollouts_on_version": all(
+                        x.version == report.version and x.state == rollout_pb2.SERVING for x in st.values()
+                    ),
+                }
+            )
         if args.transport == "nccl":  # 1 = the warm-up's group carried every timed sync
             rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total", 'role="trainer"')
         timed = [s for s in rec["syncs"] if not s["warmup"]]
-        rec.update(bytes=timed[0]["bytes"], num_buckets=timed[0]["num_buckets"], first_sync_s=rec["syncs"][0]["seconds"],
-                   sync_s=statistics.median(s["seconds"] for s in timed),
-                   wall_s=statistics.median(s["wall_s"] for s in timed),
-                   rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
-                   phase_s={k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed)
-                            for k in timed[0]["phase_seconds"]})
+        rec.update(
+            bytes=timed[0]["bytes"],
+            num_buckets=timed[0]["num_buckets"],
+            first_sync_s=rec["syncs"][0]["seconds"],
+            sync_s=statistics.median(s["seconds"] for s in timed),
+            wall_s=statistics.median(s["wall_s"] for s in timed),
+            rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
+            phase_s={
+                k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed) for k in timed[0]["phase_seconds"]
+            },
+        )
         rec["gbps"] = rec["bytes"] / rec["sync_s"] / 1e9
         return rec
     except BaseException:
@@ -204,26 +275,46 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--transport", choices=("nccl", "ipc", "tcp"), default=None, help="default nccl on GPU, else tcp")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                    help="the rollout engines' dtype (and the trainer's export dtype unless --export-dtypes)")
-    ap.add_argument("--export-dtypes", default="",
-                    help="comma list of trainer export dtypes to run per model, e.g. bfloat16,fp8-block "
-                         "(fp8-block: block-FP8 linear weights, dequantized by the rollout); default --dtype")
-    ap.add_argument("--backend", choices=("hf", "megatron"), default="hf",
-                    help="trainer backend: megatron (megatron-core GPTModel on cuda:0, the real case) or hf")
-    ap.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                    help="trainer parameter dtype (default: --dtype, so nothing is cast while streaming; "
-                         "float32 with --dtype bfloat16 measures a cast on every sync)")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="the rollout engines' dtype (and the trainer's export dtype unless --export-dtypes)",
+    )
+    ap.add_argument(
+        "--export-dtypes",
+        default="",
+        help="comma list of trainer export dtypes to run per model, e.g. bfloat16,fp8-block "
+        "(fp8-block: block-FP8 linear weights, dequantized by the rollout); default --dtype",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("hf", "megatron"),
+        default="hf",
+        help="trainer backend: megatron (megatron-core GPTModel on cuda:0, the real case) or hf",
+    )
+    ap.add_argument(
+        "--param-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="trainer parameter dtype (default: --dtype, so nothing is cast while streaming; "
+        "float32 with --dtype bfloat16 measures a cast on every sync)",
+    )
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
     ap.add_argument("--device-trainer", default=None, help="default cuda:0 (cpu with --transport tcp)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="start-up + registration bound per model (s)")
     ap.add_argument("--sync-timeout", type=float, default=600.0, help="bound on one sync (s)")
-    ap.add_argument("--sync-link", choices=("on", "off"), default="on",
-                    help="off: the trainer sends PrepareSync / CommitSync as gRPC calls (the baseline of the sync link)")
-    ap.add_argument("--out", default="",
-                    help="result JSON (default: bench/results/results_services_<transport>_<time>.json)")
+    ap.add_argument(
+        "--sync-link",
+        choices=("on", "off"),
+        default="on",
+        help="off: the trainer sends PrepareSync / CommitSync as gRPC calls (the baseline of the sync link)",
+    )
+    ap.add_argument(
+        "--out", default="", help="result JSON (default: bench/results/results_services_<transport>_<time>.json)"
+    )
     args = ap.parse_args()
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
     args.param_dtype = args.param_dtype or args.dtype
@@ -240,9 +331,15 @@ def main() -> int:
         ap.error(f"unknown models {unknown}" if unknown else "--reps and --rollouts must be >= 1")
     if args.transport == "nccl" and ngpu < 1 + args.rollouts:
         ap.error(f"--transport nccl with {args.rollouts} rollout(s) needs {1 + args.rollouts} GPUs, found {ngpu}")
-    results = {"device": torch.cuda.get_device_name(0) if ngpu else "cpu",
-               "gpus": ngpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "command": shlex.join([sys.executable, *sys.argv]), "args": vars(args), "models": []}
+    results = {
+        "device": torch.cuda.get_device_name(0) if ngpu else "cpu",
+        "gpus": ngpu,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "models": [],
+    }
     work = Path(tempfile.mkdtemp(prefix="bench_services-"))
     failed = False
     for name in models:
@@ -294,20 +391,31 @@ def main() -> int:
 
 def print_table(results: dict) -> None:
     a = results["args"]
-    print(f"\n{results['device']}  torch {results['torch']}  {results['date']}  transport {a['transport']}  "
-          f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}  "
-          f"trainer {a['backend']} {a['param_dtype']}")
-    print(f"{'model':<7}{'export':>10}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
-          f"  rollouts on version")
+    print(
+        f"\n{results['device']}  torch {results['torch']}  {results['date']}  transport {a['transport']}  "
+        f"{a['dtype']}  bucket {a['bucket_mb']} MiB  {a['rollouts']} rollout(s)  median of {a['reps']}  "
+        f"trainer {a['backend']} {a['param_dtype']}"
+    )
+    print(
+        f"{'model':<7}{'export':>10}{'GB':>8}{'buckets':>9}{'sync s':>10}{'wall s':>10}"
+        f"{'GB/s':>8}{'raw s':>10}{'ratio':>8}"
+        f"  rollouts on version"
+    )
     for r in results["models"]:
         if "error" in r:
             print(f"{r['model']:<7}{r.get('export_dtype', ''):>10}  FAILED: {r['error'].splitlines()[0][:100]}")
             continue
         raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
-        print(f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
-              f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}")
-        print(f"{'':<7}phases (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items())
-              + f"; first sync after start {r['first_sync_s']:.3f} s")
+        print(
+            f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}"
+            f"{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
+            f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}"
+        )
+        print(
+            f"{'':<7}phases (ms): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items())
+            + f"; first sync after start {r['first_sync_s']:.3f} s"
+        )
         if "vs_bfloat16" in r:
             v = r["vs_bfloat16"]
             print(f"{'':<7}fp8-block vs bfloat16 in this run: {v['time']:.3f}x the time, {v['bytes']:.3f}x the bytes")

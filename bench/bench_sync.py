@@ -13,6 +13,7 @@ and the trainer's peak extra memory during the bus sync vs 2 buckets + the large
 
     python bench/bench_sync.py --models 0.5b,7b,32b     # writes bench/results/results_sync_<UTC date and time>.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import default_out  # noqa: E402
 from bench.model_shapes import shapes  # noqa: E402
-from weightsync.bus.nccl import libnccl  # noqa: E402
 from weightsync.bus.checksum import ALGO, bucket_checksum  # noqa: E402
+from weightsync.bus.nccl import libnccl  # noqa: E402
 from weightsync.bus.nccl.group import NcclBucketReceiver, NcclBucketSender, NcclGroup  # noqa: E402
 from weightsync.bus.pack import unpack_bucket  # noqa: E402
 from weightsync.bus.pipeline import stream_buckets  # noqa: E402
@@ -46,8 +47,10 @@ def make_model(name, device, layers=None, seed=0):
 def matches_seed(model, name, device, layers, seed):
     """Regenerate the seed's tensors one at a time (a second full copy may not fit) and compare."""
     g = torch.Generator(device=device).manual_seed(seed)
-    return all(torch.equal(torch.randn(s, generator=g, device=device, dtype=torch.bfloat16), model[n])
-               for n, s in shapes(name, layers))
+    return all(
+        torch.equal(torch.randn(s, generator=g, device=device, dtype=torch.bfloat16), model[n])
+        for n, s in shapes(name, layers)
+    )
 
 
 def metas_of(name, layers=None):
@@ -66,7 +69,7 @@ def raw_broadcast_seconds(group, dev, total: int, reps: int) -> list[float]:
     for rep in range(reps + 1):
         _barrier(group, dev)
         t0 = time.perf_counter()
-        events = [group.enqueue(chunk[:min(GiB, total - off)], after_current=False) for off in range(0, total, GiB)]
+        events = [group.enqueue(chunk[: min(GiB, total - off)], after_current=False) for off in range(0, total, GiB)]
         group.wait(events[-1], total)
         torch.cuda.synchronize(dev)
         if rep:
@@ -106,16 +109,28 @@ def run_rank(rank, uid_q, res_q, args):
         for bucket_mb in args.bucket_mb:
             for csum in (False, True):
                 key = f"bus_{bucket_mb}MiB" + ("_csum" if csum else "")
-                manifest = make_manifest(metas_of(name, layers), version=1, sync_id="bench", bucket_bytes=bucket_mb << 20,
-                                         checksum_algo=ALGO if csum else "")
+                manifest = make_manifest(
+                    metas_of(name, layers),
+                    version=1,
+                    sync_id="bench",
+                    bucket_bytes=bucket_mb << 20,
+                    checksum_algo=ALGO if csum else "",
+                )
                 for rep in range(args.reps + 1):
                     _barrier(group, dev)
                     torch.cuda.reset_peak_memory_stats(dev)
                     base = torch.cuda.memory_allocated(dev)
                     t0 = time.perf_counter()
                     if rank == 0:
-                        stats = stream_buckets(manifest, iter(model.items()), NcclBucketSender(group), device=dev,
-                                               num_buffers=2, with_checksums=csum, timeout=300)
+                        stats = stream_buckets(
+                            manifest,
+                            iter(model.items()),
+                            NcclBucketSender(group),
+                            device=dev,
+                            num_buffers=2,
+                            with_checksums=csum,
+                            timeout=300,
+                        )
                         sums = stats.checksums
                     else:
                         rx = NcclBucketReceiver(group, manifest.buckets)
@@ -131,7 +146,9 @@ def run_rank(rank, uid_q, res_q, args):
                     if rep:
                         rec.setdefault(key + "_s", []).append(time.perf_counter() - t0)
                         if rank == 0:
-                            rec.setdefault(key + "_peak_extra_bytes", []).append(torch.cuda.max_memory_allocated(dev) - base)
+                            rec.setdefault(key + "_peak_extra_bytes", []).append(
+                                torch.cuda.max_memory_allocated(dev) - base
+                            )
                 if csum:
                     rec[key + "_checksums"] = sums[:3]
         if rank == 1:  # exactness: after the last bus sync the engine holds the trainer's seed-0 weights
@@ -163,8 +180,15 @@ def ipc_rank(role, q_push, q_ack, res_q, args, name):
                 q_push.put((plan.index, handle.SerializeToString()))
                 q_ack.get(timeout=120)
 
-            stream_buckets(manifest, iter(model.items()), IpcBucketSender(push), device=dev, num_buffers=args.ipc_buffers,
-                           with_checksums=False, timeout=300)
+            stream_buckets(
+                manifest,
+                iter(model.items()),
+                IpcBucketSender(push),
+                device=dev,
+                num_buffers=args.ipc_buffers,
+                with_checksums=False,
+                timeout=300,
+            )
             q_push.put(None)
             q_ack.get(timeout=120)  # engine done
             if rep:
@@ -221,8 +245,13 @@ def main():
     args.models = args.models.split(",")
     args.bucket_mb = [int(x) for x in args.bucket_mb.split(",")]
     ctx = mp.get_context("spawn")
-    results = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-               "nccl": libnccl.version(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    results = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "nccl": libnccl.version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if torch.cuda.device_count() >= 2:
         uid_q, res_q = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, uid_q, res_q, args)) for r in range(2)]
@@ -239,7 +268,10 @@ def main():
         results["nccl_1to1"] = merged
     for name in [m for m in args.ipc_models.split(",") if m]:
         q_push, q_ack, res_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=ipc_rank, args=(role, q_push, q_ack, res_q, args, name)) for role in ("trainer", "engine")]
+        procs = [
+            ctx.Process(target=ipc_rank, args=(role, q_push, q_ack, res_q, args, name))
+            for role in ("trainer", "engine")
+        ]
         for pr in procs:
             pr.start()
         got = dict(res_q.get(timeout=300) for _ in procs)
@@ -261,22 +293,33 @@ def main():
 
 
 def print_table(results):
-    print(f"\n{results['device']} x{results['gpus']}  NCCL {results['nccl']}  torch {results['torch']}  {results['date']}")
+    print(
+        f"\n{results['device']} x{results['gpus']}  NCCL {results['nccl']}  torch {results['torch']}  {results['date']}"
+    )
     for rec in results.get("nccl_1to1", []):
         gb = rec["bytes"] / 1e9
         raw = median(rec["raw_s_rx"])
-        print(f"\n{rec['model']}: {gb:.2f} GB in {rec['tensors']} tensors (largest {rec['largest_tensor_bytes'] / 2**20:.0f} MiB)"
-              f"  engine weights exact after sync: {rec.get('exact')}")
+        print(
+            f"\n{rec['model']}: {gb:.2f} GB in {rec['tensors']} tensors (largest "
+            f"{rec['largest_tensor_bytes'] / 2**20:.0f} MiB)"
+            f"  engine weights exact after sync: {rec.get('exact')}"
+        )
         print(f"  {'path':<22}{'seconds':>9}{'GB/s':>8}{'vs raw':>8}{'peak extra MiB':>16}")
         for key in ["raw", "naive"] + [k[:-5] for k in rec if k.startswith("bus_") and k.endswith("_s_rx")]:
             t = median(rec[key + "_s_rx"])
             peak = rec.get(key + "_peak_extra_bytes")
-            print(f"  {key:<22}{t:>9.4f}{gb / t:>8.1f}{raw / t:>8.3f}{(max(peak) / 2**20 if peak else float('nan')):>16.0f}")
+            print(
+                f"  {key:<22}{t:>9.4f}{gb / t:>8.1f}{raw / t:>8.3f}"
+                f"{(max(peak) / 2**20 if peak else float('nan')):>16.0f}"
+            )
     print(f"\nbucket checksum on {results['device']}: {results.get('checksum_gbps', 0):.0f} GB/s")
     for rec in results.get("ipc", []):
         t, bound = median(rec["ipc_s"]), rec["copy_bound_s"]
-        print(f"\nIPC colocated {rec['model']}: {rec['bytes'] / 1e9:.2f} GB in {t:.4f}s ({rec['bytes'] / 1e9 / t:.0f} GB/s); "
-              f"one D2D copy {bound:.4f}s; ratio to copy bound {bound / t:.3f}; exact {rec['exact']}")
+        print(
+            f"\nIPC colocated {rec['model']}: {rec['bytes'] / 1e9:.2f} GB in {t:.4f}s "
+            f"({rec['bytes'] / 1e9 / t:.0f} GB/s); "
+            f"one D2D copy {bound:.4f}s; ratio to copy bound {bound / t:.3f}; exact {rec['exact']}"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ number copied by hand. Provenance of the constants in `cost_model.Calibration`:
 - ipc_bucket_s: FITTED to the bus-only IPC point; ipc_rpc_bucket_s: FITTED to the services IPC
   point. Both are fitted on one point each, so those two points check nothing (flagged below).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,12 @@ MESSAGE_CURVE = {16 * MIB: 241.0, 64 * MIB: 321.0, 256 * MIB: 350.0, 1024 * MIB:
 @dataclass(frozen=True)
 class Point:
     label: str
-    model: str                  # key of model_arch.ARCHS
+    model: str  # key of model_arch.ARCHS
     measured_s: float
     sync: Sync
-    weights: str = "bf16"       # the hf backend holds fp32 and casts during the sync
+    weights: str = "bf16"  # the hf backend holds fp32 and casts during the sync
     source: str = ""
-    fitted: str = ""            # which constant was fitted on this point ("" = an independent check)
+    fitted: str = ""  # which constant was fitted on this point ("" = an independent check)
 
     def predicted_s(self, cal: Calibration = CAL) -> float:
         fp = footprint(arch(self.model))
@@ -66,47 +67,91 @@ def bus_points() -> list[Point]:
     src = "results_2xh200_2026-11-23.json"
     for r in _load(src)["nccl_1to1"]:
         for mb in (256, 1024):
-            out.append(Point(f"bus {r['model'].upper()} {mb} MiB", f"qwen2.5-{r['model']}",
-                             _median(r[f"bus_{mb}MiB_s_rx"]), Sync(mb * MIB, checksum=False, services=False),
-                             source=f"{src} bus_{mb}MiB_s_rx"))
+            out.append(
+                Point(
+                    f"bus {r['model'].upper()} {mb} MiB",
+                    f"qwen2.5-{r['model']}",
+                    _median(r[f"bus_{mb}MiB_s_rx"]),
+                    Sync(mb * MIB, checksum=False, services=False),
+                    source=f"{src} bus_{mb}MiB_s_rx",
+                )
+            )
     src = "results_2xh200_csum_2026-11-23.json"
     for r in _load(src)["nccl_1to1"]:
-        out.append(Point(f"bus {r['model'].upper()} 1024 MiB + checksum", f"qwen2.5-{r['model']}",
-                         _median(r["bus_1024MiB_csum_s_rx"]), Sync(GIB, checksum=True, services=False),
-                         source=f"{src} bus_1024MiB_csum_s_rx"))
+        out.append(
+            Point(
+                f"bus {r['model'].upper()} 1024 MiB + checksum",
+                f"qwen2.5-{r['model']}",
+                _median(r["bus_1024MiB_csum_s_rx"]),
+                Sync(GIB, checksum=True, services=False),
+                source=f"{src} bus_1024MiB_csum_s_rx",
+            )
+        )
     return out
-
 
 
 def services_points() -> list[Point]:
     """bench_services.py: trainer-svc (hf backend, fp32 -> bf16 on export) -> rollout-svc, NCCL."""
     out = []
-    for src, tag in (("results_services_nccl_phases_2xh200_2026-11-23.json", "run 2"),
-                     ("results_services_nccl_2xh200_2026-11-23.json", "run 1")):
+    for src, tag in (
+        ("results_services_nccl_phases_2xh200_2026-11-23.json", "run 2"),
+        ("results_services_nccl_2xh200_2026-11-23.json", "run 1"),
+    ):
         for m in _load(src)["models"]:
-            out.append(Point(f"services {m['model'].upper()} NCCL ({tag})", f"qwen2.5-{m['model']}",
-                             m["sync_s"], Sync(GIB), weights="fp32", source=f"{src} sync_s"))
+            out.append(
+                Point(
+                    f"services {m['model'].upper()} NCCL ({tag})",
+                    f"qwen2.5-{m['model']}",
+                    m["sync_s"],
+                    Sync(GIB),
+                    weights="fp32",
+                    source=f"{src} sync_s",
+                )
+            )
     return out
 
 
 def ipc_points() -> list[Point]:
     src = "results_2xh200_2026-11-23.json"
     r = _load(src)["ipc"][0]
-    pts = [Point("bus 7B CUDA IPC 1 GiB", "qwen2.5-7b", _median(r["ipc_s"]),
-                 Sync(GIB, checksum=False, services=False, transport="ipc"), source=f"{src} ipc[0].ipc_s",
-                 fitted="ipc_bucket_s")]
+    pts = [
+        Point(
+            "bus 7B CUDA IPC 1 GiB",
+            "qwen2.5-7b",
+            _median(r["ipc_s"]),
+            Sync(GIB, checksum=False, services=False, transport="ipc"),
+            source=f"{src} ipc[0].ipc_s",
+            fitted="ipc_bucket_s",
+        )
+    ]
     src = "results_services_ipc_h200_2026-11-23.json"
     m = _load(src)["models"][0]
-    pts.append(Point("services 7B CUDA IPC", "qwen2.5-7b", m["sync_s"], Sync(GIB, transport="ipc"),
-                     weights="fp32", source=f"{src} sync_s", fitted="ipc_rpc_bucket_s"))
+    pts.append(
+        Point(
+            "services 7B CUDA IPC",
+            "qwen2.5-7b",
+            m["sync_s"],
+            Sync(GIB, transport="ipc"),
+            weights="fp32",
+            source=f"{src} sync_s",
+            fitted="ipc_rpc_bucket_s",
+        )
+    )
     return pts
 
 
 def stream_phase_points() -> list[tuple[Point, float]]:
     """Services NCCL points with their measured stream phase (the run that recorded phases)."""
     src = "results_services_nccl_phases_2xh200_2026-11-23.json"
-    return [(Point(m["model"], f"qwen2.5-{m['model']}", m["phase_s"]["stream"], Sync(GIB, services=False),
-                   weights="fp32"), m["phase_s"]["stream"]) for m in _load(src)["models"]]
+    return [
+        (
+            Point(
+                m["model"], f"qwen2.5-{m['model']}", m["phase_s"]["stream"], Sync(GIB, services=False), weights="fp32"
+            ),
+            m["phase_s"]["stream"],
+        )
+        for m in _load(src)["models"]
+    ]
 
 
 def all_points() -> list[Point]:

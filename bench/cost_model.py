@@ -33,6 +33,7 @@ Receivers (`Fleet.receiver`), explicit because they bound everything once sender
 NCCL broadcast runs a ring: fan-out to R receivers costs the bytes once at the link rate plus a
 pipeline fill of R-1 hops per bucket; every receiver forwards, so the sender's egress does not grow.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,12 +56,12 @@ RECEIVERS = ("full", "split", "shard")
 class Links:
     """Per-GPU link figures. Bandwidths in GB/s (1e9 B/s) unless the name says Gb/s."""
 
-    nvlink_gbs: float = 367.0   # NCCL broadcast 1->1 at 4 GiB, H200 NV18, measured (not the 450 nominal)
-    nic_gbit: float = 400.0     # one NIC per GPU (InfiniBand NDR / RoCE 400G)
-    nic_eff: float = 0.92       # ASSUMED NCCL efficiency over the NIC: no multi-node run measured yet
-    pcie_gbs: float = 64.0      # Gen5 x16, per direction; GPUDirect RDMA crosses it
-    pcie_eff: float = 0.85      # ASSUMED
-    hop_s: float = 10e-6        # ASSUMED ring hop latency per bucket (inter-node)
+    nvlink_gbs: float = 367.0  # NCCL broadcast 1->1 at 4 GiB, H200 NV18, measured (not the 450 nominal)
+    nic_gbit: float = 400.0  # one NIC per GPU (InfiniBand NDR / RoCE 400G)
+    nic_eff: float = 0.92  # ASSUMED NCCL efficiency over the NIC: no multi-node run measured yet
+    pcie_gbs: float = 64.0  # Gen5 x16, per direction; GPUDirect RDMA crosses it
+    pcie_eff: float = 0.85  # ASSUMED
+    hop_s: float = 10e-6  # ASSUMED ring hop latency per bucket (inter-node)
 
     def net_gbs(self) -> float:
         return min(self.nic_gbit / 8 * self.nic_eff, self.pcie_gbs * self.pcie_eff)
@@ -70,15 +71,15 @@ class Links:
 class Calibration:
     """Testbed constants. Provenance of each in bench/cost_calibration.py and docs/BENCHMARKS.md."""
 
-    msg_latency_s: float = 25e-6      # alpha of the NCCL broadcast message-size curve (NV18)
-    hbm_rw_gbs: float = 3800.0        # D2D copy, read + write counted (copy bound of the IPC bench)
-    checksum_gbs: float = 2773.0      # fused Triton bucket checksum
-    per_tensor_s: float = 27.3e-6      # host cost per HF tensor, each side (pack / apply); fitted
-    plan_prepare_s: float = 11.1e-3   # plan + prepare at ref_tensors (7B, services, median)
+    msg_latency_s: float = 25e-6  # alpha of the NCCL broadcast message-size curve (NV18)
+    hbm_rw_gbs: float = 3800.0  # D2D copy, read + write counted (copy bound of the IPC bench)
+    checksum_gbs: float = 2773.0  # fused Triton bucket checksum
+    per_tensor_s: float = 27.3e-6  # host cost per HF tensor, each side (pack / apply); fitted
+    plan_prepare_s: float = 11.1e-3  # plan + prepare at ref_tensors (7B, services, median)
     commit_s: float = 2.1e-3
     ref_tensors: int = 339
-    ipc_bucket_s: float = 1.13e-3     # CUDA IPC hand-off per bucket (map, ack, syncs); fitted
-    ipc_rpc_bucket_s: float = 0.79e-3 # PushBucket round trip per bucket through the services; fitted
+    ipc_bucket_s: float = 1.13e-3  # CUDA IPC hand-off per bucket (map, ack, syncs); fitted
+    ipc_rpc_bucket_s: float = 0.79e-3  # PushBucket round trip per bucket through the services; fitted
 
 
 CAL = Calibration()
@@ -91,7 +92,7 @@ class Trainer:
     ep: int = 1
     nodes: int = 1
     gpus_per_node: int = 8
-    weights: str = BF16               # dtype the trainer holds: bf16, or fp32 (the hf backend: cast on export)
+    weights: str = BF16  # dtype the trainer holds: bf16, or fp32 (the hf backend: cast on export)
 
     @property
     def gpus(self) -> int:
@@ -106,7 +107,9 @@ class Trainer:
         if self.tp > self.gpus_per_node:
             raise ValueError(f"trainer tp={self.tp} > gpus_per_node={self.gpus_per_node}: keep TP inside a node")
         if self.gpus % (self.tp * self.pp):
-            raise ValueError(f"trainer tp*pp={self.tp * self.pp} does not divide {self.gpus} GPUs (nodes*gpus_per_node)")
+            raise ValueError(
+                f"trainer tp*pp={self.tp * self.pp} does not divide {self.gpus} GPUs (nodes*gpus_per_node)"
+            )
         if self.ep > 1 and not moe:
             raise ValueError(f"trainer ep={self.ep} on a dense model: set ep=1")
         if (self.gpus // self.pp) % self.ep:
@@ -116,10 +119,10 @@ class Trainer:
 @dataclass(frozen=True)
 class Fleet:
     replicas: int = 1
-    tp: int = 1                       # GPUs per engine replica
+    tp: int = 1  # GPUs per engine replica
     gpus_per_node: int = 8
     receiver: str = "full"
-    same_node: bool = False           # trainer and rollout GPUs on one NVLink domain (the 2-GPU testbed)
+    same_node: bool = False  # trainer and rollout GPUs on one NVLink domain (the 2-GPU testbed)
 
     def validate(self) -> None:
         if self.replicas < 1 or self.tp < 1:
@@ -127,24 +130,26 @@ class Fleet:
         if self.receiver not in RECEIVERS:
             raise ValueError(f"fleet receiver={self.receiver!r}: expected one of {', '.join(RECEIVERS)}")
         if self.receiver == "split" and self.tp > self.gpus_per_node and not self.same_node:
-            raise ValueError(f"fleet receiver=split needs the replica inside one NVLink domain: "
-                             f"tp={self.tp} > gpus_per_node={self.gpus_per_node}; use receiver=shard")
+            raise ValueError(
+                f"fleet receiver=split needs the replica inside one NVLink domain: "
+                f"tp={self.tp} > gpus_per_node={self.gpus_per_node}; use receiver=shard"
+            )
 
 
 @dataclass(frozen=True)
 class Sync:
     bucket_bytes: int = GIB
     checksum: bool = True
-    services: bool = True             # through trainer-svc / rollout-svc: adds the control phases
-    transport: str = "nccl"           # nccl, or ipc (colocated, one GPU, 1->1 only)
+    services: bool = True  # through trainer-svc / rollout-svc: adds the control phases
+    transport: str = "nccl"  # nccl, or ipc (colocated, one GPU, 1->1 only)
 
 
 @dataclass
 class Sender:
     bytes: float = 0.0
     tensors: int = 0
-    gather_nvlink: float = 0.0        # bytes received from trainer peers over NVLink
-    gather_nic: float = 0.0           # ... and over the NIC
+    gather_nvlink: float = 0.0  # bytes received from trainer peers over NVLink
+    gather_nic: float = 0.0  # ... and over the NIC
 
 
 @dataclass
@@ -223,8 +228,15 @@ def control_seconds(fp: Footprint, cal: Calibration = CAL) -> float:
     return cal.plan_prepare_s * fp.tensors / cal.ref_tensors + cal.commit_s
 
 
-def predict(fp: Footprint, tr: Trainer, fleet: Fleet, links: Links = Links(), sync: Sync = Sync(),
-            mode: str = MULTI, cal: Calibration = CAL) -> Prediction:
+def predict(
+    fp: Footprint,
+    tr: Trainer,
+    fleet: Fleet,
+    links: Links = Links(),
+    sync: Sync = Sync(),
+    mode: str = MULTI,
+    cal: Calibration = CAL,
+) -> Prediction:
     tr.validate(fp.arch.moe)
     fleet.validate()
     if sync.bucket_bytes < 1:
@@ -247,9 +259,11 @@ def predict(fp: Footprint, tr: Trainer, fleet: Fleet, links: Links = Links(), sy
     for s in snds:
         nb = max(1, math.ceil(s.bytes / sync.bucket_bytes))
         host = s.bytes * pack / hbm + s.bytes * csum + s.tensors * cal.per_tensor_s
-        cand = {"sender egress": s.bytes / link + nb * bucket_lat,
-                "sender gather": s.gather_nvlink / nv + s.gather_nic / (links.net_gbs() * 1e9),
-                "sender host": host}
+        cand = {
+            "sender egress": s.bytes / link + nb * bucket_lat,
+            "sender gather": s.gather_nvlink / nv + s.gather_nic / (links.net_gbs() * 1e9),
+            "sender host": host,
+        }
         for k, v in cand.items():
             terms[k] = max(terms.get(k, 0.0), v)
         if max(cand.values()) > crit_steady:  # the slowest sender: its own first pack is on the critical path
@@ -270,8 +284,7 @@ def predict(fp: Footprint, tr: Trainer, fleet: Fleet, links: Links = Links(), sy
     drain = rx_host / max(1, math.ceil(applied / sync.bucket_bytes))
     stream = max(crit_fill + crit_steady, first_fill + rx_steady) + drain
     terms["fill+drain"] = stream - max(terms.values())
-    return Prediction(control + stream, control, stream, terms, binding, len(snds),
-                      max(s.bytes for s in snds), total)
+    return Prediction(control + stream, control, stream, terms, binding, len(snds), max(s.bytes for s in snds), total)
 
 
 def _predict_ipc(fp, tr, fleet, sync, cal, pack, csum, control) -> Prediction:
@@ -281,13 +294,16 @@ def _predict_ipc(fp, tr, fleet, sync, cal, pack, csum, control) -> Prediction:
     nb = max(1, math.ceil(total / sync.bucket_bytes))
     # pack and the engine's copy share one GPU's HBM, so they add instead of overlapping
     # (no per-tensor host term: the hand-off constant was fitted with it folded in)
-    terms = {"copies": total * (pack + 2.0) / hbm + 2 * total * csum,
-             "hand-off": nb * (cal.ipc_bucket_s + (cal.ipc_rpc_bucket_s if sync.services else 0.0))}
+    terms = {
+        "copies": total * (pack + 2.0) / hbm + 2 * total * csum,
+        "hand-off": nb * (cal.ipc_bucket_s + (cal.ipc_rpc_bucket_s if sync.services else 0.0)),
+    }
     stream = sum(terms.values())
     return Prediction(control + stream, control, stream, terms, "copies", 1, total, total)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+
 
 def _kv(text: str, cls, flag: str, aliases: dict[str, str] | None = None):
     names = {f.name: f.type for f in fields(cls)}
@@ -301,17 +317,28 @@ def _kv(text: str, cls, flag: str, aliases: dict[str, str] | None = None):
             raise SystemExit(f"{flag}: unknown key {k!r} (keys: {', '.join(names)})")
         typ = names[k]
         try:
-            out[k] = (v.lower() in ("1", "true", "yes")) if typ in (bool, "bool") else \
-                int(v) if typ in (int, "int") else float(v) if typ in (float, "float") else v
+            out[k] = (
+                (v.lower() in ("1", "true", "yes"))
+                if typ in (bool, "bool")
+                else int(v)
+                if typ in (int, "int")
+                else float(v)
+                if typ in (float, "float")
+                else v
+            )
         except ValueError:
-            raise SystemExit(f"{flag}: {k}={v!r} is not {'an integer' if typ in (int, 'int') else 'a number'}") from None
+            raise SystemExit(
+                f"{flag}: {k}={v!r} is not {'an integer' if typ in (int, 'int') else 'a number'}"
+            ) from None
     return replace(cls(), **out)
 
 
 def _fmt(p: Prediction) -> str:
-    lines = [f"sync {p.seconds:.3f} s = control {p.control_s:.3f} s + stream {p.stream_s:.3f} s "
-             f"({p.senders} sender(s), largest {p.max_sender_bytes / 1e9:.1f} GB of {p.total_bytes / 1e9:.1f} GB; "
-             f"bound by {p.binding})"]
+    lines = [
+        f"sync {p.seconds:.3f} s = control {p.control_s:.3f} s + stream {p.stream_s:.3f} s "
+        f"({p.senders} sender(s), largest {p.max_sender_bytes / 1e9:.1f} GB of {p.total_bytes / 1e9:.1f} GB; "
+        f"bound by {p.binding})"
+    ]
     lines += [f"  {k:18s} {v:9.4f} s" for k, v in p.terms.items()]
     return "\n".join(lines)
 
@@ -329,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.table or a.calibration:
         from bench import cost_tables
+
         print(cost_tables.calibration_markdown() if a.calibration else cost_tables.tables_markdown())
         return 0
     try:

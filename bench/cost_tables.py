@@ -1,4 +1,5 @@
 """The markdown tables of docs/BENCHMARKS.md "Fleet cost model" (`python bench/cost_model.py --table`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -38,22 +39,30 @@ def _s(x: float) -> str:
 
 
 def params_markdown() -> str:
-    rows = ["| model | params (derived) | published | error | active (derived) | bf16 bytes | fp8-block bytes | HF tensors bf16 / fp8 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| model | params (derived) | published | error | active (derived) | bf16 bytes | fp8-block bytes | HF "
+        "tensors bf16 / fp8 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for a in ARCHS.values():
         b, f = footprint(a, BF16), footprint(a, FP8)
         pub = f"{a.published_total / 1e9:.1f} B" if a.published_total else "—"
         err = f"{b.params / a.published_total - 1:+.1%}" if a.published_total else "—"
         act = f"{b.active_params / 1e9:.1f} B" if a.moe else "(dense)"
-        rows.append(f"| {a.name} | {b.params / 1e9:.2f} B | {pub} | {err} | {act} | {b.bytes / 1e9:.1f} GB "
-                    f"| {f.bytes / 1e9:.1f} GB | {b.tensors} / {f.tensors} |")
+        rows.append(
+            f"| {a.name} | {b.params / 1e9:.2f} B | {pub} | {err} | {act} | {b.bytes / 1e9:.1f} GB "
+            f"| {f.bytes / 1e9:.1f} GB | {b.tensors} / {f.tensors} |"
+        )
     return "\n".join(rows)
 
 
-def fleet_markdown(links: Links = Links()) -> str:
-    rows = ["| model | dtype | trainer | fleet | receiver | single-sender stream | multi-sender stream "
-            "| speed-up | multi bound by | multi, bandwidth only | control (extrapolated) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+def fleet_markdown(links: Links | None = None) -> str:
+    links = links or Links()
+    rows = [
+        "| model | dtype | trainer | fleet | receiver | single-sender stream | multi-sender stream "
+        "| speed-up | multi bound by | multi, bandwidth only | control (extrapolated) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for sc in SCENARIOS:
         for dtype in (BF16, FP8):
             fp = footprint(arch(sc.model), dtype)
@@ -62,16 +71,22 @@ def fleet_markdown(links: Links = Links()) -> str:
                 one = predict(fp, sc.trainer, fl, links, mode=SINGLE)
                 many = predict(fp, sc.trainer, fl, links, mode=MULTI)
                 bw = max(v for k, v in many.terms.items() if k in ("sender egress", "receiver ingress"))
-                rows.append(f"| {sc.model} | {dtype} ({fp.bytes / 1e9:.0f} GB) | {_layout(sc.trainer)} | "
-                            f"{_fleet(fl)} | {rx} | {_s(one.stream_s)} | {_s(many.stream_s)} | "
-                            f"{one.stream_s / many.stream_s:.1f}x | {many.binding} | {_s(bw)} | {_s(many.control_s)} |")
+                rows.append(
+                    f"| {sc.model} | {dtype} ({fp.bytes / 1e9:.0f} GB) | {_layout(sc.trainer)} | "
+                    f"{_fleet(fl)} | {rx} | {_s(one.stream_s)} | {_s(many.stream_s)} | "
+                    f"{one.stream_s / many.stream_s:.1f}x | {many.binding} | {_s(bw)} | {_s(many.control_s)} |"
+                )
     return "\n".join(rows)
 
 
-def scaling_markdown(links: Links = Links()) -> str:
+def scaling_markdown(links: Links | None = None) -> str:
     """More trainer nodes, one pipeline stage per node: Qwen3-235B-A22B bf16."""
-    fleets = [Fleet(replicas=8, tp=8, receiver="full"), Fleet(replicas=8, tp=8, receiver="shard"),
-              Fleet(replicas=2, tp=32, receiver="shard")]
+    links = links or Links()
+    fleets = [
+        Fleet(replicas=8, tp=8, receiver="full"),
+        Fleet(replicas=8, tp=8, receiver="shard"),
+        Fleet(replicas=2, tp=32, receiver="shard"),
+    ]
     head = " | ".join(f"multi, {_fleet(f)} {f.receiver}" for f in fleets)
     rows = [f"| trainer | senders | single-sender (any fleet) | {head} |", "| --- " * (3 + len(fleets)) + "|"]
     fp = footprint(arch("qwen3-235b-a22b"), BF16)
@@ -93,46 +108,61 @@ def anchors_markdown() -> str:
     """Published figures next to the model's closest row. Their setups differ; the notes say how."""
     k_tr, k_fl = Trainer(tp=2, pp=8, ep=16, nodes=32), Fleet(replicas=8, tp=16)
     q_tr, q_fl = Trainer(tp=4, pp=8, ep=8, nodes=8), Fleet(replicas=8, tp=8)
-    rows = ["| published | setup | this model, closest case | how the setups differ |", "| --- | --- | --- | --- |",
-            "| Perplexity RL refit: **1.3 s** | Kimi-K2, 256 training GPUs (bf16) -> 128 inference GPUs (fp8), "
-            "RDMA WRITE from every training GPU | multi-sender, shard receivers, fp8: "
-            f"{_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
-            f"single-sender, full receivers: {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | "
-            "their receivers take only their own shard and quantise on the sender; their control plane "
-            "is a precomputed static schedule (no per-sync manifest) |",
-            "| checkpoint-engine (README, v0.1.3): **6.75 s** broadcast, 6.2 s is also quoted | Qwen3-235B-A22B "
-            "bf16, 8x H800, one vLLM TP8 instance | (no matching case) 8 x TP8 fleet, 64 trainer GPUs, "
-            f"multi/shard: {_row('qwen3-235b-a22b', BF16, q_tr, replace(q_fl, receiver='shard'), MULTI)}; "
-            f"single/full: {_row('qwen3-235b-a22b', BF16, q_tr, q_fl, SINGLE)} | weights start in host "
-            "memory on the inference node: H2D over PCIe, broadcast over NVLink inside the node, IPC "
-            "reload; no trainer and no network hop |",
-            "| checkpoint-engine (README, v0.1.3): **15.45 s** on 16x H20 TP16, **21.50 s** on 256x H20 "
-            "(16 instances of TP16) | Kimi-K2 fp8 | 8 x TP16 fleet: "
-            f"multi/shard {_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
-            f"single/full {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | as above: host memory to GPUs "
-            "on the inference nodes |",
-            "| NeMo-RL: **47 s** refit against a **3.3 s** speed of light | DeepSeek-V3 (layout not stated "
-            "with the figure) | 256 -> 8 x TP16, bf16: multi/shard "
-            f"{_row('deepseek-v3', BF16, k_tr, replace(k_fl, receiver='shard'), MULTI)}; single/full "
-            f"{_row('deepseek-v3', BF16, k_tr, k_fl, SINGLE)} | unknown layout and links |"]
+    rows = [
+        "| published | setup | this model, closest case | how the setups differ |",
+        "| --- | --- | --- | --- |",
+        "| Perplexity RL refit: **1.3 s** | Kimi-K2, 256 training GPUs (bf16) -> 128 inference GPUs (fp8), "
+        "RDMA WRITE from every training GPU | multi-sender, shard receivers, fp8: "
+        f"{_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
+        f"single-sender, full receivers: {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | "
+        "their receivers take only their own shard and quantise on the sender; their control plane "
+        "is a precomputed static schedule (no per-sync manifest) |",
+        "| checkpoint-engine (README, v0.1.3): **6.75 s** broadcast, 6.2 s is also quoted | Qwen3-235B-A22B "
+        "bf16, 8x H800, one vLLM TP8 instance | (no matching case) 8 x TP8 fleet, 64 trainer GPUs, "
+        f"multi/shard: {_row('qwen3-235b-a22b', BF16, q_tr, replace(q_fl, receiver='shard'), MULTI)}; "
+        f"single/full: {_row('qwen3-235b-a22b', BF16, q_tr, q_fl, SINGLE)} | weights start in host "
+        "memory on the inference node: H2D over PCIe, broadcast over NVLink inside the node, IPC "
+        "reload; no trainer and no network hop |",
+        "| checkpoint-engine (README, v0.1.3): **15.45 s** on 16x H20 TP16, **21.50 s** on 256x H20 "
+        "(16 instances of TP16) | Kimi-K2 fp8 | 8 x TP16 fleet: "
+        f"multi/shard {_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
+        f"single/full {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | as above: host memory to GPUs "
+        "on the inference nodes |",
+        "| NeMo-RL: **47 s** refit against a **3.3 s** speed of light | DeepSeek-V3 (layout not stated "
+        "with the figure) | 256 -> 8 x TP16, bf16: multi/shard "
+        f"{_row('deepseek-v3', BF16, k_tr, replace(k_fl, receiver='shard'), MULTI)}; single/full "
+        f"{_row('deepseek-v3', BF16, k_tr, k_fl, SINGLE)} | unknown layout and links |",
+    ]
     return "\n".join(rows)
 
 
 def calibration_markdown() -> str:
-    rows = ["| point | model | measured | predicted | error | as a bf16 trainer | fitted here | source |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| point | model | measured | predicted | error | as a bf16 trainer | fitted here | source |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for p in calib.all_points():
         bf16 = replace(p, weights="bf16").predicted_s() if p.weights != "bf16" else None
-        rows.append(f"| {p.label} | {p.model} | {p.measured_s * 1e3:.1f} ms | {p.predicted_s() * 1e3:.1f} ms | "
-                    f"{p.error():+.1%} | {f'{bf16 * 1e3:.1f} ms' if bf16 else '—'} | {p.fitted or '—'} | "
-                    f"`{p.source}` |")
+        rows.append(
+            f"| {p.label} | {p.model} | {p.measured_s * 1e3:.1f} ms | {p.predicted_s() * 1e3:.1f} ms | "
+            f"{p.error():+.1%} | {f'{bf16 * 1e3:.1f} ms' if bf16 else '—'} | {p.fitted or '—'} | "
+            f"`{p.source}` |"
+        )
     return "\n".join(rows)
 
 
 def tables_markdown() -> str:
-    return "\n\n".join([
-        "Parameter counts derived from the architecture tables in bench/model_arch.py:", params_markdown(),
-        "Calibration (1 -> 1 GPU, 2x H200 NV18):", calibration_markdown(),
-        f"Fleet predictions (links: {Links()}):", fleet_markdown(),
-        "Published anchors:", anchors_markdown(),
-        "Adding trainer nodes (Qwen3-235B-A22B bf16, stream time):", scaling_markdown()])
+    return "\n\n".join(
+        [
+            "Parameter counts derived from the architecture tables in bench/model_arch.py:",
+            params_markdown(),
+            "Calibration (1 -> 1 GPU, 2x H200 NV18):",
+            calibration_markdown(),
+            f"Fleet predictions (links: {Links()}):",
+            fleet_markdown(),
+            "Published anchors:",
+            anchors_markdown(),
+            "Adding trainer nodes (Qwen3-235B-A22B bf16, stream time):",
+            scaling_markdown(),
+        ]
+    )

@@ -9,6 +9,7 @@ fp8-block means the DeepSeek-V3 / Kimi-K2 checkpoint format: every linear weight
 e4m3 (1 byte) with one fp32 scale per 128x128 block; embedding, lm_head, norms and the MoE router
 stay bf16. Pure Python, no torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,17 +44,17 @@ class Arch:
     kv_heads: int
     head_dim: int
     vocab: int
-    intermediate: int = 0          # dense MLP width (dense models, and the first dense layers of a MoE)
+    intermediate: int = 0  # dense MLP width (dense models, and the first dense layers of a MoE)
     tied: bool = False
-    qkv_bias: bool = False         # Qwen2.5
-    qk_norm: bool = False          # Qwen3
-    experts: int = 0               # routed experts per MoE layer (0 = dense model)
+    qkv_bias: bool = False  # Qwen2.5
+    qk_norm: bool = False  # Qwen3
+    experts: int = 0  # routed experts per MoE layer (0 = dense model)
     active_experts: int = 0
     moe_intermediate: int = 0
     shared_experts: int = 0
-    first_dense_layers: int = 0    # DeepSeek-V3 / Kimi-K2: leading layers with a dense MLP
+    first_dense_layers: int = 0  # DeepSeek-V3 / Kimi-K2: leading layers with a dense MLP
     mla: MLA | None = None
-    published_total: float = 0.0   # published parameter count, for the check in the tests
+    published_total: float = 0.0  # published parameter count, for the check in the tests
     published_active: float = 0.0
     source: str = ""
 
@@ -65,7 +66,7 @@ class Arch:
 @dataclass(frozen=True)
 class Tensor:
     shape: tuple[int, ...]
-    linear: bool                   # a 2-D layer weight that fp8-block checkpoints store in e4m3
+    linear: bool  # a 2-D layer weight that fp8-block checkpoints store in e4m3
     expert: bool = False
 
 
@@ -83,10 +84,15 @@ def _attention(a: Arch) -> list[Tensor]:
     if a.mla:
         m = a.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        out += [_lin(m.q_lora_rank, h), _vec(m.q_lora_rank), _lin(a.heads * qk, m.q_lora_rank),
-                _lin(m.kv_lora_rank + m.qk_rope_head_dim, h), _vec(m.kv_lora_rank),
-                _lin(a.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-                _lin(h, a.heads * m.v_head_dim)]
+        out += [
+            _lin(m.q_lora_rank, h),
+            _vec(m.q_lora_rank),
+            _lin(a.heads * qk, m.q_lora_rank),
+            _lin(m.kv_lora_rank + m.qk_rope_head_dim, h),
+            _vec(m.kv_lora_rank),
+            _lin(a.heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            _lin(h, a.heads * m.v_head_dim),
+        ]
         return out
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     out += [_lin(q, h), _lin(kv, h), _lin(kv, h), _lin(h, q)]
@@ -208,16 +214,30 @@ def footprint(a: Arch, dtype: str = BF16) -> Footprint:
     """The checkpoint as the bus sees it (cached: treat the result as read-only)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    return Footprint(a, dtype, _part(a, embedding_tensors(a), dtype),
-                     [_part(a, layer_tensors(a, i), dtype) for i in range(a.layers)],
-                     _part(a, head_tensors(a), dtype))
+    return Footprint(
+        a,
+        dtype,
+        _part(a, embedding_tensors(a), dtype),
+        [_part(a, layer_tensors(a, i), dtype) for i in range(a.layers)],
+        _part(a, head_tensors(a), dtype),
+    )
 
 
 def _qwen25(name: str, cfg: tuple) -> Arch:
     h, inter, layers, heads, kv, vocab, tied = cfg
-    return Arch(name=f"qwen2.5-{name}", hidden=h, layers=layers, heads=heads, kv_heads=kv,
-                head_dim=h // heads, vocab=vocab, intermediate=inter, tied=tied, qkv_bias=True,
-                source="bench/model_shapes.py (the synthetic benchmark models)")
+    return Arch(
+        name=f"qwen2.5-{name}",
+        hidden=h,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=h // heads,
+        vocab=vocab,
+        intermediate=inter,
+        tied=tied,
+        qkv_bias=True,
+        source="bench/model_shapes.py (the synthetic benchmark models)",
+    )
 
 
 ARCHS: dict[str, Arch] = {
@@ -226,25 +246,75 @@ ARCHS: dict[str, Arch] = {
     "qwen2.5-7b": _qwen25("7b", QWEN25_CONFIGS["7b"]),
     "qwen2.5-32b": _qwen25("32b", QWEN25_CONFIGS["32b"]),
     "qwen3-30b-a3b": Arch(
-        name="qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
-        vocab=151936, qk_norm=True, experts=128, active_experts=8, moe_intermediate=768,
-        published_total=30.5e9, published_active=3.3e9, source="Qwen3-30B-A3B config.json / model card"),
+        name="qwen3-30b-a3b",
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        active_experts=8,
+        moe_intermediate=768,
+        published_total=30.5e9,
+        published_active=3.3e9,
+        source="Qwen3-30B-A3B config.json / model card",
+    ),
     "qwen3-235b-a22b": Arch(
-        name="qwen3-235b-a22b", hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128,
-        vocab=151936, qk_norm=True, experts=128, active_experts=8, moe_intermediate=1536,
-        published_total=235e9, published_active=22e9, source="Qwen3-235B-A22B config.json / model card"),
+        name="qwen3-235b-a22b",
+        hidden=4096,
+        layers=94,
+        heads=64,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        active_experts=8,
+        moe_intermediate=1536,
+        published_total=235e9,
+        published_active=22e9,
+        source="Qwen3-235B-A22B config.json / model card",
+    ),
     "kimi-k2": Arch(
-        name="kimi-k2", hidden=7168, layers=61, heads=64, kv_heads=64, head_dim=128, vocab=163840,
-        intermediate=18432, first_dense_layers=1, experts=384, active_experts=8, moe_intermediate=2048,
-        shared_experts=1, mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                                  qk_rope_head_dim=64, v_head_dim=128),
-        published_total=1.04e12, published_active=32e9, source="Kimi-K2 config.json / tech report"),
+        name="kimi-k2",
+        hidden=7168,
+        layers=61,
+        heads=64,
+        kv_heads=64,
+        head_dim=128,
+        vocab=163840,
+        intermediate=18432,
+        first_dense_layers=1,
+        experts=384,
+        active_experts=8,
+        moe_intermediate=2048,
+        shared_experts=1,
+        mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        published_total=1.04e12,
+        published_active=32e9,
+        source="Kimi-K2 config.json / tech report",
+    ),
     "deepseek-v3": Arch(  # main model only (the 14B MTP module is not synced to rollouts)
-        name="deepseek-v3", hidden=7168, layers=61, heads=128, kv_heads=128, head_dim=128, vocab=129280,
-        intermediate=18432, first_dense_layers=3, experts=256, active_experts=8, moe_intermediate=2048,
-        shared_experts=1, mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                                  qk_rope_head_dim=64, v_head_dim=128),
-        published_total=671e9, published_active=37e9, source="DeepSeek-V3 config.json / tech report"),
+        name="deepseek-v3",
+        hidden=7168,
+        layers=61,
+        heads=128,
+        kv_heads=128,
+        head_dim=128,
+        vocab=129280,
+        intermediate=18432,
+        first_dense_layers=3,
+        experts=256,
+        active_experts=8,
+        moe_intermediate=2048,
+        shared_experts=1,
+        mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        published_total=671e9,
+        published_active=37e9,
+        source="DeepSeek-V3 config.json / tech report",
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """HF tensor names and shapes of Qwen2.5-shaped models, for synthetic weight-sync benchmarks."""
+
 from __future__ import annotations
 
 CONFIGS = {
@@ -18,12 +19,16 @@ def shapes(name: str, layers: int | None = None) -> list[tuple[str, tuple[int, .
         p = f"model.layers.{i}."
         out += [
             (p + "input_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv * hd, h)), (p + "self_attn.k_proj.bias", (kv * hd,)),
-            (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.v_proj.bias", (kv * hd,)),
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.bias", (h,)),
+            (p + "self_attn.k_proj.weight", (kv * hd, h)),
+            (p + "self_attn.k_proj.bias", (kv * hd,)),
+            (p + "self_attn.v_proj.weight", (kv * hd, h)),
+            (p + "self_attn.v_proj.bias", (kv * hd,)),
             (p + "self_attn.o_proj.weight", (h, h)),
             (p + "post_attention_layernorm.weight", (h,)),
-            (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
             (p + "mlp.down_proj.weight", (h, inter)),
         ]
     out.append(("model.norm.weight", (h,)))

@@ -1,4 +1,5 @@
 """Plot bench_sync.py results: effective GB/s per path and model, against the raw NCCL ceiling."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,13 +20,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("results")
     p.add_argument("--out", default="docs/bench_sync.png")
-    p.add_argument("--no-checksum", action="store_true",
-                   help="leave out the *_csum paths (e.g. a run measured before the checksum kernel changed)")
+    p.add_argument(
+        "--no-checksum",
+        action="store_true",
+        help="leave out the *_csum paths (e.g. a run measured before the checksum kernel changed)",
+    )
     ns = p.parse_args()
     res = json.load(open(ns.results))
     recs = res["nccl_1to1"]
-    keys = ["raw", "naive"] + sorted({k[:-2] for r in recs for k in r if k.startswith("bus_") and k.endswith("_s")},
-                                     key=lambda k: (int(k.split("_")[1][:-3]), "csum" in k))
+    keys = ["raw", "naive"] + sorted(
+        {k[:-2] for r in recs for k in r if k.startswith("bus_") and k.endswith("_s")},
+        key=lambda k: (int(k.split("_")[1][:-3]), "csum" in k),
+    )
     if ns.no_checksum:
         keys = [k for k in keys if not k.endswith("_csum")]
     fig, ax = plt.subplots(figsize=(10, 4.5))

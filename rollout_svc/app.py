@@ -1,4 +1,5 @@
 """Assemble a running rollout-svc: engine, sync transaction, gRPC + TCP bus + HTTP, registration."""
+
 from __future__ import annotations
 
 import logging
@@ -8,20 +9,20 @@ import threading
 from rollout_svc.config import RolloutConfig
 from rollout_svc.metered import metered_generate
 from rollout_svc.openai_api import Served, rollout_router
-from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.quantized import warm_dequantize as fp8_dequantize_warm_up
 from rollout_svc.registration import Registrar
 from rollout_svc.service import RolloutServicer
 from rollout_svc.sync.link_server import SyncLinkServer
+from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
+from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.control.sync_link import LINK_MAGIC
-from weightsync.model_spec import family_of
 from weightsync.http import serve_http
+from weightsync.model_spec import family_of
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
@@ -33,18 +34,33 @@ class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
         token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
-        check_exposure({"grpc_address": cfg.server.grpc_address, "http_address": cfg.server.http_address,
-                        "data_address": cfg.bus.data_address}, token, cfg.auth.insecure, "rollout-svc")
+        check_exposure(
+            {
+                "grpc_address": cfg.server.grpc_address,
+                "http_address": cfg.server.http_address,
+                "data_address": cfg.bus.data_address,
+            },
+            token,
+            cfg.auth.insecure,
+            "rollout-svc",
+        )
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token)
         self.metrics = SyncMetrics("rollout")
         self._ready = False
-        self.http = serve_http(cfg.server.http_address, title="weightsync rollout-svc", registry=self.metrics.registry,
-                               ready=self._readiness, token=token)
+        self.http = serve_http(
+            cfg.server.http_address,
+            title="weightsync rollout-svc",
+            registry=self.metrics.registry,
+            ready=self._readiness,
+            token=token,
+        )
         from rollout_svc.engine.factory import make_engine
 
         self.engine = make_engine(cfg)
-        self.tx = SyncTransaction(self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric())
+        self.tx = SyncTransaction(
+            self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric()
+        )
         self.data = TcpReceiver(cfg.bus.data_address, self.tx, token, max_connections=cfg.limits.max_bus_connections)
         data_host = cfg.bus.advertise_data_host or self.data.host
         advertise = cfg.registration.advertise_address or self.grpc.address
@@ -52,10 +68,19 @@ class RolloutApp:
         reg = cfg.registration
         self.registrar = None
         self.pin = TrainerPin(reg.trainer_id, reg.trainer_address, ask_trainer=lambda: self.registrar.trainer_id())
-        self.servicer = RolloutServicer(self.rollout_id, self.engine, self.tx, self.metrics, cfg.inference.engine,
-                                        family_of(self.engine.hf_config()),
-                                        f"{data_host}:{self.data.port}", cfg.bus.sync_timeout_s, limits=cfg.limits,
-                                        pin=self.pin, serve_initial_weights=reg.serve_initial_weights)
+        self.servicer = RolloutServicer(
+            self.rollout_id,
+            self.engine,
+            self.tx,
+            self.metrics,
+            cfg.inference.engine,
+            family_of(self.engine.hf_config()),
+            f"{data_host}:{self.data.port}",
+            cfg.bus.sync_timeout_s,
+            limits=cfg.limits,
+            pin=self.pin,
+            serve_initial_weights=reg.serve_initial_weights,
+        )
         # A manifest can be no larger than this model's: refuse bigger PrepareSync requests unparsed.
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         # gRPC Generate timed and counted per request; servicer.generate (shared with HTTP) stays unmetered
@@ -66,9 +91,17 @@ class RolloutApp:
             self.data.other_protocols[LINK_MAGIC] = self.link.serve
             self.servicer.sync_link = self.servicer.data_address
         hf = self.engine.hf_config() if hasattr(self.engine, "hf_config") else None
-        self.http.include(rollout_router(self.servicer, Served(
-            cfg.inference.model, version=lambda: self.tx.version, max_new_tokens=cfg.limits.max_new_tokens,
-            context_length=getattr(hf, "max_position_embeddings", None))))
+        self.http.include(
+            rollout_router(
+                self.servicer,
+                Served(
+                    cfg.inference.model,
+                    version=lambda: self.tx.version,
+                    max_new_tokens=cfg.limits.max_new_tokens,
+                    context_length=getattr(hf, "max_position_embeddings", None),
+                ),
+            )
+        )
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.servicer.device)
         if warm:
@@ -77,11 +110,15 @@ class RolloutApp:
         if warm:
             log.info("FP8 dequantize kernel ready on %s in %.2fs", self.servicer.device, warm)
         if reg.trainer_address:
-            req = trainer_pb2.RegisterRolloutRequest(rollout_id=self.rollout_id, address=advertise,
-                                                     num_ranks=self.engine.num_ranks(),
-                                                     model_family=self.servicer.family)
-            self.registrar = Registrar(reg.trainer_address, token, req, reg.register_timeout_s, reg.heartbeat_s,
-                                       on_registered=self._registered)
+            req = trainer_pb2.RegisterRolloutRequest(
+                rollout_id=self.rollout_id,
+                address=advertise,
+                num_ranks=self.engine.num_ranks(),
+                model_family=self.servicer.family,
+            )
+            self.registrar = Registrar(
+                reg.trainer_address, token, req, reg.register_timeout_s, reg.heartbeat_s, on_registered=self._registered
+            )
         self._stopped = threading.Event()
 
     def _registered(self, resp) -> None:
@@ -97,8 +134,10 @@ class RolloutApp:
         if not self.servicer.current:
             # A (re)started rollout holds its own initial weights: not the trainer's. It becomes ready
             # when the catch-up sync commits, so a Service never routes to weights nobody trained.
-            return False, ("not current: waiting for a sync from the trainer (serving initial weights, version "
-                           f"{self.tx.version}); --serve-initial-weights serves them without one")
+            return False, (
+                "not current: waiting for a sync from the trainer (serving initial weights, version "
+                f"{self.tx.version}); --serve-initial-weights serves them without one"
+            )
         return True, f"serving version {self.tx.version}"
 
     def start(self) -> None:
@@ -109,8 +148,15 @@ class RolloutApp:
         self.grpc.set_serving(SERVICE_NAME, True)
         if self.registrar:
             self.registrar.start()
-        log.info("rollout %s serving: grpc %s, bus tcp %s:%d, http :%d, engine %s", self.rollout_id, self.grpc.address,
-                 self.data.host, self.data.port, self.http.port, self.cfg.inference.engine)
+        log.info(
+            "rollout %s serving: grpc %s, bus tcp %s:%d, http :%d, engine %s",
+            self.rollout_id,
+            self.grpc.address,
+            self.data.host,
+            self.data.port,
+            self.http.port,
+            self.cfg.inference.engine,
+        )
 
     def stop(self) -> None:
         if self._stopped.is_set():
@@ -125,12 +171,19 @@ class RolloutApp:
         if self.registrar:
             self.registrar.stop()
             err = self.registrar.deregister()
-            log.info("rollout %s shutting down: %s; deregistered from trainer %s%s", self.rollout_id,
-                     f"aborted pending sync {pending}" if pending else "no sync in flight",
-                     self.cfg.registration.trainer_address, f" FAILED ({err})" if err else "")
+            log.info(
+                "rollout %s shutting down: %s; deregistered from trainer %s%s",
+                self.rollout_id,
+                f"aborted pending sync {pending}" if pending else "no sync in flight",
+                self.cfg.registration.trainer_address,
+                f" FAILED ({err})" if err else "",
+            )
         else:
-            log.info("rollout %s shutting down: %s", self.rollout_id,
-                     f"aborted pending sync {pending}" if pending else "no sync in flight")
+            log.info(
+                "rollout %s shutting down: %s",
+                self.rollout_id,
+                f"aborted pending sync {pending}" if pending else "no sync in flight",
+            )
         self.grpc.stop()
         self.data.stop()
         self.link.stop()

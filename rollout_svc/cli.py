@@ -1,4 +1,5 @@
 """rollout-svc command line: `rollout-svc serve [flags]`."""
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,9 @@ def _make_app(cfg: RolloutConfig):
     return RolloutApp(cfg)
 
 
-SERVICE = Service("rollout-svc", "weightsync rollout service", "run the rollout service", RolloutConfig, ENV_PREFIX,
-                  _make_app)
+SERVICE = Service(
+    "rollout-svc", "weightsync rollout service", "run the rollout service", RolloutConfig, ENV_PREFIX, _make_app
+)
 build_parser = SERVICE.build_parser
 main = SERVICE.main
 

@@ -3,6 +3,7 @@
 Each knob keeps its flat name (flag `--apply-mode`, env `WS_ROLLOUT_APPLY_MODE`, file key
 `apply_mode` or `bus: {apply_mode: ...}`); code reaches it through its section (`cfg.bus.apply_mode`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ ENV_PREFIX = "WS_ROLLOUT"
 @dataclass
 class InferenceConfig:
     """The inference engine and the model it serves."""
+
     engine: str = field("builtin", choices=("builtin", "sglang"), help="inference engine")
-    model: str = field("tiny-qwen2", help="HF model directory, or a built-in tiny config name (tiny-qwen2, tiny-llama, tiny-qwen3)")
+    model: str = field(
+        "tiny-qwen2", help="HF model directory, or a built-in tiny config name (tiny-qwen2, tiny-llama, tiny-qwen3)"
+    )
     init_seed: int = field(4321, help="seed for random initialisation when --model is a config without weights")
     dtype: str = field("float32", choices=("float32", "bfloat16", "float16"), help="engine weight dtype")
     device: str = field("cpu", help="torch device of the built-in engine (cpu, cuda:0, ...)")
@@ -37,16 +41,25 @@ class InferenceConfig:
 @dataclass
 class RolloutBusConfig:
     """The receiving end of the weight bus: TCP listener and how a sync is applied."""
+
     data_address: str = field("127.0.0.1:0", help="TCP weight-bus listen address (port 0 = pick a free port)")
-    advertise_data_host: str = field("", help="host the trainer should dial for the TCP bus (default: data_address host)")
-    apply_mode: str = field("staged", choices=("staged", "inplace"),
-                            help="staged: keep serving the old version while a sync streams, swap at commit "
-                                 "(needs a copy of the weights); inplace: pause generation and load buckets as they "
-                                 "arrive (no extra memory; a failed sync leaves the engine STALE until re-synced)")
+    advertise_data_host: str = field(
+        "", help="host the trainer should dial for the TCP bus (default: data_address host)"
+    )
+    apply_mode: str = field(
+        "staged",
+        choices=("staged", "inplace"),
+        help="staged: keep serving the old version while a sync streams, swap at commit "
+        "(needs a copy of the weights); inplace: pause generation and load buckets as they "
+        "arrive (no extra memory; a failed sync leaves the engine STALE until re-synced)",
+    )
     sync_timeout_s: float = field(300.0, help="a prepared sync not committed within this is aborted")
-    sync_link: bool = field(True, help="offer the trainer the sync link on the data port: later PrepareSync, "
-                                       "CommitSync and AbortSync as frames on one authenticated connection "
-                                       "instead of gRPC calls (saves most of their round trips); false: gRPC only")
+    sync_link: bool = field(
+        True,
+        help="offer the trainer the sync link on the data port: later PrepareSync, "
+        "CommitSync and AbortSync as frames on one authenticated connection "
+        "instead of gRPC calls (saves most of their round trips); false: gRPC only",
+    )
 
     def validate(self) -> None:
         parse_host_port("data_address", self.data_address)
@@ -57,16 +70,27 @@ class RolloutBusConfig:
 @dataclass
 class RegistrationConfig:
     """How this rollout is found by the trainer."""
+
     advertise_address: str = field("", help="gRPC address the trainer should dial (default: grpc_address)")
     rollout_id: str = field("", help="stable id of this rollout (default: the advertised address)")
-    trainer_address: str = field("", help="trainer gRPC address to register with (empty: wait to be listed by the trainer)")
+    trainer_address: str = field(
+        "", help="trainer gRPC address to register with (empty: wait to be listed by the trainer)"
+    )
     register_timeout_s: float = field(120.0, help="give up registering with the trainer after this long (0 = forever)")
-    heartbeat_s: float = field(10.0, help="re-register this often, so a restarted trainer finds this rollout (0 = once)")
-    trainer_id: str = field("", help="accept syncs only from the trainer with this id (its own --trainer-id); empty: "
-                                     "follow the trainer this rollout registers with, else the first to commit a sync")
-    serve_initial_weights: bool = field(False, help="report ready (/readyz 200) on the engine's own initial weights "
-                                                    "before any sync; default: ready only once a sync from the "
-                                                    "trainer committed (a rejoining rollout is caught up first)")
+    heartbeat_s: float = field(
+        10.0, help="re-register this often, so a restarted trainer finds this rollout (0 = once)"
+    )
+    trainer_id: str = field(
+        "",
+        help="accept syncs only from the trainer with this id (its own --trainer-id); empty: "
+        "follow the trainer this rollout registers with, else the first to commit a sync",
+    )
+    serve_initial_weights: bool = field(
+        False,
+        help="report ready (/readyz 200) on the engine's own initial weights "
+        "before any sync; default: ready only once a sync from the "
+        "trainer committed (a rejoining rollout is caught up first)",
+    )
 
     def validate(self) -> None:
         if self.register_timeout_s < 0:

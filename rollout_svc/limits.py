@@ -10,6 +10,7 @@
   any per-tensor parsing or allocation; the raw request size is bounded too (`manifest_bytes_limit`),
   so a 10^6-tensor manifest costs a length check, not seconds of parsing.
 """
+
 from __future__ import annotations
 
 import threading
@@ -31,28 +32,48 @@ _ALIGN_SLACK = 256
 @dataclass
 class LimitsConfig:
     """Bounds on what one request may ask of this rollout."""
+
     max_prompts: int = field(1024, help="Generate: most prompts in one request")
     max_n: int = field(64, help="Generate: most samples per prompt (sampling.n)")
     max_new_tokens: int = field(8192, help="Generate: largest sampling.max_new_tokens")
-    max_request_tokens: int = field(1 << 20, help="Generate: most tokens one request may generate "
-                                                 "(prompts x n x max_new_tokens)")
-    max_inflight_requests: int = field(16, help="Generate/Score calls admitted at once; more are refused with "
-                                                "RESOURCE_EXHAUSTED")
-    max_inflight_per_client: int = field(4, help="Generate/Score calls admitted at once from one client connection "
-                                                 "(fair share: one client cannot take every slot)")
+    max_request_tokens: int = field(
+        1 << 20, help="Generate: most tokens one request may generate (prompts x n x max_new_tokens)"
+    )
+    max_inflight_requests: int = field(
+        16, help="Generate/Score calls admitted at once; more are refused with RESOURCE_EXHAUSTED"
+    )
+    max_inflight_per_client: int = field(
+        4,
+        help="Generate/Score calls admitted at once from one client connection "
+        "(fair share: one client cannot take every slot)",
+    )
     max_bucket_mb: int = field(16384, help="largest weight-bus bucket a PrepareSync may declare, MiB")
     max_bus_connections: int = field(8, help="concurrent TCP weight-bus connections; extra ones are closed at once")
-    max_sync_links: int = field(4, help="concurrent sync links (one per trainer that syncs this rollout); extra ones "
-                                        "are closed at once and that trainer uses gRPC")
+    max_sync_links: int = field(
+        4,
+        help="concurrent sync links (one per trainer that syncs this rollout); extra ones "
+        "are closed at once and that trainer uses gRPC",
+    )
 
     def validate(self) -> None:
-        for name in ("max_prompts", "max_n", "max_new_tokens", "max_request_tokens", "max_inflight_requests",
-                     "max_inflight_per_client", "max_bucket_mb", "max_bus_connections", "max_sync_links"):
+        for name in (
+            "max_prompts",
+            "max_n",
+            "max_new_tokens",
+            "max_request_tokens",
+            "max_inflight_requests",
+            "max_inflight_per_client",
+            "max_bucket_mb",
+            "max_bus_connections",
+            "max_sync_links",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_inflight_per_client > self.max_inflight_requests:
-            raise ConfigError(f"max_inflight_per_client={self.max_inflight_per_client} must be <= "
-                              f"max_inflight_requests={self.max_inflight_requests}")
+            raise ConfigError(
+                f"max_inflight_per_client={self.max_inflight_per_client} must be <= "
+                f"max_inflight_requests={self.max_inflight_requests}"
+            )
 
 
 class RequestRefused(SyncError):
@@ -61,19 +82,23 @@ class RequestRefused(SyncError):
 
 def check_generate(limits: LimitsConfig, num_prompts: int, n: int, max_new_tokens: int) -> None:
     """INVALID_ARGUMENT naming the limit when a Generate request asks for more than one request may."""
-    for what, value, bound, knob in (("prompts", num_prompts, limits.max_prompts, "max_prompts"),
-                                     ("sampling.n", n, limits.max_n, "max_n"),
-                                     ("sampling.max_new_tokens", max_new_tokens, limits.max_new_tokens,
-                                      "max_new_tokens")):
+    for what, value, bound, knob in (
+        ("prompts", num_prompts, limits.max_prompts, "max_prompts"),
+        ("sampling.n", n, limits.max_n, "max_n"),
+        ("sampling.max_new_tokens", max_new_tokens, limits.max_new_tokens, "max_new_tokens"),
+    ):
         if value > bound:
-            raise RequestRefused(f"{what}={value} exceeds this rollout's limit {knob}={bound}; split the request",
-                                 "INVALID_ARGUMENT")
+            raise RequestRefused(
+                f"{what}={value} exceeds this rollout's limit {knob}={bound}; split the request", "INVALID_ARGUMENT"
+            )
     total = num_prompts * n * max_new_tokens
     if total > limits.max_request_tokens:
-        raise RequestRefused(f"request asks for up to {total} generated tokens (prompts {num_prompts} x n {n} x "
-                             f"max_new_tokens {max_new_tokens}), over this rollout's limit "
-                             f"max_request_tokens={limits.max_request_tokens}; split it into smaller requests",
-                             "INVALID_ARGUMENT")
+        raise RequestRefused(
+            f"request asks for up to {total} generated tokens (prompts {num_prompts} x n {n} x "
+            f"max_new_tokens {max_new_tokens}), over this rollout's limit "
+            f"max_request_tokens={limits.max_request_tokens}; split it into smaller requests",
+            "INVALID_ARGUMENT",
+        )
 
 
 class Admission:
@@ -94,13 +119,17 @@ class Admission:
     def admit(self, client: str):
         with self._lock:
             if self._by_client[client] >= self.max_per_client:
-                raise RequestRefused(f"this client already has {self._by_client[client]} requests in flight "
-                                     f"(max_inflight_per_client={self.max_per_client}); wait for one to finish",
-                                     "RESOURCE_EXHAUSTED")
+                raise RequestRefused(
+                    f"this client already has {self._by_client[client]} requests in flight "
+                    f"(max_inflight_per_client={self.max_per_client}); wait for one to finish",
+                    "RESOURCE_EXHAUSTED",
+                )
             if self._total >= self.max_inflight:
-                raise RequestRefused(f"rollout busy: {self._total} requests in flight "
-                                     f"(max_inflight_requests={self.max_inflight}); retry with backoff",
-                                     "RESOURCE_EXHAUSTED")
+                raise RequestRefused(
+                    f"rollout busy: {self._total} requests in flight "
+                    f"(max_inflight_requests={self.max_inflight}); retry with backoff",
+                    "RESOURCE_EXHAUSTED",
+                )
             self._by_client[client] += 1
             self._total += 1
         try:
@@ -129,18 +158,26 @@ class ManifestLimits:
         """INVALID_ARGUMENT before any per-tensor work: counts and sizes read from the bucket headers."""
         count = sum(len(b.tensors) for b in manifest_pb.buckets)
         if count > self.max_tensors:
-            raise RequestRefused(f"manifest has {count} tensors; this engine has far fewer parameters (at most "
-                                 f"{self.max_tensors} tensors accepted): not a manifest for this model",
-                                 "INVALID_ARGUMENT")
+            raise RequestRefused(
+                f"manifest has {count} tensors; this engine has far fewer parameters (at most "
+                f"{self.max_tensors} tensors accepted): not a manifest for this model",
+                "INVALID_ARGUMENT",
+            )
         biggest = max((b.nbytes for b in manifest_pb.buckets), default=0)
         if biggest > self.max_bucket_bytes:
-            raise RequestRefused(f"manifest declares a bucket of {biggest} bytes, over this rollout's max_bucket_mb="
-                                 f"{self.max_bucket_bytes >> 20}; use a smaller trainer bucket_mb", "INVALID_ARGUMENT")
+            raise RequestRefused(
+                f"manifest declares a bucket of {biggest} bytes, over this rollout's max_bucket_mb="
+                f"{self.max_bucket_bytes >> 20}; use a smaller trainer bucket_mb",
+                "INVALID_ARGUMENT",
+            )
         total = sum(b.nbytes for b in manifest_pb.buckets)
         if max(total, manifest_pb.total_bytes) > self.max_total_bytes:
-            raise RequestRefused(f"manifest declares {max(total, manifest_pb.total_bytes)} bytes; this engine's model "
-                                 f"is at most {self.max_total_bytes} bytes in float32 with padding: not a manifest "
-                                 "for this model", "INVALID_ARGUMENT")
+            raise RequestRefused(
+                f"manifest declares {max(total, manifest_pb.total_bytes)} bytes; this engine's model "
+                f"is at most {self.max_total_bytes} bytes in float32 with padding: not a manifest "
+                "for this model",
+                "INVALID_ARGUMENT",
+            )
 
 
 def _prod(shape) -> int:

@@ -3,6 +3,7 @@
 The HTTP completions share `RolloutServicer.generate` but not this wrapper: their handlers record
 their own endpoint with `servicer.rollout_metrics.generation("http_completions")`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

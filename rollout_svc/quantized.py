@@ -6,6 +6,7 @@ The engine is checked against the model's own tensors (each `X` / `X_scale_inv` 
 dequantized to the dtype of the engine's parameter (the built-in engine; SGLang serving a 16-bit
 model).
 """
+
 from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
@@ -46,10 +47,12 @@ def serves_same_quantization(hf_config, quantization) -> bool:
     got = (qc.get("quant_method"), qc.get("fmt", "e4m3"), list(qc.get("weight_block_size") or []))
     if got == (want["quant_method"], want["fmt"], want["weight_block_size"]):
         return True
-    raise ValueError(f"the served checkpoint is quantized as quant_method={got[0]!r} fmt={got[1]!r} "
-                     f"weight_block_size={got[2]}, the trainer sends {want['quant_method']} {want['fmt']} "
-                     f"blocks of {want['weight_block_size']}: serve a checkpoint quantized that way (ExportHf "
-                     f"from a trainer with export_dtype=fp8-block writes one) or an unquantized one")
+    raise ValueError(
+        f"the served checkpoint is quantized as quant_method={got[0]!r} fmt={got[1]!r} "
+        f"weight_block_size={got[2]}, the trainer sends {want['quant_method']} {want['fmt']} "
+        f"blocks of {want['weight_block_size']}: serve a checkpoint quantized that way (ExportHf "
+        f"from a trainer with export_dtype=fp8-block writes one) or an unquantized one"
+    )
 
 
 def warm_dequantize(engine, device) -> float:

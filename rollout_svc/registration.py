@@ -4,6 +4,7 @@ Registration is idempotent. Repeating it every `heartbeat_s` is how a restarted 
 rediscovers its fleet, and how a restarted rollout gets back to the latest version: the trainer
 answers with its version and schedules a catch-up sync when the rollout is behind.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,15 @@ log = logging.getLogger(__name__)
 
 
 class Registrar:
-    def __init__(self, trainer_address: str, token: str, request: trainer_pb2.RegisterRolloutRequest,
-                 timeout: float, heartbeat_s: float = 10.0, on_registered=None):
+    def __init__(
+        self,
+        trainer_address: str,
+        token: str,
+        request: trainer_pb2.RegisterRolloutRequest,
+        timeout: float,
+        heartbeat_s: float = 10.0,
+        on_registered=None,
+    ):
         self.trainer_address = trainer_address
         self.token = token
         self.request = request
@@ -43,7 +51,8 @@ class Registrar:
         try:
             with channel(self.trainer_address) as ch:
                 trainer_stub(ch, self.token, timeout=timeout).DeregisterRollout(
-                    trainer_pb2.DeregisterRolloutRequest(rollout_id=self.request.rollout_id))
+                    trainer_pb2.DeregisterRolloutRequest(rollout_id=self.request.rollout_id)
+                )
             return ""
         except grpc.RpcError as exc:
             return describe_rpc_error(exc)
@@ -52,7 +61,11 @@ class Registrar:
         """The id of the trainer at `trainer_address` now ("" when it cannot be asked)."""
         try:
             with channel(self.trainer_address) as ch:
-                return trainer_stub(ch, self.token, timeout=timeout).GetStatus(trainer_pb2.TrainerStatusRequest()).trainer_id
+                return (
+                    trainer_stub(ch, self.token, timeout=timeout)
+                    .GetStatus(trainer_pb2.TrainerStatusRequest())
+                    .trainer_id
+                )
         except grpc.RpcError as exc:
             log.warning("cannot ask trainer %s for its id: %s", self.trainer_address, describe_rpc_error(exc))
             return ""
@@ -66,8 +79,12 @@ class Registrar:
                 try:
                     resp = stub.RegisterRollout(self.request)
                     if not self.registered.is_set() or resp.sync_scheduled:
-                        log.info("registered with trainer %s (trainer version %d, catch-up sync: %s)",
-                                 self.trainer_address, resp.trainer_version, resp.sync_scheduled)
+                        log.info(
+                            "registered with trainer %s (trainer version %d, catch-up sync: %s)",
+                            self.trainer_address,
+                            resp.trainer_version,
+                            resp.sync_scheduled,
+                        )
                     self.registered.set()
                     self.last_error = ""
                     self._on_registered(resp)
@@ -82,8 +99,12 @@ class Registrar:
                         log.error("trainer %s refused registration: %s", self.trainer_address, self.last_error)
                         return
                 if not self.registered.is_set() and time.monotonic() + delay > deadline:
-                    log.error("could not register with trainer %s within %.0fs: %s", self.trainer_address,
-                              self.timeout, self.last_error)
+                    log.error(
+                        "could not register with trainer %s within %.0fs: %s",
+                        self.trainer_address,
+                        self.timeout,
+                        self.last_error,
+                    )
                     return
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)

@@ -1,4 +1,5 @@
 """The Rollout gRPC servicer: maps RPCs onto the engine and the sync transaction."""
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,20 @@ class GenerationCancelled(SyncError):
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, rollout_id: str, engine, tx: SyncTransaction, metrics: SyncMetrics, engine_name: str,
-                 family: str, data_address: str, sync_timeout: float, limits: LimitsConfig | None = None,
-                 pin: TrainerPin | None = None, serve_initial_weights: bool = False):
+    def __init__(
+        self,
+        rollout_id: str,
+        engine,
+        tx: SyncTransaction,
+        metrics: SyncMetrics,
+        engine_name: str,
+        family: str,
+        data_address: str,
+        sync_timeout: float,
+        limits: LimitsConfig | None = None,
+        pin: TrainerPin | None = None,
+        serve_initial_weights: bool = False,
+    ):
         self.rollout_id = rollout_id
         self.engine = engine
         self.tx = tx
@@ -58,9 +70,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.current = serve_initial_weights
         self._lock = threading.Lock()
         self.device = engine_device(engine)
-        side = RolloutSide(tx, self.device, engine_name, data_address, self.limits.max_bus_connections,
-                           options={"nccl": {"on_build": metrics.nccl_group_builds.inc},
-                                    "ipc": {"on_open": self.rollout_metrics.ipc_opens.inc}})
+        side = RolloutSide(
+            tx,
+            self.device,
+            engine_name,
+            data_address,
+            self.limits.max_bus_connections,
+            options={
+                "nccl": {"on_build": metrics.nccl_group_builds.inc},
+                "ipc": {"on_open": self.rollout_metrics.ipc_opens.inc},
+            },
+        )
         #: transport name -> its rollout end (weightsync.bus.transports), which takes part in PrepareSync
         self.ends = {t.name: t.rollout_end_class().for_rollout(side) for t in TRANSPORTS.values()}
         self.nccl, self.ipc = self.ends["nccl"], self.ends["ipc"]  # for their own RPCs (AbortSync, IpcBuckets)
@@ -79,12 +99,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def status(self) -> rollout_pb2.RolloutStatus:
         return rollout_pb2.RolloutStatus(
-            rollout_id=self.rollout_id, state=self.tx.state, version=self.tx.version,
-            weights_checksum=self.tx.weights_checksum, engine=self.engine_name, model_family=self.family,
-            num_parameters=self.engine.num_parameters(), num_ranks=self.engine.num_ranks(),
-            pending_sync_id=self.tx.pending_sync_id, last_error=self.tx.last_error,
-            last_apply_seconds=self.tx.last_apply_seconds, prefix_cache_entries=self.engine.prefix_cache_entries(),
-            origin=self.tx.origin, trainer_id=self.pin.pinned, current=self.current)
+            rollout_id=self.rollout_id,
+            state=self.tx.state,
+            version=self.tx.version,
+            weights_checksum=self.tx.weights_checksum,
+            engine=self.engine_name,
+            model_family=self.family,
+            num_parameters=self.engine.num_parameters(),
+            num_ranks=self.engine.num_ranks(),
+            pending_sync_id=self.tx.pending_sync_id,
+            last_error=self.tx.last_error,
+            last_apply_seconds=self.tx.last_apply_seconds,
+            prefix_cache_entries=self.engine.prefix_cache_entries(),
+            origin=self.tx.origin,
+            trainer_id=self.pin.pinned,
+            current=self.current,
+        )
 
     # ---- serving ------------------------------------------------------------------------
     def _refused(self, exc: RequestRefused) -> None:
@@ -98,19 +128,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if not request.prompts:
                 raise ValueError("prompts: need at least 1 prompt, got 0")
             s = request.sampling
-            sampling = SamplingParams(max_new_tokens=s.max_new_tokens or 16, temperature=s.temperature,
-                                      top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed,
-                                      stop_token_ids=tuple(s.stop_token_ids), n=s.n or 1)
+            sampling = SamplingParams(
+                max_new_tokens=s.max_new_tokens or 16,
+                temperature=s.temperature,
+                top_p=s.top_p or 1.0,
+                top_k=s.top_k,
+                seed=s.seed,
+                stop_token_ids=tuple(s.stop_token_ids),
+                n=s.n or 1,
+            )
             # context.is_active() turns False once the client cancels or its deadline passes
-            results, version = self.generate([list(p.token_ids) for p in request.prompts], sampling, context.peer(),
-                                             is_active=context.is_active)
+            results, version = self.generate(
+                [list(p.token_ids) for p in request.prompts], sampling, context.peer(), is_active=context.is_active
+            )
         except (ValueError, SyncError) as exc:
             _abort(context, exc)
         out = rollout_pb2.GenerateResponse(version=version)
         for r in results:
-            out.samples.add(prompt_index=r.prompt_index, token_ids=r.token_ids,
-                            logprobs=r.logprobs if request.return_logprobs else [],
-                            finish_reason=r.finish_reason, prefix_cache_hit=r.prefix_cache_hit)
+            out.samples.add(
+                prompt_index=r.prompt_index,
+                token_ids=r.token_ids,
+                logprobs=r.logprobs if request.return_logprobs else [],
+                finish_reason=r.finish_reason,
+                prefix_cache_hit=r.prefix_cache_hit,
+            )
         return out
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, client: str, is_active=None):
@@ -129,10 +170,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
             def step():
                 if not active():
-                    raise GenerationCancelled("the client cancelled the request or its deadline passed; "
-                                              "generation stopped", "CANCELLED")
+                    raise GenerationCancelled(
+                        "the client cancelled the request or its deadline passed; generation stopped", "CANCELLED"
+                    )
                 if takes_turns:
                     turn()  # other pinned requests may take a turn here (engine_gate.py)
+
             return eng.generate(prompts, sampling, step=step)
 
         try:
@@ -165,11 +208,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if not ids or not 0 < request.prompt_length <= len(ids):
                 raise ValueError(f"prompt_length={request.prompt_length} must be in [1, len(token_ids)={len(ids)}]")
             if len(ids) > self.limits.max_request_tokens:
-                raise RequestRefused(f"token_ids: {len(ids)} tokens exceed this rollout's limit "
-                                     f"max_request_tokens={self.limits.max_request_tokens}", "INVALID_ARGUMENT")
+                raise RequestRefused(
+                    f"token_ids: {len(ids)} tokens exceed this rollout's limit "
+                    f"max_request_tokens={self.limits.max_request_tokens}",
+                    "INVALID_ARGUMENT",
+                )
             with self.admission.admit(context.peer()):
-                (logprobs, logits), version = self.tx.serve(lambda eng: eng.score(ids, request.prompt_length),
-                                                            timeout=_SERVE_WAIT_S)
+                (logprobs, logits), version = self.tx.serve(
+                    lambda eng: eng.score(ids, request.prompt_length), timeout=_SERVE_WAIT_S
+                )
         except RequestRefused as exc:
             self._refused(exc)
             _abort(context, exc)
@@ -187,13 +234,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if not (math.isfinite(t) and 0 <= t <= _MAX_SYNC_TIMEOUT_S):
                 # inf / huge values used to crash the abort timer's thread (OverflowError), leaving a
                 # prepared sync that never expires
-                raise ValueError(f"timeout_seconds={t} must be finite and in [0, {_MAX_SYNC_TIMEOUT_S:.0f}] "
-                                 "(0 = the rollout's sync_timeout_s)")
+                raise ValueError(
+                    f"timeout_seconds={t} must be finite and in [0, {_MAX_SYNC_TIMEOUT_S:.0f}] "
+                    "(0 = the rollout's sync_timeout_s)"
+                )
             # Identity and sizes before the manifest is parsed: neither touches a tensor entry.
             self.pin.check(request.trainer_id, "PrepareSync")
             self.manifest_limits.check(request.manifest)
-            rollback = self.pin.check_rollback(request.trainer_id, request.manifest.version, self.tx.version,
-                                               request.allow_rollback)
+            rollback = self.pin.check_rollback(
+                request.trainer_id, request.manifest.version, self.tx.version, request.allow_rollback
+            )
             manifest = self.layouts.manifest_of(request.manifest)
             if manifest is None:  # named by a digest not held here: nothing prepared, ask for the full one
                 return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
@@ -204,11 +254,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise SyncError(f"transport is unset: PrepareSync must say {choices()}", "INVALID_ARGUMENT")
             if len(manifest.senders) > 1 and not TRANSPORTS[kind].multi_sender:
                 # the other senders' buckets would never come
-                raise SyncError(f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
-                                f"buckets of one sender (multi-sender streaming is {choices(multi_sender_names())})",
-                                "INVALID_ARGUMENT")
-            resp = rollout_pb2.PrepareSyncResponse(num_ranks=self.engine.num_ranks(), sync_link=self.sync_link,
-                                                   commit_on_stream=TRANSPORTS[kind].commit_on_stream)
+                raise SyncError(
+                    f"manifest.buckets name senders {manifest.senders}; transport {kind} carries the "
+                    f"buckets of one sender (multi-sender streaming is {choices(multi_sender_names())})",
+                    "INVALID_ARGUMENT",
+                )
+            resp = rollout_pb2.PrepareSyncResponse(
+                num_ranks=self.engine.num_ranks(),
+                sync_link=self.sync_link,
+                commit_on_stream=TRANSPORTS[kind].commit_on_stream,
+            )
             end.prepare(request.transport, manifest, resp)
             deadline = time.monotonic() + timeout
             self.tx.prepare(manifest, timeout)
@@ -255,8 +310,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             try:
                 if first and commit[0].sync_id != first[0]:
                     self.tx.abort(first[0], f"the IpcBuckets stream carried a commit of sync {commit[0].sync_id}")
-                    raise SyncError(f"commit of sync {commit[0].sync_id!r} on the IpcBuckets stream of sync "
-                                    f"{first[0]!r}", "INVALID_ARGUMENT")
+                    raise SyncError(
+                        f"commit of sync {commit[0].sync_id!r} on the IpcBuckets stream of sync {first[0]!r}",
+                        "INVALID_ARGUMENT",
+                    )
                 yield rollout_pb2.PushBucketResponse(commit=self._commit(commit[0]))
             except SyncError as exc:
                 _abort(context, exc)
@@ -274,11 +331,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         try:
             prepared_by, rollback = self._sync_origin.get(request.sync_id, (request.trainer_id, False))
             if request.trainer_id != prepared_by:
-                raise SyncError(f"CommitSync of sync {request.sync_id} from trainer {request.trainer_id!r}, but "
-                                f"trainer {prepared_by!r} prepared it; only the preparing trainer may commit",
-                                "FAILED_PRECONDITION")
-            version, checksum, _ = self.tx.commit(request.sync_id, request.version,
-                                                  {c.index: c.checksum for c in request.checksums})
+                raise SyncError(
+                    f"CommitSync of sync {request.sync_id} from trainer {request.trainer_id!r}, but "
+                    f"trainer {prepared_by!r} prepared it; only the preparing trainer may commit",
+                    "FAILED_PRECONDITION",
+                )
+            version, checksum, _ = self.tx.commit(
+                request.sync_id, request.version, {c.index: c.checksum for c in request.checksums}
+            )
         except SyncError:
             self.metrics.failure("commit_failed")
             self.metrics.outcome("failed")
@@ -295,8 +355,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.metrics.rollbacks.inc()
             log.warning("ROLLBACK committed: now serving version %d from trainer %s", version, prepared_by)
         self.rollout_metrics.apply_seconds.observe(self.tx.last_apply_seconds)
-        return rollout_pb2.CommitSyncResponse(version=version, weights_checksum=checksum,
-                                              apply_seconds=self.tx.last_apply_seconds)
+        return rollout_pb2.CommitSyncResponse(
+            version=version, weights_checksum=checksum, apply_seconds=self.tx.last_apply_seconds
+        )
 
     def AbortSync(self, request, context):
         had = self.tx.pending_sync_id == request.sync_id

@@ -5,6 +5,7 @@ directory and fails if they differ, so run this after every .proto change:
 
     python scripts/gen_proto.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> None:
-    from grpc_tools import protoc  # lazy: only needed by developers and the drift test
     import grpc_tools
+    from grpc_tools import protoc  # lazy: only needed by developers and the drift test
 
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"

@@ -6,6 +6,7 @@ The bytes go to a temporary name beside the target (same filesystem) and are ren
 Every file is made 0600 before it appears: weights, optimizer state and configs are the trainer's
 alone (readers run as the same user).
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ a message naming the missing piece, the version it was pinned against and how to
 Nothing here imports torch or a bridge at module level: `TrainerConfig.validate()` uses
 `missing_package_error()`, which only asks `importlib` whether the package is installed.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,11 +22,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Contract:
-    converter: str                  # the config value: converter=<this>
-    module: str                     # import name
-    distribution: str               # pip distribution name, for importlib.metadata
-    pinned: str                     # the version this contract was read from
-    install: str                    # the command that installs a version that fits
+    converter: str  # the config value: converter=<this>
+    module: str  # import name
+    distribution: str  # pip distribution name, for importlib.metadata
+    pinned: str  # the version this contract was read from
+    install: str  # the command that installs a version that fits
     #: dotted path (from `module`) -> parameter names we pass by keyword or position; a **kwargs
     #: in the signature does not count, since it would swallow a renamed argument silently
     callables: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -38,7 +39,10 @@ class Contract:
 CONTRACTS: dict[str, Contract] = {
     # Read from mbridge-0.15.1-py3-none-any.whl (mbridge/core/{auto_bridge,bridge}.py).
     "mbridge": Contract(
-        converter="mbridge", module="mbridge", distribution="mbridge", pinned="0.15.1",
+        converter="mbridge",
+        module="mbridge",
+        distribution="mbridge",
+        pinned="0.15.1",
         install="pip install 'mbridge[megatron]==0.15.1'",
         callables={
             "AutoBridge.from_config": ("hf_config",),
@@ -56,14 +60,24 @@ CONTRACTS: dict[str, Contract] = {
             "core.bridge.Bridge._OTHER_MAPPING": (),
         },
         # get_model() sets these when mbridge builds the model; we build our own, so we set them
-        instance_attrs=("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-                        "_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING", "_DIRECT_MAPPING"),
+        instance_attrs=(
+            "vocab_size",
+            "padded_vocab_size",
+            "make_vocab_size_divisible_by",
+            "_ATTENTION_MAPPING",
+            "_MLP_MAPPING",
+            "_OTHER_MAPPING",
+            "_DIRECT_MAPPING",
+        ),
     ),
     # Read from megatron_bridge-0.6.2-py3-none-any.whl (megatron/bridge/models/conversion/
     # {auto_bridge,mapping_registry}.py). Not installable next to megatron-core 0.16.1 / Python 3.11,
     # so nothing but this contract is checked in CI (docs/conversion.md).
     "megatron-bridge": Contract(
-        converter="megatron-bridge", module="megatron.bridge", distribution="megatron-bridge", pinned="0.6.2",
+        converter="megatron-bridge",
+        module="megatron.bridge",
+        distribution="megatron-bridge",
+        pinned="0.6.2",
         install="pip install megatron-bridge==0.6.2  (Python 3.12; it needs a newer megatron-core than 0.16)",
         callables={
             "AutoBridge.from_hf_config": ("config",),
@@ -108,8 +122,10 @@ def missing_package_error(converter: str) -> str | None:
         found = False
     if found:
         return None
-    return (f"converter={converter!r} needs the {c.distribution} package, which is not installed: {c.install} "
-            f"(or set converter=builtin)")
+    return (
+        f"converter={converter!r} needs the {c.distribution} package, which is not installed: {c.install} "
+        f"(or set converter=builtin)"
+    )
 
 
 def _resolve(root: ModuleType, dotted: str) -> Any:
@@ -164,15 +180,19 @@ def check_contract(c: Contract, root: ModuleType) -> list[str]:
 def check_instance(c: Contract, obj: Any) -> None:
     missing = [a for a in c.instance_attrs if not hasattr(obj, a)]
     if missing:
-        raise BridgeUnavailable(_report(c, [f"{type(obj).__qualname__} instance has no attribute {a!r}"
-                                            for a in missing]))
+        raise BridgeUnavailable(
+            _report(c, [f"{type(obj).__qualname__} instance has no attribute {a!r}" for a in missing])
+        )
 
 
 def _report(c: Contract, problems: list[str]) -> str:
     found = installed_version(c)
-    return (f"converter={c.converter!r}: the installed {c.distribution} {found or '(unknown version)'} does not "
-            f"match the API weightsync calls (pinned against {c.pinned}): " + "; ".join(problems)
-            + f". Install the pinned version ({c.install}) or set converter=builtin")
+    return (
+        f"converter={c.converter!r}: the installed {c.distribution} {found or '(unknown version)'} does not "
+        f"match the API weightsync calls (pinned against {c.pinned}): "
+        + "; ".join(problems)
+        + f". Install the pinned version ({c.install}) or set converter=builtin"
+    )
 
 
 def require_bridge(converter: str) -> ModuleType:

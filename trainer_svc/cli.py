@@ -1,4 +1,5 @@
 """trainer-svc command line: `serve` (the service) and `convert` (offline HF <-> Megatron)."""
+
 from __future__ import annotations
 
 import sys
@@ -27,9 +28,15 @@ def _make_app(cfg: TrainerConfig):
     return TrainerApp(cfg)
 
 
-SERVICE = Service("trainer-svc", "weightsync trainer service (the actor)",
-                  "run the trainer service (under torchrun for TP/PP > 1)", TrainerConfig, ENV_PREFIX, _make_app,
-                  {"convert": ("convert checkpoints between HF and Megatron layouts (see `convert --help`)", _convert)})
+SERVICE = Service(
+    "trainer-svc",
+    "weightsync trainer service (the actor)",
+    "run the trainer service (under torchrun for TP/PP > 1)",
+    TrainerConfig,
+    ENV_PREFIX,
+    _make_app,
+    {"convert": ("convert checkpoints between HF and Megatron layouts (see `convert --help`)", _convert)},
+)
 build_parser = SERVICE.build_parser
 main = SERVICE.main
 

@@ -3,13 +3,15 @@
 Each knob keeps its flat name (flag `--bucket-mb`, env `WS_TRAINER_BUCKET_MB`, file key
 `bucket_mb` or `bus: {bucket_mb: ...}`); code reaches it through its section (`cfg.bus.bucket_mb`).
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
-from weightsync.bus.transports import NAMES as TRANSPORTS, choices, multi_sender_names, single_sender_names, summary
+from weightsync.bus.transports import NAMES as TRANSPORTS
+from weightsync.bus.transports import choices, multi_sender_names, single_sender_names, summary
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
 from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
 
@@ -19,52 +21,82 @@ ENV_PREFIX = "WS_TRAINER"
 @dataclass
 class ActorConfig:
     """Which model the trainer holds and how it exports it."""
-    backend: str = field("megatron", choices=("megatron", "hf"),
-                         help="model backend: megatron (megatron-core GPTModel) or hf (transformers, one process)")
-    model: str = field("tiny-qwen2", help="HF model directory, or a built-in tiny config name (tiny-qwen2, tiny-llama, tiny-qwen3)")
+
+    backend: str = field(
+        "megatron",
+        choices=("megatron", "hf"),
+        help="model backend: megatron (megatron-core GPTModel) or hf (transformers, one process)",
+    )
+    model: str = field(
+        "tiny-qwen2", help="HF model directory, or a built-in tiny config name (tiny-qwen2, tiny-llama, tiny-qwen3)"
+    )
     init_seed: int = field(1234, help="seed for random initialisation when --model is a config without weights")
-    mtp: str = field("off", choices=("off", "deepseek", "mimo"),
-                     help="carry the model's multi-token-prediction layers (num_nextn_predict_layers in its config) and publish them under DeepSeek-V3 (model.layers.N+i.*) or MiMo (model.mtp_layers.i.*) names")
-    export_dtype: str = field("float32", choices=("float32", "bfloat16", "float16", "fp8-block"),
-                              help="dtype tensors are cast to on the bus (match the rollout engine's dtype); "
-                                   "fp8-block: linear weights as e4m3 with 128x128 float32 scales, the rest bf16 "
-                                   "(docs/conversion.md, FP8 export)")
-    param_dtype: str = field("float32", choices=("float32", "bfloat16", "float16"),
-                             help="dtype of the trainer's parameters (backend hf: the model's; megatron: params_dtype). "
-                                  "Equal to export_dtype on a GPU, backend hf sends its parameters' own memory on the "
-                                  "bus, with no pack copy")
-    converter: str = field("builtin", choices=("builtin", *CONTRACTS),
-                           help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
-                                "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "
-                                "dense qwen2/llama/qwen3; docs/conversion.md)")
-    device: str = field("", help="torch device of backend hf's model and export (cpu, cuda, cuda:N; empty = cpu); "
-                                 "backend megatron always uses cuda:LOCAL_RANK when CUDA is available. "
-                                 "Transports nccl and ipc need a CUDA device")
+    mtp: str = field(
+        "off",
+        choices=("off", "deepseek", "mimo"),
+        help="carry the model's multi-token-prediction layers (num_nextn_predict_layers in its config) and "
+        "publish them under DeepSeek-V3 (model.layers.N+i.*) or MiMo (model.mtp_layers.i.*) names",
+    )
+    export_dtype: str = field(
+        "float32",
+        choices=("float32", "bfloat16", "float16", "fp8-block"),
+        help="dtype tensors are cast to on the bus (match the rollout engine's dtype); "
+        "fp8-block: linear weights as e4m3 with 128x128 float32 scales, the rest bf16 "
+        "(docs/conversion.md, FP8 export)",
+    )
+    param_dtype: str = field(
+        "float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the trainer's parameters (backend hf: the model's; megatron: params_dtype). "
+        "Equal to export_dtype on a GPU, backend hf sends its parameters' own memory on the "
+        "bus, with no pack copy",
+    )
+    converter: str = field(
+        "builtin",
+        choices=("builtin", *CONTRACTS),
+        help="backend=megatron: what maps Megatron <-> HF tensors for export and load: builtin "
+        "(the rule tables) or a bridge package when installed (mbridge, megatron-bridge; "
+        "dense qwen2/llama/qwen3; docs/conversion.md)",
+    )
+    device: str = field(
+        "",
+        help="torch device of backend hf's model and export (cpu, cuda, cuda:N; empty = cpu); "
+        "backend megatron always uses cuda:LOCAL_RANK when CUDA is available. "
+        "Transports nccl and ipc need a CUDA device",
+    )
 
     def validate(self) -> None:
         if self.backend == "hf" and self.mtp != "off":
             raise ConfigError("mtp needs backend=megatron (transformers models have no MTP layers)")
         if self.converter != "builtin":
             if self.backend != "megatron":
-                raise ConfigError(f"converter={self.converter} applies to backend=megatron; backend=hf exports "
-                                  f"transformers' own tensors (set converter=builtin)")
+                raise ConfigError(
+                    f"converter={self.converter} applies to backend=megatron; backend=hf exports "
+                    f"transformers' own tensors (set converter=builtin)"
+                )
             missing = missing_package_error(self.converter)
             if missing:
                 raise ConfigError(missing)
         if self.device and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"device={self.device!r} must be cpu, cuda or cuda:N")
         if self.device and self.backend == "megatron":
-            raise ConfigError("device applies to backend=hf; megatron places each rank on cuda:LOCAL_RANK itself "
-                              "(leave device empty)")
+            raise ConfigError(
+                "device applies to backend=hf; megatron places each rank on cuda:LOCAL_RANK itself (leave device empty)"
+            )
 
 
 @dataclass
 class ParallelConfig:
     """Megatron parallel layout (the torchrun world size is its product)."""
+
     tp: int = field(1, help="tensor-parallel size (must equal the torchrun world size / PP / VPP product)")
     pp: int = field(1, help="pipeline-parallel size")
     vpp: int = field(1, help="virtual pipeline stages per PP rank")
-    ep: int = field(1, help="expert-parallel size for MoE models (experts split over ep ranks; world size must be a multiple of ep*pp)")
+    ep: int = field(
+        1,
+        help="expert-parallel size for MoE models (experts split over ep ranks; world size must be a multiple "
+        "of ep*pp)",
+    )
 
     def validate(self) -> None:
         for name in ("tp", "pp", "vpp", "ep"):
@@ -77,21 +109,33 @@ class ParallelConfig:
 @dataclass
 class BusConfig:
     """The weight bus as the trainer drives it: transport, buckets, timeouts of a sync."""
+
     transport: str = field("tcp", choices=TRANSPORTS, help=f"default weight-bus transport: {summary()}")
-    nccl_init_timeout_s: float = field(120.0, help="bound on building an NCCL group (every rollout must join within "
-                                                   "it, and within the sync timeout)")
-    bucket_mb: int = field(1024, help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the sender's extra memory")
+    nccl_init_timeout_s: float = field(
+        120.0, help="bound on building an NCCL group (every rollout must join within it, and within the sync timeout)"
+    )
+    bucket_mb: int = field(
+        1024,
+        help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the "
+        "sender's extra memory",
+    )
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
     rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
-    sync_link: bool = field(True, help="send PrepareSync, CommitSync and AbortSync over the sync link a rollout "
-                                       "offers on its data port (one authenticated connection kept across syncs; "
-                                       "a fraction of a gRPC call's round trip); false: gRPC only")
-    senders: str = field("all", choices=("all", "rank0"),
-                         help="who streams the buckets: all = every rank that assembles tensors (each pipeline "
-                              "stage's and expert-parallel leader) streams its own, concurrently, over "
-                              f"{choices(multi_sender_names())} ({choices(single_sender_names())} carries one sender, "
-                              "so its syncs funnel); "
-                              "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)")
+    sync_link: bool = field(
+        True,
+        help="send PrepareSync, CommitSync and AbortSync over the sync link a rollout "
+        "offers on its data port (one authenticated connection kept across syncs; "
+        "a fraction of a gRPC call's round trip); false: gRPC only",
+    )
+    senders: str = field(
+        "all",
+        choices=("all", "rank0"),
+        help="who streams the buckets: all = every rank that assembles tensors (each pipeline "
+        "stage's and expert-parallel leader) streams its own, concurrently, over "
+        f"{choices(multi_sender_names())} ({choices(single_sender_names())} carries one sender, "
+        "so its syncs funnel); "
+        "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)",
+    )
 
     def validate(self) -> None:
         if not 1 <= self.bucket_mb <= 16384:
@@ -103,12 +147,20 @@ class BusConfig:
 @dataclass
 class FleetConfig:
     """The rollouts this trainer publishes to."""
-    rollouts: list[str] = field(default_factory=list,
-                                help="static rollout addresses host:port (comma-separated); rollouts may also register themselves")
-    auto_sync_new_rollouts: bool = field(True, help="bring a newly registered rollout to the current version automatically")
-    trainer_id: str = field("", help="this trainer's identity, sent with every sync; rollouts follow one trainer id. "
-                                     "Empty: a random id per start (a restarted trainer is followed by rollouts that "
-                                     "register with it). Set the same value on restarts to keep rollouts that do not")
+
+    rollouts: list[str] = field(
+        default_factory=list,
+        help="static rollout addresses host:port (comma-separated); rollouts may also register themselves",
+    )
+    auto_sync_new_rollouts: bool = field(
+        True, help="bring a newly registered rollout to the current version automatically"
+    )
+    trainer_id: str = field(
+        "",
+        help="this trainer's identity, sent with every sync; rollouts follow one trainer id. "
+        "Empty: a random id per start (a restarted trainer is followed by rollouts that "
+        "register with it). Set the same value on restarts to keep rollouts that do not",
+    )
 
     def validate(self) -> None:
         for a in self.rollouts:
@@ -118,6 +170,7 @@ class FleetConfig:
 @dataclass
 class OptimConfig:
     """The optimizer of TrainStep (AdamW) and its schedule."""
+
     lr: float = field(1e-6, help="optimizer learning rate (AdamW)")
     lr_warmup_steps: int = field(0, help="linear LR warm-up steps, then constant")
     weight_decay: float = field(0.0, help="AdamW weight decay")
@@ -144,15 +197,22 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     """Training checkpoints."""
+
     checkpoint_dir: str = field("", help="directory for training checkpoints (model, optimizer, RNG, step, version)")
     resume: bool = field(False, help="resume from the latest checkpoint in checkpoint_dir at start-up")
-    load_megatron_checkpoint: str = field("", help="backend=megatron: start from this Megatron distributed checkpoint "
-                                                   "(torch_dist, written at any TP/PP layout; a Megatron-LM save dir "
-                                                   "or one iter_N dir) instead of --model's weights; --model still "
-                                                   "gives the architecture (docs/conversion.md)")
-    data_root: str = field("", help="admin file operations (ExportHf, SaveCheckpoint, LoadWeights: wsctl export/load) "
-                                    "only read and write under this directory (or checkpoint_dir); relative paths are "
-                                    "taken from it. Empty: the working directory at start")
+    load_megatron_checkpoint: str = field(
+        "",
+        help="backend=megatron: start from this Megatron distributed checkpoint "
+        "(torch_dist, written at any TP/PP layout; a Megatron-LM save dir "
+        "or one iter_N dir) instead of --model's weights; --model still "
+        "gives the architecture (docs/conversion.md)",
+    )
+    data_root: str = field(
+        "",
+        help="admin file operations (ExportHf, SaveCheckpoint, LoadWeights: wsctl export/load) "
+        "only read and write under this directory (or checkpoint_dir); relative paths are "
+        "taken from it. Empty: the working directory at start",
+    )
 
     def validate(self) -> None:
         if self.resume and not self.checkpoint_dir:
@@ -177,5 +237,7 @@ class TrainerConfig(ServiceConfig):
         if self.actor.backend == "hf" and par.tp * par.pp * par.vpp * par.ep != 1:
             raise ConfigError("backend=hf runs one process: set tp=pp=vpp=ep=1 or use backend=megatron")
         if self.checkpoint.load_megatron_checkpoint and self.actor.backend != "megatron":
-            raise ConfigError("load_megatron_checkpoint needs backend=megatron (it fills a Megatron model); with "
-                              "backend=hf start from an HF directory in --model")
+            raise ConfigError(
+                "load_megatron_checkpoint needs backend=megatron (it fills a Megatron model); with "
+                "backend=hf start from an HF directory in --model"
+            )

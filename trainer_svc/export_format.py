@@ -7,6 +7,7 @@ rest bf16. The sync and `ExportHf` go through `metas` / `tensors`, so they send 
 same bytes; an `ExportHf` directory is then a block-FP8 HF checkpoint (its config.json carries
 `quantization_config`), the form SGLang needs to serve FP8 and take FP8 syncs unchanged.
 """
+
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,7 @@
 This is the same exporter the weight bus uses, so a directory written here is exactly what
 every rollout receives — tests load it with `transformers` to check the rollout's logits.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,6 +8,7 @@ followed, with os.path.realpath) and refused with PERMISSION_DENIED unless the r
 A path swapped for a symlink between this check and the write is not covered: keep the root
 writable only by the trainer.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,5 +36,7 @@ class DataRoots:
             if full == root or full.startswith(root.rstrip(os.sep) + os.sep):
                 return full
         where = " or ".join(self.roots)
-        raise PathRefused(f"{field}={path!r} resolves to {full}, outside the trainer's data_root {where}; use a path "
-                          f"under it (relative paths are taken from it), or start the trainer with --data-root")
+        raise PathRefused(
+            f"{field}={path!r} resolves to {full}, outside the trainer's data_root {where}; use a path "
+            f"under it (relative paths are taken from it), or start the trainer with --data-root"
+        )

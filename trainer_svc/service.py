@@ -1,4 +1,5 @@
 """The Trainer gRPC servicer: registration, sync, status and the admin calls behind wsctl."""
+
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,8 @@ import threading
 import grpc
 
 from trainer_svc.paths import DataRoots, PathRefused
-from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.sync import SyncInProgress, SyncOrchestrator
+from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.train.rpc import TrainingServicerMixin
 from weightsync.bus.transports import transport as transport_named
 from weightsync.config import ConfigError, parse_host_port
@@ -20,8 +21,16 @@ log = logging.getLogger(__name__)
 
 
 class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, orchestrator: SyncOrchestrator,
-                 backend: str, auto_sync: bool, roots: DataRoots | None = None):
+    def __init__(
+        self,
+        actor,
+        actor_lock: threading.Lock,
+        registry: RolloutRegistry,
+        orchestrator: SyncOrchestrator,
+        backend: str,
+        auto_sync: bool,
+        roots: DataRoots | None = None,
+    ):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -45,8 +54,10 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
                 raise ConfigError("rollout_id is empty")
             parse_host_port("address", request.address)
             if request.model_family and request.model_family != self.actor.family:
-                raise ConfigError(f"model_family: rollout serves {request.model_family!r}, trainer trains "
-                                  f"{self.actor.family!r}; start the rollout with the trainer's model")
+                raise ConfigError(
+                    f"model_family: rollout serves {request.model_family!r}, trainer trains "
+                    f"{self.actor.family!r}; start the rollout with the trainer's model"
+                )
         except ConfigError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         entry = self.registry.upsert(request.rollout_id, request.address, max(1, request.num_ranks))
@@ -55,10 +66,20 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         scheduled = self.auto_sync and behind
         if scheduled:
             self._catchup.put(request.rollout_id)
-        log.info("rollout %s registered at %s (version %d, trainer %d, catch-up %s)", request.rollout_id,
-                 request.address, entry.version, self.actor.version, scheduled)
-        return trainer_pb2.RegisterRolloutResponse(trainer_version=self.actor.version, sync_scheduled=scheduled,
-                                                   trainer_id=self.orch.trainer_id, current=not behind)
+        log.info(
+            "rollout %s registered at %s (version %d, trainer %d, catch-up %s)",
+            request.rollout_id,
+            request.address,
+            entry.version,
+            self.actor.version,
+            scheduled,
+        )
+        return trainer_pb2.RegisterRolloutResponse(
+            trainer_version=self.actor.version,
+            sync_scheduled=scheduled,
+            trainer_id=self.orch.trainer_id,
+            current=not behind,
+        )
 
     def DeregisterRollout(self, request, context):
         if not self.registry.remove(request.rollout_id):
@@ -84,15 +105,22 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
     def Sync(self, request, context):
         try:
             if not (math.isfinite(request.timeout_seconds) and 0 <= request.timeout_seconds <= 7 * 24 * 3600):
-                raise ValueError(f"timeout_seconds={request.timeout_seconds} must be finite and in [0, 604800] "
-                                 "(0 = the trainer's sync_timeout_s)")
+                raise ValueError(
+                    f"timeout_seconds={request.timeout_seconds} must be finite and in [0, 604800] "
+                    "(0 = the trainer's sync_timeout_s)"
+                )
             if request.transport:
                 transport_named(request.transport)  # ValueError naming the choices
             if request.senders not in ("", "all", "rank0"):
                 raise ValueError(f"senders={request.senders!r} must be all or rank0 (or empty for the configured one)")
             targets = self.registry.select(list(request.rollout_ids))
-            report = self.orch.sync(targets, request.transport, request.timeout_seconds,
-                                    allow_rollback=request.allow_rollback, senders=request.senders)
+            report = self.orch.sync(
+                targets,
+                request.transport,
+                request.timeout_seconds,
+                allow_rollback=request.allow_rollback,
+                senders=request.senders,
+            )
         except KeyError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         except ValueError as exc:
@@ -102,11 +130,16 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.SyncResponse(report=report)
 
     def GetStatus(self, request, context):
-        st = trainer_pb2.TrainerStatus(version=self.actor.version, model_family=self.actor.family,
-                                       num_parameters=self.actor.num_parameters(), backend=self.backend,
-                                       parallelism=self.actor.describe_parallelism(),
-                                       sync_in_progress=self.orch.in_progress, origin=self.orch.origin,
-                                       trainer_id=self.orch.trainer_id)
+        st = trainer_pb2.TrainerStatus(
+            version=self.actor.version,
+            model_family=self.actor.family,
+            num_parameters=self.actor.num_parameters(),
+            backend=self.backend,
+            parallelism=self.actor.describe_parallelism(),
+            sync_in_progress=self.orch.in_progress,
+            origin=self.orch.origin,
+            trainer_id=self.orch.trainer_id,
+        )
         for e in self.registry.all():
             self.registry.poll(e)
             st.rollouts.append(self.registry.info(e))

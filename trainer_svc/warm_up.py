@@ -5,6 +5,7 @@ shape class; a first sync that paid them would miss latency targets for no reaso
 packs and checksums every sync's buckets; with `--senders all` every other rank packs, checksums
 and (fp8-block) quantizes its own, so it warms the same kernels for the tensors it owns.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,5 +37,9 @@ def warm_up_sender(actor, cfg) -> None:
     owners, rank = actor.export_owners(), actor.rank
     mine = [m for m, o in zip(actor.export_metas(), owners) if o == rank]
     if mine:
-        warm_up(export_device(actor), mine, export_format(cfg.actor.export_dtype).quantization is not None,
-                who=f"rank {rank}")
+        warm_up(
+            export_device(actor),
+            mine,
+            export_format(cfg.actor.export_dtype).quantization is not None,
+            who=f"rank {rank}",
+        )

@@ -7,6 +7,7 @@ a service's sections, so each knob keeps one flat name: the flag (`--bucket-mb`)
 `bus: {bucket_mb: ...}`) and the Helm value all name the same field, and `add_arguments` builds
 the CLI from those same fields. In code a knob is reached through its section: `cfg.bus.bucket_mb`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,14 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
 
 
-def field(default: Any = dataclasses.MISSING, *, help: str, choices: Sequence[str] | None = None,
-          default_factory: Any = dataclasses.MISSING, secret: bool = False) -> Any:
+def field(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    choices: Sequence[str] | None = None,
+    default_factory: Any = dataclasses.MISSING,
+    secret: bool = False,
+) -> Any:
     """`secret`: settable from env, file or code but never a flag, so it never shows in a process list."""
     meta = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret}
     if default_factory is not dataclasses.MISSING:
@@ -173,8 +180,9 @@ def build(cls: type[C], values: typing.Mapping[str, Any]) -> C:
     for f in _fields(cls):
         if _is_section(f):
             base = f.default_factory()  # the section's defaults as this service overrides them
-            kwargs[f.name] = dataclasses.replace(base, **{g.name: values[g.name] for g in _fields(type(base))
-                                                          if g.name in values})
+            kwargs[f.name] = dataclasses.replace(
+                base, **{g.name: values[g.name] for g in _fields(type(base)) if g.name in values}
+            )
         elif f.name in values:
             kwargs[f.name] = values[f.name]
     return cls(**kwargs)
@@ -190,8 +198,12 @@ def env_name(prefix: str, field_name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
     """Add one flag per field; defaults are None so that 'not given' is distinguishable."""
-    parser.add_argument("--config", dest="config_file", default=None,
-                        help=f"YAML or JSON file of settings (env {env_prefix}_CONFIG); flags > env > file > defaults")
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        help=f"YAML or JSON file of settings (env {env_prefix}_CONFIG); flags > env > file > defaults",
+    )
     for f, default in _leaves(cls):
         if f.metadata.get("secret"):
             continue
@@ -214,6 +226,7 @@ def _read_file(path: str, cls: type) -> dict[str, Any]:
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
         import yaml
+
         data = yaml.safe_load(text) or {}
     else:
         data = json.loads(text)
@@ -228,16 +241,18 @@ def _read_file(path: str, cls: type) -> dict[str, Any]:
             for sk, sv in v.items():
                 sub = str(sk).replace("-", "_")
                 if sub not in own:
-                    raise ConfigError(f"config file {path}: {key}.{sub} is not a field of section {key}; "
-                                      f"its fields: {sorted(own)}")
+                    raise ConfigError(
+                        f"config file {path}: {key}.{sub} is not a field of section {key}; its fields: {sorted(own)}"
+                    )
                 flat[sub] = sv
         else:
             flat[key] = v
     return flat
 
 
-def resolve(cls: type[C], ns: argparse.Namespace, env_prefix: str,
-            environ: typing.Mapping[str, str] | None = None) -> C:
+def resolve(
+    cls: type[C], ns: argparse.Namespace, env_prefix: str, environ: typing.Mapping[str, str] | None = None
+) -> C:
     environ = os.environ if environ is None else environ
     fields = [f for f, _ in _leaves(cls)]
     known = {f.name for f in fields}

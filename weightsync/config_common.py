@@ -3,6 +3,7 @@
 Each service embeds them with `section(...)` (trainer-svc and rollout-svc differ only in default
 ports), so a shared knob has one definition, one help text and one validation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 @dataclass
 class ServerConfig:
     """Where the service listens."""
+
     grpc_address: str = field("127.0.0.1:50051", help="gRPC listen address (control plane), host:port")
     http_address: str = field("127.0.0.1:8081", help="HTTP listen address for /healthz, /readyz, /metrics")
 
@@ -26,13 +28,20 @@ class ServerConfig:
 @dataclass
 class AuthConfig:
     """The shared control-plane token."""
-    auth_token: str = field("", secret=True,
-                            help="shared control-plane token; when set, every RPC must carry it. Env or config file "
-                                 "only (never a flag, which any local user could read in the process list); "
-                                 "auth_token_file in Kubernetes")
+
+    auth_token: str = field(
+        "",
+        secret=True,
+        help="shared control-plane token; when set, every RPC must carry it. Env or config file "
+        "only (never a flag, which any local user could read in the process list); "
+        "auth_token_file in Kubernetes",
+    )
     auth_token_file: str = field("", help="file holding the control-plane token (e.g. a mounted Secret)")
-    insecure: bool = field(False, help="allow listening beyond loopback without a token (logged as a WARNING); "
-                                       "without it a service with a non-loopback address and no token refuses to start")
+    insecure: bool = field(
+        False,
+        help="allow listening beyond loopback without a token (logged as a WARNING); "
+        "without it a service with a non-loopback address and no token refuses to start",
+    )
 
     def validate(self) -> None:
         if self.auth_token and self.auth_token_file:
@@ -42,9 +51,11 @@ class AuthConfig:
 @dataclass
 class LogConfig:
     """Process logging."""
+
     log_level: str = field("INFO", choices=LOG_LEVELS, help="log level")
-    log_format: str = field("text", choices=("text", "json"),
-                            help="log format; json gives one structured object per line")
+    log_format: str = field(
+        "text", choices=("text", "json"), help="log format; json gives one structured object per line"
+    )
 
     def validate(self) -> None:
         pass

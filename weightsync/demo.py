@@ -5,6 +5,7 @@ It starts a trainer (megatron-core backend by default, tiny Qwen2 config) and tw
 "change the trainer's weights → `wsctl sync` → check every rollout computes exactly what the
 trainer exported" and prints a report. Exit code 1 if any check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,17 @@ PROMPT = [11, 42, 7, 199, 3, 64, 5]
 def _logits(proc) -> tuple[torch.Tensor, int, bool]:
     stub = rollout_stub(channel(proc.address), "", 60)
     r = stub.Score(rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True))
-    g = stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=PROMPT)],
-                                                  sampling=rollout_pb2.SamplingParams(max_new_tokens=4, temperature=0)))
-    return torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()), r.version, g.samples[0].prefix_cache_hit
+    g = stub.Generate(
+        rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=PROMPT)],
+            sampling=rollout_pb2.SamplingParams(max_new_tokens=4, temperature=0),
+        )
+    )
+    return (
+        torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()),
+        r.version,
+        g.samples[0].prefix_cache_hit,
+    )
 
 
 def _reference_logits(model_dir: Path) -> torch.Tensor:
@@ -45,7 +54,9 @@ def _perturb(src: Path, dst: Path, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
     g = torch.Generator().manual_seed(seed)
-    state = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in load_file(str(src / "model.safetensors")).items()}
+    state = {
+        k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in load_file(str(src / "model.safetensors")).items()
+    }
     dst.mkdir(parents=True, exist_ok=True)  # a rerun of the demo writes over its own earlier round
     save_file(state, str(dst / "model.safetensors"))
     (dst / "config.json").write_text((src / "config.json").read_text())
@@ -62,12 +73,24 @@ def run(backend: str, model: str, rounds: int, workdir: Path) -> int:
     print(f"weightsync demo: backend={backend} model={model} rollouts=2 rounds={rounds} (logs in {workdir})")
     procs = []
     try:
-        trainer = start_trainer(workdir, "--backend", backend, "--model", model, "--init-seed", "1",
-                                "--data-root", str(workdir))  # wsctl export/load below write and read there
+        trainer = start_trainer(
+            workdir, "--backend", backend, "--model", model, "--init-seed", "1", "--data-root", str(workdir)
+        )  # wsctl export/load below write and read there
         procs.append(trainer)
         trainer.wait_ready(300)
-        rollouts = [start_rollout(workdir, "--model", model, "--init-seed", str(10 + i), "--trainer-address",
-                                  trainer.address, name=f"rollout-{i}") for i in range(2)]
+        rollouts = [
+            start_rollout(
+                workdir,
+                "--model",
+                model,
+                "--init-seed",
+                str(10 + i),
+                "--trainer-address",
+                trainer.address,
+                name=f"rollout-{i}",
+            )
+            for i in range(2)
+        ]
         procs += rollouts
         for r in rollouts:
             r.wait_ready(300)
@@ -91,15 +114,33 @@ def run(backend: str, model: str, rounds: int, workdir: Path) -> int:
                 diff = float((logits - ref).abs().max())
                 ok = rep["ok"] and version == int(rep["version"]) and diff == 0.0 and not hit
                 failures += not ok
-                rows.append((k + 1, r.name, version, float(rep["seconds"]), int(rep["bytes"]) / 1e6, diff,
-                             "miss" if not hit else "HIT", "ok" if ok else "FAIL"))
-        print(f"{'round':>5} {'rollout':<10} {'version':>7} {'sync_s':>8} {'MB':>7} {'max|Δlogit|':>11} "
-              f"{'prefix':>6} {'check':>5}")
+                rows.append(
+                    (
+                        k + 1,
+                        r.name,
+                        version,
+                        float(rep["seconds"]),
+                        int(rep["bytes"]) / 1e6,
+                        diff,
+                        "miss" if not hit else "HIT",
+                        "ok" if ok else "FAIL",
+                    )
+                )
+        print(
+            f"{'round':>5} {'rollout':<10} {'version':>7} {'sync_s':>8} {'MB':>7} {'max|Δlogit|':>11} "
+            f"{'prefix':>6} {'check':>5}"
+        )
         for row in rows:
-            print(f"{row[0]:>5} {row[1]:<10} {row[2]:>7} {row[3]:>8.3f} {row[4]:>7.2f} {row[5]:>11.3g} {row[6]:>6} {row[7]:>5}")
+            print(
+                f"{row[0]:>5} {row[1]:<10} {row[2]:>7} {row[3]:>8.3f} {row[4]:>7.2f} {row[5]:>11.3g} "
+                f"{row[6]:>6} {row[7]:>5}"
+            )
         print(wsctl("--address", trainer.address, "status").stdout)
-        print("PASS: every rollout serves exactly the trainer's exported weights after each sync" if not failures
-              else f"FAIL: {failures} check(s) failed; see logs in {workdir}")
+        print(
+            "PASS: every rollout serves exactly the trainer's exported weights after each sync"
+            if not failures
+            else f"FAIL: {failures} check(s) failed; see logs in {workdir}"
+        )
         return 1 if failures else 0
     finally:
         for p in procs:

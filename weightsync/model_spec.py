@@ -5,6 +5,7 @@ once per offline conversion) and handed to everything that needs the model's fac
 tables, the Megatron model builder, export, load and the bridges. Nothing re-derives the
 dimensions or the checkpoint shapes from the config afterwards.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,6 +23,7 @@ _SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 @dataclass(frozen=True)
 class Dims:
     """The shape facts transforms and the export order need, taken from the HF config."""
+
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -31,8 +33,8 @@ class Dims:
     vocab_size: int
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
-    moe_layers: tuple[bool, ...] = ()    # per decoder layer: is its MLP a mixture of experts?
-    mtp_layers: int = 0                  # multi-token-prediction depths exported (0: MTP off)
+    moe_layers: tuple[bool, ...] = ()  # per decoder layer: is its MLP a mixture of experts?
+    mtp_layers: int = 0  # multi-token-prediction depths exported (0: MTP off)
 
     @property
     def heads_per_group(self) -> int:
@@ -65,8 +67,10 @@ def mtp_depth(hf_config, mtp: str) -> int:
         return 0
     n = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
     if n < 1:
-        raise ValueError(f"mtp={mtp!r} but the HF config has no num_nextn_predict_layers >= 1 (model_type="
-                         f"{hf_config.model_type!r}); set mtp=off or use a checkpoint with MTP layers")
+        raise ValueError(
+            f"mtp={mtp!r} but the HF config has no num_nextn_predict_layers >= 1 (model_type="
+            f"{hf_config.model_type!r}); set mtp=off or use a checkpoint with MTP layers"
+        )
     return n
 
 
@@ -89,11 +93,19 @@ def dims_of(hf_config, mtp: str = "off") -> Dims:
     if heads % groups:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     moe_layers = moe_layer_pattern(c)
-    return Dims(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_heads=heads, num_query_groups=groups,
-                head_dim=head_dim, ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
-                num_experts=int(getattr(c, "num_experts", 0) or 0) if any(moe_layers) else 0,
-                moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0) if any(moe_layers) else 0,
-                moe_layers=moe_layers, mtp_layers=mtp_depth(c, mtp))
+    return Dims(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        ffn_hidden_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        num_experts=int(getattr(c, "num_experts", 0) or 0) if any(moe_layers) else 0,
+        moe_ffn_hidden_size=int(getattr(c, "moe_intermediate_size", 0) or 0) if any(moe_layers) else 0,
+        moe_layers=moe_layers,
+        mtp_layers=mtp_depth(c, mtp),
+    )
 
 
 def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
@@ -119,6 +131,7 @@ def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's facts, computed once: pass this instead of (hf_config, family, mtp)."""
+
     hf_config: Any
     family: str
     mtp: str
@@ -135,13 +148,20 @@ class ModelSpec:
         return int(self.hf_config.vocab_size)
 
     @classmethod
-    def from_hf(cls, hf_config, mtp: str = "off", *, family: str | None = None,
-                extra_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None) -> ModelSpec:
+    def from_hf(
+        cls,
+        hf_config,
+        mtp: str = "off",
+        *,
+        family: str | None = None,
+        extra_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None,
+    ) -> ModelSpec:
         """Read `hf_config` once. `family` overrides the config's own (to check a rule table against
         another model); `extra_shapes(spec)` adds tensors that are not part of the transformers
         model (MTP layers, named by the trainer's rule tables)."""
-        spec = cls(hf_config, family or family_of(hf_config), mtp, dims_of(hf_config, mtp),
-                   checkpoint_shapes(hf_config))
+        spec = cls(
+            hf_config, family or family_of(hf_config), mtp, dims_of(hf_config, mtp), checkpoint_shapes(hf_config)
+        )
         if extra_shapes is not None:
             spec = replace(spec, hf_shapes={**spec.hf_shapes, **extra_shapes(spec)})
         return spec

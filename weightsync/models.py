@@ -3,37 +3,103 @@
 The tiny configs let the demo and the tests run real transformers / megatron-core models on a
 CPU in seconds without any hub download.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 TINY = {
-    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "tiny-qwen2-tied": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-                            rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tiny-qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                       max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False),
+    "tiny-qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "tiny-qwen2-tied": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny-llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "tiny-qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # 4 experts, top-2 (renormalised, as Qwen3-MoE ships), no shared expert
-    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                           tie_word_embeddings=False),
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # Qwen2-MoE: routed experts plus a sigmoid-gated shared expert
-    "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-                           tie_word_embeddings=False),
+    "tiny-qwen2-moe": dict(
+        model_type="qwen2_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -50,5 +116,6 @@ def resolve_model(spec: str, field_name: str = "model") -> tuple[Any, str | None
         cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
         has_weights = any(path.glob("*.safetensors"))
         return cfg, (str(path) if has_weights else None)
-    raise ValueError(f"{field_name}={spec!r} is neither a local HF directory with config.json nor one of "
-                     f"{sorted(TINY)}")
+    raise ValueError(
+        f"{field_name}={spec!r} is neither a local HF directory with config.json nor one of {sorted(TINY)}"
+    )

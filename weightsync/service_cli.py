@@ -4,6 +4,7 @@ trainer-svc and rollout-svc differ only in their config class, env prefix and ho
 app; parsing, the precedence rule, config errors (exit 2), logging setup and start-up errors
 (exit 1) are handled here once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,11 @@ from weightsync.obs.logs import setup_logging
 
 @dataclass
 class Service:
-    prog: str                               # e.g. "trainer-svc"
+    prog: str  # e.g. "trainer-svc"
     description: str
     serve_help: str
     config_cls: type
-    env_prefix: str                         # e.g. "WS_TRAINER"
+    env_prefix: str  # e.g. "WS_TRAINER"
     #: builds the app from a validated config; returns an object with run_forever(), or None when this
     #: process has nothing to serve (e.g. a trainer worker rank that already ran to completion)
     make_app: Callable[[Any], Any]

@@ -3,6 +3,7 @@
 Triton ships with CUDA builds of torch, not with the CPU build, and its kernels need a GPU: every
 kernel module falls back to torch when `available()` is false. Asked once per process.
 """
+
 from __future__ import annotations
 
 import functools

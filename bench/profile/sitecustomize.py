@@ -12,6 +12,7 @@ modules are loaded, and writes `<role>_<pid>.json` there every 2 s (the last 2 s
 Both services read time.perf_counter (CLOCK_MONOTONIC, one clock for the whole host), so their
 events line up on one timeline.
 """
+
 import functools
 import json
 import os
@@ -24,26 +25,30 @@ T: dict[str, list[float]] = {}  # piece -> seconds of each call
 EV: list[tuple[str, float, float]] = []  # (piece, start, end) on the host's monotonic clock
 _lock = threading.Lock()
 
-ROLLOUT = [("weightsync.bus.ipc.receiver", "IpcReceiver", "push", "r.push"),
-           ("weightsync.bus.ipc.handles", "MappedBuffers", "get", "r.maps.get"),
-           ("rollout_svc.sync.transaction", "SyncTransaction", "consume_bucket", "r.consume_bucket"),
-           ("rollout_svc.sync.apply_inplace", "InPlaceApply", "_pause_engine", "r.pause_engine"),
-           ("rollout_svc.sync.transaction", "SyncTransaction", "prepare", "r.tx.prepare"),
-           ("rollout_svc.sync.transaction", "SyncTransaction", "commit", "r.tx.commit"),
-           ("rollout_svc.sync.apply_inplace", None, "bucket_checksum", "r.bucket_checksum"),
-           ("rollout_svc.sync.apply_inplace", None, "copy_into", "r.copy_into"),
-           ("rollout_svc.service", "RolloutServicer", "_commit", "r._commit"),
-           ("rollout_svc.service", "RolloutServicer", "PrepareSync", "r.PrepareSync")]
-TRAINER = [("trainer_svc.sync.attempt", "SyncAttempt", "_send", "t._send"),
-           ("trainer_svc.sync.attempt", "SyncAttempt", "stream", "t.stream"),
-           ("trainer_svc.sync.attempt", None, "stream_buckets", "t.stream_buckets"),
-           ("weightsync.bus.ipc.sender", "IpcStreamSender", "send", "t.send"),
-           ("weightsync.bus.ipc.sender", "IpcStreamSender", "flush", "t.flush"),
-           ("weightsync.bus.ipc.sender", "IpcStreamSender", "_await", "t._await"),
-           ("weightsync.bus.ipc.sender", "_IpcSession", "open", "t.session.open"),
-           ("weightsync.bus.ipc.sender", "_IpcSession", "finish", "t.session.finish"),
-           ("weightsync.bus.checksum", "InFlightChecksums", "value", "t.csum.value"),
-           ("weightsync.bus.checksum", "InFlightChecksums", "values", "t.csum.values")]
+ROLLOUT = [
+    ("weightsync.bus.ipc.receiver", "IpcReceiver", "push", "r.push"),
+    ("weightsync.bus.ipc.handles", "MappedBuffers", "get", "r.maps.get"),
+    ("rollout_svc.sync.transaction", "SyncTransaction", "consume_bucket", "r.consume_bucket"),
+    ("rollout_svc.sync.apply_inplace", "InPlaceApply", "_pause_engine", "r.pause_engine"),
+    ("rollout_svc.sync.transaction", "SyncTransaction", "prepare", "r.tx.prepare"),
+    ("rollout_svc.sync.transaction", "SyncTransaction", "commit", "r.tx.commit"),
+    ("rollout_svc.sync.apply_inplace", None, "bucket_checksum", "r.bucket_checksum"),
+    ("rollout_svc.sync.apply_inplace", None, "copy_into", "r.copy_into"),
+    ("rollout_svc.service", "RolloutServicer", "_commit", "r._commit"),
+    ("rollout_svc.service", "RolloutServicer", "PrepareSync", "r.PrepareSync"),
+]
+TRAINER = [
+    ("trainer_svc.sync.attempt", "SyncAttempt", "_send", "t._send"),
+    ("trainer_svc.sync.attempt", "SyncAttempt", "stream", "t.stream"),
+    ("trainer_svc.sync.attempt", None, "stream_buckets", "t.stream_buckets"),
+    ("weightsync.bus.ipc.sender", "IpcStreamSender", "send", "t.send"),
+    ("weightsync.bus.ipc.sender", "IpcStreamSender", "flush", "t.flush"),
+    ("weightsync.bus.ipc.sender", "IpcStreamSender", "_await", "t._await"),
+    ("weightsync.bus.ipc.sender", "_IpcSession", "open", "t.session.open"),
+    ("weightsync.bus.ipc.sender", "_IpcSession", "finish", "t.session.finish"),
+    ("weightsync.bus.checksum", "InFlightChecksums", "value", "t.csum.value"),
+    ("weightsync.bus.checksum", "InFlightChecksums", "values", "t.csum.values"),
+]
 
 
 def _wrap(obj, name: str, key: str) -> None:

@@ -3,6 +3,7 @@ three syncs' stream phases as one timeline of both services (ms from the stream'
 
     python3 bench/profile/summarize.py /tmp/prof
 """
+
 import glob
 import json
 import os
@@ -23,12 +24,12 @@ for f in glob.glob(os.path.join(out, "*_*.json")):
     evs += [tuple(e) for e in d["EV"]]
 for k in sorted(T):
     v = T[k]
-    print(f"{k:22s} n={len(v):4d} median {statistics.median(v)*1e3:8.3f} ms  max {max(v)*1e3:8.3f}")
+    print(f"{k:22s} n={len(v):4d} median {statistics.median(v) * 1e3:8.3f} ms  max {max(v) * 1e3:8.3f}")
 evs.sort(key=lambda e: e[1])
 sends = [e for e in evs if e[0] == "t._send"]
 for s in sends[-3:]:
     s0, s1 = s[1], s[2]
-    print(f"--- stream (_send) {1e3*(s1-s0):.2f} ms; events relative to its start (ms):")
+    print(f"--- stream (_send) {1e3 * (s1 - s0):.2f} ms; events relative to its start (ms):")
     for k, a, b in evs:
         if s0 - 0.003 <= a <= s1 + 0.003 and k != "t._send":
-            print(f"   {k:20s} {1e3*(a-s0):8.3f} -> {1e3*(b-s0):8.3f}  ({1e3*(b-a):.3f})")
+            print(f"   {k:20s} {1e3 * (a - s0):8.3f} -> {1e3 * (b - s0):8.3f}  ({1e3 * (b - a):.3f})")

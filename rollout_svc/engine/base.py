@@ -4,6 +4,7 @@ An engine generates, scores, and loads HF-named tensors. It knows nothing about 
 manifests or transports: the transaction (rollout_svc.sync.transaction) decides when to pause,
 load, flush and resume, so the built-in engine and SGLang share one sync implementation.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,6 @@ import torch
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan, TensorMeta
 
-
 #: Temperatures below this sample greedily, as SGLang does (its _SAMPLING_EPS): logits / T would
 #: overflow to inf for a denormal T, and such a T is greedy in all but name.
 GREEDY_BELOW = 1e-6
@@ -26,12 +26,12 @@ GREEDY_BELOW = 1e-6
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0         # 0 (or below GREEDY_BELOW) = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
-    n: int = 1                       # samples per prompt
+    n: int = 1  # samples per prompt
 
     def validate(self) -> None:
         if not 1 <= self.max_new_tokens <= 32768:

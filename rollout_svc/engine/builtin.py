@@ -17,6 +17,7 @@ what ran in between) and loads weights only while no request is in flight. The e
 no copies of weights (parameters are updated in place), and every load drops the prefix cache, so
 no KV state computed from old weights survives a load even if a caller forgets flush_cache().
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -29,7 +30,6 @@ from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
 from weightsync.bus.plan import TensorMeta
 
-
 # Long prompts on a large model make each entry hundreds of MB, so entries alone do not bound memory.
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
@@ -38,8 +38,14 @@ class BuiltinEngine(Engine):
     name = "builtin"
     yields_between_steps = True
 
-    def __init__(self, model, config, *, max_prefix_cache_entries: int = 64,
-                 max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES):
+    def __init__(
+        self,
+        model,
+        config,
+        *,
+        max_prefix_cache_entries: int = 64,
+        max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+    ):
         # Inference only: frozen parameters keep a stray forward outside no_grad from building a graph.
         self.model = model.eval().requires_grad_(False)
         self.config = config
@@ -58,9 +64,16 @@ class BuiltinEngine(Engine):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    max_prefix_cache_entries: int = 64,
-                    max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES) -> "BuiltinEngine":
+    def from_config(
+        cls,
+        config,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_prefix_cache_entries: int = 64,
+        max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+    ) -> "BuiltinEngine":
         """Random init from `seed`: the same (config, seed) gives the same weights on any host
         (initialised in fp32 on CPU, then cast and moved), without touching the caller's RNG."""
         from transformers import AutoModelForCausalLM
@@ -69,19 +82,33 @@ class BuiltinEngine(Engine):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = model.to(device=device, dtype=dtype)
-        return cls(model, config, max_prefix_cache_entries=max_prefix_cache_entries,
-                   max_prefix_cache_bytes=max_prefix_cache_bytes)
+        return cls(
+            model,
+            config,
+            max_prefix_cache_entries=max_prefix_cache_entries,
+            max_prefix_cache_bytes=max_prefix_cache_bytes,
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                        max_prefix_cache_entries: int = 64,
-                        max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES) -> "BuiltinEngine":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_prefix_cache_entries: int = 64,
+        max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+    ) -> "BuiltinEngine":
         """Load a local HF directory (config + safetensors); never reaches the hub."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-        return cls(model, model.config, max_prefix_cache_entries=max_prefix_cache_entries,
-                   max_prefix_cache_bytes=max_prefix_cache_bytes)
+        return cls(
+            model,
+            model.config,
+            max_prefix_cache_entries=max_prefix_cache_entries,
+            max_prefix_cache_bytes=max_prefix_cache_bytes,
+        )
 
     # ---- weights ------------------------------------------------------------------------
     def hf_config(self):
@@ -108,8 +135,10 @@ class BuiltinEngine(Engine):
         for name, t in items:
             p = self._target(name)
             if p is None:
-                raise ValueError(f"tensor {name}: not a parameter of this {self.config.model_type} model "
-                                 f"(see param_metas() for the accepted HF names)")
+                raise ValueError(
+                    f"tensor {name}: not a parameter of this {self.config.model_type} model "
+                    f"(see param_metas() for the accepted HF names)"
+                )
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"tensor {name}: got {type(t).__name__}, expected a torch.Tensor")
             if tuple(t.shape) != tuple(p.shape):
@@ -156,8 +185,10 @@ class BuiltinEngine(Engine):
         if bad:
             raise ValueError(f"{what}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(ids) + extra > self.max_positions:
-            raise ValueError(f"{what}: {len(ids)} tokens + max_new_tokens {extra} exceed max_position_embeddings "
-                             f"{self.max_positions}")
+            raise ValueError(
+                f"{what}: {len(ids)} tokens + max_new_tokens {extra} exceed max_position_embeddings "
+                f"{self.max_positions}"
+            )
 
     @torch.no_grad()
     def _prefill(self, prompt: list[int]) -> tuple[object, torch.Tensor, bool]:
@@ -221,5 +252,5 @@ class BuiltinEngine(Engine):
         logits = self.model(torch.tensor([token_ids], device=self.device)).logits[0].float()
         logp = torch.log_softmax(logits[:-1], -1)
         targets = torch.tensor(token_ids[1:], device=self.device)
-        per_tok = logp.gather(-1, targets[:, None]).squeeze(-1)[prompt_length - 1:]
+        per_tok = logp.gather(-1, targets[:, None]).squeeze(-1)[prompt_length - 1 :]
         return per_tok.cpu().tolist(), logits[-1].cpu()

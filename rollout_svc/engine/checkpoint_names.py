@@ -10,6 +10,7 @@ every checkpoint tensor it returns is then the exact index map into its paramete
 integers exactly up to 2**53). A model without fused parameters costs nothing: its names are its
 parameters' names.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ class SplitParam:
 
     def copy_(self, t: torch.Tensor, non_blocking: bool = False) -> None:
         flat = self.fused.data.view(-1)
-        flat.index_copy_(0, self.index.reshape(-1).to(flat.device),
-                         t.reshape(-1).to(device=flat.device, dtype=flat.dtype))
+        flat.index_copy_(
+            0, self.index.reshape(-1).to(flat.device), t.reshape(-1).to(device=flat.device, dtype=flat.dtype)
+        )
 
 
 def checkpoint_views(model) -> dict[str, torch.nn.Parameter | SplitParam]:
@@ -55,7 +57,7 @@ def checkpoint_views(model) -> dict[str, torch.nn.Parameter | SplitParam]:
         probe[n] = torch.arange(base, base + numel, dtype=torch.float64).reshape(params[n].shape)
         bases.append((base, base + numel, n))
         base += numel
-    if base >= 2 ** 53:
+    if base >= 2**53:
         raise ValueError(f"{base} fused elements: too many to map exactly through float64 indices")
     out = {n: p for n, p in params.items() if n not in fused}
     for name, t in revert_weight_conversion(model, probe).items():
@@ -69,6 +71,8 @@ def checkpoint_views(model) -> dict[str, torch.nn.Parameter | SplitParam]:
         out[name] = SplitParam(params[owner], idx - start)
     covered = sum(v.numel() for k, v in out.items() if isinstance(v, SplitParam))
     if covered != sum(params[n].numel() for n in fused):
-        raise ValueError(f"checkpoint names cover {covered} of the {base} fused elements of "
-                         f"{type(model).__name__}; its weight conversion is not a plain split")
+        raise ValueError(
+            f"checkpoint names cover {covered} of the {base} fused elements of "
+            f"{type(model).__name__}; its weight conversion is not a plain split"
+        )
     return out

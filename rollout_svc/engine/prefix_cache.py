@@ -9,6 +9,7 @@ The key is the whole prompt, not a shared prefix: matching the longest cached pr
 a partial prefill on top of a cropped cache, whose numerics differ from a full prefill, and the
 "hit == miss, bit for bit" guarantee is worth more here than the extra hits.
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,7 +22,7 @@ import torch
 
 @dataclass
 class PrefixEntry:
-    cache: object            # transformers Cache after the prompt (batch 1)
+    cache: object  # transformers Cache after the prompt (batch 1)
     last_logits: torch.Tensor
     nbytes: int = 0
 
@@ -90,7 +91,8 @@ class PrefixCache:
             self._entries[key] = entry
             self._bytes += nbytes
             while len(self._entries) > self.max_entries or (
-                    self.max_bytes is not None and self._bytes > self.max_bytes):
+                self.max_bytes is not None and self._bytes > self.max_bytes
+            ):
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
         return True

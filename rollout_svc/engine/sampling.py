@@ -5,6 +5,7 @@ includes every T below GREEDY_BELOW),
 taken *before* top-k / top-p truncation: that is the quantity a trainer recomputes from its own
 logits, so the train/inference mismatch metric compares like with like.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ uses nothing outside it. This module imports nothing heavy: it is safe on any po
 Facts behind the entries were read from the sglang wheels named in `CHECKED_VERSIONS`
 (see docs/sglang.md for paths and the compatibility matrix).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class ApiUse:
     optional: the adapter feature-detects it at run time (`hasattr`); the test reports it
       per version instead of failing when it is absent.
     """
+
     kind: str
     module: str
     cls: str
@@ -55,93 +57,206 @@ _TM = "sglang.srt.managers.tokenizer_manager"
 
 SGLANG_API_USED: dict[str, ApiUse] = {
     # ---- lifecycle ---------------------------------------------------------------------
-    "Engine": ApiUse("class", _ENGINE, "Engine", why="in-process engine (tokenizer manager here, scheduler per TP rank in subprocesses)"),
-    "ServerArgs": ApiUse("server_args", "sglang.srt.server_args", "ServerArgs",
-                         params=("model_path", "tp_size", "dtype", "mem_fraction_static", "random_seed",
-                                 "skip_tokenizer_init", "enable_memory_saver", "base_gpu_id", "log_level",
-                                 "trust_remote_code", "context_length", "disable_radix_cache",
-                                 "enable_deterministic_inference"),
-                         why="Engine(**kwargs) builds ServerArgs(**kwargs)"),
+    "Engine": ApiUse(
+        "class",
+        _ENGINE,
+        "Engine",
+        why="in-process engine (tokenizer manager here, scheduler per TP rank in subprocesses)",
+    ),
+    "ServerArgs": ApiUse(
+        "server_args",
+        "sglang.srt.server_args",
+        "ServerArgs",
+        params=(
+            "model_path",
+            "tp_size",
+            "dtype",
+            "mem_fraction_static",
+            "random_seed",
+            "skip_tokenizer_init",
+            "enable_memory_saver",
+            "base_gpu_id",
+            "log_level",
+            "trust_remote_code",
+            "context_length",
+            "disable_radix_cache",
+            "enable_deterministic_inference",
+        ),
+        why="Engine(**kwargs) builds ServerArgs(**kwargs)",
+    ),
     "Engine.shutdown": ApiUse("method", _ENGINE, "Engine", "shutdown"),
-    "Engine.loop": ApiUse("attribute", _ENGINE, "Engine", "loop",
-                          why="the asyncio loop Engine's own sync wrappers run on; used for pause/continue"),
+    "Engine.loop": ApiUse(
+        "attribute",
+        _ENGINE,
+        "Engine",
+        "loop",
+        why="the asyncio loop Engine's own sync wrappers run on; used for pause/continue",
+    ),
     "Engine.tokenizer_manager": ApiUse("attribute", _ENGINE, "Engine", "tokenizer_manager"),
     # ---- generation --------------------------------------------------------------------
-    "Engine.generate": ApiUse("method", _ENGINE, "Engine", "generate",
-                              params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid")),
-    "SamplingParams": ApiUse("fields", "sglang.srt.sampling.sampling_params", "SamplingParams",
-                             params=("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n",
-                                     "sampling_seed"),
-                             why="keys of the sampling_params dict passed to Engine.generate"),
-    "GenerateReqInput": ApiUse("fields", _IO, "GenerateReqInput",
-                               params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid")),
+    "Engine.generate": ApiUse(
+        "method",
+        _ENGINE,
+        "Engine",
+        "generate",
+        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"),
+    ),
+    "SamplingParams": ApiUse(
+        "fields",
+        "sglang.srt.sampling.sampling_params",
+        "SamplingParams",
+        params=("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n", "sampling_seed"),
+        why="keys of the sampling_params dict passed to Engine.generate",
+    ),
+    "GenerateReqInput": ApiUse(
+        "fields",
+        _IO,
+        "GenerateReqInput",
+        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"),
+    ),
     "TokenizerManager.abort_request": ApiUse(
-        "method", _TM, "TokenizerManager", "abort_request", params=("rid",),
-        why="a cancelled Generate aborts its requests (called on Engine.loop: it writes the scheduler's ZMQ socket)"),
-    "generate output keys": ApiUse("literal", "sglang.srt.managers", "", params=(
-        "output_ids", "meta_info", "finish_reason", "output_token_logprobs", "input_token_logprobs", "type")),
+        "method",
+        _TM,
+        "TokenizerManager",
+        "abort_request",
+        params=("rid",),
+        why="a cancelled Generate aborts its requests (called on Engine.loop: it writes the scheduler's ZMQ socket)",
+    ),
+    "generate output keys": ApiUse(
+        "literal",
+        "sglang.srt.managers",
+        "",
+        params=("output_ids", "meta_info", "finish_reason", "output_token_logprobs", "input_token_logprobs", "type"),
+    ),
     # ---- cache and scheduling around a sync --------------------------------------------
     "Engine.flush_cache": ApiUse("method", _ENGINE, "Engine", "flush_cache"),
-    "FlushCacheReqOutput": ApiUse("fields", _IO, "FlushCacheReqOutput", params=("success",),
-                                  why="flush_cache's return; update_* return (success, message) tuples"),
+    "FlushCacheReqOutput": ApiUse(
+        "fields",
+        _IO,
+        "FlushCacheReqOutput",
+        params=("success",),
+        why="flush_cache's return; update_* return (success, message) tuples",
+    ),
     "TokenizerManager.pause_generation": ApiUse(
-        "method", _TM, "TokenizerManager", "pause_generation", params=("obj",), optional=True,
-        why="Engine has no pause wrapper in 0.5.10 or 0.5.23; reached via engine.tokenizer_manager"),
+        "method",
+        _TM,
+        "TokenizerManager",
+        "pause_generation",
+        params=("obj",),
+        optional=True,
+        why="Engine has no pause wrapper in 0.5.10 or 0.5.23; reached via engine.tokenizer_manager",
+    ),
     "TokenizerManager.continue_generation": ApiUse(
-        "method", _TM, "TokenizerManager", "continue_generation", params=("obj",), optional=True),
+        "method", _TM, "TokenizerManager", "continue_generation", params=("obj",), optional=True
+    ),
     "PauseGenerationReqInput": ApiUse("fields", _IO, "PauseGenerationReqInput", params=("mode",)),
-    "pause mode in_place": ApiUse("literal", _IO, "", params=("in_place",),
-                                  why="keep requests in the scheduler (none run: our engine lock serialises)"),
+    "pause mode in_place": ApiUse(
+        "literal",
+        _IO,
+        "",
+        params=("in_place",),
+        why="keep requests in the scheduler (none run: our engine lock serialises)",
+    ),
     "ContinueGenerationReqInput": ApiUse("class", _IO, "ContinueGenerationReqInput"),
     # ---- weight update: distributed (SGLang receives the NCCL broadcast itself) ----------
     "Engine.init_weights_update_group": ApiUse(
-        "method", _ENGINE, "Engine", "init_weights_update_group",
-        params=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")),
+        "method",
+        _ENGINE,
+        "Engine",
+        "init_weights_update_group",
+        params=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    ),
     "Engine.destroy_weights_update_group": ApiUse(
-        "method", _ENGINE, "Engine", "destroy_weights_update_group", params=("group_name",)),
+        "method", _ENGINE, "Engine", "destroy_weights_update_group", params=("group_name",)
+    ),
     "Engine.update_weights_from_distributed": ApiUse(
-        "method", _ENGINE, "Engine", "update_weights_from_distributed",
-        params=("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format")),
+        "method",
+        _ENGINE,
+        "Engine",
+        "update_weights_from_distributed",
+        params=("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+    ),
     "UpdateWeightsFromDistributedReqInput": ApiUse(
-        "fields", _IO, "UpdateWeightsFromDistributedReqInput",
-        params=("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format")),
+        "fields",
+        _IO,
+        "UpdateWeightsFromDistributedReqInput",
+        params=("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+    ),
     # ---- weight update: tensors / CUDA IPC (colocated, or receive-then-hand-over) -------
     "Engine.update_weights_from_tensor": ApiUse(
-        "method", _ENGINE, "Engine", "update_weights_from_tensor",
-        params=("named_tensors", "load_format", "flush_cache")),
+        "method",
+        _ENGINE,
+        "Engine",
+        "update_weights_from_tensor",
+        params=("named_tensors", "load_format", "flush_cache"),
+    ),
     "load_format flattened_bucket": ApiUse(
-        "literal", "sglang.srt.model_executor", "", params=("flattened_bucket", "flattened_tensor", "metadata"),
-        why="tp_worker / model runner branch on load_format == 'flattened_bucket' and read these dict keys"),
+        "literal",
+        "sglang.srt.model_executor",
+        "",
+        params=("flattened_bucket", "flattened_tensor", "metadata"),
+        why="tp_worker / model runner branch on load_format == 'flattened_bucket' and read these dict keys",
+    ),
     "FlattenedTensorMetadata": ApiUse(
-        "fields", "sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata",
-        params=("name", "shape", "dtype", "start_idx", "end_idx", "numel")),
+        "fields",
+        "sglang.srt.weight_sync.tensor_bucket",
+        "FlattenedTensorMetadata",
+        params=("name", "shape", "dtype", "start_idx", "end_idx", "numel"),
+    ),
     "MultiprocessingSerializer.serialize": ApiUse(
-        "method", "sglang.srt.utils.common", "MultiprocessingSerializer", "serialize", params=("obj",),
-        why="re-exported as sglang.srt.utils.MultiprocessingSerializer"),
+        "method",
+        "sglang.srt.utils.common",
+        "MultiprocessingSerializer",
+        "serialize",
+        params=("obj",),
+        why="re-exported as sglang.srt.utils.MultiprocessingSerializer",
+    ),
     "monkey_patch_torch_reductions": ApiUse(
-        "function", "sglang.srt.utils.patch_torch", "", "monkey_patch_torch_reductions",
-        why="CUDA IPC payloads carry the device UUID instead of the index so each TP rank remaps it"),
+        "function",
+        "sglang.srt.utils.patch_torch",
+        "",
+        "monkey_patch_torch_reductions",
+        why="CUDA IPC payloads carry the device UUID instead of the index so each TP rank remaps it",
+    ),
     "SafeUnpickler": ApiUse(
-        "unpickle", "sglang.srt.utils.common", "SafeUnpickler", params=(
+        "unpickle",
+        "sglang.srt.utils.common",
+        "SafeUnpickler",
+        params=(
             "torch.multiprocessing.reductions:rebuild_cuda_tensor",
             "sglang.srt.utils.patch_torch:_rebuild_cuda_tensor_modified",
             "torch.multiprocessing.reductions:rebuild_tensor",
             "torch.multiprocessing.reductions:rebuild_storage_fd",
             "multiprocessing.resource_sharer:DupFd",
             "sglang.srt.weight_sync.tensor_bucket:FlattenedTensorMetadata",
-            "copyreg:__newobj__", "torch:Tensor", "torch.storage:UntypedStorage", "torch:Size",
-            "torch:uint8", "torch:bfloat16", "torch:float16", "torch:float32",
+            "copyreg:__newobj__",
+            "torch:Tensor",
+            "torch.storage:UntypedStorage",
+            "torch:Size",
+            "torch:uint8",
+            "torch:bfloat16",
+            "torch:float16",
+            "torch:float32",
             # block FP8 syncs (export_dtype=fp8-block): e4m3 weights travel beside float32 scales
-            "torch:float8_e4m3fn"),
+            "torch:float8_e4m3fn",
+        ),
         why="the scheduler unpickles update payloads with an allow-list (module prefixes in 0.5.10, exact "
-            "(module, name) pairs in 0.5.23); every global our payloads pickle must pass it"),
+        "(module, name) pairs in 0.5.23); every global our payloads pickle must pass it",
+    ),
     # ---- colocated: hand the GPU back to the trainer between rollouts --------------------
     "Engine.release_memory_occupation": ApiUse(
-        "method", _ENGINE, "Engine", "release_memory_occupation", params=("tags",)),
+        "method", _ENGINE, "Engine", "release_memory_occupation", params=("tags",)
+    ),
     "Engine.resume_memory_occupation": ApiUse(
-        "method", _ENGINE, "Engine", "resume_memory_occupation", params=("tags",)),
-    "memory tags": ApiUse("literal", "sglang.srt.constants", "", params=("weights", "kv_cache", "cuda_graph"),
-                          why="tag values release/resume_memory_occupation accept"),
+        "method", _ENGINE, "Engine", "resume_memory_occupation", params=("tags",)
+    ),
+    "memory tags": ApiUse(
+        "literal",
+        "sglang.srt.constants",
+        "",
+        params=("weights", "kv_cache", "cuda_graph"),
+        why="tag values release/resume_memory_occupation accept",
+    ),
     # 0.5.2x: a weight-update session that restores / re-packs weights SGLang keeps in a kernel
     # layout (quantised). Absent in 0.5.10; used when present.
     "Engine.begin_weight_update": ApiUse("method", _ENGINE, "Engine", "begin_weight_update", optional=True),

@@ -14,6 +14,7 @@ application with its engine lock, so this lock is never contended in normal oper
 
 sglang is imported only inside functions: a builtin-engine pod never needs it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,14 +35,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SglangOptions:
-    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config's inference section when present."""
+    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config's inference section
+    when present."""
+
     model_path: str
     tp_size: int = 1
-    dtype: str = "bfloat16"                 # SGLang's --dtype: auto | bfloat16 | float16 | float32
+    dtype: str = "bfloat16"  # SGLang's --dtype: auto | bfloat16 | float16 | float32
     mem_fraction_static: float | None = None  # share of GPU memory for weights + KV cache (None: SGLang picks)
-    base_gpu_id: int = 0                    # first GPU of this engine's TP group
+    base_gpu_id: int = 0  # first GPU of this engine's TP group
     random_seed: int | None = None
-    colocated: bool = False                 # enable_memory_saver, so release/resume_memory work
+    colocated: bool = False  # enable_memory_saver, so release/resume_memory work
     # SGLang honours a per-request sampling_seed only with enable_deterministic_inference
     # (sampling_batch_info.from_schedule_batch); without it our `seed` is ignored.
     deterministic: bool = False
@@ -61,9 +64,14 @@ class SglangOptions:
 
 def _sampling_params_dict(s: SamplingParams, seed: int | None) -> dict:
     """Our SamplingParams as SGLang's sampling_params keys (one request, n=1)."""
-    d = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-             stop_token_ids=list(s.stop_token_ids), n=1)
-    if s.top_k > 0:                      # ours: 0 = off; SGLang's default already means "all"
+    d = dict(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        stop_token_ids=list(s.stop_token_ids),
+        n=1,
+    )
+    if s.top_k > 0:  # ours: 0 = off; SGLang's default already means "all"
         d.update(top_k=s.top_k)
     if seed is not None:
         d.update(sampling_seed=seed)
@@ -78,8 +86,12 @@ def _to_sample(prompt_index: int, out: dict) -> SampleResult:
         raise RuntimeError(f"sglang aborted the request for prompt {prompt_index}: {reason}")
     # output_token_logprobs: [(logprob, token_id, text_or_None), ...]
     lps = [float(row[0]) for row in meta.get("output_token_logprobs") or []]
-    return SampleResult(prompt_index=prompt_index, token_ids=list(out["output_ids"]), logprobs=lps,
-                        finish_reason="stop" if kind == "stop" else "length")
+    return SampleResult(
+        prompt_index=prompt_index,
+        token_ids=list(out["output_ids"]),
+        logprobs=lps,
+        finish_reason="stop" if kind == "stop" else "length",
+    )
 
 
 def _hf_param_metas(config: Any, dtype: torch.dtype) -> dict[str, TensorMeta]:
@@ -130,12 +142,21 @@ class SglangEngine(SglangWeightsMixin, Engine):
         from sglang.srt.entrypoints.engine import Engine
 
         # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
-        return Engine(model_path=o.model_path, tp_size=o.tp_size, dtype=o.dtype,
-                      mem_fraction_static=o.mem_fraction_static, base_gpu_id=o.base_gpu_id,
-                      random_seed=o.random_seed, enable_memory_saver=o.colocated,
-                      context_length=o.context_length, disable_radix_cache=o.disable_radix_cache,
-                      trust_remote_code=o.trust_remote_code, enable_deterministic_inference=o.deterministic,
-                      skip_tokenizer_init=True, log_level=o.log_level)
+        return Engine(
+            model_path=o.model_path,
+            tp_size=o.tp_size,
+            dtype=o.dtype,
+            mem_fraction_static=o.mem_fraction_static,
+            base_gpu_id=o.base_gpu_id,
+            random_seed=o.random_seed,
+            enable_memory_saver=o.colocated,
+            context_length=o.context_length,
+            disable_radix_cache=o.disable_radix_cache,
+            trust_remote_code=o.trust_remote_code,
+            enable_deterministic_inference=o.deterministic,
+            skip_tokenizer_init=True,
+            log_level=o.log_level,
+        )
 
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
@@ -145,20 +166,29 @@ class SglangEngine(SglangWeightsMixin, Engine):
 
         config, weights_dir = resolve_model(cfg.model)
         if not weights_dir:
-            raise ValueError(f"model={cfg.model!r}: engine=sglang needs an HF model directory with weights "
-                             "(built-in tiny configs exist only for the builtin engine)")
+            raise ValueError(
+                f"model={cfg.model!r}: engine=sglang needs an HF model directory with weights "
+                "(built-in tiny configs exist only for the builtin engine)"
+            )
         device = str(getattr(cfg, "device", "cuda:0"))
         gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
 
         def opt(name, default):
             return getattr(cfg, f"sglang_{name}", default)
 
-        opts = SglangOptions(model_path=weights_dir, tp_size=cfg.tp, dtype=cfg.dtype, base_gpu_id=gpu,
-                             random_seed=cfg.init_seed, mem_fraction_static=opt("mem_fraction_static", None),
-                             colocated=opt("colocated", False), context_length=opt("context_length", None),
-                             disable_radix_cache=opt("disable_radix_cache", False),
-                             trust_remote_code=opt("trust_remote_code", False),
-                             deterministic=opt("deterministic", False))
+        opts = SglangOptions(
+            model_path=weights_dir,
+            tp_size=cfg.tp,
+            dtype=cfg.dtype,
+            base_gpu_id=gpu,
+            random_seed=cfg.init_seed,
+            mem_fraction_static=opt("mem_fraction_static", None),
+            colocated=opt("colocated", False),
+            context_length=opt("context_length", None),
+            disable_radix_cache=opt("disable_radix_cache", False),
+            trust_remote_code=opt("trust_remote_code", False),
+            deterministic=opt("deterministic", False),
+        )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
 
     def _call(self, fn, *args, **kwargs):
@@ -205,7 +235,7 @@ class SglangEngine(SglangWeightsMixin, Engine):
         # shares the prompt's prefill between them.
         ids, params, owner = [], [], []
         for i, p in enumerate(prompts):
-            for j in range(sampling.n):
+            for _ in range(sampling.n):
                 seed = sampling.seed + len(ids) if self.opts.deterministic else None
                 ids.append(list(p))
                 params.append(_sampling_params_dict(sampling, seed))
@@ -221,8 +251,7 @@ class SglangEngine(SglangWeightsMixin, Engine):
         the batch slot given back), the generate call returns, and `step`'s exception is raised here."""
         rids = [uuid.uuid4().hex for _ in ids]
         if step is None:
-            return self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True,
-                              rid=rids)
+            return self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
         done, stopped = threading.Event(), []
 
         def watch():
@@ -241,8 +270,7 @@ class SglangEngine(SglangWeightsMixin, Engine):
         watcher = threading.Thread(target=watch, name="sglang-cancel-watch", daemon=True)
         watcher.start()
         try:
-            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True,
-                              rid=rids)
+            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
         except Exception:
             if not stopped:
                 raise
@@ -266,8 +294,13 @@ class SglangEngine(SglangWeightsMixin, Engine):
         # log-prob (None); so start one token early to get token_ids[prompt_length:]. (Measured on
         # SGLang 0.5.23's CPU engine, tests/sglang_exec/engine_e2e.py; asking for prompt_length came back
         # one short.)
-        out = self._call(self._sgl.generate, input_ids=list(token_ids), sampling_params=_sampling_params_dict(s, None),
-                         return_logprob=True, logprob_start_len=prompt_length - 1)
+        out = self._call(
+            self._sgl.generate,
+            input_ids=list(token_ids),
+            sampling_params=_sampling_params_dict(s, None),
+            return_logprob=True,
+            logprob_start_len=prompt_length - 1,
+        )
         rows = out["meta_info"]["input_token_logprobs"]
         lps = [float(r[0]) for r in rows if r[0] is not None]
         want = len(token_ids) - prompt_length
@@ -282,8 +315,10 @@ class SglangEngine(SglangWeightsMixin, Engine):
 
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
-            self._call(self._sgl.loop.run_until_complete,
-                       self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")))
+            self._call(
+                self._sgl.loop.run_until_complete,
+                self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
+            )
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
 
@@ -295,8 +330,10 @@ class SglangEngine(SglangWeightsMixin, Engine):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
         self.flush_cache()
         if hasattr(self._sgl.tokenizer_manager, "continue_generation"):
-            self._call(self._sgl.loop.run_until_complete,
-                       self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()))
+            self._call(
+                self._sgl.loop.run_until_complete,
+                self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()),
+            )
 
     def close(self) -> None:
         try:

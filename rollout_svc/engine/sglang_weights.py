@@ -60,6 +60,7 @@ process. So "load these tensors" always means handing SGLang something it can re
 
 Nothing here imports sglang at module import time.
 """
+
 from __future__ import annotations
 
 import logging
@@ -100,12 +101,17 @@ def dense_layout_error(plan: BucketPlan) -> str | None:
     for slot in plan.slots:
         m = slot.meta
         if slot.offset != end:
-            return (f"bucket {plan.index}: tensor {m.name} starts at byte {slot.offset} but SGLang's "
-                    f"flattened bucket packs densely (expects {end}); the trainer must plan buckets for "
-                    "SGLang distributed receivers without alignment padding (align=1)")
+            return (
+                f"bucket {plan.index}: tensor {m.name} starts at byte {slot.offset} but SGLang's "
+                f"flattened bucket packs densely (expects {end}); the trainer must plan buckets for "
+                "SGLang distributed receivers without alignment padding (align=1)"
+            )
         if end % m.dtype.itemsize:
-            return (f"bucket {plan.index}: tensor {m.name} ({m.dtype}) would start at byte {end}, not a multiple "
-                    f"of {m.dtype.itemsize}; SGLang 0.5.23's FlattenedTensorBucket.empty rejects it; order tensors so each is aligned")
+            return (
+                f"bucket {plan.index}: tensor {m.name} ({m.dtype}) would start at byte {end}, not a multiple "
+                f"of {m.dtype.itemsize}; SGLang 0.5.23's FlattenedTensorBucket.empty rejects it; order tensors "
+                f"so each is aligned"
+            )
         end += m.nbytes
     if plan.nbytes != end:
         return f"bucket {plan.index}: plan.nbytes={plan.nbytes} but its tensors add up to {end}"
@@ -115,10 +121,11 @@ def dense_layout_error(plan: BucketPlan) -> str | None:
 @dataclass(frozen=True)
 class UpdateGroup:
     """What a rollout needs to join SGLang's weight-update group (all of it travels over gRPC)."""
+
     master_address: str
     master_port: int
-    rank_offset: int          # this rollout's first rank; the trainer is rank 0
-    world_size: int           # 1 + every SGLang TP rank in the group
+    rank_offset: int  # this rollout's first rank; the trainer is rank 0
+    world_size: int  # 1 + every SGLang TP rank in the group
     group_name: str
     backend: str = "nccl"
 
@@ -139,12 +146,26 @@ class _IpcTensor:
 
     def __reduce__(self):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
         h = self.handle
         device = h.device_uuid or int(h.device)
-        args = (torch.Tensor, (self.nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, device,
-                bytes(h.handle), int(h.storage_size), int(h.storage_offset), False,
-                bytes(h.ref_counter_handle), int(h.ref_counter_offset), bytes(h.event_handle),
-                bool(h.event_sync_required))
+        args = (
+            torch.Tensor,
+            (self.nbytes,),
+            (1,),
+            0,
+            torch.UntypedStorage,
+            torch.uint8,
+            device,
+            bytes(h.handle),
+            int(h.storage_size),
+            int(h.storage_offset),
+            False,
+            bytes(h.ref_counter_handle),
+            int(h.ref_counter_offset),
+            bytes(h.event_handle),
+            bool(h.event_sync_required),
+        )
         return rebuild_cuda_tensor, args
 
 
@@ -173,6 +194,7 @@ class SglangWeightsMixin:
         """Load one received bucket; a CUDA buffer is handed over whole, at the plan's offsets."""
         if not buf.is_cuda:
             from weightsync.bus.pack import unpack_bucket
+
             self.load_weights(unpack_bucket(plan, buf))
             return
         self._send_flattened(self.bucket_payloads(plan, buf))
@@ -199,7 +221,7 @@ class SglangWeightsMixin:
     def bucket_payloads(self, plan: BucketPlan, buf: torch.Tensor) -> list[bytes]:
         """The received bucket whole, at the plan's (aligned) offsets; one payload per TP rank."""
         slots = [_slot_row(s) for s in plan.slots]
-        return [self._payload(buf[:plan.nbytes], slots)] * self.tp_size
+        return [self._payload(buf[: plan.nbytes], slots)] * self.tp_size
 
     # ---- path 2: colocated, trainer's CUDA IPC handle -----------------------------------
     def load_ipc_bucket(self, plan: BucketPlan, handles: list[Any]) -> None:
@@ -219,22 +241,33 @@ class SglangWeightsMixin:
 
         # Real CUDA tensors then pickle with the device UUID, as SGLang's schedulers expect.
         _patch_reductions()
-        metadata = [FlattenedTensorMetadata(name=n, shape=torch.Size(shape), dtype=dt, start_idx=a, end_idx=b,
-                                            numel=b - a)
-                    for n, shape, dt, a, b in slots]
+        metadata = [
+            FlattenedTensorMetadata(name=n, shape=torch.Size(shape), dtype=dt, start_idx=a, end_idx=b, numel=b - a)
+            for n, shape, dt, a, b in slots
+        ]
         return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
 
     def _send_flattened(self, payloads: list[bytes]) -> None:
-        res = self._call(self._sgl.update_weights_from_tensor, named_tensors=payloads, load_format="flattened_bucket",
-                         flush_cache=False)
+        res = self._call(
+            self._sgl.update_weights_from_tensor,
+            named_tensors=payloads,
+            load_format="flattened_bucket",
+            flush_cache=False,
+        )
         check_result(res, "update_weights_from_tensor(flattened_bucket)")
 
     # ---- path 3: SGLang receives the NCCL broadcast itself ------------------------------
     def join_update_group(self, group: UpdateGroup) -> None:
         """Blocks until the trainer (rank 0) and every other member have joined."""
         res = self._call(
-            self._sgl.init_weights_update_group, master_address=group.master_address, master_port=group.master_port, rank_offset=group.rank_offset,
-            world_size=group.world_size, group_name=group.group_name, backend=group.backend)
+            self._sgl.init_weights_update_group,
+            master_address=group.master_address,
+            master_port=group.master_port,
+            rank_offset=group.rank_offset,
+            world_size=group.world_size,
+            group_name=group.group_name,
+            backend=group.backend,
+        )
         check_result(res, f"init_weights_update_group({group.group_name})")
         self._update_group = group.group_name
 
@@ -242,8 +275,10 @@ class SglangWeightsMixin:
         name = self._update_group
         if name:
             self._update_group = ""
-            check_result(self._call(self._sgl.destroy_weights_update_group, group_name=name),
-                         f"destroy_weights_update_group({name})")
+            check_result(
+                self._call(self._sgl.destroy_weights_update_group, group_name=name),
+                f"destroy_weights_update_group({name})",
+            )
 
     def receive_bucket_distributed(self, plan: BucketPlan) -> None:
         """Receive bucket `plan` by SGLang's own broadcast (one collective) and load it.
@@ -259,9 +294,14 @@ class SglangWeightsMixin:
             raise ValueError(why)
         metas = [s.meta for s in plan.slots]
         res = self._call(
-            self._sgl.update_weights_from_distributed, names=[m.name for m in metas], dtypes=[_dtype_name(m.dtype) for m in metas],
-            shapes=[list(m.shape) for m in metas], group_name=group, flush_cache=False,
-            load_format="flattened_bucket")
+            self._sgl.update_weights_from_distributed,
+            names=[m.name for m in metas],
+            dtypes=[_dtype_name(m.dtype) for m in metas],
+            shapes=[list(m.shape) for m in metas],
+            group_name=group,
+            flush_cache=False,
+            load_format="flattened_bucket",
+        )
         check_result(res, f"update_weights_from_distributed(bucket {plan.index})")
 
     # ---- colocated: share the GPU with the trainer --------------------------------------
@@ -363,7 +403,15 @@ def serve_rendezvous(group: UpdateGroup, timeout_s: float = 600.0):
     store = c10d.PrefixStore(group.group_name, store)
     torch_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     opts_kw = {"backend_options" if torch_minor >= (2, 6) else "pg_options": None}
-    pg, _ = c10d._new_process_group_helper(group.world_size, 0, [], c10d.Backend(group.backend), store,
-                                           group_name=group.group_name, timeout=timeout, **opts_kw)
+    pg, _ = c10d._new_process_group_helper(
+        group.world_size,
+        0,
+        [],
+        c10d.Backend(group.backend),
+        store,
+        group_name=group.group_name,
+        timeout=timeout,
+        **opts_kw,
+    )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(group.world_size)}
     return pg

@@ -7,6 +7,7 @@ tiny built-in models have no tokenizer; text and chat need a model directory wit
 are the sampled token's only; streams are sent once the answer is complete; `token_ids` and
 `weight_version` (also the `X-Weight-Version` header) are extensions.
 """
+
 from rollout_svc.openai_api.routes import Served, rollout_router
 
 __all__ = ["Served", "rollout_router"]

@@ -4,6 +4,7 @@ The same budget and validation as gRPC Generate, the same fair admission, engine
 a client that disconnects stops its generation at the next decode step. Errors come back as
 OpenAI error bodies with the HTTP status of their gRPC code.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,15 @@ def sampling_params(body, max_tokens: int) -> SamplingParams:
         raise ApiError(400, f"seed={body.seed} must be in [0, 2**63 - 1]", "seed")
     check_ranges(max_tokens=max_tokens, n=body.n, top_k=body.top_k)
     try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed or 0, stop_token_ids=tuple(body.stop_token_ids),
-                              n=body.n)
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed or 0,
+            stop_token_ids=tuple(body.stop_token_ids),
+            n=body.n,
+        )
     except (TypeError, ValueError) as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -58,8 +65,9 @@ async def generate(servicer, request: Request, prompts: list[list[int]], samplin
 
     def run():
         with servicer.rollout_metrics.generation(endpoint) as done:
-            results, version = servicer.generate(prompts, sampling, client,
-                                                 is_active=lambda: not (gone.is_set() or stopping.is_set()))
+            results, version = servicer.generate(
+                prompts, sampling, client, is_active=lambda: not (gone.is_set() or stopping.is_set())
+            )
             done(sum(map(len, prompts)), sum(len(r.token_ids) for r in results))
             return results, version
 

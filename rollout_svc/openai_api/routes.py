@@ -7,6 +7,7 @@ tokens are then sent one chunk each. A stream therefore starts late but is exact
 and log-probs are those of the same request without `stream`, and a request that fails does so
 with an ordinary HTTP error, never mid-stream.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,18 +39,25 @@ from weightsync.http.errors import ApiError
 @dataclass
 class Served:
     """What the routes serve: the model id clients name, and the bounds of a default max_tokens."""
+
     model: str
     version: Callable[[], int]
-    max_new_tokens: int                 # the rollout's limits.max_new_tokens
-    context_length: int | None = None   # the model's positions (prompt + completion), when known
+    max_new_tokens: int  # the rollout's limits.max_new_tokens
+    context_length: int | None = None  # the model's positions (prompt + completion), when known
 
 
-_ERRORS = {400: {"description": "invalid request (the message names the field)"},
-           404: {"description": "not the served model (GET /v1/models)"},
-           429: {"description": "too many requests in flight (this client's share or the rollout's); retry"},
-           503: {"description": "engine busy applying weights, STALE, or not ready; retry"}}
-_STREAM = {200: {"content": {"text/event-stream": {}},
-                 "description": "the answer; with `stream: true`, server-sent events ending with `data: [DONE]`"}}
+_ERRORS = {
+    400: {"description": "invalid request (the message names the field)"},
+    404: {"description": "not the served model (GET /v1/models)"},
+    429: {"description": "too many requests in flight (this client's share or the rollout's); retry"},
+    503: {"description": "engine busy applying weights, STALE, or not ready; retry"},
+}
+_STREAM = {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "the answer; with `stream: true`, server-sent events ending with `data: [DONE]`",
+    }
+}
 
 
 def _sse(chunks: Iterable[dict], version: int) -> StreamingResponse:
@@ -58,8 +66,9 @@ def _sse(chunks: Iterable[dict], version: int) -> StreamingResponse:
             yield f"data: {json.dumps(c)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"X-Weight-Version": str(version), "Cache-Control": "no-cache"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"X-Weight-Version": str(version), "Cache-Control": "no-cache"}
+    )
 
 
 def _stops(stop) -> list[str]:
@@ -79,8 +88,12 @@ def rollout_router(servicer, served: Served) -> APIRouter:
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served.model:
-            raise ApiError(404, f"model: {name!r} is not served here; this rollout serves {served.model!r} "
-                                "(GET /v1/models)", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model: {name!r} is not served here; this rollout serves {served.model!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
 
     def head(prefix: str, version: int) -> answers.Head:
         return answers.Head(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), served.model, version)
@@ -89,21 +102,32 @@ def rollout_router(servicer, served: Served) -> APIRouter:
     def models():
         return ModelList(data=[card()])
 
-    @r.get("/models/{model_id:path}", response_model=ModelCard, summary="the served model by id",
-           responses={404: _ERRORS[404]})
+    @r.get(
+        "/models/{model_id:path}",
+        response_model=ModelCard,
+        summary="the served model by id",
+        responses={404: _ERRORS[404]},
+    )
     def model(model_id: str):
         check_model(model_id)
         return card()
 
-    @r.post("/completions", response_model=CompletionResponse, responses={**_STREAM, **_ERRORS},
-            summary="OpenAI-compatible completions from the rollout's current weights")
+    @r.post(
+        "/completions",
+        response_model=CompletionResponse,
+        responses={**_STREAM, **_ERRORS},
+        summary="OpenAI-compatible completions from the rollout's current weights",
+    )
     async def completions(body: CompletionRequest, request: Request, response: Response):
         check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= 5:
             raise ApiError(400, f"logprobs={body.logprobs} must be in [0, 5]", "logprobs")
         if body.echo and body.logprobs is not None:
-            raise ApiError(400, "echo: not with logprobs (the prompt's log-probs are not computed); use the gRPC "
-                                "Score call for them", "echo")
+            raise ApiError(
+                400,
+                "echo: not with logprobs (the prompt's log-probs are not computed); use the gRPC Score call for them",
+                "echo",
+            )
         stops = _stops(body.stop)
         sampling = sampling_params(body, body.max_tokens)
 
@@ -132,8 +156,9 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             if body.stream:
                 include = body.stream_options is not None and body.stream_options.include_usage
                 return list(answers.completion_chunks(h, samples, decode, logprobs, echo, use if include else None))
-            return h.obj("text_completion", choices=answers.completion_choices(samples, decode, logprobs, echo),
-                         usage=use)
+            return h.obj(
+                "text_completion", choices=answers.completion_choices(samples, decode, logprobs, echo), usage=use
+            )
 
         out = await anyio.to_thread.run_sync(answer)  # decoding is CPU work: off the event loop
         if body.stream:
@@ -141,16 +166,28 @@ def rollout_router(servicer, served: Served) -> APIRouter:
         response.headers["X-Weight-Version"] = str(version)
         return out
 
-    @r.post("/chat/completions", response_model=ChatCompletionResponse, responses={**_STREAM, **_ERRORS},
-            summary="OpenAI-compatible chat completions: the messages rendered with the model's chat template")
+    @r.post(
+        "/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_STREAM, **_ERRORS},
+        summary="OpenAI-compatible chat completions: the messages rendered with the model's chat template",
+    )
     async def chat(body: ChatCompletionRequest, request: Request, response: Response):
         check_model(body.model)
         if body.top_logprobs:
-            raise ApiError(400, f"top_logprobs={body.top_logprobs}: only 0 is supported (the engine reports the "
-                                "sampled token's log-prob; set logprobs: true)", "top_logprobs")
+            raise ApiError(
+                400,
+                f"top_logprobs={body.top_logprobs}: only 0 is supported (the engine reports the "
+                "sampled token's log-prob; set logprobs: true)",
+                "top_logprobs",
+            )
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
-            raise ApiError(400, f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
-                                "disagree; send one of them", "max_completion_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
+                "disagree; send one of them",
+                "max_completion_tokens",
+            )
         stops = _stops(body.stop)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         check_ranges(max_completion_tokens=asked)

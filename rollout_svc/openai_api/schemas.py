@@ -3,6 +3,7 @@
 Unknown fields are refused (400 naming them) rather than ignored: a client that sends
 `presence_penalty` must learn it had no effect.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -22,6 +23,7 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """The fields completions and chat share."""
+
     model_config = ConfigDict(extra="forbid")
     model: Text | None = Field(None, description="the served model id (GET /v1/models); another id is a 404")
     temperature: float = Field(1.0, description="0 = greedy")
@@ -29,8 +31,9 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, description="extension: 0 = off")
     n: int = Field(1, description="completions per prompt")
     seed: int | None = Field(None, description="sampling seed (default 0: a rollout's sampling is reproducible)")
-    stop: Text | list[Text] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings: the text ends "
-                                                              "before the first one (needs a tokenizer)")
+    stop: Text | list[Text] | None = Field(
+        None, description=f"up to {MAX_STOP_STRINGS} strings: the text ends before the first one (needs a tokenizer)"
+    )
     stop_token_ids: list[int] = Field(default_factory=list, description="extension: extra stop tokens")
     stream: bool = Field(False, description="server-sent events in OpenAI's chunk format, ending with [DONE]")
     stream_options: StreamOptions | None = None
@@ -38,8 +41,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Prompt = Field(..., description="token ids, a list of token-id lists, text, or a list of texts "
-                                            "(text needs a model with a tokenizer)")
+    prompt: Prompt = Field(
+        ...,
+        description="token ids, a list of token-id lists, text, or a list of texts "
+        "(text needs a model with a tokenizer)",
+    )
     max_tokens: int = Field(16, description="new tokens per completion, 1..32768")
     logprobs: int | None = Field(None, description="0..5: return the sampled tokens' log-probs (top_logprobs is null)")
     echo: bool = Field(False, description="the prompt's text before each completion's text (not with logprobs)")
@@ -60,13 +66,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., description="the conversation; rendered with the model's chat template")
-    max_completion_tokens: int | None = Field(None, description="new tokens per choice; default: the rest of the "
-                                                                "context, within the rollout's max_new_tokens")
+    max_completion_tokens: int | None = Field(
+        None, description="new tokens per choice; default: the rest of the context, within the rollout's max_new_tokens"
+    )
     max_tokens: int | None = Field(None, description="the older name of max_completion_tokens")
     logprobs: bool = Field(False, description="the sampled tokens' log-probs")
     top_logprobs: int | None = Field(None, description="only 0: the engine reports the sampled token's log-prob")
-    add_generation_prompt: bool = Field(True, description="extension (as vLLM): end the prompt with the "
-                                                          "assistant's turn header")
+    add_generation_prompt: bool = Field(
+        True, description="extension (as vLLM): end the prompt with the assistant's turn header"
+    )
 
 
 class Usage(BaseModel):
@@ -75,8 +83,9 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-_VERSION = Field(..., description="the weight version every token of this answer came from "
-                                  "(also the X-Weight-Version header)")
+_VERSION = Field(
+    ..., description="the weight version every token of this answer came from (also the X-Weight-Version header)"
+)
 
 
 class CompletionResponse(BaseModel):

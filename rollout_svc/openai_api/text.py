@@ -5,6 +5,7 @@ after the first token whose text completes a stop string, and its text ends just
 string (OpenAI's rule: the stop string itself is not returned). `token_ids` and `logprobs` are cut
 at the same token, so an RL caller still gets exactly the tokens whose text it reads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,6 +17,7 @@ Decode = Callable[[list[int]], str]
 @dataclass
 class Sample:
     """One finished choice, as the surface reports it."""
+
     index: int
     prompt_index: int
     token_ids: list[int]
@@ -29,8 +31,9 @@ def _first_stop(text: str, stops: list[str]) -> int:
     return min(hits) if hits else -1
 
 
-def cut_at_stop(decode: Decode, ids: list[int], logprobs: list[float], stops: list[str]
-                ) -> tuple[list[int], list[float], str, bool]:
+def cut_at_stop(
+    decode: Decode, ids: list[int], logprobs: list[float], stops: list[str]
+) -> tuple[list[int], list[float], str, bool]:
     """(ids, logprobs, text, stopped): cut at the first token whose text contains a stop string."""
     text = decode(ids)
     if not stops or _first_stop(text, stops) < 0:
@@ -44,7 +47,7 @@ def cut_at_stop(decode: Decode, ids: list[int], logprobs: list[float], stops: li
         else:
             lo = mid + 1
     text = decode(ids[:lo])
-    return ids[:lo], logprobs[:lo], text[:_first_stop(text, stops)], True
+    return ids[:lo], logprobs[:lo], text[: _first_stop(text, stops)], True
 
 
 def token_pieces(decode: Decode, ids: list[int], text: str) -> list[str]:
@@ -58,10 +61,10 @@ def token_pieces(decode: Decode, ids: list[int], text: str) -> list[str]:
     """
     pieces, sent, start, read = [], 0, 0, 0
     for i in range(len(ids)):
-        before, now = decode(ids[start:read]), decode(ids[start:i + 1])
+        before, now = decode(ids[start:read]), decode(ids[start : i + 1])
         piece = ""
         if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
-            piece = now[len(before):]
+            piece = now[len(before) :]
             start, read = read, i + 1
         if piece and text.startswith(piece, sent):
             sent += len(piece)

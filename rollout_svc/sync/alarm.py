@@ -4,6 +4,7 @@ A rollout holds at most one prepared sync, so one alarm serves every sync of the
 threading.Timer per prepare started (and left behind) a thread per sync, work the steady state
 does not need on a path whose fixed cost we count in milliseconds.
 """
+
 from __future__ import annotations
 
 import logging

@@ -8,6 +8,7 @@ its `apply_mode` selects:
 - inplace (apply_inplace.py) — the gate is taken at the first bucket and buckets are loaded as they
                                arrive; an abort after the first bucket leaves the engine STALE.
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,9 @@ class ApplyStrategy(ABC):
         self.host = host
 
     @abstractmethod
-    def consume(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
-                defer_check: bool) -> tuple[object, bool]:
+    def consume(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
         """Take bucket `plan` (bytes in `buf`) of sync `p`: (our checksum — an int, a PendingChecksum
         read at commit, or None without checksums —, whether its copy was deferred)."""
 

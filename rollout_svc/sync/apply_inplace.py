@@ -8,6 +8,7 @@ a bucket is copied straight into them and that copy is its checksum pass
 (weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,12 +37,13 @@ class InPlaceApply(ApplyStrategy):
         self._holding = False  # the sync holds the engine gate since its first bucket (host.state_lock)
         self._pausing = threading.Lock()  # one sender thread waits to pause generation at a time
 
-    def consume(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
-                defer_check: bool) -> tuple[object, bool]:
+    def consume(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
         checked = bool(p.manifest.checksum_algo)
         ours = None
         if checked and not p.applied_any:
-            ours = bucket_checksum(buf[:plan.nbytes])
+            ours = bucket_checksum(buf[: plan.nbytes])
             verify(plan.index, ours, sender_checksum)
         if not self._holding:
             self._pause_engine(p)
@@ -52,19 +54,21 @@ class InPlaceApply(ApplyStrategy):
             if self.host.left_behind(p):
                 raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
             p.applied_any = True
-            copied, deferred = self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked \
-                else (None, False)
+            copied, deferred = (
+                self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
+            )
             if copied is None:
                 if checked and ours is None:
-                    ours = bucket_checksum(buf[:plan.nbytes])
+                    ours = bucket_checksum(buf[: plan.nbytes])
                     verify(plan.index, ours, sender_checksum)
                 self._load(p, plan, buf)
             elif ours is None:  # the first bucket keeps the sum checked before the write
                 ours = copied
         return ours, deferred
 
-    def _write_direct(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
-                      defer_check: bool) -> tuple[object, bool]:
+    def _write_direct(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
         """Copy the bucket byte for byte into the engine's parameters, checksumming as it copies:
         (the copy's checksum, whether it was deferred), or (None, False) when the parameters cannot
         take it as it is (the engine then loads it). Already in the parameters when the check runs:
@@ -108,8 +112,10 @@ class InPlaceApply(ApplyStrategy):
                 if got and gone():
                     host.engine_lock.release()
                 if gone() and p.error != TIMED_OUT:
-                    raise SyncError(f"sync {p.manifest.sync_id} was aborted while it waited to pause generation: "
-                                    f"{p.error or 'superseded'}")
+                    raise SyncError(
+                        f"sync {p.manifest.sync_id} was aborted while it waited to pause generation: "
+                        f"{p.error or 'superseded'}"
+                    )
                 if not got or gone():  # the deadline passed (our wait's or the sync's timer)
                     raise SyncError("could not pause generation before the sync deadline", "DEADLINE_EXCEEDED")
                 self._holding = True

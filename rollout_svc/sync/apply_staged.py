@@ -4,6 +4,7 @@ The engine keeps serving the old version while bytes stream, and an abort just d
 copy; it costs a host copy of the weights. Each bucket is copied out of the sender's buffer and
 checked in one pass (weightsync/bus/verified_copy.py) before anything enters the staging copy.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,9 @@ class StagedApply(ApplyStrategy):
         super().__init__(host)
         self._holding = False  # the commit holds the engine gate (guarded by host.state_lock)
 
-    def consume(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None,
-                defer_check: bool) -> tuple[object, bool]:
+    def consume(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
         ours, deferred = None, False
         if p.manifest.checksum_algo:
             flat, ours = copy_bucket(plan, buf, wait=not defer_check)
@@ -62,11 +64,16 @@ class StagedApply(ApplyStrategy):
             if not gone():
                 host.abort_locked("the engine stayed busy generating until the sync's deadline")
             elif p.error != TIMED_OUT:  # the timer at the same deadline is the same verdict as ours
-                raise SyncError(f"sync {p.manifest.sync_id} was aborted while its commit waited for the engine: "
-                                f"{p.error or 'superseded'}")
-        raise SyncError(f"sync {p.manifest.sync_id}: the engine did not become free to apply the weights "
-                        "before the sync's deadline (a long generation holds it); raise the sync "
-                        "timeout or lower the rollout's generation limits", "DEADLINE_EXCEEDED")
+                raise SyncError(
+                    f"sync {p.manifest.sync_id} was aborted while its commit waited for the engine: "
+                    f"{p.error or 'superseded'}"
+                )
+        raise SyncError(
+            f"sync {p.manifest.sync_id}: the engine did not become free to apply the weights "
+            "before the sync's deadline (a long generation holds it); raise the sync "
+            "timeout or lower the rollout's generation limits",
+            "DEADLINE_EXCEEDED",
+        )
 
     def apply(self, p: PendingSync) -> None:
         engine = self.host.engine

@@ -15,6 +15,7 @@ Two levels:
 Every wait is bounded: a request that cannot get a pin or a turn within its timeout is refused
 with UNAVAILABLE, and waiting turns re-check their client every 100 ms.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,7 @@ class Turn:
 
     def check(self) -> None:
         if not self.is_active():
-            raise GateError("request cancelled by the client (or its deadline passed); generation stopped",
-                            "CANCELLED")
+            raise GateError("request cancelled by the client (or its deadline passed); generation stopped", "CANCELLED")
 
     def __call__(self) -> None:
         self.check()
@@ -69,8 +69,7 @@ class EngineGate:
         self._tickets = itertools.count()
 
     # ---- exclusive side: a sync changing the weights (lock-like) -------------------------
-    def acquire(self, blocking: bool = True, timeout: float = -1,
-                give_up: Callable[[], bool] | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float = -1, give_up: Callable[[], bool] | None = None) -> bool:
         """Lock-like; `give_up` (checked every 100 ms while waiting) ends the wait early, False."""
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
         with self._cond:

@@ -6,6 +6,7 @@ bounded like the gRPC server's (`request_limits`, by full method name) and refus
 length before they are read. At most `max_links` links are open at once; TCP keepalive closes
 one whose trainer vanished without closing it, so a dead peer cannot hold a slot for long.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -19,15 +20,27 @@ import grpc
 
 from weightsync.bus.errors import TransportError
 from weightsync.control.grpc_server import MAX_MESSAGE_BYTES
-from weightsync.control.sync_link import (ACCEPTED, METHODS, NONCE_BYTES, FrameTooLarge, frame, link_mac,
-                                          read_frame, recv_exact)
+from weightsync.control.sync_link import (
+    ACCEPTED,
+    METHODS,
+    NONCE_BYTES,
+    FrameTooLarge,
+    frame,
+    link_mac,
+    read_frame,
+    recv_exact,
+)
 
 log = logging.getLogger(__name__)
 
 _SERVICE = "/weightsync.v1.Rollout/"
 # (level, option, value): probe an idle link after 30 s, drop it after 3 unanswered probes 10 s apart
-_KEEPALIVE = ((socket.SOL_SOCKET, "SO_KEEPALIVE", 1), (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 30),
-              (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 10), (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3))
+_KEEPALIVE = (
+    (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+    (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 30),
+    (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 10),
+    (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
+)
 
 
 class _Aborted(Exception):
@@ -64,8 +77,9 @@ def _keepalive(conn: socket.socket) -> None:
 
 
 class SyncLinkServer:
-    def __init__(self, servicer, token: str, request_limits: dict[str, int], max_links: int = 4,
-                 hello_timeout: float = 10.0):
+    def __init__(
+        self, servicer, token: str, request_limits: dict[str, int], max_links: int = 4, hello_timeout: float = 10.0
+    ):
         self.servicer = servicer
         self.token = token
         self.request_limits = request_limits
@@ -125,22 +139,30 @@ class SyncLinkServer:
                 kind, payload = read_frame(conn, None, self._limit)
             except FrameTooLarge as exc:  # its bytes are left unread: answer, then drop the link
                 name = METHODS[exc.kind][0] if exc.kind in METHODS else f"method {exc.kind}"
-                conn.sendall(self._error(grpc.StatusCode.INVALID_ARGUMENT,
-                                         f"{_SERVICE}{name}: request of {exc.size} bytes exceeds this server's "
-                                         f"limit of {exc.limit} bytes for it"))
+                conn.sendall(
+                    self._error(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{_SERVICE}{name}: request of {exc.size} bytes exceeds this server's "
+                        f"limit of {exc.limit} bytes for it",
+                    )
+                )
                 return
             conn.sendall(self._dispatch(kind, payload, peer))
 
     def _dispatch(self, kind: int, payload: bytes, peer: str) -> bytes:
         if kind not in METHODS:
-            return self._error(grpc.StatusCode.UNIMPLEMENTED, f"sync link: no method {kind} (known: "
-                                                              f"{', '.join(n for n, _, _ in METHODS.values())})")
+            return self._error(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"sync link: no method {kind} (known: {', '.join(n for n, _, _ in METHODS.values())})",
+            )
         name, request_type, _ = METHODS[kind]
         try:
             request = request_type.FromString(payload)
         except Exception as exc:  # protobuf DecodeError: the client's error, as over gRPC
-            return self._error(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{_SERVICE}{name}: the request is not a valid protobuf message ({exc})")
+            return self._error(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{_SERVICE}{name}: the request is not a valid protobuf message ({exc})",
+            )
         try:
             response = getattr(self.servicer, name)(request, _LinkContext(peer))
         except _Aborted as exc:

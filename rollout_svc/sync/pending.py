@@ -5,6 +5,7 @@ A sync may have several senders (trainer ranks each streaming the buckets of the
 `BucketSpec.sender`), each on its own connection and thread: every field written by more than one
 of them is guarded by `lock`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,9 @@ TIMED_OUT = "timed out before commit"
 def verify(index: int, ours: int | None, sender_checksum: int | None) -> None:
     """SyncError DATA_LOSS when bucket `index`'s checksum differs from the sender's (both known)."""
     if sender_checksum is not None and ours is not None and ours != sender_checksum:
-        raise SyncError(f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)",
-                        "DATA_LOSS")
+        raise SyncError(
+            f"bucket {index}: checksum {ours:#x} != sender's {sender_checksum:#x} (corrupted in transit)", "DATA_LOSS"
+        )
 
 
 @dataclass
@@ -59,15 +61,17 @@ class PendingSync:
         """Bucket `index` is the next one its sender owes; raise otherwise."""
         sender = self.manifest.buckets[index].sender if 0 <= index < len(self.manifest.buckets) else None
         if sender is None:
-            raise SyncError(f"bucket {index} arrived; the manifest has {len(self.manifest.buckets)} buckets",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                f"bucket {index} arrived; the manifest has {len(self.manifest.buckets)} buckets", "INVALID_ARGUMENT"
+            )
         with self.lock:
             k = self.arrived[sender]
             order = self.order[sender]
             if k >= len(order) or order[k] != index:
                 want = order[k] if k < len(order) else "none (all arrived)"
-                raise SyncError(f"bucket {index} arrived from sender {sender}, expected bucket {want}",
-                                "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"bucket {index} arrived from sender {sender}, expected bucket {want}", "INVALID_ARGUMENT"
+                )
             self.arrived[sender] = k + 1
 
     def record(self, index: int, checksum: int | None) -> None:

@@ -15,6 +15,7 @@ Versions are ordered within one trainer identity: a PrepareSync from the trainer
 served version, with a lower version, is a rollback and is refused unless the request says
 `allow_rollback` (`wsctl sync --allow-rollback`); an accepted rollback is logged and counted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class TrainerPin:
-    def __init__(self, configured_id: str = "", trainer_address: str = "",
-                 ask_trainer: Callable[[], str] | None = None):
+    def __init__(
+        self, configured_id: str = "", trainer_address: str = "", ask_trainer: Callable[[], str] | None = None
+    ):
         self.configured_id = configured_id
         self.trainer_address = trainer_address
         #: returns the id of the trainer at `trainer_address` ("" when unreachable)
@@ -49,17 +51,24 @@ class TrainerPin:
             if not trainer_id or trainer_id == self.pinned or self.configured_id:
                 return
             if self.pinned:
-                log.warning("the trainer at %s now has id %s (was %s): it restarted; following it",
-                            self.trainer_address, trainer_id, self.pinned)
+                log.warning(
+                    "the trainer at %s now has id %s (was %s): it restarted; following it",
+                    self.trainer_address,
+                    trainer_id,
+                    self.pinned,
+                )
             else:
                 log.info("following trainer %s (%s)", trainer_id, how)
             self.pinned, self.how = trainer_id, how
 
     def _refusal(self, trainer_id: str, call: str) -> SyncError:
-        return SyncError(f"{call} from trainer {trainer_id or '(no id)'!r} refused: this rollout follows trainer "
-                         f"{self.pinned!r} ({self.how}). A second trainer must not overwrite its weights. If this "
-                         "trainer replaced the old one on purpose, restart the rollout, or start both with the same "
-                         "--trainer-id", "FAILED_PRECONDITION")
+        return SyncError(
+            f"{call} from trainer {trainer_id or '(no id)'!r} refused: this rollout follows trainer "
+            f"{self.pinned!r} ({self.how}). A second trainer must not overwrite its weights. If this "
+            "trainer replaced the old one on purpose, restart the rollout, or start both with the same "
+            "--trainer-id",
+            "FAILED_PRECONDITION",
+        )
 
     def check(self, trainer_id: str, call: str = "PrepareSync") -> None:
         """Accept `trainer_id` or raise SyncError(FAILED_PRECONDITION) naming both ids and the fix."""
@@ -72,8 +81,12 @@ class TrainerPin:
         current = self._ask_trainer()
         with self._lock:
             if trainer_id and current == trainer_id:
-                log.warning("the trainer at %s now has id %s (was %s): it restarted; following it",
-                            self.trainer_address, trainer_id, self.pinned)
+                log.warning(
+                    "the trainer at %s now has id %s (was %s): it restarted; following it",
+                    self.trainer_address,
+                    trainer_id,
+                    self.pinned,
+                )
                 self.pinned, self.how = trainer_id, f"the trainer at {self.trainer_address} (re-pinned after a restart)"
                 return
             if trainer_id == self.pinned:
@@ -92,9 +105,17 @@ class TrainerPin:
         if version >= served or trainer_id != self.served_by or not self.served_by:
             return False
         if not allow:
-            raise SyncError(f"sync to version {version} refused: this rollout serves version {served} from the same "
-                            f"trainer {trainer_id!r}, and going back is a rollback. To roll back on purpose, run "
-                            "`wsctl sync --allow-rollback`", "FAILED_PRECONDITION")
-        log.warning("ROLLBACK accepted: trainer %s takes this rollout from version %d back to %d "
-                    "(allow_rollback was requested)", trainer_id, served, version)
+            raise SyncError(
+                f"sync to version {version} refused: this rollout serves version {served} from the same "
+                f"trainer {trainer_id!r}, and going back is a rollback. To roll back on purpose, run "
+                "`wsctl sync --allow-rollback`",
+                "FAILED_PRECONDITION",
+            )
+        log.warning(
+            "ROLLBACK accepted: trainer %s takes this rollout from version %d back to %d "
+            "(allow_rollback was requested)",
+            trainer_id,
+            served,
+            version,
+        )
         return True

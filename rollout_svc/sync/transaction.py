@@ -15,6 +15,7 @@ own; `BucketSpec.sender`). Each sender's buckets arrive in their own order on th
 connection, concurrently with the others; the sync is complete only when every bucket of every
 sender has arrived and verified, and a failure on any sender's connection aborts the whole sync.
 """
+
 from __future__ import annotations
 
 import logging
@@ -95,20 +96,29 @@ class SyncTransaction:
         for meta in metas:
             want = self._metas.get(meta.name)
             if want is None:
-                raise SyncError(f"tensor {meta.name}: the engine has no such parameter "
-                                f"(trainer family {manifest.model_family or '?'}; check both serve the same model)",
-                                "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"tensor {meta.name}: the engine has no such parameter "
+                    f"(trainer family {manifest.model_family or '?'}; check both serve the same model)",
+                    "INVALID_ARGUMENT",
+                )
             if tuple(want.shape) != tuple(meta.shape):
-                raise SyncError(f"tensor {meta.name}: trainer sends shape {list(meta.shape)}, engine expects "
-                                f"{list(want.shape)} (different model config?)", "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"tensor {meta.name}: trainer sends shape {list(meta.shape)}, engine expects "
+                    f"{list(want.shape)} (different model config?)",
+                    "INVALID_ARGUMENT",
+                )
             if not (meta.dtype.is_floating_point and want.dtype.is_floating_point) and meta.dtype != want.dtype:
-                raise SyncError(f"tensor {meta.name}: dtype {meta.dtype} cannot be loaded as {want.dtype}",
-                                "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"tensor {meta.name}: dtype {meta.dtype} cannot be loaded as {want.dtype}", "INVALID_ARGUMENT"
+                )
             seen.add(meta.name)
         missing = sorted(set(self._metas) - seen)
         if missing:
-            raise SyncError(f"tensor {missing[0]}: the manifest lacks it ({len(missing)} engine parameters missing); "
-                            "a sync must carry the whole model", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"tensor {missing[0]}: the manifest lacks it ({len(missing)} engine parameters missing); "
+                "a sync must carry the whole model",
+                "INVALID_ARGUMENT",
+            )
         if digest:
             if len(self._valid_layouts) >= 16:  # layouts change rarely; keep the set small
                 self._valid_layouts.clear()
@@ -128,8 +138,14 @@ class SyncTransaction:
                 self.state = S.SYNCING
             sync_id = manifest.sync_id
             self._timeout.arm(timeout, lambda: self._expire(sync_id))
-        log.info("prepared sync %s: version %d, %d buckets, %d bytes, mode %s", manifest.sync_id, manifest.version,
-                 len(manifest.buckets), manifest.total_bytes, self.apply_mode)
+        log.info(
+            "prepared sync %s: version %d, %d buckets, %d bytes, mode %s",
+            manifest.sync_id,
+            manifest.version,
+            len(manifest.buckets),
+            manifest.total_bytes,
+            self.apply_mode,
+        )
         self._on_change()
 
     def _expire(self, sync_id: str) -> None:
@@ -147,8 +163,9 @@ class SyncTransaction:
             raise SyncError(f"sync {sync_id} already failed: {p.error}")
         return p
 
-    def consume_bucket(self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None,
-                       defer_check: bool = False) -> bool:
+    def consume_bucket(
+        self, sync_id: str, index: int, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool = False
+    ) -> bool:
         """Accept bucket `index` (bytes in `buf`, which the caller may reuse after return, or, with
         `defer_check`, only once the sync has committed or aborted).
 
@@ -183,8 +200,10 @@ class SyncTransaction:
         try:
             p = self._require(sync_id)
             if sender not in p.order:
-                raise SyncError(f"sender {sender} streams no bucket of sync {sync_id} (senders: "
-                                f"{sorted(p.order)})", "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"sender {sender} streams no bucket of sync {sync_id} (senders: {sorted(p.order)})",
+                    "INVALID_ARGUMENT",
+                )
             for plan in p.manifest.buckets_of(sender):
                 left = p.deadline - time.monotonic()
                 if left <= 0:
@@ -226,8 +245,9 @@ class SyncTransaction:
             finally:
                 self._apply.release()  # after the new version (or STALE) is set: a request pinned next sees it
             self.last_apply_seconds = time.perf_counter() - t0 + 0.0
-            log.info("committed sync %s: now serving version %d (%.3fs apply)", sync_id, version,
-                     self.last_apply_seconds)
+            log.info(
+                "committed sync %s: now serving version %d (%.3fs apply)", sync_id, version, self.last_apply_seconds
+            )
         self._on_change()
         return self.version, self.weights_checksum, time.monotonic() - p.started
 
@@ -241,10 +261,12 @@ class SyncTransaction:
         with self.state_lock:
             self.abort_locked("commit arrived before all buckets did")
         late = not finished or p.error == TIMED_OUT
-        raise SyncError(f"sync {p.manifest.sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets "
-                        f"arrived {'before the deadline' if late else 'before it was aborted: ' + p.error} "
-                        f"(missing per sender rank: {p.missing()})",
-                        "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION")
+        raise SyncError(
+            f"sync {p.manifest.sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets "
+            f"arrived {'before the deadline' if late else 'before it was aborted: ' + p.error} "
+            f"(missing per sender rank: {p.missing()})",
+            "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION",
+        )
 
     def _check_commit(self, p: PendingSync, version: int, checksums: dict[int, int]) -> None:
         """The commit against what was prepared and received (under state_lock); a mismatch aborts."""
@@ -266,8 +288,9 @@ class SyncTransaction:
                 raise SyncError(f"bucket {i}: checksum {ours:#x} != trainer's {checksums[i]:#x}", "DATA_LOSS")
         if len(checksums) != len(p.received):
             self.abort_locked("commit lacks bucket checksums")
-            raise SyncError(f"commit carries {len(checksums)} checksums for {len(p.received)} buckets",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                f"commit carries {len(checksums)} checksums for {len(p.received)} buckets", "INVALID_ARGUMENT"
+            )
 
     def _finish_locked(self, p: PendingSync, version: int) -> None:
         self.version = version
@@ -299,8 +322,10 @@ class SyncTransaction:
         p.done.set()
         if p.applied_any or self.state == S.STALE:
             self.state = S.STALE
-            self.last_error = f"sync {p.manifest.sync_id} aborted after weights were partly applied ({reason}); " \
-                              "generation refused until a complete sync commits"
+            self.last_error = (
+                f"sync {p.manifest.sync_id} aborted after weights were partly applied ({reason}); "
+                "generation refused until a complete sync commits"
+            )
         else:
             self.state = S.SERVING
             self.last_error = f"sync {p.manifest.sync_id} aborted ({reason}); still serving version {self.version}"

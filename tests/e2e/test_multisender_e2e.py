@@ -3,6 +3,7 @@ pipeline stages (and expert-parallel leaders) each stream their own buckets to t
 TCP. Each rollout's data port sits behind a BusProxy (tests.support.bus_proxy), which sees which trainer
 rank sends on each connection and can cut one sender's link or fire a hook mid-stream.
 """
+
 from __future__ import annotations
 
 import glob
@@ -14,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from reliability_helpers import MODEL_KW, rstub, score, status, sync_rpc, tstub, wait_for
 from safetensors.torch import load_file
 
-from reliability_helpers import MODEL_KW, rstub, score, status, sync_rpc, tstub, wait_for
 from tests.support.bus_proxy import BusProxy, SenderLinks
 from weightsync.local.procs import free_port, wait_registered, wsctl
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -29,16 +30,29 @@ pytestmark = pytest.mark.slow
 def _fleet(procs, model: str, nproc: int, *trainer_args: str, rate: float | None = None):
     """A torchrun trainer and two rollouts whose data ports sit behind per-sender link proxies."""
     links = SenderLinks(rate)
-    trainer = procs.trainer("--model", model, "--pp", "2", "--bucket-mb", "1", "--no-auto-sync-new-rollouts",
-                            *trainer_args, nproc=nproc)
+    trainer = procs.trainer(
+        "--model", model, "--pp", "2", "--bucket-mb", "1", "--no-auto-sync-new-rollouts", *trainer_args, nproc=nproc
+    )
     rollouts, proxies = [], []
     for i in range(2):
         dport = free_port()
         # the rollout listens on 127.0.0.1 and advertises 127.0.0.(2+i), where its proxy listens
         proxies.append(BusProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport), links))
-        rollouts.append(procs.rollout("--model", model, "--init-seed", str(10 + i), "--trainer-address",
-                                      trainer.address, "--data-address", f"127.0.0.1:{dport}",
-                                      "--advertise-data-host", f"127.0.0.{2 + i}", name=f"r{i}"))
+        rollouts.append(
+            procs.rollout(
+                "--model",
+                model,
+                "--init-seed",
+                str(10 + i),
+                "--trainer-address",
+                trainer.address,
+                "--data-address",
+                f"127.0.0.1:{dport}",
+                "--advertise-data-host",
+                f"127.0.0.{2 + i}",
+                name=f"r{i}",
+            )
+        )
     trainer.wait_ready(240)
     for r in rollouts:
         r.wait_ready()
@@ -56,6 +70,7 @@ def _exported(trainer, out: Path) -> dict[str, torch.Tensor]:
 
 def _hf_logits(model_dir: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     torch.set_num_threads(1)  # as the rollout process runs: same reduction order, exact equality
     with torch.no_grad():
@@ -141,6 +156,7 @@ def test_pp2_fp8_every_stage_quantizes_and_streams_its_own_layers(procs):
         assert rep.ok, rep
         from rollout_svc.engine.builtin import BuiltinEngine
         from weightsync.models import resolve_model
+
         plain = len(BuiltinEngine.from_config(resolve_model("tiny-qwen2")[0], seed=0).param_metas())
         assert rep.num_tensors > plain  # weights travel with their *_scale_inv
         s = _senders(rep)
@@ -179,6 +195,7 @@ def test_a_sender_killed_mid_stream_aborts_the_sync_on_every_rollout(procs):
     # 34 MB (17 MB per stage and connection, more than the socket buffers on the way hold), paced
     # at 5 MB/s per sender: rank 1 is killed after its first MB, with most of its layers unsent
     from transformers import Qwen2Config
+
     model = procs.tmp / "model"
     Qwen2Config(**MODEL_KW).save_pretrained(str(model))
     trainer, rollouts, proxies, links = _fleet(procs, str(model), 2, rate=5e6)
@@ -226,6 +243,7 @@ def test_moe_pp2_ep2_every_stage_and_expert_leader_streams_its_own(procs):
         rep = sync_rpc(trainer.address)
         assert rep.ok, rep
         sd = _exported(trainer, procs.tmp / "exported")
+
         # megatron's rank order with TP=1, PP=2, EP=2 on 4 ranks: stage s holds ranks 2s, 2s+1; the
         # dense leader of stage s is rank 2s and EP rank e of stage s is rank 2s+e. 4 experts: EP
         # rank e holds experts 2e, 2e+1 of each of its stage's layers.
@@ -235,6 +253,7 @@ def test_moe_pp2_ep2_every_stage_and_expert_leader_streams_its_own(procs):
             if ".mlp.experts." in n:
                 return 2 * stage + int(n.split(".")[5]) // 2
             return 2 * stage
+
         want = {rank: _bytes(sd, lambda n, rank=rank: owner(n) == rank) for rank in range(4)}
         got = {s.rank: s.bytes for s in rep.senders}
         assert got == want, (got, want)

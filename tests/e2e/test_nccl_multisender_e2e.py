@@ -6,6 +6,7 @@ rank 0 planning a group per sender, the SendJob carrying each rank its group, ev
 and keeping its communicator, each rollout joining both groups and committing once both senders'
 buckets have arrived. The same paths on real NCCL: tests/gpu/test_multisender_gpu.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
 from reliability_helpers import MODEL_KW, rstub, score, status, tstub, wait_for
 from test_multisender_e2e import PROMPT, _bytes, _exported, _hf_logits, _layer, _rank_pid, _senders
+
 from weightsync.local.procs import wait_registered
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -35,10 +36,22 @@ def gloo_nccl(monkeypatch):
 
 
 def _fleet(procs, model: str):
-    trainer = procs.trainer("--model", model, "--pp", "2", "--bucket-mb", "1", "--no-auto-sync-new-rollouts",
-                            "--nccl-init-timeout-s", "60", nproc=2)
-    rollouts = [procs.rollout("--model", model, "--init-seed", str(10 + i), "--trainer-address", trainer.address,
-                              name=f"r{i}") for i in range(2)]
+    trainer = procs.trainer(
+        "--model",
+        model,
+        "--pp",
+        "2",
+        "--bucket-mb",
+        "1",
+        "--no-auto-sync-new-rollouts",
+        "--nccl-init-timeout-s",
+        "60",
+        nproc=2,
+    )
+    rollouts = [
+        procs.rollout("--model", model, "--init-seed", str(10 + i), "--trainer-address", trainer.address, name=f"r{i}")
+        for i in range(2)
+    ]
     trainer.wait_ready(240)
     for r in rollouts:
         r.wait_ready()
@@ -84,6 +97,7 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
 
 def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs, gloo_nccl):
     from transformers import Qwen2Config
+
     model = procs.tmp / "model"
     Qwen2Config(**MODEL_KW).save_pretrained(str(model))
     trainer, rollouts = _fleet(procs, str(model))

@@ -8,6 +8,7 @@ lines are started first and the rest run once both services answer, as a person 
 The fresh-machine commands at the top run elsewhere: `./scripts/demo.sh` in tests/e2e/test_main_job.py,
 `./scripts/test.sh` as CI itself (.ci/run; here it would be this very suite).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ SECTION = "## Running the services yourself"
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     assert SECTION in text, f"README.md lost its section {SECTION!r}"
-    block = re.search(r"```bash\n(.*?)```", text[text.index(SECTION):], re.S)
+    block = re.search(r"```bash\n(.*?)```", text[text.index(SECTION) :], re.S)
     assert block, f"no ```bash block under {SECTION!r}"
     joined = re.sub(r"\\\n\s*", " ", block.group(1))  # backslash continuations
     return [c.strip() for c in joined.splitlines() if c.strip() and not c.strip().startswith("#")]
@@ -58,8 +59,9 @@ def _activation(cmds: list[str]) -> str:
 
 
 def _bash(line: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f"set -o pipefail; {line}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {line}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_readme_service_commands_run_as_written(tmp_path):
@@ -74,21 +76,34 @@ def test_readme_service_commands_run_as_written(tmp_path):
     background = [c[:-1].strip() for c in rest if c.endswith("&")]
     foreground = [c for c in rest if not c.endswith("&")]
     assert len(background) == 2 and foreground
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+    }
     procs = []
     try:
         for i, c in enumerate(background):
             log = (tmp_path / f"bg{i}.log").open("w")
-            procs.append(subprocess.Popen(["bash", "-c", f"{activate} && exec {c}"], cwd=ROOT, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    ["bash", "-c", f"{activate} && exec {c}"],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         http_ports = [int(m) for c in background for m in re.findall(r"--http-address 127\.0\.0\.1:(\d+)", c)]
         deadline = time.monotonic() + 180
         for hp in http_ports:
             while True:
                 dead = [p for p in procs if p.poll() is not None]
                 assert not dead, "a README service exited:\n" + "\n".join(
-                    (tmp_path / f"bg{i}.log").read_text()[-3000:] for i in range(len(procs)))
+                    (tmp_path / f"bg{i}.log").read_text()[-3000:] for i in range(len(procs))
+                )
                 try:
                     if http_get(hp, "/readyz", timeout=1)[0] == 200:
                         break

@@ -3,6 +3,7 @@
 Mixed weights are detected by MixedWeightChecker: Score(return_last_logits) answers must equal,
 bit for bit, the logits a fully synced rollout returned for the version the answer reports.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,19 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from reliability_helpers import (
+    MixedWeightChecker,
+    jitter,
+    load,
+    make_model_dirs,
+    rstub,
+    score,
+    status,
+    sync_rpc,
+    tstub,
+    wait_for,
+)
 
-from reliability_helpers import (MixedWeightChecker, jitter, load, make_model_dirs, rstub, score, status, sync_rpc,
-                                 tstub, wait_for)
 from tests.support.bus_proxy import BusProxy
 from weightsync.local.procs import free_port, http_get
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -34,8 +45,7 @@ def model(tmp_path_factory):
     return cfg_dir, sets
 
 
-def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_args=(), rollout_args=(),
-                 proxies=None):
+def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_args=(), rollout_args=(), proxies=None):
     """Rollouts first (to record the version-0 logits), then the trainer on a fixed port; all caught up.
     proxies: {rollout index: BusProxy}; that rollout listens on 127.0.0.1 at the proxy's port and advertises
     the proxy's host, so the trainer's bus connection passes through the proxy."""
@@ -44,12 +54,25 @@ def _start_fleet(procs, cfg_dir, first_set, modes=("staged", "staged"), trainer_
     rollouts = []
     for i, mode in enumerate(modes):
         port = free_port()
-        args = ("--model", str(cfg_dir), "--init-seed", "7", "--trainer-address", taddr, "--apply-mode", mode,
-                "--heartbeat-s", "1", *rollout_args)
+        args = (
+            "--model",
+            str(cfg_dir),
+            "--init-seed",
+            "7",
+            "--trainer-address",
+            taddr,
+            "--apply-mode",
+            mode,
+            "--heartbeat-s",
+            "1",
+            *rollout_args,
+        )
         if proxies and i in proxies:
             host, dport = proxies[i].sock.getsockname()
             args += ("--data-address", f"127.0.0.1:{dport}", "--advertise-data-host", host)
-        rollouts.append(dict(name=f"r{i}", port=port, args=args, proc=procs.rollout(*args, name=f"r{i}", grpc_port=port)))
+        rollouts.append(
+            dict(name=f"r{i}", port=port, args=args, proc=procs.rollout(*args, name=f"r{i}", grpc_port=port))
+        )
     for r in rollouts:
         r["proc"].wait_ready()
     refs = {0: score(rstub(rollouts[0]["proc"]))[0]}
@@ -94,8 +117,7 @@ def test_kill_rollout_mid_sync_repeatedly(procs, model, request):
     by_set = _set_refs(taddr, rollouts, sets, refs)
     mid_sync = 0
     t_start = time.monotonic()
-    with MixedWeightChecker(refs, [r["proc"].address for r in rollouts]) as checker, \
-            ThreadPoolExecutor(1) as pool:
+    with MixedWeightChecker(refs, [r["proc"].address for r in rollouts]) as checker, ThreadPoolExecutor(1) as pool:
         for i in range(KILL_ITERATIONS):
             victim, survivor = rollouts[i % 2], rollouts[1 - i % 2]
             k = i % len(sets)
@@ -126,8 +148,10 @@ def test_kill_rollout_mid_sync_repeatedly(procs, model, request):
             st = status(rstub(victim["proc"]))
             assert st.state == rollout_pb2.SERVING and torch.equal(score(rstub(victim["proc"]))[0], refs[v])
     elapsed = time.monotonic() - t_start
-    print(f"\nkill loop: {KILL_ITERATIONS} iterations in {elapsed:.1f}s, {mid_sync} killed before commit, "
-          f"{checker.checked} Score answers checked, {checker.refused} refused")
+    print(
+        f"\nkill loop: {KILL_ITERATIONS} iterations in {elapsed:.1f}s, {mid_sync} killed before commit, "
+        f"{checker.checked} Score answers checked, {checker.refused} refused"
+    )
     assert not checker.mismatches, checker.mismatches[:5]
     assert not checker.unknown_versions, sorted(set(checker.unknown_versions))
     assert not checker.bad_codes, checker.bad_codes[:5]
@@ -170,9 +194,14 @@ def test_trainer_dies_mid_sync(procs, model, fault, request):
     # the sync is prepared or streaming however fast the box streams (a test racing an unpaced stream
     # loses whenever the sync is fast)
     proxy = _proxies(request, 2)[1]
-    trainer, taddr, targs, rollouts, refs = _start_fleet(procs, cfg_dir, sets[0], modes=("staged", "inplace"),
-                                                         trainer_args=("--sync-timeout-s", str(timeout_s)),
-                                                         proxies={1: proxy})
+    trainer, taddr, targs, rollouts, refs = _start_fleet(
+        procs,
+        cfg_dir,
+        sets[0],
+        modes=("staged", "inplace"),
+        trainer_args=("--sync-timeout-s", str(timeout_s)),
+        proxies={1: proxy},
+    )
     for r, mode in zip(rollouts, ("staged", "inplace")):
         r["mode"] = mode
     by_set = _set_refs(taddr, rollouts, sets[:2], refs)
@@ -188,8 +217,11 @@ def test_trainer_dies_mid_sync(procs, model, fault, request):
         proxy.set("slow", rate=4 << 20)
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(lambda: tstub(taddr).Sync(trainer_pb2.SyncRequest()))
-            ready = (lambda: status(rstub(rollouts[1]["proc"])).state == rollout_pb2.APPLYING) if streaming else \
-                (lambda: all(status(rstub(r["proc"])).pending_sync_id for r in rollouts))
+            ready = (
+                (lambda: status(rstub(rollouts[1]["proc"])).state == rollout_pb2.APPLYING)
+                if streaming
+                else (lambda: all(status(rstub(r["proc"])).pending_sync_id for r in rollouts))
+            )
             try:
                 wait_for(lambda: fut.done() or ready(), 30, "sync in flight", interval=0.002)
             except TimeoutError:
@@ -201,8 +233,11 @@ def test_trainer_dies_mid_sync(procs, model, fault, request):
                 trainer.stop(sig_kill=True)
             # every engine leaves the prepared sync within the timeout (+ slack for a busy 2-core box)
             for r in rollouts:
-                wait_for(lambda r=r: not status(rstub(r["proc"])).pending_sync_id, timeout_s + 5,
-                         f"{r['name']} aborts the sync")
+                wait_for(
+                    lambda r=r: not status(rstub(r["proc"])).pending_sync_id,
+                    timeout_s + 5,
+                    f"{r['name']} aborts the sync",
+                )
             waited = time.monotonic() - t0
             for r in rollouts:
                 _check_complete(r, refs, prev, v, seen_stale)
@@ -218,9 +253,13 @@ def test_trainer_dies_mid_sync(procs, model, fault, request):
         trainer = procs.trainer(*targs, backend="hf")
         trainer.wait_ready()
         for r in rollouts:
-            wait_for(lambda r=r: (lambda s: s.state == rollout_pb2.SERVING and s.version == 1
-                                  and not s.pending_sync_id)(status(rstub(r["proc"]))), 60,
-                     f"{r['name']} back on the restarted trainer's v1")
+            wait_for(
+                lambda r=r: (lambda s: s.state == rollout_pb2.SERVING and s.version == 1 and not s.pending_sync_id)(
+                    status(rstub(r["proc"]))
+                ),
+                60,
+                f"{r['name']} back on the restarted trainer's v1",
+            )
             assert torch.equal(score(rstub(r["proc"]))[0], by_set[0])
         if attempt >= 1 and mid >= 4 and seen_stale:
             break
@@ -236,10 +275,29 @@ def test_bus_connection_cut_or_stalled_by_a_proxy(procs, model):
     # The rollout listens on 127.0.0.1:dport and advertises 127.0.0.2:dport, where the proxy listens.
     proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
     try:
-        r = procs.rollout("--model", str(cfg_dir), "--trainer-address", taddr, "--data-address",
-                          f"127.0.0.1:{dport}", "--advertise-data-host", "127.0.0.2", name="r0")
-        trainer = procs.trainer("--model", str(sets[0]), "--bucket-mb", "1", "--grpc-address", taddr,
-                                "--sync-timeout-s", str(timeout_s), "--no-auto-sync-new-rollouts", backend="hf")
+        r = procs.rollout(
+            "--model",
+            str(cfg_dir),
+            "--trainer-address",
+            taddr,
+            "--data-address",
+            f"127.0.0.1:{dport}",
+            "--advertise-data-host",
+            "127.0.0.2",
+            name="r0",
+        )
+        trainer = procs.trainer(
+            "--model",
+            str(sets[0]),
+            "--bucket-mb",
+            "1",
+            "--grpc-address",
+            taddr,
+            "--sync-timeout-s",
+            str(timeout_s),
+            "--no-auto-sync-new-rollouts",
+            backend="hf",
+        )
         r.wait_ready()
         trainer.wait_ready()
         wait_for(lambda: tstub(taddr).GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts, 30, "registered")
@@ -271,6 +329,7 @@ def test_bus_connection_cut_or_stalled_by_a_proxy(procs, model):
 def _raw_hello(address: str, sync_id: str, mac: bytes, sender: int = 0) -> bytes:
     """Connect to the bus, send a hello, and return what the rollout does (b'' = it closed on us)."""
     from weightsync.bus.tcp.wire import hello_frame
+
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(hello_frame(sync_id, sender, mac))
@@ -284,6 +343,7 @@ def _raw_hello(address: str, sync_id: str, mac: bytes, sender: int = 0) -> bytes
 def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     from weightsync.bus.plan import TensorMeta, make_manifest, manifest_to_proto
     from weightsync.bus.tcp.wire import hello_mac
+
     tok = tmp_path / "token"
     tok.write_text("s3cret\n")
     trainer = procs.trainer("--model", "tiny-qwen2", "--auth-token-file", str(tok), backend="hf")
@@ -292,12 +352,14 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     r.wait_ready()
     # control plane: every admin / rollout call without (or with a wrong) token is UNAUTHENTICATED
     for tokn in ("", "wrong"):
-        calls = [lambda: tstub(trainer, tokn).GetStatus(trainer_pb2.TrainerStatusRequest()),
-                 lambda: tstub(trainer, tokn).Sync(trainer_pb2.SyncRequest()),
-                 lambda: tstub(trainer, tokn).LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path="/x")),
-                 lambda: tstub(trainer, tokn).ExportHf(trainer_pb2.ExportHfRequest(out_dir=str(tmp_path / "e"))),
-                 lambda: rstub(r, tokn).GetStatus(rollout_pb2.GetStatusRequest()),
-                 lambda: rstub(r, tokn).AbortSync(rollout_pb2.AbortSyncRequest(sync_id="x"))]
+        calls = [
+            lambda: tstub(trainer, tokn).GetStatus(trainer_pb2.TrainerStatusRequest()),
+            lambda: tstub(trainer, tokn).Sync(trainer_pb2.SyncRequest()),
+            lambda: tstub(trainer, tokn).LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path="/x")),
+            lambda: tstub(trainer, tokn).ExportHf(trainer_pb2.ExportHfRequest(out_dir=str(tmp_path / "e"))),
+            lambda: rstub(r, tokn).GetStatus(rollout_pb2.GetStatusRequest()),
+            lambda: rstub(r, tokn).AbortSync(rollout_pb2.AbortSyncRequest(sync_id="x")),
+        ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as ei:
                 call()
@@ -305,7 +367,9 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     assert not (tmp_path / "e").exists()
     # bus: prepare a real sync, then knock with a wrong HMAC and with a sync id that is not prepared
     from transformers import AutoConfig, AutoModelForCausalLM
+
     from weightsync.models import TINY
+
     kw = dict(TINY["tiny-qwen2"])
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw))
     metas = [TensorMeta(n, tuple(p.shape), p.dtype) for n, p in hf.named_parameters()]
@@ -324,6 +388,7 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
     # the right token on the same prepared sync goes through: the bus itself works
     from weightsync.bus.pipeline import stream_buckets
     from weightsync.bus.tcp.wire import TcpBucketSender
+
     sender = TcpBucketSender({"r": data_addr}, "v5-test", "s3cret", timeout=30)
     try:
         stream_buckets(man, iter([(n, p.detach()) for n, p in hf.named_parameters()]), sender, timeout=30)
@@ -357,8 +422,10 @@ def test_generation_keeps_serving_during_syncs(procs, model, tmp_path):
     cfg_dir, sets = model
     trainer, taddr, _, rollouts, refs = _start_fleet(procs, cfg_dir, sets[0], modes=("staged",))
     stub = rstub(rollouts[0]["proc"])
-    req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=list(range(3, 35)))],
-                                      sampling=rollout_pb2.SamplingParams(max_new_tokens=8, temperature=0.0))
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=list(range(3, 35)))],
+        sampling=rollout_pb2.SamplingParams(max_new_tokens=8, temperature=0.0),
+    )
     gen = lambda: stub.Generate(req)  # noqa: E731
     seconds = float(os.environ.get("WS_LATENCY_SECONDS", "8"))
     idle, idle_err = _latency(gen, seconds, workers=2)
@@ -377,10 +444,17 @@ def test_generation_keeps_serving_during_syncs(procs, model, tmp_path):
     stop.set()
     th.join(120)
     pct = lambda xs, q: float(np.percentile(np.array(xs) * 1e3, q))  # noqa: E731
-    out = dict(idle_p50_ms=pct(idle, 50), idle_p99_ms=pct(idle, 99), idle_n=len(idle),
-               sync_p50_ms=pct(busy, 50), sync_p99_ms=pct(busy, 99), sync_n=len(busy),
-               syncs=len(syncs), syncs_ok=sum(s.ok for s in syncs),
-               sync_seconds_mean=float(np.mean([s.seconds for s in syncs])) if syncs else 0.0)
+    out = dict(
+        idle_p50_ms=pct(idle, 50),
+        idle_p99_ms=pct(idle, 99),
+        idle_n=len(idle),
+        sync_p50_ms=pct(busy, 50),
+        sync_p99_ms=pct(busy, 99),
+        sync_n=len(busy),
+        syncs=len(syncs),
+        syncs_ok=sum(s.ok for s in syncs),
+        sync_seconds_mean=float(np.mean([s.seconds for s in syncs])) if syncs else 0.0,
+    )
     print("\nlatency " + json.dumps(out))
     (tmp_path / "latency.json").write_text(json.dumps(out))
     assert idle_err == 0 and busy_err == 0

@@ -7,16 +7,15 @@
 - kill -9 after a checkpoint, restart with resume: the next step continues at the saved step with
   the identical loss.
 """
+
 import json
 import subprocess
 import sys
 import time
 
-import pytest
-
+from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import wsctl
 from weightsync.rl import LoopConfig, TargetTokensTask, run_loop
-from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import trainer_pb2
 
 STEPS = 14
@@ -41,8 +40,18 @@ def _fleet(procs, monkeypatch, n_rollouts=2, **env):
         monkeypatch.setenv(k, v)
     trainer = procs.trainer("--model", "tiny-qwen2", "--init-seed", "1")
     trainer.wait_ready(300)
-    rollouts = [procs.rollout("--model", "tiny-qwen2", "--init-seed", str(10 + i), "--trainer-address",
-                              trainer.address, name=f"rollout-{i}") for i in range(n_rollouts)]
+    rollouts = [
+        procs.rollout(
+            "--model",
+            "tiny-qwen2",
+            "--init-seed",
+            str(10 + i),
+            "--trainer-address",
+            trainer.address,
+            name=f"rollout-{i}",
+        )
+        for i in range(n_rollouts)
+    ]
     for r in rollouts:
         r.wait_ready(300)
     _wait_registered(trainer, n_rollouts)
@@ -70,9 +79,25 @@ def test_reward_rises_with_sync_and_rollouts_track_the_trainer(procs, monkeypatc
 
 def test_no_sync_control_stays_at_chance(tmp_path):
     out = tmp_path / "records.json"
-    cmd = [sys.executable, "-m", "weightsync.rl", "--steps", str(STEPS), "--no-sync", "--rollouts", "1", "--quiet",
-           "--lr", LR, "--json", str(out), "--workdir", str(tmp_path / "w"), "--backend",
-           __import__("tests.e2e.conftest", fromlist=["BACKEND"]).BACKEND]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightsync.rl",
+        "--steps",
+        str(STEPS),
+        "--no-sync",
+        "--rollouts",
+        "1",
+        "--quiet",
+        "--lr",
+        LR,
+        "--json",
+        str(out),
+        "--workdir",
+        str(tmp_path / "w"),
+        "--backend",
+        __import__("tests.e2e.conftest", fromlist=["BACKEND"]).BACKEND,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -86,23 +111,33 @@ def test_no_sync_control_stays_at_chance(tmp_path):
 
 def test_kill_after_checkpoint_and_resume_gives_the_identical_next_step(procs, monkeypatch, tmp_path):
     ckpt = tmp_path / "ckpt"
-    trainer, rollouts = _fleet(procs, monkeypatch, n_rollouts=1, WS_TRAINER_CHECKPOINT_DIR=str(ckpt),
-                               WS_TRAINER_RESUME="true")
+    trainer, rollouts = _fleet(
+        procs, monkeypatch, n_rollouts=1, WS_TRAINER_CHECKPOINT_DIR=str(ckpt), WS_TRAINER_RESUME="true"
+    )
     task = TargetTokensTask(vocab_size=256)
-    recs = run_loop(trainer.address, [rollouts[0].address], task, 3,
-                    LoopConfig(seed=1, checkpoint_every=3, prompts_per_step=4, group_size=4))
+    recs = run_loop(
+        trainer.address,
+        [rollouts[0].address],
+        task,
+        3,
+        LoopConfig(seed=1, checkpoint_every=3, prompts_per_step=4, group_size=4),
+    )
     assert (ckpt / "latest").read_text().strip() == "step_00000003"
     # a fixed next batch (the last step's samples, re-scored as a new step)
-    req = trainer_pb2.TrainStepRequest(samples=[
-        trainer_pb2.TrainSample(prompt_ids=[1, 2, 3, 4], response_ids=[8, 16, 5, 7], reward=float(i % 2), group_id=0)
-        for i in range(4)])
+    req = trainer_pb2.TrainStepRequest(
+        samples=[
+            trainer_pb2.TrainSample(
+                prompt_ids=[1, 2, 3, 4], response_ids=[8, 16, 5, 7], reward=float(i % 2), group_id=0
+            )
+            for i in range(4)
+        ]
+    )
     stub = trainer_stub(channel(trainer.address), "", 120)
     before = stub.TrainStep(req)
     assert before.step == 4
 
     trainer.stop(sig_kill=True)
-    again = procs.trainer("--model", "tiny-qwen2", "--init-seed", "77",
-                          name="trainer-restarted")
+    again = procs.trainer("--model", "tiny-qwen2", "--init-seed", "77", name="trainer-restarted")
     again.wait_ready(300)
     stub = trainer_stub(channel(again.address), "", 120)
     after = stub.TrainStep(req)

@@ -1,9 +1,9 @@
 """Issue #2 acceptance: real trainer-svc and rollout-svc processes on loopback, driven by wsctl."""
+
 import json
 import socket
 
 import numpy as np
-import pytest
 import torch
 
 from weightsync.control.client import channel, rollout_stub
@@ -23,8 +23,11 @@ def _last_logits(proc, ids=PROMPT):
 
 
 def _greedy(proc, ids=PROMPT, n_new=8):
-    req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids)], return_logprobs=True,
-                                      sampling=rollout_pb2.SamplingParams(max_new_tokens=n_new, temperature=0.0))
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=ids)],
+        return_logprobs=True,
+        sampling=rollout_pb2.SamplingParams(max_new_tokens=n_new, temperature=0.0),
+    )
     return _rollout_rpc(proc).Generate(req)
 
 
@@ -36,6 +39,7 @@ def _status(trainer):
 
 def _hf_logits(model_dir, ids=PROMPT):
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.set_num_threads(1)  # as the rollout process runs (weightsync.local.procs): same reduction order
     with torch.no_grad():
@@ -94,6 +98,7 @@ def test_new_weights_change_outputs_and_flush_the_prefix_cache(procs):
     rollout.wait_ready()
     # auto catch-up sync on registration brings the rollout to the trainer's version
     import time
+
     deadline = time.monotonic() + 60
     while _status(trainer)["rollouts"][0]["version"] in ("0", 0) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -108,6 +113,7 @@ def test_new_weights_change_outputs_and_flush_the_prefix_cache(procs):
     export_dir, perturbed = procs.tmp / "e", procs.tmp / "p"
     assert wsctl("--address", trainer.address, "export", str(export_dir)).returncode == 0
     from safetensors.torch import load_file, save_file
+
     state = load_file(str(export_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     state = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in state.items()}
@@ -153,7 +159,9 @@ def test_port_in_use_is_a_clear_startup_error(procs):
 
 def test_shape_mismatch_is_rejected_and_rollout_keeps_serving(procs):
     from transformers import Qwen2Config
+
     from weightsync.models import TINY
+
     kw = dict(TINY["tiny-qwen2"])
     kw.pop("model_type")
     kw["intermediate_size"] = 96

@@ -1,4 +1,5 @@
 """GPU suite for the weight bus (run on a GPU host: pytest -m gpu tests/gpu). CI has no GPU."""
+
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
     from weightsync.bus import checksum_cuda
     from weightsync.bus.checksum import bucket_checksum
+
     g = torch.Generator().manual_seed(nbytes)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     # the fused kernel is what runs on GPU hosts (triton ships with CUDA torch); its partial sums
@@ -34,6 +36,7 @@ def test_in_flight_checksums_of_many_buffers_in_one_launch_equal_the_cpu_ones():
     """Buffers of unequal lengths (the longest spans many programs, one is shorter than a word,
     one empty), tail bytes, the same layout twice (its table reused) and a changed byte."""
     from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+
     g = torch.Generator().manual_seed(7)
     sizes = [(3 << 20) + 1, (64 << 20) + 6, 2, 4096, (17 << 20) + 3, 0, 12]
     cpu = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
@@ -54,8 +57,9 @@ def test_in_flight_checksums_of_many_buffers_in_one_launch_equal_the_cpu_ones():
 @pytest.mark.parametrize("nbytes", [4, 8, (1 << 20) - 4, (1 << 20) + 4, (300 << 20) + 8])
 def test_copy_out_kernel_copies_exactly_and_sums_as_the_cpu_does(nbytes):
     from weightsync.bus.checksum import copy_word_sums, word_sums
+
     g = torch.Generator().manual_seed(nbytes)
-    words = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=g)
+    words = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=g)
     dst = torch.empty_like(words, device="cuda:0")
     got = copy_word_sums(words.cuda(), dst)
     assert torch.equal(dst.cpu(), words)
@@ -70,6 +74,7 @@ def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
     from weightsync.bus.pack import alloc_buffer, pack_bucket
     from weightsync.bus.plan import TensorMeta, plan_buckets
     from weightsync.bus.verified_copy import copy_bucket, copy_into
+
     g = torch.Generator().manual_seed(0)
     shapes = [(3584, 3584), (3584,), (512, 3584), (7,), (18944, 3584), (3, 5)]
     named = [(f"t{i}", torch.randn(s, generator=g).to(torch.bfloat16).cuda()) for i, s in enumerate(shapes)]
@@ -112,8 +117,9 @@ print(json.dumps({"warm": warm, "after": after}))
 def test_checksum_warm_up_leaves_nothing_to_compile_for_the_first_sync():
     # a fresh process: nothing compiled in memory yet (Triton's disk cache may be warm, which is the
     # restart case the services meet too)
-    out = subprocess.run([sys.executable, "-c", _WARM_PROBE], check=True, timeout=300, cwd=ROOT, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _WARM_PROBE], check=True, timeout=300, cwd=ROOT, capture_output=True, text=True
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["warm"] > 0
     # a compile takes hundreds of ms; a warm checksum of 1 GiB about 0.5 ms at ~2.7 TB/s
@@ -122,9 +128,10 @@ def test_checksum_warm_up_leaves_nothing_to_compile_for_the_first_sync():
 
 @needs_cuda
 def test_nccl_init_without_peers_times_out_instead_of_hanging():
+    from weightsync.bus.errors import TransportError
     from weightsync.bus.nccl import libnccl
     from weightsync.bus.nccl.group import NcclGroup
-    from weightsync.bus.errors import TransportError
+
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="did not complete within"):
         NcclGroup(libnccl.new_unique_id(), 2, 0, "cuda:0", timeout=5)
@@ -135,8 +142,22 @@ def test_nccl_init_without_peers_times_out_instead_of_hanging():
 def test_bus_and_ipc_deliver_bit_exact_weights(tmp_path):
     """Two real processes (NCCL across 2 GPUs; IPC on one GPU): the engine's tensors equal the trainer's."""
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_sync.py"), "--models", "0.5b", "--bucket-mb", "64",
-           "--reps", "1", "--ipc-models", "0.5b", "--ipc-bucket-mb", "64", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "bench_sync.py"),
+        "--models",
+        "0.5b",
+        "--bucket-mb",
+        "64",
+        "--reps",
+        "1",
+        "--ipc-models",
+        "0.5b",
+        "--ipc-bucket-mb",
+        "64",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, timeout=400, cwd=ROOT)
     res = json.loads(out.read_text())
     if torch.cuda.device_count() >= 2:

@@ -6,6 +6,7 @@
 2. An fp8-block sync over CUDA IPC through the real services: the rollout (bf16, cuda:0) serves
    exactly the exported FP8 checkpoint, dequantized.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,19 @@ import torch
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-SHAPES = [(1, 5), (129, 257), (300, 128), (128, 128), (7, 200), (1000, 3), (3, 130, 140),
-          (3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)]
+SHAPES = [
+    (1, 5),
+    (129, 257),
+    (300, 128),
+    (128, 128),
+    (7, 200),
+    (1000, 3),
+    (3, 130, 140),
+    (3584, 3584),
+    (512, 3584),
+    (18944, 3584),
+    (3584, 18944),
+]
 
 
 def _data(shape, kind: str, seed: int) -> torch.Tensor:
@@ -53,11 +65,14 @@ def test_triton_quantizer_equals_the_cpu_path_bit_for_bit(shape, kind, dtype):
     assert torch.equal(q_t.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
     assert torch.equal(s_t.cpu().view(torch.int32), s_cpu.view(torch.int32))
     # and dequantization on the GPU (its own Triton kernel) gives the CPU's values, in every output dtype
-    assert torch.equal(fp8.dequantize(q_gpu, s_gpu).cpu().view(torch.int32),
-                       fp8.dequantize(q_cpu, s_cpu).view(torch.int32))
+    assert torch.equal(
+        fp8.dequantize(q_gpu, s_gpu).cpu().view(torch.int32), fp8.dequantize(q_cpu, s_cpu).view(torch.int32)
+    )
     for out in (torch.bfloat16, torch.float16):
-        assert torch.equal(fp8.dequantize(q_gpu, s_gpu, out).cpu().view(torch.int16),
-                           fp8.dequantize(q_cpu, s_cpu, out).view(torch.int16)), out
+        assert torch.equal(
+            fp8.dequantize(q_gpu, s_gpu, out).cpu().view(torch.int16),
+            fp8.dequantize(q_cpu, s_cpu, out).view(torch.int16),
+        ), out
 
 
 @needs_cuda
@@ -114,18 +129,54 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
 
     prompt = [5, 17, 42, 7, 99, 3, 1000, 2047]
     model = tmp_path / "model"
-    Qwen2Config(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512,
-                tie_word_embeddings=False).save_pretrained(str(model))
+    Qwen2Config(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ).save_pretrained(str(model))
     procs = []
     try:
-        t = start_trainer(tmp_path, "--backend", "hf", "--model", str(model), "--init-seed", "1", "--device", "cuda:0",
-                          "--transport", "ipc", "--export-dtype", "fp8-block", "--bucket-mb", "1",
-                          "--no-auto-sync-new-rollouts")
+        t = start_trainer(
+            tmp_path,
+            "--backend",
+            "hf",
+            "--model",
+            str(model),
+            "--init-seed",
+            "1",
+            "--device",
+            "cuda:0",
+            "--transport",
+            "ipc",
+            "--export-dtype",
+            "fp8-block",
+            "--bucket-mb",
+            "1",
+            "--no-auto-sync-new-rollouts",
+        )
         procs.append(t)
         t.wait_ready()
-        r = start_rollout(tmp_path, "--model", str(model), "--init-seed", "2", "--device", "cuda:0", "--dtype",
-                          "bfloat16", "--apply-mode", "inplace", "--trainer-address", t.address, name="r1")
+        r = start_rollout(
+            tmp_path,
+            "--model",
+            str(model),
+            "--init-seed",
+            "2",
+            "--device",
+            "cuda:0",
+            "--dtype",
+            "bfloat16",
+            "--apply-mode",
+            "inplace",
+            "--trainer-address",
+            t.address,
+            name="r1",
+        )
         procs.append(r)
         r.wait_ready()
         wait_registered(t.address, ["r1"])
@@ -133,7 +184,8 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
         rep = json.loads(out.stdout)
         assert out.returncode == 0 and rep["ok"] and rep["transport"] == "ipc", rep
         res = rollout_stub(channel(r.address), "", 60).Score(
-            rollout_pb2.ScoreRequest(token_ids=prompt, prompt_length=1, return_last_logits=True))
+            rollout_pb2.ScoreRequest(token_ids=prompt, prompt_length=1, return_last_logits=True)
+        )
         got = torch.from_numpy(np.frombuffer(res.last_logits_f32, dtype="<f4").copy())
         assert res.version == int(rep["version"])
 
@@ -141,8 +193,11 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
         assert wsctl("--address", t.address, "export", str(export)).returncode == 0
         tensors = load_file(str(export / "model.safetensors"), device="cuda:0")
         assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == fp8.FP8_DTYPE
-        state = {n: fp8.dequantize(x, tensors[fp8.scale_name(n)]) if x.dtype == fp8.FP8_DTYPE else x
-                 for n, x in tensors.items() if not n.endswith(fp8.SCALE_SUFFIX)}
+        state = {
+            n: fp8.dequantize(x, tensors[fp8.scale_name(n)]) if x.dtype == fp8.FP8_DTYPE else x
+            for n, x in tensors.items()
+            if not n.endswith(fp8.SCALE_SUFFIX)
+        }
         engine = BuiltinEngine.from_config(resolve_model(str(model))[0], seed=0, dtype=torch.bfloat16, device="cuda:0")
         engine.load_weights(state.items())
         expected = engine.score(prompt, 1)[1]
@@ -212,11 +267,19 @@ def test_fp8_warm_up_leaves_nothing_to_compile_for_the_first_sync():
     from pathlib import Path
 
     # a fresh process: nothing compiled in memory (Triton's disk cache may be warm: the restart case)
-    out = subprocess.run([sys.executable, "-c", _FP8_WARM_PROBE], check=True, timeout=300, capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _FP8_WARM_PROBE],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"fp8 warm-up: quantize {res['warm_q']:.2f}s, dequantize {res['warm_d']:.2f}s; first calls after: "
-          f"{res['after']}")
+    print(
+        f"fp8 warm-up: quantize {res['warm_q']:.2f}s, dequantize {res['warm_d']:.2f}s; first calls after: "
+        f"{res['after']}"
+    )
     assert res["warm_q"] > 0 and res["warm_d"] > 0 and len(res["after"]) == 4
     # a compile takes hundreds of ms; a compiled kernel on the largest 7B matrix well under 10 ms
     assert max(max(v) for v in res["after"].values()) < 0.05, res

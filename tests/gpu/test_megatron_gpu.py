@@ -4,6 +4,7 @@ fp32 and bf16, and the peak extra GPU memory that an export needs.
 Self-contained: this file is also the torchrun worker (`python -m torch.distributed.run ... this_file`).
 Run on a GPU host with `pytest -m gpu tests/gpu/test_megatron_gpu.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,18 +19,37 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 # Big enough (~77 MB in fp32) that the memory bound below is far from a full-model copy, so the
 # assertion can tell a bounded export from one that materialises the model.
-CONFIG = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, vocab_size=4096)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    vocab_size=4096,
+)
 FAMILIES = {
     "qwen2": dict(model_type="qwen2"),
     "llama": dict(model_type="llama", rms_norm_eps=1e-5),
     "qwen3": dict(model_type="qwen3", head_dim=32),
     "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
     # MoE: 8 experts, top-2; Qwen3-MoE renormalises the top-k weights, Qwen2-MoE adds a gated shared expert
-    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=64, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=512, norm_topk_prob=True),
-    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
-                      shared_expert_intermediate_size=1024),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+    ),
 }
 MOE = {"qwen3_moe", "qwen2_moe"}
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -74,7 +94,7 @@ def _worker(tp: int, ep: int, dtype_name: str, out: Path, dirs: list[str]) -> No
     for d in dirs:
         cfg = AutoConfig.from_pretrained(d, local_files_only=True)
         if ep > 1 and not getattr(cfg, "num_experts", 0):
-            continue   # expert parallelism needs experts
+            continue  # expert parallelism needs experts
         actor = MegatronActor(cfg, tp=tp, ep=ep, weights_dir=d, params_dtype=dtype, export_dtype=dtype)
         torch.manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
@@ -132,10 +152,20 @@ def test_logits_parity_and_export_memory(tp, ep, dtype, hf_dirs, tmp_path):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
     out = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-           str(tp), str(ep), dtype, str(out), *hf_dirs]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        __file__,
+        str(tp),
+        str(ep),
+        dtype,
+        str(out),
+        *hf_dirs,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
@@ -150,7 +180,9 @@ def test_logits_parity_and_export_memory(tp, ep, dtype, hf_dirs, tmp_path):
         assert res["peak_extra_bytes"] <= bound, f"{family} TP={tp}: export peaked at {res['peak_extra_bytes']} B"
         # the bound must sit far below a full copy of the model, or it proves nothing (the 8 MiB of
         # allocator slack is a constant, so it is left out of this check for the small bf16 models)
-        assert 3 * res["largest_tensor_bytes"] < res["model_bytes"] / 2, "config too small for the bound to mean anything"
+        assert 3 * res["largest_tensor_bytes"] < res["model_bytes"] / 2, (
+            "config too small for the bound to mean anything"
+        )
         assert res["peak_extra_bytes"] < res["model_bytes"] / 4, f"{family}: export held a large part of the model"
 
 

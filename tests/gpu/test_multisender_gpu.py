@@ -15,27 +15,45 @@ group of its own with the rollouts; a rollout on a sending rank's GPU cannot joi
 group, so on two GPUs the NCCL sync takes the funnel; with four, the last test streams each
 stage over NCCL from its own GPU to rollouts on the other two.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import statistics
 
-import torch
-
-from test_services_gpu import (NGPU, _assert_exact, _model_dir, _reference_logits, _sync, needs_gpus,  # noqa: F401
-                               fleet)
-from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl
-
 import pytest
+import torch
+from test_services_gpu import (
+    _assert_exact,
+    _model_dir,
+    _reference_logits,
+    _sync,
+    needs_gpus,
+)
+
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered
 
 pytestmark = pytest.mark.gpu
 
 
 @needs_gpus(2)
 def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_funnel(fleet):
-    t = start_trainer(fleet.tmp, "--backend", "megatron", "--model", str(_model_dir(fleet.tmp)), "--pp", "2",
-                      "--bucket-mb", "4", "--no-auto-sync-new-rollouts", "--init-seed", "1", nproc=2)
+    t = start_trainer(
+        fleet.tmp,
+        "--backend",
+        "megatron",
+        "--model",
+        str(_model_dir(fleet.tmp)),
+        "--pp",
+        "2",
+        "--bucket-mb",
+        "4",
+        "--no-auto-sync-new-rollouts",
+        "--init-seed",
+        "1",
+        nproc=2,
+    )
     try:
         t.wait_ready(300)
         rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i}", trainer_proc=t) for i in range(2)]
@@ -52,8 +70,10 @@ def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_fun
         version = int(rep["version"])
         for i, r in enumerate(rs):
             _assert_exact(r, _reference_logits(t, fleet.tmp, f"all-{i}", f"cuda:{i}", torch.float32), version)
-        print(f"multi-sender: {rep['seconds']:.3f}s, senders "
-              + ", ".join(f"rank {k} {int(s['bytes']) / 1e6:.1f} MB {s['seconds']:.3f}s" for k, s in senders.items()))
+        print(
+            f"multi-sender: {rep['seconds']:.3f}s, senders "
+            + ", ".join(f"rank {k} {int(s['bytes']) / 1e6:.1f} MB {s['seconds']:.3f}s" for k, s in senders.items())
+        )
 
         rc, funnel = _sync(t, "--senders", "rank0")
         assert rc == 0 and funnel["ok"] and [int(s["rank"]) for s in funnel["senders"]] == [0], funnel
@@ -78,9 +98,16 @@ def _big_model(root):
     from transformers import Qwen2Config
 
     hidden = int(os.environ.get("WS_MS_GPU_HIDDEN", "2048"))
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_attention_heads=16,
-                      num_key_value_heads=4, num_hidden_layers=int(os.environ.get("WS_MS_GPU_LAYERS", "8")),
-                      vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=int(os.environ.get("WS_MS_GPU_LAYERS", "8")),
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     d = root / "model"
     cfg.save_pretrained(str(d))
     return d
@@ -92,14 +119,39 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
     d = _big_model(tmp_path)
     started = []
     try:
-        t = start_trainer(tmp_path, "--backend", "megatron", "--model", str(d), "--pp", "2", "--bucket-mb", "64",
-                          "--no-auto-sync-new-rollouts", "--init-seed", "1", nproc=2)
+        t = start_trainer(
+            tmp_path,
+            "--backend",
+            "megatron",
+            "--model",
+            str(d),
+            "--pp",
+            "2",
+            "--bucket-mb",
+            "64",
+            "--no-auto-sync-new-rollouts",
+            "--init-seed",
+            "1",
+            nproc=2,
+        )
         started.append(t)
         t.wait_ready(600)
         rs = []
         for i in range(2):
-            rs.append(start_rollout(tmp_path, "--model", str(d), "--init-seed", "2", "--trainer-address", t.address,
-                                    "--device", f"cuda:{i}", name=f"r{i}"))
+            rs.append(
+                start_rollout(
+                    tmp_path,
+                    "--model",
+                    str(d),
+                    "--init-seed",
+                    "2",
+                    "--trainer-address",
+                    t.address,
+                    "--device",
+                    f"cuda:{i}",
+                    name=f"r{i}",
+                )
+            )
             started.append(rs[-1])
         for r in rs:
             r.wait_ready(300)
@@ -121,12 +173,25 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
         assert int(runs["rank0"][-1]["senders"][0]["forwarded_bytes"]) == int(ms[1]["bytes"])
         med = {k: statistics.median(float(r["seconds"]) for r in v) for k, v in runs.items()}
         stream = {k: statistics.median(float(r["phase_seconds"]["stream"]) for r in v) for k, v in runs.items()}
-        out = {"bytes_per_rollout": int(runs["all"][-1]["bytes"]), "rollouts": 2, "reps": reps,
-               "median_seconds": med, "median_stream_seconds": stream, "speedup": med["rank0"] / med["all"],
-               "senders_all": [{"rank": k, "bytes": int(s["bytes"]), "seconds": float(s["seconds"]),
-                                "peak_buffer_bytes": int(s.get("peak_buffer_bytes", 0))} for k, s in sorted(ms.items())],
-               "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
-               "runs": runs}
+        out = {
+            "bytes_per_rollout": int(runs["all"][-1]["bytes"]),
+            "rollouts": 2,
+            "reps": reps,
+            "median_seconds": med,
+            "median_stream_seconds": stream,
+            "speedup": med["rank0"] / med["all"],
+            "senders_all": [
+                {
+                    "rank": k,
+                    "bytes": int(s["bytes"]),
+                    "seconds": float(s["seconds"]),
+                    "peak_buffer_bytes": int(s.get("peak_buffer_bytes", 0)),
+                }
+                for k, s in sorted(ms.items())
+            ],
+            "gpus": [torch.cuda.get_device_name(i) for i in range(2)],
+            "runs": runs,
+        }
         print("multi-sender vs funnel:", json.dumps({k: v for k, v in out.items() if k != "runs"}))
         if os.environ.get("WS_BENCH_OUT"):
             with open(os.environ["WS_BENCH_OUT"], "w") as f:
@@ -142,8 +207,21 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
 def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faster_than_the_funnel(fleet):
     """Trainer PP=2 on cuda:0 and cuda:1, rollouts on cuda:2 and cuda:3: one NCCL group per stage."""
     _big_model(fleet.tmp)
-    t = start_trainer(fleet.tmp, "--backend", "megatron", "--model", str(_model_dir(fleet.tmp)), "--pp", "2",
-                      "--bucket-mb", "64", "--no-auto-sync-new-rollouts", "--init-seed", "1", nproc=2)
+    t = start_trainer(
+        fleet.tmp,
+        "--backend",
+        "megatron",
+        "--model",
+        str(_model_dir(fleet.tmp)),
+        "--pp",
+        "2",
+        "--bucket-mb",
+        "64",
+        "--no-auto-sync-new-rollouts",
+        "--init-seed",
+        "1",
+        nproc=2,
+    )
     try:
         t.wait_ready(600)
         rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
@@ -158,8 +236,9 @@ def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faste
             assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in rep["senders"])
             multi.append(rep["seconds"])
         for i, r in enumerate(rs):
-            _assert_exact(r, _reference_logits(t, fleet.tmp, f"nccl-all-{i}", f"cuda:{i + 2}", torch.float32),
-                          int(rep["version"]))
+            _assert_exact(
+                r, _reference_logits(t, fleet.tmp, f"nccl-all-{i}", f"cuda:{i + 2}", torch.float32), int(rep["version"])
+            )
         for _ in range(reps + 1):
             rc, rep = _sync(t, "--transport", "nccl", "--senders", "rank0")
             assert rc == 0 and rep["ok"] and [int(s["rank"]) for s in rep["senders"]] == [0], rep

@@ -15,6 +15,7 @@ GPUs: test_multisender_gpu.py's 4-GPU test). Run on a host with >= 2 GPUs:
 `WS_NMS_GPU_HIDDEN` / `WS_NMS_GPU_LAYERS` resize the model, `WS_NMS_GPU_REPS` the timed syncs;
 figures go to `WS_BENCH_OUT` (JSON) when set.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,8 @@ import time
 
 import pytest
 import torch
-
 from test_services_gpu import needs_gpus
+
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.plan import make_manifest, manifest_to_proto
 from weightsync.control.client import channel, rollout_stub
@@ -44,15 +45,32 @@ def _apps(tmp_path):
     from trainer_svc.config import TrainerConfig
 
     hidden = int(os.environ.get("WS_NMS_GPU_HIDDEN", "1024"))
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_attention_heads=16,
-                      num_key_value_heads=4, num_hidden_layers=int(os.environ.get("WS_NMS_GPU_LAYERS", "8")),
-                      vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=int(os.environ.get("WS_NMS_GPU_LAYERS", "8")),
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     d = tmp_path / "model"
     cfg.save_pretrained(str(d))
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 backend="hf", model=str(d), auto_sync_new_rollouts=False))
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=str(d),
-                                             rollout_id="r", device="cuda:1"))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model=str(d),
+            auto_sync_new_rollouts=False,
+        )
+    )
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model=str(d), rollout_id="r", device="cuda:1"
+        )
+    )
     app.start()
     return trainer, app
 
@@ -63,14 +81,16 @@ def _spec(uids, new: bool):
         spec.sender_groups.add(sender=s, unique_id=uid, group_id=f"g{len(uids)}-{s}", new_group=new)
     if len(uids) == 1:  # the funnel's form: one group of rank 0
         (uid,) = uids.values()
-        spec = bus_pb2.NcclTransport(world_size=2, rank_offset=1, timeout_seconds=120, unique_id=uid,
-                                     group_id="g-funnel", new_group=new)
+        spec = bus_pb2.NcclTransport(
+            world_size=2, rank_offset=1, timeout_seconds=120, unique_id=uid, group_id="g-funnel", new_group=new
+        )
     return spec
 
 
 def _one_sync(trainer, app, stub, manifest, spec, workers, jobs, results):
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=120, transport=bus_pb2.TransportSpec(nccl=spec),
-                                         trainer_id=trainer.trainer_id)
+    req = rollout_pb2.PrepareSyncRequest(
+        timeout_seconds=120, transport=bus_pb2.TransportSpec(nccl=spec), trainer_id=trainer.trainer_id
+    )
     req.manifest.CopyFrom(manifest_to_proto(manifest))
     stub.PrepareSync(req, timeout=60)
     t0 = time.perf_counter()
@@ -84,8 +104,9 @@ def _one_sync(trainer, app, stub, manifest, spec, workers, jobs, results):
         assert msg[0] == "done", msg
         sums.update(msg[2])
         per_sender[msg[1]] = msg[3]
-    commit = rollout_pb2.CommitSyncRequest(sync_id=manifest.sync_id, version=manifest.version,
-                                           trainer_id=trainer.trainer_id)
+    commit = rollout_pb2.CommitSyncRequest(
+        sync_id=manifest.sync_id, version=manifest.version, trainer_id=trainer.trainer_id
+    )
     for i in range(len(manifest.buckets)):
         commit.checksums.add(index=i, checksum=sums[i])
     assert stub.CommitSync(commit, timeout=120).version == manifest.version
@@ -105,9 +126,14 @@ def _run(trainer, app, owners, reps: int, tag: str):
     uids = dict(zip(senders, ids.get(timeout=120)))
     jobs = {s: ctx.Queue() for s in senders}
     results = ctx.Queue()
-    workers = [ctx.Process(target=_worker_entry, args=(uids[s], 2, s, "cuda:0",
-                                                        [t for t, o in zip(tensors, owners) if o == s],
-                                                        jobs[s], results), daemon=True) for s in senders]
+    workers = [
+        ctx.Process(
+            target=_worker_entry,
+            args=(uids[s], 2, s, "cuda:0", [t for t, o in zip(tensors, owners) if o == s], jobs[s], results),
+            daemon=True,
+        )
+        for s in senders
+    ]
     for w in workers:
         w.start()
     stub = rollout_stub(channel(app.grpc.address), "")
@@ -115,8 +141,15 @@ def _run(trainer, app, owners, reps: int, tag: str):
     try:
         for rep in range(reps + 1):
             trainer.actor.version += 1
-            m = make_manifest(metas, version=trainer.actor.version, sync_id=f"{tag}-{rep}", bucket_bytes=64 << 20,
-                              model_family=trainer.actor.family, checksum_algo=ALGO, owners=owners)
+            m = make_manifest(
+                metas,
+                version=trainer.actor.version,
+                sync_id=f"{tag}-{rep}",
+                bucket_bytes=64 << 20,
+                model_family=trainer.actor.family,
+                checksum_algo=ALGO,
+                owners=owners,
+            )
             secs, per = _one_sync(trainer, app, stub, m, _spec(uids, new=rep == 0), workers, jobs, results)
             if rep:
                 times.append(secs)
@@ -133,11 +166,13 @@ def _run(trainer, app, owners, reps: int, tag: str):
 
 def _host_entry(*args):
     from tests.support.nccl_send_worker import host_unique_ids
+
     host_unique_ids(*args)
 
 
 def _worker_entry(*args):
     from tests.support.nccl_send_worker import run
+
     run(*args)
 
 
@@ -156,10 +191,19 @@ def test_two_senders_on_their_own_groups_are_exact_and_cost_no_more_than_one(tmp
             assert torch.equal(app.engine._target(name).cpu(), t.cpu()), name
         t1, _ = _run(trainer, app, [0] * n, reps, "one")
         m2, m1 = statistics.median(t2), statistics.median(t1)
-        out = {"bytes": nbytes, "two_senders_s": t2, "one_sender_s": t1, "median_two_s": m2, "median_one_s": m1,
-               "ratio_one_over_two": m1 / m2, "device": torch.cuda.get_device_name(0)}
-        print(f"nccl multi-sender: {nbytes / 1e9:.2f} GB, two senders {m2 * 1e3:.1f} ms, one sender "
-              f"{m1 * 1e3:.1f} ms (x{m1 / m2:.2f})")
+        out = {
+            "bytes": nbytes,
+            "two_senders_s": t2,
+            "one_sender_s": t1,
+            "median_two_s": m2,
+            "median_one_s": m1,
+            "ratio_one_over_two": m1 / m2,
+            "device": torch.cuda.get_device_name(0),
+        }
+        print(
+            f"nccl multi-sender: {nbytes / 1e9:.2f} GB, two senders {m2 * 1e3:.1f} ms, one sender "
+            f"{m1 * 1e3:.1f} ms (x{m1 / m2:.2f})"
+        )
         if os.environ.get("WS_BENCH_OUT"):
             with open(os.environ["WS_BENCH_OUT"], "w") as f:
                 json.dump(out, f, indent=1)

@@ -6,6 +6,7 @@ Exactness: after a sync, a rollout's last-position logits equal, bit for bit, th
 engine loaded from the trainer's own export (`wsctl export`) on the rollout's GPU — the same
 weights, the same code, the same device.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ pytestmark = pytest.mark.gpu
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 PROMPT = [5, 17, 42, 7, 99, 3, 1000, 2047]
 # ~34 MB in fp32: 9 buckets at --bucket-mb 4, so double buffering and group reuse are exercised
-MODEL_KW = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False)
+MODEL_KW = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=4096,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def needs_gpus(n: int):
@@ -37,15 +46,23 @@ def fleet(tmp_path):
     started = []
 
     def trainer(*args, backend="hf"):
-        p = start_trainer(tmp_path, "--backend", backend, "--model", str(_model_dir(tmp_path)), "--bucket-mb", "4",
-                          "--no-auto-sync-new-rollouts", *args)
+        p = start_trainer(
+            tmp_path,
+            "--backend",
+            backend,
+            "--model",
+            str(_model_dir(tmp_path)),
+            "--bucket-mb",
+            "4",
+            "--no-auto-sync-new-rollouts",
+            *args,
+        )
         started.append(p)
         return p
 
     def rollout(name, *args, trainer_proc=None):
         extra = ("--trainer-address", trainer_proc.address) if trainer_proc else ()
-        p = start_rollout(tmp_path, "--model", str(_model_dir(tmp_path)), "--init-seed", "2", *extra, *args,
-                          name=name)
+        p = start_rollout(tmp_path, "--model", str(_model_dir(tmp_path)), "--init-seed", "2", *extra, *args, name=name)
         started.append(p)
         return p
 
@@ -64,12 +81,14 @@ def _model_dir(root):
     d = root / "model"
     if not (d / "config.json").exists():
         from transformers import Qwen2Config
+
         Qwen2Config(**MODEL_KW).save_pretrained(str(d))
     return d
 
 
 def _weights_dir(root, seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     d = root / f"weights-{seed}"
     torch.manual_seed(seed)
     Qwen2ForCausalLM(Qwen2Config(**MODEL_KW)).save_pretrained(str(d), safe_serialization=True)
@@ -84,7 +103,8 @@ def _sync(trainer, *args):
 
 def _rollout_logits(proc):
     r = rollout_stub(channel(proc.address), "", 60).Score(
-        rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True))
+        rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True)
+    )
     return torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()), r.version
 
 
@@ -93,6 +113,7 @@ def _reference_logits(trainer, tmp, tag: str, device: str, dtype: torch.dtype):
 
     from rollout_svc.engine.builtin import BuiltinEngine
     from weightsync.models import resolve_model
+
     out_dir = tmp / f"export-{tag}"
     res = wsctl("--address", trainer.address, "export", str(out_dir))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -225,6 +246,7 @@ def test_megatron_trainer_exports_on_its_gpu_and_syncs_exactly_over_nccl(fleet):
 
 def _rollout_with_env(fleet, name, env, *args, trainer_proc=None):
     import os
+
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -269,7 +291,6 @@ def test_ipc_colocated_sync_is_exact_in_bf16_and_a_rollout_on_another_gpu_is_ref
         assert _rollout_logits(other)[1] == 0
 
 
-
 @needs_gpus(1)
 @pytest.mark.parametrize("apply_mode", ["staged", "inplace"])
 def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_once(fleet, apply_mode):
@@ -278,11 +299,22 @@ def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_onc
     syncs, even of new weights, open no handle. Every sync exact, in both apply modes: staged
     copies each bucket once (copy_bucket), inplace writes it into the engine's parameters in the
     same pass as its checksum (copy_into's one-launch kernel)."""
-    t = fleet.trainer("--device", "cuda:0", "--transport", "ipc", "--export-dtype", "bfloat16", "--param-dtype",
-                      "bfloat16", "--init-seed", "1")
+    t = fleet.trainer(
+        "--device",
+        "cuda:0",
+        "--transport",
+        "ipc",
+        "--export-dtype",
+        "bfloat16",
+        "--param-dtype",
+        "bfloat16",
+        "--init-seed",
+        "1",
+    )
     t.wait_ready()
-    r = fleet.rollout("same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", apply_mode,
-                      trainer_proc=t)
+    r = fleet.rollout(
+        "same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", apply_mode, trainer_proc=t
+    )
     r.wait_ready()
     wait_registered(t.address, ["same-gpu"])
     opens = lambda: r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"')  # noqa: E731
@@ -306,8 +338,17 @@ def test_megatron_bf16_trainer_syncs_exactly_over_ipc_from_its_own_buckets_mappi
     their own HF bytes live there, QKV and the fp32 norms are written into their slots at each sync, so
     the rollout maps each bucket once and later syncs, of new weights too (LoadWeights), open no handle."""
     pytest.importorskip("megatron.core")
-    t = fleet.trainer("--transport", "ipc", "--init-seed", "3", "--param-dtype", "bfloat16", "--export-dtype",
-                      "bfloat16", backend="megatron")
+    t = fleet.trainer(
+        "--transport",
+        "ipc",
+        "--init-seed",
+        "3",
+        "--param-dtype",
+        "bfloat16",
+        "--export-dtype",
+        "bfloat16",
+        backend="megatron",
+    )
     t.wait_ready(timeout=240)
     r = fleet.rollout("r-mcore-ipc", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
     r.wait_ready()
@@ -320,7 +361,8 @@ def test_megatron_bf16_trainer_syncs_exactly_over_ipc_from_its_own_buckets_mappi
         assert rc == 0 and rep["ok"] and rep["transport"] == "ipc", rep
         assert rep["num_buckets"] > 2, rep
         opens.append(r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"'))
-        _assert_exact(r, _reference_logits(t, fleet.tmp, f"mcore-ipc{len(opens)}", "cuda:0", torch.bfloat16),
-                      int(rep["version"]))
+        _assert_exact(
+            r, _reference_logits(t, fleet.tmp, f"mcore-ipc{len(opens)}", "cuda:0", torch.bfloat16), int(rep["version"])
+        )
     # every bucket is the trainer's own storage, mapped by the first sync only
     assert opens[0] == opens[1] == opens[2] == rep["num_buckets"], opens

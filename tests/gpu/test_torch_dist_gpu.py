@@ -4,6 +4,7 @@ checkpoints refused) with the model on the GPUs. Run on a GPU host:
 
     pytest -m gpu tests/gpu/test_torch_dist_gpu.py
 """
+
 from __future__ import annotations
 
 import pytest

@@ -6,6 +6,7 @@ against transformers on the same weights. Run as `python -m tests.sglang_exec.en
 SGLang's scheduler is a spawned subprocess that re-imports this module as __mp_main__, so the
 activation below runs at import time in both processes (and only when run as a program).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ import traceback
 
 if __name__ in ("__main__", "__mp_main__"):
     if __name__ == "__main__":
-        os.environ["WS_SGLANG_E2E_VERSION"] = sys.argv[1]   # inherited by SGLang's subprocesses
+        os.environ["WS_SGLANG_E2E_VERSION"] = sys.argv[1]  # inherited by SGLang's subprocesses
     from tests.support.sglang_site import activate
+
     activate(os.environ["WS_SGLANG_E2E_VERSION"], engine=True)
 
 import torch  # noqa: E402
@@ -28,6 +30,7 @@ N_NEW = 6
 
 def _hf_model(cfg, state: dict):
     from transformers import AutoModelForCausalLM
+
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     m.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
@@ -38,7 +41,7 @@ def _hf_model(cfg, state: dict):
 def _hf_greedy(m, ids):
     with torch.no_grad():
         out = m.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def _hf_logprobs(m, ids, start):
@@ -61,12 +64,23 @@ def main() -> dict:
     start.model.save_pretrained(model_dir)
 
     from sglang.srt.entrypoints.engine import Engine
-    sgl = Engine(model_path=model_dir, device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
-                 disable_cuda_graph=True, mem_fraction_static=0.05, max_total_tokens=1024, dtype="float32",
-                 random_seed=0, log_level="error")
+
+    sgl = Engine(
+        model_path=model_dir,
+        device="cpu",
+        attention_backend="torch_native",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        mem_fraction_static=0.05,
+        max_total_tokens=1024,
+        dtype="float32",
+        random_seed=0,
+        log_level="error",
+    )
     try:
         import threading
-        eng = SglangEngine.__new__(SglangEngine)   # SglangOptions has no CPU device/attention backend yet
+
+        eng = SglangEngine.__new__(SglangEngine)  # SglangOptions has no CPU device/attention backend yet
         eng.opts = SglangOptions(model_path=model_dir, dtype="float32")
         eng.tp_size, eng._lock, eng._update_group, eng._sgl = 1, threading.RLock(), "", sgl
         eng._metas, eng._hf_config = _hf_param_metas(cfg, torch.float32), cfg
@@ -102,14 +116,17 @@ def main() -> dict:
             def step():
                 if time.monotonic() - t0 > 0.2:
                     raise ClientGone()
+
             # 8 x (4 + 500) tokens: the model's 512 positions, and 4 times the engine's 1024-token KV
             # pool, so SGLang runs the samples two by two; the tiny config's EOS id lies outside its
             # vocabulary, so nothing stops early
             long = SamplingParams(max_new_tokens=500, temperature=1.0, n=8)
             try:
                 res = eng.generate(PROMPTS[1:], long, step=step)
-                raise AssertionError(f"finished before the cancellation after {time.monotonic() - t0:.2f}s "
-                                     f"({[len(r.token_ids) for r in res]} tokens)")
+                raise AssertionError(
+                    f"finished before the cancellation after {time.monotonic() - t0:.2f}s "
+                    f"({[len(r.token_ids) for r in res]} tokens)"
+                )
             except ClientGone:
                 stopped = time.monotonic() - t0
             assert stopped < 1.0, f"the cancelled request ran {stopped:.2f}s (cancelled at 0.2s)"
@@ -127,9 +144,9 @@ def main() -> dict:
             named = list(trainer.export_tensors())
             eng.begin_apply()
             for plan, buf in packed_buckets(named, bucket_bytes=64 << 10):
-                if flattened:   # load_bucket's CUDA branch (one flattened bucket), from CPU shared memory
+                if flattened:  # load_bucket's CUDA branch (one flattened bucket), from CPU shared memory
                     eng._send_flattened(eng.bucket_payloads(plan, buf))
-                else:           # load_bucket's CPU branch (named tensors)
+                else:  # load_bucket's CPU branch (named tensors)
                     eng.load_bucket(plan, buf)
             eng.end_apply()
             return agree(f"after sync seed={seed}", dict(trainer.model.state_dict()))
@@ -143,4 +160,5 @@ def main() -> dict:
 
 if __name__ == "__main__":
     from tests.support.sglang_site import RESULT_MARK
+
     print(RESULT_MARK + json.dumps(main()), flush=True)

@@ -2,6 +2,7 @@
 (one fresh interpreter per SGLang version, see tests/support/sglang_site.py). Prints one line,
 RESULT_MARK + JSON {check name: "ok" | traceback}; test_sglang_exec.py turns each into a test.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
 
 FAMILIES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe")
-BUCKET_BYTES = 16 << 10      # small, so every family spans several buckets
+BUCKET_BYTES = 16 << 10  # small, so every family spans several buckets
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -55,7 +56,8 @@ def trainer_export(family: str, seed: int = 3) -> tuple[object, list[tuple[str, 
 def expected_sglang_params(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What every SGLang parameter must hold after loading `hf` (written from the HF semantics,
     not from SGLang's loader): q/k/v stacked into qkv_proj (q, k, v), gate/up into gate_up_proj
-    (gate, up; also a Qwen2-MoE shared expert's), per-expert gate/up into experts.w13_weight[e] (w1=gate, w3=up), down into
+    (gate, up; also a Qwen2-MoE shared expert's), per-expert gate/up into experts.w13_weight[e] (w1=gate, w3=up),
+    down into
     experts.w2_weight[e]; a tied lm_head is the embedding."""
     exp: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
@@ -72,7 +74,7 @@ def expected_sglang_params(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.
             elif which == "gate_proj":
                 up = hf[name.replace("gate_proj", "up_proj")]
                 exp.setdefault(f"{pre}.mlp.experts.w13_weight", {})[e] = torch.cat([t, up])
-        elif name.endswith(".gate_proj.weight"):   # dense MLP, or a MoE's shared expert
+        elif name.endswith(".gate_proj.weight"):  # dense MLP, or a MoE's shared expert
             exp[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, hf[name.replace("gate_proj", "up_proj")]])
         elif name.endswith(".up_proj.weight"):
             continue
@@ -91,8 +93,10 @@ def assert_model_holds(model, cfg, hf_named: list[tuple[str, torch.Tensor]]) -> 
     params = dict(model.named_parameters(remove_duplicate=False))
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight, "tied lm_head is not the embedding"
-    assert set(params) == set(exp), (f"SGLang params without an HF source: {sorted(set(params) - set(exp))}; "
-                                     f"HF tensors with no SGLang param: {sorted(set(exp) - set(params))}")
+    assert set(params) == set(exp), (
+        f"SGLang params without an HF source: {sorted(set(params) - set(exp))}; "
+        f"HF tensors with no SGLang param: {sorted(set(exp) - set(params))}"
+    )
     for name, p in params.items():
         want = exp[name].to(p.dtype)
         assert p.shape == want.shape, f"{name}: SGLang {tuple(p.shape)} vs expected {tuple(want.shape)}"
@@ -150,39 +154,57 @@ def check_flattened_bucket_reconstruct():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     _, named = trainer_export("tiny-qwen3-moe")
-    named = named[:6] + [("extra.fp32", torch.randn(3, 5)), ("extra.i64", torch.arange(7)),
-                         ("extra.f16", torch.randn(9).half())] + named[6:]
+    named = (
+        named[:6]
+        + [("extra.fp32", torch.randn(3, 5)), ("extra.i64", torch.arange(7)), ("extra.f16", torch.randn(9).half())]
+        + named[6:]
+    )
     eng = adapter(None)
     got = []
     for plan, buf in packed_buckets(named):
         payloads = eng.bucket_payloads(plan, buf)
         assert len(payloads) == 1
         data = MultiprocessingSerializer.deserialize(payloads[0])
-        got += FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+        got += FlattenedTensorBucket(
+            flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+        ).reconstruct_tensors()
     _assert_same_tensors(got, named)
     # the load_weights CUDA branch builds its own flat buffer per chunk
     data = MultiprocessingSerializer.deserialize(eng.chunk_payloads(named)[0])
-    _assert_same_tensors(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
-                                               metadata=data["metadata"]).reconstruct_tensors(), named)
+    _assert_same_tensors(
+        FlattenedTensorBucket(
+            flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+        ).reconstruct_tensors(),
+        named,
+    )
 
 
 def check_dense_distributed_reconstruct():
     """Path 3: the names/dtypes/shapes the adapter passes -> SGLang's receive-bucket layout
-    (FlattenedTensorBucket.empty; in 0.5.10 a bucket of empty tensors); the trainer's dense buffer sliced there gives back exact tensors."""
+    (FlattenedTensorBucket.empty; in 0.5.10 a bucket of empty tensors); the trainer's dense buffer sliced there
+    gives back exact tensors."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     _, named = trainer_export("tiny-qwen3")
-    named = [("extra.f64", torch.randn(5, dtype=torch.float64))] + named + [("extra.i32", torch.arange(3, dtype=torch.int32))]
+    named = (
+        [("extra.f64", torch.randn(5, dtype=torch.float64))]
+        + named
+        + [("extra.i32", torch.arange(3, dtype=torch.int32))]
+    )
     plan, buf = dense_plan(named)
     rec = SimpleNamespace(update_weights_from_distributed=lambda **kw: (rec.kw.update(kw), (True, "ok"))[1], kw={})
     eng = adapter(rec)
     eng._update_group = "g"
     eng.receive_bucket_distributed(plan)
-    if hasattr(FlattenedTensorBucket, "empty"):   # 0.5.2x
+    if hasattr(FlattenedTensorBucket, "empty"):  # 0.5.2x
         bucket = FlattenedTensorBucket.empty(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"], "cpu")
-    else:   # 0.5.10's ModelRunner._update_bucketed_weights_from_distributed allocates this way
-        bucket = FlattenedTensorBucket(named_tensors=[(n, torch.empty(sh, dtype=getattr(torch, dt)))
-                                                      for n, dt, sh in zip(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"])])
+    else:  # 0.5.10's ModelRunner._update_bucketed_weights_from_distributed allocates this way
+        bucket = FlattenedTensorBucket(
+            named_tensors=[
+                (n, torch.empty(sh, dtype=getattr(torch, dt)))
+                for n, dt, sh in zip(rec.kw["names"], rec.kw["dtypes"], rec.kw["shapes"])
+            ]
+        )
     assert bucket.get_flattened_tensor().numel() == buf.numel()
     bucket.get_flattened_tensor().copy_(buf)
     _assert_same_tensors(bucket.reconstruct_tensors(), named)
@@ -191,7 +213,9 @@ def check_dense_distributed_reconstruct():
 def _assert_same_tensors(got, want):
     assert [n for n, _ in got] == [n for n, _ in want], "names or order differ"
     for (n, g), (_, w) in zip(got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{n}: got {g.dtype} {tuple(g.shape)}, sent {w.dtype} {tuple(w.shape)}"
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{n}: got {g.dtype} {tuple(g.shape)}, sent {w.dtype} {tuple(w.shape)}"
+        )
         assert torch.equal(g, w), f"{n}: values differ"
 
 
@@ -209,8 +233,9 @@ def check_ipc_payload_safe_unpickle():
     side = SglangSide(model)
     eng = adapter(side)
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    monkey_patch_torch_reductions()   # as SGLang's scheduler does before deserializing
-    sig = inspect.signature(reductions._rebuild_cuda_tensor_original)   # torch's own function
+
+    monkey_patch_torch_reductions()  # as SGLang's scheduler does before deserializing
+    sig = inspect.signature(reductions._rebuild_cuda_tensor_original)  # torch's own function
     opened = {}
 
     def rebuild_cpu(*args):  # stands in for cudaIpcOpenMemHandle only
@@ -229,9 +254,17 @@ def check_ipc_payload_safe_unpickle():
     real = reductions._rebuild_cuda_tensor_original
     reductions._rebuild_cuda_tensor_original = rebuild_cpu
     for plan, buf in packed_buckets(named):
-        handle = SimpleNamespace(handle=b"h%04d" % plan.index, device_uuid=uuid, device=0, storage_size=buf.numel(),
-                                 storage_offset=96, ref_counter_handle=b"rc", ref_counter_offset=0,
-                                 event_handle=b"ev", event_sync_required=False)
+        handle = SimpleNamespace(
+            handle=b"h%04d" % plan.index,
+            device_uuid=uuid,
+            device=0,
+            storage_size=buf.numel(),
+            storage_offset=96,
+            ref_counter_handle=b"rc",
+            ref_counter_offset=0,
+            event_handle=b"ev",
+            event_sync_required=False,
+        )
         opened[bytes(handle.handle)] = buf
         eng.load_ipc_bucket(plan, [handle])
     reductions._rebuild_cuda_tensor_original = real
@@ -251,8 +284,9 @@ def load_family_path1(family: str):
     # What the sync transaction will accept for this engine (it refuses any other name or shape)
     # is exactly what SGLang's load_weights below turns into every one of its parameters.
     accepted = {n: tuple(m.shape) for n, m in _hf_param_metas(cfg, EXPORT_DTYPE).items()}
-    assert accepted == {n: tuple(t.shape) for n, t in named}, \
+    assert accepted == {n: tuple(t.shape) for n, t in named}, (
         f"SglangEngine.param_metas differs from the export: {sorted(set(accepted) ^ {n for n, _ in named})[:6]}"
+    )
     model = _model(cfg)
     side = SglangSide(model)
     eng = adapter(side)
@@ -278,9 +312,10 @@ def load_family_distributed(family: str):
     side = SglangSide(model)
     eng = adapter(side)
     from rollout_svc.engine.sglang_weights import UpdateGroup
+
     eng.join_update_group(UpdateGroup("127.0.0.1", 1, 1, 2, "g", backend="gloo"))
     for i in range(0, len(named), 7):
-        plan, buf = dense_plan(named[i:i + 7], index=i // 7)
+        plan, buf = dense_plan(named[i : i + 7], index=i // 7)
         side.broadcast_source = buf
         eng.receive_bucket_distributed(plan)
     assert_model_holds(model, cfg, named)

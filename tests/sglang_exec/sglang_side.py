@@ -8,12 +8,14 @@ functions in SGLang's order:
   update_weights_from_tensor:  what Engine._serialize_tensors_per_rank does (normalize per-rank
       payloads, or MultiprocessingSerializer.serialize a named list) -> what
       TpModelWorker.deserialize_own_rank does (monkey_patch_torch_reductions + SafeUnpickler;
-      both restated in two lines each: their modules import the HTTP server and scheduler stacks) -> WeightUpdater.update_weights_from_tensor
+      both restated in two lines each: their modules import the HTTP server and scheduler stacks) ->
+      WeightUpdater.update_weights_from_tensor
       (FlattenedTensorBucket.reconstruct_tensors for "flattened_bucket") -> model.load_weights
   update_weights_from_distributed: WeightUpdater.receive_weights_from_distributed (its
       FlattenedTensorBucket.empty + broadcast; the broadcast is the one stand-in: it copies the
       trainer's dense bucket) -> WeightUpdater.load_weights_from_distributed -> model.load_weights
 """
+
 from __future__ import annotations
 
 import os
@@ -31,6 +33,7 @@ def free_port() -> int:
 def _is_0_5_2x() -> bool:
     """0.5.2x moved the weight updater out of ModelRunner and parallel widths into runtime_context."""
     import importlib.util
+
     return importlib.util.find_spec("sglang.srt.runtime_context") is not None
 
 
@@ -39,24 +42,25 @@ def init_tp1() -> None:
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     if _is_0_5_2x():
         from sglang.srt.distributed import parallel_state
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
 
         reset_context()
-        publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"), role="test",
-                ranks=SpawnRanks(world_rank=0))
+        publish(
+            ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+            role="test",
+            ranks=SpawnRanks(world_rank=0),
+        )
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
         initialize_model_parallel(backend="gloo")
     else:
-        from sglang.srt.server_args import set_global_server_args_for_scheduler
-
         from types import SimpleNamespace
 
         from sglang.srt.layers.dp_attention import initialize_dp_attention
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
 
         args = ServerArgs(model_path="dummy", device="cpu", custom_weight_loader=[])  # [] as after a launch's post-init
         set_global_server_args_for_scheduler(args)
@@ -66,9 +70,13 @@ def init_tp1() -> None:
         initialize_dp_attention(server_args=args, model_config=SimpleNamespace(hidden_size=64, dtype=torch.bfloat16))
 
 
-MODEL_CLASSES = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "llama": ("llama", "LlamaForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                 "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
+MODEL_CLASSES = {
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+}
 
 
 def build_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
@@ -98,13 +106,20 @@ class SglangSide:
         if _is_0_5_2x():
             from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-            self.updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None,
-                                         custom_weight_loaders={}, get_model=lambda: model,
-                                         update_model_fields=lambda **_: None, recapture_cuda_graph=lambda: None,
-                                         get_model_runner=lambda: None)
+            self.updater = WeightUpdater(
+                tp_rank=0,
+                device="cpu",
+                gpu_id=0,
+                model_config=None,
+                custom_weight_loaders={},
+                get_model=lambda: model,
+                update_model_fields=lambda **_: None,
+                recapture_cuda_graph=lambda: None,
+                get_model_runner=lambda: None,
+            )
         else:
             self.updater = _runner_0_5_10(model)
-        self.broadcast_source: torch.Tensor | None = None   # the trainer's dense bucket, per call
+        self.broadcast_source: torch.Tensor | None = None  # the trainer's dense bucket, per call
         self.calls: list[tuple[str, dict]] = []
 
     # -- sglang.srt.entrypoints.engine.Engine surface the adapter uses ----------------------
@@ -117,15 +132,16 @@ class SglangSide:
         # would pull the HTTP server stack: uvloop, fastapi, ...).
         if load_format == "flattened_bucket" and _is_0_5_2x():
             from sglang.srt.utils import normalize_serialized_named_tensor_payloads
+
             per_rank = normalize_serialized_named_tensor_payloads(named_tensors)
-        elif load_format == "flattened_bucket":   # 0.5.10 passes them through
+        elif load_format == "flattened_bucket":  # 0.5.10 passes them through
             per_rank = list(named_tensors)
         else:
             per_rank = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
         assert len(per_rank) == self.tp_size, f"{len(per_rank)} payloads for {self.tp_size} TP ranks"
         # TpModelWorker.deserialize_own_rank's two statements (tp_worker imports the scheduler).
         monkey_patch_torch_reductions()
-        data = MultiprocessingSerializer.deserialize(per_rank[0])   # TP rank 0
+        data = MultiprocessingSerializer.deserialize(per_rank[0])  # TP rank 0
         return self.updater.update_weights_from_tensor(named_tensors=data, load_format=load_format)
 
     def init_weights_update_group(self, **kw):
@@ -141,16 +157,20 @@ class SglangSide:
         def broadcast(tensor, src_rank=0, group=None, async_op=False, **kw):
             # The one stand-in: NCCL's broadcast from the trainer (rank 0) into SGLang's buffer.
             assert group == "stand-in group" and tensor.dtype == torch.uint8
-            assert tensor.numel() == src.numel(), f"SGLang allocated {tensor.numel()} bytes, trainer sends {src.numel()}"
+            assert tensor.numel() == src.numel(), (
+                f"SGLang allocated {tensor.numel()} bytes, trainer sends {src.numel()}"
+            )
             tensor.copy_(src)
 
         torch.distributed.broadcast = broadcast
         try:
-            if not _is_0_5_2x():   # 0.5.10: ModelRunner receives and loads in one call
-                return self.updater.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                                    load_format=load_format)
-            weights = self.updater.receive_weights_from_distributed(names=names, dtypes=dtypes, shapes=shapes,
-                                                                    group_name=group_name, load_format=load_format)
+            if not _is_0_5_2x():  # 0.5.10: ModelRunner receives and loads in one call
+                return self.updater.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name, load_format=load_format
+                )
+            weights = self.updater.receive_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, load_format=load_format
+            )
         finally:
             torch.distributed.broadcast = real
         return self.updater.load_weights_from_distributed(weights)
@@ -162,8 +182,12 @@ def _runner_0_5_10(model):
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import get_global_server_args
 
-    methods = ("update_weights_from_tensor", "_update_weights_from_flattened_bucket",
-               "update_weights_from_distributed", "_update_bucketed_weights_from_distributed")
+    methods = (
+        "update_weights_from_tensor",
+        "_update_weights_from_flattened_bucket",
+        "update_weights_from_distributed",
+        "_update_bucketed_weights_from_distributed",
+    )
     runner_cls = type("ModelRunnerWeightPaths", (), {m: getattr(ModelRunner, m) for m in methods})
     runner = runner_cls()
     runner.model, runner.device, runner.tp_rank = model, "cpu", 0

@@ -3,6 +3,7 @@
 Opt in with WEIGHTSYNC_SGLANG_ENGINE_E2E=1: it installs SGLang's server-side imports as well
 (sglang_site.ENGINE_DEPS, ~25 MB once) and takes ~2-3 min on a 2-core machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,12 @@ import pytest
 
 from tests.support.sglang_site import SiteUnavailable, run_in_sglang
 
-pytestmark = pytest.mark.skipif(os.environ.get("WEIGHTSYNC_SGLANG_ENGINE_E2E") != "1",
-                                reason="SGLang CPU Engine e2e is opt-in: set WEIGHTSYNC_SGLANG_ENGINE_E2E=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("WEIGHTSYNC_SGLANG_ENGINE_E2E") != "1",
+    reason="SGLang CPU Engine e2e is opt-in: set WEIGHTSYNC_SGLANG_ENGINE_E2E=1",
+)
 
-CHECKS = ("generate_and_score_before_sync", "generate_cancelled", "sync_named_cpu_path",
-          "sync_flattened_bucket_path")
+CHECKS = ("generate_and_score_before_sync", "generate_cancelled", "sync_named_cpu_path", "sync_flattened_bucket_path")
 _results: dict = {}
 
 

@@ -5,6 +5,7 @@ tests/support/sglang_site.py has put the unpacked wheel on sys.path; this module
 process's per-check results into one test each. What is stubbed and why: sglang_site.STUBS and
 docs/sglang.md. Skipped (not passed) when PyPI is unreachable and nothing is cached.
 """
+
 from __future__ import annotations
 
 import pytest

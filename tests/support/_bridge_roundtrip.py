@@ -6,6 +6,7 @@ the built-in export of A are the same name -> tensor map (export alone); B's exp
 actor (rank 0 drives, workers in worker_loop) equals the original safetensors, follows
 export_metas() exactly, and survives an early close. Rank 0 writes a JSON report to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,9 @@ def main() -> None:
             br = MegatronActor(cfg, converter="mbridge", **kw)
             res["family"] = ref.family
             pa, pb = [dict(c.named_parameters()) for c in ref.model], [dict(c.named_parameters()) for c in br.model]
-            res["load_equal"] = _all_ranks(all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-                                               for a, b in zip(pa, pb)))
+            res["load_equal"] = _all_ranks(
+                all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(pa, pb))
+            )
             # the bridge alone, on the chunks the built-in rules loaded: a collective on every rank
             conv = make_converter("mbridge", ref.spec, ref.par, torch.float32)
             bridge_map = dict(conv.export(ref.model, br.export_metas()))
@@ -86,17 +88,24 @@ def main() -> None:
                 want = {n: t.to(dtype) for n, t in load_file(str(Path(d) / "model.safetensors")).items()}
                 builtin_map = dict(builtin)
                 res["export_same_names"] = sorted(bridge_map) == sorted(builtin_map)
-                res["export_mismatch"] = [n for n in builtin_map if n not in bridge_map
-                                          or bridge_map[n].dtype != builtin_map[n].dtype
-                                          or not torch.equal(bridge_map[n], builtin_map[n])]
+                res["export_mismatch"] = [
+                    n
+                    for n in builtin_map
+                    if n not in bridge_map
+                    or bridge_map[n].dtype != builtin_map[n].dtype
+                    or not torch.equal(bridge_map[n], builtin_map[n])
+                ]
                 on_disk = load_file(str(saved / "model.safetensors"))
                 res["saved_exact"] = on_disk.keys() == {n for n, _ in via_actor} and all(
-                    torch.equal(on_disk[n], t) for n, t in via_actor)
+                    torch.equal(on_disk[n], t) for n, t in via_actor
+                )
                 res["actor_mismatch"] = [n for n, t in via_actor if n not in want or not torch.equal(t, want[n])]
-                res["actor_missing"] = sorted(set(want) - {n for n, _ in via_actor}
-                                              - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+                res["actor_missing"] = sorted(
+                    set(want) - {n for n, _ in via_actor} - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+                )
                 res["metas_match"] = [(m.name, tuple(m.shape), m.dtype) for m in br.export_metas()] == [
-                    (n, tuple(t.shape), t.dtype) for n, t in via_actor]
+                    (n, tuple(t.shape), t.dtype) for n, t in via_actor
+                ]
                 res["order_differs"] = [n for n, _ in via_actor] != [m.name for m in ref.export_metas()]
         except Exception:
             res["error"] = traceback.format_exc()

@@ -6,6 +6,7 @@ the file save_hf writes), and logits against transformers at PP=1. At EP=2 also:
 one EP rank sees are raised on both, and the converter's to-megatron / to-hf at EP=2 with MTP.
 Rank 0 writes a JSON report to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,14 +26,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # layout name -> (MegatronActor parallel kwargs, cases: (dir key, mtp, expert layout))
 LAYOUTS = {
-    "ep2": (dict(ep=2), [("qwen3_moe", "off", "sequential"), ("qwen2_moe", "off", "sequential"),
-                         ("qwen3_moe-mtp", "deepseek", "sequential"), ("qwen2_moe-bf16", "off", "grouped")]),
-    "tp2": (dict(tp=2), [("qwen3_moe", "off", "sequential"), ("qwen2_moe", "off", "sequential"),
-                         ("qwen3_moe-mtp", "deepseek", "sequential"), ("qwen2-mtp", "mimo", "sequential")]),
-    "tp2-ep2-etp1": (dict(tp=2, ep=2, etp=1), [("qwen3_moe-mtp", "deepseek", "sequential"),
-                                               ("qwen2_moe-bf16", "off", "grouped")]),
-    "pp2-vpp2": (dict(pp=2, vpp=2), [("qwen3_moe-mtp", "deepseek", "sequential"), ("qwen2-mtp", "mimo", "sequential"),
-                                     ("qwen2_moe", "off", "sequential")]),
+    "ep2": (
+        dict(ep=2),
+        [
+            ("qwen3_moe", "off", "sequential"),
+            ("qwen2_moe", "off", "sequential"),
+            ("qwen3_moe-mtp", "deepseek", "sequential"),
+            ("qwen2_moe-bf16", "off", "grouped"),
+        ],
+    ),
+    "tp2": (
+        dict(tp=2),
+        [
+            ("qwen3_moe", "off", "sequential"),
+            ("qwen2_moe", "off", "sequential"),
+            ("qwen3_moe-mtp", "deepseek", "sequential"),
+            ("qwen2-mtp", "mimo", "sequential"),
+        ],
+    ),
+    "tp2-ep2-etp1": (
+        dict(tp=2, ep=2, etp=1),
+        [("qwen3_moe-mtp", "deepseek", "sequential"), ("qwen2_moe-bf16", "off", "grouped")],
+    ),
+    "pp2-vpp2": (
+        dict(pp=2, vpp=2),
+        [
+            ("qwen3_moe-mtp", "deepseek", "sequential"),
+            ("qwen2-mtp", "mimo", "sequential"),
+            ("qwen2_moe", "off", "sequential"),
+        ],
+    ),
 }
 
 
@@ -44,7 +67,7 @@ def _install_grouped_gemm_stand_in() -> None:
     def gmm(a, b, batch_sizes, trans_b=False):
         out, start = [], 0
         for e, n in enumerate(batch_sizes.tolist()):
-            out.append(a[start:start + n] @ (b[e].t() if trans_b else b[e]))
+            out.append(a[start : start + n] @ (b[e].t() if trans_b else b[e]))
             start += n
         return torch.cat(out)
 
@@ -80,8 +103,9 @@ def _case(dirs: dict, key: str, mtp: str, layout: str, par: dict, rank: int, wor
     grouped = layout == "grouped"
     dtype = torch.bfloat16 if grouped else torch.float32
     cfg = AutoConfig.from_pretrained(d, local_files_only=True)
-    actor = MegatronActor(cfg, weights_dir=d, mtp=mtp, expert_layout=layout, params_dtype=dtype, export_dtype=dtype,
-                          **par)
+    actor = MegatronActor(
+        cfg, weights_dir=d, mtp=mtp, expert_layout=layout, params_dtype=dtype, export_dtype=dtype, **par
+    )
     from tests.support.own_export import check_own_export
 
     res = {}
@@ -96,7 +120,8 @@ def _case(dirs: dict, key: str, mtp: str, layout: str, par: dict, rank: int, wor
             res["mismatch"] = [n for n, t in got if n not in want or not torch.equal(t, want[n])]
             res["missing"] = sorted(set(want) - {n for n, _ in got})
             res["metas_match"] = [(m.name, list(m.shape), str(m.dtype)) for m in actor.export_metas()] == [
-                (n, list(t.shape), str(t.dtype)) for n, t in got]
+                (n, list(t.shape), str(t.dtype)) for n, t in got
+            ]
             out = work / f"saved-{key}-{'-'.join(f'{k}{v}' for k, v in par.items())}"
             actor.save_hf(str(out))
             saved = _hf_state(str(out))
@@ -131,7 +156,7 @@ def _errors_at_ep2(dirs: dict, rank: int, work: Path) -> dict:
     if rank == 0:
         shutil.copytree(src, bad)
         sd = load_file(str(bad / "model.safetensors"))
-        del sd["model.layers.2.mlp.experts.3.up_proj.weight"]   # expert 3 lives on EP rank 1
+        del sd["model.layers.2.mlp.experts.3.up_proj.weight"]  # expert 3 lives on EP rank 1
         save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     dist.barrier()
     cfg = AutoConfig.from_pretrained(str(src), local_files_only=True)
@@ -153,8 +178,10 @@ def _convert_at_ep2(dirs: dict, rank: int, work: Path) -> dict:
     if rank != 0:
         return {}
     want, got = _hf_state(dirs["qwen3_moe-mtp"]), _hf_state(str(back))
-    return {"files": sorted(f.name for f in ck.glob("mp_rank_*.pt")),
-            "exact": set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)}
+    return {
+        "files": sorted(f.name for f in ck.glob("mp_rank_*.pt")),
+        "exact": set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want),
+    }
 
 
 def main() -> None:

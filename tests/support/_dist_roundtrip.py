@@ -2,10 +2,12 @@
 
 Every rank builds the actor (a collective load). Then rank 0 drives through the public API while
 the other ranks sit in `worker_loop()`: export_tensors (compared bit-exactly with the original
-safetensors; before that, every rank's own export without the rank-0 funnel, the multi-sender path), export_metas vs what was yielded, save_hf, an early-stopped export, shutdown. With PP=1
+safetensors; before that, every rank's own export without the rank-0 funnel, the multi-sender path), export_metas
+vs what was yielded, save_hf, an early-stopped export, shutdown. With PP=1
 all ranks then run a forward and rank 0 compares logits with transformers. Rank 0 writes a JSON
 report to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +38,8 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer_svc.actor.megatron.actor import MegatronActor
     from tests.support.own_export import check_own_export
+    from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.model import forward_logits
 
     rank = int(os.environ["RANK"])
@@ -55,8 +57,10 @@ def main() -> None:
 
             emb = load_file(str(Path(d) / "model.safetensors"))["model.embed_tokens.weight"]
             n = head.shape[0]
-            rows = emb[ps.get_tensor_model_parallel_rank() * n:][:n]
-            ok[0] = int(torch.equal(head.detach()[: rows.shape[0]], rows) and bool((head.detach()[rows.shape[0]:] == 0).all()))
+            rows = emb[ps.get_tensor_model_parallel_rank() * n :][:n]
+            ok[0] = int(
+                torch.equal(head.detach()[: rows.shape[0]], rows) and bool((head.detach()[rows.shape[0] :] == 0).all())
+            )
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         res["tied_head_ok"] = bool(ok.item())
         # multi-sender export, every rank at once: each yields exactly its own tensors
@@ -71,7 +75,8 @@ def main() -> None:
                 res["mismatch"] = [n for n, t in got if n not in want or not torch.equal(t, want[n])]
                 res["missing"] = sorted(set(want) - {n for n, _ in got})
                 res["metas_match"] = [(m.name, list(m.shape), str(m.dtype)) for m in actor.export_metas()] == [
-                    (n, list(t.shape), str(t.dtype)) for n, t in got]
+                    (n, list(t.shape), str(t.dtype)) for n, t in got
+                ]
                 it = actor.export_tensors()
                 next(it)
                 it.close()  # stops early: the actor must still finish the collectives

@@ -6,6 +6,7 @@ at TP=1 PP=2, an actor started from each checkpoint must hold exactly the parame
 TP=1 PP=2 loaded from the HF weights, and export exactly the HF tensors. Also: a checkpoint of another
 model is refused on every rank with the missing key named. Rank 0 writes a JSON report to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,7 +74,8 @@ def main() -> None:
 
         report[actor.family] = {
             "tracker": (work / f"{actor.family}-megatron" / TRACKER).read_text().strip(),
-            "keys": {n: sorted(dist_checkpointing.load_tensors_metadata(p)) for n, p in saved[d].items()}}
+            "keys": {n: sorted(dist_checkpointing.load_tensors_metadata(p)) for n, p in saved[d].items()},
+        }
         dist.barrier()
     _relayout()
     # 2. TP=1 PP=2: each checkpoint against the HF load at this layout
@@ -95,7 +97,8 @@ def main() -> None:
                     hf = load_file(str(Path(d) / "model.safetensors"))
                     exported = {k: v.cpu() for k, v in actor.export_tensors()}
                     res[f"export_exact_{names}"] = set(exported) == set(hf) and all(
-                        torch.equal(exported[k], hf[k]) for k in hf)
+                        torch.equal(exported[k], hf[k]) for k in hf
+                    )
                 finally:
                     actor.shutdown()
             else:
@@ -105,8 +108,7 @@ def main() -> None:
     fam_dirs = {AutoConfig.from_pretrained(d, local_files_only=True).model_type: d for d in args.dirs}
     if "qwen3" in fam_dirs and "qwen2" in fam_dirs:
         try:
-            MegatronActor(cfgs[fam_dirs["qwen3"]], tp=1, pp=2,
-                          megatron_checkpoint=str(work / "qwen2-megatron"))
+            MegatronActor(cfgs[fam_dirs["qwen3"]], tp=1, pp=2, megatron_checkpoint=str(work / "qwen2-megatron"))
             report["wrong_model_error"] = None
         except ValueError as exc:
             report["wrong_model_error"] = str(exc)

@@ -1,6 +1,7 @@
 """One megatron-core process (one-rank gloo group): the flat export (flat_export.py) against the HF
 checkpoint it loaded and against the per-tensor export packed by the pipeline, byte for byte.
 argv: the report path, then `family=hf_dir` pairs. Writes a JSON report."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # (parameter dtype, export dtype, bucket bytes): one bucket for the model; small buckets (gate and
 # up of a layer land in different buckets, the embedding travels alone); fp32 parameters
-CASES = [(torch.bfloat16, torch.bfloat16, 1 << 22), (torch.bfloat16, torch.bfloat16, 20_000),
-         (torch.float32, torch.float32, 50_000)]
+CASES = [
+    (torch.bfloat16, torch.bfloat16, 1 << 22),
+    (torch.bfloat16, torch.bfloat16, 20_000),
+    (torch.float32, torch.float32, 50_000),
+]
 
 
 def _packed(plan, named) -> torch.Tensor:
@@ -36,7 +40,7 @@ def _same(manifest, flats, named) -> list[int]:
     bad = []
     for plan, flat in zip(manifest.buckets, flats, strict=True):
         want = _packed(plan, (next(it) for _ in plan.slots))
-        if not torch.equal(flat[:plan.nbytes], want):
+        if not torch.equal(flat[: plan.nbytes], want):
             bad.append(plan.index)
     return bad
 
@@ -76,8 +80,14 @@ def run_family(family: str, hf_dir: str) -> dict:
         with torch.no_grad():
             after = forward_logits(actor.model, ids, config.vocab_size)
         r["logits_unchanged"] = torch.equal(before, after)
-        r["flat_storage"] = all(p.untyped_storage().data_ptr() in {f.untyped_storage().data_ptr() for f in flats}
-                                for p in actor.parameters()) if fe.copies == 0 else None
+        r["flat_storage"] = (
+            all(
+                p.untyped_storage().data_ptr() in {f.untyped_storage().data_ptr() for f in flats}
+                for p in actor.parameters()
+            )
+            if fe.copies == 0
+            else None
+        )
         # a training step changes the parameters in place: the next sync's buckets follow
         with torch.no_grad():
             for i, p in enumerate(actor.parameters()):
@@ -85,8 +95,9 @@ def run_family(family: str, hf_dir: str) -> dict:
         again = actor.flat_buckets(m)
         r["reused"] = again is flats and actor._flat is fe
         r["after_step_vs_iter"] = _same(m, again, list(actor.export_tensors()))
-        r["after_step_changed"] = not all(torch.equal(a[:b.nbytes], b2) for a, b, b2 in
-                                          zip(again, m.buckets, flats_iter))
+        r["after_step_changed"] = not all(
+            torch.equal(a[: b.nbytes], b2) for a, b, b2 in zip(again, m.buckets, flats_iter)
+        )
         # a load that gives a parameter new storage: the plan is stale and made again
         p0 = actor.parameters()[1]
         p0.data = p0.data.clone() + 1

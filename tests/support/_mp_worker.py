@@ -1,6 +1,7 @@
 """torchrun worker for test_step_megatron: rank 0 drives training ops through the collective
 channel, the other ranks serve them (as MegatronActor.worker_loop does once it dispatches to
 trainer_svc.train.collective). Writes log-probs and 3 steps of metrics as JSON."""
+
 import dataclasses
 import json
 import os
@@ -10,8 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.support.train_requests import make_request  # noqa: E402
 from trainer_svc.actor.megatron.actor import MegatronActor  # noqa: E402
-from trainer_svc.train import collective  # noqa: E402
 from trainer_svc.config import CheckpointConfig, OptimConfig  # noqa: E402
+from trainer_svc.train import collective  # noqa: E402
 from weightsync.models import resolve_model  # noqa: E402
 from weightsync.v1 import trainer_pb2  # noqa: E402
 
@@ -28,9 +29,14 @@ if int(os.environ.get("RANK", "0")) != 0:
             raise SystemExit(f"unexpected op {op}")
 if load is None:
     from trainer_svc.export_hf import save_hf_dir
+
     save_hf_dir(actor, weights)
-collective.run(actor, "train_init", optim=dataclasses.asdict(OptimConfig(lr=1e-3)),
-               checkpoint=dataclasses.asdict(CheckpointConfig()))
+collective.run(
+    actor,
+    "train_init",
+    optim=dataclasses.asdict(OptimConfig(lr=1e-3)),
+    checkpoint=dataclasses.asdict(CheckpointConfig()),
+)
 req = make_request(kl_coef=0.1, entropy_coef=0.01)
 req.micro_batch_size = 4
 rows = collective.run(actor, "compute_logprobs", trainer_pb2.ComputeLogprobsRequest(samples=req.samples))

@@ -1,6 +1,7 @@
 """One megatron-core process (plain python, one-rank gloo group): error messages, version bumps,
 seeded init, and that backward runs on CPU. Writes a JSON report to argv[2]; argv[1] is a work dir
 holding the conftest's HF dirs."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,17 @@ def main() -> None:
     try:
         src = work / "qwen2"
         actor = MegatronActor(make_config("qwen2"), seed=7)
-        rep["seeded_equal"] = all(torch.equal(a[1], b[1]) for a, b in
-                                  zip(actor.export_tensors(), MegatronActor(make_config("qwen2"), seed=7).export_tensors()))
+        rep["seeded_equal"] = all(
+            torch.equal(a[1], b[1])
+            for a, b in zip(actor.export_tensors(), MegatronActor(make_config("qwen2"), seed=7).export_tensors())
+        )
         other = dict(MegatronActor(make_config("qwen2"), seed=8).export_tensors())
-        rep["seed_changes_weights"] = not torch.equal(other["model.norm.weight"], dict(actor.export_tensors())["model.norm.weight"]) or \
-            not torch.equal(other["model.layers.0.mlp.up_proj.weight"], dict(actor.export_tensors())["model.layers.0.mlp.up_proj.weight"])
+        rep["seed_changes_weights"] = not torch.equal(
+            other["model.norm.weight"], dict(actor.export_tensors())["model.norm.weight"]
+        ) or not torch.equal(
+            other["model.layers.0.mlp.up_proj.weight"],
+            dict(actor.export_tensors())["model.layers.0.mlp.up_proj.weight"],
+        )
         v0 = actor.version
         actor.load_hf(str(src))
         rep["version_bump"] = [v0, actor.version]
@@ -58,9 +65,17 @@ def main() -> None:
         # Llama 3.1 RoPE scaling (frequencies past 8192 positions' wavelength divided by `factor`)
         from transformers import AutoModelForCausalLM
 
-        l3 = make_config("llama", rope_parameters={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192, "rope_theta": 500000.0})
+        l3 = make_config(
+            "llama",
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_theta": 500000.0,
+            },
+        )
         l3_dir = save_random_hf(l3, work / "llama3")
         l3_actor = MegatronActor(l3, weights_dir=str(l3_dir))
         ids = torch.randint(0, 250, (2, 64))
@@ -77,8 +92,9 @@ def main() -> None:
         loss = forward_logits(actor.model, ids, 250).float().logsumexp(-1).mean()
         loss.backward()
         grads = [p.grad for p in actor.parameters()]
-        rep["backward"] = all(g is not None and torch.isfinite(g).all().item() for g in grads) and \
-            any(g.abs().sum().item() > 0 for g in grads)
+        rep["backward"] = all(g is not None and torch.isfinite(g).all().item() for g in grads) and any(
+            g.abs().sum().item() > 0 for g in grads
+        )
     except Exception:
         rep["error"] = traceback.format_exc()
     out.write_text(json.dumps(rep, indent=1))

@@ -16,6 +16,7 @@ budget spans all the rollouts it streams to, like one NIC per rank. It can
 - call a hook when a sender has moved some bytes (to kill a process mid-stream).
 Tests shape the link this way instead of sleeping and hoping that a sync is still streaming.
 """
+
 from __future__ import annotations
 
 import socket
@@ -127,7 +128,7 @@ def _rest_of_hello(sock: socket.socket) -> tuple[bytes, int]:
     head = _recv_n(sock, 2)
     (n,) = struct.unpack("<H", head)
     rest = _recv_n(sock, n + 4 + 32)
-    (sender,) = struct.unpack("<I", rest[n:n + 4])
+    (sender,) = struct.unpack("<I", rest[n : n + 4])
     return head + rest, sender
 
 
@@ -139,8 +140,7 @@ class BusProxy:
     connections of each protocol ("bus", "link", "other") were forwarded. A connection the target
     refuses (the rollout is down) is closed, as a real proxy does."""
 
-    def __init__(self, listen_host: str, listen_port: int, target: tuple[str, int],
-                 links: SenderLinks | None = None):
+    def __init__(self, listen_host: str, listen_port: int, target: tuple[str, int], links: SenderLinks | None = None):
         self.target = target
         self.links = links if links is not None else SenderLinks()
         self.connections: list[int] = []

@@ -1,4 +1,5 @@
 """A sync through real services in-process, checked bit-exact: shared by the control-plane tests."""
+
 from __future__ import annotations
 
 import torch

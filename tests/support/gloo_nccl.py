@@ -10,6 +10,7 @@ Selected with WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus, in proces
 repository root on their path (tests only: loopback addresses, no authentication beyond the
 services' own). Real NCCL is exercised by tests/gpu.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -78,8 +79,7 @@ class GlooSender(BucketSender):
         self.group = group
 
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
-        self.group.broadcast(buf[:plan.nbytes].cpu().contiguous())
-
+        self.group.broadcast(buf[: plan.nbytes].cpu().contiguous())
 
 
 class GlooReceiver(BucketReceiver):

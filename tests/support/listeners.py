@@ -1,4 +1,5 @@
 """The TCP addresses a process listens on, read from /proc (what `ss -ltnp` shows for its pid)."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -13,7 +14,7 @@ def _addr(hex_addr: str, v6: bool) -> str:
     raw = bytes.fromhex(host)
     if v6:
         # /proc prints the address as four host-order 32-bit words
-        raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, 16, 4))
+        raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0]) for i in range(0, 16, 4))
         ip = socket.inet_ntop(socket.AF_INET6, raw)
     else:
         ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(host, 16)))

@@ -6,6 +6,7 @@ group-wide aborts) runs over this loopback: ranks rendezvous by unique id like n
 the bucket to every other rank. Real NCCL is exercised by tests/gpu. Two LoopbackBus objects
 are two networks that cannot reach each other (a rank on the other one never joins).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,7 +59,7 @@ class LoopbackSender(BucketSender):
             raise TransportError(f"NCCL group unusable: {self.group.broken or self.group.room.broken}")
         queues = self.group.room.queues.values()
         for q in queues:
-            q.put(buf[:plan.nbytes].clone())
+            q.put(buf[: plan.nbytes].clone())
         self.sent += 1
         if self.group.room.blocking:
             # as NCCL: the broadcast completes only once every rank has taken the bucket
@@ -122,8 +123,9 @@ class LoopbackBus:
             while len(room.joined) < world_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TransportError(f"NCCL group init (rank {rank} of {world_size}) did not complete "
-                                         f"within {timeout:.0f}s")
+                    raise TransportError(
+                        f"NCCL group init (rank {rank} of {world_size}) did not complete within {timeout:.0f}s"
+                    )
                 room.cond.wait(left)
         with self._lock:
             self.joins.append((rank, world_size))

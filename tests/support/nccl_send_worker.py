@@ -3,6 +3,7 @@
 It joins its own group as rank 0 once, then for every "go" streams the buckets the manifest
 assigns it from its GPU and answers with their checksums and its seconds; "stop" ends it.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,10 +31,14 @@ def run(unique_id: bytes, world_size: int, sender: int, device: str, tensors, jo
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
-            stats = stream_buckets(replace(manifest, buckets=mine), iter(gpu), bus.sender(group),
-                                   device=torch.device(device), timeout=120.0)
-            results.put(("done", sender, {b.index: c for b, c in zip(mine, stats.checksums)},
-                         time.perf_counter() - t0))
+            stats = stream_buckets(
+                replace(manifest, buckets=mine),
+                iter(gpu),
+                bus.sender(group),
+                device=torch.device(device),
+                timeout=120.0,
+            )
+            results.put(("done", sender, {b.index: c for b, c in zip(mine, stats.checksums)}, time.perf_counter() - t0))
         except Exception as exc:  # noqa: BLE001 — reported to the test
             results.put(("error", sender, repr(exc)))
 

@@ -1,6 +1,7 @@
 """Collective check of the multi-sender export, for the torchrun scripts: every rank runs
 `export_own_tensors()` at once (as the `stream` command does) and must yield exactly the tensors
 `export_owners()` assigns it, in plan order, bit-exact against the checkpoint; nothing reaches rank 0."""
+
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,9 @@ def check_own_export(actor, want: dict[str, torch.Tensor]) -> tuple[bool, list[i
     row = torch.tensor([int(good), len(own), stats.get("forwarded_bytes", 0)], dtype=torch.int64)
     table = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(table, row)
-    ok = all(int(t[0]) for t in table) and sum(int(t[1]) for t in table) == len(metas) \
+    ok = (
+        all(int(t[0]) for t in table)
+        and sum(int(t[1]) for t in table) == len(metas)
         and all(int(t[2]) == 0 for t in table)
+    )
     return ok, sorted(set(owners))

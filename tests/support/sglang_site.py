@@ -17,6 +17,7 @@ CUDA packages), so:
 `activate()` changes the interpreter for good (sys.path, import hooks, environment): call it only
 in a dedicated subprocess (`run_in_sglang`), never in the pytest process.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,17 +34,26 @@ from pathlib import Path
 
 CACHE_DIR = Path(os.environ.get("WEIGHTSYNC_SGLANG_CACHE", Path.home() / ".cache" / "weightsync" / "sglang"))
 # Same tags as tests/unit/rollout_svc/engine/sglang/contract.py: 0.5.2x ships cp311 manylinux wheels only.
-_PIP_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-             "--platform", "manylinux_2_34_x86_64"]
+_PIP_TAGS = [
+    "--only-binary=:all:",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+    "--platform",
+    "manylinux_2_34_x86_64",
+]
 
 # Third-party modules sglang.srt imports at module level that the tests' code paths never call
 # into. Each is stubbed (an empty module whose attributes are empty modules), never installed.
 STUBS = {
     "triton": "GPU kernel compiler; sglang.srt.utils.common and the layers import it unconditionally, "
-              "the CPU code paths exercised here never launch a kernel",
+    "the CPU code paths exercised here never launch a kernel",
     "tvm_ffi": "apache-tvm-ffi, loader of SGLang's JIT CUDA kernels (sglang.kernels.ops.*)",
     "sgl_kernel": "sglang-kernel, SGLang's compiled CUDA/CPU op library (a separate wheel built for torch 2.14); "
-                  "imported by sglang.srt.mem_cache.memory_pool when SGLANG_USE_CPU_ENGINE=1",
+    "imported by sglang.srt.mem_cache.memory_pool when SGLANG_USE_CPU_ENGINE=1",
     "torchvision": "built for a specific torch; imported by multimodal configs (internvl_utils) only",
     "IPython": "notebook display helpers in sglang/utils.py (frontend logging), pulled in by configs",
 }
@@ -55,11 +65,31 @@ HIDDEN = {"megatron": "the trainer's framework; SGLang's optional dumper plugin 
 
 # Light dependencies sglang.srt really needs at import time, pinned; installed --no-deps.
 DEPS = (
-    "msgspec==0.22.0", "orjson==3.13.0", "pybase64==1.5.1", "psutil==7.2.2", "pyzmq==27.3.0", "dill==0.4.1",
-    "sentencepiece==0.2.1", "compressed-tensors==0.18.0", "loguru==0.7.3", "frozendict==2.5.1", "gguf==0.19.0",
-    "openai==2.8.0", "jiter==0.19.0", "distro==1.9.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0",
-    "sniffio==1.3.1", "partial-json-parser==0.2.1.1.post7", "requests==2.34.2", "urllib3==2.8.0",
-    "certifi==2026.10.18", "idna==3.20", "charset-normalizer==3.5.2", "starlette==1.10.0",
+    "msgspec==0.22.0",
+    "orjson==3.13.0",
+    "pybase64==1.5.1",
+    "psutil==7.2.2",
+    "pyzmq==27.3.0",
+    "dill==0.4.1",
+    "sentencepiece==0.2.1",
+    "compressed-tensors==0.18.0",
+    "loguru==0.7.3",
+    "frozendict==2.5.1",
+    "gguf==0.19.0",
+    "openai==2.8.0",
+    "jiter==0.19.0",
+    "distro==1.9.0",
+    "httpx==0.28.1",
+    "httpcore==1.0.9",
+    "h11==0.16.0",
+    "sniffio==1.3.1",
+    "partial-json-parser==0.2.1.1.post7",
+    "requests==2.34.2",
+    "urllib3==2.8.0",
+    "certifi==2026.10.18",
+    "idna==3.20",
+    "charset-normalizer==3.5.2",
+    "starlette==1.10.0",
 )
 
 
@@ -67,9 +97,19 @@ DEPS = (
 # only the CPU Engine e2e (tests/sglang_exec/engine_e2e.py) installs them. xgrammar needs the real
 # tvm_ffi, so in that mode tvm_ffi is installed instead of stubbed.
 ENGINE_DEPS = (
-    "uvloop==0.22.1", "setproctitle==1.3.8", "fastapi==0.165.0", "uvicorn==0.54.0", "aiohttp==3.14.5",
-    "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0", "multidict==7.2.1", "propcache==0.5.4",
-    "yarl==1.25.1", "apache-tvm-ffi==0.1.11", "xgrammar==0.2.7",
+    "uvloop==0.22.1",
+    "setproctitle==1.3.8",
+    "fastapi==0.165.0",
+    "uvicorn==0.54.0",
+    "aiohttp==3.14.5",
+    "aiohappyeyeballs==2.7.1",
+    "aiosignal==1.4.0",
+    "frozenlist==1.8.0",
+    "multidict==7.2.1",
+    "propcache==0.5.4",
+    "yarl==1.25.1",
+    "apache-tvm-ffi==0.1.11",
+    "xgrammar==0.2.7",
 )
 
 
@@ -98,8 +138,10 @@ def wheel(version: str) -> Path:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     have = sorted(CACHE_DIR.glob(f"sglang-{version}-*.whl"))
     if not have:
-        _pip(["download", "--no-deps", "-q", *_PIP_TAGS, "-d", str(CACHE_DIR), f"sglang=={version}"],
-             f"sglang=={version}")
+        _pip(
+            ["download", "--no-deps", "-q", *_PIP_TAGS, "-d", str(CACHE_DIR), f"sglang=={version}"],
+            f"sglang=={version}",
+        )
         have = sorted(CACHE_DIR.glob(f"sglang-{version}-*.whl"))
     return have[0]
 
@@ -147,10 +189,10 @@ class _Stub(types.ModuleType):
             sys.modules[full] = mod
         return mod
 
-    def __call__(self, *args, **kwargs):   # decorators (@triton.jit) and factories
+    def __call__(self, *args, **kwargs):  # decorators (@triton.jit) and factories
         return self
 
-    def __mro_entries__(self, bases):      # `class X(triton.Something)`
+    def __mro_entries__(self, bases):  # `class X(triton.Something)`
         return (object,)
 
 
@@ -190,11 +232,13 @@ def activate(version: str, engine: bool = False) -> Path:
     import torch._inductor.compile_fx  # noqa: F401
     import torch.utils.flop_counter  # noqa: F401
     import transformers.utils.import_utils  # noqa: F401
+
     sys.path.insert(0, str(site_dir))
     sys.path.append(str(deps_dir))
     sys.meta_path.insert(0, _StubFinder())
     if engine:
         import triton
+
         triton.__version__ = "3.4.0"
     pkg = types.ModuleType("sglang")
     pkg.__path__ = [str(site_dir / "sglang")]
@@ -208,14 +252,19 @@ RESULT_MARK = "SGLANG_EXEC_RESULTS "
 
 def run_in_sglang(version: str, module: str, timeout_s: float = 300.0, engine: bool = False) -> dict:
     """Run `python -m <module> <version>` (which prints RESULT_MARK + JSON) and return the JSON."""
-    prepare(version, engine)   # download/unpack here, so a missing network is a skip in the caller
+    prepare(version, engine)  # download/unpack here, so a missing network is a skip in the caller
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run([sys.executable, "-m", module, version], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", module, version], cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    raise RuntimeError(f"{module} {version} exited {proc.returncode} without results:\n"
-                       f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            return json.loads(line[len(RESULT_MARK) :])
+    raise RuntimeError(
+        f"{module} {version} exited {proc.returncode} without results:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )

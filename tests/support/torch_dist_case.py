@@ -1,5 +1,6 @@
 """The torch_dist acceptance case shared by the CPU test (gloo) and the GPU test (NCCL): one 2-rank
 launch of `_dist_torch_dist.py` and the checks on its report."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ def check_torch_dist_across_layouts(tmp_path) -> None:
     dirs = [save_random_hf(make_config(f), tmp_path / "hf" / f, seed=i) for i, f in enumerate(FAMILIES)]
     out, work = tmp_path / "report.json", tmp_path / "ckpt"
     work.mkdir()
-    proc = torchrun(SUPPORT / "_dist_torch_dist.py", 2, ["--out", str(out), "--work", str(work), *map(str, dirs)],
-                    timeout=240)
+    proc = torchrun(
+        SUPPORT / "_dist_torch_dist.py", 2, ["--out", str(out), "--work", str(work), *map(str, dirs)], timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rep = json.loads(out.read_text())
     for family in FAMILIES:

@@ -1,4 +1,5 @@
 """Principle 6: control plane and CLIs import neither megatron nor sglang; wsctl not even torch."""
+
 import json
 import subprocess
 import sys
@@ -17,10 +18,13 @@ def test_wsctl_imports_no_torch():
     assert not {m for m in mods if m.split(".")[0] in ("torch", "megatron", "sglang", "transformers")}
 
 
-@pytest.mark.parametrize("stmt", [
-    "import trainer_svc.cli, trainer_svc.service, trainer_svc.sync",
-    "import rollout_svc.cli, rollout_svc.service, rollout_svc.sync.transaction",
-])
+@pytest.mark.parametrize(
+    "stmt",
+    [
+        "import trainer_svc.cli, trainer_svc.service, trainer_svc.sync",
+        "import rollout_svc.cli, rollout_svc.service, rollout_svc.sync.transaction",
+    ],
+)
 def test_services_import_no_megatron_or_sglang(stmt):
     mods = _modules_after(stmt)
     assert not {m for m in mods if m.split(".")[0] in ("megatron", "sglang")}

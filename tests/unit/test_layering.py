@@ -1,4 +1,5 @@
 """The package layering in pyproject.toml's [tool.importlinter] contracts holds (run by lint-imports)."""
+
 import os
 import shutil
 import subprocess
@@ -25,9 +26,11 @@ def test_import_contracts_are_kept():
 def test_a_broken_contract_fails_the_check(tmp_path):
     # the same runner on a contract the code breaks (the pipeline imports the bucket plan)
     cfg = tmp_path / "contracts.toml"
-    cfg.write_text('[tool.importlinter]\nroot_packages = ["weightsync"]\n\n'
-                   '[[tool.importlinter.contracts]]\nname = "deliberately broken"\ntype = "forbidden"\n'
-                   'source_modules = ["weightsync.bus.pipeline"]\nforbidden_modules = ["weightsync.bus.plan"]\n')
+    cfg.write_text(
+        '[tool.importlinter]\nroot_packages = ["weightsync"]\n\n'
+        '[[tool.importlinter.contracts]]\nname = "deliberately broken"\ntype = "forbidden"\n'
+        'source_modules = ["weightsync.bus.pipeline"]\nforbidden_modules = ["weightsync.bus.plan"]\n'
+    )
     res = _lint_imports("--config", str(cfg))
     assert res.returncode != 0 and "deliberately broken BROKEN" in res.stdout, res.stdout[-2000:]
 
@@ -38,6 +41,10 @@ def test_the_product_never_imports_the_tests():
     import re
 
     pattern = re.compile(r"^\s*(from|import)\s+tests(\.|\s|$)", re.M)
-    offenders = [str(p.relative_to(REPO)) for pkg in ("weightsync", "trainer_svc", "rollout_svc")
-                 for p in (REPO / pkg).rglob("*.py") if pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(REPO))
+        for pkg in ("weightsync", "trainer_svc", "rollout_svc")
+        for p in (REPO / pkg).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
     assert offenders == []

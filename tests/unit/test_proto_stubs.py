@@ -1,4 +1,5 @@
 """The committed stubs must be exactly what the pinned grpcio-tools generates from proto/."""
+
 import filecmp
 import subprocess
 import sys
@@ -8,8 +9,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_stubs_match_proto_files(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)], check=True,
-                   timeout=120, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
     fresh = tmp_path / "weightsync" / "v1"
     committed = ROOT / "weightsync" / "v1"
     names = sorted(p.name for p in fresh.iterdir() if p.suffix in (".py", ".pyi"))

@@ -15,6 +15,7 @@ tensor of `export_metas()`, from metadata alone) and `run_senders(job)` (rank 0:
 every rank, stream this rank's part, return every rank's report). Backends without them stream
 from rank 0.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

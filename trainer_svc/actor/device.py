@@ -1,4 +1,5 @@
 """Where an actor's export lives: the device the GPU transports pack and send from."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ def resolve_device(spec: str) -> torch.device:
             raise ConfigError(f"device={spec}: torch sees no CUDA device on this host (use device=cpu)")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"device={spec}: this host has {torch.cuda.device_count()} CUDA device(s) "
-                              f"(check CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(
+                f"device={spec}: this host has {torch.cuda.device_count()} CUDA device(s) (check CUDA_VISIBLE_DEVICES)"
+            )
         dev = torch.device("cuda", index)
     return dev
 
@@ -26,6 +28,6 @@ def export_device(actor) -> torch.device:
     if dev is not None:
         return torch.device(dev)
     params = getattr(actor, "parameters", None)
-    for p in (params() if callable(params) else []):
+    for p in params() if callable(params) else []:
         return p.device
     return torch.device("cpu")

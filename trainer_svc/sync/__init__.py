@@ -5,6 +5,7 @@ pass over the targets, one method per phase; rollout_calls.py reaches a rollout 
 link_client.py is the trainer's end of the sync link; multisender.py lets every owner rank stream;
 registry.py is the fleet view; phases.py times the phases.
 """
+
 from trainer_svc.sync.orchestrator import SyncInProgress, SyncOrchestrator
 
 __all__ = ["SyncInProgress", "SyncOrchestrator"]

@@ -10,6 +10,7 @@ phase hands the job to every rank (trainer_svc.sync.multisender) instead of stre
 over tcp (each rank to every rollout's data port) or nccl (each rank on its own group); a rollout
 that any sender dropped fails, and a sender that failed as a whole fails every target.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,17 @@ class Fleet(Protocol):
 
 
 class SyncAttempt:
-    def __init__(self, fleet: Fleet, session, manifest: Manifest, targets: list[RolloutEntry], deadline: float,
-                 phases: PhaseClock, tensors=None, allow_rollback: bool = False):
+    def __init__(
+        self,
+        fleet: Fleet,
+        session,
+        manifest: Manifest,
+        targets: list[RolloutEntry],
+        deadline: float,
+        phases: PhaseClock,
+        tensors=None,
+        allow_rollback: bool = False,
+    ):
         """`tensors()`: the exported stream the manifest describes (default: the actor's own);
         `allow_rollback`: this Sync call lets rollouts go back to a lower version."""
         self.fleet, self.session, self.manifest, self.deadline, self.phases = fleet, session, manifest, deadline, phases
@@ -131,8 +141,9 @@ class SyncAttempt:
         if self.session.group_wide and len(self.prepared) < len(self.targets):
             self._stop_group()
 
-    def _prepare_calls(self, meanwhile: Callable[[], None] | None
-                       ) -> dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]]:
+    def _prepare_calls(
+        self, meanwhile: Callable[[], None] | None
+    ) -> dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]]:
         """PrepareSync on every target at once: rollout_id -> (answer, error).
 
         A target that holds the layout gets its digest only (ManifestCache); the others, and any
@@ -149,10 +160,13 @@ class SyncAttempt:
                 send_full = compact is None or not cache.holds(e, digest)
                 if send_full and full is None:
                     full = cache.full_proto(self.manifest)
-                req = rollout_pb2.PrepareSyncRequest(manifest=full if send_full else compact,
-                                                     timeout_seconds=self._left(), transport=self.session.spec_for(e),
-                                                     trainer_id=self.fleet.trainer_id,
-                                                     allow_rollback=self.allow_rollback)
+                req = rollout_pb2.PrepareSyncRequest(
+                    manifest=full if send_full else compact,
+                    timeout_seconds=self._left(),
+                    transport=self.session.spec_for(e),
+                    trainer_id=self.fleet.trainer_id,
+                    allow_rollback=self.allow_rollback,
+                )
                 calls.append((e, send_full, req))
             pending = []
             if meanwhile is not None:
@@ -252,8 +266,10 @@ class SyncAttempt:
         try:
             buffers = flat(self.manifest)
         except Exception:  # an optimisation only: every parameter still holds its value; pack instead
-            log.exception("sync %s: the actor could not lay its parameters out as the buckets; packing them",
-                          self.manifest.sync_id)
+            log.exception(
+                "sync %s: the actor could not lay its parameters out as the buckets; packing them",
+                self.manifest.sync_id,
+            )
             return None
         if buffers is not None:
             self.session.use_in_place(buffers)
@@ -263,12 +279,20 @@ class SyncAttempt:
         actor, sync_id = self.fleet.actor, self.manifest.sync_id
         flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
         raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
-        targets, groups, period = self.session.owner_streams({rid: self.by_id[rid] for rid in self.prepared},
-                                                             self._left(), raise_flag)
+        targets, groups, period = self.session.owner_streams(
+            {rid: self.by_id[rid] for rid in self.prepared}, self._left(), raise_flag
+        )
         fmt = self.fleet.export_format
-        out = stream_from_every_owner(actor, self.manifest, targets, self.fleet.token, self._left(),
-                                      nccl_groups=groups, export_dtype=fmt.name if fmt.quantization else "",
-                                      watch_period=period)
+        out = stream_from_every_owner(
+            actor,
+            self.manifest,
+            targets,
+            self.fleet.token,
+            self._left(),
+            nccl_groups=groups,
+            export_dtype=fmt.name if fmt.quantization else "",
+            watch_period=period,
+        )
         self.senders = out.senders
         for rid, err in out.failures.items():
             if rid in self.prepared:
@@ -292,13 +316,21 @@ class SyncAttempt:
             channel.commit_elsewhere(linked)
             self._commit_channel = channel
         t0 = time.perf_counter()
-        sender = SenderResult(rank=0, buckets=len(self.manifest.buckets),
-                              bytes=sum(b.tensor_bytes for b in self.manifest.buckets))
+        sender = SenderResult(
+            rank=0, buckets=len(self.manifest.buckets), bytes=sum(b.tensor_bytes for b in self.manifest.buckets)
+        )
         self.senders = [sender]
         try:
-            stats = stream_buckets(self.manifest, export, channel, device=self.session.device, timeout=self._left(),
-                                   buffers=self.session.buffers, in_place=in_place,
-                                   in_place_checksums=self._in_place_checksums if in_place is not None else None)
+            stats = stream_buckets(
+                self.manifest,
+                export,
+                channel,
+                device=self.session.device,
+                timeout=self._left(),
+                buffers=self.session.buffers,
+                in_place=in_place,
+                in_place_checksums=self._in_place_checksums if in_place is not None else None,
+            )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
             self.phases.add("stream.export", stats.export_seconds)
@@ -321,8 +353,9 @@ class SyncAttempt:
     # ---- commit / abort ---------------------------------------------------------------------
     def commit(self, checksums: list[int]) -> None:
         """CommitSync on every target still in the sync."""
-        req = rollout_pb2.CommitSyncRequest(sync_id=self.manifest.sync_id, version=self.manifest.version,
-                                            trainer_id=self.fleet.trainer_id)
+        req = rollout_pb2.CommitSyncRequest(
+            sync_id=self.manifest.sync_id, version=self.manifest.version, trainer_id=self.fleet.trainer_id
+        )
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
         rids = list(self.prepared)

@@ -7,6 +7,7 @@ that it is faster. LinkDown means the request never reached the rollout (no conn
 or a link found closed before sending): the caller sends it over gRPC instead. A failure after the
 request went out is the call's failure, as a broken gRPC call's would be: a commit is never sent twice.
 """
+
 from __future__ import annotations
 
 import select
@@ -16,8 +17,18 @@ import time
 
 from weightsync.bus.errors import TransportError
 from weightsync.config import parse_host_port
-from weightsync.control.sync_link import (ACCEPTED, LINK_MAGIC, METHODS, NONCE_BYTES, NUMBER_OF, frame, link_mac,
-                                          read_frame, recv_exact, status_code)
+from weightsync.control.sync_link import (
+    ACCEPTED,
+    LINK_MAGIC,
+    METHODS,
+    NONCE_BYTES,
+    NUMBER_OF,
+    frame,
+    link_mac,
+    read_frame,
+    recv_exact,
+    status_code,
+)
 
 #: a link that could not be opened is not tried again for this long (gRPC meanwhile): it may be
 #: black-holed (each try costs the connect timeout) or refuse the token
@@ -97,8 +108,9 @@ class SyncLinkClient:
         return self._sock
 
     def _connect(self, deadline: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port),
-                                        timeout=max(0.001, min(_CONNECT_TIMEOUT_S, deadline - time.monotonic())))
+        sock = socket.create_connection(
+            (self.host, self.port), timeout=max(0.001, min(_CONNECT_TIMEOUT_S, deadline - time.monotonic()))
+        )
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(LINK_MAGIC)

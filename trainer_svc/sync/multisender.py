@@ -17,6 +17,7 @@ one per sender: weightsync/bus/nccl/sender.py); the rank builds or reuses its co
 on it from the GPU it exports on. A failed stream drops the rank's group; rank 0, seeing the
 failure in the merged outcome, plans new groups for every sender.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,35 +39,55 @@ log = logging.getLogger(__name__)
 @dataclass
 class SendJob:
     """What every trainer rank needs to stream its part of a sync (travels as JSON)."""
+
     sync_id: str
     version: int
     bucket_bytes: int
     model_family: str
     checksum_algo: str
     origin: str
-    digest: str                       # Manifest.digest() on rank 0
-    targets: dict[str, str]           # rollout id -> TCP data address
-    macs: dict[str, str]              # str(sender rank) -> hex hello MAC of (sync_id, sender)
-    timeout: float                    # seconds this stream may take
-    transport: str = "tcp"            # tcp: `targets` and `macs`; nccl: `nccl_groups`
+    digest: str  # Manifest.digest() on rank 0
+    targets: dict[str, str]  # rollout id -> TCP data address
+    macs: dict[str, str]  # str(sender rank) -> hex hello MAC of (sync_id, sender)
+    timeout: float  # seconds this stream may take
+    transport: str = "tcp"  # tcp: `targets` and `macs`; nccl: `nccl_groups`
     nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
-    export_dtype: str = ""            # a quantized export format each rank applies to its own tensors ("": none)
-    watch_period: float = 1.0         # nccl: how often a sender looks for rank 0's abort flag (seconds)
+    export_dtype: str = ""  # a quantized export format each rank applies to its own tensors ("": none)
+    watch_period: float = 1.0  # nccl: how often a sender looks for rank 0's abort flag (seconds)
 
     @classmethod
-    def make(cls, manifest: Manifest, targets: dict[str, str], token: str, timeout: float,
-             nccl_groups: dict[str, dict] | None = None, export_dtype: str = "",
-             watch_period: float = 1.0) -> "SendJob":
-        common = dict(sync_id=manifest.sync_id, version=manifest.version, bucket_bytes=manifest.bucket_bytes,
-                      model_family=manifest.model_family, checksum_algo=manifest.checksum_algo, origin=manifest.origin,
-                      digest=manifest.digest(), timeout=timeout, export_dtype=export_dtype, watch_period=watch_period)
+    def make(
+        cls,
+        manifest: Manifest,
+        targets: dict[str, str],
+        token: str,
+        timeout: float,
+        nccl_groups: dict[str, dict] | None = None,
+        export_dtype: str = "",
+        watch_period: float = 1.0,
+    ) -> "SendJob":
+        common = dict(
+            sync_id=manifest.sync_id,
+            version=manifest.version,
+            bucket_bytes=manifest.bucket_bytes,
+            model_family=manifest.model_family,
+            checksum_algo=manifest.checksum_algo,
+            origin=manifest.origin,
+            digest=manifest.digest(),
+            timeout=timeout,
+            export_dtype=export_dtype,
+            watch_period=watch_period,
+        )
         if nccl_groups is not None:
             missing = sorted(set(manifest.senders) - {int(s) for s in nccl_groups})
             if missing:
                 raise ValueError(f"no NCCL group planned for sender rank(s) {missing}")
             return cls(**common, targets={}, macs={}, transport="nccl", nccl_groups=dict(nccl_groups))
-        return cls(**common, targets=dict(targets),
-                   macs={str(s): hello_mac(token, manifest.sync_id, s).hex() for s in manifest.senders})
+        return cls(
+            **common,
+            targets=dict(targets),
+            macs={str(s): hello_mac(token, manifest.sync_id, s).hex() for s in manifest.senders},
+        )
 
     def to_args(self) -> dict:
         return asdict(self)
@@ -80,19 +101,26 @@ class SendJob:
 class SenderResult:
     rank: int
     buckets: int = 0
-    bytes: int = 0                    # tensor bytes of the buckets it streamed (per receiver)
+    bytes: int = 0  # tensor bytes of the buckets it streamed (per receiver)
     seconds: float = 0.0
-    error: str = ""                   # the whole stream failed (every target misses its buckets)
+    error: str = ""  # the whole stream failed (every target misses its buckets)
     failures: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was dropped
     checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
-    forwarded_bytes: int = 0          # other ranks' tensors it received first (the funnel only)
-    peak_buffer_bytes: int = 0        # its pack buffers (<= 2 buckets)
+    forwarded_bytes: int = 0  # other ranks' tensors it received first (the funnel only)
+    peak_buffer_bytes: int = 0  # its pack buffers (<= 2 buckets)
 
 
 def sender_manifest(metas, owners, job: SendJob) -> Manifest:
-    return make_manifest(metas, owners=owners, version=job.version, sync_id=job.sync_id,
-                         bucket_bytes=job.bucket_bytes, model_family=job.model_family,
-                         checksum_algo=job.checksum_algo, origin=job.origin)
+    return make_manifest(
+        metas,
+        owners=owners,
+        version=job.version,
+        sync_id=job.sync_id,
+        bucket_bytes=job.bucket_bytes,
+        model_family=job.model_family,
+        checksum_algo=job.checksum_algo,
+        origin=job.origin,
+    )
 
 
 def run_sender(actor, job: SendJob) -> SenderResult:
@@ -114,14 +142,21 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         plain = actor.export_metas()
         manifest = sender_manifest(fmt.metas(plain), fmt.owners(plain, actor.export_owners()), job)
         if manifest.digest() != job.digest:
-            raise ValueError(f"rank {rank} computed a different bucket layout than rank 0 (digest "
-                             f"{manifest.digest()} != {job.digest}): every rank must run the same model config")
+            raise ValueError(
+                f"rank {rank} computed a different bucket layout than rank 0 (digest "
+                f"{manifest.digest()} != {job.digest}): every rank must run the same model config"
+            )
         mine = manifest.buckets_of(rank)
         if mine:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
             try:
-                stats = stream_buckets(replace(manifest, buckets=mine), fmt.tensors(export), sender, device=device,
-                                       timeout=max(0.001, deadline - time.monotonic()))
+                stats = stream_buckets(
+                    replace(manifest, buckets=mine),
+                    fmt.tensors(export),
+                    sender,
+                    device=device,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                )
                 res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
                 res.peak_buffer_bytes = stats.peak_buffer_bytes
@@ -180,8 +215,13 @@ class _TcpRank:
         from weightsync.bus.tcp.wire import TcpBucketSender
 
         # a dead rollout breaks its own connection: nothing to watch
-        return TcpBucketSender(job.targets, job.sync_id, "", timeout=left, sender=rank,
-                               mac=bytes.fromhex(job.macs[str(rank)])), torch.device("cpu"), None
+        return (
+            TcpBucketSender(
+                job.targets, job.sync_id, "", timeout=left, sender=rank, mac=bytes.fromhex(job.macs[str(rank)])
+            ),
+            torch.device("cpu"),
+            None,
+        )
 
     @staticmethod
     def failed(actor, job: SendJob, exc: Exception) -> None:
@@ -205,8 +245,12 @@ class _NcclRank:
         watch = None
         flags = getattr(actor, "stream_flags", None)
         if flags is not None:  # NCCL never tells this rank that a rollout died; rank 0 sees it and says so
-            watch = Watch(lambda: flags.raised(job.sync_id), group.abort, job.watch_period,
-                          what=f"rank {rank}'s NCCL sender group").start()
+            watch = Watch(
+                lambda: flags.raised(job.sync_id),
+                group.abort,
+                job.watch_period,
+                what=f"rank {rank}'s NCCL sender group",
+            ).start()
         return cache.bus.sender(group), device, watch
 
     @staticmethod
@@ -222,10 +266,10 @@ RANK_ENDS = {"tcp": _TcpRank, "nccl": _NcclRank}
 
 @dataclass
 class StreamOutcome:
-    checksums: list[int]              # by bucket index; complete only when error == ""
-    failures: dict[str, str]          # rollout id -> why it misses some sender's buckets
-    error: str                        # a sender failed as a whole: no target can commit
-    senders: list[SenderResult]       # one per sending rank, in rank order
+    checksums: list[int]  # by bucket index; complete only when error == ""
+    failures: dict[str, str]  # rollout id -> why it misses some sender's buckets
+    error: str  # a sender failed as a whole: no target can commit
+    senders: list[SenderResult]  # one per sending rank, in rank order
 
 
 def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
@@ -247,9 +291,16 @@ def merge(manifest: Manifest, results: list[SenderResult]) -> StreamOutcome:
     return StreamOutcome(checksums, failures, "; ".join(errors), senders)
 
 
-def stream_from_every_owner(actor, manifest: Manifest, targets: dict[str, str], token: str,
-                            timeout: float, nccl_groups: dict[str, dict] | None = None,
-                            export_dtype: str = "", watch_period: float = 1.0) -> StreamOutcome:
+def stream_from_every_owner(
+    actor,
+    manifest: Manifest,
+    targets: dict[str, str],
+    token: str,
+    timeout: float,
+    nccl_groups: dict[str, dict] | None = None,
+    export_dtype: str = "",
+    watch_period: float = 1.0,
+) -> StreamOutcome:
     """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address),
     or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group.
     `export_dtype`: a quantized export format (fp8-block) every rank applies to its own tensors."""

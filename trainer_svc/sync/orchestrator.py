@@ -9,6 +9,7 @@ GPU already in the group) is left out instead, and the others are synced in a gr
 it committed, otherwise the one it served before (or STALE, refusing generation, in inplace
 mode — see rollout_svc.sync.transaction). Each transport's sender lives in weightsync/bus/{tcp,nccl,ipc}/sender.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,13 +18,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import torch
 
 from trainer_svc.export_format import PLAIN, ExportFormat
-from trainer_svc.sync.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
+from trainer_svc.sync.registry import RolloutEntry, RolloutRegistry
 from trainer_svc.sync.rollout_calls import RolloutCalls
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
@@ -39,11 +39,28 @@ class SyncInProgress(RuntimeError):
 
 
 class SyncOrchestrator:
-    def __init__(self, actor, actor_lock: threading.Lock, registry: RolloutRegistry, metrics: SyncMetrics, *,
-                 token: str, bucket_bytes: int, default_transport: str, sync_timeout: float, rpc_timeout: float,
-                 origin: str, device: torch.device | str = "cpu", nccl_bus=None, nccl_init_timeout: float = 120.0,
-                 on_nccl_group_build=None, export_format: ExportFormat = PLAIN, trainer_id: str = "",
-                 senders: str = "all", sync_link: bool = True):
+    def __init__(
+        self,
+        actor,
+        actor_lock: threading.Lock,
+        registry: RolloutRegistry,
+        metrics: SyncMetrics,
+        *,
+        token: str,
+        bucket_bytes: int,
+        default_transport: str,
+        sync_timeout: float,
+        rpc_timeout: float,
+        origin: str,
+        device: torch.device | str = "cpu",
+        nccl_bus=None,
+        nccl_init_timeout: float = 120.0,
+        on_nccl_group_build=None,
+        export_format: ExportFormat = PLAIN,
+        trainer_id: str = "",
+        senders: str = "all",
+        sync_link: bool = True,
+    ):
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
@@ -62,9 +79,13 @@ class SyncOrchestrator:
         self.senders = senders
         #: how this trainer reaches a rollout during a sync (sync link or gRPC), and records a failed one
         self.rollouts = RolloutCalls(token, rpc_timeout, metrics, sync_link)
-        side = TrainerSide(token, self.device, call=self.rollouts.call, open_stream=self.rollouts.open_stream,
-                           options={"nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout,
-                                             "on_build": on_nccl_group_build}})
+        side = TrainerSide(
+            token,
+            self.device,
+            call=self.rollouts.call,
+            open_stream=self.rollouts.open_stream,
+            options={"nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout, "on_build": on_nccl_group_build}},
+        )
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
         self.transports = {t.name: t.trainer_end_class().for_trainer(side) for t in TRANSPORTS.values()}
         self.last_report = trainer_pb2.SyncReport()
@@ -79,17 +100,26 @@ class SyncOrchestrator:
         #: a rollout rescheduled elsewhere (a new pod, a new address) is given multi-sender streaming again.
         self._gpu_clash: set[tuple[str, str]] = set()
 
-    def sync(self, targets: list[RolloutEntry], transport: str = "", timeout: float = 0.0,
-             wait_s: float = 0.0, allow_rollback: bool = False,
-             only_behind: bool = False, senders: str = "") -> trainer_pb2.SyncReport | None:
+    def sync(
+        self,
+        targets: list[RolloutEntry],
+        transport: str = "",
+        timeout: float = 0.0,
+        wait_s: float = 0.0,
+        allow_rollback: bool = False,
+        only_behind: bool = False,
+        senders: str = "",
+    ) -> trainer_pb2.SyncReport | None:
         """Sync `targets`; with `only_behind`, first drop those already on the trainer's version
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
         queued while another sync ran is often made moot by it."""
         transport = transport or self.default_transport
         if senders == "all" and transport in TRANSPORTS and not TRANSPORTS[transport].multi_sender:
             multi = choices(multi_sender_names())
-            raise ValueError(f"senders=all streams over {multi}; transport={transport} carries the buckets of global "
-                             f"rank 0 alone: ask for senders=rank0 (or leave it empty), or transport {multi}")
+            raise ValueError(
+                f"senders=all streams over {multi}; transport={transport} carries the buckets of global "
+                f"rank 0 alone: ask for senders=rank0 (or leave it empty), or transport {multi}"
+            )
         senders = senders or self.senders
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
@@ -109,47 +139,77 @@ class SyncOrchestrator:
             self.metrics.in_progress.set(1)
             if allow_rollback:
                 self.metrics.rollbacks.inc()
-                log.warning("ROLLBACK requested: sync of version %d to %s may take rollouts back to a lower version",
-                            self.actor.version, [e.rollout_id for e in targets] or "every rollout")
+                log.warning(
+                    "ROLLBACK requested: sync of version %d to %s may take rollouts back to a lower version",
+                    self.actor.version,
+                    [e.rollout_id for e in targets] or "every rollout",
+                )
             return self._sync_locked(targets, transport, timeout, senders, allow_rollback)
         finally:
             self.in_progress = False
             self.metrics.in_progress.set(0)
             self.actor_lock.release()
 
-    def _sync_locked(self, targets: list[RolloutEntry], transport: str, timeout: float,
-                     senders: str = "all", allow_rollback: bool = False) -> trainer_pb2.SyncReport:
+    def _sync_locked(
+        self,
+        targets: list[RolloutEntry],
+        transport: str,
+        timeout: float,
+        senders: str = "all",
+        allow_rollback: bool = False,
+    ) -> trainer_pb2.SyncReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         phases = PhaseClock()
         by_id = {e.rollout_id: e for e in targets}
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
-        if TRANSPORTS[transport].one_rank_per_gpu and senders == "all" \
-                and any((e.rollout_id, e.address) in self._gpu_clash for e in targets):
+        if (
+            TRANSPORTS[transport].one_rank_per_gpu
+            and senders == "all"
+            and any((e.rollout_id, e.address) in self._gpu_clash for e in targets)
+        ):
             senders = "rank0"  # learned at an earlier prepare: a target sits on a sending rank's GPU
         for attempt in (1, 2, 3):
             with phases("plan"):
                 session, manifest = self._plan(targets, transport, senders)
-            report = trainer_pb2.SyncReport(sync_id=manifest.sync_id, version=manifest.version, transport=transport,
-                                            bytes=manifest.total_bytes, num_buckets=len(manifest.buckets),
-                                            num_tensors=manifest.num_tensors)
+            report = trainer_pb2.SyncReport(
+                sync_id=manifest.sync_id,
+                version=manifest.version,
+                transport=transport,
+                bytes=manifest.total_bytes,
+                num_buckets=len(manifest.buckets),
+                num_tensors=manifest.num_tensors,
+            )
             if not targets:
                 report.ok = False
                 log.warning("sync %s: no rollout registered", manifest.sync_id)
                 self.last_report = report
                 return report
-            log.info("sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
-                     manifest.sync_id, manifest.version, len(targets), manifest.num_tensors, len(manifest.buckets),
-                     manifest.total_bytes / 1e6, transport, " (cached group)" if session.reused else "")
-            one = SyncAttempt(self, session, manifest, targets, deadline, phases, tensors=self._export,
-                              allow_rollback=allow_rollback)
+            log.info(
+                "sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
+                manifest.sync_id,
+                manifest.version,
+                len(targets),
+                manifest.num_tensors,
+                len(manifest.buckets),
+                manifest.total_bytes / 1e6,
+                transport,
+                " (cached group)" if session.reused else "",
+            )
+            one = SyncAttempt(
+                self, session, manifest, targets, deadline, phases, tensors=self._export, allow_rollback=allow_rollback
+            )
             attempt_results, retry = one.run()
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
             if one.funnel_retry:
-                log.warning("sync %s: %s; NCCL takes one rank per GPU, so syncs to it stream from global rank 0 "
-                            "(senders=rank0)", manifest.sync_id, one.funnel_retry)
+                log.warning(
+                    "sync %s: %s; NCCL takes one rank per GPU, so syncs to it stream from global rank 0 "
+                    "(senders=rank0)",
+                    manifest.sync_id,
+                    one.funnel_retry,
+                )
                 senders = "rank0"
                 self._gpu_clash |= {(rid, by_id[rid].address) for rid in session.clashing}
             self._log_retry(manifest.sync_id, targets, retry)
@@ -170,11 +230,17 @@ class SyncOrchestrator:
         # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
         session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
         plain = self.actor.export_metas()
-        manifest = self.manifests.manifest(self.export_format.metas(plain), version=version,
-                                           sync_id=sync_id, bucket_bytes=self.bucket_bytes, model_family=self.actor.family,
-                                           checksum_algo=ALGO, origin=self.origin,
-                                           quantization=self.export_format.quantization,
-                                           owners=self._owners(transport, senders, plain))
+        manifest = self.manifests.manifest(
+            self.export_format.metas(plain),
+            version=version,
+            sync_id=sync_id,
+            bucket_bytes=self.bucket_bytes,
+            model_family=self.actor.family,
+            checksum_algo=ALGO,
+            origin=self.origin,
+            quantization=self.export_format.quantization,
+            owners=self._owners(transport, senders, plain),
+        )
         if session is not None and len(manifest.senders) > 1:
             session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
         return session, manifest
@@ -190,9 +256,12 @@ class SyncOrchestrator:
         owners = self.export_format.owners(plain, owners())
         if not TRANSPORTS[transport].multi_sender and len(set(owners)) > 1:
             if not self._warned_funnel:
-                log.warning("transport=%s streams from global rank 0 only: every tensor is sent there first "
-                            "(multi-sender streaming is built for %s; docs/architecture.md)", transport,
-                            " and ".join(multi_sender_names()))
+                log.warning(
+                    "transport=%s streams from global rank 0 only: every tensor is sent there first "
+                    "(multi-sender streaming is built for %s; docs/architecture.md)",
+                    transport,
+                    " and ".join(multi_sender_names()),
+                )
                 self._warned_funnel = True
             return None
         return owners
@@ -201,29 +270,51 @@ class SyncOrchestrator:
         """The per-sender split of the stream, in the report and the metrics."""
         m = self.metrics
         for s in senders:
-            report.senders.add(rank=s.rank, bytes=s.bytes, num_buckets=s.buckets, seconds=s.seconds, error=s.error,
-                               forwarded_bytes=s.forwarded_bytes, peak_buffer_bytes=s.peak_buffer_bytes)
+            report.senders.add(
+                rank=s.rank,
+                bytes=s.bytes,
+                num_buckets=s.buckets,
+                seconds=s.seconds,
+                error=s.error,
+                forwarded_bytes=s.forwarded_bytes,
+                peak_buffer_bytes=s.peak_buffer_bytes,
+            )
             rank = str(s.rank)
             m.sender_bytes.labels(m.role, rank).inc(s.bytes)
             m.sender_seconds.labels(m.role, rank).observe(s.seconds)
             m.forwarded_bytes.labels(m.role, rank).inc(s.forwarded_bytes)
             m.sender_buffer_bytes.labels(m.role, rank).set(s.peak_buffer_bytes)
         if len(senders) > 1:
-            log.info("sync %s: per sender %s", report.sync_id,
-                     ", ".join(f"rank {s.rank} {s.bytes / 1e6:.1f} MB in {s.seconds:.3f}s" for s in senders))
+            log.info(
+                "sync %s: per sender %s",
+                report.sync_id,
+                ", ".join(f"rank {s.rank} {s.bytes / 1e6:.1f} MB in {s.seconds:.3f}s" for s in senders),
+            )
 
     @staticmethod
     def _log_retry(sync_id: str, targets: list[RolloutEntry], retry: list[RolloutEntry]) -> None:
         if len(retry) == len(targets):
-            log.warning("sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group",
-                        sync_id)
+            log.warning(
+                "sync %s: a member lacked the cached NCCL group (restarted?); retrying with a new group", sync_id
+            )
         else:
             left_out = sorted({e.rollout_id for e in targets} - {e.rollout_id for e in retry})
-            log.warning("sync %s: %s could not take part; retrying with the %d rollout(s) that prepared",
-                        sync_id, ", ".join(left_out), len(retry))
+            log.warning(
+                "sync %s: %s could not take part; retrying with the %d rollout(s) that prepared",
+                sync_id,
+                ", ".join(left_out),
+                len(retry),
+            )
 
-    def _report(self, report: trainer_pb2.SyncReport, results: dict[str, trainer_pb2.RolloutSyncResult],
-                by_id: dict[str, RolloutEntry], manifest, phases: PhaseClock, elapsed: float) -> None:
+    def _report(
+        self,
+        report: trainer_pb2.SyncReport,
+        results: dict[str, trainer_pb2.RolloutSyncResult],
+        by_id: dict[str, RolloutEntry],
+        manifest,
+        phases: PhaseClock,
+        elapsed: float,
+    ) -> None:
         """Fill the report of the sync and record its metrics."""
         for r in results.values():
             r.seconds = elapsed
@@ -239,9 +330,15 @@ class SyncOrchestrator:
         self.metrics.sync_duration.observe(elapsed)
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
         self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
-        log.info("sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s)", report.sync_id, committed,
-                 len(results), elapsed, report.gbps, phases)
+        log.info(
+            "sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s)",
+            report.sync_id,
+            committed,
+            len(results),
+            elapsed,
+            report.gbps,
+            phases,
+        )
 
     def is_current(self, entry: RolloutEntry) -> bool:
         return entry.origin == self.origin and entry.version == self.actor.version
-

@@ -1,4 +1,5 @@
 """Seconds spent in each phase of one sync (plan, prepare, stream, commit)."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The trainer's view of the rollout fleet: who is registered, where, and at which version."""
+
 from __future__ import annotations
 
 import threading
@@ -106,6 +107,13 @@ class RolloutRegistry:
             entry.last_error = describe_rpc_error(exc)
 
     def info(self, entry: RolloutEntry) -> trainer_pb2.RolloutInfo:
-        return trainer_pb2.RolloutInfo(rollout_id=entry.rollout_id, address=entry.address, version=entry.version,
-                                       state=entry.state, reachable=entry.reachable, last_error=entry.last_error,
-                                       last_sync_seconds=entry.last_sync_seconds, origin=entry.origin)
+        return trainer_pb2.RolloutInfo(
+            rollout_id=entry.rollout_id,
+            address=entry.address,
+            version=entry.version,
+            state=entry.state,
+            reachable=entry.reachable,
+            last_error=entry.last_error,
+            last_sync_seconds=entry.last_sync_seconds,
+            origin=entry.origin,
+        )

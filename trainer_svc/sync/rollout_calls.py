@@ -4,6 +4,7 @@ transports' trainer ends) use to reach a rollout, and how a failed target is rec
 PrepareSync, CommitSync and AbortSync go over a rollout's sync link when it offered one
 (trainer_svc.sync.link_client), else — or when the link cannot be opened — over gRPC.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,12 @@ class RolloutCalls:
             try:
                 resp, err = link.call(method, request, self.rpc_timeout)
             except LinkDown as exc:
-                log.warning("%s; %s goes over gRPC (the link is tried again in %.0fs)", exc, method,
-                            max(0.0, link.retry_at - time.monotonic()))
+                log.warning(
+                    "%s; %s goes over gRPC (the link is tried again in %.0fs)",
+                    exc,
+                    method,
+                    max(0.0, link.retry_at - time.monotonic()),
+                )
             else:
                 self.metrics.calls.labels("trainer", method, "link").inc()
                 self._learn_link(entry, method, resp)

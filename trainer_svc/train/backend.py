@@ -3,6 +3,7 @@
 Each actor backend (`trainer_svc/actor/hf/`, `trainer_svc/actor/megatron/`) ships one, handed out by
 `Actor.train_backend()`; the step driver, log-prob scoring and checkpoints see only this protocol.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -28,8 +29,15 @@ class TrainBackend(Protocol):
     def frozen_copy(self) -> list[torch.nn.Module]:
         """A no-grad copy of the current weights (the KL reference model)."""
 
-    def run(self, mbs: list[Batch], fn: Callable, out_shape: Callable, *, train: bool,
-            modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        mbs: list[Batch],
+        fn: Callable,
+        out_shape: Callable,
+        *,
+        train: bool,
+        modules: list[torch.nn.Module] | None = None,
+    ) -> list[torch.Tensor]:
         """`fn(logits, mb) -> (loss or None, out)` on every micro-batch; back-propagates when `train`;
         returns the outs, valid on every rank."""
 

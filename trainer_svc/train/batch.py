@@ -5,6 +5,7 @@ Layout: row i holds prompt_i + response_i, right-padded to the micro-batch's lon
 so the logits at position t score exactly the response tokens and nothing else. Right padding
 never changes the real positions' outputs under causal attention.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -14,13 +15,13 @@ import torch
 
 @dataclass
 class Batch:
-    tokens: torch.Tensor        # [B, L] int64, 0-padded
-    attention: torch.Tensor     # [B, L] 1 for real tokens
-    targets: torch.Tensor       # [B, L] int64: tokens shifted left
-    mask: torch.Tensor          # [B, L] float: 1 where targets[i, t] is a response token
-    old_logp: torch.Tensor      # [B, L] behaviour log-probs on the mask (0 elsewhere)
-    has_old_logp: bool          # every sample carried rollout log-probs
-    advantages: torch.Tensor    # [B]
+    tokens: torch.Tensor  # [B, L] int64, 0-padded
+    attention: torch.Tensor  # [B, L] 1 for real tokens
+    targets: torch.Tensor  # [B, L] int64: tokens shifted left
+    mask: torch.Tensor  # [B, L] float: 1 where targets[i, t] is a response token
+    old_logp: torch.Tensor  # [B, L] behaviour log-probs on the mask (0 elsewhere)
+    has_old_logp: bool  # every sample carried rollout log-probs
+    advantages: torch.Tensor  # [B]
     ref_logp: torch.Tensor | None = None
 
     @property
@@ -31,9 +32,16 @@ class Batch:
         """Rows [lo, hi), trimmed to their own longest row."""
         width = int(self.attention[lo:hi].sum(-1).max())
         cut = lambda t: None if t is None else t[lo:hi, :width]  # noqa: E731
-        return replace(self, tokens=cut(self.tokens), attention=cut(self.attention), targets=cut(self.targets),
-                       mask=cut(self.mask), old_logp=cut(self.old_logp), advantages=self.advantages[lo:hi],
-                       ref_logp=cut(self.ref_logp))
+        return replace(
+            self,
+            tokens=cut(self.tokens),
+            attention=cut(self.attention),
+            targets=cut(self.targets),
+            mask=cut(self.mask),
+            old_logp=cut(self.old_logp),
+            advantages=self.advantages[lo:hi],
+            ref_logp=cut(self.ref_logp),
+        )
 
     def micro_batches(self, size: int) -> list["Batch"]:
         size = size or self.size
@@ -58,9 +66,9 @@ def make_batch(samples, advantages: torch.Tensor | None = None) -> Batch:
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         attention[i, : p + r] = 1
-        mask[i, p - 1: p + r - 1] = 1.0
+        mask[i, p - 1 : p + r - 1] = 1.0
         if has_old:
-            old[i, p - 1: p + r - 1] = torch.tensor(list(s.rollout_logprobs), dtype=torch.float32)
+            old[i, p - 1 : p + r - 1] = torch.tensor(list(s.rollout_logprobs), dtype=torch.float32)
     targets = torch.zeros_like(tokens)
     targets[:, :-1] = tokens[:, 1:]
     adv = torch.zeros(n) if advantages is None else advantages.float()

@@ -8,6 +8,7 @@ Layout (every rank writes its own shard; rank 0 flips `latest` only after all of
 Each file is written to a temporary name and renamed, so a trainer killed mid-save leaves the
 previous checkpoint intact and `latest` never points at a partial one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,9 @@ def save_checkpoint(actor, directory: str) -> Path:
     step_dir = root / f"step_{st.step:08d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     state = {
-        "format": FORMAT, "step": st.step, "version": actor.version,
+        "format": FORMAT,
+        "step": st.step,
+        "version": actor.version,
         "model": [m.state_dict() for m in st.backend.modules()],
         "optimizer": st.optimizer.state_dict(),
         "reference": None if st.reference is None else [m.state_dict() for m in st.reference],

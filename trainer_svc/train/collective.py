@@ -7,6 +7,7 @@ JSON) and then runs it locally; on a worker, the actor's loop hands any op it do
 `handle_worker_command()`, which runs the same function. With one rank (or HfActor) `run()` just
 calls the function.
 """
+
 from __future__ import annotations
 
 import base64

@@ -10,6 +10,7 @@ scalar loss from the reduced values, so d loss / d (local partial sum) equals d 
 each rank then back-propagates into its own logit shard only (megatron's column-parallel layer
 all-reduces the input gradient itself).
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,14 @@ def _shifted(logits: torch.Tensor, group, valid: torch.Tensor | None = None) -> 
     return logits - m, m
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   tp_group=None, vocab_size: int | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
     """log softmax(logits / temperature)[target] per position; logits [..., V_local] (fp32 math).
 
     With `tp_group`, `logits` is this rank's vocab shard and `targets` hold global token ids;
@@ -91,8 +98,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     return target_logit - sum_exp.log()
 
 
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0, tp_group=None,
-                  vocab_size: int | None = None) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor, *, temperature: float = 1.0, tp_group=None, vocab_size: int | None = None
+) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position; H = log S - Σ e^z z / S with z = logits - max."""
     logits = logits.float()
     if temperature != 1.0:

@@ -5,6 +5,7 @@ tokens, so the same code serves one micro-batch or a whole batch. Aggregation ta
 denominators (`num_tokens`, `num_seqs`) so that summing the losses of micro-batches gives exactly
 the loss of the full batch — gradient accumulation must not change what is optimised.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,14 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     return adv.to(torch.float32)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens: float | None = None,
-              num_seqs: float | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce per-token `values` [B, T] to a scalar.
 
     token-mean: sum of every valid token / `num_tokens` (all tokens of the batch weigh the same,
@@ -59,16 +66,25 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens
 
 @dataclass
 class ClipStats:
-    clip_frac: torch.Tensor       # fraction of valid tokens where the clipped branch was taken
+    clip_frac: torch.Tensor  # fraction of valid tokens where the clipped branch was taken
     dual_clip_frac: torch.Tensor  # fraction where the dual clip (negative advantages) bounded the loss
     ratio_mean: torch.Tensor
-    approx_kl: torch.Tensor       # mean of (old - new) log-prob: KL(old || new) estimate
+    approx_kl: torch.Tensor  # mean of (old - new) log-prob: KL(old || new) estimate
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                  clip_low: float = 0.2, clip_high: float | None = None, dual_clip_c: float = 0.0,
-                  aggregation: str = "token-mean", num_tokens: float | None = None,
-                  num_seqs: float | None = None) -> tuple[torch.Tensor, ClipStats]:
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip_c: float = 0.0,
+    aggregation: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, ClipStats]:
     """PPO-clip policy loss with asymmetric clip range [1 - clip_low, 1 + clip_high].
 
     Per token: max(-A r, -A clip(r)); with dual clip (c > 1) a negative-advantage token's loss is
@@ -95,8 +111,12 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     m = mask.to(loss.dtype)
     n = m.sum().clamp(min=1.0)
     with torch.no_grad():
-        stats = ClipStats(clip_frac=(clipped * m).sum() / n, dual_clip_frac=(dual * m).sum() / n,
-                          ratio_mean=(ratio * m).sum() / n, approx_kl=(-log_ratio * m).sum() / n)
+        stats = ClipStats(
+            clip_frac=(clipped * m).sum() / n,
+            dual_clip_frac=(dual * m).sum() / n,
+            ratio_mean=(ratio * m).sum() / n,
+            approx_kl=(-log_ratio * m).sum() / n,
+        )
     return aggregate(loss, mask, aggregation, num_tokens=num_tokens, num_seqs=num_seqs), stats
 
 

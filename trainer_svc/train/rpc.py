@@ -9,6 +9,7 @@ Training state (optimizer, step, reference model) is created on the first traini
 `resume` set, that first call also restores the latest checkpoint under `checkpoint_dir`. Each call
 runs on every trainer rank through `trainer_svc.train.collective`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,15 +38,20 @@ def validate_samples(samples, vocab_size: int, max_positions: int, need_logprobs
                 raise ValueError(f"samples[{i}].{name}: token id {bad} outside the vocabulary [0, {vocab_size})")
         n = len(s.prompt_ids) + len(s.response_ids)
         if n > max_positions:
-            raise ValueError(f"samples[{i}]: prompt_ids + response_ids = {n} tokens > max_position_embeddings "
-                             f"{max_positions}")
+            raise ValueError(
+                f"samples[{i}]: prompt_ids + response_ids = {n} tokens > max_position_embeddings {max_positions}"
+            )
         if len(s.rollout_logprobs) not in (0, len(s.response_ids)):
-            raise ValueError(f"samples[{i}].rollout_logprobs: {len(s.rollout_logprobs)} values for "
-                             f"{len(s.response_ids)} response_ids")
+            raise ValueError(
+                f"samples[{i}].rollout_logprobs: {len(s.rollout_logprobs)} values for "
+                f"{len(s.response_ids)} response_ids"
+            )
     given = sum(1 for s in samples if len(s.rollout_logprobs))
     if given not in (0, len(samples)):
-        raise ValueError(f"samples[].rollout_logprobs: given for {given} of {len(samples)} samples; send them for "
-                         "all samples or none (none = the trainer scores the behaviour policy itself)")
+        raise ValueError(
+            f"samples[].rollout_logprobs: given for {given} of {len(samples)} samples; send them for "
+            "all samples or none (none = the trainer scores the behaviour policy itself)"
+        )
 
 
 CHECKPOINT_FORMATS = ("native", "torch_dist")
@@ -55,8 +61,10 @@ def check_checkpoint_format(fmt: str, actor) -> None:
     if fmt not in CHECKPOINT_FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {', '.join(CHECKPOINT_FORMATS)} (empty = native)")
     if fmt == "torch_dist" and not hasattr(actor, "save_megatron"):
-        raise ValueError("format: torch_dist is a Megatron distributed checkpoint; this trainer's backend has no "
-                         "Megatron model (use backend=megatron, or format native)")
+        raise ValueError(
+            "format: torch_dist is a Megatron distributed checkpoint; this trainer's backend has no "
+            "Megatron model (use backend=megatron, or format native)"
+        )
 
 
 class TrainingServicerMixin:
@@ -96,8 +104,9 @@ class TrainingServicerMixin:
         if self.actor.train_state is not None:
             return self.actor.train_state
         cfg = self._train_config()
-        if collective.run(self.actor, "train_init", optim=dataclasses.asdict(cfg.optim),
-                          checkpoint=dataclasses.asdict(cfg.checkpoint)):
+        if collective.run(
+            self.actor, "train_init", optim=dataclasses.asdict(cfg.optim), checkpoint=dataclasses.asdict(cfg.checkpoint)
+        ):
             self._after_weights_changed()
         return self.actor.train_state
 
@@ -149,8 +158,9 @@ class TrainingServicerMixin:
             validate_samples(request.samples, *self._limits())
             LossSpec.from_proto(request.loss)
             if request.loss.algorithm == "ppo" and len(request.loss.advantages) not in (0, len(request.samples)):
-                raise ValueError(f"loss.advantages: {len(request.loss.advantages)} values for "
-                                 f"{len(request.samples)} samples")
+                raise ValueError(
+                    f"loss.advantages: {len(request.loss.advantages)} values for {len(request.samples)} samples"
+                )
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -6,6 +6,7 @@
 The backend (transformers or megatron-core) only runs micro-batches and owns the parameters; the
 loss, advantages and bookkeeping are written once here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,6 @@ import torch
 
 from trainer_svc.config import OptimConfig
 from trainer_svc.train.backend import TrainBackend
-
 from trainer_svc.train.batch import Batch, make_batch
 from trainer_svc.train.logprobs import token_entropy, token_logprobs
 from trainer_svc.train.losses import AGGREGATIONS, aggregate, group_advantages, kl_k3, ppo_clip_loss
@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainState:
     """What training adds to an actor; kept in the actor's `train_state` field."""
+
     optim: OptimConfig
     backend: TrainBackend
     optimizer: torch.optim.Optimizer
     step: int = 0
-    reference: list | None = None     # frozen copy of the model chunks (only once kl/reference is used)
+    reference: list | None = None  # frozen copy of the model chunks (only once kl/reference is used)
     extra: dict = field(default_factory=dict)
 
 
@@ -67,9 +68,15 @@ class LossSpec:
     @classmethod
     def from_proto(cls, lc) -> "LossSpec":
         low = lc.clip_eps_low or 0.2
-        spec = cls(algorithm=lc.algorithm or "grpo", clip_low=low, clip_high=lc.clip_eps_high or low,
-                   dual_clip_c=lc.dual_clip_c, aggregation=lc.aggregation or "token-mean", kl_coef=lc.kl_coef,
-                   entropy_coef=lc.entropy_coef)
+        spec = cls(
+            algorithm=lc.algorithm or "grpo",
+            clip_low=low,
+            clip_high=lc.clip_eps_high or low,
+            dual_clip_c=lc.dual_clip_c,
+            aggregation=lc.aggregation or "token-mean",
+            kl_coef=lc.kl_coef,
+            entropy_coef=lc.entropy_coef,
+        )
         if spec.algorithm not in ("grpo", "ppo"):
             raise ValueError(f"loss.algorithm={spec.algorithm!r} must be grpo or ppo")
         if spec.aggregation not in AGGREGATIONS:
@@ -107,7 +114,7 @@ def _score(st: TrainState, batch: Batch, mbs: int, modules=None) -> torch.Tensor
     row = 0
     for out in outs:
         n = min(out.shape[0], batch.size - row)
-        full[row: row + n, : out.shape[1]] = out[:n, : full.shape[1]]
+        full[row : row + n, : out.shape[1]] = out[:n, : full.shape[1]]
         row += n
     return full
 
@@ -122,8 +129,18 @@ def compute_logprobs(actor, samples, reference: bool = False, micro_batch_size: 
 
 #: per-micro-batch values the loss function reports; each is a share of the batch value (summed),
 #: except the *_max ones (max over micro-batches)
-MB_METRICS = ("loss", "pg_loss", "entropy", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl",
-              "logprob_diff_mean", "logprob_diff_max")
+MB_METRICS = (
+    "loss",
+    "pg_loss",
+    "entropy",
+    "kl",
+    "clip_frac",
+    "dual_clip_frac",
+    "ratio_mean",
+    "approx_kl",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+)
 
 
 def train_step(actor, request) -> dict[str, float]:
@@ -145,9 +162,17 @@ def train_step(actor, request) -> dict[str, float]:
 
     def loss_fn(logits, mb):
         logp = token_logprobs(logits, mb.targets, **kw)
-        pg, cs = ppo_clip_loss(logp, mb.old_logp, mb.advantages, mb.mask, clip_low=spec.clip_low,
-                               clip_high=spec.clip_high, dual_clip_c=spec.dual_clip_c,
-                               aggregation=spec.aggregation, **agg)
+        pg, cs = ppo_clip_loss(
+            logp,
+            mb.old_logp,
+            mb.advantages,
+            mb.mask,
+            clip_low=spec.clip_low,
+            clip_high=spec.clip_high,
+            dual_clip_c=spec.dual_clip_c,
+            aggregation=spec.aggregation,
+            **agg,
+        )
         loss = pg
         with torch.set_grad_enabled(spec.entropy_coef > 0 and torch.is_grad_enabled()):
             ent = aggregate(token_entropy(logits, **kw), mb.mask, spec.aggregation, **agg)
@@ -159,9 +184,20 @@ def train_step(actor, request) -> dict[str, float]:
             loss = loss + spec.kl_coef * kl
         w = float(mb.mask.sum()) / max(n_tok, 1.0)
         diff = (logp.detach() - mb.old_logp).abs() * mb.mask
-        out = torch.tensor([float(loss.detach()), float(pg.detach()), float(ent.detach()), float(kl.detach()),
-                            w * float(cs.clip_frac), w * float(cs.dual_clip_frac), w * float(cs.ratio_mean),
-                            w * float(cs.approx_kl), float(diff.sum()) / max(n_tok, 1.0), float(diff.max())])
+        out = torch.tensor(
+            [
+                float(loss.detach()),
+                float(pg.detach()),
+                float(ent.detach()),
+                float(kl.detach()),
+                w * float(cs.clip_frac),
+                w * float(cs.dual_clip_frac),
+                w * float(cs.ratio_mean),
+                w * float(cs.approx_kl),
+                float(diff.sum()) / max(n_tok, 1.0),
+                float(diff.max()),
+            ]
+        )
         return loss, out
 
     lr = st.optim.lr_at(st.step)
@@ -174,11 +210,19 @@ def train_step(actor, request) -> dict[str, float]:
     actor.step = st.step
     actor.version += 1
     stacked = torch.stack(outs)
-    metrics = {k: float(stacked[:, i].max() if k.endswith("_max") else stacked[:, i].sum())
-               for i, k in enumerate(MB_METRICS)}
+    metrics = {
+        k: float(stacked[:, i].max() if k.endswith("_max") else stacked[:, i].sum()) for i, k in enumerate(MB_METRICS)
+    }
     rewards = torch.tensor([s.reward for s in samples])
-    metrics.update(grad_norm=grad_norm, lr=lr, reward_mean=float(rewards.mean()), num_samples=n_seq,
-                   num_tokens=n_tok, response_len_mean=n_tok / max(n_seq, 1.0),
-                   advantage_abs_mean=float(batch.advantages.abs().mean()), step_seconds=time.perf_counter() - t0,
-                   rollout_logprobs_given=float(batch.has_old_logp))
+    metrics.update(
+        grad_norm=grad_norm,
+        lr=lr,
+        reward_mean=float(rewards.mean()),
+        num_samples=n_seq,
+        num_tokens=n_tok,
+        response_len_mean=n_tok / max(n_seq, 1.0),
+        advantage_abs_mean=float(batch.advantages.abs().mean()),
+        step_seconds=time.perf_counter() - t0,
+        rollout_logprobs_given=float(batch.has_old_logp),
+    )
     return metrics

@@ -6,6 +6,7 @@ one object per sync and rollout engine rank. Every blocking call takes or inheri
 Each transport (tcp/, nccl/, ipc/) has its own pair, subclassing these; the pipeline only knows
 these classes, and what a channel can do is declared on them (the defaults are the simplest channel's).
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ truncation, not deliberate tampering or word reordering; authentication is the c
 plane's job. Costs one read of the buffer; on CUDA a fused Triton kernel (checksum_cuda.py),
 which also comes as a copy that checksums what it copies (a rollout's copy-out, verified_copy.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,7 @@ def from_many_sums(sums: list[torch.Tensor], tails: list[torch.Tensor], ns: list
     out, pos = [], 0
     for (s1, s2), t, n in zip(pairs, tails, ns):
         k = t.numel()
-        out.append(_mix(int(s1), int(s2), bytes(tail_bytes[pos:pos + k]), n))
+        out.append(_mix(int(s1), int(s2), bytes(tail_bytes[pos : pos + k]), n))
         pos += k
     return out
 
@@ -67,8 +68,10 @@ def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """Copy the int32 words `src` into `dst` and return their word sums, reading `src` once on CUDA
     (one fused Triton kernel: the copy and the checksum are one pass over the bytes)."""
     if src.shape != dst.shape or src.dtype != torch.int32 or dst.dtype != torch.int32:
-        raise ValueError(f"copy_word_sums wants two int32 tensors of one shape, got {src.dtype} "
-                         f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+        raise ValueError(
+            f"copy_word_sums wants two int32 tensors of one shape, got {src.dtype} "
+            f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}"
+        )
     if src.is_cuda and dst.is_cuda and src.numel():
         from weightsync.bus import checksum_cuda
 
@@ -158,15 +161,16 @@ def warm_up(device) -> float:
     for nbytes in (64 << 10, (64 << 10) + 4, (64 << 10) + 6):  # word count % 16 == 0, != 0, and a tail
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         bucket_checksum(buf)
-        words = buf[:nbytes - nbytes % 4].view(torch.int32)
+        words = buf[: nbytes - nbytes % 4].view(torch.int32)
         copy_word_sums(words, torch.empty_like(words))  # the rollout's copy-out kernels (verified_copy.py)
     from weightsync.bus import checksum_cuda
 
     if checksum_cuda.available():
         words = torch.zeros(64, dtype=torch.int32, device=device)
         dst = torch.empty(32, dtype=torch.int32, device=device)
-        checksum_cuda.scatter_word_sums(words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)],
-                                                                           device))
+        checksum_cuda.scatter_word_sums(
+            words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)], device)
+        )
         table = torch.tensor([(words.data_ptr(), 64), (dst.data_ptr(), 32)], dtype=torch.int64).to(device)
         checksum_cuda.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
     return time.perf_counter() - t0
@@ -226,8 +230,9 @@ class InFlightChecksums:
         todo = [i for i, v in enumerate(self._values) if v is None]
         if todo:
             self._events[-1].synchronize()  # kernels run in order on the side stream
-            got = from_many_sums([self._sums[i] for i in todo], [self._tails[i] for i in todo],
-                                 [self._n[i] for i in todo])
+            got = from_many_sums(
+                [self._sums[i] for i in todo], [self._tails[i] for i in todo], [self._n[i] for i in todo]
+            )
             for i, v in zip(todo, got):
                 self._values[i] = v
         return list(self._values)

@@ -7,6 +7,7 @@ sums added in any order give the value the CPU path gives, bit for bit (tests/gp
 Triton ships with CUDA builds of torch, not with the CPU build: callers fall back to torch when
 `available()` is false.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,8 @@ import torch
 
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
-_BLOCK = 4096       # words per inner step of one program
-_STEPS = 16         # inner steps per program: 256 KiB of the buffer each
+_BLOCK = 4096  # words per inner step of one program
+_STEPS = 16  # inner steps per program: 256 KiB of the buffer each
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,5 @@
 """Mapping between torch dtypes, the wire enum (weightsync.v1.DType) and human names."""
+
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,12 @@ _TORCH_TO_WIRE = {
 _WIRE_TO_TORCH = {v: k for k, v in _TORCH_TO_WIRE.items()}
 
 _NAMES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -32,8 +36,9 @@ def to_wire(dtype: torch.dtype) -> int:
     try:
         return _TORCH_TO_WIRE[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot travel on the weight bus; supported: "
-                         f"{sorted(str(d) for d in _TORCH_TO_WIRE)}") from None
+        raise ValueError(
+            f"dtype {dtype} cannot travel on the weight bus; supported: {sorted(str(d) for d in _TORCH_TO_WIRE)}"
+        ) from None
 
 
 def from_wire(wire: int) -> torch.dtype:

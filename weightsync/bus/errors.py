@@ -4,6 +4,7 @@ TransportError: moving bytes failed (peer gone, timeout, corrupt frame); raised 
 SyncError: a rollout cannot take part in a sync (bad request, wrong GPU, no such group); its
 `code` names the gRPC status the rollout answers with.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ transports name GPUs by UUID. The rollout checks in PrepareSync, before anything
 that it can take part (nccl needs a CUDA engine, ipc the trainer's own GPU), so a rollout that
 cannot says why at once instead of timing out a whole NCCL group or failing on the first bucket.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,10 @@ def local_index_of(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:
             return i
-    raise ValueError(f"CUDA IPC handle names GPU {uuid}, which this process cannot see "
-                     "(trainer and engine must share the GPU; check CUDA_VISIBLE_DEVICES)")
+    raise ValueError(
+        f"CUDA IPC handle names GPU {uuid}, which this process cannot see "
+        "(trainer and engine must share the GPU; check CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def engine_device(engine) -> torch.device | None:
@@ -51,7 +54,9 @@ def engine_device(engine) -> torch.device | None:
 def require_cuda(device: torch.device | None, transport: str, engine_name: str) -> torch.device:
     if device is None or device.type != "cuda":
         where = f"on {device}" if device is not None else "without a device this rollout can receive into"
-        raise SyncError(f"transport {transport} needs a CUDA engine, and this rollout's {engine_name} engine runs "
-                        f"{where}: start it with --device cuda:N, or sync it with --transport tcp",
-                        "FAILED_PRECONDITION")
+        raise SyncError(
+            f"transport {transport} needs a CUDA engine, and this rollout's {engine_name} engine runs "
+            f"{where}: start it with --device cuda:N, or sync it with --transport tcp",
+            "FAILED_PRECONDITION",
+        )
     return device

@@ -16,6 +16,7 @@ The rollout computes the digest of every full manifest itself and refuses one th
 digest, so a digest only ever names the buckets it was computed from. A changed layout has a new
 digest by construction: nothing is ever applied under a stale layout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,16 +48,24 @@ def compact_proto(m: Manifest) -> bus_pb2.Manifest:
     """The manifest without its buckets: the layout travels as `layout_digest`."""
     if not m.layout_digest:
         raise ValueError("a compact manifest needs manifest.layout_digest (plan it with ManifestCache)")
-    return bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
-                            total_bytes=m.total_bytes, model_family=m.model_family, checksum_algo=m.checksum_algo,
-                            origin=m.origin, layout_digest=m.layout_digest)
+    return bus_pb2.Manifest(
+        version=m.version,
+        sync_id=m.sync_id,
+        bucket_bytes=m.bucket_bytes,
+        total_bytes=m.total_bytes,
+        model_family=m.model_family,
+        checksum_algo=m.checksum_algo,
+        origin=m.origin,
+        layout_digest=m.layout_digest,
+    )
 
 
 class ManifestCache:
     """The trainer's side: one planned layout (the current one) and which rollout holds it.
 
     `manifest()` re-plans only when the export metadata, bucket size, family, checksum algorithm,
-    quantization or the tensors' senders differ from the cached layout's; a hit costs one comparison of the metadata list (an identity
+    quantization or the tensors' senders differ from the cached layout's; a hit costs one comparison of the
+    metadata list (an identity
     check when the actor hands back the same list).
     """
 
@@ -68,15 +77,31 @@ class ManifestCache:
         self._known: dict[tuple[str, str], str] = {}  # (rollout_id, address) -> digest it validated
         self.plans = 0  # layouts planned (tests and metrics: 1 while the model is unchanged)
 
-    def manifest(self, metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
-                 model_family: str = "", checksum_algo: str = "", origin: str = "",
-                 quantization: Quantization | None = None, owners: list[int] | None = None) -> Manifest:
+    def manifest(
+        self,
+        metas: list[TensorMeta],
+        *,
+        version: int,
+        sync_id: str,
+        bucket_bytes: int,
+        model_family: str = "",
+        checksum_algo: str = "",
+        origin: str = "",
+        quantization: Quantization | None = None,
+        owners: list[int] | None = None,
+    ) -> Manifest:
         # owners: each tensor's sender rank (None: one sender, rank 0), as for make_manifest
         key = (bucket_bytes, model_family, checksum_algo, quantization, tuple(owners) if owners else None)
         if self._template is None or key != self._key or not (metas is self._metas or metas == self._metas):
-            template = Manifest(version=0, sync_id="", bucket_bytes=bucket_bytes,
-                                buckets=plan_buckets(list(metas), bucket_bytes, owners), model_family=model_family,
-                                checksum_algo=checksum_algo, quantization=quantization)
+            template = Manifest(
+                version=0,
+                sync_id="",
+                bucket_bytes=bucket_bytes,
+                buckets=plan_buckets(list(metas), bucket_bytes, owners),
+                model_family=model_family,
+                checksum_algo=checksum_algo,
+                quantization=quantization,
+            )
             template.layout_digest = layout_digest(template)
             self._key, self._metas, self._template, self._full = key, metas, template, None
             self.plans += 1
@@ -131,8 +156,10 @@ class KnownLayouts:
             m = manifest_from_proto(msg)
             digest = layout_digest(m)
             if msg.layout_digest and msg.layout_digest != digest:
-                raise ValueError(f"manifest.layout_digest={msg.layout_digest} does not match its buckets "
-                                 f"(computed {digest}); the trainer's layout cache is inconsistent")
+                raise ValueError(
+                    f"manifest.layout_digest={msg.layout_digest} does not match its buckets "
+                    f"(computed {digest}); the trainer's layout cache is inconsistent"
+                )
             m.layout_digest = digest
             return m
         held = self._by_digest.get(msg.layout_digest)
@@ -142,8 +169,10 @@ class KnownLayouts:
             raise ValueError("manifest.sync_id is empty")
         for name in ("bucket_bytes", "total_bytes", "model_family", "checksum_algo"):
             if getattr(msg, name) != getattr(held, name):
-                raise ValueError(f"manifest.{name}={getattr(msg, name)!r} differs from the layout "
-                                 f"{msg.layout_digest[:12]}… it names ({getattr(held, name)!r})")
+                raise ValueError(
+                    f"manifest.{name}={getattr(msg, name)!r} differs from the layout "
+                    f"{msg.layout_digest[:12]}… it names ({getattr(held, name)!r})"
+                )
         self._by_digest.move_to_end(msg.layout_digest)
         return dataclasses.replace(held, version=msg.version, sync_id=msg.sync_id, origin=msg.origin)
 

@@ -1,4 +1,5 @@
 """Copy tensors into a flat bucket buffer and view them back out, on any device."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -31,11 +32,13 @@ def pack_bucket(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], b
             raise ValueError(f"bucket {plan.index}: exporter ended before tensor {slot.meta.name}") from None
         m = slot.meta
         if name != m.name or tuple(t.shape) != m.shape or t.dtype != m.dtype:
-            raise ValueError(f"bucket {plan.index}: exporter yielded {name} {tuple(t.shape)} {t.dtype}, "
-                             f"plan expects {m.name} {m.shape} {m.dtype}")
-        dst = buf[slot.offset:slot.offset + m.nbytes]
+            raise ValueError(
+                f"bucket {plan.index}: exporter yielded {name} {tuple(t.shape)} {t.dtype}, "
+                f"plan expects {m.name} {m.shape} {m.dtype}"
+            )
+        dst = buf[slot.offset : slot.offset + m.nbytes]
         dst.view(m.dtype).view(m.shape).copy_(t, non_blocking=True)
-    return buf[:plan.nbytes]
+    return buf[: plan.nbytes]
 
 
 def unpack_bucket(plan: BucketPlan, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -44,4 +47,4 @@ def unpack_bucket(plan: BucketPlan, buf: torch.Tensor) -> Iterator[tuple[str, to
         raise ValueError(f"bucket {plan.index}: received {buf.numel()} bytes, manifest says {plan.nbytes}")
     for slot in plan.slots:
         m = slot.meta
-        yield m.name, buf[slot.offset:slot.offset + m.nbytes].view(m.dtype).view(m.shape)
+        yield m.name, buf[slot.offset : slot.offset + m.nbytes].view(m.dtype).view(m.shape)

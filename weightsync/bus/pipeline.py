@@ -12,6 +12,7 @@ are sent as they are, with no export pass and no pack copy; their checksums are 
 once (InFlightChecksums) and a sender that does not carry them with every bucket
 (`checksums_in_band`) gets them at the end, for the commit, instead of waiting for each.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,10 +58,14 @@ def _own_bytes(plan, item, device: torch.device) -> torch.Tensor | None:
     name, t = item
     m = plan.slots[0].meta
     if name != m.name or tuple(t.shape) != m.shape or t.dtype != m.dtype:
-        raise ValueError(f"bucket {plan.index}: exporter yielded {name} {tuple(t.shape)} {t.dtype}, "
-                         f"plan expects {m.name} {m.shape} {m.dtype}")
+        raise ValueError(
+            f"bucket {plan.index}: exporter yielded {name} {tuple(t.shape)} {t.dtype}, "
+            f"plan expects {m.name} {m.shape} {m.dtype}"
+        )
     t = t.detach().to(device).contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -86,9 +91,11 @@ def in_place_views(manifest: Manifest, in_place: list[torch.Tensor]) -> list[tor
     views = []
     for plan, buf in zip(manifest.buckets, in_place):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < plan.nbytes:
-            raise ValueError(f"in_place[{plan.index}]: need a flat uint8 buffer of at least {plan.nbytes} bytes, "
-                             f"got {buf.dtype} {tuple(buf.shape)}")
-        views.append(buf[:plan.nbytes])
+            raise ValueError(
+                f"in_place[{plan.index}]: need a flat uint8 buffer of at least {plan.nbytes} bytes, "
+                f"got {buf.dtype} {tuple(buf.shape)}"
+            )
+        views.append(buf[: plan.nbytes])
     return views
 
 
@@ -108,6 +115,7 @@ def _timed(it: Iterator, stats: StreamStats) -> Iterator:
 @dataclass
 class _Stream:
     """What the producer thread and the consumer of one stream share."""
+
     manifest: Manifest
     stats: StreamStats
     timeout: float
@@ -125,11 +133,19 @@ class _Stream:
         return left
 
 
-def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]], sender: BucketSender, *,
-                   device: torch.device | str = "cpu", num_buffers: int = 2, with_checksums: bool = True,
-                   timeout: float = 600.0, buffers: BufferPool | None = None,
-                   in_place: list[torch.Tensor] | None = None,
-                   in_place_checksums: InFlightChecksums | None = None) -> StreamStats:
+def stream_buckets(
+    manifest: Manifest,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    sender: BucketSender,
+    *,
+    device: torch.device | str = "cpu",
+    num_buffers: int = 2,
+    with_checksums: bool = True,
+    timeout: float = 600.0,
+    buffers: BufferPool | None = None,
+    in_place: list[torch.Tensor] | None = None,
+    in_place_checksums: InFlightChecksums | None = None,
+) -> StreamStats:
     """Pack and send every bucket of `manifest`; raise on the first export or transport error.
 
     `buffers`: take the reusable buffers from this pool (kept after the sync) instead of
@@ -167,8 +183,9 @@ def stream_buckets(manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor
             torch.cuda.current_stream(views[0].device).synchronize()
         produce = functools.partial(_produce_in_place, st, views, csums, in_band)
     t_start = time.perf_counter()
-    producer = threading.Thread(target=_handing_errors_on, args=(st, produce), name=f"pack-{manifest.sync_id}",
-                                daemon=True)
+    producer = threading.Thread(
+        target=_handing_errors_on, args=(st, produce), name=f"pack-{manifest.sync_id}", daemon=True
+    )
     producer.start()
     try:
         _consume(st, sender, csums)
@@ -193,8 +210,11 @@ def _fill_free(st: _Stream, device: torch.device, num_buffers: int, pool: Buffer
     buf_bytes = max((b.nbytes for b in packed), default=0)
     n_bufs = min(num_buffers, len(packed))
     st.stats.peak_buffer_bytes = buf_bytes * n_bufs
-    for buf in (pool.take(n_bufs, buf_bytes, device) if pool is not None and n_bufs
-                else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))):
+    for buf in (
+        pool.take(n_bufs, buf_bytes, device)
+        if pool is not None and n_bufs
+        else (alloc_buffer(buf_bytes, device) for _ in range(n_bufs))
+    ):
         st.free.put(buf)
 
 
@@ -218,8 +238,9 @@ def _produce_in_place(st: _Stream, views: list[torch.Tensor], csums: InFlightChe
     st.ready.put(_DONE)
 
 
-def _produce_packed(st: _Stream, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
-                    with_checksums: bool) -> None:
+def _produce_packed(
+    st: _Stream, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device, with_checksums: bool
+) -> None:
     """Producer of packed buckets: the exporter's tensors packed into the free buffers (an
     oversized tensor is sent from its own memory)."""
     manifest, stats = st.manifest, st.stats

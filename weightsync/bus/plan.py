@@ -9,6 +9,7 @@ has an owner rank; the buckets of one sender hold only its tensors, in its expor
 senders' buckets follow each other in rank order. The layout is a pure function of (metadata,
 owners, bucket size), so every trainer rank computes the same manifest without talking.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,6 +46,7 @@ class TensorMeta:
 class Quantization:
     """How quantized tensors of a sync are encoded (bus.proto Quantization); the bus only carries
     it: the formats that implement a scheme live in weightsync.formats."""
+
     method: str
     fmt: str
     weight_block_size: tuple[int, ...]
@@ -156,27 +158,56 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int, owners: list[int] |
     return buckets
 
 
-def make_manifest(metas: list[TensorMeta], *, version: int, sync_id: str, bucket_bytes: int,
-                  model_family: str = "", checksum_algo: str = "", origin: str = "",
-                  quantization: Quantization | None = None, owners: list[int] | None = None) -> Manifest:
-    return Manifest(version=version, sync_id=sync_id, bucket_bytes=bucket_bytes,
-                    buckets=plan_buckets(metas, bucket_bytes, owners), model_family=model_family,
-                    checksum_algo=checksum_algo, origin=origin, quantization=quantization)
+def make_manifest(
+    metas: list[TensorMeta],
+    *,
+    version: int,
+    sync_id: str,
+    bucket_bytes: int,
+    model_family: str = "",
+    checksum_algo: str = "",
+    origin: str = "",
+    quantization: Quantization | None = None,
+    owners: list[int] | None = None,
+) -> Manifest:
+    return Manifest(
+        version=version,
+        sync_id=sync_id,
+        bucket_bytes=bucket_bytes,
+        buckets=plan_buckets(metas, bucket_bytes, owners),
+        model_family=model_family,
+        checksum_algo=checksum_algo,
+        origin=origin,
+        quantization=quantization,
+    )
 
 
 def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
-    msg = bus_pb2.Manifest(version=m.version, sync_id=m.sync_id, bucket_bytes=m.bucket_bytes,
-                           total_bytes=m.total_bytes, model_family=m.model_family,
-                           checksum_algo=m.checksum_algo, origin=m.origin, layout_digest=m.layout_digest)
+    msg = bus_pb2.Manifest(
+        version=m.version,
+        sync_id=m.sync_id,
+        bucket_bytes=m.bucket_bytes,
+        total_bytes=m.total_bytes,
+        model_family=m.model_family,
+        checksum_algo=m.checksum_algo,
+        origin=m.origin,
+        layout_digest=m.layout_digest,
+    )
     if m.quantization is not None:
         q = m.quantization
-        msg.quantization.CopyFrom(bus_pb2.Quantization(method=q.method, fmt=q.fmt,
-                                                        weight_block_size=list(q.weight_block_size)))
+        msg.quantization.CopyFrom(
+            bus_pb2.Quantization(method=q.method, fmt=q.fmt, weight_block_size=list(q.weight_block_size))
+        )
     for b in m.buckets:
         pb = msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender)
         for s in b.slots:
-            pb.tensors.add(name=s.meta.name, dtype=dtypes.to_wire(s.meta.dtype), shape=list(s.meta.shape),
-                           offset=s.offset, nbytes=s.meta.nbytes)
+            pb.tensors.add(
+                name=s.meta.name,
+                dtype=dtypes.to_wire(s.meta.dtype),
+                shape=list(s.meta.shape),
+                offset=s.offset,
+                nbytes=s.meta.nbytes,
+            )
     return msg
 
 
@@ -218,7 +249,9 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
                 raise ValueError(f"{_field(i, j, name)}: shape {list(shape)} is not a valid tensor shape")
             meta = TensorMeta(name, shape, dt)
             if meta.nbytes != nbytes:
-                raise ValueError(f"{_field(i, j, name)}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}")
+                raise ValueError(
+                    f"{_field(i, j, name)}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
+                )
             if offset < end_prev or offset % dt.itemsize:
                 raise ValueError(f"{_field(i, j, name)}: offset {offset} overlaps the previous tensor or is misaligned")
             end_prev = offset + nbytes
@@ -235,6 +268,14 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         if not q.method:
             raise ValueError("manifest.quantization.method is empty (leave quantization unset for unquantized weights)")
         quantization = Quantization(q.method, q.fmt, tuple(q.weight_block_size))
-    return Manifest(version=msg.version, sync_id=msg.sync_id, bucket_bytes=msg.bucket_bytes, buckets=buckets,
-                    model_family=msg.model_family, checksum_algo=msg.checksum_algo, origin=msg.origin,
-                    quantization=quantization, layout_digest=msg.layout_digest)
+    return Manifest(
+        version=msg.version,
+        sync_id=msg.sync_id,
+        bucket_bytes=msg.bucket_bytes,
+        buckets=buckets,
+        model_family=msg.model_family,
+        checksum_algo=msg.checksum_algo,
+        origin=msg.origin,
+        quantization=quantization,
+        layout_digest=msg.layout_digest,
+    )

@@ -5,6 +5,7 @@ per rollout from the registry (weightsync.bus.transports). PrepareSync asks the 
 names whether this rollout can take the sync and what to answer about the transport, prepares
 the sync transaction, then has the end receive; the rollout never branches on the transport.
 """
+
 from __future__ import annotations
 
 from weightsync.bus.plan import Manifest
@@ -20,14 +21,14 @@ class RolloutEnd:
         """This end as a rollout builds it."""
         raise NotImplementedError
 
-    def prepare(self, spec: bus_pb2.TransportSpec, manifest: Manifest,
-                resp: rollout_pb2.PrepareSyncResponse) -> None:
+    def prepare(self, spec: bus_pb2.TransportSpec, manifest: Manifest, resp: rollout_pb2.PrepareSyncResponse) -> None:
         """Before the sync transaction is prepared: SyncError (weightsync.bus.errors) when this
         rollout cannot take the sync, else what the answer says of the transport (`resp.transport`)."""
         raise NotImplementedError
 
-    def receive(self, manifest: Manifest, spec: bus_pb2.TransportSpec, deadline: float,
-                resp: rollout_pb2.PrepareSyncResponse) -> None:
+    def receive(
+        self, manifest: Manifest, spec: bus_pb2.TransportSpec, deadline: float, resp: rollout_pb2.PrepareSyncResponse
+    ) -> None:
         """The transaction is prepared (and `resp` filled by `prepare`): take this sync's buckets."""
 
     def supersede(self, reason: str) -> None:

@@ -7,6 +7,7 @@ plan → prepare → stream → commit | abort the same way for every transport;
 decides what each target is told, whether its answer is usable, how buckets move, and whether
 one target's failure fails them all (a collective).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,7 +49,7 @@ class Session:
         raise NotImplementedError
 
     def accept(self, entry, resp: rollout_pb2.PrepareSyncResponse) -> str:
-        """"" if the prepared target can be streamed to, else why not (it is then aborted)."""
+        """ "" if the prepared target can be streamed to, else why not (it is then aborted)."""
         raise NotImplementedError
 
     def open(self, targets: dict, timeout: float) -> BucketSender:
@@ -65,14 +66,17 @@ class Session:
     def use_in_place(self, buffers: list[torch.Tensor]) -> None:
         """The pipeline sends the actor's own bucket storage this sync instead of packed buffers."""
 
-    def owner_streams(self, prepared: dict, timeout: float, raise_flag: Callable[[str], None] | None
-                      ) -> tuple[dict[str, str], dict[str, dict] | None, float]:
+    def owner_streams(
+        self, prepared: dict, timeout: float, raise_flag: Callable[[str], None] | None
+    ) -> tuple[dict[str, str], dict[str, dict] | None, float]:
         """What every sending rank needs to stream its own buckets to the `prepared` targets
         (rollout_id -> entry), for trainer_svc.sync.multisender: (rollout_id -> data address,
         str(sender rank) -> its group's job fields or None, how often a sender looks for the abort
         flag). `raise_flag(reason)` tells every sender to stop (None: the actor has no flags)."""
-        raise ValueError(f"transport {self.name} carries the buckets of one sender; multi-sender streaming is "
-                         f"{choices(multi_sender_names())}")
+        raise ValueError(
+            f"transport {self.name} carries the buckets of one sender; multi-sender streaming is "
+            f"{choices(multi_sender_names())}"
+        )
 
 
 class Sender:

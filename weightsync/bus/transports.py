@@ -8,6 +8,7 @@ so adding one is its own package under weightsync/bus/<name>/ and one line here
 Importing this module is cheap (no torch): the ends are named as "module:Class" and imported
 when a service builds them, so wsctl can list the choices without loading a tensor library.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -50,18 +51,45 @@ class Transport:
         return _load(self.channel)
 
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
-    Transport("tcp", "weightsync.bus.tcp.sender:TcpSender", "weightsync.bus.tcp.receiver:TcpRolloutEnd",
-              "weightsync.bus.tcp.wire:TcpBucketSender", "any host",
-              multi_sender=True, commit_on_stream=False, checksums_in_band="all", releases_previous=False),
-    Transport("nccl", "weightsync.bus.nccl.sender:NcclSender", "weightsync.bus.nccl.receiver:NcclReceiver",
-              "weightsync.bus.nccl.group:NcclBucketSender", "trainer and rollouts on GPUs",
-              multi_sender=True, commit_on_stream=False, checksums_in_band="none", releases_previous=True,
-              one_rank_per_gpu=True),
-    Transport("ipc", "weightsync.bus.ipc.sender:IpcSender", "weightsync.bus.ipc.receiver:IpcReceiver",
-              "weightsync.bus.ipc.sender:IpcStreamSender", "rollouts on the trainer's own GPU",
-              multi_sender=False, commit_on_stream=True, checksums_in_band="all", releases_previous=True),
-)}
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        Transport(
+            "tcp",
+            "weightsync.bus.tcp.sender:TcpSender",
+            "weightsync.bus.tcp.receiver:TcpRolloutEnd",
+            "weightsync.bus.tcp.wire:TcpBucketSender",
+            "any host",
+            multi_sender=True,
+            commit_on_stream=False,
+            checksums_in_band="all",
+            releases_previous=False,
+        ),
+        Transport(
+            "nccl",
+            "weightsync.bus.nccl.sender:NcclSender",
+            "weightsync.bus.nccl.receiver:NcclReceiver",
+            "weightsync.bus.nccl.group:NcclBucketSender",
+            "trainer and rollouts on GPUs",
+            multi_sender=True,
+            commit_on_stream=False,
+            checksums_in_band="none",
+            releases_previous=True,
+            one_rank_per_gpu=True,
+        ),
+        Transport(
+            "ipc",
+            "weightsync.bus.ipc.sender:IpcSender",
+            "weightsync.bus.ipc.receiver:IpcReceiver",
+            "weightsync.bus.ipc.sender:IpcStreamSender",
+            "rollouts on the trainer's own GPU",
+            multi_sender=False,
+            commit_on_stream=True,
+            checksums_in_band="all",
+            releases_previous=True,
+        ),
+    )
+}
 
 #: the transport names, in the order help texts list them
 NAMES: tuple[str, ...] = tuple(TRANSPORTS)
@@ -76,7 +104,7 @@ def transport(name: str, field_name: str = "transport") -> Transport:
 
 
 def choices(names=NAMES) -> str:
-    """"tcp, nccl or ipc": the names as a sentence lists them."""
+    """ "tcp, nccl or ipc": the names as a sentence lists them."""
     names = list(names)
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
@@ -90,13 +118,14 @@ def single_sender_names() -> tuple[str, ...]:
 
 
 def summary() -> str:
-    """"tcp (any host), nccl (…), ipc (…)": each transport with where it runs, for help texts."""
+    """ "tcp (any host), nccl (…), ipc (…)": each transport with where it runs, for help texts."""
     return ", ".join(f"{t.name} ({t.summary})" for t in TRANSPORTS.values())
 
 
 @dataclass
 class TrainerSide:
     """What a trainer's end is built from (`Class.for_trainer`): the trainer's own pieces."""
+
     token: str
     #: where the trainer's export lives (torch.device)
     device: object
@@ -111,6 +140,7 @@ class TrainerSide:
 @dataclass
 class RolloutSide:
     """What a rollout's end is built from (`Class.for_rollout`): the rollout's own pieces."""
+
     #: the sync transaction its buckets feed (rollout_svc.sync.transaction.SyncTransaction)
     tx: object
     #: the engine's device (torch.device or None)

@@ -13,6 +13,7 @@ tensor copied in one more: two reads of small buckets beat hundreds of per-regio
 Nothing here decides what a mismatch means: callers compare the returned checksum with the
 sender's and say what to do with bytes already copied.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from weightsync.bus.plan import BucketPlan
 @dataclass
 class PendingChecksum:
     """A bucket checksum whose copy is still queued on the GPU: read it with `value()`."""
+
     sums: torch.Tensor
     tail: torch.Tensor
     nbytes: int
@@ -73,8 +75,10 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
 
 def _check_buf(plan: BucketPlan, buf: torch.Tensor) -> None:
     if buf.numel() < plan.nbytes or buf.data_ptr() % 4:
-        raise ValueError(f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
-                         f"cannot hold its {plan.nbytes} bytes as words")
+        raise ValueError(
+            f"bucket {plan.index}: a buffer of {buf.numel()} bytes at address {buf.data_ptr():#x} "
+            f"cannot hold its {plan.nbytes} bytes as words"
+        )
 
 
 def _regions(plan: BucketPlan) -> list[tuple[int, int, int]]:
@@ -108,8 +112,12 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     device = buf.device
     for slot, d in zip(plan.slots, dests):
         # checked on the tensors themselves, no views: this runs for every tensor of every sync
-        if (not d.is_contiguous() or d.data_ptr() % 4 or d.numel() * d.element_size() != slot.meta.nbytes
-                or d.device != device):
+        if (
+            not d.is_contiguous()
+            or d.data_ptr() % 4
+            or d.numel() * d.element_size() != slot.meta.nbytes
+            or d.device != device
+        ):
             return None
     n = plan.nbytes
     end = n - n % 4
@@ -117,14 +125,14 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     if not (buf.is_cuda and _fused()):
         sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
-            _byte_view(dst).copy_(buf[slot.offset:slot.offset + slot.meta.nbytes])
+            _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return _result(sums, buf, end, n, wait)
     sums = _scatter_cuda(words, _regions(plan), dests)
     for slot, dst in zip(plan.slots, dests):
         nb = slot.meta.nbytes
         if nb % 4:  # the bytes past its last whole word (their sum is in the next gap's)
             whole = nb - nb % 4
-            _byte_view(dst)[whole:].copy_(buf[slot.offset + whole:slot.offset + nb])
+            _byte_view(dst)[whole:].copy_(buf[slot.offset + whole : slot.offset + nb])
     return _result(sums, buf, end, n, wait)
 
 

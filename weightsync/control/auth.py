@@ -5,6 +5,7 @@ it as `authorization: Bearer <token>` metadata; the server interceptor rejects c
 it (UNAUTHENTICATED) except the gRPC health service, which kubelet probes call unauthenticated.
 The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp.wire).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -22,7 +23,9 @@ def load_token(token: str, token_file: str, field_prefix: str = "") -> str:
     if token_file:
         p = Path(token_file)
         if not p.is_file():
-            raise ConfigError(f"{field_prefix}auth_token_file: {token_file} does not exist (mount the Secret or unset it)")
+            raise ConfigError(
+                f"{field_prefix}auth_token_file: {token_file} does not exist (mount the Secret or unset it)"
+            )
         token = p.read_text().strip()
         if not token:
             raise ConfigError(f"{field_prefix}auth_token_file: {token_file} is empty")
@@ -41,8 +44,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode()
 
         def deny(request_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong control-plane token (wsctl --token-file / auth_token_file)")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong control-plane token (wsctl --token-file / auth_token_file)",
+            )
 
         def deny_stream(request_iterator, context):
             deny(request_iterator, context)

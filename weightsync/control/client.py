@@ -1,4 +1,5 @@
 """Client channels to the services: auth metadata, message limits, per-call deadlines."""
+
 from __future__ import annotations
 
 import grpc

@@ -6,6 +6,7 @@ reach it, which is how the local launcher, the demo and the tests run. Any other
 ::, a pod IP, a host name) needs a token, or an explicit `insecure: true` (flag `--insecure`, env
 `WS_*_INSECURE`), in which case the choice is logged as a WARNING for every exposed listener.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -33,15 +34,20 @@ def check_exposure(listeners: Mapping[str, str], token: str, insecure: bool, pro
 
     `listeners` maps the config field name to its host:port (e.g. {"grpc_address": "0.0.0.0:50051"}).
     """
-    exposed = [f"{name}={addr}" for name, addr in listeners.items()
-               if not is_loopback(parse_host_port(name, addr)[0])]
+    exposed = [f"{name}={addr}" for name, addr in listeners.items() if not is_loopback(parse_host_port(name, addr)[0])]
     if not exposed or token:
         return exposed
     if not insecure:
-        raise ConfigError(f"{prog} would listen beyond loopback ({', '.join(exposed)}) without a token: anyone who "
-                          f"reaches it could call every admin RPC. Set auth_token_file (or auth_token), bind to "
-                          f"127.0.0.1, or pass --insecure (insecure: true) to run unauthenticated on purpose")
+        raise ConfigError(
+            f"{prog} would listen beyond loopback ({', '.join(exposed)}) without a token: anyone who "
+            f"reaches it could call every admin RPC. Set auth_token_file (or auth_token), bind to "
+            f"127.0.0.1, or pass --insecure (insecure: true) to run unauthenticated on purpose"
+        )
     for item in exposed:
-        log.warning("INSECURE: %s listens on %s WITHOUT authentication (insecure=true): any client that reaches "
-                    "it can change weights, export files and run syncs; set auth_token_file", prog, item)
+        log.warning(
+            "INSECURE: %s listens on %s WITHOUT authentication (insecure=true): any client that reaches "
+            "it can change weights, export files and run syncs; set auth_token_file",
+            prog,
+            item,
+        )
     return exposed

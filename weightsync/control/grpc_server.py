@@ -1,4 +1,5 @@
 """Build a gRPC server with the standard health service, auth, and a clear bind error."""
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -37,8 +38,12 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if (handler is None or handler.request_streaming or handler.response_streaming
-                or handler.request_deserializer is None):
+        if (
+            handler is None
+            or handler.request_streaming
+            or handler.response_streaming
+            or handler.request_deserializer is None
+        ):
             return handler
         deserialize, behavior, method = handler.request_deserializer, handler.unary_unary, handler_call_details.method
 
@@ -46,18 +51,22 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
             limit = self.request_limits.get(method)
             if limit is not None and len(raw) > limit:
                 # Refused on its length: parsing a hostile 28 MB message alone costs most of a second.
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{method}: request of {len(raw)} bytes exceeds this server's limit of {limit} "
-                              "bytes for it (a manifest larger than this model's can be)")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: request of {len(raw)} bytes exceeds this server's limit of {limit} "
+                    "bytes for it (a manifest larger than this model's can be)",
+                )
             try:
                 request = deserialize(raw)
             except Exception as exc:  # protobuf DecodeError (and any other parse failure)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{method}: the request is not a valid protobuf message ({exc})")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid protobuf message ({exc})"
+                )
             return behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=None,
-                                                   response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=None, response_serializer=handler.response_serializer
+        )
 
 
 class ServiceServer:
@@ -68,16 +77,23 @@ class ServiceServer:
         #: full method name -> largest request in bytes; a service fills it once it knows its model
         self.request_limits = self.decode_guard.request_limits
         interceptors = ([TokenAuthInterceptor(token)] if token else []) + [self.decode_guard]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                                  interceptors=interceptors, options=GRPC_OPTIONS)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            interceptors=interceptors,
+            options=GRPC_OPTIONS,
+        )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
             self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:
-            raise BindError(f"cannot listen on {address}: {exc} (is the port in use? pick another grpc_address)") from None
+            raise BindError(
+                f"cannot listen on {address}: {exc} (is the port in use? pick another grpc_address)"
+            ) from None
         if self.port == 0:
-            raise BindError(f"cannot listen on {address}: port in use or address not available; pick another grpc_address")
+            raise BindError(
+                f"cannot listen on {address}: port in use or address not available; pick another grpc_address"
+            )
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
 
     def set_serving(self, service: str, serving: bool) -> None:

@@ -20,6 +20,7 @@ instead of a bus hello). Wire format, little-endian:
   answer            : u8 status (0 OK, else the grpc.StatusCode number) | u32 length |
                       the RPC's response message, or for an error its details in UTF-8
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,8 +80,9 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, deadline: float | None,
-               limit_of: Callable[[int], int] | None = None) -> tuple[int, bytes]:
+def read_frame(
+    sock: socket.socket, deadline: float | None, limit_of: Callable[[int], int] | None = None
+) -> tuple[int, bytes]:
     """(kind, payload) of the next frame. FrameTooLarge when the length is above `limit_of(kind)`;
     the payload is then left unread (the connection cannot be used further)."""
     kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))

@@ -23,13 +23,22 @@ On CUDA a fused Triton kernel (fp8_triton.py) computes the same bytes as the tor
 for bit (tests/gpu/test_fp8_gpu.py); the torch path runs anywhere and is the reference the unit
 tests compare with a from-the-definition implementation.
 """
+
 from __future__ import annotations
 
 import torch
 
 from weightsync.formats.fp8_spec import (  # noqa: F401  (re-exported: the format's names live here too)
-    BLOCK, BLOCK_FP8, FP8_DTYPE, FP8_MAX, MIN_NORMAL, SCALE_DTYPE, SCALE_SUFFIX, check_supported,
-    hf_quantization_config)
+    BLOCK,
+    BLOCK_FP8,
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_NORMAL,
+    SCALE_DTYPE,
+    SCALE_SUFFIX,
+    check_supported,
+    hf_quantization_config,
+)
 
 
 def scale_name(name: str) -> str:
@@ -38,7 +47,7 @@ def scale_name(name: str) -> str:
 
 def weight_name(scale: str) -> str | None:
     """`X.weight` for `X.weight_scale_inv`, None for a name that is not a scale."""
-    return scale[:-len(SCALE_SUFFIX)] if scale.endswith(SCALE_SUFFIX) else None
+    return scale[: -len(SCALE_SUFFIX)] if scale.endswith(SCALE_SUFFIX) else None
 
 
 def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
@@ -60,7 +69,8 @@ def quantize(w: torch.Tensor, name: str = "tensor", check_finite: bool = True) -
     scale_shape(w.shape)  # validates the rank
     if w.numel() == 0:
         return torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), torch.ones(
-            scale_shape(w.shape), dtype=SCALE_DTYPE, device=w.device)
+            scale_shape(w.shape), dtype=SCALE_DTYPE, device=w.device
+        )
     if w.is_cuda:
         from weightsync.formats import fp8_triton  # lazy: triton comes only with CUDA builds of torch
 
@@ -84,8 +94,10 @@ def check_scales(s: torch.Tensor, name: str = "tensor") -> None:
 def non_finite_error(s: torch.Tensor, name: str) -> ValueError:
     """The error for a tensor whose scales `s` hold inf or nan: it names the first such block."""
     bad = (~torch.isfinite(s)).nonzero()[0].tolist()
-    return ValueError(f"tensor {name}: block {bad} holds inf or nan; refusing to export it as FP8 "
-                      f"(the trainer's weights have diverged)")
+    return ValueError(
+        f"tensor {name}: block {bad} holds inf or nan; refusing to export it as FP8 "
+        f"(the trainer's weights have diverged)"
+    )
 
 
 def quantize_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,15 +120,18 @@ def quantize_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.reshape(*lead, nr, nc)
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
-               name: str = "tensor") -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "tensor"
+) -> torch.Tensor:
     """float32(q) * scale_inv per block (computed in float32), returned in `dtype`."""
     if q.dtype != FP8_DTYPE:
         raise ValueError(f"tensor {name}: dtype {q.dtype}, expected {FP8_DTYPE}")
     want = scale_shape(q.shape)
     if tuple(scale_inv.shape) != want or scale_inv.dtype != SCALE_DTYPE:
-        raise ValueError(f"tensor {name}{SCALE_SUFFIX}: shape {list(scale_inv.shape)} {scale_inv.dtype}, expected "
-                         f"{list(want)} {SCALE_DTYPE} for a weight of shape {list(q.shape)}")
+        raise ValueError(
+            f"tensor {name}{SCALE_SUFFIX}: shape {list(scale_inv.shape)} {scale_inv.dtype}, expected "
+            f"{list(want)} {SCALE_DTYPE} for a weight of shape {list(q.shape)}"
+        )
     if q.is_cuda and q.numel() and dtype in (torch.float32, torch.bfloat16, torch.float16):
         from weightsync.formats import fp8_triton
 

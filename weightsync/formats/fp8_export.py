@@ -14,6 +14,7 @@ Non-finite weights are refused once per stream, after its last tensor (`FiniteSc
 tensor: a per-tensor check makes the host wait for each quantization kernel, which stalls the
 GPU between every weight of a sync.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,14 +26,17 @@ from weightsync.bus.plan import TensorMeta
 from weightsync.formats.fp8 import FP8_DTYPE, SCALE_DTYPE, non_finite_error, quantize, scale_name, scale_shape
 
 #: HF names of linear weights (checkpoint names, and transformers 5's fused in-memory experts)
-QUANTIZED_PATTERNS: tuple[re.Pattern, ...] = tuple(re.compile(p) for p in (
-    r"\.self_attn\.(q|k|v|o)_proj\.weight$",
-    r"\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$",   # DeepSeek MLA
-    r"\.mlp\.(gate|up|down)_proj\.weight$",                                       # dense MLP
-    r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",                         # routed experts
-    r"\.mlp\.shared_experts?\.(gate|up|down)_proj\.weight$",                      # shared expert(s)
-    r"\.mlp\.experts\.(gate_up_proj|down_proj)$",                                 # fused [E, out, in]
-))
+QUANTIZED_PATTERNS: tuple[re.Pattern, ...] = tuple(
+    re.compile(p)
+    for p in (
+        r"\.self_attn\.(q|k|v|o)_proj\.weight$",
+        r"\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$",  # DeepSeek MLA
+        r"\.mlp\.(gate|up|down)_proj\.weight$",  # dense MLP
+        r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$",  # routed experts
+        r"\.mlp\.shared_experts?\.(gate|up|down)_proj\.weight$",  # shared expert(s)
+        r"\.mlp\.experts\.(gate_up_proj|down_proj)$",  # fused [E, out, in]
+    )
+)
 
 
 def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
@@ -83,8 +87,9 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())  # the host synchronisation
 
 
-def export_tensors(named: Iterable[tuple[str, torch.Tensor]],
-                   keep_dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+def export_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], keep_dtype: torch.dtype = torch.bfloat16
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Map an actor's (HF name, tensor) stream onto the block FP8 stream `export_metas` describes.
 
     Quantizes on the tensor's own device (the Triton kernel on CUDA), one tensor at a time, so

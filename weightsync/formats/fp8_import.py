@@ -4,6 +4,7 @@ An engine that cannot run FP8 weights itself (the built-in engine) receives each
 dequantized (to its parameter's dtype); an engine that loads FP8 natively
 (SGLang serving a block-FP8 checkpoint) receives the pairs unchanged.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -26,8 +27,9 @@ def logical_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
         w = weight_name(m.name)
         if w is not None and w in by_name:
             if by_name[w].dtype != FP8_DTYPE:
-                raise ValueError(f"manifest tensor {m.name} is a block scale but {w} is {by_name[w].dtype}, "
-                                 f"not {FP8_DTYPE}")
+                raise ValueError(
+                    f"manifest tensor {m.name} is a block scale but {w} is {by_name[w].dtype}, not {FP8_DTYPE}"
+                )
             continue  # folded into its weight
         if m.dtype == FP8_DTYPE:
             s = by_name.get(m.name + SCALE_SUFFIX)
@@ -35,8 +37,10 @@ def logical_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
                 raise ValueError(f"manifest tensor {m.name} is float8_e4m3fn but {m.name}{SCALE_SUFFIX} is missing")
             want = scale_shape(m.shape)
             if tuple(s.shape) != want or s.dtype != SCALE_DTYPE:
-                raise ValueError(f"manifest tensor {s.name}: shape {list(s.shape)} {s.dtype}, expected {list(want)} "
-                                 f"{SCALE_DTYPE} for {m.name} of shape {list(m.shape)} (128x128 blocks)")
+                raise ValueError(
+                    f"manifest tensor {s.name}: shape {list(s.shape)} {s.dtype}, expected {list(want)} "
+                    f"{SCALE_DTYPE} for {m.name} of shape {list(m.shape)} (128x128 blocks)"
+                )
             out.append(TensorMeta(m.name, m.shape, torch.float32))
         elif w is not None and m.dtype == SCALE_DTYPE:
             raise ValueError(f"manifest tensor {m.name} is a block scale but {w} is not in the manifest")

@@ -14,6 +14,7 @@ weights does not pay several float32 passes per weight.
 Triton ships with CUDA builds of torch, not with the CPU build: callers fall back to the torch
 path when `available()` is false.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,19 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def quant_block(x_ptr, q_ptr, s_ptr, rows, cols, n_rb, n_cb,
-                    BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    def quant_block(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        rows,
+        cols,
+        n_rb,
+        n_cb,
+        BR: tl.constexpr,
+        BC: tl.constexpr,
+        FMAX: tl.constexpr,
+        SMIN: tl.constexpr,
+    ):
         pid = tl.program_id(0).to(tl.int64)
         per_matrix = n_rb * n_cb
         b = pid // per_matrix
@@ -72,8 +84,9 @@ def _dequant_kernel():
     import triton.language as tl
 
     @triton.jit
-    def dequant_block(q_ptr, s_ptr, out_ptr, rows, cols, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr,
-                      OUT_BF16: tl.constexpr):
+    def dequant_block(
+        q_ptr, s_ptr, out_ptr, rows, cols, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr
+    ):
         pid = tl.program_id(0).to(tl.int64)
         per_matrix = n_rb * n_cb
         b = pid // per_matrix
@@ -113,8 +126,19 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> 
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     bf16 = dtype == torch.bfloat16
     with torch.cuda.device(q.device):
-        _dequant_kernel()[(s.numel(),)](codes, s, out.view(torch.int16) if bf16 else out, rows, cols, n_rb, n_cb,
-                                        BR=BLOCK[0], BC=BLOCK[1], OUT_BF16=bf16, num_warps=8)
+        _dequant_kernel()[(s.numel(),)](
+            codes,
+            s,
+            out.view(torch.int16) if bf16 else out,
+            rows,
+            cols,
+            n_rb,
+            n_cb,
+            BR=BLOCK[0],
+            BC=BLOCK[1],
+            OUT_BF16=bf16,
+            num_warps=8,
+        )
     return out
 
 
@@ -127,6 +151,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((*lead, n_rb, n_cb), dtype=torch.float32, device=x.device)
     programs = s.numel()
     with torch.cuda.device(x.device):
-        _kernel()[(programs,)](x, q, s, rows, cols, n_rb, n_cb, BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX,
-                               SMIN=MIN_NORMAL, num_warps=8)
+        _kernel()[(programs,)](
+            x, q, s, rows, cols, n_rb, n_cb, BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, num_warps=8
+        )
     return q.view(FP8_DTYPE), s

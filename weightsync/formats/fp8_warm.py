@@ -7,6 +7,7 @@ first sync to compile the others. Instead every distinct weight shape of the mod
 a small stand-in whose integer arguments agree with the real ones modulo 16 and in being 1 or not
 (`stand_in`), so the stand-ins meet every specialisation the real shapes will, at a few MB each.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,8 +46,11 @@ def stand_in(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def _jobs(metas: Iterable[TensorMeta], dtypes=None) -> list[tuple[torch.dtype, tuple[int, int]]]:
     """The distinct (dtype, stand-in shape) of the quantizable tensors among `metas`."""
-    jobs = {(m.dtype, stand_in(m.shape)) for m in metas
-            if is_quantized(m.name, m.shape) and (dtypes is None or m.dtype in dtypes)}
+    jobs = {
+        (m.dtype, stand_in(m.shape))
+        for m in metas
+        if is_quantized(m.name, m.shape) and (dtypes is None or m.dtype in dtypes)
+    }
     return sorted(jobs, key=lambda job: (str(job[0]), job[1]))
 
 

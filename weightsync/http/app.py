@@ -3,6 +3,7 @@
 Middleware order matters: the token is checked first, on headers alone, then the body limits; only
 an authenticated request within the limits reaches FastAPI, which reads and parses its body.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,14 @@ from weightsync.http.server import HttpServer
 log = logging.getLogger(__name__)
 
 
-def make_app(title: str, registry: CollectorRegistry, ready: Callable[[], tuple[bool, str]],
-             routers: Iterable = (), token: str = "", body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+def make_app(
+    title: str,
+    registry: CollectorRegistry,
+    ready: Callable[[], tuple[bool, str]],
+    routers: Iterable = (),
+    token: str = "",
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     # No /docs or /redoc: they pull JavaScript from a CDN. The schema is at /openapi.json.
     app = FastAPI(title=title, docs_url=None, redoc_url=None, version="1")
     app.add_middleware(BodyLimit, timeout_s=body_timeout_s)
@@ -35,8 +42,15 @@ def make_app(title: str, registry: CollectorRegistry, ready: Callable[[], tuple[
     return app
 
 
-def serve_http(address: str, *, title: str, registry: CollectorRegistry, ready: Callable[[], tuple[bool, str]],
-               routers: Iterable = (), token: str = "") -> HttpServer:
+def serve_http(
+    address: str,
+    *,
+    title: str,
+    registry: CollectorRegistry,
+    ready: Callable[[], tuple[bool, str]],
+    routers: Iterable = (),
+    token: str = "",
+) -> HttpServer:
     """Bind `address` now (a clash raises here), serve once `.start()` is called. With a `token`,
     every `/v1/` route needs it (weightsync/http/auth.py); probes, metrics and the schema stay open."""
     return HttpServer(address, make_app(title, registry, ready, routers, token))

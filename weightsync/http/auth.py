@@ -7,6 +7,7 @@ the gRPC interceptor. A request must carry exactly one `Authorization: Bearer <t
 several headers are refused rather than accepted when any of them matches. With no token
 configured every route is open, as the gRPC API is.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -28,8 +29,10 @@ def auth_failure(header_values: list[bytes], expected: bytes) -> str | None:
         return None
     if len(header_values) > 1:
         return "send exactly one Authorization header"
-    return ("missing or wrong token: send 'Authorization: Bearer <token>' "
-            "(the token of auth_token / auth_token_file; openai clients: api_key=<token>)")
+    return (
+        "missing or wrong token: send 'Authorization: Bearer <token>' "
+        "(the token of auth_token / auth_token_file; openai clients: api_key=<token>)"
+    )
 
 
 class BearerAuth:
@@ -47,7 +50,16 @@ class BearerAuth:
         body = error_bytes(401, why, code="invalid_api_key")
         # Connection: close: the server drops the connection after the answer instead of reading
         # (and discarding) whatever body the client still sends.
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -5,6 +5,7 @@ ignore everything else, so the message carries the whole story: the field, what 
 Every error path of the app ends here: routes raise `ApiError` (or FastAPI's HTTPException),
 request validation, unknown routes, the auth middleware and the body limit build the same body.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 # OpenAI's `type` per status; `code` is a short machine-readable string where one helps a client.
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
-          504: "timeout_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
 
 
 class ErrorDetail(BaseModel):
@@ -34,22 +45,34 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     """OpenAI's error object, for every status >= 400."""
+
     error: ErrorDetail
 
 
 class ApiError(Exception):
     """Raise from a route: answered as `status` with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
 def error_payload(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else
-                                                                  "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def error_bytes(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -57,8 +80,9 @@ def error_bytes(status: int, message: str, param: str | None = None, code: str |
     return json.dumps(error_payload(status, message, param, code)).encode()
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_payload(status, message, param, code), status_code=status, headers=headers)
 
 

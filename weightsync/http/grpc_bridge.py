@@ -3,6 +3,7 @@
 The servicer aborts with a gRPC status; the route answers the matching HTTP status with the same
 message. `is_active` lets a long call notice that the HTTP client went away.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,11 +13,19 @@ from fastapi import HTTPException
 
 # gRPC status -> HTTP status (the mapping of google.rpc / grpc-gateway).
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.ABORTED: 409, grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
 }
 
 

@@ -1,4 +1,5 @@
 """/healthz (the process answers), /readyz (the service can take traffic), /metrics (Prometheus)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,8 +16,12 @@ def health_router(registry: CollectorRegistry, ready: Callable[[], tuple[bool, s
     def healthz():
         return PlainTextResponse("ok\n")
 
-    @r.get("/readyz", response_class=PlainTextResponse, summary="readiness: 200 when serving, 503 with the reason",
-           responses={503: {"description": "not ready; the body says why"}})
+    @r.get(
+        "/readyz",
+        response_class=PlainTextResponse,
+        summary="readiness: 200 when serving, 503 with the reason",
+        responses={503: {"description": "not ready; the body says why"}},
+    )
     def readyz():
         ok, reason = ready()
         return PlainTextResponse(reason + "\n", status_code=200 if ok else 503)

@@ -6,6 +6,7 @@ the cap is ever held. The deadline bounds how long a client may take to send its
 starts reading it (a trickled body would otherwise hold the request open for as long as the client
 likes): past it, 408. Both answers close the connection rather than drain the rest of the body.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,9 +31,17 @@ class BodyLimit:
         for k, v in scope.get("headers", ()):
             if k == b"content-length" and (not v.isdigit() or int(v) > self.limit):
                 body = error_bytes(413, f"request body over {self.limit} bytes (Content-Length {v.decode('latin-1')})")
-                await send({"type": "http.response.start", "status": 413, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 413,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         seen, deadline, done = 0, None, False
@@ -47,8 +56,11 @@ class BodyLimit:
                 with anyio.fail_after(max(0.0, deadline - time.monotonic())):
                     msg = await receive()
             except TimeoutError:
-                raise HTTPException(408, f"request body not received within {self.timeout_s:.0f}s; send the "
-                                         "whole body at once", headers=_CLOSE) from None
+                raise HTTPException(
+                    408,
+                    f"request body not received within {self.timeout_s:.0f}s; send the whole body at once",
+                    headers=_CLOSE,
+                ) from None
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.limit:

@@ -1,6 +1,7 @@
 """The OpenAPI schema as the app really behaves: OpenAI's error body on every error status, no 422
 (validation errors are 400), the bearer scheme on the routes the auth middleware protects, and the
 401 / 413 / 408 the middleware answers before a route runs (FastAPI cannot see those)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -46,9 +47,13 @@ def install_openapi(app: FastAPI, protected: Callable[[str], bool], token_requir
             schemas.setdefault(name, sub)
         schemas["ErrorBody"] = err
         if token_required:
-            schema["components"]["securitySchemes"] = {"bearer": {
-                "type": "http", "scheme": "bearer",
-                "description": "the service's token (auth_token / auth_token_file); openai clients: api_key"}}
+            schema["components"]["securitySchemes"] = {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the service's token (auth_token / auth_token_file); openai clients: api_key",
+                }
+            }
         for path, item in schema.get("paths", {}).items():
             for method in _METHODS:
                 if method in item:

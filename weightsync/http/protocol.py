@@ -8,6 +8,7 @@ response) and not extended by bytes that arrive: past it the connection is close
 are in, the body's own deadline takes over (weightsync/http/limits.py), and the route's time is
 the route's.
 """
+
 from __future__ import annotations
 
 import h11

@@ -7,6 +7,7 @@ is cut off rather than holding the process. Every wait on a client is bounded to
 headers within `header_timeout_s` (weightsync/http/protocol.py), an idle keep-alive connection
 within `KEEP_ALIVE_S`, a body within the body deadline (weightsync/http/limits.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,9 @@ class HttpServer:
             sock.listen(128)
         except OSError as exc:
             sock.close()
-            raise RuntimeError(f"cannot listen on http_address {address}: {exc.strerror} "
-                               "(is the port in use? pick another port)") from None
+            raise RuntimeError(
+                f"cannot listen on http_address {address}: {exc.strerror} (is the port in use? pick another port)"
+            ) from None
         self.sock = sock
         self.app = app
         self.port = sock.getsockname()[1]
@@ -50,10 +52,17 @@ class HttpServer:
 
         # log_config=None keeps the service's own logging setup; access logs would log every probe.
         # h11 with a header deadline, whatever else is installed (httptools would have none); no websockets.
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=KEEP_ALIVE_S,
-                                http=header_deadline_protocol(header_timeout_s), ws="none",
-                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=grace_s,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            http=header_deadline_protocol(header_timeout_s),
+            ws="none",
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
 
@@ -84,6 +93,9 @@ class HttpServer:
             self.server.force_exit = True
             self._thread.join(2.0)
             if self._thread.is_alive():
-                log.error("HTTP server on port %d did not stop within %.0fs; leaving its daemon thread",
-                          self.port, self.grace_s + 3.0)
+                log.error(
+                    "HTTP server on port %d did not stop within %.0fs; leaving its daemon thread",
+                    self.port,
+                    self.grace_s + 3.0,
+                )
         self.sock.close()

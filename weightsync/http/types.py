@@ -1,4 +1,5 @@
 """Field types shared by the REST bodies."""
+
 from __future__ import annotations
 
 from typing import Annotated

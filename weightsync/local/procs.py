@@ -4,6 +4,7 @@ Everything binds 127.0.0.1, which the services allow without a token. The traine
 operations are confined to its `--data-root`; unless a caller passes one, the launcher gives it
 the system temp directory, where the demo, the RL driver and the tests keep their files.
 """
+
 from __future__ import annotations
 
 import os
@@ -122,11 +123,29 @@ def start_trainer(workdir: Path, *args: str, nproc: int = 1, name: str = "traine
     gp, hp = free_port(), free_port()
     log = workdir / f"{name}.log"
     root = () if "--data-root" in args else ("--data-root", os.path.realpath(tempfile.gettempdir()))
-    cmd = [sys.executable, "-m", "trainer_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
-           "--http-address", f"127.0.0.1:{hp}", *root, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer_svc",
+        "serve",
+        "--grpc-address",
+        f"127.0.0.1:{gp}",
+        "--http-address",
+        f"127.0.0.1:{hp}",
+        *root,
+        *args,
+    ]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainer_svc", *cmd[3:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "trainer_svc",
+            *cmd[3:],
+        ]
     p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     return Proc(name, p, gp, hp, log)
 
@@ -134,15 +153,31 @@ def start_trainer(workdir: Path, *args: str, nproc: int = 1, name: str = "traine
 def start_rollout(workdir: Path, *args: str, name: str = "rollout", grpc_port: int | None = None) -> Proc:
     gp, hp = grpc_port or free_port(), free_port()
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "rollout_svc", "serve", "--grpc-address", f"127.0.0.1:{gp}",
-           "--http-address", f"127.0.0.1:{hp}", "--rollout-id", name, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollout_svc",
+        "serve",
+        "--grpc-address",
+        f"127.0.0.1:{gp}",
+        "--http-address",
+        f"127.0.0.1:{hp}",
+        "--rollout-id",
+        name,
+        *args,
+    ]
     p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     return Proc(name, p, gp, hp, log, started_ok=("not current",))
 
 
 def wsctl(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightsync.wsctl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync.wsctl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
 
 
 def wait_registered(trainer_address: str, rollout_ids: list[str], timeout: float = 120.0, token: str = "") -> None:
@@ -161,5 +196,7 @@ def wait_registered(trainer_address: str, rollout_ids: list[str], timeout: float
             time.sleep(0.2)
     finally:
         ch.close()
-    raise TimeoutError(f"rollouts {sorted(rollout_ids)} did not register with the trainer at {trainer_address} "
-                       f"within {timeout:.0f}s (see the rollouts' logs)")
+    raise TimeoutError(
+        f"rollouts {sorted(rollout_ids)} did not register with the trainer at {trainer_address} "
+        f"within {timeout:.0f}s (see the rollouts' logs)"
+    )

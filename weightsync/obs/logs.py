@@ -1,4 +1,5 @@
 """Logging setup: human text or one JSON object per line (for log pipelines)."""
+
 from __future__ import annotations
 
 import json

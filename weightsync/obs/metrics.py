@@ -10,6 +10,7 @@ collectors, and exposes no `_created` series: in the text format Prometheus scra
 a gauge twin of every counter and histogram series that no query or alert here needs. That is per
 registry, not prometheus_client's global switch, so a library user's own registries keep its defaults.
 """
+
 from __future__ import annotations
 
 import time
@@ -71,51 +72,96 @@ class SyncMetrics:
             raise ValueError(f"role={role!r} must be 'trainer' or 'rollout'")
         self.registry = registry or service_registry()
         r = self.registry
-        self.sync_duration = Histogram("weightsync_sync_duration_seconds",
-                                       "Wall time of a sync: trainer from Sync call to last commit; rollout from "
-                                       "prepare to commit", ["role"], buckets=_SYNC_BUCKETS, registry=r).labels(role)
-        self.sync_bytes = Counter("weightsync_sync_bytes_total", "Weight bytes moved by committed and failed syncs "
-                                  "(trainer: per receiver)", ["role"], registry=r).labels(role)
+        self.sync_duration = Histogram(
+            "weightsync_sync_duration_seconds",
+            "Wall time of a sync: trainer from Sync call to last commit; rollout from prepare to commit",
+            ["role"],
+            buckets=_SYNC_BUCKETS,
+            registry=r,
+        ).labels(role)
+        self.sync_bytes = Counter(
+            "weightsync_sync_bytes_total",
+            "Weight bytes moved by committed and failed syncs (trainer: per receiver)",
+            ["role"],
+            registry=r,
+        ).labels(role)
         self.syncs = Counter("weightsync_syncs_total", "Syncs by outcome", ["role", "outcome"], registry=r)
-        self.failures = Counter("weightsync_sync_failures_total", "Failed syncs (per rollout on the trainer) by reason",
-                                ["role", "reason"], registry=r)
-        self.version = Gauge("weightsync_weights_version", "Version of the weights held (trainer) or served (rollout)",
-                             ["role"], registry=r).labels(role)
-        self.in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is running", ["role"],
-                                 registry=r).labels(role)
-        self.nccl_group_builds = Counter("weightsync_nccl_group_builds_total",
-                                         "NCCL groups built (trainer) or joined (rollout); a sync that reuses the "
-                                         "cached group adds none", ["role"], registry=r).labels(role)
-        self.rollbacks = Counter("weightsync_sync_rollbacks_total",
-                                 "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; "
-                                 "rollout: applied)", ["role"], registry=r).labels(role)
+        self.failures = Counter(
+            "weightsync_sync_failures_total",
+            "Failed syncs (per rollout on the trainer) by reason",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.version = Gauge(
+            "weightsync_weights_version",
+            "Version of the weights held (trainer) or served (rollout)",
+            ["role"],
+            registry=r,
+        ).labels(role)
+        self.in_progress = Gauge(
+            "weightsync_sync_in_progress", "1 while a sync is running", ["role"], registry=r
+        ).labels(role)
+        self.nccl_group_builds = Counter(
+            "weightsync_nccl_group_builds_total",
+            "NCCL groups built (trainer) or joined (rollout); a sync that reuses the cached group adds none",
+            ["role"],
+            registry=r,
+        ).labels(role)
+        self.rollbacks = Counter(
+            "weightsync_sync_rollbacks_total",
+            "Syncs to a lower version allowed by an explicit allow_rollback (trainer: requested; rollout: applied)",
+            ["role"],
+            registry=r,
+        ).labels(role)
         self.role = role
         if role == "trainer":
             self._trainer_families(r)
 
     def _trainer_families(self, r: CollectorRegistry) -> None:
-        self.sync_phase = Histogram("weightsync_sync_phase_seconds",
-                                    "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit)",
-                                    ["role", "phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.sync_phase = Histogram(
+            "weightsync_sync_phase_seconds",
+            "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit)",
+            ["role", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
         # trainer: the per-sender split of the stream, so an operator sees one rank holding the rest back
-        self.sender_bytes = Counter("weightsync_sync_sender_bytes_total",
-                                    "Tensor bytes each trainer rank streamed as a bus sender (its own buckets, "
-                                    "counted once per sync, not per receiver)", ["role", "rank"], registry=r)
-        self.sender_seconds = Histogram("weightsync_sync_sender_seconds",
-                                        "Wall time of each trainer rank's stream (export + pack + send)",
-                                        ["role", "rank"], buckets=_PHASE_BUCKETS, registry=r)
-        self.forwarded_bytes = Counter("weightsync_sync_forwarded_bytes_total",
-                                       "Bytes of other ranks' tensors that a sender received to send them on "
-                                       "(the rank-0 funnel; 0 with multi-sender streaming)", ["role", "rank"],
-                                       registry=r)
-        self.sender_buffer_bytes = Gauge("weightsync_sync_sender_buffer_bytes",
-                                         "Each trainer rank's reusable pack buffers in its last sync (two buckets "
-                                         "at most): with the tensor it is assembling, its extra memory",
-                                         ["role", "rank"], registry=r)
-        self.calls = Counter("weightsync_sync_calls_total",
-                             "PrepareSync, CommitSync and AbortSync calls the trainer made, by path: link (the "
-                             "rollout's sync link) or grpc (the first of a pairing, no link offered, or a link "
-                             "that could not be opened)", ["role", "method", "path"], registry=r)
+        self.sender_bytes = Counter(
+            "weightsync_sync_sender_bytes_total",
+            "Tensor bytes each trainer rank streamed as a bus sender (its own buckets, "
+            "counted once per sync, not per receiver)",
+            ["role", "rank"],
+            registry=r,
+        )
+        self.sender_seconds = Histogram(
+            "weightsync_sync_sender_seconds",
+            "Wall time of each trainer rank's stream (export + pack + send)",
+            ["role", "rank"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.forwarded_bytes = Counter(
+            "weightsync_sync_forwarded_bytes_total",
+            "Bytes of other ranks' tensors that a sender received to send them on "
+            "(the rank-0 funnel; 0 with multi-sender streaming)",
+            ["role", "rank"],
+            registry=r,
+        )
+        self.sender_buffer_bytes = Gauge(
+            "weightsync_sync_sender_buffer_bytes",
+            "Each trainer rank's reusable pack buffers in its last sync (two buckets "
+            "at most): with the tensor it is assembling, its extra memory",
+            ["role", "rank"],
+            registry=r,
+        )
+        self.calls = Counter(
+            "weightsync_sync_calls_total",
+            "PrepareSync, CommitSync and AbortSync calls the trainer made, by path: link (the "
+            "rollout's sync link) or grpc (the first of a pairing, no link offered, or a link "
+            "that could not be opened)",
+            ["role", "method", "path"],
+            registry=r,
+        )
 
     def outcome(self, outcome: str) -> None:
         self.syncs.labels(self.role, outcome).inc()
@@ -131,38 +177,66 @@ class RolloutMetrics:
 
     def __init__(self, registry: CollectorRegistry):
         r, role = registry, self.role
-        self.requests = Counter("weightsync_generate_requests_total", "Generate requests by outcome",
-                                ["role", "outcome"], registry=r)
-        self.refused = Counter("weightsync_requests_refused_total", "Generate/Score requests refused before any "
-                               "work, by the limit they hit (budget: over a per-request limit; busy: admission full)",
-                               ["role", "reason"], registry=r)
-        self.prefix_hits = Counter("weightsync_prefix_cache_hits_total",
-                                   "Samples whose prompt prefill came from the prefix cache", ["role"],
-                                   registry=r).labels(role)
-        self.apply_seconds = Histogram("weightsync_apply_seconds",
-                                       "Time generation was paused to load weights at commit", ["role"],
-                                       registry=r).labels(role)
-        self.state = Gauge("weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"],
-                           registry=r)
-        self.ipc_mappings = Gauge("weightsync_ipc_mapped_buffers",
-                                  "Trainer buffers this rollout holds mapped by CUDA IPC (kept across syncs)", ["role"],
-                                  registry=r).labels(role)
-        self.ipc_opens = Counter("weightsync_ipc_handle_opens_total",
-                                 "CUDA IPC handles this rollout mapped; a steady-state sync maps none", ["role"],
-                                 registry=r).labels(role)
+        self.requests = Counter(
+            "weightsync_generate_requests_total", "Generate requests by outcome", ["role", "outcome"], registry=r
+        )
+        self.refused = Counter(
+            "weightsync_requests_refused_total",
+            "Generate/Score requests refused before any "
+            "work, by the limit they hit (budget: over a per-request limit; busy: admission full)",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "weightsync_prefix_cache_hits_total",
+            "Samples whose prompt prefill came from the prefix cache",
+            ["role"],
+            registry=r,
+        ).labels(role)
+        self.apply_seconds = Histogram(
+            "weightsync_apply_seconds", "Time generation was paused to load weights at commit", ["role"], registry=r
+        ).labels(role)
+        self.state = Gauge(
+            "weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"], registry=r
+        )
+        self.ipc_mappings = Gauge(
+            "weightsync_ipc_mapped_buffers",
+            "Trainer buffers this rollout holds mapped by CUDA IPC (kept across syncs)",
+            ["role"],
+            registry=r,
+        ).labels(role)
+        self.ipc_opens = Counter(
+            "weightsync_ipc_handle_opens_total",
+            "CUDA IPC handles this rollout mapped; a steady-state sync maps none",
+            ["role"],
+            registry=r,
+        ).labels(role)
         # generation requests by endpoint (ENDPOINTS): gRPC Generate, HTTP completions
-        self.generation_seconds = Histogram("weightsync_generation_duration_seconds",
-                                            "Wall time of a completed generation request, admission and queueing "
-                                            "included", ["role", "endpoint"], buckets=_GENERATION_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("weightsync_prompt_tokens_total",
-                                     "Prompt tokens of completed generation requests (each prompt once, whatever n)",
-                                     ["role", "endpoint"], registry=r)
-        self.completion_tokens = Counter("weightsync_completion_tokens_total",
-                                         "Tokens generated for completed generation requests (every sample)",
-                                         ["role", "endpoint"], registry=r)
-        self.in_flight = Gauge("weightsync_generation_requests_in_flight",
-                               "Generation requests being served now (admitted, queued or running)",
-                               ["role", "endpoint"], registry=r)
+        self.generation_seconds = Histogram(
+            "weightsync_generation_duration_seconds",
+            "Wall time of a completed generation request, admission and queueing included",
+            ["role", "endpoint"],
+            buckets=_GENERATION_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "weightsync_prompt_tokens_total",
+            "Prompt tokens of completed generation requests (each prompt once, whatever n)",
+            ["role", "endpoint"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "weightsync_completion_tokens_total",
+            "Tokens generated for completed generation requests (every sample)",
+            ["role", "endpoint"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "weightsync_generation_requests_in_flight",
+            "Generation requests being served now (admitted, queued or running)",
+            ["role", "endpoint"],
+            registry=r,
+        )
         for endpoint in ENDPOINTS:  # every series from the start, so rate() and dashboards see 0, not nothing
             for fam in (self.generation_seconds, self.prompt_tokens, self.completion_tokens, self.in_flight):
                 fam.labels(role, endpoint)
@@ -202,8 +276,9 @@ class TrainerMetrics:
     role = "trainer"
 
     def __init__(self, registry: CollectorRegistry):
-        self.registered_rollouts = Gauge("weightsync_registered_rollouts", "Rollouts registered with this trainer",
-                                         ["role"], registry=registry).labels(self.role)
+        self.registered_rollouts = Gauge(
+            "weightsync_registered_rollouts", "Rollouts registered with this trainer", ["role"], registry=registry
+        ).labels(self.role)
 
 
 class TrainMetrics:
@@ -217,20 +292,30 @@ class TrainMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, ["role"], registry=r).labels(role)
 
-        self.steps = Counter("weightsync_train_steps_total", "Optimizer steps taken by TrainStep", ["role"],
-                             registry=r).labels(role)
+        self.steps = Counter(
+            "weightsync_train_steps_total", "Optimizer steps taken by TrainStep", ["role"], registry=r
+        ).labels(role)
         self.step = gauge("weightsync_train_step", "Trainer step counter (restored by --resume)")
-        self.step_seconds = Histogram("weightsync_train_step_duration_seconds", "Wall time of one TrainStep", ["role"],
-                                      buckets=_TRAIN_SECONDS_BUCKETS, registry=r).labels(role)
+        self.step_seconds = Histogram(
+            "weightsync_train_step_duration_seconds",
+            "Wall time of one TrainStep",
+            ["role"],
+            buckets=_TRAIN_SECONDS_BUCKETS,
+            registry=r,
+        ).labels(role)
         self.loss = gauge("weightsync_train_loss", "Loss of the last TrainStep")
         self.reward = gauge("weightsync_train_reward_mean", "Mean reward of the last TrainStep's samples")
         self.grad_norm = gauge("weightsync_train_grad_norm", "Global grad norm of the last step (before clipping)")
         # the train/inference gap: |rollout log-prob - trainer log-prob| on the sampled tokens, taken
         # before the update; it measures numerics when the samples came from the current version
-        self.mismatch_max = gauge("weightsync_train_inference_logprob_diff_max",
-                                  "Max |rollout - trainer| log-prob on the last TrainStep's sampled tokens")
-        self.mismatch_mean = gauge("weightsync_train_inference_logprob_diff_mean",
-                                   "Mean |rollout - trainer| log-prob on the last TrainStep's sampled tokens")
+        self.mismatch_max = gauge(
+            "weightsync_train_inference_logprob_diff_max",
+            "Max |rollout - trainer| log-prob on the last TrainStep's sampled tokens",
+        )
+        self.mismatch_mean = gauge(
+            "weightsync_train_inference_logprob_diff_mean",
+            "Mean |rollout - trainer| log-prob on the last TrainStep's sampled tokens",
+        )
 
     def observe(self, step: int, m: dict[str, float]) -> None:
         self.steps.inc()

@@ -5,6 +5,7 @@ mismatch) and writes a PNG of reward and sync time per step. `--no-sync` is the 
 experiment: the trainer trains but the rollouts never receive its weights, so reward stays at
 chance. `--trainer-address/--rollout-addresses` drive already running services instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (megatron)")
     p.add_argument("--rollouts", type=int, default=2, help="rollout processes to start")
     p.add_argument("--task", default="target-tokens")
-    p.add_argument("--reward", default="", help="module:function (prompt_ids, response_ids) -> float; default: the task's")
+    p.add_argument(
+        "--reward", default="", help="module:function (prompt_ids, response_ids) -> float; default: the task's"
+    )
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
@@ -46,9 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-address", default="", help="use a running trainer instead of starting one")
     p.add_argument("--rollout-addresses", default="", help="comma-separated running rollouts")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--require-learning", type=float, default=None, metavar="MARGIN",
-                   help="exit 1 unless the mean reward of the last fifth of the steps exceeds that of the first "
-                        "fifth by at least MARGIN (the main job's check that synced weights reach the rollouts)")
+    p.add_argument(
+        "--require-learning",
+        type=float,
+        default=None,
+        metavar="MARGIN",
+        help="exit 1 unless the mean reward of the last fifth of the steps exceeds that of the first "
+        "fifth by at least MARGIN (the main job's check that synced weights reach the rollouts)",
+    )
     return p
 
 
@@ -64,12 +72,33 @@ def _start(ns, workdir: Path):
     # The control must never publish weights: a rollout that re-registers (heartbeat after a slow
     # step) would otherwise get a catch-up sync and learn through the back door.
     no_catch_up = ["--no-auto-sync-new-rollouts"] if ns.no_sync else []
-    trainer = start_trainer(workdir, "--backend", ns.backend, "--model", ns.model, "--init-seed", str(ns.seed + 1),
-                            *par, *no_catch_up, nproc=ns.tp * ns.pp)
+    trainer = start_trainer(
+        workdir,
+        "--backend",
+        ns.backend,
+        "--model",
+        ns.model,
+        "--init-seed",
+        str(ns.seed + 1),
+        *par,
+        *no_catch_up,
+        nproc=ns.tp * ns.pp,
+    )
     procs = [trainer]
     trainer.wait_ready(300)
-    procs += [start_rollout(workdir, "--model", ns.model, "--init-seed", str(100 + i), "--trainer-address",
-                            trainer.address, name=f"rollout-{i}") for i in range(ns.rollouts)]
+    procs += [
+        start_rollout(
+            workdir,
+            "--model",
+            ns.model,
+            "--init-seed",
+            str(100 + i),
+            "--trainer-address",
+            trainer.address,
+            name=f"rollout-{i}",
+        )
+        for i in range(ns.rollouts)
+    ]
     for r in procs[1:]:
         r.wait_ready(300)
     deadline = time.monotonic() + 120
@@ -101,10 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(resolve_model(ns.model)[0].vocab_size)
     task = make_task(ns.task, vocab)
     reward_fn = load_reward(ns.reward) if ns.reward else None
-    cfg = LoopConfig(prompts_per_step=ns.prompts_per_step, group_size=ns.group_size, max_new_tokens=ns.max_new_tokens,
-                     aggregation=ns.aggregation, kl_coef=ns.kl_coef, entropy_coef=ns.entropy_coef,
-                     micro_batch_size=ns.micro_batch_size, sync=not ns.no_sync, seed=ns.seed,
-                     checkpoint_every=ns.checkpoint_every, checkpoint_dir=ns.checkpoint_dir)
+    cfg = LoopConfig(
+        prompts_per_step=ns.prompts_per_step,
+        group_size=ns.group_size,
+        max_new_tokens=ns.max_new_tokens,
+        aggregation=ns.aggregation,
+        kl_coef=ns.kl_coef,
+        entropy_coef=ns.entropy_coef,
+        micro_batch_size=ns.micro_batch_size,
+        sync=not ns.no_sync,
+        seed=ns.seed,
+        checkpoint_every=ns.checkpoint_every,
+        checkpoint_dir=ns.checkpoint_dir,
+    )
     procs = []
     try:
         if ns.trainer_address:
@@ -114,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             trainer, procs = _start(ns, workdir)
             trainer_addr, rollout_addrs = trainer.address, [p.address for p in procs[1:]]
-            print(f"started trainer ({ns.backend} TP={ns.tp} PP={ns.pp}, {ns.model}) and {ns.rollouts} rollout(s) in "
-                  f"{time.perf_counter() - t0:.1f}s; logs in {workdir}")
-        print(f"task {task.name}: chance reward {task.chance_reward:.3f}; sync {'off (control)' if ns.no_sync else 'on'}")
+            print(
+                f"started trainer ({ns.backend} TP={ns.tp} PP={ns.pp}, {ns.model}) and {ns.rollouts} rollout(s) in "
+                f"{time.perf_counter() - t0:.1f}s; logs in {workdir}"
+            )
+        print(
+            f"task {task.name}: chance reward {task.chance_reward:.3f}; sync {'off (control)' if ns.no_sync else 'on'}"
+        )
         from tqdm import tqdm
 
         bar = tqdm(total=ns.steps, desc="rl", unit="step", disable=ns.quiet, dynamic_ncols=True)
@@ -131,22 +173,29 @@ def main(argv: list[str] | None = None) -> int:
         records = run_loop(trainer_addr, rollout_addrs, task, ns.steps, cfg, reward_fn, on_step)
         bar.close()
         wall = time.perf_counter() - t0
-        png = plot(records, ns.plot or workdir / "rl.png",
-                   f"{task.name} ({ns.backend}, {ns.model}, sync {'off' if ns.no_sync else 'on'})")
+        png = plot(
+            records,
+            ns.plot or workdir / "rl.png",
+            f"{task.name} ({ns.backend}, {ns.model}, sync {'off' if ns.no_sync else 'on'})",
+        )
         if ns.json:
             ns.json.write_text(json.dumps([r.as_dict() for r in records], indent=1))
         k = max(1, len(records) // 5)
         first = sum(r.reward_mean for r in records[:k]) / k
         last = sum(r.reward_mean for r in records[-k:]) / k
-        print(f"reward: first {k} steps {first:.3f} → last {k} steps {last:.3f} (chance {task.chance_reward:.3f}); "
-              f"{len(records)} steps in {wall:.1f}s; plot {png}")
+        print(
+            f"reward: first {k} steps {first:.3f} → last {k} steps {last:.3f} (chance {task.chance_reward:.3f}); "
+            f"{len(records)} steps in {wall:.1f}s; plot {png}"
+        )
         if ns.require_learning is None:
             return 0
         if last - first >= ns.require_learning:
             print(f"PASS: reward rose by {last - first:.3f} (required {ns.require_learning:.3f})")
             return 0
-        print(f"FAIL: reward rose by {last - first:.3f}, less than the required {ns.require_learning:.3f}; "
-              f"logs in {workdir}")
+        print(
+            f"FAIL: reward rose by {last - first:.3f}, less than the required {ns.require_learning:.3f}; "
+            f"logs in {workdir}"
+        )
         return 1
     finally:
         for p in reversed(procs):

@@ -10,6 +10,7 @@ gap between two different policies.
 Sampling uses temperature 1 and no top-k/top-p: the rollout then reports log-probs of the same
 distribution the trainer scores (ComputeLogprobs has no temperature field).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoopConfig:
     prompts_per_step: int = 8
-    group_size: int = 8              # samples per prompt (GRPO group)
+    group_size: int = 8  # samples per prompt (GRPO group)
     max_new_tokens: int = 8
     algorithm: str = "grpo"
     aggregation: str = "token-mean"
@@ -39,9 +40,9 @@ class LoopConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     micro_batch_size: int = 0
-    sync: bool = True                # False: the control experiment, rollouts never see new weights
+    sync: bool = True  # False: the control experiment, rollouts never see new weights
     measure_mismatch: bool = True
-    checkpoint_every: int = 0        # 0 = never; else SaveCheckpoint every N steps (trainer's checkpoint_dir)
+    checkpoint_every: int = 0  # 0 = never; else SaveCheckpoint every N steps (trainer's checkpoint_dir)
     checkpoint_dir: str = ""
     seed: int = 0
     token: str = ""
@@ -50,14 +51,14 @@ class LoopConfig:
 
 @dataclass
 class StepRecord:
-    step: int                    # trainer step after this iteration
+    step: int  # trainer step after this iteration
     reward_mean: float
-    rollout_version: int         # version that generated this step's samples
-    trainer_version: int         # trainer version after the train step
-    synced_version: int          # version the rollouts serve after the sync (0 = no sync)
+    rollout_version: int  # version that generated this step's samples
+    trainer_version: int  # trainer version after the train step
+    synced_version: int  # version the rollouts serve after the sync (0 = no sync)
     sync_seconds: float
     sync_ok: bool
-    mismatch_max: float          # max |rollout logprob - trainer logprob| on sampled tokens
+    mismatch_max: float  # max |rollout logprob - trainer logprob| on sampled tokens
     mismatch_mean: float
     loss: float
     entropy: float
@@ -81,9 +82,12 @@ def _generate(stubs, prompts: list[list[int]], cfg: LoopConfig, seed: int):
         if not idx:
             return [], None
         req = rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=prompts[i]) for i in idx], return_logprobs=True,
-            sampling=rollout_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                                                n=cfg.group_size, seed=seed * 1000 + k))
+            prompts=[rollout_pb2.Prompt(token_ids=prompts[i]) for i in idx],
+            return_logprobs=True,
+            sampling=rollout_pb2.SamplingParams(
+                max_new_tokens=cfg.max_new_tokens, temperature=1.0, n=cfg.group_size, seed=seed * 1000 + k
+            ),
+        )
         resp = stubs[k].Generate(req)
         return [(idx[s.prompt_index], list(s.token_ids), list(s.logprobs)) for s in resp.samples], resp.version
 
@@ -104,9 +108,15 @@ def _mismatch(trainer, samples: list[trainer_pb2.TrainSample]) -> tuple[float, f
     return worst, total / max(n, 1)
 
 
-def run_loop(trainer_address: str, rollout_addresses: list[str], task: Task, steps: int,
-             cfg: LoopConfig | None = None, reward_fn: RewardFn | None = None,
-             on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+def run_loop(
+    trainer_address: str,
+    rollout_addresses: list[str],
+    task: Task,
+    steps: int,
+    cfg: LoopConfig | None = None,
+    reward_fn: RewardFn | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> list[StepRecord]:
     """Run `steps` RL iterations against running services; returns one record per step."""
     cfg = cfg or LoopConfig()
     reward_fn = reward_fn or task.reward
@@ -115,14 +125,20 @@ def run_loop(trainer_address: str, rollout_addresses: list[str], task: Task, ste
     if not stubs:
         raise ValueError("rollout_addresses: empty; the loop needs at least one rollout")
     rng = random.Random(cfg.seed)
-    loss_cfg = trainer_pb2.LossConfig(algorithm=cfg.algorithm, aggregation=cfg.aggregation,
-                                      clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                                      kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef)
+    loss_cfg = trainer_pb2.LossConfig(
+        algorithm=cfg.algorithm,
+        aggregation=cfg.aggregation,
+        clip_eps_low=cfg.clip_eps_low,
+        clip_eps_high=cfg.clip_eps_high,
+        kl_coef=cfg.kl_coef,
+        entropy_coef=cfg.entropy_coef,
+    )
     # Any training call makes the trainer build its training state and apply --resume; do it before
     # the first sync so a resumed trainer publishes its checkpoint, not its fresh init. (A no-op once
     # trainer-svc calls init_training() at startup.)
-    trainer.ComputeLogprobs(trainer_pb2.ComputeLogprobsRequest(
-        samples=[trainer_pb2.TrainSample(prompt_ids=[0], response_ids=[0])]))
+    trainer.ComputeLogprobs(
+        trainer_pb2.ComputeLogprobsRequest(samples=[trainer_pb2.TrainSample(prompt_ids=[0], response_ids=[0])])
+    )
     if cfg.sync:  # step 1 must sample from the trainer's current weights, whatever the rollouts held
         rep = trainer.Sync(trainer_pb2.SyncRequest()).report
         if not rep.ok:
@@ -136,13 +152,22 @@ def run_loop(trainer_address: str, rollout_addresses: list[str], task: Task, ste
         if len(versions) != 1:
             raise RuntimeError(f"rollouts served different versions {sorted(versions)} in one step")
         (rollout_version,) = versions
-        samples = [trainer_pb2.TrainSample(prompt_ids=prompts[i], response_ids=ids, rollout_logprobs=lps,
-                                           reward=score(reward_fn, prompts[i], ids), group_id=i)
-                   for i, ids, lps in generated if ids]
+        samples = [
+            trainer_pb2.TrainSample(
+                prompt_ids=prompts[i],
+                response_ids=ids,
+                rollout_logprobs=lps,
+                reward=score(reward_fn, prompts[i], ids),
+                group_id=i,
+            )
+            for i, ids, lps in generated
+            if ids
+        ]
         mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
         t1 = time.perf_counter()
-        tr = trainer.TrainStep(trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg,
-                                                            micro_batch_size=cfg.micro_batch_size))
+        tr = trainer.TrainStep(
+            trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg, micro_batch_size=cfg.micro_batch_size)
+        )
         t_train = time.perf_counter() - t1
         sync_s, sync_ok, synced = 0.0, False, 0
         if cfg.sync:
@@ -154,12 +179,25 @@ def run_loop(trainer_address: str, rollout_addresses: list[str], task: Task, ste
         if cfg.checkpoint_every and tr.step % cfg.checkpoint_every == 0:
             trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(dir=cfg.checkpoint_dir))
         m = dict(tr.metrics)
-        rec = StepRecord(step=tr.step, reward_mean=sum(s.reward for s in samples) / max(len(samples), 1),
-                         rollout_version=rollout_version, trainer_version=tr.version, synced_version=synced,
-                         sync_seconds=sync_s, sync_ok=sync_ok, mismatch_max=mm[0], mismatch_mean=mm[1],
-                         loss=m.get("loss", 0.0), entropy=m.get("entropy", 0.0), kl=m.get("kl", 0.0),
-                         grad_norm=m.get("grad_norm", 0.0), clip_frac=m.get("clip_frac", 0.0),
-                         generate_seconds=t_gen, train_seconds=t_train, metrics=m)
+        rec = StepRecord(
+            step=tr.step,
+            reward_mean=sum(s.reward for s in samples) / max(len(samples), 1),
+            rollout_version=rollout_version,
+            trainer_version=tr.version,
+            synced_version=synced,
+            sync_seconds=sync_s,
+            sync_ok=sync_ok,
+            mismatch_max=mm[0],
+            mismatch_mean=mm[1],
+            loss=m.get("loss", 0.0),
+            entropy=m.get("entropy", 0.0),
+            kl=m.get("kl", 0.0),
+            grad_norm=m.get("grad_norm", 0.0),
+            clip_frac=m.get("clip_frac", 0.0),
+            generate_seconds=t_gen,
+            train_seconds=t_train,
+            metrics=m,
+        )
         records.append(rec)
         if on_step:
             on_step(rec)

@@ -1,17 +1,22 @@
 """Human output of the loop: the per-step table and a PNG of reward and sync time per step."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-HEADER = (f"{'step':>4} {'reward':>7} {'gen_v':>5} {'train_v':>7} {'synced_v':>8} {'sync_s':>7} "
-          f"{'mismatch':>9} {'loss':>8} {'entropy':>7} {'grad':>6} {'gen_s':>6} {'train_s':>7}")
+HEADER = (
+    f"{'step':>4} {'reward':>7} {'gen_v':>5} {'train_v':>7} {'synced_v':>8} {'sync_s':>7} "
+    f"{'mismatch':>9} {'loss':>8} {'entropy':>7} {'grad':>6} {'gen_s':>6} {'train_s':>7}"
+)
 
 
 def row(r) -> str:
     synced = str(r.synced_version) if r.synced_version else "-"
-    return (f"{r.step:>4} {r.reward_mean:>7.3f} {r.rollout_version:>5} {r.trainer_version:>7} {synced:>8} "
-            f"{r.sync_seconds:>7.3f} {r.mismatch_max:>9.2e} {r.loss:>8.4f} {r.entropy:>7.3f} {r.grad_norm:>6.3f} "
-            f"{r.generate_seconds:>6.2f} {r.train_seconds:>7.2f}")
+    return (
+        f"{r.step:>4} {r.reward_mean:>7.3f} {r.rollout_version:>5} {r.trainer_version:>7} {synced:>8} "
+        f"{r.sync_seconds:>7.3f} {r.mismatch_max:>9.2e} {r.loss:>8.4f} {r.entropy:>7.3f} {r.grad_norm:>6.3f} "
+        f"{r.generate_seconds:>6.2f} {r.train_seconds:>7.2f}"
+    )
 
 
 def plot(records, path: Path, title: str = "") -> Path:

@@ -1,4 +1,5 @@
 """Pluggable reward functions: `module:function` taking (prompt_ids, response_ids) -> float."""
+
 from __future__ import annotations
 
 import importlib

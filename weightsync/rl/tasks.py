@@ -9,6 +9,7 @@ distribution to concentrate on the subset — a tiny model does that in a few do
 CPU, which makes it a fast, unambiguous check that the weights the trainer learns actually reach
 the rollouts: without syncs the rollouts keep sampling at chance.
 """
+
 from __future__ import annotations
 
 import random

@@ -4,6 +4,7 @@ Exit codes: 0 success; 1 the operation ran but failed (e.g. a rollout did not co
 2 bad usage; 3 the trainer could not be reached or refused the call (auth, busy).
 Imports neither torch nor megatron, so it starts fast anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 # `load` and `export` act on the trainer's filesystem, which may be another host's: a path is sent
 # as written, so a relative one cannot mean this shell's working directory.
-PATHS_HELP = ("paths (load, export): a directory on the trainer's host, absolute or relative to the trainer's\n"
-              "--data-root (which defaults to the trainer's working directory), never to this shell's;\n"
-              "it must lie under the data root or the trainer's checkpoint_dir. The reply names the\n"
-              "absolute path the trainer used.")
+PATHS_HELP = (
+    "paths (load, export): a directory on the trainer's host, absolute or relative to the trainer's\n"
+    "--data-root (which defaults to the trainer's working directory), never to this shell's;\n"
+    "it must lie under the data root or the trainer's checkpoint_dir. The reply names the\n"
+    "absolute path the trainer used."
+)
 
 
 def _state_name(num: int) -> str:
@@ -51,22 +54,38 @@ def _skew(st: trainer_pb2.TrainerStatus, r: trainer_pb2.RolloutInfo) -> str:
 
 
 def print_status(st: trainer_pb2.TrainerStatus) -> None:
-    print(f"trainer  version {st.version}  family {st.model_family}  params {st.num_parameters:,}  "
-          f"backend {st.backend} ({st.parallelism}){'  SYNC IN PROGRESS' if st.sync_in_progress else ''}")
-    rows = [[r.rollout_id, r.address, str(r.version), _state_name(r.state), "yes" if r.reachable else "NO",
-             _skew(st, r), r.last_error[:60]]
-            for r in st.rollouts]
-    print(_table(rows, ["ROLLOUT", "ADDRESS", "VERSION", "STATE", "REACHABLE", "SKEW", "LAST ERROR"]) if rows
-          else "no rollouts registered")
+    print(
+        f"trainer  version {st.version}  family {st.model_family}  params {st.num_parameters:,}  "
+        f"backend {st.backend} ({st.parallelism}){'  SYNC IN PROGRESS' if st.sync_in_progress else ''}"
+    )
+    rows = [
+        [
+            r.rollout_id,
+            r.address,
+            str(r.version),
+            _state_name(r.state),
+            "yes" if r.reachable else "NO",
+            _skew(st, r),
+            r.last_error[:60],
+        ]
+        for r in st.rollouts
+    ]
+    print(
+        _table(rows, ["ROLLOUT", "ADDRESS", "VERSION", "STATE", "REACHABLE", "SKEW", "LAST ERROR"])
+        if rows
+        else "no rollouts registered"
+    )
     if st.last_sync.sync_id:
         print_report(st.last_sync, prefix="last sync")
 
 
 def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
     ok = sum(r.ok for r in rep.rollouts)
-    print(f"{prefix} {rep.sync_id}: version {rep.version}, {ok}/{len(rep.rollouts)} committed, {rep.seconds:.3f}s, "
-          f"{rep.bytes / 1e6:.1f} MB in {rep.num_buckets} buckets ({rep.num_tensors} tensors), "
-          f"{rep.gbps:.3f} GB/s over {rep.transport}")
+    print(
+        f"{prefix} {rep.sync_id}: version {rep.version}, {ok}/{len(rep.rollouts)} committed, {rep.seconds:.3f}s, "
+        f"{rep.bytes / 1e6:.1f} MB in {rep.num_buckets} buckets ({rep.num_tensors} tensors), "
+        f"{rep.gbps:.3f} GB/s over {rep.transport}"
+    )
     if rep.phase_seconds:
         order = ["plan", "prepare", "stream", "commit"]
         names = sorted(rep.phase_seconds, key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -80,23 +99,37 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
             fwd = f", {s.forwarded_bytes / 1e6:.1f} MB forwarded to it" if s.forwarded_bytes else ""
             err = f"  FAILED: {s.error}" if s.error else ""
             buf = f", buffers {s.peak_buffer_bytes / 1e6:.1f} MB" if s.peak_buffer_bytes else ""
-            print(f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{buf}{fwd}"
-                  f"{mark}{err}")
+            print(
+                f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{buf}{fwd}"
+                f"{mark}{err}"
+            )
     for r in rep.rollouts:
         print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wsctl", description="weightsync admin client",
-                                epilog=PATHS_HELP + "\n\nexit codes: 0 ok, 1 operation failed, 2 usage, 3 trainer unreachable/refused",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=os.environ.get("WSCTL_ADDRESS", "127.0.0.1:50051"),
-                   help="trainer gRPC address (env WSCTL_ADDRESS)")
-    p.add_argument("--token-file", default=os.environ.get("WSCTL_TOKEN_FILE", ""),
-                   help="file with the control-plane token (env WSCTL_TOKEN_FILE; or WSCTL_TOKEN)")
+    p = argparse.ArgumentParser(
+        prog="wsctl",
+        description="weightsync admin client",
+        epilog=PATHS_HELP + "\n\nexit codes: 0 ok, 1 operation failed, 2 usage, 3 trainer unreachable/refused",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--address",
+        default=os.environ.get("WSCTL_ADDRESS", "127.0.0.1:50051"),
+        help="trainer gRPC address (env WSCTL_ADDRESS)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("WSCTL_TOKEN_FILE", ""),
+        help="file with the control-plane token (env WSCTL_TOKEN_FILE; or WSCTL_TOKEN)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds")
-    p.add_argument("--json", action="store_true",
-                   help="machine-readable output, errors included (also accepted after the subcommand)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output, errors included (also accepted after the subcommand)",
+    )
     p.add_argument("--version", action="version", version=f"wsctl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     # `--json` on either side of the subcommand; SUPPRESS keeps a subcommand without it from
@@ -104,20 +137,39 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub.add_parser("status", parents=[common], help="trainer version, rollouts, their versions and states, last sync")
-    s = sub.add_parser("sync", parents=[common], help="publish the trainer's weights to rollouts and wait for the result")
+    s = sub.add_parser(
+        "sync", parents=[common], help="publish the trainer's weights to rollouts and wait for the result"
+    )
     s.add_argument("--rollout", action="append", default=[], help="rollout id (repeatable; default: all)")
     s.add_argument("--transport", choices=TRANSPORTS, default="", help="override the default transport")
     s.add_argument("--sync-timeout", type=float, default=0.0, help="per-sync timeout in seconds (0 = trainer default)")
-    s.add_argument("--allow-rollback", action="store_true",
-                   help="let rollouts go back to a lower version of this trainer (refused otherwise; logged and "
-                        "counted in weightsync_sync_rollbacks_total)")
-    s.add_argument("--senders", choices=["all", "rank0"], default="",
-                   help="override who streams: every rank that owns tensors (all) or global rank 0 alone")
-    lw = sub.add_parser("load", parents=[common], epilog=PATHS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        help="load an HF safetensors directory into the trainer (bumps its version)")
+    s.add_argument(
+        "--allow-rollback",
+        action="store_true",
+        help="let rollouts go back to a lower version of this trainer (refused otherwise; logged and "
+        "counted in weightsync_sync_rollbacks_total)",
+    )
+    s.add_argument(
+        "--senders",
+        choices=["all", "rank0"],
+        default="",
+        help="override who streams: every rank that owns tensors (all) or global rank 0 alone",
+    )
+    lw = sub.add_parser(
+        "load",
+        parents=[common],
+        epilog=PATHS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="load an HF safetensors directory into the trainer (bumps its version)",
+    )
     lw.add_argument("path", help="on the trainer's host: absolute, or relative to its --data-root")
-    ex = sub.add_parser("export", parents=[common], epilog=PATHS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        help="write the trainer's exported HF tensors to a directory on the trainer host")
+    ex = sub.add_parser(
+        "export",
+        parents=[common],
+        epilog=PATHS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="write the trainer's exported HF tensors to a directory on the trainer host",
+    )
     ex.add_argument("out_dir", help="on the trainer's host: absolute, or relative to its --data-root")
     co = sub.add_parser("completion", help="print a shell completion script: source <(wsctl completion bash)")
     co.add_argument("shell", choices=["bash", "zsh"])
@@ -127,15 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(ns, exit_code: int, message: str, code: str = "") -> int:
     """An error on stderr, or in --json mode as one JSON object on stdout (what a script parses)."""
     if getattr(ns, "json", False):
-        print(json.dumps({"error": {"command": ns.command, "address": ns.address, "code": code, "message": message,
-                                    "exit_code": exit_code}}))
+        print(
+            json.dumps(
+                {
+                    "error": {
+                        "command": ns.command,
+                        "address": ns.address,
+                        "code": code,
+                        "message": message,
+                        "exit_code": exit_code,
+                    }
+                }
+            )
+        )
     else:
         print(f"wsctl: {message}", file=sys.stderr)
     return exit_code
 
 
-NOTHING_TO_SYNC = ("nothing to sync: no rollout is registered with this trainer (a rollout registers itself when "
-                   "started with --trainer-address pointing here; `wsctl status` lists them)")
+NOTHING_TO_SYNC = (
+    "nothing to sync: no rollout is registered with this trainer (a rollout registers itself when "
+    "started with --trainer-address pointing here; `wsctl status` lists them)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +239,15 @@ def _main(argv: list[str] | None) -> int:
                 print(json.dumps(_as_dict(st), indent=2)) if ns.json else print_status(st)
                 return EXIT_OK
             if ns.command == "sync":
-                rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ns.rollout, transport=ns.transport,
-                                                        timeout_seconds=ns.sync_timeout, senders=ns.senders,
-                                                        allow_rollback=ns.allow_rollback)).report
+                rep = stub.Sync(
+                    trainer_pb2.SyncRequest(
+                        rollout_ids=ns.rollout,
+                        transport=ns.transport,
+                        timeout_seconds=ns.sync_timeout,
+                        senders=ns.senders,
+                        allow_rollback=ns.allow_rollback,
+                    )
+                ).report
                 if ns.json:
                     out = _as_dict(rep)
                     if not rep.rollouts:  # the report as always, and why it is empty
@@ -190,19 +261,24 @@ def _main(argv: list[str] | None) -> int:
             if ns.command == "load":
                 resp = stub.LoadWeights(trainer_pb2.LoadWeightsRequest(hf_path=ns.path))
                 print(json.dumps(_as_dict(resp))) if ns.json else print(
-                    f"loaded {resp.hf_path}: trainer now at version {resp.version}")
+                    f"loaded {resp.hf_path}: trainer now at version {resp.version}"
+                )
                 return EXIT_OK
             if ns.command == "export":
                 resp = stub.ExportHf(trainer_pb2.ExportHfRequest(out_dir=ns.out_dir))
                 print(json.dumps(_as_dict(resp))) if ns.json else print(
-                    f"wrote {resp.num_tensors} tensors of version {resp.version} to {resp.out_dir}")
+                    f"wrote {resp.num_tensors} tensors of version {resp.version} to {resp.out_dir}"
+                )
                 return EXIT_OK
         except grpc.RpcError as exc:
             code = exc.code()
             failed = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
-            return _fail(ns, EXIT_FAILED if failed else EXIT_UNREACHABLE,
-                         f"{ns.command} against {ns.address} failed: {describe_rpc_error(exc)}",
-                         code.name if code is not None else "UNKNOWN")
+            return _fail(
+                ns,
+                EXIT_FAILED if failed else EXIT_UNREACHABLE,
+                f"{ns.command} against {ns.address} failed: {describe_rpc_error(exc)}",
+                code.name if code is not None else "UNKNOWN",
+            )
     return EXIT_USAGE
 
 

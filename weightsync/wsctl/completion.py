@@ -3,6 +3,7 @@
 `wsctl completion bash` prints a bash script: `source <(wsctl completion bash)` in ~/.bashrc.
 `wsctl completion zsh` prints the same script behind zsh's bashcompinit.
 """
+
 from __future__ import annotations
 
 import argparse

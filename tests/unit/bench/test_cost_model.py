@@ -1,4 +1,5 @@
 """Fleet cost model: parameter counts, calibration against the recorded GPU runs, and its invariants."""
+
 from __future__ import annotations
 
 import itertools
@@ -81,8 +82,7 @@ def test_link_constants_reproduce_the_nccl_message_size_curve():
 def test_bandwidth_only_1_to_1_is_bytes_over_link_plus_bucket_latency():
     cal = replace(CAL, per_tensor_s=0.0, hbm_rw_gbs=1e12)
     fp = footprint(arch("qwen2.5-7b"))
-    p = predict(fp, Trainer(gpus_per_node=1), Fleet(same_node=True), sync=Sync(checksum=False, services=False),
-                cal=cal)
+    p = predict(fp, Trainer(gpus_per_node=1), Fleet(same_node=True), sync=Sync(checksum=False, services=False), cal=cal)
     assert p.seconds == pytest.approx(fp.bytes / 367e9 + 15 * 25e-6, rel=1e-6)
     assert p.binding == "sender egress"
 
@@ -99,18 +99,30 @@ def test_receiver_modes_divide_ingress_as_documented():
         predict(fp, tr, Fleet(replicas=2, tp=16, receiver="split"), links)
 
 
-LAYOUTS = [Trainer(tp=1, pp=1, ep=8, nodes=1), Trainer(tp=2, pp=2, ep=4, nodes=2), Trainer(tp=4, pp=4, ep=8, nodes=4),
-           Trainer(tp=4, pp=8, ep=8, nodes=8), Trainer(tp=2, pp=8, ep=16, nodes=32), Trainer(tp=8, pp=2, ep=1, nodes=2)]
-FLEETS = [Fleet(replicas=1, tp=1), Fleet(replicas=4, tp=2), Fleet(replicas=8, tp=8), Fleet(replicas=8, tp=16),
-          Fleet(replicas=32, tp=4)]
+LAYOUTS = [
+    Trainer(tp=1, pp=1, ep=8, nodes=1),
+    Trainer(tp=2, pp=2, ep=4, nodes=2),
+    Trainer(tp=4, pp=4, ep=8, nodes=4),
+    Trainer(tp=4, pp=8, ep=8, nodes=8),
+    Trainer(tp=2, pp=8, ep=16, nodes=32),
+    Trainer(tp=8, pp=2, ep=1, nodes=2),
+]
+FLEETS = [
+    Fleet(replicas=1, tp=1),
+    Fleet(replicas=4, tp=2),
+    Fleet(replicas=8, tp=8),
+    Fleet(replicas=8, tp=16),
+    Fleet(replicas=32, tp=4),
+]
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-235b-a22b", "kimi-k2", "qwen2.5-32b"])
 def test_multi_sender_never_slower_than_single_sender(model):
     a = arch(model)
     checked = 0
-    for tr, fl, dtype, rx, bucket in itertools.product(LAYOUTS, FLEETS, (BF16, FP8), ("full", "shard"),
-                                                        (256 << 20, 1 << 30)):
+    for tr, fl, dtype, rx, bucket in itertools.product(
+        LAYOUTS, FLEETS, (BF16, FP8), ("full", "shard"), (256 << 20, 1 << 30)
+    ):
         if not a.moe:
             tr = replace(tr, ep=1)
         fleet, sync = replace(fl, receiver=rx), Sync(bucket_bytes=bucket)
@@ -131,10 +143,10 @@ def test_more_trainer_nodes_help_multi_sender_until_the_fleet_ingress_bounds_it(
         single.append(predict(fp, tr, fleet, mode=SINGLE).stream_s)
     t = [p.stream_s for p in multi]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(t, t[1:]))
-    assert t[1] < 0.6 * t[0] and t[2] < 0.6 * t[1]          # sender-bound: halves with the nodes
+    assert t[1] < 0.6 * t[0] and t[2] < 0.6 * t[1]  # sender-bound: halves with the nodes
     assert multi[0].binding == "sender egress" and multi[-1].binding == "receiver ingress"
-    assert t[-1] == pytest.approx(t[-2], rel=0.02)           # flat once the receivers bound it
-    assert max(single) / min(single) < 1.01                  # one link: nodes do not help a single sender
+    assert t[-1] == pytest.approx(t[-2], rel=0.02)  # flat once the receivers bound it
+    assert max(single) / min(single) < 1.01  # one link: nodes do not help a single sender
     assert single[-1] > 20 * t[-1]
 
 
@@ -155,7 +167,9 @@ def test_bad_layouts_name_the_field():
 
 
 def test_cli(capsys):
-    assert main(["--model", "qwen3-30b-a3b", "--trainer", "tp=1,ep=8", "--fleet", "replicas=4,tp=2,receiver=shard"]) == 0
+    assert (
+        main(["--model", "qwen3-30b-a3b", "--trainer", "tp=1,ep=8", "--fleet", "replicas=4,tp=2,receiver=shard"]) == 0
+    )
     out = capsys.readouterr().out
     assert "single-sender: sync" in out and "multi-sender: sync" in out and "8 sender(s)" in out
     assert main(["--trainer", "tp=16"]) == 2
@@ -168,6 +182,7 @@ def test_cli(capsys):
 def test_control_cost_scales_with_tensor_count():
     small, big = footprint(arch("qwen2.5-7b")), footprint(arch("kimi-k2"), FP8)
     from bench.cost_model import control_seconds
+
     assert control_seconds(small) == pytest.approx(CAL.plan_prepare_s + CAL.commit_s)
     assert control_seconds(big) == pytest.approx(CAL.plan_prepare_s * big.tensors / 339 + CAL.commit_s)
     assert math.isclose(big.tensors, 139523)

@@ -1,4 +1,5 @@
 """rollout_svc.sync.alarm: the prepared sync's deadline on one long-lived thread."""
+
 from __future__ import annotations
 
 import threading
@@ -38,7 +39,7 @@ def test_many_syncs_use_one_thread_and_a_failing_call_does_not_stop_it():
     calls, a = [], Alarm("one-thread")
     a.arm(0.0, lambda: 1 / 0)
     time.sleep(0.05)
-    for i in range(200):  # a prepare/commit cycle per sync: arm, then cancel at commit
+    for _ in range(200):  # a prepare/commit cycle per sync: arm, then cancel at commit
         a.arm(30, lambda: calls.append("late"))
         a.cancel()
     a.arm(0.0, lambda: calls.append("after the failure"))

@@ -3,6 +3,7 @@
 Real built-in engine (tiny-qwen2) behind a SyncTransaction; the "sync" side is the gate's exclusive
 acquire, exactly what a staged commit or an in-place first bucket takes.
 """
+
 from __future__ import annotations
 
 import threading
@@ -30,7 +31,9 @@ def _gen(tx, prompts, sampling, is_active=lambda: True, steps=None):
             if steps is not None:
                 steps.append(threading.current_thread().name)
             turn()
+
         return eng.generate(prompts, sampling, step=step)
+
     return tx.serve_turns(run, 10.0, is_active)
 
 
@@ -42,6 +45,7 @@ def _in_thread(fn):
             out["result"] = fn()
         except Exception as exc:  # handed to the test thread
             out["error"] = exc
+
     t = threading.Thread(target=target, name="long")
     t.start()
     return t, out

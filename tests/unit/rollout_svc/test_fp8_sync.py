@@ -4,6 +4,7 @@ The trainer side is the real exported stream (weightsync.formats.fp8_export over
 model's tensors), planned into small buckets so that weights and their scales land in different
 buckets; the manifest crosses the proto boundary as it does over gRPC.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,14 @@ def _engine(spec: str, seed: int, dtype=torch.float32) -> BuiltinEngine:
 def _fp8_sync(src: BuiltinEngine, version=1, sync_id="s1", bucket_bytes=8 << 10):
     named = [(n, p.detach().clone()) for n, p in src.named_weights()]
     metas = export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
-    m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=bucket_bytes, checksum_algo=ALGO,
-                      quantization=fp8.BLOCK_FP8)
+    m = make_manifest(
+        metas,
+        version=version,
+        sync_id=sync_id,
+        bucket_bytes=bucket_bytes,
+        checksum_algo=ALGO,
+        quantization=fp8.BLOCK_FP8,
+    )
     m = manifest_from_proto(manifest_to_proto(m))  # as the rollout receives it
     stream = iter(export_tensors(iter(named)))
     bufs = []
@@ -99,28 +106,44 @@ def test_fp8_sync_with_a_bad_checksum_aborts_and_keeps_serving_the_old_version()
 def test_fp8_manifest_with_a_broken_pair_is_refused_at_prepare():
     src = _engine("tiny-qwen2", 1)
     named = [(n, p) for n, p in src.named_weights()]
-    metas = [x for x in export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
-             if x.name != "model.layers.1.mlp.up_proj.weight_scale_inv"]
+    metas = [
+        x
+        for x in export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
+        if x.name != "model.layers.1.mlp.up_proj.weight_scale_inv"
+    ]
     m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20, quantization=fp8.BLOCK_FP8)
     tx = SyncTransaction(_engine("tiny-qwen2", 2), "inplace")
-    with pytest.raises(SyncError, match="model.layers.1.mlp.up_proj.weight is float8_e4m3fn but "
-                                        "model.layers.1.mlp.up_proj.weight_scale_inv is missing") as err:
+    with pytest.raises(
+        SyncError,
+        match="model.layers.1.mlp.up_proj.weight is float8_e4m3fn but "
+        "model.layers.1.mlp.up_proj.weight_scale_inv is missing",
+    ) as err:
         tx.prepare(m, timeout=5)
     assert err.value.code == "INVALID_ARGUMENT" and tx.state == rollout_pb2.SERVING
 
 
 def test_manifest_quantization_round_trips_and_unknown_schemes_are_refused_at_prepare():
-    m = make_manifest([TensorMeta("a", (2,), torch.float32)], version=1, sync_id="s", bucket_bytes=1 << 20,
-                      quantization=fp8.BLOCK_FP8)
+    m = make_manifest(
+        [TensorMeta("a", (2,), torch.float32)], version=1, sync_id="s", bucket_bytes=1 << 20, quantization=fp8.BLOCK_FP8
+    )
     pb = manifest_to_proto(m)
-    assert (pb.quantization.method, pb.quantization.fmt, list(pb.quantization.weight_block_size)) == \
-        ("fp8", "e4m3", [128, 128])
+    assert (pb.quantization.method, pb.quantization.fmt, list(pb.quantization.weight_block_size)) == (
+        "fp8",
+        "e4m3",
+        [128, 128],
+    )
     assert manifest_from_proto(pb).quantization == fp8.BLOCK_FP8
-    assert manifest_from_proto(manifest_to_proto(make_manifest([], version=1, sync_id="s", bucket_bytes=1 << 20))
-                               ).quantization is None
+    assert (
+        manifest_from_proto(
+            manifest_to_proto(make_manifest([], version=1, sync_id="s", bucket_bytes=1 << 20))
+        ).quantization
+        is None
+    )
     pb.quantization.CopyFrom(bus_pb2.Quantization(method="fp8", fmt="e4m3", weight_block_size=[1, 128]))
     tx = SyncTransaction(_engine("tiny-qwen2", 2), "staged")
-    with pytest.raises(SyncError, match=r"manifest.quantization: .*weight_block_size=\[1, 128\] is not supported") as err:
+    with pytest.raises(
+        SyncError, match=r"manifest.quantization: .*weight_block_size=\[1, 128\] is not supported"
+    ) as err:
         tx.prepare(manifest_from_proto(pb), timeout=5)
     assert err.value.code == "INVALID_ARGUMENT"
     pb.quantization.CopyFrom(bus_pb2.Quantization(fmt="e4m3"))

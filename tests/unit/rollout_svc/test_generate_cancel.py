@@ -3,6 +3,7 @@
 Before, the work went on: a client that gave up left minutes of decoding behind, and every small
 request queued behind it. Real in-process rollout (built-in engine, tiny-qwen2), real gRPC calls.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,8 +15,9 @@ from weightsync.control.client import channel
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
 # minutes of decoding on the tiny model if it ran to the end
-BIG = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])] * 50,
-                                  sampling=rollout_pb2.SamplingParams(max_new_tokens=500, n=8))
+BIG = rollout_pb2.GenerateRequest(
+    prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])] * 50, sampling=rollout_pb2.SamplingParams(max_new_tokens=500, n=8)
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +25,15 @@ def rollout():
     from rollout_svc.app import RolloutApp
     from rollout_svc.config import RolloutConfig
 
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                             model="tiny-qwen2", rollout_id="c", serve_initial_weights=True))
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model="tiny-qwen2",
+            rollout_id="c",
+            serve_initial_weights=True,
+        )
+    )
     app.start()
     yield app
     app.stop()
@@ -71,9 +80,12 @@ def test_generate_stops_when_its_deadline_passes(rollout):
         assert time.monotonic() - t0 < 2.0
         # and the engine serves the next request at once
         t1 = time.monotonic()
-        rollout_pb2_grpc.RolloutStub(ch).Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=[1, 2])], sampling=rollout_pb2.SamplingParams(max_new_tokens=4)),
-            timeout=10)
+        rollout_pb2_grpc.RolloutStub(ch).Generate(
+            rollout_pb2.GenerateRequest(
+                prompts=[rollout_pb2.Prompt(token_ids=[1, 2])], sampling=rollout_pb2.SamplingParams(max_new_tokens=4)
+            ),
+            timeout=10,
+        )
         assert time.monotonic() - t1 < 2.0
 
 
@@ -95,10 +107,18 @@ def test_an_engine_that_stops_on_cancel_without_taking_turns_is_given_the_check(
             def counted():
                 WholeRequests.checks += 1
                 step()
+
             return super().generate(prompts, sampling, step=counted)
 
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                             model="tiny-qwen2", rollout_id="w", serve_initial_weights=True))
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model="tiny-qwen2",
+            rollout_id="w",
+            serve_initial_weights=True,
+        )
+    )
     app.tx.engine.__class__ = WholeRequests
     app.start()
     try:

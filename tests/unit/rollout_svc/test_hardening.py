@@ -4,6 +4,7 @@ Bounded Generate, fair admission, manifest limits before any per-tensor work (ti
 the bus connection cap, the rollout pinned to its trainer, rollback refused unless asked for, ready
 only once current, and a clean SIGTERM-path shutdown.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ def _rollout(**kw):
     from rollout_svc.app import RolloutApp
     from rollout_svc.config import RolloutConfig
 
-    values = dict(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r0",
-                  sync_timeout_s=20.0)
+    values = dict(
+        grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r0", sync_timeout_s=20.0
+    )
     values.update(kw)
     cfg = RolloutConfig.from_flat(**values)
     cfg.validate()
@@ -38,8 +40,16 @@ def _trainer(**kw):
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    values = dict(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2",
-                  bucket_mb=1, rpc_timeout_s=5.0, sync_timeout_s=20.0, auto_sync_new_rollouts=False)
+    values = dict(
+        grpc_address="127.0.0.1:0",
+        http_address="127.0.0.1:0",
+        backend="hf",
+        model="tiny-qwen2",
+        bucket_mb=1,
+        rpc_timeout_s=5.0,
+        sync_timeout_s=20.0,
+        auto_sync_new_rollouts=False,
+    )
     values.update(kw)
     cfg = TrainerConfig.from_flat(**values)
     cfg.validate()
@@ -71,19 +81,25 @@ def _readyz(app) -> tuple[int, str]:
 
 
 def _gen(stub, n=1, max_new_tokens=2, prompts=1, timeout=30):
-    req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])] * prompts,
-                                      sampling=rollout_pb2.SamplingParams(max_new_tokens=max_new_tokens, n=n))
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])] * prompts,
+        sampling=rollout_pb2.SamplingParams(max_new_tokens=max_new_tokens, n=n),
+    )
     return stub.Generate(req, timeout=timeout)
 
 
 # ---- bounded Generate -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prompts,n,tokens,limit", [
-    (1, 1024, 500, "max_n=64"),                       # the issue's 76 s call
-    (4096, 1024, 32768, "max_prompts=1024"),          # the issue's 60-byte hours-long call
-    (1, 1, 32768, "max_new_tokens=8192"),
-    (1024, 64, 8192, "max_request_tokens=1048576"),   # each under its own bound, the product is not
-])
+
+@pytest.mark.parametrize(
+    "prompts,n,tokens,limit",
+    [
+        (1, 1024, 500, "max_n=64"),  # the issue's 76 s call
+        (4096, 1024, 32768, "max_prompts=1024"),  # the issue's 60-byte hours-long call
+        (1, 1, 32768, "max_new_tokens=8192"),
+        (1024, 64, 8192, "max_request_tokens=1048576"),  # each under its own bound, the product is not
+    ],
+)
 def test_oversized_generate_is_refused_at_once(rollout, prompts, n, tokens, limit):
     stub = rollout_stub(channel(rollout.grpc.address), "", 30)
     t0 = time.perf_counter()
@@ -98,8 +114,12 @@ def test_oversized_generate_is_refused_at_once(rollout, prompts, n, tokens, limi
 def test_admission_is_bounded_and_fair(rollout):
     """One client holds its share (1); a second client is still admitted; a third finds the service full."""
     # three clients = three connections (channels in one process share one unless told not to)
-    a, b, c = (rollout_stub(grpc.insecure_channel(rollout.grpc.address, options=[("grpc.use_local_subchannel_pool", 1)]),
-                            "", 60) for _ in range(3))
+    a, b, c = (
+        rollout_stub(
+            grpc.insecure_channel(rollout.grpc.address, options=[("grpc.use_local_subchannel_pool", 1)]), "", 60
+        )
+        for _ in range(3)
+    )
     rollout.tx.engine_lock.acquire()  # the engine is busy: admitted requests wait inside
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -131,6 +151,7 @@ def test_admission_is_bounded_and_fair(rollout):
 
 
 # ---- manifest limits before per-tensor work -----------------------------------------------------
+
 
 def _real_manifest(app, version=5, sync_id="v5-x", bucket_bytes=1 << 16):
     from weightsync.bus.plan import make_manifest, manifest_to_proto
@@ -174,8 +195,10 @@ def test_million_unknown_tensor_manifest_is_refused_fast(rollout):
     parsed = []
     handler = rollout.grpc.decode_guard.intercept_service(
         lambda details: grpc.unary_unary_rpc_method_handler(
-            lambda req, ctx: parsed.append(req), request_deserializer=rollout_pb2.PrepareSyncRequest.FromString),
-        type("Details", (), {"method": "/weightsync.v1.Rollout/PrepareSync", "invocation_metadata": ()})())
+            lambda req, ctx: parsed.append(req), request_deserializer=rollout_pb2.PrepareSyncRequest.FromString
+        ),
+        type("Details", (), {"method": "/weightsync.v1.Rollout/PrepareSync", "invocation_metadata": ()})(),
+    )
 
     class Ctx:
         def abort(self, code, details):
@@ -202,8 +225,10 @@ def test_inflated_bucket_refused_before_allocation(rollout):
     assert rollout.tx.pending_sync_id == ""
     # and the bus: with nothing prepared, a hello for it allocates nothing either
     host, port = rollout.data.host, rollout.data.port
-    from weightsync.bus.tcp.wire import HELLO_MAGIC, hello_mac
     import struct
+
+    from weightsync.bus.tcp.wire import HELLO_MAGIC, hello_mac
+
     with socket.create_connection((host, port), timeout=5) as s:
         s.sendall(HELLO_MAGIC + struct.pack("<H", 6) + b"v5-fat" + hello_mac("", "v5-fat"))
         try:
@@ -336,6 +361,7 @@ def test_a_manifest_with_more_senders_than_bus_connections_is_refused_at_prepare
 
 
 # ---- pinned to its trainer, rollback, ready only when current ---------------------------------
+
 
 def test_foreign_trainer_is_refused_and_rollback_needs_allow(tmp_path):
     real = _trainer(trainer_id="real-trainer")

@@ -1,11 +1,12 @@
 """The rollout sync transaction against the real built-in engine (no network)."""
+
 import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.errors import SyncError
 from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.models import resolve_model
@@ -20,8 +21,13 @@ def _engine(seed, cls=BuiltinEngine):
 
 def _buckets(src, version=1, sync_id="s1"):
     state = {n: p.detach().clone() for n, p in src._params.items()}
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=version,
-                      sync_id=sync_id, bucket_bytes=64 << 10, checksum_algo=ALGO)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()],
+        version=version,
+        sync_id=sync_id,
+        bucket_bytes=64 << 10,
+        checksum_algo=ALGO,
+    )
     out = []
     for b in m.buckets:
         buf = alloc_buffer(b.nbytes)
@@ -120,6 +126,7 @@ def test_checksum_mismatch_at_commit_is_refused():
 
 def test_prepared_sync_expires():
     import time
+
     tx = SyncTransaction(_engine(2), "staged")
     m, _ = _buckets(_engine(1))
     tx.prepare(m, timeout=0.3)
@@ -187,8 +194,9 @@ def test_staged_commit_waits_for_a_busy_engine_only_until_the_deadline():
     assert torch.equal(_logits(tx), before)
 
 
-@pytest.mark.parametrize("mode,bad,after", [("staged", 1, "SERVING"), ("inplace", 0, "SERVING"),
-                                            ("inplace", 1, "STALE")])
+@pytest.mark.parametrize(
+    "mode,bad,after", [("staged", 1, "SERVING"), ("inplace", 0, "SERVING"), ("inplace", 1, "STALE")]
+)
 def test_a_corrupted_bucket_is_data_loss_and_only_an_inplace_sync_past_its_first_bucket_turns_stale(mode, bad, after):
     """The copy out of the bus buffer is the checksum pass (weightsync/bus/verified_copy.py): inplace
     mode checks a bucket after writing it into the parameters, except the first one, which is still
@@ -240,8 +248,9 @@ def test_deferred_checks_are_read_at_commit_where_a_corrupted_bucket_aborts_as_a
     sums = [bucket_checksum(b) for b in bufs]
     # a clean sync with every check deferred commits exactly
     tx.prepare(m, timeout=30)
-    deferred = [tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True)
-                for b, buf in zip(m.buckets, bufs)]
+    deferred = [
+        tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True) for b, buf in zip(m.buckets, bufs)
+    ]
     # every copy is left queued, an inplace sync's first bucket's too (its bytes were checked before
     # the engine was touched; its copy's sum is read at commit like the others')
     assert deferred == [True] * len(bufs)
@@ -312,7 +321,6 @@ def test_an_abort_is_taken_at_once_while_a_staged_commit_waits_for_a_busy_engine
 def test_an_abort_is_taken_at_once_while_an_inplace_sync_waits_to_pause_generation():
     """An inplace sync's first bucket waits for running generations outside the state lock: an abort
     answers at once and ends the wait; nothing was loaded, so the old version keeps serving."""
-    import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -347,9 +355,16 @@ def test_a_layout_checked_once_is_not_walked_again_and_other_layouts_are_still_c
     tx.validate(m)
     tx.validate(m)
     assert walks == ["s1"]  # the second prepare of the same layout skipped the walk
-    wrong = make_manifest([TensorMeta(n, (3,) if i == 0 else s.meta.shape, s.meta.dtype)
-                           for i, (n, s) in enumerate((s.meta.name, s) for b in m.buckets for s in b.slots)],
-                          version=2, sync_id="s2", bucket_bytes=64 << 10, checksum_algo=ALGO)
+    wrong = make_manifest(
+        [
+            TensorMeta(n, (3,) if i == 0 else s.meta.shape, s.meta.dtype)
+            for i, (n, s) in enumerate((s.meta.name, s) for b in m.buckets for s in b.slots)
+        ],
+        version=2,
+        sync_id="s2",
+        bucket_bytes=64 << 10,
+        checksum_algo=ALGO,
+    )
     wrong.layout_digest = layout_digest(wrong)
     with pytest.raises(SyncError, match="trainer sends shape \\[3\\]"):
         tx.validate(wrong)

@@ -1,4 +1,5 @@
 """Aborts racing the receiver: a bucket of an aborted inplace sync is never loaded, the engine lock is freed."""
+
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from weightsync.v1 import rollout_pb2
 def _engine():
     from rollout_svc.config import RolloutConfig
     from rollout_svc.engine.factory import make_engine
+
     return make_engine(RolloutConfig.from_flat(model="tiny-qwen2"))
 
 
@@ -40,6 +42,7 @@ def test_abort_while_inplace_receiver_waits_for_the_engine_lock():
     must not end with the lock held forever or with SERVING on partly loaded weights."""
     import threading
     import time
+
     eng = _engine()
     tx = SyncTransaction(eng, "inplace")
     before = {n: p.clone() for n, p in eng._params.items()}

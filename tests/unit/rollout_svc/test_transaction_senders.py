@@ -1,6 +1,7 @@
 """The rollout transaction with several senders (trainer ranks streaming their own buckets
 concurrently): commit only when every bucket of every sender arrived and verified; a failure on
 any sender's stream aborts the whole sync; one stream per sender."""
+
 import threading
 import time
 
@@ -10,9 +11,9 @@ import torch
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
 from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.errors import TransportError
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.bus.errors import TransportError
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2
 
@@ -28,8 +29,7 @@ def _sync(src, senders=(0, 5), sync_id="s1", version=1):
     state = {n: p.detach().clone() for n, p in src._params.items()}
     metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]
     owners = [senders[i % len(senders)] for i in range(len(metas))]
-    m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=32 << 10, checksum_algo=ALGO,
-                      owners=owners)
+    m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=32 << 10, checksum_algo=ALGO, owners=owners)
     bufs = {}
     for b in m.buckets:
         buf = alloc_buffer(b.nbytes)
@@ -119,8 +119,9 @@ def test_buckets_out_of_their_senders_order_are_refused():
     m, bufs = _sync(_engine(1))
     tx.prepare(m, timeout=30)
     first5, second5 = m.buckets_of(5)[:2]
-    with pytest.raises(SyncError, match=f"bucket {second5.index} arrived from sender 5, expected bucket "
-                                        f"{first5.index}"):
+    with pytest.raises(
+        SyncError, match=f"bucket {second5.index} arrived from sender 5, expected bucket {first5.index}"
+    ):
         tx.consume_bucket("s1", second5.index, bufs[second5.index], None)
     # another sender's first bucket is fine at any time
     tx.consume_bucket("s1", m.buckets_of(0)[0].index, bufs[m.buckets_of(0)[0].index], None)

@@ -7,6 +7,7 @@ gRPC: the long Generate must return exactly what it returns on an idle engine at
 mid-request would change its tokens: the new weights are visibly different); the next request is
 served from the new weights and says so.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,10 +20,11 @@ from safetensors.torch import load_file, save_file
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
-LONG = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[4, 5, 6])] * 2,
-                                   sampling=rollout_pb2.SamplingParams(max_new_tokens=300, n=4, seed=5,
-                                                                       temperature=1.0),
-                                   return_logprobs=True)
+LONG = rollout_pb2.GenerateRequest(
+    prompts=[rollout_pb2.Prompt(token_ids=[4, 5, 6])] * 2,
+    sampling=rollout_pb2.SamplingParams(max_new_tokens=300, n=4, seed=5, temperature=1.0),
+    return_logprobs=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +35,33 @@ def fleet(tmp_path_factory):
     from trainer_svc.config import TrainerConfig
 
     root = tmp_path_factory.mktemp("data")  # LoadWeights reads only inside the trainer's data root
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", auto_sync_new_rollouts=False, sync_timeout_s=120,
-                                                 data_root=str(root)))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            auto_sync_new_rollouts=False,
+            sync_timeout_s=120,
+            data_root=str(root),
+        )
+    )
     trainer.start()
-    rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id="p", apply_mode="staged",
-                                                 sync_timeout_s=120))
+    rollout = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model="tiny-qwen2",
+            rollout_id="p",
+            apply_mode="staged",
+            sync_timeout_s=120,
+        )
+    )
     rollout.start()
     with channel(trainer.grpc.address) as ch:
-        trainer_stub(ch, "").RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="p",
-                                                                                address=rollout.grpc.address))
+        trainer_stub(ch, "").RegisterRollout(
+            trainer_pb2.RegisterRolloutRequest(rollout_id="p", address=rollout.grpc.address)
+        )
     yield trainer, rollout, root
     rollout.stop()
     trainer.stop()

@@ -1,5 +1,6 @@
 """Exports and checkpoints replace each file whole: a write that dies part-way leaves the previous
 file intact and no partial file behind (a rollout's LoadWeights may be reading the directory)."""
+
 import pytest
 import torch
 from safetensors.torch import load_file

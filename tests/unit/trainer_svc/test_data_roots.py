@@ -1,4 +1,5 @@
 """Admin file operations (ExportHf, SaveCheckpoint, LoadWeights) stay inside the trainer's data root."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ def trainer(tmp_path_factory):
     base = tmp_path_factory.mktemp("roots")
     root = base / "data"
     root.mkdir()
-    cfg = TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                  model="tiny-qwen2", data_root=str(root))
+    cfg = TrainerConfig.from_flat(
+        grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2", data_root=str(root)
+    )
     cfg.validate()
     app = TrainerApp(cfg)
     app.start()

@@ -1,4 +1,5 @@
 """trainer_svc.export_format: what `export_dtype` does to the actor's stream and to ExportHf's config."""
+
 import pytest
 import torch
 
@@ -20,11 +21,17 @@ def test_plain_dtypes_pass_the_stream_through():
 def test_fp8_block_quantizes_from_float32_and_declares_it_in_a_copy_of_the_config():
     fmt = export_format(FP8_BLOCK)
     assert actor_dtype(FP8_BLOCK) == torch.float32
-    metas = fmt.metas([TensorMeta("model.layers.0.mlp.up_proj.weight", (128, 64), torch.float32),
-                       TensorMeta("model.norm.weight", (64,), torch.float32)])
-    assert [(m.name, m.dtype) for m in metas] == [("model.layers.0.mlp.up_proj.weight_scale_inv", torch.float32),
-                                                  ("model.layers.0.mlp.up_proj.weight", torch.float8_e4m3fn),
-                                                  ("model.norm.weight", torch.bfloat16)]
+    metas = fmt.metas(
+        [
+            TensorMeta("model.layers.0.mlp.up_proj.weight", (128, 64), torch.float32),
+            TensorMeta("model.norm.weight", (64,), torch.float32),
+        ]
+    )
+    assert [(m.name, m.dtype) for m in metas] == [
+        ("model.layers.0.mlp.up_proj.weight_scale_inv", torch.float32),
+        ("model.layers.0.mlp.up_proj.weight", torch.float8_e4m3fn),
+        ("model.norm.weight", torch.bfloat16),
+    ]
     config = resolve_model("tiny-qwen2")[0]
     out = fmt.hf_config(config)
     assert out.quantization_config["weight_block_size"] == [128, 128]

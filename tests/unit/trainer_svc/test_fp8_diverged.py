@@ -2,6 +2,7 @@
 tensor, every rollout keeps its version, ExportHf writes nothing, and the next sync of finite weights
 commits. Real TrainerApp (hf backend) and RolloutApps on loopback gRPC, TCP bus, small buckets so that
 the bad tensor sits in the middle of the stream."""
+
 from __future__ import annotations
 
 import grpc
@@ -12,8 +13,9 @@ from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 BAD = "model.layers.0.mlp.down_proj.weight"  # of 2 layers: buckets go out before and after it
-ERROR = (f"tensor {BAD}: block [0, 0] holds inf or nan; refusing to export it as FP8 "
-         "(the trainer's weights have diverged)")
+ERROR = (
+    f"tensor {BAD}: block [0, 0] holds inf or nan; refusing to export it as FP8 (the trainer's weights have diverged)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +26,31 @@ def fleet(tmp_path_factory):
     from trainer_svc.config import TrainerConfig
 
     root = tmp_path_factory.mktemp("data")
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", export_dtype="fp8-block", sync_timeout_s=30.0,
-                                                 auto_sync_new_rollouts=False, data_root=str(root)))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            export_dtype="fp8-block",
+            sync_timeout_s=30.0,
+            auto_sync_new_rollouts=False,
+            data_root=str(root),
+        )
+    )
     trainer.orch.bucket_bytes = 16 << 10
     trainer.start()
     rollouts = {}
     for rid, mode in (("a", "staged"), ("b", "inplace")):
-        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id=rid, apply_mode=mode))
+        app = RolloutApp(
+            RolloutConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                model="tiny-qwen2",
+                rollout_id=rid,
+                apply_mode=mode,
+            )
+        )
         app.start()
         rollouts[rid] = app
     stub = trainer_stub(channel(trainer.grpc.address), "", 60)

@@ -16,12 +16,15 @@ def _resolve(cls, argv, env=None, prefix="WS_TRAINER"):
 def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("bucket_mb: 8\ntp: 1\nsync_timeout_s: 11\nrollouts: [a:1]\n")
-    cfg = _resolve(TrainerConfig, ["--config", str(f), "--bucket-mb", "32"],
-                   {"WS_TRAINER_BUCKET_MB": "16", "WS_TRAINER_SYNC_TIMEOUT_S": "22"})
-    assert cfg.bus.bucket_mb == 32          # flag beats env and file
-    assert cfg.bus.sync_timeout_s == 22.0   # env beats file
-    assert cfg.fleet.rollouts == ["a:1"]      # file beats default
-    assert cfg.bus.rpc_timeout_s == 30.0    # default
+    cfg = _resolve(
+        TrainerConfig,
+        ["--config", str(f), "--bucket-mb", "32"],
+        {"WS_TRAINER_BUCKET_MB": "16", "WS_TRAINER_SYNC_TIMEOUT_S": "22"},
+    )
+    assert cfg.bus.bucket_mb == 32  # flag beats env and file
+    assert cfg.bus.sync_timeout_s == 22.0  # env beats file
+    assert cfg.fleet.rollouts == ["a:1"]  # file beats default
+    assert cfg.bus.rpc_timeout_s == 30.0  # default
 
 
 def test_env_config_file_and_bool_and_list(tmp_path):
@@ -31,15 +34,18 @@ def test_env_config_file_and_bool_and_list(tmp_path):
     assert cfg.fleet.auto_sync_new_rollouts is False and cfg.fleet.rollouts == ["h:1", "h:2"]
 
 
-@pytest.mark.parametrize("argv, env, match", [
-    (["--grpc-address", "nohostport"], {}, "grpc_address"),
-    ([], {"WS_TRAINER_TP": "two"}, "tp: 'two' is not a valid int"),
-    (["--tp", "0"], {}, "tp=0 must be >= 1"),
-    (["--vpp", "2"], {}, "vpp=2 needs pp >= 2"),
-    (["--backend", "hf", "--tp", "2"], {}, "backend=hf runs one process"),
-    ([], {"WS_TRAINER_AUTO_SYNC_NEW_ROLLOUTS": "maybe"}, "not a boolean"),
-    ([], {"WS_TRAINER_TRANSPORT": "carrier-pigeon"}, "transport"),
-])
+@pytest.mark.parametrize(
+    "argv, env, match",
+    [
+        (["--grpc-address", "nohostport"], {}, "grpc_address"),
+        ([], {"WS_TRAINER_TP": "two"}, "tp: 'two' is not a valid int"),
+        (["--tp", "0"], {}, "tp=0 must be >= 1"),
+        (["--vpp", "2"], {}, "vpp=2 needs pp >= 2"),
+        (["--backend", "hf", "--tp", "2"], {}, "backend=hf runs one process"),
+        ([], {"WS_TRAINER_AUTO_SYNC_NEW_ROLLOUTS": "maybe"}, "not a boolean"),
+        ([], {"WS_TRAINER_TRANSPORT": "carrier-pigeon"}, "transport"),
+    ],
+)
 def test_errors_name_the_field(argv, env, match):
     with pytest.raises(ConfigError, match=match):
         _resolve(TrainerConfig, argv, env)
@@ -77,9 +83,16 @@ def test_shared_sections_keep_each_service_defaults():
 
 def test_load_megatron_checkpoint_flag_env_file_and_backend(tmp_path):
     assert _resolve(TrainerConfig, []).checkpoint.load_megatron_checkpoint == ""
-    cfg = _resolve(TrainerConfig, ["--load-megatron-checkpoint", "/ck/a"], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"})
+    cfg = _resolve(
+        TrainerConfig, ["--load-megatron-checkpoint", "/ck/a"], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"}
+    )
     assert cfg.checkpoint.load_megatron_checkpoint == "/ck/a"
-    assert _resolve(TrainerConfig, [], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"}).checkpoint.load_megatron_checkpoint == "/ck/b"
+    assert (
+        _resolve(
+            TrainerConfig, [], {"WS_TRAINER_LOAD_MEGATRON_CHECKPOINT": "/ck/b"}
+        ).checkpoint.load_megatron_checkpoint
+        == "/ck/b"
+    )
     f = tmp_path / "c.yaml"
     f.write_text("checkpoint:\n  load_megatron_checkpoint: /ck/c\n")
     assert _resolve(TrainerConfig, ["--config", str(f)]).checkpoint.load_megatron_checkpoint == "/ck/c"
@@ -90,8 +103,8 @@ def test_load_megatron_checkpoint_flag_env_file_and_backend(tmp_path):
 @pytest.mark.parametrize("cls, prefix", [(TrainerConfig, "WS_TRAINER"), (RolloutConfig, "WS_ROLLOUT")])
 def test_the_token_is_never_a_flag_but_env_and_file_set_it(cls, prefix, tmp_path):
     """A flag's value is in every local user's process list: the token comes from env, file or auth_token_file."""
-    from trainer_svc.cli import SERVICE as TRAINER_CLI
     from rollout_svc.cli import SERVICE as ROLLOUT_CLI
+    from trainer_svc.cli import SERVICE as TRAINER_CLI
 
     cli = TRAINER_CLI if cls is TrainerConfig else ROLLOUT_CLI
     with pytest.raises(SystemExit) as ei:  # not even as an abbreviation of --auth-token-file

@@ -4,6 +4,7 @@ Useful where megatron-core is not installed and for debugging the bus: it export
 own HF state dict (in checkpoint naming: a tied lm_head is not exported twice), from the device
 the model lives on (`--device`), so the GPU transports send straight from GPU memory.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -17,8 +18,16 @@ from weightsync.model_spec import family_of
 
 
 class HfActor:
-    def __init__(self, config, *, seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-                 device: torch.device | str = "cpu", param_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config,
+        *,
+        seed: int = 0,
+        export_dtype: torch.dtype = torch.float32,
+        weights_dir: str | None = None,
+        device: torch.device | str = "cpu",
+        param_dtype: torch.dtype = torch.float32,
+    ):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -76,7 +85,7 @@ class HfActor:
                 flat = torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device)  # padding included: checksummed
                 for slot in b.slots:
                     p = params[slot.meta.name]
-                    view = flat[slot.offset:slot.offset + slot.meta.nbytes].view(p.dtype).view(p.shape)
+                    view = flat[slot.offset : slot.offset + slot.meta.nbytes].view(p.dtype).view(p.shape)
                     view.copy_(p)
                     p.data = view
                 flats.append(flat)
@@ -107,7 +116,9 @@ class HfActor:
         with torch.no_grad():
             for n, p in own.items():
                 if tuple(state[n].shape) != tuple(p.shape):
-                    raise ValueError(f"hf_path {path}: tensor {n} has shape {tuple(state[n].shape)}, model expects {tuple(p.shape)}")
+                    raise ValueError(
+                        f"hf_path {path}: tensor {n} has shape {tuple(state[n].shape)}, model expects {tuple(p.shape)}"
+                    )
             for n, p in own.items():
                 p.copy_(state[n])
         self.version += 1

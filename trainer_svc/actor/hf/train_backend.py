@@ -1,4 +1,5 @@
 """The training backend for HfActor: a transformers model in one process, plain torch AdamW."""
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,15 @@ class HfBackend:
             p.requires_grad_(False)
         return [ref]
 
-    def run(self, mbs: list[Batch], fn: Callable, out_shape: Callable, *, train: bool,
-            modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        mbs: list[Batch],
+        fn: Callable,
+        out_shape: Callable,
+        *,
+        train: bool,
+        modules: list[torch.nn.Module] | None = None,
+    ) -> list[torch.Tensor]:
         """fn(logits [B, L, V], mb) -> (loss or None, out tensor); back-propagates each loss when train."""
         model = (modules or [self.model])[0]
         # eval mode throughout: RL trains without dropout so the trainer's log-probs are the rollout's.
@@ -53,8 +61,9 @@ class HfBackend:
         return float(norm)
 
     def make_optimizer(self, s) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
-                                 weight_decay=s.weight_decay)
+        return torch.optim.AdamW(
+            self.parameters(), lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, weight_decay=s.weight_decay
+        )
 
     def barrier(self) -> None:
         pass

@@ -5,6 +5,7 @@ collective). Global rank 0 then hosts the services and calls the public methods,
 first broadcasts a command; every other rank calls `worker_loop()`, which runs the matching
 collective until rank 0 calls `shutdown()`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,19 +15,33 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from weightsync.bus.plan import TensorMeta
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.train_backend import MegatronBackend
+from weightsync.bus.plan import TensorMeta
 
 log = logging.getLogger(__name__)
 
 
 class MegatronActor:
-    def __init__(self, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, etp: int | None = None,
-                 seed: int = 0, export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-                 params_dtype: torch.dtype = torch.float32, init_weights: bool | None = None,
-                 converter: str = "builtin", mtp: str = "off",
-                 expert_layout: str = "sequential", megatron_checkpoint: str | None = None):
+    def __init__(
+        self,
+        hf_config,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
+        seed: int = 0,
+        export_dtype: torch.dtype = torch.float32,
+        weights_dir: str | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        init_weights: bool | None = None,
+        converter: str = "builtin",
+        mtp: str = "off",
+        expert_layout: str = "sequential",
+        megatron_checkpoint: str | None = None,
+    ):
         """ep/etp: expert (tensor) parallel sizes for MoE models; mtp: carry the checkpoint's
         multi-token-prediction layers under 'deepseek' or 'mimo' names ('off': ignore them);
         expert_layout: 'sequential' (one module per expert) or 'grouped' (megatron's GroupedMLP);
@@ -56,10 +71,16 @@ class MegatronActor:
         self.rank_gpus: list[str] = [g["gpu"] for g in gpus] if gpus else []
         self._metas = export_metas(self.spec, export_dtype)
         #: this rank's GPTModel chunks (one per virtual pipeline stage); a training step uses these
-        self.model = build_chunks(self.spec, self.par, seed=seed, params_dtype=params_dtype,
-                                  init_weights=(weights_dir is None and megatron_checkpoint is None)
-                                  if init_weights is None else init_weights,
-                                  expert_layout=expert_layout)
+        self.model = build_chunks(
+            self.spec,
+            self.par,
+            seed=seed,
+            params_dtype=params_dtype,
+            init_weights=(weights_dir is None and megatron_checkpoint is None)
+            if init_weights is None
+            else init_weights,
+            expert_layout=expert_layout,
+        )
         from trainer_svc.actor.megatron.bridge import make_converter
 
         #: None: the built-in rule tables convert; else a bridge package does (bridge.py), and the
@@ -82,14 +103,36 @@ class MegatronActor:
         self.train_state = None
 
     @classmethod
-    def create(cls, hf_config, *, tp: int = 1, pp: int = 1, vpp: int = 1, ep: int = 1, seed: int = 0,
-               export_dtype: torch.dtype = torch.float32, weights_dir: str | None = None,
-               mtp: str = "off",
-               converter: str = "builtin", megatron_checkpoint: str | None = None,
-               params_dtype: torch.dtype = torch.float32) -> "MegatronActor":
-        return cls(hf_config, tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed, export_dtype=export_dtype,
-                   weights_dir=weights_dir, mtp=mtp,
-                   converter=converter, megatron_checkpoint=megatron_checkpoint, params_dtype=params_dtype)
+    def create(
+        cls,
+        hf_config,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int = 1,
+        ep: int = 1,
+        seed: int = 0,
+        export_dtype: torch.dtype = torch.float32,
+        weights_dir: str | None = None,
+        mtp: str = "off",
+        converter: str = "builtin",
+        megatron_checkpoint: str | None = None,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> "MegatronActor":
+        return cls(
+            hf_config,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            ep=ep,
+            seed=seed,
+            export_dtype=export_dtype,
+            weights_dir=weights_dir,
+            mtp=mtp,
+            converter=converter,
+            megatron_checkpoint=megatron_checkpoint,
+            params_dtype=params_dtype,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str, **kw) -> "MegatronActor":
@@ -122,7 +165,11 @@ class MegatronActor:
         (the pack path casts with two buckets' memory).
         """
         par = self.par
-        if not manifest.layout_digest or self.converter is not None or (par.tp, par.pp, par.vpp, par.ep) != (1, 1, 1, 1):
+        if (
+            not manifest.layout_digest
+            or self.converter is not None
+            or (par.tp, par.pp, par.vpp, par.ep) != (1, 1, 1, 1)
+        ):
             return None
         if self.rmap.rank != 0:
             return None
@@ -187,8 +234,9 @@ class MegatronActor:
         Megatron torch_dist checkpoint `<directory>/iter_{iteration:07d}`; returns that path."""
         from trainer_svc.actor.megatron.dist_ckpt import save_torch_dist
 
-        return str(save_torch_dist(self.model, directory, self.spec, iteration=iteration, version=self.version,
-                                   names=names))
+        return str(
+            save_torch_dist(self.model, directory, self.spec, iteration=iteration, version=self.version, names=names)
+        )
 
     def save_hf(self, out_dir: str) -> None:
         """Write a transformers-loadable directory (config.json + safetensors) from the export."""
@@ -266,8 +314,9 @@ class MegatronActor:
             return self.converter.export(self.model, self._metas)
         from trainer_svc.actor.megatron.export import export_tensors
 
-        return export_tensors(self.model, self.spec, self.par, self.rmap, self.export_dtype, to_rank0=to_rank0,
-                              stats=stats)
+        return export_tensors(
+            self.model, self.spec, self.par, self.rmap, self.export_dtype, to_rank0=to_rank0, stats=stats
+        )
 
     def _load_hf(self, path: str) -> None:
         from trainer_svc.actor.megatron.load import load_hf_into

@@ -16,6 +16,7 @@ this module puts one contract around any bridge:
 
 The bridge itself is imported only by `make_converter`, never by importing this module.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
-from weightsync.bus.plan import TensorMeta
 from trainer_svc.bridge_contract import CONTRACTS, BridgeUnavailable, contract_for, require_bridge
+from weightsync.bus.plan import TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,18 @@ class BridgeConverter:
             if name not in shapes:
                 if self.tied and name == "lm_head.weight":
                     continue  # transformers ties it to model.embed_tokens.weight; never sent
-                problems.append(f"tensor {name}: yielded by converter {self.name}, but the transformers model "
-                                f"has no such tensor")
+                problems.append(
+                    f"tensor {name}: yielded by converter {self.name}, but the transformers model has no such tensor"
+                )
                 continue
             seen.add(name)
             want = shapes[name]
-            if (t.dim() == len(want) and t.shape[0] == self.padded_vocab and want[0] == self.vocab_size
-                    and tuple(t.shape[1:]) == tuple(want[1:])):
+            if (
+                t.dim() == len(want)
+                and t.shape[0] == self.padded_vocab
+                and want[0] == self.vocab_size
+                and tuple(t.shape[1:]) == tuple(want[1:])
+            ):
                 t = t[: self.vocab_size]
             yield name, t
 
@@ -81,16 +87,21 @@ class BridgeConverter:
         order: list[TensorMeta] = []
         for name, t in self._normalised(chunks, shapes, problems):
             if tuple(t.shape) != shapes[name]:
-                problems.append(f"tensor {name}: converter {self.name} yields shape {tuple(t.shape)}, transformers "
-                                f"expects {shapes[name]}")
+                problems.append(
+                    f"tensor {name}: converter {self.name} yields shape {tuple(t.shape)}, transformers "
+                    f"expects {shapes[name]}"
+                )
             order.append(TensorMeta(name, shapes[name], dtype[name]))
         missing = [m.name for m in reference if m.name not in {o.name for o in order}]
         if missing:
             problems.append(f"tensor {missing[0]}: converter {self.name} does not yield it ({len(missing)} missing)")
         if problems:
-            raise ValueError(f"converter={self.name!r} does not reproduce the transformers model: "
-                             + "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
-                             + ". Use converter=builtin")
+            raise ValueError(
+                f"converter={self.name!r} does not reproduce the transformers model: "
+                + "; ".join(problems[:5])
+                + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
+                + ". Use converter=builtin"
+            )
         log.info("converter %s: %d tensors planned in the bridge's order", self.name, len(order))
         return order
 
@@ -105,8 +116,10 @@ class BridgeConverter:
                 m = metas[i] if i < len(metas) else None
                 if m is None or m.name != name or tuple(t.shape) != tuple(m.shape):
                     want = f"{m.name} {tuple(m.shape)}" if m else "nothing more"
-                    problems.append(f"converter {self.name} yielded {name} {tuple(t.shape)} at position {i}, "
-                                    f"the plan expects {want}")
+                    problems.append(
+                        f"converter {self.name} yielded {name} {tuple(t.shape)} at position {i}, "
+                        f"the plan expects {want}"
+                    )
                     break
                 if i == len(metas) - 1:
                     # run the bridge to its end before the last tensor leaves: a consumer that stops
@@ -114,8 +127,10 @@ class BridgeConverter:
                     # inside the collectives of a trailing tied-head copy
                     extra = [n for n, _ in it]
                     if extra:
-                        problems.append(f"converter {self.name} yielded {extra[0]} after the last planned tensor "
-                                        f"({len(extra)} extra)")
+                        problems.append(
+                            f"converter {self.name} yielded {extra[0]} after the last planned tensor "
+                            f"({len(extra)} extra)"
+                        )
                     if problems:
                         break
                 yield name, t.detach().to(m.dtype)
@@ -124,8 +139,9 @@ class BridgeConverter:
             # finish the bridge's collectives whatever happened here (an error, an early close)
             _drain(it)
         if not problems and i != len(metas):
-            problems.append(f"converter {self.name} stopped after {i} of {len(metas)} tensors "
-                            f"(next expected: {metas[i].name})")
+            problems.append(
+                f"converter {self.name} stopped after {i} of {len(metas)} tensors (next expected: {metas[i].name})"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -147,8 +163,10 @@ def make_converter(name: str, spec, par, params_dtype: torch.dtype) -> BridgeCon
     hf_config, family = spec.hf_config, spec.family
     base = family[: -len("-tied")] if family.endswith("-tied") else family
     if base not in BRIDGE_FAMILIES:
-        raise ValueError(f"converter={name!r} supports the families {', '.join(sorted(BRIDGE_FAMILIES))} "
-                         f"(and their -tied variants), not {family!r}; use converter=builtin")
+        raise ValueError(
+            f"converter={name!r} supports the families {', '.join(sorted(BRIDGE_FAMILIES))} "
+            f"(and their -tied variants), not {family!r}; use converter=builtin"
+        )
     if getattr(par, "ep", 1) > 1:
         raise ValueError(f"converter={name!r} is wired for dense models only (EP={par.ep}); use converter=builtin")
     root = require_bridge(name)
@@ -166,5 +184,12 @@ def make_converter(name: str, spec, par, params_dtype: torch.dtype) -> BridgeCon
     return BridgeConverter(name, adapter, hf_config, padded_vocab_size(hf_config.vocab_size, par.tp))
 
 
-__all__ = ["BUILTIN", "CONVERTERS", "BRIDGE_FAMILIES", "BridgeConverter", "BridgeUnavailable", "check_converter_name",
-           "make_converter"]
+__all__ = [
+    "BUILTIN",
+    "CONVERTERS",
+    "BRIDGE_FAMILIES",
+    "BridgeConverter",
+    "BridgeUnavailable",
+    "check_converter_name",
+    "make_converter",
+]

@@ -20,6 +20,7 @@ bridge *instance* (never on its classes):
   as `model.embed_tokens.weight`. The instance gets its own table with `output_layer.weight`
   mapped for this model's tying.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,24 +58,30 @@ class MbridgeAdapter:
         from trainer_svc.actor.megatron.model import VOCAB_DIVISIBLE_BY, padded_vocab_size
 
         if hf_config.model_type not in mbridge.AutoBridge.list_supported_models():
-            raise BridgeUnavailable(f"converter='mbridge': mbridge has no bridge for model_type="
-                                    f"{hf_config.model_type!r}; use converter=builtin")
+            raise BridgeUnavailable(
+                f"converter='mbridge': mbridge has no bridge for model_type="
+                f"{hf_config.model_type!r}; use converter=builtin"
+            )
         # dtype matters on load: mbridge casts every HF tensor to it before the TP split
-        self.bridge = mbridge.AutoBridge.from_config(hf_config, dtype=params_dtype,
-                                                     make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY * tp)
+        self.bridge = mbridge.AutoBridge.from_config(
+            hf_config, dtype=params_dtype, make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY * tp
+        )
         b = self.bridge
         check_instance(CONTRACTS["mbridge"], b)
         b.vocab_size = int(hf_config.vocab_size)
         b.padded_vocab_size = padded_vocab_size(hf_config.vocab_size, tp)
-        tables = {t: dict(getattr(b, t)) for t in ("_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING",
-                                                   "_DIRECT_MAPPING")}
+        tables = {
+            t: dict(getattr(b, t)) for t in ("_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING", "_DIRECT_MAPPING")
+        }
         for local, (src_table, fused, dst_table) in _LOCAL_NORMS.items():
             tables[dst_table][local] = list(tables[src_table][fused])
         base_direct = mbridge.core.bridge.Bridge._DIRECT_MAPPING
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         tables["_DIRECT_MAPPING"]["output_layer.weight"] = (
-            tables["_DIRECT_MAPPING"]["embedding.word_embeddings.weight"] if tied
-            else base_direct["output_layer.weight"])
+            tables["_DIRECT_MAPPING"]["embedding.word_embeddings.weight"]
+            if tied
+            else base_direct["output_layer.weight"]
+        )
         for t, table in tables.items():
             setattr(b, t, table)
 

@@ -9,6 +9,7 @@ its registry aliases the local spec's separate norm modules itself, it exports a
 untrimmed (bridge.py trims it), and for a tied model built from a config it also yields
 `lm_head.weight` (bridge.py drops it).
 """
+
 from __future__ import annotations
 
 from trainer_svc.bridge_contract import BridgeUnavailable
@@ -18,8 +19,10 @@ class MegatronBridgeAdapter:
     def __init__(self, megatron_bridge, hf_config):
         auto = megatron_bridge.AutoBridge
         if not auto.supports(hf_config):
-            raise BridgeUnavailable(f"converter='megatron-bridge': megatron-bridge has no bridge for model_type="
-                                    f"{hf_config.model_type!r}; use converter=builtin")
+            raise BridgeUnavailable(
+                f"converter='megatron-bridge': megatron-bridge has no bridge for model_type="
+                f"{hf_config.model_type!r}; use converter=builtin"
+            )
         self.bridge = auto.from_hf_config(hf_config)
 
     def export(self, chunks):

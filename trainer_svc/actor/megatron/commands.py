@@ -5,6 +5,7 @@ and must enter the same collective method rank 0 is about to run. Commands are J
 and travel on their own gloo group (CPU tensors, even on GPU hosts) with a long timeout, since a
 worker may legitimately wait hours for the next command.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,9 +61,9 @@ class CommandChannel:
         dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.results)
         longest = max(int(n.item()) for n in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
         dist.gather(mine, bufs, dst=0, group=self.results)
         if rank != 0:
             return None
-        return [json.loads(bytes(b[:int(n.item())].numpy()).decode()) for b, n in zip(bufs, sizes)]
+        return [json.loads(bytes(b[: int(n.item())].numpy()).decode()) for b, n in zip(bufs, sizes)]

@@ -8,6 +8,7 @@ original call raises ("Torch not compiled with CUDA enabled" / no device), so a 
 a crash into CPU placement and never changes what a CUDA run does. On a GPU host this module is a
 no-op. Call `apply_cpu_compat()` before building the model (the builder does).
 """
+
 from __future__ import annotations
 
 import contextlib

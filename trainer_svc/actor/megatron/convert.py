@@ -13,6 +13,7 @@ Both directions run one process per model-parallel rank. Called outside torchrun
     python -m trainer_svc.actor.megatron.convert to-megatron --hf DIR --out CKPT --pp 2 --names te
     python -m trainer_svc.actor.megatron.convert to-hf --ckpt CKPT --out DIR [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,17 @@ def _load_chunk(chunk, sd: dict) -> None:
     chunk.load_state_dict(sd, strict=True)
 
 
-def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None,
-                mtp: str = "off", names: str = "local") -> None:
+def to_megatron(
+    hf_dir: str,
+    out: str,
+    tp: int,
+    pp: int,
+    vpp: int,
+    ep: int = 1,
+    etp: int | None = None,
+    mtp: str = "off",
+    names: str = "local",
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -97,9 +107,23 @@ def to_megatron(hf_dir: str, out: str, tp: int, pp: int, vpp: int, ep: int = 1, 
         torch.save({"chunks": [_chunk_state(actor, chunk, names) for chunk in actor.model]}, _rank_file(ckpt, key))
     if actor.rmap.rank == 0:
         actor.config.save_pretrained(str(ckpt))
-        (ckpt / MANIFEST).write_text(json.dumps({"format": FORMAT, "family": actor.family, "tp": tp, "pp": pp,
-                                                 "vpp": vpp, "ep": ep, "etp": actor.par.expert_tp, "mtp": mtp, "names": names,
-                                                 "world": dist.get_world_size()}, indent=2))
+        (ckpt / MANIFEST).write_text(
+            json.dumps(
+                {
+                    "format": FORMAT,
+                    "family": actor.family,
+                    "tp": tp,
+                    "pp": pp,
+                    "vpp": vpp,
+                    "ep": ep,
+                    "etp": actor.par.expert_tp,
+                    "mtp": mtp,
+                    "names": names,
+                    "world": dist.get_world_size(),
+                },
+                indent=2,
+            )
+        )
     dist.barrier()
 
 
@@ -112,17 +136,28 @@ def to_hf(ckpt: str, out: str, dtype: str) -> None:
 
     meta = read_manifest(ckpt)
     config = AutoConfig.from_pretrained(ckpt, local_files_only=True)
-    actor = MegatronActor(config, tp=meta["tp"], pp=meta["pp"], vpp=meta["vpp"], ep=meta.get("ep", 1),
-                          etp=meta.get("etp"), mtp=meta.get("mtp", "off"), export_dtype=parse_dtype(dtype),
-                          init_weights=False)
+    actor = MegatronActor(
+        config,
+        tp=meta["tp"],
+        pp=meta["pp"],
+        vpp=meta["vpp"],
+        ep=meta.get("ep", 1),
+        etp=meta.get("etp"),
+        mtp=meta.get("mtp", "off"),
+        export_dtype=parse_dtype(dtype),
+        init_weights=False,
+    )
     path = _rank_file(Path(ckpt), _rank_key(actor))
     if not path.is_file():
-        raise ValueError(f"ckpt {ckpt}: missing {path.name} for rank {actor.rmap.rank} (TP rank {actor.rmap.tp_rank}, "
-                         f"PP rank {actor.rmap.pp_rank}, EP rank {actor.rmap.ep_rank})")
+        raise ValueError(
+            f"ckpt {ckpt}: missing {path.name} for rank {actor.rmap.rank} (TP rank {actor.rmap.tp_rank}, "
+            f"PP rank {actor.rmap.pp_rank}, EP rank {actor.rmap.ep_rank})"
+        )
     state = torch.load(path, map_location="cpu", weights_only=True)
     if len(state["chunks"]) != len(actor.model):
-        raise ValueError(f"ckpt {ckpt}: {path.name} has {len(state['chunks'])} chunks, VPP={meta['vpp']} needs "
-                         f"{len(actor.model)}")
+        raise ValueError(
+            f"ckpt {ckpt}: {path.name} has {len(state['chunks'])} chunks, VPP={meta['vpp']} needs {len(actor.model)}"
+        )
     for chunk, sd in zip(actor.model, state["chunks"]):
         _load_chunk(chunk, sd)
     if actor.rmap.rank == 0:
@@ -143,11 +178,19 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--vpp", type=int, default=1)
     a.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     a.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
-    a.add_argument("--mtp", default="off", choices=("off", "deepseek", "mimo"),
-                   help="carry the checkpoint's MTP layers, named DeepSeek-V3 or MiMo style")
-    a.add_argument("--names", default="local", choices=("local", "te"),
-                   help="parameter names in the written state dicts: the local layer spec's, or the "
-                        "Transformer-Engine spec's (fused norms, TEGroupedMLP experts; to-hf reads both)")
+    a.add_argument(
+        "--mtp",
+        default="off",
+        choices=("off", "deepseek", "mimo"),
+        help="carry the checkpoint's MTP layers, named DeepSeek-V3 or MiMo style",
+    )
+    a.add_argument(
+        "--names",
+        default="local",
+        choices=("local", "te"),
+        help="parameter names in the written state dicts: the local layer spec's, or the "
+        "Transformer-Engine spec's (fused norms, TEGroupedMLP experts; to-hf reads both)",
+    )
     b = sub.add_parser("to-hf", help="Megatron checkpoint -> HF directory loadable by transformers")
     b.add_argument("--ckpt", required=True, help="checkpoint directory written by to-megatron")
     b.add_argument("--out", required=True, help="HF directory to write")
@@ -168,8 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     need = _world_needed(args)
     if "WORLD_SIZE" not in os.environ and need > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={need}",
-               "-m", "trainer_svc.actor.megatron.convert", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={need}",
+            "-m",
+            "trainer_svc.actor.megatron.convert",
+            *argv,
+        ]
         return subprocess.run(cmd, check=False).returncode
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) % need:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of {need} (the layout's world)")

@@ -17,6 +17,7 @@ Directory layout, as Megatron-LM writes it (so a Megatron-LM `--load` can read t
 
 `resolve_dir` accepts either the root or one checkpoint directory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,10 +48,14 @@ def resolve_dir(path: str | Path) -> Path:
         sub = p / (text if text == "release" else f"iter_{int(text):07d}")
         if (sub / "metadata.json").is_file():
             return sub
-        raise ValueError(f"load_megatron_checkpoint {p}: {TRACKER} names {text!r} but {sub} holds no "
-                         f"metadata.json (incomplete save?)")
-    raise ValueError(f"load_megatron_checkpoint {p}: neither a distributed checkpoint (metadata.json) nor a "
-                     f"Megatron-LM save directory ({TRACKER}); point it at one")
+        raise ValueError(
+            f"load_megatron_checkpoint {p}: {TRACKER} names {text!r} but {sub} holds no "
+            f"metadata.json (incomplete save?)"
+        )
+    raise ValueError(
+        f"load_megatron_checkpoint {p}: neither a distributed checkpoint (metadata.json) nor a "
+        f"Megatron-LM save directory ({TRACKER}); point it at one"
+    )
 
 
 def _sharded_entries(sd):
@@ -110,17 +115,23 @@ def _match_checkpoint(sd, meta: dict, spec: ModelSpec, ckpt: Path) -> None:
         tried = spellings(entry.key, spec)
         found = next((k for k in tried if k in meta), None)
         if found is None:
-            raise ValueError(f"checkpoint {ckpt}: no tensor {' / '.join(map(repr, tried))}; is it a checkpoint "
-                             f"of this model?")
+            raise ValueError(
+                f"checkpoint {ckpt}: no tensor {' / '.join(map(repr, tried))}; is it a checkpoint of this model?"
+            )
         entry.key = found
         if not isinstance(entry, ShardedTensor):
-            continue   # a factory (SwiGLU fc1) builds its pieces from this key; its shape is checked by load
+            continue  # a factory (SwiGLU fc1) builds its pieces from this key; its shape is checked by load
         have = tuple(getattr(meta[found], "global_shape", None) or meta[found].size)
         if have != tuple(entry.global_shape):
-            hint = (" (the vocabulary is padded to a multiple of 128*TP: save and load at TPs that pad it alike)"
-                    if "word_embeddings" in found or "output_layer" in found else "")
-            raise ValueError(f"checkpoint {ckpt}: tensor {found!r} has global shape {have}, this model needs "
-                             f"{tuple(entry.global_shape)}{hint}")
+            hint = (
+                " (the vocabulary is padded to a multiple of 128*TP: save and load at TPs that pad it alike)"
+                if "word_embeddings" in found or "output_layer" in found
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint {ckpt}: tensor {found!r} has global shape {have}, this model needs "
+                f"{tuple(entry.global_shape)}{hint}"
+            )
 
 
 def _drop_extra_state(sd) -> None:
@@ -134,6 +145,7 @@ def _drop_extra_state(sd) -> None:
                 walk(v)
             elif isinstance(v, ShardedBase) and te_spec.is_extra_state(v.key):
                 del d[k]
+
     walk(sd)
 
 
@@ -162,14 +174,18 @@ def _sync_save_strategy():
         def save(self, sharded_state_dict, checkpoint_dir):
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, False)
             pyt = mcore_to_pyt_state_dict(flat, False)
-            dcp.save(pyt, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False))
+            dcp.save(
+                pyt,
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False),
+            )
 
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def save_torch_dist(chunks, directory: str | Path, spec: ModelSpec, *, iteration: int, version: int,
-                    names: str = "megatron") -> Path:
+def save_torch_dist(
+    chunks, directory: str | Path, spec: ModelSpec, *, iteration: int, version: int, names: str = "megatron"
+) -> Path:
     """Collective: write the model weights as `<directory>/iter_{iteration:07d}` and then point the
     tracker file at it (rank 0, after every rank finished). Returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
@@ -221,13 +237,14 @@ def load_torch_dist(chunks, path: str | Path, spec: ModelSpec) -> dict:
     with torch.no_grad():
         for key, state in loaded.items():
             if key.startswith("model"):
-                i = 0 if key == "model" else int(key[len("model"):])
+                i = 0 if key == "model" else int(key[len("model") :])
                 # strict=False: the local spec keeps no `_extra_state`, and only weights are loaded
                 missing, unexpected = chunks[i].load_state_dict(state, strict=False)
                 real_missing = [m for m in missing if not te_spec.is_extra_state(m)]
                 if real_missing or unexpected:
-                    raise ValueError(f"checkpoint {ckpt}: model chunk {i} missing {real_missing[:5]}, "
-                                     f"unexpected {unexpected[:5]}")
+                    raise ValueError(
+                        f"checkpoint {ckpt}: model chunk {i} missing {real_missing[:5]}, unexpected {unexpected[:5]}"
+                    )
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     log.info("loaded megatron torch_dist checkpoint %s (iteration %s)", ckpt, common.get("iteration"))
     return common

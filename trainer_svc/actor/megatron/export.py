@@ -17,6 +17,7 @@ Peak extra memory on any rank is about twice the largest gathered parameter. Eve
 its iterator, since it takes part in the collectives (stopping early on one rank but not the others
 deadlocks the job).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -76,8 +77,9 @@ def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> 
     return rmap.stage_leader[stage], rmap.in_replica0 and rmap.pp_rank == stage, "dense"
 
 
-def _assemble(rule: Rule, shards: list[torch.Tensor], names: list[str], shapes, d: Dims,
-              export_dtype: torch.dtype) -> list[torch.Tensor]:
+def _assemble(
+    rule: Rule, shards: list[torch.Tensor], names: list[str], shapes, d: Dims, export_dtype: torch.dtype
+) -> list[torch.Tensor]:
     """The rule's HF tensors from its shards: views of the parameter when they need no conversion
     (the bucket's copy is then the only one), else written once each (hf_copy.py: no per-rank
     split temporaries, no concatenation)."""
@@ -93,8 +95,9 @@ def _assemble(rule: Rule, shards: list[torch.Tensor], names: list[str], shapes, 
 def _checked(names: list[str], out: list[torch.Tensor], shapes, par: Parallelism):
     for n, t in zip(names, out):
         if tuple(t.shape) != shapes[n]:
-            raise ValueError(f"tensor {n}: exported shape {tuple(t.shape)} != HF shape {shapes[n]} "
-                             f"(trainer {par.describe()})")
+            raise ValueError(
+                f"tensor {n}: exported shape {tuple(t.shape)} != HF shape {shapes[n]} (trainer {par.describe()})"
+            )
         yield n, t
 
 
@@ -107,8 +110,16 @@ def export_owners(spec: ModelSpec, par: Parallelism, rmap: RankMap) -> list[int]
     return owners
 
 
-def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap, export_dtype: torch.dtype, *,
-                   to_rank0: bool = True, stats: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_tensors(
+    chunks,
+    spec: ModelSpec,
+    par: Parallelism,
+    rmap: RankMap,
+    export_dtype: torch.dtype,
+    *,
+    to_rank0: bool = True,
+    stats: dict | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor): on rank 0 every tensor (to_rank0) or, without the funnel, on each
     owner rank the tensors it assembled. `stats['forwarded_bytes']` counts what rank 0 received."""
     from megatron.core import parallel_state as ps
@@ -126,8 +137,10 @@ def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap, exp
         if holds:
             mname = rule.megatron_name(site)
             if mname not in params:
-                raise ValueError(f"tensor {mname}: expected on this rank (pipeline stage {rmap.pp_rank}, EP rank "
-                                 f"{rmap.ep_rank}) but its model lacks it ({par.describe()})")
+                raise ValueError(
+                    f"tensor {mname}: expected on this rank (pipeline stage {rmap.pp_rank}, EP rank "
+                    f"{rmap.ep_rank}) but its model lacks it ({par.describe()})"
+                )
             shard = params[mname].detach()
             gathered = rule.tp_dim is not None and size > 1
             if gathered:  # the collective moves the export dtype's bytes; unsharded, the copy below casts
@@ -149,8 +162,9 @@ def export_tensors(chunks, spec: ModelSpec, par: Parallelism, rmap: RankMap, exp
             elif rmap.rank == 0:
                 out = []
                 for n in names:
-                    buf = torch.empty(torch.Size(shapes[n]).numel() * export_dtype.itemsize, dtype=torch.uint8,
-                                      device=_device(params))
+                    buf = torch.empty(
+                        torch.Size(shapes[n]).numel() * export_dtype.itemsize, dtype=torch.uint8, device=_device(params)
+                    )
                     dist.recv(buf, src=leader)
                     out.append(_from_bytes(buf, export_dtype, shapes[n]))
                     if stats is not None:

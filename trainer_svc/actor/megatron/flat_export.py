@@ -18,6 +18,7 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,7 @@ from weightsync.model_spec import ModelSpec
 
 def _slot_view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
     m = slot.meta
-    return flat[slot.offset:slot.offset + m.nbytes].view(m.dtype).view(m.shape)
+    return flat[slot.offset : slot.offset + m.nbytes].view(m.dtype).view(m.shape)
 
 
 def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims, claimed: set[int]) -> bool:
@@ -81,8 +82,9 @@ class FlatExport:
             mname = rule.megatron_name(site)
             p = params.get(mname)
             if p is None:
-                raise ValueError(f"tensor {mname}: not on this rank; the flat export needs the whole model "
-                                 f"(TP=PP=EP=1)")
+                raise ValueError(
+                    f"tensor {mname}: not on this rank; the flat export needs the whole model (TP=PP=EP=1)"
+                )
             missing = [n for n in names if n not in slots]
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
@@ -102,7 +104,7 @@ class FlatExport:
             for b in manifest.buckets:
                 flat = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)  # gaps included: checksummed
                 for p, slot in aliases[b.index]:
-                    view = flat[slot.offset:slot.offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                    view = flat[slot.offset : slot.offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                     view.copy_(p)
                     p.data = view
                     self._aliased.append((p, view.data_ptr()))

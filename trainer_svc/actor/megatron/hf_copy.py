@@ -7,6 +7,7 @@ HF tensor and the view of a shard that belongs there, and one `copy_` per pair (
 writes the HF tensors with each byte read once and written once, with no temporary. The HF tensors
 may be fresh tensors or the slots of a bucket buffer (flat_export.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,8 +17,9 @@ import torch
 from trainer_svc.actor.megatron.rules.base import Dims, Rule
 
 
-def copy_pairs(rule: Rule, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-               d: Dims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def copy_pairs(
+    rule: Rule, shards: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], d: Dims
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pairs whose copies write `outs` (the rule's HF tensors, in `rule.hf` order) from `shards`
     (the parameter's TP shards in TP rank order; one for a replicated parameter or TP=1)."""
     if len(outs) != len(rule.hf):
@@ -44,13 +46,16 @@ def copy_pairs(rule: Rule, shards: Sequence[torch.Tensor], outs: Sequence[torch.
             dsts = []
             for o in outs:
                 if o.shape[dim] % n:
-                    raise ValueError(f"tensor {rule.megatron}: HF dim {dim} of size {o.shape[dim]} does not split "
-                                     f"into {n} TP shards")
+                    raise ValueError(
+                        f"tensor {rule.megatron}: HF dim {dim} of size {o.shape[dim]} does not split into {n} TP shards"
+                    )
                 size = o.shape[dim] // n
                 dsts.append(o.narrow(dim, r * size, size))
         pairs += rule.transform.hf_copies(shard, dsts, d)
     for dst, src in pairs:
         if dst.shape != src.shape:
-            raise ValueError(f"tensor {rule.megatron}: a piece of shape {tuple(src.shape)} does not fit its "
-                             f"HF region {tuple(dst.shape)} (shards {[tuple(s.shape) for s in shards]})")
+            raise ValueError(
+                f"tensor {rule.megatron}: a piece of shape {tuple(src.shape)} does not fit its "
+                f"HF region {tuple(dst.shape)} (shards {[tuple(s.shape) for s in shards]})"
+            )
     return pairs

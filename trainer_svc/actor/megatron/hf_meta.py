@@ -5,6 +5,7 @@ transformers model on the meta device, so they are checked against the real arch
 layers are not part of any transformers model: `build_spec` adds their names from the rule tables
 and their shapes from the decoder layer they copy (see rules/mtp.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,14 +46,18 @@ def export_plan(spec: ModelSpec) -> list[tuple[Rule, Site, list[str]]]:
         names = rule.hf_names(site, d.num_layers)
         for n in names:
             if n not in shapes:
-                raise ValueError(f"tensor {n}: the {family!r} rule table names it but the transformers "
-                                 f"{spec.hf_config.model_type} model has no such tensor")
+                raise ValueError(
+                    f"tensor {n}: the {family!r} rule table names it but the transformers "
+                    f"{spec.hf_config.model_type} model has no such tensor"
+                )
         named.update(names)
         plan.append((rule, site, names))
     unmapped = sorted(set(shapes) - named - ({"lm_head.weight"} if table.tied else set()))
     if unmapped:
-        raise ValueError(f"tensor {unmapped[0]}: the transformers model has it but the {family!r} rule table "
-                         f"does not ({len(unmapped)} unmapped)")
+        raise ValueError(
+            f"tensor {unmapped[0]}: the transformers model has it but the {family!r} rule table "
+            f"does not ({len(unmapped)} unmapped)"
+        )
     return plan
 
 

@@ -1,5 +1,6 @@
 """Write an HF directory (config.json + safetensors) from an export iterator, holding at most one
 output shard in memory; each file is replaced whole (trainer_svc/atomic_file.py)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ from weightsync.bus.plan import TensorMeta
 MAX_SHARD_BYTES = 2 << 30
 
 
-def write_hf_dir(out_dir: str, hf_config, metas: list[TensorMeta], tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+def write_hf_dir(
+    out_dir: str,
+    hf_config,
+    metas: list[TensorMeta],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # plan the shards from metadata so file names are known before the first tensor arrives

@@ -4,6 +4,7 @@ Each rank opens the files lazily and reads only its own rows/columns (`get_slice
 experts of its EP rank, so no rank ever holds a full model copy: peak extra memory is one shard's
 HF pieces.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -112,8 +113,10 @@ def _load(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
             pieces = []
             for hf_name in rule.hf_names(site, d.num_layers):
                 if hf_name not in where:
-                    raise ValueError(f"hf_path {path}: missing tensor {hf_name} (expected shape {shapes.get(hf_name)}, "
-                                     f"for {mname}, trainer {par.describe()})")
+                    raise ValueError(
+                        f"hf_path {path}: missing tensor {hf_name} (expected shape {shapes.get(hf_name)}, "
+                        f"for {mname}, trainer {par.describe()})"
+                    )
                 f = where[hf_name]
                 if f not in handles:
                     handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
@@ -124,6 +127,8 @@ def _load(chunks, path: str, spec: ModelSpec, par: Parallelism) -> None:
                 pieces.append(_tp_slice(sl, want, rule, size, rank, d.vocab_size))
             local = rule.transform.to_megatron(pieces, d)
             if tuple(local.shape) != tuple(p.shape):
-                raise ValueError(f"tensor {mname}: built shard {tuple(local.shape)} != model shard {tuple(p.shape)} "
-                                 f"(trainer {par.describe()})")
+                raise ValueError(
+                    f"tensor {mname}: built shard {tuple(local.shape)} != model shard {tuple(p.shape)} "
+                    f"(trainer {par.describe()})"
+                )
             p.copy_(local.to(device=p.device, dtype=p.dtype))

@@ -1,9 +1,11 @@
 """Build megatron-core GPTModel chunks (local layer spec) that mirror a transformers config.
 
-The model's facts come from its `ModelSpec` (weightsync/model_spec.py); every field that decides the math is taken from the HF config and checked: anything the rule tables
+The model's facts come from its `ModelSpec` (weightsync/model_spec.py); every field that decides the math is taken
+from the HF config and checked: anything the rule tables
 or this builder do not reproduce exactly (sliding windows, other activations, MLP biases, unknown
 RoPE scaling) is refused with a ValueError naming the field, rather than silently diverging.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +35,9 @@ def check_layout(d: Dims, par: Parallelism) -> None:
         if d.num_experts % par.ep:
             raise ValueError(f"num_experts={d.num_experts} is not divisible by EP={par.ep}")
         if d.moe_ffn_hidden_size % par.expert_tp:
-            raise ValueError(f"moe_intermediate_size={d.moe_ffn_hidden_size} is not divisible by expert TP="
-                             f"{par.expert_tp}")
+            raise ValueError(
+                f"moe_intermediate_size={d.moe_ffn_hidden_size} is not divisible by expert TP={par.expert_tp}"
+            )
     elif par.ep > 1:
         raise ValueError(f"EP={par.ep} needs a mixture-of-experts model (the HF config has no num_experts)")
     if d.num_layers % (par.pp * par.vpp):
@@ -54,8 +57,7 @@ def _rope(hf_config) -> dict:
         fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
         for k, want in fixed.items():
             if float(params.get(k, want)) != want:
-                raise ValueError(f"rope_parameters.{k}={params.get(k)} is not supported by megatron-core "
-                                 f"(only {want})")
+                raise ValueError(f"rope_parameters.{k}={params.get(k)} is not supported by megatron-core (only {want})")
         return dict(rotary_base=theta, rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
     raise ValueError(f"rope_parameters.rope_type={rtype!r} is not supported (default, llama3)")
 
@@ -74,8 +76,14 @@ def _check_supported(hf_config, features: dict) -> None:
     check_moe_supported(c, features)
 
 
-def transformer_config(spec: ModelSpec, par: Parallelism, *, params_dtype: torch.dtype = torch.float32,
-                       init_weights: bool = True, expert_layout: str = "sequential"):
+def transformer_config(
+    spec: ModelSpec,
+    par: Parallelism,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    expert_layout: str = "sequential",
+):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -86,22 +94,39 @@ def transformer_config(spec: ModelSpec, par: Parallelism, *, params_dtype: torch
     if expert_layout == "grouped" and params_dtype != torch.bfloat16:
         raise ValueError(f"expert_layout='grouped' (megatron's GroupedMLP) runs in bfloat16 only, not {params_dtype}")
     return TransformerConfig(
-        num_layers=d.num_layers, hidden_size=d.hidden_size, ffn_hidden_size=d.ffn_hidden_size,
-        num_attention_heads=d.num_heads, num_query_groups=d.num_query_groups, kv_channels=d.head_dim,
-        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+        num_layers=d.num_layers,
+        hidden_size=d.hidden_size,
+        ffn_hidden_size=d.ffn_hidden_size,
+        num_attention_heads=d.num_heads,
+        num_query_groups=d.num_query_groups,
+        kv_channels=d.head_dim,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
-        pipeline_dtype=params_dtype, params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        normalization="RMSNorm", layernorm_epsilon=float(hf_config.rms_norm_eps),
-        gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=features["qkv_bias"], qk_layernorm=features["qk_norm"],
-        attention_dropout=0.0, hidden_dropout=0.0,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=features["qkv_bias"],
+        qk_layernorm=features["qk_norm"],
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
         # the fused kernels need CUDA / apex; the unfused paths compute the same math
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
         # CPU init builds each full master weight from the global RNG and slices it, so a seed gives
         # the same model at every TP size
-        use_cpu_initialization=True, perform_initialization=init_weights,
+        use_cpu_initialization=True,
+        perform_initialization=init_weights,
         mtp_num_layers=d.mtp_layers or None,
         **moe_config_fields(hf_config, features, d.moe_layers, par.ep, par.expert_tp, expert_layout),
     )
@@ -142,8 +167,15 @@ def _layer_spec(cfg, features: dict, vp_stage: int | None):
     return get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
 
 
-def build_chunks(spec: ModelSpec, par: Parallelism, *, seed: int = 0, params_dtype: torch.dtype = torch.float32,
-                 init_weights: bool = True, expert_layout: str = "sequential") -> list:
+def build_chunks(
+    spec: ModelSpec,
+    par: Parallelism,
+    *,
+    seed: int = 0,
+    params_dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    expert_layout: str = "sequential",
+) -> list:
     """This rank's GPTModel chunks, one per virtual pipeline stage. Parallel state must be initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -155,8 +187,9 @@ def build_chunks(spec: ModelSpec, par: Parallelism, *, seed: int = 0, params_dty
     apply_megatron_fixes()
     hf_config = spec.hf_config
     features = family_features(spec.family)
-    cfg = transformer_config(spec, par, params_dtype=params_dtype, init_weights=init_weights,
-                             expert_layout=expert_layout)
+    cfg = transformer_config(
+        spec, par, params_dtype=params_dtype, init_weights=init_weights, expert_layout=expert_layout
+    )
     model_cls = _gpt_model_class(cfg.mtp_num_layers is not None)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -164,15 +197,24 @@ def build_chunks(spec: ModelSpec, par: Parallelism, *, seed: int = 0, params_dty
     for vp in range(par.vpp):
         vp_stage = vp if par.vpp > 1 else None
         layer_spec = _layer_spec(cfg, features, vp_stage)
-        mtp_spec = get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False, vp_stage=vp_stage) \
-            if cfg.mtp_num_layers else None
+        mtp_spec = (
+            get_gpt_mtp_block_spec(cfg, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
+            if cfg.mtp_num_layers
+            else None
+        )
         chunk = model_cls(
-            cfg, layer_spec, vocab_size=padded_vocab_size(hf_config.vocab_size, par.tp),
+            cfg,
+            layer_spec,
+            vocab_size=padded_vocab_size(hf_config.vocab_size, par.tp),
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=features["tied"], position_embedding_type="rope",
-            vp_stage=vp_stage, mtp_block_spec=mtp_spec, **_rope(hf_config))
+            share_embeddings_and_output_weights=features["tied"],
+            position_embedding_type="rope",
+            vp_stage=vp_stage,
+            mtp_block_spec=mtp_spec,
+            **_rope(hf_config),
+        )
         if torch.cuda.is_available():
             chunk.cuda()
         chunks.append(chunk)

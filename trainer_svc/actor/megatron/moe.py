@@ -1,5 +1,6 @@
 """Mixture-of-experts: which layers are MoE and the megatron-core MoE settings that reproduce the
 HF model's routing exactly (Qwen2-MoE / Qwen3-MoE)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ def check_moe_supported(hf_config, features: dict) -> None:
         raise ValueError(f"model_type={c.model_type!r} needs shared_expert_intermediate_size > 0")
 
 
-def moe_config_fields(hf_config, features: dict, moe_layers: tuple[bool, ...], ep: int, expert_tp: int,
-                      expert_layout: str) -> dict:
+def moe_config_fields(
+    hf_config, features: dict, moe_layers: tuple[bool, ...], ep: int, expert_tp: int, expert_layout: str
+) -> dict:
     """TransformerConfig keyword arguments for the MoE part (empty for a dense model)."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r} is not one of {EXPERT_LAYOUTS}")
@@ -32,16 +34,20 @@ def moe_config_fields(hf_config, features: dict, moe_layers: tuple[bool, ...], e
     c = hf_config
     shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if features["shared_expert"] else 0
     return dict(
-        num_moe_experts=int(c.num_experts), moe_ffn_hidden_size=int(c.moe_intermediate_size),
+        num_moe_experts=int(c.num_experts),
+        moe_ffn_hidden_size=int(c.moe_intermediate_size),
         moe_layer_freq=[int(m) for m in moe_layers],
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=expert_tp,
-        moe_router_topk=int(c.num_experts_per_tok), moe_router_score_function="softmax",
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
+        moe_router_topk=int(c.num_experts_per_tok),
+        moe_router_score_function="softmax",
         # HF: softmax over all experts, top-k, then (norm_topk_prob) renormalise the k weights.
         # megatron: pre_softmax=True is softmax-then-top-k without renormalising; pre_softmax=False
         # is top-k logits then softmax over those k, which equals the renormalised weights.
         moe_router_pre_softmax=not bool(getattr(c, "norm_topk_prob", False)),
         # no auxiliary losses: the trainer's loss is the RL objective alone; routing is unchanged
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
         # alltoall is megatron's fast path but allocates a torch.cuda.Stream at construction; on a
         # CPU host the allgather dispatcher computes the same routing and expert outputs
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",

@@ -4,6 +4,7 @@ Megatron orders ranks tp-fastest (tp, cp, ep, dp, pp), and lays a second grid ov
 for the experts (expert-TP, EP, expert-DP, pp); rather than re-derive either order, every rank
 publishes its coordinates in both once and the map is read from the gathered table.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ class Parallelism:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
-    ep: int = 1                 # expert parallel: experts split over ep ranks (MoE models)
-    etp: int | None = None      # expert tensor parallel; None: megatron's default, = tp
+    ep: int = 1  # expert parallel: experts split over ep ranks (MoE models)
+    etp: int | None = None  # expert tensor parallel; None: megatron's default, = tp
 
     def __post_init__(self):
         for field_name in ("tp", "pp", "vpp", "ep"):
@@ -64,32 +65,44 @@ def init_model_parallel(par: Parallelism) -> None:
     if world % (par.tp * par.pp):
         raise ValueError(f"world size {world} is not a multiple of tp*pp={par.tp * par.pp} ({par.describe()})")
     if world % (par.expert_tp * par.ep * par.pp):
-        raise ValueError(f"world size {world} is not a multiple of etp*ep*pp={par.expert_tp * par.ep * par.pp} "
-                         f"({par.describe()})")
+        raise ValueError(
+            f"world size {world} is not a multiple of etp*ep*pp={par.expert_tp * par.ep * par.pp} ({par.describe()})"
+        )
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
         if have != (par.tp, par.pp, par.ep, par.expert_tp):
-            raise ValueError(f"megatron parallel state is already initialised with a different layout than "
-                             f"{par.describe()}")
+            raise ValueError(
+                f"megatron parallel state is already initialised with a different layout than {par.describe()}"
+            )
         return
-    ps.initialize_model_parallel(par.tp, par.pp, virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
-                                 expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.expert_tp)
+    ps.initialize_model_parallel(
+        par.tp,
+        par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+    )
 
 
 @dataclass(frozen=True)
 class RankMap:
     """Where this rank sits, and which global rank leads each piece of the model: (tp=0, dp=0) of
     each pipeline stage for dense parameters, (etp=0, edp=0) of each (stage, EP rank) for experts."""
+
     rank: int
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    stage_leader: tuple[int, ...]        # global rank of tp=0,dp=0 for each pp rank
+    stage_leader: tuple[int, ...]  # global rank of tp=0,dp=0 for each pp rank
     ep_rank: int = 0
     etp_rank: int = 0
     edp_rank: int = 0
-    expert_leader: tuple[tuple[int, ...], ...] = ()   # [pp rank][ep rank] -> global rank of etp=0,edp=0
+    expert_leader: tuple[tuple[int, ...], ...] = ()  # [pp rank][ep rank] -> global rank of etp=0,edp=0
 
     @property
     def in_replica0(self) -> bool:
@@ -105,9 +118,18 @@ class RankMap:
 def rank_map() -> RankMap:
     from megatron.core import parallel_state as ps
 
-    me = torch.tensor([dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                       ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
-                       ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()], dtype=torch.int64)
+    me = torch.tensor(
+        [
+            dist.get_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_data_parallel_rank(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_data_parallel_rank(),
+        ],
+        dtype=torch.int64,
+    )
     if torch.cuda.is_available():
         me = me.cuda()
     table = [torch.zeros_like(me) for _ in range(dist.get_world_size())]
@@ -116,11 +138,14 @@ def rank_map() -> RankMap:
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
     leaders = [next(r[0] for r in rows if r[1] == 0 and r[3] == 0 and r[2] == stage) for stage in range(pp)]
-    expert_leaders = [tuple(next(r[0] for r in rows if r[2] == stage and r[4] == e and r[5] == 0 and r[6] == 0)
-                            for e in range(ep)) for stage in range(pp)]
+    expert_leaders = [
+        tuple(next(r[0] for r in rows if r[2] == stage and r[4] == e and r[5] == 0 and r[6] == 0) for e in range(ep))
+        for stage in range(pp)
+    ]
     _, tp_rank, pp_rank, dp_rank, ep_rank, etp_rank, edp_rank = rows[dist.get_rank()]
-    return RankMap(dist.get_rank(), tp_rank, pp_rank, dp_rank, tuple(leaders), ep_rank, etp_rank, edp_rank,
-                   tuple(expert_leaders))
+    return RankMap(
+        dist.get_rank(), tp_rank, pp_rank, dp_rank, tuple(leaders), ep_rank, etp_rank, edp_rank, tuple(expert_leaders)
+    )
 
 
 def layer_owner(layer: int, num_layers: int, par: Parallelism) -> tuple[int, int]:

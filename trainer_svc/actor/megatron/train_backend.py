@@ -13,6 +13,7 @@ DP gradient averaging. megatron-core 0.16.1's own optimizer cannot run on a CPU:
 (optimizer.py), and `get_megatron_optimizer` needs the model wrapped in megatron's DDP, which
 would change `actor.model` under the export code. The AdamW update is the same math.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from trainer_svc.train.batch import Batch
 
 def _pad_rows(mb: Batch, rows: int, width: int) -> Batch:
     """Pad a micro-batch to [rows, width] with masked-out rows/columns."""
+
     def pad(t):
         if t is None:
             return None
@@ -36,16 +38,32 @@ def _pad_rows(mb: Batch, rows: int, width: int) -> Batch:
 
     adv = torch.zeros(rows)
     adv[: mb.size] = mb.advantages
-    return replace(mb, tokens=pad(mb.tokens), attention=pad(mb.attention), targets=pad(mb.targets),
-                   mask=pad(mb.mask), old_logp=pad(mb.old_logp), advantages=adv, ref_logp=pad(mb.ref_logp))
+    return replace(
+        mb,
+        tokens=pad(mb.tokens),
+        attention=pad(mb.attention),
+        targets=pad(mb.targets),
+        mask=pad(mb.mask),
+        old_logp=pad(mb.old_logp),
+        advantages=adv,
+        ref_logp=pad(mb.ref_logp),
+    )
 
 
 def _to(mb: Batch, dev: torch.device) -> Batch:
     if dev.type == "cpu":
         return mb
     mv = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
-    return replace(mb, tokens=mv(mb.tokens), attention=mv(mb.attention), targets=mv(mb.targets), mask=mv(mb.mask),
-                   old_logp=mv(mb.old_logp), advantages=mv(mb.advantages), ref_logp=mv(mb.ref_logp))
+    return replace(
+        mb,
+        tokens=mv(mb.tokens),
+        attention=mv(mb.attention),
+        targets=mv(mb.targets),
+        mask=mv(mb.mask),
+        old_logp=mv(mb.old_logp),
+        advantages=mv(mb.advantages),
+        ref_logp=mv(mb.ref_logp),
+    )
 
 
 class _CpuZerosTorch:
@@ -117,9 +135,11 @@ class MegatronBackend:
         for c in self.chunks:
             for mod in c.modules():
                 for name, p in mod.named_parameters(recurse=False):
-                    sharded = bool(getattr(p, "tensor_model_parallel", False)) or isinstance(
-                        mod, (ColumnParallelLinear, VocabParallelEmbedding)) or (
-                        isinstance(mod, RowParallelLinear) and name == "weight")
+                    sharded = (
+                        bool(getattr(p, "tensor_model_parallel", False))
+                        or isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding))
+                        or (isinstance(mod, RowParallelLinear) and name == "weight")
+                    )
                     if getattr(p, "shared", False) and not first_stage:
                         continue
                     if sharded or tp_rank0:
@@ -140,8 +160,12 @@ class MegatronBackend:
 
         cpu_state, tracker = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
         try:
-            ref = build_chunks(self.actor.spec, self.actor.par, init_weights=False,
-                               params_dtype=next(self.chunks[0].parameters()).dtype)
+            ref = build_chunks(
+                self.actor.spec,
+                self.actor.par,
+                init_weights=False,
+                params_dtype=next(self.chunks[0].parameters()).dtype,
+            )
         finally:
             torch.set_rng_state(cpu_state)
             get_cuda_rng_tracker().set_states(tracker)
@@ -154,16 +178,24 @@ class MegatronBackend:
         return ref
 
     def make_optimizer(self, s) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
-                                 weight_decay=s.weight_decay)
+        return torch.optim.AdamW(
+            self.parameters(), lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, weight_decay=s.weight_decay
+        )
 
     def barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
 
     # ---- forward / backward -------------------------------------------------------------
-    def run(self, mbs: list[Batch], fn: Callable, out_shape: Callable, *, train: bool,
-            modules: list[torch.nn.Module] | None = None) -> list[torch.Tensor]:
+    def run(
+        self,
+        mbs: list[Batch],
+        fn: Callable,
+        out_shape: Callable,
+        *,
+        train: bool,
+        modules: list[torch.nn.Module] | None = None,
+    ) -> list[torch.Tensor]:
         """Run `fn(logits_shard [b, s, V/tp], mb) -> (loss or None, out)` on every micro-batch's output
         through megatron's schedule; back-propagates when `train`. Returns the outs on every rank."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -203,9 +235,14 @@ class MegatronBackend:
                 c.config.batch_p2p_comm = False
         with torch.set_grad_enabled(train), _schedules_on_cpu():
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=[iter(padded) for _ in chunks],
-                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=n, seq_length=width,
-                micro_batch_size=rows, forward_only=not train)
+                forward_step_func=forward_step,
+                data_iterator=[iter(padded) for _ in chunks],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=n,
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=not train,
+            )
         return self._broadcast_outs(outs, [out_shape(mb) for mb in padded])
 
     def _broadcast_outs(self, outs: list[torch.Tensor], shapes: list[tuple]) -> list[torch.Tensor]:
@@ -213,25 +250,33 @@ class MegatronBackend:
         if self.pp == 1:
             return outs
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
-        flat = torch.cat([o.reshape(-1).float() for o in outs]) if dist.get_rank() == self.output_src \
+        flat = (
+            torch.cat([o.reshape(-1).float() for o in outs])
+            if dist.get_rank() == self.output_src
             else torch.zeros(numel)
+        )
         flat = flat.to(self.device)  # the default group is NCCL on GPU hosts
         dist.broadcast(flat, src=self.output_src)
         flat = flat.cpu()
         res, off = [], 0
         for s in shapes:
             k = int(torch.Size(s).numel())
-            res.append(flat[off: off + k].reshape(s))
+            res.append(flat[off : off + k].reshape(s))
             off += k
         return res
 
     # ---- optimizer ----------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        if self.ps.get_expert_model_parallel_world_size() > 1 or self.ps.get_expert_tensor_parallel_world_size() != self.tp:
+        if (
+            self.ps.get_expert_model_parallel_world_size() > 1
+            or self.ps.get_expert_tensor_parallel_world_size() != self.tp
+        ):
             # expert grads must be averaged over the expert-data-parallel group and counted once per
             # EP rank in the norm; the code below treats every param as dense and would mix experts
-            raise ValueError("train_step with EP>1 or expert TP != TP is not supported yet (export, load and "
-                             "log-probs are); train with ep=1")
+            raise ValueError(
+                "train_step with EP>1 or expert TP != TP is not supported yet (export, load and "
+                "log-probs are); train with ep=1"
+            )
         params = [p for p in self.parameters() if p.grad is not None]
         if self.dp > 1:
             group = self.ps.get_data_parallel_group()

@@ -8,6 +8,7 @@ The sender reuses a buffer only after the receiver's acknowledgement that it has
 bucket out. Device indices differ between processes with different CUDA_VISIBLE_DEVICES, so the
 handle names the GPU by UUID and the receiver maps it back to its own index.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,10 +31,17 @@ def share(buf: torch.Tensor) -> bus_pb2.CudaIpcHandle:
     storage = buf.untyped_storage()
     # `offset` is where this storage sits inside the allocator's cudaMalloc block.
     (dev, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
-    return bus_pb2.CudaIpcHandle(device=dev, handle=handle, storage_size=size, storage_offset=offset,
-                                 ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
-                                 event_handle=event_handle or b"", event_sync_required=event_sync,
-                                 device_uuid=device_uuid(dev))
+    return bus_pb2.CudaIpcHandle(
+        device=dev,
+        handle=handle,
+        storage_size=size,
+        storage_offset=offset,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle or b"",
+        event_sync_required=event_sync,
+        device_uuid=device_uuid(dev),
+    )
 
 
 @contextlib.contextmanager
@@ -42,9 +50,16 @@ def mapped_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int) -> Iterator[torch.T
     dev = local_index_of(h.device_uuid) if h.device_uuid else h.device
     if nbytes > h.storage_size:
         raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest declares")
-    storage = torch.UntypedStorage._new_shared_cuda(dev, h.handle, h.storage_size, h.storage_offset,
-                                                    h.ref_counter_handle, h.ref_counter_offset,
-                                                    h.event_handle or None, h.event_sync_required)
+    storage = torch.UntypedStorage._new_shared_cuda(
+        dev,
+        h.handle,
+        h.storage_size,
+        h.storage_offset,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle or None,
+        h.event_sync_required,
+    )
     mapped = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
     try:
         yield mapped[:nbytes]
@@ -80,7 +95,9 @@ class HandleCache:
         hit = self._cached.get(key)
         if hit is None:
             if buf.storage_offset() != 0:
-                raise ValueError("a reusable bucket buffer must start its storage (share the buffer, not a view into it)")
+                raise ValueError(
+                    "a reusable bucket buffer must start its storage (share the buffer, not a view into it)"
+                )
             hit = (buf, self._share(buf))
             self.shares += 1
             self._cached[key] = hit
@@ -99,9 +116,16 @@ class HandleCache:
 def open_mapping(h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
     """Map the storage a handle names, as a flat uint8 tensor (no copy); unmapped when it is freed."""
     dev = local_index_of(h.device_uuid) if h.device_uuid else h.device
-    storage = torch.UntypedStorage._new_shared_cuda(dev, h.handle, h.storage_size, h.storage_offset,
-                                                    h.ref_counter_handle, h.ref_counter_offset,
-                                                    h.event_handle or None, h.event_sync_required)
+    storage = torch.UntypedStorage._new_shared_cuda(
+        dev,
+        h.handle,
+        h.storage_size,
+        h.storage_offset,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle or None,
+        h.event_sync_required,
+    )
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
 
 
@@ -114,8 +138,11 @@ class MappedBuffers:
     sync did not use are dropped: a mapping keeps the trainer's memory from being reused.
     """
 
-    def __init__(self, open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor] = open_mapping,
-                 on_open: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor] = open_mapping,
+        on_open: Callable[[], None] | None = None,
+    ):
         self._open, self._on_open = open_fn, on_open or (lambda: None)
         self._lock = threading.Lock()  # a prepare (begin) may race the stream of the sync it supersedes
         self._maps: dict[tuple, torch.Tensor] = {}
@@ -139,8 +166,9 @@ class MappedBuffers:
     def get(self, h: bus_pb2.CudaIpcHandle, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the buffer `h` names, mapped (once) into this process."""
         if nbytes > h.storage_size:
-            raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest "
-                             "declares")
+            raise ValueError(
+                f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest declares"
+            )
         key = (h.device_uuid, h.device, bytes(h.handle), h.storage_offset, h.storage_size)
         with self._lock:
             buf = self._maps.get(key)

@@ -7,6 +7,7 @@ copy), and acknowledged once the engine has copied it out, which lets the traine
 for a buffer the trainer holds unchanged until the sync ends (its own parameters), as soon as the
 copy is queued, the checksum being read at commit.
 """
+
 from __future__ import annotations
 
 import socket
@@ -20,18 +21,25 @@ from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 
-def check_ipc(spec: bus_pb2.IpcTransport, device: torch.device | None, engine_name: str,
-              uuid_of: Callable[[torch.device], str] = uuid_of) -> str:
+def check_ipc(
+    spec: bus_pb2.IpcTransport,
+    device: torch.device | None,
+    engine_name: str,
+    uuid_of: Callable[[torch.device], str] = uuid_of,
+) -> str:
     """This engine's GPU UUID if it is the trainer's GPU (`spec.device_uuid`); otherwise SyncError."""
     dev = require_cuda(device, "ipc", engine_name)
     if not spec.device_uuid:
-        raise SyncError("transport.ipc.device_uuid is empty: the trainer must name the GPU its buffers live on",
-                        "INVALID_ARGUMENT")
+        raise SyncError(
+            "transport.ipc.device_uuid is empty: the trainer must name the GPU its buffers live on", "INVALID_ARGUMENT"
+        )
     own = uuid_of(dev)
     if own != spec.device_uuid:
-        raise SyncError(f"transport ipc: the trainer's buffers are on GPU {spec.device_uuid}, this rollout's engine "
-                        f"is on {own} ({dev}); CUDA IPC needs both on one GPU: colocate them or use --transport nccl",
-                        "FAILED_PRECONDITION")
+        raise SyncError(
+            f"transport ipc: the trainer's buffers are on GPU {spec.device_uuid}, this rollout's engine "
+            f"is on {own} ({dev}); CUDA IPC needs both on one GPU: colocate them or use --transport nccl",
+            "FAILED_PRECONDITION",
+        )
     return own
 
 
@@ -46,8 +54,9 @@ class IpcReceiver(RolloutEnd):
 
     name = "ipc"
 
-    def __init__(self, tx, device: torch.device | None, engine_name: str, maps=None,
-                 on_open: Callable[[], None] | None = None):
+    def __init__(
+        self, tx, device: torch.device | None, engine_name: str, maps=None, on_open: Callable[[], None] | None = None
+    ):
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._sync: tuple[str, str] = ("", "")  # (sync_id, GPU UUID) of the sync prepared for CUDA IPC
         if maps is None:
@@ -87,13 +96,16 @@ class IpcReceiver(RolloutEnd):
         if not request.HasField("ipc"):
             raise SyncError("PushBucket carries CUDA IPC handles only; use the TCP bus for bytes", "INVALID_ARGUMENT")
         if request.index >= len(manifest.buckets):
-            raise SyncError(f"index={request.index}: the manifest has {len(manifest.buckets)} buckets",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                f"index={request.index}: the manifest has {len(manifest.buckets)} buckets", "INVALID_ARGUMENT"
+            )
         ipc_sync, gpu = self._sync
         if ipc_sync != request.sync_id or request.ipc.device_uuid != gpu:
-            raise SyncError(f"ipc.device_uuid={request.ipc.device_uuid!r}: sync {request.sync_id} was not prepared "
-                            f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                f"ipc.device_uuid={request.ipc.device_uuid!r}: sync {request.sync_id} was not prepared "
+                f"for CUDA IPC on this engine's GPU ({gpu if ipc_sync == request.sync_id else 'not an ipc sync'})",
+                "INVALID_ARGUMENT",
+            )
         buf = self.maps.get(request.ipc, manifest.buckets[request.index].nbytes)
         # A buffer the trainer leaves alone until the sync ends need not be copied out before the
         # acknowledgement: the copy is queued and its checksum read at commit (consume_bucket).
@@ -105,8 +117,9 @@ class IpcReceiver(RolloutEnd):
         # after whatever this process queued on its stream (generation used the weights there)
         side.wait_stream(torch.cuda.current_stream(buf.device))
         with torch.cuda.stream(side):
-            deferred = self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None,
-                                              defer_check=held)
+            deferred = self.tx.consume_bucket(
+                request.sync_id, request.index, buf, request.checksum or None, defer_check=held
+            )
             done = torch.cuda.Event()
             done.record(side)
         if not deferred:
@@ -122,8 +135,9 @@ class IpcReceiver(RolloutEnd):
             if sync_id is None:
                 sync_id = request.sync_id
             elif request.sync_id != sync_id:
-                raise SyncError(f"sync_id={request.sync_id!r}: this IpcBuckets stream carries sync {sync_id}",
-                                "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"sync_id={request.sync_id!r}: this IpcBuckets stream carries sync {sync_id}", "INVALID_ARGUMENT"
+                )
             self.push(request)
             yield rollout_pb2.PushBucketResponse(index=request.index)
 

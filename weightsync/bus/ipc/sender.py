@@ -8,6 +8,7 @@ acknowledgement is what lets the pipeline reuse the buffer. The buffers — the 
 in a BufferPool, or the actor's own parameter storage when it already is the export — live as
 long as the trainer and are shared once (HandleCache); the rollout maps each once and keeps it.
 """
+
 from __future__ import annotations
 
 import queue
@@ -82,8 +83,16 @@ class IpcStreamSender(BucketSender):
 
     releases_previous = True
 
-    def __init__(self, targets: dict, sync_id: str, open_stream: StreamCall, cache, reusable: Callable[[torch.Tensor], bool],
-                 timeout: float, held: bool = False):
+    def __init__(
+        self,
+        targets: dict,
+        sync_id: str,
+        open_stream: StreamCall,
+        cache,
+        reusable: Callable[[torch.Tensor], bool],
+        timeout: float,
+        held: bool = False,
+    ):
         if not targets:
             raise ValueError("IpcStreamSender needs at least one target")
         # held: the buffers are the actor's own storage, unchanged until the sync ends, so a rollout
@@ -117,8 +126,9 @@ class IpcStreamSender(BucketSender):
             # The rollout reads the buffer through another CUDA context: every write must be done.
             torch.cuda.current_stream(buf.device).synchronize()
         handle, keep = self.cache.handle(buf, self.reusable(buf))
-        req = rollout_pb2.PushBucketRequest(sync_id=self.sync_id, index=plan.index, ipc=handle,
-                                            checksum=checksum or 0, held_until_commit=self.held)
+        req = rollout_pb2.PushBucketRequest(
+            sync_id=self.sync_id, index=plan.index, ipc=handle, checksum=checksum or 0, held_until_commit=self.held
+        )
         for st in self._live.values():
             st.put(req)
         self._unacked.append((plan.index, keep))
@@ -147,8 +157,9 @@ class IpcStreamSender(BucketSender):
         if not self._live:
             raise TransportError("every rollout dropped off the IPC bus: " + "; ".join(self._failures.values()))
 
-    def commit(self, rid: str, request: rollout_pb2.CommitSyncRequest, timeout: float | None = None
-               ) -> tuple[rollout_pb2.CommitSyncResponse | None, str]:
+    def commit(
+        self, rid: str, request: rollout_pb2.CommitSyncRequest, timeout: float | None = None
+    ) -> tuple[rollout_pb2.CommitSyncResponse | None, str]:
         """Commit on `rid`'s stream after `flush`: (answer, "") or (None, error), as a CommitSync call.
 
         Safe to call for different targets from different threads (each reads its own stream).
@@ -229,8 +240,15 @@ class IpcSender(Sender):
 
     name = "ipc"
 
-    def __init__(self, device: torch.device, call: RpcCall, uuid_of: Callable[[torch.device], str] = gpu_uuid,
-                 needs_cuda: bool = True, stream: StreamCall | None = None, cache=None):
+    def __init__(
+        self,
+        device: torch.device,
+        call: RpcCall,
+        uuid_of: Callable[[torch.device], str] = gpu_uuid,
+        needs_cuda: bool = True,
+        stream: StreamCall | None = None,
+        cache=None,
+    ):
         from weightsync.bus.pipeline import BufferPool
 
         self.device = torch.device(device)
@@ -254,8 +272,10 @@ class IpcSender(Sender):
 
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_IpcSession":
         if self.needs_cuda and self.device.type != "cuda":
-            raise ValueError(f"transport=ipc needs the trainer's export on the rollouts' GPU, and this trainer exports "
-                             f"on {self.device}: run it on that GPU (backend hf: --device cuda:N) or use --transport tcp")
+            raise ValueError(
+                f"transport=ipc needs the trainer's export on the rollouts' GPU, and this trainer exports "
+                f"on {self.device}: run it on that GPU (backend hf: --device cuda:N) or use --transport tcp"
+            )
         return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes)
 
 
@@ -285,15 +305,24 @@ class _IpcSession(Session):
             return f"rollout answered an ipc prepare with transport {kind_of(resp)}"
         theirs = resp.transport.ipc.device_uuid
         if theirs != self.uuid:
-            return (f"ipc: the rollout's engine is on GPU {theirs or '(not named)'}, the trainer on {self.uuid}; "
-                    "CUDA IPC needs both on one GPU: colocate them or use --transport nccl")
+            return (
+                f"ipc: the rollout's engine is on GPU {theirs or '(not named)'}, the trainer on {self.uuid}; "
+                "CUDA IPC needs both on one GPU: colocate them or use --transport nccl"
+            )
         return ""
 
     def open(self, targets: dict, timeout: float) -> IpcStreamSender:
         if self.owner.stream is None:
             raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")
-        return IpcStreamSender(targets, self.sync_id, self.owner.stream, self.owner.cache, self.owner.long_lived,
-                               timeout, held=self.in_place)
+        return IpcStreamSender(
+            targets,
+            self.sync_id,
+            self.owner.stream,
+            self.owner.cache,
+            self.owner.long_lived,
+            timeout,
+            held=self.in_place,
+        )
 
     def finish(self, ok: bool, reason: str) -> None:
         # handles of buffers no longer in use (a pool that reallocated, a re-laid-out actor) go

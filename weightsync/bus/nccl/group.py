@@ -6,6 +6,7 @@ collective is enqueued on the group's own CUDA stream and then polled against a 
 timeout or an asynchronous NCCL error the communicator is aborted (so no rank hangs forever)
 and the group must be rebuilt.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,7 @@ _POLL_S = 0.0
 
 
 class NcclGroup:
-    def __init__(self, unique_id: bytes, world_size: int, rank: int, device: torch.device | str,
-                 timeout: float = 60.0):
+    def __init__(self, unique_id: bytes, world_size: int, rank: int, device: torch.device | str, timeout: float = 60.0):
         self.world_size, self.rank, self.timeout = world_size, rank, timeout
         self.device = torch.device(device)
         self.comm = None
@@ -65,7 +65,9 @@ class NcclGroup:
         copies out of this buffer's previous contents).
         """
         if buf.device != self.device or buf.dtype != torch.uint8 or not buf.is_contiguous():
-            raise ValueError(f"broadcast wants a contiguous uint8 buffer on {self.device}, got {buf.dtype} on {buf.device}")
+            raise ValueError(
+                f"broadcast wants a contiguous uint8 buffer on {self.device}, got {buf.dtype} on {buf.device}"
+            )
         with self._lock:
             if self.broken or self.comm is None:
                 raise TransportError(f"NCCL group unusable: {self.broken or 'closed'}")
@@ -130,7 +132,7 @@ class NcclBucketSender(BucketSender):
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         if buf.device != self.group.device:
             buf = buf.to(self.group.device)
-        view = buf[:plan.nbytes]
+        view = buf[: plan.nbytes]
         # The pipeline's packer synchronised this buffer already: don't wait on its next pack.
         self._inflight.append((self.group.enqueue(view, after_current=False), plan.nbytes, view))
         while len(self._inflight) > 1:
@@ -164,7 +166,7 @@ class NcclBucketReceiver(BucketReceiver):
 
     def _post(self, pos: int) -> None:
         if pos < len(self._plans) and pos not in self._pending:
-            buf = self._bufs[pos % len(self._bufs)][:self._plans[pos].nbytes]
+            buf = self._bufs[pos % len(self._bufs)][: self._plans[pos].nbytes]
             self._pending[pos] = self.group.enqueue(buf)
 
     def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
@@ -176,7 +178,7 @@ class NcclBucketReceiver(BucketReceiver):
         # k-1, already queued): posting it before waiting keeps the wire busy across buckets.
         self._post(pos + 1)
         self.group.wait(self._pending.pop(pos), plan.nbytes, timeout)
-        return self._bufs[pos % len(self._bufs)][:plan.nbytes], None
+        return self._bufs[pos % len(self._bufs)][: plan.nbytes], None
 
     def close(self) -> None:
         pass
@@ -194,8 +196,9 @@ class CudaNcclBus:
     def new_unique_id(self) -> bytes:
         return libnccl.new_unique_id()
 
-    def open_group(self, unique_id: bytes, world_size: int, rank: int, device: torch.device,
-                   timeout: float) -> NcclGroup:
+    def open_group(
+        self, unique_id: bytes, world_size: int, rank: int, device: torch.device, timeout: float
+    ) -> NcclGroup:
         return NcclGroup(unique_id, world_size, rank, device, timeout=timeout)
 
     def sender(self, group: NcclGroup) -> NcclBucketSender:

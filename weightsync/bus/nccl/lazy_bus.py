@@ -1,5 +1,6 @@
 """The NCCL bus an object uses: the one it was given (a test's stand-in), else the default one,
 made on first use so that importing a transport never loads libnccl."""
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ and every rollout rank joins with it.
 The library is found, in order, at $WS_NCCL_LIBRARY, in the `nvidia.nccl` wheel that CUDA builds
 of torch depend on, or by the system loader. Loaded lazily: importing this module needs no GPU.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -72,8 +73,15 @@ def lib() -> ctypes.CDLL:
         handle.ncclGetErrorString.argtypes = [ctypes.c_int]
         handle.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
         handle.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
-        handle.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        handle.ncclBroadcast.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         handle.ncclCommAbort.argtypes = [ctypes.c_void_p]
         handle.ncclCommDestroy.argtypes = [ctypes.c_void_p]
         handle.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
@@ -104,14 +112,20 @@ def comm_init_rank(world_size: int, unique_id: bytes, rank: int) -> ctypes.c_voi
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
     comm = ctypes.c_void_p()
-    check(lib().ncclCommInitRank(ctypes.byref(comm), world_size, UniqueId.from_bytes(unique_id), rank),
-          f"ncclCommInitRank(rank {rank} of {world_size})")
+    check(
+        lib().ncclCommInitRank(ctypes.byref(comm), world_size, UniqueId.from_bytes(unique_id), rank),
+        f"ncclCommInitRank(rank {rank} of {world_size})",
+    )
     return comm
 
 
 def broadcast(comm: ctypes.c_void_p, ptr: int, nbytes: int, root: int, stream: int) -> None:
-    check(lib().ncclBroadcast(ctypes.c_void_p(ptr), ctypes.c_void_p(ptr), nbytes, NCCL_UINT8, root, comm,
-                              ctypes.c_void_p(stream)), "ncclBroadcast")
+    check(
+        lib().ncclBroadcast(
+            ctypes.c_void_p(ptr), ctypes.c_void_p(ptr), nbytes, NCCL_UINT8, root, comm, ctypes.c_void_p(stream)
+        ),
+        "ncclBroadcast",
+    )
 
 
 def async_error(comm: ctypes.c_void_p) -> int:

@@ -13,6 +13,7 @@ With several sending trainer ranks (a multi-sender sync) only global rank 0 talk
 rollouts, yet every sender's broadcast must end: rank 0's verdict is raised as a flag on the
 trainer job's own store (`StoreFlags`), which every sending rank watches in the same way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,18 +85,16 @@ class MembersProbe:
 
     def __call__(self) -> str:
         if len(self.members) == 1:
-            (rid, entry), = self.members.items()
+            ((rid, entry),) = self.members.items()
             return self._verdict(rid, *self.call(entry, "GetStatus", rollout_pb2.GetStatusRequest()))
         with self._lock:
             if self._closed:
                 return ""
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=min(len(self.members), 32),
-                                                thread_name_prefix="nccl-probe")
+                self._pool = ThreadPoolExecutor(max_workers=min(len(self.members), 32), thread_name_prefix="nccl-probe")
             for rid, entry in self.members.items():
                 if rid not in self._asked:
-                    self._asked[rid] = self._pool.submit(self.call, entry, "GetStatus",
-                                                         rollout_pb2.GetStatusRequest())
+                    self._asked[rid] = self._pool.submit(self.call, entry, "GetStatus", rollout_pb2.GetStatusRequest())
         rid_of = {f: rid for rid, f in self._asked.items()}
         try:
             for f in as_completed(rid_of, timeout=self.wait_s):  # the first verdict ends the round
@@ -111,8 +110,7 @@ class MembersProbe:
         if err.startswith("UNAVAILABLE"):
             return f"rollout {rid} became unreachable during the stream ({err})"
         if not err and resp is not None and resp.pending_sync_id != self.sync_id:
-            return (f"rollout {rid} left sync {self.sync_id} during the stream "
-                    f"({resp.last_error or 'no error given'})")
+            return f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
         return ""
 
     def close(self) -> None:

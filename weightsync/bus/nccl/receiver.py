@@ -16,6 +16,7 @@ the whole sync and every group of it.
 A communicator is kept only if its sync received every bucket from it: a sync that ends early
 (abort, error, timeout) may leave receives posted on it, so it is aborted and the next sync rebuilds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,6 +51,7 @@ GroupKey = tuple[str, int, int]  # (group_id, world_size, rank)
 @dataclass(frozen=True)
 class SenderGroupSpec:
     """One communicator of a sync: the trainer rank that sends on it, and how to get it."""
+
     sender: int
     unique_id: bytes
     group_id: str
@@ -89,6 +91,7 @@ class _CountingReceiver(BucketReceiver):
 @dataclass
 class _Part:
     """One sender's share of the active sync."""
+
     group: object = None
     rx: _CountingReceiver | None = None
     thread: threading.Thread | None = None
@@ -108,8 +111,9 @@ class _Receive:
 class NcclReceiver(LazyBus, RolloutEnd):
     name = "nccl"
 
-    def __init__(self, tx, device: torch.device | None, engine_name: str, bus=None,
-                 on_build: Callable[[], None] | None = None):
+    def __init__(
+        self, tx, device: torch.device | None, engine_name: str, bus=None, on_build: Callable[[], None] | None = None
+    ):
         self.tx, self.device, self.engine_name = tx, device, engine_name
         self._bus = bus
         self._on_build = on_build or (lambda: None)
@@ -160,20 +164,31 @@ class NcclReceiver(LazyBus, RolloutEnd):
         if self.bus.needs_cuda:
             require_cuda(self.device, "nccl", self.engine_name)
         if not 2 <= spec.world_size <= _MAX_WORLD:
-            raise SyncError(f"transport.nccl.world_size={spec.world_size} must be in [2, {_MAX_WORLD}] "
-                            "(the trainer plus every receiving rank)", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"transport.nccl.world_size={spec.world_size} must be in [2, {_MAX_WORLD}] "
+                "(the trainer plus every receiving rank)",
+                "INVALID_ARGUMENT",
+            )
         if not 1 <= spec.rank_offset < spec.world_size:
-            raise SyncError(f"transport.nccl.rank_offset={spec.rank_offset} must be in [1, world_size="
-                            f"{spec.world_size}) (rank 0 is the trainer)", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"transport.nccl.rank_offset={spec.rank_offset} must be in [1, world_size="
+                f"{spec.world_size}) (rank 0 is the trainer)",
+                "INVALID_ARGUMENT",
+            )
         t = spec.timeout_seconds
         if not (math.isfinite(t) and 0 <= t <= _MAX_TIMEOUT_S):
-            raise SyncError(f"transport.nccl.timeout_seconds={t} must be finite and in [0, {_MAX_TIMEOUT_S:.0f}]",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                f"transport.nccl.timeout_seconds={t} must be finite and in [0, {_MAX_TIMEOUT_S:.0f}]",
+                "INVALID_ARGUMENT",
+            )
         groups = self._check_groups(spec)
         named = sorted(g.sender for g in groups)
         if senders is not None and named != sorted(senders):
-            raise SyncError(f"transport.nccl names groups for sender ranks {named}, and the manifest's buckets come "
-                            f"from {sorted(senders)}: every sender needs exactly one group", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"transport.nccl names groups for sender ranks {named}, and the manifest's buckets come "
+                f"from {sorted(senders)}: every sender needs exactly one group",
+                "INVALID_ARGUMENT",
+            )
         reused = [g for g in groups if not g.new_group]
         if not reused:
             return
@@ -181,24 +196,34 @@ class NcclReceiver(LazyBus, RolloutEnd):
         with self._lock:
             for g in reused:
                 held = self._groups.get(g.sender)
-                ok = held is not None and held[0].healthy \
-                    and held[1] == (g.group_id, spec.world_size, spec.rank_offset) \
+                ok = (
+                    held is not None
+                    and held[0].healthy
+                    and held[1] == (g.group_id, spec.world_size, spec.rank_offset)
                     and (self._active is None or self._active.complete)
+                )
                 if not ok:
                     mine = held[1][0] if held else "none"
-                    raise SyncError(f"nccl group {g.group_id} (rank {spec.rank_offset} of {spec.world_size}) is not "
-                                    f"held here (for sender rank {g.sender} this rollout holds {mine}; restarted, or "
-                                    "its last sync failed): the trainer must build a new group", "FAILED_PRECONDITION")
+                    raise SyncError(
+                        f"nccl group {g.group_id} (rank {spec.rank_offset} of {spec.world_size}) is not "
+                        f"held here (for sender rank {g.sender} this rollout holds {mine}; restarted, or "
+                        "its last sync failed): the trainer must build a new group",
+                        "FAILED_PRECONDITION",
+                    )
 
     @staticmethod
     def _check_groups(spec: bus_pb2.NcclTransport) -> list[SenderGroupSpec]:
         if spec.sender_groups and (spec.unique_id or spec.group_id or spec.new_group):
-            raise SyncError("transport.nccl sets sender_groups and the single-group fields (unique_id, group_id, "
-                            "new_group): a multi-sender sync names every group in sender_groups only",
-                            "INVALID_ARGUMENT")
+            raise SyncError(
+                "transport.nccl sets sender_groups and the single-group fields (unique_id, group_id, "
+                "new_group): a multi-sender sync names every group in sender_groups only",
+                "INVALID_ARGUMENT",
+            )
         if len(spec.sender_groups) > _MAX_SENDERS:
-            raise SyncError(f"transport.nccl.sender_groups has {len(spec.sender_groups)} entries (at most "
-                            f"{_MAX_SENDERS})", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"transport.nccl.sender_groups has {len(spec.sender_groups)} entries (at most {_MAX_SENDERS})",
+                "INVALID_ARGUMENT",
+            )
         groups = sender_groups(spec)
         where = "transport.nccl.sender_groups[{i}]" if spec.sender_groups else "transport.nccl"
         seen: set[int] = set()
@@ -206,8 +231,10 @@ class NcclReceiver(LazyBus, RolloutEnd):
         for i, g in enumerate(groups):
             at = where.format(i=i)
             if len(g.unique_id) != UNIQUE_ID_BYTES:
-                raise SyncError(f"{at}.unique_id has {len(g.unique_id)} bytes, an ncclUniqueId has {UNIQUE_ID_BYTES}",
-                                "INVALID_ARGUMENT")
+                raise SyncError(
+                    f"{at}.unique_id has {len(g.unique_id)} bytes, an ncclUniqueId has {UNIQUE_ID_BYTES}",
+                    "INVALID_ARGUMENT",
+                )
             if not 0 < len(g.group_id) <= _MAX_GROUP_ID:
                 raise SyncError(f"{at}.group_id must have 1..{_MAX_GROUP_ID} characters", "INVALID_ARGUMENT")
             if g.sender < 0 or g.sender in seen:
@@ -233,23 +260,35 @@ class NcclReceiver(LazyBus, RolloutEnd):
                     self._drop_group_locked(g.sender, f"replaced by group {g.group_id}")
                 held = self._groups.get(g.sender)
                 part = _Part(group=None if g.new_group else (held[0] if held else None))
-                part.thread = threading.Thread(target=self._receive, args=(job, part, g, manifest, spec, deadline),
-                                               name=f"nccl-recv-{manifest.sync_id}-s{g.sender}", daemon=True)
+                part.thread = threading.Thread(
+                    target=self._receive,
+                    args=(job, part, g, manifest, spec, deadline),
+                    name=f"nccl-recv-{manifest.sync_id}-s{g.sender}",
+                    daemon=True,
+                )
                 job.parts[g.sender] = part
             self._active = job
         for part in job.parts.values():
             part.thread.start()
 
-    def _receive(self, job: _Receive, part: _Part, g: SenderGroupSpec, manifest: Manifest,
-                 spec: bus_pb2.NcclTransport, deadline: float) -> None:
+    def _receive(
+        self,
+        job: _Receive,
+        part: _Part,
+        g: SenderGroupSpec,
+        manifest: Manifest,
+        spec: bus_pb2.NcclTransport,
+        deadline: float,
+    ) -> None:
         key = (g.group_id, spec.world_size, spec.rank_offset)
         try:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             if g.new_group:
                 left = deadline - time.monotonic()
-                group = self.bus.open_group(g.unique_id, spec.world_size, spec.rank_offset, self.device,
-                                            min(spec.timeout_seconds or left, left))
+                group = self.bus.open_group(
+                    g.unique_id, spec.world_size, spec.rank_offset, self.device, min(spec.timeout_seconds or left, left)
+                )
                 with self._lock:
                     if job.cancelled:
                         group.abort(job.cancelled)
@@ -258,8 +297,13 @@ class NcclReceiver(LazyBus, RolloutEnd):
                     part.group = group
                     self.builds += 1
                 self._on_build()
-                log.info("joined NCCL group %s (sender rank %d) as rank %d of %d", g.group_id, g.sender,
-                         spec.rank_offset, spec.world_size)
+                log.info(
+                    "joined NCCL group %s (sender rank %d) as rank %d of %d",
+                    g.group_id,
+                    g.sender,
+                    spec.rank_offset,
+                    spec.world_size,
+                )
             if part.group is None:
                 raise SyncError(f"nccl group {g.group_id} of sender rank {g.sender} is no longer held here")
             group = part.group
@@ -281,8 +325,10 @@ class NcclReceiver(LazyBus, RolloutEnd):
             return
         self.tx.run_receiver(manifest.sync_id, rx, g.sender)
         if not rx.complete:  # the transaction aborted the sync: stop the other senders' receives too
-            self.abort(manifest.sync_id, f"the stream of sender rank {g.sender} ended after "
-                                         f"{rx.received}/{rx.num_buckets} buckets")
+            self.abort(
+                manifest.sync_id,
+                f"the stream of sender rank {g.sender} ended after {rx.received}/{rx.num_buckets} buckets",
+            )
 
     # ---- AbortSync / shutdown -------------------------------------------------------------
     def abort(self, sync_id: str, reason: str) -> None:

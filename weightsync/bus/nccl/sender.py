@@ -18,6 +18,7 @@ collective leaves the communicator aborted on at least one rank. A collective ne
 so NCCL failures are group-wide: if one target fails to prepare, join or receive, every target
 of that sync fails and is aborted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,13 +74,13 @@ class NcclGroupCache:
         key = tuple(sorted(members))
         if self._multi:
             self.invalidate("the sync streams from global rank 0 alone")
-        if self._group is not None and self._plan is not None and self._plan.members == key \
-                and self._group.healthy:
+        if self._group is not None and self._plan is not None and self._plan.members == key and self._group.healthy:
             return self._plan
         if self._group is not None:
             self.invalidate("membership changed" if self._plan and self._plan.members != key else "group broken")
-        return GroupPlan(group_id=f"g-{uuid.uuid4().hex[:16]}", unique_id=self.bus.new_unique_id(), members=key,
-                         fresh=True)
+        return GroupPlan(
+            group_id=f"g-{uuid.uuid4().hex[:16]}", unique_id=self.bus.new_unique_id(), members=key, fresh=True
+        )
 
     def plan_senders(self, members: Iterable[Member], senders: Iterable[int]) -> dict[int, GroupPlan]:
         """One group per sending rank; the held plans while members and senders are unchanged."""
@@ -90,10 +91,17 @@ class NcclGroupCache:
         if held and sorted(held) == senders and all(p.members == key and not p.fresh for p in held.values()):
             return dict(held)
         if held:
-            self.invalidate("membership or senders changed" if any(p.members != key for p in held.values())
-                            or sorted(held) != senders else "groups never completed")
-        self._multi = {s: GroupPlan(group_id=f"g-{uuid.uuid4().hex[:12]}-s{s}", unique_id=self.bus.new_unique_id(),
-                                    members=key, fresh=True) for s in senders}
+            self.invalidate(
+                "membership or senders changed"
+                if any(p.members != key for p in held.values()) or sorted(held) != senders
+                else "groups never completed"
+            )
+        self._multi = {
+            s: GroupPlan(
+                group_id=f"g-{uuid.uuid4().hex[:12]}-s{s}", unique_id=self.bus.new_unique_id(), members=key, fresh=True
+            )
+            for s in senders
+        }
         return dict(self._multi)
 
     def built_senders(self) -> None:
@@ -111,8 +119,12 @@ class NcclGroupCache:
         self._group, self._plan = group, replace(plan, fresh=False)
         self.builds += 1
         self._on_build()
-        log.info("NCCL group %s built: world size %d (%s)", plan.group_id, plan.world_size,
-                 ", ".join(rid for rid, _ in plan.members))
+        log.info(
+            "NCCL group %s built: world size %d (%s)",
+            plan.group_id,
+            plan.world_size,
+            ", ".join(rid for rid, _ in plan.members),
+        )
         return group
 
     def invalidate(self, reason: str) -> None:
@@ -127,9 +139,16 @@ class NcclGroupCache:
 class NcclSender(LazyBus, Sender):
     name = "nccl"
 
-    def __init__(self, device: torch.device, bus=None, init_timeout: float = 120.0,
-                 on_build: Callable[[], None] | None = None, uuid_of: Callable[[torch.device], str] = gpu_uuid,
-                 call: RpcCall | None = None, watch_period: float = 1.0):
+    def __init__(
+        self,
+        device: torch.device,
+        bus=None,
+        init_timeout: float = 120.0,
+        on_build: Callable[[], None] | None = None,
+        uuid_of: Callable[[torch.device], str] = gpu_uuid,
+        call: RpcCall | None = None,
+        watch_period: float = 1.0,
+    ):
         self.device = torch.device(device)
         self.uuid_of = uuid_of
         self.call, self.watch_period = call, watch_period  # liveness of the members while streaming
@@ -152,8 +171,10 @@ class NcclSender(LazyBus, Sender):
     def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_NcclSession":
         needs_cuda = self.cache.bus.needs_cuda
         if needs_cuda and self.device.type != "cuda":
-            raise ValueError(f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
-                             f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp")
+            raise ValueError(
+                f"transport=nccl needs the trainer's export on a CUDA device, and this trainer exports "
+                f"on {self.device}: run it on a GPU (backend hf: --device cuda:0) or use --transport tcp"
+            )
         return _NcclSession(self, [(e.rollout_id, e.address) for e in targets], self.uuid_of(self.device), sync_id)
 
 
@@ -217,29 +238,45 @@ class _NcclSession(Session):
     def accept(self, entry, resp) -> str:
         want = "" if self.sender_plans else self.plan.group_id
         if kind_of(resp) != "nccl" or resp.transport.nccl.group_id != want:
-            return (f"rollout answered an nccl prepare (group {want or 'per sender'}) with transport {kind_of(resp)} "
-                    f"{resp.transport.nccl.group_id if kind_of(resp) == 'nccl' else ''}").rstrip()
+            return (
+                f"rollout answered an nccl prepare (group {want or 'per sender'}) with transport {kind_of(resp)} "
+                f"{resp.transport.nccl.group_id if kind_of(resp) == 'nccl' else ''}"
+            ).rstrip()
         gpu = resp.transport.nccl.device_uuid
         if gpu in self._sender_gpus:
             self.clashing.add(entry.rollout_id)
-            self.sender_gpu_clash = (f"rollout {entry.rollout_id} receives on the GPU of trainer rank "
-                                     f"{self._sender_gpus[gpu]}, which sends on its own NCCL group")
-            return (f"nccl: this rollout receives on GPU {gpu}, where trainer rank {self._sender_gpus[gpu]} sends; "
-                    "NCCL takes one rank per GPU: the sync is retried through global rank 0 (senders=rank0)")
+            self.sender_gpu_clash = (
+                f"rollout {entry.rollout_id} receives on the GPU of trainer rank "
+                f"{self._sender_gpus[gpu]}, which sends on its own NCCL group"
+            )
+            return (
+                f"nccl: this rollout receives on GPU {gpu}, where trainer rank {self._sender_gpus[gpu]} sends; "
+                "NCCL takes one rank per GPU: the sync is retried through global rank 0 (senders=rank0)"
+            )
         if gpu:  # answers are taken in target order: of two rollouts on one GPU, the first listed keeps it
             other = self._gpus.setdefault(gpu, entry.rollout_id)
             if other != entry.rollout_id:
-                return (f"nccl: this rollout receives on GPU {gpu}, and so does {other}; NCCL takes one rank per GPU: "
-                        "give each rollout a GPU of its own (not the trainer's), or sync them one at a time "
-                        "(wsctl sync --rollout ID)")
+                return (
+                    f"nccl: this rollout receives on GPU {gpu}, and so does {other}; NCCL takes one rank per GPU: "
+                    "give each rollout a GPU of its own (not the trainer's), or sync them one at a time "
+                    "(wsctl sync --rollout ID)"
+                )
         return ""
 
     def sender_jobs(self, timeout: float) -> dict[str, dict]:
         """str(sender rank) -> the SenderGroupJob fields of its group (multi-sender only)."""
-        return {str(s): asdict(SenderGroupJob(group_id=p.group_id, unique_id=p.unique_id.hex(), new_group=p.fresh,
-                                              world_size=p.world_size,
-                                              init_timeout=min(self.owner.init_timeout, timeout)))
-                for s, p in self.sender_plans.items()}
+        return {
+            str(s): asdict(
+                SenderGroupJob(
+                    group_id=p.group_id,
+                    unique_id=p.unique_id.hex(),
+                    new_group=p.fresh,
+                    world_size=p.world_size,
+                    init_timeout=min(self.owner.init_timeout, timeout),
+                )
+            )
+            for s, p in self.sender_plans.items()
+        }
 
     def owner_streams(self, prepared: dict, timeout: float, raise_flag) -> tuple[dict, dict[str, dict], float]:
         # each sender broadcasts on its own group: no data addresses

@@ -7,6 +7,7 @@ process and is kept across syncs while rank 0 names the same group (`new_group` 
 dropped whenever its stream fails, because a failed collective leaves it aborted on some rank;
 rank 0 then plans new groups for every sender, so a rank never has to report what it holds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,11 +25,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SenderGroupJob:
     """What one sending rank needs to get its communicator (JSON-able in the SendJob)."""
+
     group_id: str
-    unique_id: str          # hex of the ncclUniqueId
+    unique_id: str  # hex of the ncclUniqueId
     new_group: bool
-    world_size: int         # this sender + every receiving rank
-    init_timeout: float     # seconds to build the communicator (every rollout must join within it)
+    world_size: int  # this sender + every receiving rank
+    init_timeout: float  # seconds to build the communicator (every rollout must join within it)
 
 
 class SenderGroupCache(LazyBus):
@@ -49,12 +51,15 @@ class SenderGroupCache(LazyBus):
             if not job.new_group:
                 if self._group is not None and self._group_id == job.group_id and self._group.healthy:
                     return self._group
-                raise TransportError(f"nccl group {job.group_id} is not held by this rank (it holds "
-                                     f"{self._group_id or 'none'}): global rank 0 must plan a new group")
+                raise TransportError(
+                    f"nccl group {job.group_id} is not held by this rank (it holds "
+                    f"{self._group_id or 'none'}): global rank 0 must plan a new group"
+                )
             self._drop_locked(f"replaced by group {job.group_id}")
         # outside the lock: the join blocks until every rollout has joined too
-        group = self.bus.open_group(bytes.fromhex(job.unique_id), job.world_size, 0, device,
-                                    min(job.init_timeout, timeout))
+        group = self.bus.open_group(
+            bytes.fromhex(job.unique_id), job.world_size, 0, device, min(job.init_timeout, timeout)
+        )
         with self._lock:
             self._group, self._group_id = group, job.group_id
             self.builds += 1

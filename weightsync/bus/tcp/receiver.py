@@ -9,6 +9,7 @@ its bytes. Only an authenticated connection for the sync prepared here takes one
 manifest at its first frame header. A connection that opens with another protocol's magic is
 handed to that protocol (`other_protocols`: the rollout's sync link), which bounds its own.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -70,16 +71,27 @@ class TcpRolloutEnd(RolloutEnd):
     def prepare(self, spec, manifest, resp) -> None:
         if len(manifest.senders) > self.max_connections:
             # one bus connection per sender: the extra ones would be closed and the sync time out
-            raise SyncError(f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
-                            f"max_bus_connections={self.max_connections} bus connections: raise "
-                            "limits.max_bus_connections to at least the trainer's sender count, or sync with "
-                            "senders=rank0", "INVALID_ARGUMENT")
+            raise SyncError(
+                f"manifest.buckets name {len(manifest.senders)} senders; this rollout accepts "
+                f"max_bus_connections={self.max_connections} bus connections: raise "
+                "limits.max_bus_connections to at least the trainer's sender count, or sync with "
+                "senders=rank0",
+                "INVALID_ARGUMENT",
+            )
         resp.transport.tcp.data_address = self.data_address
 
 
 class TcpReceiver:
-    def __init__(self, address: str, transaction, token: str, hello_timeout: float = 10.0, max_connections: int = 8,
-                 max_handshakes: int = 64, max_handshakes_per_address: int = 8):
+    def __init__(
+        self,
+        address: str,
+        transaction,
+        token: str,
+        hello_timeout: float = 10.0,
+        max_connections: int = 8,
+        max_handshakes: int = 64,
+        max_handshakes_per_address: int = 8,
+    ):
         host, port = parse_host_port("data_address", address)
         self.tx = transaction
         self.token = token
@@ -116,8 +128,13 @@ class TcpReceiver:
                 return
             address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
             if not self.handshakes.enter(address):
-                log.warning("bus connection from %s refused: too many unauthenticated connections (%d waiting; at "
-                            "most %d from one address)", peer, self.handshakes.waiting(), self.handshakes.per_address)
+                log.warning(
+                    "bus connection from %s refused: too many unauthenticated connections (%d waiting; at "
+                    "most %d from one address)",
+                    peer,
+                    self.handshakes.waiting(),
+                    self.handshakes.per_address,
+                )
                 conn.close()
                 continue
             threading.Thread(target=self._handshake, args=(conn, peer, address), name="bus-hello", daemon=True).start()
@@ -150,8 +167,12 @@ class TcpReceiver:
             conn.close()
             return
         if not self._slots.acquire(blocking=False):
-            log.warning("bus connection from %s for sync %s refused: %d streams already open (max_bus_connections)",
-                        peer, sync_id, self.max_connections)
+            log.warning(
+                "bus connection from %s for sync %s refused: %d streams already open (max_bus_connections)",
+                peer,
+                sync_id,
+                self.max_connections,
+            )
             conn.close()
             return
         try:

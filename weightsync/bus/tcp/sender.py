@@ -1,4 +1,5 @@
 """The trainer's end of TCP: every rollout answers PrepareSync with its bus address; buckets stream from host memory."""
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,9 @@ class _TcpSession(Session):
         return self._addresses[rollout_id]
 
     def open(self, targets: dict, timeout: float) -> TcpBucketSender:
-        return TcpBucketSender({rid: self._addresses[rid] for rid in targets}, self.sync_id, self.token,
-                               timeout=timeout)
+        return TcpBucketSender(
+            {rid: self._addresses[rid] for rid in targets}, self.sync_id, self.token, timeout=timeout
+        )
 
     def owner_streams(self, prepared: dict, timeout: float, raise_flag) -> tuple[dict[str, str], None, float]:
         # every sender connects to each rollout's data port; a dead rollout breaks its own

@@ -9,6 +9,7 @@ Wire format (little-endian), after connecting to the rollout's data address:
 The receiver checks every header against the manifest it accepted in PrepareSync, so a peer
 cannot make it allocate or write more than the manifest declared.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -74,8 +75,8 @@ def read_hello(sock: socket.socket, deadline: float, magic: bytes | None = None)
         raise TransportError(f"hello sync_id length {n} out of range")
     rest = bytearray(n + 4 + 32)
     _recv_exact(sock, memoryview(rest), deadline)
-    (sender,) = struct.unpack("<I", rest[n:n + 4])
-    return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4:])
+    (sender,) = struct.unpack("<I", rest[n : n + 4])
+    return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4 :])
 
 
 def recv_magic(sock: socket.socket, deadline: float) -> bytes:
@@ -87,8 +88,11 @@ def recv_magic(sock: socket.socket, deadline: float) -> bytes:
 
 def _tune(sock: socket.socket) -> None:
     # Best effort: larger kernel buffers and no Nagle delay; not every socket family has them.
-    for level, opt, val in ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1), (socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF),
-                            (socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)):
+    for level, opt, val in (
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF),
+        (socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF),
+    ):
         try:
             sock.setsockopt(level, opt, val)
         except OSError:
@@ -114,8 +118,10 @@ class TcpBucketReceiver(BucketReceiver):
         if magic != BUCKET_MAGIC:
             raise TransportError(f"bucket {plan.index}: bad frame magic {magic!r}")
         if index != plan.index or nbytes != plan.nbytes:
-            raise TransportError(f"frame says bucket {index} with {nbytes} bytes; manifest expects bucket "
-                                 f"{plan.index} with {plan.nbytes} bytes")
+            raise TransportError(
+                f"frame says bucket {index} with {nbytes} bytes; manifest expects bucket "
+                f"{plan.index} with {plan.nbytes} bytes"
+            )
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         view = self._buf[:nbytes]
@@ -138,8 +144,16 @@ class TcpBucketSender(BucketSender):
     `sender`: the trainer rank this stream belongs to; `mac`: its hello MAC when the caller holds
     the MAC but not the token (a sender rank other than 0), else computed from `token`."""
 
-    def __init__(self, targets: dict[str, str], sync_id: str, token: str, timeout: float, *, sender: int = 0,
-                 mac: bytes | None = None):
+    def __init__(
+        self,
+        targets: dict[str, str],
+        sync_id: str,
+        token: str,
+        timeout: float,
+        *,
+        sender: int = 0,
+        mac: bytes | None = None,
+    ):
         if not targets:
             raise ValueError("TcpBucketSender needs at least one target")
         self.timeout = timeout
@@ -178,7 +192,7 @@ class TcpBucketSender(BucketSender):
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         if buf.device.type != "cpu":
             buf = buf.cpu()
-        payload = memoryview(buf[:plan.nbytes].numpy()).cast("B")
+        payload = memoryview(buf[: plan.nbytes].numpy()).cast("B")
         hdr = _BUCKET_HDR.pack(BUCKET_MAGIC, plan.index, plan.nbytes, checksum or 0, checksum is not None)
         with self._lock:
             live = list(self._socks.items())

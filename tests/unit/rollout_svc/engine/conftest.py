@@ -1,4 +1,5 @@
 """Tiny transformers configs for the built-in engine: fast on 2 CPU cores, no hub downloads."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,18 @@ torch.set_num_threads(2)
 def qwen2_config(**kw):
     from transformers import Qwen2Config
 
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     base.update(kw)
     return Qwen2Config(**base)
 
@@ -22,9 +32,18 @@ def qwen2_config(**kw):
 def llama_config(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     base.update(kw)
     return LlamaConfig(**base)
 

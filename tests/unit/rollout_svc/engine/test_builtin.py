@@ -1,4 +1,5 @@
 """BuiltinEngine against the plain transformers model it wraps (same weights, no cache)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ def reference_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], l
         tok = int(logits.argmax())
         lps.append(float(torch.log_softmax(logits, -1)[tok]))
         ids.append(tok)
-    return ids[len(prompt):], lps
+    return ids[len(prompt) :], lps
 
 
 def greedy(n: int = 1, steps: int = 12) -> SamplingParams:
@@ -135,7 +136,7 @@ def test_load_weights_round_trip(kind):
     sd = src.model.state_dict()  # save_pretrained-like names; lm_head.weight present even when tied
     items = list(sd.items())
     for i in range(0, len(items), 3):  # bucket by bucket
-        dst.load_weights(items[i:i + 3])
+        dst.load_weights(items[i : i + 3])
     assert {n: p.data_ptr() for n, p in dst.model.named_parameters()} == ptrs  # in place
     for n, t in dst.model.state_dict().items():
         assert torch.equal(t, sd[n]), n

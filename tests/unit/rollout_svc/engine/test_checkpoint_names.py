@@ -1,5 +1,6 @@
 """The built-in engine speaks checkpoint names even where transformers fuses tensors in memory
 (MoE experts): a saved checkpoint loads tensor by tensor and the engine computes the same logits."""
+
 import glob
 
 import pytest

@@ -1,5 +1,6 @@
 """rollout_svc.engine.base.Engine: what an engine must implement, and the defaults of the optional
 hooks, driven through both apply strategies of the transaction."""
+
 import pytest
 import torch
 
@@ -54,8 +55,13 @@ WEIGHTS = {"a": torch.zeros(300, 64), "b": torch.zeros(7, dtype=torch.bfloat16),
 
 
 def _sync(new: dict[str, torch.Tensor]):
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in new.items()], version=1, sync_id="s1",
-                      bucket_bytes=64 << 10, checksum_algo=ALGO)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in new.items()],
+        version=1,
+        sync_id="s1",
+        bucket_bytes=64 << 10,
+        checksum_algo=ALGO,
+    )
     bufs = []
     for b in m.buckets:
         buf = alloc_buffer(b.nbytes)

@@ -1,4 +1,5 @@
 """PrefixCache alone: LRU by entries and bytes, private copies, flush epochs."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Token choice and reported log-probs, on hand-made logits."""
+
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,13 @@
 """One sync attempt's steps (prepare, stream, commit, abort) against fake rollouts and a fake channel."""
+
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.sync.registry import RolloutEntry
 from trainer_svc.sync.attempt import SyncAttempt
 from trainer_svc.sync.phases import PhaseClock
+from trainer_svc.sync.registry import RolloutEntry
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
@@ -66,7 +67,7 @@ class _Channel(BucketSender):
     def send(self, plan, buf, checksum):
         if self.fail:
             raise TransportError("peer gone")
-        self.sent.append((plan.index, checksum, bucket_checksum(buf[:plan.nbytes])))
+        self.sent.append((plan.index, checksum, bucket_checksum(buf[: plan.nbytes])))
 
     def failures(self):
         return {}
@@ -126,8 +127,10 @@ def test_group_wide_attempt_stops_and_names_the_members_that_prepared_for_a_retr
     attempt, *_ = _attempt(orch, session, rids=("a", "b", "c"))
     results, retry = attempt.run()
     assert [e.rollout_id for e in retry] == ["a", "c"]
-    assert not results["a"].ok and "not started: every member of the group must prepare, and b: prepare:" in \
-        results["a"].error
+    assert (
+        not results["a"].ok
+        and "not started: every member of the group must prepare, and b: prepare:" in results["a"].error
+    )
     assert orch.failed == [("b", "prepare_failed")]  # the retried members are not counted as failures
     assert session.channel.sent == [] and session.finished == (False, "no target prepared")
     assert not any(m == "CommitSync" for _, m in orch.calls)
@@ -153,11 +156,17 @@ def _fp8_attempt(orch, session, bad: str):
     fmt = export_format(FP8_BLOCK)
     named = [(f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(8, 8)) for i in range(3)]
     dict(named)[bad][3, 4] = float("nan")
-    manifest = make_manifest(fmt.metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named), version=7,
-                             sync_id="s1", bucket_bytes=256, quantization=fmt.quantization)
+    manifest = make_manifest(
+        fmt.metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named),
+        version=7,
+        sync_id="s1",
+        bucket_bytes=256,
+        quantization=fmt.quantization,
+    )
     targets = [RolloutEntry(rid, f"h:{i}") for i, rid in enumerate(("a", "b"))]
-    attempt = SyncAttempt(orch, session, manifest, targets, time.monotonic() + 60, PhaseClock(),
-                          tensors=lambda: fmt.tensors(iter(named)))
+    attempt = SyncAttempt(
+        orch, session, manifest, targets, time.monotonic() + 60, PhaseClock(), tensors=lambda: fmt.tensors(iter(named))
+    )
     return attempt, manifest
 
 
@@ -165,8 +174,10 @@ def test_non_finite_fp8_weights_fail_the_stream_after_its_last_bucket_and_nothin
     orch, session = _Orch(), _Session()
     attempt, manifest = _fp8_attempt(orch, session, bad="model.layers.1.self_attn.q_proj.weight")
     results, _ = attempt.run()
-    want = ("fake stream: tensor model.layers.1.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
-            "to export it as FP8 (the trainer's weights have diverged)")
+    want = (
+        "fake stream: tensor model.layers.1.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
+        "to export it as FP8 (the trainer's weights have diverged)"
+    )
     assert [r.error for r in results.values()] == [want, want]
     # the check is deferred to the end of the export: every bucket went out, and none was committed
     assert len(session.channel.sent) == len(manifest.buckets) > 2
@@ -180,9 +191,11 @@ def test_an_export_error_after_a_failed_stream_joins_the_errors_and_the_targets_
     attempt, _ = _fp8_attempt(orch, session, bad="model.layers.0.self_attn.q_proj.weight")
     results, retry = attempt.run()  # the drain's error does not escape past the aborts
     assert retry == [] and not any(r.ok for r in results.values())
-    assert results["a"].error == ("fake stream: peer gone; the export failed too: tensor "
-                                  "model.layers.0.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
-                                  "to export it as FP8 (the trainer's weights have diverged)")
+    assert results["a"].error == (
+        "fake stream: peer gone; the export failed too: tensor "
+        "model.layers.0.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
+        "to export it as FP8 (the trainer's weights have diverged)"
+    )
     assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
 
 

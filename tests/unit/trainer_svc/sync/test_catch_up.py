@@ -4,6 +4,7 @@ Rollouts re-register every heartbeat; one that registers during a sync is behind
 and gets a catch-up queued, which used to sync it again right after the running sync had already
 brought it to the same version. Real TrainerApp and RolloutApp on loopback gRPC.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,10 +21,20 @@ def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", auto_sync_new_rollouts=False))
-    rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id="r"))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            auto_sync_new_rollouts=False,
+        )
+    )
+    rollout = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r"
+        )
+    )
     trainer.start()
     rollout.start()
     try:
@@ -33,8 +44,9 @@ def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
         orch = trainer.orch
         assert orch.sync([entry], only_behind=True).ok  # behind (version 0): synced
         assert orch.sync([entry], only_behind=True) is None  # current: nothing to do
-        syncs = rollout.metrics.registry.get_sample_value("weightsync_syncs_total",
-                                                          {"role": "rollout", "outcome": "committed"})
+        syncs = rollout.metrics.registry.get_sample_value(
+            "weightsync_syncs_total", {"role": "rollout", "outcome": "committed"}
+        )
 
         # a catch-up decided while a sync holds the lock, as a heartbeat during a sync does
         with torch.no_grad():
@@ -50,8 +62,9 @@ def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
             orch.actor_lock.release()
         waiter.join(30)
         assert report.ok and catch_up == [None]
-        after = rollout.metrics.registry.get_sample_value("weightsync_syncs_total",
-                                                          {"role": "rollout", "outcome": "committed"})
+        after = rollout.metrics.registry.get_sample_value(
+            "weightsync_syncs_total", {"role": "rollout", "outcome": "committed"}
+        )
         assert after == syncs + 1 and rollout.tx.version == trainer.actor.version
         assert rollout.tx.state == rollout_pb2.SERVING
     finally:

@@ -2,9 +2,9 @@
 megatron actor's per-rank export) stream their own buckets to real rollout receivers (TcpReceiver
 + SyncTransaction + built-in engine); rank 0 merges their reports. The torchrun version of the
 same path runs in tests/e2e/test_multisender_e2e.py."""
+
 import threading
 
-import pytest
 import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
@@ -62,8 +62,14 @@ def _rollouts(m):
 
 def _setup(tmp_bucket=16 << 10):
     src, state, owners = _model()
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()], version=7,
-                      sync_id="v7-test", bucket_bytes=tmp_bucket, checksum_algo=ALGO, owners=owners)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()],
+        version=7,
+        sync_id="v7-test",
+        bucket_bytes=tmp_bucket,
+        checksum_algo=ALGO,
+        owners=owners,
+    )
     rollouts = _rollouts(m)
     return src, state, owners, m, rollouts
 
@@ -73,6 +79,7 @@ def _run(actors, job):
 
     def go(i):
         results[i] = run_sender(actors[i], SendJob.from_args(job.to_args()))  # through JSON, as the channel does
+
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(actors))]
     for t in threads:
         t.start()
@@ -89,7 +96,8 @@ def test_two_senders_stream_their_own_buckets_and_both_rollouts_commit_exactly()
         out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
         assert out.error == "" and out.failures == {}
         assert [(s.rank, s.buckets, s.bytes) for s in out.senders] == [
-            (r, len(m.buckets_of(r)), sum(b.tensor_bytes for b in m.buckets_of(r))) for r in (0, 1)]
+            (r, len(m.buckets_of(r)), sum(b.tensor_bytes for b in m.buckets_of(r))) for r in (0, 1)
+        ]
         # each sender's pack buffers: at most two of its own buckets
         for s in out.senders:
             assert 0 < s.peak_buffer_bytes <= 2 * max(b.nbytes for b in m.buckets_of(s.rank)), s
@@ -131,12 +139,24 @@ def _fp8_sync(state, owners):
 
     fmt = export_format(FP8_BLOCK)
     plain = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]
-    m = make_manifest(fmt.metas(plain), version=7, sync_id="v7-fp8", bucket_bytes=16 << 10, checksum_algo=ALGO,
-                      owners=fmt.owners(plain, owners), quantization=fmt.quantization)
+    m = make_manifest(
+        fmt.metas(plain),
+        version=7,
+        sync_id="v7-fp8",
+        bucket_bytes=16 << 10,
+        checksum_algo=ALGO,
+        owners=fmt.owners(plain, owners),
+        quantization=fmt.quantization,
+    )
     rollouts = _rollouts(m)
     try:
-        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30,
-                           export_dtype="fp8-block")
+        job = SendJob.make(
+            m,
+            {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)},
+            TOKEN,
+            30,
+            export_dtype="fp8-block",
+        )
         out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
     except BaseException:
         _stop(rollouts, m.sync_id)
@@ -209,8 +229,13 @@ def test_a_rank_with_another_layout_refuses_to_stream():
 
 
 def test_merge_names_the_dropped_rollouts_and_missing_buckets():
-    m = make_manifest([TensorMeta(f"t{i}", (64,), torch.float32) for i in range(4)], version=1, sync_id="s",
-                      bucket_bytes=256, owners=[0, 0, 1, 1])
+    m = make_manifest(
+        [TensorMeta(f"t{i}", (64,), torch.float32) for i in range(4)],
+        version=1,
+        sync_id="s",
+        bucket_bytes=256,
+        owners=[0, 0, 1, 1],
+    )
     ok0 = SenderResult(rank=0, buckets=2, checksums=[[0, 11], [1, 12]])
     ok1 = SenderResult(rank=1, buckets=2, checksums=[[2, 21], [3, 22]], failures={"rB": "TCP bus send failed"})
     out = merge(m, [ok0, ok1, SenderResult(rank=2)])

@@ -1,5 +1,6 @@
 """The orchestrator's choice of senders and its merge of their reports, with a fake two-rank actor
 (the torchrun version runs in tests/e2e/test_multisender_e2e.py)."""
+
 import threading
 import time
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from trainer_svc.sync.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
-from trainer_svc.sync.registry import RolloutEntry
 from trainer_svc.sync.orchestrator import SyncOrchestrator
+from trainer_svc.sync.registry import RolloutEntry
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.plan import TensorMeta
 from weightsync.bus.tcp.wire import hello_mac
@@ -44,15 +45,37 @@ class TwoRankActor:
     def run_senders(self, job):
         self.jobs.append(SendJob.from_args(job))
         mine = [[0, 100], [1, 101]]
-        ranks = [SenderResult(rank=0, buckets=2, bytes=512, seconds=0.5, checksums=mine, peak_buffer_bytes=512),
-                 SenderResult(**{"rank": 1, "buckets": 2, "bytes": 512, "seconds": 0.9, "peak_buffer_bytes": 256,
-                                 "checksums": [[2, 102], [3, 103]], **self.rank1})]
+        ranks = [
+            SenderResult(rank=0, buckets=2, bytes=512, seconds=0.5, checksums=mine, peak_buffer_bytes=512),
+            SenderResult(
+                **{
+                    "rank": 1,
+                    "buckets": 2,
+                    "bytes": 512,
+                    "seconds": 0.9,
+                    "peak_buffer_bytes": 256,
+                    "checksums": [[2, 102], [3, 103]],
+                    **self.rank1,
+                }
+            ),
+        ]
         return [r.__dict__ for r in ranks]
 
 
 def _orch(actor, calls, **kw):
-    o = SyncOrchestrator(actor, threading.Lock(), None, SyncMetrics("trainer"), token="tok", bucket_bytes=256,
-                         default_transport="tcp", sync_timeout=30, rpc_timeout=5, origin="o", **kw)
+    o = SyncOrchestrator(
+        actor,
+        threading.Lock(),
+        None,
+        SyncMetrics("trainer"),
+        token="tok",
+        bucket_bytes=256,
+        default_transport="tcp",
+        sync_timeout=30,
+        rpc_timeout=5,
+        origin="o",
+        **kw,
+    )
 
     def call(entry, method, req):
         calls.append((entry.rollout_id, method, req))
@@ -63,6 +86,7 @@ def _orch(actor, calls, **kw):
         if method == "CommitSync":
             return rollout_pb2.CommitSyncResponse(version=req.version), ""
         return rollout_pb2.AbortSyncResponse(), ""
+
     o.rollouts.call = call
     return o
 
@@ -119,6 +143,7 @@ def test_rank0_funnels_and_reports_what_was_forwarded_to_it():
 def _fake_open(begin):
     """The funnel streams through the session's channel (tcp's, or rank 0's own nccl group): give it
     one that takes the bytes."""
+
     def wrapped(*a, **kw):
         session = begin(*a, **kw)
 
@@ -131,8 +156,10 @@ def _fake_open(begin):
 
             def close(self):
                 pass
+
         session.open = lambda targets, timeout: Sink()
         return session
+
     return wrapped
 
 
@@ -150,8 +177,19 @@ def test_senders_all_is_refused_for_ipc_per_request_and_falls_back_when_configur
 
 def test_every_multi_sender_transport_streams_from_each_rank_and_another_is_refused():
     assert sorted(RANK_ENDS) == sorted(multi_sender_names())
-    job = SendJob(sync_id="s", version=1, bucket_bytes=256, model_family="", checksum_algo="", origin="", digest="",
-                  targets={}, macs={}, timeout=1.0, transport="ipc")
+    job = SendJob(
+        sync_id="s",
+        version=1,
+        bucket_bytes=256,
+        model_family="",
+        checksum_algo="",
+        origin="",
+        digest="",
+        targets={},
+        macs={},
+        timeout=1.0,
+        transport="ipc",
+    )
     with pytest.raises(ValueError, match=r"^SendJob.transport='ipc' must be tcp or nccl$"):
         _bus_sender(TwoRankActor(), job, 1, time.monotonic() + 1)
 
@@ -175,8 +213,10 @@ def test_a_quantized_export_streams_from_every_owner_with_each_scale_on_its_weig
 
     def run_senders(job):  # each rank reports the buckets of its weights and their scales
         actor.jobs.append(SendJob.from_args(job))
-        return [SenderResult(rank=r, buckets=len(ix), checksums=[[i, 100 + i] for i in ix]).__dict__
-                for r, ix in by_rank.items()]
+        return [
+            SenderResult(rank=r, buckets=len(ix), checksums=[[i, 100 + i] for i in ix]).__dict__
+            for r, ix in by_rank.items()
+        ]
 
     actor.run_senders = run_senders
     rep = orch.sync(_targets(), senders="all")
@@ -209,6 +249,7 @@ def _nccl_orch(actor, calls, answers=None):
         resp.transport.nccl.group_id = n.group_id  # "" with sender_groups, as the rollout echoes it
         resp.transport.nccl.device_uuid = f"GPU-{entry.rollout_id}"
         return resp, ""
+
     orch.rollouts.call = call
     return orch
 
@@ -230,8 +271,10 @@ def test_nccl_multi_sender_plans_one_group_per_sender_reuses_them_and_replans_af
     for rid, rank in (("a", 1), ("b", 2)):
         n = preps[rid]
         assert n.rank_offset == rank and n.world_size == 3 and n.unique_id == b"" and n.group_id == ""
-        assert [(g.sender, g.group_id, g.new_group) for g in n.sender_groups] == \
-            [(0, g0["group_id"], True), (1, g1["group_id"], True)]
+        assert [(g.sender, g.group_id, g.new_group) for g in n.sender_groups] == [
+            (0, g0["group_id"], True),
+            (1, g1["group_id"], True),
+        ]
         assert bytes(n.sender_groups[1].unique_id).hex() == g1["unique_id"]
     assert orch.transports["nccl"].cache.builds == 1
 

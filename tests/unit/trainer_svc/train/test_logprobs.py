@@ -1,4 +1,5 @@
 """Log-probs and entropy: unsharded against torch, vocab-parallel (gloo TP=2) against unsharded."""
+
 import os
 import subprocess
 import sys
@@ -50,7 +51,20 @@ def test_vocab_parallel_equals_unsharded_under_gloo_tp2(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(_WORKER)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=180, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

@@ -1,4 +1,5 @@
 """Losses against hand-computed small cases."""
+
 import math
 
 import pytest
@@ -29,9 +30,9 @@ def test_aggregate_token_mean_vs_seq_mean():
     assert float(aggregate(v, m, "token-mean")) == pytest.approx(16 / 4)
     assert float(aggregate(v, m, "seq-mean")) == pytest.approx((2.0 + 10.0) / 2)
     # micro-batches with the batch's denominators sum to the batch value
-    parts = [aggregate(v[i:i + 1], m[i:i + 1], "token-mean", num_tokens=4) for i in range(2)]
+    parts = [aggregate(v[i : i + 1], m[i : i + 1], "token-mean", num_tokens=4) for i in range(2)]
     assert float(sum(parts)) == pytest.approx(4.0)
-    parts = [aggregate(v[i:i + 1], m[i:i + 1], "seq-mean", num_seqs=2) for i in range(2)]
+    parts = [aggregate(v[i : i + 1], m[i : i + 1], "seq-mean", num_seqs=2) for i in range(2)]
     assert float(sum(parts)) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="aggregation"):
         aggregate(v, m, "sum")

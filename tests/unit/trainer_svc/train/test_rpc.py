@@ -1,4 +1,5 @@
 """The training RPCs over a real in-process gRPC server: validation at the boundary, step, checkpoint."""
+
 import threading
 from concurrent import futures
 
@@ -40,8 +41,10 @@ def _err(call, req):
 
 def test_bad_requests_are_invalid_argument_naming_the_field(stub):
     T = trainer_pb2
-    assert _err(stub.TrainStep, T.TrainStepRequest()) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                                          "samples: empty; send at least one TrainSample")
+    assert _err(stub.TrainStep, T.TrainStepRequest()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "samples: empty; send at least one TrainSample",
+    )
     s = T.TrainSample(prompt_ids=[1, 2], response_ids=[3, 999])
     code, msg = _err(stub.TrainStep, T.TrainStepRequest(samples=[s]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "samples[0].response_ids" in msg and "999" in msg

@@ -1,10 +1,11 @@
 """train_step / compute_logprobs / checkpoints on the transformers backend."""
+
 import pytest
 import torch
 
 from tests.support.train_requests import make_request
 from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_svc.train.step import compute_logprobs, train_step, train_state
+from trainer_svc.train.step import compute_logprobs, train_state, train_step
 
 
 def _with_behaviour_logprobs(actor, req):
@@ -44,7 +45,9 @@ def test_micro_batching_does_not_change_the_step(hf_actor_factory):
             req = _with_behaviour_logprobs(a, make_request(aggregation=agg))
             req.micro_batch_size = mbs
             m = train_step(a, req)
-            out.append((m["loss"], m["grad_norm"], [p.grad.clone() for p in a.model.parameters() if p.grad is not None]))
+            out.append(
+                (m["loss"], m["grad_norm"], [p.grad.clone() for p in a.model.parameters() if p.grad is not None])
+            )
         assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
         assert out[0][1] == pytest.approx(out[1][1], rel=1e-5)
         # gradients, not Adam-updated weights: Adam turns fp-noise-sized grads into lr-sized steps
@@ -56,8 +59,8 @@ def test_kl_and_entropy_terms(hf_actor_factory):
     a = hf_actor_factory()
     req = _with_behaviour_logprobs(a, make_request(kl_coef=0.5, entropy_coef=0.01))
     m0 = train_step(a, req)
-    assert m0["kl"] == pytest.approx(0.0, abs=1e-7)       # the reference is the pre-step policy
-    assert m0["entropy"] > 5.0                           # near-uniform over 256 tokens (ln 256 = 5.55)
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-7)  # the reference is the pre-step policy
+    assert m0["entropy"] > 5.0  # near-uniform over 256 tokens (ln 256 = 5.55)
     m1 = train_step(a, req)
     assert m1["kl"] > 0.0
     ref = compute_logprobs(a, list(req.samples), reference=True)
@@ -80,7 +83,7 @@ def test_checkpoint_resume_gives_identical_next_steps(hf_actor_factory, tmp_path
     save_checkpoint(a, str(tmp_path))
     want = [train_step(a, req)["loss"] for _ in range(2)]
 
-    b = hf_actor_factory(seed=99)       # different init: everything must come from the checkpoint
+    b = hf_actor_factory(seed=99)  # different init: everything must come from the checkpoint
     load_checkpoint(b, latest_checkpoint(str(tmp_path)))
     assert (b.step, b.version) == (3, a.version - 2)
     got = [train_step(b, req)["loss"] for _ in range(2)]

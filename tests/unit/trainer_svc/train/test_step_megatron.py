@@ -1,5 +1,6 @@
 """train_step on the megatron-core backend (CPU, gloo): parity with the transformers backend,
 loss decreases, checkpoint resume, and TP=2 / PP=2 under torchrun equal to TP=1."""
+
 import json
 import os
 import subprocess
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from tests.support.train_requests import make_request
-from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_svc.config import OptimConfig
-from trainer_svc.train.step import compute_logprobs, train_step, train_state
+from trainer_svc.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_svc.train.step import compute_logprobs, train_state, train_step
 
 pytest.importorskip("megatron.core")
 SUPPORT = Path(__file__).resolve().parents[3] / "support"
@@ -51,6 +52,7 @@ def test_megatron_step_equals_the_transformers_step_on_the_same_weights(tmp_path
             assert mm[k] == pytest.approx(mh[k], rel=1e-4, abs=1e-6), k
     save_hf_dir(m, str(tmp_path / "after"))
     from safetensors.torch import load_file
+
     after = load_file(str(tmp_path / "after" / "model.safetensors"))
     for n, p in h.model.state_dict().items():
         assert torch.allclose(after[n], p, atol=2e-5), n
@@ -77,12 +79,32 @@ def test_parallel_layouts_match_tp1(tmp_path, layout):
     tp, pp = layout
     env = dict(os.environ, OMP_NUM_THREADS="1")
     script = str(SUPPORT / "_mp_worker.py")
-    single = subprocess.run([sys.executable, script, str(tmp_path / "tp1.json"), "1", "1", str(tmp_path / "w")], capture_output=True,
-                            text=True, timeout=300, env=env)
+    single = subprocess.run(
+        [sys.executable, script, str(tmp_path / "tp1.json"), "1", "1", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                            script, str(tmp_path / "mp.json"), str(tp), str(pp), str(tmp_path / "w")], capture_output=True, text=True,
-                           timeout=300, env=env)
+    multi = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            script,
+            str(tmp_path / "mp.json"),
+            str(tp),
+            str(pp),
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-3000:]
     a, b = json.loads((tmp_path / "tp1.json").read_text()), json.loads((tmp_path / "mp.json").read_text())
     assert max(abs(x - y) for r, s in zip(a["logprobs"], b["logprobs"]) for x, y in zip(r, s)) < 1e-5
@@ -120,9 +142,14 @@ def test_save_checkpoint_torch_dist_holds_the_trained_weights(tmp_path):
 
     p = argparse.ArgumentParser()
     add_arguments(p, TrainerConfig, ENV_PREFIX)
-    cfg = resolve(TrainerConfig, p.parse_args(["--model", "tiny-qwen2", "--init-seed", "9",
-                                               "--load-megatron-checkpoint", str(tmp_path / "iter_0000002")]),
-                  ENV_PREFIX, {})
+    cfg = resolve(
+        TrainerConfig,
+        p.parse_args(
+            ["--model", "tiny-qwen2", "--init-seed", "9", "--load-megatron-checkpoint", str(tmp_path / "iter_0000002")]
+        ),
+        ENV_PREFIX,
+        {},
+    )
     c = make_actor(cfg)
     got = named_parameters_global(c.model)
     assert all(torch.equal(got[k], want[k]) for k in want)

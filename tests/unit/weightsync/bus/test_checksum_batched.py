@@ -1,4 +1,5 @@
 """Checksums read many at once (one device read for all) agree with one bucket at a time."""
+
 import pytest
 import torch
 
@@ -13,8 +14,8 @@ def _buffers():
 
 def test_from_many_sums_equals_bucket_checksum_for_every_tail_length():
     bufs = _buffers()
-    sums = [word_sums(b[:b.numel() - b.numel() % 4].view(torch.int32)) for b in bufs]
-    tails = [b[b.numel() - b.numel() % 4:] for b in bufs]
+    sums = [word_sums(b[: b.numel() - b.numel() % 4].view(torch.int32)) for b in bufs]
+    tails = [b[b.numel() - b.numel() % 4 :] for b in bufs]
     got = from_many_sums(sums, tails, [b.numel() for b in bufs])
     assert got == [bucket_checksum(b) for b in bufs]
     assert len(set(got)) == len(got)

@@ -1,4 +1,5 @@
 """The start-up warm-up of the checksum is free off-GPU (the GPU case: tests/gpu/test_bus_gpu.py)."""
+
 import torch
 
 from weightsync.bus.checksum import warm_up

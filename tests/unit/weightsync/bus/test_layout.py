@@ -1,4 +1,5 @@
 """Layout digests and the two layout caches (trainer: ManifestCache, rollout: KnownLayouts)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,16 @@ def _metas(n: int = 6, dtype=torch.bfloat16) -> list[TensorMeta]:
 
 
 def _plan(cache: ManifestCache, metas, sync_id="s1", version=1, bucket_bytes=1 << 10, **kw):
-    return cache.manifest(metas, version=version, sync_id=sync_id, bucket_bytes=bucket_bytes, model_family="qwen2",
-                          checksum_algo="ws-sum64-v1", origin="o", **kw)
+    return cache.manifest(
+        metas,
+        version=version,
+        sync_id=sync_id,
+        bucket_bytes=bucket_bytes,
+        model_family="qwen2",
+        checksum_algo="ws-sum64-v1",
+        origin="o",
+        **kw,
+    )
 
 
 def test_digest_names_the_layout_not_the_sync():
@@ -25,13 +34,15 @@ def test_digest_names_the_layout_not_the_sync():
     b = make_manifest(metas, version=9, sync_id="b", bucket_bytes=1 << 10, origin="y")
     assert layout_digest(a) == layout_digest(b)
     changed = [
-        make_manifest(metas, version=1, sync_id="a", bucket_bytes=2 << 10),                    # bucket size
+        make_manifest(metas, version=1, sync_id="a", bucket_bytes=2 << 10),  # bucket size
         make_manifest(_metas(dtype=torch.float16), version=1, sync_id="a", bucket_bytes=1 << 10),  # dtype
-        make_manifest(metas[:-1], version=1, sync_id="a", bucket_bytes=1 << 10),                # one tensor fewer
-        make_manifest([dataclasses.replace(metas[0], shape=(3, 6)), *metas[1:]], version=1, sync_id="a",
-                      bucket_bytes=1 << 10),                                                    # a shape
-        make_manifest([dataclasses.replace(metas[0], name="u0"), *metas[1:]], version=1, sync_id="a",
-                      bucket_bytes=1 << 10),                                                    # a name
+        make_manifest(metas[:-1], version=1, sync_id="a", bucket_bytes=1 << 10),  # one tensor fewer
+        make_manifest(
+            [dataclasses.replace(metas[0], shape=(3, 6)), *metas[1:]], version=1, sync_id="a", bucket_bytes=1 << 10
+        ),  # a shape
+        make_manifest(
+            [dataclasses.replace(metas[0], name="u0"), *metas[1:]], version=1, sync_id="a", bucket_bytes=1 << 10
+        ),  # a name
         make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10, checksum_algo="none"),
         make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10, model_family="llama"),
     ]
@@ -101,8 +112,11 @@ def test_rollout_resolves_a_digest_only_after_remembering_it_and_checks_it():
     with pytest.raises(ValueError, match="does not match its buckets"):
         known.manifest_of(lying)
     # without a digest a full manifest still works (an older trainer) and gets one computed
-    plain = manifest_to_proto(make_manifest(_metas(), version=1, sync_id="p", bucket_bytes=1 << 10,
-                                            model_family="qwen2", checksum_algo="ws-sum64-v1"))
+    plain = manifest_to_proto(
+        make_manifest(
+            _metas(), version=1, sync_id="p", bucket_bytes=1 << 10, model_family="qwen2", checksum_algo="ws-sum64-v1"
+        )
+    )
     assert known.manifest_of(plain).layout_digest == m.layout_digest
     assert manifest_from_proto(plain).layout_digest == ""
 
@@ -127,8 +141,9 @@ def test_quantization_is_part_of_the_layout():
     metas, fp8 = _metas(), Quantization("fp8", "e4m3", (128, 128))
     plain = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10)
     quant = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10, quantization=fp8)
-    other_block = make_manifest(metas, version=1, sync_id="a", bucket_bytes=1 << 10,
-                                quantization=Quantization("fp8", "e4m3", (64, 64)))
+    other_block = make_manifest(
+        metas, version=1, sync_id="a", bucket_bytes=1 << 10, quantization=Quantization("fp8", "e4m3", (64, 64))
+    )
     assert len({layout_digest(plain), layout_digest(quant), layout_digest(other_block)}) == 3
     cache = ManifestCache()
     p = _plan(cache, metas)
@@ -153,8 +168,11 @@ def test_digest_covers_which_sender_streams_each_bucket():
     b = make_manifest(metas, owners=[0, 0, 0, 1], **kw)
     funnel = make_manifest(metas, **kw)
     slots = [[(s.meta.name, s.offset) for s in x.slots] for x in a.buckets]
-    assert slots == [[(s.meta.name, s.offset) for s in x.slots] for x in b.buckets] == \
-        [[(s.meta.name, s.offset) for s in x.slots] for x in funnel.buckets]
+    assert (
+        slots
+        == [[(s.meta.name, s.offset) for s in x.slots] for x in b.buckets]
+        == [[(s.meta.name, s.offset) for s in x.slots] for x in funnel.buckets]
+    )
     assert [x.sender for x in a.buckets] == [0, 0, 1, 1] and [x.sender for x in b.buckets] == [0, 0, 0, 1]
     assert len({layout_digest(a), layout_digest(b), layout_digest(funnel)}) == 3
     # the rollout computes the same digest from the full manifest it receives (senders on the wire)
@@ -165,7 +183,9 @@ def test_manifest_cache_replans_when_the_senders_change_and_the_rollout_asks_aga
     cache, metas = ManifestCache(), _metas(4)
     multi = _plan(cache, metas, bucket_bytes=ALIGN, owners=[0, 0, 1, 1])
     assert cache.plans == 1 and [b.sender for b in multi.buckets] == [0, 0, 1, 1]
-    assert _plan(cache, metas, sync_id="s2", bucket_bytes=ALIGN, owners=[0, 0, 1, 1]).layout_digest == multi.layout_digest
+    assert (
+        _plan(cache, metas, sync_id="s2", bucket_bytes=ALIGN, owners=[0, 0, 1, 1]).layout_digest == multi.layout_digest
+    )
     assert cache.plans == 1
     funnel = _plan(cache, metas, sync_id="s3", bucket_bytes=ALIGN)  # senders=rank0 for this sync
     assert cache.plans == 2 and funnel.senders == [0] and funnel.layout_digest != multi.layout_digest

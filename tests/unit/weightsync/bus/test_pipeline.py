@@ -25,8 +25,9 @@ class CollectingSender(BucketSender):
 
 def _setup(n=10):
     ts = {f"w{i}": torch.full((100,), float(i)) for i in range(n)}
-    m = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="p",
-                      bucket_bytes=1024)
+    m = make_manifest(
+        [TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="p", bucket_bytes=1024
+    )
     return ts, m
 
 
@@ -63,6 +64,7 @@ def test_transport_error_propagates():
 
 def test_slow_exporter_hits_timeout():
     import time
+
     ts, m = _setup()
 
     def slow():
@@ -77,8 +79,9 @@ def test_slow_exporter_hits_timeout():
 def test_oversized_tensor_travels_from_its_own_memory():
     big = torch.arange(4096, dtype=torch.float32)  # 16 KiB > 1 KiB buckets
     ts = {"a": torch.ones(10), "big": big, "b": torch.zeros(10)}
-    m = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="z",
-                      bucket_bytes=1024)
+    m = make_manifest(
+        [TensorMeta(k, tuple(v.shape), v.dtype) for k, v in ts.items()], version=1, sync_id="z", bucket_bytes=1024
+    )
     seen = {}
 
     class PtrSender(CollectingSender):
@@ -127,8 +130,9 @@ def test_buffer_pool_keeps_its_buffers_across_syncs_and_regrows_when_too_small()
     stream_buckets(m, iter(ts.items()), CollectingSender(), buffers=pool)
     assert [b.data_ptr() for b in pool.buffers] == kept
     big = {f"w{i}": torch.full((200,), float(i)) for i in range(4)}
-    m2 = make_manifest([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in big.items()], version=1, sync_id="q",
-                       bucket_bytes=2048)
+    m2 = make_manifest(
+        [TensorMeta(k, tuple(v.shape), v.dtype) for k, v in big.items()], version=1, sync_id="q", bucket_bytes=2048
+    )
     s = CollectingSender()
     stream_buckets(m2, iter(big.items()), s, buffers=pool)
     assert pool.allocations == 2 and all(b.numel() >= m2.buckets[0].nbytes for b in pool.buffers)
@@ -176,7 +180,9 @@ def _flats(ts, m):
 
 
 @pytest.mark.parametrize("in_band, carried", [("all", "every"), ("first", "first"), ("none", "no")])
-def test_in_place_checksums_travel_in_band_only_where_the_sender_carries_them_and_all_reach_the_commit(in_band, carried):
+def test_in_place_checksums_travel_in_band_only_where_the_sender_carries_them_and_all_reach_the_commit(
+    in_band, carried
+):
     from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
 
     ts, m = _setup()

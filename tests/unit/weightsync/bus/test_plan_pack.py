@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
@@ -69,21 +70,28 @@ def test_duplicate_names_rejected():
 
 
 def _good_proto():
-    m = make_manifest([TensorMeta("a", (4,), torch.float32), TensorMeta("b", (2, 3), torch.bfloat16)],
-                      version=3, sync_id="s1", bucket_bytes=1 << 20)
+    m = make_manifest(
+        [TensorMeta("a", (4,), torch.float32), TensorMeta("b", (2, 3), torch.bfloat16)],
+        version=3,
+        sync_id="s1",
+        bucket_bytes=1 << 20,
+    )
     return manifest_to_proto(m)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda p: setattr(p.buckets[0].tensors[0], "nbytes", 99), "nbytes=99"),
-    (lambda p: setattr(p.buckets[0].tensors[1], "offset", 0), "overlaps"),
-    (lambda p: setattr(p.buckets[0].tensors[1], "name", "a"), "empty or repeated"),
-    (lambda p: setattr(p.buckets[0], "nbytes", 8), "past the bucket"),
-    (lambda p: setattr(p.buckets[0].tensors[0], "dtype", 999), "unknown wire dtype"),
-    (lambda p: setattr(p, "sync_id", ""), "sync_id is empty"),
-    (lambda p: setattr(p, "total_bytes", 1 << 50), "exceeds the limit"),
-    (lambda p: setattr(p.buckets[0], "index", 5), "index=5"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda p: setattr(p.buckets[0].tensors[0], "nbytes", 99), "nbytes=99"),
+        (lambda p: setattr(p.buckets[0].tensors[1], "offset", 0), "overlaps"),
+        (lambda p: setattr(p.buckets[0].tensors[1], "name", "a"), "empty or repeated"),
+        (lambda p: setattr(p.buckets[0], "nbytes", 8), "past the bucket"),
+        (lambda p: setattr(p.buckets[0].tensors[0], "dtype", 999), "unknown wire dtype"),
+        (lambda p: setattr(p, "sync_id", ""), "sync_id is empty"),
+        (lambda p: setattr(p, "total_bytes", 1 << 50), "exceeds the limit"),
+        (lambda p: setattr(p.buckets[0], "index", 5), "index=5"),
+    ],
+)
 def test_manifest_validation_names_the_field(mutate, match):
     p = _good_proto()
     mutate(p)

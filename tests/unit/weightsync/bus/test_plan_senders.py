@@ -1,5 +1,6 @@
 """Bucket layouts with several senders: each bucket belongs to exactly one trainer rank, computed
 from metadata alone, identically on every rank; the sender survives the wire and is validated."""
+
 import pytest
 import torch
 

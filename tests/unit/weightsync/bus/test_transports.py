@@ -1,5 +1,6 @@
 """The transport registry: the names every service lists, what each transport declares, and that
 the declarations agree with the classes they name."""
+
 import json
 import subprocess
 import sys
@@ -9,17 +10,28 @@ import pytest
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.bus.session import Sender
-from weightsync.bus.transports import (NAMES, TRANSPORTS, choices, multi_sender_names, single_sender_names, summary,
-                                       transport)
+from weightsync.bus.transports import (
+    NAMES,
+    TRANSPORTS,
+    choices,
+    multi_sender_names,
+    single_sender_names,
+    summary,
+    transport,
+)
 
 
 def test_the_transports_and_their_capabilities():
     assert NAMES == ("tcp", "nccl", "ipc")
-    caps = {t.name: (t.multi_sender, t.commit_on_stream, t.checksums_in_band, t.releases_previous, t.one_rank_per_gpu)
-            for t in TRANSPORTS.values()}
-    assert caps == {"tcp": (True, False, "all", False, False),
-                    "nccl": (True, False, "none", True, True),
-                    "ipc": (False, True, "all", True, False)}
+    caps = {
+        t.name: (t.multi_sender, t.commit_on_stream, t.checksums_in_band, t.releases_previous, t.one_rank_per_gpu)
+        for t in TRANSPORTS.values()
+    }
+    assert caps == {
+        "tcp": (True, False, "all", False, False),
+        "nccl": (True, False, "none", True, True),
+        "ipc": (False, True, "all", True, False),
+    }
     assert multi_sender_names() == ("tcp", "nccl") and single_sender_names() == ("ipc",)
     assert choices() == "tcp, nccl or ipc" and choices(["tcp"]) == "tcp"
     assert summary().startswith("tcp (any host), nccl (")
@@ -46,8 +58,10 @@ def test_an_unknown_transport_is_refused_naming_the_field_and_the_choices():
 
 
 def test_the_registry_imports_no_transport_and_no_torch():
-    code = ("import sys, json; import weightsync.bus.transports; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('torch', 'weightsync.bus.')))))")
+    code = (
+        "import sys, json; import weightsync.bus.transports; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('torch', 'weightsync.bus.')))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["weightsync.bus.transports"]
 

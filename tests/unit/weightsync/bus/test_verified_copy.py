@@ -1,4 +1,5 @@
 """The one-pass copy-out: the tensors land exactly, and the checksum equals bucket_checksum's."""
+
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ def _bucket(shapes_dtypes, seed=0):
     g = torch.Generator().manual_seed(seed)
     named = []
     for i, (shape, dtype) in enumerate(shapes_dtypes):
-        t = torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int32).to(dtype)
+        t = torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int32).to(dtype)
         if dtype.is_floating_point:
             t = torch.randn(shape, generator=g).to(dtype)
         named.append((f"t{i}", t))

@@ -5,6 +5,7 @@ Every fuzzed call must end OK or with a deliberate status code — never UNKNOWN
 exception in a handler) or INTERNAL — and the servers must keep serving: GetStatus works and a
 real sync still commits at the end.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,15 +18,24 @@ from hypothesis import strategies as st
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
-ROLLOUT_METHODS = {"GetStatus": rollout_pb2.GetStatusRequest, "Generate": rollout_pb2.GenerateRequest,
-                   "Score": rollout_pb2.ScoreRequest, "PrepareSync": rollout_pb2.PrepareSyncRequest,
-                   "PushBucket": rollout_pb2.PushBucketRequest, "CommitSync": rollout_pb2.CommitSyncRequest,
-                   "AbortSync": rollout_pb2.AbortSyncRequest}
+ROLLOUT_METHODS = {
+    "GetStatus": rollout_pb2.GetStatusRequest,
+    "Generate": rollout_pb2.GenerateRequest,
+    "Score": rollout_pb2.ScoreRequest,
+    "PrepareSync": rollout_pb2.PrepareSyncRequest,
+    "PushBucket": rollout_pb2.PushBucketRequest,
+    "CommitSync": rollout_pb2.CommitSyncRequest,
+    "AbortSync": rollout_pb2.AbortSyncRequest,
+}
 # ExportHf / SaveCheckpoint write to a client-chosen path: fuzzed only with paths under tmp (below)
-TRAINER_METHODS = {"RegisterRollout": trainer_pb2.RegisterRolloutRequest,
-                   "DeregisterRollout": trainer_pb2.DeregisterRolloutRequest, "Sync": trainer_pb2.SyncRequest,
-                   "GetStatus": trainer_pb2.TrainerStatusRequest, "LoadWeights": trainer_pb2.LoadWeightsRequest,
-                   "ComputeLogprobs": trainer_pb2.ComputeLogprobsRequest}
+TRAINER_METHODS = {
+    "RegisterRollout": trainer_pb2.RegisterRolloutRequest,
+    "DeregisterRollout": trainer_pb2.DeregisterRolloutRequest,
+    "Sync": trainer_pb2.SyncRequest,
+    "GetStatus": trainer_pb2.TrainerStatusRequest,
+    "LoadWeights": trainer_pb2.LoadWeightsRequest,
+    "ComputeLogprobs": trainer_pb2.ComputeLogprobsRequest,
+}
 # a crash in a server thread (e.g. the abort timer) fails the test too
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -41,13 +51,26 @@ def servers(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fuzz")
     # ExportHf's fuzzed paths lie under tmp: the trainer's data root, so they are really written
-    tcfg = TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2",
-                         bucket_mb=1, rpc_timeout_s=3.0, sync_timeout_s=20.0, auto_sync_new_rollouts=False,
-                         data_root=str(tmp))
+    tcfg = TrainerConfig.from_flat(
+        grpc_address="127.0.0.1:0",
+        http_address="127.0.0.1:0",
+        backend="hf",
+        model="tiny-qwen2",
+        bucket_mb=1,
+        rpc_timeout_s=3.0,
+        sync_timeout_s=20.0,
+        auto_sync_new_rollouts=False,
+        data_root=str(tmp),
+    )
     trainer = TrainerApp(tcfg)
     trainer.start()
-    rcfg = RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
-                         rollout_id="real", sync_timeout_s=20.0)
+    rcfg = RolloutConfig.from_flat(
+        grpc_address="127.0.0.1:0",
+        http_address="127.0.0.1:0",
+        model="tiny-qwen2",
+        rollout_id="real",
+        sync_timeout_s=20.0,
+    )
     rollout = RolloutApp(rcfg)
     rollout.start()
     tstub = trainer_stub(channel(trainer.grpc.address), "", 30)
@@ -60,8 +83,7 @@ def servers(tmp_path_factory):
 def _raw(address: str, service: str, method: str, payload: bytes) -> grpc.StatusCode:
     ch = channel(address)
     try:
-        call = ch.unary_unary(f"/weightsync.v1.{service}/{method}", request_serializer=None,
-                              response_deserializer=None)
+        call = ch.unary_unary(f"/weightsync.v1.{service}/{method}", request_serializer=None, response_deserializer=None)
         call(payload, timeout=30)
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
@@ -94,32 +116,38 @@ def test_trainer_random_bytes(servers, method, payload):
     _raw(servers[0].grpc.address, "Trainer", method, payload)
 
 
-ints = st.integers(min_value=-(2 ** 63), max_value=2 ** 63 - 1)
+ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 small = st.integers(min_value=-3, max_value=600)
-floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.inf, -math.inf, math.nan,
-                                                                                    1e300, 1e12]))
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.inf, -math.inf, math.nan, 1e300, 1e12])
+)
 text = st.text(max_size=40)
 
 
 @st.composite
 def sampling(draw):
     return rollout_pb2.SamplingParams(
-        max_new_tokens=draw(st.one_of(st.integers(0, 40), st.integers(0, 2 ** 32 - 1))),
-        temperature=draw(floats), top_p=draw(floats), top_k=draw(st.integers(-(2 ** 31), 2 ** 31 - 1)),
-        seed=draw(st.integers(0, 2 ** 64 - 1)), stop_token_ids=draw(st.lists(ints, max_size=3)),
-        n=draw(st.one_of(st.integers(0, 4), st.integers(0, 2 ** 32 - 1))))
+        max_new_tokens=draw(st.one_of(st.integers(0, 40), st.integers(0, 2**32 - 1))),
+        temperature=draw(floats),
+        top_p=draw(floats),
+        top_k=draw(st.integers(-(2**31), 2**31 - 1)),
+        seed=draw(st.integers(0, 2**64 - 1)),
+        stop_token_ids=draw(st.lists(ints, max_size=3)),
+        n=draw(st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1))),
+    )
 
 
 @settings(max_examples=120, **SETTINGS)
 @given(prompts=st.lists(st.lists(st.one_of(small, ints), max_size=12), max_size=3), s=sampling(), lp=st.booleans())
 def test_generate_structured(servers, prompts, s, lp):
-    req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], sampling=s,
-                                      return_logprobs=lp)
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], sampling=s, return_logprobs=lp
+    )
     _call(rollout_stub(channel(servers[1].grpc.address), ""), "Generate", req)
 
 
 @settings(max_examples=120, **SETTINGS)
-@given(ids=st.lists(st.one_of(small, ints), max_size=12), pl=st.integers(0, 2 ** 32 - 1), last=st.booleans())
+@given(ids=st.lists(st.one_of(small, ints), max_size=12), pl=st.integers(0, 2**32 - 1), last=st.booleans())
 def test_score_structured(servers, ids, pl, last):
     req = rollout_pb2.ScoreRequest(token_ids=ids, prompt_length=pl, return_last_logits=last)
     _call(rollout_stub(channel(servers[1].grpc.address), ""), "Score", req)
@@ -132,27 +160,30 @@ def manifests(draw, real: bus_pb2.Manifest):
     m.CopyFrom(real)
     m.sync_id = draw(st.one_of(st.just("fz-1"), text))
     for _ in range(draw(st.integers(0, 4))):
-        kind = draw(st.sampled_from(["version", "total", "bsize", "offset", "nbytes", "shape", "dtype", "name",
-                                     "drop", "dup", "algo"]))
+        kind = draw(
+            st.sampled_from(
+                ["version", "total", "bsize", "offset", "nbytes", "shape", "dtype", "name", "drop", "dup", "algo"]
+            )
+        )
         if not m.buckets:
             break
         b = m.buckets[draw(st.integers(0, len(m.buckets) - 1))]
         t = b.tensors[draw(st.integers(0, len(b.tensors) - 1))] if len(b.tensors) else None
         if kind == "version":
-            m.version = draw(st.integers(0, 2 ** 64 - 1))
+            m.version = draw(st.integers(0, 2**64 - 1))
         elif kind == "total":
-            m.total_bytes = draw(st.integers(0, 2 ** 64 - 1))
+            m.total_bytes = draw(st.integers(0, 2**64 - 1))
         elif kind == "bsize":
-            m.bucket_bytes = draw(st.integers(0, 2 ** 64 - 1))
+            m.bucket_bytes = draw(st.integers(0, 2**64 - 1))
         elif kind == "nbytes":
-            b.nbytes = draw(st.integers(0, 2 ** 64 - 1))
+            b.nbytes = draw(st.integers(0, 2**64 - 1))
         elif t is not None and kind == "offset":
-            t.offset = draw(st.integers(0, 2 ** 64 - 1))
+            t.offset = draw(st.integers(0, 2**64 - 1))
         elif t is not None and kind == "shape":
             del t.shape[:]
-            t.shape.extend(draw(st.lists(st.integers(0, 2 ** 63 - 1), max_size=4)))
+            t.shape.extend(draw(st.lists(st.integers(0, 2**63 - 1), max_size=4)))
         elif t is not None and kind == "dtype":
-            t.dtype = draw(st.integers(-(2 ** 31), 2 ** 31 - 1))
+            t.dtype = draw(st.integers(-(2**31), 2**31 - 1))
         elif t is not None and kind == "name":
             t.name = draw(text)
         elif kind == "drop":
@@ -166,10 +197,18 @@ def manifests(draw, real: bus_pb2.Manifest):
 
 def _real_manifest(trainer) -> bus_pb2.Manifest:
     from weightsync.bus.plan import make_manifest, manifest_to_proto
+
     actor = trainer.actor
-    return manifest_to_proto(make_manifest(actor.export_metas(), version=actor.version, sync_id="fz-1",
-                                           bucket_bytes=1 << 16, model_family=actor.family,
-                                           checksum_algo="ws-sum64-v1"))
+    return manifest_to_proto(
+        make_manifest(
+            actor.export_metas(),
+            version=actor.version,
+            sync_id="fz-1",
+            bucket_bytes=1 << 16,
+            model_family=actor.family,
+            checksum_algo="ws-sum64-v1",
+        )
+    )
 
 
 def test_sync_rpcs_structured(servers):
@@ -179,11 +218,20 @@ def test_sync_rpcs_structured(servers):
     sid = st.one_of(st.just("fz-1"), text)
 
     @settings(max_examples=150, **SETTINGS)
-    @given(m=manifests(real), timeout=st.one_of(floats, st.just(0.5)), kind=st.sampled_from(["tcp", "ipc", "none"]),
-           follow=st.lists(st.tuples(st.sampled_from(["push", "commit", "abort"]), sid,
-                                     st.integers(0, 2 ** 32 - 1), st.lists(st.tuples(st.integers(0, 2 ** 32 - 1),
-                                                                                     st.integers(0, 2 ** 64 - 1)),
-                                                                           max_size=3)), max_size=3))
+    @given(
+        m=manifests(real),
+        timeout=st.one_of(floats, st.just(0.5)),
+        kind=st.sampled_from(["tcp", "ipc", "none"]),
+        follow=st.lists(
+            st.tuples(
+                st.sampled_from(["push", "commit", "abort"]),
+                sid,
+                st.integers(0, 2**32 - 1),
+                st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)), max_size=3),
+            ),
+            max_size=3,
+        ),
+    )
     def run(m, timeout, kind, follow):
         req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=timeout)
         if kind == "tcp":
@@ -200,8 +248,7 @@ def test_sync_rpcs_structured(servers):
                 for i, c in sums:
                     r.checksums.add(index=i, checksum=c)
                 # a commit of a prepared sync without buckets waits for them until its deadline: keep it short
-                _call(stub, "CommitSync", r) if not math.isfinite(timeout) or timeout < 2 or s != m.sync_id \
-                    else None
+                _call(stub, "CommitSync", r) if not math.isfinite(timeout) or timeout < 2 or s != m.sync_id else None
             else:
                 _call(stub, "AbortSync", rollout_pb2.AbortSyncRequest(sync_id=s, reason=s))
         _call(stub, "AbortSync", rollout_pb2.AbortSyncRequest(sync_id=m.sync_id))
@@ -215,21 +262,29 @@ def test_trainer_rpcs_structured(servers):
     addr = st.one_of(st.just(rollout.grpc.address), st.just("127.0.0.1:1"), text)
 
     @settings(max_examples=80, **SETTINGS)
-    @given(op=st.sampled_from(["register", "deregister", "sync", "load", "export"]), rid=st.one_of(st.just("real"), text),
-           address=addr, ranks=st.integers(-(2 ** 31), 2 ** 31 - 1), fam=st.one_of(st.just(""), text),
-           ids=st.lists(st.one_of(st.just("real"), text), max_size=2), transport=st.one_of(
-               st.sampled_from(["", "tcp", "nccl", "ipc"]), text), timeout=st.one_of(floats, st.just(3.0)),
-           path=text)
+    @given(
+        op=st.sampled_from(["register", "deregister", "sync", "load", "export"]),
+        rid=st.one_of(st.just("real"), text),
+        address=addr,
+        ranks=st.integers(-(2**31), 2**31 - 1),
+        fam=st.one_of(st.just(""), text),
+        ids=st.lists(st.one_of(st.just("real"), text), max_size=2),
+        transport=st.one_of(st.sampled_from(["", "tcp", "nccl", "ipc"]), text),
+        timeout=st.one_of(floats, st.just(3.0)),
+        path=text,
+    )
     def run(op, rid, address, ranks, fam, ids, transport, timeout, path):
         if op == "register":
-            _call(stub, "RegisterRollout", trainer_pb2.RegisterRolloutRequest(
-                rollout_id=rid, address=address, num_ranks=ranks, model_family=fam))
+            _call(
+                stub,
+                "RegisterRollout",
+                trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=address, num_ranks=ranks, model_family=fam),
+            )
         elif op == "deregister":
             if rid != "real":
                 _call(stub, "DeregisterRollout", trainer_pb2.DeregisterRolloutRequest(rollout_id=rid))
         elif op == "sync":
-            _call(stub, "Sync", trainer_pb2.SyncRequest(rollout_ids=ids, transport=transport,
-                                                        timeout_seconds=timeout))
+            _call(stub, "Sync", trainer_pb2.SyncRequest(rollout_ids=ids, transport=transport, timeout_seconds=timeout))
         elif op == "load":
             _call(stub, "LoadWeights", trainer_pb2.LoadWeightsRequest(hf_path=path))
         else:
@@ -245,9 +300,13 @@ def test_out_of_range_sync_timeouts_are_rejected(servers, t):
     trainer, rollout, _ = servers
     req = rollout_pb2.PrepareSyncRequest(manifest=_real_manifest(trainer), timeout_seconds=t)
     req.transport.tcp.SetInParent()
-    assert _call(rollout_stub(channel(rollout.grpc.address), ""), "PrepareSync", req) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _call(trainer_stub(channel(trainer.grpc.address), ""), "Sync",
-                 trainer_pb2.SyncRequest(timeout_seconds=t)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _call(rollout_stub(channel(rollout.grpc.address), ""), "PrepareSync", req) == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        _call(trainer_stub(channel(trainer.grpc.address), ""), "Sync", trainer_pb2.SyncRequest(timeout_seconds=t))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_an_unknown_transport_is_refused_naming_the_field_and_the_choices(servers):
@@ -256,8 +315,9 @@ def test_an_unknown_transport_is_refused_naming_the_field_and_the_choices(server
         trainer_stub(channel(trainer.grpc.address), "").Sync(trainer_pb2.SyncRequest(transport="udp"))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ei.value.details() == "transport='udp' must be tcp, nccl or ipc"
-    req = rollout_pb2.PrepareSyncRequest(manifest=_real_manifest(trainer), timeout_seconds=30,
-                                         trainer_id=trainer.trainer_id)  # no transport set
+    req = rollout_pb2.PrepareSyncRequest(
+        manifest=_real_manifest(trainer), timeout_seconds=30, trainer_id=trainer.trainer_id
+    )  # no transport set
     with pytest.raises(grpc.RpcError) as ei:
         rollout_stub(channel(rollout.grpc.address), "").PrepareSync(req)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -5,6 +5,7 @@ planned once; the second sync sends no buckets in PrepareSync and still commits 
 weights; a rollout that lost its layouts (a restart) answers manifest_needed and is sent the
 full manifest within the same Sync; a changed layout (another bucket size) goes in full again.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -23,14 +24,29 @@ def fleet():
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
-                                       auto_sync_new_rollouts=False))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            sync_timeout_s=30.0,
+            auto_sync_new_rollouts=False,
+        )
+    )
     trainer.start()
     rollouts = {}
     for rid, mode in (("a", "staged"), ("b", "inplace")):
-        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
-                                       rollout_id=rid, apply_mode=mode))
+        app = RolloutApp(
+            RolloutConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                model="tiny-qwen2",
+                rollout_id=rid,
+                apply_mode=mode,
+            )
+        )
         app.start()
         rollouts[rid] = app
     stub = trainer_stub(channel(trainer.grpc.address), "", 60)
@@ -81,9 +97,15 @@ def test_unknown_digest_prepares_nothing_and_a_contradicting_one_is_refused(flee
     trainer, rollouts, stub, _ = fleet
     app = rollouts["a"]
     r = rollout_stub(channel(app.grpc.address), "", 10)
-    held = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=99, sync_id="probe",
-                                           bucket_bytes=trainer.orch.bucket_bytes, model_family=trainer.actor.family,
-                                           checksum_algo="ws-sum64-v1", origin="x")
+    held = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(),
+        version=99,
+        sync_id="probe",
+        bucket_bytes=trainer.orch.bucket_bytes,
+        model_family=trainer.actor.family,
+        checksum_algo="ws-sum64-v1",
+        origin="x",
+    )
     from weightsync.bus.layout import compact_proto
 
     req = rollout_pb2.PrepareSyncRequest(manifest=compact_proto(held), trainer_id=trainer.orch.trainer_id)
@@ -110,9 +132,15 @@ def test_a_digest_alone_neither_lets_a_foreign_trainer_in_nor_rolls_back(fleet):
     from weightsync.bus.layout import compact_proto
 
     def compact(version):
-        m = trainer.orch.manifests.manifest(trainer.orch.export_format.metas(trainer.actor.export_metas()), version=version, sync_id=f"probe-{version}",
-                                            bucket_bytes=trainer.orch.bucket_bytes, model_family=trainer.actor.family,
-                                            checksum_algo="ws-sum64-v1", origin="x")
+        m = trainer.orch.manifests.manifest(
+            trainer.orch.export_format.metas(trainer.actor.export_metas()),
+            version=version,
+            sync_id=f"probe-{version}",
+            bucket_bytes=trainer.orch.bucket_bytes,
+            model_family=trainer.actor.family,
+            checksum_algo="ws-sum64-v1",
+            origin="x",
+        )
         assert m.layout_digest in app.servicer.layouts._by_digest  # named by a digest the rollout holds
         return compact_proto(m)
 

@@ -3,6 +3,7 @@
 Two concurrent 200 MiB unary calls without a token used to raise the server's memory by ~0.7 GiB
 (grpcio receives a unary request whole before any handler runs) before UNAUTHENTICATED.
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -8,6 +8,7 @@ with the codes gRPC gives, refuses a wrong token, an unknown method, a garbled o
 request, and a link past max_sync_links; a call not answered in time fails and the next one
 opens a fresh link.
 """
+
 from __future__ import annotations
 
 import socket
@@ -20,7 +21,15 @@ import pytest
 from tests.support.fleet_sync import bump_and_sync_exactly
 from trainer_svc.sync.link_client import LinkDown, SyncLinkClient
 from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.control.sync_link import ACCEPTED, LINK_MAGIC, NONCE_BYTES, link_mac, read_frame, recv_exact, status_code
+from weightsync.control.sync_link import (
+    ACCEPTED,
+    LINK_MAGIC,
+    NONCE_BYTES,
+    link_mac,
+    read_frame,
+    recv_exact,
+    status_code,
+)
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 TOKEN = "link-s3cret"
@@ -33,15 +42,33 @@ def fleet():
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
-                                                 auto_sync_new_rollouts=False, auth_token=TOKEN))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            sync_timeout_s=30.0,
+            auto_sync_new_rollouts=False,
+            auth_token=TOKEN,
+        )
+    )
     trainer.start()
     rollouts = {}
     for rid, mode, link in (("a", "staged", True), ("b", "inplace", True), ("c", "staged", False)):
-        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id=rid, apply_mode=mode,
-                                                 auth_token=TOKEN, sync_link=link, max_sync_links=2))
+        app = RolloutApp(
+            RolloutConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                model="tiny-qwen2",
+                rollout_id=rid,
+                apply_mode=mode,
+                auth_token=TOKEN,
+                sync_link=link,
+                max_sync_links=2,
+            )
+        )
         app.start()
         rollouts[rid] = app
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
@@ -71,16 +98,23 @@ def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
     before = _calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
     # the first prepare of each pairing is a gRPC call; its answer names the link, so the commit takes it
-    assert _delta(before, _calls(trainer)) == {("PrepareSync", "grpc"): 3, ("CommitSync", "link"): 2,
-                                                ("CommitSync", "grpc"): 1}
+    assert _delta(before, _calls(trainer)) == {
+        ("PrepareSync", "grpc"): 3,
+        ("CommitSync", "link"): 2,
+        ("CommitSync", "grpc"): 1,
+    }
     assert rollouts["c"].servicer.sync_link == "" and trainer.registry.get("c").link is None
     for rid in "ab":
         assert trainer.registry.get(rid).link.address == rollouts[rid].servicer.sync_link != ""
     served = {rid: rollouts[rid].link.requests for rid in "ab"}
     before = _calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
-    assert _delta(before, _calls(trainer)) == {("PrepareSync", "link"): 2, ("CommitSync", "link"): 2,
-                                                ("PrepareSync", "grpc"): 1, ("CommitSync", "grpc"): 1}
+    assert _delta(before, _calls(trainer)) == {
+        ("PrepareSync", "link"): 2,
+        ("CommitSync", "link"): 2,
+        ("PrepareSync", "grpc"): 1,
+        ("CommitSync", "grpc"): 1,
+    }
     assert {rid: rollouts[rid].link.requests - served[rid] for rid in "ab"} == {"a": 2, "b": 2}
     assert rollouts["c"].link.requests == 0
 

@@ -1,5 +1,6 @@
 """Which tensors travel as FP8 (checked against the transformers modules of every tiny family), and
 the exported stream: its manifest entries, its bytes, and its values."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,7 @@ from weightsync.models import resolve_model
 
 FAMILIES = ["tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe"]
 # What block-FP8 checkpoints keep in 16 bits (by HF name suffix)
-KEPT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", ".bias", "mlp.gate.weight",
-        "shared_expert_gate.weight")
+KEPT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", ".bias", "mlp.gate.weight", "shared_expert_gate.weight")
 
 
 def _meta_model(spec: str):
@@ -109,7 +109,7 @@ def test_dequantizer_pairs_across_buckets_in_either_order_and_reports_leftovers(
         assert list(deq(iter(first))) == []
         for _, t in first:
             t.zero_()  # the bucket buffer is reused: the held copy must not change
-        (name, got), = list(deq(iter(order[1])))
+        ((name, got),) = list(deq(iter(order[1])))
         assert name == "x.weight" and torch.equal(got, want)
         deq.check_complete()
     deq = Dequantizer()
@@ -118,14 +118,24 @@ def test_dequantizer_pairs_across_buckets_in_either_order_and_reports_leftovers(
         deq.check_complete()
 
 
-@pytest.mark.parametrize("metas,match", [
-    ([TensorMeta("a.weight", (4, 4), torch.float8_e4m3fn)], r"a.weight_scale_inv is missing"),
-    ([TensorMeta("a.weight_scale_inv", (1, 1), torch.float32)], r"a.weight is not in the manifest"),
-    ([TensorMeta("a.weight_scale_inv", (2, 1), torch.float32), TensorMeta("a.weight", (4, 4), torch.float8_e4m3fn)],
-     r"shape \[2, 1\].*expected \[1, 1\]"),
-    ([TensorMeta("a.weight_scale_inv", (1, 1), torch.float32), TensorMeta("a.weight", (4, 4), torch.bfloat16)],
-     r"a.weight is torch.bfloat16"),
-])
+@pytest.mark.parametrize(
+    "metas,match",
+    [
+        ([TensorMeta("a.weight", (4, 4), torch.float8_e4m3fn)], r"a.weight_scale_inv is missing"),
+        ([TensorMeta("a.weight_scale_inv", (1, 1), torch.float32)], r"a.weight is not in the manifest"),
+        (
+            [
+                TensorMeta("a.weight_scale_inv", (2, 1), torch.float32),
+                TensorMeta("a.weight", (4, 4), torch.float8_e4m3fn),
+            ],
+            r"shape \[2, 1\].*expected \[1, 1\]",
+        ),
+        (
+            [TensorMeta("a.weight_scale_inv", (1, 1), torch.float32), TensorMeta("a.weight", (4, 4), torch.bfloat16)],
+            r"a.weight is torch.bfloat16",
+        ),
+    ],
+)
 def test_logical_metas_refuses_broken_pairs(metas, match):
     with pytest.raises(ValueError, match=match):
         logical_metas(metas)
@@ -163,13 +173,17 @@ def _linear_stream(bad: dict[str, tuple[int, int]] | None = None):
 
 
 def test_a_non_finite_weight_fails_the_stream_after_its_last_tensor_naming_the_first_bad_one():
-    named = _linear_stream({"model.layers.1.mlp.up_proj.weight": (290, 10),
-                            "model.layers.3.mlp.up_proj.weight": (0, 0)})
+    named = _linear_stream(
+        {"model.layers.1.mlp.up_proj.weight": (290, 10), "model.layers.3.mlp.up_proj.weight": (0, 0)}
+    )
     want = export_metas(TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named)
     got = []
     stream = export_tensors(iter(named))
-    with pytest.raises(ValueError, match=r"^tensor model.layers.1.mlp.up_proj.weight: block \[2, 0\] holds inf or "
-                                         r"nan; refusing to export it as FP8 \(the trainer's weights have diverged\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor model.layers.1.mlp.up_proj.weight: block \[2, 0\] holds inf or "
+        r"nan; refusing to export it as FP8 \(the trainer's weights have diverged\)$",
+    ):
         for item in stream:
             got.append(item)
     assert [n for n, _ in got] == [m.name for m in want]  # every tensor went out before the error
@@ -200,6 +214,7 @@ class _HostSyncs:
         def f(t, *a, **k):
             self.calls.append(attr)
             return orig(t, *a, **k)
+
         return f
 
 

@@ -5,6 +5,7 @@ for float32 inputs), the scale as a float32 quotient, each weight's float32 quot
 that to e4m3 by hand (round to nearest, ties to even; subnormals in steps of 2**-9; codes built
 from sign, exponent and mantissa bits). The module under test must produce the same bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,11 +23,11 @@ def e4m3_code(y: float) -> int:
     """The e4m3fn byte of a float32 value already clamped to [-448, 448], rounded to nearest even."""
     sign = 0x80 if math.copysign(1.0, y) < 0 else 0
     a = abs(y)
-    if a < 2.0 ** -6:                       # subnormal: m * 2**-9, m in 0..8 (8 is the smallest normal)
-        m = round(a * 2 ** 9)               # Python's round is ties-to-even, and a * 2**9 is exact
+    if a < 2.0**-6:  # subnormal: m * 2**-9, m in 0..8 (8 is the smallest normal)
+        m = round(a * 2**9)  # Python's round is ties-to-even, and a * 2**9 is exact
         return sign | (0x08 if m == 8 else m)
-    e = math.frexp(a)[1] - 1                # a = 1.f * 2**e, e in [-6, 8]
-    m = round(a / 2.0 ** (e - 3))           # 3 mantissa bits: m in 8..16
+    e = math.frexp(a)[1] - 1  # a = 1.f * 2**e, e in [-6, 8]
+    m = round(a / 2.0 ** (e - 3))  # 3 mantissa bits: m in 8..16
     if m == 16:
         e, m = e + 1, 8
     assert -6 <= e <= 8 and 8 <= m < 16, (y, e, m)
@@ -37,7 +38,7 @@ def e4m3_value(code: int) -> float:
     sign = -1.0 if code & 0x80 else 1.0
     exp, man = (code >> 3) & 0xF, code & 0x7
     if exp == 0:
-        return sign * man * 2.0 ** -9
+        return sign * man * 2.0**-9
     return sign * (1 + man / 8) * 2.0 ** (exp - 7)
 
 
@@ -51,10 +52,10 @@ def reference(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     deq = np.zeros((rows, cols), dtype=np.float32)
     for i in range(nr):
         for j in range(nc):
-            blk = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            blk = x[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             amax = max(abs(float(v)) for v in blk.flat)
             s = F32(F32(amax) / F32(448.0))
-            if s < F32(2.0 ** -126):
+            if s < F32(2.0**-126):
                 s = F32(1.0)
             scales[i, j] = s
             for (r, c), v in np.ndenumerate(blk):
@@ -69,16 +70,16 @@ def reference(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _data(shape, kind: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g)
-    if kind == "heavy":      # magnitudes over ~14 decades: many weights land on e4m3 subnormals / zero
+    if kind == "heavy":  # magnitudes over ~14 decades: many weights land on e4m3 subnormals / zero
         w = w * torch.exp(torch.randn(shape, generator=g) * 4)
-    elif kind == "zeros":    # whole zero blocks (scale 1), a signed zero, a denormal-only block
-        w[:min(shape[0], 128), :min(shape[1], 128)] = 0
+    elif kind == "zeros":  # whole zero blocks (scale 1), a signed zero, a denormal-only block
+        w[: min(shape[0], 128), : min(shape[1], 128)] = 0
         w[0, -1] = -0.0
         if shape[0] > 128:
-            w[128:, :min(shape[1], 128)] = 1e-40
-    elif kind == "ties":     # exact halfway cases between e4m3 neighbours (ties go to even)
-        w = torch.tensor([448.0, 1.0625, 1.1875, -3 * 2.0 ** -10, 5 * 2.0 ** -10, 2.0 ** -10, 0.0])
-        w = w.repeat(shape[0], -(-shape[1] // 7))[:, :shape[1]].contiguous()
+            w[128:, : min(shape[1], 128)] = 1e-40
+    elif kind == "ties":  # exact halfway cases between e4m3 neighbours (ties go to even)
+        w = torch.tensor([448.0, 1.0625, 1.1875, -3 * 2.0**-10, 5 * 2.0**-10, 2.0**-10, 0.0])
+        w = w.repeat(shape[0], -(-shape[1] // 7))[:, : shape[1]].contiguous()
     return w
 
 
@@ -103,13 +104,13 @@ def test_quantize_and_dequantize_equal_the_reference_bit_for_bit(shape, kind, dt
 def test_the_reference_rounds_ties_to_even_and_saturates():
     # hand-checked e4m3 facts, so the reference itself is not taken on trust
     assert e4m3_code(448.0) == 0x7E and e4m3_value(0x7E) == 448.0
-    assert e4m3_code(1.0625) == 0x38            # halfway 1 .. 1.125 -> even mantissa (1.0)
-    assert e4m3_code(1.1875) == 0x3A            # halfway 1.125 .. 1.25 -> 1.25
-    assert e4m3_code(2.0 ** -10) == 0x00        # half the smallest subnormal -> 0
-    assert e4m3_code(3 * 2.0 ** -10) == 0x02    # 1.5 steps -> 2 steps
+    assert e4m3_code(1.0625) == 0x38  # halfway 1 .. 1.125 -> even mantissa (1.0)
+    assert e4m3_code(1.1875) == 0x3A  # halfway 1.125 .. 1.25 -> 1.25
+    assert e4m3_code(2.0**-10) == 0x00  # half the smallest subnormal -> 0
+    assert e4m3_code(3 * 2.0**-10) == 0x02  # 1.5 steps -> 2 steps
     assert e4m3_code(-0.0) == 0x80
-    assert e4m3_code(15 * 2.0 ** -10) == 0x08   # 7.5 steps -> 8 = the smallest normal, 2**-6
-    w = torch.tensor([[448.0 * 2, 1.0]])        # amax 896 -> s = 2 -> 896/2 = 448, 1/2 = 0.5
+    assert e4m3_code(15 * 2.0**-10) == 0x08  # 7.5 steps -> 8 = the smallest normal, 2**-6
+    w = torch.tensor([[448.0 * 2, 1.0]])  # amax 896 -> s = 2 -> 896/2 = 448, 1/2 = 0.5
     q, s = fp8.quantize(w)
     assert s.item() == 2.0 and q.float().tolist() == [[448.0, 0.5]]
 
@@ -131,11 +132,14 @@ def test_non_finite_weights_are_refused_naming_tensor_and_block(bad):
         fp8.quantize(w, name="layers.0.q_proj.weight")
 
 
-@pytest.mark.parametrize("w,match", [
-    (torch.zeros(5), "needs a matrix"),
-    (torch.zeros(4, 4, dtype=torch.int32), "cannot be quantized"),
-    (torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "cannot be quantized"),
-])
+@pytest.mark.parametrize(
+    "w,match",
+    [
+        (torch.zeros(5), "needs a matrix"),
+        (torch.zeros(4, 4, dtype=torch.int32), "cannot be quantized"),
+        (torch.zeros(4, 4, dtype=torch.float8_e4m3fn), "cannot be quantized"),
+    ],
+)
 def test_unquantizable_inputs_are_refused(w, match):
     with pytest.raises(ValueError, match=match):
         fp8.quantize(w)
@@ -151,5 +155,5 @@ def test_relative_error_is_bounded_by_e4m3_precision():
     # e4m3 keeps 3 mantissa bits: a normal value is off by at most 2**-4 of itself
     w = torch.randn(256, 384) * 0.02
     back = fp8.dequantize(*fp8.quantize(w))
-    big = w.abs() > w.abs().amax() / 448 * 2 ** -6 * 4  # well inside the e4m3 normal range of its block
-    assert ((back - w).abs()[big] <= w.abs()[big] * 2 ** -4).all()
+    big = w.abs() > w.abs().amax() / 448 * 2**-6 * 4  # well inside the e4m3 normal range of its block
+    assert ((back - w).abs()[big] <= w.abs()[big] * 2**-4).all()

@@ -1,6 +1,7 @@
 """Start-up compilation of the FP8 Triton kernels (weightsync/formats/fp8_warm.py): which stand-in
 tensors it runs, that it is free off-GPU, and that both services call it. The GPU case (nothing left
 to compile for the first sync) is tests/gpu/test_fp8_gpu.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,11 @@ class _Launches:
     def __init__(self, monkeypatch):
         self.quantize, self.dequantize = [], []
         monkeypatch.setattr(fp8_triton, "quantize", lambda w: self.quantize.append((tuple(w.shape), w.dtype)))
-        monkeypatch.setattr(fp8_triton, "dequantize",
-                            lambda q, s, dtype: self.dequantize.append((tuple(q.shape), tuple(s.shape), dtype)))
+        monkeypatch.setattr(
+            fp8_triton,
+            "dequantize",
+            lambda q, s, dtype: self.dequantize.append((tuple(q.shape), tuple(s.shape), dtype)),
+        )
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
@@ -68,11 +72,14 @@ def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
     assert want == [(512, 1536), (1536, 512), (1536, 1536)]
     assert launches.quantize == [(s, torch.float32) for s in want]
     # the engine's dtypes, for its quantizable parameters only (a float64 one goes through torch)
-    engine = _metas(torch.bfloat16) + [TensorMeta("model.layers.0.mlp.up_proj.weight", (100, 200), torch.float16),
-                                       TensorMeta("model.layers.1.mlp.up_proj.weight", (300, 200), torch.float64)]
+    engine = _metas(torch.bfloat16) + [
+        TensorMeta("model.layers.0.mlp.up_proj.weight", (100, 200), torch.float16),
+        TensorMeta("model.layers.1.mlp.up_proj.weight", (300, 200), torch.float64),
+    ]
     assert fp8_warm.warm_dequantize(engine, "cuda:0") > 0
-    assert launches.dequantize == [(s, (_blocks(s[0]), _blocks(s[1])), torch.bfloat16) for s in want] + \
-        [((100, 200), (1, 2), torch.float16)]
+    assert launches.dequantize == [(s, (_blocks(s[0]), _blocks(s[1])), torch.bfloat16) for s in want] + [
+        ((100, 200), (1, 2), torch.float16)
+    ]
 
 
 def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypatch):
@@ -83,14 +90,21 @@ def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypa
     calls = []
     monkeypatch.setattr(warm_mod, "warm_quantize", lambda metas, device: calls.append((metas, device)) or 0.0)
     for export_dtype in ("bfloat16", "fp8-block"):
-        app = app_mod.TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                         backend="hf", model="tiny-qwen2", export_dtype=export_dtype))
+        app = app_mod.TrainerApp(
+            TrainerConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                backend="hf",
+                model="tiny-qwen2",
+                export_dtype=export_dtype,
+            )
+        )
         app.start()  # (stop() expects a started app)
         try:
             assert len(calls) == (export_dtype == "fp8-block"), export_dtype
         finally:
             app.stop()
-    (metas, device), = calls
+    ((metas, device),) = calls
     assert metas == app.actor.export_metas() and device == app.orch.device == torch.device("cpu")
     assert {m.dtype for m in metas} == {torch.float32}  # the dtype the fp8-block actor exports in
     assert fp8_warm.warm_quantize(metas, device) == 0.0  # and on this CPU the real one does nothing
@@ -102,8 +116,9 @@ def test_the_rollout_warms_the_dequantizer_at_start_up(monkeypatch):
 
     calls = []
     monkeypatch.setattr(app_mod, "fp8_dequantize_warm_up", lambda engine, device: calls.append((engine, device)) or 0.0)
-    app = app_mod.RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                     model="tiny-qwen2"))
+    app = app_mod.RolloutApp(
+        RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2")
+    )
     app.start()
     try:
         assert calls == [(app.engine, app.servicer.device)]
@@ -117,8 +132,9 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
 
     seen = []
     monkeypatch.setattr(quantized, "_warm_dequantize", lambda metas, device: seen.append(list(metas)) or 1.0)
-    metas = {"model.layers.0.mlp.up_proj.weight": TensorMeta("model.layers.0.mlp.up_proj.weight", (8, 8),
-                                                             torch.bfloat16)}
+    metas = {
+        "model.layers.0.mlp.up_proj.weight": TensorMeta("model.layers.0.mlp.up_proj.weight", (8, 8), torch.bfloat16)
+    }
 
     class Engine(BaseEngine):
         load_weights = flush_cache = generate = score = num_ranks = num_parameters = prefix_cache_entries = None
@@ -144,8 +160,10 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
     assert seen == [list(metas.values())] * 2
 
 
-@pytest.mark.parametrize("senders, export_dtype, quantized", [("all", "fp8-block", True), ("all", "bfloat16", False),
-                                                              ("rank0", "fp8-block", None)])
+@pytest.mark.parametrize(
+    "senders, export_dtype, quantized",
+    [("all", "fp8-block", True), ("all", "bfloat16", False), ("rank0", "fp8-block", None)],
+)
 def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeypatch, senders, export_dtype, quantized):
     """With --senders all every torchrun worker packs, checksums and (fp8-block) quantizes its own
     buckets: it compiles those kernels before its first sync, for its own tensors only; in the
@@ -156,11 +174,17 @@ def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeyp
 
     metas = _metas(torch.float32)
     calls = []
-    monkeypatch.setattr(warm_mod, "warm_quantize", lambda ms, device: calls.append(("quantize", list(ms), device)) or 0.0)
+    monkeypatch.setattr(
+        warm_mod, "warm_quantize", lambda ms, device: calls.append(("quantize", list(ms), device)) or 0.0
+    )
     monkeypatch.setattr(warm_mod, "bucket_checksum_warm_up", lambda device: calls.append(("checksum", device)) or 0.0)
     owners = [i % 2 for i in range(len(metas))]
-    actor = SimpleNamespace(rank=1, export_owners=lambda: owners, export_metas=lambda: list(metas),
-                            parameters=lambda: iter([torch.zeros(1)]))
+    actor = SimpleNamespace(
+        rank=1,
+        export_owners=lambda: owners,
+        export_metas=lambda: list(metas),
+        parameters=lambda: iter([torch.zeros(1)]),
+    )
     cfg = SimpleNamespace(bus=SimpleNamespace(senders=senders), actor=SimpleNamespace(export_dtype=export_dtype))
     warm_mod.warm_up_sender(actor, cfg)
     if quantized is None:

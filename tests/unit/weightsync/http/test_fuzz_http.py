@@ -6,6 +6,7 @@ gets a deliberate answer: 2xx, or 4xx with a message (503 "busy" is deliberate t
 the edges (NaN, inf, huge and negative numbers, lone surrogates, wrong types, unknown fields), with
 valid generation sizes kept small so the run stays bounded (< 60 s).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,17 +14,21 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, http
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70), st.floats(allow_nan=True),
-                      st.text(max_size=20))
-json_any = st.recursive(json_leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                           st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                        max_leaves=12)
-huge = st.one_of(st.integers(-(2 ** 70), 0), st.integers(2 ** 31, 2 ** 70))
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=20)
+)
+json_any = st.recursive(
+    json_leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+huge = st.one_of(st.integers(-(2**70), 0), st.integers(2**31, 2**70))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-320, 1e308]))
 weird_text = st.one_of(st.text(max_size=30), st.sampled_from(["\ud800", "\x00", "a" * 5000, "ok", "tcp"]))
 
@@ -40,32 +45,45 @@ def _check(code: int, text: str, what) -> None:
         assert err["message"].strip() and err["type"], f"{what}: {code} without a message"
 
 
-completion_body = st.fixed_dictionaries({}, optional={
-    "prompt": st.one_of(st.lists(st.integers(-(2 ** 40), 300), max_size=4),
-                        st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=3), weird_text,
-                        st.lists(weird_text, max_size=2), json_any),
-    "max_tokens": st.one_of(st.integers(1, 4), huge, json_leaf),
-    "temperature": st.one_of(floats, json_leaf),
-    "top_p": st.one_of(floats, json_leaf),
-    "top_k": st.one_of(st.integers(-5, 5), huge),
-    "n": st.one_of(st.integers(1, 3), huge, json_leaf),
-    "logprobs": st.one_of(st.integers(-3, 8), huge, json_leaf),
-    "seed": st.one_of(st.integers(0, 2 ** 63 + 5), huge, json_leaf),
-    "stop_token_ids": st.lists(st.integers(-(2 ** 70), 2 ** 70), max_size=3),
-    "stream": json_leaf, "echo": json_leaf, "model": st.one_of(json_leaf, st.just("tiny-qwen2")), "user": json_leaf,
-    "stop": st.one_of(json_leaf, st.lists(weird_text, max_size=3)),
-    "stream_options": st.one_of(json_any, st.just({"include_usage": True})),
-    "bogus": json_leaf,
-})
+completion_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.one_of(
+            st.lists(st.integers(-(2**40), 300), max_size=4),
+            st.lists(st.lists(st.integers(0, 300), max_size=3), max_size=3),
+            weird_text,
+            st.lists(weird_text, max_size=2),
+            json_any,
+        ),
+        "max_tokens": st.one_of(st.integers(1, 4), huge, json_leaf),
+        "temperature": st.one_of(floats, json_leaf),
+        "top_p": st.one_of(floats, json_leaf),
+        "top_k": st.one_of(st.integers(-5, 5), huge),
+        "n": st.one_of(st.integers(1, 3), huge, json_leaf),
+        "logprobs": st.one_of(st.integers(-3, 8), huge, json_leaf),
+        "seed": st.one_of(st.integers(0, 2**63 + 5), huge, json_leaf),
+        "stop_token_ids": st.lists(st.integers(-(2**70), 2**70), max_size=3),
+        "stream": json_leaf,
+        "echo": json_leaf,
+        "model": st.one_of(json_leaf, st.just("tiny-qwen2")),
+        "user": json_leaf,
+        "stop": st.one_of(json_leaf, st.lists(weird_text, max_size=3)),
+        "stream_options": st.one_of(json_any, st.just({"include_usage": True})),
+        "bogus": json_leaf,
+    },
+)
 
-sync_body = st.fixed_dictionaries({}, optional={
-    "rollout_ids": st.one_of(st.lists(weird_text, max_size=3), json_any, st.just(["r1"])),
-    "transport": st.one_of(weird_text, st.sampled_from(["", "tcp", "nccl", "ipc"]), json_leaf),
-    "timeout_seconds": st.one_of(floats, huge, json_leaf, st.just(20.0)),
-    "senders": st.one_of(weird_text, st.sampled_from(["", "all", "rank0"]), json_leaf),
-    "allow_rollback": json_leaf,
-    "extra": json_leaf,
-})
+sync_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "rollout_ids": st.one_of(st.lists(weird_text, max_size=3), json_any, st.just(["r1"])),
+        "transport": st.one_of(weird_text, st.sampled_from(["", "tcp", "nccl", "ipc"]), json_leaf),
+        "timeout_seconds": st.one_of(floats, huge, json_leaf, st.just(20.0)),
+        "senders": st.one_of(weird_text, st.sampled_from(["", "all", "rank0"]), json_leaf),
+        "allow_rollback": json_leaf,
+        "extra": json_leaf,
+    },
+)
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -75,7 +93,7 @@ def test_fuzz_completions(services, body):
     code, headers, text = http(rollout.http.port, "/v1/completions", raw=_dumps(body), headers=AUTH, timeout=30)
     _check(code, text, body)
     if code == 200 and headers["Content-Type"].startswith("text/event-stream"):  # stream: a lax true
-        events = [line[len("data: "):] for line in text.split("\n\n") if line]
+        events = [line[len("data: ") :] for line in text.split("\n\n") if line]
         assert events[-1] == "[DONE]" and len(events) > 2, text[:500]
         chunks = [json.loads(e) for e in events[:-1]]
         assert all(c["weight_version"] == rollout.tx.version for c in chunks)
@@ -94,15 +112,21 @@ def test_fuzz_sync(services, body):
 
 
 @settings(max_examples=100, **SETTINGS)
-@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/completions", "/v1/sync", "/v1/status", "/readyz"]),
-       ctype=st.sampled_from(["application/json", "text/plain", "multipart/form-data", ""]),
-       auth=st.one_of(st.just(f"Bearer {TOKEN}"), weird_text.filter(lambda s: s.isascii() and "\n" not in s
-                                                                    and "\r" not in s and "\x00" not in s)))
+@given(
+    raw=st.binary(max_size=200),
+    path=st.sampled_from(["/v1/completions", "/v1/sync", "/v1/status", "/readyz"]),
+    ctype=st.sampled_from(["application/json", "text/plain", "multipart/form-data", ""]),
+    auth=st.one_of(
+        st.just(f"Bearer {TOKEN}"),
+        weird_text.filter(lambda s: s.isascii() and "\n" not in s and "\r" not in s and "\x00" not in s),
+    ),
+)
 def test_fuzz_raw_requests(services, raw, path, ctype, auth):
     trainer, rollout = services
     port = rollout.http.port if path == "/v1/completions" else trainer.http.port
-    code, _, text = http(port, path, raw=raw, method="POST", headers={"Content-Type": ctype, "Authorization": auth},
-                         timeout=30)
+    code, _, text = http(
+        port, path, raw=raw, method="POST", headers={"Content-Type": ctype, "Authorization": auth}, timeout=30
+    )
     _check(code, text, (path, raw, ctype, auth))
 
 

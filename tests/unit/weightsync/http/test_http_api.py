@@ -5,6 +5,7 @@ the gRPC admin API answers (same validation, same JSON as `wsctl --json`); a rol
 /v1/completions is gRPC Generate in OpenAI's shape, token for token; both refuse bodies over the
 limit before reading them.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ import time
 import pytest
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST
-from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, error_message, http
 
+from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, error_message, http
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -80,8 +81,10 @@ def test_rest_needs_the_token_exactly_once(services, path, body):
     assert code == 401 and headers["WWW-Authenticate"] == "Bearer" and "token" in text
     assert http(port, path, body, headers={"Authorization": TOKEN})[0] == 401  # no "Bearer "
     # one right and one wrong header: refused (the gRPC interceptor would take any match)
-    req = (f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-           "Authorization: Bearer wrong\r\nConnection: close\r\n\r\n").encode()
+    req = (
+        f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        "Authorization: Bearer wrong\r\nConnection: close\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(req)
         assert s.recv(100).startswith(b"HTTP/1.1 401")
@@ -95,8 +98,11 @@ def test_status_is_grpc_getstatus_as_json(services):
     assert code == 200
     got = json.loads(body)
     with channel(trainer.grpc.address) as ch:
-        want = MessageToDict(trainer_stub(ch, TOKEN).GetStatus(trainer_pb2.TrainerStatusRequest()),
-                             preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        want = MessageToDict(
+            trainer_stub(ch, TOKEN).GetStatus(trainer_pb2.TrainerStatusRequest()),
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+        )
     assert set(got) == set(want)
     for k in ("version", "model_family", "num_parameters", "backend", "origin"):
         assert got[k] == want[k], k
@@ -115,14 +121,17 @@ def test_sync_commits_and_reports(services):
     assert code == 200 and json.loads(body)["ok"] is True
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    ({"rollout_ids": ["nope"]}, 404, "nope"),
-    ({"transport": "udp"}, 400, "transport"),
-    ({"timeout_seconds": -1}, 400, "timeout_seconds"),
-    ({"timeout_seconds": "soon"}, 400, "timeout_seconds"),
-    ({"rollout_ids": "r1"}, 400, "rollout_ids"),
-    ({"bogus": 1}, 400, "bogus"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"rollout_ids": ["nope"]}, 404, "nope"),
+        ({"transport": "udp"}, 400, "transport"),
+        ({"timeout_seconds": -1}, 400, "timeout_seconds"),
+        ({"timeout_seconds": "soon"}, 400, "timeout_seconds"),
+        ({"rollout_ids": "r1"}, 400, "rollout_ids"),
+        ({"bogus": 1}, 400, "bogus"),
+    ],
+)
 def test_sync_rejects_bad_bodies_naming_the_field(services, body, status, needle):
     trainer, _ = services
     code, _, text = http(trainer.http.port, "/v1/sync", body=body, headers=AUTH)
@@ -140,7 +149,12 @@ def test_openapi_describes_the_api(services):
     spec = json.loads(http(trainer.http.port, "/openapi.json")[2])
     assert {"/healthz", "/readyz", "/metrics", "/v1/status", "/v1/sync"} <= set(spec["paths"])
     assert set(spec["components"]["schemas"]["SyncBody"]["properties"]) == {
-        "rollout_ids", "transport", "timeout_seconds", "senders", "allow_rollback"}
+        "rollout_ids",
+        "transport",
+        "timeout_seconds",
+        "senders",
+        "allow_rollback",
+    }
     spec = json.loads(http(rollout.http.port, "/openapi.json")[2])
     assert "/v1/completions" in spec["paths"] and "/v1/sync" not in spec["paths"]
     props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
@@ -150,25 +164,43 @@ def test_openapi_describes_the_api(services):
 def test_oversized_body_is_413_before_it_is_read(services):
     trainer, _ = services
     with socket.create_connection(("127.0.0.1", trainer.http.port), timeout=10) as s:
-        s.sendall(b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {1 << 30}\r\n\r\n{{".encode())
+        s.sendall(
+            b"POST /v1/sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {1 << 30}\r\n\r\n{{".encode()
+        )
         assert s.recv(100).startswith(b"HTTP/1.1 413")
 
 
 # ---- rollout /v1/completions ---------------------------------------------------------------
 def _grpc_generate(rollout, prompts, **sampling):
     with channel(rollout.grpc.address) as ch:
-        return rollout_stub(ch, TOKEN).Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], return_logprobs=True,
-            sampling=rollout_pb2.SamplingParams(**sampling)))
+        return rollout_stub(ch, TOKEN).Generate(
+            rollout_pb2.GenerateRequest(
+                prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
+                return_logprobs=True,
+                sampling=rollout_pb2.SamplingParams(**sampling),
+            )
+        )
 
 
 def test_completions_equal_grpc_generate(services):
     _, rollout = services
     prompts = [[5, 6, 7], [9, 10]]
-    code, headers, body = http(rollout.http.port, "/v1/completions", headers=AUTH, body={
-        "model": "tiny-qwen2", "prompt": prompts, "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "n": 2, "seed": 11,
-        "logprobs": 1})
+    code, headers, body = http(
+        rollout.http.port,
+        "/v1/completions",
+        headers=AUTH,
+        body={
+            "model": "tiny-qwen2",
+            "prompt": prompts,
+            "max_tokens": 7,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "n": 2,
+            "seed": 11,
+            "logprobs": 1,
+        },
+    )
     assert code == 200, body
     out = json.loads(body)
     ref = _grpc_generate(rollout, prompts, max_new_tokens=7, temperature=0.8, top_p=0.9, n=2, seed=11)
@@ -178,35 +210,45 @@ def test_completions_equal_grpc_generate(services):
     assert [c["token_ids"] for c in out["choices"]] == [list(s.token_ids) for s in ref.samples]
     assert [c["logprobs"]["token_logprobs"] for c in out["choices"]] == [list(s.logprobs) for s in ref.samples]
     assert [c["finish_reason"] for c in out["choices"]] == [s.finish_reason for s in ref.samples]
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": sum(len(s.token_ids) for s in ref.samples),
-                            "total_tokens": 5 + sum(len(s.token_ids) for s in ref.samples)}
+    assert out["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": sum(len(s.token_ids) for s in ref.samples),
+        "total_tokens": 5 + sum(len(s.token_ids) for s in ref.samples),
+    }
     # a flat token list is one prompt; logprobs not asked -> null
-    code, _, body = http(rollout.http.port, "/v1/completions", headers=AUTH,
-                         body={"prompt": [5, 6, 7], "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "seed": 11})
+    code, _, body = http(
+        rollout.http.port,
+        "/v1/completions",
+        headers=AUTH,
+        body={"prompt": [5, 6, 7], "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "seed": 11},
+    )
     one = json.loads(body)
     assert one["choices"][0]["logprobs"] is None and len(one["choices"]) == 1
     ref = _grpc_generate(rollout, [[5, 6, 7]], max_new_tokens=7, temperature=0.8, top_p=0.9, seed=11)
     assert one["choices"][0]["token_ids"] == list(ref.samples[0].token_ids)
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"prompt": "hello"}, "token ids"),
-    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
-    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
-    ({"prompt": [1, 2], "n": 0}, "n="),
-    ({"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ({"prompt": [1, 999]}, "999"),
-    ({"prompt": []}, "prompts"),
-    ({"prompt": [[]]}, "empty"),
-    ({"prompt": [1, 2], "logprobs": 9}, "logprobs"),
-    ({"prompt": [1, 2], "seed": -1}, "seed"),
-    ({"prompt": [1, 2], "stream": [1]}, "stream"),
-    ({"prompt": [1, 2], "stop": "\n"}, "stop"),  # stop strings need a tokenizer (tiny-qwen2 has none)
-    ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop"),
-    ({"prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"prompt": "hello"}, "token ids"),
+        ({"prompt": [1, 2], "temperature": -1}, "temperature"),
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 2], "n": 0}, "n="),
+        ({"prompt": [1, 2], "top_p": 0}, "top_p"),
+        ({"prompt": [1, 999]}, "999"),
+        ({"prompt": []}, "prompts"),
+        ({"prompt": [[]]}, "empty"),
+        ({"prompt": [1, 2], "logprobs": 9}, "logprobs"),
+        ({"prompt": [1, 2], "seed": -1}, "seed"),
+        ({"prompt": [1, 2], "stream": [1]}, "stream"),
+        ({"prompt": [1, 2], "stop": "\n"}, "stop"),  # stop strings need a tokenizer (tiny-qwen2 has none)
+        ({"prompt": [1, 2], "stop": ["a"] * 17}, "stop"),
+        ({"prompt": [1, 2], "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_completions_reject_bad_requests_naming_the_field(services, body, needle):
     _, rollout = services
     code, _, text = http(rollout.http.port, "/v1/completions", body=body, headers=AUTH)
@@ -223,8 +265,11 @@ def test_http_disconnect_frees_the_engine(services):
     lock = rollout.tx.engine_lock
     body = json.dumps({"prompt": [[1, 2, 3]] * 50, "max_tokens": 500, "n": 8}).encode()
     s = socket.create_connection(("127.0.0.1", rollout.http.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     deadline = time.monotonic() + 10
     while not lock.locked() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -251,13 +296,22 @@ def test_text_prompts_with_a_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(tmp_path))
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                             model=str(tmp_path), rollout_id="tok", serve_initial_weights=True))
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model=str(tmp_path),
+            rollout_id="tok",
+            serve_initial_weights=True,
+        )
+    )
     app.start()
     try:
-        code, _, body = http(app.http.port, "/v1/completions",
-                             body={"prompt": ["the cat sat", "a dog"], "max_tokens": 4, "temperature": 0,
-                                   "logprobs": 0})
+        code, _, body = http(
+            app.http.port,
+            "/v1/completions",
+            body={"prompt": ["the cat sat", "a dog"], "max_tokens": 4, "temperature": 0, "logprobs": 0},
+        )
         assert code == 200, body
         out = json.loads(body)
         hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)  # what a client of the model uses

@@ -4,6 +4,7 @@ Loopback only; every wait is a poll with a deadline. Before the middleware, an u
 was read (and parsed) in full before the 401, and a client that sent half a header kept its
 connection forever.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,11 @@ def small_server():
 
 
 def _post_head(path: str, length: int, auth: str | None = None) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
-            + (f"Authorization: {auth}\r\n" if auth else "") + "\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
+        + (f"Authorization: {auth}\r\n" if auth else "")
+        + "\r\n"
+    ).encode()
 
 
 # ---- before auth ------------------------------------------------------------------------------
@@ -174,8 +178,10 @@ def test_authenticated_requests_still_work(small_server):
     code, _, text = http(small_server.port, "/v1/echo", body={"x": "three"}, headers=AUTH)
     assert code == 400 and "x" == json.loads(text)["error"]["param"]
     with socket.create_connection(("127.0.0.1", small_server.port), timeout=5) as s:  # chunked over the limit
-        s.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                  + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+        s.sendall(
+            b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+        )
         block = b"a" * (1 << 20)
         try:
             for _ in range(17):
@@ -202,7 +208,8 @@ def test_openapi_declares_bearer_auth_and_the_real_status_codes(services):
                 assert ("security" in op) == protected, (path, method)
                 if protected:
                     assert op["responses"]["401"]["content"]["application/json"]["schema"] == {
-                        "$ref": "#/components/schemas/ErrorBody"}
+                        "$ref": "#/components/schemas/ErrorBody"
+                    }
                 if "requestBody" in op:
                     assert {"400", "413"} <= set(op["responses"]), (path, method)
     spec = json.loads(http(rollout.http.port, "/openapi.json")[2])

@@ -5,6 +5,7 @@ required) and one whose model directory has a byte-level tokenizer with a chat t
 answer is checked against gRPC Generate on the same token ids, and streams against the same
 request without `stream`.
 """
+
 from __future__ import annotations
 
 import openai
@@ -15,8 +16,10 @@ from tests.unit.weightsync.http.rest_helpers import TOKEN
 from weightsync.control.client import channel, rollout_stub
 from weightsync.v1 import rollout_pb2
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
 
 
 def _client(port: int, key: str = TOKEN):
@@ -25,9 +28,13 @@ def _client(port: int, key: str = TOKEN):
 
 def _grpc_generate(rollout, prompts, token=TOKEN, **sampling):
     with channel(rollout.grpc.address) as ch:
-        return rollout_stub(ch, token).Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], return_logprobs=True,
-            sampling=rollout_pb2.SamplingParams(**sampling)))
+        return rollout_stub(ch, token).Generate(
+            rollout_pb2.GenerateRequest(
+                prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
+                return_logprobs=True,
+                sampling=rollout_pb2.SamplingParams(**sampling),
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +59,16 @@ def chat_rollout(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                             model=str(path), rollout_id="chat", auth_token=TOKEN,
-                                             serve_initial_weights=True))
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model=str(path),
+            rollout_id="chat",
+            auth_token=TOKEN,
+            serve_initial_weights=True,
+        )
+    )
     app.start()
     yield app, AutoTokenizer.from_pretrained(str(path), local_files_only=True), str(path)
     app.stop()
@@ -76,8 +90,9 @@ def test_models_list_and_retrieve(services):
 def test_completions_through_the_client_equal_grpc_generate(services):
     _, rollout = services
     client = _client(rollout.http.port)
-    raw = client.completions.with_raw_response.create(model="tiny-qwen2", prompt=[[5, 6, 7], [9, 10]], max_tokens=6,
-                                                      temperature=0.7, n=2, seed=4, logprobs=1)
+    raw = client.completions.with_raw_response.create(
+        model="tiny-qwen2", prompt=[[5, 6, 7], [9, 10]], max_tokens=6, temperature=0.7, n=2, seed=4, logprobs=1
+    )
     out = raw.parse()
     ref = _grpc_generate(rollout, [[5, 6, 7], [9, 10]], max_new_tokens=6, temperature=0.7, n=2, seed=4)
     assert out.model_extra["weight_version"] == ref.version == int(raw.headers["X-Weight-Version"])
@@ -89,7 +104,15 @@ def test_completions_through_the_client_equal_grpc_generate(services):
 def test_streamed_completions_are_the_same_answer(services):
     _, rollout = services
     client = _client(rollout.http.port)
-    args = {"model": "tiny-qwen2", "prompt": [[3, 4], [8]], "max_tokens": 5, "temperature": 0.9, "n": 2, "seed": 9, "logprobs": 0}
+    args = {
+        "model": "tiny-qwen2",
+        "prompt": [[3, 4], [8]],
+        "max_tokens": 5,
+        "temperature": 0.9,
+        "n": 2,
+        "seed": 9,
+        "logprobs": 0,
+    }
     whole = client.completions.create(**args)
     ids, lps, reasons, usage, versions = {}, {}, {}, None, set()
     for chunk in client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
@@ -114,17 +137,18 @@ def test_text_completions_stop_strings_and_echo(chat_rollout):
     args = {"model": model, "prompt": "the cat sat", "max_tokens": 24, "temperature": 1.0, "seed": 5}
     whole = client.completions.create(**args)
     ids = whole.choices[0].model_extra["token_ids"]
-    ref = _grpc_generate(app, [hf.encode("the cat sat", add_special_tokens=False)], max_new_tokens=24,
-                         temperature=1.0, seed=5)
+    ref = _grpc_generate(
+        app, [hf.encode("the cat sat", add_special_tokens=False)], max_new_tokens=24, temperature=1.0, seed=5
+    )
     assert ids == list(ref.samples[0].token_ids) and whole.choices[0].text == hf.decode(ids)
     # a stop string taken from the middle of that answer: the text ends before it, ids at its token
     text = whole.choices[0].text
-    stop = next(ch for ch in text[len(text) // 3:] if ch.isprintable() and ch != "\ufffd")
+    stop = next(ch for ch in text[len(text) // 3 :] if ch.isprintable() and ch != "\ufffd")
     cut = client.completions.create(**args, stop=[stop, "never-generated-\x01"])
     c = cut.choices[0]
-    assert c.finish_reason == "stop" and c.text == text[:text.find(stop)] and stop not in c.text
+    assert c.finish_reason == "stop" and c.text == text[: text.find(stop)] and stop not in c.text
     cut_ids = c.model_extra["token_ids"]
-    assert cut_ids == ids[:len(cut_ids)] and stop in hf.decode(cut_ids) and stop not in hf.decode(cut_ids[:-1])
+    assert cut_ids == ids[: len(cut_ids)] and stop in hf.decode(cut_ids) and stop not in hf.decode(cut_ids[:-1])
     assert cut.usage.completion_tokens == len(cut_ids)
     # streamed with the stop string: the same text, piece by piece
     pieces = [ch.choices[0].text for ch in client.completions.create(**args, stop=stop, stream=True) if ch.choices]
@@ -138,11 +162,13 @@ def test_chat_applies_the_chat_template(chat_rollout):
     app, hf, model = chat_rollout
     client = _client(app.http.port)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo, wörld"}]
-    raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=12,
-                                                           temperature=0.8, seed=2, logprobs=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=12, temperature=0.8, seed=2, logprobs=True
+    )
     out = raw.parse()
-    prompt = hf.encode(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                       add_special_tokens=False)
+    prompt = hf.encode(
+        hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     ref = _grpc_generate(app, [prompt], max_new_tokens=12, temperature=0.8, seed=2)
     c = out.choices[0]
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
@@ -156,8 +182,14 @@ def test_chat_applies_the_chat_template(chat_rollout):
 def test_streamed_chat_is_the_same_answer(chat_rollout):
     app, _, model = chat_rollout
     client = _client(app.http.port)
-    args = {"model": model, "messages": [{"role": "user", "content": "the cat sat"}], "max_completion_tokens": 20,
-                "temperature": 1.0, "seed": 8, "n": 2}
+    args = {
+        "model": model,
+        "messages": [{"role": "user", "content": "the cat sat"}],
+        "max_completion_tokens": 20,
+        "temperature": 1.0,
+        "seed": 8,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**args)
     content, roles, reasons, usage, pieces = {0: "", 1: ""}, {}, {}, None, 0
     for chunk in client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}):
@@ -193,19 +225,23 @@ def test_stream_pieces_hold_back_split_characters(chat_rollout):
 def test_chat_without_a_tokenizer_is_a_clear_400(services):
     _, rollout = services
     with pytest.raises(openai.BadRequestError, match="tokenizer") as e:
-        _client(rollout.http.port).chat.completions.create(model="tiny-qwen2",
-                                                           messages=[{"role": "user", "content": "hi"}])
+        _client(rollout.http.port).chat.completions.create(
+            model="tiny-qwen2", messages=[{"role": "user", "content": "hi"}]
+        )
     assert e.value.param == "messages" and e.value.type == "invalid_request_error"
 
 
 # ---- errors through the client ----------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,field", [
-    ({"temperature": -1}, "temperature"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logprobs": 9}, "logprobs"),
-    ({"prompt": "text"}, "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logprobs": 9}, "logprobs"),
+        ({"prompt": "text"}, "tokenizer"),
+    ],
+)
 def test_client_reads_error_messages(services, kwargs, field):
     _, rollout = services
     args = {"model": "tiny-qwen2", "prompt": [1, 2], **kwargs}

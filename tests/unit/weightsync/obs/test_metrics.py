@@ -1,4 +1,5 @@
 """Every weightsync metric family is defined once, in weightsync/obs/metrics.py, with `role` as a label."""
+
 from prometheus_client import CollectorRegistry
 
 from weightsync.obs.metrics import (
@@ -9,9 +10,18 @@ from weightsync.obs.metrics import (
 )
 
 # the standard collectors of a service registry (process, platform, GC): no role label of ours
-_STANDARD = {"process_virtual_memory_bytes", "process_resident_memory_bytes", "process_start_time_seconds",
-             "process_cpu_seconds", "process_open_fds", "process_max_fds", "python_info",
-             "python_gc_objects_collected", "python_gc_objects_uncollectable", "python_gc_collections"}
+_STANDARD = {
+    "process_virtual_memory_bytes",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_cpu_seconds",
+    "process_open_fds",
+    "process_max_fds",
+    "python_info",
+    "python_gc_objects_collected",
+    "python_gc_objects_uncollectable",
+    "python_gc_collections",
+}
 
 
 def _families(registry: CollectorRegistry) -> dict[str, set[str]]:
@@ -76,8 +86,14 @@ def test_service_registry_drops_created_twins_without_touching_other_registries(
     assert "app_events_created" in generate_latest(own).decode()
 
 
-TRAINER_ONLY = {"weightsync_sync_phase_seconds", "weightsync_sync_sender_bytes", "weightsync_sync_sender_seconds",
-                "weightsync_sync_forwarded_bytes", "weightsync_sync_sender_buffer_bytes", "weightsync_sync_calls"}
+TRAINER_ONLY = {
+    "weightsync_sync_phase_seconds",
+    "weightsync_sync_sender_bytes",
+    "weightsync_sync_sender_seconds",
+    "weightsync_sync_forwarded_bytes",
+    "weightsync_sync_sender_buffer_bytes",
+    "weightsync_sync_calls",
+}
 
 
 def test_sync_families_only_the_trainer_reports_are_not_on_a_rollout():

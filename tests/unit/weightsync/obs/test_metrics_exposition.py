@@ -1,6 +1,7 @@
 """/metrics of a running trainer and rollout (in process, loopback), read with Prometheus' own
 text parser: the standard collectors are there, no `_created` twins, each side exports only its
 own families, and one gRPC Generate moves the generation families by exactly its size."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -13,16 +14,39 @@ from weightsync.v1 import rollout_pb2
 
 TOKEN = "metrics-test-token"
 # families that only one side may export (TYPE/HELP included: an empty family is still exported)
-TRAINER_ONLY = {"weightsync_sync_phase_seconds", "weightsync_sync_sender_bytes", "weightsync_sync_sender_seconds",
-                "weightsync_sync_forwarded_bytes", "weightsync_sync_sender_buffer_bytes", "weightsync_sync_calls",
-                "weightsync_registered_rollouts", "weightsync_train_steps", "weightsync_train_step",
-                "weightsync_train_loss"}
-ROLLOUT_ONLY = {"weightsync_generate_requests", "weightsync_requests_refused", "weightsync_prefix_cache_hits",
-                "weightsync_apply_seconds", "weightsync_rollout_state", "weightsync_ipc_mapped_buffers",
-                "weightsync_ipc_handle_opens", "weightsync_generation_duration_seconds", "weightsync_prompt_tokens",
-                "weightsync_completion_tokens", "weightsync_generation_requests_in_flight"}
-STANDARD = {"process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds",
-            "python_info", "python_gc_collections"}
+TRAINER_ONLY = {
+    "weightsync_sync_phase_seconds",
+    "weightsync_sync_sender_bytes",
+    "weightsync_sync_sender_seconds",
+    "weightsync_sync_forwarded_bytes",
+    "weightsync_sync_sender_buffer_bytes",
+    "weightsync_sync_calls",
+    "weightsync_registered_rollouts",
+    "weightsync_train_steps",
+    "weightsync_train_step",
+    "weightsync_train_loss",
+}
+ROLLOUT_ONLY = {
+    "weightsync_generate_requests",
+    "weightsync_requests_refused",
+    "weightsync_prefix_cache_hits",
+    "weightsync_apply_seconds",
+    "weightsync_rollout_state",
+    "weightsync_ipc_mapped_buffers",
+    "weightsync_ipc_handle_opens",
+    "weightsync_generation_duration_seconds",
+    "weightsync_prompt_tokens",
+    "weightsync_completion_tokens",
+    "weightsync_generation_requests_in_flight",
+}
+STANDARD = {
+    "process_cpu_seconds",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+    "process_start_time_seconds",
+    "python_info",
+    "python_gc_collections",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +56,22 @@ def services():
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", auth_token=TOKEN))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2", auth_token=TOKEN
+        )
+    )
     trainer.start()
-    rollout = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id="r1", auth_token=TOKEN,
-                                                 serve_initial_weights=True))
+    rollout = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model="tiny-qwen2",
+            rollout_id="r1",
+            auth_token=TOKEN,
+            serve_initial_weights=True,
+        )
+    )
     rollout.start()
     yield trainer, rollout
     rollout.stop()
@@ -82,37 +116,56 @@ def test_one_generate_moves_latency_count_and_token_counters_by_its_size(service
     count0 = value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count", **ep)
     prompt0 = value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep)
     completion0 = value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total", **ep)
-    http0 = value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", role="rollout",
-                  endpoint="http_completions")
+    http0 = value(
+        fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", role="rollout", endpoint="http_completions"
+    )
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     with channel(rollout.grpc.address) as ch:
-        resp = rollout_stub(ch, TOKEN, 60).Generate(rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
-            sampling=rollout_pb2.SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=2)))
+        resp = rollout_stub(ch, TOKEN, 60).Generate(
+            rollout_pb2.GenerateRequest(
+                prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
+                sampling=rollout_pb2.SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=2),
+            )
+        )
     generated = sum(len(s.token_ids) for s in resp.samples)
     assert len(resp.samples) == 4 and generated > 0
     fams = scrape(rollout.http.port)
-    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count",
-                 **ep) == count0 + 1
-    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_sum",
-                 **ep) > 0
+    assert (
+        value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count", **ep)
+        == count0 + 1
+    )
+    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_sum", **ep) > 0
     assert value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep) == prompt0 + 8
-    assert value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total",
-                 **ep) == completion0 + generated
-    assert value(fams, "weightsync_generation_requests_in_flight", "weightsync_generation_requests_in_flight",
-                 **ep) == 0
-    assert value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", role="rollout",
-                 endpoint="http_completions") == http0  # a gRPC request is not counted as HTTP
+    assert (
+        value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total", **ep)
+        == completion0 + generated
+    )
+    assert (
+        value(fams, "weightsync_generation_requests_in_flight", "weightsync_generation_requests_in_flight", **ep) == 0
+    )
+    assert (
+        value(
+            fams,
+            "weightsync_prompt_tokens",
+            "weightsync_prompt_tokens_total",
+            role="rollout",
+            endpoint="http_completions",
+        )
+        == http0
+    )  # a gRPC request is not counted as HTTP
     # a refused request (no prompts) is no answer: it moves none of them
     import grpc
 
     with channel(rollout.grpc.address) as ch, pytest.raises(grpc.RpcError):
         rollout_stub(ch, TOKEN, 60).Generate(rollout_pb2.GenerateRequest())
     fams = scrape(rollout.http.port)
-    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count",
-                 **ep) == count0 + 1
-    assert value(fams, "weightsync_generation_requests_in_flight", "weightsync_generation_requests_in_flight",
-                 **ep) == 0
+    assert (
+        value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count", **ep)
+        == count0 + 1
+    )
+    assert (
+        value(fams, "weightsync_generation_requests_in_flight", "weightsync_generation_requests_in_flight", **ep) == 0
+    )
 
 
 def test_an_http_completion_is_measured_under_its_endpoint(services):
@@ -125,13 +178,20 @@ def test_an_http_completion_is_measured_under_its_endpoint(services):
     prompt0 = value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep)
     completion0 = value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total", **ep)
     body = json.dumps({"model": "tiny-qwen2", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{rollout.http.port}/v1/completions", data=body,
-                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{rollout.http.port}/v1/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = json.loads(r.read())
     fams = scrape(rollout.http.port)
-    assert value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count",
-                 **ep) == count0 + 1
+    assert (
+        value(fams, "weightsync_generation_duration_seconds", "weightsync_generation_duration_seconds_count", **ep)
+        == count0 + 1
+    )
     assert value(fams, "weightsync_prompt_tokens", "weightsync_prompt_tokens_total", **ep) == prompt0 + 3
-    assert value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total",
-                 **ep) == completion0 + answer["usage"]["completion_tokens"]
+    assert (
+        value(fams, "weightsync_completion_tokens", "weightsync_completion_tokens_total", **ep)
+        == completion0 + answer["usage"]["completion_tokens"]
+    )

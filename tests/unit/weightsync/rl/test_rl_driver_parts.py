@@ -1,4 +1,5 @@
 """The RL driver's pure parts: the toy task, the pluggable reward loader, the table and the plot."""
+
 import random
 
 import pytest
@@ -27,8 +28,11 @@ def test_reward_loader():
     fn = load_reward("weightsync.rl.tasks:TargetTokensTask")  # any callable resolves
     assert callable(fn)
     assert score(lambda p, r: 1, [1], [2]) == 1.0
-    for bad, msg in [("no_colon", "module:function"), ("nosuchmod_xyz:f", "cannot import"),
-                     ("weightsync.rl.tasks:missing", "no callable")]:
+    for bad, msg in [
+        ("no_colon", "module:function"),
+        ("nosuchmod_xyz:f", "cannot import"),
+        ("weightsync.rl.tasks:missing", "no callable"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             load_reward(bad)
     with pytest.raises(ValueError, match="must return a float"):
@@ -36,10 +40,27 @@ def test_reward_loader():
 
 
 def test_table_and_plot(tmp_path):
-    recs = [StepRecord(step=k, reward_mean=0.1 * k, rollout_version=k, trainer_version=k + 1, synced_version=k + 1,
-                       sync_seconds=0.02, sync_ok=True, mismatch_max=1e-6, mismatch_mean=5e-7, loss=0.0, entropy=5.0,
-                       kl=0.0, grad_norm=0.5, clip_frac=0.0, generate_seconds=0.1, train_seconds=0.05)
-            for k in range(1, 6)]
+    recs = [
+        StepRecord(
+            step=k,
+            reward_mean=0.1 * k,
+            rollout_version=k,
+            trainer_version=k + 1,
+            synced_version=k + 1,
+            sync_seconds=0.02,
+            sync_ok=True,
+            mismatch_max=1e-6,
+            mismatch_mean=5e-7,
+            loss=0.0,
+            entropy=5.0,
+            kl=0.0,
+            grad_norm=0.5,
+            clip_frac=0.0,
+            generate_seconds=0.1,
+            train_seconds=0.05,
+        )
+        for k in range(1, 6)
+    ]
     assert len(row(recs[0]).split()) == len(HEADER.split())
     png = plot(recs, tmp_path / "p.png", "t")
     assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,5 +1,6 @@
 """wsctl against a real in-process trainer: `--json` on either side of the subcommand, a closed
 stdout pipe, and a corrupt checkpoint answered INVALID_ARGUMENT (exit 1, not 3 "unreachable")."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,15 @@ def trainer(root):
     from trainer_svc.config import TrainerConfig
 
     # admin file operations stay under the data root: the corrupt checkpoints are written there
-    app = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                             model="tiny-qwen2", data_root=str(root)))
+    app = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            data_root=str(root),
+        )
+    )
     app.start()
     yield app
     app.stop()
@@ -68,12 +76,20 @@ def test_version(capsys):
 
 
 def test_bash_completion_completes_subcommands_and_their_options(tmp_path):
-    (tmp_path / "c.sh").write_text(subprocess.run([sys.executable, "-m", "weightsync.wsctl.cli", "completion", "bash"],
-                                                  capture_output=True, text=True, check=True).stdout)
+    (tmp_path / "c.sh").write_text(
+        subprocess.run(
+            [sys.executable, "-m", "weightsync.wsctl.cli", "completion", "bash"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
 
     def complete(*words):
-        line = f'source {tmp_path / "c.sh"}; COMP_WORDS=(wsctl {" ".join(words)}); COMP_CWORD={len(words)}; ' \
-               '_wsctl; echo "${COMPREPLY[@]}"'
+        line = (
+            f"source {tmp_path / 'c.sh'}; COMP_WORDS=(wsctl {' '.join(words)}); COMP_CWORD={len(words)}; "
+            '_wsctl; echo "${COMPREPLY[@]}"'
+        )
         return subprocess.run(["bash", "-c", line], capture_output=True, text=True, check=True).stdout.split()
 
     assert set(complete("sy")) == {"sync"}
@@ -89,15 +105,19 @@ def test_plain_output_without_json(trainer, capsys):
 
 def test_closed_pipe_is_quiet(trainer):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    p = subprocess.Popen([sys.executable, "-m", "weightsync.wsctl.cli", "--address", trainer.grpc.address, "status",
-                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.wsctl.cli", "--address", trainer.grpc.address, "status", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     p.stdout.close()  # like `| head` that has already exited
     err = p.stderr.read().decode()
     assert p.wait(60) == EXIT_OK, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\"", os.urandom(4096), "truncated"])
+@pytest.mark.parametrize("content", [b"", b'\x08\x00\x00\x00\x00\x00\x00\x00{"a"', os.urandom(4096), "truncated"])
 def test_load_of_a_corrupt_safetensors_is_invalid_argument(trainer, root, capsys, content):
     tmp_path = root / f"case-{abs(hash(content if isinstance(content, str) else bytes(content[:64]))):x}"
     tmp_path.mkdir()

@@ -11,6 +11,7 @@ A rule's names carry placeholders for where it repeats: `{layer}` (global decode
 `{expert}` (global expert index), `{mtp}` (multi-token-prediction depth) and, on the HF side only,
 `{mtp_layer}` = num_layers + mtp (DeepSeek-V3 numbers its MTP layers after the decoder's).
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer_svc.actor.megatron.rules.te_spec import to_local
-from weightsync.model_spec import DENSE, MOE, Dims
+from weightsync.model_spec import DENSE, MOE, Dims  # noqa: F401 (MOE re-exported for the rule tables)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Transform:
     tensors: (destination view, source view) pairs whose `copy_` (which may also cast) writes each
     byte once, with no temporary (the export straight into a bucket: trainer_svc/actor/megatron/
     flat_export.py). to_hf_views: to_hf returns views of its argument (no copy at all)."""
+
     name: str
     to_hf: Callable[[torch.Tensor, Dims], list[torch.Tensor]]
     to_megatron: Callable[[Sequence[torch.Tensor], Dims], torch.Tensor]
@@ -48,6 +50,7 @@ ALL = "all"  # with DENSE and MOE (weightsync.model_spec): which decoder layers 
 @dataclass(frozen=True)
 class Site:
     """One place a rule applies: global decoder layer, global expert, MTP depth (None: n/a)."""
+
     layer: int | None = None
     expert: int | None = None
     mtp: int | None = None
@@ -55,12 +58,12 @@ class Site:
 
 @dataclass(frozen=True)
 class Rule:
-    megatron: str                 # e.g. "decoder.layers.{layer}.mlp.linear_fc1.weight"
-    hf: tuple[str, ...]           # e.g. ("model.layers.{layer}.mlp.gate_proj.weight", ...)
+    megatron: str  # e.g. "decoder.layers.{layer}.mlp.linear_fc1.weight"
+    hf: tuple[str, ...]  # e.g. ("model.layers.{layer}.mlp.gate_proj.weight", ...)
     transform: Transform
-    tp_dim: int | None = None     # None: replicated across TP ranks
-    vocab: bool = False           # rows are the (padded) vocabulary: trim on export, pad on load
-    layers: str = ALL             # ALL, DENSE or MOE: which decoder layers have this parameter
+    tp_dim: int | None = None  # None: replicated across TP ranks
+    vocab: bool = False  # rows are the (padded) vocabulary: trim on export, pad on load
+    layers: str = ALL  # ALL, DENSE or MOE: which decoder layers have this parameter
     # a second HF copy of a parameter that another rule loads (DeepSeek-V3's per-MTP-layer
     # embed_tokens / shared_head.head): exported, never loaded from
     export_only: bool = False

@@ -1,4 +1,5 @@
 """One table per model family; adding a family is adding an entry here and a test."""
+
 from __future__ import annotations
 
 from trainer_svc.actor.megatron.rules.base import RuleTable
@@ -9,9 +10,9 @@ from trainer_svc.actor.megatron.rules.mtp import mtp_rules
 _DEFAULTS = dict(moe=False, shared_expert=None, shared_expert_gate=False)
 # family -> the GPTModel features its checkpoints use
 _FAMILIES = {
-    "qwen2": dict(qkv_bias=True, qk_norm=False),    # q/k/v bias, no o_proj bias
-    "llama": dict(qkv_bias=False, qk_norm=False),   # Llama 2/3: GQA, no biases
-    "qwen3": dict(qkv_bias=False, qk_norm=True),    # per-head q/k RMSNorm, no biases
+    "qwen2": dict(qkv_bias=True, qk_norm=False),  # q/k/v bias, no o_proj bias
+    "llama": dict(qkv_bias=False, qk_norm=False),  # Llama 2/3: GQA, no biases
+    "qwen3": dict(qkv_bias=False, qk_norm=True),  # per-head q/k RMSNorm, no biases
     "qwen3_moe": dict(qkv_bias=False, qk_norm=True, moe=True),  # routed experts only
     # Qwen1.5/Qwen2-MoE: q/k/v bias, routed experts plus one sigmoid-gated shared expert
     "qwen2_moe": dict(qkv_bias=True, qk_norm=False, moe=True, shared_expert="shared_expert", shared_expert_gate=True),

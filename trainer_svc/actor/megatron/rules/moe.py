@@ -11,6 +11,7 @@ HF names are the checkpoint's (what `save_pretrained` writes and SGLang's load_w
 `mlp.experts.{e}.{gate,up,down}_proj.weight`, router `mlp.gate.weight`; transformers 5 fuses the
 experts into `mlp.experts.gate_up_proj` in memory and converts on load/save (conversion_mapping.py).
 """
+
 from __future__ import annotations
 
 from trainer_svc.actor.megatron.rules.base import MOE, Rule
@@ -33,8 +34,13 @@ def moe_rules(*, shared_expert: str | None, shared_expert_gate: bool) -> tuple[R
     if shared_expert:
         sx, hs = L + "shared_experts.", H + shared_expert + "."
         rules += [
-            Rule(sx + "linear_fc1.weight", (hs + "gate_proj.weight", hs + "up_proj.weight"), GATE_UP, tp_dim=0,
-                 layers=MOE),
+            Rule(
+                sx + "linear_fc1.weight",
+                (hs + "gate_proj.weight", hs + "up_proj.weight"),
+                GATE_UP,
+                tp_dim=0,
+                layers=MOE,
+            ),
             Rule(sx + "linear_fc2.weight", (hs + "down_proj.weight",), IDENTITY, tp_dim=1, layers=MOE),
         ]
         if shared_expert_gate:

@@ -14,6 +14,7 @@ and `final_layernorm` before the output layer; embedding and output layer are th
   and the decoder layer under `model.mtp_layers.{i}.`; input_proj reads cat(hidden, embedding), the
   reverse of eh_proj (vLLM / SGLang mimo_mtp.py); the head and embedding are the main model's.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from trainer_svc.actor.megatron.rules.base import LAYER, Dims, Rule
-from weightsync.model_spec import MTP_STYLES, check_mtp_style  # noqa: F401 (MTP_STYLES re-exported)
 from trainer_svc.actor.megatron.rules.transforms import IDENTITY, SWAP_HALVES
+from weightsync.model_spec import MTP_STYLES, check_mtp_style  # noqa: F401 (MTP_STYLES re-exported)
 
 M = "mtp.layers.{mtp}."
 _PREFIX = {"deepseek": "model.layers.{mtp_layer}.", "mimo": "model.mtp_layers.{mtp}."}
@@ -30,8 +31,11 @@ _PREFIX = {"deepseek": "model.layers.{mtp_layer}.", "mimo": "model.mtp_layers.{m
 
 def _as_mtp_layer(rule: Rule, prefix: str) -> Rule:
     """A decoder-layer rule moved into the MTP block's transformer layer."""
-    return replace(rule, megatron=rule.megatron.replace("decoder.layers.{layer}.", M + "transformer_layer."),
-                   hf=tuple(h.replace("model.layers.{layer}.", prefix) for h in rule.hf))
+    return replace(
+        rule,
+        megatron=rule.megatron.replace("decoder.layers.{layer}.", M + "transformer_layer."),
+        hf=tuple(h.replace("model.layers.{layer}.", prefix) for h in rule.hf),
+    )
 
 
 def mtp_rules(style: str, layer_rules: Sequence[Rule], *, tied: bool) -> tuple[Rule, ...]:
@@ -46,8 +50,14 @@ def mtp_rules(style: str, layer_rules: Sequence[Rule], *, tied: bool) -> tuple[R
             Rule(M + "hnorm.weight", (p + "hnorm.weight",), IDENTITY),
             Rule(M + "eh_proj.weight", (p + "eh_proj.weight",), IDENTITY, tp_dim=0),
             Rule(M + "final_layernorm.weight", (p + "shared_head.norm.weight",), IDENTITY),
-            Rule("embedding.word_embeddings.weight", (p + "embed_tokens.weight",), IDENTITY, tp_dim=0, vocab=True,
-                 export_only=True),
+            Rule(
+                "embedding.word_embeddings.weight",
+                (p + "embed_tokens.weight",),
+                IDENTITY,
+                tp_dim=0,
+                vocab=True,
+                export_only=True,
+            ),
             Rule(head, (p + "shared_head.head.weight",), IDENTITY, tp_dim=0, vocab=True, export_only=True),
         ]
     else:
@@ -61,8 +71,14 @@ def mtp_rules(style: str, layer_rules: Sequence[Rule], *, tied: bool) -> tuple[R
 
 
 _MTP_NAME = re.compile(r"^model\.(?:layers|mtp_layers)\.\d+\.(?P<suffix>.+)$")
-_HIDDEN = {"enorm.weight", "hnorm.weight", "shared_head.norm.weight", "token_layernorm.weight",
-           "hidden_layernorm.weight", "final_layernorm.weight"}
+_HIDDEN = {
+    "enorm.weight",
+    "hnorm.weight",
+    "shared_head.norm.weight",
+    "token_layernorm.weight",
+    "hidden_layernorm.weight",
+    "final_layernorm.weight",
+}
 _PROJ = {"eh_proj.weight", "input_proj.weight"}
 _VOCAB = {"embed_tokens.weight", "shared_head.head.weight"}
 

@@ -13,6 +13,7 @@ The tensors themselves are identical, so translating names is all a TE-named sta
 go through the local-spec tables (mbridge's tables use the TE names; tests/unit/megatron/test_te_spec.py
 checks the two agree). The MTP block's `transformer_layer` follows its decoder layer's spec.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,7 @@ def is_extra_state(name: str) -> bool:
 
 
 def _swap_suffix(name: str, old: str, new: str) -> str | None:
-    return name[:-len(old)] + new if name.endswith("." + old) else None
+    return name[: -len(old)] + new if name.endswith("." + old) else None
 
 
 def to_local(name: str) -> str | None:
@@ -88,8 +89,10 @@ def local_state_dict(state: Mapping[str, T]) -> dict[str, T]:
         if local is None:
             continue
         if local in out:
-            raise ValueError(f"state dict holds both {source[local]!r} and {name!r}, which are the same parameter "
-                             f"({local!r}) under the TE and local layer specs; keep one")
+            raise ValueError(
+                f"state dict holds both {source[local]!r} and {name!r}, which are the same parameter "
+                f"({local!r}) under the TE and local layer specs; keep one"
+            )
         out[local], source[local] = value, name
     return out
 
@@ -106,7 +109,7 @@ def te_chunk_state_dict(state: Mapping[str, T], dims: Dims, global_layer: Mappin
         m = _LAYER.match(name)
         if m:
             local_prefix, global_prefix = m.group(0), f"decoder.layers.{global_layer[int(m.group(1))]}."
-            name = local_prefix + to_te(global_prefix + name[m.end():], dims)[len(global_prefix):]
+            name = local_prefix + to_te(global_prefix + name[m.end() :], dims)[len(global_prefix) :]
         else:
             name = to_te(name, dims)
         out[name] = value

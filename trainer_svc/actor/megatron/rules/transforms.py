@@ -1,4 +1,5 @@
 """Pure tensor transforms between Megatron's fused layouts and HF's separate tensors."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,9 +33,11 @@ def _qkv_groups(t: torch.Tensor, d: Dims) -> tuple[torch.Tensor, ...]:
     hpg, hd = d.heads_per_group, d.head_dim
     rows_per_group = (hpg + 2) * hd
     if t.shape[0] % rows_per_group:
-        raise ValueError(f"linear_qkv has {t.shape[0]} rows, not a multiple of (heads_per_group+2)*head_dim="
-                         f"{rows_per_group} (num_attention_heads={d.num_heads}, "
-                         f"num_key_value_heads={d.num_query_groups}, head_dim={hd})")
+        raise ValueError(
+            f"linear_qkv has {t.shape[0]} rows, not a multiple of (heads_per_group+2)*head_dim="
+            f"{rows_per_group} (num_attention_heads={d.num_heads}, "
+            f"num_key_value_heads={d.num_query_groups}, head_dim={hd})"
+        )
     groups = t.shape[0] // rows_per_group
     g = t.reshape(groups, rows_per_group, *t.shape[1:])
     return torch.split(g, [hpg * hd, hd, hd], dim=1)
@@ -55,11 +58,14 @@ def _qkv_to_megatron(parts: Sequence[torch.Tensor], d: Dims) -> torch.Tensor:
     hpg, hd = d.heads_per_group, d.head_dim
     groups = k.shape[0] // hd
     if q.shape[0] != groups * hpg * hd or v.shape[0] != k.shape[0] or k.shape[0] % hd:
-        raise ValueError(f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not fit num_attention_heads="
-                         f"{d.num_heads}, num_key_value_heads={d.num_query_groups}, head_dim={hd}")
+        raise ValueError(
+            f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not fit num_attention_heads="
+            f"{d.num_heads}, num_key_value_heads={d.num_query_groups}, head_dim={hd}"
+        )
     rest = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, hpg * hd, *rest), k.reshape(groups, hd, *rest),
-                       v.reshape(groups, hd, *rest)], dim=1)
+    fused = torch.cat(
+        [q.reshape(groups, hpg * hd, *rest), k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest)], dim=1
+    )
     return fused.reshape(-1, *rest)
 
 

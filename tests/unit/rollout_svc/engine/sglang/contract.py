@@ -1,5 +1,6 @@
 """Check an `ApiUse` table against sglang's source (read from its wheel with `ast`, never imported),
 and find what the adapter modules actually use of sglang."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,17 @@ from tests.support.sglang_site import pypi_reachable
 CACHE_DIR = Path.home() / ".cache" / "weightsync" / "sglang"
 # sglang 0.5.2x ships cp311 manylinux wheels only (compiled Rust extensions inside); ask pip for
 # that exact tag so the download does not depend on the interpreter running the tests.
-_PIP_TAGS = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-             "--platform", "manylinux_2_34_x86_64"]
+_PIP_TAGS = [
+    "--only-binary=:all:",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+    "--platform",
+    "manylinux_2_34_x86_64",
+]
 
 
 class WheelUnavailable(Exception):
@@ -28,8 +38,18 @@ def fetch_wheel(version: str, cache_dir: Path = CACHE_DIR) -> Path:
     have = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
     if have:
         return have[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", *_PIP_TAGS, "-d", str(cache_dir),
-           f"sglang=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "-q",
+        *_PIP_TAGS,
+        "-d",
+        str(cache_dir),
+        f"sglang=={version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     have = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
     if proc.returncode == 0 and have:
@@ -128,7 +148,9 @@ def _class_fields(cls: ast.ClassDef) -> set[str]:
 def _self_attrs(cls: ast.ClassDef) -> set[str]:
     out = set()
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         for t in targets:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                 out.add(t.attr)
@@ -151,7 +173,11 @@ def check_use(src: SglangSource, key: str, use: ApiUse) -> list[str]:
             return [f"{where}: no module or package {use.module}"]
         consts: set[str] = set()
         for f in files:
-            consts |= {n.value for n in ast.walk(src.tree_of_file(f)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            consts |= {
+                n.value
+                for n in ast.walk(src.tree_of_file(f))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            }
         return [f"{where}: string {p!r} occurs nowhere in {use.module}" for p in use.params if p not in consts]
     if src.module(use.module) is None:
         return [f"{where}: module {use.module} does not exist"]
@@ -189,8 +215,11 @@ def check_use(src: SglangSource, key: str, use: ApiUse) -> list[str]:
             for n in c.body:
                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == use.name:
                     names, kw = _params(n)
-                    return [f"{where}: {use.cls}.{use.name} has no parameter {p}" for p in use.params
-                            if p not in names and not kw]
+                    return [
+                        f"{where}: {use.cls}.{use.name} has no parameter {p}"
+                        for p in use.params
+                        if p not in names and not kw
+                    ]
         return [f"{where}: {use.cls} (and its bases) has no method {use.name}"]
     if use.kind == "unpickle":
         cls = chain[0][1]
@@ -212,10 +241,10 @@ def check_use(src: SglangSource, key: str, use: ApiUse) -> list[str]:
 # ---- what the adapter uses ------------------------------------------------------------------
 @dataclass
 class Usage:
-    imports: list[tuple[str, str, int]] = field(default_factory=list)         # (module, name, line)
-    toplevel_imports: list[tuple[str, int]] = field(default_factory=list)     # sglang imported at import time
+    imports: list[tuple[str, str, int]] = field(default_factory=list)  # (module, name, line)
+    toplevel_imports: list[tuple[str, int]] = field(default_factory=list)  # sglang imported at import time
     members: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)  # ("Engine.x", kwargs, line)
-    probes: list[tuple[str, int]] = field(default_factory=list)               # hasattr targets
+    probes: list[tuple[str, int]] = field(default_factory=list)  # hasattr targets
     constructs: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)  # (imported name, kwargs, line)
     sampling_keys: list[tuple[str, int]] = field(default_factory=list)
     string_keys: list[tuple[str, int]] = field(default_factory=list)
@@ -269,17 +298,28 @@ def scan_adapter(source: str, filename: str = "<adapter>") -> Usage:
             if c and not (isinstance(parent, ast.Attribute) and parent.value is node):
                 u.members.append((_member(c), (), node.lineno))
         if not isinstance(node, ast.Call):
-            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
-                    and isinstance(node.slice.value, str):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)
+            ):
                 u.string_keys.append((node.slice.value, node.lineno))
             elif isinstance(node, ast.Dict):
-                u.string_keys += [(k.value, node.lineno) for k in node.keys
-                                  if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+                u.string_keys += [
+                    (k.value, node.lineno)
+                    for k in node.keys
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                ]
             continue
         kws = tuple(k.arg for k in node.keywords if k.arg)
         f = node.func
         target = None
-        if isinstance(f, ast.Attribute) and f.attr == "_call" and isinstance(f.value, ast.Name) and f.value.id == "self":
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr == "_call"
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "self"
+        ):
             target = node.args[0] if node.args else None
         elif isinstance(f, ast.Attribute):
             target = f
@@ -290,24 +330,36 @@ def scan_adapter(source: str, filename: str = "<adapter>") -> Usage:
             u.constructs.append((imported[f.id], kws, node.lineno))
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in imported:
             u.constructs.append((f"{imported[f.value.id]}.{f.attr}", kws, node.lineno))
-        if isinstance(f, ast.Name) and f.id == "hasattr" and len(node.args) == 2 \
-                and isinstance(node.args[1], ast.Constant):
+        if (
+            isinstance(f, ast.Name)
+            and f.id == "hasattr"
+            and len(node.args) == 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             c = _chain(node.args[0])
             if c is not None:
                 u.probes.append((_member(c + [node.args[1].value]), node.lineno))
         if id(node) in sampling_fn_nodes and (
-                (isinstance(f, ast.Name) and f.id == "dict") or (isinstance(f, ast.Attribute) and f.attr == "update")):
+            (isinstance(f, ast.Name) and f.id == "dict") or (isinstance(f, ast.Attribute) and f.attr == "update")
+        ):
             u.sampling_keys += [(k, node.lineno) for k in kws]
-        if isinstance(f, ast.Attribute) and f.attr == "get" and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr == "get"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             u.string_keys.append((node.args[0].value, node.lineno))
     return u
 
 
 def usage_problems(u: Usage, table: dict[str, ApiUse], imports: dict[tuple[str, str], str]) -> list[str]:
     """Everything the adapter uses that the table does not declare (or declares differently)."""
-    bad = [f"line {ln}: sglang imported at module import time ({m}); import it inside the function"
-           for m, ln in u.toplevel_imports]
+    bad = [
+        f"line {ln}: sglang imported at module import time ({m}); import it inside the function"
+        for m, ln in u.toplevel_imports
+    ]
     for mod, name, ln in u.imports:
         if (mod, name) not in imports:
             bad.append(f"line {ln}: import {name or mod} from {mod} is not in SGLANG_IMPORTS")
@@ -333,7 +385,10 @@ def usage_problems(u: Usage, table: dict[str, ApiUse], imports: dict[tuple[str, 
             bad.append(f"line {ln}: {name} is not the declared {use.cls}.{use.name}")
         bad += [f"line {ln}: {name}({k}=) — keyword not declared in {key}" for k in kws if k not in use.params]
     sp = set(table["SamplingParams"].params)
-    bad += [f"line {ln}: sampling_params key {k!r} not in SamplingParams entry" for k, ln in u.sampling_keys if k not in sp]
-    bad += [f"line {ln}: string key {k!r} is not a declared sglang literal" for k, ln in u.string_keys
-            if k not in literals]
+    bad += [
+        f"line {ln}: sampling_params key {k!r} not in SamplingParams entry" for k, ln in u.sampling_keys if k not in sp
+    ]
+    bad += [
+        f"line {ln}: string key {k!r} is not a declared sglang literal" for k, ln in u.string_keys if k not in literals
+    ]
     return bad

@@ -4,6 +4,7 @@ SGLang cannot run here, so `_Recorder` stands in for `sglang.srt.entrypoints.eng
 that boundary only: it records the calls the adapter makes (names and keywords are checked
 against the real sglang source by test_sglang_contract.py).
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,12 +27,14 @@ class _Recorder:
         def call(*args, **kwargs):
             self.calls.append((name, kwargs))
             return self.result
+
         return call
 
 
 def _engine(tp: int = 1, result=(True, "Success"), **opts) -> SglangEngine:
     eng = SglangEngine.__new__(SglangEngine)  # skip _start: no sglang here
     import threading
+
     eng.opts = SglangOptions(model_path="/m", tp_size=tp, **opts)
     eng.tp_size, eng._metas, eng._lock, eng._update_group = tp, {}, threading.RLock(), ""
     eng._sgl = _Recorder(result)
@@ -44,17 +47,25 @@ def test_module_import_does_not_import_sglang():
 
 def test_sampling_params_mapping():
     s = SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.9, top_k=0, stop_token_ids=(2, 3), n=4)
-    assert _sampling_params_dict(s, None) == dict(max_new_tokens=7, temperature=0.0, top_p=0.9,
-                                                  stop_token_ids=[2, 3], n=1)
+    assert _sampling_params_dict(s, None) == dict(
+        max_new_tokens=7, temperature=0.0, top_p=0.9, stop_token_ids=[2, 3], n=1
+    )
     d = _sampling_params_dict(SamplingParams(top_k=5), 11)
     assert d["top_k"] == 5 and d["sampling_seed"] == 11
 
 
 def test_generate_expands_samples_prompt_major():
     eng = _engine(deterministic=True)
-    outs = [{"output_ids": [10 + k], "meta_info": {"finish_reason": {"type": "stop" if k % 2 else "length"},
-                                                   "output_token_logprobs": [(-0.5, 10 + k, None)]}}
-            for k in range(6)]
+    outs = [
+        {
+            "output_ids": [10 + k],
+            "meta_info": {
+                "finish_reason": {"type": "stop" if k % 2 else "length"},
+                "output_token_logprobs": [(-0.5, 10 + k, None)],
+            },
+        }
+        for k in range(6)
+    ]
     eng._sgl.result = outs
     res = eng.generate([[1, 2], [3], [4, 5, 6]], SamplingParams(n=2, seed=100))
     name, kw = eng._sgl.calls[0]
@@ -102,11 +113,25 @@ def test_receive_bucket_distributed_calls_flattened_update():
     eng.receive_bucket_distributed(plan)
     name, kw = eng._sgl.calls[-1]
     assert name == "update_weights_from_distributed"
-    assert kw == dict(names=["w", "v"], dtypes=["bfloat16", "float32"], shapes=[[128, 2], [64]], group_name="ws-g1",
-                      flush_cache=False, load_format="flattened_bucket")
-    assert eng._sgl.calls[0] == ("init_weights_update_group", dict(master_address="10.0.0.1", master_port=29500,
-                                                                   rank_offset=1, world_size=3, group_name="ws-g1",
-                                                                   backend="nccl"))
+    assert kw == dict(
+        names=["w", "v"],
+        dtypes=["bfloat16", "float32"],
+        shapes=[[128, 2], [64]],
+        group_name="ws-g1",
+        flush_cache=False,
+        load_format="flattened_bucket",
+    )
+    assert eng._sgl.calls[0] == (
+        "init_weights_update_group",
+        dict(
+            master_address="10.0.0.1",
+            master_port=29500,
+            rank_offset=1,
+            world_size=3,
+            group_name="ws-g1",
+            backend="nccl",
+        ),
+    )
 
 
 def test_failed_update_raises():
@@ -125,6 +150,7 @@ def test_cpu_tensors_go_as_named_list_without_cache_flush():
 
 def test_load_weights_is_chunked(monkeypatch):
     from rollout_svc.engine import sglang_weights
+
     monkeypatch.setattr(sglang_weights, "LOAD_CHUNK_BYTES", 64)
     eng = _engine()
     eng.load_weights([(f"t{i}", torch.zeros(8)) for i in range(5)])  # 32 B each -> 2 + 2 + 1
@@ -137,6 +163,7 @@ class _SlowSgl:
     def __init__(self):
         import asyncio
         import threading
+
         self.loop = asyncio.new_event_loop()
         self.aborted: list[str] = []
         self.started = threading.Event()
@@ -153,6 +180,7 @@ class _SlowSgl:
     def generate(self, input_ids, sampling_params, return_logprob, rid):
         import asyncio
         import threading
+
         self.loop_thread = threading.current_thread()
         self.started.set()
 
@@ -160,6 +188,7 @@ class _SlowSgl:
             while set(rid) - set(self.aborted):
                 await asyncio.sleep(0.01)
             return [{"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"}}} for _ in rid]
+
         return self.loop.run_until_complete(asyncio.wait_for(run(), 10))
 
 
@@ -186,8 +215,12 @@ def test_a_cancelled_generate_aborts_every_request_on_sglangs_loop_and_raises_th
 
 def test_generate_without_step_passes_one_request_id_per_sample():
     eng = _engine()
-    eng._sgl.result = [{"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
-                                                         "output_token_logprobs": [(-0.1, 7, None)]}}] * 2
+    eng._sgl.result = [
+        {
+            "output_ids": [7],
+            "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.1, 7, None)]},
+        }
+    ] * 2
     eng.generate([[1]], SamplingParams(n=2))
     name, kw = eng._sgl.calls[0]
     assert name == "generate" and len(kw["rid"]) == 2 and len(set(kw["rid"])) == 2

@@ -4,6 +4,7 @@ SGLang cannot be installed here (it pins its own torch/CUDA kernels), so these t
 stands between the adapter and a renamed method or keyword: every entry of SGLANG_API_USED must
 exist in each checked sglang version, and the adapter must use nothing the table lacks.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -66,6 +67,7 @@ def test_imports_exist(src):
 
 def _defines(src: SglangSource, mod: str, name: str, depth: int = 0) -> bool:
     import ast
+
     tree = src.module(mod)
     if tree is None or depth > 4:
         return False
@@ -74,8 +76,12 @@ def _defines(src: SglangSource, mod: str, name: str, depth: int = 0) -> bool:
             return True
         if isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == name for a in n.names):
             return True
-        if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) and n.module \
-                and _defines(src, n.module, name, depth + 1):
+        if (
+            isinstance(n, ast.ImportFrom)
+            and any(a.name == "*" for a in n.names)
+            and n.module
+            and _defines(src, n.module, name, depth + 1)
+        ):
             return True
     return False
 
@@ -94,30 +100,41 @@ def test_adapter_scan_sees_the_main_calls():
     members = set()
     for path in ADAPTER_MODULES:
         members |= {m for m, _, _ in scan_adapter(path.read_text(), str(path)).members}
-    assert {"Engine.generate", "Engine.update_weights_from_distributed", "Engine.update_weights_from_tensor",
-            "Engine.init_weights_update_group", "Engine.flush_cache", "Engine.release_memory_occupation",
-            "TokenizerManager.pause_generation"} <= members
+    assert {
+        "Engine.generate",
+        "Engine.update_weights_from_distributed",
+        "Engine.update_weights_from_tensor",
+        "Engine.init_weights_update_group",
+        "Engine.flush_cache",
+        "Engine.release_memory_occupation",
+        "TokenizerManager.pause_generation",
+    } <= members
 
 
 # ---- the checks can fail ---------------------------------------------------------------------
-@pytest.mark.parametrize("use", [
-    ApiUse("method", "sglang.srt.entrypoints.engine", "Engine", "update_weights_from_nowhere"),
-    ApiUse("method", "sglang.srt.entrypoints.engine", "Engine", "generate", params=("input_ids", "made_up_kw")),
-    ApiUse("fields", "sglang.srt.managers.io_struct", "UpdateWeightsFromDistributedReqInput", params=("bucket_id",)),
-    ApiUse("server_args", "sglang.srt.server_args", "ServerArgs", params=("tp_size", "warp_drive")),
-    ApiUse("attribute", "sglang.srt.entrypoints.engine", "Engine", "weight_bus"),
-    ApiUse("class", "sglang.srt.entrypoints.engine", "EngineThatIsNot"),
-    ApiUse("function", "sglang.srt.utils.patch_torch", "", "monkey_patch_everything"),
-    ApiUse("literal", "sglang.srt.managers", "", params=("output_token_logprobz",)),
-    ApiUse("unpickle", "sglang.srt.utils.common", "SafeUnpickler", params=("os:system",)),
-    ApiUse("method", "sglang.srt.no_such_module", "Engine", "generate"),
-])
+@pytest.mark.parametrize(
+    "use",
+    [
+        ApiUse("method", "sglang.srt.entrypoints.engine", "Engine", "update_weights_from_nowhere"),
+        ApiUse("method", "sglang.srt.entrypoints.engine", "Engine", "generate", params=("input_ids", "made_up_kw")),
+        ApiUse(
+            "fields", "sglang.srt.managers.io_struct", "UpdateWeightsFromDistributedReqInput", params=("bucket_id",)
+        ),
+        ApiUse("server_args", "sglang.srt.server_args", "ServerArgs", params=("tp_size", "warp_drive")),
+        ApiUse("attribute", "sglang.srt.entrypoints.engine", "Engine", "weight_bus"),
+        ApiUse("class", "sglang.srt.entrypoints.engine", "EngineThatIsNot"),
+        ApiUse("function", "sglang.srt.utils.patch_torch", "", "monkey_patch_everything"),
+        ApiUse("literal", "sglang.srt.managers", "", params=("output_token_logprobz",)),
+        ApiUse("unpickle", "sglang.srt.utils.common", "SafeUnpickler", params=("os:system",)),
+        ApiUse("method", "sglang.srt.no_such_module", "Engine", "generate"),
+    ],
+)
 def test_checker_rejects_fabricated_api(src, use):
     assert check_use(src, "fabricated", use), f"{use} was accepted by {src.wheel.name}"
 
 
 def test_scanner_rejects_undeclared_use():
-    bad = '''
+    bad = """
 import sglang
 from sglang.srt.entrypoints.engine import Engine, Secret
 
@@ -131,10 +148,19 @@ class X:
         Engine(model_path="m", turbo=True)
         hasattr(self._sgl, "teleport")
         return out["meta_info"]["secret_key"]
-'''
+"""
     problems = "\n".join(usage_problems(scan_adapter(bad), SGLANG_API_USED, SGLANG_IMPORTS))
-    for needle in ("module import time", "Secret", "Engine.update_weights_via_magic", "bucket=",
-                   "TokenizerManager.secret_pause", "stride=", "turbo=", "Engine.teleport", "'secret_key'"):
+    for needle in (
+        "module import time",
+        "Secret",
+        "Engine.update_weights_via_magic",
+        "bucket=",
+        "TokenizerManager.secret_pause",
+        "stride=",
+        "turbo=",
+        "Engine.teleport",
+        "'secret_key'",
+    ):
         assert needle in problems, f"{needle!r} not reported:\n{problems}"
 
 
@@ -159,8 +185,8 @@ def _globals_in(payload: bytes) -> set[str]:
 
 def test_ipc_payload_uses_allowed_globals(src):
     """The colocated payload is built without opening the handle; what it pickles must unpickle in SGLang."""
-    from multiprocessing.reduction import ForkingPickler
     import io
+    from multiprocessing.reduction import ForkingPickler
 
     from rollout_svc.engine.sglang_weights import _IpcTensor
 
@@ -185,9 +211,13 @@ def test_ipc_rebuild_argument_layout(src):
 
     params = list(inspect.signature(rebuild_cuda_tensor).parameters)
     assert len(params) == 15 and params[6] == "storage_device" and params[7] == "storage_handle"
-    consts = {n.targets[0].id: ast.literal_eval(n.value) for n in src.module("sglang.srt.utils.patch_torch").body
-              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
-              and n.targets[0].id == "_REDUCE_TENSOR_ARG_DEVICE_INDEX"}
+    consts = {
+        n.targets[0].id: ast.literal_eval(n.value)
+        for n in src.module("sglang.srt.utils.patch_torch").body
+        if isinstance(n, ast.Assign)
+        and isinstance(n.targets[0], ast.Name)
+        and n.targets[0].id == "_REDUCE_TENSOR_ARG_DEVICE_INDEX"
+    }
     assert consts == {"_REDUCE_TENSOR_ARG_DEVICE_INDEX": 6}
     _, args = _IpcTensor(_Handle(), 4096).__reduce__()
     assert len(args) == 15 and args[6] == _Handle.device_uuid and args[7] == _Handle.handle and args[1] == (4096,)

@@ -7,6 +7,7 @@ that one function out of the real wheel with `ast` and run it as rank 1 against
 does: one uint8 tensor, src=0. NCCL is the production backend; the store keys and rendezvous are
 the same code path for both.
 """
+
 from __future__ import annotations
 
 import socket
@@ -21,7 +22,6 @@ from rollout_svc.engine.sglang_api import CHECKED_VERSIONS
 from rollout_svc.engine.sglang_weights import UpdateGroup, serve_rendezvous
 
 from .contract import WheelUnavailable, fetch_wheel
-
 
 # Runs in its own process, as SGLang's scheduler does: rank 1 joins with SGLang's function and
 # receives one flat uint8 bucket by broadcast from rank 0.
@@ -58,13 +58,27 @@ def test_trainer_serves_sglang_rendezvous_and_broadcasts_a_bucket(version):
         wheel = fetch_wheel(version)
     except WheelUnavailable as exc:
         pytest.skip(str(exc))
-    group = UpdateGroup("127.0.0.1", _free_port(), rank_offset=1, world_size=2, group_name=f"ws-test-{version}",
-                        backend="gloo")
+    group = UpdateGroup(
+        "127.0.0.1", _free_port(), rank_offset=1, world_size=2, group_name=f"ws-test-{version}", backend="gloo"
+    )
     sent = torch.arange(1000, dtype=torch.int32)
     member = subprocess.Popen(
-        [sys.executable, "-c", _MEMBER, str(wheel), group.master_address, str(group.master_port),
-         str(group.world_size), str(group.rank_offset), group.group_name, str(sent.numel() * 4)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            _MEMBER,
+            str(wheel),
+            group.master_address,
+            str(group.master_port),
+            str(group.world_size),
+            str(group.rank_offset),
+            group.group_name,
+            str(sent.numel() * 4),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pg = serve_rendezvous(group, timeout_s=60)
         dist.broadcast(sent.view(torch.uint8), src=0, group=pg)

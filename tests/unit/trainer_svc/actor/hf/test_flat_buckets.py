@@ -4,6 +4,7 @@ Checked on the CPU (the move itself is device-independent; the sync uses it only
 the flat buffers hold exactly what packing the export would, the parameters live in them and
 keep working (forward, in-place load), and another dtype or an undigested layout is declined.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ def _actor(param_dtype=torch.bfloat16, export_dtype=torch.bfloat16) -> HfActor:
 
 
 def _manifest(actor, bucket_bytes=16 << 10):
-    return ManifestCache().manifest(actor.export_metas(), version=1, sync_id="s", bucket_bytes=bucket_bytes,
-                                    model_family=actor.family)
+    return ManifestCache().manifest(
+        actor.export_metas(), version=1, sync_id="s", bucket_bytes=bucket_bytes, model_family=actor.family
+    )
 
 
 def test_parameters_move_into_the_bucket_layout_and_keep_working():
@@ -48,7 +50,7 @@ def test_parameters_move_into_the_bucket_layout_and_keep_working():
         assert torch.equal(actor.model(ids).logits, before)
         params["model.norm.weight"].add_(1.0)  # training writes the parameters: the bucket sees it
     plan, slot = next((b, s) for b in m.buckets for s in b.slots if s.meta.name == "model.norm.weight")
-    view = flats[plan.index][slot.offset:slot.offset + slot.meta.nbytes].view(torch.bfloat16)
+    view = flats[plan.index][slot.offset : slot.offset + slot.meta.nbytes].view(torch.bfloat16)
     assert torch.equal(view, exported["model.norm.weight"] + 1.0)
     assert actor.flat_buckets(m) is flats  # once per layout
     m2 = _manifest(actor, bucket_bytes=32 << 10)  # another layout: moved again, same values

@@ -1,4 +1,5 @@
 """Fixtures of the Megatron tests; the checkpoint builders live in tests/support/megatron_models.py."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,6 +2,7 @@
 wrapper (plan / checked export) on a scripted fake bridge, selection errors, and — where mbridge
 is installed (the test extra pins it) — built-in rules vs mbridge on real megatron-core models
 under torchrun: the same name -> tensor map for every family, exact."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,16 +10,21 @@ import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.megatron_models import SUPPORT, torchrun
 from trainer_svc.actor.megatron.bridge import BridgeConverter, BridgeUnavailable, make_converter
-from trainer_svc.bridge_contract import (CONTRACTS, Contract, check_contract, check_instance,
-                                                  missing_package_error, require_bridge)
 from trainer_svc.actor.megatron.parallel import Parallelism
+from trainer_svc.bridge_contract import (
+    CONTRACTS,
+    Contract,
+    check_contract,
+    check_instance,
+    missing_package_error,
+    require_bridge,
+)
 from weightsync.bus.plan import TensorMeta
 
 BRIDGE_FAMILIES = ["qwen2", "llama", "qwen3", "qwen2-tied"]
@@ -34,8 +40,10 @@ def _installed(module: str) -> bool:
 
 # ---- the contract validator, on a fake package ---------------------------------------------------
 
+
 def _fake_package(**over):
     """A package shaped like the contract below; `over` replaces pieces to break it."""
+
     class Bridge:
         TABLE = {"a.weight": ["x"], "b.weight": ["y"]}
 
@@ -58,12 +66,20 @@ def _fake_package(**over):
     return root
 
 
-FAKE = Contract(converter="fake", module="fakebridge", distribution="fakebridge-dist", pinned="1.2.3",
-                install="pip install fakebridge==1.2.3",
-                callables={"AutoBridge.from_config": ("hf_config",), "core.Bridge.__init__": ("hf_config", "dtype"),
-                           "core.Bridge.export": ("models",)},
-                contains={"core.Bridge.TABLE": ("a.weight", "b.weight")},
-                instance_attrs=("vocab_size",))
+FAKE = Contract(
+    converter="fake",
+    module="fakebridge",
+    distribution="fakebridge-dist",
+    pinned="1.2.3",
+    install="pip install fakebridge==1.2.3",
+    callables={
+        "AutoBridge.from_config": ("hf_config",),
+        "core.Bridge.__init__": ("hf_config", "dtype"),
+        "core.Bridge.export": ("models",),
+    },
+    contains={"core.Bridge.TABLE": ("a.weight", "b.weight")},
+    instance_attrs=("vocab_size",),
+)
 
 
 def test_contract_holds_on_a_matching_package():
@@ -73,8 +89,9 @@ def test_contract_holds_on_a_matching_package():
 def test_contract_names_a_missing_symbol():
     root = _fake_package()
     del root.AutoBridge
-    assert check_contract(FAKE, root) == ["fakebridge.AutoBridge.from_config is missing "
-                                          "(fakebridge has no attribute 'AutoBridge')"]
+    assert check_contract(FAKE, root) == [
+        "fakebridge.AutoBridge.from_config is missing (fakebridge has no attribute 'AutoBridge')"
+    ]
 
 
 def test_contract_names_a_renamed_parameter_and_kwargs_do_not_hide_it():
@@ -88,8 +105,9 @@ def test_contract_names_a_renamed_parameter_and_kwargs_do_not_hide_it():
             pass
 
     problems = check_contract(FAKE, _fake_package(Bridge=Bridge))
-    assert problems == ["fakebridge.core.Bridge.__init__ takes no parameter hf_config, dtype "
-                        "(has: config, kwargs, self)"]
+    assert problems == [
+        "fakebridge.core.Bridge.__init__ takes no parameter hf_config, dtype (has: config, kwargs, self)"
+    ]
 
 
 def test_contract_names_a_missing_table_key():
@@ -102,7 +120,9 @@ def test_contract_names_a_missing_table_key():
         def export(self, models):
             pass
 
-    assert check_contract(FAKE, _fake_package(Bridge=Bridge)) == ["fakebridge.core.Bridge.TABLE has no entry 'b.weight'"]
+    assert check_contract(FAKE, _fake_package(Bridge=Bridge)) == [
+        "fakebridge.core.Bridge.TABLE has no entry 'b.weight'"
+    ]
 
 
 def test_instance_check_names_the_attribute_the_version_and_the_fix():
@@ -116,8 +136,10 @@ def test_instance_check_names_the_attribute_the_version_and_the_fix():
 def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(CONTRACTS, "fake", FAKE)
     msg = missing_package_error("fake")
-    assert msg == ("converter='fake' needs the fakebridge-dist package, which is not installed: "
-                   "pip install fakebridge==1.2.3 (or set converter=builtin)")
+    assert msg == (
+        "converter='fake' needs the fakebridge-dist package, which is not installed: "
+        "pip install fakebridge==1.2.3 (or set converter=builtin)"
+    )
     with pytest.raises(BridgeUnavailable, match="pip install fakebridge==1.2.3"):
         require_bridge("fake")
 
@@ -127,18 +149,30 @@ def test_unknown_converter_and_unsupported_family_are_refused_before_any_import(
     with pytest.raises(ValueError, match="converter='nope' is not one of builtin, mbridge, megatron-bridge"):
         make_converter("nope", types.SimpleNamespace(hf_config=cfg, family="qwen2"), Parallelism(), torch.float32)
     with pytest.raises(ValueError, match="supports the families llama, qwen2, qwen3 .* not 'qwen3_moe'"):
-        make_converter("mbridge", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32)
-    assert make_converter("builtin", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32) is None
+        make_converter(
+            "mbridge", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32
+        )
+    assert (
+        make_converter(
+            "builtin", types.SimpleNamespace(hf_config=cfg, family="qwen3_moe"), Parallelism(), torch.float32
+        )
+        is None
+    )
 
 
 @pytest.mark.skipif(_installed("megatron.bridge"), reason="megatron-bridge is installed here")
 def test_megatron_bridge_absent_gives_the_install_line():
     cfg = types.SimpleNamespace(vocab_size=250, model_type="qwen2")
-    with pytest.raises(BridgeUnavailable, match=r"needs the megatron-bridge package.*pip install megatron-bridge==0\.6\.2"):
-        make_converter("megatron-bridge", types.SimpleNamespace(hf_config=cfg, family="qwen2"), Parallelism(), torch.float32)
+    with pytest.raises(
+        BridgeUnavailable, match=r"needs the megatron-bridge package.*pip install megatron-bridge==0\.6\.2"
+    ):
+        make_converter(
+            "megatron-bridge", types.SimpleNamespace(hf_config=cfg, family="qwen2"), Parallelism(), torch.float32
+        )
 
 
 # ---- the config field -----------------------------------------------------------------------------
+
 
 def _trainer_config(argv, env=None):
     import argparse
@@ -155,7 +189,9 @@ def test_config_converter_default_choices_and_backend():
     from weightsync.config import ConfigError
 
     assert _trainer_config([]).actor.converter == "builtin"
-    with pytest.raises(ConfigError, match=r"converter: 'nope' is not one of \['builtin', 'mbridge', 'megatron-bridge'\]"):
+    with pytest.raises(
+        ConfigError, match=r"converter: 'nope' is not one of \['builtin', 'mbridge', 'megatron-bridge'\]"
+    ):
         _trainer_config([], {"WS_TRAINER_CONVERTER": "nope"})
     with pytest.raises(ConfigError, match="converter=mbridge applies to backend=megatron"):
         _trainer_config(["--backend", "hf", "--converter", "mbridge"])
@@ -165,8 +201,11 @@ def test_config_converter_default_choices_and_backend():
 def test_config_refuses_a_bridge_that_is_not_installed():
     from weightsync.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"needs the megatron-bridge package, which is not installed: "
-                                          r"pip install megatron-bridge==0\.6\.2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs the megatron-bridge package, which is not installed: "
+        r"pip install megatron-bridge==0\.6\.2",
+    ):
         _trainer_config(["--converter", "megatron-bridge"])
 
 
@@ -176,6 +215,7 @@ def test_config_accepts_an_installed_bridge():
 
 
 # ---- the real packages against the pinned contracts ----------------------------------------------
+
 
 @pytest.mark.skipif(not HAS_MBRIDGE, reason="mbridge not installed (pip install 'mbridge[megatron]==0.15.1')")
 def test_installed_mbridge_matches_its_contract():
@@ -188,8 +228,10 @@ def test_installed_mbridge_matches_its_contract():
     assert importlib.metadata.version("mbridge") == c.pinned, "test extra and contract pin must agree"
 
 
-@pytest.mark.skipif(not _installed("megatron.bridge"), reason="megatron-bridge not installable next to "
-                    "megatron-core 0.16.1 / Python 3.11 (docs/conversion.md)")
+@pytest.mark.skipif(
+    not _installed("megatron.bridge"),
+    reason="megatron-bridge not installable next to megatron-core 0.16.1 / Python 3.11 (docs/conversion.md)",
+)
 def test_installed_megatron_bridge_matches_its_contract():
     import megatron.bridge
 
@@ -197,6 +239,7 @@ def test_installed_megatron_bridge_matches_its_contract():
 
 
 # ---- the generic wrapper on a scripted bridge ----------------------------------------------------
+
 
 class _Scripted:
     """A bridge adapter that yields a fixed list and counts how much of it was consumed."""
@@ -215,17 +258,26 @@ def _conv(items, tied=False):
     return BridgeConverter("fake", _Scripted(items), cfg, padded_vocab=8)
 
 
-REF = [TensorMeta("model.embed_tokens.weight", (5, 2), torch.bfloat16), TensorMeta("model.norm.weight", (2,), torch.bfloat16)]
+REF = [
+    TensorMeta("model.embed_tokens.weight", (5, 2), torch.bfloat16),
+    TensorMeta("model.norm.weight", (2,), torch.bfloat16),
+]
 
 
 def test_plan_takes_the_bridge_order_drops_tied_extras_and_trims_padded_vocab():
     emb = torch.arange(16.0).reshape(8, 2)
-    items = [("model.norm.weight", torch.ones(2)), ("model.embed_tokens.weight", emb),
-             ("model.embed_tokens.weight", emb), ("lm_head.weight", emb)]
+    items = [
+        ("model.norm.weight", torch.ones(2)),
+        ("model.embed_tokens.weight", emb),
+        ("model.embed_tokens.weight", emb),
+        ("lm_head.weight", emb),
+    ]
     conv = _conv(items, tied=True)
     metas = conv.plan(None, REF)
-    assert [(m.name, m.shape, m.dtype) for m in metas] == [("model.norm.weight", (2,), torch.bfloat16),
-                                                           ("model.embed_tokens.weight", (5, 2), torch.bfloat16)]
+    assert [(m.name, m.shape, m.dtype) for m in metas] == [
+        ("model.norm.weight", (2,), torch.bfloat16),
+        ("model.embed_tokens.weight", (5, 2), torch.bfloat16),
+    ]
     got = list(conv.export(None, metas))
     assert [n for n, _ in got] == ["model.norm.weight", "model.embed_tokens.weight"]
     assert got[1][1].dtype == torch.bfloat16 and torch.equal(got[1][1], emb[:5].to(torch.bfloat16))
@@ -244,8 +296,11 @@ def test_plan_refuses_unknown_missing_and_misshapen_tensors():
 def test_export_mismatch_drains_the_bridge_then_names_the_position():
     items = [("model.norm.weight", torch.ones(2)), ("model.embed_tokens.weight", torch.zeros(5, 2))]
     conv = _conv(items)
-    with pytest.raises(ValueError, match=r"converter fake yielded model.norm.weight \(2,\) at position 0, the plan "
-                                         r"expects model.embed_tokens.weight \(5, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"converter fake yielded model.norm.weight \(2,\) at position 0, the plan "
+        r"expects model.embed_tokens.weight \(5, 2\)",
+    ):
         list(conv.export(None, REF))
     assert conv.adapter.consumed == 2  # the other ranks' collectives were run to the end
 
@@ -261,8 +316,10 @@ def test_export_closed_early_still_drains_the_bridge():
 def test_export_finishes_the_bridge_before_handing_out_the_last_tensor():
     # a tied model at PP>1: the last stage's head copy trails the planned tensors
     emb = torch.zeros(5, 2)
-    conv = _conv([("model.embed_tokens.weight", emb), ("model.norm.weight", torch.ones(2)),
-                  ("model.embed_tokens.weight", emb)], tied=True)
+    conv = _conv(
+        [("model.embed_tokens.weight", emb), ("model.norm.weight", torch.ones(2)), ("model.embed_tokens.weight", emb)],
+        tied=True,
+    )
     it = conv.export(None, REF)
     next(it)
     next(it)  # everything planned is out; the consumer need not pull again
@@ -270,12 +327,20 @@ def test_export_finishes_the_bridge_before_handing_out_the_last_tensor():
 
 
 def test_export_with_an_unplanned_trailing_tensor_is_an_error():
-    conv = _conv([("model.embed_tokens.weight", torch.zeros(5, 2)), ("model.norm.weight", torch.ones(2)),
-                  ("model.layers.0.extra.weight", torch.ones(2))])
+    conv = _conv(
+        [
+            ("model.embed_tokens.weight", torch.zeros(5, 2)),
+            ("model.norm.weight", torch.ones(2)),
+            ("model.layers.0.extra.weight", torch.ones(2)),
+        ]
+    )
     it = conv.export(None, REF)
     next(it)
-    with pytest.raises(ValueError, match="tensor model.layers.0.extra.weight: yielded by converter fake, but the "
-                                         "transformers model has no such tensor"):
+    with pytest.raises(
+        ValueError,
+        match="tensor model.layers.0.extra.weight: yielded by converter fake, but the "
+        "transformers model has no such tensor",
+    ):
         next(it)  # refused before the last planned tensor is handed out
 
 
@@ -287,10 +352,13 @@ def test_export_that_stops_short_is_an_error():
 
 # ---- import hygiene ------------------------------------------------------------------------------
 
+
 def test_config_side_imports_no_torch_and_bridge_module_imports_no_bridge():
-    code = ("import sys, json; import trainer_svc.bridge_contract as c; c.missing_package_error('mbridge'); "
-            "a = sorted(sys.modules); import trainer_svc.actor.megatron.bridge; b = sorted(sys.modules); "
-            "print(json.dumps([a, b]))")
+    code = (
+        "import sys, json; import trainer_svc.bridge_contract as c; c.missing_package_error('mbridge'); "
+        "a = sorted(sys.modules); import trainer_svc.actor.megatron.bridge; b = sorted(sys.modules); "
+        "print(json.dumps([a, b]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert not {m for m in before if m.split(".")[0] in ("torch", "megatron", "mbridge", "transformers")}
@@ -306,9 +374,24 @@ LAYOUTS = [(2, 2, 1, "float32"), (1, 2, 2, "bfloat16")]
 @pytest.mark.parametrize("tp,pp,vpp,dtype", LAYOUTS, ids=[f"tp{t}-pp{p}-vpp{v}-{d}" for t, p, v, d in LAYOUTS])
 def test_builtin_and_mbridge_give_the_same_tensors(tp, pp, vpp, dtype, hf_dirs, tmp_path):
     out = tmp_path / "report.json"
-    proc = torchrun(SUPPORT / "_bridge_roundtrip.py", tp * pp,
-                    ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--dtype", dtype, "--out", str(out),
-                     *[str(hf_dirs[f]) for f in BRIDGE_FAMILIES]], timeout=300)
+    proc = torchrun(
+        SUPPORT / "_bridge_roundtrip.py",
+        tp * pp,
+        [
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--vpp",
+            str(vpp),
+            "--dtype",
+            dtype,
+            "--out",
+            str(out),
+            *[str(hf_dirs[f]) for f in BRIDGE_FAMILIES],
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert sorted(report) == sorted(BRIDGE_FAMILIES)

@@ -1,4 +1,5 @@
 """The converter: HF -> Megatron checkpoint (TP=2, PP=2 with VPP) -> HF, bit-exact, via its CLI logic."""
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,22 @@ REPO = Path(__file__).resolve().parents[5]
 
 
 def _convert(*argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.pop("WORLD_SIZE", None)
     # main() relaunches itself under torchrun when tp*pp > 1
-    return subprocess.run([sys.executable, "-m", "trainer_svc.actor.megatron.convert", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer_svc.actor.megatron.convert", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_hf_to_megatron_to_hf_is_exact(hf_dirs, tmp_path):

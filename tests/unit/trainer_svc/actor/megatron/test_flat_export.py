@@ -4,6 +4,7 @@ padded vocabulary (qwen2, llama, qwen3 with per-head norms) and a tied one, in b
 cast into their slots) and fp32, with the model in one bucket and in many (gate and up split across
 buckets, the embedding alone); the buckets follow a training step and a parameter given new storage.
 Multi-rank layouts take the per-tensor export, whose TP>1 assembly test_megatron_dist.py checks."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ from tests.support.megatron_models import FAMILIES, SUPPORT
 
 def test_flat_buckets_are_the_export_byte_for_byte(hf_dirs, tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SUPPORT / "_flat_export_cases.py"), str(out),
-                           *[f"{f}={hf_dirs[f]}" for f in FAMILIES]], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "_flat_export_cases.py"), str(out), *[f"{f}={hf_dirs[f]}" for f in FAMILIES]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert sorted(report) == sorted(FAMILIES)
@@ -32,8 +37,9 @@ def test_flat_buckets_are_the_export_byte_for_byte(hf_dirs, tmp_path):
             assert r["aliased_bytes"] + r["copied_bytes"] == r["total_bytes"], f"{where}: {r}"
             assert r["logits_unchanged"], f"{where}: moving parameters into the buckets changed the model"
             assert r["reused"], f"{where}: a second sync of the same layout planned again"
-            assert r["after_step_changed"] and r["after_step_vs_iter"] == [], \
+            assert r["after_step_changed"] and r["after_step_vs_iter"] == [], (
                 f"{where}: after a step the buckets do not hold the new weights {r}"
+            )
             assert r["replanned"] and r["stale_vs_iter"] == [], f"{where}: a parameter with new storage {r}"
         big = rep["bfloat16-4194304"]
         if family != "qwen3":  # qwen3's q/k norms are fp32 too: still a small part

@@ -1,6 +1,7 @@
 """Every transform's `hf_copies` writes exactly what its `to_hf` returns (the flat export and the
 per-tensor export rely on it), and copy_pairs assembles TP shards and trims the vocabulary as the
 concatenation did."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,15 @@ from weightsync.model_spec import Dims
 
 
 def _dims(heads=8, groups=2, head_dim=4, vocab=250) -> Dims:
-    return Dims(num_layers=1, hidden_size=16, num_heads=heads, num_query_groups=groups, head_dim=head_dim,
-                ffn_hidden_size=12, vocab_size=vocab)
+    return Dims(
+        num_layers=1,
+        hidden_size=16,
+        num_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        ffn_hidden_size=12,
+        vocab_size=vocab,
+    )
 
 
 @pytest.mark.parametrize("transform,rows", [(IDENTITY, 10), (QKV, 2 * (4 + 2) * 4), (GATE_UP, 24), (SWAP_HALVES, 6)])
@@ -46,10 +54,17 @@ def _cat_reference(rule, shards, d):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("rule", [
-    Rule("qkv", ("q", "k", "v"), QKV, tp_dim=0), Rule("fc1", ("g", "u"), GATE_UP, tp_dim=0),
-    Rule("proj", ("o",), IDENTITY, tp_dim=1), Rule("emb", ("e",), IDENTITY, tp_dim=0, vocab=True),
-    Rule("eh", ("i",), SWAP_HALVES, tp_dim=0)], ids=lambda r: r.megatron)
+@pytest.mark.parametrize(
+    "rule",
+    [
+        Rule("qkv", ("q", "k", "v"), QKV, tp_dim=0),
+        Rule("fc1", ("g", "u"), GATE_UP, tp_dim=0),
+        Rule("proj", ("o",), IDENTITY, tp_dim=1),
+        Rule("emb", ("e",), IDENTITY, tp_dim=0, vocab=True),
+        Rule("eh", ("i",), SWAP_HALVES, tp_dim=0),
+    ],
+    ids=lambda r: r.megatron,
+)
 def test_copy_pairs_assemble_like_the_concatenation(rule, tp):
     d = _dims(groups=4)
     if rule.megatron == "proj":  # split along columns

@@ -1,4 +1,5 @@
 """The megatron trainer's process group listens on loopback only (issue: its TCPStore bound every interface)."""
+
 from __future__ import annotations
 
 import json

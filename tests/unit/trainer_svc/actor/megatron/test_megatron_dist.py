@@ -5,11 +5,11 @@ Every megatron-core process runs in a subprocess (torchrun for multi-rank), so t
 and Megatron's global parallel state never leak into the pytest process. One launch per layout
 runs all families.
 """
+
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +21,12 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS, ids=[f"tp{t}-pp{p}-vpp{v}" for t, p, v in LAYOUTS])
 def test_hf_megatron_hf_roundtrip(tp, pp, vpp, hf_dirs, tmp_path):
     out = tmp_path / "report.json"
-    proc = torchrun(SUPPORT / "_dist_roundtrip.py", tp * pp,
-                    ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--out", str(out),
-                     *[str(hf_dirs[f]) for f in FAMILIES]], timeout=240)
+    proc = torchrun(
+        SUPPORT / "_dist_roundtrip.py",
+        tp * pp,
+        ["--tp", str(tp), "--pp", str(pp), "--vpp", str(vpp), "--out", str(out), *[str(hf_dirs[f]) for f in FAMILIES]],
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert sorted(report) == sorted(FAMILIES)
@@ -48,17 +51,28 @@ def test_single_rank_errors_versions_seed_backward(hf_dirs, tmp_path):
 
     shutil.copytree(hf_dirs["qwen2"], tmp_path / "qwen2")
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SUPPORT / "_single_rank_cases.py"), str(tmp_path), str(out)],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(SUPPORT / "_single_rank_cases.py"), str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     rep = json.loads(out.read_text())
     assert "error" not in rep, rep["error"]
     assert rep["seeded_equal"] and rep["seed_changes_weights"]
     assert rep["version_bump"] == [1, 2]
-    assert "model.layers.1.mlp.up_proj.weight" in rep["missing"] and "(128, 64)" in rep["missing"] \
-        and "TP=1" in rep["missing"], rep["missing"]
-    assert "model.layers.0.mlp.gate_proj.weight" in rep["shape"] and "(96, 64)" in rep["shape"] \
-        and "(128, 64)" in rep["shape"] and "TP=1" in rep["shape"], rep["shape"]
+    assert (
+        "model.layers.1.mlp.up_proj.weight" in rep["missing"]
+        and "(128, 64)" in rep["missing"]
+        and "TP=1" in rep["missing"]
+    ), rep["missing"]
+    assert (
+        "model.layers.0.mlp.gate_proj.weight" in rep["shape"]
+        and "(96, 64)" in rep["shape"]
+        and "(128, 64)" in rep["shape"]
+        and "TP=1" in rep["shape"]
+    ), rep["shape"]
     assert "hidden_act='gelu'" in rep["act"], rep["act"]
     assert "no *.safetensors" in rep["empty_dir"], rep["empty_dir"]
     assert rep["llama3_rope_rel_err"] <= 1e-5, rep["llama3_rope_rel_err"]

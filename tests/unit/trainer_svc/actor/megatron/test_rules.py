@@ -1,4 +1,5 @@
 """Rule tables and transforms, without megatron-core: pure tensor functions and table checks."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,9 +18,9 @@ def _reference_fused_qkv(q, k, v, d: Dims):
     rows = []
     for g in range(k.shape[0] // d.head_dim):
         for h in range(g * d.heads_per_group, (g + 1) * d.heads_per_group):
-            rows.append(q[h * d.head_dim:(h + 1) * d.head_dim])
-        rows.append(k[g * d.head_dim:(g + 1) * d.head_dim])
-        rows.append(v[g * d.head_dim:(g + 1) * d.head_dim])
+            rows.append(q[h * d.head_dim : (h + 1) * d.head_dim])
+        rows.append(k[g * d.head_dim : (g + 1) * d.head_dim])
+        rows.append(v[g * d.head_dim : (g + 1) * d.head_dim])
     return torch.cat(rows)
 
 
@@ -115,25 +116,41 @@ def test_export_metas_from_config_only(make_config):
 
 
 # ---- MoE, MTP, expert layouts -----------------------------------------------------------------
-MOE_D = Dims(num_layers=3, hidden_size=8, num_heads=2, num_query_groups=1, head_dim=4, ffn_hidden_size=10,
-             vocab_size=16, num_experts=2, moe_ffn_hidden_size=6, moe_layers=(True, False, True))
+MOE_D = Dims(
+    num_layers=3,
+    hidden_size=8,
+    num_heads=2,
+    num_query_groups=1,
+    head_dim=4,
+    ffn_hidden_size=10,
+    vocab_size=16,
+    num_experts=2,
+    moe_ffn_hidden_size=6,
+    moe_layers=(True, False, True),
+)
 
 
 def test_moe_table_expands_experts_only_on_moe_layers():
     order = [(r.hf_names(s, MOE_D.num_layers), s) for r, s in rules_for("qwen2_moe").ordered(MOE_D)]
     names = [n for ns, _ in order for n in ns]
     assert "model.layers.0.mlp.experts.1.down_proj.weight" in names
-    assert "model.layers.0.mlp.gate_proj.weight" not in names          # layer 0 is MoE: no dense MLP
-    assert "model.layers.1.mlp.gate_proj.weight" in names              # layer 1 is dense
+    assert "model.layers.0.mlp.gate_proj.weight" not in names  # layer 0 is MoE: no dense MLP
+    assert "model.layers.1.mlp.gate_proj.weight" in names  # layer 1 is dense
     assert not any(n.startswith("model.layers.1.mlp.experts") or n == "model.layers.1.mlp.gate.weight" for n in names)
     layer0 = [n for n in names if n.startswith("model.layers.0.mlp.")]
     assert layer0 == [
         "model.layers.0.mlp.gate.weight",
-        "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight",
-        "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight",
-        "model.layers.0.mlp.experts.0.down_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight",
-        "model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.0.mlp.shared_expert.up_proj.weight",
-        "model.layers.0.mlp.shared_expert.down_proj.weight", "model.layers.0.mlp.shared_expert_gate.weight"]
+        "model.layers.0.mlp.experts.0.gate_proj.weight",
+        "model.layers.0.mlp.experts.0.up_proj.weight",
+        "model.layers.0.mlp.experts.1.gate_proj.weight",
+        "model.layers.0.mlp.experts.1.up_proj.weight",
+        "model.layers.0.mlp.experts.0.down_proj.weight",
+        "model.layers.0.mlp.experts.1.down_proj.weight",
+        "model.layers.0.mlp.shared_expert.gate_proj.weight",
+        "model.layers.0.mlp.shared_expert.up_proj.weight",
+        "model.layers.0.mlp.shared_expert.down_proj.weight",
+        "model.layers.0.mlp.shared_expert_gate.weight",
+    ]
     assert len(names) == len(set(names))
 
 
@@ -141,12 +158,14 @@ def test_expert_names_match_back_to_global_expert_and_layer():
     table = rules_for("qwen3_moe")
     rule, site = table.match("decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight")
     assert site == Site(layer=2, expert=1) and rule.expert and rule.tp_dim == 0
-    assert rule.hf_names(site) == ["model.layers.2.mlp.experts.1.gate_proj.weight",
-                                   "model.layers.2.mlp.experts.1.up_proj.weight"]
+    assert rule.hf_names(site) == [
+        "model.layers.2.mlp.experts.1.gate_proj.weight",
+        "model.layers.2.mlp.experts.1.up_proj.weight",
+    ]
     rule, site = table.match("decoder.layers.0.mlp.router.weight")
     assert not rule.expert and rule.tp_dim is None and rule.hf_names(site) == ["model.layers.0.mlp.gate.weight"]
     with pytest.raises(ValueError, match="shared_experts"):
-        table.match("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")   # qwen3_moe has none
+        table.match("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")  # qwen3_moe has none
 
 
 def _mtp_names(family: str, style: str, d: Dims) -> list[str]:
@@ -154,14 +173,24 @@ def _mtp_names(family: str, style: str, d: Dims) -> list[str]:
 
 
 def test_deepseek_mtp_names_follow_the_decoder_and_copy_embedding_and_head():
-    d = Dims(num_layers=3, hidden_size=8, num_heads=2, num_query_groups=1, head_dim=4, ffn_hidden_size=10,
-             vocab_size=16, mtp_layers=2)
+    d = Dims(
+        num_layers=3,
+        hidden_size=8,
+        num_heads=2,
+        num_query_groups=1,
+        head_dim=4,
+        ffn_hidden_size=10,
+        vocab_size=16,
+        mtp_layers=2,
+    )
     names = _mtp_names("qwen3", "deepseek", d)
     assert names[:3] == ["model.layers.3.enorm.weight", "model.layers.3.hnorm.weight", "model.layers.3.eh_proj.weight"]
     assert "model.layers.3.self_attn.q_norm.weight" in names and "model.layers.4.mlp.down_proj.weight" in names
-    assert names[len(names) // 2 - 3:len(names) // 2] == [
-        "model.layers.3.shared_head.norm.weight", "model.layers.3.embed_tokens.weight",
-        "model.layers.3.shared_head.head.weight"]
+    assert names[len(names) // 2 - 3 : len(names) // 2] == [
+        "model.layers.3.shared_head.norm.weight",
+        "model.layers.3.embed_tokens.weight",
+        "model.layers.3.shared_head.head.weight",
+    ]
     table = rules_for("qwen3", mtp="deepseek")
     # the copies are exported, never loaded: the embedding loads from model.embed_tokens.weight
     rule, _ = table.match("embedding.word_embeddings.weight")
@@ -170,15 +199,33 @@ def test_deepseek_mtp_names_follow_the_decoder_and_copy_embedding_and_head():
     assert rule.hf_names(site, 3)[0] == "model.layers.4.self_attn.q_proj.weight"
     tied = _mtp_names("qwen3-tied", "deepseek", d)
     assert "model.layers.3.shared_head.head.weight" in tied
-    assert [r.megatron for r in rules_for("qwen3-tied", mtp="deepseek").rules
-            if r.hf == ("model.layers.{mtp_layer}.shared_head.head.weight",)] == ["embedding.word_embeddings.weight"]
+    assert [
+        r.megatron
+        for r in rules_for("qwen3-tied", mtp="deepseek").rules
+        if r.hf == ("model.layers.{mtp_layer}.shared_head.head.weight",)
+    ] == ["embedding.word_embeddings.weight"]
 
 
 def test_mimo_mtp_names_and_mtp_layer_shaped_like_the_last_decoder_layer():
-    names = _mtp_names("qwen2", "mimo", Dims(num_layers=3, hidden_size=8, num_heads=2, num_query_groups=1,
-                                             head_dim=4, ffn_hidden_size=10, vocab_size=16, mtp_layers=1))
-    assert names[:3] == ["model.mtp_layers.0.token_layernorm.weight", "model.mtp_layers.0.hidden_layernorm.weight",
-                         "model.mtp_layers.0.input_proj.weight"]
+    names = _mtp_names(
+        "qwen2",
+        "mimo",
+        Dims(
+            num_layers=3,
+            hidden_size=8,
+            num_heads=2,
+            num_query_groups=1,
+            head_dim=4,
+            ffn_hidden_size=10,
+            vocab_size=16,
+            mtp_layers=1,
+        ),
+    )
+    assert names[:3] == [
+        "model.mtp_layers.0.token_layernorm.weight",
+        "model.mtp_layers.0.hidden_layernorm.weight",
+        "model.mtp_layers.0.input_proj.weight",
+    ]
     assert names[-1] == "model.mtp_layers.0.final_layernorm.weight"
     assert "model.mtp_layers.0.self_attn.q_proj.bias" in names
     # MoE model whose last layer is MoE: its MTP layer has experts (as megatron builds it)
@@ -189,7 +236,7 @@ def test_mimo_mtp_names_and_mtp_layer_shaped_like_the_last_decoder_layer():
 
 
 def test_swap_halves_reorders_embedding_and_hidden_columns_per_tp_shard():
-    w = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)     # [hidden=... rows, 2*3 columns]
+    w = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)  # [hidden=... rows, 2*3 columns]
     (mimo,) = SWAP_HALVES.to_hf(w, D)
     assert torch.equal(mimo[:, :3], w[:, 3:]) and torch.equal(mimo[:, 3:], w[:, :3])
     assert torch.equal(SWAP_HALVES.to_megatron([mimo], D), w)
@@ -230,10 +277,10 @@ def test_every_expert_layout_gets_the_same_global_names():
             super().__init__()
             self.layer_number = number
             self.mlp = nn.Module()
-            self.mlp.local_expert_indices = [2, 3]          # EP rank 1 of 2, 2 experts each
+            self.mlp.local_expert_indices = [2, 3]  # EP rank 1 of 2, 2 experts each
             self.mlp.experts = experts
 
-    def te_experts():   # TEGroupedMLP names its per-expert weights linear_fcN.weight{i}
+    def te_experts():  # TEGroupedMLP names its per-expert weights linear_fcN.weight{i}
         e = nn.Module()
         e.linear_fc1, e.linear_fc2 = nn.Module(), nn.Module()
         for i in range(2):
@@ -243,10 +290,11 @@ def test_every_expert_layout_gets_the_same_global_names():
 
     chunk = nn.Module()
     chunk.decoder = nn.Module()
-    chunk.decoder.layers = nn.ModuleList([Layer(5, te_experts())])      # global layer 4
+    chunk.decoder.layers = nn.ModuleList([Layer(5, te_experts())])  # global layer 4
     names = named_parameters_global([chunk])
-    assert sorted(names) == [f"decoder.layers.4.mlp.experts.local_experts.{e}.linear_fc{k}.weight"
-                             for e in (2, 3) for k in (1, 2)]
+    assert sorted(names) == [
+        f"decoder.layers.4.mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in (2, 3) for k in (1, 2)
+    ]
     assert (names["decoder.layers.4.mlp.experts.local_experts.3.linear_fc1.weight"] == 1).all()
 
 
@@ -259,14 +307,15 @@ def test_moe_and_mtp_shapes_come_from_the_checkpoint_layout(make_config):
     assert shapes["model.layers.0.mlp.experts.3.gate_proj.weight"] == (32, 64)
     assert shapes["model.layers.0.mlp.experts.3.down_proj.weight"] == (64, 32)
     assert "model.layers.0.mlp.experts.gate_up_proj" not in shapes
-    assert shapes["model.layers.1.mlp.gate_proj.weight"] == (128, 64)          # mlp_only_layers=[1]
+    assert shapes["model.layers.1.mlp.gate_proj.weight"] == (128, 64)  # mlp_only_layers=[1]
     assert shapes["model.layers.4.eh_proj.weight"] == (64, 128)
-    assert shapes["model.layers.4.mlp.experts.0.up_proj.weight"] == (32, 64)   # last layer (3) is MoE
+    assert shapes["model.layers.4.mlp.experts.0.up_proj.weight"] == (32, 64)  # last layer (3) is MoE
     assert shapes["model.layers.4.shared_head.head.weight"] == (250, 64)
     metas = export_metas(build_spec(cfg, mtp="deepseek"), torch.bfloat16)
     assert {m.name for m in metas} == set(shapes) and len(metas) == len(shapes)
     assert len(export_metas(build_spec(cfg), torch.bfloat16)) == len(shapes) - len(
-        [n for n in shapes if n.startswith("model.layers.4.")])
+        [n for n in shapes if n.startswith("model.layers.4.")]
+    )
 
 
 def test_moe_config_errors_name_the_field(make_config):

@@ -1,5 +1,6 @@
 """TE-spec Megatron state dicts through the local-spec rule tables, exactly, and mbridge's tables
 (which are written for the TE spec) agreeing on every TE name."""
+
 from __future__ import annotations
 
 import pytest
@@ -91,15 +92,28 @@ def test_mbridge_maps_every_te_name_to_the_same_hf_tensors(family):
         assert got == rule.hf_names(site, dims.num_layers), name
     # mbridge 0.15.1's MoE tables have no names for a MoE model's dense layers (mlp_only_layers);
     # that layer's MLP is the only thing it cannot map
-    want = {"decoder.layers.1.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.mlp.linear_fc1.weight",
-            "decoder.layers.1.mlp.linear_fc2.weight"} if family == "qwen3_moe" else set()
+    want = (
+        {
+            "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+            "decoder.layers.1.mlp.linear_fc1.weight",
+            "decoder.layers.1.mlp.linear_fc2.weight",
+        }
+        if family == "qwen3_moe"
+        else set()
+    )
     assert set(unmapped) == want
 
 
 def test_a_state_dict_with_both_spellings_is_refused_by_name():
-    state = {"decoder.layers.0.input_layernorm.weight": 1, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 2}
-    with pytest.raises(ValueError, match="both 'decoder.layers.0.input_layernorm.weight' and "
-                                         "'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight'"):
+    state = {
+        "decoder.layers.0.input_layernorm.weight": 1,
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 2,
+    }
+    with pytest.raises(
+        ValueError,
+        match="both 'decoder.layers.0.input_layernorm.weight' and "
+        "'decoder.layers.0.self_attention.linear_qkv.layer_norm_weight'",
+    ):
         local_state_dict(state)
 
 

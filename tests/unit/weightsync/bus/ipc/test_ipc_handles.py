@@ -1,4 +1,5 @@
 """CUDA IPC handle caching and the GPU transport messages, checked without a GPU."""
+
 import pytest
 import torch
 
@@ -15,15 +16,18 @@ class _FakeShare:
 
     def __call__(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
         self.calls.append(t)
-        return bus_pb2.CudaIpcHandle(handle=str(t.untyped_storage().data_ptr()).encode(),
-                                     storage_size=t.untyped_storage().nbytes(), device_uuid="GPU-fake")
+        return bus_pb2.CudaIpcHandle(
+            handle=str(t.untyped_storage().data_ptr()).encode(),
+            storage_size=t.untyped_storage().nbytes(),
+            device_uuid="GPU-fake",
+        )
 
 
 def test_reusable_buffers_are_shared_once_and_one_offs_every_time():
     share = _FakeShare()
     cache = HandleCache(share)
     bufs = [alloc_buffer(1024), alloc_buffer(1024)]
-    handles = [cache.handle(bufs[i % 2][:100 + i], reusable=True)[0] for i in range(6)]
+    handles = [cache.handle(bufs[i % 2][: 100 + i], reusable=True)[0] for i in range(6)]
     assert cache.shares == 2 and len(share.calls) == 2
     assert handles[0] == handles[2] == handles[4] and handles[1] == handles[3] and handles[0] != handles[1]
     big = torch.arange(64, dtype=torch.float32)
@@ -45,13 +49,22 @@ def test_a_view_that_does_not_start_its_storage_is_copied_before_sharing():
 
 def test_gpu_transport_messages_round_trip():
     req = rollout_pb2.PrepareSyncRequest(timeout_seconds=7.5)
-    req.transport.nccl.CopyFrom(bus_pb2.NcclTransport(unique_id=bytes(range(128)), world_size=3, rank_offset=2,
-                                                      group_id="g-1", timeout_seconds=30, new_group=True))
+    req.transport.nccl.CopyFrom(
+        bus_pb2.NcclTransport(
+            unique_id=bytes(range(128)), world_size=3, rank_offset=2, group_id="g-1", timeout_seconds=30, new_group=True
+        )
+    )
     back = rollout_pb2.PrepareSyncRequest.FromString(req.SerializeToString())
     assert back.transport.WhichOneof("kind") == "nccl"
     n = back.transport.nccl
-    assert (n.unique_id, n.world_size, n.rank_offset, n.group_id, n.timeout_seconds, n.new_group) == \
-        (bytes(range(128)), 3, 2, "g-1", 30.0, True)
+    assert (n.unique_id, n.world_size, n.rank_offset, n.group_id, n.timeout_seconds, n.new_group) == (
+        bytes(range(128)),
+        3,
+        2,
+        "g-1",
+        30.0,
+        True,
+    )
     resp = rollout_pb2.PrepareSyncResponse(num_ranks=1)
     resp.transport.ipc.CopyFrom(bus_pb2.IpcTransport(host_id="node-1", device_uuid="GPU-1234"))
     back = rollout_pb2.PrepareSyncResponse.FromString(resp.SerializeToString())

@@ -1,4 +1,5 @@
 """The rollout's GPU checks at PrepareSync (CUDA engine; for IPC, the trainer's GPU), with named fake GPUs."""
+
 import pytest
 import torch
 
@@ -16,11 +17,15 @@ def test_require_cuda_and_ipc_device_checks():
     assert require_cuda(gpu1, "nccl", "builtin") == gpu1
     uuid_of = {1: "GPU-bbbb"}.__getitem__
     spec = bus_pb2.IpcTransport(device_uuid="GPU-aaaa")
-    with pytest.raises(SyncError, match="trainer's buffers are on GPU GPU-aaaa, this rollout's engine is on GPU-bbbb") as e:
+    with pytest.raises(
+        SyncError, match="trainer's buffers are on GPU GPU-aaaa, this rollout's engine is on GPU-bbbb"
+    ) as e:
         check_ipc(spec, gpu1, "builtin", uuid_of=lambda d: uuid_of(d.index))
     assert e.value.code == "FAILED_PRECONDITION"
-    assert check_ipc(bus_pb2.IpcTransport(device_uuid="GPU-bbbb"), gpu1, "builtin",
-                     uuid_of=lambda d: uuid_of(d.index)) == "GPU-bbbb"
+    assert (
+        check_ipc(bus_pb2.IpcTransport(device_uuid="GPU-bbbb"), gpu1, "builtin", uuid_of=lambda d: uuid_of(d.index))
+        == "GPU-bbbb"
+    )
     with pytest.raises(SyncError, match="device_uuid is empty") as e:
         check_ipc(bus_pb2.IpcTransport(), gpu1, "builtin", uuid_of=lambda d: "x")
     assert e.value.code == "INVALID_ARGUMENT"

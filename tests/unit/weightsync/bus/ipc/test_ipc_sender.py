@@ -1,4 +1,6 @@
-"""The trainer's end of CUDA IPC: the session's GPU check and the IpcBuckets stream, with fakes for the GPU and the stream."""
+"""The trainer's end of CUDA IPC: the session's GPU check and the IpcBuckets stream, with fakes for the GPU and the
+stream."""
+
 import queue
 import threading
 import time
@@ -69,6 +71,7 @@ def _share_counting(calls):
     def share(t):
         calls.append(t.untyped_storage().data_ptr())
         return bus_pb2.CudaIpcHandle(handle=str(t.untyped_storage().data_ptr()).encode())
+
     return share
 
 
@@ -80,8 +83,14 @@ def test_ipc_stream_shares_each_long_lived_buffer_once_across_syncs_and_drops_a_
     assert len(manifest.buckets) == 6
     got: dict[str, list] = {"ok": [], "bad": []}
     share_calls: list[int] = []
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_fake_streams(got, {"bad": 2}), cache=HandleCache(_share_counting(share_calls)))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=_fake_streams(got, {"bad": 2}),
+        cache=HandleCache(_share_counting(share_calls)),
+    )
     targets = {"ok": _Entry("ok"), "bad": _Entry("bad")}
     for sync_id in ("s1", "s2"):
         tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
@@ -103,8 +112,14 @@ def test_ipc_stream_waits_for_the_previous_acknowledgement_and_fails_when_no_tar
     got: dict[str, list] = {"r": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_fake_streams(got, {"r": 1}), cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=_fake_streams(got, {"r": 1}),
+        cache=HandleCache(_share_counting([])),
+    )
     sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
     buf = torch.zeros(256, dtype=torch.uint8)
     sender.send(manifest.buckets[0], buf, 1)
@@ -118,8 +133,14 @@ def test_ipc_stream_waits_for_the_previous_acknowledgement_and_fails_when_no_tar
 
 
 def test_in_place_buckets_are_long_lived_for_the_handle_cache():
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_fake_streams({}, {}), cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=_fake_streams({}, {}),
+        cache=HandleCache(_share_counting([])),
+    )
     flats = [torch.zeros(512, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)]
     session = ipc.begin([_Entry("r")], "s", 256)
     assert not ipc.long_lived(flats[1][:10])
@@ -133,8 +154,14 @@ def test_held_buckets_go_out_without_waiting_for_acknowledgements_and_only_the_f
     got: dict[str, list] = {"r": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_fake_streams(got, {}), cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=_fake_streams(got, {}),
+        cache=HandleCache(_share_counting([])),
+    )
     flats = [torch.full((256,), i, dtype=torch.uint8) for i in range(len(manifest.buckets))]
     session = ipc.begin([_Entry("r")], "s", 256)
     session.use_in_place(flats)
@@ -174,8 +201,14 @@ def test_targets_that_commit_on_their_stream_keep_it_open_past_flush_and_get_the
     got: dict[str, list] = {"s": [], "u": [], "bad": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=_committing_streams(got, {"bad"}), cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=_committing_streams(got, {"bad"}),
+        cache=HandleCache(_share_counting([])),
+    )
     targets = {rid: _Entry(rid) for rid in got}
     sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
     sender.commit_on_stream(["s", "bad", "not-a-target"])
@@ -206,8 +239,14 @@ def test_targets_that_commit_elsewhere_have_their_stream_ended_at_flush_and_its_
 
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=open_stream, cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=open_stream,
+        cache=HandleCache(_share_counting([])),
+    )
     targets = {rid: _Entry(rid) for rid in ("linked", "plain")}
     sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
     sender.commit_elsewhere(["linked", "not-a-target"])
@@ -247,9 +286,14 @@ class _HangingCall:
 def test_a_commit_on_the_stream_not_answered_within_the_timeout_fails_as_a_deadline():
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(2)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(torch.device("cpu"), call=None, uuid_of=lambda d: "GPU-t", needs_cuda=False,
-                    stream=lambda entry, method, requests, timeout: _HangingCall(requests),
-                    cache=HandleCache(_share_counting([])))
+    ipc = IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=lambda entry, method, requests, timeout: _HangingCall(requests),
+        cache=HandleCache(_share_counting([])),
+    )
     sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
     sender.commit_on_stream(["r"])
     tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}

@@ -9,6 +9,7 @@ token auth, per-bucket acknowledgements, the trainer's pooled buffers shared onc
 the rollout's mappings opened once per pairing, checksums, commit and abort. The real mapping,
 side stream and event are exercised by tests/gpu/test_services_gpu.py.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -51,17 +52,34 @@ def fleet():
     from trainer_svc.config import TrainerConfig
 
     gpu = FakeGpu()
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
-                                                 auto_sync_new_rollouts=False, auth_token=TOKEN))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            sync_timeout_s=30.0,
+            auto_sync_new_rollouts=False,
+            auth_token=TOKEN,
+        )
+    )
     ipc = trainer.orch.transports["ipc"]
     ipc.needs_cuda, ipc.uuid_of, ipc.cache = False, (lambda d: GPU), HandleCache(gpu.share)
     trainer.orch.bucket_bytes = 64 << 10  # several buckets: two pooled buffers take turns
     trainer.start()
     rollouts = {}
     for rid, mode in (("a", "inplace"), ("b", "staged")):
-        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                 model="tiny-qwen2", rollout_id=rid, apply_mode=mode, auth_token=TOKEN))
+        app = RolloutApp(
+            RolloutConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                model="tiny-qwen2",
+                rollout_id=rid,
+                apply_mode=mode,
+                auth_token=TOKEN,
+            )
+        )
         app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
         app.servicer.ipc.maps = MappedBuffers(gpu.open)
         app.start()
@@ -91,23 +109,29 @@ def _assert_exact(trainer, app):
 def _prepared_by_hand(trainer, stub, gpu, sync_id: str, version: int):
     """PrepareSync of an ipc sync of the trainer's layout, sent to `stub` by the test itself:
     (manifest, the rollout's answer, the handle of bucket 0 packed from the trainer's weights)."""
-    manifest = trainer.orch.manifests.manifest(trainer.actor.export_metas(), version=version, sync_id=sync_id,
-                                               bucket_bytes=trainer.orch.bucket_bytes,
-                                               model_family=trainer.actor.family, checksum_algo="ws-sum64-v1",
-                                               origin=trainer.orch.origin)
-    req = rollout_pb2.PrepareSyncRequest(manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30,
-                                         trainer_id=trainer.orch.trainer_id)
+    manifest = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(),
+        version=version,
+        sync_id=sync_id,
+        bucket_bytes=trainer.orch.bucket_bytes,
+        model_family=trainer.actor.family,
+        checksum_algo="ws-sum64-v1",
+        origin=trainer.orch.origin,
+    )
+    req = rollout_pb2.PrepareSyncRequest(
+        manifest=trainer.orch.manifests.full_proto(manifest), timeout_seconds=30, trainer_id=trainer.orch.trainer_id
+    )
     req.transport.ipc.device_uuid = GPU
     answer = stub.PrepareSync(req)
     first = manifest.buckets[0]
     buf = torch.zeros(first.nbytes, dtype=torch.uint8)
-    pack_bucket(first, iter(list(trainer.actor.export_tensors())[:len(first.slots)]), buf)
+    pack_bucket(first, iter(list(trainer.actor.export_tensors())[: len(first.slots)]), buf)
     return manifest, answer, gpu.share(buf)
 
 
 def test_ipc_sync_shares_once_maps_once_and_stays_exact_across_syncs(fleet):
     trainer, rollouts, stub, gpu = fleet
-    for i in range(3):
+    for _ in range(3):
         _bump(trainer)
         report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
         assert report.ok and report.transport == "ipc", [r.error for r in report.rollouts]
@@ -138,7 +162,9 @@ def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(f
     finally:
         a.tx.consume_bucket = consume
     results = {r.rollout_id: r for r in report.rollouts}
-    assert not results["a"].ok and "DATA_LOSS" in results["a"].error and "bucket 1" in results["a"].error, results["a"].error
+    assert not results["a"].ok and "DATA_LOSS" in results["a"].error and "bucket 1" in results["a"].error, results[
+        "a"
+    ].error
     assert results["b"].ok
     _assert_exact(trainer, rollouts["b"])
     # in place, bucket 0 was already loaded: STALE, refusing generation until a complete sync
@@ -208,8 +234,10 @@ def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(flee
 
     # a prepared ipc sync whose stream switches to another sync id is refused and aborted
     manifest, _, h = _prepared_by_hand(trainer, good, gpu, "mixed", trainer.actor.version)
-    pushes = [rollout_pb2.PushBucketRequest(sync_id="mixed", index=0, ipc=h),
-              rollout_pb2.PushBucketRequest(sync_id="other", index=1, ipc=h)]
+    pushes = [
+        rollout_pb2.PushBucketRequest(sync_id="mixed", index=0, ipc=h),
+        rollout_pb2.PushBucketRequest(sync_id="other", index=1, ipc=h),
+    ]
     acks = []
     with pytest.raises(grpc.RpcError) as err:
         for ack in good.IpcBuckets(iter(pushes)):
@@ -245,10 +273,13 @@ def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_
     good = rollout_stub(channel(app.grpc.address), TOKEN, 10)
     manifest, prepared, h = _prepared_by_hand(trainer, good, gpu, "stream-commit", trainer.actor.version + 1)
     assert prepared.commit_on_stream
-    foreign = rollout_pb2.CommitSyncRequest(sync_id="another", version=manifest.version,
-                                            trainer_id=trainer.orch.trainer_id)
-    msgs = [rollout_pb2.PushBucketRequest(sync_id="stream-commit", index=0, ipc=h),
-            rollout_pb2.PushBucketRequest(commit=foreign)]
+    foreign = rollout_pb2.CommitSyncRequest(
+        sync_id="another", version=manifest.version, trainer_id=trainer.orch.trainer_id
+    )
+    msgs = [
+        rollout_pb2.PushBucketRequest(sync_id="stream-commit", index=0, ipc=h),
+        rollout_pb2.PushBucketRequest(commit=foreign),
+    ]
     answers = []
     with pytest.raises(grpc.RpcError) as err:
         for ans in good.IpcBuckets(iter(msgs)):
@@ -270,8 +301,9 @@ def test_with_the_sync_link_an_ipc_sync_prepares_and_commits_there_and_ends_its_
     stream_commits = []
 
     real = IpcStreamSender.commit_on_stream
-    monkeypatch.setattr(IpcStreamSender, "commit_on_stream",
-                        lambda self, rids: (stream_commits.append(list(rids)), real(self, rids))[1])
+    monkeypatch.setattr(
+        IpcStreamSender, "commit_on_stream", lambda self, rids: (stream_commits.append(list(rids)), real(self, rids))[1]
+    )
     _bump(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]

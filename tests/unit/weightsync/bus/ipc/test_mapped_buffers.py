@@ -1,4 +1,5 @@
 """The rollout's mapping cache: one open per buffer and pairing; drops for a new trainer or an unused buffer."""
+
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ def _handle(name: bytes, size=64, offset=0):
 def test_each_buffer_is_opened_once_per_pairing_and_dropped_when_unused_or_the_trainer_changes():
     memory = {b"A": torch.arange(64, dtype=torch.uint8), b"B": torch.zeros(64, dtype=torch.uint8)}
     opened = []
-    maps = MappedBuffers(lambda h: opened.append(bytes(h.handle)) or memory[bytes(h.handle)],
-                         on_open=lambda: opened.append("metric"))
+    maps = MappedBuffers(
+        lambda h: opened.append(bytes(h.handle)) or memory[bytes(h.handle)], on_open=lambda: opened.append("metric")
+    )
     maps.begin("trainer-1")
     for _ in range(3):
         assert torch.equal(maps.get(_handle(b"A"), 10), memory[b"A"][:10])

@@ -1,4 +1,5 @@
 """weightsync.bus.nccl.liveness on its own: the watch's verdicts and the abort flags on a real store."""
+
 from __future__ import annotations
 
 import datetime
@@ -13,10 +14,14 @@ from weightsync.v1 import rollout_pb2
 
 def test_store_flags_raised_by_one_rank_are_seen_by_another_per_sync():
     # rank 0 hosts the job's TCPStore; another rank is a client of it, as under torchrun
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    rank0, rank1 = StoreFlags(dist.PrefixStore("default_pg", master)), StoreFlags(dist.PrefixStore("default_pg", client))
+    rank0, rank1 = (
+        StoreFlags(dist.PrefixStore("default_pg", master)),
+        StoreFlags(dist.PrefixStore("default_pg", client)),
+    )
     assert rank1.raised("v3-a") == ""
     rank0.raise_flag("v3-a", "rollout r1 became unreachable during the stream")
     # A read on another connection right after the set may not see it yet (this test flaked in CI
@@ -57,10 +62,12 @@ def test_a_stopped_watch_gives_no_verdict():
 
 
 def test_members_probe_names_the_dead_and_the_departed_and_passes_busy_or_present_members():
-    status = {"ok": (rollout_pb2.RolloutStatus(pending_sync_id="s1"), ""),
-              "busy": (None, "DEADLINE_EXCEEDED: slow"),
-              "gone": (None, "UNAVAILABLE: connection refused"),
-              "left": (rollout_pb2.RolloutStatus(pending_sync_id="", last_error="checksum mismatch"), "")}
+    status = {
+        "ok": (rollout_pb2.RolloutStatus(pending_sync_id="s1"), ""),
+        "busy": (None, "DEADLINE_EXCEEDED: slow"),
+        "gone": (None, "UNAVAILABLE: connection refused"),
+        "left": (rollout_pb2.RolloutStatus(pending_sync_id="", last_error="checksum mismatch"), ""),
+    }
 
     def call(entry, method, req):
         assert method == "GetStatus"
@@ -68,7 +75,8 @@ def test_members_probe_names_the_dead_and_the_departed_and_passes_busy_or_presen
 
     assert members_probe({"a": "ok", "b": "busy"}, call, "s1")() == ""
     assert members_probe({"a": "ok", "g": "gone"}, call, "s1")() == (
-        "rollout g became unreachable during the stream (UNAVAILABLE: connection refused)")
+        "rollout g became unreachable during the stream (UNAVAILABLE: connection refused)"
+    )
     assert members_probe({"l": "left"}, call, "s1")() == "rollout l left sync s1 during the stream (checksum mismatch)"
 
 
@@ -111,8 +119,11 @@ def test_a_watch_over_members_aborts_on_a_death_while_another_member_hangs():
 
     died_at = time.monotonic() + 0.2
     aborted, done = [], threading.Event()
-    w = Watch(members_probe({"h": "hung", "x": "dies"}, call, "s1", wait_s=0.05),
-              lambda r: (aborted.append(r), done.set()), 0.05).start()
+    w = Watch(
+        members_probe({"h": "hung", "x": "dies"}, call, "s1", wait_s=0.05),
+        lambda r: (aborted.append(r), done.set()),
+        0.05,
+    ).start()
     try:
         assert done.wait(3), "the death was not seen while the other member hung"
         assert aborted == ["rollout x became unreachable during the stream (UNAVAILABLE: connection refused)"]

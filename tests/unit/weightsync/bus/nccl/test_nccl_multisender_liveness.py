@@ -9,6 +9,7 @@ planning a group per sender, the watch); two threads play the two trainer ranks 
 broadcast until every rank took the bucket, as NCCL does. A dead rollout (its gRPC port gone) and
 a live one that left the sync are both caught; unwatched, the same sync waits out its deadline.
 """
+
 from __future__ import annotations
 
 import threading
@@ -73,6 +74,7 @@ class TwoRankActor:
 
         def go(r: int) -> None:
             results[r] = asdict(run_sender(self.ranks[r], SendJob.from_args(job)))
+
         threads = [threading.Thread(target=go, args=(r,)) for r in (0, 1)]
         for t in threads:
             t.start()
@@ -92,18 +94,30 @@ def fleet():
 
     def make(watched: bool):
         bus = LoopbackBus(blocking_send=True)
-        trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                     backend="hf", model="tiny-qwen2", bucket_mb=1,
-                                                     sync_timeout_s=SYNC_TIMEOUT, auto_sync_new_rollouts=False))
+        trainer = TrainerApp(
+            TrainerConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                backend="hf",
+                model="tiny-qwen2",
+                bucket_mb=1,
+                sync_timeout_s=SYNC_TIMEOUT,
+                auto_sync_new_rollouts=False,
+            )
+        )
         trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
-        trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 5.0, call=trainer.orch.rollouts.call,
-                                                     watch_period=PERIOD)
+        trainer.orch.transports["nccl"] = NcclSender(
+            torch.device("cpu"), bus, 5.0, call=trainer.orch.rollouts.call, watch_period=PERIOD
+        )
         trainer.start()
         made.append(trainer)
         apps = {}
         for rid in ("live", "victim"):
-            app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                                     model="tiny-qwen2", rollout_id=rid))
+            app = RolloutApp(
+                RolloutConfig.from_flat(
+                    grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id=rid
+                )
+            )
             app.servicer.nccl._bus = bus
             app.start()
             made.append(app)
@@ -120,8 +134,10 @@ def fleet():
 
 def _sync(stub) -> tuple[trainer_pb2.SyncReport, float]:
     t0 = time.monotonic()
-    rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live", "victim"], transport="nccl", senders="all"),
-                    timeout=SYNC_TIMEOUT + 30).report
+    rep = stub.Sync(
+        trainer_pb2.SyncRequest(rollout_ids=["live", "victim"], transport="nccl", senders="all"),
+        timeout=SYNC_TIMEOUT + 30,
+    ).report
     return rep, time.monotonic() - t0
 
 
@@ -136,8 +152,11 @@ def test_both_senders_stream_their_own_groups_when_nothing_goes_wrong(fleet):
     assert trainer.orch.actor.stream_flags.raised(rep.sync_id) == ""  # a good sync raises nothing
 
 
-@pytest.mark.parametrize("how, watched", [("dies", True), ("leaves", True), ("dies", False)],
-                         ids=["dead-watched", "left-watched", "dead-unwatched"])
+@pytest.mark.parametrize(
+    "how, watched",
+    [("dies", True), ("leaves", True), ("dies", False)],
+    ids=["dead-watched", "left-watched", "dead-unwatched"],
+)
 def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, watched):
     trainer, apps, stub = fleet(watched)
     first, _ = _sync(stub)
@@ -182,6 +201,7 @@ def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, w
     assert {s.rank for s in rep.senders if want in s.error} == {0, 1}, rep.senders
     assert all(r._nccl_sender_groups.group_id == "" for r in trainer.orch.actor.ranks)
     # the next sync without the victim plans new groups and goes through
-    again = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"),
-                      timeout=SYNC_TIMEOUT + 30).report
+    again = stub.Sync(
+        trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"), timeout=SYNC_TIMEOUT + 30
+    ).report
     assert again.ok and live.tx.version == again.version == trainer.actor.version, again

@@ -8,6 +8,7 @@ whole sync (and drops every group) when one sender's group fails, and refuses ma
 sender_groups before anything is prepared. The multi-process version (torchrun trainer ranks,
 rollout processes, a gloo stand-in for NCCL) is tests/e2e/test_nccl_multisender_e2e.py.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 from tests.support.nccl_loopback import LoopbackBus
-from weightsync.bus.checksum import ALGO
 from weightsync.bus.channel import BucketSender
+from weightsync.bus.checksum import ALGO
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import make_manifest, manifest_to_proto
 from weightsync.control.client import channel, rollout_stub
@@ -36,11 +37,22 @@ def setup():
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                                 model="tiny-qwen2", bucket_mb=1, auto_sync_new_rollouts=False))
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            auto_sync_new_rollouts=False,
+        )
+    )
     bus = LoopbackBus(blocking_send=True)
-    app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                             model="tiny-qwen2", rollout_id="r"))
+    app = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r"
+        )
+    )
     app.servicer.nccl._bus = bus
     app.start()
     yield trainer, app, bus
@@ -58,8 +70,15 @@ def _manifest(trainer, sync_id: str):
     """The trainer's weights as a 2-sender manifest: the first half of the tensors from rank 0."""
     metas = trainer.actor.export_metas()
     owners = [0 if i < len(metas) // 2 else 1 for i in range(len(metas))]
-    m = make_manifest(metas, version=trainer.actor.version, sync_id=sync_id, bucket_bytes=64 << 10,
-                      model_family=trainer.actor.family, checksum_algo=ALGO, owners=owners)
+    m = make_manifest(
+        metas,
+        version=trainer.actor.version,
+        sync_id=sync_id,
+        bucket_bytes=64 << 10,
+        model_family=trainer.actor.family,
+        checksum_algo=ALGO,
+        owners=owners,
+    )
     assert m.senders == [0, 1] and len(m.buckets_of(0)) > 1 and len(m.buckets_of(1)) > 1
     return m, owners
 
@@ -72,8 +91,9 @@ def _spec(groups, **fields) -> bus_pb2.NcclTransport:
 
 
 def _prepare(trainer, app, manifest, spec):
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=30, transport=bus_pb2.TransportSpec(nccl=spec),
-                                         trainer_id=trainer.trainer_id)
+    req = rollout_pb2.PrepareSyncRequest(
+        timeout_seconds=30, transport=bus_pb2.TransportSpec(nccl=spec), trainer_id=trainer.trainer_id
+    )
     req.manifest.CopyFrom(manifest_to_proto(manifest))
     return rollout_stub(channel(app.grpc.address), "").PrepareSync(req, timeout=10)
 
@@ -90,6 +110,7 @@ def _stream(trainer, bus, manifest, owners, uids, groups_held=None, fail_sender=
             mine = iter(t for t, o in zip(tensors, owners) if o == s)
             sender = bus.sender(group)
             if s == fail_sender:
+
                 class Dies(BucketSender):  # streams one bucket, then its communicator breaks
                     releases_previous = False
 
@@ -102,6 +123,7 @@ def _stream(trainer, bus, manifest, owners, uids, groups_held=None, fail_sender=
                             raise RuntimeError("sender rank died")
                         self.n += 1
                         sender.send(plan, buf, checksum)
+
                 sender = Dies()
             stats = stream_buckets(replace(manifest, buckets=manifest.buckets_of(s)), mine, sender, timeout=TIMEOUT)
             out.update({b.index: c for b, c in zip(manifest.buckets_of(s), stats.checksums)})
@@ -117,8 +139,9 @@ def _stream(trainer, bus, manifest, owners, uids, groups_held=None, fail_sender=
 
 
 def _commit(trainer, app, manifest, checksums):
-    req = rollout_pb2.CommitSyncRequest(sync_id=manifest.sync_id, version=manifest.version,
-                                        trainer_id=trainer.trainer_id)
+    req = rollout_pb2.CommitSyncRequest(
+        sync_id=manifest.sync_id, version=manifest.version, trainer_id=trainer.trainer_id
+    )
     for i in range(len(manifest.buckets)):
         req.checksums.add(index=i, checksum=checksums[i])
     return rollout_stub(channel(app.grpc.address), "").CommitSync(req, timeout=10)
@@ -169,19 +192,30 @@ def test_two_senders_stream_concurrently_on_their_own_groups_reuse_them_and_one_
     assert "aborted" in app.tx.last_error and nccl.held_senders() == []
     # reusing a dropped group is refused: the trainer has to plan new ones
     with pytest.raises(grpc.RpcError) as e:
-        _prepare(trainer, app, _manifest(trainer, "ms-4")[0], _spec([(0, uids[0], "g0", False),
-                                                                      (1, uids[1], "g1", False)]))
+        _prepare(
+            trainer, app, _manifest(trainer, "ms-4")[0], _spec([(0, uids[0], "g0", False), (1, uids[1], "g1", False)])
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "g0 (rank 1 of 2) is not held" in e.value.details()
 
 
-@pytest.mark.parametrize("groups, fields, match", [
-    ([(0, bytes(128), "a", True), (0, bytes(128), "b", True)], {}, "sender=0: each sending rank"),
-    ([(0, bytes(128), "a", True), (1, bytes(128), "a", True)], {}, "group_id='a' names two groups"),
-    ([(0, bytes(128), "a", True), (1, bytes(7), "b", True)], {}, "sender_groups[1].unique_id has 7 bytes"),
-    ([(0, bytes(128), "a", True), (1, bytes(128), "b", True)], {"group_id": "x"},
-     "sets sender_groups and the single-group fields"),
-    ([(0, bytes(128), "a", True)], {}, "names groups for sender ranks [0], and the manifest's buckets come from [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "groups, fields, match",
+    [
+        ([(0, bytes(128), "a", True), (0, bytes(128), "b", True)], {}, "sender=0: each sending rank"),
+        ([(0, bytes(128), "a", True), (1, bytes(128), "a", True)], {}, "group_id='a' names two groups"),
+        ([(0, bytes(128), "a", True), (1, bytes(7), "b", True)], {}, "sender_groups[1].unique_id has 7 bytes"),
+        (
+            [(0, bytes(128), "a", True), (1, bytes(128), "b", True)],
+            {"group_id": "x"},
+            "sets sender_groups and the single-group fields",
+        ),
+        (
+            [(0, bytes(128), "a", True)],
+            {},
+            "names groups for sender ranks [0], and the manifest's buckets come from [0, 1]",
+        ),
+    ],
+)
 def test_malformed_sender_groups_are_invalid_argument_before_anything_is_prepared(setup, groups, fields, match):
     trainer, app, _ = setup
     m, _ = _manifest(trainer, "bad")

@@ -6,6 +6,7 @@ ours: the rank plan, the group cache keyed by membership, rebuilds after a membe
 failure or a restarted member, group-wide failure when a member cannot prepare or join, and the
 refusal of nccl by a CPU rollout. Real NCCL runs in tests/gpu/test_services_gpu.py.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -28,15 +29,32 @@ def fleet():
     from trainer_svc.config import TrainerConfig
 
     bus = LoopbackBus()
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=30.0,
-                                       auto_sync_new_rollouts=False))
-    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT, trainer.metrics.nccl_group_builds.inc)
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            sync_timeout_s=30.0,
+            auto_sync_new_rollouts=False,
+        )
+    )
+    trainer.orch.transports["nccl"] = NcclSender(
+        torch.device("cpu"), bus, INIT_TIMEOUT, trainer.metrics.nccl_group_builds.inc
+    )
     trainer.start()
     rollouts = {}
     for rid in ("a", "b", "c", "partitioned", "cpu"):
-        app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2",
-                                       rollout_id=rid, apply_mode="inplace" if rid == "b" else "staged"))
+        app = RolloutApp(
+            RolloutConfig.from_flat(
+                grpc_address="127.0.0.1:0",
+                http_address="127.0.0.1:0",
+                model="tiny-qwen2",
+                rollout_id=rid,
+                apply_mode="inplace" if rid == "b" else "staged",
+            )
+        )
         if rid == "partitioned":
             app.servicer.nccl._bus = LoopbackBus()  # another network: its join never meets the others
         elif rid != "cpu":  # "cpu" keeps the real bus: a CPU engine must refuse nccl
@@ -77,15 +95,17 @@ def _builds(trainer, rollouts):
 
 def _spec(**fields) -> bus_pb2.NcclTransport:
     """A well-formed NcclTransport for a 2-rank group; fields override."""
-    return bus_pb2.NcclTransport(**{**dict(unique_id=bytes(128), world_size=2, rank_offset=1, group_id="g",
-                                           new_group=True), **fields})
+    return bus_pb2.NcclTransport(
+        **{**dict(unique_id=bytes(128), world_size=2, rank_offset=1, group_id="g", new_group=True), **fields}
+    )
 
 
 def _refused_prepare(trainer, app, spec: bus_pb2.NcclTransport) -> grpc.RpcError:
     """PrepareSync straight to `app` with `spec`, which it must refuse; returns the error."""
     # sent as the fleet's trainer: the rollouts follow its id once it has synced them
-    req = rollout_pb2.PrepareSyncRequest(timeout_seconds=5, transport=bus_pb2.TransportSpec(nccl=spec),
-                                         trainer_id=trainer.trainer_id)
+    req = rollout_pb2.PrepareSyncRequest(
+        timeout_seconds=5, transport=bus_pb2.TransportSpec(nccl=spec), trainer_id=trainer.trainer_id
+    )
     req.manifest.CopyFrom(_manifest(trainer))
     with pytest.raises(grpc.RpcError) as e:
         rollout_stub(channel(app.grpc.address), "").PrepareSync(req, timeout=10)
@@ -201,8 +221,12 @@ def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
     trainer, rollouts, stub, bus = fleet
 
     def failures(reason):
-        return trainer.metrics.registry.get_sample_value(
-            "weightsync_sync_failures_total", {"role": "trainer", "reason": reason}) or 0.0
+        return (
+            trainer.metrics.registry.get_sample_value(
+                "weightsync_sync_failures_total", {"role": "trainer", "reason": reason}
+            )
+            or 0.0
+        )
 
     before = failures("prepare_failed"), failures("transport")
     _bump(trainer)
@@ -221,14 +245,17 @@ def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
     assert "builtin engine runs on cpu" in err.details()
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("unique_id", bytes(12), "unique_id has 12 bytes"),
-    ("world_size", 1, "world_size=1"),
-    ("rank_offset", 0, "rank_offset=0"),
-    ("rank_offset", 2, "rank_offset=2"),
-    ("group_id", "", "group_id must have"),
-    ("timeout_seconds", float("inf"), "timeout_seconds=inf"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("unique_id", bytes(12), "unique_id has 12 bytes"),
+        ("world_size", 1, "world_size=1"),
+        ("rank_offset", 0, "rank_offset=0"),
+        ("rank_offset", 2, "rank_offset=2"),
+        ("group_id", "", "group_id must have"),
+        ("timeout_seconds", float("inf"), "timeout_seconds=inf"),
+    ],
+)
 def test_malformed_nccl_transport_is_invalid_argument(fleet, field, value, match):
     trainer, rollouts, _, _ = fleet
     spec = _spec()
@@ -247,7 +274,9 @@ def test_reuse_of_a_group_the_rollout_does_not_hold_is_refused(fleet):
 
 def test_gpu_transports_refused_on_a_cpu_trainer(fleet):
     trainer, _, stub, _ = fleet
-    with pytest.raises(ValueError, match=r"transport=nccl needs the trainer's export on a CUDA device.*--device cuda:0"):
+    with pytest.raises(
+        ValueError, match=r"transport=nccl needs the trainer's export on a CUDA device.*--device cuda:0"
+    ):
         NcclSender(torch.device("cpu")).begin([], "s", 1 << 20)
     with pytest.raises(grpc.RpcError) as e:
         stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["a"], transport="ipc"))
@@ -257,13 +286,20 @@ def test_gpu_transports_refused_on_a_cpu_trainer(fleet):
 
 def _manifest(trainer) -> bus_pb2.Manifest:
     from weightsync.bus.plan import make_manifest, manifest_to_proto
+
     a = trainer.actor
-    return manifest_to_proto(make_manifest(a.export_metas(), version=a.version, sync_id="manual",
-                                           bucket_bytes=1 << 20, model_family=a.family))
+    return manifest_to_proto(
+        make_manifest(
+            a.export_metas(), version=a.version, sync_id="manual", bucket_bytes=1 << 20, model_family=a.family
+        )
+    )
 
 
-@pytest.mark.parametrize("how, watched", [("dies", True), ("leaves", True), ("dies", False)],
-                         ids=["dead-watched", "left-watched", "dead-unwatched"])
+@pytest.mark.parametrize(
+    "how, watched",
+    [("dies", True), ("leaves", True), ("dies", False)],
+    ids=["dead-watched", "left-watched", "dead-unwatched"],
+)
 def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how, watched):
     """Real NCCL never tells the sender that a receiving process died, or that it aborted its side
     of the sync and stopped receiving: the broadcast just waits. The loopback is set to wait the
@@ -279,17 +315,29 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
 
     bus = LoopbackBus(blocking_send=True)
     sync_timeout = 6.0
-    trainer = TrainerApp(TrainerConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf",
-                                       model="tiny-qwen2", bucket_mb=1, sync_timeout_s=sync_timeout,
-                                       auto_sync_new_rollouts=False))
-    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, INIT_TIMEOUT,
-                                               call=trainer.orch.rollouts.call if watched else None, watch_period=0.2)
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model="tiny-qwen2",
+            bucket_mb=1,
+            sync_timeout_s=sync_timeout,
+            auto_sync_new_rollouts=False,
+        )
+    )
+    trainer.orch.transports["nccl"] = NcclSender(
+        torch.device("cpu"), bus, INIT_TIMEOUT, call=trainer.orch.rollouts.call if watched else None, watch_period=0.2
+    )
     trainer.start()
     apps, release = {}, threading.Event()
     try:
         for rid in ("live", "dying"):
-            app = RolloutApp(RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                                           model="tiny-qwen2", rollout_id=rid))
+            app = RolloutApp(
+                RolloutConfig.from_flat(
+                    grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id=rid
+                )
+            )
             app.servicer.nccl._bus = bus
             app.start()
             apps[rid] = app
@@ -311,8 +359,9 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
             stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
         before = apps["live"].tx.version
         t0 = time.monotonic()
-        rep = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=["live", "dying"], transport="nccl"),
-                        timeout=sync_timeout + 30).report
+        rep = stub.Sync(
+            trainer_pb2.SyncRequest(rollout_ids=["live", "dying"], transport="nccl"), timeout=sync_timeout + 30
+        ).report
         took = time.monotonic() - t0
         errors = {r.rollout_id: r.error for r in rep.rollouts}
         assert not rep.ok and not any(r.ok for r in rep.rollouts), rep

@@ -1,4 +1,5 @@
 """The trainer's end of NCCL: the communicator cache keyed by membership, with a fake bus."""
+
 import pytest
 import torch
 

@@ -48,14 +48,21 @@ class Listener:
 
 def _model(n=12, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.w": torch.randn(32, 16 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
-            for i in range(n)}
+    return {
+        f"layer{i}.w": torch.randn(32, 16 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+        for i in range(n)
+    }
 
 
 def test_stream_to_two_receivers_is_bit_exact():
     ts = _model()
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="abc",
-                      bucket_bytes=4096, checksum_algo="ws-sum64-v1")
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()],
+        version=1,
+        sync_id="abc",
+        bucket_bytes=4096,
+        checksum_algo="ws-sum64-v1",
+    )
     assert len(m.buckets) > 3
     rx = [Listener(m), Listener(m)]
     sender = TcpBucketSender({f"r{i}": r.address for i, r in enumerate(rx)}, "abc", "tok", timeout=5)
@@ -71,8 +78,9 @@ def test_stream_to_two_receivers_is_bit_exact():
 
 def test_dead_receiver_is_dropped_and_the_other_still_gets_everything():
     ts = _model(n=40)
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="x",
-                      bucket_bytes=2048)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="x", bucket_bytes=2048
+    )
     good, dead = Listener(m), Listener(m, die_after=1)
     sender = TcpBucketSender({"good": good.address, "dead": dead.address}, "x", "tok", timeout=5)
     stream_buckets(m, iter(ts.items()), sender)
@@ -88,8 +96,9 @@ def test_unreachable_target_only_fails_that_target():
     free = s.getsockname()[1]
     s.close()
     ts = _model(n=2)
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="y",
-                      bucket_bytes=1 << 20)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="y", bucket_bytes=1 << 20
+    )
     good = Listener(m)
     sender = TcpBucketSender({"good": good.address, "gone": f"127.0.0.1:{free}"}, "y", "tok", timeout=2)
     assert "gone" in sender.failures()
@@ -101,8 +110,9 @@ def test_unreachable_target_only_fails_that_target():
 
 def test_receiver_times_out_on_a_stalled_sender():
     ts = _model(n=2)
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="z",
-                      bucket_bytes=1 << 20)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="z", bucket_bytes=1 << 20
+    )
     a, b = socket.socketpair()
     rx = TcpBucketReceiver(a)
     t0 = time.monotonic()
@@ -115,9 +125,11 @@ def test_receiver_times_out_on_a_stalled_sender():
 
 def test_frame_that_disagrees_with_manifest_is_refused():
     import struct
+
     ts = _model(n=1)
-    m = make_manifest([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="z",
-                      bucket_bytes=1 << 20)
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="z", bucket_bytes=1 << 20
+    )
     a, b = socket.socketpair()
     b.sendall(struct.pack("<4sIQQB", b"WSB1", 0, 1 << 40, 0, 0))  # claims a 1 TiB bucket
     with pytest.raises(TransportError, match="manifest expects bucket 0"):
