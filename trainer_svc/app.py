@@ -14,18 +14,18 @@ import uuid
 
 from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
-from trainer_svc.export_format import export_format
 from trainer_svc.http_api import trainer_router
 from trainer_svc.paths import DataRoots
 from trainer_svc.service import TrainerServicer
-from trainer_svc.sync import SyncOrchestrator
-from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.warm_up import warm_up
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
+from weightsync.publisher import SyncOrchestrator
+from weightsync.publisher.export_format import export_format
+from weightsync.publisher.registry import RolloutRegistry
 from weightsync.v1 import trainer_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from trainer_svc.atomic_file import save_config, save_safetensors
 
 
 def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
-    """`fmt`: the trainer's ExportFormat (trainer_svc.export_format); None = as the actor exports."""
+    """`fmt`: the trainer's ExportFormat (weightsync.publisher.export_format); None = as the actor exports."""
     out = Path(out_dir)
     named = fmt.tensors(actor.export_tensors()) if fmt is not None else actor.export_tensors()
     # Read to its end before anything is written: a quantized export refuses non-finite weights

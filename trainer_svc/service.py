@@ -10,11 +10,11 @@ import threading
 import grpc
 
 from trainer_svc.paths import DataRoots, PathRefused
-from trainer_svc.sync import SyncInProgress, SyncOrchestrator
-from trainer_svc.sync.registry import RolloutRegistry
 from trainer_svc.train.rpc import TrainingServicerMixin
 from weightsync.bus.transports import transport as transport_named
 from weightsync.config import ConfigError, parse_host_port
+from weightsync.publisher import SyncInProgress, SyncOrchestrator
+from weightsync.publisher.registry import RolloutRegistry
 from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)

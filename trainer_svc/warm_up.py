@@ -29,8 +29,8 @@ def warm_up(device, metas, quantized: bool, who: str = "trainer") -> None:
 
 def warm_up_sender(actor, cfg) -> None:
     """A torchrun worker that streams its own buckets (`--senders all`): warm what it will run."""
-    from trainer_svc.export_format import export_format
-    from trainer_svc.sync.multisender import export_device
+    from weightsync.publisher.export_format import export_format
+    from weightsync.publisher.multisender import export_device
 
     if cfg.bus.senders != "all":
         return  # the funnel: rank 0 packs, checksums and quantizes everything

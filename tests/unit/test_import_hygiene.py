@@ -21,7 +21,7 @@ def test_wsctl_imports_no_torch():
 @pytest.mark.parametrize(
     "stmt",
     [
-        "import trainer_svc.cli, trainer_svc.service, trainer_svc.sync",
+        "import trainer_svc.cli, trainer_svc.service, weightsync.publisher",
         "import rollout_svc.cli, rollout_svc.service, rollout_svc.sync.transaction",
     ],
 )

@@ -10,7 +10,7 @@ A multi-rank backend runs its collectives inside these methods on every rank; th
 iterators yield nothing.
 
 A multi-rank backend may also let every rank that assembles tensors stream them itself
-(trainer_svc/sync/multisender.py): it then offers `export_owners()` (the global rank assembling each
+(weightsync/publisher/multisender.py): it then offers `export_owners()` (the global rank assembling each
 tensor of `export_metas()`, from metadata alone) and `run_senders(job)` (rank 0: hand the job to
 every rank, stream this rank's part, return every rank's report). Backends without them stream
 from rank 0.

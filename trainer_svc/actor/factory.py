@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trainer_svc.export_format import actor_dtype
 from weightsync.bus.dtypes import parse_dtype
 from weightsync.models import resolve_model
+from weightsync.publisher.export_format import actor_dtype
 
 
 def make_actor(trainer_cfg):

@@ -70,7 +70,7 @@ class Session:
         self, prepared: dict, timeout: float, raise_flag: Callable[[str], None] | None
     ) -> tuple[dict[str, str], dict[str, dict] | None, float]:
         """What every sending rank needs to stream its own buckets to the `prepared` targets
-        (rollout_id -> entry), for trainer_svc.sync.multisender: (rollout_id -> data address,
+        (rollout_id -> entry), for weightsync.publisher.multisender: (rollout_id -> data address,
         str(sender rank) -> its group's job fields or None, how often a sender looks for the abort
         flag). `raise_flag(reason)` tells every sender to stop (None: the actor has no flags)."""
         raise ValueError(

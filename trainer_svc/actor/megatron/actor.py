@@ -63,7 +63,7 @@ class MegatronActor:
         init_model_parallel(self.par)
         self.rmap = rank_map()
         self.channel = CommandChannel()
-        #: rank 0 raises a sync's flag to end every rank's NCCL broadcasts (trainer_svc/sync/multisender.py)
+        #: rank 0 raises a sync's flag to end every rank's NCCL broadcasts (weightsync/publisher/multisender.py)
         self.stream_flags = self.channel.flags
         #: global rank -> the UUID of the GPU it exports on ("" on CPU): NCCL takes one rank per GPU
         #: in a group, so rank 0 keeps a rollout on a sending rank's GPU out of that rank's group
@@ -194,10 +194,10 @@ class MegatronActor:
         return self._export(to_rank0=False, stats=stats)
 
     def run_senders(self, job: dict) -> list[dict]:
-        """Rank 0: every rank streams the buckets it owns (trainer_svc.sync.multisender); their reports."""
+        """Rank 0: every rank streams the buckets it owns (weightsync.publisher.multisender); their reports."""
         from dataclasses import asdict
 
-        from trainer_svc.sync.multisender import SendJob, run_sender
+        from weightsync.publisher.multisender import SendJob, run_sender
 
         self._check_driver("run_senders")
         self.channel.send("stream", **job)
@@ -281,7 +281,7 @@ class MegatronActor:
             elif op == "stream":
                 from dataclasses import asdict
 
-                from trainer_svc.sync.multisender import SendJob, run_sender
+                from weightsync.publisher.multisender import SendJob, run_sender
 
                 self.channel.gather(asdict(run_sender(self, SendJob.from_args(args))))
             elif op == "load_hf":

@@ -1,7 +1,7 @@
 """A sending trainer rank's NCCL communicator in a multi-sender sync (any global rank, 0 included).
 
 Global rank 0 plans one group per sending rank and hands each rank its group's unique id in the
-SendJob (trainer_svc/sync/multisender.py); the rank is rank 0 of that group and every rollout joins it
+SendJob (weightsync/publisher/multisender.py); the rank is rank 0 of that group and every rollout joins it
 at the same rank as in the other senders' groups. The communicator lives in the sending rank's
 process and is kept across syncs while rank 0 names the same group (`new_group` false). It is
 dropped whenever its stream fails, because a failed collective leaves it aborted on some rank;

@@ -19,7 +19,6 @@ import grpc
 import pytest
 
 from tests.support.fleet_sync import bump_and_sync_exactly
-from trainer_svc.sync.link_client import LinkDown, SyncLinkClient
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.control.sync_link import (
     ACCEPTED,
@@ -30,6 +29,7 @@ from weightsync.control.sync_link import (
     recv_exact,
     status_code,
 )
+from weightsync.publisher.link_client import LinkDown, SyncLinkClient
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 TOKEN = "link-s3cret"
@@ -244,7 +244,7 @@ def test_a_call_not_answered_in_time_fails_and_the_next_opens_a_fresh_link(fleet
 
 
 def test_an_idle_link_counts_as_closed_once_the_rollout_closed_its_end():
-    from trainer_svc.sync.link_client import _closed_by_peer
+    from weightsync.publisher.link_client import _closed_by_peer
 
     ours, theirs = socket.socketpair()
     try:

@@ -5,7 +5,7 @@ waits until the sync's deadline. Global rank 0 is the only rank that talks to th
 watches them (gRPC status) and raises the sync's abort flag; every sending rank watches that flag
 and aborts its own communicator. Here the whole rank-0 path is real (TrainerApp, SyncAttempt,
 planning a group per sender, the watch); two threads play the two trainer ranks through
-`trainer_svc.sync.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
+`weightsync.publisher.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
 broadcast until every rank took the bucket, as NCCL does. A dead rollout (its gRPC port gone) and
 a live one that left the sync are both caught; unwatched, the same sync waits out its deadline.
 """
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from tests.support.nccl_loopback import LoopbackBus
-from trainer_svc.sync.multisender import SendJob, run_sender
 from weightsync.bus.nccl.liveness import LocalFlags
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.nccl.sender_groups import SenderGroupCache
 from weightsync.control.client import channel, trainer_stub
+from weightsync.publisher.multisender import SendJob, run_sender
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 SYNC_TIMEOUT = 8.0

@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from trainer_svc.export_format import PLAIN, export_format
 from weightsync.bus.errors import TransportError
 from weightsync.bus.nccl.liveness import Watch
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
 from weightsync.bus.transports import choices
+from weightsync.publisher.export_format import PLAIN, export_format
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ every member with a new group when the cached group was refused (a restarted mem
 members that prepared, which form a group without the one that could not.
 
 When the manifest has several senders (trainer ranks streaming the buckets they own), the stream
-phase hands the job to every rank (trainer_svc.sync.multisender) instead of streaming from this one,
+phase hands the job to every rank (weightsync.publisher.multisender) instead of streaming from this one,
 over tcp (each rank to every rollout's data port) or nccl (each rank on its own group); a rollout
 that any sender dropped fails, and a sender that failed as a whole fails every target.
 """
@@ -19,16 +19,16 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any, Protocol
 
-from trainer_svc.export_format import ExportFormat
-from trainer_svc.sync.multisender import SenderResult, stream_from_every_owner
-from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync.registry import RolloutEntry
-from trainer_svc.sync.rollout_calls import RolloutCalls
 from weightsync.bus.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache, compact_proto
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.bus.plan import Manifest
+from weightsync.publisher.export_format import ExportFormat
+from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
+from weightsync.publisher.phases import PhaseClock
+from weightsync.publisher.registry import RolloutEntry
+from weightsync.publisher.rollout_calls import RolloutCalls
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class SyncAttempt:
         multi = len(self.manifest.senders) > 1
         in_place = self._in_place_bufs if self.prepared else None
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
-        # several senders every rank exports its own tensors (trainer_svc/sync/multisender.py).
+        # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
         export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
         streamed = list(self.prepared)
         if self.prepared:

@@ -5,15 +5,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.sync.attempt import SyncAttempt
-from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync.registry import RolloutEntry
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.session import Session
+from weightsync.publisher.attempt import SyncAttempt
+from weightsync.publisher.phases import PhaseClock
+from weightsync.publisher.registry import RolloutEntry
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (32,), torch.float32) for i in range(3)]
@@ -151,7 +151,7 @@ def test_a_stream_failure_fails_every_prepared_target_and_commits_none():
 
 def _fp8_attempt(orch, session, bad: str):
     """An attempt over the block-FP8 stream of three projections, one of them holding a NaN."""
-    from trainer_svc.export_format import FP8_BLOCK, export_format
+    from weightsync.publisher.export_format import FP8_BLOCK, export_format
 
     fmt = export_format(FP8_BLOCK)
     named = [(f"model.layers.{i}.self_attn.q_proj.weight", torch.randn(8, 8)) for i in range(3)]

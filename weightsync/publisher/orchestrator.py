@@ -20,15 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from trainer_svc.export_format import PLAIN, ExportFormat
-from trainer_svc.sync.attempt import SyncAttempt
-from trainer_svc.sync.phases import PhaseClock
-from trainer_svc.sync.registry import RolloutEntry, RolloutRegistry
-from trainer_svc.sync.rollout_calls import RolloutCalls
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
+from weightsync.publisher.attempt import SyncAttempt
+from weightsync.publisher.export_format import PLAIN, ExportFormat
+from weightsync.publisher.phases import PhaseClock
+from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
+from weightsync.publisher.rollout_calls import RolloutCalls
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
-"""trainer_svc.export_format: what `export_dtype` does to the actor's stream and to ExportHf's config."""
+"""weightsync.publisher.export_format: what `export_dtype` does to the actor's stream and to ExportHf's config."""
 
 import pytest
 import torch
 
-from trainer_svc.export_format import FP8_BLOCK, actor_dtype, export_format
 from weightsync.bus.plan import TensorMeta
 from weightsync.models import resolve_model
+from weightsync.publisher.export_format import FP8_BLOCK, actor_dtype, export_format
 
 
 def test_plain_dtypes_pass_the_stream_through():

@@ -2,7 +2,7 @@
 transports' trainer ends) use to reach a rollout, and how a failed target is recorded.
 
 PrepareSync, CommitSync and AbortSync go over a rollout's sync link when it offered one
-(trainer_svc.sync.link_client), else — or when the link cannot be opened — over gRPC.
+(weightsync.publisher.link_client), else — or when the link cannot be opened — over gRPC.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 
 import grpc
 
-from trainer_svc.sync.link_client import LinkDown, SyncLinkClient
-from trainer_svc.sync.registry import RolloutEntry
 from weightsync.control.client import describe_rpc_error
 from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
+from weightsync.publisher.link_client import LinkDown, SyncLinkClient
+from weightsync.publisher.registry import RolloutEntry
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)

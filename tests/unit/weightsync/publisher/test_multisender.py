@@ -1,4 +1,4 @@
-"""trainer_svc.sync.multisender without torchrun: two sender ranks (threads with a stand-in for the
+"""weightsync.publisher.multisender without torchrun: two sender ranks (threads with a stand-in for the
 megatron actor's per-rank export) stream their own buckets to real rollout receivers (TcpReceiver
 + SyncTransaction + built-in engine); rank 0 merges their reports. The torchrun version of the
 same path runs in tests/e2e/test_multisender_e2e.py."""
@@ -9,11 +9,11 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
-from trainer_svc.sync.multisender import SenderResult, SendJob, merge, run_sender
 from weightsync.bus.checksum import ALGO
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.models import resolve_model
+from weightsync.publisher.multisender import SenderResult, SendJob, merge, run_sender
 from weightsync.v1 import rollout_pb2
 
 IDS = [3, 1, 4, 1, 5, 9]
@@ -135,7 +135,7 @@ def test_a_sender_failing_mid_export_fails_the_stream_and_every_rollout_aborts()
 def _fp8_sync(state, owners):
     """Rollouts prepared for the fp8-block manifest of `state` (each scale on its weight's owner),
     and the outcome of two sender ranks streaming it to them."""
-    from trainer_svc.export_format import FP8_BLOCK, export_format
+    from weightsync.publisher.export_format import FP8_BLOCK, export_format
 
     fmt = export_format(FP8_BLOCK)
     plain = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]

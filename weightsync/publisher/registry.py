@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from trainer_svc.sync.link_client import SyncLinkClient
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub
+from weightsync.publisher.link_client import SyncLinkClient
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
@@ -26,7 +26,7 @@ class RolloutEntry:
     last_sync_seconds: float = 0.0
     registered_at: float = field(default_factory=time.time)
     _channel: grpc.Channel | None = None
-    #: the sync link this rollout offered in its last PrepareSync answer (trainer_svc.sync.link_client)
+    #: the sync link this rollout offered in its last PrepareSync answer (weightsync.publisher.link_client)
     link: SyncLinkClient | None = None
 
     def stub(self, token: str, timeout: float):

@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
-from trainer_svc.sync.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
-from trainer_svc.sync.orchestrator import SyncOrchestrator
-from trainer_svc.sync.registry import RolloutEntry
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.plan import TensorMeta
 from weightsync.bus.tcp.wire import hello_mac
 from weightsync.bus.transports import multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
+from weightsync.publisher.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
+from weightsync.publisher.orchestrator import SyncOrchestrator
+from weightsync.publisher.registry import RolloutEntry
 from weightsync.v1 import rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
@@ -197,7 +197,7 @@ def test_every_multi_sender_transport_streams_from_each_rank_and_another_is_refu
 def test_a_quantized_export_streams_from_every_owner_with_each_scale_on_its_weights_owner():
     """fp8-block over senders=all: every rank applies the format to its own tensors (SendJob.export_dtype),
     and the plan gives each `*_scale_inv` its weight's owner."""
-    from trainer_svc.export_format import FP8_BLOCK, export_format
+    from weightsync.publisher.export_format import FP8_BLOCK, export_format
 
     calls, actor = [], TwoRankActor()
     linear = [TensorMeta(f"model.layers.{i}.mlp.down_proj.weight", (128, 128), torch.float32) for i in range(4)]

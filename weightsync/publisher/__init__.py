@@ -1,0 +1,13 @@
+"""The trainer side of the weight bus: publish a model's tensors to every registered rollout.
+
+Any training process can embed it; trainer-svc is one user (its training backend plus this). A
+sync runs plan → prepare → stream → commit | abort: orchestrator.py runs a Sync call (plan the
+manifest, retry an attempt, report); attempt.py is one pass over the targets, one method per
+phase; rollout_calls.py reaches a rollout (sync link or gRPC); link_client.py is the trainer's end
+of the sync link; multisender.py lets every owner rank stream; registry.py is the fleet view;
+export_format.py is what the export puts on the wire (dtype, block FP8); phases.py times the phases.
+"""
+
+from weightsync.publisher.orchestrator import SyncInProgress, SyncOrchestrator
+
+__all__ = ["SyncInProgress", "SyncOrchestrator"]
