@@ -14,7 +14,6 @@ from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestR
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
-from weightsync.bus.gpu import engine_device
 from weightsync.bus.layout import KnownLayouts
 from weightsync.bus.transports import TRANSPORTS, RolloutSide, choices, multi_sender_names
 from weightsync.obs.metrics import RolloutMetrics, SyncMetrics
@@ -69,7 +68,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         #: True once a sync from the trainer committed (or the operator opted into the initial weights)
         self.current = serve_initial_weights
         self._lock = threading.Lock()
-        self.device = engine_device(engine)
+        self.device = engine.receive_device()
         side = RolloutSide(
             tx,
             self.device,

@@ -207,6 +207,11 @@ class SglangEngine(SglangWeightsMixin, Engine):
     def hf_config(self) -> Any:
         return self._hf_config
 
+    def receive_device(self) -> torch.device:
+        # SGLang runs in this process's CUDA context from its first TP rank's GPU, where buckets are
+        # handed over with load_bucket
+        return torch.device("cuda", int(self.opts.base_gpu_id))
+
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)
 
