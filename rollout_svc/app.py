@@ -20,7 +20,7 @@ from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
-from weightsync.control.sync_link import LINK_MAGIC
+from weightsync.control.sync_link import LINK_MAGIC, LINK_MAGIC_BEATS
 from weightsync.http import serve_http
 from weightsync.model_spec import family_of
 from weightsync.obs.metrics import SyncMetrics
@@ -89,6 +89,7 @@ class RolloutApp:
         self.link = SyncLinkServer(self.servicer, token, self.grpc.request_limits, cfg.limits.max_sync_links)
         if cfg.bus.sync_link:
             self.data.other_protocols[LINK_MAGIC] = self.link.serve
+            self.data.other_protocols[LINK_MAGIC_BEATS] = self.link.serve_with_beats
             self.servicer.sync_link = self.servicer.data_address
         hf = self.engine.hf_config() if hasattr(self.engine, "hf_config") else None
         self.http.include(

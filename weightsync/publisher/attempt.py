@@ -377,9 +377,16 @@ class SyncAttempt:
         return self.rollouts.link_of(self.by_id[rid]) is not None
 
     def abort_failed(self) -> None:
-        """AbortSync on every target that did not commit, so none is left holding a prepared sync."""
+        """AbortSync on every target that did not commit, so none is left holding a prepared sync.
+
+        Not on one that went silent: the call would wait for it, holding this Sync; its own timer
+        (timeout_seconds) aborts what it prepared, and the catch-up sync supersedes it."""
         req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
-        failed = [self.by_id[r.rollout_id] for r in self.results.values() if not r.ok]
+        failed = [
+            self.by_id[r.rollout_id]
+            for r in self.results.values()
+            if not r.ok and not self.rollouts.gone(self.by_id[r.rollout_id])
+        ]
         self._on_each(lambda e: self.rollouts.call(e, "AbortSync", req), failed)
 
     def _on_each(self, fn: Callable, items: list) -> list:
