@@ -381,7 +381,9 @@ class SyncAttempt:
 
         Not on one that went silent: the call would wait for it, holding this Sync; its own timer
         (timeout_seconds) aborts what it prepared, and the catch-up sync supersedes it."""
-        req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
+        req = rollout_pb2.AbortSyncRequest(
+            sync_id=self.manifest.sync_id, reason="trainer aborted the sync", trainer_id=self.fleet.trainer_id
+        )
         failed = [
             self.by_id[r.rollout_id]
             for r in self.results.values()

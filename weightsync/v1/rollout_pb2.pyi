@@ -212,12 +212,14 @@ class CommitSyncResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "reason")
+    __slots__ = ("sync_id", "reason", "trainer_id")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     reason: str
-    def __init__(self, sync_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    trainer_id: str
+    def __init__(self, sync_id: _Optional[str] = ..., reason: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
 
 class AbortSyncResponse(_message.Message):
     __slots__ = ("state", "version")
