@@ -33,8 +33,8 @@ class _Orch:
     trainer_id = "trainer-test"
     rpc_timeout = 5.0
 
-    def __init__(self, refuse_prepare=()):
-        self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
+    def __init__(self, refuse_prepare=(), silent=()):
+        self.actor, self.refuse_prepare, self.silent = _Actor(), set(refuse_prepare) | set(silent), set(silent)
         self.manifests, self.pool = ManifestCache(), ThreadPoolExecutor(max_workers=4)
         self.calls: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
@@ -58,6 +58,9 @@ class _Orch:
 
     def link_of(self, entry):
         return None  # every call through call()
+
+    def gone(self, entry):
+        return entry.rollout_id in self.silent
 
 
 class _Channel(BucketSender):
@@ -120,6 +123,16 @@ def test_prepared_targets_commit_and_a_target_that_failed_prepare_is_aborted():
     assert ("a", "CommitSync") in orch.calls and ("b", "CommitSync") not in orch.calls
     assert ("b", "AbortSync") in orch.calls and ("a", "AbortSync") not in orch.calls
     assert sorted(phases.seconds) == ["commit", "prepare", "stream", "stream.export", "stream.pack"]
+
+
+def test_a_target_gone_silent_is_failed_but_not_aborted():
+    """An AbortSync to a rollout that went silent would only wait for it, holding the Sync; its own
+    timer aborts what it prepared."""
+    orch, session = _Orch(silent={"b"}), _Session()
+    attempt, *_ = _attempt(orch, session)
+    results, _ = attempt.run()
+    assert results["a"].ok and not results["b"].ok and orch.failed == [("b", "prepare_failed")]
+    assert ("b", "AbortSync") not in orch.calls
 
 
 def test_group_wide_attempt_stops_and_names_the_members_that_prepared_for_a_retry():
