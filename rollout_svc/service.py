@@ -373,4 +373,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.nccl.abort(request.sync_id, request.reason or "aborted by trainer")
         if had:
             self.metrics.outcome("aborted")
-        return rollout_pb2.AbortSyncResponse(state=self.tx.state, version=self.tx.version)
+        why_id, why = self.tx.aborted_here
+        return rollout_pb2.AbortSyncResponse(
+            state=self.tx.state, version=self.tx.version, aborted_reason=why if why_id == request.sync_id else ""
+        )
