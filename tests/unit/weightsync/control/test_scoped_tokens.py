@@ -41,9 +41,9 @@ def rollout():
     app.stop()
 
 
-def _code(fn) -> grpc.StatusCode:
+def _code(fn, *args) -> grpc.StatusCode:
     try:
-        fn()
+        fn(*args)
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
@@ -59,16 +59,16 @@ def test_the_generation_key_grants_generate_and_score_only_over_grpc(rollout):
     score = rollout_pb2.ScoreRequest(token_ids=[1, 2, 3], prompt_length=1)
     for stub, ok in ((gen, True), (admin, True), (wrong, False)):
         want = grpc.StatusCode.OK if ok else grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: stub.Generate(generate)) == want
-        assert _code(lambda: stub.Score(score)) == want
+        assert _code(stub.Generate, generate) == want
+        assert _code(stub.Score, score) == want
     for call in (
         lambda s: s.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="x")),
         lambda s: s.CommitSync(rollout_pb2.CommitSyncRequest(sync_id="x")),
         lambda s: s.PrepareSync(rollout_pb2.PrepareSyncRequest()),
         lambda s: s.GetStatus(rollout_pb2.GetStatusRequest()),
     ):
-        assert _code(lambda: call(gen)) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: call(admin)) != grpc.StatusCode.UNAUTHENTICATED
+        assert _code(call, gen) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(call, admin) != grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_the_generation_key_grants_the_openai_routes_over_http(rollout):
