@@ -160,6 +160,10 @@ class SyncTransaction:
     def _require(self, sync_id: str) -> PendingSync:
         p = self._pending
         if p is None or p.manifest.sync_id != sync_id:
+            gone_id, why = self.aborted_here
+            if gone_id == sync_id and gone_id:  # aborted here while receiving: say why, with its code
+                code, _, details = why.partition(": ")
+                raise SyncError(f"sync {sync_id} was aborted here: {details}", code)
             raise SyncError(f"sync {sync_id} is not prepared here (pending: {self.pending_sync_id or 'none'})")
         if p.error:
             raise SyncError(f"sync {sync_id} already failed: {p.error}")
