@@ -115,11 +115,35 @@ class RegistrationConfig:
 
 
 @dataclass
+class RolloutAuthConfig(AuthConfig):
+    """The control-plane token, and the narrower generation key handed to inference clients."""
+
+    generation_token: str = field(
+        "",
+        secret=True,
+        help="a key that grants only generation: the OpenAI routes (/v1/...) and the Generate and Score RPCs, "
+        "never sync, load or abort (those need auth_token, which grants everything). Env or config file only; "
+        "generation_token_file in Kubernetes",
+    )
+    generation_token_file: str = field("", help="file holding the generation key (e.g. a mounted Secret)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.generation_token and self.generation_token_file:
+            raise ConfigError("set generation_token or generation_token_file, not both")
+        if (self.generation_token or self.generation_token_file) and not (self.auth_token or self.auth_token_file):
+            raise ConfigError(
+                "generation_token(_file) needs auth_token or auth_token_file: without an admin token every call "
+                "is open, and a generation key would restrict nothing"
+            )
+
+
+@dataclass
 class RolloutConfig(ServiceConfig):
     server: ServerConfig = section(ServerConfig, grpc_address="127.0.0.1:50061", http_address="127.0.0.1:8091")
     inference: InferenceConfig = section(InferenceConfig)
     bus: RolloutBusConfig = section(RolloutBusConfig)
     registration: RegistrationConfig = section(RegistrationConfig)
     limits: LimitsConfig = section(LimitsConfig)
-    auth: AuthConfig = section(AuthConfig)
+    auth: RolloutAuthConfig = section(RolloutAuthConfig)
     log: LogConfig = section(LogConfig)

@@ -85,6 +85,7 @@ class TrainerApp:
             senders=cfg.bus.senders,
             sync_link=cfg.bus.sync_link,
         )
+        self.orch.rollouts.liveness_timeout = cfg.bus.liveness_timeout_s
         warm_up(self.orch.device, self.actor.export_metas(), self.orch.export_format.quantization is not None)
         self.servicer = TrainerServicer(
             self.actor,
