@@ -101,6 +101,11 @@ class DeclaredSource:
         for m in self._metas:
             yield m.name, held[m.name]
 
+    @property
+    def publishable(self) -> bool:
+        """Whether there are tensors to send now (read by the catch-up of a newly registered rollout)."""
+        return self._tensors is not None
+
     def num_parameters(self) -> int:
         return sum(_numel(m.shape) for m in self._metas)
 

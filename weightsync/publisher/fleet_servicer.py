@@ -2,8 +2,9 @@
 
 Every publisher serves it (weightsync.publisher.Publisher directly, trainer-svc through its
 TrainerServicer, which adds the admin and training RPCs); the RPCs it does not implement answer
-UNIMPLEMENTED. `source` is the weight source the orchestrator exports (an actor): this class reads
-its `version`, `family`, `num_parameters()` and `describe_parallelism()`.
+UNIMPLEMENTED. `actor` is the weight source the orchestrator exports: this class reads its
+`version`, `family`, `num_parameters()`, `describe_parallelism()` and, where it has one,
+`publishable` (False: no tensors to send now, so no catch-up sync is started).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
         entry = self.registry.upsert(request.rollout_id, request.address, max(1, request.num_ranks))
         self.registry.poll(entry)
         behind = not self.orch.is_current(entry)
-        scheduled = self.auto_sync and behind
+        # a source with nothing to send yet (a Publisher before its first sync) leaves it to the next sync
+        scheduled = self.auto_sync and behind and getattr(self.actor, "publishable", True)
         if scheduled:
             self._catchup.put(request.rollout_id)
         log.info(

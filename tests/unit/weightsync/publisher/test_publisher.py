@@ -11,6 +11,7 @@ import torch
 
 from weightsync.config import ConfigError
 from weightsync.control.client import channel, trainer_stub
+from weightsync.local.procs import http_get
 from weightsync.publisher import Publisher, SyncFailed
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -127,7 +128,8 @@ def test_syncs_into_real_rollouts_are_bit_exact_with_auth_on_and_a_snapshot_catc
             trainer_stub(ch, "", 10).GetStatus(trainer_pb2.TrainerStatusRequest())
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
         stub = trainer_stub(ch, token, 30)
-        _register(pub, stub, first, "r1")
+        # nothing published yet: no catch-up is started for it (it would have nothing to send)
+        assert not _register(pub, stub, first, "r1").sync_scheduled
         g = torch.Generator().manual_seed(0)
         metas = pub.source.export_metas()
         for version in (1, 2):
@@ -139,6 +141,11 @@ def test_syncs_into_real_rollouts_are_bit_exact_with_auth_on_and_a_snapshot_catc
                 assert torch.equal(first.engine._target(name), t), name
         st = stub.GetStatus(trainer_pb2.TrainerStatusRequest())
         assert (st.version, st.backend, st.model_family, st.rollouts[0].version) == (2, "external", "qwen2", 2)
+        # the HTTP side, as trainer-svc's: open probes and metrics, the REST mirror behind the token
+        assert http_get(pub.http_port, "/readyz") == (200, "weights at version 2\n")
+        assert 'weightsync_weights_version{role="trainer"} 2.0' in http_get(pub.http_port, "/metrics")[1]
+        assert 'weightsync_syncs_total{outcome="ok",role="trainer"} 2.0' in http_get(pub.http_port, "/metrics")[1]
+        assert http_get(pub.http_port, "/v1/status")[0] == 401
 
         # a rollout that registers between syncs is caught up from the snapshot (auto catch-up)
         late = _rollout(token, "r2")
