@@ -63,6 +63,7 @@ class PublisherHost:
         self.source = None
         self.orch: SyncOrchestrator | None = None
         self.servicer: FleetServicer | None = None
+        self._started = False
 
     def _readiness(self) -> tuple[bool, str]:
         if self.source is None:
@@ -122,10 +123,17 @@ class PublisherHost:
             raise RuntimeError("PublisherHost.start() before publish(): there is nothing to serve yet")
         self.grpc.start()
         self.http.start()
+        self._started = True
         self.grpc.set_serving(SERVICE_NAME, True)
 
     def stop(self) -> None:
+        """Stop serving; also releases the bound ports of a host that never started."""
         if self.servicer is not None:
             self.servicer.stop()
-        self.grpc.stop()
-        self.http.stop()
+        if self._started:
+            self.grpc.stop()
+            self.http.stop()
+            self._started = False
+        else:
+            self.grpc.server.stop(None)
+            self.http.sock.close()

@@ -114,9 +114,12 @@ class Publisher:
             sync_link=sync_link,
         )
         self._started = False
+        self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Publisher:
+        if self._closed:
+            raise RuntimeError("this Publisher is closed; create a new one")
         self.host.start()
         self._started = True
         log.info(
@@ -130,9 +133,11 @@ class Publisher:
         return self
 
     def close(self) -> None:
-        if self._started:
+        """Stop serving and release the ports (also for a publisher never started); idempotent."""
+        if not self._closed:
             self.host.stop()
-            self._started = False
+            self._closed = True
+        self._started = False
         self.source.hold(None)
 
     def __enter__(self) -> Publisher:

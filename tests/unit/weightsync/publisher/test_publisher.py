@@ -3,6 +3,7 @@ defaults, and syncs into real in-process rollouts (bit-exact, with a token)."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
@@ -69,7 +70,11 @@ def test_without_a_rollout_a_sync_bumps_the_version_and_reports_not_ok_without_r
 def test_an_exposed_address_needs_a_token():
     with pytest.raises(ConfigError, match="without a token"):
         Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0")
-    Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0", auth_token="t").close()
+    p = Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0", auth_token="t")
+    port = p.http_port
+    p.close()  # never started: its ports are released all the same
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
 
 
 def test_bad_options_are_refused_naming_them(tmp_path):
