@@ -36,22 +36,7 @@ GENERATION_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Score")
 class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
-        token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
-        generation_key = load_token(
-            cfg.auth.generation_token, cfg.auth.generation_token_file, field="generation_token_file"
-        )
-        if generation_key and generation_key == token:
-            raise ConfigError("generation_token: must differ from auth_token (the admin token grants everything)")
-        check_exposure(
-            {
-                "grpc_address": cfg.server.grpc_address,
-                "http_address": cfg.server.http_address,
-                "data_address": cfg.bus.data_address,
-            },
-            token,
-            cfg.auth.insecure,
-            "rollout-svc",
-        )
+        token, generation_key = self._tokens(cfg)
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token, scoped_tokens=((generation_key, GENERATION_METHODS),))
         self.metrics = SyncMetrics("rollout")
@@ -71,12 +56,50 @@ class RolloutApp:
             self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric()
         )
         self.data = TcpReceiver(cfg.bus.data_address, self.tx, token, max_connections=cfg.limits.max_bus_connections)
-        data_host = cfg.bus.advertise_data_host or self.data.host
         advertise = cfg.registration.advertise_address or self.grpc.address
         self.rollout_id = cfg.registration.rollout_id or advertise
-        reg = cfg.registration
         self.registrar = None
+        reg = cfg.registration
         self.pin = TrainerPin(reg.trainer_id, reg.trainer_address, ask_trainer=lambda: self.registrar.trainer_id())
+        self._serve_rpcs(cfg, token)
+        self._serve_openai(cfg)
+        self._warm_up()
+        if reg.trainer_address:
+            req = trainer_pb2.RegisterRolloutRequest(
+                rollout_id=self.rollout_id,
+                address=advertise,
+                num_ranks=self.engine.num_ranks(),
+                model_family=self.servicer.family,
+            )
+            self.registrar = Registrar(
+                reg.trainer_address, token, req, reg.register_timeout_s, reg.heartbeat_s, on_registered=self._registered
+            )
+        self._stopped = threading.Event()
+
+    @staticmethod
+    def _tokens(cfg: RolloutConfig) -> tuple[str, str]:
+        """(admin token, generation key), after the exposure check: a listener beyond loopback needs a token."""
+        token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
+        generation_key = load_token(
+            cfg.auth.generation_token, cfg.auth.generation_token_file, field="generation_token_file"
+        )
+        if generation_key and generation_key == token:
+            raise ConfigError("generation_token: must differ from auth_token (the admin token grants everything)")
+        check_exposure(
+            {
+                "grpc_address": cfg.server.grpc_address,
+                "http_address": cfg.server.http_address,
+                "data_address": cfg.bus.data_address,
+            },
+            token,
+            cfg.auth.insecure,
+            "rollout-svc",
+        )
+        return token, generation_key
+
+    def _serve_rpcs(self, cfg: RolloutConfig, token: str) -> None:
+        """The Rollout gRPC service and its sync link on the data port."""
+        reg = cfg.registration
         self.servicer = RolloutServicer(
             self.rollout_id,
             self.engine,
@@ -84,7 +107,7 @@ class RolloutApp:
             self.metrics,
             cfg.inference.engine,
             family_of(self.engine.hf_config()),
-            f"{data_host}:{self.data.port}",
+            f"{cfg.bus.advertise_data_host or self.data.host}:{self.data.port}",
             cfg.bus.sync_timeout_s,
             limits=cfg.limits,
             pin=self.pin,
@@ -100,18 +123,18 @@ class RolloutApp:
             self.data.other_protocols[LINK_MAGIC] = self.link.serve
             self.data.other_protocols[LINK_MAGIC_BEATS] = self.link.serve_with_beats
             self.servicer.sync_link = self.servicer.data_address
-        hf = self.engine.hf_config() if hasattr(self.engine, "hf_config") else None
-        self.http.include(
-            rollout_router(
-                self.servicer,
-                Served(
-                    cfg.inference.model,
-                    version=lambda: self.tx.version,
-                    max_new_tokens=cfg.limits.max_new_tokens,
-                    context_length=getattr(hf, "max_position_embeddings", None),
-                ),
-            )
+
+    def _serve_openai(self, cfg: RolloutConfig) -> None:
+        hf = self.engine.hf_config()
+        served = Served(
+            cfg.inference.model,
+            version=lambda: self.tx.version,
+            max_new_tokens=cfg.limits.max_new_tokens,
+            context_length=getattr(hf, "max_position_embeddings", None),
         )
+        self.http.include(rollout_router(self.servicer, served))
+
+    def _warm_up(self) -> None:
         # The first checksum on a GPU compiles its kernel (about a second): pay it before serving.
         warm = bucket_checksum_warm_up(self.servicer.device)
         if warm:
@@ -119,17 +142,6 @@ class RolloutApp:
         warm = fp8_dequantize_warm_up(self.engine, self.servicer.device)
         if warm:
             log.info("FP8 dequantize kernel ready on %s in %.2fs", self.servicer.device, warm)
-        if reg.trainer_address:
-            req = trainer_pb2.RegisterRolloutRequest(
-                rollout_id=self.rollout_id,
-                address=advertise,
-                num_ranks=self.engine.num_ranks(),
-                model_family=self.servicer.family,
-            )
-            self.registrar = Registrar(
-                reg.trainer_address, token, req, reg.register_timeout_s, reg.heartbeat_s, on_registered=self._registered
-            )
-        self._stopped = threading.Event()
 
     def _registered(self, resp) -> None:
         self.pin.learn(resp.trainer_id, f"the trainer at {self.cfg.registration.trainer_address}")
