@@ -84,6 +84,8 @@ class TrainerApp:
             trainer_id=self.trainer_id,
             senders=cfg.bus.senders,
             sync_link=cfg.bus.sync_link,
+            sync_encoding=cfg.bus.sync_encoding,
+            delta_base_bytes=cfg.bus.delta_base_mb << 20,
         )
         warm_up(self.orch.device, self.actor.export_metas(), self.orch.export_format.quantization is not None)
         self.servicer = TrainerServicer(

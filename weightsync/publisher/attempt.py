@@ -24,6 +24,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache, compact_proto
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.bus.plan import Manifest
+from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import ExportFormat
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
@@ -46,6 +47,7 @@ class Fleet(Protocol):
     trainer_id: str
     origin: str
     export_format: ExportFormat
+    delta: DeltaBase
 
 
 class SyncAttempt:
@@ -84,6 +86,10 @@ class SyncAttempt:
         #: stream end is awaited after their commit (ipc)
         self._commit_channel = None
         self._on_stream: set[str] = set()
+        #: delta or full per target (weightsync/publisher/delta_sync.py); what the stream put on the bus for each
+        base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
+        self.delta = base.begin(manifest, session.name)
+        self._wire: dict[str, int] = {}
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
@@ -136,6 +142,8 @@ class SyncAttempt:
                 self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
             else:
                 self.prepared[e.rollout_id] = resp
+                if resp.delta_accepted and self.delta.offer is not None:
+                    self.delta.accepted.add(e.rollout_id)
         if self.session.sender_gpu_clash:
             self.funnel_retry = self.session.sender_gpu_clash
         if self.session.group_wide and len(self.prepared) < len(self.targets):
@@ -166,6 +174,7 @@ class SyncAttempt:
                     transport=self.session.spec_for(e),
                     trainer_id=self.fleet.trainer_id,
                     allow_rollback=self.allow_rollback,
+                    delta_base=self.delta.offer,
                 )
                 calls.append((e, send_full, req))
             pending = []
@@ -239,6 +248,11 @@ class SyncAttempt:
                     self._fail(rid, "transport", f"{self.session.name} {reason}")
                 self.prepared.clear()
         self.session.finish(ok, reason)
+        self.delta.finish(ok)
+        for rid in streamed:
+            r = self.results[rid]
+            r.encoding = "delta" if rid in self.delta.accepted else "full"
+            r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
         # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
         try:
             for _ in export:
@@ -303,7 +317,7 @@ class SyncAttempt:
         return out.checksums
 
     def _send(self, export, in_place) -> list[int]:
-        channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
+        channel = self.delta.channel(self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left()))
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream and not self._linked(rid)]
@@ -343,6 +357,7 @@ class SyncAttempt:
         finally:
             sender.seconds = time.perf_counter() - t0
             sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
+            self._wire = dict(getattr(channel, "wire_bytes", {}))
             for rid, err in channel.failures().items():
                 if rid in self.prepared:
                     self.prepared.pop(rid)

@@ -1,0 +1,165 @@
+"""Delta syncs on the trainer: the last committed export kept as the base, and per sync, who gets deltas.
+
+`sync_encoding` (trainer config): full sends every bucket dense; delta and auto keep a copy of the
+buckets of the last export streamed in full to the end (host memory on the tcp path: one copy of the
+model's export bytes, bounded by `delta_base_mb`), and offer every target of the next sync that base
+in PrepareSync. A rollout that holds exactly that base — it committed that version and kept its
+copy (rollout_svc/sync/delta_base.py) — accepts, and gets each bucket as the words that changed
+(weightsync/bus/delta.py) where that is smaller; the others (missed a version, restarted, joined
+late) get it dense, in the same stream. Each bucket's checksum is of the dense bucket, so the
+rollout's check is of the result.
+
+Which syncs: delta is carried by tcp with one sender (the link is the bottleneck there). `auto`
+picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta
+would cost more HBM passes — compare, read the base, write it back — than it saves), for nccl (the
+delta frames are tcp's) and for several senders (each rank would need its own base); `delta` on
+ipc or nccl is refused with an error, and with several senders it falls back to full.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.bus.channel import BucketSender
+from weightsync.bus.delta import encode, word_bytes
+from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.v1 import rollout_pb2
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = ("full", "delta", "auto")
+#: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
+DELTA_TRANSPORTS = ("tcp",)
+
+
+class DeltaBase:
+    """The trainer's copy of the last export it streamed in full, and which version that is."""
+
+    def __init__(self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = ""):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
+        self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin
+        self._bufs: dict[int, torch.Tensor] = {}
+        #: (version, layout_digest) of the export the copy holds, or None
+        self.held: tuple[int, str] | None = None
+        self._warned = False
+
+    def begin(self, manifest: Manifest, transport: str) -> DeltaStream:
+        """This sync's part: what it offers (None: full for everyone) and whether it keeps its buckets."""
+        self.check(transport)
+        why = self._no_delta(manifest, transport)
+        if why:
+            self.drop()
+            if self.encoding == "delta" and not self._warned:
+                log.warning("sync_encoding=delta: sync %s goes in full: %s", manifest.sync_id, why)
+                self._warned = True
+            return DeltaStream(self, manifest, None, keep=False)
+        offer = None
+        if self.held is not None and self.held[1] == manifest.layout_digest:
+            offer = rollout_pb2.DeltaBase(version=self.held[0], origin=self.origin, layout_digest=self.held[1])
+        if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
+            self._bufs = {}  # another layout: the old buckets are of no use
+        self.held = None  # the copy is being overwritten: it is this sync's until its stream ends
+        return DeltaStream(self, manifest, offer, keep=True)
+
+    def _no_delta(self, manifest: Manifest, transport: str) -> str:
+        if self.encoding == "full":
+            return "sync_encoding=full"
+        if transport not in DELTA_TRANSPORTS:
+            return f"transport {transport}"
+        if len(manifest.senders) > 1:
+            return f"{len(manifest.senders)} senders stream their own buckets (delta needs one sender)"
+        if not manifest.layout_digest:
+            return "the manifest has no layout digest"
+        if manifest.total_bytes > self.limit_bytes:
+            return f"the export's {manifest.total_bytes >> 20} MiB exceed delta_base_mb={self.limit_bytes >> 20}"
+        return ""
+
+    def check(self, transport: str) -> None:
+        """ValueError when this trainer's encoding cannot be carried by `transport`."""
+        if self.encoding == "delta" and transport not in DELTA_TRANSPORTS:
+            raise ValueError(
+                f"sync_encoding=delta is carried by {', '.join(DELTA_TRANSPORTS)} only, not transport={transport}: "
+                "set sync_encoding=auto (full on ipc and nccl) or sync over tcp"
+            )
+
+    def drop(self) -> None:
+        self._bufs, self.held = {}, None
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+
+@dataclass
+class DeltaStream:
+    """One sync's use of the base: the offer made in PrepareSync and the targets that accepted it."""
+
+    base: DeltaBase
+    manifest: Manifest
+    #: the DeltaBase offered in PrepareSync, or None (every target in full)
+    offer: rollout_pb2.DeltaBase | None
+    #: the stream's buckets become the next base
+    keep: bool
+    accepted: set[str] = field(default_factory=set)
+    stored: set[int] = field(default_factory=set)
+
+    def channel(self, inner: BucketSender) -> BucketSender:
+        """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
+        if not self.keep:
+            return inner
+        if self.accepted:
+            inner.delta_targets = set(self.accepted)
+        return _DeltaChannel(inner, self)
+
+    def encode_and_keep(self, plan: BucketPlan, view: torch.Tensor):
+        """(the delta of bucket `plan` from the base or None: send it dense, (its base buffer, the
+        bytes to copy into it once sent))."""
+        old = self.base._bufs.get(plan.index)
+        dense = view[: plan.nbytes]
+        payload = None
+        if self.accepted and old is not None and old.numel() == plan.nbytes:
+            payload = encode(dense, old, word_bytes(plan))
+        if old is None or old.numel() != plan.nbytes or old.device != dense.device:
+            old = self.base._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=dense.device)
+        return payload, (old, dense)
+
+    def finish(self, ok: bool) -> None:
+        """The stream ended (`ok`: every bucket went out): the copy is this version's base, or none."""
+        if not self.keep:
+            return
+        if ok and len(self.stored) == len(self.manifest.buckets):
+            self.base.held = (self.manifest.version, self.manifest.layout_digest)
+        else:
+            self.base.drop()
+
+
+class _DeltaChannel(BucketSender):
+    """A TcpBucketSender that sends each bucket as a delta where accepted, and keeps it as the next base."""
+
+    def __init__(self, inner: BucketSender, stream: DeltaStream):
+        self._inner, self._stream = inner, stream
+        self.releases_previous, self.checksums_in_band = inner.releases_previous, inner.checksums_in_band
+
+    def __getattr__(self, name):  # everything but send is the inner channel's
+        return getattr(self._inner, name)
+
+    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+        payload, (keep, dense) = self._stream.encode_and_keep(plan, buf)
+        if payload is not None:
+            self._inner.send(plan, buf, checksum, delta=payload)
+        else:
+            self._inner.send(plan, buf, checksum)
+        keep.copy_(dense)  # after the send: the encode read the old base
+        self._stream.stored.add(plan.index)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def failures(self) -> dict[str, str]:
+        return self._inner.failures()
+
+    def close(self) -> None:
+        self._inner.close()
