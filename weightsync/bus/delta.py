@@ -54,14 +54,31 @@ def _gap_cost(gaps: torch.Tensor, width: int, word: int) -> int:
     return (gaps.numel() + fillers) * (width + word)
 
 
-def encode(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor | None:
+def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
+    """Sorted positions of the `word`-byte words in which `new` and `base` differ."""
+    return _changed(new, base, _words(new, word), _words(base, word), word)
+
+
+def _changed(new: torch.Tensor, base: torch.Tensor, nw: torch.Tensor, bw: torch.Tensor, word: int) -> torch.Tensor:
+    """Sorted positions of the words that differ. Compared 8 bytes at a time first (a quarter of the
+    elements for bf16: the pass over the whole bucket is the cost), then word by word within the
+    blocks that differ."""
+    if new.numel() % 8 or new.storage_offset() % 8 or base.storage_offset() % 8:
+        return (nw != bw).nonzero().squeeze(1)
+    blocks = (new.view(torch.int64) != base.view(torch.int64)).nonzero().squeeze(1)
+    per = 8 // word
+    cand = (blocks.unsqueeze(1) * per + torch.arange(per, device=new.device)).reshape(-1)
+    return cand[nw[cand] != bw[cand]]
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, word: int, idx: torch.Tensor | None = None) -> torch.Tensor | None:
     """The delta from `base` to `new` (flat uint8 buffers of one size) as a uint8 payload on their
-    device, or None when it is not smaller than `new`."""
+    device, or None when it is not smaller than `new`. `idx`: changed_words(new, base, word), if known."""
     nbytes = new.numel()
     if base.numel() != nbytes or nbytes % word:
         raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
     nw, bw = _words(new, word), _words(base, word)
-    idx = (nw != bw).nonzero().squeeze(1)
+    idx = _changed(new, base, nw, bw, word) if idx is None else idx
     n = idx.numel()
     if n == 0:
         return torch.frombuffer(bytearray(_HDR.pack(GAPS, word, 1, 0, 0)), dtype=torch.uint8).to(new.device)

@@ -344,13 +344,14 @@ class SyncAttempt:
                 buffers=self.session.buffers,
                 in_place=in_place,
                 in_place_checksums=self._in_place_checksums if in_place is not None else None,
+                with_checksums=not self.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
             )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
             self.phases.add("stream.export", stats.export_seconds)
             self.phases.add("stream.pack", stats.pack_seconds)
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
-            return stats.checksums
+            return self.delta.checksums if self.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)
             raise
@@ -378,6 +379,8 @@ class SyncAttempt:
             e, r = self.by_id[rid], self.results[rid]
             if err:
                 self._fail(rid, "commit_failed", f"commit: {err}")
+                if rid not in self.delta.accepted:
+                    self.delta.commit_failed()
             else:
                 r.ok, r.version = True, resp.version
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""

@@ -14,6 +14,14 @@ picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU
 would cost more HBM passes — compare, read the base, write it back — than it saves), for nccl (the
 delta frames are tcp's) and for several senders (each rank would need its own base); `delta` on
 ipc or nccl is refused with an error, and with several senders it falls back to full.
+
+A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
+checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
+the new bucket's follows from the base's sums and the words that changed — the one pass over the
+bucket is the comparison the delta needs anyway. It is still the checksum of the whole new bucket,
+which every rollout checks against its own full pass over the result; should the trainer's copy
+or sums ever be wrong, a rollout sent the bucket in full fails its commit, and that drops the base
+(`commit_failed`): the next sync starts afresh.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.delta import encode, word_bytes
+from weightsync.bus.checksum import from_sums, word_sums
+from weightsync.bus.delta import changed_words, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
 from weightsync.v1 import rollout_pb2
 
@@ -43,6 +52,8 @@ class DeltaBase:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
         self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin
         self._bufs: dict[int, torch.Tensor] = {}
+        #: bucket index -> int64 [sum, sum of squares] of the words of its base (checksum.word_sums)
+        self._sums: dict[int, torch.Tensor] = {}
         #: (version, layout_digest) of the export the copy holds, or None
         self.held: tuple[int, str] | None = None
         self._warned = False
@@ -61,7 +72,7 @@ class DeltaBase:
         if self.held is not None and self.held[1] == manifest.layout_digest:
             offer = rollout_pb2.DeltaBase(version=self.held[0], origin=self.origin, layout_digest=self.held[1])
         if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
-            self._bufs = {}  # another layout: the old buckets are of no use
+            self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
         self.held = None  # the copy is being overwritten: it is this sync's until its stream ends
         return DeltaStream(self, manifest, offer, keep=True)
 
@@ -87,7 +98,7 @@ class DeltaBase:
             )
 
     def drop(self) -> None:
-        self._bufs, self.held = {}, None
+        self._bufs, self._sums, self.held = {}, {}, None
 
     def held_bytes(self) -> int:
         return sum(b.numel() for b in self._bufs.values())
@@ -105,6 +116,8 @@ class DeltaStream:
     keep: bool
     accepted: set[str] = field(default_factory=set)
     stored: set[int] = field(default_factory=set)
+    #: the checksum of every bucket sent, in manifest order (the pipeline computes none: keep)
+    checksums: list[int] = field(default_factory=list)
 
     def channel(self, inner: BucketSender) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
@@ -114,17 +127,39 @@ class DeltaStream:
             inner.delta_targets = set(self.accepted)
         return _DeltaChannel(inner, self)
 
-    def encode_and_keep(self, plan: BucketPlan, view: torch.Tensor):
-        """(the delta of bucket `plan` from the base or None: send it dense, (its base buffer, the
-        bytes to copy into it once sent))."""
+    def encode(self, plan: BucketPlan, dense: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+        """(the delta of bucket `plan` from the base, or None: send it dense; the checksum of `dense`;
+        its word sums, to keep with it). Reads the base: call `store` after the send."""
+        n, whole = plan.nbytes, plan.nbytes - plan.nbytes % 4
+        old, old_sums = self.base._bufs.get(plan.index), self.base._sums.get(plan.index)
+        usable = old is not None and old.numel() == n and old.device == dense.device
+        incremental = usable and old_sums is not None and n % 4 == 0 and dense.storage_offset() % 4 == 0
+        payload = idx = None
+        if self.accepted and usable or incremental:
+            word = word_bytes(plan)
+            idx = changed_words(dense, old, word)
+            if self.accepted and usable:
+                payload = encode(dense, old, word, idx)
+        if incremental:
+            sums = old_sums + _sums_change(dense, old, idx, word)
+        else:
+            sums = word_sums(dense[:whole].view(torch.int32))
+        return payload, from_sums(sums, dense[whole:], n), sums
+
+    def store(self, plan: BucketPlan, dense: torch.Tensor, sums: torch.Tensor, checksum: int) -> None:
+        """Bucket `plan` went out: its bytes are the next base."""
         old = self.base._bufs.get(plan.index)
-        dense = view[: plan.nbytes]
-        payload = None
-        if self.accepted and old is not None and old.numel() == plan.nbytes:
-            payload = encode(dense, old, word_bytes(plan))
         if old is None or old.numel() != plan.nbytes or old.device != dense.device:
             old = self.base._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=dense.device)
-        return payload, (old, dense)
+        old.copy_(dense)
+        self.base._sums[plan.index] = sums
+        self.stored.add(plan.index)
+        self.checksums.append(checksum)
+
+    def commit_failed(self) -> None:
+        """A rollout sent this sync's buckets in full did not commit them: the base is suspect."""
+        if self.keep:
+            self.base.drop()
 
     def finish(self, ok: bool) -> None:
         """The stream ended (`ok`: every bucket went out): the copy is this version's base, or none."""
@@ -147,13 +182,13 @@ class _DeltaChannel(BucketSender):
         return getattr(self._inner, name)
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
-        payload, (keep, dense) = self._stream.encode_and_keep(plan, buf)
+        dense = buf[: plan.nbytes]
+        payload, checksum, sums = self._stream.encode(plan, dense)
         if payload is not None:
             self._inner.send(plan, buf, checksum, delta=payload)
         else:
             self._inner.send(plan, buf, checksum)
-        keep.copy_(dense)  # after the send: the encode read the old base
-        self._stream.stored.add(plan.index)
+        self._stream.store(plan, dense, sums, checksum)  # after the send: the encode read the old base
 
     def flush(self) -> None:
         self._inner.flush()
@@ -163,3 +198,17 @@ class _DeltaChannel(BucketSender):
 
     def close(self) -> None:
         self._inner.close()
+
+
+def _sums_change(new: torch.Tensor, old: torch.Tensor, idx: torch.Tensor, word: int) -> torch.Tensor:
+    """How the word sums (checksum.word_sums) of `old` change when it becomes `new`, from the sorted
+    positions `idx` of the changed `word`-byte words: the sums over the 32-bit words that hold them."""
+    j = torch.unique_consecutive(idx // (4 // word))
+    a, b = new.view(torch.int32)[j], old.view(torch.int32)[j]
+    # squares wrap in int32 as checksum.word_sums's do; sums are int64, wrapping alike
+    return torch.stack(
+        [
+            a.sum(dtype=torch.int64) - b.sum(dtype=torch.int64),
+            (a * a).sum(dtype=torch.int64) - (b * b).sum(dtype=torch.int64),
+        ]
+    )
