@@ -65,10 +65,15 @@ def _changed(new: torch.Tensor, base: torch.Tensor, nw: torch.Tensor, bw: torch.
     blocks that differ."""
     if new.numel() % 8 or new.storage_offset() % 8 or base.storage_offset() % 8:
         return (nw != bw).nonzero().squeeze(1)
-    blocks = (new.view(torch.int64) != base.view(torch.int64)).nonzero().squeeze(1)
-    per = 8 // word
-    cand = (blocks.unsqueeze(1) * per + torch.arange(per, device=new.device)).reshape(-1)
-    return cand[nw[cand] != bw[cand]]
+    n64, b64 = new.view(torch.int64), base.view(torch.int64)
+    blocks = (n64 != b64).nonzero().squeeze(1)
+    per, bits = 8 // word, 8 * word
+    # which words of each differing block differ: the nonzero `bits`-wide fields of their XOR
+    # (little-endian: word k of a block is bits [k * bits, (k + 1) * bits))
+    x = (n64[blocks] ^ b64[blocks]).unsqueeze(1)
+    shifts = torch.arange(0, 64, bits, device=new.device)
+    hit = ((x >> shifts) & ((1 << bits) - 1)).ne(0).nonzero()
+    return blocks[hit[:, 0]] * per + hit[:, 1]
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, word: int, idx: torch.Tensor | None = None) -> torch.Tensor | None:

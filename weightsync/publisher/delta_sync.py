@@ -40,6 +40,7 @@ from weightsync.v1 import rollout_pb2
 log = logging.getLogger(__name__)
 
 ENCODINGS = ("full", "delta", "auto")
+_WORDS = {1: torch.uint8, 2: torch.int16}
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp",)
 
@@ -127,9 +128,9 @@ class DeltaStream:
             inner.delta_targets = set(self.accepted)
         return _DeltaChannel(inner, self)
 
-    def encode(self, plan: BucketPlan, dense: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+    def encode(self, plan: BucketPlan, dense: torch.Tensor):
         """(the delta of bucket `plan` from the base, or None: send it dense; the checksum of `dense`;
-        its word sums, to keep with it). Reads the base: call `store` after the send."""
+        what `store` keeps of it). Reads the base: call `store` after the send."""
         n, whole = plan.nbytes, plan.nbytes - plan.nbytes % 4
         old, old_sums = self.base._bufs.get(plan.index), self.base._sums.get(plan.index)
         usable = old is not None and old.numel() == n and old.device == dense.device
@@ -144,14 +145,20 @@ class DeltaStream:
             sums = old_sums + _sums_change(dense, old, idx, word)
         else:
             sums = word_sums(dense[:whole].view(torch.int32))
-        return payload, from_sums(sums, dense[whole:], n), sums
+        return payload, from_sums(sums, dense[whole:], n), (sums, idx)
 
-    def store(self, plan: BucketPlan, dense: torch.Tensor, sums: torch.Tensor, checksum: int) -> None:
+    def store(self, plan: BucketPlan, dense: torch.Tensor, kept, checksum: int) -> None:
         """Bucket `plan` went out: its bytes are the next base."""
+        sums, idx = kept
         old = self.base._bufs.get(plan.index)
         if old is None or old.numel() != plan.nbytes or old.device != dense.device:
             old = self.base._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=dense.device)
-        old.copy_(dense)
+            idx = None
+        if idx is None:
+            old.copy_(dense)
+        else:  # the words that differ are known: only they are written
+            word = word_bytes(plan)
+            old.view(_WORDS[word])[idx] = dense.view(_WORDS[word])[idx]
         self.base._sums[plan.index] = sums
         self.stored.add(plan.index)
         self.checksums.append(checksum)
@@ -183,12 +190,12 @@ class _DeltaChannel(BucketSender):
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         dense = buf[: plan.nbytes]
-        payload, checksum, sums = self._stream.encode(plan, dense)
+        payload, checksum, kept = self._stream.encode(plan, dense)
         if payload is not None:
             self._inner.send(plan, buf, checksum, delta=payload)
         else:
             self._inner.send(plan, buf, checksum)
-        self._stream.store(plan, dense, sums, checksum)  # after the send: the encode read the old base
+        self._stream.store(plan, dense, kept, checksum)  # after the send: the encode read the old base
 
     def flush(self) -> None:
         self._inner.flush()

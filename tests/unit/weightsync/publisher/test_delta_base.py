@@ -24,9 +24,9 @@ def _stream(base: DeltaBase, manifest, buckets: list[torch.Tensor], accepted=())
     s.accepted |= set(accepted)
     payloads = []
     for plan, buf in zip(manifest.buckets, buckets):
-        payload, csum, sums = s.encode(plan, buf)
+        payload, csum, kept = s.encode(plan, buf)
         payloads.append(payload)
-        s.store(plan, buf, sums, csum)
+        s.store(plan, buf, kept, csum)
     s.finish(True)
     return s, payloads
 
@@ -46,6 +46,7 @@ def test_summed_checksums_equal_a_full_pass_and_deltas_only_where_accepted():
         s, payloads = _stream(base, m, buckets, accepted={"r"} if version != 3 else ())
         assert s.offer is not None and s.offer.version == version - 1 and s.offer.origin == "o"
         assert s.checksums == [bucket_checksum(b) for b in buckets], version
+        assert all(torch.equal(base._bufs[p.index], b) for p, b in zip(m.buckets, buckets))  # the next base
         assert (version == 3) == all(p is None for p in payloads)
         assert base.held == (version, m.layout_digest) and base.held_bytes() == sum(b.numel() for b in buckets)
 
@@ -69,8 +70,8 @@ def test_encoding_transport_and_bound_decide_what_is_kept():
     s = base.begin(m, "tcp")
     for plan in m.buckets:
         buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
-        _, csum, sums = s.encode(plan, buf)
-        s.store(plan, buf, sums, csum)
+        _, csum, kept = s.encode(plan, buf)
+        s.store(plan, buf, kept, csum)
     s.finish(True)
     assert base.held is not None
     s.commit_failed()
