@@ -197,3 +197,25 @@ def test_full_encoding_and_delta_over_another_transport(fleet):
     with pytest.raises(grpc.RpcError) as err:
         stub.Sync(trainer_pb2.SyncRequest(transport="ipc"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sync_encoding=delta" in err.value.details()
+
+
+def test_a_rollout_that_keeps_no_base_is_sent_in_full_until_it_holds_one(fleet):
+    trainer, rollouts, stub = fleet
+    _change(trainer, 0.02, seed=11)
+    assert _sync(stub).ok  # both ends hold the base, whatever the tests before left
+    b = rollouts["b"].tx.delta_base
+    b.enabled = False  # rollout config delta_base=false
+    try:
+        _change(trainer, 0.02, seed=8)
+        report = _sync(stub)
+        got = _by_id(report)
+        assert report.ok and got["a"].encoding == "delta" and got["b"].encoding == "full"
+        assert b.held is None and _exact(trainer, rollouts["b"])
+    finally:
+        b.enabled = True
+    _change(trainer, 0.02, seed=9)
+    assert {r.encoding for r in _sync(stub).rollouts} == {"delta", "full"}  # "b" builds its copy now
+    _change(trainer, 0.02, seed=10)
+    report = _sync(stub)
+    assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}
+    assert all(_exact(trainer, app) for app in rollouts.values())
