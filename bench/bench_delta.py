@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--changed", type=float, default=0.02, help="fraction of values changed per sync")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--apply-mode", default="staged", choices=("staged", "inplace"), help="the rollout's apply_mode")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from transformers import Qwen2Config
@@ -110,6 +111,7 @@ def main() -> int:
             model=str(work / "model"),
             dtype="bfloat16",
             rollout_id="r0",
+            apply_mode=args.apply_mode,
             data_address=f"127.0.0.1:{dport}",
             advertise_data_host="127.0.0.2",
         )
@@ -157,6 +159,7 @@ def main() -> int:
             "changed_fraction": args.changed,
             "gbps": args.gbps,
             "bucket_mb": args.bucket_mb,
+            "apply_mode": args.apply_mode,
             "unpaced": unpaced,
             "runs": runs,
             "median_s": med,
