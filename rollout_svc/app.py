@@ -17,10 +17,11 @@ from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.bus.tcp.receiver import TcpReceiver
+from weightsync.config import ConfigError
 from weightsync.control.auth import load_token
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
-from weightsync.control.sync_link import LINK_MAGIC
+from weightsync.control.sync_link import LINK_MAGIC, LINK_MAGIC_BEATS
 from weightsync.http import serve_http
 from weightsync.model_spec import family_of
 from weightsync.obs.metrics import SyncMetrics
@@ -28,12 +29,19 @@ from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "weightsync.v1.Rollout"
+#: what the generation key grants over gRPC (it grants the OpenAI routes over HTTP)
+GENERATION_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Score")
 
 
 class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
         token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
+        generation_key = load_token(
+            cfg.auth.generation_token, cfg.auth.generation_token_file, field="generation_token_file"
+        )
+        if generation_key and generation_key == token:
+            raise ConfigError("generation_token: must differ from auth_token (the admin token grants everything)")
         check_exposure(
             {
                 "grpc_address": cfg.server.grpc_address,
@@ -45,7 +53,7 @@ class RolloutApp:
             "rollout-svc",
         )
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
-        self.grpc = ServiceServer(cfg.server.grpc_address, token)
+        self.grpc = ServiceServer(cfg.server.grpc_address, token, scoped_tokens=((generation_key, GENERATION_METHODS),))
         self.metrics = SyncMetrics("rollout")
         self._ready = False
         self.http = serve_http(
@@ -54,6 +62,7 @@ class RolloutApp:
             registry=self.metrics.registry,
             ready=self._readiness,
             token=token,
+            scoped_tokens=((generation_key, ("/v1/",)),),  # every /v1/ route here is the OpenAI surface
         )
         from rollout_svc.engine.factory import make_engine
 
@@ -90,6 +99,7 @@ class RolloutApp:
         self.link = SyncLinkServer(self.servicer, token, self.grpc.request_limits, cfg.limits.max_sync_links)
         if cfg.bus.sync_link:
             self.data.other_protocols[LINK_MAGIC] = self.link.serve
+            self.data.other_protocols[LINK_MAGIC_BEATS] = self.link.serve_with_beats
             self.servicer.sync_link = self.servicer.data_address
         hf = self.engine.hf_config() if hasattr(self.engine, "hf_config") else None
         self.http.include(

@@ -7,6 +7,7 @@ Each knob keeps its flat name (flag `--apply-mode`, env `WS_ROLLOUT_APPLY_MODE`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rollout_svc.limits import LimitsConfig
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
@@ -28,12 +29,22 @@ class InferenceConfig:
     device: str = field("cpu", help="torch device of the built-in engine (cpu, cuda:0, ...)")
     tp: int = field(1, help="engine tensor-parallel size (sglang)")
     max_prefix_cache_entries: int = field(64, help="prefix KV cache capacity (prompts)")
+    sglang: dict[str, Any] = field(
+        default_factory=dict,
+        help="engine=sglang: options passed to SGLang's Engine (any sglang ServerArgs field, e.g. "
+        "mem_fraction_static=0.6, context_length=8192, attention_backend=triton), checked against the "
+        "installed SGLang at start; model_path, tp_size, dtype and base_gpu_id come from model, tp, dtype, device",
+    )
 
     def validate(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"tp={self.tp} must be >= 1")
         if self.engine == "builtin" and self.tp != 1:
             raise ConfigError("engine=builtin runs one rank: set tp=1 or use engine=sglang")
+        if self.sglang and self.engine != "sglang":
+            raise ConfigError(
+                f"sglang options {sorted(self.sglang)} are set but engine={self.engine}: set engine=sglang"
+            )
         if self.max_prefix_cache_entries < 0:
             raise ConfigError(f"max_prefix_cache_entries={self.max_prefix_cache_entries} must be >= 0 (0 = no cache)")
 
@@ -110,11 +121,35 @@ class RegistrationConfig:
 
 
 @dataclass
+class RolloutAuthConfig(AuthConfig):
+    """The control-plane token, and the narrower generation key handed to inference clients."""
+
+    generation_token: str = field(
+        "",
+        secret=True,
+        help="a key that grants only generation: the OpenAI routes (/v1/...) and the Generate and Score RPCs, "
+        "never sync, load or abort (those need auth_token, which grants everything). Env or config file only; "
+        "generation_token_file in Kubernetes",
+    )
+    generation_token_file: str = field("", help="file holding the generation key (e.g. a mounted Secret)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.generation_token and self.generation_token_file:
+            raise ConfigError("set generation_token or generation_token_file, not both")
+        if (self.generation_token or self.generation_token_file) and not (self.auth_token or self.auth_token_file):
+            raise ConfigError(
+                "generation_token(_file) needs auth_token or auth_token_file: without an admin token every call "
+                "is open, and a generation key would restrict nothing"
+            )
+
+
+@dataclass
 class RolloutConfig(ServiceConfig):
     server: ServerConfig = section(ServerConfig, grpc_address="127.0.0.1:50061", http_address="127.0.0.1:8091")
     inference: InferenceConfig = section(InferenceConfig)
     bus: RolloutBusConfig = section(RolloutBusConfig)
     registration: RegistrationConfig = section(RegistrationConfig)
     limits: LimitsConfig = section(LimitsConfig)
-    auth: AuthConfig = section(AuthConfig)
+    auth: RolloutAuthConfig = section(RolloutAuthConfig)
     log: LogConfig = section(LogConfig)

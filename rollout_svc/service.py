@@ -14,7 +14,6 @@ from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestR
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
-from weightsync.bus.gpu import engine_device
 from weightsync.bus.layout import KnownLayouts
 from weightsync.bus.transports import TRANSPORTS, RolloutSide, choices, multi_sender_names
 from weightsync.obs.metrics import RolloutMetrics, SyncMetrics
@@ -69,7 +68,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         #: True once a sync from the trainer committed (or the operator opted into the initial weights)
         self.current = serve_initial_weights
         self._lock = threading.Lock()
-        self.device = engine_device(engine)
+        self.device = engine.receive_device()
         side = RolloutSide(
             tx,
             self.device,
@@ -366,9 +365,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     def AbortSync(self, request, context):
+        prepared_by, _ = self._sync_origin.get(request.sync_id, (request.trainer_id, False))
+        if request.trainer_id != prepared_by:
+            # the token alone must not let a second trainer (or a replayed call) cancel this one's sync
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"AbortSync of sync {request.sync_id} from trainer {request.trainer_id or '(no id)'!r}, but "
+                f"trainer {prepared_by!r} prepared it; only the preparing trainer may abort it",
+            )
         had = self.tx.pending_sync_id == request.sync_id
         self.tx.abort(request.sync_id, request.reason or "aborted by trainer")
         self.nccl.abort(request.sync_id, request.reason or "aborted by trainer")
         if had:
             self.metrics.outcome("aborted")
-        return rollout_pb2.AbortSyncResponse(state=self.tx.state, version=self.tx.version)
+        why_id, why = self.tx.aborted_here
+        return rollout_pb2.AbortSyncResponse(
+            state=self.tx.state, version=self.tx.version, aborted_reason=why if why_id == request.sync_id else ""
+        )

@@ -83,7 +83,7 @@ BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
 }
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object"}
 
 
 def config_classes() -> dict[str, type]:
@@ -118,6 +118,8 @@ def config_schema(role: str, cls: type) -> dict[str, Any]:
         if tp not in _JSON_TYPES:
             raise SystemExit(f"scripts/gen_helm_schema.py: {role}.{f.name}: no JSON type for {tp!r}")
         item: dict[str, Any] = {"type": _JSON_TYPES[tp]}
+        if tp is dict:  # options passed through to another program, checked by the service at start
+            item["additionalProperties"] = True
         if f.metadata.get("choices"):
             item["enum"] = list(f.metadata["choices"])
         bounds = dict(BOUNDS[role].get(f.name, {}))

@@ -121,6 +121,12 @@ class BusConfig:
     )
     sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
     rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
+    liveness_timeout_s: float = field(
+        3.0,
+        help="a rollout that sends neither an answer nor a liveness beat on its sync link for this long is "
+        "gone (stopped, hung, unreachable): its part of the sync fails at once instead of after rpc_timeout_s, "
+        "the others commit, and it is caught up when it registers again",
+    )
     sync_link: bool = field(
         True,
         help="send PrepareSync, CommitSync and AbortSync over the sync link a rollout "
@@ -163,6 +169,9 @@ class BusConfig:
                 f"sync_encoding=delta is carried by transport tcp only (transport={self.transport}): "
                 "use sync_encoding=auto, which picks full for ipc and nccl"
             )
+        if not 1.0 <= self.liveness_timeout_s <= 3600:
+            # the rollout beats every 0.25 s: a shorter timeout would fail a busy but healthy rollout
+            raise ConfigError(f"liveness_timeout_s={self.liveness_timeout_s} must be in [1, 3600] (seconds)")
 
 
 @dataclass

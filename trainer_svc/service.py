@@ -1,26 +1,22 @@
-"""The Trainer gRPC servicer: registration, sync, status and the admin calls behind wsctl."""
+"""The Trainer gRPC servicer of trainer-svc: the publisher's fleet part (registration, sync, status),
+plus the admin calls behind wsctl (load, export) and the training RPCs."""
 
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import threading
 
 import grpc
 
 from trainer_svc.paths import DataRoots, PathRefused
 from trainer_svc.train.rpc import TrainingServicerMixin
-from weightsync.bus.transports import transport as transport_named
-from weightsync.config import ConfigError, parse_host_port
-from weightsync.publisher import SyncInProgress, SyncOrchestrator
-from weightsync.publisher.registry import RolloutRegistry
-from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
+from weightsync.publisher import FleetServicer, RolloutRegistry, SyncOrchestrator
+from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
 
-class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
+class TrainerServicer(TrainingServicerMixin, FleetServicer):
     def __init__(
         self,
         actor,
@@ -31,120 +27,8 @@ class TrainerServicer(TrainingServicerMixin, trainer_pb2_grpc.TrainerServicer):
         auto_sync: bool,
         roots: DataRoots | None = None,
     ):
-        self.actor = actor
-        self.actor_lock = actor_lock
-        self.registry = registry
-        self.orch = orchestrator
-        self.backend = backend
-        self.auto_sync = auto_sync
+        super().__init__(actor, actor_lock, registry, orchestrator, backend, auto_sync)
         self.roots = roots or DataRoots()
-        self._catchup: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._worker = threading.Thread(target=self._catchup_loop, name="catchup-sync", daemon=True)
-        self._worker.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._catchup.put(None)
-
-    # ---- fleet --------------------------------------------------------------------------
-    def RegisterRollout(self, request, context):
-        try:
-            if not request.rollout_id:
-                raise ConfigError("rollout_id is empty")
-            parse_host_port("address", request.address)
-            if request.model_family and request.model_family != self.actor.family:
-                raise ConfigError(
-                    f"model_family: rollout serves {request.model_family!r}, trainer trains "
-                    f"{self.actor.family!r}; start the rollout with the trainer's model"
-                )
-        except ConfigError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        entry = self.registry.upsert(request.rollout_id, request.address, max(1, request.num_ranks))
-        self.registry.poll(entry)
-        behind = not self.orch.is_current(entry)
-        scheduled = self.auto_sync and behind
-        if scheduled:
-            self._catchup.put(request.rollout_id)
-        log.info(
-            "rollout %s registered at %s (version %d, trainer %d, catch-up %s)",
-            request.rollout_id,
-            request.address,
-            entry.version,
-            self.actor.version,
-            scheduled,
-        )
-        return trainer_pb2.RegisterRolloutResponse(
-            trainer_version=self.actor.version,
-            sync_scheduled=scheduled,
-            trainer_id=self.orch.trainer_id,
-            current=not behind,
-        )
-
-    def DeregisterRollout(self, request, context):
-        if not self.registry.remove(request.rollout_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"rollout_id {request.rollout_id!r} is not registered")
-        return trainer_pb2.DeregisterRolloutResponse()
-
-    def _catchup_loop(self) -> None:
-        while not self._stop.is_set():
-            rid = self._catchup.get()
-            if rid is None:
-                return
-            entry = self.registry.get(rid)
-            if entry is None or self.orch.is_current(entry):
-                continue
-            try:
-                # re-checked once it holds the sync lock: a sync running now may bring it up to date
-                self.orch.sync([entry], wait_s=self.orch.sync_timeout, only_behind=True)
-            except Exception as exc:  # logged and reported in status; the next registration retries
-                entry.last_error = f"catch-up sync failed: {exc}"
-                log.error("catch-up sync to %s failed: %s", rid, exc)
-
-    # ---- sync ---------------------------------------------------------------------------
-    def Sync(self, request, context):
-        try:
-            if not (math.isfinite(request.timeout_seconds) and 0 <= request.timeout_seconds <= 7 * 24 * 3600):
-                raise ValueError(
-                    f"timeout_seconds={request.timeout_seconds} must be finite and in [0, 604800] "
-                    "(0 = the trainer's sync_timeout_s)"
-                )
-            if request.transport:
-                transport_named(request.transport)  # ValueError naming the choices
-            if request.senders not in ("", "all", "rank0"):
-                raise ValueError(f"senders={request.senders!r} must be all or rank0 (or empty for the configured one)")
-            targets = self.registry.select(list(request.rollout_ids))
-            report = self.orch.sync(
-                targets,
-                request.transport,
-                request.timeout_seconds,
-                allow_rollback=request.allow_rollback,
-                senders=request.senders,
-            )
-        except KeyError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except SyncInProgress as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
-        return trainer_pb2.SyncResponse(report=report)
-
-    def GetStatus(self, request, context):
-        st = trainer_pb2.TrainerStatus(
-            version=self.actor.version,
-            model_family=self.actor.family,
-            num_parameters=self.actor.num_parameters(),
-            backend=self.backend,
-            parallelism=self.actor.describe_parallelism(),
-            sync_in_progress=self.orch.in_progress,
-            origin=self.orch.origin,
-            trainer_id=self.orch.trainer_id,
-        )
-        for e in self.registry.all():
-            self.registry.poll(e)
-            st.rollouts.append(self.registry.info(e))
-        st.last_sync.CopyFrom(self.orch.last_report)
-        return st
 
     # ---- admin --------------------------------------------------------------------------
     def _resolve(self, context, field: str, path: str) -> str:

@@ -1,30 +1,11 @@
-"""Compile the trainer's GPU kernels at start-up instead of in the first sync after it.
+"""Warm a torchrun worker's kernels: a rank that streams its own buckets compiles what it will run.
 
-The bucket checksum (Triton) costs about a second to compile, the FP8 quantizer about as much per
-shape class; a first sync that paid them would miss latency targets for no reason. Global rank 0
-packs and checksums every sync's buckets; with `--senders all` every other rank packs, checksums
-and (fp8-block) quantizes its own, so it warms the same kernels for the tensors it owns.
+The rank-0 warm-up is the publisher's (weightsync/publisher/warm_up.py).
 """
 
 from __future__ import annotations
 
-import logging
-
-from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
-from weightsync.formats.fp8_warm import warm_quantize
-
-log = logging.getLogger(__name__)
-
-
-def warm_up(device, metas, quantized: bool, who: str = "trainer") -> None:
-    """`metas`: the tensors this process quantizes (used only when `quantized`)."""
-    took = bucket_checksum_warm_up(device)
-    if took:
-        log.info("%s: checksum kernel ready on %s in %.2fs", who, device, took)
-    if quantized:
-        took = warm_quantize(metas, device)
-        if took:
-            log.info("%s: FP8 quantize kernel ready on %s in %.2fs", who, device, took)
+from weightsync.publisher.warm_up import warm_up
 
 
 def warm_up_sender(actor, cfg) -> None:

@@ -53,14 +53,55 @@ def _is_section(f: dataclasses.Field) -> bool:
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
-    """(scalar type, is_list) of a field annotation; Optional[X] is X."""
+    """(scalar type, is_list) of a field annotation; Optional[X] is X; a mapping (`dict[str, Any]`,
+    options passed through to another program) is `dict`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _base_type(args[0])
     if origin in (list, tuple):
         return typing.get_args(tp)[0], True
+    if origin is dict or tp is dict:
+        return dict, False
     return tp, False
+
+
+def _option_value(text: str) -> Any:
+    """A pass-through option's value as YAML reads a scalar: 0.6 is a float, 8192 an int, true a bool."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _parse_mapping(name: str, raw: Any) -> dict[str, Any]:
+    """A mapping field from a file (a mapping), the env (a JSON object, or KEY=VALUE,KEY=VALUE) or
+    flags (KEY=VALUE each)."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.startswith("{"):
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{name}: {raw!r} is not a JSON object ({exc.msg})") from None
+        else:
+            raw = [x for x in text.split(",") if x.strip()]
+    if isinstance(raw, (list, tuple)):
+        out = {}
+        for item in raw:
+            key, sep, value = str(item).partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"{name}: {item!r} is not KEY=VALUE (e.g. mem_fraction_static=0.6)")
+            out[key.strip()] = _option_value(value.strip())
+        raw = out
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: {raw!r} is not a mapping of option names to values")
+    bad = [k for k in raw if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ConfigError(f"{name}: option name(s) {bad} are not identifiers")
+    return dict(raw)
 
 
 def _parse_scalar(name: str, tp: Any, raw: Any) -> Any:
@@ -88,6 +129,8 @@ def _coerce(f: dataclasses.Field, raw: Any) -> Any:
     tp, is_list = _base_type(f.type)
     if raw is None:
         return None
+    if tp is dict:
+        return _parse_mapping(f.name, raw)
     if is_list:
         items = raw if isinstance(raw, (list, tuple)) else [s for s in str(raw).split(",") if s.strip()]
         return [_parse_scalar(f.name, tp, x.strip() if isinstance(x, str) else x) for x in items]
@@ -210,6 +253,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
         tp, is_list = _base_type(f.type)
         help_text = f"{f.metadata.get('help', '')} (env {env_name(env_prefix, f.name)}; default {default!r})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        if tp is dict:  # one option per flag, repeatable: --sglang-arg mem_fraction_static=0.6
+            help_text = f"{f.metadata.get('help', '')} (repeatable; env {env_name(env_prefix, f.name)} as JSON)"
+            parser.add_argument(
+                flag_name(f.name) + "-arg",
+                dest=f.name,
+                default=None,
+                action="append",
+                metavar="KEY=VALUE",
+                help=help_text,
+            )
+            continue
         if tp is bool and not is_list:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -264,6 +318,12 @@ def resolve(
     values: dict[str, Any] = {}
     for f in fields:
         raw: Any = None
+        if _base_type(f.type)[0] is dict:  # options merge key by key: file < env < flags
+            sources = [file_values.get(f.name), environ.get(env_name(env_prefix, f.name)), getattr(ns, f.name, None)]
+            given = [_coerce(f, x) for x in sources if x is not None]
+            if given:
+                values[f.name] = {k: v for d in given for k, v in d.items()}
+            continue
         if getattr(ns, f.name, None) is not None:
             raw = getattr(ns, f.name)
         elif env_name(env_prefix, f.name) in environ:

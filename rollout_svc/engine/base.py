@@ -105,6 +105,11 @@ class Engine(ABC):
         """The transformers config of the served model (its family is reported in GetStatus), or None."""
         return None
 
+    def receive_device(self) -> torch.device | None:
+        """The device this process receives bus buckets on for the engine (the GPU the NCCL and CUDA
+        IPC transports need), or None when unknown."""
+        return None
+
     def begin_apply(self) -> None:
         """In-place sync: before its first bucket is loaded, with generation already paused by the
         engine gate. An engine that schedules requests itself pauses them here."""

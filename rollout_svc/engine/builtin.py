@@ -114,6 +114,9 @@ class BuiltinEngine(Engine):
     def hf_config(self):
         return self.config
 
+    def receive_device(self) -> torch.device:
+        return self.device
+
     def param_metas(self) -> dict[str, TensorMeta]:
         return {n: TensorMeta(n, tuple(p.shape), p.dtype) for n, p in self._params.items()}
 

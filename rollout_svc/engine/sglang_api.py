@@ -266,6 +266,7 @@ SGLANG_API_USED: dict[str, ApiUse] = {
 # Names the adapter may import from sglang (module, attribute) — each must be backed by an entry.
 SGLANG_IMPORTS: dict[tuple[str, str], str] = {
     ("sglang.srt.entrypoints.engine", "Engine"): "Engine",
+    ("sglang.srt.server_args", "ServerArgs"): "ServerArgs",
     ("sglang.srt.managers.io_struct", "PauseGenerationReqInput"): "PauseGenerationReqInput",
     ("sglang.srt.managers.io_struct", "ContinueGenerationReqInput"): "ContinueGenerationReqInput",
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): "FlattenedTensorMetadata",

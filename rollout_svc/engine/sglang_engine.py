@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rollout_svc.engine.base import Engine, SampleResult, SamplingParams
+from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
 from weightsync.bus.plan import TensorMeta
 
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SglangOptions:
-    """Engine settings; `from_rollout_config` reads `sglang_<field>` from the rollout config's inference section
-    when present."""
+    """Engine settings; `from_rollout_config` builds them from the rollout config's inference section
+    (`model`, `tp`, `dtype`, `device` and the `sglang` options)."""
 
     model_path: str
     tp_size: int = 1
@@ -52,6 +53,8 @@ class SglangOptions:
     disable_radix_cache: bool = False
     trust_remote_code: bool = False
     log_level: str = "error"
+    #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def validate(self) -> None:
         if self.tp_size < 1:
@@ -156,6 +159,7 @@ class SglangEngine(SglangWeightsMixin, Engine):
             enable_deterministic_inference=o.deterministic,
             skip_tokenizer_init=True,
             log_level=o.log_level,
+            **dict(o.extra),
         )
 
     @classmethod
@@ -173,21 +177,25 @@ class SglangEngine(SglangWeightsMixin, Engine):
         device = str(getattr(cfg, "device", "cuda:0"))
         gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
 
-        def opt(name, default):
-            return getattr(cfg, f"sglang_{name}", default)
-
+        args = dict(cfg.sglang)
+        if args:
+            version, known = server_arg_names()
+            check_options(args, known, version)
+        # the options this adapter also reads (seeds, memory release) travel as named settings
         opts = SglangOptions(
             model_path=weights_dir,
             tp_size=cfg.tp,
             dtype=cfg.dtype,
             base_gpu_id=gpu,
-            random_seed=cfg.init_seed,
-            mem_fraction_static=opt("mem_fraction_static", None),
-            colocated=opt("colocated", False),
-            context_length=opt("context_length", None),
-            disable_radix_cache=opt("disable_radix_cache", False),
-            trust_remote_code=opt("trust_remote_code", False),
-            deterministic=opt("deterministic", False),
+            random_seed=args.pop("random_seed", cfg.init_seed),
+            mem_fraction_static=args.pop("mem_fraction_static", None),
+            colocated=bool(args.pop("enable_memory_saver", False)),
+            context_length=args.pop("context_length", None),
+            disable_radix_cache=bool(args.pop("disable_radix_cache", False)),
+            trust_remote_code=bool(args.pop("trust_remote_code", False)),
+            deterministic=bool(args.pop("enable_deterministic_inference", False)),
+            log_level=args.pop("log_level", "error"),
+            extra=tuple(sorted(args.items())),
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
 
@@ -198,6 +206,11 @@ class SglangEngine(SglangWeightsMixin, Engine):
     # ---- Engine ----------------------------------------------------------------
     def hf_config(self) -> Any:
         return self._hf_config
+
+    def receive_device(self) -> torch.device:
+        # SGLang runs in this process's CUDA context from its first TP rank's GPU, where buckets are
+        # handed over with load_bucket
+        return torch.device("cuda", int(self.opts.base_gpu_id))
 
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)

@@ -78,48 +78,39 @@ def _stops(stop) -> list[str]:
     return stops
 
 
-def rollout_router(servicer, served: Served) -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["openai"])
-    tokenizer = ModelTokenizer(served.model)
-    created = int(time.time())
+class _Routes:
+    """The handlers of one rollout's OpenAI surface (registered by `rollout_router`)."""
 
-    def card() -> ModelCard:
-        return ModelCard(id=served.model, created=created, root=served.model, weight_version=served.version())
+    def __init__(self, servicer, served: Served):
+        self.servicer, self.served = servicer, served
+        self.tokenizer = ModelTokenizer(served.model)
+        self.created = int(time.time())
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served.model:
+    def card(self) -> ModelCard:
+        s = self.served
+        return ModelCard(id=s.model, created=self.created, root=s.model, weight_version=s.version())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served.model:
             raise ApiError(
                 404,
-                f"model: {name!r} is not served here; this rollout serves {served.model!r} (GET /v1/models)",
+                f"model: {name!r} is not served here; this rollout serves {self.served.model!r} (GET /v1/models)",
                 "model",
                 "model_not_found",
             )
 
-    def head(prefix: str, version: int) -> answers.Head:
-        return answers.Head(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), served.model, version)
+    def head(self, prefix: str, version: int) -> answers.Head:
+        return answers.Head(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.served.model, version)
 
-    @r.get("/models", response_model=ModelList, summary="the served model, with the weight version it serves now")
-    def models():
-        return ModelList(data=[card()])
+    def models(self):
+        return ModelList(data=[self.card()])
 
-    @r.get(
-        "/models/{model_id:path}",
-        response_model=ModelCard,
-        summary="the served model by id",
-        responses={404: _ERRORS[404]},
-    )
-    def model(model_id: str):
-        check_model(model_id)
-        return card()
+    def model(self, model_id: str):
+        self.check_model(model_id)
+        return self.card()
 
-    @r.post(
-        "/completions",
-        response_model=CompletionResponse,
-        responses={**_STREAM, **_ERRORS},
-        summary="OpenAI-compatible completions from the rollout's current weights",
-    )
-    async def completions(body: CompletionRequest, request: Request, response: Response):
-        check_model(body.model)
+    async def completions(self, body: CompletionRequest, request: Request, response: Response):
+        self.check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= 5:
             raise ApiError(400, f"logprobs={body.logprobs} must be in [0, 5]", "logprobs")
         if body.echo and body.logprobs is not None:
@@ -130,6 +121,7 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             )
         stops = _stops(body.stop)
         sampling = sampling_params(body, body.max_tokens)
+        tokenizer = self.tokenizer
 
         def prepare():
             if stops:
@@ -143,7 +135,7 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             return ids, [tok.decode(x) if tok is not None else "" for x in ids]
 
         prompts, prompt_texts = await anyio.to_thread.run_sync(prepare)
-        results, version = await generate(servicer, request, prompts, sampling, "http_completions")
+        results, version = await generate(self.servicer, request, prompts, sampling, "http_completions")
 
         def answer():
             tok = tokenizer.get()
@@ -152,7 +144,7 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             echo = prompt_texts if body.echo else None
             logprobs = body.logprobs is not None
             use = answers.usage(sum(map(len, prompts)), samples)
-            h = head("cmpl", version)
+            h = self.head("cmpl", version)
             if body.stream:
                 include = body.stream_options is not None and body.stream_options.include_usage
                 return list(answers.completion_chunks(h, samples, decode, logprobs, echo, use if include else None))
@@ -161,19 +153,10 @@ def rollout_router(servicer, served: Served) -> APIRouter:
             )
 
         out = await anyio.to_thread.run_sync(answer)  # decoding is CPU work: off the event loop
-        if body.stream:
-            return _sse(out, version)
-        response.headers["X-Weight-Version"] = str(version)
-        return out
+        return _reply(out, version, body.stream, response)
 
-    @r.post(
-        "/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses={**_STREAM, **_ERRORS},
-        summary="OpenAI-compatible chat completions: the messages rendered with the model's chat template",
-    )
-    async def chat(body: ChatCompletionRequest, request: Request, response: Response):
-        check_model(body.model)
+    def _chat_length(self, body: ChatCompletionRequest) -> int | None:
+        """The completion budget a chat request asks for (None: the model's room), checked."""
         if body.top_logprobs:
             raise ApiError(
                 400,
@@ -188,42 +171,77 @@ def rollout_router(servicer, served: Served) -> APIRouter:
                 "disagree; send one of them",
                 "max_completion_tokens",
             )
-        stops = _stops(body.stop)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         check_ranges(max_completion_tokens=asked)
+        return asked
+
+    async def chat(self, body: ChatCompletionRequest, request: Request, response: Response):
+        self.check_model(body.model)
+        asked = self._chat_length(body)
+        stops = _stops(body.stop)
         messages = []
         for m in body.messages:
             d = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):  # text parts are joined, as vLLM does for text-only models
                 d["content"] = "\n".join(part.text for part in m.content)
             messages.append(d)
-        prompt = await anyio.to_thread.run_sync(tokenizer.chat_prompt, messages, body.add_generation_prompt)
+        prompt = await anyio.to_thread.run_sync(self.tokenizer.chat_prompt, messages, body.add_generation_prompt)
         if not prompt:
             raise ApiError(400, "messages: the chat template rendered them to no tokens", "messages")
+        served = self.served
         if asked is None:  # OpenAI's default: the rest of the context; here also within the rollout's limit
             room = served.context_length - len(prompt) if served.context_length else served.max_new_tokens
             asked = max(1, min(served.max_new_tokens, room))
         sampling = sampling_params(body, asked)
-        results, version = await generate(servicer, request, [prompt], sampling, "http_chat_completions")
+        results, version = await generate(self.servicer, request, [prompt], sampling, "http_chat_completions")
 
         def answer():
-            tok = tokenizer.get()
+            tok = self.tokenizer.get()
 
             def decode(ids):  # the message's text: the end-of-turn token is not part of it
                 return tok.decode(ids, skip_special_tokens=True)
 
             samples = finish(results, decode, stops)
             use = answers.usage(len(prompt), samples)
-            h = head("chatcmpl", version)
+            h = self.head("chatcmpl", version)
             if body.stream:
                 include = body.stream_options is not None and body.stream_options.include_usage
                 return list(answers.chat_chunks(h, samples, decode, body.logprobs, use if include else None))
             return h.obj("chat.completion", choices=answers.chat_choices(samples, decode, body.logprobs), usage=use)
 
         out = await anyio.to_thread.run_sync(answer)
-        if body.stream:
-            return _sse(out, version)
-        response.headers["X-Weight-Version"] = str(version)
-        return out
+        return _reply(out, version, body.stream, response)
 
+
+def _reply(out, version: int, stream: bool, response: Response):
+    if stream:
+        return _sse(out, version)
+    response.headers["X-Weight-Version"] = str(version)
+    return out
+
+
+def rollout_router(servicer, served: Served) -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["openai"])
+    h = _Routes(servicer, served)
+    r.get("/models", response_model=ModelList, summary="the served model, with the weight version it serves now")(
+        h.models
+    )
+    r.get(
+        "/models/{model_id:path}",
+        response_model=ModelCard,
+        summary="the served model by id",
+        responses={404: _ERRORS[404]},
+    )(h.model)
+    r.post(
+        "/completions",
+        response_model=CompletionResponse,
+        responses={**_STREAM, **_ERRORS},
+        summary="OpenAI-compatible completions from the rollout's current weights",
+    )(h.completions)
+    r.post(
+        "/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_STREAM, **_ERRORS},
+        summary="OpenAI-compatible chat completions: the messages rendered with the model's chat template",
+    )(h.chat)
     return r

@@ -3,8 +3,14 @@
 Each request runs through the RolloutServicer's own RPC handler, so the link checks exactly what
 gRPC does (trainer pin, manifest limits, timeouts) and shares its metrics. Its requests are
 bounded like the gRPC server's (`request_limits`, by full method name) and refused on their
-length before they are read. At most `max_links` links are open at once; TCP keepalive closes
-one whose trainer vanished without closing it, so a dead peer cannot hold a slot for long.
+length before they are read. At most `max_links` authenticated links are open at once; TCP
+keepalive closes one whose trainer vanished without closing it, so a dead peer cannot hold a slot
+for long. A link still in its handshake holds no slot: it waits in a pre-auth budget of its own
+(weightsync.bus.tcp.receiver.HandshakeBudget: `max_handshakes` in all, a few per address) and must
+prove the token within `hello_timeout` seconds in total, so silent peers cannot keep the trainer off.
+
+A link opened with LINK_MAGIC_BEATS gets BEAT frames while its requests are handled (one thread,
+_Beater, beats for every such link), the liveness signal the trainer tells "slow" from "gone" by.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import time
 import grpc
 
 from weightsync.bus.errors import TransportError
+from weightsync.bus.tcp.receiver import HandshakeBudget
 from weightsync.control.grpc_server import MAX_MESSAGE_BYTES
 from weightsync.control.sync_link import (
     ACCEPTED,
+    BEAT,
+    BEAT_PERIOD_S,
     METHODS,
     NONCE_BYTES,
     FrameTooLarge,
@@ -76,9 +85,61 @@ def _keepalive(conn: socket.socket) -> None:
             pass
 
 
+class _Beater:
+    """One thread that sends a BEAT frame, every BEAT_PERIOD_S, on each link whose request is being handled."""
+
+    def __init__(self, period: float = BEAT_PERIOD_S):
+        self.period = period
+        self._busy: dict[socket.socket, tuple[threading.Lock, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, conn: socket.socket, send_lock: threading.Lock) -> None:
+        with self._lock:
+            self._busy[conn] = (send_lock, time.monotonic() + self.period)
+            if self._thread is None:  # started by the first link that asks for beats
+                self._thread = threading.Thread(target=self._run, name="sync-link-beats", daemon=True)
+                self._thread.start()
+
+    def end(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._busy.pop(conn, None)
+
+    def _run(self) -> None:
+        beat = frame(BEAT, b"")
+        while not self._stop.wait(self.period / 2):
+            now = time.monotonic()
+            with self._lock:
+                due = [(c, lock) for c, (lock, at) in self._busy.items() if at <= now]
+                for c, lock in due:
+                    self._busy[c] = (lock, now + self.period)
+            for conn, send_lock in due:
+                with send_lock:  # never inside an answer; and only while that request is still handled
+                    with self._lock:
+                        if conn not in self._busy:
+                            continue
+                    try:
+                        sent = conn.send(beat, socket.MSG_DONTWAIT)
+                        if sent < len(beat):  # the trainer is reading (it waits for this answer)
+                            conn.sendall(beat[sent:])
+                    except OSError:  # a full buffer skips a beat; a closed link is the link thread's to see
+                        pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class SyncLinkServer:
     def __init__(
-        self, servicer, token: str, request_limits: dict[str, int], max_links: int = 4, hello_timeout: float = 10.0
+        self,
+        servicer,
+        token: str,
+        request_limits: dict[str, int],
+        max_links: int = 4,
+        hello_timeout: float = 10.0,
+        max_handshakes: int = 64,
+        max_handshakes_per_address: int = 8,
     ):
         self.servicer = servicer
         self.token = token
@@ -86,68 +147,108 @@ class SyncLinkServer:
         self.max_links = max_links
         self.hello_timeout = hello_timeout
         self._slots = threading.BoundedSemaphore(max_links)
+        self.handshakes = HandshakeBudget(max_handshakes, max_handshakes_per_address)
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._beater = _Beater()
         #: requests answered over links since start (the rest of a sync's calls went over gRPC)
         self.requests = 0
 
-    def serve(self, conn: socket.socket, peer) -> None:
+    def serve_with_beats(self, conn: socket.socket, peer) -> None:
+        """serve() for a link opened with LINK_MAGIC_BEATS."""
+        self.serve(conn, peer, beats=True)
+
+    def serve(self, conn: socket.socket, peer, beats: bool = False) -> None:
         """Runs on the connection's thread until the peer closes it or the server stops."""
-        if not self._slots.acquire(blocking=False):
-            log.warning("sync link from %s refused: %d links already open", peer, self.max_links)
-            conn.close()
-            return
+        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        slot = False
         try:
             with self._lock:
                 if self._closed:
                     return
                 self._open.add(conn)
-            if self._authenticate(conn, peer):
-                self._answer(conn, f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
+            if not self._handshake(conn, peer, address):
+                return
+            if not self._slots.acquire(blocking=False):
+                log.warning("sync link from %s refused: %d links already open (max_sync_links)", peer, self.max_links)
+                return
+            slot = True
+            self._accept(conn)
+            self._answer(conn, f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer), beats)
         except TransportError:  # the trainer closed the link (it stopped, or dropped it after a timeout)
             log.debug("sync link from %s closed by the trainer", peer)
         except (OSError, TimeoutError, ValueError) as exc:  # the peer went away or broke the protocol
             log.info("sync link from %s dropped: %s", peer, exc)
         finally:
             conn.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
             with self._lock:  # last: while a link is listed open, its slot is still taken
                 self._open.discard(conn)
 
+    def _handshake(self, conn: socket.socket, peer, address: str) -> bool:
+        """The token proved within `hello_timeout` in total, under the pre-auth budget (no link slot)."""
+        if not self.handshakes.enter(address):
+            log.warning(
+                "sync link from %s refused: too many unauthenticated links (%d waiting; at most %d from one address)",
+                peer,
+                self.handshakes.waiting(),
+                self.handshakes.per_address,
+            )
+            return False
+        try:
+            return self._authenticate(conn, peer)
+        finally:
+            self.handshakes.leave(address)
+
     def _authenticate(self, conn: socket.socket, peer) -> bool:
         nonce = os.urandom(NONCE_BYTES)
+        deadline = time.monotonic() + self.hello_timeout
         conn.settimeout(self.hello_timeout)
         conn.sendall(nonce)
-        mac = recv_exact(conn, 32, time.monotonic() + self.hello_timeout)
+        mac = recv_exact(conn, 32, deadline)
         if not hmac.compare_digest(mac, link_mac(self.token, nonce)):
             log.warning("sync link from %s rejected: bad token", peer)
             return False
+        return True
+
+    @staticmethod
+    def _accept(conn: socket.socket) -> None:
         conn.sendall(ACCEPTED)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(conn)
         conn.settimeout(None)  # a link waits for the next sync as long as the trainer keeps it
-        return True
 
     def _limit(self, kind: int) -> int:
         name = METHODS[kind][0] if kind in METHODS else ""
         return self.request_limits.get(_SERVICE + name, MAX_MESSAGE_BYTES)
 
-    def _answer(self, conn: socket.socket, peer: str) -> None:
+    def _answer(self, conn: socket.socket, peer: str, beats: bool = False) -> None:
+        send_lock = threading.Lock()  # an answer and a beat never interleave
         while True:
             try:
                 kind, payload = read_frame(conn, None, self._limit)
             except FrameTooLarge as exc:  # its bytes are left unread: answer, then drop the link
                 name = METHODS[exc.kind][0] if exc.kind in METHODS else f"method {exc.kind}"
-                conn.sendall(
-                    self._error(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{_SERVICE}{name}: request of {exc.size} bytes exceeds this server's "
-                        f"limit of {exc.limit} bytes for it",
+                with send_lock:
+                    conn.sendall(
+                        self._error(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{_SERVICE}{name}: request of {exc.size} bytes exceeds this server's "
+                            f"limit of {exc.limit} bytes for it",
+                        )
                     )
-                )
                 return
-            conn.sendall(self._dispatch(kind, payload, peer))
+            if beats:
+                self._beater.begin(conn, send_lock)
+            try:
+                answer = self._dispatch(kind, payload, peer)
+            finally:
+                if beats:
+                    self._beater.end(conn)
+            with send_lock:
+                conn.sendall(answer)
 
     def _dispatch(self, kind: int, payload: bytes, peer: str) -> bytes:
         if kind not in METHODS:
@@ -178,6 +279,7 @@ class SyncLinkServer:
         return frame(code.value[0], details.encode("utf-8", errors="replace"))
 
     def stop(self) -> None:
+        self._beater.stop()
         with self._lock:
             self._closed = True
             conns = list(self._open)

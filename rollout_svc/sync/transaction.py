@@ -68,6 +68,8 @@ class SyncTransaction:
         self.origin = ""
         self.weights_checksum = 0
         self.last_error = ""
+        #: (sync_id, "CODE: reason") of the last sync this rollout aborted on its own while receiving
+        self.aborted_here: tuple[str, str] = ("", "")
         self.last_apply_seconds = 0.0
         self._on_change = on_change or (lambda: None)
         self._apply = APPLY_MODES[apply_mode](self)
@@ -161,6 +163,10 @@ class SyncTransaction:
     def _require(self, sync_id: str) -> PendingSync:
         p = self._pending
         if p is None or p.manifest.sync_id != sync_id:
+            gone_id, why = self.aborted_here
+            if gone_id == sync_id and gone_id:  # aborted here while receiving: say why, with its code
+                code, _, details = why.partition(": ")
+                raise SyncError(f"sync {sync_id} was aborted here: {details}", code)
             raise SyncError(f"sync {sync_id} is not prepared here (pending: {self.pending_sync_id or 'none'})")
         if p.error:
             raise SyncError(f"sync {sync_id} already failed: {p.error}")
@@ -217,6 +223,8 @@ class SyncTransaction:
             log.error("sync %s: receiving failed: %s", sync_id, exc)
             with self.state_lock:
                 if self._pending and self._pending.manifest.sync_id == sync_id:
+                    # the trainer sees only a closed stream: AbortSync answers it this reason
+                    self.aborted_here = (sync_id, f"{getattr(exc, 'code', '') or 'UNAVAILABLE'}: {exc}")
                     self._pending.error = str(exc)
                     self._pending.done.set()
                     self.abort_locked(f"receive failed: {exc}")
@@ -264,11 +272,12 @@ class SyncTransaction:
         with self.state_lock:
             self.abort_locked("commit arrived before all buckets did")
         late = not finished or p.error == TIMED_OUT
+        corrupt = self.aborted_here[0] == p.manifest.sync_id and self.aborted_here[1].startswith("DATA_LOSS")
         raise SyncError(
             f"sync {p.manifest.sync_id}: only {len(p.received)}/{len(p.manifest.buckets)} buckets "
             f"arrived {'before the deadline' if late else 'before it was aborted: ' + p.error} "
             f"(missing per sender rank: {p.missing()})",
-            "DEADLINE_EXCEEDED" if late else "FAILED_PRECONDITION",
+            "DEADLINE_EXCEEDED" if late else "DATA_LOSS" if corrupt else "FAILED_PRECONDITION",
         )
 
     def _check_commit(self, p: PendingSync, version: int, checksums: dict[int, int]) -> None:

@@ -252,6 +252,20 @@ def test_default_values_render_a_secret_backed_token():
     assert all(f.get("insecure") is True and "auth_token_file" not in f for f in _config_files(off).values())
 
 
+def test_a_generation_key_secret_reaches_the_rollouts_only():
+    docs = render({"auth": {"generationKeySecret": "gen-key", "generationKeySecretKey": "key"}})
+    seen = {}
+    for _, _, c in _containers(docs):
+        for e in c.get("env", []):
+            if e["name"] == "WS_ROLLOUT_GENERATION_TOKEN":
+                seen[c["name"]] = e["valueFrom"]["secretKeyRef"]
+    assert seen and all(ref == {"name": "gen-key", "key": "key"} for ref in seen.values()), seen
+    assert all("rollout" in name for name in seen), seen
+    assert not any(
+        e["name"] == "WS_ROLLOUT_GENERATION_TOKEN" for _, _, c in _containers(render({})) for e in c.get("env", [])
+    )
+
+
 def test_the_sync_link_can_be_turned_off_and_bounded_from_values():
     docs = render(
         {"trainer": {"config": {"sync_link": False}}, "rollout": {"config": {"sync_link": False, "max_sync_links": 2}}}

@@ -350,3 +350,18 @@ def test_no_token_checksum_for_an_existing_secret_or_without_auth():
         docs = render(values)
         assert set(_checksums(docs).values()) == {None}, values
         assert all("checksum/config" in d["spec"]["template"]["metadata"]["annotations"] for d, _ in pod_specs(docs))
+
+
+def test_sglang_options_set_in_values_reach_the_rollouts_config(tmp_path):
+    """`rollout.config.sglang` is SGLang's own options, passed through to its Engine (checked there
+    against the installed SGLang's ServerArgs; the schema only asks for a mapping)."""
+    values = {
+        "rollout": {"config": {"engine": "sglang", "sglang": {"mem_fraction_static": 0.6, "context_length": 8192}}}
+    }
+    assert not lint(values)
+    cfg = config_files(render(values))["rollout"]
+    path = tmp_path / "rollout.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    loaded = resolve(CLASSES["rollout"], argparse.Namespace(config_file=str(path)), ENV["rollout"], environ={})
+    assert loaded.inference.sglang == {"mem_fraction_static": 0.6, "context_length": 8192}
+    assert lint({"rollout": {"config": {"sglang": "mem_fraction_static=0.6"}}})  # not a mapping: refused

@@ -13,7 +13,8 @@ budget spans all the rollouts it streams to, like one NIC per rank. It can
 - pace each sender to `rate` bytes/s (a slow link: a fault lands mid-stream however fast the box is),
 - cut a sender's connections past some bytes (the peer sees EOF at once),
 - stall them past some bytes (forward nothing more, hold both sockets open: a hung network),
-- call a hook when a sender has moved some bytes (to kill a process mid-stream).
+- call a hook when a sender has moved some bytes (to kill a process mid-stream),
+- flip one byte past some bytes (corruption in flight, which the rollout's checksums catch).
 Tests shape the link this way instead of sleeping and hoping that a sync is still streaming.
 """
 
@@ -27,13 +28,13 @@ from collections import Counter
 from collections.abc import Callable
 
 from weightsync.bus.tcp.wire import HELLO_MAGIC
-from weightsync.control.sync_link import LINK_MAGIC
+from weightsync.control.sync_link import LINK_MAGIC, LINK_MAGIC_BEATS
 
 FORWARD, CUT, STALL = "forward", "cut", "stall"
 #: a rule keyed by ANY applies to the bytes of all senders together (a single-sender proxy's link)
 ANY = -1
 _CHUNK = 64 << 10
-_PROTOCOLS = {HELLO_MAGIC: "bus", LINK_MAGIC: "link"}
+_PROTOCOLS = {HELLO_MAGIC: "bus", LINK_MAGIC: "link", LINK_MAGIC_BEATS: "link"}
 
 
 def close_sockets(socks, shutdown: bool = False) -> None:
@@ -65,6 +66,9 @@ class SenderLinks:
         self.cut_after: dict[int, int] = {}
         self.stall_after: dict[int, int] = {}
         self.hooks: list[tuple[int, int, Callable[[], None]]] = []
+        #: the offset (over all senders' bytes, from the last set) of the one byte to flip; None: none
+        self.flip_at: int | None = None
+        self._seen = 0
         self._free_at: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -75,12 +79,13 @@ class SenderLinks:
             for d in (self.sent, self.cut_after, self.stall_after, self._free_at):
                 d.clear()
             self.hooks.clear()
+            self.flip_at, self._seen = None, 0
 
     def set(self, mode: str, after_bytes: int = 0, rate: float = 0.0) -> None:
         """One rule for every sender, counting from now: pass | cut | stall (past `after_bytes`) |
-        slow (pace each sender at `rate` bytes/s)."""
-        if mode not in ("pass", "cut", "stall", "slow"):
-            raise ValueError(f"mode {mode!r}: must be pass, cut, stall or slow")
+        flip (the byte at `after_bytes`, once) | slow (pace each sender at `rate` bytes/s)."""
+        if mode not in ("pass", "cut", "stall", "flip", "slow"):
+            raise ValueError(f"mode {mode!r}: must be pass, cut, stall, flip or slow")
         if mode == "slow" and rate <= 0:
             raise ValueError("slow mode needs rate > 0 (bytes/s)")
         self.reset(rate if mode == "slow" else None)
@@ -88,6 +93,17 @@ class SenderLinks:
             self.cut_after[ANY] = after_bytes
         elif mode == "stall":
             self.stall_after[ANY] = after_bytes
+        elif mode == "flip":
+            self.flip_at = after_bytes
+
+    def corrupt(self, data: bytes) -> bytes:
+        """`data` (the next bytes of any sender), with the byte at `flip_at` inverted if it falls in them."""
+        with self._lock:
+            start, self._seen = self._seen, self._seen + len(data)
+            if self.flip_at is None or not start <= self.flip_at < self._seen:
+                return data
+            k, self.flip_at = self.flip_at - start, None
+        return data[:k] + bytes([data[k] ^ 0xFF]) + data[k + 1 :]
 
     def take(self, sender: int, n: int) -> str:
         """Account `n` bytes of `sender` (sleeping to keep its rate) and say what becomes of them."""
@@ -206,7 +222,7 @@ class BusProxy:
                 if verdict == STALL:
                     self._closed.wait()  # hold both sockets open, forward nothing more
                     return
-                dst.sendall(data)
+                dst.sendall(data if sender is None else self.links.corrupt(data))
         except OSError:
             pass
         close_sockets((src, dst), shutdown=True)

@@ -143,22 +143,9 @@ MB_METRICS = (
 )
 
 
-def train_step(actor, request) -> dict[str, float]:
-    """Run one optimisation step on a TrainStepRequest; returns metrics (identical on every rank)."""
-    t0 = time.perf_counter()
-    st = train_state(actor)
-    be = st.backend
-    spec = LossSpec.from_proto(request.loss)
-    samples = list(request.samples)
-    batch = make_batch(samples, _advantages(samples, request.loss, spec))
-    mbs = request.micro_batch_size
-    if spec.kl_coef > 0:
-        batch.ref_logp = _score(st, batch, mbs, ensure_reference(st))
-    if not batch.has_old_logp:
-        batch.old_logp = _score(st, batch, mbs)  # on-policy: ratio is exactly 1 at the first step
-    n_tok, n_seq = float(batch.mask.sum()), float(batch.size)
-    kw = dict(tp_group=be.tp_group, vocab_size=be.vocab_size)
-    agg = dict(num_tokens=n_tok, num_seqs=n_seq)
+def _micro_batch_loss(spec: LossSpec, kw: dict, agg: dict, n_tok: float):
+    """loss_fn(logits, micro batch) -> (loss, the MB_METRICS row): PPO-clip policy loss, optional
+    entropy bonus and k3 KL to the reference, each aggregated over the whole step's tokens/sequences."""
 
     def loss_fn(logits, mb):
         logp = token_logprobs(logits, mb.targets, **kw)
@@ -199,6 +186,28 @@ def train_step(actor, request) -> dict[str, float]:
             ]
         )
         return loss, out
+
+    return loss_fn
+
+
+def train_step(actor, request) -> dict[str, float]:
+    """Run one optimisation step on a TrainStepRequest; returns metrics (identical on every rank)."""
+    t0 = time.perf_counter()
+    st = train_state(actor)
+    be = st.backend
+    spec = LossSpec.from_proto(request.loss)
+    samples = list(request.samples)
+    batch = make_batch(samples, _advantages(samples, request.loss, spec))
+    mbs = request.micro_batch_size
+    if spec.kl_coef > 0:
+        batch.ref_logp = _score(st, batch, mbs, ensure_reference(st))
+    if not batch.has_old_logp:
+        batch.old_logp = _score(st, batch, mbs)  # on-policy: ratio is exactly 1 at the first step
+    n_tok, n_seq = float(batch.mask.sum()), float(batch.size)
+    kw = dict(tp_group=be.tp_group, vocab_size=be.vocab_size)
+    agg = dict(num_tokens=n_tok, num_seqs=n_seq)
+
+    loss_fn = _micro_batch_loss(spec, kw, agg, n_tok)
 
     lr = st.optim.lr_at(st.step)
     for g in st.optimizer.param_groups:

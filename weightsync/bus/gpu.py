@@ -38,19 +38,6 @@ def local_index_of(uuid: str) -> int:
     )
 
 
-def engine_device(engine) -> torch.device | None:
-    """The GPU (or CPU) this process receives bus buckets on for the engine, if known.
-
-    The built-in engine says `device`; SGLang runs in this process's CUDA context from
-    `base_gpu_id` (its first TP rank's GPU), where the buckets are handed over with load_bucket.
-    """
-    dev = getattr(engine, "device", None)
-    if dev is not None:
-        return torch.device(dev)
-    gpu = getattr(getattr(engine, "opts", None), "base_gpu_id", None)
-    return torch.device("cuda", int(gpu)) if gpu is not None else None
-
-
 def require_cuda(device: torch.device | None, transport: str, engine_name: str) -> torch.device:
     if device is None or device.type != "cuda":
         where = f"on {device}" if device is not None else "without a device this rollout can receive into"

@@ -4,11 +4,16 @@ The token comes from env, a config file or (in Kubernetes) a file mounted from a
 it as `authorization: Bearer <token>` metadata; the server interceptor rejects calls without
 it (UNAUTHENTICATED) except the gRPC health service, which kubelet probes call unauthenticated.
 The TCP data plane proves the same token with an HMAC over the sync id (weightsync.bus.tcp.wire).
+
+Besides that admin token, which grants every call, a service may accept *scoped* tokens, each
+granting only the methods under its prefixes (the rollout's generation key: Generate and Score),
+so the key handed to inference clients cannot sync, load or abort weights.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -19,16 +24,14 @@ _HEADER = "authorization"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
-def load_token(token: str, token_file: str, field_prefix: str = "") -> str:
+def load_token(token: str, token_file: str, field_prefix: str = "", field: str = "auth_token_file") -> str:
     if token_file:
         p = Path(token_file)
         if not p.is_file():
-            raise ConfigError(
-                f"{field_prefix}auth_token_file: {token_file} does not exist (mount the Secret or unset it)"
-            )
+            raise ConfigError(f"{field_prefix}{field}: {token_file} does not exist (mount the Secret or unset it)")
         token = p.read_text().strip()
         if not token:
-            raise ConfigError(f"{field_prefix}auth_token_file: {token_file} is empty")
+            raise ConfigError(f"{field_prefix}{field}: {token_file} is empty")
     return token
 
 
@@ -40,8 +43,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     would let any unauthenticated peer make the server buffer up to max_receive_message_length
     (256 MiB) per call. The refusal only has to match the response shape (unary or streamed)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, scoped: Iterable[tuple[str, tuple[str, ...]]] = ()):
+        """`scoped`: (token, full-method-name prefixes it grants) for each token narrower than `token`."""
         self._expected = f"Bearer {token}".encode()
+        self._scoped = [(f"Bearer {t}".encode(), tuple(prefixes)) for t, prefixes in scoped if t]
 
         def deny(request_iterator, context):
             context.abort(
@@ -62,10 +67,20 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         # Exactly one authorization header: with several, a proxy and this server could each read
         # a different one (and "any of them matches" lets a caller smuggle extra credentials).
         values = [v for k, v in handler_call_details.invocation_metadata or () if k == _HEADER]
-        if len(values) == 1 and isinstance(values[0], str) and hmac.compare_digest(values[0].encode(), self._expected):
+        if (
+            len(values) == 1
+            and isinstance(values[0], str)
+            and self._grants(values[0].encode(), handler_call_details.method)
+        ):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         return self._deny_stream if handler is not None and handler.response_streaming else self._deny
+
+    def _grants(self, presented: bytes, method: str) -> bool:
+        ok = hmac.compare_digest(presented, self._expected)
+        for expected, prefixes in self._scoped:  # every one compared: the time does not tell which matched
+            ok |= hmac.compare_digest(presented, expected) and method.startswith(prefixes)
+        return ok
 
 
 def call_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -72,11 +72,18 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
 class ServiceServer:
     """A started gRPC server plus its health servicer (SERVING/NOT_SERVING per service name)."""
 
-    def __init__(self, address: str, token: str, max_workers: int = 16):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        max_workers: int = 16,
+        scoped_tokens: tuple[tuple[str, tuple[str, ...]], ...] = (),
+    ):
+        """`scoped_tokens`: (token, method prefixes) granting less than `token` (TokenAuthInterceptor)."""
         self.decode_guard = DecodeGuardInterceptor()
         #: full method name -> largest request in bytes; a service fills it once it knows its model
         self.request_limits = self.decode_guard.request_limits
-        interceptors = ([TokenAuthInterceptor(token)] if token else []) + [self.decode_guard]
+        interceptors = ([TokenAuthInterceptor(token, scoped_tokens)] if token else []) + [self.decode_guard]
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=interceptors,

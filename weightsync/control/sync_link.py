@@ -19,6 +19,12 @@ instead of a bus hello). Wire format, little-endian:
   request           : u8 method | u32 length | the RPC's request message
   answer            : u8 status (0 OK, else the grpc.StatusCode number) | u32 length |
                       the RPC's response message, or for an error its details in UTF-8
+
+A trainer that opens with LINK_MAGIC_BEATS instead gets the same link plus a liveness signal: while
+a request's handler runs, the rollout sends an empty BEAT frame (status BEAT, length 0) every
+BEAT_PERIOD_S before its answer. A rollout that is slow keeps beating; one that is gone (stopped,
+hung, its host away) falls silent, and the trainer gives up on it after its `liveness_timeout_s`
+instead of the call's whole `rpc_timeout_s`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from weightsync.bus.errors import TransportError
 from weightsync.v1 import rollout_pb2
 
 LINK_MAGIC = b"WSL1"
+#: the same link, with BEAT frames while a request is handled
+LINK_MAGIC_BEATS = b"WSL2"
+#: the status byte of a BEAT frame (never a grpc.StatusCode number)
+BEAT = 0xFF
+#: how often a rollout beats while it handles a request; a trainer's liveness_timeout_s must be
+#: several of these (the config checks it)
+BEAT_PERIOD_S = 0.25
 LINK_CONTEXT = b"weightsync sync link v1\n"
 NONCE_BYTES = 16
 ACCEPTED = b"\x00"

@@ -29,11 +29,12 @@ def make_app(
     routers: Iterable = (),
     token: str = "",
     body_timeout_s: float = BODY_TIMEOUT_S,
+    scoped_tokens: tuple[tuple[str, tuple[str, ...]], ...] = (),
 ) -> FastAPI:
     # No /docs or /redoc: they pull JavaScript from a CDN. The schema is at /openapi.json.
     app = FastAPI(title=title, docs_url=None, redoc_url=None, version="1")
     app.add_middleware(BodyLimit, timeout_s=body_timeout_s)
-    app.add_middleware(BearerAuth, token=token)  # added last = runs first
+    app.add_middleware(BearerAuth, token=token, scoped=scoped_tokens)  # added last = runs first
     app.include_router(health_router(registry, ready))
     for router in routers:
         app.include_router(router)
@@ -50,7 +51,8 @@ def serve_http(
     ready: Callable[[], tuple[bool, str]],
     routers: Iterable = (),
     token: str = "",
+    scoped_tokens: tuple[tuple[str, tuple[str, ...]], ...] = (),
 ) -> HttpServer:
     """Bind `address` now (a clash raises here), serve once `.start()` is called. With a `token`,
     every `/v1/` route needs it (weightsync/http/auth.py); probes, metrics and the schema stay open."""
-    return HttpServer(address, make_app(title, registry, ready, routers, token))
+    return HttpServer(address, make_app(title, registry, ready, routers, token, scoped_tokens=scoped_tokens))

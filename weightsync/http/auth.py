@@ -5,7 +5,8 @@ unauthenticated request costs a header comparison, and its body is never read (t
 connection, so the unread body is not drained either). The token and the comparison are those of
 the gRPC interceptor. A request must carry exactly one `Authorization: Bearer <token>` header:
 several headers are refused rather than accepted when any of them matches. With no token
-configured every route is open, as the gRPC API is.
+configured every route is open, as the gRPC API is. A scoped token (`scoped`) grants only the
+protected routes under its own prefixes (the rollout's generation key: the OpenAI surface).
 """
 
 from __future__ import annotations
@@ -36,15 +37,26 @@ def auth_failure(header_values: list[bytes], expected: bytes) -> str | None:
 
 
 class BearerAuth:
-    def __init__(self, app, token: str, prefixes: Iterable[str] = PROTECTED_PREFIXES):
+    def __init__(
+        self,
+        app,
+        token: str,
+        prefixes: Iterable[str] = PROTECTED_PREFIXES,
+        scoped: Iterable[tuple[str, tuple[str, ...]]] = (),
+    ):
         self.app, self.prefixes = app, tuple(prefixes)
         self.expected = f"Bearer {token}".encode() if token else None
+        #: (b"Bearer <token>", route prefixes it grants) for each narrower token
+        self.scoped = [(f"Bearer {t}".encode(), tuple(p)) for t, p in scoped if t]
 
     async def __call__(self, scope, receive, send):
         if self.expected is None or scope["type"] != "http" or not is_protected(scope["path"], self.prefixes):
             return await self.app(scope, receive, send)
         values = [v for k, v in scope["headers"] if k == b"authorization"]
         why = auth_failure(values, self.expected)
+        for expected, prefixes in self.scoped:
+            if why is not None and auth_failure(values, expected) is None:
+                why = None if scope["path"].startswith(prefixes) else "this token does not grant this route"
         if why is None:
             return await self.app(scope, receive, send)
         body = error_bytes(401, why, code="invalid_api_key")

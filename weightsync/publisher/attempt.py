@@ -90,6 +90,10 @@ class SyncAttempt:
         base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
         self.delta = base.begin(manifest, session.name)
         self._wire: dict[str, int] = {}
+        #: rollout_id -> what the trainer saw, for targets whose stream broke (failed once explained)
+        self._stream_failed: dict[str, str] = {}
+        #: targets already sent AbortSync (to learn why their stream broke)
+        self._aborted: set[str] = set()
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
@@ -245,7 +249,7 @@ class SyncAttempt:
                 if not isinstance(exc, (OSError, TimeoutError, ValueError, RuntimeError)):
                     log.exception("sync %s: unexpected stream failure", self.manifest.sync_id)
                 for rid in list(self.prepared):
-                    self._fail(rid, "transport", f"{self.session.name} {reason}")
+                    self._stream_failed[rid] = f"{self.session.name} {reason}"
                 self.prepared.clear()
         self.session.finish(ok, reason)
         self.delta.finish(ok)
@@ -253,6 +257,7 @@ class SyncAttempt:
             r = self.results[rid]
             r.encoding = "delta" if rid in self.delta.accepted else "full"
             r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
+        self._explain_stream_failures()
         # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
         try:
             for _ in export:
@@ -311,7 +316,7 @@ class SyncAttempt:
         for rid, err in out.failures.items():
             if rid in self.prepared:
                 self.prepared.pop(rid)
-                self._fail(rid, "transport", err)
+                self._stream_failed[rid] = err
         if out.error:
             raise TransportError(out.error)
         return out.checksums
@@ -362,9 +367,36 @@ class SyncAttempt:
             for rid, err in channel.failures().items():
                 if rid in self.prepared:
                     self.prepared.pop(rid)
-                    self._fail(rid, "transport", err)
+                    self._stream_failed[rid] = err
             if channel is not self._commit_channel:
                 channel.close()
+
+    def _explain_stream_failures(self) -> None:
+        """Fail the targets whose stream broke, with the rollout's own reason when it had one.
+
+        A rollout that finds a bucket corrupted (DATA_LOSS) aborts the sync and closes its stream:
+        the trainer sees only a broken pipe. AbortSync (due to them anyway) answers why, so the
+        report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
+        failed, self._stream_failed = self._stream_failed, {}
+        if not failed:
+            return
+        req = self._abort_request()
+        rids = [rid for rid in failed if not self.rollouts.gone(self.by_id[rid])]
+        answers = dict(zip(rids, self._on_each(lambda r: self.rollouts.call(self.by_id[r], "AbortSync", req), rids)))
+        self._aborted.update(rids)  # abort_failed need not abort them again
+        for rid, err in failed.items():
+            resp, _ = answers.get(rid, (None, ""))
+            why = resp.aborted_reason if resp is not None else ""
+            if why:
+                err = f"{why} (the rollout aborted the sync; the trainer's stream saw: {err})"
+            self._fail(rid, "data_loss" if why.startswith("DATA_LOSS") else "transport", err)
+            if why.startswith("DATA_LOSS") and rid not in self.delta.accepted:
+                self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
+
+    def _abort_request(self) -> rollout_pb2.AbortSyncRequest:
+        return rollout_pb2.AbortSyncRequest(
+            sync_id=self.manifest.sync_id, reason="trainer aborted the sync", trainer_id=self.fleet.trainer_id
+        )
 
     # ---- commit / abort ---------------------------------------------------------------------
     def commit(self, checksums: list[int]) -> None:
@@ -378,9 +410,12 @@ class SyncAttempt:
         for rid, (resp, err) in zip(rids, self._on_each(lambda r: self._commit_one(r, req), rids)):
             e, r = self.by_id[rid], self.results[rid]
             if err:
-                self._fail(rid, "commit_failed", f"commit: {err}")
+                if err.startswith("DATA_LOSS"):  # the rollout's checksums found corruption (at commit on a GPU)
+                    self._fail(rid, "data_loss", f"{err} (reported at commit)")
+                else:
+                    self._fail(rid, "commit_failed", f"commit: {err}")
                 if rid not in self.delta.accepted:
-                    self.delta.commit_failed()
+                    self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
             else:
                 r.ok, r.version = True, resp.version
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
@@ -395,9 +430,16 @@ class SyncAttempt:
         return self.rollouts.link_of(self.by_id[rid]) is not None
 
     def abort_failed(self) -> None:
-        """AbortSync on every target that did not commit, so none is left holding a prepared sync."""
-        req = rollout_pb2.AbortSyncRequest(sync_id=self.manifest.sync_id, reason="trainer aborted the sync")
-        failed = [self.by_id[r.rollout_id] for r in self.results.values() if not r.ok]
+        """AbortSync on every target that did not commit, so none is left holding a prepared sync.
+
+        Not on one that went silent: the call would wait for it, holding this Sync; its own timer
+        (timeout_seconds) aborts what it prepared, and the catch-up sync supersedes it."""
+        req = self._abort_request()
+        failed = [
+            self.by_id[r.rollout_id]
+            for r in self.results.values()
+            if not r.ok and r.rollout_id not in self._aborted and not self.rollouts.gone(self.by_id[r.rollout_id])
+        ]
         self._on_each(lambda e: self.rollouts.call(e, "AbortSync", req), failed)
 
     def _on_each(self, fn: Callable, items: list) -> list:

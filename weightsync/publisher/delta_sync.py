@@ -20,8 +20,8 @@ checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of t
 the new bucket's follows from the base's sums and the words that changed — the one pass over the
 bucket is the comparison the delta needs anyway. It is still the checksum of the whole new bucket,
 which every rollout checks against its own full pass over the result; should the trainer's copy
-or sums ever be wrong, a rollout sent the bucket in full fails its commit, and that drops the base
-(`commit_failed`): the next sync starts afresh.
+or sums ever be wrong, a rollout sent the bucket in full refuses it (DATA_LOSS at receipt, or a
+failed commit), and that drops the base (`commit_failed`): the next sync starts afresh.
 """
 
 from __future__ import annotations

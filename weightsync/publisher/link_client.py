@@ -6,6 +6,11 @@ across syncs; one request at a time. `call` answers as the orchestrator's gRPC c
 that it is faster. LinkDown means the request never reached the rollout (no connection, refused,
 or a link found closed before sending): the caller sends it over gRPC instead. A failure after the
 request went out is the call's failure, as a broken gRPC call's would be: a commit is never sent twice.
+
+The link is opened with LINK_MAGIC_BEATS: while the rollout handles a request it beats, so a call
+given a `liveness` waits for the answer as long as the beats keep coming (up to its timeout) and
+gives up after `liveness` seconds of silence: the rollout is gone (stopped, hung, unreachable), and
+`silent` says so until it answers again. A link whose handshake goes unanswered is silent too.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from weightsync.bus.errors import TransportError
 from weightsync.config import parse_host_port
 from weightsync.control.sync_link import (
     ACCEPTED,
-    LINK_MAGIC,
+    BEAT,
+    LINK_MAGIC_BEATS,
     METHODS,
     NONCE_BYTES,
     NUMBER_OF,
@@ -40,6 +46,14 @@ _CONNECT_TIMEOUT_S = 2.0
 
 class LinkDown(Exception):
     """The request did not reach the rollout; it may be sent over gRPC."""
+
+
+class _Silent(Exception):
+    """The rollout accepted the connection but never answered the handshake: it is gone, not refusing."""
+
+
+class _Rejected(Exception):
+    """The rollout closed the link in its handshake: a wrong token, no link on this port, or no room."""
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -63,16 +77,24 @@ class SyncLinkClient:
         self._lock = threading.Lock()
         #: time.monotonic() before which the link is not tried (after it could not be opened)
         self.retry_at = 0.0
+        #: the rollout went silent (no answer, no beat, within a call's liveness): it is gone until it answers
+        self.silent = False
 
     def usable(self) -> bool:
         return time.monotonic() >= self.retry_at
 
-    def call(self, method: str, request, timeout: float):
-        """(response, "") or (None, "CODE: details"); LinkDown if the request was not sent."""
+    def call(self, method: str, request, timeout: float, liveness: float | None = None):
+        """(response, "") or (None, "CODE: details"); LinkDown if the request was not sent.
+
+        `liveness`: give up after this many seconds without an answer or a beat (None: wait `timeout`)."""
         _, _, response_type = METHODS[NUMBER_OF[method]]
         deadline = time.monotonic() + timeout
         with self._lock:
-            sock = self._open(deadline)
+            try:
+                sock = self._open(deadline, liveness)
+            except _Silent as exc:
+                self.silent = True
+                return None, f"UNAVAILABLE: {exc}"
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(frame(NUMBER_OF[method], request.SerializeToString()))
@@ -80,13 +102,20 @@ class SyncLinkClient:
                 self._drop()
                 raise LinkDown(f"sync link to {self.address}: send failed: {exc}") from None
             try:
-                status, payload = read_frame(sock, deadline)
+                status, payload = self._answer(sock, deadline, liveness)
             except TimeoutError:
                 self._drop()  # its answer may still come: the next request must not read it
+                if time.monotonic() < deadline - 0.01:  # silent before the deadline: the liveness gave up
+                    self.silent = True
+                    return None, (
+                        f"UNAVAILABLE: sync link to {self.address}: {method}: the rollout went silent (no answer "
+                        f"nor liveness beat for {liveness:.1f}s; liveness_timeout_s): stopped, hung or unreachable"
+                    )
                 return None, f"DEADLINE_EXCEEDED: sync link to {self.address}: {method} not answered in {timeout:.1f}s"
             except (OSError, TransportError) as exc:
                 self._drop()
                 return None, f"UNAVAILABLE: sync link to {self.address}: {method}: {exc}"
+            self.silent = False
         if status:
             return None, f"{status_code(status).name}: {payload.decode('utf-8', errors='replace')}"
         try:
@@ -94,34 +123,71 @@ class SyncLinkClient:
         except Exception as exc:  # protobuf DecodeError
             return None, f"INTERNAL: sync link to {self.address}: {method}: unreadable answer ({exc})"
 
-    def _open(self, deadline: float) -> socket.socket:
+    @staticmethod
+    def _answer(sock: socket.socket, deadline: float, liveness: float | None) -> tuple[int, bytes]:
+        """The answer frame, past any beats; TimeoutError at `deadline` or after `liveness` s of silence."""
+        while True:
+            until = deadline if liveness is None else min(deadline, time.monotonic() + liveness)
+            status, payload = read_frame(sock, until)
+            if status != BEAT:
+                return status, payload
+
+    def _open(self, deadline: float, liveness: float | None = None) -> socket.socket:
         if self._sock is not None and _closed_by_peer(self._sock):
             self._drop()  # the rollout restarted or dropped the link since the last sync: open another
         if self._sock is not None:
             return self._sock
         try:
-            self._sock = self._connect(deadline)
-        except (OSError, TransportError, TimeoutError) as exc:
-            wait = RETRY_REFUSED_S if isinstance(exc, ConnectionRefusedError) else RETRY_AFTER_S
-            self.retry_at = time.monotonic() + wait
-            raise LinkDown(f"sync link to {self.address} could not be opened: {exc}") from None
+            self._sock = self._connect(deadline, liveness)
+        except _Silent as exc:
+            if liveness is None:
+                self.retry_at = time.monotonic() + RETRY_AFTER_S
+                raise LinkDown(str(exc)) from None
+            # gRPC to a process that accepts connections but never answers would hang for the whole
+            # call: the caller fails this call instead, and the link is tried again on the next one
+            raise
+        except ConnectionRefusedError:
+            self.retry_at = time.monotonic() + RETRY_REFUSED_S
+            raise LinkDown(
+                f"sync link to {self.address} could not be opened: connection refused (the rollout is down or "
+                "restarting, or offers no link on this port)"
+            ) from None
+        except (OSError, TimeoutError) as exc:
+            self.retry_at = time.monotonic() + RETRY_AFTER_S
+            raise LinkDown(
+                f"sync link to {self.address} could not be opened: connect failed or timed out ({exc}; "
+                "a firewall or an unreachable host?)"
+            ) from None
+        except _Rejected as exc:
+            self.retry_at = time.monotonic() + RETRY_AFTER_S
+            raise LinkDown(f"sync link to {self.address} could not be opened: handshake rejected: {exc}") from None
         return self._sock
 
-    def _connect(self, deadline: float) -> socket.socket:
+    def _connect(self, deadline: float, liveness: float | None = None) -> socket.socket:
         sock = socket.create_connection(
             (self.host, self.port), timeout=max(0.001, min(_CONNECT_TIMEOUT_S, deadline - time.monotonic()))
         )
+        hello_s = _CONNECT_TIMEOUT_S if liveness is None else min(_CONNECT_TIMEOUT_S, liveness)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(LINK_MAGIC)
-            hello_deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+            sock.sendall(LINK_MAGIC_BEATS)
+            hello_deadline = time.monotonic() + hello_s
             nonce = recv_exact(sock, NONCE_BYTES, hello_deadline)
             sock.sendall(link_mac(self.token, nonce))
             if recv_exact(sock, 1, hello_deadline) != ACCEPTED:
-                raise TransportError("the rollout refused the link")
-        except TransportError as exc:
+                raise _Rejected("the rollout answered the handshake with a refusal")
+        except TimeoutError:
             sock.close()
-            raise TransportError(f"{exc} (a wrong token, or no link offered on this port)") from None
+            raise _Silent(
+                f"sync link to {self.address}: connected, but the rollout did not answer the handshake in "
+                f"{hello_s:.1f}s: stopped, hung or overloaded"
+            ) from None
+        except (TransportError, ConnectionResetError) as exc:
+            sock.close()
+            raise _Rejected(
+                f"{exc} (a wrong token, no link offered on this port, or the rollout's link slots / "
+                "pre-auth budget full: see its log)"
+            ) from None
         except BaseException:
             sock.close()
             raise

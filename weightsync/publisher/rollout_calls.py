@@ -21,6 +21,9 @@ from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
+#: the default liveness_timeout_s (trainer config bus.liveness_timeout_s)
+LIVENESS_TIMEOUT_S = 3.0
+
 
 class RolloutCalls:
     def __init__(self, token: str, rpc_timeout: float, metrics: SyncMetrics, sync_link: bool = True):
@@ -29,6 +32,8 @@ class RolloutCalls:
         self.metrics = metrics
         #: use the sync links rollouts offer; False: every call over gRPC
         self.sync_link = sync_link
+        #: a rollout silent this long on its sync link (no answer, no beat) is gone: its call fails then
+        self.liveness_timeout: float | None = LIVENESS_TIMEOUT_S
 
     def call(self, entry: RolloutEntry, method: str, request):
         """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
@@ -36,7 +41,7 @@ class RolloutCalls:
         link = self.link_of(entry) if method in LINK_METHODS else None
         if link is not None:
             try:
-                resp, err = link.call(method, request, self.rpc_timeout)
+                resp, err = link.call(method, request, self.rpc_timeout, self.liveness_timeout)
             except LinkDown as exc:
                 log.warning(
                     "%s; %s goes over gRPC (the link is tried again in %.0fs)",
@@ -62,6 +67,11 @@ class RolloutCalls:
         """The sync link `entry`'s next PrepareSync / CommitSync / AbortSync takes; None: gRPC."""
         link = entry.link if self.sync_link else None
         return link if link is not None and link.usable() else None
+
+    def gone(self, entry: RolloutEntry) -> bool:
+        """The rollout went silent on its sync link in this sync: a call to it would only wait."""
+        link = entry.link if self.sync_link else None
+        return link is not None and link.silent
 
     def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
         # only an accepted prepare names the link (a manifest_needed answer is not one)

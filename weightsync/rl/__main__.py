@@ -114,11 +114,40 @@ def _start(ns, workdir: Path):
     return trainer, procs
 
 
+def _summarize(ns, records, task, workdir: Path, wall: float) -> int:
+    """Plot, JSON, the reward summary and, with --require-learning, the verdict (the exit code)."""
+    from weightsync.rl.report import plot
+
+    png = plot(
+        records,
+        ns.plot or workdir / "rl.png",
+        f"{task.name} ({ns.backend}, {ns.model}, sync {'off' if ns.no_sync else 'on'})",
+    )
+    if ns.json:
+        ns.json.write_text(json.dumps([r.as_dict() for r in records], indent=1))
+    k = max(1, len(records) // 5)
+    first = sum(r.reward_mean for r in records[:k]) / k
+    last = sum(r.reward_mean for r in records[-k:]) / k
+    print(
+        f"reward: first {k} steps {first:.3f} → last {k} steps {last:.3f} (chance {task.chance_reward:.3f}); "
+        f"{len(records)} steps in {wall:.1f}s; plot {png}"
+    )
+    if ns.require_learning is None:
+        return 0
+    if last - first >= ns.require_learning:
+        print(f"PASS: reward rose by {last - first:.3f} (required {ns.require_learning:.3f})")
+        return 0
+    print(
+        f"FAIL: reward rose by {last - first:.3f}, less than the required {ns.require_learning:.3f}; logs in {workdir}"
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     from weightsync.models import resolve_model
     from weightsync.rl.driver import LoopConfig, run_loop
-    from weightsync.rl.report import HEADER, plot, row
+    from weightsync.rl.report import HEADER, row
     from weightsync.rl.reward import load_reward
     from weightsync.rl.tasks import make_task
 
@@ -172,31 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         records = run_loop(trainer_addr, rollout_addrs, task, ns.steps, cfg, reward_fn, on_step)
         bar.close()
-        wall = time.perf_counter() - t0
-        png = plot(
-            records,
-            ns.plot or workdir / "rl.png",
-            f"{task.name} ({ns.backend}, {ns.model}, sync {'off' if ns.no_sync else 'on'})",
-        )
-        if ns.json:
-            ns.json.write_text(json.dumps([r.as_dict() for r in records], indent=1))
-        k = max(1, len(records) // 5)
-        first = sum(r.reward_mean for r in records[:k]) / k
-        last = sum(r.reward_mean for r in records[-k:]) / k
-        print(
-            f"reward: first {k} steps {first:.3f} → last {k} steps {last:.3f} (chance {task.chance_reward:.3f}); "
-            f"{len(records)} steps in {wall:.1f}s; plot {png}"
-        )
-        if ns.require_learning is None:
-            return 0
-        if last - first >= ns.require_learning:
-            print(f"PASS: reward rose by {last - first:.3f} (required {ns.require_learning:.3f})")
-            return 0
-        print(
-            f"FAIL: reward rose by {last - first:.3f}, less than the required {ns.require_learning:.3f}; "
-            f"logs in {workdir}"
-        )
-        return 1
+        return _summarize(ns, records, task, workdir, time.perf_counter() - t0)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -108,6 +108,69 @@ def _mismatch(trainer, samples: list[trainer_pb2.TrainSample]) -> tuple[float, f
     return worst, total / max(n, 1)
 
 
+def _sync(trainer, what: str) -> trainer_pb2.SyncReport:
+    rep = trainer.Sync(trainer_pb2.SyncRequest()).report
+    if not rep.ok:
+        errors = "; ".join(f"{r.rollout_id}: {r.error}" for r in rep.rollouts if not r.ok)
+        raise RuntimeError(f"{what} to version {rep.version} failed: {errors}")
+    return rep
+
+
+def _samples(generated, prompts, reward_fn: RewardFn) -> list[trainer_pb2.TrainSample]:
+    return [
+        trainer_pb2.TrainSample(
+            prompt_ids=prompts[i],
+            response_ids=ids,
+            rollout_logprobs=lps,
+            reward=score(reward_fn, prompts[i], ids),
+            group_id=i,
+        )
+        for i, ids, lps in generated
+        if ids
+    ]
+
+
+def _step(trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss_cfg, rng) -> StepRecord:
+    """One iteration: generate → reward → (mismatch) → train step → sync → (checkpoint)."""
+    prompts = task.prompts(rng, cfg.prompts_per_step)
+    t0 = time.perf_counter()
+    generated, versions = _generate(stubs, prompts, cfg, seed=rng.randrange(1 << 30))
+    t_gen = time.perf_counter() - t0
+    if len(versions) != 1:
+        raise RuntimeError(f"rollouts served different versions {sorted(versions)} in one step")
+    (rollout_version,) = versions
+    samples = _samples(generated, prompts, reward_fn)
+    mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
+    t1 = time.perf_counter()
+    tr = trainer.TrainStep(
+        trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg, micro_batch_size=cfg.micro_batch_size)
+    )
+    t_train = time.perf_counter() - t1
+    rep = _sync(trainer, "sync") if cfg.sync else None
+    if cfg.checkpoint_every and tr.step % cfg.checkpoint_every == 0:
+        trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(dir=cfg.checkpoint_dir))
+    m = dict(tr.metrics)
+    return StepRecord(
+        step=tr.step,
+        reward_mean=sum(s.reward for s in samples) / max(len(samples), 1),
+        rollout_version=rollout_version,
+        trainer_version=tr.version,
+        synced_version=rep.version if rep else 0,
+        sync_seconds=rep.seconds if rep else 0.0,
+        sync_ok=bool(rep and rep.ok),
+        mismatch_max=mm[0],
+        mismatch_mean=mm[1],
+        loss=m.get("loss", 0.0),
+        entropy=m.get("entropy", 0.0),
+        kl=m.get("kl", 0.0),
+        grad_norm=m.get("grad_norm", 0.0),
+        clip_frac=m.get("clip_frac", 0.0),
+        generate_seconds=t_gen,
+        train_seconds=t_train,
+        metrics=m,
+    )
+
+
 def run_loop(
     trainer_address: str,
     rollout_addresses: list[str],
@@ -140,65 +203,10 @@ def run_loop(
         trainer_pb2.ComputeLogprobsRequest(samples=[trainer_pb2.TrainSample(prompt_ids=[0], response_ids=[0])])
     )
     if cfg.sync:  # step 1 must sample from the trainer's current weights, whatever the rollouts held
-        rep = trainer.Sync(trainer_pb2.SyncRequest()).report
-        if not rep.ok:
-            raise RuntimeError(f"initial sync failed: {[r.error for r in rep.rollouts if not r.ok]}")
+        _sync(trainer, "initial sync")
     records = []
     for _ in range(steps):
-        prompts = task.prompts(rng, cfg.prompts_per_step)
-        t0 = time.perf_counter()
-        generated, versions = _generate(stubs, prompts, cfg, seed=rng.randrange(1 << 30))
-        t_gen = time.perf_counter() - t0
-        if len(versions) != 1:
-            raise RuntimeError(f"rollouts served different versions {sorted(versions)} in one step")
-        (rollout_version,) = versions
-        samples = [
-            trainer_pb2.TrainSample(
-                prompt_ids=prompts[i],
-                response_ids=ids,
-                rollout_logprobs=lps,
-                reward=score(reward_fn, prompts[i], ids),
-                group_id=i,
-            )
-            for i, ids, lps in generated
-            if ids
-        ]
-        mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
-        t1 = time.perf_counter()
-        tr = trainer.TrainStep(
-            trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg, micro_batch_size=cfg.micro_batch_size)
-        )
-        t_train = time.perf_counter() - t1
-        sync_s, sync_ok, synced = 0.0, False, 0
-        if cfg.sync:
-            rep = trainer.Sync(trainer_pb2.SyncRequest()).report
-            sync_s, sync_ok, synced = rep.seconds, rep.ok, rep.version
-            if not rep.ok:
-                errors = "; ".join(f"{r.rollout_id}: {r.error}" for r in rep.rollouts if not r.ok)
-                raise RuntimeError(f"sync to version {rep.version} failed: {errors}")
-        if cfg.checkpoint_every and tr.step % cfg.checkpoint_every == 0:
-            trainer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(dir=cfg.checkpoint_dir))
-        m = dict(tr.metrics)
-        rec = StepRecord(
-            step=tr.step,
-            reward_mean=sum(s.reward for s in samples) / max(len(samples), 1),
-            rollout_version=rollout_version,
-            trainer_version=tr.version,
-            synced_version=synced,
-            sync_seconds=sync_s,
-            sync_ok=sync_ok,
-            mismatch_max=mm[0],
-            mismatch_mean=mm[1],
-            loss=m.get("loss", 0.0),
-            entropy=m.get("entropy", 0.0),
-            kl=m.get("kl", 0.0),
-            grad_norm=m.get("grad_norm", 0.0),
-            clip_frac=m.get("clip_frac", 0.0),
-            generate_seconds=t_gen,
-            train_seconds=t_train,
-            metrics=m,
-        )
-        records.append(rec)
+        records.append(_step(trainer, stubs, task, cfg, reward_fn, loss_cfg, rng))
         if on_step:
-            on_step(rec)
+            on_step(records[-1])
     return records

@@ -228,17 +228,21 @@ class CommitSyncResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "reason")
+    __slots__ = ("sync_id", "reason", "trainer_id")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     reason: str
-    def __init__(self, sync_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    trainer_id: str
+    def __init__(self, sync_id: _Optional[str] = ..., reason: _Optional[str] = ..., trainer_id: _Optional[str] = ...) -> None: ...
 
 class AbortSyncResponse(_message.Message):
-    __slots__ = ("state", "version")
+    __slots__ = ("state", "version", "aborted_reason")
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REASON_FIELD_NUMBER: _ClassVar[int]
     state: EngineState
     version: int
-    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ...) -> None: ...
+    aborted_reason: str
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., aborted_reason: _Optional[str] = ...) -> None: ...

@@ -335,6 +335,9 @@ def test_a_hello_must_arrive_within_one_total_deadline():
         held = t.wait_closed(10.0)
         t.close()
         assert held is not None and 1.3 <= held <= 3.5, held
+        deadline = time.monotonic() + 5  # the listener leaves the budget just after it closes the socket
+        while rx.handshakes.waiting() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert rx.handshakes.waiting() == 0
     finally:
         rx.stop()
@@ -405,7 +408,21 @@ def test_commit_from_another_trainer_is_refused(rollout):
         stub.CommitSync(rollout_pb2.CommitSyncRequest(sync_id="v7-pin", version=7, trainer_id="intruder"))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "intruder" in ei.value.details()
     assert rollout.tx.pending_sync_id == "v7-pin"  # the intruder did not disturb the prepared sync
-    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="v7-pin"))
+    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="v7-pin", trainer_id=rollout.pin.pinned or "t1"))
+
+
+def test_abort_from_another_trainer_is_refused(rollout):
+    """AbortSync is bound to the trainer that prepared the sync, as CommitSync is."""
+    stub = rollout_stub(channel(rollout.grpc.address), "", 30)
+    owner = rollout.pin.pinned or "t1"
+    stub.PrepareSync(_prepare_req(_real_manifest(rollout, sync_id="v8-pin"), trainer_id=owner))
+    for intruder in ("intruder", ""):
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="v8-pin", trainer_id=intruder))
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and owner in ei.value.details()
+        assert rollout.tx.pending_sync_id == "v8-pin"  # still prepared
+    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id="v8-pin", trainer_id=owner))
+    assert rollout.tx.pending_sync_id == ""
 
 
 def test_restarted_rollout_is_not_ready_before_its_catch_up_commits():

@@ -372,3 +372,35 @@ def test_a_layout_checked_once_is_not_walked_again_and_other_layouts_are_still_c
     tx.validate(undigested)
     tx.validate(undigested)
     assert walks == ["s1", "s2", "s3", "s3"]  # no digest: checked every time
+
+
+def test_a_commit_after_the_receiver_aborted_on_a_corrupted_bucket_is_data_loss():
+    """The receiver aborts the sync on a bad bucket; a CommitSync that comes after (the trainer saw
+    its stream end without an error) is answered DATA_LOSS with the checksum reason, not 'not
+    prepared here', and AbortSync can tell the trainer why (`aborted_here`)."""
+
+    class _Receiver:
+        def __init__(self, bufs, sums):
+            self.items, self.closed = list(zip(bufs, sums)), False
+
+        def recv(self, plan, timeout):
+            return self.items[plan.index]
+
+        def close(self):
+            self.closed = True
+
+    target, eng = _engine(1), _engine(2)
+    tx = SyncTransaction(eng, "staged")
+    m, bufs = _buckets(target)
+    sums = [bucket_checksum(b) for b in bufs]
+    bufs[0][5] ^= 0x01
+    tx.prepare(m, timeout=30)
+    receiver = _Receiver(bufs, sums)
+    tx.run_receiver("s1", receiver)
+    assert receiver.closed and tx.pending_sync_id == ""
+    assert tx.aborted_here[0] == "s1" and tx.aborted_here[1].startswith("DATA_LOSS: bucket 0: checksum")
+    with pytest.raises(SyncError, match=r"aborted here: bucket 0: checksum .* \(corrupted in transit\)") as err:
+        tx.commit("s1", 1, dict(enumerate(sums)))
+    assert err.value.code == "DATA_LOSS"
+    with pytest.raises(SyncError, match="not prepared here"):  # any other sync: as before
+        tx.commit("s2", 1, {})

@@ -234,6 +234,13 @@ readinessProbe:
     # Per-pod settings cannot live in the shared ConfigMap: env (WS_ROLLOUT_*) sits above the file.
     - name: WS_ROLLOUT_ROLLOUT_ID
       value: "$(POD_NAME)"
+    {{- if and $ctx.Values.auth.enabled $ctx.Values.auth.generationKeySecret }}
+    - name: WS_ROLLOUT_GENERATION_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $ctx.Values.auth.generationKeySecret }}
+          key: {{ $ctx.Values.auth.generationKeySecretKey }}
+    {{- end }}
     {{- if ne $ctx.Values.mode "colocated" }}
     - name: WS_ROLLOUT_ADVERTISE_ADDRESS
       value: "$(POD_IP):{{ $r.ports.grpc }}"

@@ -342,7 +342,7 @@ def test_a_multi_sender_manifest_is_refused_over_ipc(servers):
     req = rollout_pb2.PrepareSyncRequest(manifest=m, timeout_seconds=30, trainer_id=tid)
     req.transport.tcp.SetInParent()
     assert stub.PrepareSync(req).transport.tcp.data_address
-    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id=m.sync_id, reason="test over"))
+    stub.AbortSync(rollout_pb2.AbortSyncRequest(sync_id=m.sync_id, reason="test over", trainer_id=tid))
 
 
 def test_servers_still_serve_and_sync_after_fuzzing(servers):

@@ -207,7 +207,8 @@ def test_the_link_refuses_unknown_garbled_oversized_and_extra_links(fleet):
     assert status_code(code) == grpc.StatusCode.INVALID_ARGUMENT and f"limit of {limit} bytes".encode() in details
     assert _closed(sock)
 
-    # max_sync_links=2: the trainer's link and one more; a third is closed unauthenticated
+    # max_sync_links=2: the trainer's link and one more; a third is closed once authenticated (a
+    # handshake holds no slot: tests/unit/weightsync/control/test_sync_link_liveness.py)
     deadline = time.monotonic() + 5
     while len(app.link._open) > 1 and time.monotonic() < deadline:  # the refused one above is gone
         time.sleep(0.01)
@@ -215,6 +216,7 @@ def test_the_link_refuses_unknown_garbled_oversized_and_extra_links(fleet):
     host, port = app.servicer.sync_link.rsplit(":", 1)
     extra = socket.create_connection((host, int(port)), timeout=5)
     extra.sendall(LINK_MAGIC)
+    extra.sendall(link_mac(TOKEN, recv_exact(extra, NONCE_BYTES, time.monotonic() + 5)))
     assert _closed(extra)
     for s in held + [extra]:
         s.close()

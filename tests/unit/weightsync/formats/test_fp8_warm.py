@@ -84,7 +84,7 @@ def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
 
 def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypatch):
     import trainer_svc.app as app_mod
-    import trainer_svc.warm_up as warm_mod
+    import weightsync.publisher.warm_up as warm_mod
     from trainer_svc.config import TrainerConfig
 
     calls = []
@@ -170,7 +170,8 @@ def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeyp
     funnel rank 0 does all of that and the workers warm nothing."""
     from types import SimpleNamespace
 
-    import trainer_svc.warm_up as warm_mod
+    import weightsync.publisher.warm_up as warm_mod
+    from trainer_svc.warm_up import warm_up_sender
 
     metas = _metas(torch.float32)
     calls = []
@@ -186,7 +187,7 @@ def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeyp
         parameters=lambda: iter([torch.zeros(1)]),
     )
     cfg = SimpleNamespace(bus=SimpleNamespace(senders=senders), actor=SimpleNamespace(export_dtype=export_dtype))
-    warm_mod.warm_up_sender(actor, cfg)
+    warm_up_sender(actor, cfg)
     if quantized is None:
         assert calls == []
         return

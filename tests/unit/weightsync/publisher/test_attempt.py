@@ -33,12 +33,14 @@ class _Orch:
     trainer_id = "trainer-test"
     rpc_timeout = 5.0
 
-    def __init__(self, refuse_prepare=()):
-        self.actor, self.refuse_prepare = _Actor(), set(refuse_prepare)
+    def __init__(self, refuse_prepare=(), silent=()):
+        self.actor, self.refuse_prepare, self.silent = _Actor(), set(refuse_prepare) | set(silent), set(silent)
         self.manifests, self.pool = ManifestCache(), ThreadPoolExecutor(max_workers=4)
         self.calls: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
         self.rollouts = self
+        #: rollout_id -> the reason its AbortSync answer gives for having aborted on its own
+        self.aborted_reason: dict[str, str] = {}
 
     def call(self, entry, method, req):
         self.calls.append((entry.rollout_id, method))
@@ -50,7 +52,7 @@ class _Orch:
             return resp, ""
         if method == "CommitSync":
             return rollout_pb2.CommitSyncResponse(version=req.version), ""
-        return rollout_pb2.AbortSyncResponse(), ""
+        return rollout_pb2.AbortSyncResponse(aborted_reason=self.aborted_reason.get(entry.rollout_id, "")), ""
 
     def fail(self, result, entry, reason, err):
         result.ok, result.error = False, err
@@ -59,10 +61,14 @@ class _Orch:
     def link_of(self, entry):
         return None  # every call through call()
 
+    def gone(self, entry):
+        return entry.rollout_id in self.silent
+
 
 class _Channel(BucketSender):
     def __init__(self, fail=False):
         self.fail, self.sent, self.closed = fail, [], False
+        self.dropped: dict[str, str] = {}  # rollout_id -> why its stream broke (failures())
 
     def send(self, plan, buf, checksum):
         if self.fail:
@@ -70,7 +76,7 @@ class _Channel(BucketSender):
         self.sent.append((plan.index, checksum, bucket_checksum(buf[: plan.nbytes])))
 
     def failures(self):
-        return {}
+        return dict(self.dropped)
 
     def close(self):
         self.closed = True
@@ -120,6 +126,31 @@ def test_prepared_targets_commit_and_a_target_that_failed_prepare_is_aborted():
     assert ("a", "CommitSync") in orch.calls and ("b", "CommitSync") not in orch.calls
     assert ("b", "AbortSync") in orch.calls and ("a", "AbortSync") not in orch.calls
     assert sorted(phases.seconds) == ["commit", "prepare", "stream", "stream.export", "stream.pack"]
+
+
+def test_a_target_gone_silent_is_failed_but_not_aborted():
+    """An AbortSync to a rollout that went silent would only wait for it, holding the Sync; its own
+    timer aborts what it prepared."""
+    orch, session = _Orch(silent={"b"}), _Session()
+    attempt, *_ = _attempt(orch, session)
+    results, _ = attempt.run()
+    assert results["a"].ok and not results["b"].ok and orch.failed == [("b", "prepare_failed")]
+    assert ("b", "AbortSync") not in orch.calls
+
+
+def test_a_broken_stream_takes_the_rollouts_own_reason_data_loss():
+    """The rollout found a corrupted bucket and closed its stream: the trainer saw a broken pipe, and
+    the AbortSync answer says why, so the result and the failure reason say DATA_LOSS."""
+    orch, session = _Orch(), _Session()
+    session.channel.dropped = {"a": "tcp stream to h:0: [Errno 32] Broken pipe", "b": "tcp stream to h:1: reset"}
+    orch.aborted_reason = {"a": "DATA_LOSS: bucket 0: checksum 0x1 != sender's 0x2 (corrupted in transit)"}
+    attempt, *_ = _attempt(orch, session)
+    results, _ = attempt.run()
+    err = results["a"].error
+    assert err.startswith("DATA_LOSS: bucket 0: checksum") and "Broken pipe" in err, err
+    assert results["b"].error == "tcp stream to h:1: reset"  # no reason from the rollout: as the trainer saw it
+    assert sorted(orch.failed) == [("a", "data_loss"), ("b", "transport")]
+    assert ("a", "CommitSync") not in orch.calls and ("b", "CommitSync") not in orch.calls
 
 
 def test_group_wide_attempt_stops_and_names_the_members_that_prepared_for_a_retry():

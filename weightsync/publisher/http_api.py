@@ -1,4 +1,4 @@
-"""The trainer's REST mirror of the admin API: GET /v1/status and POST /v1/sync.
+"""The publisher's REST mirror of the fleet API: GET /v1/status and POST /v1/sync.
 
 Both go through the gRPC servicer's own methods, so validation, errors and results are those of
 `wsctl status --json` / `wsctl sync --json` (the same JSON field names, from the same messages).

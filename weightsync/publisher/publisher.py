@@ -1,0 +1,226 @@
+"""`Publisher`: the trainer side of weightsync as a library, for a training loop this project does not own.
+
+    pub = Publisher(model="/models/Qwen2.5-7B", grpc_address="0.0.0.0:50051", auth_token_file="/run/token")
+    pub.start()                              # rollouts started with --trainer-address HOST:50051 register
+    report = pub.sync(model.named_parameters())   # HF names, HF layout; returns once committed
+    pub.close()
+
+It serves what trainer-svc serves to its rollouts, from the same code (weightsync/publisher/host.py):
+the Trainer gRPC service (RegisterRollout, DeregisterRollout, GetStatus, Sync), HTTP /healthz,
+/readyz, /metrics and /v1/status, /v1/sync; the same bus, transactions, checksums, sync link and
+security defaults (a non-loopback address needs a token, or insecure=True).
+
+Every `sync()` publishes a new version (1, 2, ...) to every registered rollout. It holds no
+reference to the tensors once it returns, unless `snapshot=True` (then it keeps a copy, and a
+rollout that registers between two syncs is caught up from it at once): with snapshot=False a
+newly registered rollout is brought up to date by the next `sync()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from weightsync.bus.transports import transport as transport_named
+from weightsync.control.auth import load_token
+from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_dict, metas_from_hf_config
+from weightsync.publisher.export_format import PLAIN, export_format
+from weightsync.publisher.host import PublisherHost
+from weightsync.v1 import trainer_pb2
+
+log = logging.getLogger(__name__)
+#: transport="auto": the trainer's default (tcp works across hosts and devices; ask for nccl or ipc by name)
+AUTO_TRANSPORT = "tcp"
+
+
+class SyncFailed(RuntimeError):
+    """A rollout did not commit the version; `report` says which and why (each rollout still serves a
+    complete version: the new one where it committed, its previous one elsewhere)."""
+
+    def __init__(self, report: trainer_pb2.SyncReport):
+        self.report = report
+        failed = [f"{r.rollout_id}: {r.error}" for r in report.rollouts if not r.ok]
+        super().__init__(f"sync of version {report.version} failed on {len(failed)} rollout(s): " + "; ".join(failed))
+
+
+class Publisher:
+    def __init__(
+        self,
+        model,
+        *,
+        grpc_address: str = "127.0.0.1:50051",
+        http_address: str = "127.0.0.1:8081",
+        auth_token: str = "",
+        auth_token_file: str = "",
+        insecure: bool = False,
+        transport: str = "auto",
+        bucket_mb: int = 1024,
+        sync_timeout_s: float = 300.0,
+        rpc_timeout_s: float = 30.0,
+        nccl_init_timeout_s: float = 120.0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        family: str | None = None,
+        export_dtype: str = "",
+        sync_link: bool = True,
+        snapshot: bool = False,
+        trainer_id: str = "",
+    ):
+        """`model`: an HF model directory (its config.json), a transformers config, or a dict
+        {HF name: (shape, dtype)}. `dtype`: the dtype the HF-config tensors are given in (default
+        the config's torch_dtype, else float32). `device`: where the tensors live (cpu or cuda).
+        `family`: the rollouts' model family (default from the HF config; a rollout of another family
+        is refused at registration). `export_dtype`: trainer-svc's --export-dtype (e.g. fp8-block);
+        empty: as given. Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
+        if auth_token and auth_token_file:
+            raise ValueError("set auth_token or auth_token_file, not both")
+        if not 1 <= bucket_mb <= 16384:
+            raise ValueError(f"bucket_mb={bucket_mb} must be in [1, 16384]")
+        transport = AUTO_TRANSPORT if transport == "auto" else transport
+        transport_named(transport)  # ValueError naming the choices
+        token = load_token(auth_token, auth_token_file)
+        if isinstance(model, Mapping):
+            metas, fam = metas_from_dict(model), family or ""
+        else:
+            from weightsync.model_spec import family_of
+
+            config = hf_config(model)
+            metas, fam = metas_from_hf_config(config, dtype), family if family is not None else family_of(config)
+        self.source = DeclaredSource(metas, fam, torch.device(device))
+        self.snapshot = snapshot
+        self.host = PublisherHost(
+            grpc_address=grpc_address,
+            http_address=http_address,
+            token=token,
+            insecure=insecure,
+            prog="publisher",
+            trainer_id=trainer_id,
+            rpc_timeout_s=rpc_timeout_s,
+        )
+        self.host.publish(
+            self.source,
+            self.source.lock,
+            bucket_mb=bucket_mb,
+            transport=transport,
+            sync_timeout_s=sync_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            device=self.source.device,
+            backend="external",
+            auto_sync=snapshot,  # a catch-up needs tensors to send
+            nccl_init_timeout_s=nccl_init_timeout_s,
+            export_format=export_format(export_dtype) if export_dtype else PLAIN,
+            sync_link=sync_link,
+        )
+        self._started = False
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Publisher:
+        if self._closed:
+            raise RuntimeError("this Publisher is closed; create a new one")
+        self.host.start()
+        self._started = True
+        log.info(
+            "publisher %s serving: grpc %s, http :%d, %d tensors, family %s",
+            self.trainer_id,
+            self.address,
+            self.http_port,
+            len(self.source.export_metas()),
+            self.source.family or "-",
+        )
+        return self
+
+    def close(self) -> None:
+        """Stop serving and release the ports (also for a publisher never started); idempotent."""
+        if not self._closed:
+            self.host.stop()
+            self._closed = True
+        self._started = False
+        self.source.hold(None)
+
+    def __enter__(self) -> Publisher:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- facts ----------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The gRPC host:port rollouts reach (`rollout-svc --trainer-address`)."""
+        return self.host.grpc.address
+
+    @property
+    def http_port(self) -> int:
+        return self.host.http.port
+
+    @property
+    def version(self) -> int:
+        """The version of the last sync() (0 before the first)."""
+        return self.source.version
+
+    @property
+    def trainer_id(self) -> str:
+        return self.host.trainer_id
+
+    def rollouts(self) -> list[str]:
+        """The ids of the registered rollouts."""
+        return [e.rollout_id for e in self.host.registry.all()]
+
+    def wait_for_rollouts(self, n: int, timeout: float = 120.0) -> list[str]:
+        """Block until at least `n` rollouts have registered; TimeoutError naming how many did."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(ids := self.rollouts()) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(ids)} of {n} rollout(s) registered within {timeout}s; start them with "
+                    f"--trainer-address {self.address} (and this publisher's token)"
+                )
+            time.sleep(0.1)
+        return ids
+
+    # ---- publishing -----------------------------------------------------------------------
+    def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        transport: str = "",
+        timeout_s: float = 0.0,
+        raise_on_failure: bool = True,
+    ) -> trainer_pb2.SyncReport:
+        """Publish `named_tensors` ((HF name, tensor) in HF layout, every declared tensor once) as the
+        next version to every registered rollout, and return the SyncReport once they committed.
+
+        Raises ValueError/TypeError naming the tensor that does not match the declaration (before
+        anything is sent; the version is not bumped), and SyncFailed (with `.report`) when a rollout
+        did not commit, unless raise_on_failure=False (then check `report.ok`). With no rollout
+        registered the report has ok=False and no rollouts, and nothing is raised: the loop goes on."""
+        if not self._started:
+            raise RuntimeError("Publisher.sync() before start()")
+        transport = AUTO_TRANSPORT if transport == "auto" else transport
+        tensors = self.source.check(named_tensors)
+        if self.snapshot:
+            tensors = {n: t.clone() for n, t in tensors.items()}
+        orch = self.host.orch
+        # the new version and its tensors change together: a catch-up sync running now exports the old pair
+        if not self.source.lock.acquire(timeout=orch.sync_timeout):
+            raise TimeoutError(f"a sync still ran after {orch.sync_timeout}s (sync_timeout_s)")
+        try:
+            self.source.version += 1
+            self.source.hold(tensors)
+        finally:
+            self.source.lock.release()
+        try:
+            report = orch.sync(self.host.registry.all(), transport, timeout_s, wait_s=orch.sync_timeout)
+        finally:
+            if not self.snapshot:
+                self.source.hold(None)  # the caller's tensors change after this returns: never send them later
+        if not report.rollouts:
+            log.warning("sync of version %d: no rollout registered", report.version)
+        elif not report.ok and raise_on_failure:
+            raise SyncFailed(report)
+        return report
