@@ -71,6 +71,12 @@ class RolloutBusConfig:
         "CommitSync and AbortSync as frames on one authenticated connection "
         "instead of gRPC calls (saves most of their round trips); false: gRPC only",
     )
+    delta_base: bool = field(
+        True,
+        help="keep a host copy of the last version committed over tcp (one copy of the model's export "
+        "bytes) so the trainer may send only the changed values (sync_encoding delta/auto); false: "
+        "every sync is sent in full",
+    )
 
     def validate(self) -> None:
         parse_host_port("data_address", self.data_address)

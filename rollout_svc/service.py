@@ -265,8 +265,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
             end.prepare(request.transport, manifest, resp)
             deadline = time.monotonic() + timeout
+            served = (self.tx.version, self.tx.origin, self.tx.state == rollout_pb2.STALE)
             self.tx.prepare(manifest, timeout)
             self.layouts.remember(manifest)  # the engine accepted it
+            offer = request.delta_base if request.HasField("delta_base") else None
+            refusal = self.tx.delta_base.prepared(manifest, offer, *served)
+            resp.delta_accepted = not refusal
+            if offer is not None:
+                resp.delta_refusal = refusal
         except (ValueError, SyncError) as exc:
             self.metrics.failure("prepare_rejected")
             _abort(context, exc)

@@ -70,6 +70,8 @@ class TrainerApp:
             liveness_timeout_s=cfg.bus.liveness_timeout_s,
             origin=getattr(self.actor, "origin", ""),
             make_servicer=lambda *args: TrainerServicer(*args, roots=roots),
+            sync_encoding=cfg.bus.sync_encoding,
+            delta_base_bytes=cfg.bus.delta_base_mb << 20,
         )
         self.orch = self.host.orch
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.

@@ -142,12 +142,33 @@ class BusConfig:
         "so its syncs funnel); "
         "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)",
     )
+    sync_encoding: str = field(
+        "auto",
+        choices=("full", "delta", "auto"),
+        help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
+        "changed 16-bit words (8-bit for fp8) of each bucket, over tcp (a rollout that lacks the base "
+        "is sent in full); auto: delta where the link is the bottleneck (tcp, one sender), full "
+        "otherwise (ipc, nccl, several senders)",
+    )
+    delta_base_mb: int = field(
+        32768,
+        help="bound on the trainer's copy of the last committed export kept for delta syncs (host "
+        "memory: one copy of the model's export bytes); a larger model is synced in full; 0: no copy, "
+        "no delta",
+    )
 
     def validate(self) -> None:
         if not 1 <= self.bucket_mb <= 16384:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be in [1, 16384]")
         if self.sync_timeout_s <= 0 or self.rpc_timeout_s <= 0 or self.nccl_init_timeout_s <= 0:
             raise ConfigError("sync_timeout_s, rpc_timeout_s and nccl_init_timeout_s must be > 0")
+        if self.delta_base_mb < 0:
+            raise ConfigError(f"delta_base_mb={self.delta_base_mb} must be >= 0 (0: no delta syncs)")
+        if self.sync_encoding == "delta" and self.transport != "tcp":
+            raise ConfigError(
+                f"sync_encoding=delta is carried by transport tcp only (transport={self.transport}): "
+                "use sync_encoding=auto, which picks full for ipc and nccl"
+            )
         if not 1.0 <= self.liveness_timeout_s <= 3600:
             # the rollout beats every 0.25 s: a shorter timeout would fail a busy but healthy rollout
             raise ConfigError(f"liveness_timeout_s={self.liveness_timeout_s} must be in [1, 3600] (seconds)")

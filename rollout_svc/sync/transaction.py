@@ -31,6 +31,7 @@ from rollout_svc.sync.alarm import Alarm
 from rollout_svc.sync.apply import ApplyStrategy
 from rollout_svc.sync.apply_inplace import InPlaceApply
 from rollout_svc.sync.apply_staged import StagedApply
+from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync
 from weightsync.bus.channel import BucketReceiver
@@ -72,6 +73,8 @@ class SyncTransaction:
         self.last_apply_seconds = 0.0
         self._on_change = on_change or (lambda: None)
         self._apply = APPLY_MODES[apply_mode](self)
+        #: the committed version's buckets as received over TCP, which delta buckets apply onto
+        self.delta_base = DeltaBase()
 
     # ---- status -------------------------------------------------------------------------
     @property
@@ -305,6 +308,7 @@ class SyncTransaction:
         self.version = version
         self.origin = p.manifest.origin
         self.weights_checksum = combine([c or 0 for c in p.checksums()])
+        self.delta_base.committed(p.manifest)
         self.state = S.SERVING
         self.last_error = ""
         self._clear_pending()

@@ -85,6 +85,13 @@ class SyncMetrics:
             ["role"],
             registry=r,
         ).labels(role)
+        self.sync_wire_bytes = Counter(
+            "weightsync_sync_wire_bytes_total",
+            "Bytes syncs put on the bus (trainer: summed over rollouts, frames included), by encoding: "
+            "full (dense buckets) or delta (changed words only)",
+            ["role", "encoding"],
+            registry=r,
+        )
         self.syncs = Counter("weightsync_syncs_total", "Syncs by outcome", ["role", "outcome"], registry=r)
         self.failures = Counter(
             "weightsync_sync_failures_total",

@@ -24,6 +24,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache, compact_proto
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.bus.plan import Manifest
+from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import ExportFormat
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
@@ -46,6 +47,7 @@ class Fleet(Protocol):
     trainer_id: str
     origin: str
     export_format: ExportFormat
+    delta: DeltaBase
 
 
 class SyncAttempt:
@@ -84,6 +86,10 @@ class SyncAttempt:
         #: stream end is awaited after their commit (ipc)
         self._commit_channel = None
         self._on_stream: set[str] = set()
+        #: delta or full per target (weightsync/publisher/delta_sync.py); what the stream put on the bus for each
+        base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
+        self.delta = base.begin(manifest, session.name)
+        self._wire: dict[str, int] = {}
         #: rollout_id -> what the trainer saw, for targets whose stream broke (failed once explained)
         self._stream_failed: dict[str, str] = {}
         #: targets already sent AbortSync (to learn why their stream broke)
@@ -140,6 +146,8 @@ class SyncAttempt:
                 self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
             else:
                 self.prepared[e.rollout_id] = resp
+                if resp.delta_accepted and self.delta.offer is not None:
+                    self.delta.accepted.add(e.rollout_id)
         if self.session.sender_gpu_clash:
             self.funnel_retry = self.session.sender_gpu_clash
         if self.session.group_wide and len(self.prepared) < len(self.targets):
@@ -170,6 +178,7 @@ class SyncAttempt:
                     transport=self.session.spec_for(e),
                     trainer_id=self.fleet.trainer_id,
                     allow_rollback=self.allow_rollback,
+                    delta_base=self.delta.offer,
                 )
                 calls.append((e, send_full, req))
             pending = []
@@ -243,6 +252,11 @@ class SyncAttempt:
                     self._stream_failed[rid] = f"{self.session.name} {reason}"
                 self.prepared.clear()
         self.session.finish(ok, reason)
+        self.delta.finish(ok)
+        for rid in streamed:
+            r = self.results[rid]
+            r.encoding = "delta" if rid in self.delta.accepted else "full"
+            r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
         self._explain_stream_failures()
         # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
         try:
@@ -308,7 +322,7 @@ class SyncAttempt:
         return out.checksums
 
     def _send(self, export, in_place) -> list[int]:
-        channel = self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left())
+        channel = self.delta.channel(self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left()))
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream and not self._linked(rid)]
@@ -335,19 +349,21 @@ class SyncAttempt:
                 buffers=self.session.buffers,
                 in_place=in_place,
                 in_place_checksums=self._in_place_checksums if in_place is not None else None,
+                with_checksums=not self.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
             )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
             self.phases.add("stream.export", stats.export_seconds)
             self.phases.add("stream.pack", stats.pack_seconds)
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
-            return stats.checksums
+            return self.delta.checksums if self.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)
             raise
         finally:
             sender.seconds = time.perf_counter() - t0
             sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
+            self._wire = dict(getattr(channel, "wire_bytes", {}))
             for rid, err in channel.failures().items():
                 if rid in self.prepared:
                     self.prepared.pop(rid)
@@ -374,6 +390,8 @@ class SyncAttempt:
             if why:
                 err = f"{why} (the rollout aborted the sync; the trainer's stream saw: {err})"
             self._fail(rid, "data_loss" if why.startswith("DATA_LOSS") else "transport", err)
+            if why.startswith("DATA_LOSS") and rid not in self.delta.accepted:
+                self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
 
     def _abort_request(self) -> rollout_pb2.AbortSyncRequest:
         return rollout_pb2.AbortSyncRequest(
@@ -391,10 +409,13 @@ class SyncAttempt:
         rids = list(self.prepared)
         for rid, (resp, err) in zip(rids, self._on_each(lambda r: self._commit_one(r, req), rids)):
             e, r = self.by_id[rid], self.results[rid]
-            if err.startswith("DATA_LOSS"):  # the rollout's checksums found corruption (at commit on a GPU)
-                self._fail(rid, "data_loss", f"{err} (reported at commit)")
-            elif err:
-                self._fail(rid, "commit_failed", f"commit: {err}")
+            if err:
+                if err.startswith("DATA_LOSS"):  # the rollout's checksums found corruption (at commit on a GPU)
+                    self._fail(rid, "data_loss", f"{err} (reported at commit)")
+                else:
+                    self._fail(rid, "commit_failed", f"commit: {err}")
+                if rid not in self.delta.accepted:
+                    self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
             else:
                 r.ok, r.version = True, resp.version
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""

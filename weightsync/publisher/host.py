@@ -90,6 +90,8 @@ class PublisherHost:
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         origin: str = "",
         make_servicer: Callable[..., FleetServicer] = FleetServicer,
+        sync_encoding: str = "auto",
+        delta_base_bytes: int = 32 << 30,
     ) -> FleetServicer:
         """Publish `source` (an actor: export_metas/export_tensors/version/family, see trainer_svc/actor/base.py).
         `make_servicer(source, source_lock, registry, orchestrator, backend, auto_sync)` builds the Trainer servicer."""
@@ -113,6 +115,8 @@ class PublisherHost:
             trainer_id=self.trainer_id,
             senders=senders,
             sync_link=sync_link,
+            sync_encoding=sync_encoding,
+            delta_base_bytes=delta_base_bytes,
         )
         self.orch.rollouts.liveness_timeout = liveness_timeout_s
         warm_up(self.orch.device, source.export_metas(), self.orch.export_format.quantization is not None)

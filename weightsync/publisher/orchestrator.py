@@ -25,6 +25,7 @@ from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.attempt import SyncAttempt
+from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
@@ -60,6 +61,8 @@ class SyncOrchestrator:
         trainer_id: str = "",
         senders: str = "all",
         sync_link: bool = True,
+        sync_encoding: str = "auto",
+        delta_base_bytes: int = 32 << 30,
     ):
         self.actor = actor
         self.actor_lock = actor_lock
@@ -74,6 +77,8 @@ class SyncOrchestrator:
         self.trainer_id = trainer_id
         self.device = torch.device(device)
         self.export_format = export_format
+        #: the last committed export, kept for delta syncs (weightsync/publisher/delta_sync.py)
+        self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin)
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
         self.senders = senders
@@ -126,6 +131,7 @@ class SyncOrchestrator:
         timeout = timeout or self.sync_timeout
         if transport not in self.transports:
             raise ValueError(f"transport={transport!r} must be one of {sorted(self.transports)}")
+        self.delta.check(transport)
         if not self.actor_lock.acquire(timeout=wait_s):
             raise SyncInProgress("another sync or weight load is running; retry when it finishes")
         try:
@@ -326,6 +332,10 @@ class SyncOrchestrator:
             report.phase_seconds[name] = seconds
             self.metrics.sync_phase.labels(self.metrics.role, name).observe(seconds)
         report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
+        report.wire_bytes = sum(r.wire_bytes for r in results.values())
+        for r in results.values():
+            if r.encoding:
+                self.metrics.sync_wire_bytes.labels(self.metrics.role, r.encoding).inc(r.wire_bytes)
         committed = sum(r.ok for r in results.values())
         self.metrics.sync_duration.observe(elapsed)
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)

@@ -138,32 +138,48 @@ class ScoreResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., last_logits_f32: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrepareSyncRequest(_message.Message):
-    __slots__ = ("manifest", "transport", "timeout_seconds", "trainer_id", "allow_rollback")
+    __slots__ = ("manifest", "transport", "timeout_seconds", "trainer_id", "allow_rollback", "delta_base")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     manifest: _bus_pb2.Manifest
     transport: _bus_pb2.TransportSpec
     timeout_seconds: float
     trainer_id: str
     allow_rollback: bool
-    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
+    delta_base: DeltaBase
+    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., delta_base: _Optional[_Union[DeltaBase, _Mapping]] = ...) -> None: ...
+
+class DeltaBase(_message.Message):
+    __slots__ = ("version", "origin", "layout_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    origin: str
+    layout_digest: str
+    def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., layout_digest: _Optional[str] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
-    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link")
+    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link", "delta_accepted", "delta_refusal")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_NEEDED_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ON_STREAM_FIELD_NUMBER: _ClassVar[int]
     SYNC_LINK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     transport: _bus_pb2.TransportSpec
     num_ranks: int
     manifest_needed: bool
     commit_on_stream: bool
     sync_link: str
-    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ..., sync_link: _Optional[str] = ...) -> None: ...
+    delta_accepted: bool
+    delta_refusal: str
+    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ..., sync_link: _Optional[str] = ..., delta_accepted: _Optional[bool] = ..., delta_refusal: _Optional[str] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
     __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit", "commit")

@@ -58,18 +58,22 @@ class SyncRequest(_message.Message):
     def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., senders: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
 
 class RolloutSyncResult(_message.Message):
-    __slots__ = ("rollout_id", "ok", "version", "error", "seconds")
+    __slots__ = ("rollout_id", "ok", "version", "error", "seconds", "encoding", "wire_bytes")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     ok: bool
     version: int
     error: str
     seconds: float
-    def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    encoding: str
+    wire_bytes: int
+    def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class SenderReport(_message.Message):
     __slots__ = ("rank", "bytes", "num_buckets", "seconds", "error", "forwarded_bytes", "peak_buffer_bytes")
@@ -90,7 +94,7 @@ class SenderReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., forwarded_bytes: _Optional[int] = ..., peak_buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class SyncReport(_message.Message):
-    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders")
+    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders", "wire_bytes")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,7 @@ class SyncReport(_message.Message):
     GBPS_FIELD_NUMBER: _ClassVar[int]
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SENDERS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     ok: bool
@@ -122,7 +127,8 @@ class SyncReport(_message.Message):
     gbps: float
     phase_seconds: _containers.ScalarMap[str, float]
     senders: _containers.RepeatedCompositeFieldContainer[SenderReport]
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., senders: _Optional[_Iterable[_Union[SenderReport, _Mapping]]] = ...) -> None: ...
+    wire_bytes: int
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., senders: _Optional[_Iterable[_Union[SenderReport, _Mapping]]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class SyncResponse(_message.Message):
     __slots__ = ("report",)

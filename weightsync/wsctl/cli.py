@@ -85,6 +85,7 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
         f"{prefix} {rep.sync_id}: version {rep.version}, {ok}/{len(rep.rollouts)} committed, {rep.seconds:.3f}s, "
         f"{rep.bytes / 1e6:.1f} MB in {rep.num_buckets} buckets ({rep.num_tensors} tensors), "
         f"{rep.gbps:.3f} GB/s over {rep.transport}"
+        + (f"; {rep.wire_bytes / 1e6:.1f} MB on the bus" if rep.wire_bytes else "")
     )
     if rep.phase_seconds:
         order = ["plan", "prepare", "stream", "commit"]
@@ -104,7 +105,8 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
                 f"{mark}{err}"
             )
     for r in rep.rollouts:
-        print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}")
+        how = f" ({r.encoding}, {r.wire_bytes / 1e6:.1f} MB)" if r.encoding else ""
+        print(f"  {r.rollout_id}: {'committed v' + str(r.version) if r.ok else 'FAILED: ' + r.error}{how}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -176,7 +176,8 @@ class TcpReceiver:
             conn.close()
             return
         try:
-            self.tx.run_receiver(sync_id, TcpBucketReceiver(conn), sender)
+            base = getattr(self.tx, "delta_base", None)  # where delta buckets apply (rollout_svc/sync/delta_base.py)
+            self.tx.run_receiver(sync_id, TcpBucketReceiver(conn, base and base.for_sync(sync_id)), sender)
         finally:
             self._slots.release()
 

@@ -6,6 +6,10 @@ Wire format (little-endian), after connecting to the rollout's data address:
            several senders a rollout accepts one connection per sender, each proving the token for
            its own (sync, sender), so rank 0 hands the other senders their MACs, never the token
   bucket : b"WSB1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | nbytes of payload
+  delta  : b"WSD1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | u64 length | length bytes of
+           payload: the bucket as the words that changed since the rollout's copy of the delta base
+           (weightsync/bus/delta.py), sent to a rollout that accepted the base; length < nbytes, and the
+           checksum is of the resulting dense bucket
 The receiver checks every header against the manifest it accepted in PrepareSync, so a peer
 cannot make it allocate or write more than the manifest declared.
 """
@@ -28,7 +32,9 @@ from weightsync.bus.plan import BucketPlan
 
 HELLO_MAGIC = b"WSH2"
 BUCKET_MAGIC = b"WSB1"
+DELTA_MAGIC = b"WSD1"
 _BUCKET_HDR = struct.Struct("<4sIQQB")
+_DELTA_LEN = struct.Struct("<Q")
 _MAX_SYNC_ID = 256
 _SOCK_BUF = 8 << 20
 
@@ -100,11 +106,16 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpBucketReceiver(BucketReceiver):
-    """Reads the buckets of one sync from an accepted, hello-verified connection."""
+    """Reads the buckets of one sync from an accepted, hello-verified connection.
 
-    def __init__(self, sock: socket.socket):
+    `base`: the rollout's copy of its committed buckets for this sync (rollout_svc/sync/delta_base.py),
+    or None: `base.received(plan, dense)` keeps a dense bucket and `base.patched(plan, payload)` applies
+    a delta frame onto the copy; each returns the resulting bucket. Without it a delta frame is refused."""
+
+    def __init__(self, sock: socket.socket, base=None):
         _tune(sock)
         self.sock = sock
+        self.base = base
         self._buf: torch.Tensor | None = None
 
     def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
@@ -115,21 +126,37 @@ class TcpBucketReceiver(BucketReceiver):
         except (socket.timeout, OSError) as exc:
             raise TransportError(f"bucket {plan.index}: no header within {timeout:.0f}s ({exc})") from None
         magic, index, nbytes, csum, has_csum = _BUCKET_HDR.unpack(hdr)
-        if magic != BUCKET_MAGIC:
+        if magic not in (BUCKET_MAGIC, DELTA_MAGIC):
             raise TransportError(f"bucket {plan.index}: bad frame magic {magic!r}")
         if index != plan.index or nbytes != plan.nbytes:
             raise TransportError(
                 f"frame says bucket {index} with {nbytes} bytes; manifest expects bucket "
                 f"{plan.index} with {plan.nbytes} bytes"
             )
-        if self._buf is None or self._buf.numel() < nbytes:
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
-        view = self._buf[:nbytes]
+        size = nbytes
+        if magic == DELTA_MAGIC:
+            if self.base is None:
+                raise TransportError(f"bucket {plan.index}: a delta frame in a sync this rollout takes in full")
+            head = bytearray(_DELTA_LEN.size)
+            self._read(plan, memoryview(head), timeout)
+            (size,) = _DELTA_LEN.unpack(head)
+            if size >= nbytes:  # never more than the dense bucket: the manifest bounds what we allocate
+                raise TransportError(f"bucket {plan.index}: delta of {size} bytes for a {nbytes}-byte bucket")
+        if self._buf is None or self._buf.numel() < size:
+            self._buf = torch.empty(size, dtype=torch.uint8)
+        view = self._buf[:size]
+        self._read(plan, memoryview(view.numpy()).cast("B"), timeout)
+        if magic == DELTA_MAGIC:
+            view = self.base.patched(plan, view)
+        elif self.base is not None:
+            view = self.base.received(plan, view)
+        return view, (csum if has_csum else None)
+
+    def _read(self, plan: BucketPlan, view: memoryview, timeout: float) -> None:
         try:
-            _recv_exact(self.sock, memoryview(view.numpy()).cast("B"))
+            _recv_exact(self.sock, view)
         except (socket.timeout, OSError) as exc:
             raise TransportError(f"bucket {plan.index}: payload not received within {timeout:.0f}s ({exc})") from None
-        return view, (csum if has_csum else None)
 
     def close(self) -> None:
         try:
@@ -142,7 +169,9 @@ class TcpBucketSender(BucketSender):
     """Streams each bucket to every target in parallel; a failing target is dropped, not fatal.
 
     `sender`: the trainer rank this stream belongs to; `mac`: its hello MAC when the caller holds
-    the MAC but not the token (a sender rank other than 0), else computed from `token`."""
+    the MAC but not the token (a sender rank other than 0), else computed from `token`.
+    `delta_targets`: the targets that accepted a delta base; `send(..., delta=payload)` sends them the
+    delta frame, the others the dense bucket. `wire_bytes`: what went to each target, frames included."""
 
     def __init__(
         self,
@@ -160,6 +189,8 @@ class TcpBucketSender(BucketSender):
         self._socks: dict[str, socket.socket] = {}
         self._failures: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.delta_targets: set[str] = set()
+        self.wire_bytes: dict[str, int] = {tid: 0 for tid in targets}
         self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="tcp-send")
         hello = hello_frame(sync_id, sender, hello_mac(token, sync_id, sender) if mac is None else mac)
         for tid, fut in [(tid, self._pool.submit(self._connect, addr, hello)) for tid, addr in targets.items()]:
@@ -183,20 +214,33 @@ class TcpBucketSender(BucketSender):
         try:
             sock.sendall(hdr)
             sock.sendall(payload)
+            self.wire_bytes[tid] += len(hdr) + payload.nbytes
         except OSError as exc:
             with self._lock:
                 self._failures[tid] = f"TCP bus send failed: {exc}"
                 self._socks.pop(tid, None)
             sock.close()
 
-    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+    def send(
+        self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None, delta: torch.Tensor | None = None
+    ) -> None:
         if buf.device.type != "cpu":
             buf = buf.cpu()
         payload = memoryview(buf[: plan.nbytes].numpy()).cast("B")
         hdr = _BUCKET_HDR.pack(BUCKET_MAGIC, plan.index, plan.nbytes, checksum or 0, checksum is not None)
+        frames = {}
+        if delta is not None and self.delta_targets:
+            delta = delta.cpu()
+            frames[True] = (
+                _BUCKET_HDR.pack(DELTA_MAGIC, plan.index, plan.nbytes, checksum or 0, checksum is not None)
+                + _DELTA_LEN.pack(delta.numel()),
+                memoryview(delta.numpy()).cast("B"),
+            )
+        frames[False] = (hdr, payload)
         with self._lock:
             live = list(self._socks.items())
-        for f in [self._pool.submit(self._send_one, tid, s, hdr, payload) for tid, s in live]:
+        sends = [(tid, s, *frames[delta is not None and tid in self.delta_targets]) for tid, s in live]
+        for f in [self._pool.submit(self._send_one, *a) for a in sends]:
             f.result()
         if not self._socks:
             raise TransportError("every rollout dropped off the TCP bus: " + "; ".join(self._failures.values()))

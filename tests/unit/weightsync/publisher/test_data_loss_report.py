@@ -10,6 +10,7 @@ failure metric must still say DATA_LOSS with the rollout's checksum reason, and 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.bus_proxy import BusProxy
 from tests.support.fleet_sync import bump_and_sync_exactly
@@ -71,6 +72,7 @@ def _data_loss_count(trainer) -> float:
 
 def test_a_byte_flipped_in_flight_is_reported_as_data_loss(fleet, capsys, monkeypatch):
     trainer, app, stub, proxy = fleet
+    monkeypatch.setattr(trainer.orch.delta, "encoding", "full")  # dense buckets: the flip lands 200 kB in
     bump_and_sync_exactly(trainer, {"r": app}, stub)  # a clean sync first: the link is open
     assert proxy.protocols["bus"] >= 1  # the bus really goes through the proxy
     before = _data_loss_count(trainer)
@@ -96,3 +98,23 @@ def test_a_byte_flipped_in_flight_is_reported_as_data_loss(fleet, capsys, monkey
 
     proxy.set("pass")
     bump_and_sync_exactly(trainer, {"r": app}, stub)
+
+
+def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_exact(fleet):
+    trainer, app, stub, proxy = fleet
+    bump_and_sync_exactly(trainer, {"r": app}, stub)  # both ends hold the base
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # 2 % of the values change: the next sync is a delta of a few kB
+        for p in trainer.actor.model.parameters():
+            mask = torch.rand(p.shape, generator=g) < 0.02
+            p[mask] = p[mask] * 1.5 + 0.01
+    trainer.actor.version += 1
+    proxy.set("flip", after_bytes=3000)
+    rep = stub.Sync(trainer_pb2.SyncRequest()).report
+    assert proxy.links.flip_at is None, "the proxy flipped no byte"
+    r = rep.rollouts[0]
+    assert not rep.ok and r.encoding == "delta" and r.wire_bytes < 0.15 * rep.bytes, (r.encoding, r.wire_bytes)
+    assert app.tx.version == trainer.actor.version - 1  # the rollout kept its weights
+    proxy.set("pass")
+    rep = bump_and_sync_exactly(trainer, {"r": app}, stub)  # checks the rollout's weights bit for bit
+    assert rep.rollouts[0].encoding == "full"

@@ -1,0 +1,221 @@
+"""Delta syncs on the trainer: the last committed export kept as the base, and per sync, who gets deltas.
+
+`sync_encoding` (trainer config): full sends every bucket dense; delta and auto keep a copy of the
+buckets of the last export streamed in full to the end (host memory on the tcp path: one copy of the
+model's export bytes, bounded by `delta_base_mb`), and offer every target of the next sync that base
+in PrepareSync. A rollout that holds exactly that base — it committed that version and kept its
+copy (rollout_svc/sync/delta_base.py) — accepts, and gets each bucket as the words that changed
+(weightsync/bus/delta.py) where that is smaller; the others (missed a version, restarted, joined
+late) get it dense, in the same stream. Each bucket's checksum is of the dense bucket, so the
+rollout's check is of the result.
+
+Which syncs: delta is carried by tcp with one sender (the link is the bottleneck there). `auto`
+picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta
+would cost more HBM passes — compare, read the base, write it back — than it saves), for nccl (the
+delta frames are tcp's) and for several senders (each rank would need its own base); `delta` on
+ipc or nccl is refused with an error, and with several senders it falls back to full.
+
+A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
+checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
+the new bucket's follows from the base's sums and the words that changed — the one pass over the
+bucket is the comparison the delta needs anyway. It is still the checksum of the whole new bucket,
+which every rollout checks against its own full pass over the result; should the trainer's copy
+or sums ever be wrong, a rollout sent the bucket in full refuses it (DATA_LOSS at receipt, or a
+failed commit), and that drops the base (`commit_failed`): the next sync starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.bus.channel import BucketSender
+from weightsync.bus.checksum import from_sums, word_sums
+from weightsync.bus.delta import changed_words, encode, word_bytes
+from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.v1 import rollout_pb2
+
+log = logging.getLogger(__name__)
+
+ENCODINGS = ("full", "delta", "auto")
+_WORDS = {1: torch.uint8, 2: torch.int16}
+#: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
+DELTA_TRANSPORTS = ("tcp",)
+
+
+class DeltaBase:
+    """The trainer's copy of the last export it streamed in full, and which version that is."""
+
+    def __init__(self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = ""):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
+        self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin
+        self._bufs: dict[int, torch.Tensor] = {}
+        #: bucket index -> int64 [sum, sum of squares] of the words of its base (checksum.word_sums)
+        self._sums: dict[int, torch.Tensor] = {}
+        #: (version, layout_digest) of the export the copy holds, or None
+        self.held: tuple[int, str] | None = None
+        self._warned = False
+
+    def begin(self, manifest: Manifest, transport: str) -> DeltaStream:
+        """This sync's part: what it offers (None: full for everyone) and whether it keeps its buckets."""
+        self.check(transport)
+        why = self._no_delta(manifest, transport)
+        if why:
+            self.drop()
+            if self.encoding == "delta" and not self._warned:
+                log.warning("sync_encoding=delta: sync %s goes in full: %s", manifest.sync_id, why)
+                self._warned = True
+            return DeltaStream(self, manifest, None, keep=False)
+        offer = None
+        if self.held is not None and self.held[1] == manifest.layout_digest:
+            offer = rollout_pb2.DeltaBase(version=self.held[0], origin=self.origin, layout_digest=self.held[1])
+        if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
+            self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
+        self.held = None  # the copy is being overwritten: it is this sync's until its stream ends
+        return DeltaStream(self, manifest, offer, keep=True)
+
+    def _no_delta(self, manifest: Manifest, transport: str) -> str:
+        if self.encoding == "full":
+            return "sync_encoding=full"
+        if transport not in DELTA_TRANSPORTS:
+            return f"transport {transport}"
+        if len(manifest.senders) > 1:
+            return f"{len(manifest.senders)} senders stream their own buckets (delta needs one sender)"
+        if not manifest.layout_digest:
+            return "the manifest has no layout digest"
+        if manifest.total_bytes > self.limit_bytes:
+            return f"the export's {manifest.total_bytes >> 20} MiB exceed delta_base_mb={self.limit_bytes >> 20}"
+        return ""
+
+    def check(self, transport: str) -> None:
+        """ValueError when this trainer's encoding cannot be carried by `transport`."""
+        if self.encoding == "delta" and transport not in DELTA_TRANSPORTS:
+            raise ValueError(
+                f"sync_encoding=delta is carried by {', '.join(DELTA_TRANSPORTS)} only, not transport={transport}: "
+                "set sync_encoding=auto (full on ipc and nccl) or sync over tcp"
+            )
+
+    def drop(self) -> None:
+        self._bufs, self._sums, self.held = {}, {}, None
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+
+@dataclass
+class DeltaStream:
+    """One sync's use of the base: the offer made in PrepareSync and the targets that accepted it."""
+
+    base: DeltaBase
+    manifest: Manifest
+    #: the DeltaBase offered in PrepareSync, or None (every target in full)
+    offer: rollout_pb2.DeltaBase | None
+    #: the stream's buckets become the next base
+    keep: bool
+    accepted: set[str] = field(default_factory=set)
+    stored: set[int] = field(default_factory=set)
+    #: the checksum of every bucket sent, in manifest order (the pipeline computes none: keep)
+    checksums: list[int] = field(default_factory=list)
+
+    def channel(self, inner: BucketSender) -> BucketSender:
+        """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
+        if not self.keep:
+            return inner
+        if self.accepted:
+            inner.delta_targets = set(self.accepted)
+        return _DeltaChannel(inner, self)
+
+    def encode(self, plan: BucketPlan, dense: torch.Tensor):
+        """(the delta of bucket `plan` from the base, or None: send it dense; the checksum of `dense`;
+        what `store` keeps of it). Reads the base: call `store` after the send."""
+        n, whole = plan.nbytes, plan.nbytes - plan.nbytes % 4
+        old, old_sums = self.base._bufs.get(plan.index), self.base._sums.get(plan.index)
+        usable = old is not None and old.numel() == n and old.device == dense.device
+        incremental = usable and old_sums is not None and n % 4 == 0 and dense.storage_offset() % 4 == 0
+        payload = idx = None
+        if self.accepted and usable or incremental:
+            word = word_bytes(plan)
+            idx = changed_words(dense, old, word)
+            if self.accepted and usable:
+                payload = encode(dense, old, word, idx)
+        if incremental:
+            sums = old_sums + _sums_change(dense, old, idx, word)
+        else:
+            sums = word_sums(dense[:whole].view(torch.int32))
+        return payload, from_sums(sums, dense[whole:], n), (sums, idx)
+
+    def store(self, plan: BucketPlan, dense: torch.Tensor, kept, checksum: int) -> None:
+        """Bucket `plan` went out: its bytes are the next base."""
+        sums, idx = kept
+        old = self.base._bufs.get(plan.index)
+        if old is None or old.numel() != plan.nbytes or old.device != dense.device:
+            old = self.base._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=dense.device)
+            idx = None
+        if idx is None:
+            old.copy_(dense)
+        else:  # the words that differ are known: only they are written
+            word = word_bytes(plan)
+            old.view(_WORDS[word])[idx] = dense.view(_WORDS[word])[idx]
+        self.base._sums[plan.index] = sums
+        self.stored.add(plan.index)
+        self.checksums.append(checksum)
+
+    def commit_failed(self) -> None:
+        """A rollout sent this sync's buckets in full did not commit them: the base is suspect."""
+        if self.keep:
+            self.base.drop()
+
+    def finish(self, ok: bool) -> None:
+        """The stream ended (`ok`: every bucket went out): the copy is this version's base, or none."""
+        if not self.keep:
+            return
+        if ok and len(self.stored) == len(self.manifest.buckets):
+            self.base.held = (self.manifest.version, self.manifest.layout_digest)
+        else:
+            self.base.drop()
+
+
+class _DeltaChannel(BucketSender):
+    """A TcpBucketSender that sends each bucket as a delta where accepted, and keeps it as the next base."""
+
+    def __init__(self, inner: BucketSender, stream: DeltaStream):
+        self._inner, self._stream = inner, stream
+        self.releases_previous, self.checksums_in_band = inner.releases_previous, inner.checksums_in_band
+
+    def __getattr__(self, name):  # everything but send is the inner channel's
+        return getattr(self._inner, name)
+
+    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+        dense = buf[: plan.nbytes]
+        payload, checksum, kept = self._stream.encode(plan, dense)
+        if payload is not None:
+            self._inner.send(plan, buf, checksum, delta=payload)
+        else:
+            self._inner.send(plan, buf, checksum)
+        self._stream.store(plan, dense, kept, checksum)  # after the send: the encode read the old base
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def failures(self) -> dict[str, str]:
+        return self._inner.failures()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _sums_change(new: torch.Tensor, old: torch.Tensor, idx: torch.Tensor, word: int) -> torch.Tensor:
+    """How the word sums (checksum.word_sums) of `old` change when it becomes `new`, from the sorted
+    positions `idx` of the changed `word`-byte words: the sums over the 32-bit words that hold them."""
+    j = torch.unique_consecutive(idx // (4 // word))
+    a, b = new.view(torch.int32)[j], old.view(torch.int32)[j]
+    # squares wrap in int32 as checksum.word_sums's do; sums are int64, wrapping alike
+    return torch.stack(
+        [
+            a.sum(dtype=torch.int64) - b.sum(dtype=torch.int64),
+            (a * a).sum(dtype=torch.int64) - (b * b).sum(dtype=torch.int64),
+        ]
+    )
