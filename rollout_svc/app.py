@@ -56,7 +56,13 @@ class RolloutApp:
             self.engine, cfg.bus.apply_mode, on_change=lambda: self.servicer.refresh_state_metric()
         )
         self.tx.delta_base.enabled = cfg.bus.delta_base
-        self.data = TcpReceiver(cfg.bus.data_address, self.tx, token, max_connections=cfg.limits.max_bus_connections)
+        self.data = TcpReceiver(
+            cfg.bus.data_address,
+            self.tx,
+            token,
+            max_connections=cfg.limits.max_bus_connections,
+            delta_base=self.tx.delta_base,
+        )
         advertise = cfg.registration.advertise_address or self.grpc.address
         self.rollout_id = cfg.registration.rollout_id or advertise
         self.registrar = None

@@ -31,7 +31,8 @@ def describe(exc: grpc.RpcError) -> str:
     return f"{code.name if code else 'UNKNOWN'}: {exc.details() if hasattr(exc, 'details') else exc}"
 
 
-#: (rollout entry, RPC name, request iterator, timeout) -> the call's response iterator (grpc stream call)
+#: (rollout entry, RPC name, request iterator, timeout) -> the grpc stream call (iterated for the
+#: responses; cancel() and add_done_callback() used as grpc defines them)
 StreamCall = Callable[[object, str, Iterator, float], Iterator]
 _END = None
 _END_WAIT_S = 2.0
@@ -52,19 +53,12 @@ class _TargetStream:
 
     def cancel(self) -> None:
         self.end()
-        cancel = getattr(self.responses, "cancel", None)
-        if cancel is not None:
-            cancel()
+        self.responses.cancel()
 
     def wait_ended(self, timeout: float) -> None:
         """Until the rollout has ended its side (at most `timeout`)."""
-        add_callback = getattr(self.responses, "add_done_callback", None)
-        if add_callback is None:  # a plain iterator (tests): read it out
-            for _ in self.responses:
-                pass
-            return
         ended = threading.Event()
-        add_callback(lambda _call: ended.set())  # runs at once when the call has already ended
+        self.responses.add_done_callback(lambda _call: ended.set())  # runs at once if the call already ended
         ended.wait(timeout)
 
 

@@ -31,8 +31,16 @@ Probe = Callable[[], str]  # "" while all is well, else why the stream must end
 
 
 class Watch:
-    def __init__(self, probe: Probe, abort: Callable[[str], None], period: float, what: str = "NCCL group"):
-        self.probe, self.abort, self.period, self.what = probe, abort, period, what
+    def __init__(
+        self,
+        probe: Probe,
+        abort: Callable[[str], None],
+        period: float,
+        what: str = "NCCL group",
+        on_stop: Callable[[], None] | None = None,
+    ):
+        """`on_stop`: releases what the probe holds (its RPC threads) when the watch stops."""
+        self.probe, self.abort, self.period, self.what, self.on_stop = probe, abort, period, what, on_stop
         self._stop = threading.Event()
         self._lock = threading.Lock()  # a verdict is given before stop() returns, or never
         self.tripped = ""
@@ -46,9 +54,8 @@ class Watch:
         """Stop watching; returns at once (a probe in flight is left to finish and ignored)."""
         with self._lock:
             self._stop.set()
-        close = getattr(self.probe, "close", None)
-        if close is not None:
-            close()
+        if self.on_stop is not None:
+            self.on_stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):

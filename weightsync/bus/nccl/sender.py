@@ -296,7 +296,7 @@ class _NcclSession(Session):
         out of the sync): rank 0's group, or with several senders the flag they all watch."""
         if self.owner.call is not None:
             probe = members_probe(targets, self.owner.call, self.sync_id, wait_s=self.owner.watch_period)
-            self._watch = Watch(probe, abort, self.owner.watch_period).start()
+            self._watch = Watch(probe, abort, self.owner.watch_period, on_stop=probe.close).start()
 
     def finish(self, ok: bool, reason: str) -> None:
         if self._watch is not None:

@@ -91,9 +91,13 @@ class TcpReceiver:
         max_connections: int = 8,
         max_handshakes: int = 64,
         max_handshakes_per_address: int = 8,
+        delta_base=None,
     ):
+        """`delta_base`: the rollout's copy of its committed buckets, onto which delta buckets apply
+        (rollout_svc/sync/delta_base.py); None: delta frames are refused."""
         host, port = parse_host_port("data_address", address)
         self.tx = transaction
+        self.delta_base = delta_base
         self.token = token
         self.hello_timeout = hello_timeout
         self.max_connections = max_connections
@@ -176,8 +180,8 @@ class TcpReceiver:
             conn.close()
             return
         try:
-            base = getattr(self.tx, "delta_base", None)  # where delta buckets apply (rollout_svc/sync/delta_base.py)
-            self.tx.run_receiver(sync_id, TcpBucketReceiver(conn, base and base.for_sync(sync_id)), sender)
+            base = self.delta_base and self.delta_base.for_sync(sync_id)
+            self.tx.run_receiver(sync_id, TcpBucketReceiver(conn, base), sender)
         finally:
             self._slots.release()
 

@@ -49,6 +49,29 @@ class _RpcError(grpc.RpcError):
         return self._details
 
 
+class _Call:
+    """What the trainer's end uses of grpc's stream call, over a plain response iterator: iteration,
+    cancel(), and add_done_callback(), whose callback runs once the responses are read out."""
+
+    def __init__(self, responses):
+        self._responses = responses
+        self.cancelled = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._responses)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def add_done_callback(self, callback) -> None:
+        for _ in self._responses:
+            pass
+        callback(self)
+
+
 def _fake_streams(got: dict, fail_at: dict):
     """Stands in for the IpcBuckets call: acknowledges each request in order, as the rollout does."""
 
@@ -62,7 +85,7 @@ def _fake_streams(got: dict, fail_at: dict):
                     raise _RpcError(grpc.StatusCode.DATA_LOSS, f"bucket {req.index}: checksum mismatch")
                 yield rollout_pb2.PushBucketResponse(index=req.index)
 
-        return responses()
+        return _Call(responses())
 
     return open_stream
 
@@ -192,7 +215,7 @@ def _committing_streams(got: dict, refuse: set):
                     return
                 yield rollout_pb2.PushBucketResponse(index=req.index)
 
-        return responses()
+        return _Call(responses())
 
     return open_stream
 
@@ -235,7 +258,7 @@ def test_targets_that_commit_elsewhere_have_their_stream_ended_at_flush_and_its_
                 yield rollout_pb2.PushBucketResponse(index=req.index)
             ends_read.append(entry.rollout_id)  # the trainer asked for more after the last ack
 
-        return responses()
+        return _Call(responses())
 
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)

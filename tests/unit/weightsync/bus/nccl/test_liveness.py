@@ -119,11 +119,8 @@ def test_a_watch_over_members_aborts_on_a_death_while_another_member_hangs():
 
     died_at = time.monotonic() + 0.2
     aborted, done = [], threading.Event()
-    w = Watch(
-        members_probe({"h": "hung", "x": "dies"}, call, "s1", wait_s=0.05),
-        lambda r: (aborted.append(r), done.set()),
-        0.05,
-    ).start()
+    probe = members_probe({"h": "hung", "x": "dies"}, call, "s1", wait_s=0.05)
+    w = Watch(probe, lambda r: (aborted.append(r), done.set()), 0.05, on_stop=probe.close).start()
     try:
         assert done.wait(3), "the death was not seen while the other member hung"
         assert aborted == ["rollout x became unreachable during the stream (UNAVAILABLE: connection refused)"]
