@@ -3,7 +3,8 @@
 weightsync.publisher.straggler.gather against fake calls whose liveness the test sets; and a whole
 SyncAttempt whose third target never acknowledges its PrepareSync: the other two commit, the silent
 one is failed `silent` (no call waits on it), and when its prepare is answered late, AbortSync of
-that very sync supersedes what it prepared.
+that very sync supersedes what it prepared; one silent only at commit is reported unconfirmed, and
+its late commit (whole, atomic) is recorded when it comes.
 """
 
 from __future__ import annotations
@@ -109,3 +110,37 @@ def test_a_silent_prepare_target_is_dropped_the_others_commit_and_its_late_prepa
     while not orch.late_aborts and time.monotonic() < deadline:
         time.sleep(0.01)
     assert orch.late_aborts == [manifest.sync_id]
+
+
+class _SilentAtCommit(_Orch):
+    """Target c prepares and receives everything, then goes silent on its CommitSync until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.sent_commit = threading.Event(), threading.Event()
+
+    def call(self, entry, method, req):
+        if entry.rollout_id == "c" and method == "CommitSync":
+            self.sent_commit.set()
+            self.release.wait(30)
+        return super().call(entry, method, req)
+
+    def heard_since(self, entry, since):
+        return entry.rollout_id != "c" or not self.sent_commit.is_set() or self.release.is_set()
+
+
+def test_a_target_silent_at_commit_is_reported_unconfirmed_and_its_late_commit_is_recorded():
+    orch, session = _SilentAtCommit(), _Session()
+    attempt, _, (a, b, c), _ = _attempt(orch, session, rids=("a", "b", "c"))
+    t0 = time.monotonic()
+    results, _ = attempt.run()
+    assert time.monotonic() - t0 < 2.0
+    assert results["a"].ok and results["b"].ok and (a.version, b.version) == (7, 7)
+    assert not results["c"].ok and "commit: UNAVAILABLE" in results["c"].error
+    assert "commit unconfirmed" in results["c"].error and orch.failed == [("c", "silent")]
+    assert ("c", "AbortSync") not in orch.calls  # it may be committing: an abort would only wait for it
+    orch.release.set()  # it resumes and commits the version it verified, whole
+    deadline = time.monotonic() + 5
+    while c.version != 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.version == 7 and c.reachable
