@@ -38,9 +38,9 @@ ROLLOUT = [
     ("rollout_svc.service", "RolloutServicer", "PrepareSync", "r.PrepareSync"),
 ]
 TRAINER = [
-    ("weightsync.publisher.attempt", "SyncAttempt", "_send", "t._send"),
+    ("weightsync.publisher.stream_phase", "StreamPhase", "_send", "t._send"),
     ("weightsync.publisher.attempt", "SyncAttempt", "stream", "t.stream"),
-    ("weightsync.publisher.attempt", None, "stream_buckets", "t.stream_buckets"),
+    ("weightsync.publisher.stream_phase", None, "stream_buckets", "t.stream_buckets"),
     ("weightsync.bus.ipc.sender", "IpcStreamSender", "send", "t.send"),
     ("weightsync.bus.ipc.sender", "IpcStreamSender", "flush", "t.flush"),
     ("weightsync.bus.ipc.sender", "IpcStreamSender", "_await", "t._await"),

@@ -9,8 +9,9 @@ for long. A link still in its handshake holds no slot: it waits in a pre-auth bu
 (weightsync.bus.tcp.receiver.HandshakeBudget: `max_handshakes` in all, a few per address) and must
 prove the token within `hello_timeout` seconds in total, so silent peers cannot keep the trainer off.
 
-A link opened with LINK_MAGIC_BEATS gets BEAT frames while its requests are handled (one thread,
-_Beater, beats for every such link), the liveness signal the trainer tells "slow" from "gone" by.
+A link opened with LINK_MAGIC_BEATS gets a BEAT frame as soon as each request is read, then BEAT frames
+while it is handled (one thread, _Beater, beats for every such link): the liveness signal the trainer
+tells "slow" from "gone" by, and within milliseconds "has it" from "silent".
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from weightsync.control.sync_link import (
 log = logging.getLogger(__name__)
 
 _SERVICE = "/weightsync.v1.Rollout/"
+#: the BEAT frame that acknowledges a request as soon as it is read
+_ACK = frame(BEAT, b"")
 # (level, option, value): probe an idle link after 30 s, drop it after 3 unanswered probes 10 s apart
 _KEEPALIVE = (
     (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
@@ -96,6 +99,11 @@ class _Beater:
         self._thread: threading.Thread | None = None
 
     def begin(self, conn: socket.socket, send_lock: threading.Lock) -> None:
+        """A request on `conn` is being handled: acknowledge it now, then beat until `end`."""
+        # at once: a trainer waiting on several rollouts tells, within milliseconds, that this one
+        # has the request in hand (weightsync.publisher.straggler)
+        with send_lock:
+            conn.sendall(_ACK)
         with self._lock:
             self._busy[conn] = (send_lock, time.monotonic() + self.period)
             if self._thread is None:  # started by the first link that asks for beats

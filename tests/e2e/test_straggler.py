@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
 
 import torch
@@ -61,29 +62,35 @@ def test_a_stopped_rollout_does_not_hold_the_others_and_is_caught_up_after_sigco
 
     # normal syncs (the first of each pairing goes over gRPC and opens the sync links)
     normal = []
-    for k in range(3):
+    for k in range(4):
         load(taddr, sets[(k + 1) % 2])
         t0 = time.monotonic()
         rep = sync_rpc(taddr)
         normal.append(time.monotonic() - t0)
         assert rep.ok, rep
-    normal_s = min(normal[1:])
+        print(f"\nnormal sync {normal[-1]:.3f}s: phases {dict(rep.phase_seconds)}")
+    normal_s = statistics.median(normal[1:])  # this run's normal sync time, on this machine
 
     stopped = rollouts[2]
     os.kill(stopped.popen.pid, signal.SIGSTOP)
     try:
-        v = load(taddr, sets[0])
-        t0 = time.monotonic()
-        rep = tstub(taddr).Sync(trainer_pb2.SyncRequest(), timeout=4 * RPC_TIMEOUT_S).report
-        took = time.monotonic() - t0
-        by_id = {x.rollout_id: x for x in rep.rollouts}
-        healthy = [status(rstub(r)) for r in rollouts[:2]]
-        failed = [x for x in rep.rollouts if not x.ok]
-        print(f"\nnormal syncs {['%.2f' % s for s in normal]}s; with one stopped {took:.2f}s; failed: {failed}")
-        assert len(failed) == 1 and "silent" in failed[0].error, rep
-        assert all(by_id[s.rollout_id].ok and s.version == v for s in healthy), rep
-        # the healthy two commit on their normal schedule plus the liveness it takes to call the third gone
-        assert took < 2 * normal_s + LIVENESS_S, (took, normal_s)
+        took = []
+        for k in range(3):
+            v = load(taddr, sets[k % 2])
+            t0 = time.monotonic()
+            rep = tstub(taddr).Sync(trainer_pb2.SyncRequest(), timeout=4 * RPC_TIMEOUT_S).report
+            took.append(time.monotonic() - t0)
+            by_id = {x.rollout_id: x for x in rep.rollouts}
+            healthy = [status(rstub(r)) for r in rollouts[:2]]
+            failed = [x for x in rep.rollouts if not x.ok]
+            print(f"with one stopped {took[-1]:.3f}s: phases {dict(rep.phase_seconds)}; failed: {failed}")
+            assert len(failed) == 1 and failed[0].rollout_id == stopped.name and "silent" in failed[0].error, rep
+            assert all(by_id[s.rollout_id].ok and s.version == v for s in healthy), rep
+        stopped_s = statistics.median(took)
+        print(f"normal {normal_s:.3f}s, with one stopped {stopped_s:.3f}s (medians): {stopped_s / normal_s:.2f}x")
+        # the healthy two commit within twice their normal sync time: the silent one is dropped a short
+        # grace after they answered its prepare, long before liveness_timeout_s (let alone rpc_timeout_s)
+        assert stopped_s < 2 * normal_s, (took, normal)
     finally:
         os.kill(stopped.popen.pid, signal.SIGCONT)
 

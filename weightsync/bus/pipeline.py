@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -145,6 +145,7 @@ def stream_buckets(
     buffers: BufferPool | None = None,
     in_place: list[torch.Tensor] | None = None,
     in_place_checksums: InFlightChecksums | None = None,
+    on_sent: Callable[[int], None] | None = None,
 ) -> StreamStats:
     """Pack and send every bucket of `manifest`; raise on the first export or transport error.
 
@@ -152,6 +153,7 @@ def stream_buckets(
     allocating them. `in_place`: one flat buffer per bucket that already holds its bytes (the
     actor's own storage); `tensors` is then not read and nothing is packed.
     `in_place_checksums`: their checksums, started earlier (by default started here).
+    `on_sent(nbytes)`: called after each bucket's send with the bucket's size (progress).
 
     `sender.checksums_in_band` says which buckets' checksums it sends with the bucket: "all" (the
     default: tcp), "first" (CUDA IPC of held buffers: a rollout checks the first before it touches
@@ -188,7 +190,7 @@ def stream_buckets(
     )
     producer.start()
     try:
-        _consume(st, sender, csums)
+        _consume(st, sender, csums, on_sent)
     finally:
         st.stop.set()
         if csums is not None and in_place_checksums is None:  # a caller's own are the caller's to release
@@ -279,7 +281,9 @@ def _take_free(st: _Stream) -> torch.Tensor | None:
     return None
 
 
-def _consume(st: _Stream, sender: BucketSender, csums: InFlightChecksums | None) -> None:
+def _consume(
+    st: _Stream, sender: BucketSender, csums: InFlightChecksums | None, on_sent: Callable[[int], None] | None = None
+) -> None:
     """Hand each produced bucket to `sender` in order, giving its buffer back once reusable."""
     stats, manifest = st.stats, st.manifest
     releases_previous = sender.releases_previous
@@ -298,6 +302,8 @@ def _consume(st: _Stream, sender: BucketSender, csums: InFlightChecksums | None)
         sender.send(plan, view, csum)
         stats.send_seconds += time.perf_counter() - t0
         stats.bytes_sent += plan.nbytes
+        if on_sent is not None:
+            on_sent(plan.nbytes)
         if csum is not None and csums is None:
             stats.checksums.append(csum)
         if releases_previous:

@@ -29,6 +29,10 @@ class _Authed:
 
         return call
 
+    def future(self, name: str, request, timeout: float | None = None) -> grpc.Future:
+        """RPC `name` started without waiting for it (its answer: `.result()`), with the token and deadline."""
+        return getattr(self._stub, name).future(request, timeout=timeout or self.timeout, metadata=self._md)
+
 
 def rollout_stub(ch: grpc.Channel, token: str, timeout: float = 30.0):
     return _Authed(rollout_pb2_grpc.RolloutStub(ch), token, timeout)

@@ -20,11 +20,13 @@ instead of a bus hello). Wire format, little-endian:
   answer            : u8 status (0 OK, else the grpc.StatusCode number) | u32 length |
                       the RPC's response message, or for an error its details in UTF-8
 
-A trainer that opens with LINK_MAGIC_BEATS instead gets the same link plus a liveness signal: while
-a request's handler runs, the rollout sends an empty BEAT frame (status BEAT, length 0) every
-BEAT_PERIOD_S before its answer. A rollout that is slow keeps beating; one that is gone (stopped,
-hung, its host away) falls silent, and the trainer gives up on it after its `liveness_timeout_s`
-instead of the call's whole `rpc_timeout_s`.
+A trainer that opens with LINK_MAGIC_BEATS instead gets the same link plus a liveness signal: the
+rollout sends an empty BEAT frame (status BEAT, length 0) as soon as it has read a request (its
+acknowledgement), then one every BEAT_PERIOD_S while the request's handler runs, before its answer.
+A rollout that is slow keeps beating; one that is gone (stopped, hung, its host away) falls silent,
+and the trainer gives up on it after its `liveness_timeout_s` instead of the call's whole
+`rpc_timeout_s` — or, in a sync, a short grace after the other rollouts answered when it never even
+acknowledged (weightsync.publisher.straggler).
 """
 
 from __future__ import annotations

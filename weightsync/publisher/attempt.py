@@ -5,31 +5,31 @@ target that fails the prepare stops the whole pass, and the attempt names the ta
 every member with a new group when the cached group was refused (a restarted member), else the
 members that prepared, which form a group without the one that could not.
 
-When the manifest has several senders (trainer ranks streaming the buckets they own), the stream
-phase hands the job to every rank (weightsync.publisher.multisender) instead of streaming from this one,
-over tcp (each rank to every rollout's data port) or nccl (each rank on its own group); a rollout
-that any sender dropped fails, and a sender that failed as a whole fails every target.
+The stream phase is weightsync.publisher.stream_phase. Prepare and commit go to every target at
+once and never wait long on one that went silent (weightsync.publisher.straggler): it is dropped from
+the attempt once the others answered and a short grace passed, reported failed (reason `silent`) and
+left on its version until a later sync catches it up; its late answer to a prepare is superseded by an
+AbortSync of this sync, so what it prepared never commits.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any, Protocol
 
-from weightsync.bus.checksum import InFlightChecksums
-from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache, compact_proto
-from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.bus.plan import Manifest
 from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import ExportFormat
-from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry
 from weightsync.publisher.rollout_calls import RolloutCalls
+from weightsync.publisher.straggler import gather
+from weightsync.publisher.stream_phase import StreamPhase
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -77,23 +77,20 @@ class SyncAttempt:
         self.retry: list[RolloutEntry] = []
         #: the retry must stream from global rank 0 alone (a rollout sits on a sending rank's GPU)
         self.funnel_retry = ""
-        #: what each sending rank did in the stream (one entry for the single sender)
-        self.senders: list[SenderResult] = []
         self._pool = fleet.pool  # long-lived: no threads started per sync
-        self._in_place_bufs: list | None = None
-        self._in_place_checksums: InFlightChecksums | None = None
-        #: the stream's channel, kept open after the stream for targets that commit on it or whose
-        #: stream end is awaited after their commit (ipc)
-        self._commit_channel = None
-        self._on_stream: set[str] = set()
-        #: delta or full per target (weightsync/publisher/delta_sync.py); what the stream put on the bus for each
+        #: delta or full per target (weightsync/publisher/delta_sync.py)
         base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
         self.delta = base.begin(manifest, session.name)
-        self._wire: dict[str, int] = {}
-        #: rollout_id -> what the trainer saw, for targets whose stream broke (failed once explained)
-        self._stream_failed: dict[str, str] = {}
         #: targets already sent AbortSync (to learn why their stream broke)
-        self._aborted: set[str] = set()
+        self.aborted: set[str] = set()
+        #: rollout_id -> seconds it was silent when dropped from this attempt (its call still runs)
+        self.dropped: dict[str, float] = {}
+        self.streamer = StreamPhase(self)
+
+    @property
+    def senders(self):
+        """What each sending rank did in the stream (one entry for the single sender)."""
+        return self.streamer.senders
 
     def run(self) -> tuple[dict[str, trainer_pb2.RolloutSyncResult], list[RolloutEntry]]:
         """The results and the targets of a retry ([] for none)."""
@@ -101,33 +98,52 @@ class SyncAttempt:
             with self.phases("prepare"):
                 # The actor's own storage needs no export: its checksums start on the GPU while the
                 # rollouts answer PrepareSync, and the stream reads them when it needs them.
-                self.prepare(meanwhile=self._start_in_place)
+                self.prepare(meanwhile=self.streamer.start_in_place)
             with self.phases("stream"):
                 checksums = self.stream()
             with self.phases("commit"):
                 self.commit(checksums)
                 self.abort_failed()
         finally:
-            if self._commit_channel is not None:
-                self._commit_channel.close()
-            if self._in_place_checksums is not None:
-                self._in_place_checksums.release()
+            self.streamer.close()
         return self.results, self.retry
 
-    def _start_in_place(self) -> None:
-        t0 = time.perf_counter()
-        self._in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
-        if self._in_place_bufs is None:
-            return
-        if self.manifest.checksum_algo:
-            self._in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self._in_place_bufs))
-        self.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
+    def stream(self) -> list[int]:
+        """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
+        return self.streamer.run()
 
-    def _left(self) -> float:
+    def left(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
 
-    def _fail(self, rid: str, reason: str, err: str) -> None:
+    def fail(self, rid: str, reason: str, err: str) -> None:
         self.rollouts.fail(self.results[rid], self.by_id[rid], reason, err)
+
+    def gone(self, rid: str) -> bool:
+        """A call to it would only wait: it went silent in this sync (dropped here, or its link gave up)."""
+        return rid in self.dropped or self.rollouts.gone(self.by_id[rid])
+
+    def linked(self, rid: str) -> bool:
+        return self.rollouts.link_of(self.by_id[rid]) is not None
+
+    def _drop_silent(self, rids: dict[str, float], phase: str, answered: int, answered_s: float) -> None:
+        """Fail the targets that stayed silent while `answered` others answered `phase` in `answered_s`."""
+        for rid, silent_s in rids.items():
+            self.dropped[rid] = silent_s
+            e = self.by_id[rid]
+            e.reachable = False
+            if phase == "prepare":
+                fate = f"dropped from this sync; it stays at version {e.version} (stale) until a later sync"
+            else:
+                fate = (
+                    f"commit unconfirmed: it commits version {self.manifest.version} whole if it resumes "
+                    "before its prepare times out, else it keeps its version; either way a later sync catches it up"
+                )
+            self.fail(
+                rid,
+                "silent",
+                f"{phase}: UNAVAILABLE: the rollout went silent (no answer nor acknowledgement for {silent_s:.2f}s "
+                f"while {answered} other(s) answered in {answered_s:.2f}s): {fate}",
+            )
 
     # ---- prepare ----------------------------------------------------------------------------
     def prepare(self, meanwhile: Callable[[], None] | None = None) -> None:
@@ -137,13 +153,15 @@ class SyncAttempt:
         own work for the sync overlaps the rollouts'."""
         answers = self._prepare_calls(meanwhile)
         for e in self.targets:
+            if e.rollout_id in self.dropped:
+                continue
             resp, err = answers[e.rollout_id]
             err = err or self.session.accept(e, resp)
             if err and self.session.sender_gpu_clash:
                 r = self.results[e.rollout_id]  # retried through the funnel: not a failure of this rollout
                 r.ok, r.error = False, f"prepare: {err}"
             elif err:
-                self._fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
+                self.fail(e.rollout_id, "prepare_failed", f"prepare: {err}")
             else:
                 self.prepared[e.rollout_id] = resp
                 if resp.delta_accepted and self.delta.offer is not None:
@@ -174,7 +192,7 @@ class SyncAttempt:
                     full = cache.full_proto(self.manifest)
                 req = rollout_pb2.PrepareSyncRequest(
                     manifest=full if send_full else compact,
-                    timeout_seconds=self._left(),
+                    timeout_seconds=self.left(),
                     transport=self.session.spec_for(e),
                     trainer_id=self.fleet.trainer_id,
                     allow_rollback=self.allow_rollback,
@@ -182,18 +200,18 @@ class SyncAttempt:
                 )
                 calls.append((e, send_full, req))
             pending = []
-            if meanwhile is not None:
-                futs = [self._pool.submit(self.rollouts.call, e, "PrepareSync", req) for e, _, req in calls]
-                run, meanwhile = meanwhile, None
-                try:
-                    run()
-                except BaseException:  # the requests already out end before the failure is raised
-                    futures.wait(futs, timeout=self._left())
-                    raise
-                answers = [f.result() for f in futs]
-            else:
-                answers = self._on_each(lambda c: self.rollouts.call(c[0], "PrepareSync", c[2]), calls)
-            for (e, sent_full, _), (resp, err) in zip(calls, answers):
+            answers = self._gather(
+                "prepare",
+                {e.rollout_id: functools.partial(self.rollouts.call, e, "PrepareSync", req) for e, _, req in calls},
+                meanwhile,
+                on_late=self._late_prepare,
+            )
+            meanwhile = None
+            for e, sent_full, _ in calls:
+                if e.rollout_id not in answers:  # dropped: silent
+                    cache.forget(e)
+                    continue
+                resp, err = answers[e.rollout_id]
                 if not err and resp.manifest_needed:
                     cache.forget(e)
                     if not sent_full:
@@ -208,6 +226,21 @@ class SyncAttempt:
         if meanwhile is not None:  # no target to prepare
             meanwhile()
         return out
+
+    def _late_prepare(self, rid: str, answer) -> None:
+        """A dropped rollout answered after all (it resumed): what it prepared must never commit."""
+        resp, err = answer
+        if resp is None or err or resp.manifest_needed:
+            return  # nothing prepared
+        log.warning(
+            "sync %s: %s answered PrepareSync after it was dropped as silent; aborting what it prepared "
+            "(a later sync catches it up)",
+            self.manifest.sync_id,
+            rid,
+        )
+        _, err = self.rollouts.call(self.by_id[rid], "AbortSync", self.abort_request())
+        if err:  # its own timer aborts it (timeout_seconds), and any newer prepare supersedes it
+            log.warning("sync %s: AbortSync to %s after its late prepare failed: %s", self.manifest.sync_id, rid, err)
 
     def _stop_group(self) -> None:
         """A group-wide session cannot start without every member: fail (or retry) the ones that prepared."""
@@ -226,177 +259,8 @@ class SyncAttempt:
             if self.retry:  # superseded by the retry's result: not a failure of this rollout
                 self.results[rid].ok, self.results[rid].error = False, msg
             else:
-                self._fail(rid, "transport", msg)
+                self.fail(rid, "transport", msg)
         self.prepared.clear()
-
-    # ---- stream -----------------------------------------------------------------------------
-    def stream(self) -> list[int]:
-        """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
-        checksums: list[int] = []
-        ok, reason = False, "no target prepared"
-        multi = len(self.manifest.senders) > 1
-        in_place = self._in_place_bufs if self.prepared else None
-        # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
-        # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
-        export = iter(self.tensors()) if self.prepared and in_place is None and not multi else iter(())
-        streamed = list(self.prepared)
-        if self.prepared:
-            try:
-                checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
-                ok = True
-            except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
-                reason = f"stream: {exc}"
-                if not isinstance(exc, (OSError, TimeoutError, ValueError, RuntimeError)):
-                    log.exception("sync %s: unexpected stream failure", self.manifest.sync_id)
-                for rid in list(self.prepared):
-                    self._stream_failed[rid] = f"{self.session.name} {reason}"
-                self.prepared.clear()
-        self.session.finish(ok, reason)
-        self.delta.finish(ok)
-        for rid in streamed:
-            r = self.results[rid]
-            r.encoding = "delta" if rid in self.delta.accepted else "full"
-            r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
-        self._explain_stream_failures()
-        # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
-        try:
-            for _ in export:
-                pass
-        except Exception as exc:
-            if ok:  # a stream that went through read the export to its end: nothing may fail here
-                raise
-            # The exporter can still fail after a failed stream, e.g. on non-finite FP8 weights,
-            # which it reports at its end: raising would skip the aborts below, so it joins the
-            # failed targets' errors.
-            log.error("sync %s: the export failed after the stream did: %s", self.manifest.sync_id, exc)
-            for rid in streamed:
-                self.results[rid].error += f"; the export failed too: {exc}"
-        return checksums
-
-    def _in_place(self):
-        """The actor's own storage as this manifest's buckets (no pack copy), or None.
-
-        Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
-        """
-        flat = getattr(self.fleet.actor, "flat_buckets", None)
-        # a quantized export is computed per sync: the actor's storage is not what travels
-        if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
-            return None
-        try:
-            buffers = flat(self.manifest)
-        except Exception:  # an optimisation only: every parameter still holds its value; pack instead
-            log.exception(
-                "sync %s: the actor could not lay its parameters out as the buckets; packing them",
-                self.manifest.sync_id,
-            )
-            return None
-        if buffers is not None:
-            self.session.use_in_place(buffers)
-        return buffers
-
-    def _send_from_every_owner(self) -> list[int]:
-        actor, sync_id = self.fleet.actor, self.manifest.sync_id
-        flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
-        raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
-        targets, groups, period = self.session.owner_streams(
-            {rid: self.by_id[rid] for rid in self.prepared}, self._left(), raise_flag
-        )
-        fmt = self.fleet.export_format
-        out = stream_from_every_owner(
-            actor,
-            self.manifest,
-            targets,
-            self.fleet.token,
-            self._left(),
-            nccl_groups=groups,
-            export_dtype=fmt.name if fmt.quantization else "",
-            watch_period=period,
-        )
-        self.senders = out.senders
-        for rid, err in out.failures.items():
-            if rid in self.prepared:
-                self.prepared.pop(rid)
-                self._stream_failed[rid] = err
-        if out.error:
-            raise TransportError(out.error)
-        return out.checksums
-
-    def _send(self, export, in_place) -> list[int]:
-        channel = self.delta.channel(self.session.open({rid: self.by_id[rid] for rid in self.prepared}, self._left()))
-        # A target on the sync link commits there (the cheapest round trip); one without a link,
-        # on its IpcBuckets stream when it offered that; the rest call CommitSync.
-        on_stream = [rid for rid, resp in self.prepared.items() if resp.commit_on_stream and not self._linked(rid)]
-        if on_stream and self.session.commit_on_stream:
-            channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
-            self._commit_channel, self._on_stream = channel, set(on_stream)
-        linked = [rid for rid in self.prepared if self._linked(rid)]
-        if linked and self.session.commit_on_stream:
-            # their streams' ends need not hold up the stream phase: awaited when the channel closes
-            channel.commit_elsewhere(linked)
-            self._commit_channel = channel
-        t0 = time.perf_counter()
-        sender = SenderResult(
-            rank=0, buckets=len(self.manifest.buckets), bytes=sum(b.tensor_bytes for b in self.manifest.buckets)
-        )
-        self.senders = [sender]
-        try:
-            stats = stream_buckets(
-                self.manifest,
-                export,
-                channel,
-                device=self.session.device,
-                timeout=self._left(),
-                buffers=self.session.buffers,
-                in_place=in_place,
-                in_place_checksums=self._in_place_checksums if in_place is not None else None,
-                with_checksums=not self.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
-            )
-            # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
-            # and all the trainer's work per bucket (export + pack + checksum)
-            self.phases.add("stream.export", stats.export_seconds)
-            self.phases.add("stream.pack", stats.pack_seconds)
-            sender.peak_buffer_bytes = stats.peak_buffer_bytes
-            return self.delta.checksums if self.delta.keep else stats.checksums
-        except Exception as exc:
-            sender.error = str(exc)
-            raise
-        finally:
-            sender.seconds = time.perf_counter() - t0
-            sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
-            self._wire = dict(getattr(channel, "wire_bytes", {}))
-            for rid, err in channel.failures().items():
-                if rid in self.prepared:
-                    self.prepared.pop(rid)
-                    self._stream_failed[rid] = err
-            if channel is not self._commit_channel:
-                channel.close()
-
-    def _explain_stream_failures(self) -> None:
-        """Fail the targets whose stream broke, with the rollout's own reason when it had one.
-
-        A rollout that finds a bucket corrupted (DATA_LOSS) aborts the sync and closes its stream:
-        the trainer sees only a broken pipe. AbortSync (due to them anyway) answers why, so the
-        report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
-        failed, self._stream_failed = self._stream_failed, {}
-        if not failed:
-            return
-        req = self._abort_request()
-        rids = [rid for rid in failed if not self.rollouts.gone(self.by_id[rid])]
-        answers = dict(zip(rids, self._on_each(lambda r: self.rollouts.call(self.by_id[r], "AbortSync", req), rids)))
-        self._aborted.update(rids)  # abort_failed need not abort them again
-        for rid, err in failed.items():
-            resp, _ = answers.get(rid, (None, ""))
-            why = resp.aborted_reason if resp is not None else ""
-            if why:
-                err = f"{why} (the rollout aborted the sync; the trainer's stream saw: {err})"
-            self._fail(rid, "data_loss" if why.startswith("DATA_LOSS") else "transport", err)
-            if why.startswith("DATA_LOSS") and rid not in self.delta.accepted:
-                self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
-
-    def _abort_request(self) -> rollout_pb2.AbortSyncRequest:
-        return rollout_pb2.AbortSyncRequest(
-            sync_id=self.manifest.sync_id, reason="trainer aborted the sync", trainer_id=self.fleet.trainer_id
-        )
 
     # ---- commit / abort ---------------------------------------------------------------------
     def commit(self, checksums: list[int]) -> None:
@@ -406,14 +270,18 @@ class SyncAttempt:
         )
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
-        rids = list(self.prepared)
-        for rid, (resp, err) in zip(rids, self._on_each(lambda r: self._commit_one(r, req), rids)):
+        answers = self._gather(
+            "commit",
+            {rid: functools.partial(self._commit_one, rid, req) for rid in self.prepared},
+            on_late=self._late_commit,
+        )
+        for rid, (resp, err) in answers.items():
             e, r = self.by_id[rid], self.results[rid]
             if err:
                 if err.startswith("DATA_LOSS"):  # the rollout's checksums found corruption (at commit on a GPU)
-                    self._fail(rid, "data_loss", f"{err} (reported at commit)")
+                    self.fail(rid, "data_loss", f"{err} (reported at commit)")
                 else:
-                    self._fail(rid, "commit_failed", f"commit: {err}")
+                    self.fail(rid, "commit_failed", f"commit: {err}")
                 if rid not in self.delta.accepted:
                     self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
             else:
@@ -422,33 +290,63 @@ class SyncAttempt:
                 e.origin = self.fleet.origin
 
     def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
-        if rid in self._on_stream:
-            return self._commit_channel.commit(rid, req, timeout=self.rollouts.rpc_timeout)
+        if rid in self.streamer.on_stream:
+            return self.streamer.commit_channel.commit(rid, req, timeout=self.rollouts.rpc_timeout)
         return self.rollouts.call(self.by_id[rid], "CommitSync", req)
 
-    def _linked(self, rid: str) -> bool:
-        return self.rollouts.link_of(self.by_id[rid]) is not None
+    def _late_commit(self, rid: str, answer) -> None:
+        """A rollout dropped at commit answered after all: its commit is whole either way (atomic)."""
+        resp, err = answer
+        if resp is not None and not err:
+            e = self.by_id[rid]
+            e.version, e.origin, e.reachable = resp.version, self.fleet.origin, True
+        log.warning(
+            "sync %s: %s answered CommitSync after it was dropped as silent: %s",
+            self.manifest.sync_id,
+            rid,
+            f"committed version {resp.version}" if resp is not None and not err else err,
+        )
+
+    def _gather(self, phase: str, calls: dict, meanwhile=None, on_late=None) -> dict:
+        """rollout_id -> (answer, error) of every call of `phase` that was answered; the targets that
+        stayed silent while the others answered are failed and dropped (weightsync.publisher.straggler)."""
+        got = gather(
+            self._pool,
+            calls,
+            lambda rid, since: self.rollouts.heard_since(self.by_id[rid], since),
+            self.deadline,
+            meanwhile=meanwhile,
+            on_late=on_late,
+        )
+        if got.dropped:
+            self._drop_silent(got.dropped, phase, len(got.answers), got.seconds)
+        return got.answers
 
     def abort_failed(self) -> None:
         """AbortSync on every target that did not commit, so none is left holding a prepared sync.
 
         Not on one that went silent: the call would wait for it, holding this Sync; its own timer
         (timeout_seconds) aborts what it prepared, and the catch-up sync supersedes it."""
-        req = self._abort_request()
+        req = self.abort_request()
         failed = [
             self.by_id[r.rollout_id]
             for r in self.results.values()
-            if not r.ok and r.rollout_id not in self._aborted and not self.rollouts.gone(self.by_id[r.rollout_id])
+            if not r.ok and r.rollout_id not in self.aborted and not self.gone(r.rollout_id)
         ]
-        self._on_each(lambda e: self.rollouts.call(e, "AbortSync", req), failed)
+        self.on_each(lambda e: self.rollouts.call(e, "AbortSync", req), failed)
 
-    def _on_each(self, fn: Callable, items: list) -> list:
+    def abort_request(self) -> rollout_pb2.AbortSyncRequest:
+        return rollout_pb2.AbortSyncRequest(
+            sync_id=self.manifest.sync_id, reason="trainer aborted the sync", trainer_id=self.fleet.trainer_id
+        )
+
+    def on_each(self, fn: Callable, items: list) -> list:
         """[fn(x) for x in items], all at once: the first on this thread, the others on the RPC
         pool's (a sync to one rollout hands nothing to another thread and back)."""
         futs = [self._pool.submit(fn, x) for x in items[1:]]
         try:
             first = [fn(items[0])] if items else []
         except BaseException:  # the calls already out end before the failure is raised
-            futures.wait(futs, timeout=self._left())
+            futures.wait(futs, timeout=self.left())
             raise
         return first + [f.result() for f in futs]

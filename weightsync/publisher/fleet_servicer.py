@@ -134,6 +134,9 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         return trainer_pb2.SyncResponse(report=report)
 
+    def GetSyncProgress(self, request, context):
+        return self.orch.progress()
+
     def GetStatus(self, request, context):
         st = trainer_pb2.TrainerStatus(
             version=self.actor.version,

@@ -10,7 +10,9 @@ request went out is the call's failure, as a broken gRPC call's would be: a comm
 The link is opened with LINK_MAGIC_BEATS: while the rollout handles a request it beats, so a call
 given a `liveness` waits for the answer as long as the beats keep coming (up to its timeout) and
 gives up after `liveness` seconds of silence: the rollout is gone (stopped, hung, unreachable), and
-`silent` says so until it answers again. A link whose handshake goes unanswered is silent too.
+`silent` says so until it answers again. The rollout beats once as soon as it reads a request, so
+`last_heard` tells a sync, within milliseconds, which rollouts have its request in hand
+(weightsync.publisher.straggler). A link whose handshake goes unanswered is silent too.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class SyncLinkClient:
         self.retry_at = 0.0
         #: the rollout went silent (no answer, no beat, within a call's liveness): it is gone until it answers
         self.silent = False
+        #: time.monotonic() of the last frame the rollout sent (its handshake, a beat, an answer)
+        self.last_heard = 0.0
 
     def usable(self) -> bool:
         return time.monotonic() >= self.retry_at
@@ -123,12 +127,12 @@ class SyncLinkClient:
         except Exception as exc:  # protobuf DecodeError
             return None, f"INTERNAL: sync link to {self.address}: {method}: unreadable answer ({exc})"
 
-    @staticmethod
-    def _answer(sock: socket.socket, deadline: float, liveness: float | None) -> tuple[int, bytes]:
+    def _answer(self, sock: socket.socket, deadline: float, liveness: float | None) -> tuple[int, bytes]:
         """The answer frame, past any beats; TimeoutError at `deadline` or after `liveness` s of silence."""
         while True:
             until = deadline if liveness is None else min(deadline, time.monotonic() + liveness)
             status, payload = read_frame(sock, until)
+            self.last_heard = time.monotonic()
             if status != BEAT:
                 return status, payload
 
@@ -176,6 +180,7 @@ class SyncLinkClient:
             sock.sendall(link_mac(self.token, nonce))
             if recv_exact(sock, 1, hello_deadline) != ACCEPTED:
                 raise _Rejected("the rollout answered the handshake with a refusal")
+            self.last_heard = time.monotonic()
         except TimeoutError:
             sock.close()
             raise _Silent(

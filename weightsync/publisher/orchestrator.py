@@ -95,6 +95,8 @@ class SyncOrchestrator:
         self.transports = {t.name: t.trainer_end_class().for_trainer(side) for t in TRANSPORTS.values()}
         self.last_report = trainer_pb2.SyncReport()
         self.in_progress = False
+        #: the running sync's clock and what is known of it (GetSyncProgress); None between syncs
+        self._live: tuple[PhaseClock, trainer_pb2.SyncProgress] | None = None
         # Kept across syncs: the planned layout (re-planned only when the export metadata changes,
         # sent in full once per rollout) and the RPC threads that reach every target at once.
         self.manifests = ManifestCache()
@@ -153,8 +155,21 @@ class SyncOrchestrator:
             return self._sync_locked(targets, transport, timeout, senders, allow_rollback)
         finally:
             self.in_progress = False
+            self._live = None
             self.metrics.in_progress.set(0)
             self.actor_lock.release()
+
+    def progress(self) -> trainer_pb2.SyncProgress:
+        """Where the running sync stands (phase, bytes), asking no rollout: cheap enough to poll."""
+        live = self._live
+        if live is None:
+            return trainer_pb2.SyncProgress()
+        phases, known = live
+        out = trainer_pb2.SyncProgress()
+        out.CopyFrom(known)
+        out.in_progress, out.phase, out.bytes_sent = True, phases.current, phases.bytes_sent
+        out.seconds = time.monotonic() - phases.started
+        return out
 
     def _sync_locked(
         self,
@@ -167,6 +182,7 @@ class SyncOrchestrator:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         phases = PhaseClock()
+        self._live = (phases, trainer_pb2.SyncProgress(transport=transport, num_rollouts=len(targets)))
         by_id = {e.rollout_id: e for e in targets}
         results: dict[str, trainer_pb2.RolloutSyncResult] = {}
         if (
@@ -201,6 +217,17 @@ class SyncOrchestrator:
                 manifest.total_bytes / 1e6,
                 transport,
                 " (cached group)" if session.reused else "",
+            )
+            phases.progress(bytes_sent=0)  # a retry streams from the start
+            self._live = (
+                phases,
+                trainer_pb2.SyncProgress(
+                    sync_id=manifest.sync_id,
+                    version=manifest.version,
+                    bytes=manifest.total_bytes,
+                    num_rollouts=len(targets),
+                    transport=transport,
+                ),
             )
             one = SyncAttempt(
                 self, session, manifest, targets, deadline, phases, tensors=self._export, allow_rollback=allow_rollback

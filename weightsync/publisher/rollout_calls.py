@@ -73,6 +73,14 @@ class RolloutCalls:
         link = entry.link if self.sync_link else None
         return link is not None and link.silent
 
+    def heard_since(self, entry: RolloutEntry, since: float) -> bool | None:
+        """Whether the rollout said anything on its sync link since monotonic time `since` (a call on the
+        link is acknowledged at once); None when its calls go over gRPC, which gives no such signal."""
+        link = self.link_of(entry)
+        if link is None or self.liveness_timeout is None:
+            return None
+        return link.last_heard >= since
+
     def _learn_link(self, entry: RolloutEntry, method: str, resp) -> None:
         # only an accepted prepare names the link (a manifest_needed answer is not one)
         if self.sync_link and method == "PrepareSync" and resp is not None and not resp.manifest_needed:

@@ -140,6 +140,32 @@ class TrainerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SyncProgressRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SyncProgress(_message.Message):
+    __slots__ = ("in_progress", "sync_id", "version", "phase", "bytes", "bytes_sent", "num_rollouts", "seconds", "transport")
+    IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    in_progress: bool
+    sync_id: str
+    version: int
+    phase: str
+    bytes: int
+    bytes_sent: int
+    num_rollouts: int
+    seconds: float
+    transport: str
+    def __init__(self, in_progress: _Optional[bool] = ..., sync_id: _Optional[str] = ..., version: _Optional[int] = ..., phase: _Optional[str] = ..., bytes: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+
 class RolloutInfo(_message.Message):
     __slots__ = ("rollout_id", "address", "version", "state", "reachable", "last_error", "last_sync_seconds", "origin")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]

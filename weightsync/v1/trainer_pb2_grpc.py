@@ -54,6 +54,11 @@ class TrainerStub:
                 request_serializer=weightsync_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.GetSyncProgress = channel.unary_unary(
+                '/weightsync.v1.Trainer/GetSyncProgress',
+                request_serializer=weightsync_dot_v1_dot_trainer__pb2.SyncProgressRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_trainer__pb2.SyncProgress.FromString,
+                _registered_method=True)
         self.LoadWeights = channel.unary_unary(
                 '/weightsync.v1.Trainer/LoadWeights',
                 request_serializer=weightsync_dot_v1_dot_trainer__pb2.LoadWeightsRequest.SerializeToString,
@@ -103,6 +108,12 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSyncProgress(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +171,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=weightsync_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'GetSyncProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSyncProgress,
+                    request_deserializer=weightsync_dot_v1_dot_trainer__pb2.SyncProgressRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_trainer__pb2.SyncProgress.SerializeToString,
             ),
             'LoadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadWeights,
@@ -295,6 +311,33 @@ class Trainer:
             '/weightsync.v1.Trainer/GetStatus',
             weightsync_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
             weightsync_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSyncProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Trainer/GetSyncProgress',
+            weightsync_dot_v1_dot_trainer__pb2.SyncProgressRequest.SerializeToString,
+            weightsync_dot_v1_dot_trainer__pb2.SyncProgress.FromString,
             options,
             channel_credentials,
             insecure,

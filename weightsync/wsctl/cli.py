@@ -2,6 +2,7 @@
 
 Exit codes: 0 success; 1 the operation ran but failed (e.g. a rollout did not commit);
 2 bad usage; 3 the trainer could not be reached or refused the call (auth, busy).
+`wsctl sync` shows the sync's phases and bytes on stderr while it runs (not in --json mode).
 Imports neither torch nor megatron, so it starts fast anywhere.
 """
 
@@ -241,15 +242,21 @@ def _main(argv: list[str] | None) -> int:
                 print(json.dumps(_as_dict(st), indent=2)) if ns.json else print_status(st)
                 return EXIT_OK
             if ns.command == "sync":
-                rep = stub.Sync(
-                    trainer_pb2.SyncRequest(
-                        rollout_ids=ns.rollout,
-                        transport=ns.transport,
-                        timeout_seconds=ns.sync_timeout,
-                        senders=ns.senders,
-                        allow_rollback=ns.allow_rollback,
-                    )
-                ).report
+                req = trainer_pb2.SyncRequest(
+                    rollout_ids=ns.rollout,
+                    transport=ns.transport,
+                    timeout_seconds=ns.sync_timeout,
+                    senders=ns.senders,
+                    allow_rollback=ns.allow_rollback,
+                )
+                if ns.json:  # stdout is the report alone, stderr stays quiet: what a script parses
+                    rep = stub.Sync(req).report
+                else:
+                    from weightsync.wsctl.progress import watch
+
+                    call = stub.future("Sync", req)
+                    watch(stub, call, sys.stderr)  # phases and bytes as they happen
+                    rep = call.result().report
                 if ns.json:
                     out = _as_dict(rep)
                     if not rep.rollouts:  # the report as always, and why it is empty

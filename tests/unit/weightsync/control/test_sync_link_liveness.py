@@ -1,11 +1,12 @@
 """The sync link's liveness and pre-auth budget (issue 37).
 
-A rollout that is slow keeps beating and its call succeeds past `liveness`; one that went silent
-(a stopped process: the kernel still accepts and buffers, nothing answers) fails the call after
-`liveness`, long before its timeout, and is marked silent; a Sync with one silent rollout among
-three commits the other two without waiting for it, and the silent one is caught up exactly once
-it answers again. Silent unauthenticated peers hold no link slot, and a link that cannot open says
-why (refused / handshake rejected).
+A rollout acknowledges a request at once and keeps beating while it is slow, and its call succeeds
+past `liveness`; one that went silent (a stopped process: the kernel still accepts and buffers,
+nothing answers) fails the call after `liveness`, long before its timeout, and is marked silent; a
+Sync with one silent rollout among three commits the other two without waiting for it (not even
+the liveness: it never acknowledged), and the silent one is caught up exactly once it answers again.
+Silent unauthenticated peers hold no link slot, and a link that cannot open says why (refused /
+handshake rejected).
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def test_a_slow_rollout_keeps_beating_and_its_call_outlives_the_liveness(fleet, 
         client.close()
 
 
+def test_a_rollout_acknowledges_a_request_as_soon_as_it_reads_it(fleet, monkeypatch):
+    """Before its first periodic beat: how a sync tells "has the request" from "silent" in milliseconds."""
+    from weightsync.control.sync_link import BEAT_PERIOD_S
+
+    _, rollouts, _ = fleet
+    app = rollouts["b"]
+    abort, started = app.servicer.AbortSync, threading.Event()
+
+    def slow(request, context):
+        started.set()
+        time.sleep(BEAT_PERIOD_S * 4)
+        return abort(request, context)
+
+    monkeypatch.setattr(app.servicer, "AbortSync", slow)
+    client = SyncLinkClient(app.servicer.sync_link, TOKEN)
+    client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="warm"), 30, liveness=LIVENESS_S)  # opens it
+    try:
+        t0 = time.monotonic()
+        worker = threading.Thread(
+            target=client.call, args=("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="x"), 30, LIVENESS_S)
+        )
+        worker.start()
+        assert started.wait(5)
+        deadline = t0 + BEAT_PERIOD_S * 0.8
+        while client.last_heard < t0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert client.last_heard >= t0, "no acknowledgement before the first periodic beat"
+        worker.join(10)
+    finally:
+        client.close()
+
+
 def _silent_rollout(answer_handshake: bool):
     """A listener that, like a SIGSTOPped rollout, never answers; with `answer_handshake` it first
     accepts the link (a rollout stopped after the link opened). Returns (address, close)."""
@@ -169,8 +202,11 @@ def test_one_silent_rollout_does_not_hold_the_sync_and_is_caught_up_when_it_answ
     by_id = {r.rollout_id: r for r in rep.rollouts}
     assert by_id["a"].ok and by_id["b"].ok, rep
     assert not by_id["c"].ok and "silent" in by_id["c"].error, by_id["c"]
-    # the healthy two waited the liveness for the silent one, never rpc_timeout_s
+    # the healthy two did not even wait the liveness for the silent one (let alone rpc_timeout_s): it was
+    # dropped a short grace after they answered (weightsync.publisher.straggler)
     assert took < 2 * normal + LIVENESS_S + 2.0, (took, normal)
+    assert took < LIVENESS_S, (took, normal)
+    assert "dropped from this sync" in by_id["c"].error, by_id["c"]
     v = trainer.actor.version
     for rid in "ab":
         assert (

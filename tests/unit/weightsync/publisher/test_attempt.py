@@ -64,6 +64,9 @@ class _Orch:
     def gone(self, entry):
         return entry.rollout_id in self.silent
 
+    def heard_since(self, entry, since):
+        return None  # as over gRPC: no liveness signal (a fleet with one: tests/unit/.../test_straggler.py)
+
 
 class _Channel(BucketSender):
     def __init__(self, fail=False):

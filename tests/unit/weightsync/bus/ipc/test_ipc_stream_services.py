@@ -178,15 +178,15 @@ def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked
     """A trainer that sends its own parameter storage (on a GPU: bf16 hf) marks each bucket
     held_until_commit; the rollouts acknowledge it without waiting for their copy and read its
     checksum at commit, where a corrupted bucket still fails that rollout alone."""
-    from weightsync.publisher.attempt import SyncAttempt
+    from weightsync.publisher.stream_phase import StreamPhase
 
-    def in_place(self):  # what a GPU trainer does; a CPU one packs (SyncAttempt._in_place)
+    def in_place(self):  # what a GPU trainer does; a CPU one packs (StreamPhase._in_place)
         buffers = self.fleet.actor.flat_buckets(self.manifest)
         if buffers is not None:
             self.session.use_in_place(buffers)
         return buffers
 
-    monkeypatch.setattr(SyncAttempt, "_in_place", in_place)
+    monkeypatch.setattr(StreamPhase, "_in_place", in_place)
     trainer, rollouts, stub, gpu = fleet
     _bump(trainer)
     a = rollouts["a"]

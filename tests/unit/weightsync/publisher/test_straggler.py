@@ -1,0 +1,146 @@
+"""A phase's calls to every target at once never wait long on one that went silent (issue 37).
+
+weightsync.publisher.straggler.gather against fake calls whose liveness the test sets; and a whole
+SyncAttempt whose third target never acknowledges its PrepareSync: the other two commit, the silent
+one is failed `silent` (no call waits on it), and when its prepare is answered late, AbortSync of
+that very sync supersedes what it prepared; one silent only at commit is reported unconfirmed, and
+its late commit (whole, atomic) is recorded when it comes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_attempt import _attempt, _Orch, _Session
+
+from weightsync.publisher import straggler
+from weightsync.publisher.straggler import GRACE_FLOOR_S, gather, grace_s
+
+POOL = ThreadPoolExecutor(max_workers=8)
+
+
+def _after(seconds: float, value, release: threading.Event | None = None):
+    def call():
+        if release is not None:
+            release.wait(30)
+        else:
+            time.sleep(seconds)
+        return value
+
+    return call
+
+
+def test_the_grace_follows_the_answered_targets_own_progress():
+    assert grace_s([]) == GRACE_FLOOR_S
+    assert grace_s([0.01, 0.02]) == GRACE_FLOOR_S
+    assert grace_s([0.05, 0.3]) == pytest.approx(straggler.GRACE_FACTOR * 0.3)
+
+
+def test_a_silent_target_is_dropped_a_grace_after_the_others_answered_and_its_late_answer_is_handed_on():
+    release, late = threading.Event(), []
+    calls = {"a": _after(0.02, "A"), "b": _after(0.3, "B"), "c": _after(0, "C", release)}
+    heard = {"a": True, "b": True, "c": False}
+    t0 = time.monotonic()
+    got = gather(
+        POOL, calls, lambda k, since: heard[k], time.monotonic() + 30, on_late=lambda k, v: late.append((k, v))
+    )
+    took = time.monotonic() - t0
+    assert got.answers == {"a": "A", "b": "B"} and list(got.dropped) == ["c"]
+    # c is dropped the grace a's answer sets after the requests went out; b (acknowledged) is waited for
+    assert 0.3 <= took < 0.3 + 0.5, took
+    assert grace_s([0.02]) - 0.01 <= got.dropped["c"] < 0.3, got.dropped
+    release.set()
+    deadline = time.monotonic() + 5
+    while not late and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert late == [("c", "C")]
+
+
+@pytest.mark.parametrize("heard", [True, None], ids=["acknowledged", "over-grpc"])
+def test_a_target_that_acknowledged_or_gives_no_signal_is_waited_for(heard):
+    """Slow is not gone: one that has the request in hand (it beats), or one over gRPC (no way to tell)."""
+    calls = {"a": _after(0.01, "A"), "slow": _after(0.6, "S")}
+    got = gather(POOL, calls, lambda k, since: True if k == "a" else heard, time.monotonic() + 30)
+    assert got.answers == {"a": "A", "slow": "S"} and got.dropped == {}
+
+
+def test_no_target_is_dropped_before_one_answered():
+    """With nothing to compare against (every target silent so far) the calls' own timeouts decide."""
+    calls = {"a": _after(0.4, "A"), "b": _after(0.4, "B")}
+    got = gather(POOL, calls, lambda k, since: False, time.monotonic() + 30)
+    assert got.answers == {"a": "A", "b": "B"} and got.dropped == {}
+
+
+class _SilentOrch(_Orch):
+    """Target c holds its PrepareSync (as a stopped process: no answer, no acknowledgement) until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.late_aborts: list = []
+
+    def call(self, entry, method, req):
+        if entry.rollout_id == "c" and method == "PrepareSync":
+            self.release.wait(30)
+        if entry.rollout_id == "c" and method == "AbortSync":
+            self.late_aborts.append(req.sync_id)
+        return super().call(entry, method, req)
+
+    def heard_since(self, entry, since):
+        return entry.rollout_id != "c" or self.release.is_set()
+
+
+def test_a_silent_prepare_target_is_dropped_the_others_commit_and_its_late_prepare_is_aborted():
+    orch, session = _SilentOrch(), _Session()
+    attempt, manifest, (a, b, c), _ = _attempt(orch, session, rids=("a", "b", "c"))
+    t0 = time.monotonic()
+    results, retry = attempt.run()
+    took = time.monotonic() - t0
+    assert took < 2.0, took  # never the call's 30 s
+    assert results["a"].ok and results["b"].ok and retry == []
+    assert not results["c"].ok and "silent" in results["c"].error and "stale" in results["c"].error
+    assert orch.failed == [("c", "silent")] and not c.reachable and c.version == 0
+    assert session.targets == ["a", "b"]  # nothing streamed to it
+    assert ("c", "CommitSync") not in orch.calls and ("c", "AbortSync") not in orch.calls
+    orch.release.set()  # it resumes: its prepare is answered now, and superseded at once
+    deadline = time.monotonic() + 5
+    while not orch.late_aborts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert orch.late_aborts == [manifest.sync_id]
+
+
+class _SilentAtCommit(_Orch):
+    """Target c prepares and receives everything, then goes silent on its CommitSync until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.sent_commit = threading.Event(), threading.Event()
+
+    def call(self, entry, method, req):
+        if entry.rollout_id == "c" and method == "CommitSync":
+            self.sent_commit.set()
+            self.release.wait(30)
+        return super().call(entry, method, req)
+
+    def heard_since(self, entry, since):
+        return entry.rollout_id != "c" or not self.sent_commit.is_set() or self.release.is_set()
+
+
+def test_a_target_silent_at_commit_is_reported_unconfirmed_and_its_late_commit_is_recorded():
+    orch, session = _SilentAtCommit(), _Session()
+    attempt, _, (a, b, c), _ = _attempt(orch, session, rids=("a", "b", "c"))
+    t0 = time.monotonic()
+    results, _ = attempt.run()
+    assert time.monotonic() - t0 < 2.0
+    assert results["a"].ok and results["b"].ok and (a.version, b.version) == (7, 7)
+    assert not results["c"].ok and "commit: UNAVAILABLE" in results["c"].error
+    assert "commit unconfirmed" in results["c"].error and orch.failed == [("c", "silent")]
+    assert ("c", "AbortSync") not in orch.calls  # it may be committing: an abort would only wait for it
+    orch.release.set()  # it resumes and commits the version it verified, whole
+    deadline = time.monotonic() + 5
+    while c.version != 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.version == 7 and c.reachable

@@ -1,0 +1,256 @@
+"""The stream phase of a sync attempt: every bucket to every target that prepared.
+
+From one sender (global rank 0: packed buckets, or the actor's own storage on a GPU, sent without a
+pack copy) or, when the manifest has several senders, from every trainer rank that owns tensors
+(weightsync.publisher.multisender). A target whose stream broke leaves the attempt; AbortSync asks
+it why, so a bucket the rollout found corrupted is reported as DATA_LOSS, not as the broken pipe the
+trainer saw. Targets that commit on the stream's channel (ipc) or whose stream end is awaited after
+their commit (sync link) keep the channel open past this phase (`commit_channel`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from weightsync.bus.checksum import InFlightChecksums
+from weightsync.bus.errors import TransportError
+from weightsync.bus.pipeline import in_place_views, stream_buckets
+from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
+from weightsync.publisher.phases import PhaseClock
+
+log = logging.getLogger(__name__)
+
+
+class Attempt(Protocol):
+    """What the stream phase uses of its attempt (weightsync.publisher.attempt.SyncAttempt)."""
+
+    fleet: Any
+    session: Any
+    manifest: Any
+    phases: PhaseClock
+    tensors: Callable
+    prepared: dict
+    results: dict
+    by_id: dict
+    delta: Any
+    rollouts: Any
+    aborted: set[str]
+
+    def left(self) -> float: ...
+    def fail(self, rid: str, reason: str, err: str) -> None: ...
+    def gone(self, rid: str) -> bool: ...
+    def linked(self, rid: str) -> bool: ...
+    def on_each(self, fn: Callable, items: list) -> list: ...
+    def abort_request(self): ...
+
+
+class StreamPhase:
+    def __init__(self, attempt: Attempt):
+        self.attempt = attempt
+        self.fleet, self.session, self.manifest = attempt.fleet, attempt.session, attempt.manifest
+        #: what each sending rank did in the stream (one entry for the single sender)
+        self.senders: list[SenderResult] = []
+        #: the actor's own storage as the buckets (GPU only), and their checksums started during prepare
+        self.in_place_bufs: list | None = None
+        self.in_place_checksums: InFlightChecksums | None = None
+        #: the stream's channel, kept open after the stream for targets that commit on it or whose
+        #: stream end is awaited after their commit (ipc)
+        self.commit_channel = None
+        self.on_stream: set[str] = set()
+        #: rollout_id -> bytes the stream put on the bus for it (delta or full)
+        self._wire: dict[str, int] = {}
+        #: rollout_id -> what the trainer saw, for targets whose stream broke (failed once explained)
+        self._stream_failed: dict[str, str] = {}
+        #: bytes handed to the bus so far (sync progress)
+        self.bytes_sent = 0
+
+    def start_in_place(self) -> None:
+        """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
+        t0 = time.perf_counter()
+        self.in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
+        if self.in_place_bufs is None:
+            return
+        if self.manifest.checksum_algo:
+            self.in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self.in_place_bufs))
+        self.attempt.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
+
+    def close(self) -> None:
+        if self.commit_channel is not None:
+            self.commit_channel.close()
+        if self.in_place_checksums is not None:
+            self.in_place_checksums.release()
+
+    def run(self) -> list[int]:
+        """Every bucket to every prepared target; returns the bucket checksums ([] if nothing was streamed)."""
+        a = self.attempt
+        checksums: list[int] = []
+        ok, reason = False, "no target prepared"
+        multi = len(self.manifest.senders) > 1
+        in_place = self.in_place_bufs if a.prepared else None
+        # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
+        # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
+        export = iter(a.tensors()) if a.prepared and in_place is None and not multi else iter(())
+        streamed = list(a.prepared)
+        if a.prepared:
+            try:
+                checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
+                ok = True
+            except Exception as exc:  # any failure to move bytes fails the targets, never the RPC
+                reason = f"stream: {exc}"
+                if not isinstance(exc, (OSError, TimeoutError, ValueError, RuntimeError)):
+                    log.exception("sync %s: unexpected stream failure", self.manifest.sync_id)
+                for rid in list(a.prepared):
+                    self._stream_failed[rid] = f"{self.session.name} {reason}"
+                a.prepared.clear()
+        self.session.finish(ok, reason)
+        a.delta.finish(ok)
+        for rid in streamed:
+            r = a.results[rid]
+            r.encoding = "delta" if rid in a.delta.accepted else "full"
+            r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
+        self._explain_stream_failures()
+        # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
+        try:
+            for _ in export:
+                pass
+        except Exception as exc:
+            if ok:  # a stream that went through read the export to its end: nothing may fail here
+                raise
+            # The exporter can still fail after a failed stream, e.g. on non-finite FP8 weights,
+            # which it reports at its end: raising would skip the aborts that follow, so it joins the
+            # failed targets' errors.
+            log.error("sync %s: the export failed after the stream did: %s", self.manifest.sync_id, exc)
+            for rid in streamed:
+                a.results[rid].error += f"; the export failed too: {exc}"
+        return checksums
+
+    def _in_place(self):
+        """The actor's own storage as this manifest's buckets (no pack copy), or None.
+
+        Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
+        """
+        flat = getattr(self.fleet.actor, "flat_buckets", None)
+        # a quantized export is computed per sync: the actor's storage is not what travels
+        if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
+            return None
+        try:
+            buffers = flat(self.manifest)
+        except Exception:  # an optimisation only: every parameter still holds its value; pack instead
+            log.exception(
+                "sync %s: the actor could not lay its parameters out as the buckets; packing them",
+                self.manifest.sync_id,
+            )
+            return None
+        if buffers is not None:
+            self.session.use_in_place(buffers)
+        return buffers
+
+    def _send_from_every_owner(self) -> list[int]:
+        a, actor, sync_id = self.attempt, self.fleet.actor, self.manifest.sync_id
+        flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
+        raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
+        targets, groups, period = self.session.owner_streams(
+            {rid: a.by_id[rid] for rid in a.prepared}, a.left(), raise_flag
+        )
+        fmt = self.fleet.export_format
+        out = stream_from_every_owner(
+            actor,
+            self.manifest,
+            targets,
+            self.fleet.token,
+            a.left(),
+            nccl_groups=groups,
+            export_dtype=fmt.name if fmt.quantization else "",
+            watch_period=period,
+        )
+        self.senders = out.senders
+        self.bytes_sent = sum(s.bytes for s in out.senders)
+        for rid, err in out.failures.items():
+            if rid in a.prepared:
+                a.prepared.pop(rid)
+                self._stream_failed[rid] = err
+        if out.error:
+            raise TransportError(out.error)
+        return out.checksums
+
+    def _send(self, export, in_place) -> list[int]:
+        a = self.attempt
+        channel = a.delta.channel(self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()))
+        # A target on the sync link commits there (the cheapest round trip); one without a link,
+        # on its IpcBuckets stream when it offered that; the rest call CommitSync.
+        on_stream = [rid for rid, resp in a.prepared.items() if resp.commit_on_stream and not a.linked(rid)]
+        if on_stream and self.session.commit_on_stream:
+            channel.commit_on_stream(on_stream)  # saves each of them the CommitSync round trip
+            self.commit_channel, self.on_stream = channel, set(on_stream)
+        linked = [rid for rid in a.prepared if a.linked(rid)]
+        if linked and self.session.commit_on_stream:
+            # their streams' ends need not hold up the stream phase: awaited when the channel closes
+            channel.commit_elsewhere(linked)
+            self.commit_channel = channel
+        t0 = time.perf_counter()
+        sender = SenderResult(
+            rank=0, buckets=len(self.manifest.buckets), bytes=sum(b.tensor_bytes for b in self.manifest.buckets)
+        )
+        self.senders = [sender]
+        try:
+            stats = stream_buckets(
+                self.manifest,
+                export,
+                channel,
+                device=self.session.device,
+                timeout=a.left(),
+                buffers=self.session.buffers,
+                in_place=in_place,
+                in_place_checksums=self.in_place_checksums if in_place is not None else None,
+                with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
+                on_sent=self._sent,
+            )
+            # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
+            # and all the trainer's work per bucket (export + pack + checksum)
+            a.phases.add("stream.export", stats.export_seconds)
+            a.phases.add("stream.pack", stats.pack_seconds)
+            sender.peak_buffer_bytes = stats.peak_buffer_bytes
+            return a.delta.checksums if a.delta.keep else stats.checksums
+        except Exception as exc:
+            sender.error = str(exc)
+            raise
+        finally:
+            sender.seconds = time.perf_counter() - t0
+            sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
+            self._wire = dict(getattr(channel, "wire_bytes", {}))
+            for rid, err in channel.failures().items():
+                if rid in a.prepared:
+                    a.prepared.pop(rid)
+                    self._stream_failed[rid] = err
+            if channel is not self.commit_channel:
+                channel.close()
+
+    def _sent(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.attempt.phases.progress(bytes_sent=self.bytes_sent)
+
+    def _explain_stream_failures(self) -> None:
+        """Fail the targets whose stream broke, with the rollout's own reason when it had one.
+
+        A rollout that finds a bucket corrupted (DATA_LOSS) aborts the sync and closes its stream:
+        the trainer sees only a broken pipe. AbortSync (due to them anyway) answers why, so the
+        report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
+        a = self.attempt
+        failed, self._stream_failed = self._stream_failed, {}
+        if not failed:
+            return
+        req = a.abort_request()
+        rids = [rid for rid in failed if not a.gone(rid)]
+        answers = dict(zip(rids, a.on_each(lambda r: a.rollouts.call(a.by_id[r], "AbortSync", req), rids)))
+        a.aborted.update(rids)  # abort_failed need not abort them again
+        for rid, err in failed.items():
+            resp, _ = answers.get(rid, (None, ""))
+            why = resp.aborted_reason if resp is not None else ""
+            if why:
+                err = f"{why} (the rollout aborted the sync; the trainer's stream saw: {err})"
+            a.fail(rid, "data_loss" if why.startswith("DATA_LOSS") else "transport", err)
+            if why.startswith("DATA_LOSS") and rid not in a.delta.accepted:
+                a.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
