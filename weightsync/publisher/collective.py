@@ -122,11 +122,18 @@ def rule_owners(metas: list[TensorMeta], shares: list[dict]) -> list[int] | str:
 
 def agree_on_owners(source: GroupSource, named_tensors) -> dict[str, torch.Tensor]:
     """Every rank: check this rank's share, and take rank 0's ruling on who owns what.
-    Raises the same ValueError on every rank when a share is wrong."""
+    Raises the same ValueError on every rank when a share is wrong; a rank whose own iterable
+    failed (any exception: the ranks must stay in step) raises that one, chained."""
+    failure: Exception | None = None
     try:
         mine, error = source.check(named_tensors, complete=False), ""
-    except (ValueError, TypeError) as exc:
-        mine, error = {}, f"rank {source.rank}: {exc}"
+    except Exception as exc:
+        failure, mine = exc, {}
+        error = (
+            f"rank {source.rank}: {exc}"
+            if isinstance(exc, (ValueError, TypeError))
+            else (f"rank {source.rank}: its tensors failed: {type(exc).__name__}: {exc}")
+        )
     shares = source.channel.gather({"names": list(mine), "declared": source.digest(), "error": error})
     if source.rank == 0:
         ruling = rule_owners(source.export_metas(), shares)
@@ -135,7 +142,7 @@ def agree_on_owners(source: GroupSource, named_tensors) -> dict[str, torch.Tenso
     else:
         verdict = expect(source.channel, "owners")
     if verdict["error"]:
-        raise ValueError(verdict["error"])
+        raise ValueError(verdict["error"]) from failure
     source._owners = [int(o) for o in verdict["owners"]]
     return mine
 
