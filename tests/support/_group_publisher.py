@@ -40,7 +40,8 @@ def case(name, fn):
     except Exception as exc:
         out = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
     # one write(2) of less than PIPE_BUF bytes: the two ranks' lines never interleave on the shared pipe
-    line = "RESULT " + json.dumps({"case": name, "rank": dist.get_rank(), **out})[:3000] + "\n"
+    out["error"] = out.get("error", "")[:2000]
+    line = "RESULT " + json.dumps({"case": name, "rank": dist.get_rank(), **out}) + "\n"
     os.write(1, line.encode())
 
 
