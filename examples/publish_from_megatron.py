@@ -13,7 +13,7 @@ model's bit for bit: the rollout serves exactly the trainer's weights. Auth is o
     torchrun --standalone --nproc-per-node 2 examples/publish_from_megatron.py [--steps 2]
 
 Rank 0 prints one `EXACT step=.. version=.. senders=0,1` line per step and `OK` at the end; the
-job exits non-zero otherwise. About a minute on a 2-core CPU machine.
+job exits non-zero otherwise. About 30 s on a 2-core CPU machine.
 """
 
 from __future__ import annotations

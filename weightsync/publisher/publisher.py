@@ -239,7 +239,12 @@ class Publisher:
         Raises ValueError/TypeError naming the tensor that does not match the declaration (before
         anything is sent; the version is not bumped), and SyncFailed (with `.report`) when a rollout
         did not commit, unless raise_on_failure=False (then check `report.ok`). With no rollout
-        registered the report has ok=False and no rollouts, and nothing is raised: the loop goes on."""
+        registered the report has ok=False and no rollouts, and nothing is raised: the loop goes on.
+
+        With `group=`: every rank calls it with the tensors it owns (each declared tensor given by
+        exactly one rank; otherwise the same ValueError, naming the tensor, on every rank) and every
+        rank returns the same report (or raises the same SyncFailed); ranks other than 0 wait for
+        rank 0 at most 2 * sync_timeout_s + 60 s."""
         if not self._started:
             raise RuntimeError("Publisher.sync() before start()")
         transport = AUTO_TRANSPORT if transport == "auto" else transport

@@ -16,11 +16,13 @@ from tests.support.megatron_models import SUPPORT, torchrun
 ROOT = Path(__file__).resolve().parents[4]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict[int, dict]]:
+@pytest.fixture(scope="module", params=[2, 3], ids=["whole-job", "subgroup"])
+def results(request) -> dict[str, dict[int, dict]]:
+    """Group ranks' results by case; with 3 processes the group is global ranks 1 and 2 (rank 0
+    stays out: the group's own rank 0 serves)."""
     # this checkout's packages, not whichever copy the environment has installed
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    out = torchrun(SUPPORT / "_group_publisher.py", 2, [], timeout=300, backend_env={"PYTHONPATH": path})
+    out = torchrun(SUPPORT / "_group_publisher.py", request.param, [], timeout=300, backend_env={"PYTHONPATH": path})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     got: dict[str, dict[int, dict]] = {}
     for line in out.stdout.splitlines():
