@@ -77,3 +77,33 @@ def test_only_rank_0_serves_and_options_a_group_cannot_honour_are_refused(result
     for rank in (0, 1):
         assert "snapshot=True with a group" in results["snapshot"][rank]["error"]
         assert "transport='ipc' streams from one process" in results["ipc"][rank]["error"]
+
+
+def test_a_sync_started_outside_publisher_sync_is_refused_instead_of_waiting_for_the_ranks():
+    """wsctl sync / the Sync RPC reach rank 0's orchestrator while the other ranks are not in
+    sync(): the stream fails at once (its rollouts are aborted) rather than waiting for them."""
+    import threading
+
+    import torch
+
+    from weightsync.publisher.collective import GroupSource
+    from weightsync.publisher.declared import metas_from_dict
+
+    class Channel:
+        rank, flags = 0, None
+        sent: list = []
+
+        def send(self, op, **args):
+            self.sent.append(op)
+
+        def gather(self, result):
+            return [result]
+
+    channel = Channel()
+    source = GroupSource(metas_from_dict({"w": ((2,), torch.float32)}), "", torch.device("cpu"), channel)
+    with pytest.raises(RuntimeError, match="streams only inside Publisher.sync"):
+        source.run_senders({})
+    source._sync_thread = threading.get_ident() + 1  # a collective sync runs, in another thread
+    with pytest.raises(RuntimeError, match="streams only inside Publisher.sync"):
+        source.run_senders({})
+    assert channel.sent == []  # no rank was told to stream
