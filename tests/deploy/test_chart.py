@@ -52,6 +52,7 @@ def rendered(request):
 def test_example_values_exist():
     assert {p.stem for p in VALUES} >= {
         "default-values",
+        "external-trainer-values",
         "colocated-values",
         "multi-node-values",
         "auth-values",
@@ -91,10 +92,12 @@ def _role(c) -> str:
 
 
 def _config_files(docs) -> dict[str, dict]:
+    """The services' config files; a release without a trainer (trainer.enabled=false) has no trainer.yaml."""
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     return {
-        "trainer": yaml.safe_load(cm["data"]["trainer.yaml"]),
-        "rollout": yaml.safe_load(cm["data"]["rollout.yaml"]),
+        role: yaml.safe_load(cm["data"][f"{role}.yaml"])
+        for role in ("trainer", "rollout")
+        if f"{role}.yaml" in cm["data"]
     }
 
 
@@ -218,6 +221,26 @@ def test_broken_values_file_is_rejected():
         ({"rollout": {"config": {"dtype": "float16"}}}, "export_dtype"),
         ({"rollout": {"multiNode": {"enabled": True}}}, "not implemented yet"),
         ({"mode": "colocated", "trainer": {"nnodes": 2, "config": {"tp": 2}}}, "nnodes must be 1"),
+        # rollouts for an external publisher: where it is, who it is, and nothing of a trainer
+        ({"trainer": {"enabled": False}}, 'rollout.trainerAddress="": with trainer.enabled=false set it'),
+        (
+            {"trainer": {"enabled": False}, "rollout": {"trainerAddress": "pub.ml.svc:50051"}},
+            "networkPolicy.trainerFrom is empty",
+        ),
+        ({"rollout": {"trainerAddress": "pub.ml.svc:50051"}}, "set trainer.enabled=false too"),
+        (
+            {"mode": "colocated", "trainer": {"enabled": False}, "rollout": {"trainerAddress": "pub.ml.svc:50051"}},
+            "set mode=disaggregated",
+        ),
+        (
+            {
+                "trainer": {"enabled": False},
+                "rollout": {"trainerAddress": "pub.ml.svc:50051"},
+                "networkPolicy": {"enabled": False},
+                "persistence": {"enabled": True},
+            },
+            "set persistence.enabled=false",
+        ),
     ],
 )
 def test_render_time_checks_fail_with_a_reason(override, match):
@@ -275,3 +298,25 @@ def test_the_sync_link_can_be_turned_off_and_bounded_from_values():
     assert files["rollout"]["sync_link"] is False and files["rollout"]["max_sync_links"] == 2
     with pytest.raises(Exception, match="max_sync_links"):
         render({"rollout": {"config": {"max_sync_links": 0}}})
+
+
+def test_rollouts_for_an_external_publisher_render_without_a_trainer():
+    values = load(CHART / "ci" / "external-trainer-values.yaml")
+    docs = render(values)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    # no trainer of this release: no StatefulSet, Service, NetworkPolicy or PDB of one, no trainer.yaml
+    assert not any("trainer" in name for _, name in names), sorted(names)
+    assert not any(d["kind"] == "StatefulSet" for d in docs)
+    files = _config_files(docs)
+    assert set(files) == {"rollout"}
+    assert files["rollout"]["trainer_address"] == values["rollout"]["trainerAddress"]
+    assert files["rollout"]["auth_token_file"] == "/var/run/secrets/weightsync/token"  # the publisher's token
+    # the rollouts admit the external publisher's ranks (listed peers) on gRPC, data and NCCL ports
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    first = policy["spec"]["ingress"][0]
+    assert first["from"] == values["networkPolicy"]["trainerFrom"]
+    ports = {p["port"] for p in first["ports"]}
+    assert {50061, 50071, 32768} <= ports, ports
+    # without it the rollouts follow this release's trainer, admitted by its gang label
+    default = next(d for d in render({}) if d["kind"] == "NetworkPolicy" and "rollout" in d["metadata"]["name"])
+    assert default["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["weightsync.io/gang"] == "trainer"

@@ -106,11 +106,12 @@ def _case(dirs: dict, key: str, mtp: str, layout: str, par: dict, rank: int, wor
     actor = MegatronActor(
         cfg, weights_dir=d, mtp=mtp, expert_layout=layout, params_dtype=dtype, export_dtype=dtype, **par
     )
-    from tests.support.own_export import check_own_export
+    from tests.support.own_export import check_hf_tensors_helper, check_own_export
 
     res = {}
     # multi-sender export, every rank at once: each yields exactly its own tensors (experts: EP leaders)
     res["own_export_ok"], res["senders"] = check_own_export(actor, _hf_state(d))
+    res["helper_ok"] = check_hf_tensors_helper(actor)  # experts on their EP leaders, MTP layers too
     if rank != 0:
         actor.worker_loop()
     else:

@@ -38,7 +38,7 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.support.own_export import check_own_export
+    from tests.support.own_export import check_hf_tensors_helper, check_own_export
     from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.model import forward_logits
 
@@ -65,6 +65,9 @@ def main() -> None:
         res["tied_head_ok"] = bool(ok.item())
         # multi-sender export, every rank at once: each yields exactly its own tensors
         res["own_export_ok"], res["senders"] = check_own_export(actor, load_file(str(Path(d) / "model.safetensors")))
+        # the helper a user's own loop calls (trainer_svc.actor.megatron.hf_tensors), layout read from
+        # megatron's parallel state: each rank yields the same as the actor's own export, in order
+        res["helper_ok"] = check_hf_tensors_helper(actor)
         if rank != 0:
             actor.worker_loop()
         else:

@@ -23,3 +23,16 @@ def check_own_export(actor, want: dict[str, torch.Tensor]) -> tuple[bool, list[i
         and all(int(t[2]) == 0 for t in table)
     )
     return ok, sorted(set(owners))
+
+
+def check_hf_tensors_helper(actor) -> bool:
+    """Collective: trainer_svc.actor.megatron.hf_tensors (what a user's own loop calls, its layout read
+    from megatron's parallel state) yields on every rank exactly the actor's own export, in order."""
+    from trainer_svc.actor.megatron.hf_tensors import hf_tensors
+
+    got = list(hf_tensors(actor.model, actor.config, dtype=actor.export_dtype, mtp=actor.spec.mtp))
+    want = list(actor.export_own_tensors())
+    good = [n for n, _ in got] == [n for n, _ in want] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+    flag = torch.tensor([int(good)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -1,7 +1,8 @@
 """Training calls as collective commands: rank 0 announces, every rank runs the same step.
 
 Under torchrun only global rank 0 serves gRPC; the other ranks wait in
-`MegatronActor.worker_loop()` for commands on the actor's `CommandChannel` (JSON, never pickle).
+`MegatronActor.worker_loop()` for commands on the actor's `CommandChannel`
+(weightsync/publisher/commands.py: JSON, never pickle).
 `run()` on rank 0 broadcasts the training op with its request (protobuf bytes, base64 in the
 JSON) and then runs it locally; on a worker, the actor's loop hands any op it does not know to
 `handle_worker_command()`, which runs the same function. With one rank (or HfActor) `run()` just

@@ -4,7 +4,8 @@ Any training process can embed it through `Publisher` (publisher.py: declare the
 `sync(named_tensors)` every step); trainer-svc is another user (its training backend plus this).
 host.py is what both run (listeners, metrics, registry, orchestrator, the Trainer service's
 fleet RPCs in fleet_servicer.py, the REST mirror in http_api.py); declared.py checks a Publisher's
-tensors against its declared model. A
+tensors against its declared model; collective.py is a Publisher over a torch.distributed group
+(every rank syncs what it owns, rank 0 serves), commands.py the leader -> ranks channel. A
 sync runs plan → prepare → stream → commit | abort: orchestrator.py runs a Sync call (plan the
 manifest, retry an attempt, report); attempt.py is one pass over the targets, one method per
 phase; rollout_calls.py reaches a rollout (sync link or gRPC); link_client.py is the trainer's end

@@ -113,8 +113,11 @@ class DeclaredSource:
         return "external process (weightsync.publisher.Publisher)"
 
     # ---- what Publisher.sync() hands in ------------------------------------------------
-    def check(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The tensors by name, every declared one exactly once with its shape and dtype, on the export device."""
+    def check(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, complete: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The tensors by name, each declared, once, with its shape and dtype, on the export device;
+        `complete`: every declared one (False for one rank's share of a collective sync)."""
         got: dict[str, torch.Tensor] = {}
         for name, t in named_tensors:
             meta = self._by_name.get(name)
@@ -131,12 +134,19 @@ class DeclaredSource:
             if t.device.type != self.device.type:
                 raise ValueError(f"{name}: on {t.device}, the publisher exports from {self.device} (device=)")
             got[name] = t.detach()
-        missing = [m.name for m in self._metas if m.name not in got]
+        missing = [m.name for m in self._metas if m.name not in got] if complete else []
         if missing:
             raise ValueError(
                 f"{missing[0]}: declared but not given ({len(missing)} missing); every sync publishes every tensor"
             )
         return got
+
+    def digest(self) -> str:
+        """Of the declaration (names, shapes, dtypes in order): the ranks of a collective sync compare it."""
+        import hashlib
+
+        text = ";".join(f"{m.name}:{list(m.shape)}:{m.dtype}" for m in self._metas)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def hold(self, tensors: dict[str, torch.Tensor] | None) -> None:
         self._tensors = tensors

@@ -14,6 +14,9 @@ Every `sync()` publishes a new version (1, 2, ...) to every registered rollout. 
 reference to the tensors once it returns, unless `snapshot=True` (then it keeps a copy, and a
 rollout that registers between two syncs is caught up from it at once): with snapshot=False a
 newly registered rollout is brought up to date by the next `sync()`.
+A distributed trainer passes `group=` (a torch.distributed group): every rank of it builds the
+Publisher and calls `sync()` with the tensors it owns; each owner streams its own buckets and the
+group's rank 0 serves the control plane (collective.py).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from weightsync.bus.transports import multi_sender_names
 from weightsync.bus.transports import transport as transport_named
 from weightsync.control.auth import load_token
+from weightsync.publisher.collective import GroupSource, agree_on_owners, expect, send_done, serve_senders
+from weightsync.publisher.commands import CommandChannel
 from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_dict, metas_from_hf_config
 from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.host import PublisherHost
@@ -67,20 +73,27 @@ class Publisher:
         sync_link: bool = True,
         snapshot: bool = False,
         trainer_id: str = "",
+        group=None,
     ):
         """`model`: an HF model directory (its config.json), a transformers config, or a dict
         {HF name: (shape, dtype)}. `dtype`: the dtype the HF-config tensors are given in (default
         the config's torch_dtype, else float32). `device`: where the tensors live (cpu or cuda).
         `family`: the rollouts' model family (default from the HF config; a rollout of another family
         is refused at registration). `export_dtype`: trainer-svc's --export-dtype (e.g. fp8-block);
-        empty: as given. Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
+        empty: as given. `group`: a torch.distributed group whose every rank builds this Publisher
+        (collective) and calls sync() with the tensors it owns; its rank 0 serves the control plane
+        (the addresses and the token are read there only), the others only send; None: this
+        process alone. Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
         if auth_token and auth_token_file:
             raise ValueError("set auth_token or auth_token_file, not both")
         if not 1 <= bucket_mb <= 16384:
             raise ValueError(f"bucket_mb={bucket_mb} must be in [1, 16384]")
         transport = AUTO_TRANSPORT if transport == "auto" else transport
         transport_named(transport)  # ValueError naming the choices
-        token = load_token(auth_token, auth_token_file)
+        channel = _group_channel(group, sync_timeout_s, transport, snapshot)
+        #: this process's rank in `group` (0 without one): rank 0 serves, every rank sends
+        self.rank = 0 if channel is None else channel.rank
+        token = load_token(auth_token, auth_token_file) if self.rank == 0 else ""
         if isinstance(model, Mapping):
             metas, fam = metas_from_dict(model), family or ""
         else:
@@ -88,8 +101,19 @@ class Publisher:
 
             config = hf_config(model)
             metas, fam = metas_from_hf_config(config, dtype), family if family is not None else family_of(config)
-        self.source = DeclaredSource(metas, fam, torch.device(device))
+        if channel is None:
+            self.source = DeclaredSource(metas, fam, torch.device(device))
+        else:
+            self.source = GroupSource(metas, fam, torch.device(device), channel)
+            self.source.rank_gpus = _gpus_of(channel, self.source.device)
         self.snapshot = snapshot
+        self.group = channel
+        self._started = False
+        self._closed = False
+        #: the control plane, on rank 0 only
+        self.host: PublisherHost | None = None
+        if self.rank != 0:
+            return
         self.host = PublisherHost(
             grpc_address=grpc_address,
             http_address=http_address,
@@ -113,15 +137,15 @@ class Publisher:
             export_format=export_format(export_dtype) if export_dtype else PLAIN,
             sync_link=sync_link,
         )
-        self._started = False
-        self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Publisher:
         if self._closed:
             raise RuntimeError("this Publisher is closed; create a new one")
-        self.host.start()
         self._started = True
+        if self.host is None:
+            return self
+        self.host.start()
         log.info(
             "publisher %s serving: grpc %s, http :%d, %d tensors, family %s",
             self.trainer_id,
@@ -134,9 +158,9 @@ class Publisher:
 
     def close(self) -> None:
         """Stop serving and release the ports (also for a publisher never started); idempotent."""
-        if not self._closed:
+        if not self._closed and self.host is not None:
             self.host.stop()
-            self._closed = True
+        self._closed = True
         self._started = False
         self.source.hold(None)
 
@@ -149,12 +173,12 @@ class Publisher:
     # ---- facts ----------------------------------------------------------------------------
     @property
     def address(self) -> str:
-        """The gRPC host:port rollouts reach (`rollout-svc --trainer-address`)."""
-        return self.host.grpc.address
+        """The gRPC host:port rollouts reach (`rollout-svc --trainer-address`); rank 0 of a group only."""
+        return self._control("address").grpc.address
 
     @property
     def http_port(self) -> int:
-        return self.host.http.port
+        return self._control("http_port").http.port
 
     @property
     def version(self) -> int:
@@ -163,14 +187,31 @@ class Publisher:
 
     @property
     def trainer_id(self) -> str:
-        return self.host.trainer_id
+        return self._control("trainer_id").trainer_id
 
     def rollouts(self) -> list[str]:
-        """The ids of the registered rollouts."""
-        return [e.rollout_id for e in self.host.registry.all()]
+        """The ids of the registered rollouts (rank 0 of a group only)."""
+        return [e.rollout_id for e in self._control("rollouts").registry.all()]
 
     def wait_for_rollouts(self, n: int, timeout: float = 120.0) -> list[str]:
-        """Block until at least `n` rollouts have registered; TimeoutError naming how many did."""
+        """Block until at least `n` rollouts have registered; TimeoutError naming how many did.
+        Collective with a group: rank 0 waits and every rank returns its answer (or raises its error)."""
+        if self.group is None:
+            return self._wait_for_rollouts(n, timeout)
+        if self.rank != 0:
+            got = expect(self.group, "rollouts")
+            if got["error"]:
+                raise TimeoutError(got["error"])
+            return got["ids"]
+        try:
+            ids = self._wait_for_rollouts(n, timeout)
+        except TimeoutError as exc:
+            self.group.send("rollouts", ids=[], error=str(exc))
+            raise
+        self.group.send("rollouts", ids=ids, error="")
+        return ids
+
+    def _wait_for_rollouts(self, n: int, timeout: float) -> list[str]:
         import time
 
         deadline = time.monotonic() + timeout
@@ -198,10 +239,17 @@ class Publisher:
         Raises ValueError/TypeError naming the tensor that does not match the declaration (before
         anything is sent; the version is not bumped), and SyncFailed (with `.report`) when a rollout
         did not commit, unless raise_on_failure=False (then check `report.ok`). With no rollout
-        registered the report has ok=False and no rollouts, and nothing is raised: the loop goes on."""
+        registered the report has ok=False and no rollouts, and nothing is raised: the loop goes on.
+
+        With `group=`: every rank calls it with the tensors it owns (each declared tensor given by
+        exactly one rank; otherwise the same ValueError, naming the tensor, on every rank) and every
+        rank returns the same report (or raises the same SyncFailed); ranks other than 0 wait for
+        rank 0 at most 2 * sync_timeout_s + 60 s."""
         if not self._started:
             raise RuntimeError("Publisher.sync() before start()")
         transport = AUTO_TRANSPORT if transport == "auto" else transport
+        if self.group is not None:
+            return self._sync_group(named_tensors, transport, timeout_s, raise_on_failure)
         tensors = self.source.check(named_tensors)
         if self.snapshot:
             tensors = {n: t.clone() for n, t in tensors.items()}
@@ -224,3 +272,97 @@ class Publisher:
         elif not report.ok and raise_on_failure:
             raise SyncFailed(report)
         return report
+
+    def _sync_group(self, named_tensors, transport: str, timeout_s: float, raise_on_failure: bool):
+        """sync() on every rank of a group (collective.py): the report on every rank."""
+        if transport and self.group.group is not None:
+            _check_multi_sender(transport)
+        source = self.source
+        tensors = agree_on_owners(source, named_tensors)
+        if self.rank != 0:
+            source.version += 1
+            source.hold(tensors)
+            try:
+                report = serve_senders(source)
+            finally:
+                source.hold(None)
+        else:
+            report = self._lead_group_sync(tensors, transport, timeout_s)
+        if report.rollouts and not report.ok and raise_on_failure:
+            raise SyncFailed(report)
+        return report
+
+    def _lead_group_sync(self, tensors, transport: str, timeout_s: float) -> trainer_pb2.SyncReport:
+        """Rank 0 of a group: the orchestrator's sync, every rank streaming its own; the report goes to every rank."""
+        import threading
+
+        source, orch = self.source, self.host.orch
+        report, error = None, ""
+        try:
+            if not source.lock.acquire(timeout=orch.sync_timeout):
+                raise TimeoutError(f"a sync still ran after {orch.sync_timeout}s (sync_timeout_s)")
+            try:
+                source.version += 1
+                source.hold(tensors)
+            finally:
+                source.lock.release()
+            source._sync_thread = threading.get_ident()
+            report = orch.sync(self.host.registry.all(), transport, timeout_s, wait_s=orch.sync_timeout)
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            source._sync_thread = None
+            source.hold(None)
+            send_done(source, report, error)
+        if not report.rollouts:
+            log.warning("sync of version %d: no rollout registered", report.version)
+        return report
+
+    def _control(self, what: str) -> PublisherHost:
+        if self.host is None:
+            raise RuntimeError(f"Publisher.{what}: rank {self.rank} of the group only sends; rank 0 serves rollouts")
+        return self.host
+
+
+def _check_multi_sender(transport: str) -> None:
+    if not transport_named(transport).multi_sender:
+        multi = " or ".join(multi_sender_names())
+        raise ValueError(
+            f"transport={transport!r} streams from one process; a Publisher over a group of several ranks "
+            f"streams from every owner: use {multi}"
+        )
+
+
+def _group_channel(group, sync_timeout_s: float, transport: str, snapshot: bool):
+    """The command channel over `group`'s ranks (collective: every rank builds it), or None without a group."""
+    if group is None:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("group=: torch.distributed is not initialised (call init_process_group first)")
+    if dist.get_world_size(group) > 1:
+        _check_multi_sender(transport)
+        if snapshot:
+            raise ValueError(
+                "snapshot=True with a group of several ranks: every rank's share would be kept and a "
+                "catch-up would need every rank outside sync(); leave snapshot off (the next sync catches up)"
+            )
+    # one sync may wait for another (a wsctl sync) for sync_timeout_s, then run for as long
+    wait = timedelta(seconds=2 * sync_timeout_s + 60)
+    return CommandChannel(group, command_timeout=wait, result_timeout=wait)
+
+
+def _gpus_of(channel, device: torch.device) -> list[str]:
+    """Group rank -> the UUID of the GPU it exports from (NCCL takes one rank per GPU); [] on CPU.
+    Collective: every rank passes the same device type."""
+    if device.type != "cuda":
+        return []
+    from weightsync.bus.gpu import uuid_of
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gathered = channel.gather({"gpu": uuid_of(torch.device("cuda", index))})
+    return [g["gpu"] for g in gathered] if gathered else []

@@ -49,10 +49,10 @@ class MegatronActor:
         instead of HF weights (dist_ckpt.py)."""
         if weights_dir and megatron_checkpoint:
             raise ValueError("weights_dir and megatron_checkpoint both given: start from one of them")
-        from trainer_svc.actor.megatron.commands import CommandChannel
         from trainer_svc.actor.megatron.hf_meta import build_spec, export_metas
         from trainer_svc.actor.megatron.model import build_chunks
         from trainer_svc.actor.megatron.parallel import init_model_parallel, rank_map
+        from weightsync.publisher.commands import CommandChannel
 
         #: the model's facts (family, dims, HF shapes, MTP), read from the HF config once
         self.spec = build_spec(hf_config, mtp)

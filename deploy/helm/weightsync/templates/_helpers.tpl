@@ -129,6 +129,9 @@ app.kubernetes.io/part-of: weightsync
 {{- $_ := set $managed "trainer_address" (printf "127.0.0.1:%d" (int $v.trainer.ports.grpc)) -}}
 {{- $_ := set $managed "advertise_address" (printf "127.0.0.1:%d" (int $v.rollout.ports.grpc)) -}}
 {{- $_ := set $managed "advertise_data_host" "127.0.0.1" -}}
+{{- else if not $v.trainer.enabled -}}
+{{- /* No trainer in this release: an external publisher (weightsync.publisher.Publisher). */ -}}
+{{- $_ := set $managed "trainer_address" $v.rollout.trainerAddress -}}
 {{- else -}}
 {{- $_ := set $managed "trainer_address" (printf "%s.%s.svc:%d" (include "weightsync.trainer.name" .) .Release.Namespace (int $v.trainer.ports.grpc)) -}}
 {{- end -}}
@@ -144,6 +147,42 @@ app.kubernetes.io/part-of: weightsync
 {{/* Render-time checks the schema cannot express. -------------------------------------- */}}
 {{- define "weightsync.validate" -}}
 {{- $v := .Values -}}
+{{- if not $v.trainer.enabled -}}
+{{- include "weightsync.validateExternal" . -}}
+{{- else -}}
+{{- include "weightsync.validateTrainer" . -}}
+{{- end -}}
+{{- if $v.rollout.multiNode.enabled -}}
+{{- fail "rollout.multiNode.enabled: multi-node rollout engines are not implemented yet (see docs/operations.md, 'Scaling rollouts')" -}}
+{{- end -}}
+{{- if and $v.auth.enabled (not $v.auth.existingSecret) $v.auth.token (lt (len $v.auth.token) 16) -}}
+{{- fail "auth.token must be at least 16 characters (or leave it empty to generate one)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* trainer.enabled=false: rollouts only, following an external publisher. */}}
+{{- define "weightsync.validateExternal" -}}
+{{- $v := .Values -}}
+{{- if ne $v.mode "disaggregated" -}}
+{{- fail "trainer.enabled=false deploys rollouts for an external publisher: set mode=disaggregated (colocated runs the trainer in the rollout's pod)" -}}
+{{- end -}}
+{{- if not (regexMatch "^[^\\s:/]+:[0-9]+$" $v.rollout.trainerAddress) -}}
+{{- fail (printf "rollout.trainerAddress=%q: with trainer.enabled=false set it to the external publisher's gRPC host:port (e.g. trainer.ml.svc:50051)" $v.rollout.trainerAddress) -}}
+{{- end -}}
+{{- if and $v.networkPolicy.enabled (not $v.networkPolicy.trainerFrom) -}}
+{{- fail "networkPolicy.trainerFrom is empty: with trainer.enabled=false list the external publisher's pods (NetworkPolicyPeers: every rank that streams reaches the rollouts), or set networkPolicy.enabled=false" -}}
+{{- end -}}
+{{- if $v.persistence.enabled -}}
+{{- fail "persistence holds the trainer's checkpoints: with trainer.enabled=false there is none; set persistence.enabled=false" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* This release's trainer. */}}
+{{- define "weightsync.validateTrainer" -}}
+{{- $v := .Values -}}
+{{- if $v.rollout.trainerAddress -}}
+{{- fail (printf "rollout.trainerAddress=%s points the rollouts at an external publisher: set trainer.enabled=false too (or leave it empty to follow this release's trainer)" $v.rollout.trainerAddress) -}}
+{{- end -}}
 {{- $world := mul $v.trainer.nnodes (max 1 $v.trainer.nprocPerNode) -}}
 {{- $tp := int (default 1 $v.trainer.config.tp) -}}
 {{- $pp := int (default 1 $v.trainer.config.pp) -}}
@@ -157,9 +196,6 @@ app.kubernetes.io/part-of: weightsync
 {{- $rd := default "float32" $v.rollout.config.dtype -}}
 {{- if and (ne $ed $rd) (ne $ed "fp8-block") -}}
 {{- fail (printf "trainer.config.export_dtype (%s) must equal rollout.config.dtype (%s): the bus carries the engine's dtype (or use fp8-block, which any engine dtype accepts)" $ed $rd) -}}
-{{- end -}}
-{{- if $v.rollout.multiNode.enabled -}}
-{{- fail "rollout.multiNode.enabled: multi-node rollout engines are not implemented yet (see docs/operations.md, 'Scaling rollouts')" -}}
 {{- end -}}
 {{- if eq $v.mode "colocated" -}}
 {{- if ne (int $v.trainer.nnodes) 1 -}}
@@ -182,8 +218,5 @@ app.kubernetes.io/part-of: weightsync
 {{- if and (gt (int $v.trainer.nnodes) 1) (not $v.persistence.existingClaim) (not (has "ReadWriteMany" $v.persistence.accessModes)) -}}
 {{- fail (printf "persistence: trainer.nnodes=%d pods write checkpoints to one directory: set persistence.accessModes to [ReadWriteMany] (a class that supports it, e.g. NFS/CephFS) or persistence.existingClaim" (int $v.trainer.nnodes)) -}}
 {{- end -}}
-{{- end -}}
-{{- if and $v.auth.enabled (not $v.auth.existingSecret) $v.auth.token (lt (len $v.auth.token) 16) -}}
-{{- fail "auth.token must be at least 16 characters (or leave it empty to generate one)" -}}
 {{- end -}}
 {{- end -}}

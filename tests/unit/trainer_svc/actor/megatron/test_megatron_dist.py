@@ -40,6 +40,7 @@ def test_hf_megatron_hf_roundtrip(tp, pp, vpp, hf_dirs, tmp_path):
         # multi-sender: every owner yields exactly its tensors; one sender per pipeline stage
         assert res["own_export_ok"], f"{family}: a rank's own export differs from what export_owners() gives it"
         assert len(res["senders"]) == pp, res["senders"]
+        assert res["helper_ok"], f"{family}: hf_tensors() differs from the actor's own export on some rank"
         if pp == 1:
             # the strongest check of the mapping: same weights, same logits (fp32, CPU)
             assert res["logits_rel_err"] <= 1e-5, f"{family}: logits rel err {res['logits_rel_err']}"

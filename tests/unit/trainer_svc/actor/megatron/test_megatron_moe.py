@@ -51,6 +51,7 @@ def test_roundtrip_is_bit_exact_and_logits_match(report):
         assert res["metas_match"], f"{case}: export_metas() differs from what export_tensors() yields"
         assert res["saved_exact"], f"{case}: save_hf() wrote different tensors"
         assert res["own_export_ok"], f"{case}: a rank's own export differs from what export_owners() gives it"
+        assert res["helper_ok"], f"{case}: hf_tensors() differs from the actor's own export on some rank"
         # one sender per pipeline stage, and with EP=2 (TP=1 or ETP=1) the second EP rank sends its experts
         assert len(res["senders"]) == (2 if case.startswith(("ep2/", "pp2-vpp2/", "tp2-ep2-etp1/")) else 1), (
             case,
