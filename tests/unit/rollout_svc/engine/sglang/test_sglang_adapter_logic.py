@@ -75,6 +75,17 @@ def test_generate_expands_samples_prompt_major():
     assert res[1].finish_reason == "stop" and res[0].logprobs == [-0.5]
 
 
+def test_generate_reports_radix_cache_hits():
+    # found writing the live GPU check (bench/sglang_live.py): every SGLang sample said prefix_cache_hit=False, so
+    # neither the rollout's prefix-hit metric nor a check that a sync flushed the radix cache could work
+    eng = _engine()
+    eng._sgl.result = [
+        {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "cached_tokens": n}} for n in (0, 5)
+    ]
+    res = eng.generate([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]], SamplingParams())
+    assert [r.prefix_cache_hit for r in res] == [False, True]
+
+
 def test_generate_refuses_aborted_output():
     eng = _engine()
     eng._sgl.result = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}}]
