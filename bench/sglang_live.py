@@ -47,6 +47,8 @@ SGLANG_ARGS = {
     "attention_backend": "triton",
     "sampling_backend": "pytorch",
     "disable_cuda_graph": "true",
+    # 0.5.10 captures piecewise CUDA graphs by default, via sgl_kernel.weak_ref_tensor (absent here)
+    "disable_piecewise_cuda_graph": "true",
     "mem_fraction_static": "0.25",
     "context_length": "2048",
     "grammar_backend": "none",
