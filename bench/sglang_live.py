@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("
 import torch  # noqa: E402
 
 from bench.bench_services import write_config  # noqa: E402
-from weightsync.control.client import channel, rollout_stub  # noqa: E402
+from weightsync.control.client import channel, rollout_stub, trainer_stub  # noqa: E402
 from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl  # noqa: E402
 from weightsync.v1 import rollout_pb2  # noqa: E402
 
@@ -124,17 +124,24 @@ def hf_reference(export_dir: str, samples) -> dict:
     return out
 
 
-def sync_times(address: str, rid: str, transport: str, reps: int) -> tuple[list[dict], list[float]]:
-    reports = []
-    for _ in range(reps):
-        rep = ws(address, "sync", "--rollout", rid, "--transport", transport, timeout=300)
-        if not rep.get("ok"):
-            raise RuntimeError(f"sync {transport} -> {rid} failed: {json.dumps(rep)[:3000]}")
+def sync_times(address: str, tstub, rid: str, transport: str, reps: int) -> tuple[list[dict], list[float]]:
+    """The first sync through `wsctl sync`, the repeats through the same Sync RPC (no CLI start-up)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from weightsync.v1 import trainer_pb2
+
+    reports = [ws(address, "sync", "--rollout", rid, "--transport", transport, timeout=300)]
+    for _ in range(reps - 1):
+        req = trainer_pb2.SyncRequest(rollout_ids=[rid], transport=transport, timeout_seconds=120)
+        rep = MessageToDict(tstub.Sync(req, timeout=180).report, preserving_proto_field_name=True)
         reports.append(rep)
+    bad = [r for r in reports if not r.get("ok")]
+    if bad:
+        raise RuntimeError(f"sync {transport} -> {rid} failed: {json.dumps(bad[0])[:3000]}")
     return reports, [float(r["seconds"]) for r in reports]
 
 
-def run_transport(transport: str, t, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
+def run_transport(transport: str, t, tstub, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
     s0 = stubs["s0"]
     rec: dict = {"transport": transport, "trainer_backend": "megatron"}
     if seed:
@@ -142,11 +149,15 @@ def run_transport(transport: str, t, stubs, work: Path, cfg_dir: Path, reps: int
         fresh = save_random_hf(cfg_dir, work / f"load-{transport}", seed)
         rec["trainer_load"] = ws(t.address, "load", str(fresh), timeout=300)
     # old weights: the second run of the same prompts must reuse the radix cache
-    generate(s0, PROMPTS)
-    before, _ = generate(s0, PROMPTS)
-    rec["prefix_cache_hit_before_sync"] = [s.prefix_cache_hit for s in before]
+    try:
+        generate(s0, PROMPTS)
+        before, _ = generate(s0, PROMPTS)
+        rec["prefix_cache_hit_before_sync"] = [s.prefix_cache_hit for s in before]
+    except Exception as exc:  # noqa: BLE001 — e.g. STALE after a failed earlier sync; the sync repairs it
+        rec["generate_before_sync_error"] = repr(exc)[:500]
+        rec["prefix_cache_hit_before_sync"] = []
     log(f"{transport}: syncing s0 ({reps} + 1)")
-    reports, secs = sync_times(t.address, "s0", transport, reps + 1)
+    reports, secs = sync_times(t.address, tstub, "s0", transport, reps + 1)
     rec["sync_s_all"] = secs
     rec["sync_s"] = statistics.median(secs[1:])
     rec["first_sync_s"] = secs[0]
@@ -161,7 +172,7 @@ def run_transport(transport: str, t, stubs, work: Path, cfg_dir: Path, reps: int
     rec["served_version"] = served
     rec["rollouts_on_version"] = st.version == trainer_version == served and st.state == rollout_pb2.SERVING
     log(f"{transport}: syncing b0 (built-in engine, same machine)")
-    _, bsecs = sync_times(t.address, "b0", transport, reps + 1)
+    _, bsecs = sync_times(t.address, tstub, "b0", transport, reps + 1)
     rec["builtin_sync_s_all"] = bsecs
     rec["builtin_sync_s"] = statistics.median(bsecs[1:])
     export_dir = work / f"export-{transport}"
@@ -230,9 +241,14 @@ def main() -> int:
         wait_registered(t.address, ["s0", "b0"], max(1.0, deadline - time.monotonic()))
         chans = [channel(p.address) for p in procs[1:]]
         stubs = {"s0": rollout_stub(chans[0], "", 120), "b0": rollout_stub(chans[1], "", 120)}
+        tch = channel(t.address)
+        chans.append(tch)
+        tstub = trainer_stub(tch, "", 180)
         for i, tr in enumerate(args.transports.split(",")):
             try:
-                res["runs"].append(run_transport(tr, t, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i))
+                res["runs"].append(
+                    run_transport(tr, t, tstub, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i)
+                )
             except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
                 traceback.print_exc()
                 res["runs"].append({"transport": tr, "trainer_backend": "megatron", "error": repr(exc)[:3000]})

@@ -235,3 +235,34 @@ def test_generate_without_step_passes_one_request_id_per_sample():
     eng.generate([[1]], SamplingParams(n=2))
     name, kw = eng._sgl.calls[0]
     assert name == "generate" and len(kw["rid"]) == 2 and len(set(kw["rid"])) == 2
+
+
+def test_a_bucket_mapped_from_another_process_is_copied_before_it_is_handed_to_sglang(monkeypatch):
+    # Found on an H100 (bench/sglang_live.py, colocated ipc): rollout-svc maps the trainer's CUDA IPC
+    # handle, and torch refuses to pickle that imported storage again for SGLang ("Attempted to send
+    # CUDA tensor received from another process"), so every colocated sync aborted. torch's check is
+    # CUDA-only (StorageSharing.cpp): simulated here by refusing the mapped buffer's storage.
+    from rollout_svc.engine import sglang_weights
+
+    eng = _engine()
+    plan = plan_buckets([TensorMeta("w", (4,), torch.float32)], bucket_bytes=1 << 20)[0]
+    mapped = torch.arange(plan.nbytes // 4, dtype=torch.float32).view(torch.uint8)
+    sent = []
+
+    def payload(flat, slots):
+        if flat.untyped_storage().data_ptr() == mapped.untyped_storage().data_ptr():
+            raise RuntimeError(
+                "Attempted to send CUDA tensor received from another process; this is not currently "
+                "supported. Consider cloning before sending."
+            )
+        sent.append(flat.clone())
+        return b"payload"
+
+    monkeypatch.setattr(eng, "_payload", payload)
+    assert eng.bucket_payloads(plan, mapped) == [b"payload"]
+    assert torch.equal(sent[0], mapped[: plan.nbytes])
+    assert sglang_weights.RESHARE_REFUSED in "Attempted to send CUDA tensor received from another process"
+    # any other serialisation error still surfaces
+    monkeypatch.setattr(eng, "_payload", lambda flat, slots: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):
+        eng.bucket_payloads(plan, mapped)
