@@ -119,6 +119,14 @@ def hf_reference(export_dir: str, samples) -> dict:
         out["hf_tokens"].append(hf_tok)
         out["sgl_tokens"].append(sgl_tok)
         out["match"].append(hf_tok == sgl_tok)
+        # where the two greedy paths part, how far SGLang's token is below transformers' best there
+        # (in transformers' own log-probs): a gap within bf16 noise is a near-tie, a large one a real error
+        k = next((i for i, (a, b) in enumerate(zip(hf_tok, sgl_tok)) if a != b), None)
+        if k is None and len(hf_tok) != len(sgl_tok):
+            k = min(len(hf_tok), len(sgl_tok))
+        gap = None if k is None or k >= len(sgl_tok) else float(rows[k].max() - rows[k, sgl_tok[k]])
+        out.setdefault("divergence", []).append({"index": k, "hf_logprob_gap": gap})
+        log(f"prompt {len(out['match']) - 1}: match={hf_tok == sgl_tok} diverge_at={k} gap={gap} lp_diffs={diffs}")
     del m
     torch.cuda.empty_cache()
     return out
@@ -141,9 +149,10 @@ def sync_times(address: str, tstub, rid: str, transport: str, reps: int) -> tupl
     return reports, [float(r["seconds"]) for r in reports]
 
 
-def run_transport(transport: str, t, tstub, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
+def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
+    """Fills `rec` as it goes (a run cut off by its time limit still records what it measured)."""
     s0 = stubs["s0"]
-    rec: dict = {"transport": transport, "trainer_backend": "megatron"}
+    transport = rec["transport"]
     if seed:
         # new trainer weights, so this transport's sync must change what SGLang serves
         fresh = save_random_hf(cfg_dir, work / f"load-{transport}", seed)
@@ -192,10 +201,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="0.5b")
     ap.add_argument("--transports", default="ipc,tcp")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed syncs per transport and engine, after one warm-up")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ready-timeout", type=float, default=240)
     args = ap.parse_args()
+    # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
     import sglang.version
 
     res: dict = {
@@ -245,18 +256,19 @@ def main() -> int:
         chans.append(tch)
         tstub = trainer_stub(tch, "", 180)
         for i, tr in enumerate(args.transports.split(",")):
+            Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
+            rec = {"transport": tr, "trainer_backend": "megatron"}
+            res["runs"].append(rec)
             try:
-                res["runs"].append(
-                    run_transport(tr, t, tstub, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i)
-                )
+                run_transport(rec, t, tstub, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i)
             except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
                 traceback.print_exc()
-                res["runs"].append({"transport": tr, "trainer_backend": "megatron", "error": repr(exc)[:3000]})
+                rec["error"] = repr(exc)[:3000]
         from tests.support import sgl_kernel_shim
 
         res["shim_routes"] = {m: r[0] for m, r in sgl_kernel_shim.ROUTES.items()}
         res["shim_stubbed"] = sorted(sgl_kernel_shim.STUBBED)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
         traceback.print_exc()
         res["error"] = repr(exc)[:3000]
     finally:
