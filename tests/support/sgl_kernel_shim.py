@@ -54,7 +54,6 @@ ENV = {
 
 def _route_multi_platform(mod) -> None:
     def dispatch_forward(self):
-        ROUTED_CLASSES.add(type(self).__name__)
         return self.forward_native
 
     mod.MultiPlatformOp.dispatch_forward = dispatch_forward
@@ -92,7 +91,6 @@ ROUTES = {
     ),
 }
 
-ROUTED_CLASSES: set[str] = set()
 _LIBS: list = []  # torch.library.Library objects must stay alive
 _ops_lock = threading.Lock()
 
