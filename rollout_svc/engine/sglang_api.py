@@ -126,7 +126,15 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         "literal",
         "sglang.srt.managers",
         "",
-        params=("output_ids", "meta_info", "finish_reason", "output_token_logprobs", "input_token_logprobs", "type"),
+        params=(
+            "output_ids",
+            "meta_info",
+            "finish_reason",
+            "output_token_logprobs",
+            "input_token_logprobs",
+            "type",
+            "cached_tokens",
+        ),
     ),
     # ---- cache and scheduling around a sync --------------------------------------------
     "Engine.flush_cache": ApiUse("method", _ENGINE, "Engine", "flush_cache"),

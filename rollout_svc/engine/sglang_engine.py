@@ -94,6 +94,8 @@ def _to_sample(prompt_index: int, out: dict) -> SampleResult:
         token_ids=list(out["output_ids"]),
         logprobs=lps,
         finish_reason="stop" if kind == "stop" else "length",
+        # tokens of the prompt served from SGLang's radix cache: what the service counts as a prefix hit
+        prefix_cache_hit=int(meta.get("cached_tokens") or 0) > 0,
     )
 
 

@@ -130,6 +130,10 @@ class UpdateGroup:
     backend: str = "nccl"
 
 
+#: torch's refusal to re-share a CUDA storage imported from another process (StorageSharing.cpp)
+RESHARE_REFUSED = "CUDA tensor received from another process"
+
+
 class _IpcTensor:
     """A CUDA tensor that exists only as the trainer's IPC handle; pickles to `rebuild_cuda_tensor`.
 
@@ -221,7 +225,26 @@ class SglangWeightsMixin:
     def bucket_payloads(self, plan: BucketPlan, buf: torch.Tensor) -> list[bytes]:
         """The received bucket whole, at the plan's (aligned) offsets; one payload per TP rank."""
         slots = [_slot_row(s) for s in plan.slots]
-        return [self._payload(buf[: plan.nbytes], slots)] * self.tp_size
+        flat = buf[: plan.nbytes]
+        try:
+            payload = self._payload(flat, slots)
+        except RuntimeError as exc:
+            if RESHARE_REFUSED not in str(exc):
+                raise
+            # A bucket that rollout-svc mapped from the trainer's CUDA IPC handle (colocated ipc
+            # transport) cannot be re-shared: torch refuses to export a storage it imported. Copy it
+            # into a buffer of this process (kept for the next bucket: update_weights_from_tensor
+            # returns once SGLang has loaded it). Found on an H100 (bench/sglang_live.py).
+            payload = self._payload(self._staging_copy(flat), slots)
+        return [payload] * self.tp_size
+
+    def _staging_copy(self, flat: torch.Tensor) -> torch.Tensor:
+        stage = getattr(self, "_stage", None)
+        if stage is None or stage.numel() < flat.numel() or stage.device != flat.device:
+            stage = self._stage = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+        out = stage[: flat.numel()]
+        out.copy_(flat)
+        return out
 
     # ---- path 2: colocated, trainer's CUDA IPC handle -----------------------------------
     def load_ipc_bucket(self, plan: BucketPlan, handles: list[Any]) -> None:

@@ -250,8 +250,10 @@ def activate(version: str, engine: bool = False) -> Path:
 RESULT_MARK = "SGLANG_EXEC_RESULTS "
 
 
-def run_in_sglang(version: str, module: str, timeout_s: float = 300.0, engine: bool = False) -> dict:
-    """Run `python -m <module> <version>` (which prints RESULT_MARK + JSON) and return the JSON."""
+def run_in_sglang(
+    version: str, module: str, timeout_s: float = 300.0, engine: bool = False, args: tuple[str, ...] = ()
+) -> dict:
+    """Run `python -m <module> <version> [args]` (which prints RESULT_MARK + JSON) and return the JSON."""
     prepare(version, engine)  # download/unpack here, so a missing network is a skip in the caller
     root = Path(__file__).resolve().parents[2]
     env = dict(
@@ -260,7 +262,12 @@ def run_in_sglang(version: str, module: str, timeout_s: float = 300.0, engine: b
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
     proc = subprocess.run(
-        [sys.executable, "-m", module, version], cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", module, version, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):

@@ -75,6 +75,17 @@ def test_generate_expands_samples_prompt_major():
     assert res[1].finish_reason == "stop" and res[0].logprobs == [-0.5]
 
 
+def test_generate_reports_radix_cache_hits():
+    # found writing the live GPU check (bench/sglang_live.py): every SGLang sample said prefix_cache_hit=False, so
+    # neither the rollout's prefix-hit metric nor a check that a sync flushed the radix cache could work
+    eng = _engine()
+    eng._sgl.result = [
+        {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"}, "cached_tokens": n}} for n in (0, 5)
+    ]
+    res = eng.generate([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]], SamplingParams())
+    assert [r.prefix_cache_hit for r in res] == [False, True]
+
+
 def test_generate_refuses_aborted_output():
     eng = _engine()
     eng._sgl.result = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}}]
@@ -224,3 +235,34 @@ def test_generate_without_step_passes_one_request_id_per_sample():
     eng.generate([[1]], SamplingParams(n=2))
     name, kw = eng._sgl.calls[0]
     assert name == "generate" and len(kw["rid"]) == 2 and len(set(kw["rid"])) == 2
+
+
+def test_a_bucket_mapped_from_another_process_is_copied_before_it_is_handed_to_sglang(monkeypatch):
+    # Found on an H100 (bench/sglang_live.py, colocated ipc): rollout-svc maps the trainer's CUDA IPC
+    # handle, and torch refuses to pickle that imported storage again for SGLang ("Attempted to send
+    # CUDA tensor received from another process"), so every colocated sync aborted. torch's check is
+    # CUDA-only (StorageSharing.cpp): simulated here by refusing the mapped buffer's storage.
+    from rollout_svc.engine import sglang_weights
+
+    eng = _engine()
+    plan = plan_buckets([TensorMeta("w", (4,), torch.float32)], bucket_bytes=1 << 20)[0]
+    mapped = torch.arange(plan.nbytes // 4, dtype=torch.float32).view(torch.uint8)
+    sent = []
+
+    def payload(flat, slots):
+        if flat.untyped_storage().data_ptr() == mapped.untyped_storage().data_ptr():
+            raise RuntimeError(
+                "Attempted to send CUDA tensor received from another process; this is not currently "
+                "supported. Consider cloning before sending."
+            )
+        sent.append(flat.clone())
+        return b"payload"
+
+    monkeypatch.setattr(eng, "_payload", payload)
+    assert eng.bucket_payloads(plan, mapped) == [b"payload"]
+    assert torch.equal(sent[0], mapped[: plan.nbytes])
+    assert sglang_weights.RESHARE_REFUSED in "Attempted to send CUDA tensor received from another process"
+    # any other serialisation error still surfaces
+    monkeypatch.setattr(eng, "_payload", lambda flat, slots: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):
+        eng.bucket_payloads(plan, mapped)

@@ -1,0 +1,298 @@
+"""SGLang's real Engine on a GPU behind `rollout-svc --engine sglang`, synced from a megatron-core trainer
+through the services and `wsctl` (issue 34). Run by bench/sglang_live.sh on a GPU host; needs SGLang
+importable (its wheel and light deps) and, where sgl_kernel is absent, the harness shim
+(tests/support/sgl_kernel_shim.py, installed by sitecustomize in every process).
+
+One trainer (megatron, bf16, random weights of a Qwen2-shaped config), one SGLang rollout `s0` and one
+built-in-engine rollout `b0` on the same GPU. Per transport (ipc, then tcp):
+  1. the trainer gets new weights (`wsctl load` of a fresh random HF directory; ipc: its own init),
+  2. s0 generates the fixed prompts twice on the OLD weights (the second run must hit the radix cache),
+  3. `wsctl sync --rollout s0 --transport T` (+ --reps timed re-syncs), then `--rollout b0` likewise,
+  4. s0 generates again: greedy tokens vs transformers (bf16, cuda) on `wsctl export`'s directory,
+     max |log-prob| difference on SGLang's tokens, prefix_cache_hit on the first request after the
+     sync (must be False: the radix cache was flushed), served version == the trainer's.
+Writes the JSON the issue asks for (date, device, engine_version, runs[...]) plus details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("WS_LOCAL_OMP_THREADS", "8")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+import torch  # noqa: E402
+
+from bench.bench_services import write_config  # noqa: E402
+from weightsync.control.client import channel, rollout_stub, trainer_stub  # noqa: E402
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl  # noqa: E402
+from weightsync.v1 import rollout_pb2  # noqa: E402
+
+PROMPTS = [[9707, 11, 847, 829, 374, 1207, 16948, 13], [785, 6722, 315, 9625, 374], [16, 11, 17, 11, 18, 11, 19]]
+N_NEW = 12
+SGLANG_ARGS = {
+    "attention_backend": "triton",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": "true",
+    # 0.5.10 captures piecewise CUDA graphs by default, via sgl_kernel.weak_ref_tensor (absent here)
+    "disable_piecewise_cuda_graph": "true",
+    "mem_fraction_static": "0.25",
+    "context_length": "2048",
+    "grammar_backend": "none",
+    "log_level": "warning",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def save_random_hf(cfg_dir: Path, out: Path, seed: int) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.from_pretrained(cfg_dir)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    m.save_pretrained(out)
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def ws(address: str, *args: str, timeout: float = 300.0) -> dict:
+    p = wsctl("--address", address, "--json", *args, timeout=timeout)
+    try:
+        out = json.loads(p.stdout)
+    except json.JSONDecodeError as exc:
+        msg = f"wsctl {' '.join(args)} exited {p.returncode}: {p.stdout[-2000:]} {p.stderr[-2000:]}"
+        raise RuntimeError(msg) from exc
+    if p.returncode != 0:
+        raise RuntimeError(f"wsctl {' '.join(args)} exited {p.returncode}: {json.dumps(out)[:3000]}")
+    return out
+
+
+def generate(stub, prompts) -> tuple[list[rollout_pb2.Sample], int]:
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts],
+        sampling=rollout_pb2.SamplingParams(max_new_tokens=N_NEW, temperature=0.0, n=1),
+        return_logprobs=True,
+    )
+    resp = stub.Generate(req, timeout=120)
+    return list(resp.samples), resp.version
+
+
+@torch.no_grad()
+def hf_reference(export_dir: str, samples) -> dict:
+    """transformers (bf16, cuda) on the exported weights: its own greedy continuation of each prompt,
+    and its log-probs of SGLang's tokens (teacher-forced), to compare with SGLang's."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.bfloat16).cuda().eval()
+    out = {"hf_tokens": [], "sgl_tokens": [], "max_abs_logprob_diff": 0.0, "min_top2_margin": 1e9, "match": []}
+    for prompt, s in zip(PROMPTS, samples):
+        ids = torch.tensor([prompt], device="cuda")
+        g = m.generate(ids, max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+        hf_tok = g[0, len(prompt) :].tolist()
+        sgl_tok = list(s.token_ids)
+        full = torch.tensor([prompt + sgl_tok], device="cuda")
+        lp = torch.log_softmax(m(full).logits[0].float(), -1)
+        rows = lp[len(prompt) - 1 : len(prompt) - 1 + len(sgl_tok)]
+        hf_lp = rows.gather(1, torch.tensor(sgl_tok, device="cuda")[:, None])[:, 0].tolist()
+        top2 = rows.topk(2, dim=-1).values
+        out["min_top2_margin"] = min(out["min_top2_margin"], float((top2[:, 0] - top2[:, 1]).min()))
+        diffs = [abs(a - b) for a, b in zip(hf_lp, s.logprobs)]
+        out["max_abs_logprob_diff"] = max([out["max_abs_logprob_diff"], *diffs])
+        out["hf_tokens"].append(hf_tok)
+        out["sgl_tokens"].append(sgl_tok)
+        out["match"].append(hf_tok == sgl_tok)
+        # where the two greedy paths part, how far SGLang's token is below transformers' best there
+        # (in transformers' own log-probs): a gap within bf16 noise is a near-tie, a large one a real error
+        k = next((i for i, (a, b) in enumerate(zip(hf_tok, sgl_tok)) if a != b), None)
+        if k is None and len(hf_tok) != len(sgl_tok):
+            k = min(len(hf_tok), len(sgl_tok))
+        gap = None if k is None or k >= len(sgl_tok) else float(rows[k].max() - rows[k, sgl_tok[k]])
+        out.setdefault("divergence", []).append({"index": k, "hf_logprob_gap": gap})
+        log(f"prompt {len(out['match']) - 1}: match={hf_tok == sgl_tok} diverge_at={k} gap={gap} lp_diffs={diffs}")
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def sync_times(address: str, tstub, rid: str, transport: str, reps: int) -> tuple[list[dict], list[float]]:
+    """The first sync through `wsctl sync`, the repeats through the same Sync RPC (no CLI start-up)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from weightsync.v1 import trainer_pb2
+
+    reports = [ws(address, "sync", "--rollout", rid, "--transport", transport, timeout=300)]
+    for _ in range(reps - 1):
+        req = trainer_pb2.SyncRequest(rollout_ids=[rid], transport=transport, timeout_seconds=120)
+        rep = MessageToDict(tstub.Sync(req, timeout=180).report, preserving_proto_field_name=True)
+        reports.append(rep)
+    bad = [r for r in reports if not r.get("ok")]
+    if bad:
+        raise RuntimeError(f"sync {transport} -> {rid} failed: {json.dumps(bad[0])[:3000]}")
+    return reports, [float(r["seconds"]) for r in reports]
+
+
+def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
+    """Fills `rec` as it goes (a run cut off by its time limit still records what it measured)."""
+    s0 = stubs["s0"]
+    transport = rec["transport"]
+    if seed:
+        # new trainer weights, so this transport's sync must change what SGLang serves
+        fresh = save_random_hf(cfg_dir, work / f"load-{transport}", seed)
+        rec["trainer_load"] = ws(t.address, "load", str(fresh), timeout=300)
+    # old weights: the second run of the same prompts must reuse the radix cache
+    try:
+        generate(s0, PROMPTS)
+        before, _ = generate(s0, PROMPTS)
+        rec["prefix_cache_hit_before_sync"] = [s.prefix_cache_hit for s in before]
+    except Exception as exc:  # noqa: BLE001 — e.g. STALE after a failed earlier sync; the sync repairs it
+        rec["generate_before_sync_error"] = repr(exc)[:500]
+        rec["prefix_cache_hit_before_sync"] = []
+    log(f"{transport}: syncing s0 ({reps} + 1)")
+    reports, secs = sync_times(t.address, tstub, "s0", transport, reps + 1)
+    rec["sync_s_all"] = secs
+    rec["sync_s"] = statistics.median(secs[1:])
+    rec["first_sync_s"] = secs[0]
+    rec["bytes"] = int(reports[0].get("bytes", 0))
+    rec["num_buckets"] = reports[0].get("num_buckets")
+    rec["phase_s_first"] = reports[0].get("phase_seconds")
+    trainer_version = int(reports[-1]["version"])
+    after, served = generate(s0, PROMPTS)
+    rec["prefix_cache_hit_after_sync"] = [s.prefix_cache_hit for s in after]
+    st = s0.GetStatus(rollout_pb2.GetStatusRequest())
+    rec["trainer_version"] = trainer_version
+    rec["served_version"] = served
+    rec["rollouts_on_version"] = st.version == trainer_version == served and st.state == rollout_pb2.SERVING
+    # the comparison first: the built-in engine's timings below are the part a time limit may cut
+    export_dir = work / f"export-{transport}"
+    rec["export"] = ws(t.address, "export", str(export_dir), timeout=300)
+    ref = hf_reference(str(export_dir), after)
+    rec["greedy_match"] = all(ref["match"])
+    rec["max_abs_logprob_diff"] = ref["max_abs_logprob_diff"]
+    hits_before = rec["prefix_cache_hit_before_sync"]
+    # flushed: the prompts hit the radix cache before the sync and none did after it
+    rec["radix_cache_flushed"] = bool(hits_before) and all(hits_before) and not any(rec["prefix_cache_hit_after_sync"])
+    rec["details"] = ref
+    flushed = rec["radix_cache_flushed"]
+    log(f"{transport}: greedy_match={rec['greedy_match']} flushed={flushed} sync_s={rec['sync_s']:.3f}")
+    log(f"{transport}: syncing b0 (built-in engine, same machine)")
+    _, bsecs = sync_times(t.address, tstub, "b0", transport, reps + 1)
+    rec["builtin_sync_s_all"] = bsecs
+    rec["builtin_sync_s"] = statistics.median(bsecs[1:])
+    log(f"{transport}: built-in engine sync_s={rec['builtin_sync_s']:.3f}")
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--transports", default="ipc,tcp")
+    ap.add_argument("--reps", type=int, default=5, help="timed syncs per transport and engine, after one warm-up")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ready-timeout", type=float, default=240)
+    args = ap.parse_args()
+    # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
+    import sglang.version
+
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "engine_version": sglang.version.__version__,
+        "torch": torch.__version__,
+        "model": args.model,
+        "prompts": PROMPTS,
+        "max_new_tokens": N_NEW,
+        "sglang_args": SGLANG_ARGS,
+        "runs": [],
+    }
+    work = Path(tempfile.mkdtemp(prefix="ws-sglang-live-"))
+    procs, chans = [], []
+    try:
+        cfg_dir = write_config(args.model, work)
+        start_dir = save_random_hf(cfg_dir, work / "start", seed=2)  # what both rollouts serve at start
+        t = start_trainer(
+            work, "--backend", "megatron", "--model", str(cfg_dir), "--init-seed", "1", "--param-dtype", "bfloat16",
+            "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
+        )  # fmt: skip
+        procs.append(t)
+        common = (
+            "--model",
+            str(start_dir),
+            "--device",
+            "cuda:0",
+            "--dtype",
+            "bfloat16",
+            "--apply-mode",
+            "inplace",
+            "--serve-initial-weights",
+        )
+        common += ("--trainer-address", t.address, "--register-timeout-s", str(args.ready_timeout))
+        sgl_args = [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
+        procs.append(start_rollout(work, "--engine", "sglang", *common, *sgl_args, name="s0"))
+        procs.append(start_rollout(work, "--engine", "builtin", *common, name="b0"))
+        deadline = time.monotonic() + args.ready_timeout
+        for p in procs:
+            p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+            log(f"{p.name} ready")
+        wait_registered(t.address, ["s0", "b0"], max(1.0, deadline - time.monotonic()))
+        chans = [channel(p.address) for p in procs[1:]]
+        stubs = {"s0": rollout_stub(chans[0], "", 120), "b0": rollout_stub(chans[1], "", 120)}
+        tch = channel(t.address)
+        chans.append(tch)
+        tstub = trainer_stub(tch, "", 180)
+        for i, tr in enumerate(args.transports.split(",")):
+            Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
+            rec = {"transport": tr, "trainer_backend": "megatron"}
+            res["runs"].append(rec)
+            try:
+                run_transport(rec, t, tstub, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i)
+            except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
+                traceback.print_exc()
+                rec["error"] = repr(exc)[:3000]
+        from tests.support import sgl_kernel_shim
+
+        res["shim_routes"] = {m: r[0] for m, r in sgl_kernel_shim.ROUTES.items()}
+        res["shim_stubbed"] = sorted(sgl_kernel_shim.STUBBED)
+    except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
+        traceback.print_exc()
+        res["error"] = repr(exc)[:3000]
+    finally:
+        for ch in chans:
+            ch.close()
+        for p in procs:
+            tail = p.log()[-6000:]
+            res.setdefault("logs_tail", {})[p.name] = tail[-2500:]
+            (Path(os.environ.get("OUT", "/tmp")) / f"{p.name}.log").write_text(p.log())
+            p.stop()
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)  # SGLang's scheduler children too
+            except (ProcessLookupError, PermissionError):
+                pass
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    for r in res["runs"]:
+        keys = ("transport", "greedy_match", "max_abs_logprob_diff", "sync_s", "builtin_sync_s", "rollouts_on_version")
+        print({k: r.get(k) for k in (*keys, "radix_cache_flushed", "error")})
+    ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 34: SGLang 0.5.10's real Engine on one GPU behind `rollout-svc --engine sglang`, synced from a
+# megatron trainer over ipc and tcp (bench/sglang_live.py). One command, fits one 10-minute device call:
+#
+#   WS_SGLANG_WHL=<dir of SGLang's wheels> bash bench/sglang_live.sh
+#
+# Wheels: the services' (.whl/: grpcio, protobuf, megatron-core, fastapi, ...) and SGLang's
+# ($WS_SGLANG_WHL: sglang 0.5.10 + its light deps; docs/sglang.md lists them), installed --no-deps into
+# /tmp/site. sgl_kernel and flashinfer cannot be installed on the host: the harness shim
+# (tests/support/sgl_kernel_shim.py) stands in, loaded in every process by sitecustomize.
+# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WS_SGLANG_WHL=${WS_SGLANG_WHL:?set WS_SGLANG_WHL to the folder of SGLang wheels}
+WHEELS=("$WS_SGLANG_WHL"/*.whl)
+[ -d ../../.whl ] && WHEELS+=(../../.whl/*.whl)
+[ -d .whl ] && WHEELS+=(.whl/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" \
+  || { echo "installing wheels failed" >&2; exit 2; }
+export PYTHONPATH=$PWD/tests/support/sglang_gpu_site:$PWD:/tmp/site WS_SGL_KERNEL_SHIM=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
+timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" ${LIVE_ARGS:-} 2>&1 \
+  | tee "$OUT/sglang_live.txt"
