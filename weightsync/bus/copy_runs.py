@@ -70,6 +70,8 @@ class BatchedCopy:
         from weightsync.bus import copy_runs_cuda as kernel
 
         self.pairs = len(pairs)
+        # the table holds raw addresses: the views keep their memory allocated (never reused under it)
+        self._views = list(pairs)
         self._dsts: list[torch.Tensor] = []
         self._srcs: list[torch.Tensor] = []
         #: (table on the device, source base, destination base, alignment in elements) per launch
