@@ -9,7 +9,10 @@ megatron-core in `--param-dtype` and filled with random bits, exported in the sa
 - `iter`: today's per-tensor export (export.py: views where no conversion is needed, else one
   write), packed the same way: what the TCP / multi-sender / TP>1 paths do;
 - `flat`: MegatronActor.flat_buckets (flat_export.py), the path of a one-GPU sync: the parameters
-  that are their own HF bytes live in the buckets, the rest is written by one batched copy.
+  that are their own HF bytes live in the buckets, the rest is written from an address table by a
+  launch or two (weightsync/bus/copy_runs.py);
+- `flat_torch`: the same with every converted copy left to torch (`_foreach_copy_`, one kernel per
+  copy), the A/B of the table-driven launch.
 
 Per path: median seconds per full pass over the model, the aten calls that move bytes (copy_,
 cat, _to_copy, clone; a `_foreach_copy_` counts its tensors) and the bytes they write, counted in
@@ -17,7 +20,7 @@ a separate pass under a dispatch mode. Every path's buckets are checked byte for
 `old`'s (by checksum).
 
     python bench/bench_megatron_export.py --model 1.5b --reps 3 --out /tmp/export_cpu.json
-    python bench/bench_megatron_export.py --model 7b --device cuda --out $OUT/export_gpu.json
+    python bench/bench_megatron_export.py --model 7b --paths flat,flat_torch --out $OUT/export_gpu.json
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ def main() -> int:
     from weightsync.bus.checksum import bucket_checksum
     from weightsync.bus.layout import ManifestCache
     from weightsync.bus.pack import alloc_buffer
+    from weightsync.triton_support import available
 
     t0 = time.perf_counter()
     actor = make_actor(args.model, dtype)
@@ -166,7 +170,7 @@ def main() -> int:
         flats = a.flat_buckets(manifest)
         return [bucket_checksum(f[: b.nbytes]) for f, b in zip(flats, manifest.buckets)] if checking else flats
 
-    paths = {"old": run_old, "iter": run_iter, "flat": run_flat}
+    paths = {"old": run_old, "iter": run_iter, "flat": run_flat, "flat_torch": run_flat}
     rec = {
         "model": args.model,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -185,13 +189,25 @@ def main() -> int:
     for name in [p for p in args.paths.split(",") if p]:
         fn, r = paths[name], {}
         checking = False
-        if name == "flat":
+        if name.startswith("flat"):
+            from weightsync.bus import copy_runs_cuda
+
+            # flat_torch: the same plan with every converted copy left to torch (one kernel each),
+            # the A/B of the table-driven launch; planned afresh either way
+            copy_runs_cuda.available = available if name == "flat" else (lambda: False)
+            actor._flat = None
             t0 = time.perf_counter()
             fn()
             sync(dev)
             r["plan_s"] = time.perf_counter() - t0  # once per layout: moves the parameters into the buckets
             fe = actor._flat
-            r.update(aliased_bytes=fe.aliased_bytes, copied_bytes=fe.copied_bytes, batched_copies=fe.copies)
+            r.update(
+                aliased_bytes=fe.aliased_bytes,
+                copied_bytes=fe.copied_bytes,
+                batched_copies=fe.copies,
+                launches=fe.launches,
+                torch_copies=fe.torch_copies,
+            )
         times = []
         for _ in range(args.reps + 1):
             sync(dev)

@@ -271,7 +271,16 @@ def raw_nccl(sizes: list[int], reps: int, timeout: float) -> list[list[float]]:
     return got[1]  # the receiver's clock, as in bench_sync: it finishes last
 
 
+def _exit_on_sigterm() -> None:
+    """`timeout` (bench/run_*.sh) ends a run with SIGTERM, which would leave the services running (and
+    holding the GPU and the CPUs under the next run): exit through `finally`, which stops them."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main() -> int:
+    _exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {','.join(MODELS)}")
     ap.add_argument("--transport", choices=("nccl", "ipc", "tcp"), default=None, help="default nccl on GPU, else tcp")

@@ -25,7 +25,7 @@ T=${STEP_TIMEOUT:-560}
 pytest_gpu() { timeout "$T" python3 -m pytest -v -s -m gpu -p no:cacheprovider -o addopts="" "$@"; }
 case "$STEP" in
   tests-a) pytest_gpu tests/gpu/test_multisender_gpu.py tests/gpu/test_nccl_multisender_gpu.py tests/gpu/test_services_gpu.py \
-             tests/gpu/test_bus_gpu.py tests/gpu/test_fp8_gpu.py -k "not triton_quantizer_equals" 2>&1 | tee "$OUT/gpu_tests_a.txt" ;;
+             tests/gpu/test_bus_gpu.py tests/gpu/test_copy_runs_gpu.py tests/gpu/test_fp8_gpu.py -k "not triton_quantizer_equals" 2>&1 | tee "$OUT/gpu_tests_a.txt" ;;
   tests-b) pytest_gpu tests/gpu/test_megatron_gpu.py tests/gpu/test_torch_dist_gpu.py tests/gpu/test_fp8_gpu.py \
              -k "not tp1-float32" 2>&1 | tee "$OUT/gpu_tests_b.txt" ;;
   ipc) for backend in hf megatron; do

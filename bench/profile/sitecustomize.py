@@ -74,8 +74,15 @@ def _patch() -> None:
         loaded = sys.modules
         for role, pieces in (("rollout", ROLLOUT), ("trainer", TRAINER)):
             if all(mod in loaded for mod, _, _, _ in pieces):
-                for mod, cls, name, key in pieces:
-                    owner = loaded[mod] if cls is None else getattr(loaded[mod], cls)
+                # a module is in sys.modules from the start of its import: wait until every piece is
+                # defined (an AttributeError here would end this thread, and that service go untimed)
+                try:
+                    owners = [(loaded[mod] if cls is None else getattr(loaded[mod], cls)) for mod, cls, _, _ in pieces]
+                    if not all(hasattr(o, name) for o, (_, _, name, _) in zip(owners, pieces)):
+                        continue
+                except AttributeError:
+                    continue
+                for owner, (_, _, name, key) in zip(owners, pieces):
                     _wrap(owner, name, key)
                 threading.Thread(target=_dump, args=(role,), daemon=True).start()
                 return

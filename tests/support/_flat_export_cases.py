@@ -1,10 +1,13 @@
 """One megatron-core process (one-rank gloo group): the flat export (flat_export.py) against the HF
 checkpoint it loaded and against the per-tensor export packed by the pipeline, byte for byte.
-argv: the report path, then `family=hf_dir` pairs. Writes a JSON report."""
+argv: the report path, then `family=hf_dir` pairs. Writes a JSON report. With FLAT_CASES_KERNEL=1 (and
+TRITON_INTERPRET=1 on a machine without a GPU) the converted copies go through the Triton copy kernel
+(weightsync/bus/copy_runs_cuda.py) instead of torch's, as on a GPU."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -76,6 +79,7 @@ def run_family(family: str, hf_dir: str) -> dict:
         fe = actor._flat
         r["flat_vs_hf"] = _same(m, flats, ref)
         r["aliased_bytes"], r["copied_bytes"], r["copies"] = fe.aliased_bytes, fe.copied_bytes, fe.copies
+        r["launches"], r["torch_copies"] = fe.launches, fe.torch_copies
         r["total_bytes"] = sum(x.nbytes for x in metas)
         with torch.no_grad():
             after = forward_logits(actor.model, ids, config.vocab_size)
@@ -114,7 +118,20 @@ def run_family(family: str, hf_dir: str) -> dict:
     return rep
 
 
+def _force_kernel() -> None:
+    from weightsync.bus import copy_runs
+
+    plain = copy_runs.BatchedCopy.__init__
+
+    def init(self, pairs, *, use_kernel=None):
+        plain(self, pairs, use_kernel=True)
+
+    copy_runs.BatchedCopy.__init__ = init
+
+
 def main() -> None:
+    if os.environ.get("FLAT_CASES_KERNEL") == "1":
+        _force_kernel()
     out = Path(sys.argv[1])
     report: dict = {}
     for arg in sys.argv[2:]:

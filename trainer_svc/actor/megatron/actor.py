@@ -90,6 +90,8 @@ class MegatronActor:
             self._metas = self.converter.plan(self.model, self._metas)
         #: the model laid out as the current layout's buckets (flat_buckets), once a sync asked for it
         self._flat = None
+        #: export_owners(), computed at the first sync (the spec, parallelism and rank map are fixed)
+        self._owners: tuple[int, ...] | None = None
         #: what the last funnelled export moved to rank 0 (bytes of other stages' tensors)
         self.export_stats: dict = {}
         self.version = 0
@@ -149,9 +151,11 @@ class MegatronActor:
         owner streams its own); all 0 with a bridge converter, which funnels through rank 0."""
         if self.converter is not None:
             return [0] * len(self._metas)
-        from trainer_svc.actor.megatron.export import export_owners
+        if self._owners is None:  # from config alone and asked at every sync's plan: walked once (ms of Python)
+            from trainer_svc.actor.megatron.export import export_owners
 
-        return export_owners(self.spec, self.par, self.rmap)
+            self._owners = tuple(export_owners(self.spec, self.par, self.rmap))
+        return list(self._owners)
 
     def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
         """Rank 0: the manifest's buckets written straight from this model (flat_export.py), so a
@@ -173,17 +177,18 @@ class MegatronActor:
             return None
         if self.rmap.rank != 0:
             return None
+        flat = self._flat
+        if flat is not None and flat.digest == manifest.layout_digest and not flat.stale():
+            return flat.refresh()  # the parameters are where the plan found them: same dtypes too
         params = self.parameters()
         cast = sum(p.numel() for p in params if p.dtype != self.export_dtype)
         if cast * 8 > sum(p.numel() for p in params):
             return None
-        flat = self._flat
-        if flat is None or flat.digest != manifest.layout_digest or flat.stale():
-            from trainer_svc.actor.megatron.flat_export import FlatExport
+        from trainer_svc.actor.megatron.flat_export import FlatExport
 
-            self._flat = None  # the previous layout's buckets are dropped before the new ones are built
-            flat = self._flat = FlatExport(manifest, self.model, self.spec)
-        return flat.refresh()
+        self._flat = None  # the previous layout's buckets are dropped before the new ones are built
+        self._flat = FlatExport(manifest, self.model, self.spec)
+        return self._flat.refresh()
 
     @property
     def rank(self) -> int:

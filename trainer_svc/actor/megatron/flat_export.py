@@ -12,8 +12,11 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
   `flat_buckets`); training, loads and exports go on using the same parameter, and a sync sends it
   with no copy at all;
 - every other HF tensor (the query-group interleaved QKV, a padded vocabulary, a parameter shared
-  by two slots, one split across buckets) is written from its parameter into its slot at each sync
-  by strided-view copies (hf_copy.py), all of them in one batched call.
+  by two slots, one split across buckets, an fp32 norm cast into a bf16 slot) is written from its
+  parameter into its slot at each sync by strided-view copies (hf_copy.py), planned once as
+  contiguous runs in an address table: on a GPU one Triton launch per (dtype pair, alignment) for
+  the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
+  `_foreach_copy_`, which writes the same bits.
 
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
@@ -29,6 +32,7 @@ from trainer_svc.actor.megatron.hf_copy import copy_pairs
 from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
+from weightsync.bus.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
 from weightsync.model_spec import ModelSpec
 
@@ -112,8 +116,7 @@ class FlatExport:
         # sources are taken after the moves above: a parameter read here must be its new storage
         params = named_parameters_global(chunks)
         by_slot = {s.meta.name: _slot_view(self.flats[b], s) for b, s in slots.values()}
-        self._dsts: list[torch.Tensor] = []
-        self._srcs: list[torch.Tensor] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: (parameter, address) of every source: one moved elsewhere since (a load that assigns new
         #: storage) makes this plan stale, so the next sync plans again instead of sending old bytes
         self._sources = list(self._aliased)
@@ -121,20 +124,20 @@ class FlatExport:
             outs = [by_slot[s.meta.name] for s in where]
             p = params[mname]
             self._sources.append((p, p.data_ptr()))
-            for dst, src in copy_pairs(rule, [p.detach()], outs, spec.dims):
-                self._dsts.append(dst)
-                self._srcs.append(src)
+            pairs += copy_pairs(rule, [p.detach()], outs, spec.dims)
+        self._copy = BatchedCopy(pairs)
         self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
-        self.copied_bytes = sum(math.prod(d.shape) * d.element_size() for d in self._dsts)
-        self.copies = len(self._dsts)
+        self.copied_bytes = sum(math.prod(d.shape) * d.element_size() for d, _ in pairs)
+        self.copies = len(pairs)
+        #: kernel launches per sync for the copies (table-driven) and copies left to torch, one kernel each
+        self.launches, self.torch_copies = len(self._copy.launches), self._copy.torch_pairs
 
     def stale(self) -> bool:
         """A parameter's storage was replaced since the plan (the slots would not follow it)."""
         return any(p.data_ptr() != ptr for p, ptr in self._sources)
 
     def refresh(self) -> list[torch.Tensor]:
-        """Write every converted slot from its parameter (one batched call); the buckets."""
-        if self._dsts:
-            with torch.no_grad():
-                torch._foreach_copy_(self._dsts, self._srcs)
+        """Write every converted slot from its parameter (a launch or two); the buckets."""
+        with torch.no_grad():
+            self._copy.run()
         return self.flats
