@@ -43,6 +43,8 @@ from weightsync.v1 import rollout_pb2  # noqa: E402
 
 PROMPTS = [[9707, 11, 847, 829, 374, 1207, 16948, 13], [785, 6722, 315, 9625, 374], [16, 11, 17, 11, 18, 11, 19]]
 N_NEW = 12
+#: nats: below this, a greedy step is a tie between bf16 kernel stacks, not evidence of wrong weights
+TIE_FLOOR = 0.05
 SGLANG_ARGS = {
     "attention_backend": "triton",
     "sampling_backend": "pytorch",
@@ -125,7 +127,11 @@ def hf_reference(export_dir: str, samples) -> dict:
         if k is None and len(hf_tok) != len(sgl_tok):
             k = min(len(hf_tok), len(sgl_tok))
         gap = None if k is None or k >= len(sgl_tok) else float(rows[k].max() - rows[k, sgl_tok[k]])
-        out.setdefault("divergence", []).append({"index": k, "hf_logprob_gap": gap})
+        # a near-tie: transformers itself ranks SGLang's token within the two stacks' own disagreement
+        # (twice the largest |log-prob| difference seen on the shared prefix, at least TIE_FLOOR nats)
+        noise = max([TIE_FLOOR, *(2 * d for d in diffs[: k or 0])])
+        out.setdefault("divergence", []).append({"index": k, "hf_logprob_gap": gap, "tie_tolerance": noise})
+        out.setdefault("match_up_to_ties", []).append(k is None or (gap is not None and gap <= noise))
         log(f"prompt {len(out['match']) - 1}: match={hf_tok == sgl_tok} diverge_at={k} gap={gap} lp_diffs={diffs}")
     del m
     torch.cuda.empty_cache()
@@ -185,13 +191,16 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: i
     rec["export"] = ws(t.address, "export", str(export_dir), timeout=300)
     ref = hf_reference(str(export_dir), after)
     rec["greedy_match"] = all(ref["match"])
+    rec["greedy_match_up_to_ties"] = all(ref["match_up_to_ties"])
+    rec["min_top2_margin"] = ref["min_top2_margin"]
     rec["max_abs_logprob_diff"] = ref["max_abs_logprob_diff"]
     hits_before = rec["prefix_cache_hit_before_sync"]
     # flushed: the prompts hit the radix cache before the sync and none did after it
     rec["radix_cache_flushed"] = bool(hits_before) and all(hits_before) and not any(rec["prefix_cache_hit_after_sync"])
     rec["details"] = ref
     flushed = rec["radix_cache_flushed"]
-    log(f"{transport}: greedy_match={rec['greedy_match']} flushed={flushed} sync_s={rec['sync_s']:.3f}")
+    ties = rec["greedy_match_up_to_ties"]
+    log(f"{transport}: greedy_match={rec['greedy_match']} ties_ok={ties} flushed={flushed} sync_s={rec['sync_s']:.3f}")
     log(f"{transport}: syncing b0 (built-in engine, same machine)")
     _, bsecs = sync_times(t.address, tstub, "b0", transport, reps + 1)
     rec["builtin_sync_s_all"] = bsecs
@@ -288,7 +297,15 @@ def main() -> int:
                 pass
     Path(args.out).write_text(json.dumps(res, indent=2))
     for r in res["runs"]:
-        keys = ("transport", "greedy_match", "max_abs_logprob_diff", "sync_s", "builtin_sync_s", "rollouts_on_version")
+        keys = (
+            "transport",
+            "greedy_match",
+            "greedy_match_up_to_ties",
+            "max_abs_logprob_diff",
+            "sync_s",
+            "builtin_sync_s",
+            "rollouts_on_version",
+        )
         print({k: r.get(k) for k in (*keys, "radix_cache_flushed", "error")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
