@@ -7,8 +7,10 @@ next registration's catch-up brings it to the trainer's version with the same lo
 
 Stopped before a sync (silent at prepare), and stopped mid-stream: there every rollout's bus
 connection passes through a BusProxy that paces it (the stream lasts seconds however fast the box is)
-and stops the rollout from the proxy's hook once a quarter of the stream went through, so the stop
-lands mid-stream by construction, not by timing.
+and stops the rollout from the proxy's hook once an eighth of the stream went through, so the stop
+lands mid-stream by construction, not by timing. The same hook stalls that proxy (a hung host: its
+kernel takes nothing more), and the model is several times the kernels' socket buffers, so the
+trainer's sends to it block: the others commit on time only because it is dropped from the stream.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ def test_a_stopped_rollout_does_not_hold_the_others_and_is_caught_up_after_sigco
     assert torch.equal(score(rstub(stopped))[0], score(rstub(rollouts[0]))[0])
 
 
-def _fleet(procs, tmp_path, proxies=None):
-    """Three rollouts (r2's bus connection through proxies[i] where given) and a trainer, all at v1."""
-    cfg_dir, sets = make_model_dirs(tmp_path / "models", [11, 12])
+def _fleet(procs, tmp_path, proxies=None, **model):
+    """Three rollouts (rollout i's bus connection through proxies[i] where given) and a trainer, all at v1;
+    `model` overrides the test model's config."""
+    cfg_dir, sets = make_model_dirs(tmp_path / "models", [11, 12], **model)
     taddr = f"127.0.0.1:{free_port()}"
     rollouts = []
     for i in range(3):
@@ -139,13 +142,16 @@ def test_a_rollout_stopped_mid_stream_is_dropped_the_others_commit_on_time_and_i
         dport = free_port()
         proxies[i] = BusProxy(f"127.0.0.{2 + i}", dport, ("127.0.0.1", dport))
         request.addfinalizer(proxies[i].close)
-    taddr, rollouts, sets = _fleet(procs, tmp_path, proxies)
+    # ~48 MB of fp32 weights: several times what the kernels buffer between the trainer and a rollout
+    # (8 MiB each way here), so a rollout that takes nothing more blocks the trainer's sends to it
+    taddr, rollouts, sets = _fleet(procs, tmp_path, proxies, vocab_size=16384)
 
     # an unpaced sync opens the sync links and says how many bytes a stream is
     load(taddr, sets[1])
     rep = sync_rpc(taddr)
     assert rep.ok, rep
     stream_bytes = rep.bytes
+    assert stream_bytes > 4 * (8 << 20), stream_bytes
     # pace every link so a normal stream takes about STREAM_S: long against liveness_timeout_s, so a
     # stop mid-stream must not cost the healthy rollouts more than that timeout (and a ping period)
     for p in proxies.values():
@@ -163,11 +169,12 @@ def test_a_rollout_stopped_mid_stream_is_dropped_the_others_commit_on_time_and_i
     stopped = rollouts[2]
     stopped_at = []
 
-    def stop():  # from the proxy's pump, once a quarter of the stream reached it: mid-stream
+    def stop():  # from the proxy's pump, once an eighth of the stream reached it: mid-stream
         os.kill(stopped.popen.pid, signal.SIGSTOP)
+        proxies[2].links.stall_after[0] = 0  # and its host takes nothing more: the trainer's sends fill up
         stopped_at.append(time.monotonic())
 
-    proxies[2].links.hooks.append((0, stream_bytes // 4, stop))
+    proxies[2].links.hooks.append((0, stream_bytes // 8, stop))
     v = load(taddr, sets[1])
     before = status(rstub(stopped)).version
     try:
