@@ -68,16 +68,21 @@ class _Rejected(Exception):
     """The rollout closed the link in its handshake: a wrong token, no link on this port, or no room."""
 
 
-def _readable(sock: socket.socket) -> bool:
-    """Whether a read would not block (data, or the rollout closed the link; or the socket is closed).
+def _ready(sock: socket.socket, events: int) -> bool:
+    """Whether `events` are pending now (or the socket is closed).
 
     poll, not select: a trainer with many rollouts has descriptors past select's 1024."""
     poller = select.poll()
     try:
-        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        poller.register(sock, events | select.POLLERR | select.POLLHUP)
         return bool(poller.poll(0))
     except (OSError, ValueError):  # a closed socket (fileno -1)
         return True
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a read would not block (data, or the rollout closed the link; or the socket is closed)."""
+    return _ready(sock, select.POLLIN)
 
 
 def _drain(sock: socket.socket) -> tuple[int, bool]:
@@ -178,9 +183,12 @@ class SyncLinkClient:
                 self.last_heard = time.monotonic()
             if not usable:
                 return  # the next call reopens it; meanwhile the rollout's silence counts
+            # a socket with a timeout waits for room before a send, MSG_DONTWAIT or not: ask first
+            if not _ready(sock, select.POLLOUT):
+                return  # a full buffer: the rollout is not reading its link, no answer will come
             try:
                 sock.send(_PING, socket.MSG_DONTWAIT)
-            except OSError:  # BlockingIOError (a full buffer) included
+            except OSError:  # BlockingIOError included
                 pass
         finally:
             self._lock.release()
