@@ -11,7 +11,9 @@ prove the token within `hello_timeout` seconds in total, so silent peers cannot 
 
 A link opened with LINK_MAGIC_BEATS gets a BEAT frame as soon as each request is read, then BEAT frames
 while it is handled (one thread, _Beater, beats for every such link): the liveness signal the trainer
-tells "slow" from "gone" by, and within milliseconds "has it" from "silent".
+tells "slow" from "gone" by, and within milliseconds "has it" from "silent". Between requests (while a
+sync streams on the bus) the link thread answers each PING frame with a BEAT at once: it never waits
+on the apply, so a rollout blocked draining generation requests still answers, and a stopped one does not.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from weightsync.control.sync_link import (
     BEAT_PERIOD_S,
     METHODS,
     NONCE_BYTES,
+    PING,
     FrameTooLarge,
     frame,
     link_mac,
@@ -248,6 +251,10 @@ class SyncLinkServer:
                         )
                     )
                 return
+            if kind == PING:  # liveness between requests (during the stream): answered at once
+                with send_lock:
+                    conn.sendall(_ACK)
+                continue
             if beats:
                 self._beater.begin(conn, send_lock)
             try:

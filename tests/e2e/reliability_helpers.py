@@ -30,11 +30,12 @@ MODEL_KW = dict(
 )
 
 
-def make_model_dirs(root: Path, seeds: list[int]) -> tuple[Path, list[Path]]:
-    """A config-only dir (for --model) and one HF weights dir per seed (for LoadWeights)."""
+def make_model_dirs(root: Path, seeds: list[int], **config) -> tuple[Path, list[Path]]:
+    """A config-only dir (for --model) and one HF weights dir per seed (for LoadWeights);
+    `config` overrides MODEL_KW (e.g. a larger vocab_size for a stream longer than the kernels' buffers)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**MODEL_KW)
+    cfg = Qwen2Config(**{**MODEL_KW, **config})
     cfg_dir = root / "model"
     cfg.save_pretrained(str(cfg_dir))
     dirs = []

@@ -41,6 +41,13 @@ class BucketSender:
         """target id -> error text for targets that dropped out during this sync."""
         return {}
 
+    def drop(self, tid: str, why: str) -> bool:
+        """Take target `tid` out of the stream now, from any thread (its rollout went silent): the
+        others' sends must not wait on it any more, and `failures()` reports `why`. False when this
+        channel cannot (a collective needs every member; a colocated IPC target shares the trainer's
+        fate) or `tid` already left."""
+        return False
+
     def close(self) -> None:
         pass
 

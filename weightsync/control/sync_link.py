@@ -27,6 +27,12 @@ A rollout that is slow keeps beating; one that is gone (stopped, hung, its host 
 and the trainer gives up on it after its `liveness_timeout_s` instead of the call's whole
 `rpc_timeout_s` — or, in a sync, a short grace after the other rollouts answered when it never even
 acknowledged (weightsync.publisher.straggler).
+
+Between requests (while a sync streams its buckets on the bus) the trainer may send a PING frame
+(kind PING, length 0): the rollout's link thread answers it with a BEAT at once, whatever its apply is
+doing, so a rollout that is blocked (draining generation requests) still answers and one that is
+stopped or hung does not (weightsync.publisher.stream_liveness). A rollout that predates PING answers
+it with an UNIMPLEMENTED error frame, which is as good a sign of life.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ LINK_MAGIC = b"WSL1"
 LINK_MAGIC_BEATS = b"WSL2"
 #: the status byte of a BEAT frame (never a grpc.StatusCode number)
 BEAT = 0xFF
+#: the kind of a PING frame (trainer -> rollout, between requests): answered by a BEAT at once
+PING = 0xFE
 #: how often a rollout beats while it handles a request; a trainer's liveness_timeout_s must be
 #: several of these (the config checks it)
 BEAT_PERIOD_S = 0.25
@@ -76,6 +84,17 @@ def status_code(number: int) -> grpc.StatusCode:
 
 def frame(kind: int, payload: bytes) -> bytes:
     return _FRAME.pack(kind, len(payload)) + payload
+
+
+def whole_frames(data: bytes) -> tuple[int, int]:
+    """(frames, bytes) of the complete frames at the start of `data` (a partial one is not counted)."""
+    count = at = 0
+    while len(data) - at >= _FRAME.size:
+        _, n = _FRAME.unpack_from(data, at)
+        if len(data) - at - _FRAME.size < n:
+            break
+        count, at = count + 1, at + _FRAME.size + n
+    return count, at
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

@@ -203,6 +203,9 @@ class _DeltaChannel(BucketSender):
     def failures(self) -> dict[str, str]:
         return self._inner.failures()
 
+    def drop(self, tid: str, why: str) -> bool:
+        return self._inner.drop(tid, why)
+
     def close(self) -> None:
         self._inner.close()
 

@@ -13,6 +13,11 @@ gives up after `liveness` seconds of silence: the rollout is gone (stopped, hung
 `silent` says so until it answers again. The rollout beats once as soon as it reads a request, so
 `last_heard` tells a sync, within milliseconds, which rollouts have its request in hand
 (weightsync.publisher.straggler). A link whose handshake goes unanswered is silent too.
+
+Between calls (while the sync streams on the bus) `ping` asks the rollout for a BEAT and reads the
+ones it already answered, without ever blocking: `last_heard` then tells a stalled stream's "slow"
+(its link still answers) from "gone" (weightsync.publisher.stream_liveness). The next call reads
+whatever answers to pings are still in flight before it sends its request.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from weightsync.control.sync_link import (
     METHODS,
     NONCE_BYTES,
     NUMBER_OF,
+    PING,
     frame,
     link_mac,
     read_frame,
     recv_exact,
     status_code,
+    whole_frames,
 )
 
 #: a link that could not be opened is not tried again for this long (gRPC meanwhile): it may be
@@ -44,6 +51,9 @@ RETRY_AFTER_S = 60.0
 #: ... unless the connection was refused: the rollout is down (restarting), a try costs nothing
 RETRY_REFUSED_S = 1.0
 _CONNECT_TIMEOUT_S = 2.0
+_PING = frame(PING, b"")
+#: at most this many bytes of answered pings are read at once (each is a 5-byte BEAT frame)
+_DRAIN_BYTES = 64 << 10
 
 
 class LinkDown(Exception):
@@ -58,16 +68,46 @@ class _Rejected(Exception):
     """The rollout closed the link in its handshake: a wrong token, no link on this port, or no room."""
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """An idle link is readable only when the rollout closed it (it never speaks unasked).
+def _ready(sock: socket.socket, events: int) -> bool:
+    """Whether `events` are pending now (or the socket is closed).
 
     poll, not select: a trainer with many rollouts has descriptors past select's 1024."""
     poller = select.poll()
     try:
-        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        poller.register(sock, events | select.POLLERR | select.POLLHUP)
         return bool(poller.poll(0))
     except (OSError, ValueError):  # a closed socket (fileno -1)
         return True
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a read would not block (data, or the rollout closed the link; or the socket is closed)."""
+    return _ready(sock, select.POLLIN)
+
+
+def _drain(sock: socket.socket) -> tuple[int, bool]:
+    """Read the whole frames an idle link holds (the rollout speaks between calls only to answer a
+    PING), never blocking: (frames read, whether the link is still usable). A link the rollout closed,
+    or that holds only part of a frame, is not: its next call could misread it."""
+    frames = 0
+    while _readable(sock):
+        try:
+            data = sock.recv(_DRAIN_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return frames, True
+        except OSError:
+            return frames, False
+        if not data:
+            return frames, False  # closed by the rollout
+        n, nbytes = whole_frames(data)
+        if not n:
+            return frames, False  # part of a frame: usable again only once the rest came, so not now
+        try:
+            sock.recv_into(memoryview(bytearray(nbytes)), nbytes, socket.MSG_WAITALL)  # already here
+        except OSError:
+            return frames, False
+        frames += n
+    return frames, True
 
 
 class SyncLinkClient:
@@ -127,6 +167,32 @@ class SyncLinkClient:
         except Exception as exc:  # protobuf DecodeError
             return None, f"INTERNAL: sync link to {self.address}: {method}: unreadable answer ({exc})"
 
+    def ping(self) -> None:
+        """Ask the rollout for a BEAT between calls, and read the ones it already answered (`last_heard`).
+
+        Never blocks: while a call is in flight its own beats say the same; a full send buffer skips
+        this ping (the rollout is not reading its link: no answer will come)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            sock = self._sock
+            if sock is None:
+                return
+            heard, usable = _drain(sock)
+            if heard:
+                self.last_heard = time.monotonic()
+            if not usable:
+                return  # the next call reopens it; meanwhile the rollout's silence counts
+            # a socket with a timeout waits for room before a send, MSG_DONTWAIT or not: ask first
+            if not _ready(sock, select.POLLOUT):
+                return  # a full buffer: the rollout is not reading its link, no answer will come
+            try:
+                sock.send(_PING, socket.MSG_DONTWAIT)
+            except OSError:  # BlockingIOError included
+                pass
+        finally:
+            self._lock.release()
+
     def _answer(self, sock: socket.socket, deadline: float, liveness: float | None) -> tuple[int, bytes]:
         """The answer frame, past any beats; TimeoutError at `deadline` or after `liveness` s of silence."""
         while True:
@@ -137,8 +203,12 @@ class SyncLinkClient:
                 return status, payload
 
     def _open(self, deadline: float, liveness: float | None = None) -> socket.socket:
-        if self._sock is not None and _closed_by_peer(self._sock):
-            self._drop()  # the rollout restarted or dropped the link since the last sync: open another
+        if self._sock is not None:
+            heard, usable = _drain(self._sock)  # answers to the stream's pings
+            if heard:
+                self.last_heard = time.monotonic()
+            if not usable:
+                self._drop()  # the rollout restarted or dropped the link since the last sync: open another
         if self._sock is not None:
             return self._sock
         try:

@@ -6,6 +6,13 @@ pack copy) or, when the manifest has several senders, from every trainer rank th
 it why, so a bucket the rollout found corrupted is reported as DATA_LOSS, not as the broken pipe the
 trainer saw. Targets that commit on the stream's channel (ipc) or whose stream end is awaited after
 their commit (sync link) keep the channel open past this phase (`commit_channel`).
+
+A target that goes silent mid-stream (stopped, hung: its sync link answers no ping for
+liveness_timeout_s, weightsync.publisher.stream_liveness) is dropped from the channel while the others
+stream on: failed `silent`, left on its version (stale) until a later sync, and never sent AbortSync
+(the call would only wait on it): what it received is never committed, since no CommitSync reaches
+it, and its own prepare timer aborts it. Only a channel that can drop one target does this (tcp); the
+others keep the sync's deadline as their bound (docs/architecture.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
+from weightsync.publisher.stream_liveness import StreamLiveness
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,8 @@ class StreamPhase:
         self._stream_failed: dict[str, str] = {}
         #: bytes handed to the bus so far (sync progress)
         self.bytes_sent = 0
+        #: rollout_id -> seconds its link was silent when it was dropped from the stream
+        self.silent: dict[str, float] = {}
 
     def start_in_place(self) -> None:
         """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
@@ -196,18 +206,19 @@ class StreamPhase:
         )
         self.senders = [sender]
         try:
-            stats = stream_buckets(
-                self.manifest,
-                export,
-                channel,
-                device=self.session.device,
-                timeout=a.left(),
-                buffers=self.session.buffers,
-                in_place=in_place,
-                in_place_checksums=self.in_place_checksums if in_place is not None else None,
-                with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
-                on_sent=self._sent,
-            )
+            with self._liveness(channel):
+                stats = stream_buckets(
+                    self.manifest,
+                    export,
+                    channel,
+                    device=self.session.device,
+                    timeout=a.left(),
+                    buffers=self.session.buffers,
+                    in_place=in_place,
+                    in_place_checksums=self.in_place_checksums if in_place is not None else None,
+                    with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
+                    on_sent=self._sent,
+                )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
             a.phases.add("stream.export", stats.export_seconds)
@@ -228,6 +239,28 @@ class StreamPhase:
             if channel is not self.commit_channel:
                 channel.close()
 
+    def _liveness(self, channel) -> StreamLiveness:
+        """The watch that drops, from `channel`, the targets whose sync links fall silent mid-stream."""
+        a = self.attempt
+        timeout = getattr(a.rollouts, "liveness_timeout", None)  # None: no liveness signal to go by
+        links = {}
+        for rid in a.prepared if timeout else ():
+            link = a.rollouts.link_of(a.by_id[rid])
+            if link is not None:
+                links[rid] = link
+        return StreamLiveness(links, timeout or 1.0, lambda rid, silent_s: self._drop_silent(channel, rid, silent_s))
+
+    def _drop_silent(self, channel, rid: str, silent_s: float) -> None:
+        """Take `rid` out of the stream (on the watch's thread): the others' sends go on without it."""
+        timeout = getattr(self.attempt.rollouts, "liveness_timeout", None)
+        why = (
+            f"stream: UNAVAILABLE: the rollout went silent mid-stream (its sync link answered no liveness ping "
+            f"for {silent_s:.2f}s; liveness_timeout_s={timeout:g}): stopped, hung or unreachable"
+        )
+        if channel.drop(rid, why):  # a channel that cannot drop one target keeps it (the deadline bounds it)
+            self.silent[rid] = silent_s
+            log.warning("sync %s: %s dropped from the stream: %s", self.manifest.sync_id, rid, why)
+
     def _sent(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
         self.attempt.phases.progress(bytes_sent=self.bytes_sent)
@@ -240,6 +273,17 @@ class StreamPhase:
         report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
         a = self.attempt
         failed, self._stream_failed = self._stream_failed, {}
+        for rid in [rid for rid in failed if rid in self.silent]:
+            # gone: AbortSync would only wait on it (its own prepare timer aborts what it received)
+            a.dropped[rid] = self.silent[rid]
+            e = a.by_id[rid]
+            e.reachable = False
+            a.fail(
+                rid,
+                "silent",
+                f"{failed.pop(rid)}: dropped from this sync; it stays at version {e.version} (stale) until a later "
+                "sync, and what it received is never committed",
+            )
         if not failed:
             return
         req = a.abort_request()

@@ -168,6 +168,12 @@ class TcpBucketReceiver(BucketReceiver):
 class TcpBucketSender(BucketSender):
     """Streams each bucket to every target in parallel; a failing target is dropped, not fatal.
 
+    Each bucket goes to every target at once (one pool thread each, all from the same bytes: no copy
+    per target), and `send` returns once every target took it, so the pipeline can reuse its buffer.
+    A target whose socket stopped draining (a stopped or hung rollout) therefore holds the others'
+    next bucket until it is dropped: `drop(tid, why)` — from any thread, e.g. the stream's liveness
+    watch — shuts its socket down, which wakes its blocked send, and the others go on at once.
+
     `sender`: the trainer rank this stream belongs to; `mac`: its hello MAC when the caller holds
     the MAC but not the token (a sender rank other than 0), else computed from `token`.
     `delta_targets`: the targets that accepted a delta base; `send(..., delta=payload)` sends them the
@@ -188,6 +194,8 @@ class TcpBucketSender(BucketSender):
         self.timeout = timeout
         self._socks: dict[str, socket.socket] = {}
         self._failures: dict[str, str] = {}
+        #: sockets dropped while a send may still use them: closed by close(), never under a sending thread
+        self._dropped: list[socket.socket] = []
         self._lock = threading.Lock()
         self.delta_targets: set[str] = set()
         self.wire_bytes: dict[str, int] = {tid: 0 for tid in targets}
@@ -217,9 +225,26 @@ class TcpBucketSender(BucketSender):
             self.wire_bytes[tid] += len(hdr) + payload.nbytes
         except OSError as exc:
             with self._lock:
+                if self._socks.get(tid) is not sock:
+                    return  # dropped (drop() recorded why): the closed socket is why this send failed
                 self._failures[tid] = f"TCP bus send failed: {exc}"
                 self._socks.pop(tid, None)
             sock.close()
+
+    def drop(self, tid: str, why: str) -> bool:
+        """Stop streaming to `tid` (from any thread): its socket is shut down, which ends a send blocked
+        on it, and `failures()` reports `why`. False if it had already left the stream."""
+        with self._lock:
+            sock = self._socks.pop(tid, None)
+            if sock is None:
+                return False
+            self._failures[tid] = why
+            self._dropped.append(sock)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # close() would not wake a thread blocked in sendall
+        except OSError:
+            pass
+        return True
 
     def send(
         self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None, delta: torch.Tensor | None = None
@@ -250,10 +275,12 @@ class TcpBucketSender(BucketSender):
             return dict(self._failures)
 
     def close(self) -> None:
-        for s in list(self._socks.values()):
+        with self._lock:
+            socks, self._dropped = list(self._socks.values()) + self._dropped, []
+            self._socks.clear()
+        for s in socks:
             try:
                 s.close()
             except OSError:
                 pass
-        self._socks.clear()
         self._pool.shutdown(wait=False)

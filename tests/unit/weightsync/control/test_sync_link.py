@@ -246,7 +246,10 @@ def test_a_call_not_answered_in_time_fails_and_the_next_opens_a_fresh_link(fleet
 
 
 def test_an_idle_link_counts_as_closed_once_the_rollout_closed_its_end():
-    from weightsync.publisher.link_client import _closed_by_peer
+    from weightsync.publisher.link_client import _drain
+
+    def _closed_by_peer(sock):
+        return not _drain(sock)[1]
 
     ours, theirs = socket.socketpair()
     try:
@@ -257,6 +260,43 @@ def test_an_idle_link_counts_as_closed_once_the_rollout_closed_its_end():
         assert _closed_by_peer(ours)  # a socket closed here too
     finally:
         ours.close()
+
+
+def test_an_idle_links_answered_pings_are_read_whole_and_part_of_a_frame_makes_it_unusable():
+    from weightsync.control.sync_link import BEAT, frame
+    from weightsync.publisher.link_client import _drain
+
+    ours, theirs = socket.socketpair()
+    try:
+        assert _drain(ours) == (0, True)
+        theirs.sendall(frame(BEAT, b"") * 3)
+        assert _drain(ours) == (3, True)
+        assert _drain(ours) == (0, True)  # read, not just peeked
+        theirs.sendall(frame(BEAT, b"")[:2])
+        assert _drain(ours) == (0, False)  # a next call would misread it
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_ping_between_calls_is_answered_by_the_link_thread_and_the_next_call_reads_past_the_beats(fleet):
+    """A ping is answered while no request is handled (the stream phase), and its BEATs left on the
+    link are not taken for the next call's answer."""
+    client = SyncLinkClient(fleet[1]["a"].servicer.sync_link, TOKEN)
+    resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="x"), 5, liveness=1.0)
+    assert err == "" and resp.state == rollout_pb2.SERVING
+    before = client.last_heard
+    deadline = time.monotonic() + 5
+    while client.last_heard == before and time.monotonic() < deadline:
+        client.ping()
+        time.sleep(0.02)
+    assert client.last_heard > before, "the rollout never answered a ping"
+    for _ in range(3):
+        client.ping()  # answers left in flight
+    time.sleep(0.05)
+    resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="y"), 5, liveness=1.0)
+    assert err == "" and resp.state == rollout_pb2.SERVING
+    client.close()
 
 
 def test_a_refused_connection_is_retried_within_a_second_a_refused_handshake_after_a_minute(fleet):

@@ -4,7 +4,8 @@ weightsync.publisher.straggler.gather against fake calls whose liveness the test
 SyncAttempt whose third target never acknowledges its PrepareSync: the other two commit, the silent
 one is failed `silent` (no call waits on it), and when its prepare is answered late, AbortSync of
 that very sync supersedes what it prepared; one silent only at commit is reported unconfirmed, and
-its late commit (whole, atomic) is recorded when it comes.
+its late commit (whole, atomic) is recorded when it comes. Mid-stream: weightsync.publisher.stream_liveness
+drops a target whose link stops answering pings, and the attempt fails it `silent` while the others commit.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_attempt import _attempt, _Orch, _Session
+from test_attempt import _attempt, _Channel, _Orch, _Session
 
+from weightsync.bus.errors import TransportError
 from weightsync.publisher import straggler
 from weightsync.publisher.straggler import GRACE_FLOOR_S, gather, grace_s
+from weightsync.publisher.stream_liveness import StreamLiveness
 
 POOL = ThreadPoolExecutor(max_workers=8)
 
@@ -144,3 +147,84 @@ def test_a_target_silent_at_commit_is_reported_unconfirmed_and_its_late_commit_i
     while c.version != 7 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert c.version == 7 and c.reachable
+
+
+class _Link:
+    """A sync link as the stream's liveness watch sees it: a live one answers every ping."""
+
+    def __init__(self, alive: bool = True):
+        self.alive, self.last_heard, self.pings = alive, time.monotonic(), 0
+
+    def ping(self):
+        self.pings += 1
+        if self.alive:
+            self.last_heard = time.monotonic()
+
+
+def test_the_stream_watch_drops_only_the_target_whose_link_stopped_answering_pings():
+    links = {"live": _Link(), "gone": _Link(alive=False)}
+    dropped = []
+    t0 = time.monotonic()
+    with StreamLiveness(links, 0.4, lambda rid, s: dropped.append((rid, s, time.monotonic() - t0)), period=0.05):
+        deadline = time.monotonic() + 5
+        while not dropped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the live one keeps answering: never dropped
+    assert [d[0] for d in dropped] == ["gone"] and links["live"].pings > 5
+    assert 0.4 <= dropped[0][1] < 0.4 + 0.2 and dropped[0][2] < 0.4 + 0.2, dropped
+
+
+class _DroppableChannel(_Channel):
+    """The bus channel of a fleet whose target c stops mid-stream: from bucket 2 on, a send blocks (its
+    socket full) until c is dropped, as TcpBucketSender's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = threading.Event()
+
+    def send(self, plan, buf, checksum):
+        if plan.index >= 2 and not self.out.wait(30):
+            raise TransportError("the send to c never returned")
+        super().send(plan, buf, checksum)
+
+    def drop(self, tid, why):
+        if tid != "c" or self.out.is_set():
+            return False
+        self.dropped[tid] = why
+        self.out.set()
+        return True
+
+
+class _StopsMidStream(_Orch):
+    """Targets on sync links; c's link answers no ping once the stream began (a SIGSTOPped rollout)."""
+
+    liveness_timeout = 0.4
+
+    def __init__(self):
+        super().__init__()
+        self.links = {rid: _Link() for rid in "abc"}
+        self.links["c"].alive = False
+
+    def link_of(self, entry):
+        return self.links[entry.rollout_id]
+
+    def heard_since(self, entry, since):
+        return True  # everyone answered prepare
+
+
+def test_a_target_silent_mid_stream_is_dropped_from_it_the_others_commit_and_it_is_never_sent_a_call():
+    orch, session = _StopsMidStream(), _Session()
+    session.channel = _DroppableChannel()
+    attempt, manifest, (a, b, c), _ = _attempt(orch, session, rids=("a", "b", "c"))
+    assert len(manifest.buckets) > 2
+    t0 = time.monotonic()
+    results, retry = attempt.run()
+    took = time.monotonic() - t0
+    assert took < 0.4 + 1.0, took  # the liveness timeout and a little: never the send's 30 s
+    assert results["a"].ok and results["b"].ok and (a.version, b.version) == (7, 7) and retry == []
+    assert not results["c"].ok and orch.failed == [("c", "silent")]
+    assert "silent mid-stream" in results["c"].error and "stale" in results["c"].error, results["c"].error
+    assert not c.reachable and c.version == 0 and "c" in attempt.dropped
+    # every bucket reached the others; c is sent neither its commit nor an abort that would wait on it
+    assert [s[0] for s in session.channel.sent] == [p.index for p in manifest.buckets]
+    assert ("c", "CommitSync") not in orch.calls and ("c", "AbortSync") not in orch.calls

@@ -158,3 +158,60 @@ def test_a_restarted_receiver_binds_its_port_while_the_old_connections_linger_in
             TcpReceiver(f"127.0.0.1:{port}", transaction=None, token="tok")
     finally:
         again.sock.close()
+
+
+class _Stalled:
+    """A peer that accepts the bus connection and then reads nothing (a stopped process): once the
+    kernel buffers are full, a send to it blocks."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # inherited: fills sooner
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=lambda: self.conns.append(self.sock.accept()[0]), daemon=True).start()
+
+    def close(self):
+        for c in [*self.conns, self.sock]:
+            c.close()
+
+
+def test_a_stalled_target_holds_the_others_only_until_it_is_dropped_and_they_get_everything():
+    """One target stops reading mid-stream: the sends block on it (the buckets go to every target from
+    one buffer, no copy each) until drop() shuts its socket down from another thread; then the healthy
+    target's stream goes on at once and arrives bit-exact, and the stalled one is reported with the reason."""
+    ts = {f"w{i}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(i)) for i in range(40)}
+    m = make_manifest(
+        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()], version=1, sync_id="st", bucket_bytes=1 << 20
+    )
+    assert m.total_bytes > 3 * (8 << 20)  # well past what the kernels' buffers can hold for the stalled peer
+    good, stalled = Listener(m), _Stalled()
+    sender = TcpBucketSender({"good": good.address, "stalled": stalled.address}, "st", "tok", timeout=30)
+    blocked_at, dropped = [], threading.Event()
+
+    def drop_when_blocked():
+        # the stream is stuck once the bytes it handed on stop growing for a while
+        last, since = -1, time.monotonic()
+        while time.monotonic() - since < 0.3:
+            time.sleep(0.05)
+            now = sender.wire_bytes["good"]
+            if now != last:
+                last, since = now, time.monotonic()
+        blocked_at.append(last)
+        assert sender.drop("stalled", "stream: UNAVAILABLE: went silent")
+        assert not sender.drop("stalled", "again")  # already out
+        dropped.set()
+
+    threading.Thread(target=drop_when_blocked, daemon=True).start()
+    t0 = time.monotonic()
+    stream_buckets(m, iter(ts.items()), sender, timeout=30)
+    took = time.monotonic() - t0
+    assert dropped.is_set() and blocked_at[0] < m.total_bytes  # it really was held by the stalled socket
+    assert sender.failures() == {"stalled": "stream: UNAVAILABLE: went silent"}
+    sender.close()
+    stalled.close()
+    good.thread.join(10)
+    assert good.error is None and all(torch.equal(good.got[n], ts[n]) for n in ts)
+    assert took < 10, took  # not the 30 s socket timeout

@@ -1,0 +1,95 @@
+"""Drops a target whose sync link goes silent while the buckets stream (issue 37).
+
+A rollout can stop (SIGSTOP, a hung host) in the middle of a stream. Its kernel may go on taking
+bytes for a while; once its buffers are full, its socket stops draining, and the bus channel's next
+bucket (which goes to every target from the same buffer) waits on it. A stalled stream alone proves
+nothing: a rollout that applies in place may be blocked, legitimately, until its in-flight generation
+requests drain. Its sync link tells the two apart: the link thread answers a PING with a BEAT at once,
+whatever the apply is doing (weightsync.control.sync_link), and a stopped or hung process answers
+nothing.
+
+So while the stream runs, every target on a sync link is pinged each BEAT_PERIOD_S, and one whose link
+has been silent for `timeout_s` (the trainer's liveness_timeout_s) is handed to `drop`: the caller
+takes it out of the channel (its socket shut down, so the others' sends go on at once) and fails it
+`silent`. A target without a link (gRPC only) gives no such signal and is not watched: its stream is
+bounded by the sync's deadline, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from weightsync.control.sync_link import BEAT_PERIOD_S
+
+log = logging.getLogger(__name__)
+
+
+class Pingable(Protocol):
+    """What the watch uses of a link (weightsync.publisher.link_client.SyncLinkClient)."""
+
+    last_heard: float
+
+    def ping(self) -> None: ...
+
+
+class StreamLiveness:
+    """A thread, for the length of a `with` block, that drops the targets whose links fall silent.
+
+    `drop(rid, silent_s)` runs on the watch's thread, once per target; `dropped` holds what it was
+    given. A target is judged from the watch's start: an answer heard before the stream began does
+    not count as silence during it."""
+
+    def __init__(
+        self,
+        links: dict[str, Pingable],
+        timeout_s: float,
+        drop: Callable[[str, float], None],
+        period: float = BEAT_PERIOD_S,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"liveness timeout_s={timeout_s} must be > 0 (seconds)")
+        # several pings per timeout: one lost to a full buffer or a busy GIL must not drop a live target
+        self.links, self.timeout_s, self._drop = links, timeout_s, drop
+        self.period = min(period, timeout_s / 4)
+        #: rid -> seconds its link had been silent when it was dropped
+        self.dropped: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> StreamLiveness:
+        self._t0 = time.monotonic()
+        if self.links:
+            self._thread = threading.Thread(target=self._run, name="stream-liveness", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # a ping never blocks and a drop only shuts a socket down: one period is plenty
+            self._thread.join(timeout=max(5.0, 4 * self.period))
+
+    def check(self) -> None:
+        """One round: ping every target still watched, and drop those silent for timeout_s."""
+        for rid, link in self.links.items():
+            if rid in self.dropped or self._stop.is_set():
+                continue
+            link.ping()
+            silent = time.monotonic() - max(link.last_heard, self._t0)
+            if silent >= self.timeout_s:
+                self.dropped[rid] = silent
+                try:
+                    self._drop(rid, silent)
+                except Exception:  # the watch must outlive one failed drop: the others still need it
+                    log.exception("dropping silent target %s from the stream failed", rid)
+
+    def _run(self) -> None:
+        while True:
+            self.check()
+            if self._stop.wait(self.period):
+                return
