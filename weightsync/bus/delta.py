@@ -19,9 +19,12 @@ fails the sync; `apply_delta` itself only refuses payloads that would write out 
 from __future__ import annotations
 
 import struct
+import threading
+from dataclasses import dataclass
 
 import torch
 
+from weightsync.bus.checksum import word_sums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
 
@@ -47,68 +50,143 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
-def _gap_cost(gaps: torch.Tensor, width: int, word: int) -> int:
-    """Bytes of the gap encoding at `width`, fillers included."""
-    limit = (1 << (8 * width)) - 1
-    fillers = int(((gaps - 1) // limit).sum()) if width < 4 else 0
-    return (gaps.numel() + fillers) * (width + word)
+_scratch = threading.local()  # per thread (a trainer's senders, tests): the compare's mask
+
+
+def _scratch_mask(n: int, device: torch.device) -> torch.Tensor:
+    """A bool buffer of n elements, reused from bucket to bucket: a fresh one each time costs its
+    page faults, about as much as the comparison that fills it."""
+    buf = getattr(_scratch, "mask", None)
+    if buf is None or buf.numel() < n or buf.device != device:
+        buf = _scratch.mask = torch.empty(n, dtype=torch.bool, device=device)
+    return buf[:n]
+
+
+def _nonzero(t: torch.Tensor) -> torch.Tensor:
+    """Positions (int64) of the nonzero elements of flat `t`. On the CPU numpy's, ~20 % faster than
+    torch's here (the compare's second-largest cost); elsewhere torch's, on the tensor's device."""
+    if t.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.flatnonzero(t.numpy()))
+    return t.nonzero().squeeze(1)
+
+
+_BLOCK = {8: torch.int64, 4: torch.int32}
+
+
+@dataclass
+class Diff:
+    """Where `new` differs from `base`, from one comparison pass; what encode, the checksum's sums
+    and the base's update all read, so none of them passes over the bucket again."""
+
+    word: int
+    #: sorted positions of the changed words, and their new words
+    idx: torch.Tensor
+    values: torch.Tensor
+    #: the compared blocks (8 or 4 bytes, or single words where the buffers are not aligned for
+    #: wider ones) that differ: their positions, new and old contents
+    blocks: torch.Tensor
+    new_blocks: torch.Tensor
+    old_blocks: torch.Tensor
+
+    def sums_change(self) -> torch.Tensor:
+        """How checksum.word_sums of `base` changes when it becomes `new`: int64 [sum, sum of
+        squares] over the 32-bit words of the changed blocks (a block's unchanged words cancel)."""
+        if self.new_blocks.element_size() < 4:
+            raise ValueError("Diff.sums_change needs 4-byte aligned buffers (compared as 32- or 64-bit blocks)")
+        return word_sums(self.new_blocks.view(torch.int32)) - word_sums(self.old_blocks.view(torch.int32))
+
+    def write(self, base: torch.Tensor) -> None:
+        """Make `base` (the compared base, or a copy of it) equal to `new`: only the changed blocks."""
+        base.view(self.new_blocks.dtype).index_put_((self.blocks,), self.new_blocks)
+
+
+def diff(new: torch.Tensor, base: torch.Tensor, word: int) -> Diff:
+    """The words in which flat uint8 `new` and `base` differ. Compared 8 bytes at a time (a quarter
+    of the elements for bf16: the pass over the whole bucket is the cost), then word by word within
+    the blocks that differ only (~8 % of them at 2 % changed bf16 values)."""
+    nbytes = new.numel()
+    if base.numel() != nbytes or nbytes % word:
+        raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
+    size = word
+    for b in (8, 4):
+        if b > word and not (nbytes % b or new.storage_offset() % b or base.storage_offset() % b):
+            size = b
+            break
+    dt = _BLOCK.get(size, _WORD[word])
+    nb, bb = new.view(dt), base.view(dt)
+    blocks = _nonzero(torch.ne(nb, bb, out=_scratch_mask(nb.numel(), new.device)))
+    new_blocks, old_blocks = nb.index_select(0, blocks), bb.index_select(0, blocks)
+    if size == word:
+        return Diff(word, blocks, new_blocks, blocks, new_blocks, old_blocks)
+    # which words of each differing block differ: the nonzero words of their XOR
+    per = size // word  # 2, 4 or 8: shifts and masks, not divisions
+    j = _nonzero((new_blocks ^ old_blocks).view(_WORD[word]))
+    idx = blocks.index_select(0, j >> (per.bit_length() - 1)).mul_(per).add_(j & (per - 1))
+    return Diff(word, idx, new_blocks.view(_WORD[word]).index_select(0, j), blocks, new_blocks, old_blocks)
 
 
 def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
     """Sorted positions of the `word`-byte words in which `new` and `base` differ."""
-    return _changed(new, base, _words(new, word), _words(base, word), word)
+    return diff(new, base, word).idx
 
 
-def _changed(new: torch.Tensor, base: torch.Tensor, nw: torch.Tensor, bw: torch.Tensor, word: int) -> torch.Tensor:
-    """Sorted positions of the words that differ. Compared 8 bytes at a time first (a quarter of the
-    elements for bf16: the pass over the whole bucket is the cost), then word by word within the
-    blocks that differ."""
-    if new.numel() % 8 or new.storage_offset() % 8 or base.storage_offset() % 8:
-        return (nw != bw).nonzero().squeeze(1)
-    n64, b64 = new.view(torch.int64), base.view(torch.int64)
-    blocks = (n64 != b64).nonzero().squeeze(1)
-    per, bits = 8 // word, 8 * word
-    # which words of each differing block differ: the nonzero `bits`-wide fields of their XOR
-    # (little-endian: word k of a block is bits [k * bits, (k + 1) * bits))
-    x = (n64[blocks] ^ b64[blocks]).unsqueeze(1)
-    shifts = torch.arange(0, 64, bits, device=new.device)
-    hit = ((x >> shifts) & ((1 << bits) - 1)).ne(0).nonzero()
-    return blocks[hit[:, 0]] * per + hit[:, 1]
+def _fillers(gaps: torch.Tensor, gmax: int, width: int) -> int:
+    """Filler positions the gaps need at `width` bytes each (a gap wider than the width holds)."""
+    limit = (1 << (8 * width)) - 1
+    if width == 4 or gmax <= limit:
+        return 0
+    return int(((gaps[gaps > limit] - 1) // limit).sum())  # the few wide gaps only: integer division is slow
 
 
-def encode(new: torch.Tensor, base: torch.Tensor, word: int, idx: torch.Tensor | None = None) -> torch.Tensor | None:
+def encode(new: torch.Tensor, base: torch.Tensor, word: int, d: Diff | torch.Tensor | None = None):
     """The delta from `base` to `new` (flat uint8 buffers of one size) as a uint8 payload on their
-    device, or None when it is not smaller than `new`. `idx`: changed_words(new, base, word), if known."""
+    device, or None when it is not smaller than `new`. `d`: diff(new, base, word) (or only its
+    positions, changed_words'), if known."""
     nbytes = new.numel()
     if base.numel() != nbytes or nbytes % word:
         raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
-    nw, bw = _words(new, word), _words(base, word)
-    idx = _changed(new, base, nw, bw, word) if idx is None else idx
-    n = idx.numel()
+    nw = _words(new, word)
+    if d is None:
+        d = diff(new, base, word)
+    idx, values = (d.idx, d.values) if isinstance(d, Diff) else (d, None)
+    n, nwords, dev = idx.numel(), nbytes // word, new.device
     if n == 0:
-        return torch.frombuffer(bytearray(_HDR.pack(GAPS, word, 1, 0, 0)), dtype=torch.uint8).to(new.device)
+        return torch.frombuffer(bytearray(_HDR.pack(GAPS, word, 1, 0, 0)), dtype=torch.uint8).to(dev)
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))  # position = previous + gap, from -1
-    bitmap_cost = (nw.numel() + 7) // 8 + n * word
-    width, cost = min(((w, _gap_cost(gaps, w, word)) for w in (1, 2, 4)), key=lambda wc: wc[1])
+    gmax = int(gaps.max())  # one host read: the widths' filler counts need a pass only when it is large
+    bitmap_cost = (nwords + 7) // 8 + n * word
+    width, cost = min(((w, (n + _fillers(gaps, gmax, w)) * (w + word)) for w in (1, 2, 4)), key=lambda wc: wc[1])
     if min(bitmap_cost, cost) + _HDR.size >= nbytes:
         return None
     if bitmap_cost <= cost:
-        mask = torch.zeros(((nw.numel() + 7) // 8) * 8, dtype=torch.uint8, device=new.device)
-        mask[idx] = 1
-        positions = (mask.view(-1, 8) * _bit_weights(new.device)).sum(1, dtype=torch.uint8)
-        kind, entries, values = BITMAP, n, nw[idx]
+        # positions are distinct, so adding each one's bit into its byte sets it
+        bits = torch.zeros((nwords + 7) // 8, dtype=torch.int64, device=dev)
+        bits.index_add_(0, idx >> 3, torch.bitwise_left_shift(torch.ones_like(idx), idx & 7))
+        kind, entries, positions = BITMAP, n, bits.to(torch.uint8)
     else:
         limit = (1 << (8 * width)) - 1
-        per_gap = (gaps - 1) // limit + 1  # fillers bridge a gap wider than the width holds
-        out = torch.full((int(per_gap.sum()),), limit, dtype=torch.int64, device=new.device)
-        last = per_gap.cumsum(0) - 1
-        out[last] = gaps - (per_gap - 1) * limit
-        pos = out.cumsum(0) - 1
-        kind, entries, values = GAPS, out.numel(), nw[pos]
+        out = gaps
+        if gmax > limit:  # fillers bridge a gap wider than the width holds: `extra` before each wide one
+            wide = (gaps > limit).nonzero().squeeze(1)
+            extra = torch.zeros_like(gaps).index_put_((wide,), (gaps.index_select(0, wide) - 1) // limit)
+            out = torch.full((n + int(extra.sum()),), limit, dtype=torch.int64, device=dev)
+            out[torch.arange(n, device=dev) + extra.cumsum(0)] = gaps - extra * limit
+            values = None  # fillers carry their unchanged word: gathered below
+            idx = out.cumsum(0) - 1
+        kind, entries = GAPS, out.numel()
         # two's complement: the low bytes of each gap, read back unsigned
         positions = out.to(_GAP[width]).view(torch.uint8) if width > 1 else out.to(torch.uint8)
+    if values is None:
+        values = nw.index_select(0, idx)
     head = torch.frombuffer(bytearray(_HDR.pack(kind, word, width, 0, entries)), dtype=torch.uint8)
-    return torch.cat([head.to(new.device), positions.reshape(-1), values.contiguous().view(torch.uint8)])
+    pos_bytes = positions.numel()
+    payload = torch.empty(_HDR.size + pos_bytes + entries * word, dtype=torch.uint8, device=dev)
+    payload[: _HDR.size].copy_(head)
+    payload[_HDR.size : _HDR.size + pos_bytes].copy_(positions.reshape(-1))
+    payload[_HDR.size + pos_bytes :].copy_(values.view(torch.uint8))
+    return payload
 
 
 def apply_delta(payload: torch.Tensor, base: torch.Tensor) -> None:
