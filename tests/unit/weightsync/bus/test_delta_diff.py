@@ -56,3 +56,22 @@ def test_cpu_word_sums_equal_torchs_wrapping_sums():
         assert torch.equal(checksum.word_sums(w), ref)
         dst = torch.empty_like(w)
         assert torch.equal(checksum.copy_word_sums(w, dst), ref) and torch.equal(dst, w)
+
+
+@pytest.mark.parametrize("fraction", [0.0005, 0.02, 0.3])  # fillers across steps, plain gaps, bitmap
+def test_a_bucket_compared_and_applied_in_steps_gives_the_same_payload_and_result(monkeypatch, fraction):
+    from weightsync.bus import delta
+
+    new, base = _pair(1 << 16, fraction, 2, 0, seed=7)
+    whole = encode(new, base, 2)
+    monkeypatch.setattr(delta, "_STEP_BYTES", 1 << 10)  # 64 steps of the compare
+    monkeypatch.setattr(delta, "_STEP_ENTRIES", 64)  # and of the apply
+    d = diff(new, base, 2)
+    assert len(d.parts) == 64
+    payload = encode(new, base, 2, d)
+    assert torch.equal(payload, whole)
+    out = base.clone()
+    apply_delta(payload, out)
+    assert torch.equal(out, new)
+    ref = checksum.word_sums(base.view(torch.int32)) + d.sums_change()
+    assert torch.equal(ref, checksum.word_sums(new.view(torch.int32)))
