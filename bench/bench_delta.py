@@ -2,16 +2,21 @@
 
 A TrainerApp (hf backend, bf16 parameters and export) and a RolloutApp (staged) run in this process
 on loopback; the rollout's data port sits behind a BusProxy (tests/support/bus_proxy.py) that
-paces the trainer's bus bytes to `--gbps` (the sync link passes unshaped). Each sync first changes
-`--changed` of the trainer's values (as an optimizer step at a small learning rate does), then:
+paces the trainer's bus bytes to each of `--gbps` (the sync link passes unshaped). Each sync first
+changes `--density` of the trainer's values (as an optimizer step at a small learning rate does), then:
 
 - full:  sync_encoding=full (every bucket dense; the trainer keeps no base)
 - delta: sync_encoding=delta, after one untimed sync that gives both ends the base
 
-alternating, `--reps` times each; the rollout's weights are checked bit-exact after the last one.
+alternating, `--reps` times each per rate; the rollout's weights are checked bit-exact after the last one.
 Speed-up = median full seconds / median delta seconds.
 
+The model: a small Qwen2 shape (82 MB in bf16) by default, or `--shape` one of bench_services.MODELS
+(1.5b: Qwen2.5-1.5B, 3.09 GB in bf16; `--layers` cuts its depth to fit the host's memory: this
+process holds the trainer's parameters and base copy and the rollout's, about 4-5x the export).
+
     OMP_NUM_THREADS=1 python bench/bench_delta.py --out bench/results/results_delta_cpu_<date>.json
+    OMP_NUM_THREADS=1 python bench/bench_delta.py --shape 1.5b --density 0.02 --gbps 1 10 --reps 3 --out ...
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -49,11 +55,29 @@ MODEL = dict(
 )
 
 
+def _shape(name: str, layers: int) -> dict:
+    from bench.bench_services import MODELS as SHAPES  # hidden, intermediate, layers, heads, kv heads, vocab, tied
+
+    h, inter, n_layers, heads, kv, vocab, tied = SHAPES[name]
+    return dict(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers or n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+    )
+
+
 def _change(model, fraction: float, g: torch.Generator) -> None:
+    """About `fraction` of the values change (random positions, drawn with replacement: a few repeat)."""
     with torch.no_grad():
         for p in model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = (p[mask].float() * 1.5 + 0.01).to(p.dtype)
+            flat = p.view(-1)
+            idx = torch.randint(flat.numel(), (round(flat.numel() * fraction),), generator=g)
+            flat[idx] = (flat[idx].float() * 1.5 + 0.01).to(p.dtype)
 
 
 def _row(rep: trainer_pb2.SyncReport) -> dict:
@@ -70,8 +94,10 @@ def _row(rep: trainer_pb2.SyncReport) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gbps", type=float, default=1.0, help="link rate, Gb/s")
-    ap.add_argument("--changed", type=float, default=0.02, help="fraction of values changed per sync")
+    ap.add_argument("--gbps", type=float, nargs="+", default=[1.0], help="link rates, Gb/s (each in turn)")
+    ap.add_argument("--density", "--changed", type=float, default=0.02, help="fraction of values changed per sync")
+    ap.add_argument("--shape", default="", help="a bench_services.MODELS shape (0.5b, 1.5b, 7b); default: 82 MB")
+    ap.add_argument("--layers", type=int, default=0, help="with --shape: this many layers instead of the model's")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--apply-mode", default="staged", choices=("staged", "inplace"), help="the rollout's apply_mode")
@@ -84,8 +110,10 @@ def main() -> int:
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
+    model = _shape(args.shape, args.layers) if args.shape else MODEL
     work = Path(tempfile.mkdtemp(prefix="bench-delta-"))
-    Qwen2Config(**MODEL).save_pretrained(str(work / "model"))
+    Qwen2Config(**model).save_pretrained(str(work / "model"))
+    t_setup = time.perf_counter()
     trainer = TrainerApp(
         TrainerConfig.from_flat(
             grpc_address="127.0.0.1:0",
@@ -95,7 +123,7 @@ def main() -> int:
             export_dtype="bfloat16",
             param_dtype="bfloat16",
             bucket_mb=args.bucket_mb,
-            sync_timeout_s=300.0,
+            sync_timeout_s=900.0,
             auto_sync_new_rollouts=False,
             sync_encoding="delta",
         )
@@ -121,7 +149,7 @@ def main() -> int:
     orch = trainer.orch
 
     def sync(encoding: str) -> trainer_pb2.SyncReport:
-        _change(trainer.actor.model, args.changed, g)
+        _change(trainer.actor.model, args.density, g)
         trainer.actor.version += 1
         orch.delta.encoding = encoding
         rep = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
@@ -131,46 +159,64 @@ def main() -> int:
 
     try:
         with channel(trainer.grpc.address) as ch:
-            stub = trainer_stub(ch, "", 600)
+            stub = trainer_stub(ch, "", 900)
             stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r0", address=rollout.grpc.address))
+            setup_s = time.perf_counter() - t_setup
             unpaced = {"full": _row(sync("full"))}
             sync("delta")  # the base
             unpaced["delta"] = _row(sync("delta"))
-            links.reset(args.gbps * 1e9 / 8)
-            runs: dict[str, list[dict]] = {"full": [], "delta": []}
-            for _ in range(args.reps):
-                runs["full"].append(_row(sync("full")))
-                sync("delta")  # the base (untimed: after a full sync the trainer keeps none)
-                runs["delta"].append(_row(sync("delta")))
-                assert runs["delta"][-1]["encoding"] == "delta", runs["delta"][-1]
-                print(f"full {runs['full'][-1]['seconds']:.3f}s  delta {runs['delta'][-1]['seconds']:.3f}s", flush=True)
+            print(
+                f"unpaced: full {unpaced['full']['seconds']:.3f}s  delta {unpaced['delta']['seconds']:.3f}s", flush=True
+            )
+            rates = {}
+            for gbps in args.gbps:
+                links.reset(gbps * 1e9 / 8)
+                runs: dict[str, list[dict]] = {"full": [], "delta": []}
+                for _ in range(args.reps):
+                    runs["full"].append(_row(sync("full")))
+                    sync("delta")  # the base (untimed: after a full sync the trainer keeps none)
+                    runs["delta"].append(_row(sync("delta")))
+                    assert runs["delta"][-1]["encoding"] == "delta", runs["delta"][-1]
+                    print(
+                        f"{gbps:g} Gb/s: full {runs['full'][-1]['seconds']:.3f}s  "
+                        f"delta {runs['delta'][-1]['seconds']:.3f}s",
+                        flush=True,
+                    )
+                med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+                model_bytes = runs["full"][-1]["bytes"]
+                rates[f"{gbps:g}"] = {
+                    "gbps": gbps,
+                    "runs": runs,
+                    "median_s": med,
+                    "wire_ratio": statistics.median(r["wire_bytes"] / r["bytes"] for r in runs["delta"]),
+                    "link_bound_full_s": model_bytes * 8 / (gbps * 1e9),
+                    "speedup": med["full"] / med["delta"],
+                }
         exact = all(
             torch.equal(rollout.engine._target(n), t.to(rollout.engine._target(n).dtype))
             for n, t in trainer.actor.export_tensors()
         )
-        med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
-        model_bytes = runs["full"][-1]["bytes"]
+        model_bytes = unpaced["full"]["bytes"]
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
             "command": "OMP_NUM_THREADS=1 python bench/bench_delta.py " + " ".join(sys.argv[1:]),
-            "model": MODEL,
+            "shape": args.shape or "small",
+            "model": model,
             "model_mb": model_bytes / 1e6,
-            "changed_fraction": args.changed,
-            "gbps": args.gbps,
+            "changed_fraction": args.density,
             "bucket_mb": args.bucket_mb,
             "apply_mode": args.apply_mode,
+            "setup_s": setup_s,
             "unpaced": unpaced,
-            "runs": runs,
-            "median_s": med,
-            "wire_ratio": statistics.median(r["wire_bytes"] / r["bytes"] for r in runs["delta"]),
-            "link_bound_full_s": model_bytes * 8 / (args.gbps * 1e9),
-            "speedup": med["full"] / med["delta"],
+            "rates": rates,
             "bit_exact": exact,
             "trainer_base_mb": orch.delta.held_bytes() / 1e6,
             "rollout_base_mb": rollout.tx.delta_base.held_bytes() / 1e6,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
         }
-        print(json.dumps({k: result[k] for k in ("model_mb", "median_s", "wire_ratio", "speedup", "bit_exact")}))
+        summary = {k: {x: r[x] for x in ("median_s", "wire_ratio", "speedup")} for k, r in rates.items()}
+        print(json.dumps({"model_mb": result["model_mb"], "bit_exact": exact, "rates": summary}))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         return 0 if exact else 1

@@ -33,14 +33,13 @@ import torch
 
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import from_sums, word_sums
-from weightsync.bus.delta import changed_words, encode, word_bytes
+from weightsync.bus.delta import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
 ENCODINGS = ("full", "delta", "auto")
-_WORDS = {1: torch.uint8, 2: torch.int16}
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp",)
 
@@ -135,30 +134,29 @@ class DeltaStream:
         old, old_sums = self.base._bufs.get(plan.index), self.base._sums.get(plan.index)
         usable = old is not None and old.numel() == n and old.device == dense.device
         incremental = usable and old_sums is not None and n % 4 == 0 and dense.storage_offset() % 4 == 0
-        payload = idx = None
+        payload = d = None
         if self.accepted and usable or incremental:
             word = word_bytes(plan)
-            idx = changed_words(dense, old, word)
+            d = diff(dense, old, word)  # the one pass over the bucket: encode, sums and store use it
             if self.accepted and usable:
-                payload = encode(dense, old, word, idx)
+                payload = encode(dense, old, word, d)
         if incremental:
-            sums = old_sums + _sums_change(dense, old, idx, word)
+            sums = old_sums + d.sums_change()
         else:
             sums = word_sums(dense[:whole].view(torch.int32))
-        return payload, from_sums(sums, dense[whole:], n), (sums, idx)
+        return payload, from_sums(sums, dense[whole:], n), (sums, d)
 
     def store(self, plan: BucketPlan, dense: torch.Tensor, kept, checksum: int) -> None:
         """Bucket `plan` went out: its bytes are the next base."""
-        sums, idx = kept
+        sums, d = kept
         old = self.base._bufs.get(plan.index)
         if old is None or old.numel() != plan.nbytes or old.device != dense.device:
             old = self.base._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=dense.device)
-            idx = None
-        if idx is None:
+            d = None
+        if d is None:
             old.copy_(dense)
-        else:  # the words that differ are known: only they are written
-            word = word_bytes(plan)
-            old.view(_WORDS[word])[idx] = dense.view(_WORDS[word])[idx]
+        else:  # the blocks that differ are known: only they are written
+            d.write(old)
         self.base._sums[plan.index] = sums
         self.stored.add(plan.index)
         self.checksums.append(checksum)
@@ -208,17 +206,3 @@ class _DeltaChannel(BucketSender):
 
     def close(self) -> None:
         self._inner.close()
-
-
-def _sums_change(new: torch.Tensor, old: torch.Tensor, idx: torch.Tensor, word: int) -> torch.Tensor:
-    """How the word sums (checksum.word_sums) of `old` change when it becomes `new`, from the sorted
-    positions `idx` of the changed `word`-byte words: the sums over the 32-bit words that hold them."""
-    j = torch.unique_consecutive(idx // (4 // word))
-    a, b = new.view(torch.int32)[j], old.view(torch.int32)[j]
-    # squares wrap in int32 as checksum.word_sums's do; sums are int64, wrapping alike
-    return torch.stack(
-        [
-            a.sum(dtype=torch.int64) - b.sum(dtype=torch.int64),
-            (a * a).sum(dtype=torch.int64) - (b * b).sum(dtype=torch.int64),
-        ]
-    )
