@@ -31,3 +31,13 @@ def test_a_violation_fails_the_check(tmp_path):
     bad.write_text("import os\n")
     res = _ruff("check", "--config", str(REPO / "pyproject.toml"), str(bad))
     assert res.returncode != 0 and "F401" in res.stdout, res.stdout
+
+
+def test_test_modules_have_unique_basenames():
+    # pytest imports test files by basename (no packages under tests/): two files of one name stop the
+    # whole collection with "import file mismatch" in a clean clone
+    seen: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each: {clashes}"

@@ -65,7 +65,7 @@ class _Orch:
         return entry.rollout_id in self.silent
 
     def heard_since(self, entry, since):
-        return None  # as over gRPC: no liveness signal (a fleet with one: tests/unit/.../test_straggler.py)
+        return None  # as over gRPC: no liveness signal (a fleet with one: tests/unit/.../test_straggler_drop.py)
 
 
 class _Channel(BucketSender):
