@@ -10,7 +10,9 @@ Every sync over TCP writes its buckets into the copy as they arrive (a dense buc
 delta applied onto the bucket in place), so the copy is the base only once that sync has committed
 (`committed`); from the prepare on it is no one's base, and a sync that aborts leaves no base: the
 next one is sent in full. A delta is accepted only for exactly the base this rollout serves — same
-trainer origin, version and bucket layout — and a wrong base or damaged delta still fails the
+trainer origin, version and bucket layout, and the sync it committed is one the trainer names as
+a stream of its base's bytes (several syncs may stream one version, to different rollouts; see
+weightsync/publisher/delta_sync.py) — and a wrong base or damaged delta still fails the
 transaction's checksum of the resulting bucket. Allocated at the first TCP sync only: a rollout
 synced over IPC or NCCL keeps nothing.
 """
@@ -34,6 +36,7 @@ class DeltaBase:
         self._layout = ""  # the layout digest the buffers are laid out for
         #: (origin, version, layout_digest) of the committed version the copy holds, or None
         self.held: tuple[str, int, str] | None = None
+        self.held_sync = ""  # the sync whose stream the copy holds (with `held`)
         self._sync = ""  # the sync writing into the copy
         self._delta_ok = False
         self._written: set[int] = set()
@@ -44,7 +47,7 @@ class DeltaBase:
         From now on the copy is this sync's. Returns "" if its buckets may come as deltas, else why not."""
         with self._lock:
             reason = self._refusal(manifest, offer, version, origin, stale)
-            self.held = None  # whatever this sync writes replaces it
+            self.held, self.held_sync = None, ""  # whatever this sync writes replaces it
             self._sync = manifest.sync_id if self.enabled else ""
             self._delta_ok = not reason
             self._written = set()
@@ -62,6 +65,11 @@ class DeltaBase:
             return "no base held (the last sync did not commit here over tcp, or the rollout restarted)"
         if self.held != want:
             return f"holds version {self.held[1]} of {self.held[0] or '?'}, offered {offer.version} of {offer.origin}"
+        if self.held_sync not in offer.sync_ids:
+            return (
+                f"holds the stream of sync {self.held_sync}, not one the trainer's base is (latest: "
+                f"{offer.sync_ids[-1] if offer.sync_ids else 'none named'}): the version was streamed again, changed"
+            )
         if offer.layout_digest != manifest.layout_digest or not manifest.layout_digest:
             return "the bucket layout changed since the base"
         if stale or (origin, version) != (offer.origin, offer.version):
@@ -93,6 +101,7 @@ class DeltaBase:
         with self._lock:
             if manifest.sync_id == self._sync and len(self._written) == len(manifest.buckets):
                 self.held = (manifest.origin, manifest.version, manifest.layout_digest)
+                self.held_sync = manifest.sync_id
             self._sync = ""
 
     def held_bytes(self) -> int:

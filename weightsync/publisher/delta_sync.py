@@ -3,11 +3,19 @@
 `sync_encoding` (trainer config): full sends every bucket dense; delta and auto keep a copy of the
 buckets of the last export streamed in full to the end (host memory on the tcp path: one copy of the
 model's export bytes, bounded by `delta_base_mb`), and offer every target of the next sync that base
-in PrepareSync. A rollout that holds exactly that base — it committed that version and kept its
-copy (rollout_svc/sync/delta_base.py) — accepts, and gets each bucket as the words that changed
-(weightsync/bus/delta.py) where that is smaller; the others (missed a version, restarted, joined
-late) get it dense, in the same stream. Each bucket's checksum is of the dense bucket, so the
-rollout's check is of the result.
+in PrepareSync. A rollout that holds exactly that base — it committed one of the syncs whose
+streams were the base's bytes, and kept its copy (rollout_svc/sync/delta_base.py) — accepts, and
+gets each bucket as the words that changed (weightsync/bus/delta.py) where that is smaller; the
+others (missed a version, restarted, joined late) get it dense, in the same stream. Each bucket's
+checksum is of the dense bucket, so the rollout's check is of the result.
+
+The base is named by those syncs, not by its version alone: several syncs can stream one version
+(a catch-up per registering rollout, then the fleet), each to other targets, and the base follows
+the last. A stream that changed no byte of the base adds its sync to the names (the rollouts
+caught up earlier still hold the base); one that changed any byte — an exporter that is not
+deterministic at one version — replaces them, so a rollout on the earlier bytes is sent in full
+rather than a delta that would fail its checksum. (Packing zeroes the alignment gaps between
+tensors for the same reason: weightsync/bus/pack.py.)
 
 Which syncs: delta is carried by tcp with one sender (the link is the bottleneck there). `auto`
 picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta
@@ -43,6 +51,8 @@ ENCODINGS = ("full", "delta", "auto")
 _WORDS = {1: torch.uint8, 2: torch.int16}
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp",)
+#: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
+_MAX_STREAMS = 64
 
 
 class DeltaBase:
@@ -57,6 +67,9 @@ class DeltaBase:
         self._sums: dict[int, torch.Tensor] = {}
         #: (version, layout_digest) of the export the copy holds, or None
         self.held: tuple[int, str] | None = None
+        #: the syncs whose streams were exactly the copy's bytes (with `held`): the base is offered
+        #: only to a rollout that committed one of them, never on the version alone
+        self.streams: tuple[str, ...] = ()
         self._warned = False
 
     def begin(self, manifest: Manifest, transport: str) -> DeltaStream:
@@ -69,13 +82,16 @@ class DeltaBase:
                 log.warning("sync_encoding=delta: sync %s goes in full: %s", manifest.sync_id, why)
                 self._warned = True
             return DeltaStream(self, manifest, None, keep=False)
-        offer = None
+        offer, prior = None, ()
         if self.held is not None and self.held[1] == manifest.layout_digest:
-            offer = rollout_pb2.DeltaBase(version=self.held[0], origin=self.origin, layout_digest=self.held[1])
+            prior = self.streams
+            offer = rollout_pb2.DeltaBase(
+                version=self.held[0], origin=self.origin, layout_digest=self.held[1], sync_ids=prior
+            )
         if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
             self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
-        self.held = None  # the copy is being overwritten: it is this sync's until its stream ends
-        return DeltaStream(self, manifest, offer, keep=True)
+        self.held, self.streams = None, ()  # the copy is being overwritten: it is this sync's until its stream ends
+        return DeltaStream(self, manifest, offer, keep=True, prior=prior)
 
     def _no_delta(self, manifest: Manifest, transport: str) -> str:
         if self.encoding == "full":
@@ -99,7 +115,7 @@ class DeltaBase:
             )
 
     def drop(self) -> None:
-        self._bufs, self._sums, self.held = {}, {}, None
+        self._bufs, self._sums, self.held, self.streams = {}, {}, None, ()
 
     def held_bytes(self) -> int:
         return sum(b.numel() for b in self._bufs.values())
@@ -119,6 +135,10 @@ class DeltaStream:
     stored: set[int] = field(default_factory=set)
     #: the checksum of every bucket sent, in manifest order (the pipeline computes none: keep)
     checksums: list[int] = field(default_factory=list)
+    #: the syncs whose streams were the base's bytes before this one (DeltaBase.streams)
+    prior: tuple[str, ...] = ()
+    #: every bucket so far was compared with the base and found unchanged
+    unchanged: bool = True
 
     def channel(self, inner: BucketSender) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
@@ -136,11 +156,13 @@ class DeltaStream:
         usable = old is not None and old.numel() == n and old.device == dense.device
         incremental = usable and old_sums is not None and n % 4 == 0 and dense.storage_offset() % 4 == 0
         payload = idx = None
-        if self.accepted and usable or incremental:
+        if usable:  # compared even when no one takes a delta: whether the base's bytes changed names it
             word = word_bytes(plan)
             idx = changed_words(dense, old, word)
-            if self.accepted and usable:
+            if self.accepted:
                 payload = encode(dense, old, word, idx)
+        if idx is None or idx.numel():
+            self.unchanged = False
         if incremental:
             sums = old_sums + _sums_change(dense, old, idx, word)
         else:
@@ -174,6 +196,10 @@ class DeltaStream:
             return
         if ok and len(self.stored) == len(self.manifest.buckets):
             self.base.held = (self.manifest.version, self.manifest.layout_digest)
+            # a stream of exactly the base's bytes leaves a rollout that committed an earlier one
+            # on the base too (catch-ups one at a time at one version); any changed byte starts afresh
+            same = self.prior if self.unchanged else ()
+            self.base.streams = (*same[-(_MAX_STREAMS - 1) :], self.manifest.sync_id)
         else:
             self.base.drop()
 

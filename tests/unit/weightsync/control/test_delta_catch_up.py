@@ -97,3 +97,21 @@ def test_catch_up_syncs_one_at_a_time_then_a_fleet_delta_is_exact(fleet, dirty_p
         assert {r.rollout_id: r.encoding for r in report.rollouts} == {"rollout-0": "delta", "rollout-1": "delta"}
         assert all(r.wire_bytes < 1024 for r in report.rollouts)  # the same bytes again: headers only
     bump_and_sync_exactly(trainer, rollouts, stub)  # and the next version's delta is exact everywhere
+
+
+def test_a_version_streamed_again_with_other_bytes_is_sent_in_full_to_who_holds_the_first(fleet):
+    """An exporter that is not deterministic at one version (here: a weight changed without a new
+    version) makes the second catch-up differ from the first: rollout-1, which holds the first,
+    must get the fleet sync in full, not a delta from the trainer's base (the second)."""
+    trainer, rollouts, stub = fleet
+    trainer.actor.version += 1
+    assert _sync(stub, "rollout-1").ok
+    with torch.no_grad():
+        next(trainer.actor.model.parameters()).view(-1)[:3] += 1.0  # same version, other bytes
+    assert _sync(stub, "rollout-0").ok
+    report = _sync(stub)
+    assert report.ok, [r.error for r in report.rollouts]
+    assert {r.rollout_id: r.encoding for r in report.rollouts} == {"rollout-0": "delta", "rollout-1": "full"}
+    assert rollouts["rollout-0"].tx.delta_base.held_sync == rollouts["rollout-1"].tx.delta_base.held_sync
+    report = bump_and_sync_exactly(trainer, rollouts, stub)  # both on the base again: deltas, exact
+    assert all(r.encoding == "delta" for r in report.rollouts)
