@@ -81,20 +81,16 @@ class DeltaBase:
         return _SyncWriter(self, sync_id) if self.enabled and sync_id == self._sync else None
 
     def _buffer(self, sync_id: str, plan: BucketPlan, create: bool) -> torch.Tensor:
-        with self._lock:
-            if sync_id != self._sync:
-                raise TransportError(f"sync {sync_id} no longer owns the delta base (superseded)")
-            buf = self._bufs.get(plan.index)
-            if buf is None or buf.numel() != plan.nbytes:
-                if not create:
-                    raise TransportError(f"bucket {plan.index}: a delta, but no base copy of the bucket is held")
-                buf = self._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8)
-            return buf
-
-    def _wrote(self, sync_id: str, index: int) -> None:
-        with self._lock:
-            if sync_id == self._sync:
-                self._written.add(index)
+        """The copy of bucket `plan` for `sync_id` to write; the caller holds the lock until it has
+        written (a superseded sync's receiver must not write into the next sync's copy)."""
+        if sync_id != self._sync:
+            raise TransportError(f"sync {sync_id} no longer owns the delta base (superseded)")
+        buf = self._bufs.get(plan.index)
+        if buf is None or buf.numel() != plan.nbytes:
+            if not create:
+                raise TransportError(f"bucket {plan.index}: a delta, but no base copy of the bucket is held")
+            buf = self._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8)
+        return buf
 
     def committed(self, manifest: Manifest) -> None:
         """Sync `manifest` committed: if every bucket of it went through the copy, the copy is its base."""
@@ -115,15 +111,17 @@ class _SyncWriter:
         self.base, self.sync_id = base, sync_id
 
     def received(self, plan: BucketPlan, dense: torch.Tensor) -> torch.Tensor:
-        buf = self.base._buffer(self.sync_id, plan, create=True)
-        buf.copy_(dense[: plan.nbytes])
-        self.base._wrote(self.sync_id, plan.index)
+        with self.base._lock:
+            buf = self.base._buffer(self.sync_id, plan, create=True)
+            buf.copy_(dense[: plan.nbytes])
+            self.base._written.add(plan.index)
         return buf
 
     def patched(self, plan: BucketPlan, payload: torch.Tensor) -> torch.Tensor:
-        if not self.base._delta_ok:
-            raise TransportError(f"bucket {plan.index}: a delta frame, but this rollout refused the delta base")
-        buf = self.base._buffer(self.sync_id, plan, create=False)
-        apply_delta(payload, buf)
-        self.base._wrote(self.sync_id, plan.index)
+        with self.base._lock:
+            buf = self.base._buffer(self.sync_id, plan, create=False)
+            if not self.base._delta_ok:
+                raise TransportError(f"bucket {plan.index}: a delta frame, but this rollout refused the delta base")
+            apply_delta(payload, buf)
+            self.base._written.add(plan.index)
         return buf
