@@ -58,7 +58,7 @@ _MAX_STREAMS = 64
 class DeltaBase:
     """The trainer's copy of the last export it streamed in full, and which version that is."""
 
-    def __init__(self, encoding: str = "full", limit_bytes: int = 32 << 30, origin: str = ""):
+    def __init__(self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = ""):
         if encoding not in ENCODINGS:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
         self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin

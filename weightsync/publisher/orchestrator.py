@@ -61,7 +61,7 @@ class SyncOrchestrator:
         trainer_id: str = "",
         senders: str = "all",
         sync_link: bool = True,
-        sync_encoding: str = "full",
+        sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
     ):
         self.actor = actor
