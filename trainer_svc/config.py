@@ -147,8 +147,8 @@ class BusConfig:
         choices=("full", "delta", "auto"),
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
         "changed 16-bit words (8-bit for fp8) of each bucket, over tcp (a rollout that lacks the base "
-        "is sent in full); auto: delta where the link is the bottleneck (tcp, one sender), full "
-        "otherwise (ipc, nccl, several senders)",
+        "is sent in full); auto: delta where the link is the bottleneck (tcp, each sender rank diffing "
+        "its own buckets), full otherwise (ipc, nccl)",
     )
     delta_base_mb: int = field(
         32768,

@@ -17,11 +17,14 @@ deterministic at one version — replaces them, so a rollout on the earlier byte
 rather than a delta that would fail its checksum. (Packing zeroes the alignment gaps between
 tensors for the same reason: weightsync/bus/pack.py.)
 
-Which syncs: delta is carried by tcp with one sender (the link is the bottleneck there). `auto`
-picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta
-would cost more HBM passes — compare, read the base, write it back — than it saves), for nccl (the
-delta frames are tcp's) and for several senders (each rank would need its own base); `delta` on
-ipc or nccl is refused with an error, and with several senders it falls back to full.
+Which syncs: delta is carried by tcp (the link is the bottleneck there). `auto` picks full for ipc
+(a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more HBM
+passes — compare, read the base, write it back — than it saves) and for nccl (the delta frames are
+tcp's); `delta` on ipc or nccl is refused with an error. With several senders (multisender.py)
+each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share
+of the export) and rank 0 keeps only the base's name: a rank uses its part only when its last
+stream is the one rank 0 names (DeltaRankJob.base), so a rank whose part was dropped, or a base
+rank 0 dropped, sends its buckets dense (which a rollout that accepted the delta takes as well).
 
 A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
 checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
@@ -35,7 +38,7 @@ failed commit), and that drops the base (`commit_failed`): the next sync starts 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -98,8 +101,6 @@ class DeltaBase:
             return "sync_encoding=full"
         if transport not in DELTA_TRANSPORTS:
             return f"transport {transport}"
-        if len(manifest.senders) > 1:
-            return f"{len(manifest.senders)} senders stream their own buckets (delta needs one sender)"
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:
@@ -185,6 +186,26 @@ class DeltaStream:
         self.stored.add(plan.index)
         self.checksums.append(checksum)
 
+    def rank_job(self) -> DeltaRankJob | None:
+        """What every sender rank of a multi-sender stream needs to diff and keep its own buckets
+        (weightsync/publisher/multisender.py), or None: nothing is kept."""
+        if not self.keep:
+            return None
+        return DeltaRankJob(
+            base=self.offer.sync_ids[-1] if self.offer is not None and self.offer.sync_ids else "",
+            accepted=sorted(self.accepted),
+            layout_digest=self.manifest.layout_digest,
+        )
+
+    def senders_kept(self, results) -> None:
+        """A multi-sender stream ended: the buckets of each rank that kept all of its own are stored
+        (on that rank), and the base is unchanged only if every rank's part is (`finish` follows)."""
+        self.base._bufs, self.base._sums = {}, {}  # the ranks hold the bytes: none here to diff against
+        for r in results:
+            if r.kept:
+                self.stored |= {b.index for b in self.manifest.buckets_of(r.rank)}
+        self.unchanged = all(r.unchanged for r in results) and bool(results)
+
     def commit_failed(self) -> None:
         """A rollout sent this sync's buckets in full did not commit them: the base is suspect."""
         if self.keep:
@@ -202,6 +223,46 @@ class DeltaStream:
             self.base.streams = (*same[-(_MAX_STREAMS - 1) :], self.manifest.sync_id)
         else:
             self.base.drop()
+
+
+@dataclass
+class DeltaRankJob:
+    """A multi-sender stream's delta part, for every sender rank (travels as JSON in the SendJob)."""
+
+    #: the last sync whose stream the base is, per rank 0 ("": no base offered; diff against nothing)
+    base: str
+    #: the targets that accepted the base: sent deltas where smaller
+    accepted: list[str]
+    layout_digest: str
+
+
+class RankPart:
+    """A sender rank's part of the base: the buckets it owns, as its last stream sent them.
+
+    Used as the base only when that stream is the one rank 0 names (DeltaRankJob.base): rank 0
+    knows whether every rank kept its part and every rollout committed, a rank alone does not."""
+
+    def __init__(self):
+        self.base = DeltaBase("delta", limit_bytes=1 << 62)
+
+    def stream(self, job: DeltaRankJob, mine: Manifest) -> DeltaStream:
+        if not job.base or self.base.streams[-1:] != (job.base,):
+            self.base.drop()  # not the base rank 0 offered: diff against nothing, keep this stream
+        s = self.base.begin(replace(mine, layout_digest=job.layout_digest), "tcp")
+        if s.offer is not None:
+            s.accepted |= set(job.accepted)
+        return s
+
+    def drop(self) -> None:
+        self.base.drop()
+
+
+def rank_part(actor) -> RankPart:
+    """This rank's part of the base, kept on the actor across syncs."""
+    part = getattr(actor, "_delta_part", None)
+    if part is None:
+        part = actor._delta_part = RankPart()
+    return part
 
 
 class _DeltaChannel(BucketSender):
