@@ -142,15 +142,13 @@ class BusConfig:
         "so its syncs funnel); "
         "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)",
     )
-    # Default full until a delta checksum mismatch seen once in the demo's RL loop (initial sync after
-    # the catch-up, megatron trainer, two rollouts) is understood: detected (DATA_LOSS), never served.
     sync_encoding: str = field(
-        "full",
+        "auto",
         choices=("full", "delta", "auto"),
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
         "changed 16-bit words (8-bit for fp8) of each bucket, over tcp (a rollout that lacks the base "
-        "is sent in full); auto: delta where the link is the bottleneck (tcp, one sender), full "
-        "otherwise (ipc, nccl, several senders)",
+        "is sent in full); auto: delta where the link is the bottleneck (tcp, each sender rank diffing "
+        "its own buckets), full otherwise (ipc, nccl)",
     )
     delta_base_mb: int = field(
         32768,

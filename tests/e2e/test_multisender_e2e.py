@@ -116,6 +116,13 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
         for r in rollouts:
             logits, version = score(rstub(r), PROMPT)
             assert version == rep.version and torch.equal(logits, want), (logits - want).abs().max()
+        # synced again (sync_encoding auto): every stage diffs its own layers against what it kept
+        # of the last stream; nothing changed, so each rollout gets frame headers only, still exact
+        again = sync_rpc(trainer.address)
+        assert again.ok and all(r.encoding == "delta" for r in again.rollouts), again
+        assert all(r.wire_bytes < 4096 for r in again.rollouts), again
+        for r in rollouts:
+            assert torch.equal(score(rstub(r), PROMPT)[0], want)
 
         # the funnel, for contrast: rank 0 receives stage 1's tensors and sends everything
         out = wsctl("--address", trainer.address, "sync", "--senders", "rank0")
@@ -198,7 +205,8 @@ def test_a_sender_killed_mid_stream_aborts_the_sync_on_every_rollout(procs):
 
     model = procs.tmp / "model"
     Qwen2Config(**MODEL_KW).save_pretrained(str(model))
-    trainer, rollouts, proxies, links = _fleet(procs, str(model), 2, rate=5e6)
+    # full: the second sync streams the same version again, which as deltas would be headers only
+    trainer, rollouts, proxies, links = _fleet(procs, str(model), 2, "--sync-encoding", "full", rate=5e6)
     try:
         # first a complete multi-sender sync (unpaced): the version the rollouts must keep serving
         initial = [score(rstub(r), PROMPT) for r in rollouts]

@@ -21,11 +21,20 @@ def pack_bucket(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], b
 
     The exporter and the plan must agree tensor by tensor; a disagreement means the manifest
     already sent would lie about the bytes, so it is an error, not something to reorder.
+
+    The alignment gaps between tensors are zeroed: they travel and are checksummed with the
+    bucket, so two packs of the same tensors must be the same bytes whatever `buf` held before
+    (a delta sync diffs the stream against an earlier one; and a reused or freshly allocated
+    buffer holds whatever memory it was).
     """
     if buf.numel() < plan.nbytes:
         raise ValueError(f"bucket {plan.index} needs {plan.nbytes} bytes, buffer has {buf.numel()}")
     it = iter(tensors)
+    end = 0  # where the previous tensor's bytes end
     for slot in plan.slots:
+        if slot.offset > end:
+            buf[end : slot.offset].zero_()
+        end = slot.offset + slot.meta.nbytes
         try:
             name, t = next(it)
         except StopIteration:

@@ -3,17 +3,28 @@
 `sync_encoding` (trainer config): full sends every bucket dense; delta and auto keep a copy of the
 buckets of the last export streamed in full to the end (host memory on the tcp path: one copy of the
 model's export bytes, bounded by `delta_base_mb`), and offer every target of the next sync that base
-in PrepareSync. A rollout that holds exactly that base — it committed that version and kept its
-copy (rollout_svc/sync/delta_base.py) — accepts, and gets each bucket as the words that changed
-(weightsync/bus/delta.py) where that is smaller; the others (missed a version, restarted, joined
-late) get it dense, in the same stream. Each bucket's checksum is of the dense bucket, so the
-rollout's check is of the result.
+in PrepareSync. A rollout that holds exactly that base — it committed one of the syncs whose
+streams were the base's bytes, and kept its copy (rollout_svc/sync/delta_base.py) — accepts, and
+gets each bucket as the words that changed (weightsync/bus/delta.py) where that is smaller; the
+others (missed a version, restarted, joined late) get it dense, in the same stream. Each bucket's
+checksum is of the dense bucket, so the rollout's check is of the result.
 
-Which syncs: delta is carried by tcp with one sender (the link is the bottleneck there). `auto`
-picks full for ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta
-would cost more HBM passes — compare, read the base, write it back — than it saves), for nccl (the
-delta frames are tcp's) and for several senders (each rank would need its own base); `delta` on
-ipc or nccl is refused with an error, and with several senders it falls back to full.
+The base is named by those syncs, not by its version alone: several syncs can stream one version
+(a catch-up per registering rollout, then the fleet), each to other targets, and the base follows
+the last. A stream that changed no byte of the base adds its sync to the names (the rollouts
+caught up earlier still hold the base); one that changed any byte — an exporter that is not
+deterministic at one version — replaces them, so a rollout on the earlier bytes is sent in full
+rather than a delta that would fail its checksum. (Packing zeroes the alignment gaps between
+tensors for the same reason: weightsync/bus/pack.py.)
+
+Which syncs: delta is carried by tcp (the link is the bottleneck there). `auto` picks full for ipc
+(a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more HBM
+passes — compare, read the base, write it back — than it saves) and for nccl (the delta frames are
+tcp's); `delta` on ipc or nccl is refused with an error. With several senders (multisender.py)
+each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share
+of the export) and rank 0 keeps only the base's name: a rank uses its part only when its last
+stream is the one rank 0 names (DeltaRankJob.base), so a rank whose part was dropped, or a base
+rank 0 dropped, sends its buckets dense (which a rollout that accepted the delta takes as well).
 
 A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
 checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
@@ -27,7 +38,7 @@ failed commit), and that drops the base (`commit_failed`): the next sync starts 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,12 +53,14 @@ log = logging.getLogger(__name__)
 ENCODINGS = ("full", "delta", "auto")
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp",)
+#: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
+_MAX_STREAMS = 64
 
 
 class DeltaBase:
     """The trainer's copy of the last export it streamed in full, and which version that is."""
 
-    def __init__(self, encoding: str = "full", limit_bytes: int = 32 << 30, origin: str = ""):
+    def __init__(self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = ""):
         if encoding not in ENCODINGS:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
         self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin
@@ -56,6 +69,9 @@ class DeltaBase:
         self._sums: dict[int, torch.Tensor] = {}
         #: (version, layout_digest) of the export the copy holds, or None
         self.held: tuple[int, str] | None = None
+        #: the syncs whose streams were exactly the copy's bytes (with `held`): the base is offered
+        #: only to a rollout that committed one of them, never on the version alone
+        self.streams: tuple[str, ...] = ()
         self._warned = False
 
     def begin(self, manifest: Manifest, transport: str) -> DeltaStream:
@@ -68,21 +84,22 @@ class DeltaBase:
                 log.warning("sync_encoding=delta: sync %s goes in full: %s", manifest.sync_id, why)
                 self._warned = True
             return DeltaStream(self, manifest, None, keep=False)
-        offer = None
+        offer, prior = None, ()
         if self.held is not None and self.held[1] == manifest.layout_digest:
-            offer = rollout_pb2.DeltaBase(version=self.held[0], origin=self.origin, layout_digest=self.held[1])
+            prior = self.streams
+            offer = rollout_pb2.DeltaBase(
+                version=self.held[0], origin=self.origin, layout_digest=self.held[1], sync_ids=prior
+            )
         if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
             self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
-        self.held = None  # the copy is being overwritten: it is this sync's until its stream ends
-        return DeltaStream(self, manifest, offer, keep=True)
+        self.held, self.streams = None, ()  # the copy is being overwritten: it is this sync's until its stream ends
+        return DeltaStream(self, manifest, offer, keep=True, prior=prior)
 
     def _no_delta(self, manifest: Manifest, transport: str) -> str:
         if self.encoding == "full":
             return "sync_encoding=full"
         if transport not in DELTA_TRANSPORTS:
             return f"transport {transport}"
-        if len(manifest.senders) > 1:
-            return f"{len(manifest.senders)} senders stream their own buckets (delta needs one sender)"
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:
@@ -98,7 +115,7 @@ class DeltaBase:
             )
 
     def drop(self) -> None:
-        self._bufs, self._sums, self.held = {}, {}, None
+        self._bufs, self._sums, self.held, self.streams = {}, {}, None, ()
 
     def held_bytes(self) -> int:
         return sum(b.numel() for b in self._bufs.values())
@@ -118,6 +135,10 @@ class DeltaStream:
     stored: set[int] = field(default_factory=set)
     #: the checksum of every bucket sent, in manifest order (the pipeline computes none: keep)
     checksums: list[int] = field(default_factory=list)
+    #: the syncs whose streams were the base's bytes before this one (DeltaBase.streams)
+    prior: tuple[str, ...] = ()
+    #: every bucket so far was compared with the base and found unchanged
+    unchanged: bool = True
 
     def channel(self, inner: BucketSender) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
@@ -135,11 +156,13 @@ class DeltaStream:
         usable = old is not None and old.numel() == n and old.device == dense.device
         incremental = usable and old_sums is not None and n % 4 == 0 and dense.storage_offset() % 4 == 0
         payload = d = None
-        if self.accepted and usable or incremental:
+        if usable:  # compared even when no one takes a delta: whether the base's bytes changed names it
             word = word_bytes(plan)
             d = diff(dense, old, word)  # the one pass over the bucket: encode, sums and store use it
-            if self.accepted and usable:
+            if self.accepted:
                 payload = encode(dense, old, word, d)
+        if d is None or d.count():
+            self.unchanged = False
         if incremental:
             sums = old_sums + d.sums_change()
         else:
@@ -161,6 +184,26 @@ class DeltaStream:
         self.stored.add(plan.index)
         self.checksums.append(checksum)
 
+    def rank_job(self) -> DeltaRankJob | None:
+        """What every sender rank of a multi-sender stream needs to diff and keep its own buckets
+        (weightsync/publisher/multisender.py), or None: nothing is kept."""
+        if not self.keep:
+            return None
+        return DeltaRankJob(
+            base=self.offer.sync_ids[-1] if self.offer is not None and self.offer.sync_ids else "",
+            accepted=sorted(self.accepted),
+            layout_digest=self.manifest.layout_digest,
+        )
+
+    def senders_kept(self, results) -> None:
+        """A multi-sender stream ended: the buckets of each rank that kept all of its own are stored
+        (on that rank), and the base is unchanged only if every rank's part is (`finish` follows)."""
+        self.base._bufs, self.base._sums = {}, {}  # the ranks hold the bytes: none here to diff against
+        for r in results:
+            if r.kept:
+                self.stored |= {b.index for b in self.manifest.buckets_of(r.rank)}
+        self.unchanged = all(r.unchanged for r in results) and bool(results)
+
     def commit_failed(self) -> None:
         """A rollout sent this sync's buckets in full did not commit them: the base is suspect."""
         if self.keep:
@@ -172,8 +215,52 @@ class DeltaStream:
             return
         if ok and len(self.stored) == len(self.manifest.buckets):
             self.base.held = (self.manifest.version, self.manifest.layout_digest)
+            # a stream of exactly the base's bytes leaves a rollout that committed an earlier one
+            # on the base too (catch-ups one at a time at one version); any changed byte starts afresh
+            same = self.prior if self.unchanged else ()
+            self.base.streams = (*same[-(_MAX_STREAMS - 1) :], self.manifest.sync_id)
         else:
             self.base.drop()
+
+
+@dataclass
+class DeltaRankJob:
+    """A multi-sender stream's delta part, for every sender rank (travels as JSON in the SendJob)."""
+
+    #: the last sync whose stream the base is, per rank 0 ("": no base offered; diff against nothing)
+    base: str
+    #: the targets that accepted the base: sent deltas where smaller
+    accepted: list[str]
+    layout_digest: str
+
+
+class RankPart:
+    """A sender rank's part of the base: the buckets it owns, as its last stream sent them.
+
+    Used as the base only when that stream is the one rank 0 names (DeltaRankJob.base): rank 0
+    knows whether every rank kept its part and every rollout committed, a rank alone does not."""
+
+    def __init__(self):
+        self.base = DeltaBase("delta", limit_bytes=1 << 62)
+
+    def stream(self, job: DeltaRankJob, mine: Manifest) -> DeltaStream:
+        if not job.base or self.base.streams[-1:] != (job.base,):
+            self.base.drop()  # not the base rank 0 offered: diff against nothing, keep this stream
+        s = self.base.begin(replace(mine, layout_digest=job.layout_digest), "tcp")
+        if s.offer is not None:
+            s.accepted |= set(job.accepted)
+        return s
+
+    def drop(self) -> None:
+        self.base.drop()
+
+
+def rank_part(actor) -> RankPart:
+    """This rank's part of the base, kept on the actor across syncs."""
+    part = getattr(actor, "_delta_part", None)
+    if part is None:
+        part = actor._delta_part = RankPart()
+    return part
 
 
 class _DeltaChannel(BucketSender):

@@ -90,7 +90,7 @@ class PublisherHost:
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         origin: str = "",
         make_servicer: Callable[..., FleetServicer] = FleetServicer,
-        sync_encoding: str = "full",
+        sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
     ) -> FleetServicer:
         """Publish `source` (an actor: export_metas/export_tensors/version/family, see trainer_svc/actor/base.py).

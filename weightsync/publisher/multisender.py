@@ -54,6 +54,8 @@ class SendJob:
     nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
     export_dtype: str = ""  # a quantized export format each rank applies to its own tensors ("": none)
     watch_period: float = 1.0  # nccl: how often a sender looks for rank 0's abort flag (seconds)
+    #: delta syncs (tcp): every rank keeps its own buckets as its part of the base (DeltaRankJob)
+    delta: dict = field(default_factory=dict)
 
     @classmethod
     def make(
@@ -108,6 +110,9 @@ class SenderResult:
     checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
     forwarded_bytes: int = 0  # other ranks' tensors it received first (the funnel only)
     peak_buffer_bytes: int = 0  # its pack buffers (<= 2 buckets)
+    wire_bytes: dict[str, int] = field(default_factory=dict)  # rollout id -> what it put on the bus for it
+    kept: bool = False  # (delta) every bucket it streamed is now its part of the base
+    unchanged: bool = False  # (delta) ... and none differs from its part of the previous base
 
 
 def sender_manifest(metas, owners, job: SendJob) -> Manifest:
@@ -147,23 +152,32 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 f"{manifest.digest()} != {job.digest}): every rank must run the same model config"
             )
         mine = manifest.buckets_of(rank)
+        part = rank_delta_stream(actor, job, replace(manifest, buckets=mine))
         if mine:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
+            ok = False
             try:
                 stats = stream_buckets(
                     replace(manifest, buckets=mine),
                     fmt.tensors(export),
-                    sender,
+                    sender if part is None else part.channel(sender),
                     device=device,
                     timeout=max(0.001, deadline - time.monotonic()),
+                    with_checksums=part is None,  # a kept bucket's checksum is summed as it is diffed
                 )
-                res.checksums = [[b.index, c] for b, c in zip(mine, stats.checksums)]
+                ok = True
+                checksums = stats.checksums if part is None else part.checksums
+                res.checksums = [[b.index, c] for b, c in zip(mine, checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
                 res.peak_buffer_bytes = stats.peak_buffer_bytes
             finally:
                 if watch is not None:
                     watch.stop()
+                if part is not None:
+                    part.finish(ok)
+                    res.kept, res.unchanged = part.base.held is not None, part.unchanged
                 res.failures = sender.failures()
+                res.wire_bytes = dict(getattr(sender, "wire_bytes", {}))
                 sender.close()
             if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
@@ -179,6 +193,19 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         res.seconds = time.perf_counter() - t0
         res.forwarded_bytes = int(received.get("forwarded_bytes", 0))
     return res
+
+
+def rank_delta_stream(actor, job: SendJob, mine: Manifest):
+    """This rank's part of a delta sync (DeltaRankJob in job.delta), or None: its buckets in full,
+    nothing kept. Its part of the base is on the actor across syncs (delta_sync.rank_part)."""
+    from weightsync.publisher.delta_sync import DeltaRankJob, rank_part
+
+    if not job.delta:
+        part = getattr(actor, "_delta_part", None)
+        if part is not None:
+            part.drop()  # a sync that keeps nothing: the next delta starts afresh
+        return None
+    return rank_part(actor).stream(DeltaRankJob(**job.delta), mine)
 
 
 def nccl_groups(actor):
@@ -300,10 +327,14 @@ def stream_from_every_owner(
     nccl_groups: dict[str, dict] | None = None,
     export_dtype: str = "",
     watch_period: float = 1.0,
+    delta=None,
 ) -> StreamOutcome:
     """Rank 0: run a multi-sender stream of `manifest` to `targets` (rollout id -> data address),
     or, with `nccl_groups` (str(sender) -> its SenderGroupJob fields), over each sender's NCCL group.
-    `export_dtype`: a quantized export format (fp8-block) every rank applies to its own tensors."""
+    `export_dtype`: a quantized export format (fp8-block) every rank applies to its own tensors.
+    `delta`: a DeltaRankJob (delta_sync.py): every rank diffs and keeps its own buckets."""
     job = SendJob.make(manifest, targets, token, timeout, nccl_groups, export_dtype, watch_period)
+    if delta is not None:
+        job.delta = asdict(delta)
     results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
     return merge(manifest, results)

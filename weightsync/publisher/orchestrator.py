@@ -61,7 +61,7 @@ class SyncOrchestrator:
         trainer_id: str = "",
         senders: str = "all",
         sync_link: bool = True,
-        sync_encoding: str = "full",
+        sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
     ):
         self.actor = actor
@@ -368,13 +368,15 @@ class SyncOrchestrator:
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
         self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
         log.info(
-            "sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s)",
+            "sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s); %.1f kB on the bus, %d as deltas",
             report.sync_id,
             committed,
             len(results),
             elapsed,
             report.gbps,
             phases,
+            report.wire_bytes / 1e3,
+            sum(r.encoding == "delta" for r in results.values()),
         )
 
     def is_current(self, entry: RolloutEntry) -> bool:

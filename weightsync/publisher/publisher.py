@@ -32,6 +32,7 @@ from weightsync.control.auth import load_token
 from weightsync.publisher.collective import GroupSource, agree_on_owners, expect, send_done, serve_senders
 from weightsync.publisher.commands import CommandChannel
 from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_dict, metas_from_hf_config
+from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.host import PublisherHost
 from weightsync.v1 import trainer_pb2
@@ -74,6 +75,8 @@ class Publisher:
         snapshot: bool = False,
         trainer_id: str = "",
         group=None,
+        sync_encoding: str = "auto",
+        delta_base_mb: int = 32768,
     ):
         """`model`: an HF model directory (its config.json), a transformers config, or a dict
         {HF name: (shape, dtype)}. `dtype`: the dtype the HF-config tensors are given in (default
@@ -83,13 +86,21 @@ class Publisher:
         empty: as given. `group`: a torch.distributed group whose every rank builds this Publisher
         (collective) and calls sync() with the tensors it owns; its rank 0 serves the control plane
         (the addresses and the token are read there only), the others only send; None: this
-        process alone. Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
+        process alone. `sync_encoding` (trainer-svc's --sync-encoding): auto sends a rollout that
+        holds the last version only the values that changed, over tcp, at the cost of a host copy of
+        the last version's export (at most `delta_base_mb`; a larger model is synced in full; with a
+        group, each rank keeps its own tensors' share); full keeps no copy; delta as auto, and
+        refuses other transports (docs/architecture.md "Delta syncs").
+        Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
         if auth_token and auth_token_file:
             raise ValueError("set auth_token or auth_token_file, not both")
         if not 1 <= bucket_mb <= 16384:
             raise ValueError(f"bucket_mb={bucket_mb} must be in [1, 16384]")
+        if delta_base_mb < 0:
+            raise ValueError(f"delta_base_mb={delta_base_mb} must be >= 0 (0: keep no copy, every sync in full)")
         transport = AUTO_TRANSPORT if transport == "auto" else transport
         transport_named(transport)  # ValueError naming the choices
+        DeltaBase(sync_encoding).check(transport)  # ValueError naming the encodings, or the transport
         channel = _group_channel(group, sync_timeout_s, transport, snapshot)
         #: this process's rank in `group` (0 without one): rank 0 serves, every rank sends
         self.rank = 0 if channel is None else channel.rank
@@ -136,6 +147,8 @@ class Publisher:
             nccl_init_timeout_s=nccl_init_timeout_s,
             export_format=export_format(export_dtype) if export_dtype else PLAIN,
             sync_link=sync_link,
+            sync_encoding=sync_encoding,
+            delta_base_bytes=delta_base_mb << 20,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------

@@ -175,9 +175,15 @@ class StreamPhase:
             nccl_groups=groups,
             export_dtype=fmt.name if fmt.quantization else "",
             watch_period=period,
+            delta=a.delta.rank_job() if self.session.name == "tcp" else None,
         )
         self.senders = out.senders
         self.bytes_sent = sum(s.bytes for s in out.senders)
+        if a.delta.keep:
+            a.delta.senders_kept(out.senders)
+        for s in out.senders:
+            for rid, n in s.wire_bytes.items():
+                self._wire[rid] = self._wire.get(rid, 0) + n
         for rid, err in out.failures.items():
             if rid in a.prepared:
                 a.prepared.pop(rid)

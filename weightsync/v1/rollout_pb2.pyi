@@ -154,14 +154,16 @@ class PrepareSyncRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., delta_base: _Optional[_Union[DeltaBase, _Mapping]] = ...) -> None: ...
 
 class DeltaBase(_message.Message):
-    __slots__ = ("version", "origin", "layout_digest")
+    __slots__ = ("version", "origin", "layout_digest", "sync_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SYNC_IDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     origin: str
     layout_digest: str
-    def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., layout_digest: _Optional[str] = ...) -> None: ...
+    sync_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., layout_digest: _Optional[str] = ..., sync_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
     __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link", "delta_accepted", "delta_refusal")

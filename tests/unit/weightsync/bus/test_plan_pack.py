@@ -55,6 +55,20 @@ def test_offsets_are_aligned_and_buckets_respect_size():
     assert [s.meta.name for b in m.buckets for s in b.slots] == [x.name for x in metas]
 
 
+def test_a_pack_is_the_same_bytes_whatever_the_buffer_held():
+    """The alignment gaps travel and are checksummed: a delta sync diffs a stream against an
+    earlier pack of the same tensors, so stale bytes in a reused buffer must not show through."""
+    ts = _tensors()
+    metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in ts.items()]
+    m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1024)
+    assert any(b.nbytes > sum(s.meta.nbytes for s in b.slots) for b in m.buckets), "the layout has gaps"
+    for b in m.buckets:
+        items = [(s.meta.name, ts[s.meta.name]) for s in b.slots]
+        packs = [pack_bucket(b, items, torch.full((b.nbytes,), fill, dtype=torch.uint8)) for fill in (0x00, 0xA5)]
+        assert torch.equal(packs[0], packs[1]), b.index
+        assert bucket_checksum(packs[0]) == bucket_checksum(packs[1])
+
+
 def test_pack_rejects_exporter_that_disagrees_with_plan():
     m = make_manifest([TensorMeta("a", (2, 2), torch.float32)], version=1, sync_id="s", bucket_bytes=1 << 20)
     buf = alloc_buffer(m.buckets[0].nbytes)

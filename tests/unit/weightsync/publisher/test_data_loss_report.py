@@ -100,9 +100,8 @@ def test_a_byte_flipped_in_flight_is_reported_as_data_loss(fleet, capsys, monkey
     bump_and_sync_exactly(trainer, {"r": app}, stub)
 
 
-def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_exact(fleet, monkeypatch):
+def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_exact(fleet):
     trainer, app, stub, proxy = fleet
-    monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")  # opt in: the default is full
     bump_and_sync_exactly(trainer, {"r": app}, stub)  # both ends hold the base
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # 2 % of the values change: the next sync is a delta of a few kB

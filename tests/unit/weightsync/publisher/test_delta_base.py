@@ -76,3 +76,25 @@ def test_encoding_transport_and_bound_decide_what_is_kept():
     assert base.held is not None
     s.commit_failed()
     assert base.held is None and base.held_bytes() == 0
+
+
+def test_the_base_is_named_by_the_syncs_that_streamed_exactly_its_bytes():
+    """Several syncs may stream one version (a catch-up per rollout): the offer names each whose
+    stream was the base's bytes; a stream that changed any byte names only itself."""
+    cache, base, g = ManifestCache(), DeltaBase("delta", 1 << 30, "o"), torch.Generator().manual_seed(0)
+    buckets = [torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in _manifest(cache, 1).buckets]
+
+    def stream(sync_id: str):
+        m = cache.manifest(METAS, version=1, sync_id=sync_id, bucket_bytes=64 << 10, origin="o")
+        return _stream(base, m, [b.clone() for b in buckets])[0]
+
+    assert stream("a").offer is None and base.streams == ("a",)
+    assert list(stream("b").offer.sync_ids) == ["a"] and base.streams == ("a", "b")  # the same bytes again
+    buckets[-1][5] ^= 0x40  # one byte differs: the same version is not the same base
+    assert list(stream("c").offer.sync_ids) == ["a", "b"] and base.streams == ("c",)
+    assert list(stream("d").offer.sync_ids) == ["c"] and base.streams == ("c", "d")
+    for i in range(100):  # bounded
+        stream(f"e{i}")
+    assert len(base.streams) == 64 and base.streams[-1] == "e99"
+    base.drop()
+    assert base.streams == () and base.held is None

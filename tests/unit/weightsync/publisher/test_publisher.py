@@ -84,6 +84,12 @@ def test_bad_options_are_refused_naming_them(tmp_path):
         Publisher(str(tmp_path), **LOOPBACK)
     with pytest.raises(ValueError, match=r"model\['x'\]"):
         Publisher({"x": (3,)}, **LOOPBACK)
+    with pytest.raises(ValueError, match="sync_encoding='sometimes' must be full, delta or auto"):
+        Publisher(SPEC, sync_encoding="sometimes", **LOOPBACK)
+    with pytest.raises(ValueError, match="sync_encoding=delta is carried by tcp only, not transport=nccl"):
+        Publisher(SPEC, sync_encoding="delta", transport="nccl", **LOOPBACK)
+    with pytest.raises(ValueError, match="delta_base_mb=-1"):
+        Publisher(SPEC, delta_base_mb=-1, **LOOPBACK)
 
 
 def test_an_hf_config_declares_the_checkpoint_tensors(tmp_path):
@@ -178,4 +184,33 @@ def test_a_rollout_that_does_not_commit_raises_sync_failed_with_the_report():
         report = pub.sync(tensors(), timeout_s=5, raise_on_failure=False)
         assert not report.ok and report.rollouts[0].rollout_id == "gone"
     finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("encoding", ["auto", "full"])
+def test_sync_encoding_auto_sends_only_what_changed_and_full_every_byte_both_exact(encoding):
+    from weightsync.models import resolve_model
+
+    config, _ = resolve_model("tiny-qwen2")
+    pub = Publisher(config, bucket_mb=1, sync_encoding=encoding, **LOOPBACK).start()
+    app = _rollout("", "r")
+    try:
+        _register(pub, trainer_stub(channel(pub.address), "", 30), app, "r")
+        g = torch.Generator().manual_seed(0)
+        given = {m.name: torch.randn(m.shape, generator=g) for m in pub.source.export_metas()}
+        assert pub.sync(given.items()).rollouts[0].encoding == "full"  # no base yet
+        for t in given.values():  # 2 % of the values change
+            mask = torch.rand(t.shape, generator=g) < 0.02
+            t[mask] += 1.0
+        report = pub.sync(given.items())
+        (r,) = report.rollouts
+        if encoding == "auto":
+            assert r.encoding == "delta" and r.wire_bytes <= 0.15 * report.bytes, (r.encoding, r.wire_bytes)
+        else:
+            assert r.encoding == "full" and r.wire_bytes >= report.bytes
+            assert pub.host.orch.delta.held_bytes() == 0  # full keeps no copy
+        for name, t in given.items():
+            assert torch.equal(app.engine._target(name), t), name
+    finally:
+        app.stop()
         pub.close()
