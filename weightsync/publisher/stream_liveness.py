@@ -8,11 +8,16 @@ requests drain. Its sync link tells the two apart: the link thread answers a PIN
 whatever the apply is doing (weightsync.control.sync_link), and a stopped or hung process answers
 nothing.
 
-So while the stream runs, every target on a sync link is pinged each BEAT_PERIOD_S, and one whose link
-has been silent for `timeout_s` (the trainer's liveness_timeout_s) is handed to `drop`: the caller
+So while the stream runs, every target on a sync link is pinged each BEAT_PERIOD_S, and one that has
+left a ping unanswered for `timeout_s` (the trainer's liveness_timeout_s) is handed to `drop`: the caller
 takes it out of the channel (its socket shut down, so the others' sends go on at once) and fails it
 `silent`. A target without a link (gRPC only) gives no such signal and is not watched: its stream is
 bounded by the sync's deadline, as before.
+
+Silence is counted from the oldest ping still unanswered, never from the last answer: a watch that
+itself could not run for a while (its process busy, the GIL held by a long call) has sent no ping in
+that time, so the target had nothing to answer. A round that comes late by more than half the timeout
+judges no one: it restarts the count, since the answers may still be on their way to a busy process.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class StreamLiveness:
         timeout_s: float,
         drop: Callable[[str, float], None],
         period: float = BEAT_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if timeout_s <= 0:
             raise ValueError(f"liveness timeout_s={timeout_s} must be > 0 (seconds)")
@@ -59,10 +65,12 @@ class StreamLiveness:
         self.dropped: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._t0 = 0.0
+        self._clock = clock
+        #: rid -> when the oldest ping it has not answered was sent
+        self._unanswered: dict[str, float] = {}
+        self._last_round: float | None = None
 
     def __enter__(self) -> StreamLiveness:
-        self._t0 = time.monotonic()
         if self.links:
             self._thread = threading.Thread(target=self._run, name="stream-liveness", daemon=True)
             self._thread.start()
@@ -75,12 +83,20 @@ class StreamLiveness:
             self._thread.join(timeout=max(5.0, 4 * self.period))
 
     def check(self) -> None:
-        """One round: ping every target still watched, and drop those silent for timeout_s."""
+        """One round: ping every target still watched, and drop those that left a ping unanswered
+        for timeout_s."""
+        now = self._clock()
+        late = self._last_round is not None and now - self._last_round > self.timeout_s / 2
+        self._last_round = now
         for rid, link in self.links.items():
             if rid in self.dropped or self._stop.is_set():
                 continue
-            link.ping()
-            silent = time.monotonic() - max(link.last_heard, self._t0)
+            link.ping()  # reads the answers that came (last_heard), then asks again
+            sent = self._unanswered.get(rid)
+            if late or sent is None or link.last_heard >= sent:
+                self._unanswered[rid] = self._clock()  # the ping just sent is the oldest unanswered
+                continue
+            silent = self._clock() - sent
             if silent >= self.timeout_s:
                 self.dropped[rid] = silent
                 try:

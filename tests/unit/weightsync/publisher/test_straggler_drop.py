@@ -174,6 +174,47 @@ def test_the_stream_watch_drops_only_the_target_whose_link_stopped_answering_pin
     assert 0.4 <= dropped[0][1] < 0.4 + 0.2 and dropped[0][2] < 0.4 + 0.2, dropped
 
 
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class _SlowReader:
+    """A live link whose answers reach the trainer one round late (a busy process reads them late)."""
+
+    def __init__(self, clock, alive=True):
+        self.clock, self.alive, self.last_heard, self._asked = clock, alive, 0.0, False
+
+    def ping(self):
+        if self._asked and self.alive:
+            self.last_heard = self.clock()  # the answer to the previous ping, read only now
+        self._asked = True
+
+
+def test_a_watch_that_could_not_run_drops_no_one_and_a_dead_link_is_still_dropped_on_schedule():
+    clock = _Clock()
+    links = {"live": _SlowReader(clock), "gone": _SlowReader(clock, alive=False)}
+    dropped = []
+    watch = StreamLiveness(links, 1.0, lambda rid, s: dropped.append(rid), period=0.25, clock=clock)
+    watch.check()
+    # the whole process was starved for 5 s (the GIL held by a long call): no ping went out, and the
+    # rollout had not answered the one before either; its answer to the next comes a round later
+    clock.t += 5.0
+    links["live"]._asked = False
+    watch.check()
+    assert dropped == []
+    for _ in range(3):  # back on schedule: the live one's answers come in, the dead one stays silent
+        clock.t += 0.25
+        watch.check()
+    assert dropped == []
+    clock.t += 0.25
+    watch.check()
+    assert dropped == ["gone"] and watch.dropped["gone"] >= 1.0
+
+
 class _DroppableChannel(_Channel):
     """The bus channel of a fleet whose target c stops mid-stream: from bucket 2 on, a send blocks (its
     socket full) until c is dropped, as TcpBucketSender's does."""
