@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support.fleet_sync import bump_and_sync_exactly
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.bus import pipeline
 from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import trainer_pb2
@@ -23,33 +24,8 @@ from weightsync.v1 import trainer_pb2
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.start()
-    rollouts = {}
-    for rid in ("rollout-0", "rollout-1"):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id=rid
-            )
-        )
-        app.start()
-        rollouts[rid] = app
+    trainer = start_trainer(sync_encoding="delta")
+    rollouts = {rid: start_rollout(rid) for rid in ("rollout-0", "rollout-1")}
     stub = trainer_stub(channel(trainer.grpc.address), "", 60)
     for rid, app in rollouts.items():
         stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))

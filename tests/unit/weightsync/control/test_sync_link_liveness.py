@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.control.sync_link import ACCEPTED, LINK_MAGIC, NONCE_BYTES, recv_exact
 from weightsync.publisher.link_client import LinkDown, SyncLinkClient
@@ -29,40 +30,8 @@ LIVENESS_S = 1.0
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            rpc_timeout_s=RPC_TIMEOUT_S,
-            liveness_timeout_s=LIVENESS_S,
-            auto_sync_new_rollouts=False,
-            auth_token=TOKEN,
-        )
-    )
-    trainer.start()
-    rollouts = {}
-    for rid in ("a", "b", "c"):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                auth_token=TOKEN,
-                max_sync_links=2,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
+    trainer = start_trainer(rpc_timeout_s=RPC_TIMEOUT_S, liveness_timeout_s=LIVENESS_S, auth_token=TOKEN)
+    rollouts = {rid: start_rollout(rid, auth_token=TOKEN, max_sync_links=2) for rid in ("a", "b", "c")}
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 120)
     for rid, app in rollouts.items():
         stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))

@@ -14,6 +14,7 @@ import torch
 
 from tests.support.bus_proxy import BusProxy
 from tests.support.fleet_sync import bump_and_sync_exactly
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
@@ -26,38 +27,10 @@ FLIP_AT = 200_000
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            auth_token=TOKEN,
-        )
-    )
-    trainer.start()
+    trainer = start_trainer(auth_token=TOKEN)
     dport = free_port()
     proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="r",
-            auth_token=TOKEN,
-            data_address=f"127.0.0.1:{dport}",
-            advertise_data_host="127.0.0.2",
-        )
-    )
-    app.start()
+    app = start_rollout("r", auth_token=TOKEN, data_address=f"127.0.0.1:{dport}", advertise_data_host="127.0.0.2")
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
     stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=app.grpc.address))
     yield trainer, app, stub, proxy

@@ -15,6 +15,7 @@ import re
 import pytest
 
 from tests.support.bus_proxy import BusProxy
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
@@ -48,38 +49,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(model_dir):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model=model_dir,
-            bucket_mb=1,
-            sync_timeout_s=60.0,
-            auto_sync_new_rollouts=False,
-            auth_token=TOKEN,
-        )
-    )
-    trainer.start()
+    trainer = start_trainer(model=model_dir, sync_timeout_s=60.0, auth_token=TOKEN)
     dport = free_port()
     proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model=model_dir,
-            rollout_id="r",
-            auth_token=TOKEN,
-            data_address=f"127.0.0.1:{dport}",
-            advertise_data_host="127.0.0.2",
-        )
+    app = start_rollout(
+        "r",
+        model=model_dir,
+        auth_token=TOKEN,
+        data_address=f"127.0.0.1:{dport}",
+        advertise_data_host="127.0.0.2",
     )
-    app.start()
     stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
     stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=app.grpc.address))
     yield trainer, app, stub, proxy
