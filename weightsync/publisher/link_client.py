@@ -22,6 +22,7 @@ whatever answers to pings are still in flight before it sends its request.
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
@@ -44,6 +45,8 @@ from weightsync.control.sync_link import (
     status_code,
     whole_frames,
 )
+
+log = logging.getLogger(__name__)
 
 #: a link that could not be opened is not tried again for this long (gRPC meanwhile): it may be
 #: black-holed (each try costs the connect timeout) or refuse the token
@@ -167,29 +170,49 @@ class SyncLinkClient:
         except Exception as exc:  # protobuf DecodeError
             return None, f"INTERNAL: sync link to {self.address}: {method}: unreadable answer ({exc})"
 
-    def ping(self) -> None:
+    def open(self, timeout: float, liveness: float | None = None) -> bool:
+        """Open the link now, if it is not open (and not waiting out a failed try): whether it is open.
+
+        A sync opens it right after the PrepareSync that named it, so that its first stream is watched
+        too (`ping`); a link that cannot be opened says why in the log and is tried again by the next call."""
+        with self._lock:
+            if self._sock is not None:
+                return True
+            if not self.usable():
+                return False
+            try:
+                self._open(time.monotonic() + timeout, liveness)
+            except (LinkDown, _Silent) as exc:
+                log.warning("%s; this sync's calls to it go over gRPC", exc)
+                return False
+            return True
+
+    def ping(self) -> bool:
         """Ask the rollout for a BEAT between calls, and read the ones it already answered (`last_heard`).
 
-        Never blocks: while a call is in flight its own beats say the same; a full send buffer skips
-        this ping (the rollout is not reading its link: no answer will come)."""
+        Never blocks. True when the rollout's silence from now on means something: a PING went out, or
+        could not because the rollout is not reading its link (its send buffer is full: no answer will
+        come), or a call is in flight (its own beats say the same). False when there is no link to ask
+        (never opened, or found closed or broken): nothing can answer, so no silence may be judged."""
         if not self._lock.acquire(blocking=False):
-            return
+            return True
         try:
             sock = self._sock
             if sock is None:
-                return
+                return False
             heard, usable = _drain(sock)
             if heard:
                 self.last_heard = time.monotonic()
             if not usable:
-                return  # the next call reopens it; meanwhile the rollout's silence counts
+                return False  # the next call reopens it
             # a socket with a timeout waits for room before a send, MSG_DONTWAIT or not: ask first
             if not _ready(sock, select.POLLOUT):
-                return  # a full buffer: the rollout is not reading its link, no answer will come
+                return True  # a full buffer: the rollout is not reading its link, no answer will come
             try:
                 sock.send(_PING, socket.MSG_DONTWAIT)
-            except OSError:  # BlockingIOError included
+            except OSError:  # BlockingIOError included: as a full buffer
                 pass
+            return True
         finally:
             self._lock.release()
 

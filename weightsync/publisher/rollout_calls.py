@@ -85,6 +85,9 @@ class RolloutCalls:
         # only an accepted prepare names the link (a manifest_needed answer is not one)
         if self.sync_link and method == "PrepareSync" and resp is not None and not resp.manifest_needed:
             entry.offer_link(resp.sync_link, self.token)
+            if entry.link is not None:
+                # now, not at the commit: the stream that follows is watched on it (stream_liveness)
+                entry.link.open(self.rpc_timeout, self.liveness_timeout)
 
     def open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
         """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""

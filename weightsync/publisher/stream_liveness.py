@@ -14,6 +14,10 @@ takes it out of the channel (its socket shut down, so the others' sends go on at
 `silent`. A target without a link (gRPC only) gives no such signal and is not watched: its stream is
 bounded by the sync's deadline, as before.
 
+A target whose link is not open (a call broke it) cannot be asked, so its silence says nothing: it
+is not judged until a ping goes out again. The link is opened right after the PrepareSync that named
+it (weightsync.publisher.rollout_calls), so even a pairing's first stream is watched.
+
 Silence is counted from the oldest ping still unanswered, never from the last answer: a watch that
 itself could not run for a while (its process busy, the GIL held by a long call) has sent no ping in
 that time, so the target had nothing to answer. A round that comes late by more than half the timeout
@@ -38,7 +42,7 @@ class Pingable(Protocol):
 
     last_heard: float
 
-    def ping(self) -> None: ...
+    def ping(self) -> bool: ...
 
 
 class StreamLiveness:
@@ -91,7 +95,9 @@ class StreamLiveness:
         for rid, link in self.links.items():
             if rid in self.dropped or self._stop.is_set():
                 continue
-            link.ping()  # reads the answers that came (last_heard), then asks again
+            if not link.ping():  # reads the answers that came (last_heard), then asks again
+                self._unanswered.pop(rid, None)  # no link to ask: its silence says nothing
+                continue
             sent = self._unanswered.get(rid)
             if late or sent is None or link.last_heard >= sent:
                 self._unanswered[rid] = self._clock()  # the ping just sent is the oldest unanswered

@@ -152,13 +152,17 @@ def test_a_target_silent_at_commit_is_reported_unconfirmed_and_its_late_commit_i
 class _Link:
     """A sync link as the stream's liveness watch sees it: a live one answers every ping."""
 
-    def __init__(self, alive: bool = True):
-        self.alive, self.last_heard, self.pings = alive, time.monotonic(), 0
+    def __init__(self, alive: bool = True, open_: bool = True, clock=time.monotonic):
+        self.alive, self.open, self.clock, self.pings = alive, open_, clock, 0
+        self.last_heard = clock()
 
     def ping(self):
+        if not self.open:  # no socket to ask on
+            return False
         self.pings += 1
         if self.alive:
-            self.last_heard = time.monotonic()
+            self.last_heard = self.clock()
+        return True
 
 
 def test_the_stream_watch_drops_only_the_target_whose_link_stopped_answering_pings():
@@ -172,6 +176,28 @@ def test_the_stream_watch_drops_only_the_target_whose_link_stopped_answering_pin
         time.sleep(0.5)  # the live one keeps answering: never dropped
     assert [d[0] for d in dropped] == ["gone"] and links["live"].pings > 5
     assert 0.4 <= dropped[0][1] < 0.4 + 0.2 and dropped[0][2] < 0.4 + 0.2, dropped
+
+
+def test_a_link_that_is_not_open_is_not_judged_and_is_watched_once_it_opens():
+    # the first sync of a pairing: its PrepareSync went over gRPC and named the link, which a broken
+    # open left closed; a stream that outlasts the timeout must not drop the rollout for a silence
+    # nobody could hear, and the count starts once a ping really goes out
+    clock = _Clock()
+    closed, gone = _Link(open_=False, clock=clock), _Link(alive=False, open_=False, clock=clock)
+    dropped = []
+    watch = StreamLiveness({"closed": closed, "gone": gone}, 1.0, lambda rid, s: dropped.append(rid), clock=clock)
+    for _ in range(20):
+        clock.t += 0.25
+        watch.check()
+    assert dropped == [] and closed.pings == gone.pings == 0
+    closed.open = gone.open = True  # a call reopened them: from now on silence counts
+    for _ in range(4):
+        clock.t += 0.25
+        watch.check()
+    assert dropped == []
+    clock.t += 0.25
+    watch.check()
+    assert dropped == ["gone"] and watch.dropped["gone"] == 1.0
 
 
 class _Clock:
@@ -192,6 +218,7 @@ class _SlowReader:
         if self._asked and self.alive:
             self.last_heard = self.clock()  # the answer to the previous ping, read only now
         self._asked = True
+        return True
 
 
 def test_a_watch_that_could_not_run_drops_no_one_and_a_dead_link_is_still_dropped_on_schedule():
