@@ -126,9 +126,6 @@ def main() -> int:
             sync_timeout_s=900.0,
             auto_sync_new_rollouts=False,
             sync_encoding="delta",
-            # trainer and rollout share this process: at the full 1.5B shape the first full sync's link
-            # went 3 s without answering a ping (the default timeout) and the rollout was dropped as silent
-            liveness_timeout_s=60.0,
         )
     )
     trainer.start()
