@@ -207,3 +207,66 @@ def test_the_write_pass_lands_every_byte_and_sums_what_the_buckets_hold(bucket_b
     untouched = torch.ones(arena.numel(), dtype=torch.bool)
     untouched[64 : 64 + 70] = untouched[256 : 256 + 6] = False
     assert not arena[untouched].any()  # nothing written outside the parameters (the buckets' gaps stay home)
+
+
+class _Entry:
+    def __init__(self, rid):
+        self.rollout_id = rid
+
+
+def _ipc_sender(direction, ipc):
+    from weightsync.bus.ipc.sender import IpcSender
+
+    return IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-0",
+        needs_cuda=False,
+        direction=direction,
+        open_fn=ipc.open,
+    )
+
+
+def _answer(table_id="", table=None):
+    from weightsync.v1 import rollout_pb2
+
+    resp = rollout_pb2.PrepareSyncResponse()
+    resp.transport.ipc.device_uuid = "GPU-0"
+    resp.transport.ipc.dest_layout = table_id
+    if table is not None:
+        resp.transport.ipc.destinations.CopyFrom(table)
+    return resp
+
+
+def test_the_trainer_asks_one_target_only_and_names_the_table_it_holds():
+    manifest, params, ipc = _manifest(), _engine(), FakeIpc()
+    table = offer(manifest, _in_order(manifest, params), ipc.share)
+    sender = _ipc_sender("auto", ipc)
+    s = sender.begin([_Entry("r")], "s1", 1 << 20)
+    s.use_manifest(manifest)
+    assert s.spec_for(_Entry("r")).ipc.trainer_writes and s.spec_for(_Entry("r")).ipc.dest_layout == ""
+    assert not s.expects_channel_sums  # nothing known of the target yet: the trainer starts its own sums
+    assert s.accept(_Entry("r"), _answer("t1", table)) == "" and s.direction == "trainer_writes"
+    assert isinstance(s.open({"r": _Entry("r")}, 10), TrainerWriteSender) and not s.commit_on_stream
+    # the next sync names the table it holds; the answer names it back without the table
+    s = sender.begin([_Entry("r")], "s2", 1 << 20)
+    s.use_manifest(manifest)
+    assert s.spec_for(_Entry("r")).ipc.dest_layout == "t1" and s.expects_channel_sums
+    assert s.accept(_Entry("r"), _answer("t1")) == "" and s.direction == "trainer_writes"
+    assert ipc.opens == 4  # mapped once, for both syncs
+    assert "which this trainer does not hold" in s.accept(_Entry("r"), _answer("t2"))
+    # two targets share the trainer's buffers (the rollouts read); a target no longer synced is unmapped
+    s = sender.begin([_Entry("a"), _Entry("b")], "s3", 1 << 20)
+    assert not s.spec_for(_Entry("a")).ipc.trainer_writes and "r" not in sender.dests
+    assert s.accept(_Entry("a"), _answer()) == "" and s.direction == "rollout_reads"
+
+
+def test_rollout_reads_never_asks_and_trainer_writes_fails_a_target_that_offers_nothing():
+    ipc = FakeIpc()
+    s = _ipc_sender("rollout_reads", ipc).begin([_Entry("r")], "s1", 1 << 20)
+    assert not s.spec_for(_Entry("r")).ipc.trainer_writes
+    s = _ipc_sender("trainer_writes", ipc).begin([_Entry("r")], "s1", 1 << 20)
+    s.use_manifest(_manifest())
+    assert "ipc_direction=trainer_writes: the rollout offers no destination table" in s.accept(_Entry("r"), _answer())
+    s = _ipc_sender("auto", ipc).begin([_Entry("r")], "s1", 1 << 20)
+    assert s.accept(_Entry("r"), _answer()) == "" and s.direction == "rollout_reads"  # staged, SGLang: it reads
