@@ -16,6 +16,7 @@ answers, and receives no bucket: the commit carries the checksums of what the tr
 from __future__ import annotations
 
 import socket
+import uuid
 from collections.abc import Callable, Iterator
 
 import torch
@@ -129,7 +130,9 @@ class IpcReceiver(RolloutEnd):
             if share is None:
                 from weightsync.bus.ipc.handles import share
             try:
-                got = (layout_id(manifest, params), offer(manifest, params, share))
+                # a fresh token per table: a restarted rollout (or a rebuilt engine) whose parameters
+                # land at the same addresses must not be taken for the one the trainer mapped
+                got = (f"{layout_id(manifest, params)}-{uuid.uuid4().hex[:16]}", offer(manifest, params, share))
             except DestinationError:
                 got = None
         if len(self._offers) >= 4:  # layouts change rarely

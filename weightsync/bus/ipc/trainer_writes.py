@@ -86,8 +86,9 @@ def offer(
 
 
 def layout_id(manifest: Manifest, params: Sequence[torch.Tensor]) -> str:
-    """Names a destination table: the manifest's layout and every parameter's address (a reloaded
-    engine with new storage gets a new id, so the trainer maps the new memory)."""
+    """What a destination table covers: the manifest's layout and every parameter's address. The
+    rollout adds a fresh token to each table it builds (receiver.py): equal addresses in a restarted
+    process are other memory, which the trainer must map anew."""
     h = hashlib.sha256(manifest.layout_digest.encode())
     for p in params:
         h.update(p.data_ptr().to_bytes(8, "little"))

@@ -163,3 +163,17 @@ def test_only_an_inplace_rollout_of_an_unquantized_layout_offers_a_table(pair):
     finally:
         app.tx.apply_mode = mode
     assert app.servicer.ipc.destinations(dataclasses.replace(m, layout_digest="")) is None
+
+
+def test_a_rebuilt_table_gets_a_new_id_even_at_the_same_addresses(pair):
+    """A restarted rollout may place its parameters at the same addresses: the trainer's old mapping
+    would then write into the dead process's memory. Each table built carries a fresh token."""
+    trainer, app, stub, _ = pair
+    m = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(), version=1, sync_id="s", bucket_bytes=trainer.orch.bucket_bytes
+    )
+    first = app.servicer.ipc.destinations(m)
+    assert app.servicer.ipc.destinations(m)[0] == first[0]  # cached while the layout and engine stay
+    app.servicer.ipc._offers.clear()  # as a restart (or a rebuilt engine) would: the same parameters
+    again = app.servicer.ipc.destinations(m)
+    assert again[0] != first[0] and again[1] == first[1]
