@@ -255,7 +255,7 @@ class IpcSender(Sender):
         if direction not in DIRECTIONS:
             raise ValueError(f"ipc_direction={direction!r} must be {', '.join(DIRECTIONS)}")
         self.direction = direction
-        #: rollout_id -> (table id, its Destinations, mapped) of the rollouts that offered one
+        #: rollout_id -> (table id, its Destinations: validated and mapped) of the rollouts that offered one
         self.dests: dict[str, tuple[str, object]] = {}
         if open_fn is None:
             from weightsync.bus.ipc.handles import open_mapping as open_fn
