@@ -16,14 +16,15 @@ since its prepare, STALE if the sync aborts) records them as the version's check
 Guarantee, on this path only (docs/architecture.md, "Trainer writes"): the checksums are computed by
 the kernel that writes the destination, from the words it reads from the trainer's bucket, on the
 one GPU, into destinations validated at prepare (every manifest tensor, its dtype, shape and size,
-inside its allocation). What it still catches: a bucket that differs from what the trainer packed
-when another path later verifies against the version's checksums (a staged or TCP rollout of the
-same export, a re-sync: the sums travel in the commit and combine into weights_checksum), a layout
-or engine mismatch (refused at prepare, naming the tensor), a write past a parameter (the table is
-checked against the allocations' sizes). What it no longer catches: a corruption between the
-kernel's read and its write (the same registers; a second process no longer reads the bytes after
-they landed), and a concurrent writer in the engine's process overwriting parameters during the
-sync (the rollout has paused generation, but nothing re-reads the destination). An operator keeps
+inside its allocation); the independent second read is gone on this path only. Still caught: a
+table that does not match the manifest or overruns an allocation (prepare fails, naming the tensor);
+a trainer that fails or dies mid-write (the rollout is STALE from its prepare on and never serves a
+half-written version); a divergence between this rollout's copy and any other copy of the version
+(the sums are exactly the values a TCP, NCCL or rollout-reads sync of the same export computes, so
+`weights_checksum` compares across paths). No longer caught: a corruption between the kernel's read
+and its write (the same registers; no second process re-reads the bytes after they landed), and a
+write into the parameters by something else in the engine's process during the sync (generation is
+paused, but nothing re-reads the destination). An operator keeps
 the independent second read with `ipc_direction: rollout_reads`.
 """
 
