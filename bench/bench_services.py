@@ -119,6 +119,7 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             str(args.sync_timeout),
             "--no-auto-sync-new-rollouts",
             *(() if args.sync_link == "on" else ("--no-sync-link",)),
+            *(("--ipc-direction", args.ipc_direction) if args.transport == "ipc" else ()),
         )
         procs.append(t)
         ids = [f"r{i}" for i in range(args.rollouts)]
@@ -186,6 +187,8 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
                     "gbps": report.gbps,
                     "transport": report.transport,
                     "phase_seconds": dict(report.phase_seconds),
+                    # ipc: the trainer wrote into the engine (it reports that phase) or the rollout read
+                    "direction": direction_of(report),
                     "rollout_versions": {rid: x.version for rid, x in st.items()},
                     "rollout_checksums": {rid: f"{x.weights_checksum:016x}" for rid, x in st.items()},
                     "rollouts_on_version": all(
@@ -203,6 +206,7 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             sync_s=statistics.median(s["seconds"] for s in timed),
             wall_s=statistics.median(s["wall_s"] for s in timed),
             rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
+            directions=sorted({s["direction"] for s in timed}),
             phase_s={
                 k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed) for k in timed[0]["phase_seconds"]
             },
@@ -218,6 +222,13 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             ch.close()
         for p in procs:
             p.stop()
+
+
+def direction_of(report) -> str:
+    """Who moved the bytes of a sync: trainer_writes, rollout_reads (ipc) or the transport's name."""
+    if report.transport != "ipc":
+        return report.transport
+    return "trainer_writes" if "stream.trainer_writes" in report.phase_seconds else "rollout_reads"
 
 
 def d2d_copy_seconds(nbytes: int, reps: int, device: str) -> list[float]:
@@ -310,6 +321,12 @@ def main() -> int:
         "float32 with --dtype bfloat16 measures a cast on every sync)",
     )
     ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument(
+        "--ipc-direction",
+        choices=("auto", "rollout_reads", "trainer_writes"),
+        default="auto",
+        help="transport ipc: the trainer's ipc_direction (auto: the trainer writes into the engine where it can)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
     ap.add_argument("--device-trainer", default=None, help="default cuda:0 (cpu with --transport tcp)")
@@ -418,7 +435,7 @@ def print_table(results: dict) -> None:
         print(
             f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}"
             f"{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
-            f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}"
+            f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}  direction {','.join(r.get('directions', []))}"
         )
         print(
             f"{'':<7}phases (ms): "

@@ -281,7 +281,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         for other in self.ends.values():
             if other is not end:  # this transport takes over from any receive still waiting on another
                 other.supersede(f"superseded by sync {manifest.sync_id} over {kind}")
-        end.receive(manifest, request.transport, deadline, resp)
+        try:
+            end.receive(manifest, request.transport, deadline, resp)
+        except (ValueError, SyncError) as exc:  # e.g. generation could not be paused for a trainer's writes
+            self.metrics.failure("prepare_rejected")
+            self.tx.abort(manifest.sync_id, f"prepare: {exc}")
+            _abort(context, exc)
         return resp
 
     def PushBucket(self, request, context):

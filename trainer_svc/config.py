@@ -150,6 +150,16 @@ class BusConfig:
         "is sent in full); auto: delta where the link is the bottleneck (tcp, each sender rank diffing "
         "its own buckets), full otherwise (ipc, nccl)",
     )
+    ipc_direction: str = field(
+        "auto",
+        choices=("auto", "rollout_reads", "trainer_writes"),
+        help="transport ipc: who moves the bytes. trainer_writes = the trainer writes each bucket straight "
+        "into the engine's parameters and checksums it in the same pass (one process touches the bytes; "
+        "the rollout's independent second read is gone: docs/architecture.md, 'Trainer writes'); "
+        "rollout_reads = the rollout copies out of the trainer's shared buffers and checksums what it read; "
+        "auto = trainer_writes where the one target offers it (inplace apply mode, builtin engine), "
+        "else rollout_reads",
+    )
     delta_base_mb: int = field(
         32768,
         help="bound on the trainer's copy of the last committed export kept for delta syncs (host "

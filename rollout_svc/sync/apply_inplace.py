@@ -87,6 +87,17 @@ class InPlaceApply(ApplyStrategy):
         verify(plan.index, copied, sender_checksum)
         return copied, False
 
+    def hold_for_writes(self, p: PendingSync) -> None:
+        """Pause generation for a sync the trainer writes into the engine itself (no bucket comes
+        here); from now on the engine counts as written (an abort: STALE)."""
+        if not self._holding:
+            self._pause_engine(p)
+        with self.host.state_lock:
+            if self.host.left_behind(p):
+                raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
+            p.applied_any = True
+            p.trainer_writes = True
+
     def _load(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor) -> None:
         engine = self.host.engine
         if p.dequantizer is None:

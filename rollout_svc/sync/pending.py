@@ -51,6 +51,17 @@ class PendingSync:
     connected: set[int] = field(default_factory=set)  # senders that opened their stream
     lock: threading.Lock = field(default_factory=threading.Lock)  # bookkeeping of concurrent senders
     committing: bool = False  # a commit passed its checks (it may still wait for the engine)
+    #: the trainer writes every bucket into the engine itself (CUDA IPC, trainer_writes): no bucket
+    #: arrives here, and the commit's checksums are those of what it wrote
+    trainer_writes: bool = False
+
+    def trainer_wrote(self, checksums: dict[int, int]) -> None:
+        """At commit of a trainer-writes sync: every bucket is in, with the trainer's checksums."""
+        with self.lock:
+            for plan in self.manifest.buckets:
+                self.received[plan.index] = checksums.get(plan.index)
+            self.arrived = {s: len(o) for s, o in self.order.items()}
+            self.done.set()
 
     def __post_init__(self) -> None:
         for b in self.manifest.buckets:
@@ -59,6 +70,12 @@ class PendingSync:
 
     def admit(self, index: int) -> None:
         """Bucket `index` is the next one its sender owes; raise otherwise."""
+        if self.trainer_writes:
+            raise SyncError(
+                f"bucket {index} arrived, but the trainer writes sync {self.manifest.sync_id} into the engine "
+                "itself (it was prepared so): no bucket may arrive",
+                "INVALID_ARGUMENT",
+            )
         sender = self.manifest.buckets[index].sender if 0 <= index < len(self.manifest.buckets) else None
         if sender is None:
             raise SyncError(

@@ -193,6 +193,25 @@ class SyncTransaction:
         p.record(index, ours)
         return deferred
 
+    def accept_trainer_writes(self, sync_id: str) -> None:
+        """The trainer will write sync `sync_id`'s buckets straight into the engine (CUDA IPC,
+        weightsync/bus/ipc/trainer_writes.py): pause generation now, before the prepare's answer lets
+        it write. From here the engine counts as written: an abort leaves it STALE until a complete
+        sync commits, as an in-place sync that loaded a bucket. SyncError (the sync aborted) when
+        generation could not be paused before the deadline or the apply mode is not inplace."""
+        p = self._require(sync_id)
+        hold = getattr(self._apply, "hold_for_writes", None)
+        try:
+            if hold is None:
+                raise SyncError(
+                    f"apply_mode={self.apply_mode}: the trainer writes into the engine only in inplace mode",
+                    "FAILED_PRECONDITION",
+                )
+            hold(p)
+        except SyncError as exc:
+            self.abort(sync_id, f"could not hand the engine to the trainer: {exc}")
+            raise
+
     def run_receiver(self, sync_id: str, receiver: BucketReceiver, sender: int = 0) -> None:
         """Pull every bucket `sender` streams in the pending sync from `receiver`; on failure record
         it and abort the whole sync (every sender's part). A second stream claiming a sender that
@@ -234,6 +253,10 @@ class SyncTransaction:
     # ---- phase 3: commit / abort --------------------------------------------------------
     def commit(self, sync_id: str, version: int, checksums: dict[int, int]) -> tuple[int, int, float]:
         p = self._require(sync_id)
+        if p.trainer_writes:
+            # the trainer synchronized its stream before committing: every byte is in the engine,
+            # and the sums of what its kernel wrote are the version's checksums
+            p.trainer_wrote(checksums)
         self._await_buckets(p)
         with self.state_lock:
             p = self._require(sync_id)

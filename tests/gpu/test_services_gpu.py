@@ -310,6 +310,8 @@ def test_ipc_bf16_trainer_sends_its_own_parameters_and_each_buffer_is_mapped_onc
         "bfloat16",
         "--init-seed",
         "1",
+        "--ipc-direction",
+        "rollout_reads",  # the rollout maps the trainer's buffers (test_trainer_writes_gpu.py: the other way)
     )
     t.wait_ready()
     r = fleet.rollout(
@@ -347,6 +349,8 @@ def test_megatron_bf16_trainer_syncs_exactly_over_ipc_from_its_own_buckets_mappi
         "bfloat16",
         "--export-dtype",
         "bfloat16",
+        "--ipc-direction",
+        "rollout_reads",  # the rollout maps the trainer's buckets (test_trainer_writes_gpu.py: the other way)
         backend="megatron",
     )
     t.wait_ready(timeout=240)

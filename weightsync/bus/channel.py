@@ -23,6 +23,10 @@ class BucketSender:
     #: reach the rollouts with the commit, so the pipeline need not wait for them before sending
     #: (weightsync/bus/pipeline.py)
     checksums_in_band: str = "all"
+    #: True: the channel computes every bucket's checksum in its own pass over the bytes (a trainer
+    #: writing into the engine, weightsync/bus/ipc/trainer_writes.py): the pipeline sums nothing and
+    #: takes `checksums()` after `flush()`
+    computes_checksums: bool = False
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         """Deliver `buf[:plan.nbytes]` to every live target; return when `buf` may be reused.
@@ -36,6 +40,10 @@ class BucketSender:
     def flush(self) -> None:
         """After the last `send` of a releases_previous channel (the pipeline calls it for those alone):
         wait until every bucket is delivered."""
+
+    def checksums(self) -> list[int]:
+        """computes_checksums channels, after `flush`: every bucket's checksum, in bucket order."""
+        raise NotImplementedError(f"{type(self).__name__} computes no checksum")
 
     def failures(self) -> dict[str, str]:
         """target id -> error text for targets that dropped out during this sync."""

@@ -158,7 +158,9 @@ def stream_buckets(
     `sender.checksums_in_band` says which buckets' checksums it sends with the bucket: "all" (the
     default: tcp), "first" (CUDA IPC of held buffers: a rollout checks the first before it touches
     its engine, the rest at commit) or "none" (nccl); an in-place bucket whose checksum is not
-    sent with it is not waited for.
+    sent with it is not waited for. A sender that `computes_checksums` (it sums each bucket in its
+    own pass, weightsync/bus/ipc/trainer_writes.py) gets no checksum from here: nothing is summed
+    (`in_place_checksums` goes unread) and the stream's checksums are the sender's.
     """
     if num_buffers < 1:
         raise ValueError(f"num_buffers={num_buffers} must be >= 1")
@@ -169,6 +171,9 @@ def stream_buckets(
     st = _Stream(manifest, stats, timeout, time.monotonic() + timeout)
     views = in_place_views(manifest, in_place) if in_place is not None else None
     in_band = sender.checksums_in_band
+    own_sums = getattr(sender, "computes_checksums", False)
+    if own_sums:
+        with_checksums, in_place_checksums = False, None
     if in_band not in ("all", "first", "none"):
         raise ValueError(f"sender.checksums_in_band={in_band!r} must be all, first or none")
     csums = None
@@ -320,3 +325,5 @@ def _consume(
         t0 = time.perf_counter()
         stats.checksums = csums.values()
         stats.pack_seconds += time.perf_counter() - t0
+    elif getattr(sender, "computes_checksums", False):
+        stats.checksums = sender.checksums()

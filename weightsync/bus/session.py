@@ -43,6 +43,9 @@ class Session:
     sender_gpu_clash: str = ""
     #: the rollout ids of that clash
     clashing: frozenset[str] = frozenset()
+    #: before prepare: whether the channel is expected to compute the bucket checksums as it sends
+    #: (ipc, trainer writes), so the trainer need not start its own checksum pass meanwhile
+    expects_channel_sums: bool = False
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         """The `transport` of this target's PrepareSyncRequest."""
@@ -55,6 +58,9 @@ class Session:
     def open(self, targets: dict, timeout: float) -> BucketSender:
         """The channel reaching every prepared target (rollout_id -> entry)."""
         raise NotImplementedError
+
+    def use_manifest(self, manifest) -> None:
+        """The sync's manifest, once planned (before any prepare)."""
 
     def finish(self, ok: bool, reason: str) -> None:
         """Called once after streaming: ok=False when the stream failed or never started."""

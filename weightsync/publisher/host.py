@@ -92,6 +92,7 @@ class PublisherHost:
         make_servicer: Callable[..., FleetServicer] = FleetServicer,
         sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
+        ipc_direction: str = "auto",
     ) -> FleetServicer:
         """Publish `source` (an actor: export_metas/export_tensors/version/family, see trainer_svc/actor/base.py).
         `make_servicer(source, source_lock, registry, orchestrator, backend, auto_sync)` builds the Trainer servicer."""
@@ -117,6 +118,7 @@ class PublisherHost:
             sync_link=sync_link,
             sync_encoding=sync_encoding,
             delta_base_bytes=delta_base_bytes,
+            ipc_direction=ipc_direction,
         )
         self.orch.rollouts.liveness_timeout = liveness_timeout_s
         warm_up(self.orch.device, source.export_metas(), self.orch.export_format.quantization is not None)

@@ -63,6 +63,7 @@ class SyncOrchestrator:
         sync_link: bool = True,
         sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
+        ipc_direction: str = "auto",
     ):
         self.actor = actor
         self.actor_lock = actor_lock
@@ -89,7 +90,10 @@ class SyncOrchestrator:
             self.device,
             call=self.rollouts.call,
             open_stream=self.rollouts.open_stream,
-            options={"nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout, "on_build": on_nccl_group_build}},
+            options={
+                "nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout, "on_build": on_nccl_group_build},
+                "ipc": {"direction": ipc_direction},
+            },
         )
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
         self.transports = {t.name: t.trainer_end_class().for_trainer(side) for t in TRANSPORTS.values()}
@@ -274,6 +278,8 @@ class SyncOrchestrator:
             quantization=self.export_format.quantization,
             owners=self._owners(transport, senders, plain),
         )
+        if session is not None and hasattr(session, "use_manifest"):
+            session.use_manifest(manifest)
         if session is not None and len(manifest.senders) > 1:
             session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
         return session, manifest

@@ -83,7 +83,9 @@ class StreamPhase:
         self.in_place_bufs = None if len(self.manifest.senders) > 1 else self._in_place()
         if self.in_place_bufs is None:
             return
-        if self.manifest.checksum_algo:
+        # a trainer that writes into the engine sums as it writes: no checksum pass of its own
+        # (if the rollout does not offer it after all, the stream starts the sums then)
+        if self.manifest.checksum_algo and not getattr(self.session, "expects_channel_sums", False):
             self.in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self.in_place_bufs))
         self.attempt.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
 
@@ -229,6 +231,9 @@ class StreamPhase:
             # and all the trainer's work per bucket (export + pack + checksum)
             a.phases.add("stream.export", stats.export_seconds)
             a.phases.add("stream.pack", stats.pack_seconds)
+            if getattr(channel, "computes_checksums", False):
+                # the trainer wrote into the engine (ipc trainer_writes): its launches and final sync
+                a.phases.add("stream.trainer_writes", stats.send_seconds)
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
             return a.delta.checksums if a.delta.keep else stats.checksums
         except Exception as exc:

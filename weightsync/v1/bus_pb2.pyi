@@ -143,12 +143,42 @@ class NcclSenderGroup(_message.Message):
     def __init__(self, sender: _Optional[int] = ..., unique_id: _Optional[bytes] = ..., group_id: _Optional[str] = ..., new_group: _Optional[bool] = ...) -> None: ...
 
 class IpcTransport(_message.Message):
-    __slots__ = ("host_id", "device_uuid")
+    __slots__ = ("host_id", "device_uuid", "trainer_writes", "dest_layout", "destinations")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DEST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device_uuid: str
-    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    trainer_writes: bool
+    dest_layout: str
+    destinations: IpcDestinations
+    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., trainer_writes: _Optional[bool] = ..., dest_layout: _Optional[str] = ..., destinations: _Optional[_Union[IpcDestinations, _Mapping]] = ...) -> None: ...
+
+class IpcDestinations(_message.Message):
+    __slots__ = ("allocations", "tensors")
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    allocations: _containers.RepeatedCompositeFieldContainer[CudaIpcHandle]
+    tensors: _containers.RepeatedCompositeFieldContainer[IpcDestTensor]
+    def __init__(self, allocations: _Optional[_Iterable[_Union[CudaIpcHandle, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[IpcDestTensor, _Mapping]]] = ...) -> None: ...
+
+class IpcDestTensor(_message.Message):
+    __slots__ = ("name", "allocation", "offset", "nbytes", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    allocation: int
+    offset: int
+    nbytes: int
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., allocation: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransportSpec(_message.Message):
     __slots__ = ("tcp", "nccl", "ipc")

@@ -6,11 +6,17 @@ trainer buffer: mapped once per pairing, consumed by the sync transaction while 
 copy), and acknowledged once the engine has copied it out, which lets the trainer reuse it — or,
 for a buffer the trainer holds unchanged until the sync ends (its own parameters), as soon as the
 copy is queued, the checksum being read at commit.
+
+Or the trainer writes (trainer_writes.py): asked by a trainer that can, a rollout in inplace apply
+mode whose engine offers its parameters answers with a table of where each manifest tensor lives
+(made and shared once per layout and engine, then named by id), pauses generation before it
+answers, and receives no bucket: the commit carries the checksums of what the trainer wrote.
 """
 
 from __future__ import annotations
 
 import socket
+import uuid
 from collections.abc import Callable, Iterator
 
 import torch
@@ -65,6 +71,10 @@ class IpcReceiver(RolloutEnd):
             maps = MappedBuffers(on_open=on_open)
         self.maps = maps
         self._side: torch.cuda.Stream | None = None
+        #: (layout digest, engine) -> (table id, IpcDestinations) or None when the engine offers none
+        self._offers: dict[tuple, tuple[str, bus_pb2.IpcDestinations] | None] = {}
+        self._writes = ""  # the sync whose prepare answered with a table (the trainer writes it)
+        self.share_fn = None  # tests: stands in for CUDA IPC sharing
 
     @classmethod
     def for_rollout(cls, side) -> "IpcReceiver":
@@ -73,9 +83,62 @@ class IpcReceiver(RolloutEnd):
 
     def prepare(self, spec: bus_pb2.TransportSpec, manifest, resp) -> None:
         resp.transport.ipc.host_id, resp.transport.ipc.device_uuid = socket.gethostname(), self.check(spec.ipc)
+        self._writes = ""
+        if not spec.ipc.trainer_writes:
+            return
+        got = self.destinations(manifest)
+        if got is None:
+            return  # the trainer shares its buffers and this rollout copies, as without the request
+        table_id, table = got
+        resp.transport.ipc.dest_layout = table_id
+        if spec.ipc.dest_layout != table_id:  # the trainer does not hold this table yet
+            resp.transport.ipc.destinations.CopyFrom(table)
+        self._writes = manifest.sync_id
 
     def receive(self, manifest, spec, deadline: float, resp) -> None:
         self.start(manifest.sync_id, resp.transport.ipc.device_uuid, manifest.origin)
+        if self._writes == manifest.sync_id:
+            # generation paused before the answer lets the trainer write (SyncError: nothing offered)
+            self.tx.accept_trainer_writes(manifest.sync_id)
+            dev = torch.device(self.device) if self.device is not None else None
+            if dev is not None and dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # nothing of ours still reads the parameters
+
+    def destinations(self, manifest) -> tuple[str, bus_pb2.IpcDestinations] | None:
+        """(table id, table) of where `manifest`'s tensors go in the engine, or None when this rollout
+        cannot take writes: staged apply, a quantized or multi-sender sync, an engine that does not
+        offer its parameters (SGLang) or not on this GPU. Built and shared once per layout and engine."""
+        tx = self.tx
+        if getattr(tx, "apply_mode", "") != "inplace" or manifest.quantization is not None:
+            return None
+        if len(manifest.senders) > 1 or not manifest.layout_digest:
+            return None
+        engine = tx.engine
+        key = (manifest.layout_digest, id(engine))
+        if key in self._offers:
+            return self._offers[key]
+        from weightsync.bus.ipc.trainer_writes import DestinationError, layout_id, offer
+
+        metas = [slot.meta for plan in manifest.buckets for slot in plan.slots]
+        params = engine.writable_params(metas)
+        got = None
+        dev = torch.device(self.device) if self.device is not None else None
+        share = self.share_fn  # (CPU tests stand in for CUDA IPC sharing)
+        if share is None and (dev is None or dev.type != "cuda"):
+            params = None
+        if params is not None and all(p.device == dev and p.data_ptr() % 4 == 0 and p.is_contiguous() for p in params):
+            if share is None:
+                from weightsync.bus.ipc.handles import share
+            try:
+                # a fresh token per table: a restarted rollout (or a rebuilt engine) whose parameters
+                # land at the same addresses must not be taken for the one the trainer mapped
+                got = (f"{layout_id(manifest, params)}-{uuid.uuid4().hex[:16]}", offer(manifest, params, share))
+            except DestinationError:
+                got = None
+        if len(self._offers) >= 4:  # layouts change rarely
+            self._offers.clear()
+        self._offers[key] = got
+        return got
 
     def check(self, spec: bus_pb2.IpcTransport) -> str:
         """PrepareSync: this engine's GPU UUID, or SyncError when it is not the trainer's GPU."""

@@ -7,6 +7,10 @@ copies each bucket out of the mapped buffer and acknowledges it on the stream, a
 acknowledgement is what lets the pipeline reuse the buffer. The buffers — the pipeline's, kept
 in a BufferPool, or the actor's own parameter storage when it already is the export — live as
 long as the trainer and are shared once (HandleCache); the rollout maps each once and keeps it.
+
+The other direction (trainer_writes.py): a single target in inplace apply mode whose engine offers
+its parameters answers PrepareSync with a destination table, and the trainer writes every bucket
+into the engine itself, checksumming in the same pass (`ipc_direction`, default auto).
 """
 
 from __future__ import annotations
@@ -242,9 +246,20 @@ class IpcSender(Sender):
         needs_cuda: bool = True,
         stream: StreamCall | None = None,
         cache=None,
+        direction: str = "auto",
+        open_fn: Callable | None = None,
     ):
+        from weightsync.bus.ipc.trainer_writes import DIRECTIONS
         from weightsync.bus.pipeline import BufferPool
 
+        if direction not in DIRECTIONS:
+            raise ValueError(f"ipc_direction={direction!r} must be {', '.join(DIRECTIONS)}")
+        self.direction = direction
+        #: rollout_id -> (table id, its Destinations: validated and mapped) of the rollouts that offered one
+        self.dests: dict[str, tuple[str, object]] = {}
+        if open_fn is None:
+            from weightsync.bus.ipc.handles import open_mapping as open_fn
+        self.open_fn = open_fn
         self.device = torch.device(device)
         self.call, self.uuid_of, self.needs_cuda, self.stream = call, uuid_of, needs_cuda, stream
         self.buffers = BufferPool()
@@ -270,18 +285,35 @@ class IpcSender(Sender):
                 f"transport=ipc needs the trainer's export on the rollouts' GPU, and this trainer exports "
                 f"on {self.device}: run it on that GPU (backend hf: --device cuda:N) or use --transport tcp"
             )
-        return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes)
+        ids = {getattr(t, "rollout_id", None) for t in targets}
+        for rid in [r for r in self.dests if r not in ids]:
+            del self.dests[rid]  # a rollout no longer synced: its engine's memory is unmapped
+        return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes, len(targets))
 
 
 class _IpcSession(Session):
     name = "ipc"
     commit_on_stream = True  # on the IpcBuckets stream that carried the buckets
 
-    def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int):
+    def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int, n_targets: int = 1):
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
         self.device = owner.device
         self.buffers = owner.buffers  # the pipeline packs into these, kept across syncs
         self.in_place = False  # this sync sends the actor's own storage, no reused buffer
+        self.n_targets = n_targets
+        self.manifest = None
+        #: rollout_id -> the Destinations this sync writes into (trainer_writes), set at accept
+        self.writes: dict = {}
+        # the one target offered a table last time: it most likely does again (the sums wait for it)
+        self.expects_channel_sums = owner.direction != "rollout_reads" and n_targets == 1 and len(owner.dests) == 1
+
+    @property
+    def direction(self) -> str:
+        """What this sync runs: trainer_writes once its target's table was accepted, else rollout_reads."""
+        return "trainer_writes" if self.writes else "rollout_reads"
+
+    def use_manifest(self, manifest) -> None:
+        self.manifest = manifest
 
     def use_in_place(self, buffers: list[torch.Tensor]) -> None:
         """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once;
@@ -292,6 +324,10 @@ class _IpcSession(Session):
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
         spec.ipc.host_id, spec.ipc.device_uuid = socket.gethostname(), self.uuid
+        if self.owner.direction != "rollout_reads" and self.n_targets == 1:
+            spec.ipc.trainer_writes = True
+            held = self.owner.dests.get(getattr(entry, "rollout_id", ""))
+            spec.ipc.dest_layout = held[0] if held else ""
         return spec
 
     def accept(self, entry, resp) -> str:
@@ -303,9 +339,49 @@ class _IpcSession(Session):
                 f"ipc: the rollout's engine is on GPU {theirs or '(not named)'}, the trainer on {self.uuid}; "
                 "CUDA IPC needs both on one GPU: colocate them or use --transport nccl"
             )
+        return self._accept_destinations(entry, resp.transport.ipc)
+
+    def _accept_destinations(self, entry, ipc: bus_pb2.IpcTransport) -> str:
+        """Take the rollout's destination table when this sync writes into its engine: "" or why the
+        target cannot be synced (a table that does not match the manifest is an error, never a
+        silent fallback)."""
+        from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, choose
+
+        rid = getattr(entry, "rollout_id", "")
+        offered = bool(ipc.dest_layout)
+        direction = choose(self.owner.direction, self.n_targets, offered)
+        if direction != "trainer_writes":
+            if self.owner.direction == "trainer_writes" and self.n_targets == 1:
+                return (
+                    "ipc_direction=trainer_writes: the rollout offers no destination table (it must run "
+                    "apply_mode inplace with an engine that offers its parameters, unquantized): set "
+                    "ipc_direction auto or rollout_reads"
+                )
+            return ""
+        held = self.owner.dests.get(rid)
+        if ipc.HasField("destinations") and ipc.destinations.tensors:
+            if self.manifest is None:
+                return "ipc: a destination table arrived before the sync's manifest was planned"
+            self.owner.dests.pop(rid, None)  # the old mapping goes before the new one is opened
+            try:
+                dests = Destinations(self.manifest, ipc.destinations, self.owner.open_fn)
+            except DestinationError as exc:
+                return f"ipc trainer_writes: the rollout's destination table is refused: {exc}"
+            held = self.owner.dests[rid] = (ipc.dest_layout, dests)
+        elif held is None or held[0] != ipc.dest_layout:
+            return f"ipc trainer_writes: the rollout named table {ipc.dest_layout!r}, which this trainer does not hold"
+        elif self.manifest is not None and held[1].digest != self.manifest.layout_digest:
+            return "ipc trainer_writes: the rollout's table was made for another layout"
+        self.writes[rid] = held[1]
         return ""
 
     def open(self, targets: dict, timeout: float) -> IpcStreamSender:
+        writing = [rid for rid in targets if rid in self.writes]
+        if writing and len(targets) == 1:
+            from weightsync.bus.ipc.trainer_writes import TrainerWriteSender
+
+            self.commit_on_stream = False  # no stream: the commit goes on the sync link or as CommitSync
+            return TrainerWriteSender(self.writes[writing[0]], writing[0])
         if self.owner.stream is None:
             raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")
         return IpcStreamSender(

@@ -1,0 +1,193 @@
+"""CUDA IPC with the trainer writing into the engine (weightsync/bus/ipc/trainer_writes.py) on a real GPU.
+
+Two levels: two processes sharing real CUDA IPC handles (an 'engine' process offers its parameters,
+this process validates, maps and writes with the fused copy-and-sum kernel: exact bytes after several
+syncs, every checksum equal to bucket_checksum of the packed bucket, a wrong table refused), and the
+real services (hf trainer, built-in rollout in inplace mode): every sync exact, no trainer buffer
+mapped by the rollout. Run: pytest -m gpu tests/gpu/test_trainer_writes_gpu.py
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
+
+
+def _metas():
+    from weightsync.bus.plan import TensorMeta
+
+    # odd-sized tensors (a last half word), gaps between slots, one larger than a bucket
+    return [
+        TensorMeta("embed", (1000, 256), torch.bfloat16),
+        TensorMeta("q", (255, 129), torch.bfloat16),
+        TensorMeta("norm", (257,), torch.float32),
+        TensorMeta("k", (3,), torch.bfloat16),
+        TensorMeta("big", (2048, 1024), torch.bfloat16),
+        TensorMeta("ids", (33,), torch.int64),
+    ]
+
+
+def _manifest():
+    from weightsync.bus.plan import make_manifest
+
+    m = make_manifest(_metas(), version=1, sync_id="s", bucket_bytes=1 << 20, checksum_algo="ws-sum64-v1")
+    m.layout_digest = "gpu-test"
+    return m
+
+
+def _values(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's tensors of one sync, made on the CPU (the same bits in either process)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in _metas():
+        if m.dtype == torch.int64:
+            out.append((m.name, torch.randint(-(2**62), 2**62, m.shape, generator=g)))
+        else:
+            out.append((m.name, (torch.randn(m.shape, generator=g) * 3).to(m.dtype)))
+    return out
+
+
+def _engine_process(to_trainer, from_trainer) -> None:
+    from weightsync.bus.ipc.handles import share
+    from weightsync.bus.ipc.trainer_writes import offer
+
+    torch.cuda.set_device(0)
+    manifest = _manifest()
+    # some parameters in one allocation (views at offsets), as an engine's may be
+    arena = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    params = {}
+    pos = 4096
+    for m in [s.meta for b in manifest.buckets for s in b.slots]:
+        if m.name in ("q", "k", "norm"):
+            params[m.name] = arena[pos : pos + m.nbytes].view(m.dtype).view(m.shape)
+            pos += -(-m.nbytes // 512) * 512
+        else:
+            params[m.name] = torch.zeros(m.shape, dtype=m.dtype, device="cuda:0")
+    in_order = [params[s.meta.name] for b in manifest.buckets for s in b.slots]
+    to_trainer.put(offer(manifest, in_order, share).SerializeToString())
+    while True:
+        seed = from_trainer.get(timeout=120)
+        if seed is None:
+            break
+        torch.cuda.synchronize()
+        ok = all(
+            torch.equal(params[n].cpu().reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            for n, t in _values(seed)
+        )
+        gaps = arena[:4096].count_nonzero().item()  # bytes before the first parameter: never written
+        to_trainer.put((ok, gaps))
+
+
+@needs_gpu
+def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_processes():
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.ipc.handles import open_mapping
+    from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, TrainerWriteSender
+    from weightsync.bus.pack import pack_bucket
+    from weightsync.bus.pipeline import stream_buckets
+    from weightsync.v1 import bus_pb2
+
+    ctx = mp.get_context("spawn")
+    to_trainer, from_trainer = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(to_trainer, from_trainer), daemon=True)
+    proc.start()
+    try:
+        manifest = _manifest()
+        table = bus_pb2.IpcDestinations.FromString(to_trainer.get(timeout=120))
+        dests = Destinations(manifest, table, open_mapping)
+        assert len(dests.maps) == 4  # q, k and norm share the arena
+        for seed in (1, 2, 3):
+            tensors = [(n, t.to("cuda:0")) for n, t in _values(seed)]
+            want = []
+            it = iter(tensors)
+            for plan in manifest.buckets:
+                buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device="cuda:0")
+                pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+                want.append((buf, bucket_checksum(buf)))
+            in_place = [b for b, _ in want] if seed == 2 else None  # the actor's own storage, or packed
+            stats = stream_buckets(
+                manifest, iter(tensors), TrainerWriteSender(dests, "r"), device="cuda:0", in_place=in_place
+            )
+            assert stats.checksums == [c for _, c in want], seed
+            from_trainer.put(seed)
+            ok, gaps = to_trainer.get(timeout=120)
+            assert ok and gaps == 0, (seed, ok, gaps)
+        bad = bus_pb2.IpcDestinations()
+        bad.CopyFrom(table)
+        bad.tensors[2].nbytes += 4
+        with pytest.raises(DestinationError, match=f"tensor {bad.tensors[2].name}: destination nbytes"):
+            Destinations(manifest, bad, open_mapping)
+    finally:
+        from_trainer.put(None)
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+@needs_gpu
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])  # the trainer's own storage; packed and cast
+def test_services_sync_exactly_with_the_trainer_writing_into_the_engine(fleet, param_dtype):
+    from test_services_gpu import _assert_exact, _load, _reference_logits, _sync, _weights_dir
+
+    from weightsync.local.procs import wait_registered
+
+    t = fleet.trainer(
+        "--device",
+        "cuda:0",
+        "--transport",
+        "ipc",
+        "--export-dtype",
+        "bfloat16",
+        "--param-dtype",
+        param_dtype,
+        "--init-seed",
+        "1",
+    )
+    t.wait_ready()
+    r = fleet.rollout(
+        "same-gpu", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", "inplace", trainer_proc=t
+    )
+    r.wait_ready()
+    wait_registered(t.address, ["same-gpu"])
+    for i, seed in enumerate((None, 9, 10)):
+        if seed is not None:
+            _load(t, _weights_dir(fleet.tmp, seed))
+        rc, rep = _sync(t, "--rollout", "same-gpu")
+        assert rc == 0 and rep["ok"] and rep["transport"] == "ipc", rep
+        assert "stream.trainer_writes" in rep.get("phase_seconds", {}), rep
+        _assert_exact(
+            r, _reference_logits(t, fleet.tmp, f"tw{param_dtype}{i}", "cuda:0", torch.bfloat16), int(rep["version"])
+        )
+    # the rollout mapped nothing of the trainer's: the trainer wrote
+    assert (r.metric("weightsync_ipc_handle_opens_total", 'role="rollout"') or 0) == 0
+
+
+@needs_gpu
+def test_megatron_bf16_trainer_writes_into_the_engine_exactly(fleet):
+    """The benchmark's case: megatron-core bf16 parameters laid out as the buckets, written by the trainer
+    straight into the colocated engine (auto), exact after a LoadWeights too."""
+    pytest.importorskip("megatron.core")
+    from test_services_gpu import _assert_exact, _load, _reference_logits, _sync, _weights_dir
+
+    from weightsync.local.procs import wait_registered
+
+    t = fleet.trainer(
+        "--transport", "ipc", "--init-seed", "3", "--param-dtype", "bfloat16", "--export-dtype", "bfloat16",
+        backend="megatron",
+    )  # fmt: skip
+    t.wait_ready(timeout=240)
+    r = fleet.rollout("r-mcore-tw", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
+    r.wait_ready()
+    wait_registered(t.address, ["r-mcore-tw"])
+    for i in range(3):
+        if i == 2:
+            _load(t, _weights_dir(fleet.tmp, 12))
+        rc, rep = _sync(t)
+        assert rc == 0 and rep["ok"] and "stream.trainer_writes" in rep.get("phase_seconds", {}), rep
+        _assert_exact(r, _reference_logits(t, fleet.tmp, f"mcore-tw{i}", "cuda:0", torch.bfloat16), int(rep["version"]))

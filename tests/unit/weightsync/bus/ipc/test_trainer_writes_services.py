@@ -1,0 +1,179 @@
+"""CUDA IPC with the trainer writing into the engine, through the real services on a CPU.
+
+One TrainerApp (hf) and one RolloutApp (built-in engine, inplace) on loopback: the rollout offers its
+parameters' table at PrepareSync, the trainer validates and maps it, writes every bucket into the
+engine and commits with the sums of what it wrote. Only the GPU boundary is faked: the rollout's
+`_share_cuda_` of its parameters' storage and the trainer's `_new_shared_cuda` (a handle maps back to
+the same memory, as a real mapping would), and the GPU-UUID checks. tests/gpu/test_trainer_writes_gpu.py
+runs the real handles and kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.support.local_apps import start_rollout, start_trainer
+from weightsync.bus.checksum import bucket_checksum, combine
+from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
+from weightsync.bus.pack import pack_bucket
+from weightsync.control.client import channel, trainer_stub
+from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+
+GPU = "GPU-fake-0"
+TOKEN = "s3cret"
+
+
+class FakeGpu:
+    def __init__(self):
+        self.memory: dict[bytes, torch.Tensor] = {}
+        self.shares = self.opens = 0
+
+    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
+        storage = t.untyped_storage()
+        key = f"h{storage.data_ptr()}".encode()
+        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.shares += 1
+        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
+
+    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
+        self.opens += 1
+        return self.memory[bytes(h.handle)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    gpu = FakeGpu()
+    trainer = start_trainer(auth_token=TOKEN)
+    ipc = trainer.orch.transports["ipc"]
+    ipc.needs_cuda, ipc.uuid_of, ipc.open_fn = False, (lambda d: GPU), gpu.open
+    ipc.cache = HandleCache(gpu.share)  # (rollout_reads syncs share the trainer's buffers)
+    trainer.orch.bucket_bytes = 64 << 10  # several buckets
+    app = start_rollout("a", apply_mode="inplace", auth_token=TOKEN)
+    app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
+    app.servicer.ipc.share_fn = gpu.share
+    app.servicer.ipc.maps = MappedBuffers(gpu.open)
+    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
+    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="a", address=app.grpc.address))
+    yield trainer, app, stub, gpu
+    app.stop()
+    trainer.stop()
+
+
+def _bump(trainer):
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+
+
+def _assert_exact(trainer, app):
+    for name, t in trainer.actor.export_tensors():
+        assert torch.equal(app.engine._target(name), t), name
+    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+
+
+def _expected_weights_checksum(trainer) -> int:
+    """combine() of each bucket's checksum as the buckets are packed: what every path must agree on."""
+    m = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(),
+        version=trainer.actor.version,
+        sync_id="ref",
+        bucket_bytes=trainer.orch.bucket_bytes,
+        checksum_algo="ws-sum64-v1",
+    )
+    it = iter(list(trainer.actor.export_tensors()))
+    sums = []
+    for plan in m.buckets:
+        buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+        sums.append(bucket_checksum(buf))
+    return combine(sums)
+
+
+def _sync(stub):
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    return report
+
+
+def test_the_trainer_writes_every_sync_exactly_with_the_table_shared_and_mapped_once(pair):
+    trainer, app, stub, gpu = pair
+    for i in range(3):
+        _bump(trainer)
+        report = _sync(stub)
+        assert "stream.trainer_writes" in report.phase_seconds and report.num_buckets > 2
+        _assert_exact(trainer, app)
+        assert app.tx.weights_checksum == _expected_weights_checksum(trainer)
+        if i == 0:
+            shares, opens = gpu.shares, gpu.opens
+            assert shares > 0 and opens == shares  # every allocation of the table shared and mapped once
+    assert (gpu.shares, gpu.opens) == (shares, opens)  # later syncs named the table by id
+    assert app.servicer.ipc.maps.opens == 0  # the rollout mapped nothing of the trainer's
+
+
+def test_rollout_reads_keeps_the_old_path_with_the_same_checksums(pair, monkeypatch):
+    trainer, app, stub, _ = pair
+    _bump(trainer)
+    _sync(stub)
+    written = app.tx.weights_checksum
+    monkeypatch.setattr(trainer.orch.transports["ipc"], "direction", "rollout_reads")
+    report = _sync(stub)  # the same version, the rollout copying out of the trainer's buffers
+    assert "stream.trainer_writes" not in report.phase_seconds
+    assert app.servicer.ipc.maps.opens > 0
+    _assert_exact(trainer, app)
+    assert app.tx.weights_checksum == written
+
+
+def test_a_wrong_destination_table_is_refused_at_prepare_naming_the_tensor_and_the_next_sync_heals(pair):
+    trainer, app, stub, _ = pair
+    _bump(trainer)
+    _sync(stub)
+    ipc_end, sender = app.servicer.ipc, trainer.orch.transports["ipc"]
+    ((key, (table_id, table)),) = ipc_end._offers.items()
+    bad = bus_pb2.IpcDestinations()
+    bad.CopyFrom(table)
+    bad.tensors[1].dtype = bus_pb2.FLOAT16 if bad.tensors[1].dtype != bus_pb2.FLOAT16 else bus_pb2.FLOAT32
+    ipc_end._offers[key] = ("bad-" + table_id, bad)
+    _bump(trainer)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert not report.ok
+    (r,) = report.rollouts
+    assert f"tensor {bad.tensors[1].name}: destination dtype" in r.error and "refused" in r.error, r.error
+    # the rollout had paused for the writes: STALE until a complete sync commits, the trainer holds no table
+    assert app.tx.state == rollout_pb2.STALE and "a" not in sender.dests
+    ipc_end._offers.clear()
+    _sync(stub)
+    _assert_exact(trainer, app)
+
+
+def test_only_an_inplace_rollout_of_an_unquantized_layout_offers_a_table(pair):
+    """Staged apply keeps the old version serving while bytes arrive: it offers no table (nor does a
+    manifest without a layout digest, which could not name one)."""
+    trainer, app, _, _ = pair
+    m = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(), version=1, sync_id="s", bucket_bytes=trainer.orch.bucket_bytes
+    )
+    assert m.layout_digest and app.servicer.ipc.destinations(m) is not None
+    app.tx.apply_mode, mode = "staged", app.tx.apply_mode
+    try:
+        assert app.servicer.ipc.destinations(m) is None
+    finally:
+        app.tx.apply_mode = mode
+    assert app.servicer.ipc.destinations(dataclasses.replace(m, layout_digest="")) is None
+
+
+def test_a_rebuilt_table_gets_a_new_id_even_at_the_same_addresses(pair):
+    """A restarted rollout may place its parameters at the same addresses: the trainer's old mapping
+    would then write into the dead process's memory. Each table built carries a fresh token."""
+    trainer, app, stub, _ = pair
+    m = trainer.orch.manifests.manifest(
+        trainer.actor.export_metas(), version=1, sync_id="s", bucket_bytes=trainer.orch.bucket_bytes
+    )
+    first = app.servicer.ipc.destinations(m)
+    assert app.servicer.ipc.destinations(m)[0] == first[0]  # cached while the layout and engine stay
+    app.servicer.ipc._offers.clear()  # as a restart (or a rebuilt engine) would: the same parameters
+    again = app.servicer.ipc.destinations(m)
+    assert again[0] != first[0] and again[1] == first[1]

@@ -1,0 +1,226 @@
+"""Colocated CUDA IPC in the other direction: the trainer writes every bucket into the engine.
+
+Rollout-reads (the default elsewhere) costs two processes' GPU work per byte on one GPU: the rollout
+copies each bucket out of the trainer's shared buffer, and the trainer reads the same bytes once more
+for the bucket checksum (ws-sum64-v1). The two processes are separate CUDA contexts, time-sliced, so
+their work adds up. Here one process touches the bytes once: a rollout in `inplace` apply mode whose
+engine offers its parameters (`writable_params`) shares, at PrepareSync, CUDA IPC handles of the
+parameters' storage plus where each manifest tensor lies in them (`IpcDestinations`, once per layout:
+later prepares name the table by id). The trainer validates every entry against its manifest, maps
+each allocation once, and its stream phase is one fused copy-and-checksum launch per bucket
+(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction)
+from its bucket (in-place storage or packed buffer) straight into the engine's parameters. It
+synchronizes its stream, then commits with the sums of what that kernel read; the rollout (paused
+since its prepare, STALE if the sync aborts) records them as the version's checksums.
+
+Guarantee, on this path only (docs/architecture.md, "Trainer writes"): the checksums are computed by
+the kernel that writes the destination, from the words it reads from the trainer's bucket, on the
+one GPU, into destinations validated at prepare (every manifest tensor, its dtype, shape and size,
+inside its allocation); the independent second read is gone on this path only. Still caught: a
+table that does not match the manifest or overruns an allocation (prepare fails, naming the tensor);
+a trainer that fails or dies mid-write (the rollout is STALE from its prepare on and never serves a
+half-written version); a divergence between this rollout's copy and any other copy of the version
+(the sums are exactly the values a TCP, NCCL or rollout-reads sync of the same export computes, so
+`weights_checksum` compares across paths). No longer caught: a corruption between the kernel's read
+and its write (the same registers; no second process re-reads the bytes after they landed), and a
+write into the parameters by something else in the engine's process during the sync (generation is
+paused, but nothing re-reads the destination). An operator keeps
+the independent second read with `ipc_direction: rollout_reads`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from weightsync.bus import dtypes
+from weightsync.bus.channel import BucketSender
+from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.v1 import bus_pb2
+
+DIRECTIONS = ("auto", "rollout_reads", "trainer_writes")
+
+
+class DestinationError(ValueError):
+    """A rollout's destination table does not match the manifest (names the tensor and the field)."""
+
+
+# ---- the rollout's side: what it offers -----------------------------------------------------------------
+def offer(
+    manifest: Manifest,
+    params: Sequence[torch.Tensor],
+    share_storage: Callable[[torch.Tensor], bus_pb2.CudaIpcHandle],
+) -> bus_pb2.IpcDestinations:
+    """The destination table of `manifest`'s tensors (in slot order over its buckets), which live in
+    `params` (one per slot, each the exact tensor: contiguous, its dtype and shape): each distinct
+    storage shared once by `share_storage` (a flat uint8 tensor of the whole storage -> handle)."""
+    metas = [slot.meta for plan in manifest.buckets for slot in plan.slots]
+    if len(params) != len(metas):
+        raise DestinationError(f"{len(params)} parameters for the manifest's {len(metas)} tensors")
+    out = bus_pb2.IpcDestinations()
+    index: dict[int, int] = {}  # storage address -> allocation index
+    for meta, p in zip(metas, params):
+        if not p.is_contiguous() or tuple(p.shape) != tuple(meta.shape) or p.dtype != meta.dtype:
+            raise DestinationError(
+                f"tensor {meta.name}: the engine's parameter is {p.dtype} {list(p.shape)}"
+                f"{'' if p.is_contiguous() else ' (not contiguous)'}, "
+                f"the manifest sends {meta.dtype} {list(meta.shape)}"
+            )
+        storage = p.untyped_storage()
+        key = storage.data_ptr()
+        a = index.get(key)
+        if a is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=p.device).set_(storage)
+            a = index[key] = len(out.allocations)
+            out.allocations.append(share_storage(whole))
+        out.tensors.add(
+            name=meta.name,
+            allocation=a,
+            offset=p.storage_offset() * p.element_size(),
+            nbytes=meta.nbytes,
+            dtype=dtypes.to_wire(meta.dtype),
+            shape=list(meta.shape),
+        )
+    return out
+
+
+def layout_id(manifest: Manifest, params: Sequence[torch.Tensor]) -> str:
+    """What a destination table covers: the manifest's layout and every parameter's address. The
+    rollout adds a fresh token to each table it builds (receiver.py): equal addresses in a restarted
+    process are other memory, which the trainer must map anew."""
+    h = hashlib.sha256(manifest.layout_digest.encode())
+    for p in params:
+        h.update(p.data_ptr().to_bytes(8, "little"))
+        h.update(str(p.device).encode())
+    return h.hexdigest()[:32]
+
+
+# ---- the trainer's side: validate, map, write -----------------------------------------------------------
+class Destinations:
+    """A rollout's destination table, validated against a manifest and mapped into this process:
+    per bucket, one flat uint8 view per slot (where that tensor's bytes go)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        table: bus_pb2.IpcDestinations,
+        open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor],
+    ):
+        check(manifest, table)
+        self.digest = manifest.layout_digest
+        self.maps = [open_fn(h) for h in table.allocations]  # each allocation once; unmapped when dropped
+        for i, (m, h) in enumerate(zip(self.maps, table.allocations)):
+            if m.numel() < h.storage_size:
+                raise DestinationError(f"allocation {i}: mapped {m.numel()} bytes of its {h.storage_size}")
+        by_name = {t.name: t for t in table.tensors}
+        self.buckets: list[list[torch.Tensor]] = []
+        for plan in manifest.buckets:
+            views = []
+            for slot in plan.slots:
+                t = by_name[slot.meta.name]
+                views.append(self.maps[t.allocation][t.offset : t.offset + t.nbytes])
+            self.buckets.append(views)
+
+
+def check(manifest: Manifest, table: bus_pb2.IpcDestinations) -> None:
+    """DestinationError naming the first tensor whose entry does not match the manifest exactly
+    (missing, duplicated, unknown, another dtype, shape or size, outside its allocation, not on a
+    4-byte boundary: the kernel writes 32-bit words)."""
+    seen: dict[str, bus_pb2.IpcDestTensor] = {}
+    for t in table.tensors:
+        if t.name in seen:
+            raise DestinationError(f"tensor {t.name}: two destinations in the rollout's table")
+        seen[t.name] = t
+    n_alloc = len(table.allocations)
+    for plan in manifest.buckets:
+        for slot in plan.slots:
+            m = slot.meta
+            t = seen.pop(m.name, None)
+            if t is None:
+                raise DestinationError(f"tensor {m.name}: the rollout's destination table lacks it")
+            try:
+                dtype = dtypes.from_wire(t.dtype)
+            except ValueError:
+                dtype = None
+            if dtype != m.dtype:
+                raise DestinationError(f"tensor {m.name}: destination dtype {dtype} != manifest's {m.dtype}")
+            if tuple(t.shape) != tuple(m.shape):
+                raise DestinationError(
+                    f"tensor {m.name}: destination shape {list(t.shape)} != manifest's {list(m.shape)}"
+                )
+            if t.nbytes != m.nbytes:
+                raise DestinationError(f"tensor {m.name}: destination nbytes {t.nbytes} != manifest's {m.nbytes}")
+            if t.allocation >= n_alloc:
+                raise DestinationError(
+                    f"tensor {m.name}: allocation {t.allocation} out of range (the table shares {n_alloc})"
+                )
+            size = table.allocations[t.allocation].storage_size
+            if t.offset + t.nbytes > size:
+                raise DestinationError(
+                    f"tensor {m.name}: bytes [{t.offset}, {t.offset + t.nbytes}) run past its allocation's {size}"
+                )
+            if t.offset % 4:
+                raise DestinationError(f"tensor {m.name}: offset {t.offset} is not on a 4-byte boundary")
+    if seen:
+        extra = sorted(seen)
+        raise DestinationError(f"tensor {extra[0]}: in the rollout's destination table but not in the manifest")
+
+
+def choose(direction: str, targets: int, offered: bool) -> str:
+    """The direction a sync runs: trainer_writes only for one target that offered a table and a
+    trainer not set to rollout_reads; ValueError for trainer_writes that cannot run."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"ipc_direction={direction!r} must be {', '.join(DIRECTIONS)}")
+    if direction == "rollout_reads" or targets != 1:
+        return "rollout_reads"
+    if offered:
+        return "trainer_writes"
+    return "rollout_reads"
+
+
+class TrainerWriteSender(BucketSender):
+    """The stream of a trainer-writes sync: each bucket copied into the engine's parameters by one
+    fused copy-and-checksum launch. `flush` synchronizes the stream and reads every sum; the commit
+    carries them (no bucket travels to the rollout, nor any per-bucket message)."""
+
+    releases_previous = True  # a packed buffer is reusable once the launch after it has been queued
+    checksums_in_band = "none"
+    computes_checksums = True
+
+    def __init__(self, dests: Destinations, rid: str):
+        self.dests, self.rid = dests, rid
+        self._pending: list = []
+        self._events: list = []
+        self._values: list[int] = []
+
+    def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
+        from weightsync.bus.verified_copy import copy_into
+
+        pending = copy_into(plan, buf, self.dests.buckets[plan.index], wait=False)
+        if pending is None:
+            raise DestinationError(f"bucket {plan.index}: the engine's parameters cannot take it as words")
+        self._pending.append(pending)
+        self._events.append(pending.ready)
+        if len(self._events) > 1 and self._events[-2] is not None:
+            # bucket k-1's buffer may be refilled once send(k) returns: its read must be done (bucket
+            # k's launch is already queued behind it, so the GPU does not idle meanwhile)
+            self._events[-2].synchronize()
+
+    def flush(self) -> None:
+        from weightsync.bus.verified_copy import pending_values
+
+        if self._pending and self._pending[0].ready is not None:
+            dev = self.dests.maps[0].device if self.dests.maps else None
+            torch.cuda.current_stream(dev).synchronize()  # every byte landed before the commit says so
+        self._values = pending_values(self._pending)
+
+    def checksums(self) -> list[int]:
+        return list(self._values)
+
+    def commit_on_stream(self, rollout_ids) -> None:
+        pass  # no stream: the commit goes as CommitSync (or on the sync link)
+
+    def commit_elsewhere(self, rollout_ids) -> None:
+        pass
