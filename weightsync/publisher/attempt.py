@@ -202,7 +202,7 @@ class SyncAttempt:
             pending = []
             answers = self._gather(
                 "prepare",
-                {e.rollout_id: functools.partial(self.rollouts.call, e, "PrepareSync", req) for e, _, req in calls},
+                {e.rollout_id: self._prepare_call(e, req) for e, _, req in calls},
                 meanwhile,
                 on_late=self._late_prepare,
             )
@@ -226,6 +226,18 @@ class SyncAttempt:
         if meanwhile is not None:  # no target to prepare
             meanwhile()
         return out
+
+    def _prepare_call(self, e: RolloutEntry, req: rollout_pb2.PrepareSyncRequest) -> Callable:
+        """The PrepareSync call to `e`, bounded by rpc_timeout_s, except for a prepare that pauses
+        generation before it answers (CUDA IPC trainer_writes: the rollout waits for its running
+        requests to finish, as an in-place sync's first bucket does). That wait belongs to the sync,
+        so the call is bounded by what is left of the sync's deadline, as the rollout bounds the
+        pause itself (timeout_seconds); a rollout that hangs still fails it within
+        liveness_timeout_s on its sync link (no beat), and over gRPC by the deadline."""
+        t = req.transport
+        if t.WhichOneof("kind") == "ipc" and t.ipc.trainer_writes:
+            return functools.partial(self.rollouts.call, e, "PrepareSync", req, timeout=self.left())
+        return functools.partial(self.rollouts.call, e, "PrepareSync", req)
 
     def _late_prepare(self, rid: str, answer) -> None:
         """A dropped rollout answered after all (it resumed): what it prepared must never commit."""

@@ -35,13 +35,18 @@ class RolloutCalls:
         #: a rollout silent this long on its sync link (no answer, no beat) is gone: its call fails then
         self.liveness_timeout: float | None = LIVENESS_TIMEOUT_S
 
-    def call(self, entry: RolloutEntry, method: str, request):
+    def call(self, entry: RolloutEntry, method: str, request, timeout: float | None = None):
         """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
-        (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC."""
+        (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC.
+
+        `timeout`: the call's bound instead of rpc_timeout_s, for a call whose handler waits on more
+        than the rollout's own work (a PrepareSync that pauses generation); on the link, a rollout that
+        goes silent still fails it after liveness_timeout_s."""
+        timeout = self.rpc_timeout if timeout is None else timeout
         link = self.link_of(entry) if method in LINK_METHODS else None
         if link is not None:
             try:
-                resp, err = link.call(method, request, self.rpc_timeout, self.liveness_timeout)
+                resp, err = link.call(method, request, timeout, self.liveness_timeout)
             except LinkDown as exc:
                 log.warning(
                     "%s; %s goes over gRPC (the link is tried again in %.0fs)",
@@ -54,7 +59,7 @@ class RolloutCalls:
                 self._learn_link(entry, method, resp)
                 return resp, err
         try:
-            resp = getattr(entry.stub(self.token, self.rpc_timeout), method)(request)
+            resp = getattr(entry.stub(self.token, timeout), method)(request)
         except grpc.RpcError as exc:
             return None, describe_rpc_error(exc)
         finally:
