@@ -110,7 +110,8 @@ def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_process
                 buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device="cuda:0")
                 pack_bucket(plan, (next(it) for _ in plan.slots), buf)
                 want.append((buf, bucket_checksum(buf)))
-            in_place = [b for b, _ in want] if seed == 2 else None  # the actor's own storage, or packed
+            # the actor's own storage (every bucket in one launch, send_held), or packed
+            in_place = [b for b, _ in want] if seed >= 2 else None
             stats = stream_buckets(
                 manifest, iter(tensors), TrainerWriteSender(dests, "r"), device="cuda:0", in_place=in_place
             )
@@ -128,6 +129,33 @@ def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_process
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+
+
+@needs_gpu
+def test_one_launch_for_every_bucket_lands_and_sums_as_one_launch_per_bucket():
+    """verified_copy.copy_all_into (the actor's own buckets, one kernel launch for all of them) against
+    copy_into bucket by bucket: the same bytes in the destinations and the same checksums, also on a
+    second call through the cached table with new contents."""
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.pack import pack_bucket
+    from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values
+
+    manifest = _manifest()
+    plans = manifest.buckets
+    bufs = [torch.zeros(p.nbytes, dtype=torch.uint8, device="cuda:0") for p in plans]
+    mine = {s.meta.name: torch.zeros(s.meta.shape, dtype=s.meta.dtype, device="cuda:0") for p in plans for s in p.slots}
+    ref = {n: torch.zeros_like(t) for n, t in mine.items()}
+    for seed in (4, 5):
+        it = iter([(n, t.to("cuda:0")) for n, t in _values(seed)])
+        for plan, buf in zip(plans, bufs):
+            pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+        want = [bucket_checksum(b) for b in bufs]
+        pending = copy_all_into(plans, bufs, [[mine[s.meta.name] for s in p.slots] for p in plans])
+        got = pending_values(pending)
+        one_by_one = [copy_into(p, b, [ref[s.meta.name] for s in p.slots]) for p, b in zip(plans, bufs)]
+        assert got == want == one_by_one, seed
+        for n, t in _values(seed):
+            assert torch.equal(mine[n].cpu(), t) and torch.equal(ref[n].cpu(), t), (seed, n)
 
 
 @needs_gpu

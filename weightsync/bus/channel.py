@@ -37,6 +37,13 @@ class BucketSender:
         """
         raise NotImplementedError
 
+    def send_held(self, plans: list[BucketPlan], bufs: list[torch.Tensor]) -> bool:
+        """Every bucket at once, from buffers that already hold their bytes and stay unchanged until
+        the sync ends (the actor's own storage; its writes may still be queued on this process's
+        current stream): True when this channel sent them all (the pipeline then only calls `flush`);
+        False, with nothing sent, when it takes them one `send` at a time."""
+        return False
+
     def flush(self) -> None:
         """After the last `send` of a releases_previous channel (the pipeline calls it for those alone):
         wait until every bucket is delivered."""

@@ -177,3 +177,57 @@ def scatter_word_sums(src_words: torch.Tensor, table: torch.Tensor) -> torch.Ten
     with torch.cuda.device(src_words.device):
         _scatter_kernel()[(programs,)](src_words, table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
     return partial.view(programs, 2).sum(dim=0)
+
+
+@functools.lru_cache(maxsize=1)
+def _scatter_many_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scatter_many_sum64(table_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        # scatter_sum64 over many source buffers: each row is (address of its first source word, word
+        # count <= BLOCK * STEPS, destination address or 0), so rows of every bucket share one launch.
+        pid = tl.program_id(0).to(tl.int64)
+        src = tl.load(table_ptr + pid * 3).to(tl.pointer_type(tl.int32))
+        n = tl.load(table_ptr + pid * 3 + 1)
+        dst_addr = tl.load(table_ptr + pid * 3 + 2)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for i in range(STEPS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            w = tl.load(src + offs, mask=mask, other=0)
+            if dst_addr != 0:
+                tl.store(dst_addr.to(tl.pointer_type(tl.int32)) + offs, w, mask=mask)
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)
+        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+    return scatter_many_sum64
+
+
+def scatter_many_rows(buckets: list[tuple[int, list[tuple[int, int, int]]]]) -> tuple[list, list[int]]:
+    """The rows of `scatter_many_word_sums` (source address, word count, destination address or 0),
+    each at most one program's words, and the bucket of each row, for `buckets`: per bucket, the
+    address of its first word and its regions as `scatter_table` takes them."""
+    per_program = _BLOCK * _STEPS
+    rows, owner = [], []
+    for b, (base, regions) in enumerate(buckets):
+        for start, count, addr in regions:
+            for k in range(0, count, per_program):
+                rows.append((base + 4 * (start + k), min(per_program, count - k), addr + 4 * k if addr else 0))
+                owner.append(b)
+    return rows, owner
+
+
+def scatter_many_word_sums(table: torch.Tensor, owner: torch.Tensor, buckets: int) -> torch.Tensor:
+    """int64 [buckets, 2]: copy every row of `table` (scatter_many_rows, on the GPU) to its address
+    and sum each bucket's words (`owner`: the bucket of each row), in one launch for all buckets."""
+    programs = table.shape[0]
+    partial = torch.empty(programs, 2, dtype=torch.int64, device=table.device)
+    with torch.cuda.device(table.device):
+        _scatter_many_kernel()[(programs,)](table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    # integer sums wrap: added in any order they give each bucket's scatter_word_sums, bit for bit
+    return torch.zeros(buckets, 2, dtype=torch.int64, device=table.device).index_add_(0, owner, partial)

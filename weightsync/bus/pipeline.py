@@ -10,7 +10,9 @@ the rollout keeps it mapped, so the buffers must outlive the sync), and `in_plac
 flat storage in which the actor's own tensors already sit in the manifest's layout and dtype —
 are sent as they are, with no export pass and no pack copy; their checksums are all started at
 once (InFlightChecksums) and a sender that does not carry them with every bucket
-(`checksums_in_band`) gets them at the end, for the commit, instead of waiting for each.
+(`checksums_in_band`) gets them at the end, for the commit, instead of waiting for each. In-place
+buckets with no checksum to wait for go to a channel that takes them all at once (`send_held`: the
+trainer writing into the engine launches one kernel for all of them) with no producer thread at all.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ def stream_buckets(
             csums = in_place_checksums if in_place_checksums is not None else InFlightChecksums(views)
             if len(csums) != len(views):
                 raise ValueError(f"in_place_checksums has {len(csums)} for the manifest's {len(views)} buckets")
+        if csums is None and _sent_at_once(st, sender, views, on_sent):
+            return stats
         if views[0].is_cuda:
             # Sent without a pack (whose synchronisation this stands for): the actor's writes are done.
             torch.cuda.current_stream(views[0].device).synchronize()
@@ -206,6 +210,28 @@ def stream_buckets(
             log.error("sync %s: packing thread still busy 30s after the stream ended", manifest.sync_id)
     stats.wall_seconds = time.perf_counter() - t_start
     return stats
+
+
+def _sent_at_once(
+    st: _Stream, sender: BucketSender, views: list[torch.Tensor], on_sent: Callable[[int], None] | None
+) -> bool:
+    """In-place buckets with no checksum to wait for, handed to a channel that takes them all at once
+    (`send_held`): no producer thread, no per-bucket hand-over. False: the channel sends one by one."""
+    stats, buckets = st.stats, st.manifest.buckets
+    t0 = time.perf_counter()
+    if not sender.send_held(list(buckets), views):
+        return False
+    for plan in buckets:
+        stats.bytes_sent += plan.nbytes
+        if on_sent is not None:
+            on_sent(plan.nbytes)
+    if sender.releases_previous:
+        sender.flush()
+    if getattr(sender, "computes_checksums", False):
+        stats.checksums = sender.checksums()
+    stats.send_seconds += time.perf_counter() - t0
+    stats.wall_seconds = stats.send_seconds
+    return True
 
 
 def _fill_free(st: _Stream, device: torch.device, num_buffers: int, pool: BufferPool | None) -> None:

@@ -109,16 +109,8 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     _check_buf(plan, buf)
-    device = buf.device
-    for slot, d in zip(plan.slots, dests):
-        # checked on the tensors themselves, no views: this runs for every tensor of every sync
-        if (
-            not d.is_contiguous()
-            or d.data_ptr() % 4
-            or d.numel() * d.element_size() != slot.meta.nbytes
-            or d.device != device
-        ):
-            return None
+    if not _laid_out(plan, buf, dests):
+        return None
     n = plan.nbytes
     end = n - n % 4
     words = _words(buf[:end])
@@ -128,12 +120,65 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
             _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return _result(sums, buf, end, n, wait)
     sums = _scatter_cuda(words, _regions(plan), dests)
+    _copy_partial_words(plan, buf, dests)
+    return _result(sums, buf, end, n, wait)
+
+
+def _laid_out(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> bool:
+    """Whether every destination can take its slot as 32-bit words from `buf`'s device."""
+    device = buf.device
+    for slot, d in zip(plan.slots, dests):
+        # checked on the tensors themselves, no views: this runs for every tensor of every sync
+        if (
+            not d.is_contiguous()
+            or d.data_ptr() % 4
+            or d.numel() * d.element_size() != slot.meta.nbytes
+            or d.device != device
+        ):
+            return False
+    return True
+
+
+def _copy_partial_words(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> None:
+    """The bytes of each tensor past its last whole word (the kernel moves words; their sum is in the
+    next gap's)."""
     for slot, dst in zip(plan.slots, dests):
         nb = slot.meta.nbytes
-        if nb % 4:  # the bytes past its last whole word (their sum is in the next gap's)
+        if nb % 4:
             whole = nb - nb % 4
             _byte_view(dst)[whole:].copy_(buf[slot.offset + whole : slot.offset + nb])
-    return _result(sums, buf, end, n, wait)
+
+
+def copy_all_into(
+    plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: Sequence[Sequence[torch.Tensor]]
+) -> list[PendingChecksum] | None:
+    """`copy_into(plan, buf, dests, wait=False)` of every bucket at once, for buffers that stay
+    unchanged until the values are read (the actor's own storage: nothing is cloned). On a GPU with
+    the fused kernel, one launch for all the buckets, whatever their number, queued on the current
+    stream (after every write already queued there). None, with nothing copied, when a destination
+    is not laid out for it."""
+    if not (len(plans) == len(bufs) == len(dests)):
+        raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
+    for plan, buf, ds in zip(plans, bufs, dests):
+        if len(ds) != len(plan.slots):
+            raise ValueError(f"bucket {plan.index}: {len(ds)} destinations for {len(plan.slots)} tensors")
+        _check_buf(plan, buf)
+        if not _laid_out(plan, buf, ds) or buf.device != bufs[0].device:
+            return None
+    if not plans:
+        return []
+    if not (bufs[0].is_cuda and _fused()):
+        return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
+    sums = _scatter_many_cuda(plans, bufs, dests)
+    for plan, buf, ds in zip(plans, bufs, dests):
+        _copy_partial_words(plan, buf, ds)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(bufs[0].device))
+    out = []
+    for k, (plan, buf) in enumerate(zip(plans, bufs)):
+        n = plan.nbytes
+        out.append(PendingChecksum(sums[k], buf[n - n % 4 : n], n, ready))
+    return out
 
 
 def _fused() -> bool:
@@ -161,6 +206,49 @@ def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dest
             _TABLES.clear()
         table = _TABLES[key] = checksum_cuda.scatter_table(addressed, words.device)
     return checksum_cuda.scatter_word_sums(words, table)
+
+
+_MANY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_MANY = 16  # a few layouts: the actor's buckets and the engine's parameters do not move
+
+
+def many_rows(plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: Sequence[Sequence[torch.Tensor]]):
+    """The rows of the one launch that copies every bucket (checksum_cuda.scatter_many_rows): (source
+    address, word count, destination address or 0) and the bucket of each row."""
+    from weightsync.bus import checksum_cuda
+
+    buckets = []
+    for plan, buf, ds in zip(plans, bufs, dests):
+        regions = [(first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan)]
+        buckets.append((buf.data_ptr(), regions))
+    return checksum_cuda.scatter_many_rows(buckets)
+
+
+def _scatter_many_cuda(plans, bufs, dests) -> torch.Tensor:
+    """int64 [buckets, 2]: every bucket copied and summed in one launch. The table depends only on the
+    layout and the addresses (of the buckets and of the engine's parameters), so it is built once."""
+    from weightsync.bus import checksum_cuda
+
+    device = bufs[0].device
+    key = (
+        device.index,
+        *(
+            (buf.data_ptr(), plan.nbytes, *((s.offset, s.meta.nbytes) for s in plan.slots))
+            for plan, buf in zip(plans, bufs)
+        ),
+        *(d.data_ptr() for ds in dests for d in ds),
+    )
+    got = _MANY.get(key)
+    if got is None:
+        rows, owner = many_rows(plans, bufs, dests)
+        if len(_MANY) >= _MAX_MANY:
+            _MANY.clear()
+        got = _MANY[key] = (
+            torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device),
+            torch.tensor(owner or [0], dtype=torch.int64).to(device),
+        )
+    table, owner = got
+    return checksum_cuda.scatter_many_word_sums(table, owner, len(plans))
 
 
 def copy_bucket(plan: BucketPlan, buf: torch.Tensor, wait: bool = True):

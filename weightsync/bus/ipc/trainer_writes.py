@@ -7,9 +7,10 @@ their work adds up. Here one process touches the bytes once: a rollout in `inpla
 engine offers its parameters (`writable_params`) shares, at PrepareSync, CUDA IPC handles of the
 parameters' storage plus where each manifest tensor lies in them (`IpcDestinations`, once per layout:
 later prepares name the table by id). The trainer validates every entry against its manifest, maps
-each allocation once, and its stream phase is one fused copy-and-checksum launch per bucket
-(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction)
-from its bucket (in-place storage or packed buffer) straight into the engine's parameters. It
+each allocation once, and its stream phase is one fused copy-and-checksum launch per packed bucket
+(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction), or
+one launch for all of the actor's own in-place buckets (`copy_all_into`), straight into the engine's
+parameters. It
 synchronizes its stream, then commits with the sums of what that kernel read; the rollout (paused
 since its prepare, STALE if the sync aborts) records them as the version's checksums.
 
@@ -182,8 +183,9 @@ def choose(direction: str, targets: int, offered: bool) -> str:
 
 class TrainerWriteSender(BucketSender):
     """The stream of a trainer-writes sync: each bucket copied into the engine's parameters by one
-    fused copy-and-checksum launch. `flush` synchronizes the stream and reads every sum; the commit
-    carries them (no bucket travels to the rollout, nor any per-bucket message)."""
+    fused copy-and-checksum launch (the actor's own buckets: all of them by one launch, `send_held`).
+    `flush` synchronizes the stream and reads every sum; the commit carries them (no bucket travels
+    to the rollout, nor any per-bucket message)."""
 
     releases_previous = True  # a packed buffer is reusable once the launch after it has been queued
     checksums_in_band = "none"
@@ -207,6 +209,17 @@ class TrainerWriteSender(BucketSender):
             # bucket k-1's buffer may be refilled once send(k) returns: its read must be done (bucket
             # k's launch is already queued behind it, so the GPU does not idle meanwhile)
             self._events[-2].synchronize()
+
+    def send_held(self, plans, bufs) -> bool:
+        """The actor's own buckets: every one written by one launch, queued on the current stream
+        behind the actor's own writes (no host synchronize first, no wait between buckets)."""
+        from weightsync.bus.verified_copy import copy_all_into
+
+        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans])
+        if pending is None:
+            raise DestinationError("the engine's parameters cannot take the buckets as words")
+        self._pending = pending
+        return True
 
     def flush(self) -> None:
         from weightsync.bus.verified_copy import pending_values

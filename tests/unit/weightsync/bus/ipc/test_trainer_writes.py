@@ -209,6 +209,94 @@ def test_the_write_pass_lands_every_byte_and_sums_what_the_buckets_hold(bucket_b
     assert not arena[untouched].any()  # nothing written outside the parameters (the buckets' gaps stay home)
 
 
+class _OnlyAtOnce(TrainerWriteSender):
+    def send(self, plan, buf, checksum):
+        raise AssertionError(f"bucket {plan.index} handed over on its own")
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 12, 256])
+def test_the_actors_own_buckets_go_all_at_once_without_a_producer_thread(bucket_bytes, monkeypatch):
+    import threading
+
+    manifest, params, ipc = _manifest(bucket_bytes), _engine(), FakeIpc()
+    dests = Destinations(manifest, offer(manifest, _in_order(manifest, params), ipc.share), ipc.open)
+    tensors = _trainer_tensors(seed=5)
+    bufs, want = [], []
+    it = iter(tensors)
+    for plan in manifest.buckets:
+        buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+        bufs.append(buf)
+        want.append(bucket_checksum(buf))
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name))
+    sent = []
+    stats = stream_buckets(manifest, iter(()), _OnlyAtOnce(dests, "r"), in_place=bufs, on_sent=sent.append)
+    assert started == [] and stats.checksums == want
+    assert sent == [p.nbytes for p in manifest.buckets] and stats.bytes_sent == manifest.total_bytes
+    for name, t in tensors:
+        assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_the_one_launch_table_copies_and_sums_every_bucket_as_one_launch_per_bucket_does():
+    """The rows of the one launch for all buckets (source address, words, destination address or 0;
+    the bucket of each row), run here by a CPU stand-in of the kernel that follows the addresses: the
+    bytes land as `copy_into` lands them and each bucket's sums give its bucket_checksum.
+    tests/gpu/test_trainer_writes_gpu.py runs the kernel itself."""
+    import ctypes
+
+    import numpy as np
+
+    from weightsync.bus import checksum_cuda
+    from weightsync.bus.checksum import from_sums
+    from weightsync.bus.verified_copy import _copy_partial_words, many_rows
+
+    checksum_cuda._STEPS, saved = 1, checksum_cuda._STEPS  # rows of 4096 words: the large tensor is cut
+    try:
+        metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
+        manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")
+        g = torch.Generator().manual_seed(3)
+        tensors = [
+            (
+                m.name,
+                torch.randint(-(2**31), 2**31 - 1, (m.nbytes // 4 + 1,), generator=g, dtype=torch.int32)
+                .view(torch.uint8)[: m.nbytes]
+                .view(m.dtype)
+                .view(m.shape),
+            )
+            for m in metas
+        ]
+        bufs, want, it = [], [], iter(tensors)
+        for plan in manifest.buckets:
+            buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+            pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+            bufs.append(buf)
+            want.append(bucket_checksum(buf))
+        params = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas}
+        dests = [[params[s.meta.name] for s in plan.slots] for plan in manifest.buckets]
+        rows, owner = many_rows(manifest.buckets, bufs, dests)
+        assert owner == sorted(owner) and set(owner) == set(range(len(manifest.buckets)))
+        assert max(n for _, n, _ in rows) <= 4096 and sum(1 for _, n, _ in rows if n == 4096) >= 3
+        sums = np.zeros((len(manifest.buckets), 2), dtype=np.int64)
+        for (src, n, dst), b in zip(rows, owner):
+            w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32)
+            if dst:
+                ctypes.memmove(dst, src, 4 * n)
+            sums[b, 0] += w.astype(np.int64).sum()
+            sums[b, 1] += (w * w).astype(np.int64).sum()  # the square wraps in int32, as in the kernel
+        for plan, buf, ds in zip(manifest.buckets, bufs, dests):
+            _copy_partial_words(plan, buf, ds)
+        got = [
+            from_sums(torch.from_numpy(sums[k]), buf[plan.nbytes - plan.nbytes % 4 :], plan.nbytes)
+            for k, (plan, buf) in enumerate(zip(manifest.buckets, bufs))
+        ]
+        assert got == want
+        for name, t in tensors:
+            assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    finally:
+        checksum_cuda._STEPS = saved
+
+
 class _Entry:
     def __init__(self, rid):
         self.rollout_id = rid
