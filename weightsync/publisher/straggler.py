@@ -17,6 +17,7 @@ so the caller can supersede what that answer did (abort a late prepare) instead 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent import futures
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 GRACE_FLOOR_S = 0.05
 #: ... nor sooner than this many times the slowest answer of the targets that answered
 GRACE_FACTOR = 2.0
+#: at most this long the caller's own work (`meanwhile`) waits for every call to be on its thread
+SENDING_WAIT_S = 0.005
 
 
 def grace_s(answered: list[float]) -> float:
@@ -60,8 +63,9 @@ def gather(
 
     `heard_since(key, t)`: whether the target said anything since monotonic time `t` (None: no way to
     tell, it is waited for). `deadline` (time.monotonic()) bounds the wait for the calls that are
-    kept; each call has its own timeout too. `meanwhile` runs once every request is out, before
-    the answers are read: the caller's own work overlaps the targets'. A single target without
+    kept; each call has its own timeout too. `meanwhile` runs once every request is out (each call
+    started on its thread, `_submit_then_yield`), before the answers are read: the caller's own work
+    overlaps the targets'. A single target without
     `meanwhile` is called on this thread: there is no other to compare it with."""
     out = Gathered()
     t0 = time.monotonic()
@@ -70,8 +74,10 @@ def gather(
         out.answers[key] = fn()
         out.seconds = time.monotonic() - t0
         return out
-    pending = {pool.submit(fn): key for key, fn in calls.items()}
-    if meanwhile is not None:
+    if meanwhile is None:
+        pending = {pool.submit(fn): key for key, fn in calls.items()}
+    else:
+        pending = _submit_then_yield(pool, calls)
         try:
             meanwhile()
         except BaseException:  # the calls already out end before the failure is raised
@@ -109,6 +115,28 @@ def gather(
         out.answers[key] = f.result()
     out.seconds = max(took, default=time.monotonic() - t0)
     return out
+
+
+def _submit_then_yield(pool: futures.Executor, calls: dict) -> dict:
+    """Submit every call and return once each has started on its thread (at most SENDING_WAIT_S).
+
+    The caller's work that follows (`meanwhile`: launching the trainer's GPU work, milliseconds of
+    Python) holds the GIL: started first, it would hold back the requests, whose threads need the
+    GIL to send them, and its time would add to the round trip instead of overlapping it. A call's
+    thread keeps the GIL from its start until it blocks sending its request (the socket write releases
+    it), so once every call has started the requests go out before the caller's work runs."""
+    started = threading.Semaphore(0)
+
+    def starting(fn):
+        started.release()
+        return fn()
+
+    pending = {pool.submit(starting, fn): key for key, fn in calls.items()}
+    until = time.monotonic() + SENDING_WAIT_S
+    for _ in calls:
+        if not started.acquire(timeout=max(0.0, until - time.monotonic())):
+            break  # the pool is busy: the caller's work need not wait for it
+    return pending
 
 
 def _late(on_late: Callable, key, fut: futures.Future) -> None:

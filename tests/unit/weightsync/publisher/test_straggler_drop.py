@@ -70,6 +70,30 @@ def test_a_target_that_acknowledged_or_gives_no_signal_is_waited_for(heard):
     assert got.answers == {"a": "A", "slow": "S"} and got.dropped == {}
 
 
+def test_the_callers_own_work_runs_once_every_call_is_on_its_way(monkeypatch):
+    """`meanwhile` (the trainer's GPU launches during prepare) holds the GIL: run first, it would hold
+    the requests back and add its time to the round trip."""
+    monkeypatch.setattr(straggler, "SENDING_WAIT_S", 5.0)  # a loaded CI host may take long to start a thread
+    started, seen = set(), []
+
+    def call(key):
+        def run():
+            started.add(key)
+            time.sleep(0.05)
+            return key
+
+        return run
+
+    for _ in range(5):
+        started.clear()
+        calls = {k: call(k) for k in ("a", "b", "c")}
+        got = gather(
+            POOL, calls, lambda k, since: None, time.monotonic() + 30, meanwhile=lambda: seen.append(set(started))
+        )
+        assert got.answers == {"a": "a", "b": "b", "c": "c"}
+    assert seen == [{"a", "b", "c"}] * 5
+
+
 def test_no_target_is_dropped_before_one_answered():
     """With nothing to compare against (every target silent so far) the calls' own timeouts decide."""
     calls = {"a": _after(0.4, "A"), "b": _after(0.4, "B")}
