@@ -150,35 +150,91 @@ def _copy_partial_words(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[tor
 
 
 def copy_all_into(
-    plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: Sequence[Sequence[torch.Tensor]]
+    plans: Sequence[BucketPlan],
+    bufs: Sequence[torch.Tensor],
+    dests: Sequence[Sequence[torch.Tensor]],
+    fixed: dict | None = None,
 ) -> list[PendingChecksum] | None:
     """`copy_into(plan, buf, dests, wait=False)` of every bucket at once, for buffers that stay
     unchanged until the values are read (the actor's own storage: nothing is cloned). On a GPU with
     the fused kernel, one launch for all the buckets, whatever their number, queued on the current
     stream (after every write already queued there). None, with nothing copied, when a destination
-    is not laid out for it."""
+    is not laid out for it.
+
+    `fixed`: a dict the caller keeps for destinations and a layout that never change (a mapped
+    destination table, trainer_writes.Destinations): the launch's address table and the checks of
+    every destination are then made once per set of bucket buffers, not at each call (hundreds of
+    tensors' worth of Python)."""
     if not (len(plans) == len(bufs) == len(dests)):
         raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
     for plan, buf, ds in zip(plans, bufs, dests):
         if len(ds) != len(plan.slots):
             raise ValueError(f"bucket {plan.index}: {len(ds)} destinations for {len(plan.slots)} tensors")
         _check_buf(plan, buf)
-        if not _laid_out(plan, buf, ds) or buf.device != bufs[0].device:
-            return None
     if not plans:
         return []
-    if not (bufs[0].is_cuda and _fused()):
-        return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
-    sums = _scatter_many_cuda(plans, bufs, dests)
-    for plan, buf, ds in zip(plans, bufs, dests):
-        _copy_partial_words(plan, buf, ds)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(bufs[0].device))
+    device = bufs[0].device
+    key = (device, *((b.data_ptr(), p.nbytes) for p, b in zip(plans, bufs)))
+    launch = fixed.get(key) if fixed is not None else None
+    if launch is None:
+        if any(b.device != device for b in bufs) or not all(map(_laid_out, plans, bufs, dests)):
+            return None
+        if not _one_launch(device):
+            return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
+        launch = _ManyLaunch(plans, bufs, dests)
+        if fixed is not None:
+            if len(fixed) >= _MAX_FIXED:
+                fixed.clear()
+            fixed[key] = launch
+    sums = launch.run(bufs)
+    ready = None
+    if device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
     out = []
     for k, (plan, buf) in enumerate(zip(plans, bufs)):
         n = plan.nbytes
         out.append(PendingChecksum(sums[k], buf[n - n % 4 : n], n, ready))
     return out
+
+
+#: launch tables kept per destination table: the actor's buckets stay where they are, so one or two
+_MAX_FIXED = 4
+
+
+class _ManyLaunch:
+    """Every bucket copied and summed by one launch: its address table (checksum_cuda.scatter_many_rows),
+    the bucket of each row, and the few bytes past a tensor's last whole word. Holds addresses, not
+    the buckets (kept, a replaced bucket buffer would stay allocated): the caller's key is their
+    addresses and sizes, and the same addresses and sizes give the same table."""
+
+    def __init__(self, plans, bufs, dests):
+        rows, owner = many_rows(plans, bufs, dests)
+        device = bufs[0].device
+        self.buckets = len(plans)
+        self.table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device)
+        self.owner = torch.tensor(owner or [0], dtype=torch.int64).to(device)
+        #: (bucket, first byte, last byte, destination bytes) of each tensor's partial last word
+        self.partials = []
+        for k, (plan, ds) in enumerate(zip(plans, dests)):
+            for slot, d in zip(plan.slots, ds):
+                nb = slot.meta.nbytes
+                if nb % 4:
+                    whole = nb - nb % 4
+                    self.partials.append((k, slot.offset + whole, slot.offset + nb, _byte_view(d)[whole:]))
+
+    def run(self, bufs) -> torch.Tensor:
+        from weightsync.bus import checksum_cuda
+
+        sums = checksum_cuda.scatter_many_word_sums(self.table, self.owner, self.buckets)
+        for k, a, b, dst in self.partials:
+            dst.copy_(bufs[k][a:b])
+        return sums
+
+
+def _one_launch(device: torch.device) -> bool:
+    """Whether every bucket can go in one launch of the fused kernel on `device`."""
+    return device.type == "cuda" and _fused()
 
 
 def _fused() -> bool:
@@ -208,10 +264,6 @@ def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dest
     return checksum_cuda.scatter_word_sums(words, table)
 
 
-_MANY: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_MAX_MANY = 16  # a few layouts: the actor's buckets and the engine's parameters do not move
-
-
 def many_rows(plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: Sequence[Sequence[torch.Tensor]]):
     """The rows of the one launch that copies every bucket (checksum_cuda.scatter_many_rows): (source
     address, word count, destination address or 0) and the bucket of each row."""
@@ -222,33 +274,6 @@ def many_rows(plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: 
         regions = [(first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan)]
         buckets.append((buf.data_ptr(), regions))
     return checksum_cuda.scatter_many_rows(buckets)
-
-
-def _scatter_many_cuda(plans, bufs, dests) -> torch.Tensor:
-    """int64 [buckets, 2]: every bucket copied and summed in one launch. The table depends only on the
-    layout and the addresses (of the buckets and of the engine's parameters), so it is built once."""
-    from weightsync.bus import checksum_cuda
-
-    device = bufs[0].device
-    key = (
-        device.index,
-        *(
-            (buf.data_ptr(), plan.nbytes, *((s.offset, s.meta.nbytes) for s in plan.slots))
-            for plan, buf in zip(plans, bufs)
-        ),
-        *(d.data_ptr() for ds in dests for d in ds),
-    )
-    got = _MANY.get(key)
-    if got is None:
-        rows, owner = many_rows(plans, bufs, dests)
-        if len(_MANY) >= _MAX_MANY:
-            _MANY.clear()
-        got = _MANY[key] = (
-            torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device),
-            torch.tensor(owner or [0], dtype=torch.int64).to(device),
-        )
-    table, owner = got
-    return checksum_cuda.scatter_many_word_sums(table, owner, len(plans))
 
 
 def copy_bucket(plan: BucketPlan, buf: torch.Tensor, wait: bool = True):

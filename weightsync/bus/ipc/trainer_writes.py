@@ -123,6 +123,8 @@ class Destinations:
                 t = by_name[slot.meta.name]
                 views.append(self.maps[t.allocation][t.offset : t.offset + t.nbytes])
             self.buckets.append(views)
+        #: the one launch that writes the actor's own buckets, per set of bucket buffers (verified_copy)
+        self.launches: dict = {}
 
 
 def check(manifest: Manifest, table: bus_pb2.IpcDestinations) -> None:
@@ -215,7 +217,7 @@ class TrainerWriteSender(BucketSender):
         behind the actor's own writes (no host synchronize first, no wait between buckets)."""
         from weightsync.bus.verified_copy import copy_all_into
 
-        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans])
+        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans], self.dests.launches)
         if pending is None:
             raise DestinationError("the engine's parameters cannot take the buckets as words")
         self._pending = pending

@@ -238,63 +238,71 @@ def test_the_actors_own_buckets_go_all_at_once_without_a_producer_thread(bucket_
         assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
-def test_the_one_launch_table_copies_and_sums_every_bucket_as_one_launch_per_bucket_does():
-    """The rows of the one launch for all buckets (source address, words, destination address or 0;
-    the bucket of each row), run here by a CPU stand-in of the kernel that follows the addresses: the
-    bytes land as `copy_into` lands them and each bucket's sums give its bucket_checksum.
-    tests/gpu/test_trainer_writes_gpu.py runs the kernel itself."""
+def _kernel_stand_in(table: torch.Tensor, owner: torch.Tensor, buckets: int) -> torch.Tensor:
+    """checksum_cuda.scatter_many_word_sums on a CPU: follows the table's addresses as the kernel does."""
     import ctypes
 
     import numpy as np
 
-    from weightsync.bus import checksum_cuda
-    from weightsync.bus.checksum import from_sums
-    from weightsync.bus.verified_copy import _copy_partial_words, many_rows
+    sums = np.zeros((buckets, 2), dtype=np.int64)
+    for (src, n, dst), b in zip(table.tolist(), owner.tolist()):
+        w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32)
+        if dst:
+            ctypes.memmove(dst, src, 4 * n)
+        sums[b, 0] += w.astype(np.int64).sum()
+        sums[b, 1] += (w * w).astype(np.int64).sum()  # the square wraps in int32, as in the kernel
+    return torch.from_numpy(sums)
 
-    checksum_cuda._STEPS, saved = 1, checksum_cuda._STEPS  # rows of 4096 words: the large tensor is cut
-    try:
-        metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
-        manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")
-        g = torch.Generator().manual_seed(3)
-        tensors = [
-            (
-                m.name,
-                torch.randint(-(2**31), 2**31 - 1, (m.nbytes // 4 + 1,), generator=g, dtype=torch.int32)
-                .view(torch.uint8)[: m.nbytes]
-                .view(m.dtype)
-                .view(m.shape),
-            )
-            for m in metas
-        ]
-        bufs, want, it = [], [], iter(tensors)
-        for plan in manifest.buckets:
-            buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
-            pack_bucket(plan, (next(it) for _ in plan.slots), buf)
-            bufs.append(buf)
-            want.append(bucket_checksum(buf))
-        params = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas}
-        dests = [[params[s.meta.name] for s in plan.slots] for plan in manifest.buckets]
+
+def _random_buckets(manifest, seed):
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    for m in [s.meta for plan in manifest.buckets for s in plan.slots]:
+        words = torch.randint(-(2**31), 2**31 - 1, (m.nbytes // 4 + 1,), generator=g, dtype=torch.int32)
+        tensors.append((m.name, words.view(torch.uint8)[: m.nbytes].view(m.dtype).view(m.shape)))
+    bufs, want, it = [], [], iter(tensors)
+    for plan in manifest.buckets:
+        buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(plan, (next(it) for _ in plan.slots), buf)
+        bufs.append(buf)
+        want.append(bucket_checksum(buf))
+    return tensors, bufs, want
+
+
+def test_one_launch_for_every_bucket_copies_and_sums_as_one_launch_per_bucket_does(monkeypatch):
+    """verified_copy.copy_all_into's one launch for all buckets (its address table: source address,
+    words, destination address or 0, and the bucket of each row), run by a CPU stand-in of the kernel
+    that follows the addresses: the bytes land as `copy_into` lands them and each bucket's sums give
+    its bucket_checksum; the table is made once per set of buffers (`fixed`), and new buffers get
+    their own. tests/gpu/test_trainer_writes_gpu.py runs the kernel itself."""
+    from weightsync.bus import checksum_cuda, verified_copy
+    from weightsync.bus.verified_copy import copy_all_into, many_rows, pending_values
+
+    monkeypatch.setattr(checksum_cuda, "_STEPS", 1)  # rows of 4096 words: the large tensor is cut
+    monkeypatch.setattr(verified_copy, "_one_launch", lambda device: True)
+    monkeypatch.setattr(checksum_cuda, "scatter_many_word_sums", _kernel_stand_in)
+    metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
+    manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")
+    assert any(p.nbytes % 4 for p in manifest.buckets)  # a bucket whose last bytes are not a whole word
+    params = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas}
+    dests = [[params[s.meta.name] for s in plan.slots] for plan in manifest.buckets]
+    fixed: dict = {}
+    bufs: list[torch.Tensor] = []
+    for seed, same_buffers in ((3, False), (4, True), (5, False)):
+        tensors, fresh, want = _random_buckets(manifest, seed)
+        if same_buffers:  # new contents in the buffers of the last call: its table serves
+            for b, f in zip(bufs, fresh):
+                b.copy_(f)
+        else:
+            bufs = fresh
         rows, owner = many_rows(manifest.buckets, bufs, dests)
         assert owner == sorted(owner) and set(owner) == set(range(len(manifest.buckets)))
         assert max(n for _, n, _ in rows) <= 4096 and sum(1 for _, n, _ in rows if n == 4096) >= 3
-        sums = np.zeros((len(manifest.buckets), 2), dtype=np.int64)
-        for (src, n, dst), b in zip(rows, owner):
-            w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32)
-            if dst:
-                ctypes.memmove(dst, src, 4 * n)
-            sums[b, 0] += w.astype(np.int64).sum()
-            sums[b, 1] += (w * w).astype(np.int64).sum()  # the square wraps in int32, as in the kernel
-        for plan, buf, ds in zip(manifest.buckets, bufs, dests):
-            _copy_partial_words(plan, buf, ds)
-        got = [
-            from_sums(torch.from_numpy(sums[k]), buf[plan.nbytes - plan.nbytes % 4 :], plan.nbytes)
-            for k, (plan, buf) in enumerate(zip(manifest.buckets, bufs))
-        ]
-        assert got == want
+        got = pending_values(copy_all_into(manifest.buckets, bufs, dests, fixed))
+        assert got == want, seed
         for name, t in tensors:
             assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-    finally:
-        checksum_cuda._STEPS = saved
+        assert len(fixed) == (1 if seed < 5 else 2)
 
 
 class _Entry:
