@@ -125,6 +125,7 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
                 request.timeout_seconds,
                 allow_rollback=request.allow_rollback,
                 senders=request.senders,
+                ipc_direction=request.ipc_direction,
             )
         except KeyError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))

@@ -120,11 +120,22 @@ class SyncOrchestrator:
         allow_rollback: bool = False,
         only_behind: bool = False,
         senders: str = "",
+        ipc_direction: str = "",
     ) -> trainer_pb2.SyncReport | None:
         """Sync `targets`; with `only_behind`, first drop those already on the trainer's version
         (asked afresh once no other sync runs) and return None when none is left — a catch-up
-        queued while another sync ran is often made moot by it."""
+        queued while another sync ran is often made moot by it. `ipc_direction`: this sync's, over
+        transport ipc ("" = the trainer's ipc_direction)."""
         transport = transport or self.default_transport
+        if ipc_direction:
+            from weightsync.bus.ipc.trainer_writes import DIRECTIONS
+
+            if ipc_direction not in DIRECTIONS:
+                raise ValueError(f"ipc_direction={ipc_direction!r} must be {', '.join(DIRECTIONS)} (or empty)")
+            if transport != "ipc":
+                raise ValueError(
+                    f"ipc_direction={ipc_direction} applies to transport ipc; this sync runs over {transport}"
+                )
         if senders == "all" and transport in TRANSPORTS and not TRANSPORTS[transport].multi_sender:
             multi = choices(multi_sender_names())
             raise ValueError(
@@ -156,7 +167,7 @@ class SyncOrchestrator:
                     self.actor.version,
                     [e.rollout_id for e in targets] or "every rollout",
                 )
-            return self._sync_locked(targets, transport, timeout, senders, allow_rollback)
+            return self._sync_locked(targets, transport, timeout, senders, allow_rollback, ipc_direction)
         finally:
             self.in_progress = False
             self._live = None
@@ -182,6 +193,7 @@ class SyncOrchestrator:
         timeout: float,
         senders: str = "all",
         allow_rollback: bool = False,
+        ipc_direction: str = "",
     ) -> trainer_pb2.SyncReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
@@ -197,7 +209,7 @@ class SyncOrchestrator:
             senders = "rank0"  # learned at an earlier prepare: a target sits on a sending rank's GPU
         for attempt in (1, 2, 3):
             with phases("plan"):
-                session, manifest = self._plan(targets, transport, senders)
+                session, manifest = self._plan(targets, transport, senders, ipc_direction)
             report = trainer_pb2.SyncReport(
                 sync_id=manifest.sync_id,
                 version=manifest.version,
@@ -260,12 +272,13 @@ class SyncOrchestrator:
         """The stream `_plan`'s manifest describes: the actor's tensors in the export format."""
         return self.export_format.tensors(self.actor.export_tensors())
 
-    def _plan(self, targets: list[RolloutEntry], transport: str, senders: str = "all"):
+    def _plan(self, targets: list[RolloutEntry], transport: str, senders: str = "all", ipc_direction: str = ""):
         """(the transport's session for this sync or None without targets, the manifest of the actor's weights)."""
         version = self.actor.version
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"
         # raises ValueError (→ INVALID_ARGUMENT) when this trainer cannot use the transport at all
-        session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes) if targets else None
+        extra = {"direction": ipc_direction} if ipc_direction else {}
+        session = self.transports[transport].begin(targets, sync_id, self.bucket_bytes, **extra) if targets else None
         plain = self.actor.export_metas()
         manifest = self.manifests.manifest(
             self.export_format.metas(plain),

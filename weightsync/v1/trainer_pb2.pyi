@@ -44,18 +44,20 @@ class DeregisterRolloutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SyncRequest(_message.Message):
-    __slots__ = ("rollout_ids", "transport", "timeout_seconds", "senders", "allow_rollback")
+    __slots__ = ("rollout_ids", "transport", "timeout_seconds", "senders", "allow_rollback", "ipc_direction")
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SENDERS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    IPC_DIRECTION_FIELD_NUMBER: _ClassVar[int]
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     transport: str
     timeout_seconds: float
     senders: str
     allow_rollback: bool
-    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., senders: _Optional[str] = ..., allow_rollback: _Optional[bool] = ...) -> None: ...
+    ipc_direction: str
+    def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., senders: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., ipc_direction: _Optional[str] = ...) -> None: ...
 
 class RolloutSyncResult(_message.Message):
     __slots__ = ("rollout_id", "ok", "version", "error", "seconds", "encoding", "wire_bytes")

@@ -279,7 +279,8 @@ class IpcSender(Sender):
         ptr = buf.untyped_storage().data_ptr()
         return any(ptr == b.untyped_storage().data_ptr() for b in (*self.buffers.buffers, *self.in_place))
 
-    def begin(self, targets: list, sync_id: str, bucket_bytes: int) -> "_IpcSession":
+    def begin(self, targets: list, sync_id: str, bucket_bytes: int, direction: str = "") -> "_IpcSession":
+        """This sync's session; `direction`: its ipc_direction ("" = the configured one)."""
         if self.needs_cuda and self.device.type != "cuda":
             raise ValueError(
                 f"transport=ipc needs the trainer's export on the rollouts' GPU, and this trainer exports "
@@ -288,15 +289,23 @@ class IpcSender(Sender):
         ids = {getattr(t, "rollout_id", None) for t in targets}
         for rid in [r for r in self.dests if r not in ids]:
             del self.dests[rid]  # a rollout no longer synced: its engine's memory is unmapped
-        return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes, len(targets))
+        from weightsync.bus.ipc.trainer_writes import DIRECTIONS
+
+        if direction and direction not in DIRECTIONS:
+            raise ValueError(f"ipc_direction={direction!r} must be {', '.join(DIRECTIONS)}")
+        return _IpcSession(self, self.uuid_of(self.device), sync_id, bucket_bytes, len(targets), direction)
 
 
 class _IpcSession(Session):
     name = "ipc"
     commit_on_stream = True  # on the IpcBuckets stream that carried the buckets
 
-    def __init__(self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int, n_targets: int = 1):
+    def __init__(
+        self, owner: IpcSender, uuid: str, sync_id: str, bucket_bytes: int, n_targets: int = 1, direction: str = ""
+    ):
         self.owner, self.uuid, self.sync_id, self.bucket_bytes = owner, uuid, sync_id, bucket_bytes
+        #: the ipc_direction this sync asks for (the trainer's, unless the Sync call named one)
+        self.asked = direction or owner.direction
         self.device = owner.device
         self.buffers = owner.buffers  # the pipeline packs into these, kept across syncs
         self.in_place = False  # this sync sends the actor's own storage, no reused buffer
@@ -305,7 +314,7 @@ class _IpcSession(Session):
         #: rollout_id -> the Destinations this sync writes into (trainer_writes), set at accept
         self.writes: dict = {}
         # the one target offered a table last time: it most likely does again (the sums wait for it)
-        self.expects_channel_sums = owner.direction != "rollout_reads" and n_targets == 1 and len(owner.dests) == 1
+        self.expects_channel_sums = self.asked != "rollout_reads" and n_targets == 1 and len(owner.dests) == 1
 
     @property
     def direction(self) -> str:
@@ -324,7 +333,7 @@ class _IpcSession(Session):
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
         spec.ipc.host_id, spec.ipc.device_uuid = socket.gethostname(), self.uuid
-        if self.owner.direction != "rollout_reads" and self.n_targets == 1:
+        if self.asked != "rollout_reads" and self.n_targets == 1:
             spec.ipc.trainer_writes = True
             held = self.owner.dests.get(getattr(entry, "rollout_id", ""))
             spec.ipc.dest_layout = held[0] if held else ""
@@ -349,9 +358,9 @@ class _IpcSession(Session):
 
         rid = getattr(entry, "rollout_id", "")
         offered = bool(ipc.dest_layout)
-        direction = choose(self.owner.direction, self.n_targets, offered)
+        direction = choose(self.asked, self.n_targets, offered)
         if direction != "trainer_writes":
-            if self.owner.direction == "trainer_writes" and self.n_targets == 1:
+            if self.asked == "trainer_writes" and self.n_targets == 1:
                 return (
                     "ipc_direction=trainer_writes: the rollout offers no destination table (it must run "
                     "apply_mode inplace with an engine that offers its parameters, unquantized): set "

@@ -177,3 +177,37 @@ def test_a_rebuilt_table_gets_a_new_id_even_at_the_same_addresses(pair):
     app.servicer.ipc._offers.clear()  # as a restart (or a rebuilt engine) would: the same parameters
     again = app.servicer.ipc.destinations(m)
     assert again[0] != first[0] and again[1] == first[1]
+
+
+def test_a_sync_call_names_its_own_direction_and_the_table_stays_mapped_across(pair):
+    """SyncRequest.ipc_direction overrides the trainer's ipc_direction for one sync (a baseline in the
+    same run, an operator's one-off independent read): alternating, the trainer keeps the rollout's
+    table mapped and neither side shares anything again."""
+    trainer, app, stub, _ = pair
+    _bump(trainer)
+    _sync(stub)  # the table is shared and mapped (if no earlier test did)
+    held = trainer.orch.transports["ipc"].dests["a"]
+    for direction in ("rollout_reads", "trainer_writes", "rollout_reads", "auto"):
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc", ipc_direction=direction)).report
+        assert report.ok, [r.error for r in report.rollouts]
+        assert ("stream.trainer_writes" in report.phase_seconds) == (direction != "rollout_reads"), direction
+        _assert_exact(trainer, app)
+        assert app.tx.weights_checksum == _expected_weights_checksum(trainer)
+    assert trainer.orch.transports["ipc"].direction == "auto"  # the configured one is left as it was
+    assert trainer.orch.transports["ipc"].dests["a"] is held  # the engine's table was not offered nor mapped again
+
+
+@pytest.mark.parametrize(
+    "request_fields, message",
+    [
+        ({"transport": "ipc", "ipc_direction": "sideways"}, "ipc_direction='sideways' must be auto, rollout_reads"),
+        ({"transport": "tcp", "ipc_direction": "rollout_reads"}, "applies to transport ipc; this sync runs over tcp"),
+    ],
+)
+def test_a_direction_that_cannot_apply_is_refused_naming_the_field(pair, request_fields, message):
+    import grpc
+
+    _, _, stub, _ = pair
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Sync(trainer_pb2.SyncRequest(**request_fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
