@@ -119,7 +119,7 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             str(args.sync_timeout),
             "--no-auto-sync-new-rollouts",
             *(() if args.sync_link == "on" else ("--no-sync-link",)),
-            *(("--ipc-direction", args.ipc_direction) if args.transport == "ipc" else ()),
+            *(("--ipc-direction", args.ipc_directions[0]) if args.transport == "ipc" else ()),
         )
         procs.append(t)
         ids = [f"r{i}" for i in range(args.rollouts)]
@@ -164,10 +164,15 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             "rollout_versions_before": {rid: st.version for rid, st in status().items()},
             "syncs": [],
         }
-        for rep in range(args.reps + 1):
+        # several directions: each warmed up once, then their timed syncs alternate (one run, the same
+        # services and weights: each is the other's baseline)
+        asked = args.ipc_directions if args.transport == "ipc" and len(args.ipc_directions) > 1 else [""]
+        plan = [(True, d) for d in asked] + [(False, d) for _ in range(args.reps) for d in asked]
+        for warmup, want in plan:
             t0 = time.perf_counter()
             report = tstub.Sync(
-                trainer_pb2.SyncRequest(timeout_seconds=args.sync_timeout), timeout=args.sync_timeout + 60
+                trainer_pb2.SyncRequest(timeout_seconds=args.sync_timeout, ipc_direction=want),
+                timeout=args.sync_timeout + 60,
             ).report
             wall = time.perf_counter() - t0
             if not report.ok:
@@ -176,7 +181,8 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             st = status()
             rec["syncs"].append(
                 {
-                    "warmup": rep == 0,
+                    "warmup": warmup,
+                    "asked": want,
                     "sync_id": report.sync_id,
                     "version": report.version,
                     "seconds": report.seconds,
@@ -198,20 +204,11 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             )
         if args.transport == "nccl":  # 1 = the warm-up's group carried every timed sync
             rec["trainer_nccl_group_builds"] = t.metric("weightsync_nccl_group_builds_total", 'role="trainer"')
-        timed = [s for s in rec["syncs"] if not s["warmup"]]
-        rec.update(
-            bytes=timed[0]["bytes"],
-            num_buckets=timed[0]["num_buckets"],
-            first_sync_s=rec["syncs"][0]["seconds"],
-            sync_s=statistics.median(s["seconds"] for s in timed),
-            wall_s=statistics.median(s["wall_s"] for s in timed),
-            rollouts_on_version=all(s["rollouts_on_version"] for s in rec["syncs"]),
-            directions=sorted({s["direction"] for s in timed}),
-            phase_s={
-                k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed) for k in timed[0]["phase_seconds"]
-            },
-        )
-        rec["gbps"] = rec["bytes"] / rec["sync_s"] / 1e9
+        groups = {d: summary([s for s in rec["syncs"] if s["asked"] == d]) for d in asked}
+        rec.update(groups[asked[0]])  # the first direction's figures at the top (one direction: all of them)
+        rec["rollouts_on_version"] = all(s["rollouts_on_version"] for s in rec["syncs"])
+        if len(asked) > 1:
+            rec["by_direction"] = groups
         return rec
     except BaseException:
         for p in procs:
@@ -222,6 +219,24 @@ def run_model(name: str, args, work: Path, export_dtype: str) -> dict:
             ch.close()
         for p in procs:
             p.stop()
+
+
+def summary(syncs: list[dict]) -> dict:
+    """Medians of the timed syncs among `syncs` (the first one, a warm-up, gives first_sync_s)."""
+    timed = [s for s in syncs if not s["warmup"]]
+    out = dict(
+        bytes=timed[0]["bytes"],
+        num_buckets=timed[0]["num_buckets"],
+        first_sync_s=syncs[0]["seconds"],
+        sync_s=statistics.median(s["seconds"] for s in timed),
+        wall_s=statistics.median(s["wall_s"] for s in timed),
+        directions=sorted({s["direction"] for s in timed}),
+        phase_s={
+            k: statistics.median(s["phase_seconds"].get(k, 0.0) for s in timed) for k in timed[0]["phase_seconds"]
+        },
+    )
+    out["gbps"] = out["bytes"] / out["sync_s"] / 1e9
+    return out
 
 
 def direction_of(report) -> str:
@@ -323,9 +338,10 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument(
         "--ipc-direction",
-        choices=("auto", "rollout_reads", "trainer_writes"),
         default="auto",
-        help="transport ipc: the trainer's ipc_direction (auto: the trainer writes into the engine where it can)",
+        help="transport ipc: the trainer's ipc_direction, auto, rollout_reads or trainer_writes (auto: the trainer "
+        "writes into the engine where it can); a comma list, e.g. trainer_writes,rollout_reads, runs each in the "
+        "same services, their timed syncs alternating (SyncRequest.ipc_direction), each reported on its own",
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
@@ -344,6 +360,10 @@ def main() -> int:
     args = ap.parse_args()
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
     args.param_dtype = args.param_dtype or args.dtype
+    args.ipc_directions = [d for d in args.ipc_direction.split(",") if d]
+    bad = [d for d in args.ipc_directions if d not in ("auto", "rollout_reads", "trainer_writes")]
+    if bad or not args.ipc_directions or len(set(args.ipc_directions)) != len(args.ipc_directions):
+        ap.error(f"--ipc-direction {args.ipc_direction!r}: distinct values among auto, rollout_reads, trainer_writes")
     args.out = args.out or default_out(f"services_{args.transport}")
     args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
     models = [m for m in args.models.split(",") if m]
@@ -405,6 +425,8 @@ def main() -> int:
                 continue
             r.update(raw_s_all=times, raw_s=statistics.median(times), raw_kind="one D2D copy of the bytes")
             r["ratio"] = r["raw_s"] / r["sync_s"]
+            for g in r.get("by_direction", {}).values():
+                g["ratio"] = r["raw_s"] / g["sync_s"]
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print_table(results)
@@ -431,17 +453,18 @@ def print_table(results: dict) -> None:
         if "error" in r:
             print(f"{r['model']:<7}{r.get('export_dtype', ''):>10}  FAILED: {r['error'].splitlines()[0][:100]}")
             continue
-        raw = f"{r['raw_s']:>10.4f}{r['ratio']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
-        print(
-            f"{r['model']:<7}{r['export_dtype']:>10}{r['bytes'] / 1e9:>8.3f}{r['num_buckets']:>9}"
-            f"{r['sync_s']:>10.4f}{r['wall_s']:>10.4f}"
-            f"{r['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}  direction {','.join(r.get('directions', []))}"
-        )
-        print(
-            f"{'':<7}phases (ms): "
-            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r.get("phase_s", {}).items())
-            + f"; first sync after start {r['first_sync_s']:.3f} s"
-        )
+        for g in r.get("by_direction", {"": r}).values():
+            raw = f"{r['raw_s']:>10.4f}{r['raw_s'] / g['sync_s']:>8.3f}" if "raw_s" in r else f"{'n/a':>10}{'n/a':>8}"
+            print(
+                f"{r['model']:<7}{r['export_dtype']:>10}{g['bytes'] / 1e9:>8.3f}{g['num_buckets']:>9}"
+                f"{g['sync_s']:>10.4f}{g['wall_s']:>10.4f}"
+                f"{g['gbps']:>8.2f}{raw}  {r['rollouts_on_version']}  direction {','.join(g.get('directions', []))}"
+            )
+            print(
+                f"{'':<7}phases (ms): "
+                + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in g.get("phase_s", {}).items())
+                + f"; first sync after start {g['first_sync_s']:.3f} s"
+            )
         if "vs_bfloat16" in r:
             v = r["vs_bfloat16"]
             print(f"{'':<7}fp8-block vs bfloat16 in this run: {v['time']:.3f}x the time, {v['bytes']:.3f}x the bytes")

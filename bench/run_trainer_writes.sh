@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
 # CUDA IPC with the trainer writing into the engine (weightsync/bus/ipc/trainer_writes.py), one GPU, one call:
-# its GPU tests, then bench_services at 7B and 1.5B with the megatron trainer and at 7B with the hf trainer
-# (ipc_direction auto = trainer_writes; 10 reps each, each against one D2D copy in the same run), each
-# step bounded by what is left of LIMIT seconds (default 440) so a call that runs out keeps what ran.
+#   1. the GPU tests of the write pass (the one launch for all buckets against one launch per bucket; two
+#      processes with real IPC handles);
+#   2. bench_services, megatron trainer, 7B and 1.5B, trainer_writes AND rollout_reads in the same services
+#      (warmed up once each, then their 10 timed syncs alternate: each the other's baseline), each against
+#      one D2D copy of the bytes in the same run;
+#   3. bench_services, hf trainer, 7B, trainer_writes;
+#   4. the rest of the GPU tests (services, hf and megatron trainers), if time is left.
+# Each step is bounded by what is left of LIMIT seconds (default 420), so a call that runs out keeps what
+# ran; every step's whole output and the services' logs of a failed bench end up in $OUT/logs.tar.gz, the
+# result JSONs beside it.
 #
-#   OUT=/tmp/out bash bench/run_trainer_writes.sh
+#   OUT=/tmp/out CODE=$(git rev-parse --short HEAD) bash bench/run_trainer_writes.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-440}
-step() { local t=$1; shift; local left=$((LIMIT - SECONDS - 5)); [ "$left" -lt 20 ] && { echo "== skipped (time): $*"; return; }
-         [ "$t" -gt "$left" ] && t=$left; echo "== $(date -u +%H:%M:%S) ${t}s: $*"; timeout "$t" "$@"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
-step 90 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" tests/gpu/test_trainer_writes_gpu.py \
-  -k "not megatron" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
-WS_LOCAL_OMP_THREADS=8 step 230 python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
-  --reps 10 --out "$OUT/services_ipc_megatron.json" 2>&1 | grep -v -i warn | tail -40
-WS_LOCAL_OMP_THREADS=8 step 130 python3 bench/bench_services.py --models 7b --transport ipc --backend hf \
-  --reps 10 --out "$OUT/services_ipc_hf.json" 2>&1 | grep -v -i warn | tail -25
-step 120 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" tests/gpu/test_trainer_writes_gpu.py \
-  -k megatron 2>&1 | tee -a "$OUT/gpu_tests.txt" | tail -8
+export WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
+LIMIT=${LIMIT:-420}
+PYTEST=(python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" tests/gpu/test_trainer_writes_gpu.py)
+# the logs go into one file whatever stops the script (a step's timeout, the call's own limit)
+pack() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs $(ls -d /tmp/bench_services-* 2>/dev/null) 2>/dev/null \
+         && rm -rf "$LOGS"; echo "== $(date -u +%H:%M:%S) logs in $OUT/logs.tar.gz (${SECONDS}s)"; }
+trap pack EXIT
+# step SECONDS NAME CMD...: CMD bounded by SECONDS and by what is left of LIMIT (5 s kept for `pack`)
+step() { local t=$1 name=$2; shift 2; local left=$((LIMIT - SECONDS - 5))
+         if [ "$left" -lt 20 ]; then echo "== skipped (time): $name" | tee -a "$LOGS/summary.txt"; return; fi
+         [ "$t" -gt "$left" ] && t=$left
+         echo "== $(date -u +%H:%M:%S) ${t}s: $name: $*" | tee -a "$LOGS/summary.txt"
+         timeout "$t" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+         echo "== $name: exit $rc after $((SECONDS))s total" | tee -a "$LOGS/summary.txt"; }
+show() { grep -v -i warn "$LOGS/$1.log" | tail -"$2"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "code: ${CODE:-(set CODE=<commit>)}"; } \
+  | tee "$LOGS/gpus.txt"
+
+step 60 gpu_tests_write_pass "${PYTEST[@]}" -k "one_launch or across_processes"; show gpu_tests_write_pass 8
+step 230 services_megatron python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+  --ipc-direction trainer_writes,rollout_reads --reps 10 --out "$OUT/services_ipc_megatron.json"
+show services_megatron 14
+step 170 services_hf python3 bench/bench_services.py --models 7b --transport ipc --backend hf \
+  --ipc-direction trainer_writes --reps 10 --out "$OUT/services_ipc_hf.json"
+show services_hf 8
+step 120 gpu_tests_services "${PYTEST[@]}" -k "not one_launch and not across_processes"; show gpu_tests_services 8
 echo "== total ${SECONDS}s"
