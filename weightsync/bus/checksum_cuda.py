@@ -222,12 +222,19 @@ def scatter_many_rows(buckets: list[tuple[int, list[tuple[int, int, int]]]]) -> 
     return rows, owner
 
 
-def scatter_many_word_sums(table: torch.Tensor, owner: torch.Tensor, buckets: int) -> torch.Tensor:
+def scatter_many_word_sums(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """int64 [buckets, 2]: copy every row of `table` (scatter_many_rows, on the GPU) to its address
-    and sum each bucket's words (`owner`: the bucket of each row), in one launch for all buckets."""
+    and sum each bucket's words, in one launch for all buckets. Bucket b's rows are rows
+    bounds[b] to bounds[b + 1] (`bounds`: int64 [buckets + 1] on the GPU; the rows go bucket by bucket)."""
     programs = table.shape[0]
     partial = torch.empty(programs, 2, dtype=torch.int64, device=table.device)
-    with torch.cuda.device(table.device):
-        _scatter_many_kernel()[(programs,)](table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
-    # integer sums wrap: added in any order they give each bucket's scatter_word_sums, bit for bit
-    return torch.zeros(buckets, 2, dtype=torch.int64, device=table.device).index_add_(0, owner, partial)
+    launch = _scatter_many_kernel()[(programs,)]
+    if table.is_cuda:
+        with torch.cuda.device(table.device):
+            launch(table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    else:  # Triton's interpreter (TRITON_INTERPRET=1), or the CPU tests' stand-in of the kernel
+        launch(table, partial, BLOCK=_BLOCK, STEPS=_STEPS)
+    # differences of a running sum, no atomics: integer sums wrap, so each bucket gets the value its
+    # own scatter_word_sums gives, bit for bit and in the same order every time
+    running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=table.device), partial.cumsum(0)])
+    return running[bounds[1:]] - running[bounds[:-1]]

@@ -211,9 +211,14 @@ class _ManyLaunch:
     def __init__(self, plans, bufs, dests):
         rows, owner = many_rows(plans, bufs, dests)
         device = bufs[0].device
-        self.buckets = len(plans)
         self.table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device)
-        self.owner = torch.tensor(owner or [0], dtype=torch.int64).to(device)
+        # bucket b's rows are rows bounds[b] to bounds[b + 1] (the rows go bucket by bucket)
+        bounds = [0] * (len(plans) + 1)
+        for b in owner:
+            bounds[b + 1] += 1
+        for b in range(len(plans)):
+            bounds[b + 1] += bounds[b]
+        self.bounds = torch.tensor(bounds, dtype=torch.int64).to(device)
         #: (bucket, first byte, last byte, destination bytes) of each tensor's partial last word
         self.partials = []
         for k, (plan, ds) in enumerate(zip(plans, dests)):
@@ -226,7 +231,7 @@ class _ManyLaunch:
     def run(self, bufs) -> torch.Tensor:
         from weightsync.bus import checksum_cuda
 
-        sums = checksum_cuda.scatter_many_word_sums(self.table, self.owner, self.buckets)
+        sums = checksum_cuda.scatter_many_word_sums(self.table, self.bounds)
         for k, a, b, dst in self.partials:
             dst.copy_(bufs[k][a:b])
         return sums

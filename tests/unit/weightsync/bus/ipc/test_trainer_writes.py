@@ -238,20 +238,27 @@ def test_the_actors_own_buckets_go_all_at_once_without_a_producer_thread(bucket_
         assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
-def _kernel_stand_in(table: torch.Tensor, owner: torch.Tensor, buckets: int) -> torch.Tensor:
-    """checksum_cuda.scatter_many_word_sums on a CPU: follows the table's addresses as the kernel does."""
-    import ctypes
+class _KernelStandIn:
+    """checksum_cuda's scatter_many_sum64 on a CPU: each program (table row) follows the row's addresses
+    as the kernel does, copying its words and writing their two sums into its row of the partials."""
 
-    import numpy as np
+    def __getitem__(self, grid):
+        def launch(table, partial, BLOCK, STEPS):
+            import ctypes
 
-    sums = np.zeros((buckets, 2), dtype=np.int64)
-    for (src, n, dst), b in zip(table.tolist(), owner.tolist()):
-        w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32)
-        if dst:
-            ctypes.memmove(dst, src, 4 * n)
-        sums[b, 0] += w.astype(np.int64).sum()
-        sums[b, 1] += (w * w).astype(np.int64).sum()  # the square wraps in int32, as in the kernel
-    return torch.from_numpy(sums)
+            import numpy as np
+
+            assert grid == (table.shape[0],) and table.shape[0] == partial.shape[0]
+            for pid, (src, n, dst) in enumerate(table.tolist()):
+                assert n <= BLOCK * STEPS
+                w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32) if n else np.zeros(0, np.int32)
+                if dst:
+                    ctypes.memmove(dst, src, 4 * n)
+                # the square wraps in int32, as in the kernel
+                partial[pid, 0] = int(w.astype(np.int64).sum())
+                partial[pid, 1] = int((w * w).astype(np.int64).sum())
+
+        return launch
 
 
 def _random_buckets(manifest, seed):
@@ -280,7 +287,7 @@ def test_one_launch_for_every_bucket_copies_and_sums_as_one_launch_per_bucket_do
 
     monkeypatch.setattr(checksum_cuda, "_STEPS", 1)  # rows of 4096 words: the large tensor is cut
     monkeypatch.setattr(verified_copy, "_one_launch", lambda device: True)
-    monkeypatch.setattr(checksum_cuda, "scatter_many_word_sums", _kernel_stand_in)
+    monkeypatch.setattr(checksum_cuda, "_scatter_many_kernel", _KernelStandIn)
     metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")
     assert any(p.nbytes % 4 for p in manifest.buckets)  # a bucket whose last bytes are not a whole word
