@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Issue 34: SGLang 0.5.10's real Engine on one GPU behind `rollout-svc --engine sglang`, synced from a
-# megatron trainer over ipc and tcp (bench/sglang_live.py). One command, fits one 10-minute device call:
+# megatron trainer over ipc and tcp, and nccl when 2 GPUs are visible (bench/sglang_live.py). One command,
+# fits one 10-minute device call:
 #
-#   WS_SGLANG_WHL=<dir of SGLang's wheels> bash bench/sglang_live.sh
+#   WS_SGLANG_WHL=<dir of SGLang's wheels> [WS_PEAKED_DIR=<dir>] [LIVE_ARGS=--timing-model=1.5b] bash bench/sglang_live.sh
+#
+# WS_PEAKED_DIR: bench/peaked_model.py's checkpoints (a small Qwen2 trained to decisive next-token margins,
+# so the greedy comparison with transformers is strict); made there first if the folder has none.
+# Without it the trainer holds random weights of the Qwen2.5-0.5B shape (greedy ties, see docs/sglang.md).
 #
 # Wheels: the services' (.whl/: grpcio, protobuf, megatron-core, fastapi, ...) and SGLang's
 # ($WS_SGLANG_WHL: sglang 0.5.10 + its light deps; docs/sglang.md lists them), installed --no-deps into
@@ -20,5 +25,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "installing wheels failed" >&2; exit 2; }
 export PYTHONPATH=$PWD/tests/support/sglang_gpu_site:$PWD:/tmp/site WS_SGL_KERNEL_SHIM=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
-timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" ${LIVE_ARGS:-} 2>&1 \
+PEAKED=()
+if [ -n "${WS_PEAKED_DIR:-}" ]; then
+  [ -f "$WS_PEAKED_DIR/peaked_report.json" ] || python3 bench/peaked_model.py --out "$WS_PEAKED_DIR" \
+    || { echo "training the peaked model failed" >&2; exit 3; }
+  PEAKED=(--peaked "$WS_PEAKED_DIR")
+fi
+timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" "${PEAKED[@]}" ${LIVE_ARGS:-} 2>&1 \
   | tee "$OUT/sglang_live.txt"
