@@ -231,8 +231,12 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, prompts, reps: int, lo
 class Fleet:
     """A megatron trainer on cuda:0 and rollouts (name -> (engine, device)), all serving `start_dir`."""
 
-    def __init__(self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float):
-        self.procs, self.chans = [], []
+    def __init__(self):
+        self.procs, self.chans, self.stubs = [], [], {}
+        self.trainer = self.tstub = None
+
+    def start(self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float) -> None:
+        """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others."""
         t = start_trainer(
             work, "--backend", "megatron", "--model", str(init_model), "--init-seed", "1", "--param-dtype", "bfloat16",
             "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
@@ -251,7 +255,6 @@ class Fleet:
             p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
             log(f"{p.name} ready")
         wait_registered(t.address, list(rollouts), max(1.0, deadline - time.monotonic()))
-        self.stubs = {}
         for p in self.procs[1:]:
             ch = channel(p.address)
             self.chans.append(ch)
@@ -265,7 +268,9 @@ class Fleet:
             ch.close()
         for p in self.procs:
             res.setdefault("logs_tail", {})[tag + p.name] = p.log()[-2500:]
-            (Path(os.environ.get("OUT", "/tmp")) / f"{tag}{p.name}.log").write_text(p.log())
+            logs = Path(os.environ.get("OUT", "/tmp")) / "logs"  # sglang_live.sh tars them (8 files come back)
+            logs.mkdir(exist_ok=True)
+            (logs / f"{tag}{p.name}.log").write_text(p.log())
             p.stop()
             try:
                 os.killpg(p.popen.pid, signal.SIGKILL)  # SGLang's scheduler children too
@@ -281,9 +286,8 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
     try:
         cfg_dir = write_config(model, work)
         start_dir = save_random_hf(cfg_dir, work / f"start-{model}", seed=2)
-        fleet = Fleet(
-            work, cfg_dir, start_dir, {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}, ready_timeout
-        )
+        fleet = Fleet()
+        fleet.start(work, cfg_dir, start_dir, {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}, ready_timeout)
         for rid, key in (("s0", "sync_s"), ("b0", "builtin_sync_s")):
             log(f"timing {model}: syncing {rid} over ipc ({reps} + 1)")
             reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, "ipc", reps + 1)
@@ -348,7 +352,8 @@ def main() -> int:
         rollouts = {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}
         if "nccl" in transports:
             rollouts.update({"s1": ("sglang", "cuda:1"), "b1": ("builtin", "cuda:1")})
-        fleet = Fleet(work, init_model, start_dir, rollouts, args.ready_timeout)
+        fleet = Fleet()
+        fleet.start(work, init_model, start_dir, rollouts, args.ready_timeout)
         for i, tr in enumerate(transports):
             Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
             rec = {"transport": tr, "trainer_backend": "megatron"}

@@ -13,7 +13,8 @@
 # ($WS_SGLANG_WHL: sglang 0.5.10 + its light deps; docs/sglang.md lists them), installed --no-deps into
 # /tmp/site. sgl_kernel and flashinfer cannot be installed on the host: the harness shim
 # (tests/support/sgl_kernel_shim.py) stands in, loaded in every process by sitecustomize.
-# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json).
+# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json), its log
+# sglang_live.txt and the services' logs in logs.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,3 +34,7 @@ if [ -n "${WS_PEAKED_DIR:-}" ]; then
 fi
 timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" "${PEAKED[@]}" ${LIVE_ARGS:-} 2>&1 \
   | tee "$OUT/sglang_live.txt"
+rc=$?
+# the services' logs as one file (a device call brings back at most 8)
+[ -d "$OUT/logs" ] && tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $rc
