@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -85,6 +86,12 @@ def save_random_hf(cfg_dir: Path, out: Path, seed: int) -> Path:
     del m
     torch.cuda.empty_cache()
     return out
+
+
+def copy_under(src: Path, dst: Path) -> Path:
+    """`wsctl load` reads only under the trainer's data root (the temp dir here): load a copy from there."""
+    shutil.copytree(src, dst)
+    return dst
 
 
 def ws(address: str, *args: str, timeout: float = 300.0) -> dict:
@@ -361,7 +368,7 @@ def main() -> int:
             if i == 0:
                 load = None  # the trainer's initial weights
             elif peaked:
-                load = functools.partial(Path, peaked / ("b" if i % 2 else "a"))
+                load = functools.partial(copy_under, peaked / ("b" if i % 2 else "a"), work / f"load-{tr}")
             else:
                 load = functools.partial(save_random_hf, init_model, work / f"load-{tr}", 10 + i)
             try:
