@@ -235,6 +235,21 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, prompts, reps: int, lo
     return rec
 
 
+def builtin_only(rec: dict, fleet, reps: int) -> None:
+    """After a failed run, the built-in rollout's syncs over the same transport, if not timed yet: tells
+    an SGLang-side failure from one of the host or the trainer."""
+    if "builtin_sync_s" in rec:
+        return
+    try:
+        _, bsecs = sync_times(
+            fleet.trainer.address, fleet.tstub, TARGETS[rec["transport"]][1], rec["transport"], reps + 1
+        )
+        rec["builtin_sync_s_all"] = bsecs
+        rec["builtin_sync_s"] = statistics.median(bsecs[1:])
+    except Exception as exc:  # noqa: BLE001 — recorded
+        rec["builtin_error"] = repr(exc)[:3000]
+
+
 class Fleet:
     """A megatron trainer on cuda:0 and rollouts (name -> (engine, device)), all serving `start_dir`."""
 
@@ -376,6 +391,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
                 traceback.print_exc()
                 rec["error"] = repr(exc)[:3000]
+                builtin_only(rec, fleet, args.reps)
         from tests.support import sgl_kernel_shim
 
         res["shim_routes"] = {m: r[0] for m, r in sgl_kernel_shim.ROUTES.items()}

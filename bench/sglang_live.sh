@@ -17,6 +17,8 @@
 # sglang_live.txt and the services' logs in logs.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NCCL's own reason for a failed init in the services' logs (the 2026-11-25b run had only "unhandled cuda error")
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WS_SGLANG_WHL=${WS_SGLANG_WHL:?set WS_SGLANG_WHL to the folder of SGLang wheels}
 WHEELS=("$WS_SGLANG_WHL"/*.whl)
