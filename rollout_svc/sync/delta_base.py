@@ -15,6 +15,15 @@ a stream of its base's bytes (several syncs may stream one version, to different
 weightsync/publisher/delta_sync.py) — and a wrong base or damaged delta still fails the
 transaction's checksum of the resulting bucket. Allocated at the first TCP sync only: a rollout
 synced over IPC or NCCL keeps nothing.
+
+The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), computed as
+a dense bucket is copied in and carried through a delta from the words it overwrote
+(delta.apply_delta), always under the lock that guards the bytes: a delta bucket's checksum is
+then `from_sums` of those, not a pass over the bucket — the same value, so a wrong base or a
+damaged delta fails as before. A delta bucket's written positions (`patch`) let an apply strategy
+write only those words into an engine that holds exactly the copy's bytes: `engine_matches` says
+it does, set only when a sync committed with every bucket written into the engine byte for byte
+(`engine_wrote`), and cleared at every prepare.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ import threading
 
 import torch
 
-from weightsync.bus.delta import apply_delta
+from weightsync.bus.checksum import copy_word_sums, from_sums
+from weightsync.bus.delta import Applied, apply_delta
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan, Manifest
 
@@ -40,6 +50,17 @@ class DeltaBase:
         self._sync = ""  # the sync writing into the copy
         self._delta_ok = False
         self._written: set[int] = set()
+        #: bucket index -> word sums of the copy's bucket; dropped whenever its bytes change otherwise
+        self._sums: dict[int, torch.Tensor] = {}
+        #: this sync's delta buckets: index -> what the delta wrote (read once by the apply strategy)
+        self._patches: dict[int, Applied] = {}
+        #: the engine's parameters were exactly the copy's bytes when this sync was prepared
+        self._engine_was_base = False
+        self._engine_exact: set[int] = set()  # buckets this sync wrote into the engine byte for byte
+        self._engine_ptrs: set[int] = set()  # the parameters they went to (addresses)
+        self._engine_aliased = False  # two tensors of this sync went to one parameter
+        #: the engine's parameters are exactly the held copy's bytes (see engine_wrote)
+        self.engine_matches = False
 
     def prepared(self, manifest: Manifest, offer, version: int, origin: str, stale: bool) -> str:
         """Sync `manifest` was prepared, the rollout serving (`origin`, `version`; `stale`: an aborted
@@ -47,12 +68,14 @@ class DeltaBase:
         From now on the copy is this sync's. Returns "" if its buckets may come as deltas, else why not."""
         with self._lock:
             reason = self._refusal(manifest, offer, version, origin, stale)
-            self.held, self.held_sync = None, ""  # whatever this sync writes replaces it
+            self._engine_was_base = self.engine_matches and not reason
+            self.held, self.held_sync, self.engine_matches = None, "", False  # whatever this sync writes replaces it
             self._sync = manifest.sync_id if self.enabled else ""
             self._delta_ok = not reason
-            self._written = set()
+            self._written, self._patches, self._engine_exact = set(), {}, set()
+            self._engine_ptrs, self._engine_aliased = set(), False
             if manifest.layout_digest != self._layout:
-                self._bufs, self._layout = {}, manifest.layout_digest
+                self._bufs, self._sums, self._layout = {}, {}, manifest.layout_digest
             return reason
 
     def _refusal(self, manifest: Manifest, offer, version: int, origin: str, stale: bool) -> str:
@@ -90,7 +113,39 @@ class DeltaBase:
             if not create:
                 raise TransportError(f"bucket {plan.index}: a delta, but no base copy of the bucket is held")
             buf = self._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8)
+            self._sums.pop(plan.index, None)
         return buf
+
+    def patch(self, sync_id: str, index: int) -> tuple[Applied, int] | None:
+        """For an apply strategy: (what the delta wrote, the resulting bucket's checksum) if bucket
+        `index` of `sync_id` came as a delta onto a copy with known sums, else None (check it in full)."""
+        with self._lock:
+            applied = self._patches.pop(index, None) if sync_id == self._sync else None
+            if applied is None or applied.sums is None:
+                return None
+            buf = self._bufs[index]
+            n = buf.numel()
+            return applied, from_sums(applied.sums, buf[n - n % 4 :], n)
+
+    def sparse_ok(self, sync_id: str) -> bool:
+        """The engine held exactly the base copy's bytes when `sync_id` was prepared, and the
+        sync's deltas apply onto that copy: a delta bucket may be written into the engine as its
+        changed words alone."""
+        with self._lock:
+            return sync_id == self._sync and self._delta_ok and self._engine_was_base
+
+    def engine_wrote(self, sync_id: str, index: int, params: list[torch.Tensor]) -> None:
+        """Bucket `index` of `sync_id` went into the engine byte for byte (a checked full copy into
+        `params`, parameters of its exact layout, or the changed words of a checked delta onto such
+        a copy). A parameter two tensors of the sync write (tied embeddings) holds only the last:
+        the engine then does not match the copy."""
+        with self._lock:
+            if sync_id == self._sync:
+                ptrs = {p.data_ptr() for p in params}
+                if len(ptrs) < len(params) or ptrs & self._engine_ptrs:
+                    self._engine_aliased = True
+                self._engine_ptrs |= ptrs
+                self._engine_exact.add(index)
 
     def committed(self, manifest: Manifest) -> None:
         """Sync `manifest` committed: if every bucket of it went through the copy, the copy is its base."""
@@ -98,7 +153,10 @@ class DeltaBase:
             if manifest.sync_id == self._sync and len(self._written) == len(manifest.buckets):
                 self.held = (manifest.origin, manifest.version, manifest.layout_digest)
                 self.held_sync = manifest.sync_id
-            self._sync = ""
+                self.engine_matches = len(self._engine_exact) == len(manifest.buckets) and not self._engine_aliased
+            else:
+                self.engine_matches = False  # another sync changed the engine
+            self._sync, self._patches = "", {}
 
     def held_bytes(self) -> int:
         return sum(b.numel() for b in self._bufs.values())
@@ -113,7 +171,17 @@ class _SyncWriter:
     def received(self, plan: BucketPlan, dense: torch.Tensor) -> torch.Tensor:
         with self.base._lock:
             buf = self.base._buffer(self.sync_id, plan, create=True)
-            buf.copy_(dense[: plan.nbytes])
+            n = plan.nbytes
+            whole = n - n % 4
+            src = dense[:n]
+            if whole and src.data_ptr() % 4 == 0 and buf.data_ptr() % 4 == 0:  # the copy is its sums' pass
+                self.base._sums[plan.index] = copy_word_sums(
+                    src[:whole].view(torch.int32), buf[:whole].view(torch.int32)
+                )
+                buf[whole:].copy_(src[whole:])
+            else:
+                self.base._sums.pop(plan.index, None)
+                buf.copy_(src)
             self.base._written.add(plan.index)
         return buf
 
@@ -122,6 +190,15 @@ class _SyncWriter:
             buf = self.base._buffer(self.sync_id, plan, create=False)
             if not self.base._delta_ok:
                 raise TransportError(f"bucket {plan.index}: a delta frame, but this rollout refused the delta base")
-            apply_delta(payload, buf)
+            try:
+                applied = apply_delta(payload, buf, self.base._sums.get(plan.index))
+            except BaseException:
+                self.base._sums.pop(plan.index, None)  # refused before any write, but keep no doubt
+                raise
+            if applied.sums is None:
+                self.base._sums.pop(plan.index, None)
+            else:
+                self.base._sums[plan.index] = applied.sums
+            self.base._patches[plan.index] = applied
             self.base._written.add(plan.index)
         return buf

@@ -51,6 +51,11 @@ class PendingSync:
     connected: set[int] = field(default_factory=set)  # senders that opened their stream
     lock: threading.Lock = field(default_factory=threading.Lock)  # bookkeeping of concurrent senders
     committing: bool = False  # a commit passed its checks (it may still wait for the engine)
+    #: staged apply: the buckets staged whole, and the delta buckets kept as their changed words
+    #: alone (plan, sparse_write.SlotWords list, word bytes, the base copy's bucket, its checksum), written
+    #: at commit
+    staged_plans: list = field(default_factory=list)
+    sparse: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for b in self.manifest.buckets:
