@@ -24,7 +24,7 @@ import torch
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.checksum import from_sums, word_sums
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
@@ -52,7 +52,7 @@ class InPlaceApply(ApplyStrategy):
             ours = patch[1]
             verify(plan.index, ours, sender_checksum)
         elif checked and not p.applied_any:
-            ours = bucket_checksum(buf[: plan.nbytes])
+            ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
             verify(plan.index, ours, sender_checksum)
         if not self._holding:
             self._pause_engine(p)
@@ -70,12 +70,15 @@ class InPlaceApply(ApplyStrategy):
             )
             if copied is None:
                 if checked and ours is None:
-                    ours = bucket_checksum(buf[: plan.nbytes])
+                    ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
                     verify(plan.index, ours, sender_checksum)
                 self._load(p, plan, buf)
             elif ours is None:  # the first bucket keeps the sum checked before the write
                 ours = copied
         return ours, deferred
+
+    def _keeper(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor):
+        return self.host.delta_base.sums_keeper(p.manifest.sync_id, plan.index, buf)
 
     def _patch(self, p: PendingSync, plan: BucketPlan):
         """(what the delta wrote, the resulting bucket's checksum) for a delta bucket onto a copy
@@ -112,7 +115,7 @@ class InPlaceApply(ApplyStrategy):
         params = self.host.engine.writable_params([slot.meta for slot in plan.slots])
         if params is None:
             return None, False
-        copied = copy_into(plan, buf, params, wait=not defer_check)
+        copied = copy_into(plan, buf, params, wait=not defer_check, sums_to=self._keeper(p, plan, buf))
         if copied is None:  # declined (a parameter not laid out for it)
             return None, False
         # byte for byte, and the sync commits only once its checksum matched
@@ -168,3 +171,13 @@ class InPlaceApply(ApplyStrategy):
         if self._holding:
             self._holding = False
             self.host.engine_lock.release()
+
+
+def _checksum(buf: torch.Tensor, keep) -> int:
+    """checksum.bucket_checksum of `buf`, its word sums handed to `keep` (the delta base's, or None)."""
+    n = buf.numel()
+    whole = n - n % 4
+    sums = word_sums(buf[:whole].view(torch.int32))
+    if keep is not None:
+        keep(sums)
+    return from_sums(sums, buf[whole:], n)

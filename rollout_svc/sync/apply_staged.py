@@ -50,7 +50,8 @@ class StagedApply(ApplyStrategy):
         with p.lock:
             p.staged_plans.append(plan)
         if p.manifest.checksum_algo:
-            flat, ours = copy_bucket(plan, buf, wait=not defer_check)
+            keep = self.host.delta_base.sums_keeper(p.manifest.sync_id, plan.index, buf)
+            flat, ours = copy_bucket(plan, buf, wait=not defer_check, sums_to=keep)
             if defer_check:
                 p.defer(plan.index, ours, sender_checksum)
                 deferred = True

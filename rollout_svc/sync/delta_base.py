@@ -16,8 +16,10 @@ weightsync/publisher/delta_sync.py) — and a wrong base or damaged delta still 
 transaction's checksum of the resulting bucket. Allocated at the first TCP sync only: a rollout
 synced over IPC or NCCL keeps nothing.
 
-The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), computed as
-a dense bucket is copied in and carried through a delta from the words it overwrote
+The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), taken from
+the apply strategy's checked copy out of the bucket (verified_copy.py's `sums_to`: the checksum pass
+every sync makes, so a full sync pays no extra pass for them; `sums_keeper`) and carried through a
+delta from the words it overwrote
 (delta.apply_delta), always under the lock that guards the bytes: a delta bucket's checksum is
 then `from_sums` of those, not a pass over the bucket — the same value, so a wrong base or a
 damaged delta fails as before. A delta bucket's written positions (`patch`) let an apply strategy
@@ -29,10 +31,11 @@ it does, set only when a sync committed with every bucket written into the engin
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
-from weightsync.bus.checksum import copy_word_sums, from_sums
+from weightsync.bus.checksum import from_sums
 from weightsync.bus.delta import Applied, apply_delta
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan, Manifest
@@ -127,6 +130,31 @@ class DeltaBase:
             n = buf.numel()
             return applied, from_sums(applied.sums, buf[n - n % 4 :], n)
 
+    def sums_keeper(self, sync_id: str, index: int, buf: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+        """Where `buf` is this sync's copy of bucket `index` (what the TCP receiver handed on), a
+        function that keeps the word sums an apply strategy's checked copy computed of it, for the
+        next delta onto this bucket; else None. Kept only while `sync_id` still owns the copy: this
+        sync wrote the bucket before the strategy read it and never writes it again, and a newer
+        sync's prepare (which may rewrite it) ends the ownership first."""
+        if not self.enabled or sync_id != self._sync:
+            return None
+        ptr, n = buf.data_ptr(), buf.numel()
+
+        def keep(sums: torch.Tensor) -> None:
+            with self._lock:
+                held = self._bufs.get(index)
+                if (
+                    sync_id == self._sync
+                    and index in self._written
+                    and held is not None
+                    and held.data_ptr() == ptr
+                    and n >= held.numel()
+                    and sums.device.type == "cpu"
+                ):
+                    self._sums[index] = sums
+
+        return keep
+
     def sparse_ok(self, sync_id: str) -> bool:
         """The engine held exactly the base copy's bytes when `sync_id` was prepared, and the
         sync's deltas apply onto that copy: a delta bucket may be written into the engine as its
@@ -171,17 +199,10 @@ class _SyncWriter:
     def received(self, plan: BucketPlan, dense: torch.Tensor) -> torch.Tensor:
         with self.base._lock:
             buf = self.base._buffer(self.sync_id, plan, create=True)
-            n = plan.nbytes
-            whole = n - n % 4
-            src = dense[:n]
-            if whole and src.data_ptr() % 4 == 0 and buf.data_ptr() % 4 == 0:  # the copy is its sums' pass
-                self.base._sums[plan.index] = copy_word_sums(
-                    src[:whole].view(torch.int32), buf[:whole].view(torch.int32)
-                )
-                buf[whole:].copy_(src[whole:])
-            else:
-                self.base._sums.pop(plan.index, None)
-                buf.copy_(src)
+            # a plain copy: its word sums come from the apply strategy's checked copy out of `buf`
+            # (DeltaBase.sums_keeper), the pass a full sync makes anyway
+            self.base._sums.pop(plan.index, None)
+            buf.copy_(dense[: plan.nbytes])
             self.base._written.add(plan.index)
         return buf
 
