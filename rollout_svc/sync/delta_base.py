@@ -13,8 +13,10 @@ next one is sent in full. A delta is accepted only for exactly the base this rol
 trainer origin, version and bucket layout, and the sync it committed is one the trainer names as
 a stream of its base's bytes (several syncs may stream one version, to different rollouts; see
 weightsync/publisher/delta_sync.py) — and a wrong base or damaged delta still fails the
-transaction's checksum of the resulting bucket. Allocated at the first TCP sync only: a rollout
-synced over IPC or NCCL keeps nothing.
+transaction's checksum of the resulting bucket. Allocated at the first TCP sync, or the first NCCL
+sync whose trainer offered a base (its buckets then come framed: weightsync/bus/nccl/framed.py;
+the copy is then on the rollout's GPU, one more copy of the export bytes there); a rollout synced
+over IPC, or over NCCL without an offer, keeps nothing.
 
 The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), taken from
 the apply strategy's checked copy out of the bucket (verified_copy.py's `sums_to`: the checksum pass
@@ -106,16 +108,19 @@ class DeltaBase:
         """What a TCP receiver of `sync_id` writes through (weightsync/bus/tcp/wire.py), or None."""
         return _SyncWriter(self, sync_id) if self.enabled and sync_id == self._sync else None
 
-    def _buffer(self, sync_id: str, plan: BucketPlan, create: bool) -> torch.Tensor:
-        """The copy of bucket `plan` for `sync_id` to write; the caller holds the lock until it has
+    def _buffer(self, sync_id: str, plan: BucketPlan, create: bool, device: torch.device) -> torch.Tensor:
+        """The copy of bucket `plan` for `sync_id` to write, on `device` (where the bus delivers:
+        host memory for tcp, the rollout's GPU for nccl); the caller holds the lock until it has
         written (a superseded sync's receiver must not write into the next sync's copy)."""
         if sync_id != self._sync:
             raise TransportError(f"sync {sync_id} no longer owns the delta base (superseded)")
         buf = self._bufs.get(plan.index)
-        if buf is None or buf.numel() != plan.nbytes:
+        if buf is None or buf.numel() != plan.nbytes or buf.device != device:
             if not create:
-                raise TransportError(f"bucket {plan.index}: a delta, but no base copy of the bucket is held")
-            buf = self._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8)
+                raise TransportError(
+                    f"bucket {plan.index}: a delta, but no base copy of the bucket is held on {device}"
+                )
+            buf = self._bufs[plan.index] = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
             self._sums.pop(plan.index, None)
         return buf
 
@@ -149,7 +154,7 @@ class DeltaBase:
                     and held is not None
                     and held.data_ptr() == ptr
                     and n >= held.numel()
-                    and sums.device.type == "cpu"
+                    and sums.device == held.device
                 ):
                     self._sums[index] = sums
 
@@ -198,17 +203,18 @@ class _SyncWriter:
 
     def received(self, plan: BucketPlan, dense: torch.Tensor) -> torch.Tensor:
         with self.base._lock:
-            buf = self.base._buffer(self.sync_id, plan, create=True)
+            src = dense[: plan.nbytes]
+            buf = self.base._buffer(self.sync_id, plan, create=True, device=src.device)
             # a plain copy: its word sums come from the apply strategy's checked copy out of `buf`
             # (DeltaBase.sums_keeper), the pass a full sync makes anyway
             self.base._sums.pop(plan.index, None)
-            buf.copy_(dense[: plan.nbytes])
+            buf.copy_(src)
             self.base._written.add(plan.index)
         return buf
 
     def patched(self, plan: BucketPlan, payload: torch.Tensor) -> torch.Tensor:
         with self.base._lock:
-            buf = self.base._buffer(self.sync_id, plan, create=False)
+            buf = self.base._buffer(self.sync_id, plan, create=False, device=payload.device)
             if not self.base._delta_ok:
                 raise TransportError(f"bucket {plan.index}: a delta frame, but this rollout refused the delta base")
             try:

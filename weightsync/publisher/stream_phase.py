@@ -194,7 +194,9 @@ class StreamPhase:
 
     def _send(self, export, in_place) -> list[int]:
         a = self.attempt
-        channel = a.delta.channel(self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()))
+        channel = a.delta.channel(
+            self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()), set(a.prepared)
+        )
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in a.prepared.items() if resp.commit_on_stream and not a.linked(rid)]
