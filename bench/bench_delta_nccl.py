@@ -14,6 +14,11 @@ transport over loopback: a stand-in for a link between hosts, which this machine
 
     python bench/bench_delta_nccl.py --codec --out bench/results/results_delta_codec_gpu_<date>.json
     python bench/bench_delta_nccl.py --shape 1.5b --reps 3 --out bench/results/results_delta_nccl_gpu_<date>.json
+
+The 1.5B shape's setup (both models built in this process) took over 60 s on an H100 host: give a run
+several minutes. The script itself runs on CPU over the gloo stand-in (a check, not a measurement):
+    WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus python bench/bench_delta_nccl.py --shape "" \
+        --trainer-device cpu --rollout-device cpu --reps 1
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ def services(args) -> dict:
             http_address="127.0.0.1:0",
             backend="hf",
             model=str(work / "model"),
-            device="cuda:0",
+            device=args.trainer_device,
             export_dtype="bfloat16",
             param_dtype="bfloat16",
             bucket_mb=args.bucket_mb,
@@ -131,7 +136,7 @@ def services(args) -> dict:
             http_address="127.0.0.1:0",
             model=str(work / "model"),
             dtype="bfloat16",
-            device="cuda:1",
+            device=args.rollout_device,
             rollout_id="r0",
             apply_mode=args.apply_mode,
         )
@@ -200,12 +205,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--apply-mode", default="inplace", choices=("staged", "inplace"))
+    ap.add_argument("--trainer-device", default="cuda:0")
+    ap.add_argument("--rollout-device", default="cuda:1")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     result = codec(args) if args.codec else services(args)
     result.update(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        device=torch.cuda.get_device_name(0),
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         command="python bench/bench_delta_nccl.py " + " ".join(sys.argv[1:]),
     )
     print(json.dumps({k: result[k] for k in ("median_s", "speedup", "bit_exact", "results") if k in result}))

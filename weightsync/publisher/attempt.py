@@ -80,7 +80,7 @@ class SyncAttempt:
         self._pool = fleet.pool  # long-lived: no threads started per sync
         #: delta or full per target (weightsync/publisher/delta_sync.py)
         base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
-        self.delta = base.begin(manifest, session.name, tuple(e.address for e in targets))
+        self.delta = base.begin(manifest, session.name)
         #: targets already sent AbortSync (to learn why their stream broke)
         self.aborted: set[str] = set()
         #: rollout_id -> seconds it was silent when dropped from this attempt (its call still runs)

@@ -21,12 +21,13 @@ Which syncs: delta is carried by tcp (the link is the bottleneck there) and by n
 sender (its buckets then go framed: weightsync/bus/nccl/framed.py; a broadcast reaches every member
 alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
 ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more
-HBM passes — compare, read the base, write it back — than it saves), and on nccl delta only when
-every target is on another host than the trainer (publisher/same_host.py: across hosts NCCL is
-link-bound like tcp; between GPUs of one host it runs over NVLink, as fast as the diff). `delta` on
-ipc is refused with an error; on nccl it forces deltas on one host too. A multi-sender nccl stream
-goes in full. On nccl the trainer's base is kept where it exports (its GPU) and the rollout's on its
-GPU: one more copy of the export bytes on each. With several senders (multisender.py)
+HBM passes — compare, read the base, write it back — than it saves) and for nccl: measured on an
+H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (docs/BENCHMARKS.md,
+"Delta over NCCL"), so a delta sync takes longer than a full one on any NCCL link from ~90 Gb/s up
+(NVLink within a host; 100-400 Gb/s between hosts). `delta` forces it on nccl (a slower link between
+hosts), and is refused on ipc. A multi-sender nccl stream goes in full. On nccl the trainer's base is
+kept where it exports (its GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
+With several senders (multisender.py)
 each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share
 of the export) and rank 0 keeps only the base's name: a rank uses its part only when its last
 stream is the one rank 0 names (DeltaRankJob.base), so a rank whose part was dropped, or a base
@@ -52,7 +53,6 @@ from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import from_sums, word_sums
 from weightsync.bus.delta import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
-from weightsync.publisher.same_host import on_this_host
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,10 @@ class DeltaBase:
         self.streams: tuple[str, ...] = ()
         self._warned = False
 
-    def begin(self, manifest: Manifest, transport: str, addresses: tuple[str, ...] = ()) -> DeltaStream:
-        """This sync's part: what it offers (None: full for everyone) and whether it keeps its buckets.
-        `addresses`: the targets' gRPC addresses (auto on nccl: delta only if none is on this host)."""
+    def begin(self, manifest: Manifest, transport: str) -> DeltaStream:
+        """This sync's part: what it offers (None: full for everyone) and whether it keeps its buckets."""
         self.check(transport)
-        why = self._no_delta(manifest, transport, addresses)
+        why = self._no_delta(manifest, transport)
         if why:
             self.drop()
             if self.encoding == "delta" and not self._warned:
@@ -103,7 +102,7 @@ class DeltaBase:
         self.held, self.streams = None, ()  # the copy is being overwritten: it is this sync's until its stream ends
         return DeltaStream(self, manifest, offer, keep=True, prior=prior)
 
-    def _no_delta(self, manifest: Manifest, transport: str, addresses: tuple[str, ...] = ()) -> str:
+    def _no_delta(self, manifest: Manifest, transport: str) -> str:
         if self.encoding == "full":
             return "sync_encoding=full"
         if transport not in DELTA_TRANSPORTS:
@@ -111,9 +110,8 @@ class DeltaBase:
         if transport == "nccl":
             if len(manifest.senders) > 1:
                 return "a multi-sender nccl stream (each sender's group would need frames of its own)"
-            local = [a for a in addresses if on_this_host(a)]
-            if self.encoding == "auto" and local:
-                return f"nccl to a rollout on this host ({local[0]}: NVLink or PCIe, faster than the diff)"
+            if self.encoding == "auto":
+                return "auto on nccl (the GPU compare is slower than NCCL links from ~90 Gb/s; delta forces it)"
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:

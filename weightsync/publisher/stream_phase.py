@@ -240,6 +240,9 @@ class StreamPhase:
             sender.seconds = time.perf_counter() - t0
             sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
             self._wire = dict(getattr(channel, "wire_bytes", {}))
+            framed = getattr(channel, "wire_bytes_sent", None)  # a framed collective: every member took it all
+            if framed is not None:
+                self._wire = dict.fromkeys(a.prepared, framed)
             for rid, err in channel.failures().items():
                 if rid in a.prepared:
                     a.prepared.pop(rid)

@@ -6,8 +6,8 @@ loopback bus and by the gloo stand-in (tests/support/gloo_nccl.py: real broadcas
 here in one process). Checked: once the rollouts hold the base, a 2 % change goes as delta frames
 (a few percent of the bytes on the group) and both engines serve exactly the trainer's export; a
 damaged base copy fails the commit by its checksum and the next sync goes dense; a target that
-refuses the base makes every target dense (a broadcast reaches all alike); auto on a group whose
-members are on this host sends dense, unframed (weightsync/publisher/delta_sync.py).
+refuses the base makes every target dense (a broadcast reaches all alike); auto on nccl sends
+dense, unframed, and keeps nothing (weightsync/publisher/delta_sync.py).
 Real NCCL between two GPUs: tests/gpu/test_nccl_delta_gpu.py.
 """
 
@@ -142,6 +142,8 @@ def test_delta_frames_over_nccl_are_exact_and_small(fleet, monkeypatch):
         assert {r.encoding for r in report.rollouts} == {"delta"}, [r.encoding for r in report.rollouts]
         assert frames.delta > 0 and frames.dense == 0, (frames.delta, frames.dense)
         assert frames.bytes < 0.1 * total, (frames.bytes, total)  # 2 % of bf16 values: ~3 % of the bytes
+        # what each rollout's report says went on the group for it: the frames, headers included
+        assert all(r.wire_bytes == frames.bytes + 32 * frames.delta for r in report.rollouts), report.rollouts
         for app in rollouts.values():
             assert _exact(trainer, app), app.tx.version
 
@@ -214,10 +216,10 @@ def test_a_delta_frame_to_a_rollout_without_a_base_is_refused_not_applied():
     assert torch.equal(got, new)
 
 
-def test_auto_on_one_host_streams_nccl_dense_and_unframed(fleet, monkeypatch):
+def test_auto_on_nccl_streams_dense_and_unframed(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
     frames = _Frames(monkeypatch)
-    monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")  # every rollout here is on 127.0.0.1
+    monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")
     _change(trainer, 0.02, seed=20)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
