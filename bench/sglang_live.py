@@ -3,22 +3,31 @@ through the services and `wsctl` (issue 34). Run by bench/sglang_live.sh on a GP
 importable (its wheel and light deps) and, where sgl_kernel is absent, the harness shim
 (tests/support/sgl_kernel_shim.py, installed by sitecustomize in every process).
 
-One trainer (megatron, bf16, random weights of a Qwen2-shaped config), one SGLang rollout `s0` and one
-built-in-engine rollout `b0` on the same GPU. Per transport (ipc, then tcp):
-  1. the trainer gets new weights (`wsctl load` of a fresh random HF directory; ipc: its own init),
-  2. s0 generates the fixed prompts twice on the OLD weights (the second run must hit the radix cache),
-  3. `wsctl sync --rollout s0 --transport T` (+ --reps timed re-syncs), then `--rollout b0` likewise,
-  4. s0 generates again: greedy tokens vs transformers (bf16, cuda) on `wsctl export`'s directory,
+One trainer (megatron, bf16) on cuda:0, one SGLang rollout `s0` and one built-in-engine rollout `b0` on
+the same GPU; with two GPUs visible also `s1` (SGLang) and `b1` (built-in) on cuda:1 for NCCL. The
+trainer's weights: `--peaked DIR` (bench/peaked_model.py's checkpoints `a` and `b`: a small Qwen2 trained
+to decisive next-token margins, so greedy tokens can be compared strictly) or random weights of `--model`'s
+shape. Per transport (ipc -> s0, tcp -> s0, nccl -> s1):
+  1. the trainer gets new weights (`wsctl load`: peaked `b` for tcp, `a` for nccl, or fresh random ones;
+     the ipc run syncs the trainer's initial weights),
+  2. the SGLang rollout generates the fixed prompts twice on its OLD weights (the second must hit the radix
+     cache),
+  3. `wsctl sync --rollout sX --transport T` (+ --reps timed re-syncs), then the built-in rollout likewise,
+  4. it generates again: greedy tokens vs transformers (bf16, cuda) on `wsctl export`'s directory,
      max |log-prob| difference on SGLang's tokens, prefix_cache_hit on the first request after the
      sync (must be False: the radix cache was flushed), served version == the trainer's.
-Writes the JSON the issue asks for (date, device, engine_version, runs[...]) plus details.
+`--timing-model 1.5b` then restarts the services at that shape (random weights, ipc only) and times the
+colocated sync into SGLang beside the built-in engine.
+Writes the JSON the issue asks for (date, device, engine_version, runs[...]) plus details, as it goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -36,12 +45,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("
 
 import torch  # noqa: E402
 
+from bench import peaked_model  # noqa: E402
 from bench.bench_services import write_config  # noqa: E402
 from weightsync.control.client import channel, rollout_stub, trainer_stub  # noqa: E402
 from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl  # noqa: E402
 from weightsync.v1 import rollout_pb2  # noqa: E402
 
-PROMPTS = [[9707, 11, 847, 829, 374, 1207, 16948, 13], [785, 6722, 315, 9625, 374], [16, 11, 17, 11, 18, 11, 19]]
+#: prompts for random weights (Qwen2.5 vocabulary); the peaked model brings its own (peaked_model.PROMPTS)
+RANDOM_PROMPTS = [[9707, 11, 847, 829, 374, 1207, 16948, 13], [785, 6722, 315, 9625, 374], [16, 11, 17, 11, 18, 11, 19]]
 N_NEW = 12
 #: nats: below this, a greedy step is a tie between bf16 kernel stacks, not evidence of wrong weights
 TIE_FLOOR = 0.05
@@ -56,6 +67,8 @@ SGLANG_ARGS = {
     "grammar_backend": "none",
     "log_level": "warning",
 }
+#: transport -> (SGLang rollout, built-in rollout) it syncs; nccl needs a GPU of the rollouts' own
+TARGETS = {"ipc": ("s0", "b0"), "tcp": ("s0", "b0"), "nccl": ("s1", "b1")}
 
 
 def log(msg: str) -> None:
@@ -73,6 +86,12 @@ def save_random_hf(cfg_dir: Path, out: Path, seed: int) -> Path:
     del m
     torch.cuda.empty_cache()
     return out
+
+
+def copy_under(src: Path, dst: Path) -> Path:
+    """`wsctl load` reads only under the trainer's data root (the temp dir here): load a copy from there."""
+    shutil.copytree(src, dst)
+    return dst
 
 
 def ws(address: str, *args: str, timeout: float = 300.0) -> dict:
@@ -98,14 +117,14 @@ def generate(stub, prompts) -> tuple[list[rollout_pb2.Sample], int]:
 
 
 @torch.no_grad()
-def hf_reference(export_dir: str, samples) -> dict:
+def hf_reference(export_dir: str, prompts, samples) -> dict:
     """transformers (bf16, cuda) on the exported weights: its own greedy continuation of each prompt,
     and its log-probs of SGLang's tokens (teacher-forced), to compare with SGLang's."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.bfloat16).cuda().eval()
     out = {"hf_tokens": [], "sgl_tokens": [], "max_abs_logprob_diff": 0.0, "min_top2_margin": 1e9, "match": []}
-    for prompt, s in zip(PROMPTS, samples):
+    for prompt, s in zip(prompts, samples):
         ids = torch.tensor([prompt], device="cuda")
         g = m.generate(ids, max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
         hf_tok = g[0, len(prompt) :].tolist()
@@ -155,24 +174,29 @@ def sync_times(address: str, tstub, rid: str, transport: str, reps: int) -> tupl
     return reports, [float(r["seconds"]) for r in reports]
 
 
-def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: int, seed: int) -> dict:
-    """Fills `rec` as it goes (a run cut off by its time limit still records what it measured)."""
-    s0 = stubs["s0"]
+def run_transport(rec: dict, t, tstub, stubs, work: Path, prompts, reps: int, load) -> dict:
+    """Fills `rec` as it goes (a run cut off by its time limit still records what it measured).
+    `load`: None (sync the trainer's weights as they are) or a callable returning an HF directory to
+    `wsctl load` first, so this transport's sync must change what SGLang serves."""
     transport = rec["transport"]
-    if seed:
-        # new trainer weights, so this transport's sync must change what SGLang serves
-        fresh = save_random_hf(cfg_dir, work / f"load-{transport}", seed)
+    sid, bid = TARGETS[transport]
+    rec["sglang_rollout"], rec["builtin_rollout"] = sid, bid
+    sgl = stubs[sid]
+    if load is not None:
+        fresh = load()
         rec["trainer_load"] = ws(t.address, "load", str(fresh), timeout=300)
+        rec["trainer_loaded"] = str(fresh)
     # old weights: the second run of the same prompts must reuse the radix cache
     try:
-        generate(s0, PROMPTS)
-        before, _ = generate(s0, PROMPTS)
+        generate(sgl, prompts)
+        before, _ = generate(sgl, prompts)
         rec["prefix_cache_hit_before_sync"] = [s.prefix_cache_hit for s in before]
+        rec["tokens_before_sync"] = [list(s.token_ids) for s in before]
     except Exception as exc:  # noqa: BLE001 — e.g. STALE after a failed earlier sync; the sync repairs it
         rec["generate_before_sync_error"] = repr(exc)[:500]
         rec["prefix_cache_hit_before_sync"] = []
-    log(f"{transport}: syncing s0 ({reps} + 1)")
-    reports, secs = sync_times(t.address, tstub, "s0", transport, reps + 1)
+    log(f"{transport}: syncing {sid} ({reps} + 1)")
+    reports, secs = sync_times(t.address, tstub, sid, transport, reps + 1)
     rec["sync_s_all"] = secs
     rec["sync_s"] = statistics.median(secs[1:])
     rec["first_sync_s"] = secs[0]
@@ -180,20 +204,22 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: i
     rec["num_buckets"] = reports[0].get("num_buckets")
     rec["phase_s_first"] = reports[0].get("phase_seconds")
     trainer_version = int(reports[-1]["version"])
-    after, served = generate(s0, PROMPTS)
+    after, served = generate(sgl, prompts)
     rec["prefix_cache_hit_after_sync"] = [s.prefix_cache_hit for s in after]
-    st = s0.GetStatus(rollout_pb2.GetStatusRequest())
+    st = sgl.GetStatus(rollout_pb2.GetStatusRequest())
     rec["trainer_version"] = trainer_version
     rec["served_version"] = served
     rec["rollouts_on_version"] = st.version == trainer_version == served and st.state == rollout_pb2.SERVING
     # the comparison first: the built-in engine's timings below are the part a time limit may cut
     export_dir = work / f"export-{transport}"
     rec["export"] = ws(t.address, "export", str(export_dir), timeout=300)
-    ref = hf_reference(str(export_dir), after)
+    ref = hf_reference(str(export_dir), prompts, after)
     rec["greedy_match"] = all(ref["match"])
     rec["greedy_match_up_to_ties"] = all(ref["match_up_to_ties"])
     rec["min_top2_margin"] = ref["min_top2_margin"]
     rec["max_abs_logprob_diff"] = ref["max_abs_logprob_diff"]
+    # the sync changed what SGLang serves (else a stale engine could pass the comparison)
+    rec["tokens_changed_by_sync"] = rec.get("tokens_before_sync") != ref["sgl_tokens"]
     hits_before = rec["prefix_cache_hit_before_sync"]
     # flushed: the prompts hit the radix cache before the sync and none did after it
     rec["radix_cache_flushed"] = bool(hits_before) and all(hits_before) and not any(rec["prefix_cache_hit_after_sync"])
@@ -201,19 +227,114 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, cfg_dir: Path, reps: i
     flushed = rec["radix_cache_flushed"]
     ties = rec["greedy_match_up_to_ties"]
     log(f"{transport}: greedy_match={rec['greedy_match']} ties_ok={ties} flushed={flushed} sync_s={rec['sync_s']:.3f}")
-    log(f"{transport}: syncing b0 (built-in engine, same machine)")
-    _, bsecs = sync_times(t.address, tstub, "b0", transport, reps + 1)
+    log(f"{transport}: syncing {bid} (built-in engine, same machine)")
+    _, bsecs = sync_times(t.address, tstub, bid, transport, reps + 1)
     rec["builtin_sync_s_all"] = bsecs
     rec["builtin_sync_s"] = statistics.median(bsecs[1:])
     log(f"{transport}: built-in engine sync_s={rec['builtin_sync_s']:.3f}")
     return rec
 
 
+def builtin_only(rec: dict, fleet, reps: int) -> None:
+    """After a failed run, the built-in rollout's syncs over the same transport, if not timed yet: tells
+    an SGLang-side failure from one of the host or the trainer."""
+    if "builtin_sync_s" in rec:
+        return
+    try:
+        _, bsecs = sync_times(
+            fleet.trainer.address, fleet.tstub, TARGETS[rec["transport"]][1], rec["transport"], reps + 1
+        )
+        rec["builtin_sync_s_all"] = bsecs
+        rec["builtin_sync_s"] = statistics.median(bsecs[1:])
+    except Exception as exc:  # noqa: BLE001 — recorded
+        rec["builtin_error"] = repr(exc)[:3000]
+
+
+class Fleet:
+    """A megatron trainer on cuda:0 and rollouts (name -> (engine, device)), all serving `start_dir`."""
+
+    def __init__(self):
+        self.procs, self.chans, self.stubs = [], [], {}
+        self.trainer = self.tstub = None
+
+    def start(self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float) -> None:
+        """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others."""
+        t = start_trainer(
+            work, "--backend", "megatron", "--model", str(init_model), "--init-seed", "1", "--param-dtype", "bfloat16",
+            "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
+        )  # fmt: skip
+        self.procs.append(t)
+        self.trainer = t
+        for name, (engine, device) in rollouts.items():
+            args = ["--engine", engine, "--model", str(start_dir), "--device", device, "--dtype", "bfloat16"]
+            args += ["--apply-mode", "inplace", "--serve-initial-weights", "--trainer-address", t.address]
+            args += ["--register-timeout-s", str(ready_timeout)]
+            if engine == "sglang":
+                args += [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
+            self.procs.append(start_rollout(work, *args, name=name))
+        deadline = time.monotonic() + ready_timeout
+        for p in self.procs:
+            p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+            log(f"{p.name} ready")
+        wait_registered(t.address, list(rollouts), max(1.0, deadline - time.monotonic()))
+        for p in self.procs[1:]:
+            ch = channel(p.address)
+            self.chans.append(ch)
+            self.stubs[p.name] = rollout_stub(ch, "", 120)
+        tch = channel(t.address)
+        self.chans.append(tch)
+        self.tstub = trainer_stub(tch, "", 180)
+
+    def stop(self, res: dict, tag: str = "") -> None:
+        for ch in self.chans:
+            ch.close()
+        for p in self.procs:
+            res.setdefault("logs_tail", {})[tag + p.name] = p.log()[-2500:]
+            logs = Path(os.environ.get("OUT", "/tmp")) / "logs"  # sglang_live.sh tars them (8 files come back)
+            logs.mkdir(exist_ok=True)
+            (logs / f"{tag}{p.name}.log").write_text(p.log())
+            p.stop()
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)  # SGLang's scheduler children too
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float) -> None:
+    """Colocated IPC sync time into SGLang and the built-in engine at `model`'s shape (random weights)."""
+    rec = {"model": model, "transport": "ipc", "trainer_backend": "megatron", "weights": "random"}
+    res.setdefault("timing_runs", []).append(rec)
+    fleet = None
+    try:
+        cfg_dir = write_config(model, work)
+        start_dir = save_random_hf(cfg_dir, work / f"start-{model}", seed=2)
+        fleet = Fleet()
+        fleet.start(work, cfg_dir, start_dir, {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}, ready_timeout)
+        for rid, key in (("s0", "sync_s"), ("b0", "builtin_sync_s")):
+            log(f"timing {model}: syncing {rid} over ipc ({reps} + 1)")
+            reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, "ipc", reps + 1)
+            rec[key + "_all"] = secs
+            rec[key] = statistics.median(secs[1:])
+            rec.setdefault("bytes", int(reports[0].get("bytes", 0)))
+            rec.setdefault("num_buckets", reports[0].get("num_buckets"))
+            log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
+        st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())
+        rec["rollouts_on_version"] = st.version == int(reports[-1]["version"])
+    except Exception as exc:  # noqa: BLE001 — recorded
+        traceback.print_exc()
+        rec["error"] = repr(exc)[:3000]
+    finally:
+        if fleet is not None:
+            fleet.stop(res, tag=f"{model}-")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="0.5b")
-    ap.add_argument("--transports", default="ipc,tcp")
+    ap.add_argument("--model", default="0.5b", help="shape of the random weights when --peaked is not given")
+    ap.add_argument("--peaked", default="", help="bench/peaked_model.py's output dir (checkpoints a and b)")
+    ap.add_argument("--transports", default="", help="default: ipc,tcp, and nccl when 2 GPUs are visible")
     ap.add_argument("--reps", type=int, default=5, help="timed syncs per transport and engine, after one warm-up")
+    ap.add_argument("--timing-model", default="", help="then time ipc syncs at this shape (e.g. 1.5b), random weights")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ready-timeout", type=float, default=240)
     args = ap.parse_args()
@@ -221,92 +342,77 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
     import sglang.version
 
+    gpus = torch.cuda.device_count()
+    transports = args.transports.split(",") if args.transports else ["ipc", "tcp"] + (["nccl"] if gpus >= 2 else [])
+    if "nccl" in transports and gpus < 2:
+        raise SystemExit("transport nccl needs 2 visible GPUs (trainer on cuda:0, rollouts on cuda:1)")
+    peaked = Path(args.peaked) if args.peaked else None
+    prompts = peaked_model.PROMPTS if peaked else RANDOM_PROMPTS
     res: dict = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "device": torch.cuda.get_device_name(0),
+        "gpus": gpus,
         "engine_version": sglang.version.__version__,
         "torch": torch.__version__,
-        "model": args.model,
-        "prompts": PROMPTS,
+        "model": f"peaked ({peaked_model.SHAPE}, vocab {peaked_model.VOCAB})" if peaked else args.model,
+        "weights": "trained (bench/peaked_model.py)" if peaked else "random",
+        "prompts": prompts,
         "max_new_tokens": N_NEW,
         "sglang_args": SGLANG_ARGS,
         "runs": [],
     }
+    if peaked:
+        res["peaked_report"] = json.loads((peaked / "peaked_report.json").read_text())
     work = Path(tempfile.mkdtemp(prefix="ws-sglang-live-"))
-    procs, chans = [], []
+    fleet = None
     try:
-        cfg_dir = write_config(args.model, work)
-        start_dir = save_random_hf(cfg_dir, work / "start", seed=2)  # what both rollouts serve at start
-        t = start_trainer(
-            work, "--backend", "megatron", "--model", str(cfg_dir), "--init-seed", "1", "--param-dtype", "bfloat16",
-            "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
-        )  # fmt: skip
-        procs.append(t)
-        common = (
-            "--model",
-            str(start_dir),
-            "--device",
-            "cuda:0",
-            "--dtype",
-            "bfloat16",
-            "--apply-mode",
-            "inplace",
-            "--serve-initial-weights",
-        )
-        common += ("--trainer-address", t.address, "--register-timeout-s", str(args.ready_timeout))
-        sgl_args = [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
-        procs.append(start_rollout(work, "--engine", "sglang", *common, *sgl_args, name="s0"))
-        procs.append(start_rollout(work, "--engine", "builtin", *common, name="b0"))
-        deadline = time.monotonic() + args.ready_timeout
-        for p in procs:
-            p.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
-            log(f"{p.name} ready")
-        wait_registered(t.address, ["s0", "b0"], max(1.0, deadline - time.monotonic()))
-        chans = [channel(p.address) for p in procs[1:]]
-        stubs = {"s0": rollout_stub(chans[0], "", 120), "b0": rollout_stub(chans[1], "", 120)}
-        tch = channel(t.address)
-        chans.append(tch)
-        tstub = trainer_stub(tch, "", 180)
-        for i, tr in enumerate(args.transports.split(",")):
+        if peaked:
+            init_model = peaked / "a"
+        else:
+            init_model = write_config(args.model, work)
+        start_dir = save_random_hf(init_model, work / "start", seed=2)  # what every rollout serves at start
+        rollouts = {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}
+        if "nccl" in transports:
+            rollouts.update({"s1": ("sglang", "cuda:1"), "b1": ("builtin", "cuda:1")})
+        fleet = Fleet()
+        fleet.start(work, init_model, start_dir, rollouts, args.ready_timeout)
+        for i, tr in enumerate(transports):
             Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
             rec = {"transport": tr, "trainer_backend": "megatron"}
             res["runs"].append(rec)
+            if i == 0:
+                load = None  # the trainer's initial weights
+            elif peaked:
+                load = functools.partial(copy_under, peaked / ("b" if i % 2 else "a"), work / f"load-{tr}")
+            else:
+                load = functools.partial(save_random_hf, init_model, work / f"load-{tr}", 10 + i)
             try:
-                run_transport(rec, t, tstub, stubs, work, cfg_dir, args.reps, seed=0 if i == 0 else 10 + i)
+                run_transport(rec, fleet.trainer, fleet.tstub, fleet.stubs, work, prompts, args.reps, load)
             except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
                 traceback.print_exc()
                 rec["error"] = repr(exc)[:3000]
+                builtin_only(rec, fleet, args.reps)
         from tests.support import sgl_kernel_shim
 
         res["shim_routes"] = {m: r[0] for m, r in sgl_kernel_shim.ROUTES.items()}
         res["shim_stubbed"] = sorted(sgl_kernel_shim.STUBBED)
+        fleet.stop(res)
+        fleet = None
+        if args.timing_model:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+            timing_run(res, args.timing_model, work, args.reps, args.ready_timeout)
     except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
         traceback.print_exc()
         res["error"] = repr(exc)[:3000]
     finally:
-        for ch in chans:
-            ch.close()
-        for p in procs:
-            tail = p.log()[-6000:]
-            res.setdefault("logs_tail", {})[p.name] = tail[-2500:]
-            (Path(os.environ.get("OUT", "/tmp")) / f"{p.name}.log").write_text(p.log())
-            p.stop()
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)  # SGLang's scheduler children too
-            except (ProcessLookupError, PermissionError):
-                pass
+        if fleet is not None:
+            fleet.stop(res)
     Path(args.out).write_text(json.dumps(res, indent=2))
+    keys = ("transport", "greedy_match", "greedy_match_up_to_ties", "max_abs_logprob_diff", "sync_s", "builtin_sync_s")
     for r in res["runs"]:
-        keys = (
-            "transport",
-            "greedy_match",
-            "greedy_match_up_to_ties",
-            "max_abs_logprob_diff",
-            "sync_s",
-            "builtin_sync_s",
-            "rollouts_on_version",
-        )
-        print({k: r.get(k) for k in (*keys, "radix_cache_flushed", "error")})
+        print({k: r.get(k) for k in (*keys, "rollouts_on_version", "radix_cache_flushed", "error")})
+    for r in res.get("timing_runs", []):
+        print({k: r.get(k) for k in ("model", "transport", "sync_s", "builtin_sync_s", "bytes", "error")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
 

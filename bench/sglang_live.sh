@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Issue 34: SGLang 0.5.10's real Engine on one GPU behind `rollout-svc --engine sglang`, synced from a
-# megatron trainer over ipc and tcp (bench/sglang_live.py). One command, fits one 10-minute device call:
+# megatron trainer over ipc and tcp, and nccl when 2 GPUs are visible (bench/sglang_live.py). One command,
+# fits one 10-minute device call:
 #
-#   WS_SGLANG_WHL=<dir of SGLang's wheels> bash bench/sglang_live.sh
+#   WS_SGLANG_WHL=<dir of SGLang's wheels> [WS_PEAKED_DIR=<dir>] [LIVE_ARGS=--timing-model=1.5b] bash bench/sglang_live.sh
+#
+# WS_PEAKED_DIR: bench/peaked_model.py's checkpoints (a small Qwen2 trained to decisive next-token margins,
+# so the greedy comparison with transformers is strict); made there first if the folder has none.
+# Without it the trainer holds random weights of the Qwen2.5-0.5B shape (greedy ties, see docs/sglang.md).
 #
 # Wheels: the services' (.whl/: grpcio, protobuf, megatron-core, fastapi, ...) and SGLang's
 # ($WS_SGLANG_WHL: sglang 0.5.10 + its light deps; docs/sglang.md lists them), installed --no-deps into
 # /tmp/site. sgl_kernel and flashinfer cannot be installed on the host: the harness shim
 # (tests/support/sgl_kernel_shim.py) stands in, loaded in every process by sitecustomize.
-# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json).
+# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json), its log
+# sglang_live.txt and the services' logs in logs.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NCCL's own reason for a failed init in the services' logs (the 2026-11-25b run had only "unhandled cuda error")
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WS_SGLANG_WHL=${WS_SGLANG_WHL:?set WS_SGLANG_WHL to the folder of SGLang wheels}
 WHEELS=("$WS_SGLANG_WHL"/*.whl)
@@ -20,5 +28,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "installing wheels failed" >&2; exit 2; }
 export PYTHONPATH=$PWD/tests/support/sglang_gpu_site:$PWD:/tmp/site WS_SGL_KERNEL_SHIM=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
-timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" ${LIVE_ARGS:-} 2>&1 \
+PEAKED=()
+if [ -n "${WS_PEAKED_DIR:-}" ]; then
+  [ -f "$WS_PEAKED_DIR/peaked_report.json" ] || python3 bench/peaked_model.py --out "$WS_PEAKED_DIR" \
+    || { echo "training the peaked model failed" >&2; exit 3; }
+  PEAKED=(--peaked "$WS_PEAKED_DIR")
+fi
+timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" "${PEAKED[@]}" ${LIVE_ARGS:-} 2>&1 \
   | tee "$OUT/sglang_live.txt"
+rc=$?
+# the services' logs as one file (a device call brings back at most 8)
+[ -d "$OUT/logs" ] && tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $rc

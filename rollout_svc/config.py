@@ -73,9 +73,9 @@ class RolloutBusConfig:
     )
     delta_base: bool = field(
         True,
-        help="keep a host copy of the last version committed over tcp (one copy of the model's export "
-        "bytes) so the trainer may send only the changed values (sync_encoding delta/auto); false: "
-        "every sync is sent in full",
+        help="keep a copy of the last version committed over tcp (host memory) or over nccl with "
+        "sync_encoding=delta (the rollout's GPU): one copy of the model's export bytes, so the trainer may "
+        "send only the changed values (sync_encoding delta/auto); false: every sync is sent in full",
     )
 
     def validate(self) -> None:

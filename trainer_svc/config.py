@@ -146,9 +146,11 @@ class BusConfig:
         "auto",
         choices=("full", "delta", "auto"),
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
-        "changed 16-bit words (8-bit for fp8) of each bucket, over tcp (a rollout that lacks the base "
-        "is sent in full); auto: delta where the link is the bottleneck (tcp, each sender rank diffing "
-        "its own buckets), full otherwise (ipc, nccl)",
+        "changed 16-bit words (8-bit for fp8) of each bucket, over tcp or nccl (a rollout that lacks the "
+        "base is sent in full; over nccl every target then is, and a multi-sender nccl sync goes in full); "
+        "auto: delta where the link is the bottleneck (tcp, each sender rank diffing its own buckets), full "
+        "otherwise (ipc; nccl, where the GPU compare is slower than links from ~90 Gb/s: set delta for a "
+        "slower link between hosts)",
     )
     ipc_direction: str = field(
         "auto",
@@ -163,7 +165,8 @@ class BusConfig:
     delta_base_mb: int = field(
         32768,
         help="bound on the trainer's copy of the last committed export kept for delta syncs (host "
-        "memory: one copy of the model's export bytes); a larger model is synced in full; 0: no copy, "
+        "memory over tcp, the export's GPU over nccl: one copy of the model's export bytes); a larger "
+        "model is synced in full; 0: no copy, "
         "no delta",
     )
 
@@ -174,10 +177,10 @@ class BusConfig:
             raise ConfigError("sync_timeout_s, rpc_timeout_s and nccl_init_timeout_s must be > 0")
         if self.delta_base_mb < 0:
             raise ConfigError(f"delta_base_mb={self.delta_base_mb} must be >= 0 (0: no delta syncs)")
-        if self.sync_encoding == "delta" and self.transport != "tcp":
+        if self.sync_encoding == "delta" and self.transport not in ("tcp", "nccl"):
             raise ConfigError(
-                f"sync_encoding=delta is carried by transport tcp only (transport={self.transport}): "
-                "use sync_encoding=auto, which picks full for ipc and nccl"
+                f"sync_encoding=delta is carried by transports tcp and nccl only (transport={self.transport}): "
+                "use sync_encoding=auto, which picks full for ipc"
             )
         if not 1.0 <= self.liveness_timeout_s <= 3600:
             # the rollout beats every 0.25 s: a shorter timeout would fail a busy but healthy rollout

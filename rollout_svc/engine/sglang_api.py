@@ -265,6 +265,15 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         params=("weights", "kv_cache", "cuda_graph"),
         why="tag values release/resume_memory_occupation accept",
     ),
+    "Engine() sets NCCL_CUMEM_ENABLE": ApiUse(
+        "literal",
+        _ENGINE,
+        "",
+        params=("NCCL_CUMEM_ENABLE",),
+        why="Engine() sets it in the process that builds it (_set_envs_and_config); the adapter restores that "
+        "process's value afterwards (sglang_engine.HOST_ENV_RESTORED) so rollout-svc's NCCL transport agrees "
+        "with the trainer's",
+    ),
     # 0.5.2x: a weight-update session that restores / re-packs weights SGLang keeps in a kernel
     # layout (quantised). Absent in 0.5.10; used when present.
     "Engine.begin_weight_update": ApiUse("method", _ENGINE, "Engine", "begin_weight_update", optional=True),

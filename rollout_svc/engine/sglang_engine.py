@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -129,6 +130,14 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
     return [(name, shape)]
 
 
+#: Variables SGLang's `Engine()` sets in the process that builds it (`_set_envs_and_config`, 0.5.10 and
+#: 0.5.23: NCCL_CUMEM_ENABLE=0 unless already set) for its own NCCL ranks, and that must not leak into
+#: rollout-svc's own NCCL transport, which runs in this process: NCCL peers must agree on cuMem, and the
+#: trainer keeps NCCL's default, so a rollout that inherited SGLang's 0 failed ncclCommInitRank with
+#: "unhandled cuda error" (seen on two H100s, bench/sglang_live.py). Restored once the Engine has started.
+HOST_ENV_RESTORED = ("NCCL_CUMEM_ENABLE",)
+
+
 class SglangEngine(SglangWeightsMixin, Engine):
     name = "sglang"
 
@@ -146,23 +155,32 @@ class SglangEngine(SglangWeightsMixin, Engine):
     def _start(o: SglangOptions):
         from sglang.srt.entrypoints.engine import Engine
 
-        # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
-        return Engine(
-            model_path=o.model_path,
-            tp_size=o.tp_size,
-            dtype=o.dtype,
-            mem_fraction_static=o.mem_fraction_static,
-            base_gpu_id=o.base_gpu_id,
-            random_seed=o.random_seed,
-            enable_memory_saver=o.colocated,
-            context_length=o.context_length,
-            disable_radix_cache=o.disable_radix_cache,
-            trust_remote_code=o.trust_remote_code,
-            enable_deterministic_inference=o.deterministic,
-            skip_tokenizer_init=True,
-            log_level=o.log_level,
-            **dict(o.extra),
-        )
+        kept = {k: os.environ.get(k) for k in HOST_ENV_RESTORED}
+        try:
+            # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
+            return Engine(
+                model_path=o.model_path,
+                tp_size=o.tp_size,
+                dtype=o.dtype,
+                mem_fraction_static=o.mem_fraction_static,
+                base_gpu_id=o.base_gpu_id,
+                random_seed=o.random_seed,
+                enable_memory_saver=o.colocated,
+                context_length=o.context_length,
+                disable_radix_cache=o.disable_radix_cache,
+                trust_remote_code=o.trust_remote_code,
+                enable_deterministic_inference=o.deterministic,
+                skip_tokenizer_init=True,
+                log_level=o.log_level,
+                **dict(o.extra),
+            )
+        finally:
+            # SGLang's schedulers were spawned with SGLang's values; this process keeps its own
+            for k, v in kept.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:

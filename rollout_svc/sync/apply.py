@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from rollout_svc.engine.base import Engine
+from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import PendingSync
 from weightsync.bus.plan import BucketPlan
@@ -27,6 +28,7 @@ class SyncHost(Protocol):
     """What a strategy uses of the transaction it serves."""
 
     engine: Engine
+    delta_base: DeltaBase  # the base copy delta buckets apply onto, and whether the engine holds it
     engine_lock: EngineGate  # a sync holds it exclusively while it changes the weights
     state_lock: threading.RLock  # guards the transaction's state and its pending sync
     state: int  # rollout_pb2.EngineState

@@ -7,6 +7,10 @@ still leaves the old version serving. Where the engine offers its parameters (`w
 a bucket is copied straight into them and that copy is its checksum pass
 (weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
+
+A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
+base copy's word sums; where the engine holds exactly the base copy's bytes, only the words the
+delta changed are then written (sparse_write.py), and otherwise the whole bucket as above.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
-from weightsync.bus.checksum import bucket_checksum
+from rollout_svc.sync.sparse_write import slot_words, writable, write
+from weightsync.bus.checksum import from_sums, word_sums
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
@@ -42,8 +47,12 @@ class InPlaceApply(ApplyStrategy):
     ) -> tuple[object, bool]:
         checked = bool(p.manifest.checksum_algo)
         ours = None
-        if checked and not p.applied_any:
-            ours = bucket_checksum(buf[: plan.nbytes])
+        patch = self._patch(p, plan) if checked else None
+        if patch is not None:  # a delta bucket: checked from the copy's sums, before the engine is touched
+            ours = patch[1]
+            verify(plan.index, ours, sender_checksum)
+        elif checked and not p.applied_any:
+            ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
             verify(plan.index, ours, sender_checksum)
         if not self._holding:
             self._pause_engine(p)
@@ -54,17 +63,45 @@ class InPlaceApply(ApplyStrategy):
             if self.host.left_behind(p):
                 raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
             p.applied_any = True
+            if patch is not None and self._write_sparse(p, plan, buf, patch[0]):
+                return ours, False
             copied, deferred = (
                 self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
             )
             if copied is None:
                 if checked and ours is None:
-                    ours = bucket_checksum(buf[: plan.nbytes])
+                    ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
                     verify(plan.index, ours, sender_checksum)
                 self._load(p, plan, buf)
             elif ours is None:  # the first bucket keeps the sum checked before the write
                 ours = copied
         return ours, deferred
+
+    def _keeper(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor):
+        return self.host.delta_base.sums_keeper(p.manifest.sync_id, plan.index, buf)
+
+    def _patch(self, p: PendingSync, plan: BucketPlan):
+        """(what the delta wrote, the resulting bucket's checksum) for a delta bucket onto a copy
+        with known sums, else None."""
+        if p.dequantizer is not None:
+            return None
+        return self.host.delta_base.patch(p.manifest.sync_id, plan.index)
+
+    def _write_sparse(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, applied) -> bool:
+        """Write only the words the delta changed, where the engine holds exactly the base copy's
+        bytes in parameters of the bucket's layout; False (nothing written) otherwise."""
+        base = self.host.delta_base
+        if not base.sparse_ok(p.manifest.sync_id):
+            return False
+        params = self.host.engine.writable_params([slot.meta for slot in plan.slots])
+        if not writable(params):
+            return False
+        words = slot_words(plan, p.manifest.layout_digest, applied, buf)
+        if words is None:
+            return False
+        write(words, params, applied.word)
+        base.engine_wrote(p.manifest.sync_id, plan.index, params)
+        return True
 
     def _write_direct(
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
@@ -78,9 +115,11 @@ class InPlaceApply(ApplyStrategy):
         params = self.host.engine.writable_params([slot.meta for slot in plan.slots])
         if params is None:
             return None, False
-        copied = copy_into(plan, buf, params, wait=not defer_check)
+        copied = copy_into(plan, buf, params, wait=not defer_check, sums_to=self._keeper(p, plan, buf))
         if copied is None:  # declined (a parameter not laid out for it)
             return None, False
+        # byte for byte, and the sync commits only once its checksum matched
+        self.host.delta_base.engine_wrote(p.manifest.sync_id, plan.index, params)
         if defer_check:
             p.defer(plan.index, copied, sender_checksum)
             return copied, True
@@ -143,3 +182,13 @@ class InPlaceApply(ApplyStrategy):
         if self._holding:
             self._holding = False
             self.host.engine_lock.release()
+
+
+def _checksum(buf: torch.Tensor, keep) -> int:
+    """checksum.bucket_checksum of `buf`, its word sums handed to `keep` (the delta base's, or None)."""
+    n = buf.numel()
+    whole = n - n % 4
+    sums = word_sums(buf[:whole].view(torch.int32))
+    if keep is not None:
+        keep(sums)
+    return from_sums(sums, buf[whole:], n)

@@ -3,6 +3,11 @@
 The engine keeps serving the old version while bytes stream, and an abort just drops the staging
 copy; it costs a host copy of the weights. Each bucket is copied out of the sender's buffer and
 checked in one pass (weightsync/bus/verified_copy.py) before anything enters the staging copy.
+
+A delta bucket (rollout_svc/sync/delta_base.py) is checked from the base copy's word sums instead;
+where the engine holds exactly the base copy's bytes, in parameters of the bucket's layout (shown
+at an earlier commit, which wrote them byte for byte), only the changed words are staged and written
+at commit (sparse_write.py); otherwise the whole bucket is staged as above.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
+from rollout_svc.sync.sparse_write import slot_words, writable, write
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
@@ -29,13 +35,23 @@ class StagedApply(ApplyStrategy):
     def __init__(self, host: SyncHost):
         super().__init__(host)
         self._holding = False  # the commit holds the engine gate (guarded by host.state_lock)
+        #: (layout digest, bucket index) whose tensors a commit wrote byte for byte into parameters
+        #: of their exact layout: a delta bucket of these may be staged as its changed words
+        self._exact: set[tuple[str, int]] = set()
 
     def consume(
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
     ) -> tuple[object, bool]:
         ours, deferred = None, False
+        if p.manifest.checksum_algo and p.dequantizer is None:
+            ours = self._stage_sparse(p, plan, buf, sender_checksum)
+            if ours is not None:
+                return ours, False
+        with p.lock:
+            p.staged_plans.append(plan)
         if p.manifest.checksum_algo:
-            flat, ours = copy_bucket(plan, buf, wait=not defer_check)
+            keep = self.host.delta_base.sums_keeper(p.manifest.sync_id, plan.index, buf)
+            flat, ours = copy_bucket(plan, buf, wait=not defer_check, sums_to=keep)
             if defer_check:
                 p.defer(plan.index, ours, sender_checksum)
                 deferred = True
@@ -47,6 +63,26 @@ class StagedApply(ApplyStrategy):
         with p.lock:
             p.staging.update(staged)
         return ours, deferred
+
+    def _stage_sparse(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None
+    ) -> int | None:
+        """Stage a delta bucket as its changed words, checked first from the copy's sums: its
+        checksum, or None (nothing staged) when it is not a delta bucket or the engine does not
+        hold the base copy's bytes."""
+        sync_id = p.manifest.sync_id
+        base = self.host.delta_base
+        patch = base.patch(sync_id, plan.index)  # taken either way: what the delta wrote is kept until then
+        if patch is None or (p.manifest.layout_digest, plan.index) not in self._exact or not base.sparse_ok(sync_id):
+            return None
+        applied, ours = patch
+        verify(plan.index, ours, sender_checksum)
+        words = slot_words(plan, p.manifest.layout_digest, applied, buf)
+        if words is None:
+            return None
+        with p.lock:
+            p.sparse.append((plan, words, applied.word, buf, ours))
+        return ours
 
     def take_engine_for_commit(self, p: PendingSync) -> None:
         """Wait until no generation pins the engine, no longer than the sync may last.
@@ -78,9 +114,38 @@ class StagedApply(ApplyStrategy):
     def apply(self, p: PendingSync) -> None:
         engine = self.host.engine
         self.host.state = S.APPLYING
-        engine.load_weights(p.loadable(p.staging.items()))
+        sparse, whole = [], []
+        for plan, words, word, buf, ours in p.sparse:
+            params = engine.writable_params([slot.meta for slot in plan.slots])
+            if writable(params):
+                sparse.append((plan, words, word, params))
+            else:  # no longer offered: the whole bucket from the base copy (this sync's until the next prepare)
+                flat, copied = copy_bucket(plan, buf)
+                verify(plan.index, copied, ours)
+                whole.extend(unpack_bucket(plan, flat))
+        engine.load_weights(p.loadable([*p.staging.items(), *whole]))
+        for plan, words, word, params in sparse:
+            write(words, params, word)
+            self.host.delta_base.engine_wrote(p.manifest.sync_id, plan.index, params)
         p.check_complete()
         engine.flush_cache()
+        self._note_exact(p)
+
+    def _note_exact(self, p: PendingSync) -> None:
+        """Which buckets load_weights wrote byte for byte: checked, unquantized, into parameters of
+        their exact dtype and layout (a same-dtype copy)."""
+        if p.dequantizer is not None or not p.manifest.checksum_algo:
+            return
+        engine, digest = self.host.engine, p.manifest.layout_digest
+        for plan in p.staged_plans:
+            params = engine.writable_params([slot.meta for slot in plan.slots])
+            if writable(params):
+                self._exact.add((digest, plan.index))
+                self.host.delta_base.engine_wrote(p.manifest.sync_id, plan.index, params)
+            else:
+                self._exact.discard((digest, plan.index))
+        if len(self._exact) > 1 << 16:  # layouts change rarely
+            self._exact.clear()
 
     def release(self) -> None:
         if self._holding:

@@ -54,6 +54,11 @@ class PendingSync:
     #: the trainer writes every bucket into the engine itself (CUDA IPC, trainer_writes): no bucket
     #: arrives here, and the commit's checksums are those of what it wrote
     trainer_writes: bool = False
+    #: staged apply: the buckets staged whole, and the delta buckets kept as their changed words
+    #: alone (plan, sparse_write.SlotWords list, word bytes, the base copy's bucket, its checksum), written
+    #: at commit
+    staged_plans: list = field(default_factory=list)
+    sparse: list = field(default_factory=list)
 
     def trainer_wrote(self, checksums: dict[int, int]) -> None:
         """At commit of a trainer-writes sync: every bucket is in, with the trainer's checksums."""

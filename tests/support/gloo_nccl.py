@@ -81,6 +81,11 @@ class GlooSender(BucketSender):
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
         self.group.broadcast(buf[: plan.nbytes].cpu().contiguous())
 
+    def framed(self):
+        from weightsync.bus.nccl.framed import FramedSender
+
+        return FramedSender(self.group)
+
 
 class GlooReceiver(BucketReceiver):
     def __init__(self, group: GlooGroup, buckets):

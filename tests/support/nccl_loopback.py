@@ -38,6 +38,15 @@ class LoopbackGroup:
     def healthy(self) -> bool:
         return not (self.broken or self.room.broken)
 
+    def broadcast(self, buf, timeout: float | None = None) -> None:
+        """`buf` from rank 0 into every other rank's `buf` (same size), as the plain stream's
+        buckets go (the framed stream's frames: weightsync/bus/nccl/framed.py)."""
+        if self.rank == 0:
+            LoopbackSender(self).send(_Whole(buf.numel()), buf, None)
+            return
+        item, _ = LoopbackReceiver(self).recv(_Whole(buf.numel()), timeout or self.timeout)
+        buf.copy_(item)
+
     def abort(self, reason: str) -> None:
         # An aborted rank fails the collective for everyone (real NCCL: their waits time out).
         self.broken = self.broken or reason
@@ -45,6 +54,13 @@ class LoopbackGroup:
             self.room.broken = self.room.broken or f"rank {self.rank}: {reason}"
         for q in self.room.queues.values():
             q.put(_BROKEN)
+
+
+class _Whole:
+    """A plan of a whole buffer (a frame of the framed stream)."""
+
+    def __init__(self, nbytes: int):
+        self.index, self.nbytes = -1, nbytes
 
 
 class LoopbackSender(BucketSender):
@@ -74,6 +90,11 @@ class LoopbackSender(BucketSender):
 
     def failures(self) -> dict[str, str]:
         return {}
+
+    def framed(self):
+        from weightsync.bus.nccl.framed import FramedSender
+
+        return FramedSender(self.group)
 
     def close(self) -> None:
         pass

@@ -257,8 +257,11 @@ def encode(new: torch.Tensor, base: torch.Tensor, word: int, d: Diff | torch.Ten
     return payload
 
 
-def apply_delta(payload: torch.Tensor, base: torch.Tensor) -> None:
-    """Write the delta in `payload` onto `base` (flat uint8, modified in place)."""
+def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | None = None) -> Applied:
+    """Write the delta in `payload` onto `base` (flat uint8, modified in place): the sorted positions
+    of the words written and, given `sums` (checksum.word_sums of `base`'s whole 32-bit words
+    before), those of the result, from the words written alone: each step's old and new 32-bit
+    words that hold a written word (a word two steps share is counted in both: the changes add up)."""
     if payload.numel() < _HDR.size:
         raise TransportError(f"delta payload of {payload.numel()} bytes is shorter than its header")
     kind, word, width, _, entries = _HDR.unpack(bytes(payload[: _HDR.size].cpu().numpy()))
@@ -279,10 +282,40 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor) -> None:
     values = body[pos_bytes:].clone().view(_WORD[word])
     # checked in full before anything is written; then written step by step (small temporaries)
     steps = _bitmap_steps(raw, nwords, entries, base.device) if kind == BITMAP else _gap_steps(raw, width, nwords)
-    words, done = _words(base, word), 0
+    words, done, written = _words(base, word), 0, []
+    ints = base[: base.numel() - base.numel() % 4].view(torch.int32) if sums is not None else None
+    if sums is not None:
+        sums = sums.clone()
     for pos in steps():
+        at = _int_words(pos, word, ints.numel()) if ints is not None else None
+        if at is not None:
+            sums -= word_sums(ints.index_select(0, at))
         words[pos] = values[done : done + pos.numel()]
+        if at is not None:
+            sums += word_sums(ints.index_select(0, at))
         done += pos.numel()
+        written.append(pos)
+    empty = torch.empty(0, dtype=torch.int64, device=base.device)
+    return Applied(word, _cat(written) if written else empty, sums)
+
+
+@dataclass
+class Applied:
+    """What apply_delta wrote: the written words' sorted positions (`word` bytes each) and, if it
+    was given the base's word sums, the result's."""
+
+    word: int
+    positions: torch.Tensor
+    sums: torch.Tensor | None
+
+
+def _int_words(pos: torch.Tensor, word: int, n: int) -> torch.Tensor:
+    """The distinct 32-bit words (of the first `n`) that hold the `word`-byte words at sorted `pos`:
+    a bucket's last bytes past its whole 32-bit words are not in the sums (checksum.from_sums)."""
+    at = pos if word == 4 else torch.unique_consecutive(pos >> (2 if word == 1 else 1))
+    if at.numel() and int(at[-1]) >= n:
+        at = at[: int(torch.searchsorted(at, n))]
+    return at
 
 
 def _bitmap_steps(raw: torch.Tensor, nwords: int, entries: int, device: torch.device):

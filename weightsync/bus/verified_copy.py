@@ -16,7 +16,7 @@ sender's and say what to do with bytes already copied.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,9 @@ def pending_values(pending: list[PendingChecksum]) -> list[int]:
     return from_many_sums([p.sums for p in pending], [p.tail for p in pending], [p.nbytes for p in pending])
 
 
-def _result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool):
+def _result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool, sums_to=None):
+    if sums_to is not None:
+        sums_to(sums)
     if wait:
         return from_sums(sums, buf[end:n], n)
     ready = None
@@ -100,12 +102,19 @@ def _regions(plan: BucketPlan) -> list[tuple[int, int, int]]:
     return regions
 
 
-def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool = True):
+def copy_into(
+    plan: BucketPlan,
+    buf: torch.Tensor,
+    dests: Sequence[torch.Tensor],
+    wait: bool = True,
+    sums_to: Callable[[torch.Tensor], None] | None = None,
+):
     """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
     dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
     not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way.
     `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
-    `buf` unchanged until it has read the value)."""
+    `buf` unchanged until it has read the value). `sums_to`: given the word sums of `buf`'s whole
+    words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py)."""
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     _check_buf(plan, buf)
@@ -118,10 +127,10 @@ def copy_into(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
         sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
             _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
-        return _result(sums, buf, end, n, wait)
+        return _result(sums, buf, end, n, wait, sums_to)
     sums = _scatter_cuda(words, _regions(plan), dests)
     _copy_partial_words(plan, buf, dests)
-    return _result(sums, buf, end, n, wait)
+    return _result(sums, buf, end, n, wait, sums_to)
 
 
 def _laid_out(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> bool:
@@ -281,13 +290,15 @@ def many_rows(plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: 
     return checksum_cuda.scatter_many_rows(buckets)
 
 
-def copy_bucket(plan: BucketPlan, buf: torch.Tensor, wait: bool = True):
+def copy_bucket(
+    plan: BucketPlan, buf: torch.Tensor, wait: bool = True, sums_to: Callable[[torch.Tensor], None] | None = None
+):
     """A copy of the bucket's bytes (a new flat buffer on `buf`'s device) and their checksum (a
-    PendingChecksum with `wait=False`, as for copy_into)."""
+    PendingChecksum with `wait=False`, as for copy_into; `sums_to` as there)."""
     _check_buf(plan, buf)
     n = plan.nbytes
     out = torch.empty(n, dtype=torch.uint8, device=buf.device)
     end = n - n % 4
     sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
     out[end:].copy_(buf[end:n])
-    return out, _result(sums, buf, end, n, wait)
+    return out, _result(sums, buf, end, n, wait, sums_to)

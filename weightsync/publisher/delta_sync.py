@@ -17,10 +17,17 @@ deterministic at one version — replaces them, so a rollout on the earlier byte
 rather than a delta that would fail its checksum. (Packing zeroes the alignment gaps between
 tensors for the same reason: weightsync/bus/pack.py.)
 
-Which syncs: delta is carried by tcp (the link is the bottleneck there). `auto` picks full for ipc
-(a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more HBM
-passes — compare, read the base, write it back — than it saves) and for nccl (the delta frames are
-tcp's); `delta` on ipc or nccl is refused with an error. With several senders (multisender.py)
+Which syncs: delta is carried by tcp (the link is the bottleneck there) and by nccl from one
+sender (its buckets then go framed: weightsync/bus/nccl/framed.py; a broadcast reaches every member
+alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
+ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more
+HBM passes — compare, read the base, write it back — than it saves) and for nccl: measured on an
+H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (docs/BENCHMARKS.md,
+"Delta over NCCL"), so a delta sync takes longer than a full one on any NCCL link from ~90 Gb/s up
+(NVLink within a host; 100-400 Gb/s between hosts). `delta` forces it on nccl (a slower link between
+hosts), and is refused on ipc. A multi-sender nccl stream goes in full. On nccl the trainer's base is
+kept where it exports (its GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
+With several senders (multisender.py)
 each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share
 of the export) and rank 0 keeps only the base's name: a rank uses its part only when its last
 stream is the one rank 0 names (DeltaRankJob.base), so a rank whose part was dropped, or a base
@@ -52,7 +59,7 @@ log = logging.getLogger(__name__)
 
 ENCODINGS = ("full", "delta", "auto")
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
-DELTA_TRANSPORTS = ("tcp",)
+DELTA_TRANSPORTS = ("tcp", "nccl")
 #: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
 _MAX_STREAMS = 64
 
@@ -100,6 +107,11 @@ class DeltaBase:
             return "sync_encoding=full"
         if transport not in DELTA_TRANSPORTS:
             return f"transport {transport}"
+        if transport == "nccl":
+            if len(manifest.senders) > 1:
+                return "a multi-sender nccl stream (each sender's group would need frames of its own)"
+            if self.encoding == "auto":
+                return "auto on nccl (the GPU compare is slower than NCCL links from ~90 Gb/s; delta forces it)"
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:
@@ -111,7 +123,7 @@ class DeltaBase:
         if self.encoding == "delta" and transport not in DELTA_TRANSPORTS:
             raise ValueError(
                 f"sync_encoding=delta is carried by {', '.join(DELTA_TRANSPORTS)} only, not transport={transport}: "
-                "set sync_encoding=auto (full on ipc and nccl) or sync over tcp"
+                "set sync_encoding=auto (full on ipc) or sync over tcp or nccl"
             )
 
     def drop(self) -> None:
@@ -140,10 +152,20 @@ class DeltaStream:
     #: every bucket so far was compared with the base and found unchanged
     unchanged: bool = True
 
-    def channel(self, inner: BucketSender) -> BucketSender:
-        """`inner`, sending deltas to the targets that accepted the base and keeping every bucket."""
+    def channel(self, inner: BucketSender, targets: set[str] | None = None) -> BucketSender:
+        """`inner`, sending deltas to the targets that accepted the base and keeping every bucket.
+        A collective channel (one that has `framed()`: nccl) sends every target the same frames:
+        framed once a base was offered (the rollouts expect frames then), and deltas only when all
+        of `targets` (the prepared ones) accepted."""
         if not self.keep:
             return inner
+        if hasattr(inner, "framed"):
+            if self.offer is None:
+                return _DeltaChannel(inner, self)  # plain dense broadcasts, kept as the next base
+            inner = inner.framed()
+            if self.accepted != set(targets or ()):
+                self.accepted.clear()  # someone takes it dense: everyone does
+            return _DeltaChannel(inner, self)
         if self.accepted:
             inner.delta_targets = set(self.accepted)
         return _DeltaChannel(inner, self)

@@ -196,7 +196,9 @@ class StreamPhase:
 
     def _send(self, export, in_place) -> list[int]:
         a = self.attempt
-        channel = a.delta.channel(self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()))
+        channel = a.delta.channel(
+            self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()), set(a.prepared)
+        )
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in a.prepared.items() if resp.commit_on_stream and not a.linked(rid)]
@@ -243,6 +245,9 @@ class StreamPhase:
             sender.seconds = time.perf_counter() - t0
             sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
             self._wire = dict(getattr(channel, "wire_bytes", {}))
+            framed = getattr(channel, "wire_bytes_sent", None)  # a framed collective: every member took it all
+            if framed is not None:
+                self._wire = dict.fromkeys(a.prepared, framed)
             for rid, err in channel.failures().items():
                 if rid in a.prepared:
                     a.prepared.pop(rid)

@@ -147,6 +147,13 @@ class NcclBucketSender(BucketSender):
     def failures(self) -> dict[str, str]:
         return {}
 
+    def framed(self):
+        """This group's sender of framed buckets (dense or delta: weightsync/bus/nccl/framed.py)."""
+        from weightsync.bus.nccl.framed import FramedSender
+
+        self.flush()
+        return FramedSender(self.group)
+
     def close(self) -> None:
         self._inflight.clear()
 

@@ -31,6 +31,7 @@ import torch
 from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import require_cuda, uuid_of
+from weightsync.bus.nccl.framed import FramedReceiver
 from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.libnccl import UNIQUE_ID_BYTES
 from weightsync.bus.plan import Manifest
@@ -153,7 +154,8 @@ class NcclReceiver(LazyBus, RolloutEnd):
         n.device_uuid = self.device_uuid()
 
     def receive(self, manifest: Manifest, spec: bus_pb2.TransportSpec, deadline: float, resp) -> None:
-        self.start(manifest, spec.nccl, deadline)
+        # the trainer offered a delta base (answered either way): every bucket comes framed (framed.py)
+        self.start(manifest, spec.nccl, deadline, framed=resp.delta_accepted or bool(resp.delta_refusal))
 
     def supersede(self, reason: str) -> None:
         self.cancel_active(reason)
@@ -245,9 +247,10 @@ class NcclReceiver(LazyBus, RolloutEnd):
             ids.add(g.group_id)
         return groups
 
-    def start(self, manifest: Manifest, spec: bus_pb2.NcclTransport, deadline: float) -> None:
+    def start(self, manifest: Manifest, spec: bus_pb2.NcclTransport, deadline: float, framed: bool = False) -> None:
         """Join (or reuse) each sender's group and receive its buckets of the prepared `manifest`,
-        one thread per sender."""
+        one thread per sender. `framed`: the buckets come as frames, dense or delta (framed.py), and
+        this rollout keeps them as its delta base (rollout_svc/sync/delta_base.py)."""
         groups = sender_groups(spec)
         with self._lock:
             self._cancel_locked(f"superseded by sync {manifest.sync_id}")
@@ -262,7 +265,7 @@ class NcclReceiver(LazyBus, RolloutEnd):
                 part = _Part(group=None if g.new_group else (held[0] if held else None))
                 part.thread = threading.Thread(
                     target=self._receive,
-                    args=(job, part, g, manifest, spec, deadline),
+                    args=(job, part, g, manifest, spec, deadline, framed),
                     name=f"nccl-recv-{manifest.sync_id}-s{g.sender}",
                     daemon=True,
                 )
@@ -279,6 +282,7 @@ class NcclReceiver(LazyBus, RolloutEnd):
         manifest: Manifest,
         spec: bus_pb2.NcclTransport,
         deadline: float,
+        framed: bool = False,
     ) -> None:
         key = (g.group_id, spec.world_size, spec.rank_offset)
         try:
@@ -309,7 +313,12 @@ class NcclReceiver(LazyBus, RolloutEnd):
             group = part.group
             group.timeout = max(0.001, deadline - time.monotonic())
             mine = manifest.buckets_of(g.sender)
-            rx = _CountingReceiver(self.bus.receiver(group, mine), group, len(mine))
+            if framed:
+                base = getattr(self.tx, "delta_base", None)
+                inner = FramedReceiver(group, mine, base.for_sync(manifest.sync_id) if base is not None else None)
+            else:
+                inner = self.bus.receiver(group, mine)
+            rx = _CountingReceiver(inner, group, len(mine))
             with self._lock:
                 if job.cancelled:
                     raise SyncError(f"sync aborted before receiving ({job.cancelled})")

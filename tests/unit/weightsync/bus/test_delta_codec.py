@@ -86,3 +86,40 @@ def test_word_is_one_byte_for_fp8_buckets():
     assert word_bytes(plans[0]) == 1
     plans = plan_buckets(metas[:1], 1 << 20)
     assert word_bytes(plans[0]) == 2
+
+
+@pytest.mark.parametrize(
+    "nbytes,fraction,word,step",
+    [
+        (1 << 20, 0.02, 2, 0),  # gaps
+        (1 << 20, 0.30, 2, 0),  # bitmap
+        ((1 << 16) + 3, 0.02, 1, 0),  # fp8 words, and a tail past the last whole 32-bit word
+        (1 << 20, 0.02, 2, 1001),  # steps of 1001 gaps: a 32-bit word's two halves written in two steps
+        (1 << 20, 0.30, 2, 1001),  # bitmap steps of 1001 bytes
+    ],
+)
+def test_apply_gives_the_written_positions_and_the_results_word_sums(nbytes, fraction, word, step, monkeypatch):
+    from weightsync.bus import delta
+    from weightsync.bus.checksum import bucket_checksum, from_sums, word_sums
+
+    if step:
+        monkeypatch.setattr(delta, "_STEP_ENTRIES", step)
+
+    new, base = _pair(nbytes, fraction, word)
+    whole = nbytes - nbytes % 4
+    payload = encode(new, base, word)
+    out = base.clone()
+    applied = apply_delta(payload, out, word_sums(base[:whole].view(torch.int32)))
+    assert torch.equal(out, new)
+    assert torch.equal(applied.sums, word_sums(new[:whole].view(torch.int32)))
+    assert from_sums(applied.sums, new[whole:], nbytes) == bucket_checksum(new)
+    w = lambda b: b.view(torch.int16) if word == 2 else b  # noqa: E731
+    changed = (w(new) != w(base)).nonzero().squeeze(1)
+    assert set(changed.tolist()) <= set(applied.positions.tolist())  # fillers rewrite unchanged words
+    assert torch.all(applied.positions[1:] > applied.positions[:-1])
+    # a wrong base gives other sums: the result's checksum then differs from the sender's
+    wrong = base.clone()
+    wrong[5] ^= 1
+    bad = apply_delta(payload, wrong.clone(), word_sums(wrong[:whole].view(torch.int32)))
+    assert from_sums(bad.sums, new[whole:], nbytes) != bucket_checksum(new)
+    assert apply_delta(payload, base.clone()).sums is None  # no sums given: none derived

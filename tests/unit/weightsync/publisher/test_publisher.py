@@ -86,8 +86,8 @@ def test_bad_options_are_refused_naming_them(tmp_path):
         Publisher({"x": (3,)}, **LOOPBACK)
     with pytest.raises(ValueError, match="sync_encoding='sometimes' must be full, delta or auto"):
         Publisher(SPEC, sync_encoding="sometimes", **LOOPBACK)
-    with pytest.raises(ValueError, match="sync_encoding=delta is carried by tcp only, not transport=nccl"):
-        Publisher(SPEC, sync_encoding="delta", transport="nccl", **LOOPBACK)
+    with pytest.raises(ValueError, match="sync_encoding=delta is carried by tcp, nccl only, not transport=ipc"):
+        Publisher(SPEC, sync_encoding="delta", transport="ipc", **LOOPBACK)
     with pytest.raises(ValueError, match="delta_base_mb=-1"):
         Publisher(SPEC, delta_base_mb=-1, **LOOPBACK)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 
@@ -147,3 +148,40 @@ def test_unknown_or_owned_options_are_refused_before_the_engine_starts(fake_sgla
     with pytest.raises(ValueError, match=match):
         SglangEngine.from_rollout_config(cfg.inference)
     assert fake_sglang.built == []
+
+
+@pytest.mark.parametrize("before", [None, "1"])
+@pytest.mark.parametrize("starts", [True, False])
+def test_sglangs_nccl_cumem_setting_stays_out_of_the_rollout_process(
+    fake_sglang, model_dir, monkeypatch, before, starts
+):
+    """SGLang's Engine() sets NCCL_CUMEM_ENABLE=0 in the process that builds it unless it is set already
+    (`_set_envs_and_config`, 0.5.10 and 0.5.23). That process is rollout-svc's, whose own NCCL transport must
+    agree on cuMem with the trainer's NCCL: with SGLang's 0 left behind, the first NCCL sync into an SGLang
+    rollout failed ncclCommInitRank ("unhandled cuda error") on two H100s. SGLang's ranks keep SGLang's value."""
+    from rollout_svc.engine.sglang_engine import SglangEngine
+
+    seen = []
+
+    class EnvSettingEngine(fake_sglang):
+        def __init__(self, **kwargs):
+            if "NCCL_CUMEM_ENABLE" not in os.environ:  # as SGLang does
+                os.environ["NCCL_CUMEM_ENABLE"] = "0"
+            seen.append(os.environ["NCCL_CUMEM_ENABLE"])  # what its spawned schedulers inherit
+            if not starts:
+                raise RuntimeError("scheduler died")
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(sys.modules["sglang.srt.entrypoints.engine"], "Engine", EnvSettingEngine)
+    if before is None:
+        monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_CUMEM_ENABLE", before)
+    cfg = _resolve(["--engine", "sglang", "--model", model_dir])
+    if starts:
+        SglangEngine.from_rollout_config(cfg.inference)
+    else:
+        with pytest.raises(RuntimeError, match="scheduler died"):
+            SglangEngine.from_rollout_config(cfg.inference)
+    assert seen == [before or "0"]
+    assert os.environ.get("NCCL_CUMEM_ENABLE") == before

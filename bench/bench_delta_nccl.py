@@ -1,0 +1,225 @@
+"""Full vs delta syncs over NCCL between two GPUs, through the services; and the delta codec on CUDA.
+
+`--codec`: the codec alone on one GPU, per GB of buckets at `--density` of bf16 values changed:
+the trainer's compare and encode (delta.diff + delta.encode), the rollout's apply with the base's
+word sums (delta.apply_delta), next to a plain device copy of the same bytes; checked exact.
+
+Otherwise: a TrainerApp (hf, bf16, on cuda:0) and a RolloutApp (built-in engine, on cuda:1) in
+this process, transport nccl (libnccl), `--shape` of bench_services.MODELS. Each timed sync first
+changes `--density` of the trainer's values, then, alternating `--reps` times: a full sync
+(sync_encoding=full) and a delta sync (sync_encoding=delta, forced: both GPUs are on one host, where
+auto picks full; after two untimed syncs that give both ends the base). Bit-exact after the last.
+Run it once as is (NVLink / P2P) and once with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL's socket
+transport over loopback: a stand-in for a link between hosts, which this machine does not have).
+
+    python bench/bench_delta_nccl.py --codec --out bench/results/results_delta_codec_gpu_<date>.json
+    python bench/bench_delta_nccl.py --shape 1.5b --reps 3 --out bench/results/results_delta_nccl_gpu_<date>.json
+
+The 1.5B shape's setup (both models built in this process) took over 60 s on an H100 host: give a run
+several minutes. The script itself runs on CPU over the gloo stand-in (a check, not a measurement):
+    WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus python bench/bench_delta_nccl.py --shape "" \
+        --trainer-device cpu --rollout-device cpu --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+
+def _time(fn, reps: int) -> float:
+    """Median seconds of `fn` on the GPU (synchronized around each call)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def codec(args) -> dict:
+    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.delta import apply_delta, diff, encode
+
+    dev = torch.device("cuda:0")
+    n = args.bucket_mb << 20
+    buckets = max(1, (args.gb << 30) // n)
+    g = torch.Generator(device=dev).manual_seed(0)
+    bases = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g) for _ in range(buckets)]
+    news = []
+    for b in bases:
+        new = b.clone()
+        w = new.view(torch.int16)
+        pos = (torch.rand(w.numel(), device=dev, generator=g) < args.density).nonzero().squeeze(1)
+        w[pos] ^= 0x21
+        news.append(new)
+    sums = [word_sums(b.view(torch.int32)) for b in bases]
+    payloads = [encode(nw, b, 2, diff(nw, b, 2)) for nw, b in zip(news, bases)]
+    for p, b, nw, s in zip(payloads, bases, news, sums):  # correct first
+        c = b.clone()
+        a = apply_delta(p, c, s)
+        assert torch.equal(c, nw) and torch.equal(a.sums, word_sums(nw.view(torch.int32)))
+    copies = [b.clone() for b in bases]
+
+    def trainer_side():
+        for nw, b in zip(news, bases):
+            encode(nw, b, 2, diff(nw, b, 2))
+
+    def rollout_side():
+        for p, c, s in zip(payloads, copies, sums):
+            apply_delta(p, c, s)  # onto a copy already patched: the same writes, the same work
+
+    def plain_copy():
+        for c, b in zip(copies, bases):
+            c.copy_(b)
+
+    total = n * buckets
+    res = {}
+    for name, fn in (("diff_encode", trainer_side), ("apply_with_sums", rollout_side), ("device_copy", plain_copy)):
+        fn()  # warm
+        s = _time(fn, args.reps)
+        res[name] = {"seconds": s, "s_per_gb": s / (total / 1e9), "gb_per_s": total / 1e9 / s}
+        print(f"{name}: {s * 1e3:.1f} ms for {total / 1e9:.2f} GB: {res[name]['gb_per_s']:.1f} GB/s", flush=True)
+    res["payload_ratio"] = sum(p.numel() for p in payloads) / total
+    return {"bytes": total, "bucket_mb": args.bucket_mb, "buckets": buckets, "density": args.density, "results": res}
+
+
+def services(args) -> dict:
+    from transformers import Qwen2Config
+
+    from bench.bench_delta import MODEL, _change, _row, _shape
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+    from trainer_svc.app import TrainerApp
+    from trainer_svc.config import TrainerConfig
+    from weightsync.control.client import channel, trainer_stub
+    from weightsync.v1 import trainer_pb2
+
+    model = _shape(args.shape, args.layers) if args.shape else MODEL
+    work = Path(tempfile.mkdtemp(prefix="bench-delta-nccl-"))
+    Qwen2Config(**model).save_pretrained(str(work / "model"))
+    t0 = time.perf_counter()
+    trainer = TrainerApp(
+        TrainerConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            backend="hf",
+            model=str(work / "model"),
+            device=args.trainer_device,
+            export_dtype="bfloat16",
+            param_dtype="bfloat16",
+            bucket_mb=args.bucket_mb,
+            sync_timeout_s=600.0,
+            auto_sync_new_rollouts=False,
+            sync_encoding="delta",
+            transport="nccl",
+            liveness_timeout_s=60.0,
+        )
+    )
+    trainer.start()
+    rollout = RolloutApp(
+        RolloutConfig.from_flat(
+            grpc_address="127.0.0.1:0",
+            http_address="127.0.0.1:0",
+            model=str(work / "model"),
+            dtype="bfloat16",
+            device=args.rollout_device,
+            rollout_id="r0",
+            apply_mode=args.apply_mode,
+        )
+    )
+    rollout.start()
+    g = torch.Generator().manual_seed(0)
+
+    def sync(encoding: str) -> trainer_pb2.SyncReport:
+        _change(trainer.actor.model, args.density, g)
+        trainer.actor.version += 1
+        trainer.orch.delta.encoding = encoding
+        rep = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report
+        if not rep.ok:
+            raise RuntimeError(f"sync ({encoding}) failed: {[r.error for r in rep.rollouts]}")
+        return rep
+
+    try:
+        with channel(trainer.grpc.address) as ch:
+            stub = trainer_stub(ch, "", 600)
+            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r0", address=rollout.grpc.address))
+            setup_s = time.perf_counter() - t0
+            sync("full")  # the group's build and the first touches, untimed
+            runs: dict[str, list[dict]] = {"full": [], "delta": []}
+            for _ in range(args.reps):
+                runs["full"].append(_row(sync("full")))
+                sync("delta")  # kept by the trainer, not offered yet
+                sync("delta")  # offered, refused (no copy on the rollout), framed dense: kept by the rollout
+                runs["delta"].append(_row(sync("delta")))
+                assert runs["delta"][-1]["encoding"] == "delta", runs["delta"][-1]
+                print(
+                    f"nccl: full {runs['full'][-1]['seconds']:.3f}s  delta {runs['delta'][-1]['seconds']:.3f}s "
+                    f"(wire {runs['delta'][-1]['wire_bytes'] / runs['delta'][-1]['bytes']:.3f}x)",
+                    flush=True,
+                )
+        exact = all(
+            torch.equal(rollout.engine._target(n).cpu(), t.to(rollout.engine._target(n).dtype).cpu())
+            for n, t in trainer.actor.export_tensors()
+        )
+        med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+        return {
+            "shape": args.shape or "small",
+            "model": model,
+            "model_mb": runs["full"][-1]["bytes"] / 1e6,
+            "changed_fraction": args.density,
+            "bucket_mb": args.bucket_mb,
+            "apply_mode": args.apply_mode,
+            "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+            "setup_s": setup_s,
+            "runs": runs,
+            "median_s": med,
+            "speedup": med["full"] / med["delta"],
+            "bit_exact": exact,
+        }
+    finally:
+        rollout.stop()
+        trainer.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--codec", action="store_true", help="time the codec alone on cuda:0")
+    ap.add_argument("--gb", type=int, default=1, help="--codec: GB of buckets")
+    ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument("--shape", default="1.5b")
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=16)
+    ap.add_argument("--apply-mode", default="inplace", choices=("staged", "inplace"))
+    ap.add_argument("--trainer-device", default="cuda:0")
+    ap.add_argument("--rollout-device", default="cuda:1")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    result = codec(args) if args.codec else services(args)
+    result.update(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        command="python bench/bench_delta_nccl.py " + " ".join(sys.argv[1:]),
+    )
+    print(json.dumps({k: result[k] for k in ("median_s", "speedup", "bit_exact", "results") if k in result}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result.get("bit_exact", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
