@@ -10,9 +10,8 @@ later prepares name the table by id). The trainer validates every entry against 
 each allocation once, and its stream phase is one fused copy-and-checksum launch per packed bucket
 (weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction), or
 one launch for all of the actor's own in-place buckets (`copy_all_into`), straight into the engine's
-parameters. It
-synchronizes its stream, then commits with the sums of what that kernel read; the rollout (paused
-since its prepare, STALE if the sync aborts) records them as the version's checksums.
+parameters. It synchronizes its stream, then commits with the sums of what that kernel read; the
+rollout (paused since its prepare, STALE if the sync aborts) records them as the version's checksums.
 
 Guarantee, on this path only (docs/architecture.md, "Trainer writes"): the checksums are computed by
 the kernel that writes the destination, from the words it reads from the trainer's bucket, on the
