@@ -81,6 +81,12 @@ class BucketSender:
         raise NotImplementedError(f"{type(self).__name__} carries no commit")
 
 
+def drops_targets(channel) -> bool:
+    """Whether `channel` can take one target out of its stream (its class overrides `drop`): only then
+    is watching the targets' liveness during the stream of any use."""
+    return getattr(type(channel), "drop", BucketSender.drop) is not BucketSender.drop
+
+
 class BucketReceiver:
     def recv(self, plan: BucketPlan, timeout: float) -> tuple[torch.Tensor, int | None]:
         """Return (buffer holding the bucket's bytes, sender's checksum if the transport carries one).

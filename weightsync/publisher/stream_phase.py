@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from weightsync.bus.channel import drops_targets
 from weightsync.bus.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
@@ -259,6 +260,8 @@ class StreamPhase:
         """The watch that drops, from `channel`, the targets whose sync links fall silent mid-stream."""
         a = self.attempt
         timeout = getattr(a.rollouts, "liveness_timeout", None)  # None: no liveness signal to go by
+        if not drops_targets(channel):
+            timeout = None  # it keeps every target to the end (the deadline bounds it): no thread, no pings
         links = {}
         for rid in a.prepared if timeout else ():
             link = a.rollouts.link_of(a.by_id[rid])

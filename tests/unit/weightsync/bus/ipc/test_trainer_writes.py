@@ -373,3 +373,17 @@ def test_rollout_reads_never_asks_and_trainer_writes_fails_a_target_that_offers_
     assert "ipc_direction=trainer_writes: the rollout offers no destination table" in s.accept(_Entry("r"), _answer())
     s = _ipc_sender("auto", ipc).begin([_Entry("r")], "s1", 1 << 20)
     assert s.accept(_Entry("r"), _answer()) == "" and s.direction == "rollout_reads"  # staged, SGLang: it reads
+
+
+def test_only_a_channel_that_can_drop_a_target_has_its_targets_watched_mid_stream():
+    """The stream's liveness watch (a thread pinging every target's link) only serves a channel that can
+    drop one target (tcp); the trainer writing into the engine keeps its one target to the end."""
+    from weightsync.bus.channel import drops_targets
+    from weightsync.bus.ipc.sender import IpcStreamSender
+    from weightsync.bus.tcp.wire import TcpBucketSender
+    from weightsync.publisher.delta_sync import _DeltaChannel
+
+    assert not drops_targets(TrainerWriteSender.__new__(TrainerWriteSender))
+    assert not drops_targets(IpcStreamSender.__new__(IpcStreamSender))
+    assert drops_targets(TcpBucketSender.__new__(TcpBucketSender))
+    assert drops_targets(_DeltaChannel.__new__(_DeltaChannel))  # forwards drop to the tcp channel it wraps
