@@ -162,7 +162,11 @@ class BuiltinEngine(Engine):
         out = []
         for m in metas:
             p = self._target(m.name)
-            if p is None or tuple(p.shape) != tuple(m.shape) or p.dtype != m.dtype or not p.is_contiguous():
+            # a tensor that lives inside a fused parameter (checkpoint_names.SplitParam: MoE experts) is
+            # not its own storage: it loads through load_weights
+            if not isinstance(p, torch.Tensor):
+                return None
+            if tuple(p.shape) != tuple(m.shape) or p.dtype != m.dtype or not p.is_contiguous():
                 return None
             out.append(p.data)
         self.prefix_cache.flush()

@@ -53,3 +53,15 @@ def test_a_dense_model_keeps_its_parameters_as_they_are():
     views = checkpoint_views(model)
     assert views.keys() == dict(model.named_parameters()).keys()
     assert not any(isinstance(v, SplitParam) for v in views.values())
+
+
+def test_an_expert_inside_a_fused_parameter_is_not_offered_for_direct_writes():
+    # a sync writes received bytes straight into `writable_params`; an expert that lives inside a fused
+    # parameter is no storage of its own, so a bucket holding one must go through load_weights
+    eng = BuiltinEngine.from_config(resolve_model("tiny-qwen3-moe")[0], seed=1)
+    metas = eng.param_metas()
+    expert = next(m for n, m in metas.items() if ".experts.3.down_proj.weight" in n)
+    dense = next(m for n, m in metas.items() if n.endswith("input_layernorm.weight"))
+    assert eng.writable_params([dense, expert]) is None
+    (got,) = eng.writable_params([dense])
+    assert got.data_ptr() == eng._target(dense.name).data_ptr()
