@@ -17,52 +17,18 @@ import torch
 
 from rollout_svc.sync import apply_inplace, apply_staged
 from tests.support.fleet_sync import bump_and_sync_exactly
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.start()
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    bump_and_sync_exactly(trainer, rollouts, stub)  # every test starts from a committed base
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet(
+        {"staged": {"apply_mode": "staged"}, "inplace": {"apply_mode": "inplace"}}, sync_encoding="delta"
+    ) as fleet:
+        fleet.trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
+        bump_and_sync_exactly(*fleet)  # every test starts from a committed base
+        yield fleet
 
 
 class _Counts:

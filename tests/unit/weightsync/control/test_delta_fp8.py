@@ -13,51 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            export_dtype="fp8-block",
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.orch.bucket_bytes = 16 << 10  # several buckets
-    trainer.start()
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace"), ("fresh", "staged")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    modes = {"staged": "staged", "inplace": "inplace", "fresh": "staged"}
+    rollouts = {rid: {"apply_mode": mode} for rid, mode in modes.items()}
+    with local_fleet(rollouts, export_dtype="fp8-block", sync_encoding="delta") as fleet:
+        fleet.trainer.orch.bucket_bytes = 16 << 10  # several buckets
+        yield fleet
 
 
 def _change(trainer, fraction: float, seed: int) -> None:

@@ -14,23 +14,15 @@ import pytest
 import torch
 
 from tests.support.fleet_sync import bump_and_sync_exactly
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    trainer = start_trainer(sync_encoding="delta")
-    rollouts = {rid: start_rollout(rid, apply_mode=mode) for rid, mode in (("a", "staged"), ("b", "inplace"))}
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    bump_and_sync_exactly(trainer, rollouts, stub)  # every test starts from a committed base
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet({"a": {"apply_mode": "staged"}, "b": {"apply_mode": "inplace"}}, sync_encoding="delta") as fleet:
+        bump_and_sync_exactly(*fleet)  # every test starts from a committed base
+        yield fleet
 
 
 def _change(trainer, fraction: float = 0.02, seed: int = 0) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.local_apps import local_fleet
 from weightsync.bus.nccl import framed
 from weightsync.bus.nccl.sender import NcclSender
-from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
@@ -34,48 +34,15 @@ def _bus(kind: str):
 
 @pytest.fixture(scope="module", params=["loopback", "gloo"])
 def fleet(request):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     bus = _bus(request.param)
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 10.0)
-    trainer.start()
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.servicer.nccl._bus = bus
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet(
+        {"staged": {"apply_mode": "staged"}, "inplace": {"apply_mode": "inplace"}}, sync_encoding="delta"
+    ) as fleet:
+        fleet.trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 10.0)
+        fleet.trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
+        for app in fleet.rollouts.values():
+            app.servicer.nccl._bus = bus
+        yield fleet
 
 
 class _Frames:
