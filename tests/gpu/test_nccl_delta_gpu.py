@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fleet_sync import change_weights
 from weightsync.bus.nccl import framed
 
 pytestmark = pytest.mark.gpu
@@ -63,19 +64,10 @@ def fleet(request):
         yield trainer, apps["r"], stub
 
 
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = (torch.rand(p.shape, generator=g) < fraction).to(p.device)
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
-
-
 def _sync(trainer, stub, seed):
     from weightsync.v1 import trainer_pb2
 
-    _change(trainer, 0.02, seed)
+    change_weights(trainer, 0.02, seed)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report
     assert report.ok, [r.error for r in report.rollouts]
     return report
@@ -113,7 +105,7 @@ def test_delta_syncs_over_nccl_between_two_gpus_are_exact(fleet, monkeypatch):
     # a damaged copy on the rollout's GPU fails the commit by its checksum; the next sync is dense and exact
     buf = next(iter(app.tx.delta_base._bufs.values()))
     buf[:4096] ^= 0x10
-    _change(trainer, 0.02, 6)
+    change_weights(trainer, 0.02, 6)
     from weightsync.v1 import trainer_pb2
 
     report = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report

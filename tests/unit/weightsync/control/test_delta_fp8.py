@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fleet_sync import change_weights
 from tests.support.local_apps import local_fleet
 from weightsync.v1 import trainer_pb2
 
@@ -26,15 +27,6 @@ def fleet():
         yield fleet
 
 
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
-
-
 def _sync(stub, ids):
     report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp", rollout_ids=ids)).report
     assert report.ok, [r.error for r in report.rollouts]
@@ -46,7 +38,7 @@ def test_fp8_block_delta_syncs_are_bit_exact(fleet, monkeypatch):
 
     trainer, rollouts, stub = fleet
     pair = ["staged", "inplace"]
-    _change(trainer, 0.02, seed=0)
+    change_weights(trainer, 0.02, seed=0)
     _sync(stub, pair)  # both ends now hold the base
     words: list[int] = []  # the word size of every bucket encoded as a delta
     real_encode = delta_sync.encode
@@ -57,7 +49,7 @@ def test_fp8_block_delta_syncs_are_bit_exact(fleet, monkeypatch):
 
     monkeypatch.setattr(delta_sync, "encode", encode)
     for seed in (1, 2, 3):
-        _change(trainer, 0.02, seed=seed)
+        change_weights(trainer, 0.02, seed=seed)
         report = _sync(stub, pair)
         assert {r.encoding for r in report.rollouts} == {"delta"}, [r.encoding for r in report.rollouts]
         assert report.wire_bytes < report.bytes, (report.wire_bytes, report.bytes)

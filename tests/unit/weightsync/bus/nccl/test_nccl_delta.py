@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fleet_sync import change_weights
 from tests.support.local_apps import local_fleet
 from weightsync.bus.nccl import framed
 from weightsync.bus.nccl.sender import NcclSender
@@ -63,15 +64,6 @@ class _Frames:
         monkeypatch.setattr(framed.FramedSender, "send", send)
 
 
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
-
-
 def _sync(stub, ids=()):
     return stub.Sync(trainer_pb2.SyncRequest(transport="nccl", rollout_ids=list(ids))).report
 
@@ -90,7 +82,7 @@ def _to_base(trainer, rollouts, stub, seed: int) -> None:
     for i in range(3):
         if all(app.tx.delta_base.held is not None for app in rollouts.values()) and trainer.orch.delta.held:
             return
-        _change(trainer, 0.02, seed=seed + 100 + i)
+        change_weights(trainer, 0.02, seed=seed + 100 + i)
         report = _sync(stub)
         assert report.ok, [r.error for r in report.rollouts]
     raise AssertionError("the rollouts never held the base")
@@ -103,7 +95,7 @@ def test_delta_frames_over_nccl_are_exact_and_small(fleet, monkeypatch):
     total = sum(b.nbytes for b in trainer.orch.delta._bufs.values())
     for seed in (2, 3, 4):
         frames.dense = frames.delta = frames.bytes = 0
-        _change(trainer, 0.02, seed=seed)
+        change_weights(trainer, 0.02, seed=seed)
         report = _sync(stub)
         assert report.ok, [r.error for r in report.rollouts]
         assert {r.encoding for r in report.rollouts} == {"delta"}, [r.encoding for r in report.rollouts]
@@ -121,14 +113,14 @@ def test_a_damaged_base_copy_fails_the_commit_and_the_next_sync_is_dense(fleet, 
     a = rollouts["staged"]
     buf = next(iter(a.tx.delta_base._bufs.values()))
     buf[:4096] ^= 0x10  # spans words the delta changes: the result's checksum must catch it
-    _change(trainer, 0.02, seed=11)
+    change_weights(trainer, 0.02, seed=11)
     report = _sync(stub)
     got = {r.rollout_id: r for r in report.rollouts}
     assert not got["staged"].ok
     assert a.tx.version != trainer.actor.version
     assert _exact(trainer, rollouts["inplace"])
     frames = _Frames(monkeypatch)
-    _change(trainer, 0.02, seed=12)
+    change_weights(trainer, 0.02, seed=12)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     # the staged rollout lost its base: a broadcast reaches every member alike, so everyone gets it dense
@@ -187,7 +179,7 @@ def test_auto_on_nccl_streams_dense_and_unframed(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
     frames = _Frames(monkeypatch)
     monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")
-    _change(trainer, 0.02, seed=20)
+    change_weights(trainer, 0.02, seed=20)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     assert frames.delta == frames.dense == 0  # no offer: the plain broadcasts
