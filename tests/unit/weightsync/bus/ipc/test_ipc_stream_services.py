@@ -16,33 +16,15 @@ import grpc
 import pytest
 import torch
 
+from tests.support.fake_gpu import GPU, FakeGpu
 from tests.support.local_apps import local_fleet
 from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
 from weightsync.bus.ipc.sender import IpcStreamSender
 from weightsync.bus.pack import pack_bucket
 from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+from weightsync.v1 import rollout_pb2, trainer_pb2
 
-GPU = "GPU-fake-0"
 TOKEN = "s3cret"
-
-
-class FakeGpu:
-    """Shared memory of one 'GPU': handles name tensors of this process."""
-
-    def __init__(self):
-        self.memory: dict[bytes, torch.Tensor] = {}
-        self.shares = 0
-
-    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
-        storage = t.untyped_storage()
-        key = f"h{storage.data_ptr()}".encode()
-        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.shares += 1
-        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
-
-    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
-        return self.memory[bytes(h.handle)]
 
 
 @pytest.fixture(scope="module")

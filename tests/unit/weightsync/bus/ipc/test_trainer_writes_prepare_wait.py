@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
-from test_trainer_writes_services import TOKEN, FakeGpu, fake_gpu_boundary
+from test_trainer_writes_services import TOKEN
 
 from rollout_svc.sync import link_server
+from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
 from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 

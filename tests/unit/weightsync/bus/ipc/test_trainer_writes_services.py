@@ -15,41 +15,13 @@ import dataclasses
 import pytest
 import torch
 
+from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
 from tests.support.local_apps import local_fleet
 from weightsync.bus.checksum import bucket_checksum, combine
-from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
 from weightsync.bus.pack import pack_bucket
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
-GPU = "GPU-fake-0"
 TOKEN = "s3cret"
-
-
-class FakeGpu:
-    def __init__(self):
-        self.memory: dict[bytes, torch.Tensor] = {}
-        self.shares = self.opens = 0
-
-    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
-        storage = t.untyped_storage()
-        key = f"h{storage.data_ptr()}".encode()
-        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.shares += 1
-        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
-
-    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
-        self.opens += 1
-        return self.memory[bytes(h.handle)]
-
-
-def fake_gpu_boundary(trainer, app, gpu: FakeGpu) -> None:
-    """Both apps' CUDA IPC calls go to `gpu`, and every handle is of the one fake GPU."""
-    ipc = trainer.orch.transports["ipc"]
-    ipc.needs_cuda, ipc.uuid_of, ipc.open_fn = False, (lambda d: GPU), gpu.open
-    ipc.cache = HandleCache(gpu.share)  # (rollout_reads syncs share the trainer's buffers)
-    app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
-    app.servicer.ipc.share_fn = gpu.share
-    app.servicer.ipc.maps = MappedBuffers(gpu.open)
 
 
 @pytest.fixture(scope="module")
