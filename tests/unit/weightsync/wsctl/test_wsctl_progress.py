@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.bus_proxy import BusProxy
 from tests.support.local_apps import local_fleet
+from tests.support.paced_model import paced_model
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
 from weightsync.wsctl import progress
@@ -28,22 +29,8 @@ STREAM_S = 2.5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A config-only model (both sides start from random weights) of some 30 MB: several times the
-    loopback sockets' buffers, so the paced bytes are mostly still on the trainer during the stream."""
-    from transformers import Qwen2Config
-
-    d = tmp_path_factory.mktemp("progress-model")
-    Qwen2Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=16384,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    ).save_pretrained(str(d))
-    return str(d)
+    """The paced bytes are mostly still on the trainer during the stream (tests/support/paced_model.py)."""
+    return paced_model(tmp_path_factory.mktemp("progress-model"))
 
 
 @pytest.fixture(scope="module")
