@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fleet_sync import change_weights
 from weightsync.bus.nccl import framed
 
 pytestmark = pytest.mark.gpu
@@ -51,60 +52,22 @@ def test_the_codec_runs_on_cuda_and_is_exact(density, n):
 def fleet(request):
     if NGPU < 2:
         pytest.skip(f"needs 2 CUDA GPUs, found {NGPU}")
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-    from weightsync.control.client import channel, trainer_stub
-    from weightsync.v1 import trainer_pb2
+    from tests.support.local_apps import local_fleet
 
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            device="cuda:0",
-            bucket_mb=1,
-            sync_timeout_s=60.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-            transport="nccl",
-        )
-    )
-    trainer.start()
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            device="cuda:1",
-            rollout_id="r",
-            apply_mode=request.param,
-        )
-    )
-    app.start()
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=app.grpc.address))
-    yield trainer, app, stub
-    app.stop()
-    trainer.stop()
-
-
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = (torch.rand(p.shape, generator=g) < fraction).to(p.device)
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
+    rollout = {"r": {"device": "cuda:1", "apply_mode": request.param}}
+    with local_fleet(rollout, device="cuda:0", sync_timeout_s=60.0, sync_encoding="delta", transport="nccl") as (
+        trainer,
+        apps,
+        stub,
+    ):
+        trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
+        yield trainer, apps["r"], stub
 
 
 def _sync(trainer, stub, seed):
     from weightsync.v1 import trainer_pb2
 
-    _change(trainer, 0.02, seed)
+    change_weights(trainer, 0.02, seed)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report
     assert report.ok, [r.error for r in report.rollouts]
     return report
@@ -142,7 +105,7 @@ def test_delta_syncs_over_nccl_between_two_gpus_are_exact(fleet, monkeypatch):
     # a damaged copy on the rollout's GPU fails the commit by its checksum; the next sync is dense and exact
     buf = next(iter(app.tx.delta_base._bufs.values()))
     buf[:4096] ^= 0x10
-    _change(trainer, 0.02, 6)
+    change_weights(trainer, 0.02, 6)
     from weightsync.v1 import trainer_pb2
 
     report = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report

@@ -7,6 +7,17 @@ import torch
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
+def change_weights(trainer, fraction: float = 0.02, seed: int = 0) -> None:
+    """Change `fraction` of the trainer's values, the same ones for the same seed (a new version): what a
+    delta sync sends in part."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            mask = (torch.rand(p.shape, generator=g) < fraction).to(p.device)
+            p[mask] = p[mask] * 1.5 + 0.01
+    trainer.actor.version += 1
+
+
 def bump_and_sync_exactly(trainer, rollouts: dict, stub, transport: str = "tcp"):
     """Change every trainer weight, Sync, and check every rollout serves exactly the export at the
     new version; returns the SyncReport."""

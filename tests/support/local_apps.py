@@ -3,6 +3,9 @@ each test names only what it changes (any TrainerConfig / RolloutConfig field)."
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import NamedTuple
+
 _TRAINER = {
     "grpc_address": "127.0.0.1:0",
     "http_address": "127.0.0.1:0",
@@ -33,3 +36,34 @@ def start_rollout(rollout_id: str, **fields):
     app = RolloutApp(RolloutConfig.from_flat(**{**_ROLLOUT, "rollout_id": rollout_id, **fields}))
     app.start()
     return app
+
+
+class Fleet(NamedTuple):
+    trainer: object  # TrainerApp
+    rollouts: dict  # rollout id -> RolloutApp
+    stub: object  # the trainer's stub, sending the fleet's token
+
+
+@contextmanager
+def local_fleet(rollouts: dict[str, dict], token: str = "", stub_timeout_s: float = 60, **trainer_fields):
+    """A started trainer (`trainer_fields` over the shared settings) and one started rollout per entry of
+    `rollouts` (id -> its RolloutConfig fields), each registered with the trainer; every app takes `token`
+    as its auth_token. Everything started is stopped on exit, the rollouts before the trainer, also when a
+    start or a registration fails halfway. Test doubles that replace a bus or a GPU boundary are set by the
+    caller on the yielded apps: nothing syncs before the test asks (auto_sync_new_rollouts is off)."""
+    from weightsync.control.client import channel, trainer_stub
+    from weightsync.v1 import trainer_pb2
+
+    trainer = start_trainer(auth_token=token, **trainer_fields)
+    apps: dict = {}
+    try:
+        for rid, fields in rollouts.items():
+            apps[rid] = start_rollout(rid, auth_token=token, **fields)
+        stub = trainer_stub(channel(trainer.grpc.address), token, stub_timeout_s)
+        for rid, app in apps.items():
+            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+        yield Fleet(trainer, apps, stub)
+    finally:
+        for app in apps.values():
+            app.stop()
+        trainer.stop()

@@ -16,53 +16,19 @@ import pytest
 import torch
 
 from rollout_svc.sync import apply_inplace, apply_staged
-from tests.support.fleet_sync import bump_and_sync_exactly
-from weightsync.control.client import channel, trainer_stub
+from tests.support.fleet_sync import bump_and_sync_exactly, change_weights
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.start()
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    bump_and_sync_exactly(trainer, rollouts, stub)  # every test starts from a committed base
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet(
+        {"staged": {"apply_mode": "staged"}, "inplace": {"apply_mode": "inplace"}}, sync_encoding="delta"
+    ) as fleet:
+        fleet.trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
+        bump_and_sync_exactly(*fleet)  # every test starts from a committed base
+        yield fleet
 
 
 class _Counts:
@@ -102,15 +68,6 @@ def counts(monkeypatch):
     return _Counts(monkeypatch)
 
 
-def _change(trainer, fraction: float = 0.02, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
-
-
 def _sync(stub) -> trainer_pb2.SyncReport:
     return stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
 
@@ -129,7 +86,7 @@ def _sparse_sync(trainer, rollouts, stub, counts, seed: int) -> None:
     """A 2 % change synced as deltas, written into both engines as the changed words alone; exact."""
     assert all(app.tx.delta_base.engine_matches for app in rollouts.values())
     counts.reset()
-    _change(trainer, 0.02, seed=seed)
+    change_weights(trainer, 0.02, seed=seed)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     assert {r.encoding for r in report.rollouts} == {"delta"}
@@ -166,7 +123,7 @@ def test_a_damaged_delta_fails_the_commit_with_the_sparse_path_on(fleet, counts,
     monkeypatch.setattr(delta_sync, "encode", flipped)
     versions = {rid: app.tx.version for rid, app in rollouts.items()}
     counts.reset()
-    _change(trainer, 0.02, seed=11)
+    change_weights(trainer, 0.02, seed=11)
     report = _sync(stub)
     assert not report.ok
     for rid, r in {r.rollout_id: r for r in report.rollouts}.items():
@@ -182,7 +139,7 @@ def test_a_damaged_delta_fails_the_commit_with_the_sparse_path_on(fleet, counts,
     monkeypatch.setattr(delta_sync, "encode", real)
     # after the abort: a full sync (every bucket copied and checked in full), then deltas sparse again
     counts.reset()
-    _change(trainer, 0.02, seed=12)
+    change_weights(trainer, 0.02, seed=12)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"full"}, [r.error for r in report.rollouts]
     assert counts.words == {"staged": 0, "inplace": 0} and min(counts.full.values()) > 0
@@ -199,14 +156,14 @@ def test_a_damaged_base_copy_fails_the_commit_with_the_sparse_path_on(fleet, cou
             0x10  # many words: the delta changes some of them (the sums see what it overwrites)
         )
     counts.reset()
-    _change(trainer, 0.02, seed=21)
+    change_weights(trainer, 0.02, seed=21)
     report = _sync(stub)
     for rid, r in {r.rollout_id: r for r in report.rollouts}.items():
         app = rollouts[rid]
         assert not r.ok and r.encoding == "delta" and "checksum" in app.tx.last_error, (rid, r.error)
         assert app.tx.version == versions[rid]
     counts.reset()
-    _change(trainer, 0.02, seed=22)
+    change_weights(trainer, 0.02, seed=22)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"full"}
     assert all(_exact(trainer, app) for app in rollouts.values())
@@ -226,7 +183,7 @@ def test_damage_no_delta_touches_never_reaches_the_engine(fleet, counts):
     with torch.no_grad():  # the change keeps that value and the next (the sums' 32-bit word, whatever the dtype)
         first = trainer.actor.model.get_parameter(name)
         keep = first.reshape(-1)[:2].clone()
-        _change(trainer, 0.02, seed=31)
+        change_weights(trainer, 0.02, seed=31)
         first.reshape(-1)[:2] = keep
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}
@@ -244,7 +201,7 @@ def test_an_engine_not_written_byte_for_byte_gets_the_full_checked_copy(fleet, c
     for app in rollouts.values():
         monkeypatch.setattr(app.engine, "writable_params", lambda metas: None)
     counts.reset()
-    _change(trainer, 0.02, seed=41)
+    change_weights(trainer, 0.02, seed=41)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}, [r.error for r in report.rollouts]
     assert counts.words == {"staged": 0, "inplace": 0}
@@ -252,7 +209,7 @@ def test_an_engine_not_written_byte_for_byte_gets_the_full_checked_copy(fleet, c
     for app in rollouts.values():
         monkeypatch.delattr(app.engine, "writable_params")
     counts.reset()
-    _change(trainer, 0.02, seed=42)
+    change_weights(trainer, 0.02, seed=42)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}
     assert counts.words == {"staged": 0, "inplace": 0}

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from tests.support.local_apps import start_rollout
 from weightsync.control.client import channel
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -22,19 +23,7 @@ BIG = rollout_pb2.GenerateRequest(
 
 @pytest.fixture(scope="module")
 def rollout():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="c",
-            serve_initial_weights=True,
-        )
-    )
-    app.start()
+    app = start_rollout("c", serve_initial_weights=True)
     yield app
     app.stop()
 

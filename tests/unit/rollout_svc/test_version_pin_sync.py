@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.support.local_apps import local_fleet
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -29,42 +30,10 @@ LONG = rollout_pb2.GenerateRequest(
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     root = tmp_path_factory.mktemp("data")  # LoadWeights reads only inside the trainer's data root
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            auto_sync_new_rollouts=False,
-            sync_timeout_s=120,
-            data_root=str(root),
-        )
-    )
-    trainer.start()
-    rollout = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="p",
-            apply_mode="staged",
-            sync_timeout_s=120,
-        )
-    )
-    rollout.start()
-    with channel(trainer.grpc.address) as ch:
-        trainer_stub(ch, "").RegisterRollout(
-            trainer_pb2.RegisterRolloutRequest(rollout_id="p", address=rollout.grpc.address)
-        )
-    yield trainer, rollout, root
-    rollout.stop()
-    trainer.stop()
+    rollout = {"p": {"apply_mode": "staged", "sync_timeout_s": 120}}
+    with local_fleet(rollout, sync_timeout_s=120, data_root=str(root)) as (trainer, rollouts, _):
+        yield trainer, rollouts["p"], root
 
 
 def _samples(resp):

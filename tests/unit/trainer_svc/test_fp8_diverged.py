@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 BAD = "model.layers.0.mlp.down_proj.weight"  # of 2 layers: buckets go out before and after it
@@ -20,46 +20,11 @@ ERROR = (
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     root = tmp_path_factory.mktemp("data")
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            export_dtype="fp8-block",
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            data_root=str(root),
-        )
-    )
-    trainer.orch.bucket_bytes = 16 << 10
-    trainer.start()
-    rollouts = {}
-    for rid, mode in (("a", "staged"), ("b", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub, root
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    rollouts = {"a": {"apply_mode": "staged"}, "b": {"apply_mode": "inplace"}}
+    with local_fleet(rollouts, export_dtype="fp8-block", data_root=str(root)) as (trainer, apps, stub):
+        trainer.orch.bucket_bytes = 16 << 10
+        yield trainer, apps, stub, root
 
 
 def _step(trainer, bad: bool) -> None:

@@ -16,23 +16,15 @@ import pytest
 import torch
 
 from tests.support.fleet_sync import bump_and_sync_exactly
-from tests.support.local_apps import start_rollout, start_trainer
+from tests.support.local_apps import local_fleet
 from weightsync.bus import pipeline
-from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    trainer = start_trainer(sync_encoding="delta")
-    rollouts = {rid: start_rollout(rid) for rid in ("rollout-0", "rollout-1")}
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet({"rollout-0": {}, "rollout-1": {}}, sync_encoding="delta") as fleet:
+        yield fleet
 
 
 @pytest.fixture

@@ -13,60 +13,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.control.client import channel, trainer_stub
+from tests.support.fleet_sync import change_weights
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            export_dtype="fp8-block",
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.orch.bucket_bytes = 16 << 10  # several buckets
-    trainer.start()
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace"), ("fresh", "staged")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
-
-
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
+    modes = {"staged": "staged", "inplace": "inplace", "fresh": "staged"}
+    rollouts = {rid: {"apply_mode": mode} for rid, mode in modes.items()}
+    with local_fleet(rollouts, export_dtype="fp8-block", sync_encoding="delta") as fleet:
+        fleet.trainer.orch.bucket_bytes = 16 << 10  # several buckets
+        yield fleet
 
 
 def _sync(stub, ids):
@@ -80,7 +38,7 @@ def test_fp8_block_delta_syncs_are_bit_exact(fleet, monkeypatch):
 
     trainer, rollouts, stub = fleet
     pair = ["staged", "inplace"]
-    _change(trainer, 0.02, seed=0)
+    change_weights(trainer, 0.02, seed=0)
     _sync(stub, pair)  # both ends now hold the base
     words: list[int] = []  # the word size of every bucket encoded as a delta
     real_encode = delta_sync.encode
@@ -91,7 +49,7 @@ def test_fp8_block_delta_syncs_are_bit_exact(fleet, monkeypatch):
 
     monkeypatch.setattr(delta_sync, "encode", encode)
     for seed in (1, 2, 3):
-        _change(trainer, 0.02, seed=seed)
+        change_weights(trainer, 0.02, seed=seed)
         report = _sync(stub, pair)
         assert {r.encoding for r in report.rollouts} == {"delta"}, [r.encoding for r in report.rollouts]
         assert report.wire_bytes < report.bytes, (report.wire_bytes, report.bytes)

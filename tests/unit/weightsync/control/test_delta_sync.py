@@ -13,34 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.fleet_sync import bump_and_sync_exactly
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.control.client import channel, trainer_stub
+from tests.support.fleet_sync import bump_and_sync_exactly, change_weights
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    trainer = start_trainer(sync_encoding="delta")
-    rollouts = {rid: start_rollout(rid, apply_mode=mode) for rid, mode in (("a", "staged"), ("b", "inplace"))}
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    bump_and_sync_exactly(trainer, rollouts, stub)  # every test starts from a committed base
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
-
-
-def _change(trainer, fraction: float = 0.02, seed: int = 0) -> None:
-    """Change `fraction` of the trainer's values (a new version)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
+    with local_fleet({"a": {"apply_mode": "staged"}, "b": {"apply_mode": "inplace"}}, sync_encoding="delta") as fleet:
+        bump_and_sync_exactly(*fleet)  # every test starts from a committed base
+        yield fleet
 
 
 def _sync(stub) -> trainer_pb2.SyncReport:
@@ -68,7 +50,7 @@ def _wire_metric(trainer, encoding: str) -> float:
 def test_small_change_goes_as_a_small_exact_delta(fleet):
     trainer, rollouts, stub = fleet
     before = _wire_metric(trainer, "delta")
-    _change(trainer, 0.02)
+    change_weights(trainer, 0.02)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     for rid, r in _by_id(report).items():
@@ -89,7 +71,7 @@ def test_a_rollout_on_another_base_is_sent_in_full_and_ends_exact(fleet):
     base = rollouts["a"].tx.delta_base
     origin, version, digest = base.held
     base.held = (origin, version - 1, digest)  # as if it held an older version's buckets
-    _change(trainer, 0.02, seed=1)
+    change_weights(trainer, 0.02, seed=1)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     got = _by_id(report)
@@ -97,7 +79,7 @@ def test_a_rollout_on_another_base_is_sent_in_full_and_ends_exact(fleet):
     assert got["b"].encoding == "delta" and got["b"].wire_bytes <= 0.15 * report.bytes
     assert _exact(trainer, rollouts["a"]) and _exact(trainer, rollouts["b"])
     # and from there on "a" is on the base again
-    _change(trainer, 0.02, seed=2)
+    change_weights(trainer, 0.02, seed=2)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}
 
@@ -112,14 +94,14 @@ def test_a_damaged_base_copy_fails_the_commit_and_the_next_sync_is_full(fleet):
     # damage spans enough words that the delta changes some (2 % of 2048 values: all but certain);
     # damage no delta touches never reaches the engine (test_delta_sparse_apply.py)
     buf[:4096] ^= 0x10
-    _change(trainer, 0.02, seed=3)
+    change_weights(trainer, 0.02, seed=3)
     report = _sync(stub)
     got = _by_id(report)
     # the rollout refused the result by its checksum (at receipt, or at commit if that came first)
     assert not got["a"].ok and got["a"].encoding == "delta" and "checksum" in a.tx.last_error
     assert got["b"].ok and _exact(trainer, rollouts["b"])
     assert a.tx.version == held_version and a.tx.state == rollout_pb2.SERVING  # staged: the old version serves
-    _change(trainer, 0.02, seed=4)
+    change_weights(trainer, 0.02, seed=4)
     report = _sync(stub)
     got = _by_id(report)
     assert report.ok and got["a"].encoding == "full" and got["b"].encoding == "delta"
@@ -140,7 +122,7 @@ def test_a_damaged_delta_fails_the_commit_and_the_next_sync_is_full(fleet, monke
 
     monkeypatch.setattr(delta_sync, "encode", flipped)
     versions = {rid: app.tx.version for rid, app in rollouts.items()}
-    _change(trainer, 0.02, seed=5)
+    change_weights(trainer, 0.02, seed=5)
     report = _sync(stub)
     assert not report.ok
     for rid, r in _by_id(report).items():
@@ -149,7 +131,7 @@ def test_a_damaged_delta_fails_the_commit_and_the_next_sync_is_full(fleet, monke
         # one bucket, checked before it is written: inplace keeps serving the old version too
         assert rollouts[rid].tx.state == rollout_pb2.SERVING
     monkeypatch.setattr(delta_sync, "encode", real)
-    _change(trainer, 0.02, seed=6)
+    change_weights(trainer, 0.02, seed=6)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     assert {r.encoding for r in report.rollouts} == {"full"}
@@ -163,7 +145,7 @@ def test_full_encoding_and_delta_over_another_transport(fleet):
 
     orch.delta.encoding = "full"
     try:
-        _change(trainer, 0.02, seed=7)
+        change_weights(trainer, 0.02, seed=7)
         report = _sync(stub)
         assert report.ok and {r.encoding for r in report.rollouts} == {"full"}
         assert all(r.wire_bytes >= report.bytes for r in report.rollouts)
@@ -177,21 +159,21 @@ def test_full_encoding_and_delta_over_another_transport(fleet):
 
 def test_a_rollout_that_keeps_no_base_is_sent_in_full_until_it_holds_one(fleet):
     trainer, rollouts, stub = fleet
-    _change(trainer, 0.02, seed=11)
+    change_weights(trainer, 0.02, seed=11)
     assert _sync(stub).ok  # both ends hold the base, whatever the tests before left
     b = rollouts["b"].tx.delta_base
     b.enabled = False  # rollout config delta_base=false
     try:
-        _change(trainer, 0.02, seed=8)
+        change_weights(trainer, 0.02, seed=8)
         report = _sync(stub)
         got = _by_id(report)
         assert report.ok and got["a"].encoding == "delta" and got["b"].encoding == "full"
         assert b.held is None and _exact(trainer, rollouts["b"])
     finally:
         b.enabled = True
-    _change(trainer, 0.02, seed=9)
+    change_weights(trainer, 0.02, seed=9)
     assert {r.encoding for r in _sync(stub).rollouts} == {"delta", "full"}  # "b" builds its copy now
-    _change(trainer, 0.02, seed=10)
+    change_weights(trainer, 0.02, seed=10)
     report = _sync(stub)
     assert report.ok and {r.encoding for r in report.rollouts} == {"delta"}
     assert all(_exact(trainer, app) for app in rollouts.values())

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.local_apps import local_fleet
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
@@ -44,40 +45,11 @@ SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), database
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     tmp = tmp_path_factory.mktemp("fuzz")
     # ExportHf's fuzzed paths lie under tmp: the trainer's data root, so they are really written
-    tcfg = TrainerConfig.from_flat(
-        grpc_address="127.0.0.1:0",
-        http_address="127.0.0.1:0",
-        backend="hf",
-        model="tiny-qwen2",
-        bucket_mb=1,
-        rpc_timeout_s=3.0,
-        sync_timeout_s=20.0,
-        auto_sync_new_rollouts=False,
-        data_root=str(tmp),
-    )
-    trainer = TrainerApp(tcfg)
-    trainer.start()
-    rcfg = RolloutConfig.from_flat(
-        grpc_address="127.0.0.1:0",
-        http_address="127.0.0.1:0",
-        model="tiny-qwen2",
-        rollout_id="real",
-        sync_timeout_s=20.0,
-    )
-    rollout = RolloutApp(rcfg)
-    rollout.start()
-    tstub = trainer_stub(channel(trainer.grpc.address), "", 30)
-    tstub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="real", address=rollout.grpc.address))
-    yield trainer, rollout, tmp
-    rollout.stop()
-    trainer.stop()
+    fields = {"rpc_timeout_s": 3.0, "sync_timeout_s": 20.0, "data_root": str(tmp)}
+    with local_fleet({"real": {"sync_timeout_s": 20.0}}, stub_timeout_s=30, **fields) as (trainer, rollouts, _):
+        yield trainer, rollouts["real"], tmp
 
 
 def _raw(address: str, service: str, method: str, payload: bytes) -> grpc.StatusCode:

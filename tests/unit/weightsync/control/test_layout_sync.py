@@ -12,59 +12,25 @@ import grpc
 import pytest
 
 from tests.support.fleet_sync import bump_and_sync_exactly
+from tests.support.local_apps import local_fleet
 from weightsync.bus.layout import KnownLayouts
-from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.control.client import channel, rollout_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
+    with local_fleet({"a": {"apply_mode": "staged"}, "b": {"apply_mode": "inplace"}}) as (trainer, rollouts, stub):
+        sent: list[tuple[str, int]] = []  # (rollout id, buckets in the PrepareSync manifest)
+        call = trainer.orch.rollouts.call
 
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-        )
-    )
-    trainer.start()
-    rollouts = {}
-    for rid, mode in (("a", "staged"), ("b", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    sent: list[tuple[str, int]] = []  # (rollout id, buckets in the PrepareSync manifest)
-    call = trainer.orch.rollouts.call
+        def spy(entry, method, req):
+            if method == "PrepareSync":
+                sent.append((entry.rollout_id, len(req.manifest.buckets)))
+            return call(entry, method, req)
 
-    def spy(entry, method, req):
-        if method == "PrepareSync":
-            sent.append((entry.rollout_id, len(req.manifest.buckets)))
-        return call(entry, method, req)
-
-    trainer.orch.rollouts.call = spy
-    yield trainer, rollouts, stub, sent
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+        trainer.orch.rollouts.call = spy
+        yield trainer, rollouts, stub, sent
 
 
 def test_full_manifest_once_then_digest_then_full_again_after_restart_or_change(fleet):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tests.support.local_apps import start_rollout
 from tests.unit.weightsync.http.rest_helpers import http
 from weightsync.config import ConfigError
 from weightsync.control.client import channel, rollout_stub
@@ -22,21 +23,7 @@ GEN = "generation-key"
 
 @pytest.fixture(scope="module")
 def rollout():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="r",
-            auth_token=ADMIN,
-            generation_token=GEN,
-            serve_initial_weights=True,
-        )
-    )
-    app.start()
+    app = start_rollout("r", auth_token=ADMIN, generation_token=GEN, serve_initial_weights=True)
     yield app
     app.stop()
 

@@ -19,65 +19,29 @@ import grpc
 import pytest
 
 from tests.support.fleet_sync import bump_and_sync_exactly
-from weightsync.control.client import channel, rollout_stub, trainer_stub
+from tests.support.link_peer import link_handshake
+from tests.support.local_apps import local_fleet
+from weightsync.control.client import channel, rollout_stub
 from weightsync.control.sync_link import (
     ACCEPTED,
-    LINK_MAGIC,
-    NONCE_BYTES,
-    link_mac,
     read_frame,
     recv_exact,
     status_code,
 )
 from weightsync.publisher.link_client import LinkDown, SyncLinkClient
-from weightsync.v1 import rollout_pb2, trainer_pb2
+from weightsync.v1 import rollout_pb2
 
 TOKEN = "link-s3cret"
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            auth_token=TOKEN,
-        )
-    )
-    trainer.start()
-    rollouts = {}
-    for rid, mode, link in (("a", "staged", True), ("b", "inplace", True), ("c", "staged", False)):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-                auth_token=TOKEN,
-                sync_link=link,
-                max_sync_links=2,
-            )
-        )
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    links = {"a": ("staged", True), "b": ("inplace", True), "c": ("staged", False)}
+    rollouts = {
+        rid: {"apply_mode": mode, "sync_link": link, "max_sync_links": 2} for rid, (mode, link) in links.items()
+    }
+    with local_fleet(rollouts, TOKEN) as fleet:
+        yield fleet
 
 
 def _calls(trainer) -> dict[tuple[str, str], float]:
@@ -171,10 +135,7 @@ def test_the_link_answers_with_the_codes_grpc_gives(fleet):
 
 
 def _open_raw(address: str, token: str = TOKEN) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=5)
-    sock.sendall(LINK_MAGIC)
-    sock.sendall(link_mac(token, recv_exact(sock, NONCE_BYTES, time.monotonic() + 5)))
+    sock = link_handshake(address, token)
     assert recv_exact(sock, 1, time.monotonic() + 5) == ACCEPTED
     return sock
 
@@ -213,10 +174,7 @@ def test_the_link_refuses_unknown_garbled_oversized_and_extra_links(fleet):
     while len(app.link._open) > 1 and time.monotonic() < deadline:  # the refused one above is gone
         time.sleep(0.01)
     held = [_open_raw(app.servicer.sync_link) for _ in range(2 - len(app.link._open))]
-    host, port = app.servicer.sync_link.rsplit(":", 1)
-    extra = socket.create_connection((host, int(port)), timeout=5)
-    extra.sendall(LINK_MAGIC)
-    extra.sendall(link_mac(TOKEN, recv_exact(extra, NONCE_BYTES, time.monotonic() + 5)))
+    extra = link_handshake(app.servicer.sync_link, TOKEN)
     assert _closed(extra)
     for s in held + [extra]:
         s.close()

@@ -17,9 +17,10 @@ import time
 
 import pytest
 
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.control.sync_link import ACCEPTED, LINK_MAGIC, NONCE_BYTES, recv_exact
+from tests.support.link_peer import link_handshake
+from tests.support.local_apps import local_fleet
+from weightsync.control.client import channel, rollout_stub
+from weightsync.control.sync_link import ACCEPTED, NONCE_BYTES, recv_exact
 from weightsync.publisher.link_client import LinkDown, SyncLinkClient
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -30,15 +31,11 @@ LIVENESS_S = 1.0
 
 @pytest.fixture(scope="module")
 def fleet():
-    trainer = start_trainer(rpc_timeout_s=RPC_TIMEOUT_S, liveness_timeout_s=LIVENESS_S, auth_token=TOKEN)
-    rollouts = {rid: start_rollout(rid, auth_token=TOKEN, max_sync_links=2) for rid in ("a", "b", "c")}
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 120)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    rollouts = {rid: {"max_sync_links": 2} for rid in ("a", "b", "c")}
+    with local_fleet(
+        rollouts, TOKEN, stub_timeout_s=120, rpc_timeout_s=RPC_TIMEOUT_S, liveness_timeout_s=LIVENESS_S
+    ) as fleet:
+        yield fleet
 
 
 def _sync(stub, rollout_ids=()) -> tuple[trainer_pb2.SyncReport, float]:
@@ -204,14 +201,10 @@ def test_one_silent_rollout_does_not_hold_the_sync_and_is_caught_up_when_it_answ
 def test_silent_unauthenticated_peers_hold_no_link_slot(fleet):
     _, rollouts, _ = fleet
     app = rollouts["b"]
-    host, port = app.servicer.sync_link.rsplit(":", 1)
     silent = []
     try:
         for _ in range(4):  # twice max_sync_links, each stopped after the magic
-            s = socket.create_connection((host, int(port)), timeout=5)
-            s.sendall(LINK_MAGIC)
-            recv_exact(s, NONCE_BYTES, time.monotonic() + 5)
-            silent.append(s)
+            silent.append(link_handshake(app.servicer.sync_link, None))
         client = SyncLinkClient(app.servicer.sync_link, TOKEN)
         resp, err = client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="z"), 5, liveness=LIVENESS_S)
         assert err == "" and resp.state == rollout_pb2.SERVING

@@ -16,6 +16,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tests.support.local_apps import start_rollout
 from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, error_message, http
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
@@ -286,8 +287,6 @@ def test_text_prompts_with_a_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
     from weightsync.models import TINY
 
     kw = dict(TINY["tiny-qwen2"])
@@ -296,16 +295,7 @@ def test_text_prompts_with_a_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(tmp_path))
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model=str(tmp_path),
-            rollout_id="tok",
-            serve_initial_weights=True,
-        )
-    )
-    app.start()
+    app = start_rollout("tok", model=str(tmp_path), serve_initial_weights=True)
     try:
         code, _, body = http(
             app.http.port,

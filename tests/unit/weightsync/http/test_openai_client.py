@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from rollout_svc.openai_api.text import token_pieces
+from tests.support.local_apps import start_rollout
 from tests.unit.weightsync.http.rest_helpers import TOKEN
 from weightsync.control.client import channel, rollout_stub
 from weightsync.v1 import rollout_pb2
@@ -44,8 +45,6 @@ def chat_rollout(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
     from weightsync.models import TINY
 
     path = tmp_path_factory.mktemp("chat-model")
@@ -59,17 +58,7 @@ def chat_rollout(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model=str(path),
-            rollout_id="chat",
-            auth_token=TOKEN,
-            serve_initial_weights=True,
-        )
-    )
-    app.start()
+    app = start_rollout("chat", model=str(path), auth_token=TOKEN, serve_initial_weights=True)
     yield app, AutoTokenizer.from_pretrained(str(path), local_files_only=True), str(path)
     app.stop()
 

@@ -11,35 +11,13 @@ import threading
 
 import torch
 
-from weightsync.control.client import channel, trainer_stub
-from weightsync.v1 import rollout_pb2, trainer_pb2
+from tests.support.local_apps import local_fleet
+from weightsync.v1 import rollout_pb2
 
 
 def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            auto_sync_new_rollouts=False,
-        )
-    )
-    rollout = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r"
-        )
-    )
-    trainer.start()
-    rollout.start()
-    try:
-        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=rollout.grpc.address))
+    with local_fleet({"r": {}}) as (trainer, rollouts, _):
+        rollout = rollouts["r"]
         entry = trainer.registry.get("r")
         orch = trainer.orch
         assert orch.sync([entry], only_behind=True).ok  # behind (version 0): synced
@@ -67,6 +45,3 @@ def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
         )
         assert after == syncs + 1 and rollout.tx.version == trainer.actor.version
         assert rollout.tx.state == rollout_pb2.SERVING
-    finally:
-        rollout.stop()
-        trainer.stop()

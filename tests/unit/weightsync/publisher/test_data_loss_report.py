@@ -14,8 +14,7 @@ import torch
 
 from tests.support.bus_proxy import BusProxy
 from tests.support.fleet_sync import bump_and_sync_exactly
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
 from weightsync.wsctl.cli import main
@@ -27,16 +26,14 @@ FLIP_AT = 200_000
 
 @pytest.fixture(scope="module")
 def fleet():
-    trainer = start_trainer(auth_token=TOKEN)
     dport = free_port()
     proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
-    app = start_rollout("r", auth_token=TOKEN, data_address=f"127.0.0.1:{dport}", advertise_data_host="127.0.0.2")
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=app.grpc.address))
-    yield trainer, app, stub, proxy
-    app.stop()
-    proxy.close()
-    trainer.stop()
+    rollout = {"r": {"data_address": f"127.0.0.1:{dport}", "advertise_data_host": "127.0.0.2"}}
+    try:
+        with local_fleet(rollout, TOKEN) as (trainer, rollouts, stub):
+            yield trainer, rollouts["r"], stub, proxy
+    finally:
+        proxy.close()
 
 
 def _data_loss_count(trainer) -> float:

@@ -15,6 +15,7 @@ import torch
 
 from tests.support.bus_proxy import BusProxy
 from tests.support.local_apps import start_rollout, start_trainer
+from tests.support.paced_model import paced_model
 from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
@@ -25,29 +26,12 @@ LIVENESS_S = 1.0
 STREAM_S = 3.0
 
 
-def _model(tmp_path):
-    from transformers import Qwen2Config
-
-    # some 18 MB in bf16: several times the loopback sockets' buffers, so the pace holds the stream
-    Qwen2Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=16384,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    ).save_pretrained(str(tmp_path))
-    return str(tmp_path)
-
-
 def _calls(trainer, method: str, path: str) -> float:
     return trainer.orch.metrics.calls.labels("trainer", method, path)._value.get()
 
 
 def test_the_first_stream_outlasting_the_liveness_timeout_commits_and_its_commit_takes_the_link(tmp_path):
-    model = _model(tmp_path)
+    model = paced_model(tmp_path)  # the pace holds the stream
     trainer = start_trainer(
         model=model, sync_timeout_s=60.0, auth_token=TOKEN, liveness_timeout_s=LIVENESS_S, sync_encoding="full"
     )

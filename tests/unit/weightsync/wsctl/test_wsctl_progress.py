@@ -15,8 +15,8 @@ import re
 import pytest
 
 from tests.support.bus_proxy import BusProxy
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.control.client import channel, trainer_stub
+from tests.support.local_apps import local_fleet
+from tests.support.paced_model import paced_model
 from weightsync.local.procs import free_port
 from weightsync.v1 import trainer_pb2
 from weightsync.wsctl import progress
@@ -29,42 +29,20 @@ STREAM_S = 2.5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A config-only model (both sides start from random weights) of some 30 MB: several times the
-    loopback sockets' buffers, so the paced bytes are mostly still on the trainer during the stream."""
-    from transformers import Qwen2Config
-
-    d = tmp_path_factory.mktemp("progress-model")
-    Qwen2Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=16384,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    ).save_pretrained(str(d))
-    return str(d)
+    """The paced bytes are mostly still on the trainer during the stream (tests/support/paced_model.py)."""
+    return paced_model(tmp_path_factory.mktemp("progress-model"))
 
 
 @pytest.fixture(scope="module")
 def fleet(model_dir):
-    trainer = start_trainer(model=model_dir, sync_timeout_s=60.0, auth_token=TOKEN)
     dport = free_port()
     proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
-    app = start_rollout(
-        "r",
-        model=model_dir,
-        auth_token=TOKEN,
-        data_address=f"127.0.0.1:{dport}",
-        advertise_data_host="127.0.0.2",
-    )
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r", address=app.grpc.address))
-    yield trainer, app, stub, proxy
-    app.stop()
-    proxy.close()
-    trainer.stop()
+    rollout = {"r": {"model": model_dir, "data_address": f"127.0.0.1:{dport}", "advertise_data_host": "127.0.0.2"}}
+    try:
+        with local_fleet(rollout, TOKEN, model=model_dir, sync_timeout_s=60.0) as (trainer, rollouts, stub):
+            yield trainer, rollouts["r"], stub, proxy
+    finally:
+        proxy.close()
 
 
 def _paced_sync(fleet, monkeypatch, argv):

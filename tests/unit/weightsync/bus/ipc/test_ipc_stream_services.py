@@ -16,81 +16,32 @@ import grpc
 import pytest
 import torch
 
+from tests.support.fake_gpu import GPU, FakeGpu
+from tests.support.local_apps import local_fleet
 from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
 from weightsync.bus.ipc.sender import IpcStreamSender
 from weightsync.bus.pack import pack_bucket
 from weightsync.control.client import channel, rollout_stub, trainer_stub
-from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+from weightsync.v1 import rollout_pb2, trainer_pb2
 
-GPU = "GPU-fake-0"
 TOKEN = "s3cret"
-
-
-class FakeGpu:
-    """Shared memory of one 'GPU': handles name tensors of this process."""
-
-    def __init__(self):
-        self.memory: dict[bytes, torch.Tensor] = {}
-        self.shares = 0
-
-    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
-        storage = t.untyped_storage()
-        key = f"h{storage.data_ptr()}".encode()
-        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.shares += 1
-        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
-
-    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
-        return self.memory[bytes(h.handle)]
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     gpu = FakeGpu()
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            auth_token=TOKEN,
-        )
-    )
-    ipc = trainer.orch.transports["ipc"]
-    ipc.needs_cuda, ipc.uuid_of, ipc.cache = False, (lambda d: GPU), HandleCache(gpu.share)
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets: two pooled buffers take turns
-    trainer.start()
-    rollouts = {}
-    for rid, mode in (("a", "inplace"), ("b", "staged")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-                auth_token=TOKEN,
-            )
-        )
-        app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
-        app.servicer.ipc.maps = MappedBuffers(gpu.open)
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub, gpu
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet({"a": {"apply_mode": "inplace"}, "b": {"apply_mode": "staged"}}, TOKEN) as (
+        trainer,
+        rollouts,
+        stub,
+    ):
+        ipc = trainer.orch.transports["ipc"]
+        ipc.needs_cuda, ipc.uuid_of, ipc.cache = False, (lambda d: GPU), HandleCache(gpu.share)
+        trainer.orch.bucket_bytes = 64 << 10  # several buckets: two pooled buffers take turns
+        for app in rollouts.values():
+            app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
+            app.servicer.ipc.maps = MappedBuffers(gpu.open)
+        yield trainer, rollouts, stub, gpu
 
 
 def _bump(trainer):

@@ -15,12 +15,11 @@ import time
 
 import pytest
 import torch
-from test_trainer_writes_services import GPU, TOKEN, FakeGpu
+from test_trainer_writes_services import TOKEN
 
 from rollout_svc.sync import link_server
-from tests.support.local_apps import start_rollout, start_trainer
-from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
-from weightsync.control.client import channel, trainer_stub
+from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
+from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 RPC_TIMEOUT_S = 1.0
@@ -32,19 +31,15 @@ GENERATION_S = 2.5  # > rpc_timeout_s, well within the sync's deadline
 @pytest.fixture(scope="module")
 def pair():
     gpu = FakeGpu()
-    trainer = start_trainer(auth_token=TOKEN, rpc_timeout_s=RPC_TIMEOUT_S, liveness_timeout_s=LIVENESS_S)
-    ipc = trainer.orch.transports["ipc"]
-    ipc.needs_cuda, ipc.uuid_of, ipc.open_fn = False, (lambda d: GPU), gpu.open
-    ipc.cache = HandleCache(gpu.share)
-    app = start_rollout("a", apply_mode="inplace", auth_token=TOKEN)
-    app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
-    app.servicer.ipc.share_fn = gpu.share
-    app.servicer.ipc.maps = MappedBuffers(gpu.open)
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 120)
-    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="a", address=app.grpc.address))
-    yield trainer, app, stub
-    app.stop()
-    trainer.stop()
+    with local_fleet(
+        {"a": {"apply_mode": "inplace"}},
+        TOKEN,
+        stub_timeout_s=120,
+        rpc_timeout_s=RPC_TIMEOUT_S,
+        liveness_timeout_s=LIVENESS_S,
+    ) as (trainer, rollouts, stub):
+        fake_gpu_boundary(trainer, rollouts["a"], gpu)
+        yield trainer, rollouts["a"], stub
 
 
 def _bump(trainer):

@@ -15,51 +15,22 @@ import dataclasses
 import pytest
 import torch
 
-from tests.support.local_apps import start_rollout, start_trainer
+from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
+from tests.support.local_apps import local_fleet
 from weightsync.bus.checksum import bucket_checksum, combine
-from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
 from weightsync.bus.pack import pack_bucket
-from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
-GPU = "GPU-fake-0"
 TOKEN = "s3cret"
-
-
-class FakeGpu:
-    def __init__(self):
-        self.memory: dict[bytes, torch.Tensor] = {}
-        self.shares = self.opens = 0
-
-    def share(self, t: torch.Tensor) -> bus_pb2.CudaIpcHandle:
-        storage = t.untyped_storage()
-        key = f"h{storage.data_ptr()}".encode()
-        self.memory[key] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.shares += 1
-        return bus_pb2.CudaIpcHandle(handle=key, storage_size=storage.nbytes(), device_uuid=GPU)
-
-    def open(self, h: bus_pb2.CudaIpcHandle) -> torch.Tensor:
-        self.opens += 1
-        return self.memory[bytes(h.handle)]
 
 
 @pytest.fixture(scope="module")
 def pair():
     gpu = FakeGpu()
-    trainer = start_trainer(auth_token=TOKEN)
-    ipc = trainer.orch.transports["ipc"]
-    ipc.needs_cuda, ipc.uuid_of, ipc.open_fn = False, (lambda d: GPU), gpu.open
-    ipc.cache = HandleCache(gpu.share)  # (rollout_reads syncs share the trainer's buffers)
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets
-    app = start_rollout("a", apply_mode="inplace", auth_token=TOKEN)
-    app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
-    app.servicer.ipc.share_fn = gpu.share
-    app.servicer.ipc.maps = MappedBuffers(gpu.open)
-    stub = trainer_stub(channel(trainer.grpc.address), TOKEN, 60)
-    stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="a", address=app.grpc.address))
-    yield trainer, app, stub, gpu
-    app.stop()
-    trainer.stop()
+    with local_fleet({"a": {"apply_mode": "inplace"}}, TOKEN) as (trainer, rollouts, stub):
+        fake_gpu_boundary(trainer, rollouts["a"], gpu)
+        trainer.orch.bucket_bytes = 64 << 10  # several buckets
+        yield trainer, rollouts["a"], stub, gpu
 
 
 def _bump(trainer):

@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.fleet_sync import change_weights
+from tests.support.local_apps import local_fleet
 from weightsync.bus.nccl import framed
 from weightsync.bus.nccl.sender import NcclSender
-from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 
@@ -34,48 +35,15 @@ def _bus(kind: str):
 
 @pytest.fixture(scope="module", params=["loopback", "gloo"])
 def fleet(request):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     bus = _bus(request.param)
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
-            sync_encoding="delta",
-        )
-    )
-    trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 10.0)
-    trainer.start()
-    trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
-    rollouts = {}
-    for rid, mode in (("staged", "staged"), ("inplace", "inplace")):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode=mode,
-            )
-        )
-        app.servicer.nccl._bus = bus
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+    with local_fleet(
+        {"staged": {"apply_mode": "staged"}, "inplace": {"apply_mode": "inplace"}}, sync_encoding="delta"
+    ) as fleet:
+        fleet.trainer.orch.transports["nccl"] = NcclSender(torch.device("cpu"), bus, 10.0)
+        fleet.trainer.orch.bucket_bytes = 64 << 10  # several buckets (tiny-qwen2 is 0.4 MB)
+        for app in fleet.rollouts.values():
+            app.servicer.nccl._bus = bus
+        yield fleet
 
 
 class _Frames:
@@ -96,15 +64,6 @@ class _Frames:
         monkeypatch.setattr(framed.FramedSender, "send", send)
 
 
-def _change(trainer, fraction: float, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            mask = torch.rand(p.shape, generator=g) < fraction
-            p[mask] = p[mask] * 1.5 + 0.01
-    trainer.actor.version += 1
-
-
 def _sync(stub, ids=()):
     return stub.Sync(trainer_pb2.SyncRequest(transport="nccl", rollout_ids=list(ids))).report
 
@@ -123,7 +82,7 @@ def _to_base(trainer, rollouts, stub, seed: int) -> None:
     for i in range(3):
         if all(app.tx.delta_base.held is not None for app in rollouts.values()) and trainer.orch.delta.held:
             return
-        _change(trainer, 0.02, seed=seed + 100 + i)
+        change_weights(trainer, 0.02, seed=seed + 100 + i)
         report = _sync(stub)
         assert report.ok, [r.error for r in report.rollouts]
     raise AssertionError("the rollouts never held the base")
@@ -136,7 +95,7 @@ def test_delta_frames_over_nccl_are_exact_and_small(fleet, monkeypatch):
     total = sum(b.nbytes for b in trainer.orch.delta._bufs.values())
     for seed in (2, 3, 4):
         frames.dense = frames.delta = frames.bytes = 0
-        _change(trainer, 0.02, seed=seed)
+        change_weights(trainer, 0.02, seed=seed)
         report = _sync(stub)
         assert report.ok, [r.error for r in report.rollouts]
         assert {r.encoding for r in report.rollouts} == {"delta"}, [r.encoding for r in report.rollouts]
@@ -154,14 +113,14 @@ def test_a_damaged_base_copy_fails_the_commit_and_the_next_sync_is_dense(fleet, 
     a = rollouts["staged"]
     buf = next(iter(a.tx.delta_base._bufs.values()))
     buf[:4096] ^= 0x10  # spans words the delta changes: the result's checksum must catch it
-    _change(trainer, 0.02, seed=11)
+    change_weights(trainer, 0.02, seed=11)
     report = _sync(stub)
     got = {r.rollout_id: r for r in report.rollouts}
     assert not got["staged"].ok
     assert a.tx.version != trainer.actor.version
     assert _exact(trainer, rollouts["inplace"])
     frames = _Frames(monkeypatch)
-    _change(trainer, 0.02, seed=12)
+    change_weights(trainer, 0.02, seed=12)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     # the staged rollout lost its base: a broadcast reaches every member alike, so everyone gets it dense
@@ -220,7 +179,7 @@ def test_auto_on_nccl_streams_dense_and_unframed(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
     frames = _Frames(monkeypatch)
     monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")
-    _change(trainer, 0.02, seed=20)
+    change_weights(trainer, 0.02, seed=20)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
     assert frames.delta == frames.dense == 0  # no offer: the plain broadcasts

@@ -12,6 +12,7 @@ a live one that left the sync are both caught; unwatched, the same sync waits ou
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import asdict
@@ -19,11 +20,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from tests.support.local_apps import local_fleet
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.nccl.liveness import LocalFlags
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.nccl.sender_groups import SenderGroupCache
-from weightsync.control.client import channel, trainer_stub
 from weightsync.publisher.multisender import SendJob, run_sender
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -85,51 +86,22 @@ class TwoRankActor:
 
 @pytest.fixture
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
+    with contextlib.ExitStack() as made:
 
-    made = []
-
-    def make(watched: bool):
-        bus = LoopbackBus(blocking_send=True)
-        trainer = TrainerApp(
-            TrainerConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                backend="hf",
-                model="tiny-qwen2",
-                bucket_mb=1,
-                sync_timeout_s=SYNC_TIMEOUT,
-                auto_sync_new_rollouts=False,
+        def make(watched: bool):
+            bus = LoopbackBus(blocking_send=True)
+            trainer, apps, stub = fleet = made.enter_context(
+                local_fleet({"live": {}, "victim": {}}, sync_timeout_s=SYNC_TIMEOUT)
             )
-        )
-        trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
-        trainer.orch.transports["nccl"] = NcclSender(
-            torch.device("cpu"), bus, 5.0, call=trainer.orch.rollouts.call, watch_period=PERIOD
-        )
-        trainer.start()
-        made.append(trainer)
-        apps = {}
-        for rid in ("live", "victim"):
-            app = RolloutApp(
-                RolloutConfig.from_flat(
-                    grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id=rid
-                )
+            trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
+            trainer.orch.transports["nccl"] = NcclSender(
+                torch.device("cpu"), bus, 5.0, call=trainer.orch.rollouts.call, watch_period=PERIOD
             )
-            app.servicer.nccl._bus = bus
-            app.start()
-            made.append(app)
-            apps[rid] = app
-        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-        for rid, app in apps.items():
-            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-        return trainer, apps, stub
+            for app in apps.values():
+                app.servicer.nccl._bus = bus
+            return fleet
 
-    yield make
-    for m in reversed(made):
-        m.stop()
+        yield make
 
 
 def _sync(stub) -> tuple[trainer_pb2.SyncReport, float]:

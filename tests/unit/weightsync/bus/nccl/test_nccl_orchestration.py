@@ -13,9 +13,10 @@ import grpc
 import pytest
 import torch
 
+from tests.support.local_apps import local_fleet
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.nccl.sender import NcclSender
-from weightsync.control.client import channel, rollout_stub, trainer_stub
+from weightsync.control.client import channel, rollout_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
 INIT_TIMEOUT = 2.0
@@ -23,51 +24,18 @@ INIT_TIMEOUT = 2.0
 
 @pytest.fixture(scope="module")
 def fleet():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     bus = LoopbackBus()
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=30.0,
-            auto_sync_new_rollouts=False,
+    rollouts = {
+        rid: {"apply_mode": "inplace" if rid == "b" else "staged"} for rid in ("a", "b", "c", "partitioned", "cpu")
+    }
+    with local_fleet(rollouts) as (trainer, apps, stub):
+        trainer.orch.transports["nccl"] = NcclSender(
+            torch.device("cpu"), bus, INIT_TIMEOUT, trainer.metrics.nccl_group_builds.inc
         )
-    )
-    trainer.orch.transports["nccl"] = NcclSender(
-        torch.device("cpu"), bus, INIT_TIMEOUT, trainer.metrics.nccl_group_builds.inc
-    )
-    trainer.start()
-    rollouts = {}
-    for rid in ("a", "b", "c", "partitioned", "cpu"):
-        app = RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                rollout_id=rid,
-                apply_mode="inplace" if rid == "b" else "staged",
-            )
-        )
-        if rid == "partitioned":
-            app.servicer.nccl._bus = LoopbackBus()  # another network: its join never meets the others
-        elif rid != "cpu":  # "cpu" keeps the real bus: a CPU engine must refuse nccl
-            app.servicer.nccl._bus = bus
-        app.start()
-        rollouts[rid] = app
-    stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-    for rid, app in rollouts.items():
-        stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-    yield trainer, rollouts, stub, bus
-    for app in rollouts.values():
-        app.stop()
-    trainer.stop()
+        apps["partitioned"].servicer.nccl._bus = LoopbackBus()  # another network: its join never meets the others
+        for rid in ("a", "b", "c"):  # "cpu" keeps the real bus: a CPU engine must refuse nccl
+            apps[rid].servicer.nccl._bus = bus
+        yield trainer, apps, stub, bus
 
 
 def _sync(stub, ids):
@@ -308,39 +276,19 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
     import threading
     import time
 
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     bus = LoopbackBus(blocking_send=True)
     sync_timeout = 6.0
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            sync_timeout_s=sync_timeout,
-            auto_sync_new_rollouts=False,
+    release = threading.Event()
+    with local_fleet({"live": {}, "dying": {}}, sync_timeout_s=sync_timeout) as (trainer, apps, stub):
+        trainer.orch.transports["nccl"] = NcclSender(
+            torch.device("cpu"),
+            bus,
+            INIT_TIMEOUT,
+            call=trainer.orch.rollouts.call if watched else None,
+            watch_period=0.2,
         )
-    )
-    trainer.orch.transports["nccl"] = NcclSender(
-        torch.device("cpu"), bus, INIT_TIMEOUT, call=trainer.orch.rollouts.call if watched else None, watch_period=0.2
-    )
-    trainer.start()
-    apps, release = {}, threading.Event()
-    try:
-        for rid in ("live", "dying"):
-            app = RolloutApp(
-                RolloutConfig.from_flat(
-                    grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id=rid
-                )
-            )
+        for app in apps.values():
             app.servicer.nccl._bus = bus
-            app.start()
-            apps[rid] = app
         dying = apps["dying"]
 
         def hang_then_lose_the_control_plane(sync_id, receiver, sender=0):
@@ -354,26 +302,25 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
             release.wait(30)
 
         dying.tx.run_receiver = hang_then_lose_the_control_plane
-        stub = trainer_stub(channel(trainer.grpc.address), "", 60)
-        for rid, app in apps.items():
-            stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
-        before = apps["live"].tx.version
-        t0 = time.monotonic()
-        rep = stub.Sync(
-            trainer_pb2.SyncRequest(rollout_ids=["live", "dying"], transport="nccl"), timeout=sync_timeout + 30
-        ).report
-        took = time.monotonic() - t0
-        errors = {r.rollout_id: r.error for r in rep.rollouts}
-        assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
-        assert apps["live"].tx.version == before and apps["live"].tx.state == rollout_pb2.SERVING
-        if watched:
-            assert took < 3.0, f"the group waited {took:.1f}s for a dead member"
-            want = "rollout dying became unreachable during the stream" if how == "dies" else "rollout dying left sync"
-            assert all(want in e for e in errors.values()), errors
-        else:
-            assert took >= sync_timeout - 1.0, f"unwatched, the sync should have waited out its timeout ({took:.1f}s)"
-    finally:
-        release.set()
-        for app in apps.values():
-            app.stop()
-        trainer.stop()
+        try:
+            before = apps["live"].tx.version
+            t0 = time.monotonic()
+            rep = stub.Sync(
+                trainer_pb2.SyncRequest(rollout_ids=["live", "dying"], transport="nccl"), timeout=sync_timeout + 30
+            ).report
+            took = time.monotonic() - t0
+            errors = {r.rollout_id: r.error for r in rep.rollouts}
+            assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
+            assert apps["live"].tx.version == before and apps["live"].tx.state == rollout_pb2.SERVING
+            if watched:
+                assert took < 3.0, f"the group waited {took:.1f}s for a dead member"
+                want = (
+                    "rollout dying became unreachable during the stream" if how == "dies" else "rollout dying left sync"
+                )
+                assert all(want in e for e in errors.values()), errors
+            else:
+                assert took >= sync_timeout - 1.0, (
+                    f"unwatched, the sync should have waited out its timeout ({took:.1f}s)"
+                )
+        finally:
+            release.set()
