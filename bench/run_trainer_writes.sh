@@ -33,12 +33,12 @@ show() { grep -v -i warn "$LOGS/$1.log" | tail -"$2"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "code: ${CODE:-(set CODE=<commit>)}"; } \
   | tee "$LOGS/gpus.txt"
 
-step 60 gpu_tests_write_pass "${PYTEST[@]}" -k "one_launch or across_processes"; show gpu_tests_write_pass 8
+step 60 gpu_tests_write_pass "${PYTEST[@]}" -k "at_once or across_processes"; show gpu_tests_write_pass 8
 step 230 services_megatron python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
   --ipc-direction trainer_writes,rollout_reads --reps 10 --out "$OUT/services_ipc_megatron.json"
 show services_megatron 14
 step 170 services_hf python3 bench/bench_services.py --models 7b --transport ipc --backend hf \
   --ipc-direction trainer_writes --reps 10 --out "$OUT/services_ipc_hf.json"
 show services_hf 8
-step 120 gpu_tests_services "${PYTEST[@]}" -k "not one_launch and not across_processes"; show gpu_tests_services 8
+step 120 gpu_tests_services "${PYTEST[@]}" -k "not at_once and not across_processes"; show gpu_tests_services 8
 echo "== total ${SECONDS}s"

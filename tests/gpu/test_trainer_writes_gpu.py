@@ -132,10 +132,10 @@ def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_process
 
 
 @needs_gpu
-def test_one_launch_for_every_bucket_lands_and_sums_as_one_launch_per_bucket():
-    """verified_copy.copy_all_into (the actor's own buckets, one kernel launch for all of them) against
-    copy_into bucket by bucket: the same bytes in the destinations and the same checksums, also on a
-    second call through the cached table with new contents."""
+def test_every_bucket_at_once_lands_and_sums_as_copy_into_bucket_by_bucket():
+    """verified_copy.copy_all_into (the actor's own buckets, all queued with no wait between them)
+    against copy_into bucket by bucket: the same bytes in the destinations and the same checksums, also
+    on a second call with new contents in the same buffers."""
     from weightsync.bus.checksum import bucket_checksum
     from weightsync.bus.pack import pack_bucket
     from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values

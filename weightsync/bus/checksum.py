@@ -10,7 +10,6 @@ which also comes as a copy that checksums what it copies (a rollout's copy-out, 
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import numpy as np
@@ -208,14 +207,6 @@ def warm_up(device) -> float:
         )
         table = torch.tensor([(words.data_ptr(), 64), (dst.data_ptr(), 32)], dtype=torch.int64).to(device)
         checksum_cuda.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
-        # the trainer writing its own buckets into the engine, all in one launch (verified_copy.copy_all_into);
-        # a failure here is the first sync's to report (it names the sync), not a reason not to start
-        try:
-            rows, owner = checksum_cuda.scatter_many_rows([(words.data_ptr(), [(0, 32, dst.data_ptr())]), (0, [])])
-            bounds = torch.tensor([0, len(owner), len(owner)], dtype=torch.int64).to(device)
-            checksum_cuda.scatter_many_word_sums(torch.tensor(rows, dtype=torch.int64).to(device), bounds)
-        except Exception:
-            logging.getLogger(__name__).exception("the one-launch copy-and-checksum kernel did not warm up")
     return time.perf_counter() - t0
 
 

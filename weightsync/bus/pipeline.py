@@ -12,7 +12,7 @@ are sent as they are, with no export pass and no pack copy; their checksums are 
 once (InFlightChecksums) and a sender that does not carry them with every bucket
 (`checksums_in_band`) gets them at the end, for the commit, instead of waiting for each. In-place
 buckets with no checksum to wait for go to a channel that takes them all at once (`send_held`: the
-trainer writing into the engine launches one kernel for all of them) with no producer thread at all.
+trainer writing into the engine queues one kernel per bucket for all of them) with no producer thread at all.
 """
 
 from __future__ import annotations

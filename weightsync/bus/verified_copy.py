@@ -162,93 +162,21 @@ def copy_all_into(
     plans: Sequence[BucketPlan],
     bufs: Sequence[torch.Tensor],
     dests: Sequence[Sequence[torch.Tensor]],
-    fixed: dict | None = None,
 ) -> list[PendingChecksum] | None:
-    """`copy_into(plan, buf, dests, wait=False)` of every bucket at once, for buffers that stay
-    unchanged until the values are read (the actor's own storage: nothing is cloned). On a GPU with
-    the fused kernel, one launch for all the buckets, whatever their number, queued on the current
-    stream (after every write already queued there). None, with nothing copied, when a destination
-    is not laid out for it.
-
-    `fixed`: a dict the caller keeps for destinations and a layout that never change (a mapped
-    destination table, trainer_writes.Destinations): the launch's address table and the checks of
-    every destination are then made once per set of bucket buffers, not at each call (hundreds of
-    tensors' worth of Python)."""
+    """`copy_into(plan, buf, dests, wait=False)` of every bucket, queued back to back on the current
+    stream with no wait between them, for buffers that stay unchanged until the values are read (the
+    actor's own storage: nothing is cloned). None, with nothing copied, when a destination is not laid
+    out for it. One fused launch per bucket: a single launch over every bucket's rows (source addresses
+    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md)."""
     if not (len(plans) == len(bufs) == len(dests)):
         raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
     for plan, buf, ds in zip(plans, bufs, dests):
         if len(ds) != len(plan.slots):
             raise ValueError(f"bucket {plan.index}: {len(ds)} destinations for {len(plan.slots)} tensors")
         _check_buf(plan, buf)
-    if not plans:
-        return []
-    device = bufs[0].device
-    key = (device, *((b.data_ptr(), p.nbytes) for p, b in zip(plans, bufs)))
-    launch = fixed.get(key) if fixed is not None else None
-    if launch is None:
-        if any(b.device != device for b in bufs) or not all(map(_laid_out, plans, bufs, dests)):
-            return None
-        if not _one_launch(device):
-            return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
-        launch = _ManyLaunch(plans, bufs, dests)
-        if fixed is not None:
-            if len(fixed) >= _MAX_FIXED:
-                fixed.clear()
-            fixed[key] = launch
-    sums = launch.run(bufs)
-    ready = None
-    if device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-    out = []
-    for k, (plan, buf) in enumerate(zip(plans, bufs)):
-        n = plan.nbytes
-        out.append(PendingChecksum(sums[k], buf[n - n % 4 : n], n, ready))
-    return out
-
-
-#: launch tables kept per destination table: the actor's buckets stay where they are, so one or two
-_MAX_FIXED = 4
-
-
-class _ManyLaunch:
-    """Every bucket copied and summed by one launch: its address table (checksum_cuda.scatter_many_rows),
-    the bucket of each row, and the few bytes past a tensor's last whole word. Holds addresses, not
-    the buckets (kept, a replaced bucket buffer would stay allocated): the caller's key is their
-    addresses and sizes, and the same addresses and sizes give the same table."""
-
-    def __init__(self, plans, bufs, dests):
-        rows, owner = many_rows(plans, bufs, dests)
-        device = bufs[0].device
-        self.table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).to(device)
-        # bucket b's rows are rows bounds[b] to bounds[b + 1] (the rows go bucket by bucket)
-        bounds = [0] * (len(plans) + 1)
-        for b in owner:
-            bounds[b + 1] += 1
-        for b in range(len(plans)):
-            bounds[b + 1] += bounds[b]
-        self.bounds = torch.tensor(bounds, dtype=torch.int64).to(device)
-        #: (bucket, first byte, last byte, destination bytes) of each tensor's partial last word
-        self.partials = []
-        for k, (plan, ds) in enumerate(zip(plans, dests)):
-            for slot, d in zip(plan.slots, ds):
-                nb = slot.meta.nbytes
-                if nb % 4:
-                    whole = nb - nb % 4
-                    self.partials.append((k, slot.offset + whole, slot.offset + nb, _byte_view(d)[whole:]))
-
-    def run(self, bufs) -> torch.Tensor:
-        from weightsync.bus import checksum_cuda
-
-        sums = checksum_cuda.scatter_many_word_sums(self.table, self.bounds)
-        for k, a, b, dst in self.partials:
-            dst.copy_(bufs[k][a:b])
-        return sums
-
-
-def _one_launch(device: torch.device) -> bool:
-    """Whether every bucket can go in one launch of the fused kernel on `device`."""
-    return device.type == "cuda" and _fused()
+    if not all(map(_laid_out, plans, bufs, dests)):
+        return None
+    return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
 
 
 def _fused() -> bool:
@@ -276,18 +204,6 @@ def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dest
             _TABLES.clear()
         table = _TABLES[key] = checksum_cuda.scatter_table(addressed, words.device)
     return checksum_cuda.scatter_word_sums(words, table)
-
-
-def many_rows(plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], dests: Sequence[Sequence[torch.Tensor]]):
-    """The rows of the one launch that copies every bucket (checksum_cuda.scatter_many_rows): (source
-    address, word count, destination address or 0) and the bucket of each row."""
-    from weightsync.bus import checksum_cuda
-
-    buckets = []
-    for plan, buf, ds in zip(plans, bufs, dests):
-        regions = [(first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan)]
-        buckets.append((buf.data_ptr(), regions))
-    return checksum_cuda.scatter_many_rows(buckets)
 
 
 def copy_bucket(

@@ -8,10 +8,11 @@ engine offers its parameters (`writable_params`) shares, at PrepareSync, CUDA IP
 parameters' storage plus where each manifest tensor lies in them (`IpcDestinations`, once per layout:
 later prepares name the table by id). The trainer validates every entry against its manifest, maps
 each allocation once, and its stream phase is one fused copy-and-checksum launch per packed bucket
-(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction), or
-one launch for all of the actor's own in-place buckets (`copy_all_into`), straight into the engine's
-parameters. It synchronizes its stream, then commits with the sums of what that kernel read; the
-rollout (paused since its prepare, STALE if the sync aborts) records them as the version's checksums.
+(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction); the
+actor's own in-place buckets are all queued at once, without waits between them (`copy_all_into`),
+straight into the engine's parameters. It synchronizes its stream, then commits with the sums of what
+that kernel read; the rollout (paused since its prepare, STALE if the sync aborts) records them as
+the version's checksums.
 
 Guarantee, on this path only (docs/architecture.md, "Trainer writes"): the checksums are computed by
 the kernel that writes the destination, from the words it reads from the trainer's bucket, on the
@@ -122,8 +123,6 @@ class Destinations:
                 t = by_name[slot.meta.name]
                 views.append(self.maps[t.allocation][t.offset : t.offset + t.nbytes])
             self.buckets.append(views)
-        #: the one launch that writes the actor's own buckets, per set of bucket buffers (verified_copy)
-        self.launches: dict = {}
 
 
 def check(manifest: Manifest, table: bus_pb2.IpcDestinations) -> None:
@@ -184,7 +183,7 @@ def choose(direction: str, targets: int, offered: bool) -> str:
 
 class TrainerWriteSender(BucketSender):
     """The stream of a trainer-writes sync: each bucket copied into the engine's parameters by one
-    fused copy-and-checksum launch (the actor's own buckets: all of them by one launch, `send_held`).
+    fused copy-and-checksum launch (the actor's own buckets: all queued at once, `send_held`).
     `flush` synchronizes the stream and reads every sum; the commit carries them (no bucket travels
     to the rollout, nor any per-bucket message)."""
 
@@ -212,11 +211,11 @@ class TrainerWriteSender(BucketSender):
             self._events[-2].synchronize()
 
     def send_held(self, plans, bufs) -> bool:
-        """The actor's own buckets: every one written by one launch, queued on the current stream
-        behind the actor's own writes (no host synchronize first, no wait between buckets)."""
+        """The actor's own buckets: every one written by its fused launch, all queued on the current
+        stream behind the actor's own writes (no host synchronize first, no wait between buckets)."""
         from weightsync.bus.verified_copy import copy_all_into
 
-        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans], self.dests.launches)
+        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans])
         if pending is None:
             raise DestinationError("the engine's parameters cannot take the buckets as words")
         self._pending = pending

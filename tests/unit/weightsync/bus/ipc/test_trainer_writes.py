@@ -238,29 +238,6 @@ def test_the_actors_own_buckets_go_all_at_once_without_a_producer_thread(bucket_
         assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
-class _KernelStandIn:
-    """checksum_cuda's scatter_many_sum64 on a CPU: each program (table row) follows the row's addresses
-    as the kernel does, copying its words and writing their two sums into its row of the partials."""
-
-    def __getitem__(self, grid):
-        def launch(table, partial, BLOCK, STEPS):
-            import ctypes
-
-            import numpy as np
-
-            assert grid == (table.shape[0],) and table.shape[0] == partial.shape[0]
-            for pid, (src, n, dst) in enumerate(table.tolist()):
-                assert n <= BLOCK * STEPS
-                w = np.frombuffer(ctypes.string_at(src, 4 * n), dtype=np.int32) if n else np.zeros(0, np.int32)
-                if dst:
-                    ctypes.memmove(dst, src, 4 * n)
-                # the square wraps in int32, as in the kernel
-                partial[pid, 0] = int(w.astype(np.int64).sum())
-                partial[pid, 1] = int((w * w).astype(np.int64).sum())
-
-        return launch
-
-
 def _random_buckets(manifest, seed):
     g = torch.Generator().manual_seed(seed)
     tensors = []
@@ -276,40 +253,35 @@ def _random_buckets(manifest, seed):
     return tensors, bufs, want
 
 
-def test_one_launch_for_every_bucket_copies_and_sums_as_one_launch_per_bucket_does(monkeypatch):
-    """verified_copy.copy_all_into's one launch for all buckets (its address table: source address,
-    words, destination address or 0, and the bucket of each row), run by a CPU stand-in of the kernel
-    that follows the addresses: the bytes land as `copy_into` lands them and each bucket's sums give
-    its bucket_checksum; the table is made once per set of buffers (`fixed`), and new buffers get
-    their own. tests/gpu/test_trainer_writes_gpu.py runs the kernel itself."""
-    from weightsync.bus import checksum_cuda, verified_copy
-    from weightsync.bus.verified_copy import copy_all_into, many_rows, pending_values
+def test_every_bucket_at_once_lands_and_sums_as_copy_into_and_a_bad_layout_copies_nothing():
+    """verified_copy.copy_all_into (the actor's own buckets, all queued at once): the bytes land as
+    `copy_into` lands them and each bucket's sums give its bucket_checksum, over fresh contents in the
+    same buffers; a destination that cannot take its slot as words leaves every destination untouched.
+    tests/gpu/test_trainer_writes_gpu.py runs it with the fused kernel."""
+    from weightsync.bus.verified_copy import copy_all_into, pending_values
 
-    monkeypatch.setattr(checksum_cuda, "_STEPS", 1)  # rows of 4096 words: the large tensor is cut
-    monkeypatch.setattr(verified_copy, "_one_launch", lambda device: True)
-    monkeypatch.setattr(checksum_cuda, "_scatter_many_kernel", _KernelStandIn)
     metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")
     assert any(p.nbytes % 4 for p in manifest.buckets)  # a bucket whose last bytes are not a whole word
     params = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas}
     dests = [[params[s.meta.name] for s in plan.slots] for plan in manifest.buckets]
-    fixed: dict = {}
-    bufs: list[torch.Tensor] = []
-    for seed, same_buffers in ((3, False), (4, True), (5, False)):
-        tensors, fresh, want = _random_buckets(manifest, seed)
-        if same_buffers:  # new contents in the buffers of the last call: its table serves
-            for b, f in zip(bufs, fresh):
-                b.copy_(f)
-        else:
-            bufs = fresh
-        rows, owner = many_rows(manifest.buckets, bufs, dests)
-        assert owner == sorted(owner) and set(owner) == set(range(len(manifest.buckets)))
-        assert max(n for _, n, _ in rows) <= 4096 and sum(1 for _, n, _ in rows if n == 4096) >= 3
-        got = pending_values(copy_all_into(manifest.buckets, bufs, dests, fixed))
-        assert got == want, seed
+    for seed in (3, 4):
+        tensors, bufs, want = _random_buckets(manifest, seed)
+        assert pending_values(copy_all_into(manifest.buckets, bufs, dests)) == want, seed
         for name, t in tensors:
             assert torch.equal(params[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-        assert len(fixed) == (1 if seed < 5 else 2)
+    before = {n: t.clone() for n, t in params.items()}
+    _, bufs, _ = _random_buckets(manifest, 5)
+    bad = [list(d) for d in dests]
+    bad[-1][-1] = torch.zeros(bad[-1][-1].numel() + 1, dtype=bad[-1][-1].dtype)  # one element too many
+    assert copy_all_into(manifest.buckets, bufs, bad) is None
+
+    def raw(t):  # the values hold NaNs (random words): compare bytes
+        return t.reshape(-1).view(torch.uint8)
+
+    assert all(torch.equal(raw(before[n]), raw(params[n])) for n in params)
+    with pytest.raises(ValueError, match="destinations for"):
+        copy_all_into(manifest.buckets, bufs, [d[:-1] for d in dests])
 
 
 class _Entry:
