@@ -18,13 +18,27 @@ def change_weights(trainer, fraction: float = 0.02, seed: int = 0) -> None:
     trainer.actor.version += 1
 
 
-def bump_and_sync_exactly(trainer, rollouts: dict, stub, transport: str = "tcp"):
-    """Change every trainer weight, Sync, and check every rollout serves exactly the export at the
-    new version; returns the SyncReport."""
+def bump_weights(trainer) -> None:
+    """Change every trainer weight (a new version): what a full sync sends."""
     with torch.no_grad():
         for p in trainer.actor.model.parameters():
             p.add_(0.01)
     trainer.actor.version += 1
+
+
+def assert_serves_export(trainer, app) -> None:
+    """`app` holds exactly the trainer's export (same dtype, bit for bit) and serves its version."""
+    exported = list(trainer.actor.export_tensors())
+    assert exported
+    for name, t in exported:
+        assert torch.equal(app.engine._target(name), t), name
+    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+
+
+def bump_and_sync_exactly(trainer, rollouts: dict, stub, transport: str = "tcp"):
+    """Change every trainer weight, Sync, and check every rollout serves exactly the export at the
+    new version; returns the SyncReport."""
+    bump_weights(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport=transport)).report
     assert report.ok, [r.error for r in report.rollouts]
     exported = list(trainer.actor.export_tensors())

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.support.fake_gpu import GPU, FakeGpu
+from tests.support.fleet_sync import assert_serves_export, bump_weights
 from tests.support.local_apps import local_fleet
 from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
 from weightsync.bus.ipc.sender import IpcStreamSender
@@ -42,19 +43,6 @@ def fleet():
             app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
             app.servicer.ipc.maps = MappedBuffers(gpu.open)
         yield trainer, rollouts, stub, gpu
-
-
-def _bump(trainer):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
-
-
-def _assert_exact(trainer, app):
-    for name, t in trainer.actor.export_tensors():
-        assert torch.equal(app.engine._target(name), t), name
-    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
 
 
 def _prepared_by_hand(trainer, stub, gpu, sync_id: str, version: int):
@@ -83,12 +71,12 @@ def _prepared_by_hand(trainer, stub, gpu, sync_id: str, version: int):
 def test_ipc_sync_shares_once_maps_once_and_stays_exact_across_syncs(fleet):
     trainer, rollouts, stub, gpu = fleet
     for _ in range(3):
-        _bump(trainer)
+        bump_weights(trainer)
         report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
         assert report.ok and report.transport == "ipc", [r.error for r in report.rollouts]
         assert report.num_buckets > 2
         for app in rollouts.values():
-            _assert_exact(trainer, app)
+            assert_serves_export(trainer, app)
     ipc = trainer.orch.transports["ipc"]
     assert ipc.buffers.allocations == 1 and gpu.shares == 2  # two pooled buffers, shared once for three syncs
     for app in rollouts.values():
@@ -97,7 +85,7 @@ def test_ipc_sync_shares_once_maps_once_and_stays_exact_across_syncs(fleet):
 
 def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(fleet):
     trainer, rollouts, stub, gpu = fleet
-    _bump(trainer)
+    bump_weights(trainer)
     a = rollouts["a"]
     consume = a.tx.consume_bucket
 
@@ -117,12 +105,12 @@ def test_a_corrupted_bucket_fails_that_rollout_only_and_the_next_sync_heals_it(f
         "a"
     ].error
     assert results["b"].ok
-    _assert_exact(trainer, rollouts["b"])
+    assert_serves_export(trainer, rollouts["b"])
     # in place, bucket 0 was already loaded: STALE, refusing generation until a complete sync
     assert a.tx.state == rollout_pb2.STALE and a.tx.pending_sync_id == ""
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]
-    _assert_exact(trainer, a)
+    assert_serves_export(trainer, a)
 
 
 def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked_at_commit(fleet, monkeypatch):
@@ -139,7 +127,7 @@ def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked
 
     monkeypatch.setattr(StreamPhase, "_in_place", in_place)
     trainer, rollouts, stub, gpu = fleet
-    _bump(trainer)
+    bump_weights(trainer)
     a = rollouts["a"]
     seen, push = [], a.servicer.ipc.push
     consume = a.tx.consume_bucket
@@ -162,13 +150,13 @@ def test_buckets_of_the_trainers_own_storage_are_acknowledged_queued_and_checked
     err = results["a"].error
     assert not results["a"].ok and "commit" in err and "DATA_LOSS" in err and "bucket 1: checksum" in err, err
     assert results["b"].ok
-    _assert_exact(trainer, rollouts["b"])
+    assert_serves_export(trainer, rollouts["b"])
     assert a.tx.state == rollout_pb2.STALE and a.tx.pending_sync_id == ""
     monkeypatch.setattr(a.tx, "consume_bucket", consume)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]
     for app in rollouts.values():
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
 
 
 def test_ipc_stream_refuses_a_wrong_token_a_foreign_sync_and_a_mixed_stream(fleet):
@@ -212,12 +200,12 @@ def test_ipc_commits_ride_the_bucket_stream_and_a_commit_for_another_sync_on_it_
         return call(entry, method, req)
 
     monkeypatch.setattr(trainer.orch.rollouts, "call", recording_call)
-    _bump(trainer)
+    bump_weights(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]
     assert sorted(methods) == ["PrepareSync", "PrepareSync"]  # no CommitSync, no AbortSync
     for app in rollouts.values():
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
     assert {r.version for r in report.rollouts} == {trainer.actor.version}
 
     app = rollouts["b"]
@@ -246,7 +234,7 @@ def test_with_the_sync_link_an_ipc_sync_prepares_and_commits_there_and_ends_its_
     """Once a rollout's PrepareSync answer named its sync link, the next sync's prepare and commit
     go over it (no IpcBuckets stream waits for a commit: each ends after its last bucket)."""
     trainer, rollouts, stub, _ = fleet
-    _bump(trainer)
+    bump_weights(trainer)
     assert stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report.ok  # the links are known from here on
     served = {rid: app.link.requests for rid, app in rollouts.items()}
     stream_commits = []
@@ -255,10 +243,10 @@ def test_with_the_sync_link_an_ipc_sync_prepares_and_commits_there_and_ends_its_
     monkeypatch.setattr(
         IpcStreamSender, "commit_on_stream", lambda self, rids: (stream_commits.append(list(rids)), real(self, rids))[1]
     )
-    _bump(trainer)
+    bump_weights(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert report.ok, [r.error for r in report.rollouts]
     assert stream_commits == []
     assert {rid: app.link.requests - served[rid] for rid, app in rollouts.items()} == {"a": 2, "b": 2}
     for app in rollouts.values():
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)

@@ -19,6 +19,7 @@ from test_trainer_writes_services import TOKEN
 
 from rollout_svc.sync import link_server
 from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
+from tests.support.fleet_sync import bump_weights
 from tests.support.local_apps import local_fleet
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -40,13 +41,6 @@ def pair():
     ) as (trainer, rollouts, stub):
         fake_gpu_boundary(trainer, rollouts["a"], gpu)
         yield trainer, rollouts["a"], stub
-
-
-def _bump(trainer):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
 
 
 def _generation(app, seconds: float | None, release: threading.Event | None = None) -> threading.Thread:
@@ -75,10 +69,10 @@ def _sync(stub) -> tuple[trainer_pb2.SyncReport, float]:
 
 def test_a_prepare_that_waits_for_generation_longer_than_rpc_timeout_commits(pair):
     trainer, app, stub = pair
-    _bump(trainer)
+    bump_weights(trainer)
     report, _ = _sync(stub)  # the table is offered and mapped; the link is opened
     assert report.ok and "stream.trainer_writes" in report.phase_seconds, [r.error for r in report.rollouts]
-    _bump(trainer)
+    bump_weights(trainer)
     gen = _generation(app, GENERATION_S)
     report, took = _sync(stub)
     gen.join(10)
@@ -93,7 +87,7 @@ def test_a_prepare_that_waits_for_generation_longer_than_rpc_timeout_commits(pai
 
 def test_a_rollout_that_hangs_in_that_prepare_fails_within_the_liveness_not_the_deadline(pair, monkeypatch):
     trainer, app, stub = pair
-    _bump(trainer)
+    bump_weights(trainer)
     assert _sync(stub)[0].ok  # the sync link is open: this prepare goes over it
     beater = app.link._beater
     # hung after reading the request: it acknowledges it (as it does first thing) and never beats again
@@ -101,7 +95,7 @@ def test_a_rollout_that_hangs_in_that_prepare_fails_within_the_liveness_not_the_
     release = threading.Event()
     gen = _generation(app, None, release)
     try:
-        _bump(trainer)
+        bump_weights(trainer)
         report, took = _sync(stub)
         assert not report.ok
         (r,) = report.rollouts

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
+from tests.support.fleet_sync import assert_serves_export, bump_weights
 from tests.support.local_apps import local_fleet
 from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.pack import pack_bucket
@@ -31,19 +32,6 @@ def pair():
         fake_gpu_boundary(trainer, rollouts["a"], gpu)
         trainer.orch.bucket_bytes = 64 << 10  # several buckets
         yield trainer, rollouts["a"], stub, gpu
-
-
-def _bump(trainer):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
-
-
-def _assert_exact(trainer, app):
-    for name, t in trainer.actor.export_tensors():
-        assert torch.equal(app.engine._target(name), t), name
-    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
 
 
 def _expected_weights_checksum(trainer) -> int:
@@ -73,10 +61,10 @@ def _sync(stub):
 def test_the_trainer_writes_every_sync_exactly_with_the_table_shared_and_mapped_once(pair):
     trainer, app, stub, gpu = pair
     for i in range(3):
-        _bump(trainer)
+        bump_weights(trainer)
         report = _sync(stub)
         assert "stream.trainer_writes" in report.phase_seconds and report.num_buckets > 2
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
         assert app.tx.weights_checksum == _expected_weights_checksum(trainer)
         if i == 0:
             shares, opens = gpu.shares, gpu.opens
@@ -87,20 +75,20 @@ def test_the_trainer_writes_every_sync_exactly_with_the_table_shared_and_mapped_
 
 def test_rollout_reads_keeps_the_old_path_with_the_same_checksums(pair, monkeypatch):
     trainer, app, stub, _ = pair
-    _bump(trainer)
+    bump_weights(trainer)
     _sync(stub)
     written = app.tx.weights_checksum
     monkeypatch.setattr(trainer.orch.transports["ipc"], "direction", "rollout_reads")
     report = _sync(stub)  # the same version, the rollout copying out of the trainer's buffers
     assert "stream.trainer_writes" not in report.phase_seconds
     assert app.servicer.ipc.maps.opens > 0
-    _assert_exact(trainer, app)
+    assert_serves_export(trainer, app)
     assert app.tx.weights_checksum == written
 
 
 def test_a_wrong_destination_table_is_refused_at_prepare_naming_the_tensor_and_the_next_sync_heals(pair):
     trainer, app, stub, _ = pair
-    _bump(trainer)
+    bump_weights(trainer)
     _sync(stub)
     ipc_end, sender = app.servicer.ipc, trainer.orch.transports["ipc"]
     ((key, (table_id, table)),) = ipc_end._offers.items()
@@ -108,7 +96,7 @@ def test_a_wrong_destination_table_is_refused_at_prepare_naming_the_tensor_and_t
     bad.CopyFrom(table)
     bad.tensors[1].dtype = bus_pb2.FLOAT16 if bad.tensors[1].dtype != bus_pb2.FLOAT16 else bus_pb2.FLOAT32
     ipc_end._offers[key] = ("bad-" + table_id, bad)
-    _bump(trainer)
+    bump_weights(trainer)
     report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
     assert not report.ok
     (r,) = report.rollouts
@@ -117,7 +105,7 @@ def test_a_wrong_destination_table_is_refused_at_prepare_naming_the_tensor_and_t
     assert app.tx.state == rollout_pb2.STALE and "a" not in sender.dests
     ipc_end._offers.clear()
     _sync(stub)
-    _assert_exact(trainer, app)
+    assert_serves_export(trainer, app)
 
 
 def test_only_an_inplace_rollout_of_an_unquantized_layout_offers_a_table(pair):
@@ -155,14 +143,14 @@ def test_a_sync_call_names_its_own_direction_and_the_table_stays_mapped_across(p
     same run, an operator's one-off independent read): alternating, the trainer keeps the rollout's
     table mapped and neither side shares anything again."""
     trainer, app, stub, _ = pair
-    _bump(trainer)
+    bump_weights(trainer)
     _sync(stub)  # the table is shared and mapped (if no earlier test did)
     held = trainer.orch.transports["ipc"].dests["a"]
     for direction in ("rollout_reads", "trainer_writes", "rollout_reads", "auto"):
         report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc", ipc_direction=direction)).report
         assert report.ok, [r.error for r in report.rollouts]
         assert ("stream.trainer_writes" in report.phase_seconds) == (direction != "rollout_reads"), direction
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
         assert app.tx.weights_checksum == _expected_weights_checksum(trainer)
     assert trainer.orch.transports["ipc"].direction == "auto"  # the configured one is left as it was
     assert trainer.orch.transports["ipc"].dests["a"] is held  # the engine's table was not offered nor mapped again

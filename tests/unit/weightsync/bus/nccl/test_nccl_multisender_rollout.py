@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import grpc
 import pytest
-import torch
 
+from tests.support.fleet_sync import assert_serves_export, bump_weights
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import ALGO
@@ -57,13 +57,6 @@ def setup():
     app.start()
     yield trainer, app, bus
     app.stop()
-
-
-def _bump(trainer) -> None:
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
 
 
 def _manifest(trainer, sync_id: str):
@@ -147,16 +140,10 @@ def _commit(trainer, app, manifest, checksums):
     return rollout_stub(channel(app.grpc.address), "").CommitSync(req, timeout=10)
 
 
-def _assert_exact(trainer, app):
-    for name, t in trainer.actor.export_tensors():
-        assert torch.equal(app.engine._target(name), t), name
-    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
-
-
 def test_two_senders_stream_concurrently_on_their_own_groups_reuse_them_and_one_failure_aborts_all(setup):
     trainer, app, bus = setup
     nccl = app.servicer.nccl
-    _bump(trainer)
+    bump_weights(trainer)
     m, owners = _manifest(trainer, "ms-1")
     uids = {0: bus.new_unique_id(), 1: bus.new_unique_id()}
     resp = _prepare(trainer, app, m, _spec([(0, uids[0], "g0", True), (1, uids[1], "g1", True)]))
@@ -164,22 +151,22 @@ def test_two_senders_stream_concurrently_on_their_own_groups_reuse_them_and_one_
     sums, errors, held = _stream(trainer, bus, m, owners, uids)
     assert not errors, errors
     assert _commit(trainer, app, m, sums).version == trainer.actor.version
-    _assert_exact(trainer, app)
+    assert_serves_export(trainer, app)
     assert nccl.held_senders() == [0, 1] and nccl.held_key(1) == ("g1", 2, 1) and nccl.builds == 2
 
     # the next sync reuses both communicators
-    _bump(trainer)
+    bump_weights(trainer)
     m2, _ = _manifest(trainer, "ms-2")
     _prepare(trainer, app, m2, _spec([(0, uids[0], "g0", False), (1, uids[1], "g1", False)]))
     sums, errors, held = _stream(trainer, bus, m2, owners, uids, held)
     assert not errors, errors
     _commit(trainer, app, m2, sums)
-    _assert_exact(trainer, app)
+    assert_serves_export(trainer, app)
     assert nccl.builds == 2
 
     # sender 1's group breaks after one bucket: the whole sync aborts, both groups are dropped
     served = app.tx.version
-    _bump(trainer)
+    bump_weights(trainer)
     m3, _ = _manifest(trainer, "ms-3")
     _prepare(trainer, app, m3, _spec([(0, uids[0], "g0", False), (1, uids[1], "g1", False)]))
     _, errors, _ = _stream(trainer, bus, m3, owners, uids, held, fail_sender=1)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from tests.support.fleet_sync import assert_serves_export, bump_weights
 from tests.support.local_apps import local_fleet
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.nccl.sender import NcclSender
@@ -40,21 +41,6 @@ def fleet():
 
 def _sync(stub, ids):
     return stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ids, transport="nccl")).report
-
-
-def _bump(trainer):
-    with torch.no_grad():
-        for p in trainer.actor.model.parameters():
-            p.add_(0.01)
-    trainer.actor.version += 1
-
-
-def _assert_exact(trainer, app):
-    exported = list(trainer.actor.export_tensors())
-    assert exported
-    for name, t in exported:
-        assert torch.equal(app.engine._target(name), t), name
-    assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
 
 
 def _builds(trainer, rollouts):
@@ -88,44 +74,44 @@ def test_group_is_built_once_reused_and_rebuilt_on_membership_change_failure_or_
     rep = _sync(stub, ["b", "a"])
     assert rep.ok, rep
     assert rep.transport == "nccl" and rep.version == trainer.actor.version
-    _assert_exact(trainer, a)
-    _assert_exact(trainer, b)
+    assert_serves_export(trainer, a)
+    assert_serves_export(trainer, b)
     # ranks follow rollout ids (a=1, b=2), whatever the request's order
     assert a.servicer.nccl.held_key()[1:] == (3, 1) and b.servicer.nccl.held_key()[1:] == (3, 2)
     group_id = a.servicer.nccl.group_id
     assert b.servicer.nccl.group_id == group_id
     assert _builds(trainer, rollouts) == (t0 + 1, {**r0, "a": r0["a"] + 1, "b": r0["b"] + 1})
 
-    _bump(trainer)  # same membership: the cached group carries the next sync
+    bump_weights(trainer)  # same membership: the cached group carries the next sync
     rep = _sync(stub, ["a", "b"])
     assert rep.ok, rep
-    _assert_exact(trainer, a)
-    _assert_exact(trainer, b)
+    assert_serves_export(trainer, a)
+    assert_serves_export(trainer, b)
     assert _builds(trainer, rollouts)[0] == t0 + 1 and a.servicer.nccl.group_id == group_id
 
-    _bump(trainer)  # a new member: a new group of world size 4
+    bump_weights(trainer)  # a new member: a new group of world size 4
     rep = _sync(stub, ["a", "b", "c"])
     assert rep.ok, rep
     for app in (a, b, c):
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
     assert _builds(trainer, rollouts)[0] == t0 + 2
     assert c.servicer.nccl.held_key()[1:] == (4, 3) and a.servicer.nccl.group_id != group_id
 
     # a communicator failure on one member: the next sync of the same membership rebuilds
     c.servicer.nccl._groups[0][0].abort("test: comm error on c")
-    _bump(trainer)
+    bump_weights(trainer)
     rep = _sync(stub, ["a", "b", "c"])
     assert rep.ok, rep
-    _assert_exact(trainer, c)
+    assert_serves_export(trainer, c)
     assert _builds(trainer, rollouts)[0] == t0 + 3
 
     # a restarted member no longer holds the group: it refuses the reuse and one retry rebuilds
     a.servicer.nccl._groups.clear()
-    _bump(trainer)
+    bump_weights(trainer)
     rep = _sync(stub, ["a", "b", "c"])
     assert rep.ok, rep
     for app in (a, b, c):
-        _assert_exact(trainer, app)
+        assert_serves_export(trainer, app)
     assert _builds(trainer, rollouts)[0] == t0 + 4
 
 
@@ -134,7 +120,7 @@ def test_member_that_cannot_join_fails_every_member_and_the_next_sync_rebuilds(f
     a = rollouts["a"]
     _sync(stub, ["a"])
     before = a.tx.version
-    _bump(trainer)
+    bump_weights(trainer)
     rep = _sync(stub, ["a", "partitioned"])
     assert not rep.ok
     errors = {r.rollout_id: r.error for r in rep.rollouts}
@@ -143,7 +129,7 @@ def test_member_that_cannot_join_fails_every_member_and_the_next_sync_rebuilds(f
     assert a.tx.version == before and a.tx.state == rollout_pb2.SERVING  # staged: still the old version
     rep = _sync(stub, ["a", "b"])
     assert rep.ok, rep
-    _assert_exact(trainer, a)
+    assert_serves_export(trainer, a)
 
 
 def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_without_them(fleet):
@@ -155,7 +141,7 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_witho
     real = [s.uuid_of for s in sides]
     try:
         a.servicer.nccl.uuid_of = b.servicer.nccl.uuid_of = lambda dev: "GPU-shared"
-        _bump(trainer)
+        bump_weights(trainer)
         rep = _sync(stub, ["a", "b"])
         by = {r.rollout_id: r for r in rep.rollouts}
         assert not rep.ok and sorted(by) == ["a", "b"], rep
@@ -164,7 +150,7 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_witho
         (refused,) = [rid for rid, r in by.items() if not r.ok]
         assert f"receives on GPU GPU-shared, and so does {ok}; NCCL takes one rank per GPU" in by[refused].error, rep
         assert by[ok].version == trainer.actor.version
-        _assert_exact(trainer, rollouts[ok])
+        assert_serves_export(trainer, rollouts[ok])
         assert rollouts[refused].tx.version != trainer.actor.version
         assert rep.seconds < INIT_TIMEOUT, "refused at prepare, without waiting for any join"
         assert _builds(trainer, rollouts)[0] == builds + 1
@@ -179,10 +165,10 @@ def test_two_ranks_on_one_gpu_are_refused_at_prepare_and_the_others_synced_witho
             side.uuid_of = fn
     for app in (a, b, c):
         assert app.tx.pending_sync_id == "" and app.tx.state == rollout_pb2.SERVING
-    _bump(trainer)
+    bump_weights(trainer)
     rep = _sync(stub, ["a", "b", "c"])  # distinct GPUs again: the group forms
     assert rep.ok, rep
-    _assert_exact(trainer, b)
+    assert_serves_export(trainer, b)
 
 
 def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
@@ -197,13 +183,13 @@ def test_cpu_rollout_refuses_nccl_and_is_left_out_while_the_others_sync(fleet):
         )
 
     before = failures("prepare_failed"), failures("transport")
-    _bump(trainer)
+    bump_weights(trainer)
     rep = _sync(stub, ["a", "cpu"])
     by = {r.rollout_id: r for r in rep.rollouts}
     assert not rep.ok and sorted(by) == ["a", "cpu"], rep
     assert "transport nccl needs a CUDA engine" in by["cpu"].error and "--device cuda:N" in by["cpu"].error, rep
     assert by["a"].ok and by["a"].version == trainer.actor.version, rep
-    _assert_exact(trainer, rollouts["a"])
+    assert_serves_export(trainer, rollouts["a"])
     assert rollouts["cpu"].tx.pending_sync_id == "" and rollouts["cpu"].tx.version != trainer.actor.version
     # one failure (cpu's prepare); a's first, superseded attempt is not counted against it
     assert (failures("prepare_failed"), failures("transport")) == (before[0] + 1, before[1])
