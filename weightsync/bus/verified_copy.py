@@ -120,6 +120,11 @@ def copy_into(
     _check_buf(plan, buf)
     if not _laid_out(plan, buf, dests):
         return None
+    return _copy_checked(plan, buf, dests, wait, sums_to)
+
+
+def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to):
+    """copy_into's copy, for destinations already checked to be laid out for it."""
     n = plan.nbytes
     end = n - n % 4
     words = _words(buf[:end])
@@ -176,7 +181,7 @@ def copy_all_into(
         _check_buf(plan, buf)
     if not all(map(_laid_out, plans, bufs, dests)):
         return None
-    return [copy_into(plan, buf, ds, wait=False) for plan, buf, ds in zip(plans, bufs, dests)]
+    return [_copy_checked(plan, buf, ds, False, None) for plan, buf, ds in zip(plans, bufs, dests)]
 
 
 def _fused() -> bool:
