@@ -95,16 +95,21 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
 
 
-def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs, gloo_nccl):
+def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs, gloo_nccl, monkeypatch):
     from transformers import Qwen2Config
 
     model = procs.tmp / "model"
     Qwen2Config(**MODEL_KW).save_pretrained(str(model))
+    hold = procs.tmp / "hold-rank1"
+    monkeypatch.setenv("WS_GLOO_HOLD", str(hold))
+    monkeypatch.setenv("WS_GLOO_HOLD_RANK", "1")
     trainer, rollouts = _fleet(procs, str(model))
     first = _sync(trainer, senders="all")
     assert first.ok and sorted(x.rank for x in first.senders) == [0, 1], first
     served = [score(rstub(r), PROMPT) for r in rollouts]
-    # rank 1 dies as soon as it has built its group for the next sync (its buckets never come)
+    # rank 1 is held before its first bucket of the next sync and dies there (its buckets never come):
+    # held, not raced, so a fast stream cannot finish before the kill
+    hold.touch()
     victim = _rank_pid(trainer.popen.pid, 1)
     errors = []
 
@@ -117,6 +122,7 @@ def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs,
     t = threading.Thread(target=sync)
     t.start()
     wait_for(lambda: all(status(rstub(r)).pending_sync_id for r in rollouts), 60, "the sync prepared")
+    wait_for(lambda: Path(f"{hold}.held").exists(), 60, "rank 1 held mid-stream")
     os.kill(victim, signal.SIGKILL)
     for r in rollouts:
         wait_for(lambda r=r: "aborted" in status(rstub(r)).last_error, 90, f"{r.name} aborted")

@@ -9,12 +9,20 @@ joined, or timing out, as ncclCommInitRank); a bucket is a gloo broadcast from r
 Selected with WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus, in processes that have the
 repository root on their path (tests only: loopback addresses, no authentication beyond the
 services' own). Real NCCL is exercised by tests/gpu.
+
+A test that must act while a sender is mid-stream (kill it, say) holds that sender instead of racing
+it: with WS_GLOO_HOLD=<path> and WS_GLOO_HOLD_RANK=<global rank> in the services' environment, the
+sender of that trainer rank waits before each bucket while <path> exists, and says so by creating
+<path>.held (the test waits for that file, then acts; removing <path> lets the stream go on).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +33,24 @@ from weightsync.bus.errors import TransportError
 
 _HOST = "127.0.0.1"
 _ID_BYTES = 128
+_HOLD_LIMIT_S = 300.0  # a test that forgot its hold still ends: the sync's own deadline fails it first
+
+
+def _held_here() -> Path | None:
+    """The hold file that gates this process's sends, when this is the held trainer rank."""
+    path, rank = os.environ.get("WS_GLOO_HOLD"), os.environ.get("WS_GLOO_HOLD_RANK")
+    if not path or rank is None or os.environ.get("RANK") != rank:
+        return None
+    return Path(path)
+
+
+def _wait_while_held(hold: Path) -> None:
+    if not hold.exists():
+        return
+    Path(f"{hold}.held").touch()
+    deadline = time.monotonic() + _HOLD_LIMIT_S
+    while hold.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -77,8 +103,11 @@ class GlooSender(BucketSender):
         if group.rank != 0:
             raise ValueError("the bus sender must be rank 0 of its NCCL group")
         self.group = group
+        self._hold = _held_here()
 
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
+        if self._hold is not None:
+            _wait_while_held(self._hold)
         self.group.broadcast(buf[: plan.nbytes].cpu().contiguous())
 
     def framed(self):
