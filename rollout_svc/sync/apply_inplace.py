@@ -15,6 +15,7 @@ delta changed are then written (sparse_write.py), and otherwise the whole bucket
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -54,15 +55,7 @@ class InPlaceApply(ApplyStrategy):
         elif checked and not p.applied_any:
             ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
             verify(plan.index, ours, sender_checksum)
-        if not self._holding:
-            self._pause_engine(p)
-        # Under the state lock: an abort (timer, AbortSync, a superseding prepare) cannot release
-        # the engine gate between our check and the load, and a bucket of an aborted sync is never
-        # loaded after the abort (or into the next sync's weights).
-        with self.host.state_lock:
-            if self.host.left_behind(p):
-                raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
-            p.applied_any = True
+        with self._writing(p):
             if patch is not None and self._write_sparse(p, plan, buf, patch[0]):
                 return ours, False
             copied, deferred = (
@@ -129,13 +122,22 @@ class InPlaceApply(ApplyStrategy):
     def hold_for_writes(self, p: PendingSync) -> None:
         """Pause generation for a sync the trainer writes into the engine itself (no bucket comes
         here); from now on the engine counts as written (an abort: STALE)."""
+        with self._writing(p):
+            p.trainer_writes = True
+
+    @contextlib.contextmanager
+    def _writing(self, p: PendingSync):
+        """The engine paused for `p`, then the state lock held while the caller writes: an abort
+        (timer, AbortSync, a superseding prepare) cannot release the engine gate between the check
+        and the write, and nothing of an aborted sync is written after the abort (or into the next
+        sync's weights). From here on the engine counts as written (an abort: STALE)."""
         if not self._holding:
             self._pause_engine(p)
         with self.host.state_lock:
             if self.host.left_behind(p):
                 raise SyncError(f"sync {p.manifest.sync_id} was aborted: {p.error or 'superseded'}")
             p.applied_any = True
-            p.trainer_writes = True
+            yield
 
     def _load(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor) -> None:
         engine = self.host.engine
