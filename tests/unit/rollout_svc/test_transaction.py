@@ -5,9 +5,10 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
+from tests.support.packed import engine_state, packed_sync
 from weightsync.bus.checksum import ALGO, bucket_checksum
 from weightsync.bus.errors import SyncError
-from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
+from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2
@@ -20,20 +21,7 @@ def _engine(seed, cls=BuiltinEngine):
 
 
 def _buckets(src, version=1, sync_id="s1"):
-    state = {n: p.detach().clone() for n, p in src._params.items()}
-    m = make_manifest(
-        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()],
-        version=version,
-        sync_id=sync_id,
-        bucket_bytes=64 << 10,
-        checksum_algo=ALGO,
-    )
-    out = []
-    for b in m.buckets:
-        buf = alloc_buffer(b.nbytes)
-        pack_bucket(b, [(s.meta.name, state[s.meta.name]) for s in b.slots], buf)
-        out.append(buf)
-    return m, out
+    return packed_sync(engine_state(src), version=version, sync_id=sync_id)
 
 
 def _staged_sync_all_received(timeout: float):

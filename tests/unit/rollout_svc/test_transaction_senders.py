@@ -10,10 +10,9 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
-from weightsync.bus.checksum import ALGO, bucket_checksum
+from tests.support.packed import engine_state, packed_sync
+from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
-from weightsync.bus.pack import alloc_buffer, pack_bucket
-from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2
 
@@ -26,16 +25,10 @@ def _engine(seed):
 
 def _sync(src, senders=(0, 5), sync_id="s1", version=1):
     """A manifest whose tensors are dealt round-robin to `senders`, and each bucket's bytes."""
-    state = {n: p.detach().clone() for n, p in src._params.items()}
-    metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()]
-    owners = [senders[i % len(senders)] for i in range(len(metas))]
-    m = make_manifest(metas, version=version, sync_id=sync_id, bucket_bytes=32 << 10, checksum_algo=ALGO, owners=owners)
-    bufs = {}
-    for b in m.buckets:
-        buf = alloc_buffer(b.nbytes)
-        pack_bucket(b, [(s.meta.name, state[s.meta.name]) for s in b.slots], buf)
-        bufs[b.index] = buf
-    return m, bufs
+    state = engine_state(src)
+    owners = [senders[i % len(senders)] for i in range(len(state))]
+    m, bufs = packed_sync(state, version=version, sync_id=sync_id, bucket_bytes=32 << 10, owners=owners)
+    return m, {b.index: buf for b, buf in zip(m.buckets, bufs)}
 
 
 class ListReceiver:

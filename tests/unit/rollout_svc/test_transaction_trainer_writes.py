@@ -8,10 +8,9 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.checksum import ALGO, bucket_checksum, combine
+from tests.support.packed import engine_state, packed_sync
+from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
-from weightsync.bus.pack import alloc_buffer, pack_bucket
-from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2
 
@@ -23,20 +22,8 @@ def _engine(seed):
 
 
 def _manifest_and_buckets(src, sync_id="s1"):
-    state = {n: p.detach().clone() for n, p in src._params.items()}
-    m = make_manifest(
-        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in state.items()],
-        version=1,
-        sync_id=sync_id,
-        bucket_bytes=64 << 10,
-        checksum_algo=ALGO,
-    )
-    bufs = []
-    for b in m.buckets:
-        buf = alloc_buffer(b.nbytes)
-        pack_bucket(b, [(s.meta.name, state[s.meta.name]) for s in b.slots], buf)
-        bufs.append(buf)
-    return m, bufs, state
+    state = engine_state(src)
+    return (*packed_sync(state, sync_id=sync_id), state)
 
 
 def _write_like_the_trainer(tx, state):

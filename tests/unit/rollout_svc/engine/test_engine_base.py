@@ -6,9 +6,9 @@ import torch
 
 from rollout_svc.engine.base import Engine
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.checksum import ALGO, bucket_checksum
-from weightsync.bus.pack import alloc_buffer, pack_bucket
-from weightsync.bus.plan import TensorMeta, make_manifest
+from tests.support.packed import packed_sync
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.plan import TensorMeta
 from weightsync.formats.fp8_spec import BLOCK_FP8
 from weightsync.v1 import rollout_pb2
 
@@ -55,19 +55,7 @@ WEIGHTS = {"a": torch.zeros(300, 64), "b": torch.zeros(7, dtype=torch.bfloat16),
 
 
 def _sync(new: dict[str, torch.Tensor]):
-    m = make_manifest(
-        [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in new.items()],
-        version=1,
-        sync_id="s1",
-        bucket_bytes=64 << 10,
-        checksum_algo=ALGO,
-    )
-    bufs = []
-    for b in m.buckets:
-        buf = alloc_buffer(b.nbytes)
-        pack_bucket(b, [(s.meta.name, new[s.meta.name]) for s in b.slots], buf)
-        bufs.append(buf)
-    return m, bufs
+    return packed_sync(new)
 
 
 def test_an_engine_lacking_a_required_method_cannot_be_built():
