@@ -51,6 +51,7 @@ def test_warm_up_is_a_no_op_off_the_gpu(monkeypatch, device):
     launches = _Launches(monkeypatch)
     assert fp8_warm.warm_quantize(_metas(torch.float32), device) == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), device) == 0.0
+    assert fp8_warm.warm_quantize_slots(device) == 0.0
     assert launches.quantize == launches.dequantize == []
 
 
@@ -59,7 +60,20 @@ def test_warm_up_is_a_no_op_without_triton(monkeypatch):
     monkeypatch.setattr(fp8_triton, "available", lambda: False)
     assert fp8_warm.warm_quantize(_metas(torch.float32), "cuda:0") == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), "cuda:0") == 0.0
+    assert fp8_warm.warm_quantize_slots("cuda:0") == 0.0
     assert launches.quantize == launches.dequantize == []
+
+
+def test_the_slot_quantizer_is_warmed_once_per_source_dtype(monkeypatch):
+    """Its arguments are all pointers: one launch per parameter dtype meets every specialisation."""
+    from weightsync.formats import fp8_slots_triton
+
+    monkeypatch.setattr(fp8_warm, "_ready", lambda device: torch.device("cpu"))  # as on a GPU with triton
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    seen = []
+    monkeypatch.setattr(fp8_slots_triton, "launch", lambda src, *rest: seen.append((src.dtype, rest[2].numel())))
+    assert fp8_warm.warm_quantize_slots("cuda:0") > 0
+    assert seen == [(torch.bfloat16, 1), (torch.float32, 1)]  # one block each
 
 
 def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
