@@ -151,3 +151,74 @@ def test_one_7b_layer_into_its_bucket_against_quantize_and_pack():
         f"{new * 1e3:.2f} ms ({nbytes / new / 1e9:.0f} GB/s)"
     )
     assert new < 0.5
+
+
+@needs_cuda
+def test_a_bucket_dequantized_into_parameters_in_one_launch_equals_the_per_tensor_path():
+    """The rollout's side (weightsync/formats/fp8_dequant_slots.py): one Qwen2-7B layer's bucket, with a
+    bf16 norm and bias, into bf16 parameters: the parameters the Dequantizer + copy give, the
+    bucket_checksum, and both times printed."""
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.layout import ManifestCache
+    from weightsync.bus.pack import pack_bucket, unpack_bucket
+    from weightsync.bus.plan import TensorMeta
+    from weightsync.formats.fp8_dequant_slots import FusedDequant
+    from weightsync.formats.fp8_export import export_metas, export_tensors
+    from weightsync.formats.fp8_import import Dequantizer
+    from weightsync.formats.fp8_spec import BLOCK_FP8
+
+    layer = "model.layers.0."
+    shapes = {
+        layer + "input_layernorm.weight": (3584,),
+        layer + "self_attn.q_proj.weight": (3584, 3584),
+        layer + "self_attn.q_proj.bias": (3584,),
+        layer + "self_attn.k_proj.weight": (512, 3584),
+        layer + "self_attn.v_proj.weight": (512, 3584),
+        layer + "self_attn.o_proj.weight": (3584, 3584),
+        layer + "mlp.gate_proj.weight": (18944, 3584),
+        layer + "mlp.up_proj.weight": (18944, 3584),
+        layer + "mlp.down_proj.weight": (3584, 18944),
+    }
+    named = [(n, torch.randn(s, device="cuda") * 0.02) for n, s in shapes.items()]
+    m = ManifestCache().manifest(
+        export_metas([TensorMeta(n, s, torch.float32) for n, s in shapes.items()]),
+        version=1,
+        sync_id="s",
+        bucket_bytes=1 << 30,
+        quantization=BLOCK_FP8,
+    )
+    (plan,) = m.buckets
+    buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device="cuda")
+    pack_bucket(plan, export_tensors(named), buf)
+    params = {n: torch.empty(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes.items()}
+    dests = [None if s.meta.name.endswith("_scale_inv") else params[s.meta.name] for s in plan.slots]
+    fused = FusedDequant()
+
+    def one_launch():
+        return fused.copy(plan, buf, dests, fused.begin(m), wait=False)
+
+    def per_tensor():
+        bucket_checksum(buf)
+        for n, t in Dequantizer({n: torch.bfloat16 for n in shapes})(unpack_bucket(plan, buf)):
+            params[n].copy_(t)
+
+    def timed(fn, reps=10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    old = timed(per_tensor)
+    want = {n: p.clone() for n, p in params.items()}
+    for p in params.values():
+        p.fill_(float("nan"))
+    new = timed(one_launch)
+    assert all(torch.equal(params[n].view(torch.int16), want[n].view(torch.int16)) for n in shapes)
+    assert one_launch().value() == bucket_checksum(buf)
+    print(
+        f"one Qwen2-7B layer's FP8 bucket into bf16 parameters: checksum + per tensor {old * 1e3:.2f} ms, "
+        f"one launch {new * 1e3:.2f} ms"
+    )

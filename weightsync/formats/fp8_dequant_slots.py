@@ -24,7 +24,7 @@ rollout_svc/sync/apply_inplace.py and apply_staged.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +86,12 @@ class FusedDequant:
         params: Sequence[torch.Tensor | None],
         held_now: set[str],
         wait: bool = True,
+        sums_to: Callable[[torch.Tensor], None] | None = None,
     ):
         """Write bucket `plan` from `buf` into `params` (one per slot: the engine's parameter, None
         for a scale) and return its checksum (a PendingChecksum with `wait=False`); None, with
-        nothing written, when the bucket cannot go this way."""
+        nothing written, when the bucket cannot go this way. `sums_to`: given the word sums of the
+        bucket's whole words (a rollout's delta base keeps them, as with verified_copy.copy_into)."""
         if len(params) != len(plan.slots) or buf.numel() < plan.nbytes or buf.data_ptr() % 4:
             return None
         p = self._plan(plan, buf.device, params, held_now)
@@ -106,6 +108,8 @@ class FusedDequant:
         for i, what, _, _ in p.steps:
             if what == "hold":
                 held_now.add(weight_name(plan.slots[i].meta.name))
+        if sums_to is not None:
+            sums_to(sums)
         n = plan.nbytes
         end = n - n % 4
         if wait:

@@ -35,7 +35,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the word-program count differs per bucket: not a specialisation (one compile serves every bucket)
+    @triton.jit(do_not_specialize=["n_word"])
     def dequant_bucket(
         buf_bytes,
         buf_words,

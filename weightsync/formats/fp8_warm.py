@@ -99,6 +99,27 @@ def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float
     return time.perf_counter() - t0
 
 
+def warm_dequantize_into_params(device) -> float:
+    """Compile the fused dequantize-and-checksum kernel (fp8_dequant_slots_triton.py) on `device`; seconds
+    it took (0.0 off-GPU or without triton). Pointers and one unspecialised count: one compile."""
+    device = _ready(device)
+    if device is None:
+        return 0.0
+    from weightsync.bus.plan import make_manifest
+    from weightsync.formats.fp8_dequant_slots import FusedDequant
+    from weightsync.formats.fp8_spec import SCALE_DTYPE
+
+    t0 = time.perf_counter()
+    metas = [TensorMeta("w_scale_inv", (1, 1), SCALE_DTYPE), TensorMeta("w", (4, 8), FP8_DTYPE)]
+    (plan,) = make_manifest(metas, version=0, sync_id="warm-up", bucket_bytes=1 << 20).buckets
+    buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
+    out = torch.empty(4, 8, dtype=torch.bfloat16, device=device)
+    fused = FusedDequant(use_kernel=True)
+    fused.copy(plan, buf, [None, out], set())
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def warm_dequantize(metas: Iterable[TensorMeta], device) -> float:
     """Compile the dequantize kernel for every (output dtype, shape class) of `metas`' quantizable
     tensors (an engine's parameters: the dtypes it receives dequantized weights in) on `device`;
