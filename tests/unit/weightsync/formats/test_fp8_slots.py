@@ -185,3 +185,22 @@ def test_what_is_not_whole_rows_is_declined():
     assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, ints)]) is None
     ok = fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, [(si, w)])])
     assert ok is not None and not ok.use_kernel  # a CPU buffer: the torch path unless asked
+
+
+def test_a_scale_in_the_bucket_before_its_weight(use_kernel):
+    """The exporter sends `X_scale_inv` right before `X`: a plan may end one bucket with the scale and
+    open the next with the weight. One launch for the pair, each part in its own bucket."""
+    w = _data((260, 300), "heavy", 5, torch.bfloat16)
+    (si,) = fp8_slots.stand_ins([(260, 300)])
+    scales = torch.full((512 + 4 * 3 * 3 + 1,), POISON, dtype=torch.uint8)  # the scale slot at byte 512
+    weights = torch.full((w.numel() + 2,), POISON, dtype=torch.uint8)  # the weight slot at byte 0
+    q = fp8_slots.plan(
+        [scales, weights], [fp8_slots.SlotWeight("x", 1, 0, 512, si, [(si, w)], scale_bucket=0)], use_kernel
+    )
+    q.run()
+    qq, ss = fp8.quantize(w)
+    want_s, want_w = torch.full_like(scales, POISON), torch.full_like(weights, POISON)
+    want_s[512 : 512 + 36] = ss.reshape(-1).view(torch.uint8)
+    want_w[: w.numel()] = qq.reshape(-1).view(torch.uint8)
+    assert torch.equal(scales, want_s) and torch.equal(weights, want_w)
+    assert torch.equal(q.scales(q.weights[0]), ss)
