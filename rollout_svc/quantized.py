@@ -13,6 +13,7 @@ from weightsync.bus.plan import Manifest, TensorMeta
 from weightsync.formats.fp8_import import Dequantizer, logical_metas
 from weightsync.formats.fp8_spec import BLOCK_FP8, check_supported, hf_quantization_config
 from weightsync.formats.fp8_warm import warm_dequantize as _warm_dequantize
+from weightsync.formats.fp8_warm import warm_dequantize_into_params
 
 
 def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantizer | None]:
@@ -69,4 +70,6 @@ def warm_dequantize(engine, device) -> float:
         # a checkpoint quantized another way: a block-FP8 sync is refused at its prepare, saying
         # why (plan_apply); nothing is ever dequantized here
         return 0.0
-    return _warm_dequantize(engine.param_metas().values(), device)
+    took = _warm_dequantize(engine.param_metas().values(), device)
+    # and the kernel that dequantizes a whole bucket into the parameters (rollout_svc/sync/fp8_write.py)
+    return took + warm_dequantize_into_params(device)

@@ -22,6 +22,7 @@ from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import PendingSync
 from weightsync.bus.plan import BucketPlan
+from weightsync.formats.fp8_dequant_slots import FusedDequant
 
 
 class SyncHost(Protocol):
@@ -45,6 +46,9 @@ class ApplyStrategy(ABC):
 
     def __init__(self, host: SyncHost):
         self.host = host
+        #: block-FP8 buckets written into the parameters by one launch each (fp8_write.py); kept
+        #: across syncs (its tables and held scales are per layout)
+        self.fp8 = FusedDequant()
 
     @abstractmethod
     def consume(

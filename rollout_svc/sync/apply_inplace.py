@@ -8,6 +8,10 @@ a bucket is copied straight into them and that copy is its checksum pass
 (weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
 
+A block-FP8 bucket for an engine that dequantizes goes the same way where the engine offers its
+parameters: one launch dequantizes it into them and sums what it reads (fp8_write.py), checked
+after the write as above.
+
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
 base copy's word sums; where the engine holds exactly the base copy's bytes, only the words the
 delta changed are then written (sparse_write.py), and otherwise the whole bucket as above.
@@ -22,6 +26,7 @@ import time
 
 import torch
 
+from rollout_svc.sync import fp8_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
@@ -104,7 +109,7 @@ class InPlaceApply(ApplyStrategy):
         take it as it is (the engine then loads it). Already in the parameters when the check runs:
         a mismatch aborts the sync, and since buckets were applied the engine is STALE."""
         if p.dequantizer is not None:
-            return None, False
+            return self._write_fp8(p, plan, buf, sender_checksum, defer_check)
         params = self.host.engine.writable_params([slot.meta for slot in plan.slots])
         if params is None:
             return None, False
@@ -113,6 +118,23 @@ class InPlaceApply(ApplyStrategy):
             return None, False
         # byte for byte, and the sync commits only once its checksum matched
         self.host.delta_base.engine_wrote(p.manifest.sync_id, plan.index, params)
+        if defer_check:
+            p.defer(plan.index, copied, sender_checksum)
+            return copied, True
+        verify(plan.index, copied, sender_checksum)
+        return copied, False
+
+    def _write_fp8(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
+        """A block-FP8 bucket dequantized into the engine's parameters by one launch that also sums
+        what it reads (fp8_write.py): (its checksum, whether deferred), or (None, False) when it
+        cannot go that way. The same contract as a bf16 bucket's direct write: checked after it."""
+        copied = fp8_write.write(
+            self.fp8, self.host.engine, p, plan, buf, wait=not defer_check, sums_to=self._keeper(p, plan, buf)
+        )
+        if copied is None:
+            return None, False
         if defer_check:
             p.defer(plan.index, copied, sender_checksum)
             return copied, True
@@ -144,7 +166,8 @@ class InPlaceApply(ApplyStrategy):
         if p.dequantizer is None:
             engine.load_bucket(plan, buf)
         else:
-            engine.load_weights(p.loadable(unpack_bucket(plan, buf)))
+            # with the scales the fused write kept for this bucket's weights, if an earlier bucket took it
+            engine.load_weights(p.loadable([*fp8_write.held_scales(self.fp8, p, plan), *unpack_bucket(plan, buf)]))
 
     def _pause_engine(self, p: PendingSync) -> None:
         """Take the engine for the rest of the sync before its first bucket is loaded.

@@ -4,6 +4,11 @@ The engine keeps serving the old version while bytes stream, and an abort just d
 copy; it costs a host copy of the weights. Each bucket is copied out of the sender's buffer and
 checked in one pass (weightsync/bus/verified_copy.py) before anything enters the staging copy.
 
+A block-FP8 bucket for an engine that dequantizes is staged as received (its FP8 bytes) and, at
+commit, after every checksum has been verified, written from there into the parameters by one
+dequantizing launch per bucket where the engine offers them (fp8_write.py); nothing reaches a
+served parameter before that.
+
 A delta bucket (rollout_svc/sync/delta_base.py) is checked from the base copy's word sums instead;
 where the engine holds exactly the base copy's bytes, in parameters of the bucket's layout (shown
 at an earlier commit, which wrote them byte for byte), only the changed words are staged and written
@@ -17,6 +22,7 @@ import time
 
 import torch
 
+from rollout_svc.sync import fp8_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
@@ -58,6 +64,9 @@ class StagedApply(ApplyStrategy):
             else:
                 verify(plan.index, ours, sender_checksum)
             staged = dict(unpack_bucket(plan, flat))  # views of this sync's own copy
+            if p.dequantizer is not None:
+                with p.lock:
+                    p.staged_flats[plan.index] = flat  # FP8: written from here at commit, one launch
         else:
             staged = {name: view.clone() for name, view in unpack_bucket(plan, buf)}
         with p.lock:
@@ -123,13 +132,32 @@ class StagedApply(ApplyStrategy):
                 flat, copied = copy_bucket(plan, buf)
                 verify(plan.index, copied, ours)
                 whole.extend(unpack_bucket(plan, flat))
-        engine.load_weights(p.loadable([*p.staging.items(), *whole]))
+        staging = self._write_fp8(p) if p.staged_flats else p.staging
+        engine.load_weights(p.loadable([*staging.items(), *whole]))
         for plan, words, word, params in sparse:
             write(words, params, word)
             self.host.delta_base.engine_wrote(p.manifest.sync_id, plan.index, params)
         p.check_complete()
         engine.flush_cache()
         self._note_exact(p)
+
+    def _write_fp8(self, p: PendingSync) -> dict:
+        """Every staged block-FP8 bucket written into the engine's parameters by one launch each
+        (fp8_write.py), in bucket order (a scale may come a bucket before its weight); their
+        checksums were checked before commit got here, so the sums of this pass are not needed.
+        Returns what is left for load_weights: the buckets that could not go that way, with the
+        scales this pass kept for their weights."""
+        left = dict(p.staging)
+        for plan in sorted(p.staged_plans, key=lambda b: b.index):
+            flat = p.staged_flats.get(plan.index)
+            if flat is None:
+                continue
+            if fp8_write.write(self.fp8, self.host.engine, p, plan, flat, wait=False) is not None:
+                for slot in plan.slots:
+                    left.pop(slot.meta.name, None)
+            else:
+                left.update(fp8_write.held_scales(self.fp8, p, plan))
+        return left
 
     def _note_exact(self, p: PendingSync) -> None:
         """Which buckets load_weights wrote byte for byte: checked, unquantized, into parameters of

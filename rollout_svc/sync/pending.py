@@ -43,6 +43,10 @@ class PendingSync:
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
+    #: quantized syncs: the weights whose scales the fused FP8 write holds (fp8_write.py), set at its first bucket
+    fp8_held: set | None = None
+    #: staged apply: bucket index -> this sync's checked copy of the bucket (the FP8 buckets, written at commit)
+    staged_flats: dict = field(default_factory=dict)
     #: bucket index -> (our checksum still on the GPU, the sender's), until commit reads it
     deferred: dict[int, tuple] = field(default_factory=dict)
     # per sender: its buckets in sending order, and how many of them arrived

@@ -23,6 +23,8 @@ CASES = [
     (torch.bfloat16, torch.bfloat16, 20_000),
     (torch.float32, torch.float32, 50_000),
 ]
+#: bucket bytes of the block-FP8 cases: the model in one bucket; small buckets (scales and weights apart)
+FP8_BUCKETS = [1 << 22, 20_000]
 
 
 def _packed(plan, named) -> torch.Tensor:
@@ -115,7 +117,66 @@ def run_family(family: str, hf_dir: str) -> dict:
     rep["cast_flat_is_none"] = cast.flat_buckets(m) is None
     ref = [(x.name, hf[x.name].to(torch.bfloat16)) for x in cast.export_metas()]
     rep["cast_iter_vs_hf"] = _same(m, _pack_all(m, cast.export_tensors()), ref)
+    rep["fp8"] = {str(bucket): run_fp8(config, hf_dir, bucket) for bucket in FP8_BUCKETS}
     return rep
+
+
+def run_fp8(config, hf_dir: str, bucket: int) -> dict:
+    """A block-FP8 layout: FlatExport quantizes into the buckets (weightsync/formats/fp8_slots.py)
+    what the per-tensor export (fp8_export.export_tensors) packs, byte for byte, before and after a
+    step; a nan weight lowers the flag and is named as the per-tensor export names it."""
+    from trainer_svc.actor.megatron.actor import MegatronActor
+    from trainer_svc.actor.megatron.flat_export import FlatExport
+    from weightsync.bus.layout import ManifestCache
+    from weightsync.formats.fp8_export import export_metas, export_tensors
+    from weightsync.formats.fp8_spec import BLOCK_FP8
+
+    kernel = os.environ.get("FLAT_CASES_KERNEL") == "1"
+    r: dict = {}
+    # fp8-block: the actor exports float32 (publisher/export_format.actor_dtype), its parameters are bf16
+    actor = MegatronActor(config, weights_dir=hf_dir, params_dtype=torch.bfloat16, export_dtype=torch.float32)
+    metas = export_metas(actor.export_metas())
+    m = ManifestCache().manifest(
+        metas, version=1, sync_id="s", bucket_bytes=bucket, model_family=actor.family, quantization=BLOCK_FP8
+    )
+    r["buckets"] = len(m.buckets)
+    slot_bucket = {s.meta.name: b.index for b in m.buckets for s in b.slots}
+    r["scale_apart"] = sum(
+        slot_bucket[n] != slot_bucket[n[: -len("_scale_inv")]] for n in slot_bucket if n.endswith("_scale_inv")
+    )
+    want = _pack_all(m, export_tensors(actor.export_tensors()))
+    fe = FlatExport(m, actor.model, actor.spec, use_kernel=kernel)
+    flats = fe.refresh()
+    r["flat_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
+    r["finite"] = fe.finite()
+    r["quantized_bytes"], r["quant_launches"], r["copies"] = fe.quantized_bytes, fe.quant_launches, fe.copies
+    r["launches"], r["torch_copies"], r["aliased_bytes"] = fe.launches, fe.torch_copies, fe.aliased_bytes
+    r["fp8_bytes"] = sum(x.nbytes for x in metas if x.dtype == torch.float8_e4m3fn or x.name.endswith("_scale_inv"))
+    r["total_bytes"] = sum(x.nbytes for x in metas)
+    with torch.no_grad():
+        for i, p in enumerate(actor.parameters()):
+            p.mul_(1.5 + 0.25 * i)
+    fe.refresh()
+    want = _pack_all(m, export_tensors(actor.export_tensors()))
+    r["after_step_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
+    bad = "model.layers.0.mlp.down_proj.weight"
+    mname = "decoder.layers.0.mlp.linear_fc2.weight"
+    from trainer_svc.actor.megatron.model import named_parameters_global
+
+    with torch.no_grad():
+        named_parameters_global(actor.model)[mname][1, 2] = float("nan")
+    fe.refresh()
+    r["nan_finite"] = fe.finite()
+    r["nan_error"] = str(fe.non_finite_error())
+    try:
+        for _ in export_tensors(actor.export_tensors()):
+            pass
+        r["iter_error"] = ""
+    except ValueError as exc:
+        r["iter_error"] = str(exc)
+    r["bad"] = bad
+    actor.shutdown()
+    return r
 
 
 def _force_kernel() -> None:

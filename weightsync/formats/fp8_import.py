@@ -79,6 +79,10 @@ class Dequantizer:
             else:
                 yield name, t
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype weight `name` is produced in (its parameter's)."""
+        return self._dtypes.get(name, torch.float32)
+
     def check_complete(self) -> None:
         left = sorted(self._scales) + sorted(self._weights)
         if left:

@@ -146,8 +146,9 @@ class StreamPhase:
         Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
         """
         flat = getattr(self.fleet.actor, "flat_buckets", None)
-        # a quantized export is computed per sync: the actor's storage is not what travels
-        if flat is None or self.session.device.type != "cuda" or self.manifest.quantization is not None:
+        # a quantized layout too: an actor that quantizes into its buckets says so by returning them
+        # (megatron's flat export, one launch per bucket); the others return None and the sync packs
+        if flat is None or self.session.device.type != "cuda":
             return None
         try:
             buffers = flat(self.manifest)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
-from weightsync.formats.fp8_warm import warm_quantize
+from weightsync.formats.fp8_warm import warm_quantize, warm_quantize_slots
 
 log = logging.getLogger(__name__)
 
@@ -23,5 +23,7 @@ def warm_up(device, metas, quantized: bool, who: str = "trainer") -> None:
         log.info("%s: checksum kernel ready on %s in %.2fs", who, device, took)
     if quantized:
         took = warm_quantize(metas, device)
+        # a one-rank actor's flat buckets quantize in place (trainer_svc/actor/megatron/flat_export.py)
+        took += warm_quantize_slots(device)
         if took:
-            log.info("%s: FP8 quantize kernel ready on %s in %.2fs", who, device, took)
+            log.info("%s: FP8 quantize kernels ready on %s in %.2fs", who, device, took)

@@ -90,6 +90,7 @@ class MegatronActor:
             self._metas = self.converter.plan(self.model, self._metas)
         #: the model laid out as the current layout's buckets (flat_buckets), once a sync asked for it
         self._flat = None
+        self._flat_refused = ""  # the layout digest FlatExport could not plan (flat_buckets packs instead)
         #: export_owners(), computed at the first sync (the spec, parallelism and rank map are fixed)
         self._owners: tuple[int, ...] | None = None
         #: what the last funnelled export moved to rank 0 (bytes of other stages' tensors)
@@ -163,10 +164,15 @@ class MegatronActor:
         own HF bytes move into the buckets on the first call for a layout and stay there.
 
         None (the sync exports and packs instead) unless this rank holds the whole model (TP=PP=EP=1,
-        no bridge converter), mostly in the export dtype: a parameter in another dtype (megatron's
-        fp32 norms in a bf16 model) is cast into its slot at every sync and its slots are memory
-        kept beside the model, which is worth it for a few norms, not for a model-sized second copy
-        (the pack path casts with two buckets' memory).
+        no bridge converter), mostly in the dtype of the unquantized slots: a parameter in another
+        dtype (megatron's fp32 norms in a bf16 model) is cast into its slot at every sync and its slots
+        are memory kept beside the model, which is worth it for a few norms, not for a model-sized second
+        copy (the pack path casts with two buckets' memory).
+
+        A block-FP8 layout (`manifest.quantization`): the FP8 weights are quantized into their slots
+        by one launch per bucket, on a GPU with triton only (elsewhere the per-tensor export keeps
+        its torch path); None also when a block is not finite, without naming it here: the packed
+        export that the sync falls back to refuses the weights naming the tensor, as it always did.
         """
         par = self.par
         if (
@@ -177,18 +183,45 @@ class MegatronActor:
             return None
         if self.rmap.rank != 0:
             return None
+        quantized = manifest.quantization is not None
+        if quantized and not self._quantizes_in_place(manifest):
+            return None
         flat = self._flat
         if flat is not None and flat.digest == manifest.layout_digest and not flat.stale():
-            return flat.refresh()  # the parameters are where the plan found them: same dtypes too
+            return self._finite(flat, flat.refresh())  # the parameters are where the plan found them: same dtypes too
         params = self.parameters()
-        cast = sum(p.numel() for p in params if p.dtype != self.export_dtype)
+        slot_dtype = torch.bfloat16 if quantized else self.export_dtype  # fp8_export keeps the rest in bf16
+        cast = sum(p.numel() for p in params if p.dtype != slot_dtype)
         if cast * 8 > sum(p.numel() for p in params):
+            return None
+        if self._flat_refused == manifest.layout_digest:
             return None
         from trainer_svc.actor.megatron.flat_export import FlatExport
 
         self._flat = None  # the previous layout's buckets are dropped before the new ones are built
-        self._flat = FlatExport(manifest, self.model, self.spec)
-        return self._flat.refresh()
+        try:
+            self._flat = FlatExport(manifest, self.model, self.spec)
+        except ValueError as exc:  # not planned again for this layout: every sync would pay the attempt
+            self._flat_refused = manifest.layout_digest
+            log.warning("flat buckets refused for layout %s: %s; syncs pack instead", manifest.layout_digest, exc)
+            return None
+        return self._finite(self._flat, self._flat.refresh())
+
+    def _quantizes_in_place(self, manifest) -> bool:
+        """Whether a block-FP8 layout can be quantized into the flat buckets on this rank's device."""
+        from weightsync.formats import fp8_slots_triton
+        from weightsync.formats.fp8_spec import BLOCK_FP8
+
+        device = self.parameters()[0].device
+        return manifest.quantization == BLOCK_FP8 and device.type == "cuda" and fp8_slots_triton.available()
+
+    @staticmethod
+    def _finite(flat, buffers: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """`buffers`, or None when a quantized block is not finite (one host synchronisation per sync)."""
+        if flat.finite():
+            return buffers
+        log.warning("FP8 flat buckets: %s; the sync takes the per-tensor export", flat.non_finite_error())
+        return None
 
     @property
     def rank(self) -> int:

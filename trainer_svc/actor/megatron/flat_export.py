@@ -20,6 +20,14 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
 
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
+
+A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py) is planned the same
+way: its bf16 tensors as above, and every FP8 weight quantized from its parameter straight into its
+e4m3 and scale slots by one Triton launch per bucket (weightsync/formats/fp8_slots.py), its rows
+found through the same copy pairs; the bytes are those the per-tensor export quantizes. The FP8
+weights' slots (about half the model's bf16 bytes) are then kept with the buckets, and a weight
+that is not whole rows of its parameter makes the plan fail (the sync packs instead). Non-finite
+weights raise one device flag, read once per sync (`finite()`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
 from weightsync.bus.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
+from weightsync.formats import fp8_slots
+from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_SUFFIX
 from weightsync.model_spec import ModelSpec
 
 
@@ -71,7 +81,7 @@ def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims,
 class FlatExport:
     """One layout's buckets over one rank's whole model; `refresh()` writes the converted slots."""
 
-    def __init__(self, manifest: Manifest, chunks, spec: ModelSpec):
+    def __init__(self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None):
         if not manifest.layout_digest:
             raise ValueError("FlatExport needs manifest.layout_digest (a layout planned by ManifestCache)")
         self.digest = manifest.layout_digest
@@ -79,7 +89,7 @@ class FlatExport:
         params = named_parameters_global(chunks)
         device = next(iter(params.values())).device
         aliases: dict[int, list[tuple[torch.nn.Parameter, Slot]]] = {b.index: [] for b in manifest.buckets}
-        converted: list[tuple[Rule, str, list[Slot]]] = []
+        converted: list[tuple[Rule, str, list[tuple[int, Slot]]]] = []
         claimed: set[int] = set()
         planned = 0
         for rule, site, names in export_plan(spec):
@@ -93,12 +103,12 @@ class FlatExport:
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
             where = [slots[n] for n in names]
-            planned += len(names)
+            planned += len(names) + sum(_scale_of(n, slots) is not None for n in names)
             if _aliasable(p, rule, where, spec.dims, claimed):
                 claimed.add(id(p))
                 aliases[where[0][0]].append((p, where[0][1]))
             else:
-                converted.append((rule, mname, [s for _, s in where]))
+                converted.append((rule, mname, where))
         if planned != len(slots):
             raise ValueError(f"the manifest has {len(slots)} tensors, the export plan {planned}")
         self._aliased: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, address of its slot)
@@ -117,27 +127,77 @@ class FlatExport:
         params = named_parameters_global(chunks)
         by_slot = {s.meta.name: _slot_view(self.flats[b], s) for b, s in slots.values()}
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        weights: list[fp8_slots.SlotWeight] = []
         #: (parameter, address) of every source: one moved elsewhere since (a load that assigns new
         #: storage) makes this plan stale, so the next sync plans again instead of sending old bytes
         self._sources = list(self._aliased)
         for rule, mname, where in converted:
-            outs = [by_slot[s.meta.name] for s in where]
+            # an FP8 weight's region is a stand-in with no memory: its pairs say where its rows are
+            quant = [_scale_of(s.meta.name, slots) for _, s in where]
+            stand = iter(fp8_slots.stand_ins([s.meta.shape for (_, s), q in zip(where, quant) if q is not None]))
+            outs = [by_slot[s.meta.name] if q is None else next(stand) for (_, s), q in zip(where, quant)]
             p = params[mname]
             self._sources.append((p, p.data_ptr()))
-            pairs += copy_pairs(rule, [p.detach()], outs, spec.dims)
-        self._copy = BatchedCopy(pairs)
+            mine = [
+                fp8_slots.SlotWeight(s.meta.name, b, s.offset, q[1].offset, out, scale_bucket=q[0])
+                for (b, s), q, out in zip(where, quant, outs)
+                if q is not None
+            ]
+            for dst, src in copy_pairs(rule, [p.detach()], outs, spec.dims):
+                w = next((w for w in mine if _within(dst, w.stand_in)), None) if dst.is_meta else None
+                if w is None:
+                    pairs.append((dst, src))
+                else:
+                    w.pieces.append((dst, src))
+            weights += mine
+        self._copy = BatchedCopy(pairs, use_kernel=use_kernel)
+        self._quant = fp8_slots.plan(self.flats, weights, use_kernel=use_kernel) if weights else None
+        if weights and self._quant is None:
+            raise ValueError(
+                "an FP8 weight is not whole rows of its parameter: this layout cannot be quantized in place"
+            )
+        #: bytes of the FP8 weights and scales written by the quantize launches at each sync
+        self.quantized_bytes = self._quant.bytes if self._quant is not None else 0
         self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
         self.copied_bytes = sum(math.prod(d.shape) * d.element_size() for d, _ in pairs)
         self.copies = len(pairs)
         #: kernel launches per sync for the copies (table-driven) and copies left to torch, one kernel each
         self.launches, self.torch_copies = len(self._copy.launches), self._copy.torch_pairs
+        #: kernel launches per sync that quantize (one per bucket holding FP8 weights)
+        self.quant_launches = len(self._quant.launches) if self._quant is not None and self._quant.use_kernel else 0
 
     def stale(self) -> bool:
         """A parameter's storage was replaced since the plan (the slots would not follow it)."""
         return any(p.data_ptr() != ptr for p, ptr in self._sources)
 
     def refresh(self) -> list[torch.Tensor]:
-        """Write every converted slot from its parameter (a launch or two); the buckets."""
+        """Write every converted slot from its parameter (a launch or two) and quantize every FP8
+        weight into its slots (a launch per bucket); the buckets."""
         with torch.no_grad():
             self._copy.run()
+            if self._quant is not None:
+                self._quant.run()
         return self.flats
+
+    def finite(self) -> bool:
+        """Whether every FP8 block of the last refresh was finite (one host synchronisation; True
+        without FP8 weights)."""
+        return self._quant is None or self._quant.finite()
+
+    def non_finite_error(self) -> ValueError | None:
+        """The error naming the first FP8 weight and block of the last refresh that is not finite."""
+        return None if self._quant is None else self._quant.first_non_finite()
+
+
+def _scale_of(name: str, slots: dict[str, tuple[int, Slot]]) -> tuple[int, Slot] | None:
+    """(bucket, scale slot) of an FP8 weight, None for a tensor that travels unquantized."""
+    where = slots.get(name + SCALE_SUFFIX)
+    if where is None or slots[name][1].meta.dtype != FP8_DTYPE:
+        return None
+    return where
+
+
+def _within(view: torch.Tensor, stand_in: torch.Tensor) -> bool:
+    """Whether a meta `view` lies in `stand_in` (stand-ins share one storage, disjoint)."""
+    start = stand_in.storage_offset()
+    return start <= view.storage_offset() < start + stand_in.numel()

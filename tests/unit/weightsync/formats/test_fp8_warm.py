@@ -51,6 +51,8 @@ def test_warm_up_is_a_no_op_off_the_gpu(monkeypatch, device):
     launches = _Launches(monkeypatch)
     assert fp8_warm.warm_quantize(_metas(torch.float32), device) == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), device) == 0.0
+    assert fp8_warm.warm_quantize_slots(device) == 0.0
+    assert fp8_warm.warm_dequantize_into_params(device) == 0.0
     assert launches.quantize == launches.dequantize == []
 
 
@@ -59,7 +61,21 @@ def test_warm_up_is_a_no_op_without_triton(monkeypatch):
     monkeypatch.setattr(fp8_triton, "available", lambda: False)
     assert fp8_warm.warm_quantize(_metas(torch.float32), "cuda:0") == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), "cuda:0") == 0.0
+    assert fp8_warm.warm_quantize_slots("cuda:0") == 0.0
+    assert fp8_warm.warm_dequantize_into_params("cuda:0") == 0.0
     assert launches.quantize == launches.dequantize == []
+
+
+def test_the_slot_quantizer_is_warmed_once_per_source_dtype(monkeypatch):
+    """Its arguments are all pointers: one launch per parameter dtype meets every specialisation."""
+    from weightsync.formats import fp8_slots_triton
+
+    monkeypatch.setattr(fp8_warm, "_ready", lambda device: torch.device("cpu"))  # as on a GPU with triton
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    seen = []
+    monkeypatch.setattr(fp8_slots_triton, "launch", lambda src, *rest: seen.append((src.dtype, rest[2].numel())))
+    assert fp8_warm.warm_quantize_slots("cuda:0") > 0
+    assert seen == [(torch.bfloat16, 1), (torch.float32, 1)]  # one block each
 
 
 def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
@@ -132,6 +148,8 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
 
     seen = []
     monkeypatch.setattr(quantized, "_warm_dequantize", lambda metas, device: seen.append(list(metas)) or 1.0)
+    fused = []  # the kernel that dequantizes whole buckets into the parameters (rollout_svc/sync/fp8_write.py)
+    monkeypatch.setattr(quantized, "warm_dequantize_into_params", lambda device: fused.append(device) or 0.5)
     metas = {
         "model.layers.0.mlp.up_proj.weight": TensorMeta("model.layers.0.mlp.up_proj.weight", (8, 8), torch.bfloat16)
     }
@@ -152,11 +170,12 @@ def test_a_rollout_warms_the_dequantizer_only_when_its_engine_dequantizes(monkey
 
     assert quantized.warm_dequantize(Engine(True), "cuda:0") == 0.0  # SGLang serving block FP8 takes the pairs
     assert quantized.warm_dequantize(Engine(ValueError("per-tensor FP8")), "cuda:0") == 0.0  # refused at prepare
-    assert seen == []
-    assert quantized.warm_dequantize(Engine(False), "cuda:0") == 1.0
+    assert seen == [] and fused == []
+    assert quantized.warm_dequantize(Engine(False), "cuda:0") == 1.5
     engine = Engine(False)
     del Engine.loads_quantized  # the base's default, as the built-in engine: it always dequantizes
-    assert quantized.warm_dequantize(engine, "cuda:0") == 1.0
+    assert quantized.warm_dequantize(engine, "cuda:0") == 1.5
+    assert fused == ["cuda:0", "cuda:0"]
     assert seen == [list(metas.values())] * 2
 
 
@@ -194,3 +213,21 @@ def test_a_sending_worker_rank_warms_its_kernels_for_the_tensors_it_owns(monkeyp
     mine = [m for m, o in zip(metas, owners) if o == 1]
     want = [("checksum", torch.device("cpu"))] + ([("quantize", mine, torch.device("cpu"))] if quantized else [])
     assert calls == want
+
+
+def test_the_fused_dequantize_is_warmed_with_one_launch(monkeypatch):
+    """One bucket of a scale and its weight: word programs and a block program in one launch (its
+    word count is not specialised, so this one compile serves every bucket)."""
+    from weightsync.formats import fp8_dequant_slots_triton
+
+    monkeypatch.setattr(fp8_warm, "_ready", lambda device: torch.device("cpu"))  # as on a GPU with triton
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    seen = []
+
+    def launch(buf, bases, words, tensors, owners):
+        seen.append((words.shape[0], tensors.shape[0], owners.numel()))
+        return torch.zeros(2, dtype=torch.int64)
+
+    monkeypatch.setattr(fp8_dequant_slots_triton, "launch", launch)
+    assert fp8_warm.warm_dequantize_into_params("cuda:0") > 0
+    assert seen == [(2, 1, 1)]  # word rows: the scale, the alignment gap after it; one block program

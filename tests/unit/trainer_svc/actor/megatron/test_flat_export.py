@@ -43,17 +43,18 @@ def test_flat_buckets_through_the_copy_kernel_are_the_export_byte_for_byte(hf_di
     machine without a GPU), as a GPU sync runs them: every pair taken by the table, 1-2 launches."""
     pytest.importorskip("triton")
     report = _report(hf_dirs, tmp_path, env={**os.environ, "FLAT_CASES_KERNEL": "1", "TRITON_INTERPRET": "1"})
-    _check(report)
+    _check(report, kernel=True)
     for family, rep in report.items():
         for case, r in rep.items():
             if isinstance(r, dict):
                 assert r["torch_copies"] == 0 and 1 <= r["launches"] <= 4, f"{family} {case}: {r}"
 
 
-def _check(report: dict) -> None:
+def _check(report: dict, kernel: bool = False) -> None:
     assert sorted(report) == sorted(FAMILIES)
     for family, rep in report.items():
         assert "error" not in rep, f"{family}: {rep['error']}"
+        _check_fp8(family, rep.pop("fp8"), kernel)
         for case, r in rep.items():
             if not isinstance(r, dict):
                 continue
@@ -75,3 +76,24 @@ def _check(report: dict) -> None:
             assert big["copies"] < 40, big
         assert rep["cast_flat_is_none"], f"{family}: fp32 parameters exported as bf16 must take the pack path"
         assert rep["cast_iter_vs_hf"] == [], f"{family}: the casting per-tensor export differs"
+
+
+def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
+    """Block-FP8 layouts: the flat buckets (FP8 weights quantized into their slots, one launch per
+    bucket with the kernel) are the per-tensor export packed, byte for byte, before and after a step;
+    a nan weight is caught by the flag and named as the per-tensor export names it."""
+    assert len(cases) == 2, cases
+    apart = 0
+    for bucket, r in cases.items():
+        where = f"{family} fp8 bucket {bucket}"
+        assert r["flat_vs_iter"] == [], f"{where}: flat FP8 buckets differ from the packed export {r}"
+        assert r["after_step_vs_iter"] == [], f"{where}: after a step {r}"
+        assert r["finite"] and not r["nan_finite"], f"{where}: {r}"
+        assert r["nan_error"] == r["iter_error"] != "" and r["bad"] in r["nan_error"], f"{where}: {r}"
+        assert r["quantized_bytes"] == r["fp8_bytes"] > 0, f"{where}: {r}"
+        if kernel:
+            assert r["torch_copies"] == 0 and 1 <= r["quant_launches"] <= 2 * r["buckets"], f"{where}: {r}"
+        else:
+            assert r["quant_launches"] == 0, f"{where}: {r}"
+        apart += r["scale_apart"]
+    assert apart > 0, f"{family}: no case put a scale in another bucket than its weight"
