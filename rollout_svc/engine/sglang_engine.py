@@ -261,7 +261,7 @@ class SglangEngine(SglangWeightsMixin, Engine):
     stops_on_cancel = True
     #: `streams_tokens` stays off: the adapter sends all (prompt, sample) requests in one batched,
     #: non-streaming `generate` call, so an OpenAI stream of SGLang is sent at the end of generation
-    #: (openai_api/routes.py). SGLang's own `stream=True` takes one request per generator: a follow-up.
+    #: (openai_api/routes.py). Streaming through SGLang's `generate(stream=True)` is not wired yet.
     CANCEL_POLL_S = 0.05
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
