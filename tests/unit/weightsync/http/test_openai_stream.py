@@ -146,6 +146,12 @@ class Scripted(BuiltinEngine):
         return [SampleResult(pi, list(s.ids), list(lps)) for pi in range(len(prompts)) for _ in range(sampling.n)]
 
 
+class ScriptedWhole(Scripted):
+    """The same answers from an engine that cannot stream: all of them at the end."""
+
+    streams_tokens = False
+
+
 class WholeAnswers(BuiltinEngine):
     """An engine that cannot stream (as the SGLang adapter): it is never given `emit`."""
 
@@ -240,10 +246,10 @@ def test_an_engine_that_cannot_stream_sends_the_same_answer_at_its_end(rollout):
 TEXT = "say héllo, wörld ✓ 日本 done"
 
 
-def _scripted_stream(app, hf, body: dict, **script):
+def _scripted_stream(app, hf, body: dict, cls=Scripted, **script):
     ids = hf.encode(TEXT, add_special_tokens=False)
     assert len(ids) == len(TEXT.encode())  # one token per byte
-    with engine_class(app, Scripted, Script(ids, **script)):
+    with engine_class(app, cls, Script(ids, **script)):
         whole = json.loads(_post_json(app, "/v1/completions", body))
         conn, resp = _post_stream(app, "/v1/completions", {**body, "stream": True})
         got, events = Joined(), list(_events(resp))
@@ -267,10 +273,11 @@ def _post_json(app, path: str, body: dict) -> str:
         conn.close()
 
 
-def test_a_stop_string_split_across_tokens_is_never_sent(rollout):
+@pytest.mark.parametrize("cls", [Scripted, ScriptedWhole], ids=["streaming-engine", "whole-answer-engine"])
+def test_a_stop_string_split_across_tokens_is_never_sent(rollout, cls):
     app, hf, _ = rollout
     stop = "wörld"  # six tokens, one character of them split over two
-    whole, got, ids = _scripted_stream(app, hf, {"prompt": [1, 2], "max_tokens": 64, "stop": [stop], "n": 2})
+    whole, got, ids = _scripted_stream(app, hf, {"prompt": [1, 2], "max_tokens": 64, "stop": [stop], "n": 2}, cls)
     cut = TEXT[: TEXT.index(stop)]
     for i in (0, 1):
         c = whole["choices"][i]
@@ -298,9 +305,11 @@ def test_text_held_back_for_a_stop_string_that_never_completes_is_sent(rollout):
 
 def test_a_character_split_across_tokens_is_sent_whole(rollout):
     app, hf, _ = rollout
-    whole, got, ids = _scripted_stream(app, hf, {"prompt": [1, 2], "max_tokens": 64})
-    assert got.text[0] == whole["choices"][0]["text"] == TEXT and got.ids[0] == ids
-    pieces = [p for p, _ in got.pieces[0]]
+    # with echo: the prompt's text goes first, in a chunk of its own
+    whole, got, ids = _scripted_stream(app, hf, {"prompt": "hi ✓ ", "max_tokens": 64, "echo": True})
+    assert got.text[0] == whole["choices"][0]["text"] == "hi ✓ " + TEXT and got.ids[0] == ids
+    assert got.pieces[0][0] == ("hi ✓ ", [])
+    pieces = [p for p, _ in got.pieces[0][1:]]
     assert "\ufffd" not in "".join(pieces) and "✓" in pieces and "日" in pieces
     check = pieces.index("✓")
     assert pieces[check - 2 : check] == ["", ""]  # its first two bytes sent nothing
