@@ -26,7 +26,9 @@ from weightsync.http.errors import ApiError
 log = logging.getLogger(__name__)
 
 QUEUE_EVENTS = 1024  # events buffered for a reader that lags (one event = one decode step of one prompt)
-STALL_S = 30.0  # a reader that makes no room for this long is gone: the generation stops
+# A reader that makes no room for this long is gone: the generation stops. Short, because a producer
+# waiting here holds the engine between two steps: no other request gets a turn meanwhile.
+STALL_S = 5.0
 EVENT_WAIT_S = 600.0  # the longest wait for the next event (a request queued for the engine, then a step)
 _POLL_S = 0.1  # a producer waiting for room notices a disconnect this soon
 
@@ -111,7 +113,7 @@ class StreamRun:
     """One streamed generation: started in a worker thread on construction (inside the event loop)."""
 
     def __init__(self, servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str):
-        self.channel = channel = Channel(asyncio.get_running_loop())
+        self.channel = channel = Channel(asyncio.get_running_loop(), QUEUE_EVENTS, STALL_S)
         stopping = request.app.state.stopping  # the service is shutting down
         client = client_of(request)
 

@@ -423,3 +423,38 @@ def test_a_stalled_reader_stops_the_producer():
         assert loop.run_until_complete(ch.get(5)) == [2]
     finally:
         loop.close()
+
+
+def test_a_client_that_stops_reading_stops_the_generation(rollout, monkeypatch):
+    """End to end: a client that sends a stream request and reads nothing. Once the socket buffers are
+    full the response stops taking events, the channel fills, and the engine's thread gives up after
+    STALL_S: the generation is cancelled and the engine is free, though the connection is still open."""
+    from rollout_svc.openai_api import streaming
+
+    app, _, _ = rollout
+    monkeypatch.setattr(streaming, "QUEUE_EVENTS", 2)
+    monkeypatch.setattr(streaming, "STALL_S", 0.3)
+    cancelled = app.servicer.rollout_metrics.requests.labels("rollout", "cancelled")
+    before = cancelled._value.get()
+    # 64 chunks a step, with log-probs: the socket buffers fill within a few hundred steps
+    body = {"prompt": [[1, 2, 3]] * 10, "max_tokens": 500, "n": 64, "logprobs": 1, "stream": True}
+    body = json.dumps(body).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
+    s.connect(("127.0.0.1", app.http.port))
+    try:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        t0 = time.monotonic()
+        while cancelled._value.get() != before + 1 and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        assert cancelled._value.get() == before + 1, "the generation went on for a reader that read nothing"
+        t1 = time.monotonic()
+        while app.tx.engine_lock.locked() and time.monotonic() - t1 < 5:
+            time.sleep(0.01)
+        assert not app.tx.engine_lock.locked()
+    finally:
+        s.close()
