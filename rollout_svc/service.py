@@ -6,10 +6,11 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
-from rollout_svc.engine.base import SamplingParams
+from rollout_svc.engine.base import Emit, SamplingParams
 from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestRefused, check_generate
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
@@ -153,19 +154,36 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, client: str, is_active=None):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        client: str,
+        is_active=None,
+        emit: Emit | None = None,
+        on_version: Callable[[int], None] | None = None,
+    ):
         """(results, version) of one generation request: gRPC Generate and HTTP /v1/completions share
         the budget, the validation, fair admission per `client`, the engine run and the metrics.
 
         `is_active()` is asked between decode steps (engines that yield between steps), or every few
         tens of ms while the engine runs the request (SGLang: `stops_on_cancel`); once it says False
-        the request stops with CANCELLED and the engine is free for the next one."""
+        the request stops with CANCELLED and the engine is free for the next one.
+
+        Streaming: `on_version(version)` is called once the engine admitted the request (version
+        pinned, not STALE), before its first step, with the version every token will come from;
+        `emit` gets each step's tokens (base.Emit) where the engine `streams_tokens`, else nothing
+        (the caller sends the results at the end)."""
         active = is_active if is_active is not None else (lambda: True)
 
         def run(eng, turn):
+            if on_version is not None:
+                # under serve_turns' pin no sync can change the version until this request ends
+                on_version(self.tx.version)
+            kw = {"emit": emit} if emit is not None and eng.streams_tokens else {}
             takes_turns = eng.yields_between_steps
             if not takes_turns and not eng.stops_on_cancel:
-                return eng.generate(prompts, sampling)
+                return eng.generate(prompts, sampling, **kw)
 
             def step():
                 if not active():
@@ -175,7 +193,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 if takes_turns:
                     turn()  # other pinned requests may take a turn here (engine_gate.py)
 
-            return eng.generate(prompts, sampling, step=step)
+            return eng.generate(prompts, sampling, step=step, **kw)
 
         try:
             if not prompts:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +55,20 @@ class SampleResult:
     prefix_cache_hit: bool = False
 
 
+class TokenOut(NamedTuple):
+    """One generated token, as an engine that `streams_tokens` emits it."""
+
+    sample: int  # the sample's index among its prompt's n
+    token_id: int
+    logprob: float
+    finish_reason: str | None  # on the sample's last token: its SampleResult.finish_reason; else None
+
+
+#: emit(prompt_index, tokens): the tokens one decode step added to one prompt's samples. It runs on the
+#: engine's thread between steps and may raise to stop the request (its consumer is gone or stalled).
+Emit = Callable[[int, list[TokenOut]], None]
+
+
 class Engine(ABC):
     """An inference engine as the transaction and the service drive it.
 
@@ -70,6 +84,9 @@ class Engine(ABC):
     #: generate(..., step=f) asks f() while the request runs and stops the request once f raises,
     #: without turns (the engine batches requests itself)
     stops_on_cancel: bool = False
+    #: generate(..., emit=f) calls f with each decode step's tokens as they are sampled (token
+    #: streaming); an engine without it answers whole, and a stream of it is sent at its end
+    streams_tokens: bool = False
 
     @abstractmethod
     def param_metas(self) -> dict[str, TensorMeta]:
@@ -85,7 +102,8 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
-        """`step` is given only to an engine that yields_between_steps or stops_on_cancel."""
+        """`step` is given only to an engine that yields_between_steps or stops_on_cancel, `emit`
+        (a keyword: `emit=`) only to one that streams_tokens; the results are the same either way."""
 
     @abstractmethod
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:

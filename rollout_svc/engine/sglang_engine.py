@@ -259,6 +259,9 @@ class SglangEngine(SglangWeightsMixin, Engine):
     #: raises aborts the request in SGLang's scheduler (rollout_svc.service). SGLang batches requests
     #: itself: there are no turns to hand over between steps, so `yields_between_steps` stays off.
     stops_on_cancel = True
+    #: `streams_tokens` stays off: the adapter sends all (prompt, sample) requests in one batched,
+    #: non-streaming `generate` call, so an OpenAI stream of SGLang is sent at the end of generation
+    #: (openai_api/routes.py). Streaming through SGLang's `generate(stream=True)` is not wired yet.
     CANCEL_POLL_S = 0.05
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:

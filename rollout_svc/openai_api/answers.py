@@ -1,17 +1,17 @@
 """Finished samples -> OpenAI's answer objects and stream chunks, for completions and chat.
 
 Every object carries `weight_version`. Without a tokenizer (completions with token ids only),
-texts are "" and a token's `tokens` entry is its id as a string. Streams are built from finished
-samples (see routes.py): one chunk per token and choice, then one with the choice's
-finish_reason, then (stream_options.include_usage) one with `usage` and no choices.
+texts are "" and a token's `tokens` entry is its id as a string. A stream's chunks (built as its
+tokens arrive: stream_answer.py) are one per token and choice, each with the text that token made
+safe to send; then one per choice with its finish_reason and any text held back until the end;
+then (stream_options.include_usage) one with `usage` and no choices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rollout_svc.openai_api.text import Decode, Sample, token_pieces
+from rollout_svc.openai_api.text import Decode, Sample
 
 
 @dataclass
@@ -72,30 +72,24 @@ def completion_choices(
     ]
 
 
-def completion_chunks(
-    head: Head,
-    samples: list[Sample],
-    decode: Decode | None,
-    logprobs: bool,
-    echo: list[str] | None,
-    usage_of: dict | None,
-) -> Iterator[dict]:
-    def chunk(index, text, ids, lps, reason=None):
-        lp = _completion_logprobs(decode, ids, lps) if logprobs and ids else None
-        return head.obj(
+class CompletionChunks:
+    """The chunks of a streamed completion."""
+
+    def __init__(self, head: Head, decode: Decode | None, logprobs: bool, echo: list[str] | None):
+        self.head, self.decode, self.logprobs, self.echo = head, decode, logprobs, echo
+
+    def piece(self, index: int, text: str, ids: list[int], lps: list[float], reason: str | None = None) -> dict:
+        lp = _completion_logprobs(self.decode, ids, lps) if self.logprobs and ids else None
+        return self.head.obj(
             "text_completion",
             choices=[{"index": index, "text": text, "token_ids": ids, "logprobs": lp, "finish_reason": reason}],
         )
 
-    for s in samples:
-        if echo:
-            yield chunk(s.index, echo[s.prompt_index], [], [])
-        pieces = token_pieces(decode, s.token_ids, s.text) if decode is not None else [""] * len(s.token_ids)
-        for t, lp, piece in zip(s.token_ids, s.logprobs, pieces, strict=True):
-            yield chunk(s.index, piece, [t], [lp])
-        yield chunk(s.index, "", [], [], s.finish_reason)
-    if usage_of is not None:
-        yield head.obj("text_completion", choices=[], usage=usage_of)
+    def opening(self, index: int, prompt_index: int) -> dict | None:
+        return self.piece(index, self.echo[prompt_index], [], []) if self.echo else None
+
+    def usage(self, usage_of: dict) -> dict:
+        return self.head.obj("text_completion", choices=[], usage=usage_of)
 
 
 # ---- chat -----------------------------------------------------------------------------------
@@ -112,20 +106,24 @@ def chat_choices(samples: list[Sample], decode: Decode, logprobs: bool) -> list[
     ]
 
 
-def chat_chunks(
-    head: Head, samples: list[Sample], decode: Decode, logprobs: bool, usage_of: dict | None
-) -> Iterator[dict]:
-    def chunk(index, delta, ids, lps, reason=None):
-        lp = _chat_logprobs(decode, ids, lps) if logprobs and ids else None
-        return head.obj(
+class ChatChunks:
+    """The chunks of a streamed chat completion."""
+
+    def __init__(self, head: Head, decode: Decode, logprobs: bool):
+        self.head, self.decode, self.logprobs = head, decode, logprobs
+
+    def _chunk(self, index: int, delta: dict, ids: list[int], lps: list[float], reason: str | None) -> dict:
+        lp = _chat_logprobs(self.decode, ids, lps) if self.logprobs and ids else None
+        return self.head.obj(
             "chat.completion.chunk",
             choices=[{"index": index, "delta": delta, "token_ids": ids, "logprobs": lp, "finish_reason": reason}],
         )
 
-    for s in samples:
-        yield chunk(s.index, {"role": "assistant", "content": ""}, [], [])
-        for t, lp, piece in zip(s.token_ids, s.logprobs, token_pieces(decode, s.token_ids, s.text), strict=True):
-            yield chunk(s.index, {"content": piece}, [t], [lp])
-        yield chunk(s.index, {}, [], [], s.finish_reason)
-    if usage_of is not None:
-        yield head.obj("chat.completion.chunk", choices=[], usage=usage_of)
+    def piece(self, index: int, text: str, ids: list[int], lps: list[float], reason: str | None = None) -> dict:
+        return self._chunk(index, {"content": text} if text or ids else {}, ids, lps, reason)
+
+    def opening(self, index: int, prompt_index: int) -> dict:
+        return self._chunk(index, {"role": "assistant", "content": ""}, [], [], None)
+
+    def usage(self, usage_of: dict) -> dict:
+        return self.head.obj("chat.completion.chunk", choices=[], usage=usage_of)

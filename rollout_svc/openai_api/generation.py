@@ -48,20 +48,34 @@ def sampling_params(body, max_tokens: int) -> SamplingParams:
         raise ApiError(400, str(exc)) from None
 
 
+def client_of(request: Request) -> str:
+    """The client a request is admitted as: fair admission counts requests per client, as gRPC does per peer."""
+    return f"http:{request.client.host if request.client else 'unknown'}"
+
+
+def api_error(exc: ValueError | SyncError) -> ApiError:
+    """A refusal or failure of the generation path, as OpenAI's error with the HTTP status of its gRPC code."""
+    code = getattr(exc, "code", "INVALID_ARGUMENT")
+    # name the fields as this API does (the shared validation speaks of the gRPC fields)
+    msg = str(exc).replace("sampling.max_new_tokens", "max_tokens").replace("sampling.", "")
+    return ApiError(_HTTP_STATUS.get(code, 503), f"{code}: {msg}", code=code.lower())
+
+
+async def watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Set `gone` once the client disconnects (the generation stops at its next step)."""
+    while not gone.is_set():
+        if await request.is_disconnected():
+            gone.set()
+            return
+        await anyio.sleep(0.1)
+
+
 async def generate(servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str):
     """(results, weight version) of one request; the engine runs in a worker thread. `endpoint`
     labels its latency and token metrics (weightsync.obs.metrics.ENDPOINTS)."""
-    # Fair admission counts requests per client, as gRPC does per peer.
-    client = f"http:{request.client.host if request.client else 'unknown'}"
+    client = client_of(request)
     gone = threading.Event()  # the client disconnected: the generation stops at its next step
     stopping = request.app.state.stopping  # the service is shutting down
-
-    async def watch_disconnect():
-        while not gone.is_set():
-            if await request.is_disconnected():
-                gone.set()
-                return
-            await anyio.sleep(0.1)
 
     def run():
         with servicer.rollout_metrics.generation(endpoint) as done:
@@ -71,14 +85,11 @@ async def generate(servicer, request: Request, prompts: list[list[int]], samplin
             done(sum(map(len, prompts)), sum(len(r.token_ids) for r in results))
             return results, version
 
-    watcher = asyncio.ensure_future(watch_disconnect())
+    watcher = asyncio.ensure_future(watch_disconnect(request, gone))
     try:
         return await anyio.to_thread.run_sync(run)
     except (ValueError, SyncError) as exc:
-        code = getattr(exc, "code", "INVALID_ARGUMENT")
-        # name the fields as this API does (the shared validation speaks of the gRPC fields)
-        msg = str(exc).replace("sampling.max_new_tokens", "max_tokens").replace("sampling.", "")
-        raise ApiError(_HTTP_STATUS.get(code, 503), f"{code}: {msg}", code=code.lower()) from None
+        raise api_error(exc) from None
     finally:
         gone.set()  # a disconnect seen after this changes nothing
         watcher.cancel()

@@ -1,19 +1,25 @@
 """The OpenAI routes of a rollout: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 
 The token is checked before a route runs (weightsync/http/auth.py); errors are OpenAI's error body
-(weightsync/http/errors.py). Streams (`stream: true`) are sent once the whole answer exists: the
-engines have no per-token API, so generation runs to its end (a stop token, max_tokens) and the
-tokens are then sent one chunk each. A stream therefore starts late but is exact: its text, ids
-and log-probs are those of the same request without `stream`, and a request that fails does so
-with an ordinary HTTP error, never mid-stream.
+(weightsync/http/errors.py).
+
+Streams (`stream: true`) send tokens as they are decoded on an engine that `streams_tokens` (the
+built-in engine: every decode step's tokens, per choice); on one that does not (the SGLang adapter:
+it runs a request as one batched generate call) the whole answer is generated first and then sent
+one chunk per token, as before. Either way a stream is exact: its text, ids and log-probs join to
+those of the same request without `stream` (checked at its end), text that may still be part of a
+stop string or of a character split across tokens is held back, and X-Weight-Version is the version
+the engine pinned for the request before its first step. The response starts once the first tokens
+(or the whole answer) exist, so a request refused or invalid before then is an ordinary HTTP error;
+a failure after that is a last `data: {"error": ...}` event, then `data: [DONE]`. A client that
+disconnects, or reads nothing for streaming.STALL_S, stops the generation at its next step.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -31,6 +37,8 @@ from rollout_svc.openai_api.schemas import (
     ModelCard,
     ModelList,
 )
+from rollout_svc.openai_api.stream_answer import StreamAnswer
+from rollout_svc.openai_api.streaming import StreamRun
 from rollout_svc.openai_api.text import finish
 from rollout_svc.openai_api.tokenizer import ModelTokenizer
 from weightsync.http.errors import ApiError
@@ -58,17 +66,6 @@ _STREAM = {
         "description": "the answer; with `stream: true`, server-sent events ending with `data: [DONE]`",
     }
 }
-
-
-def _sse(chunks: Iterable[dict], version: int) -> StreamingResponse:
-    async def body():
-        for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"X-Weight-Version": str(version), "Cache-Control": "no-cache"}
-    )
 
 
 def _stops(stop) -> list[str]:
@@ -135,25 +132,57 @@ class _Routes:
             return ids, [tok.decode(x) if tok is not None else "" for x in ids]
 
         prompts, prompt_texts = await anyio.to_thread.run_sync(prepare)
+        echo = prompt_texts if body.echo else None
+        logprobs = body.logprobs is not None
+        if body.stream:
+            tok = await anyio.to_thread.run_sync(tokenizer.get)
+            decode = tok.decode if tok is not None else None
+
+            def streamed(h: answers.Head) -> StreamAnswer:
+                chunks = answers.CompletionChunks(h, decode, logprobs, echo)
+                return StreamAnswer(chunks, body.n, decode, stops, sum(map(len, prompts)), _usage_asked(body))
+
+            return await self._stream(request, prompts, sampling, "http_completions", "cmpl", streamed)
         results, version = await generate(self.servicer, request, prompts, sampling, "http_completions")
 
         def answer():
             tok = tokenizer.get()
             decode = tok.decode if tok is not None else None
             samples = finish(results, decode, stops)
-            echo = prompt_texts if body.echo else None
-            logprobs = body.logprobs is not None
             use = answers.usage(sum(map(len, prompts)), samples)
-            h = self.head("cmpl", version)
-            if body.stream:
-                include = body.stream_options is not None and body.stream_options.include_usage
-                return list(answers.completion_chunks(h, samples, decode, logprobs, echo, use if include else None))
-            return h.obj(
+            return self.head("cmpl", version).obj(
                 "text_completion", choices=answers.completion_choices(samples, decode, logprobs, echo), usage=use
             )
 
         out = await anyio.to_thread.run_sync(answer)  # decoding is CPU work: off the event loop
-        return _reply(out, version, body.stream, response)
+        response.headers["X-Weight-Version"] = str(version)
+        return out
+
+    async def _stream(self, request: Request, prompts, sampling, endpoint: str, prefix: str, streamed):
+        """The SSE response of a streamed request; `streamed(head)` builds its StreamAnswer."""
+        run = StreamRun(self.servicer, request, prompts, sampling, endpoint)
+        try:
+            version, first = await run.opening()  # an error before the first token is raised here
+        except BaseException:
+            run.close()
+            raise
+        answer = streamed(self.head(prefix, version))
+
+        async def body():
+            try:
+                events = first
+                while True:
+                    data, ended = await anyio.to_thread.run_sync(answer.render, events)  # decoding: off the loop
+                    if data:
+                        yield data
+                    if ended:
+                        return
+                    events = await run.events()
+            finally:
+                run.close()  # the client went away mid-stream: the generation stops at its next step
+
+        headers = {"X-Weight-Version": str(version), "Cache-Control": "no-cache"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
     def _chat_length(self, body: ChatCompletionRequest) -> int | None:
         """The completion budget a chat request asks for (None: the model's room), checked."""
@@ -193,31 +222,34 @@ class _Routes:
             room = served.context_length - len(prompt) if served.context_length else served.max_new_tokens
             asked = max(1, min(served.max_new_tokens, room))
         sampling = sampling_params(body, asked)
+        tok = self.tokenizer.get()  # loaded by chat_prompt
+
+        def decode(ids):  # the message's text: the end-of-turn token is not part of it
+            return tok.decode(ids, skip_special_tokens=True)
+
+        if body.stream:
+
+            def streamed(h: answers.Head) -> StreamAnswer:
+                chunks = answers.ChatChunks(h, decode, body.logprobs)
+                return StreamAnswer(chunks, body.n, decode, stops, len(prompt), _usage_asked(body))
+
+            return await self._stream(request, [prompt], sampling, "http_chat_completions", "chatcmpl", streamed)
         results, version = await generate(self.servicer, request, [prompt], sampling, "http_chat_completions")
 
         def answer():
-            tok = self.tokenizer.get()
-
-            def decode(ids):  # the message's text: the end-of-turn token is not part of it
-                return tok.decode(ids, skip_special_tokens=True)
-
             samples = finish(results, decode, stops)
             use = answers.usage(len(prompt), samples)
-            h = self.head("chatcmpl", version)
-            if body.stream:
-                include = body.stream_options is not None and body.stream_options.include_usage
-                return list(answers.chat_chunks(h, samples, decode, body.logprobs, use if include else None))
-            return h.obj("chat.completion", choices=answers.chat_choices(samples, decode, body.logprobs), usage=use)
+            return self.head("chatcmpl", version).obj(
+                "chat.completion", choices=answers.chat_choices(samples, decode, body.logprobs), usage=use
+            )
 
         out = await anyio.to_thread.run_sync(answer)
-        return _reply(out, version, body.stream, response)
+        response.headers["X-Weight-Version"] = str(version)
+        return out
 
 
-def _reply(out, version: int, stream: bool, response: Response):
-    if stream:
-        return _sse(out, version)
-    response.headers["X-Weight-Version"] = str(version)
-    return out
+def _usage_asked(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def rollout_router(servicer, served: Served) -> APIRouter:

@@ -1,4 +1,4 @@
-"""Token ids -> the text of an answer: stop strings, and the per-token pieces a stream sends.
+"""Token ids -> the text of an answer: stop strings, and the incremental decode a stream sends.
 
 The engine stops on token ids only, so a stop string is applied to the finished sample: it is cut
 after the first token whose text completes a stop string, and its text ends just before that
@@ -26,7 +26,8 @@ class Sample:
     finish_reason: str
 
 
-def _first_stop(text: str, stops: list[str]) -> int:
+def first_stop(text: str, stops: list[str]) -> int:
+    """Where the first stop string in `text` starts, -1 for none."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
 
@@ -36,44 +37,38 @@ def cut_at_stop(
 ) -> tuple[list[int], list[float], str, bool]:
     """(ids, logprobs, text, stopped): cut at the first token whose text contains a stop string."""
     text = decode(ids)
-    if not stops or _first_stop(text, stops) < 0:
+    if not stops or first_stop(text, stops) < 0:
         return ids, logprobs, text, False
     # The shortest prefix whose text holds a stop string (log2(len) decodes; the whole holds one).
     lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _first_stop(decode(ids[:mid]), stops) >= 0:
+        if first_stop(decode(ids[:mid]), stops) >= 0:
             hi = mid
         else:
             lo = mid + 1
     text = decode(ids[:lo])
-    return ids[:lo], logprobs[:lo], text[: _first_stop(text, stops)], True
+    return ids[:lo], logprobs[:lo], text[: first_stop(text, stops)], True
 
 
-def token_pieces(decode: Decode, ids: list[int], text: str) -> list[str]:
-    """One text piece per token whose concatenation is exactly `text` (the answer's final text).
+class Detokenizer:
+    """Incremental detokenization as vLLM does it: decode a short window ending at the newest token
+    and give what it adds to the window before it, holding back an incomplete UTF-8 character
+    (U+FFFD at the end) until its last byte arrives. For the tokenizers in use (byte-level BPE,
+    SentencePiece, word-level) the pieces join to the decode of all the ids, less a held-back tail."""
 
-    Incremental detokenization as vLLM does it: decode a short window ending at the token and send
-    what it adds, holding back an incomplete UTF-8 character (U+FFFD) until its last byte arrives.
-    Tokenizers whose text is not prefix-stable, and the cut at a stop string, can make a window
-    disagree with the final text: from there on the pieces are empty and the last one carries the
-    rest, so a client that joins the stream always reads the same text as a non-streaming answer.
-    """
-    pieces, sent, start, read = [], 0, 0, 0
-    for i in range(len(ids)):
-        before, now = decode(ids[start:read]), decode(ids[start : i + 1])
-        piece = ""
+    def __init__(self, decode: Decode):
+        self.decode, self.ids, self.start, self.read = decode, [], 0, 0
+
+    def push(self, token: int) -> str:
+        """The text `token` completes ("" while it holds back)."""
+        ids = self.ids
+        ids.append(token)
+        before, now = self.decode(ids[self.start : self.read]), self.decode(ids[self.start :])
         if len(now) > len(before) and now.startswith(before) and not now.endswith("\ufffd"):
-            piece = now[len(before) :]
-            start, read = read, i + 1
-        if piece and text.startswith(piece, sent):
-            sent += len(piece)
-        else:
-            piece = ""
-        pieces.append(piece)
-    if pieces:
-        pieces[-1] += text[sent:]
-    return pieces
+            self.start, self.read = self.read, len(ids)
+            return now[len(before) :]
+        return ""
 
 
 def finish(results, decode: Decode | None, stops: list[str]) -> list[Sample]:

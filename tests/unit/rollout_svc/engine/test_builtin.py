@@ -55,6 +55,38 @@ def test_stop_token_finishes_with_stop(qwen):
     assert r.finish_reason == "stop" and r.token_ids == first[: first.index(stop) + 1]
 
 
+def test_emitted_tokens_are_the_results_step_by_step(qwen):
+    """`emit` gets each step's tokens before the next step runs: per sample they join to its result,
+    the last one carries the finish_reason, and the results are those of a generate without emit."""
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, n=3)
+    plain = qwen.generate(PROMPTS, sp)
+    stop = plain[1].token_ids[4]  # sample 1 of prompt 0 stops early, the others may too
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, n=3, stop_token_ids=(stop,))
+    plain = qwen.generate(PROMPTS, sp)
+    steps, order = [], []
+
+    def emit(pi, toks):
+        order.append("emit")
+        steps.append((pi, toks))
+
+    out = qwen.generate(PROMPTS, sp, step=lambda: order.append("step"), emit=emit)
+    assert order[:5] == ["step", "emit", "step", "emit", "step"]  # prefill, token 1, decode, token 2, ...
+    assert [(r.token_ids, r.logprobs, r.finish_reason) for r in out] == [
+        (r.token_ids, r.logprobs, r.finish_reason) for r in plain
+    ]
+    assert plain[1].finish_reason == "stop" and len(plain[1].token_ids) == 5
+    got: dict = {}
+    for pi, toks in steps:
+        assert len({t.sample for t in toks}) == len(toks)  # one token per sample and step
+        for t in toks:
+            ids, lps, reasons = got.setdefault(pi * 3 + t.sample, ([], [], []))
+            assert not reasons or reasons[-1] is None, "a token after the sample's last one"
+            ids.append(t.token_id), lps.append(t.logprob), reasons.append(t.finish_reason)
+    for k, r in enumerate(plain):
+        ids, lps, reasons = got[k]
+        assert (ids, lps) == (r.token_ids, r.logprobs) and reasons == [None] * (len(ids) - 1) + [r.finish_reason]
+
+
 def test_model_eos_stops():
     cfg = qwen2_config()
     probe = BuiltinEngine.from_config(cfg, seed=0).generate([PROMPTS[0]], greedy(steps=6))[0].token_ids

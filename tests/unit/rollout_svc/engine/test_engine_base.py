@@ -69,6 +69,7 @@ def test_an_engine_lacking_a_required_method_cannot_be_built():
 def test_the_optional_hooks_default_to_what_an_engine_holding_its_weights_needs():
     eng = DictEngine(WEIGHTS)
     assert eng.hf_config() is None and not eng.yields_between_steps and not eng.stops_on_cancel
+    assert not eng.streams_tokens  # its streams are sent at the end of generation (openai_api/routes.py)
     assert eng.loads_quantized(BLOCK_FP8) is False  # a quantized sync is dequantized for it
     assert eng.writable_params(list(eng.param_metas().values())) is None
     eng.begin_apply()

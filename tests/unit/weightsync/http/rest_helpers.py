@@ -37,3 +37,26 @@ def error_message(text: str) -> str:
     err = json.loads(text)["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     return err["message"]
+
+
+def byte_level_model(path, chat_template: str | None = None) -> str:
+    """Write to `path` a tiny-qwen2 config and a byte-level tokenizer (every one of the model's 256 ids is
+    a byte, so any generated id decodes, and multi-byte characters span tokens), with `chat_template`
+    if given. Returns the path, as a `model` setting."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from weightsync.models import TINY
+
+    kw = dict(TINY["tiny-qwen2"])
+    AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(str(path))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(alphabet) == kw["vocab_size"] == 256
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return str(path)
