@@ -8,7 +8,7 @@ on an H100, docs/BENCHMARKS.md); these kernels read each buffer once:
 - `encode`: one host read, the total count (the payload's size; the trainer reads it anyway to
   know whether the bucket changed); then per block, from the bitmap alone, its bytes into the
   payload and the changed words compacted at the block's offset (an exclusive cumsum of the counts).
-- `apply_delta`: the header read, then a popcount per block of the payload's bitmap and one host
+- `apply_bitmap` (delta.apply_delta read the header): a popcount per block of the payload's bitmap and one host
   read (its total against the header's entries, and no bit past the bucket's end: refused before
   any write, as the torch path does); then per block the new words scattered into the base, their
   positions (Applied.positions) and, given the base's sums, the change of the sums from the 32-bit
@@ -16,11 +16,14 @@ on an H100, docs/BENCHMARKS.md); these kernels read each buffer once:
 Traffic: the compare reads 2 bytes per bucket byte; the rest reads the bitmap (1/16 of a bf16
 bucket) and the sectors holding changed words.
 
-Kind: always the bitmap where it is smaller than the bucket (the torch path picks the smaller of
-bitmap and gaps, and its kind=BITMAP gives these exact bytes). At 1-3 % changed bf16 words the
-bitmap costs 7.3-9.3 % of the bucket's bytes on the wire against 1.5-4.5 % for one-byte gaps; a
-CUDA-resident base exists only on the nccl path (tcp keeps it in host memory), where the extra
-~5 % of the bytes take less time on the link than the torch compare took (bench/bench_delta_gpu_codec.py).
+Kind: always the bitmap, where it is smaller than the bucket (the torch path picks the smaller of
+bitmap and gaps; its kind=BITMAP gives these exact bytes). Gaps would need a second scan for the
+gaps' widths and fillers. On the wire, at 1 / 2 / 3 % of bf16 words changed, a bitmap costs 7.3 /
+8.3 / 9.3 % of the bucket's bytes and one-byte gaps about 1.5 / 3.0 / 4.5 %: ~0.05 GB more per GB
+of bucket. The torch encode that gaps take costs 86 ms per GB on an H100 (docs/BENCHMARKS.md), so
+the bitmap at kernel speed is through sooner on any link above ~0.7 GB/s (6 Gb/s; ~1.1 GB/s where
+the torch encode would overlap the sends). A CUDA-resident base exists only on the nccl path (tcp keeps it in host
+memory): links from tens of Gb/s up. Measured by bench/bench_delta_gpu_codec.py.
 Triton ships with CUDA builds of torch only: delta.py falls back to torch when `available()` is false.
 """
 
