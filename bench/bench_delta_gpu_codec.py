@@ -8,9 +8,9 @@ warm-up, synchronized around each pass over every bucket):
 - apply:   delta.apply_delta with the base's word sums (the rollout), onto a copy already patched: the same work
 Reported in GB/s of bucket, with the payload's share of the bytes (torch picks the smaller of bitmap and
 gaps; the fused path always sends the bitmap). The torch path is forced by making delta.py see no
-Triton. `--blocks 1024,4096,16384` also times the fused path at other block sizes (the first is the
-row's). Checked first: the fused payload is the torch bitmap (delta.encode(kind=BITMAP)) byte for
-byte and both applies are exact.
+Triton. `--configs 2048x16,4096x16,4096x8,1024x8` also times the fused path at other block sizes and
+warps (the first is the row's). Checked first: the fused payload is the torch bitmap
+(delta.encode(kind=BITMAP)) byte for byte and both applies are exact.
 
     python bench/bench_delta_gpu_codec.py --out bench/results/results_delta_gpu_codec_<gpu>_<date>.json
 """
@@ -150,9 +150,7 @@ def main() -> int:
     ap.add_argument("--densities", default="0.01,0.02,0.03")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument(
-        "--blocks", default="4096", help="fused path: words per program, comma list (the first is reported)"
-    )
+    ap.add_argument("--configs", default="2048x16", help="fused path: BLOCKxWARPS list; the first is the row's")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from weightsync.bus import delta_cuda
@@ -161,7 +159,7 @@ def main() -> int:
     if not delta_cuda.available():
         print("needs a CUDA GPU and triton", file=sys.stderr)
         return 2
-    rows, default_block = [], delta_cuda.BLOCK
+    rows, default = [], (delta_cuda.BLOCK, delta_cuda.WARPS)
     for model in args.models.split(","):
         total = export_bytes(model)
         for density in (float(x) for x in args.densities.split(",")):
@@ -172,13 +170,14 @@ def main() -> int:
             row = {"model": model, "bytes": sum(n.numel() for n in news), "buckets": len(news), "density": density}
             with torch_only():
                 row["torch"] = run_path(news, bases, copies, sums, args.reps)
-            for i, block in enumerate(int(b) for b in args.blocks.split(",")):
-                delta_cuda.BLOCK = block  # words per program (a tuning knob: the kernels compile per value)
-                row["triton" if i == 0 else f"triton_block{block}"] = run_path(news, bases, copies, sums, args.reps)
-                row.setdefault("blocks", []).append(block)
-            delta_cuda.BLOCK = default_block
+            for i, config in enumerate(args.configs.split(",")):
+                # words per program and warps (tuning knobs: the kernels compile per value)
+                delta_cuda.BLOCK, delta_cuda.WARPS = (int(x) for x in config.split("x"))
+                row["triton" if i == 0 else f"triton_{config}"] = run_path(news, bases, copies, sums, args.reps)
+                row.setdefault("configs", []).append(config)
+            delta_cuda.BLOCK, delta_cuda.WARPS = default
             rows.append(row)
-            for key in [k for k in row if k.startswith("triton_block")]:
+            for key in [k for k in row if k.startswith("triton_")]:
                 print(f"  {key}: " + ", ".join(f"{k} {row[key][k]['gb_per_s']:.1f} GB/s" for k in PASSES), flush=True)
             t, f = row["torch"], row["triton"]
             print(

@@ -36,7 +36,7 @@ def _cases():
     for word in (1, 2):
         for fraction in (0.0, 0.001, 0.02, 0.5, 1.0):
             yield word, fraction, (16 << 20) + 6 * word  # a partial block, a tail past the last whole 32-bit word
-    yield 2, None, 4096 * 2 * 3 + 2  # block edges: words 0, 4095, 4096, 8191, 8192 and the last
+    yield 2, None, None  # block edges: a block's first and last words, the bucket's last
 
 
 @needs_cuda
@@ -45,7 +45,11 @@ def test_fused_codec_is_the_torch_bitmap_and_exact(word, fraction, nbytes):
     from weightsync.bus import delta, delta_cuda
 
     assert delta_cuda.available(), "triton is missing: the GPU runs the torch codec"
-    edges = None if fraction is not None else torch.tensor([0, 1, 4095, 4096, 8191, 8192, nbytes // word - 1])
+    edges = None
+    if fraction is None:
+        b = delta_cuda.BLOCK
+        nbytes = b * word * 3 + word
+        edges = torch.tensor([0, 1, b - 1, b, 2 * b - 1, 2 * b, nbytes // word - 1])
     new, base = _pair(nbytes, word, fraction or 0.0, seed=int((fraction or 0) * 1000) + word, positions=edges)
     d = delta.diff(new, base, word)
     assert isinstance(d, delta_cuda.FusedDiff)

@@ -37,8 +37,11 @@ from weightsync.bus import delta_format as fmt
 from weightsync.bus.errors import TransportError
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
-BLOCK = 4096  # words per program: 512 bitmap bytes
-_WARPS = 8
+#: words per program (256 bitmap bytes) and its warps: every kernel fits in <= 52 registers a thread
+#: (sm_90, Triton 3.8: the scatter with sums is the largest), so an SM holds 1024-2048 threads of them;
+#: 4096 words at 8 warps took 148 for the scatter (256 threads an SM). bench_delta_gpu_codec.py --configs
+BLOCK = 2048
+WARPS = 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,7 +57,7 @@ def _run(kernel, blocks: int, device: torch.device, *args, **meta) -> None:
         kernel[(blocks,)](*args, BLOCK=BLOCK, **meta)
         return
     with torch.cuda.device(device):
-        kernel[(blocks,)](*args, BLOCK=BLOCK, num_warps=_WARPS, **meta)
+        kernel[(blocks,)](*args, BLOCK=BLOCK, num_warps=WARPS, **meta)
 
 
 def _blocks(nwords: int) -> int:
