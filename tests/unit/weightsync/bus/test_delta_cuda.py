@@ -194,3 +194,45 @@ def test_delta_dispatches_to_the_fused_codec_on_a_gpu(fused, monkeypatch):
     assert torch.equal(payload, delta.encode(new, base, 2, kind=delta.BITMAP))  # the torch path's bytes
     with pytest.raises(ValueError, match="kind"):
         delta.encode(new, base, 2, kind=delta.GAPS)
+
+
+def test_the_trainers_delta_stream_on_the_fused_path(fused, monkeypatch):
+    """publisher/delta_sync.py's DeltaStream on the fused codec, sync after sync: each bucket's checksum (the
+    base's sums plus the diff's change) is a full pass's, the kept base is the bucket, the deltas are bitmaps
+    that a rollout's copy applies to exactly the bucket with the sums the rollout then checks."""
+    from weightsync.bus.checksum import bucket_checksum, from_sums
+    from weightsync.bus.layout import ManifestCache
+    from weightsync.bus.plan import TensorMeta
+    from weightsync.publisher.delta_sync import DeltaBase
+
+    monkeypatch.setattr(delta, "_fused", lambda buf: fused)
+    metas = [TensorMeta("w", (300, 256), torch.bfloat16), TensorMeta("s", (4099,), torch.float8_e4m3fn)]  # 1-byte words
+    cache, base, g = ManifestCache(), DeltaBase("delta", 1 << 30, "o"), torch.Generator().manual_seed(0)
+    buckets, copies = None, None
+    for version in (1, 2, 3):
+        m = cache.manifest(metas, version=version, sync_id=f"v{version}", bucket_bytes=64 << 10, origin="o")
+        if buckets is None:
+            buckets = [torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in m.buckets]
+            copies = [b.clone() for b in buckets]  # the rollout's copy of the base
+        else:
+            for b in buckets:  # 2 % of the bytes change
+                pos = torch.randperm(b.numel(), generator=g)[: b.numel() // 50]
+                b[pos] = torch.randint(0, 256, (pos.numel(),), dtype=torch.uint8, generator=g)
+        s = base.begin(m, "tcp")
+        s.accepted |= {"r"}
+        for plan, buf, copy in zip(m.buckets, buckets, copies):
+            old_sums = _sums(copy)
+            payload, csum, kept = s.encode(plan, buf)
+            assert csum == bucket_checksum(buf)
+            s.store(plan, buf, kept, csum)
+            assert torch.equal(base._bufs[plan.index], buf)
+            if version == 1:
+                assert payload is None  # no base yet
+                continue
+            assert isinstance(kept[1], fused.FusedDiff)
+            assert payload[0] == delta.BITMAP if kept[1].count() else payload.numel() == delta.HEADER_BYTES
+            applied = delta.apply_delta(payload, copy, old_sums)
+            assert torch.equal(copy, buf)
+            n = copy.numel()
+            assert from_sums(applied.sums, copy[n - n % 4 :], n) == csum
+        s.finish(True)
