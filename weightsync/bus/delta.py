@@ -185,7 +185,7 @@ def _diff_blocks(nb: torch.Tensor, bb: torch.Tensor, first: int, size: int, word
     return idx, new_blocks.view(WORD_DTYPES[word]).index_select(0, j), blocks, new_blocks, old_blocks
 
 
-def changedwords_of(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
+def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
     """Sorted positions of the `word`-byte words in which `new` and `base` differ."""
     return diff(new, base, word).idx
 
@@ -310,7 +310,7 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | 
     if sums is not None:
         sums = sums.clone()
     for pos in steps():
-        at = _intwords_of(pos, word, ints.numel()) if ints is not None else None
+        at = _int_words(pos, word, ints.numel()) if ints is not None else None
         if at is not None:
             sums -= word_sums(ints.index_select(0, at))
         words[pos] = values[done : done + pos.numel()]
@@ -322,7 +322,7 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | 
     return Applied(word, _cat(written) if written else empty, sums)
 
 
-def _intwords_of(pos: torch.Tensor, word: int, n: int) -> torch.Tensor:
+def _int_words(pos: torch.Tensor, word: int, n: int) -> torch.Tensor:
     """The distinct 32-bit words (of the first `n`) that hold the `word`-byte words at sorted `pos`:
     a bucket's last bytes past its whole 32-bit words are not in the sums (checksum.from_sums)."""
     at = pos if word == 4 else torch.unique_consecutive(pos >> (2 if word == 1 else 1))
