@@ -9,7 +9,8 @@ warm-up, synchronized around each pass over every bucket):
 Reported in GB/s of bucket, with the payload's share of the bytes (torch picks the smaller of bitmap and
 gaps; the fused path always sends the bitmap). The torch path is forced by making delta.py see no
 Triton. `--configs 2048x16,4096x16,4096x8,1024x8` also times the fused path at other block sizes and
-warps (the first is the row's). Checked first: the fused payload is the torch bitmap
+warps (the first is the row's); `triton_compare_torch_gaps`: the fused compare with torch's encoder on
+its positions (gaps: the smaller wire). Checked first: the fused payload is the torch bitmap
 (delta.encode(kind=BITMAP)) byte for byte and both applies are exact.
 
     python bench/bench_delta_gpu_codec.py --out bench/results/results_delta_gpu_codec_<gpu>_<date>.json
@@ -109,6 +110,24 @@ def run_path(news, bases, copies, sums, reps: int) -> dict:
     return res
 
 
+def fused_compare_torch_gaps(news, bases, reps: int) -> dict:
+    """The alternative to the bitmap on the fused path: the fused compare, then torch's encoder (the smaller
+    of bitmap and gaps) on the positions unpacked from the bitmap. Its rate and payload next to the
+    fused bitmap's say whether the smaller wire is worth its encode (a threshold on the changed count)."""
+    from weightsync.bus import delta
+
+    def encode():
+        return [delta.encode(nw, b, 2, delta.diff(nw, b, 2).idx) for nw, b in zip(news, bases)]
+
+    total = sum(nw.numel() for nw in news)
+    payloads = encode()
+    s = _time(encode, reps)
+    return {
+        "payload_ratio": sum(p.numel() for p in payloads) / total,
+        "encode": {"seconds": s, "gb_per_s": total / 1e9 / s},
+    }
+
+
 def check(news, bases, sums) -> None:
     """The fused payload is the torch bitmap byte for byte; both applies exact, with the sums."""
     from weightsync.bus import delta
@@ -176,9 +195,11 @@ def main() -> int:
                 row["triton" if i == 0 else f"triton_{config}"] = run_path(news, bases, copies, sums, args.reps)
                 row.setdefault("configs", []).append(config)
             delta_cuda.BLOCK, delta_cuda.WARPS = default
+            row["triton_compare_torch_gaps"] = fused_compare_torch_gaps(news, bases, args.reps)
             rows.append(row)
             for key in [k for k in row if k.startswith("triton_")]:
-                print(f"  {key}: " + ", ".join(f"{k} {row[key][k]['gb_per_s']:.1f} GB/s" for k in PASSES), flush=True)
+                rates = ", ".join(f"{k} {row[key][k]['gb_per_s']:.1f} GB/s" for k in PASSES if k in row[key])
+                print(f"  {key}: {rates}; payload {row[key]['payload_ratio']:.4f}x", flush=True)
             t, f = row["torch"], row["triton"]
             print(
                 f"{model} {row['bytes'] / 1e9:.2f} GB, {density:.0%} changed: "
