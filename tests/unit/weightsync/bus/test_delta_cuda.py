@@ -236,3 +236,17 @@ def test_the_trainers_delta_stream_on_the_fused_path(fused, monkeypatch):
             n = copy.numel()
             assert from_sums(applied.sums, copy[n - n % 4 :], n) == csum
         s.finish(True)
+
+
+def test_torch_runs_where_triton_is_missing_or_the_buffer_is_off_the_gpu(monkeypatch):
+    """No triton needed: which codec delta.py picks. The torch path is what every other delta test runs."""
+    from types import SimpleNamespace
+
+    from weightsync.bus import delta_cuda
+
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(delta_cuda, "available", lambda: False)  # a CUDA build without triton, or no GPU
+    assert delta._fused(gpu) is None
+    monkeypatch.setattr(delta_cuda, "available", lambda: True)
+    assert delta._fused(gpu) is delta_cuda
+    assert delta._fused(torch.zeros(4, dtype=torch.uint8)) is None  # CPU buffers: torch, triton or not
