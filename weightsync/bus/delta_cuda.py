@@ -8,11 +8,14 @@ on an H100, docs/BENCHMARKS.md); these kernels read each buffer once:
 - `encode`: one host read, the total count (the payload's size; the trainer reads it anyway to
   know whether the bucket changed); then per block, from the bitmap alone, its bytes into the
   payload and the changed words compacted at the block's offset (an exclusive cumsum of the counts).
-- `apply_bitmap` (delta.apply_delta read the header): a popcount per block of the payload's bitmap and one host
-  read (its total against the header's entries, and no bit past the bucket's end: refused before
-  any write, as the torch path does); then per block the new words scattered into the base, their
-  positions (Applied.positions) and, given the base's sums, the change of the sums from the 32-bit
-  words that hold a written word (only those are read back).
+  Not a payload allocated at its bound (the bucket's size) to skip that read: the framed nccl sender
+  needs the length on the host to frame it (nccl/framed.py), and each payload in flight would hold
+  a bucket's worth of memory.
+- `apply_bitmap` (delta.apply_delta read the header: one host read): a popcount per block of the
+  payload's bitmap and one host read (its total against the header's entries, and no bit past the
+  bucket's end: refused before any write, as the torch path does); then per block the new words
+  scattered into the base, their positions (Applied.positions) and, given the base's sums, the
+  change of the sums from the 32-bit words that hold a written word (only those are read back).
 Traffic: the compare reads 2 bytes per bucket byte; the rest reads the bitmap (1/16 of a bf16
 bucket) and the sectors holding changed words.
 
@@ -22,8 +25,8 @@ gaps' widths and fillers. On the wire, at 1 / 2 / 3 % of bf16 words changed, a b
 8.3 / 9.3 % of the bucket's bytes and one-byte gaps about 1.5 / 3.0 / 4.5 %: ~0.05 GB more per GB
 of bucket. The torch encode that gaps take costs 86 ms per GB on an H100 (docs/BENCHMARKS.md), so
 the bitmap at kernel speed is through sooner on any link above ~0.7 GB/s (6 Gb/s; ~1.1 GB/s where
-the torch encode would overlap the sends). A CUDA-resident base exists only on the nccl path (tcp keeps it in host
-memory): links from tens of Gb/s up. Measured by bench/bench_delta_gpu_codec.py.
+the torch encode would overlap the sends). A CUDA-resident base exists only on the nccl path (tcp
+keeps it in host memory): links from tens of Gb/s up. bench/bench_delta_gpu_codec.py measures both.
 Triton ships with CUDA builds of torch only: delta.py falls back to torch when `available()` is false.
 """
 
