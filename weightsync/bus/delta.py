@@ -8,30 +8,43 @@ smallest for the bucket; a gap too large for its width is bridged by filler posi
 the unchanged word (cheaper than a wider width when such gaps are rare). `encode` returns None
 where the delta would not be smaller than the dense bucket: that bucket goes dense.
 
-Payload (little-endian): u8 kind (0 bitmap, 1 gaps) | u8 word bytes | u8 gap bytes | u8 0 |
-u32 0 | u64 entries | positions | entries x word bytes of new words.
+The payload's layout: delta_format.py.
 
-Everything is batched torch ops on the buffers' device (CPU or GPU). The receiver checks the
+Everything is batched torch ops on the buffers' device (CPU or GPU), except on a CUDA GPU with
+Triton: there fused kernels (delta_cuda.py) compare, encode and apply, and always encode a bitmap
+(where smaller than the bucket; delta_cuda.py gives the wire cost and why). The receiver checks the
 RESULT against the sender's checksum of the dense bucket, so a wrong base or a damaged payload
 fails the sync; `apply_delta` itself only refuses payloads that would write out of bounds.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync.bus.checksum import word_sums
+from weightsync.bus.delta_format import (
+    BITMAP,
+    GAP_DTYPES,
+    GAPS,
+    HEADER_BYTES,
+    WORD_DTYPES,
+    Applied,
+    check_length,
+    empty_payload,
+    header,
+    read_header,
+    words_of,
+)
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
 
-_HDR = struct.Struct("<BBBxIQ")
-BITMAP, GAPS = 0, 1
-_WORD = {1: torch.uint8, 2: torch.int16}
-_GAP = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+if TYPE_CHECKING:
+    from weightsync.bus import delta_cuda
+
 _BITS = None
 
 
@@ -42,8 +55,13 @@ def word_bytes(plan: BucketPlan) -> int:
     return 2
 
 
-def _words(buf: torch.Tensor, word: int) -> torch.Tensor:
-    return buf.view(_WORD[word])
+def _fused(buf: torch.Tensor):
+    """delta_cuda where `buf` is on a CUDA GPU and Triton is there, else None (torch ops)."""
+    if buf.device.type != "cuda":
+        return None
+    from weightsync.bus import delta_cuda  # lazy: triton comes only with CUDA builds of torch
+
+    return delta_cuda if delta_cuda.available() else None
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -128,19 +146,22 @@ _STEP_BYTES = 16 << 20
 _STEP_ENTRIES = 1 << 21
 
 
-def diff(new: torch.Tensor, base: torch.Tensor, word: int) -> Diff:
+def diff(new: torch.Tensor, base: torch.Tensor, word: int) -> Diff | delta_cuda.FusedDiff:
     """The words in which flat uint8 `new` and `base` differ. Compared 8 bytes at a time (a quarter
     of the elements for bf16: the pass over the whole bucket is the cost), then word by word within
     the blocks that differ only (~8 % of them at 2 % changed bf16 values); on the CPU in 16 MiB steps."""
     nbytes = new.numel()
     if base.numel() != nbytes or nbytes % word:
         raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
+    fused = _fused(new)
+    if fused is not None and base.device == new.device:
+        return fused.diff(new, base, word)
     size = word
     for b in (8, 4):
         if b > word and not (nbytes % b or new.storage_offset() % b or base.storage_offset() % b):
             size = b
             break
-    dt = _BLOCK.get(size, _WORD[word])
+    dt = _BLOCK.get(size, WORD_DTYPES[word])
     nb, bb = new.view(dt), base.view(dt)
     step = _STEP_BYTES // size if new.device.type == "cpu" else max(nb.numel(), 1)
     return Diff(
@@ -159,9 +180,9 @@ def _diff_blocks(nb: torch.Tensor, bb: torch.Tensor, first: int, size: int, word
         return blocks, new_blocks, blocks, new_blocks, old_blocks
     # which words of each differing block differ: the nonzero words of their XOR
     per = size // word  # 2, 4 or 8: shifts and masks, not divisions
-    j = _nonzero((new_blocks ^ old_blocks).view(_WORD[word]))
+    j = _nonzero((new_blocks ^ old_blocks).view(WORD_DTYPES[word]))
     idx = blocks.index_select(0, j >> (per.bit_length() - 1)).mul_(per).add_(j & (per - 1))
-    return idx, new_blocks.view(_WORD[word]).index_select(0, j), blocks, new_blocks, old_blocks
+    return idx, new_blocks.view(WORD_DTYPES[word]).index_select(0, j), blocks, new_blocks, old_blocks
 
 
 def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Tensor:
@@ -201,42 +222,50 @@ def _with_fillers(gaps: torch.Tensor, idx: torch.Tensor, nw: torch.Tensor, value
     return out, words
 
 
-def encode(new: torch.Tensor, base: torch.Tensor, word: int, d: Diff | torch.Tensor | None = None):
+def encode(new: torch.Tensor, base: torch.Tensor, word: int, d=None, kind: int | None = None):
     """The delta from `base` to `new` (flat uint8 buffers of one size) as a uint8 payload on their
     device, or None when it is not smaller than `new`. `d`: diff(new, base, word) (or only its
-    positions, changed_words'), if known. Encoded part by part into the one payload buffer."""
+    positions, changed_words'), if known. `kind`: None for the smaller of bitmap and gaps, BITMAP
+    for the bitmap wherever it is smaller than `new` — what the fused codec on a CUDA GPU always
+    emits (delta_cuda.py), byte for byte. Encoded part by part into the one payload buffer."""
     nbytes = new.numel()
     if base.numel() != nbytes or nbytes % word:
         raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
-    nw = _words(new, word)
+    if kind not in (None, BITMAP):
+        raise ValueError(f"delta: kind={kind} must be None (the smaller) or BITMAP ({BITMAP})")
+    fused = _fused(new)
+    if fused is not None and base.device == new.device and (d is None or isinstance(d, fused.FusedDiff)):
+        return fused.encode(new, d if d is not None else fused.diff(new, base, word))
+    nw = words_of(new, word)
     if d is None:
         d = diff(new, base, word)
     parts = [(p[0], p[1]) for p in d.parts] if isinstance(d, Diff) else [(d, nw.index_select(0, d))]
     parts = [p for p in parts if p[0].numel()]
     n, nwords, dev = sum(p[0].numel() for p in parts), nbytes // word, new.device
     if n == 0:
-        return torch.frombuffer(bytearray(_HDR.pack(GAPS, word, 1, 0, 0)), dtype=torch.uint8).to(dev)
-    gaps, prev = [], -1
-    for idx, _ in parts:  # position = previous + gap, from -1
-        gaps.append(torch.diff(idx, prepend=idx.new_full((1,), prev)))
-        prev = int(idx[-1])
-    # one host read per part: the widths' filler counts need a pass only where a gap is large
-    gmax = [int(g.max()) for g in gaps]
-    fillers = {w: sum(_fillers(g, m, w) for g, m in zip(gaps, gmax)) for w in (1, 2, 4)}
+        return empty_payload(word, dev)
     bitmap_cost = (nwords + 7) // 8 + n * word
-    width, cost = min(((w, (n + fillers[w]) * (w + word)) for w in (1, 2, 4)), key=lambda wc: wc[1])
-    if min(bitmap_cost, cost) + _HDR.size >= nbytes:
+    gaps, gmax, fillers, width, cost = [], [], {}, 0, bitmap_cost + 1
+    if kind is None:
+        prev = -1
+        for idx, _ in parts:  # position = previous + gap, from -1
+            gaps.append(torch.diff(idx, prepend=idx.new_full((1,), prev)))
+            prev = int(idx[-1])
+        # one host read per part: the widths' filler counts need a pass only where a gap is large
+        gmax = [int(g.max()) for g in gaps]
+        fillers = {w: sum(_fillers(g, m, w) for g, m in zip(gaps, gmax)) for w in (1, 2, 4)}
+        width, cost = min(((w, (n + fillers[w]) * (w + word)) for w in (1, 2, 4)), key=lambda wc: wc[1])
+    if min(bitmap_cost, cost) + HEADER_BYTES >= nbytes:
         return None
     kind, entries = (BITMAP, n) if bitmap_cost <= cost else (GAPS, n + fillers[width])
     pos_bytes = (nwords + 7) // 8 if kind == BITMAP else entries * width
-    payload = torch.empty(_HDR.size + pos_bytes + entries * word, dtype=torch.uint8, device=dev)
-    head = torch.frombuffer(bytearray(_HDR.pack(kind, word, width, 0, entries)), dtype=torch.uint8)
-    payload[: _HDR.size].copy_(head)
-    positions, words = payload[_HDR.size : _HDR.size + pos_bytes], payload[_HDR.size + pos_bytes :]
+    payload = torch.empty(HEADER_BYTES + pos_bytes + entries * word, dtype=torch.uint8, device=dev)
+    payload[:HEADER_BYTES].copy_(header(kind, word, width if kind == GAPS else 0, entries))
+    positions, words = payload[HEADER_BYTES : HEADER_BYTES + pos_bytes], payload[HEADER_BYTES + pos_bytes :]
     if kind == BITMAP:
         positions.zero_()
     limit, at_pos, at_val = (1 << (8 * width)) - 1, 0, 0
-    for (idx, values), g, m in zip(parts, gaps, gmax):
+    for i, (idx, values) in enumerate(parts):
         if kind == BITMAP:
             # positions are distinct, so adding each one's bit into its byte sets it; a part's
             # positions span a few bytes of the bitmap only
@@ -245,10 +274,11 @@ def encode(new: torch.Tensor, base: torch.Tensor, word: int, d: Diff | torch.Ten
             bits.index_add_(0, (idx >> 3) - lo, torch.bitwise_left_shift(torch.ones_like(idx), idx & 7))
             positions[lo:hi] += bits.to(torch.uint8)  # parts end on whole bitmap bytes: no byte is shared
         else:
-            if m > limit:
+            g = gaps[i]
+            if gmax[i] > limit:
                 g, values = _with_fillers(g, idx, nw, values, limit)
             # two's complement: the low bytes of each gap, read back unsigned
-            raw = g.to(_GAP[width]).view(torch.uint8) if width > 1 else g.to(torch.uint8)
+            raw = g.to(GAP_DTYPES[width]).view(torch.uint8) if width > 1 else g.to(torch.uint8)
             positions[at_pos : at_pos + raw.numel()].copy_(raw)
             at_pos += raw.numel()
         vb = values.view(torch.uint8)
@@ -261,28 +291,21 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | 
     """Write the delta in `payload` onto `base` (flat uint8, modified in place): the sorted positions
     of the words written and, given `sums` (checksum.word_sums of `base`'s whole 32-bit words
     before), those of the result, from the words written alone: each step's old and new 32-bit
-    words that hold a written word (a word two steps share is counted in both: the changes add up)."""
-    if payload.numel() < _HDR.size:
-        raise TransportError(f"delta payload of {payload.numel()} bytes is shorter than its header")
-    kind, word, width, _, entries = _HDR.unpack(bytes(payload[: _HDR.size].cpu().numpy()))
-    if word not in _WORD or base.numel() % word or (kind == GAPS and width not in _GAP) or kind not in (0, 1):
-        raise TransportError(
-            f"delta header kind={kind} word={word} gap={width} does not fit a {base.numel()}-byte bucket"
-        )
+    words that hold a written word (a word two steps share is counted in both: the changes add up).
+    On a CUDA GPU with Triton a bitmap payload goes through the fused kernels (delta_cuda.py)."""
+    kind, word, width, entries = read_header(payload, base)
     nwords = base.numel() // word
-    body = payload[_HDR.size :].to(base.device)
-    pos_bytes = (nwords + 7) // 8 if kind == BITMAP else entries * width
-    if body.numel() != pos_bytes + entries * word:
-        raise TransportError(
-            f"delta payload has {body.numel()} bytes after its header; {entries} entries need "
-            f"{pos_bytes + entries * word}"
-        )
+    pos_bytes = check_length(payload, kind, word, width, entries, nwords)
+    fused = _fused(base)
+    if fused is not None and kind == BITMAP:
+        return fused.apply_bitmap(payload, base, word, entries, sums)
+    body = payload[HEADER_BYTES:].to(base.device)
     # clones: a view as wider words needs an aligned start, which a payload's sections need not have
     raw = body[:pos_bytes].clone()
-    values = body[pos_bytes:].clone().view(_WORD[word])
+    values = body[pos_bytes:].clone().view(WORD_DTYPES[word])
     # checked in full before anything is written; then written step by step (small temporaries)
     steps = _bitmap_steps(raw, nwords, entries, base.device) if kind == BITMAP else _gap_steps(raw, width, nwords)
-    words, done, written = _words(base, word), 0, []
+    words, done, written = words_of(base, word), 0, []
     ints = base[: base.numel() - base.numel() % 4].view(torch.int32) if sums is not None else None
     if sums is not None:
         sums = sums.clone()
@@ -297,16 +320,6 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | 
         written.append(pos)
     empty = torch.empty(0, dtype=torch.int64, device=base.device)
     return Applied(word, _cat(written) if written else empty, sums)
-
-
-@dataclass
-class Applied:
-    """What apply_delta wrote: the written words' sorted positions (`word` bytes each) and, if it
-    was given the base's word sums, the result's."""
-
-    word: int
-    positions: torch.Tensor
-    sums: torch.Tensor | None
 
 
 def _int_words(pos: torch.Tensor, word: int, n: int) -> torch.Tensor:
@@ -334,7 +347,7 @@ def _bitmap_steps(raw: torch.Tensor, nwords: int, entries: int, device: torch.de
 
 
 def _gap_steps(raw: torch.Tensor, width: int, nwords: int):
-    stored = raw.view(_GAP[width])
+    stored = raw.view(GAP_DTYPES[width])
     mask = (1 << (8 * width)) - 1
 
     def gaps(s: int) -> torch.Tensor:

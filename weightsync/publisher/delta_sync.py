@@ -24,8 +24,10 @@ ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a de
 HBM passes — compare, read the base, write it back — than it saves) and for nccl: measured on an
 H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (docs/BENCHMARKS.md,
 "Delta over NCCL"), so a delta sync takes longer than a full one on any NCCL link from ~90 Gb/s up
-(NVLink within a host; 100-400 Gb/s between hosts). `delta` forces it on nccl (a slower link between
-hosts), and is refused on ipc. A multi-sender nccl stream goes in full. On nccl the trainer's base is
+(NVLink within a host; 100-400 Gb/s between hosts). That was the torch codec; with Triton the GPU
+runs fused kernels (weightsync/bus/delta_cuda.py) that are not measured yet
+(bench/bench_delta_gpu_codec.py): the rule stays until they are. `delta` forces it on nccl (a slower
+link between hosts), and is refused on ipc. A multi-sender nccl stream goes in full. On nccl the trainer's base is
 kept where it exports (its GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
 With several senders (multisender.py)
 each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share

@@ -1,0 +1,59 @@
+"""The fused delta kernels (delta_kernels.py) compile for an H100 (sm_90) down to a cubin, at delta_cuda's
+block size and warps, on a machine without a GPU: Triton's interpreter, which test_delta_cuda.py runs them
+through, accepts code the compiler refuses. Skipped where triton is not installed (CI); run in a subprocess
+with a fresh cache, so it compiles."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+
+SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from weightsync.bus import delta_cuda, delta_kernels as k
+
+target = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, signature, constexprs):
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    constexprs = {**constexprs, "BLOCK": delta_cuda.BLOCK}
+    signature["BLOCK"] = "constexpr"
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                            options={"num_warps": delta_cuda.WARPS})
+    assert "cubin" in kernel.asm, sorted(kernel.asm)
+
+
+for word, w in ((1, "*u8"), (2, "*i16")):
+    build(k.compare, {"new_ptr": w, "base_ptr": w, "bitmap_ptr": "*u8", "counts_ptr": "*i64", "sums_ptr": "*i64",
+                      "n_words": "i64", "n_whole32": "i64", "bitmap_bytes": "i64"}, {"WORD": word})
+    build(k.compact, {"new_ptr": w, "bitmap_ptr": "*u8", "offsets_ptr": "*i64", "payload_ptr": "*u8",
+                      "bitmap_bytes": "i64"}, {"HDR": 16, "WORD": word})
+    build(k.write_changed, {"new_ptr": w, "bitmap_ptr": "*u8", "base_ptr": w, "bitmap_bytes": "i64"}, {})
+    for sums in (True, False):
+        build(k.scatter, {"bitmap_ptr": "*u8", "offsets_ptr": "*i64", "base_ptr": w, "pos_ptr": "*i64",
+                          "sums_ptr": "*i64", "bitmap_bytes": "i64", "n_whole32": "i64"}, {"WORD": word, "SUMS": sums})
+build(k.popcount, {"bitmap_ptr": "*u8", "counts_ptr": "*i64", "bitmap_bytes": "i64"}, {})
+print("compiled")
+"""
+
+
+def test_the_fused_delta_kernels_compile_for_sm90(tmp_path):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (CI)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT)
+    )
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-6000:]
