@@ -18,18 +18,7 @@ export WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-420}
 PYTEST=(python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" tests/gpu/test_trainer_writes_gpu.py)
-# the logs go into one file whatever stops the script (a step's timeout, the call's own limit)
-pack() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs $(ls -d /tmp/bench_services-* 2>/dev/null) 2>/dev/null \
-         && rm -rf "$LOGS"; echo "== $(date -u +%H:%M:%S) logs in $OUT/logs.tar.gz (${SECONDS}s)"; }
-trap pack EXIT
-# step SECONDS NAME CMD...: CMD bounded by SECONDS and by what is left of LIMIT (5 s kept for `pack`)
-step() { local t=$1 name=$2; shift 2; local left=$((LIMIT - SECONDS - 5))
-         if [ "$left" -lt 20 ]; then echo "== skipped (time): $name" | tee -a "$LOGS/summary.txt"; return; fi
-         [ "$t" -gt "$left" ] && t=$left
-         echo "== $(date -u +%H:%M:%S) ${t}s: $name: $*" | tee -a "$LOGS/summary.txt"
-         timeout "$t" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
-         echo "== $name: exit $rc after $((SECONDS))s total" | tee -a "$LOGS/summary.txt"; }
-show() { grep -v -i warn "$LOGS/$1.log" | tail -"$2"; }
+. "$(dirname "$0")/gpu_steps.sh"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "code: ${CODE:-(set CODE=<commit>)}"; } \
   | tee "$LOGS/gpus.txt"
 

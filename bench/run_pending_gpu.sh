@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU measurements that the open work waits for, in three device calls (each <= LIMIT s, default 560);
+# output under $OUT: result JSONs, and every step's whole log in $OUT/logs.tar.gz (kept whatever stops the call).
+#
+#   PART=a bash bench/run_pending_gpu.sh   # one GPU: the GPU tests of the new kernels (trainer writes, fused FP8
+#                                          # slots, fused delta codec, token streaming), then megatron 7B and 1.5B
+#                                          # colocated IPC with both directions alternating in the same services,
+#                                          # then the delta codec's torch-vs-Triton rates
+#   PART=b bash bench/run_pending_gpu.sh   # one GPU: megatron 7B and 1.5B, bf16 and fp8-block in the same run
+#                                          # (the fused FP8 path: its stream.export should be ~0), then hf 7B
+#                                          # trainer_writes
+#   PART=c bash bench/run_pending_gpu.sh   # two GPUs: full vs delta over NCCL at 1.5B (plain, then with P2P and
+#                                          # SHM off: a slower link), then the NCCL delta GPU tests
+#
+# Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
+# The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
+# (docs/BENCHMARKS.md) and are installed into /tmp/site here.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
+OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
+LIMIT=${LIMIT:-560}
+PART=${PART:?set PART to a, b or c}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl/ failed" >&2; exit 2; }
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+. "$(dirname "$0")/gpu_steps.sh"
+PYTEST=(python3 -m pytest -v -s -m gpu -p no:cacheprovider -o addopts="")
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log --oneline -1 2>/dev/null; } \
+  | tee "$LOGS/gpus.txt"
+day=$(date -u +%F)
+
+case "$PART" in
+  a) step 170 gpu_tests "${PYTEST[@]}" tests/gpu/test_trainer_writes_gpu.py tests/gpu/test_fp8_slots_gpu.py \
+       tests/gpu/test_delta_gpu_codec.py tests/gpu/test_stream_gpu.py
+     show gpu_tests 25
+     step 250 services_megatron python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+       --ipc-direction trainer_writes,rollout_reads --reps 10 --out "$OUT/results_services_ipc_megatron_$day.json"
+     show services_megatron 14
+     step 150 delta_codec python3 bench/bench_delta_gpu_codec.py --configs 2048x16,4096x16,4096x8,1024x8 \
+       --out "$OUT/results_delta_gpu_codec_$day.json"
+     show delta_codec 30 ;;
+  b) step 330 services_fp8 python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+       --export-dtypes bfloat16,fp8-block --reps 10 --out "$OUT/results_services_ipc_fp8_megatron_$day.json"
+     show services_fp8 20
+     step 200 services_hf python3 bench/bench_services.py --models 7b --transport ipc --backend hf \
+       --ipc-direction trainer_writes --reps 10 --out "$OUT/results_services_ipc_hf_$day.json"
+     show services_hf 8 ;;
+  c) step 200 delta_nccl python3 bench/bench_delta_nccl.py --shape 1.5b --reps 3 \
+       --out "$OUT/results_delta_nccl_1.5b_$day.json"
+     show delta_nccl 20
+     step 200 delta_nccl_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py --shape 1.5b \
+       --reps 3 --out "$OUT/results_delta_nccl_1.5b_noP2P_$day.json"
+     show delta_nccl_slow 20
+     step 150 gpu_tests_nccl_delta "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py
+     show gpu_tests_nccl_delta 15 ;;
+  *) echo "PART=$PART: must be a, b or c" >&2; exit 2 ;;
+esac
+echo "== total ${SECONDS}s"
