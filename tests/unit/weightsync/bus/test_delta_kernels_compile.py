@@ -5,15 +5,7 @@ with a fresh cache, so it compiles."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[4]
+from tests.support.triton_compile import compile_for_sm90
 
 SCRIPT = """
 import triton
@@ -49,11 +41,4 @@ print("compiled")
 
 
 def test_the_fused_delta_kernels_compile_for_sm90(tmp_path):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (CI)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT)
-    )
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-6000:]
+    compile_for_sm90(SCRIPT, tmp_path / "cache")
