@@ -5,7 +5,7 @@ with a fresh cache, so it compiles."""
 
 from __future__ import annotations
 
-from tests.support.triton_compile import compile_for_sm90
+from tests.support.triton_cpu import compile_for_sm90
 
 SCRIPT = """
 import triton

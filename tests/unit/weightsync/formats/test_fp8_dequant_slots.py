@@ -7,16 +7,12 @@ kernel through Triton's interpreter in a subprocess where triton is installed (a
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.triton_cpu import rerun_under_interpreter
 from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.pack import pack_bucket
@@ -27,7 +23,6 @@ from weightsync.formats.fp8_import import Dequantizer
 from weightsync.formats.fp8_spec import BLOCK_FP8, FP8_DTYPE
 
 KERNEL_ENV = "FP8_DEQUANT_SLOTS_KERNEL"
-ROOT = Path(__file__).resolve().parents[4]
 TENSORS = [
     ("model.embed_tokens.weight", (50, 64)),
     ("model.layers.0.input_layernorm.weight", (129,)),  # 258 bytes: ends mid-word
@@ -47,21 +42,9 @@ def use_kernel():
     return os.environ.get(KERNEL_ENV) == "1"
 
 
-def test_the_kernel_gives_the_same_parameters(tmp_path):
+def test_the_kernel_gives_the_same_parameters():
     """Every other test of this file again, with the Triton kernel run by Triton's interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (CI): the torch path is what runs here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", KERNEL_ENV: "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not the_kernel_gives"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b(\d+) passed", proc.stdout) and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    rerun_under_interpreter(__file__, "the_kernel_gives", KERNEL_ENV)
 
 
 def _sync(bucket_bytes: int, seed: int):

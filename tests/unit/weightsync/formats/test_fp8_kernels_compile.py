@@ -5,7 +5,7 @@ Skipped where triton is not installed (CI); run in a subprocess with a fresh cac
 
 from __future__ import annotations
 
-from tests.support.triton_compile import compile_for_sm90
+from tests.support.triton_cpu import compile_for_sm90
 
 SCRIPT = """
 import triton

@@ -7,24 +7,19 @@ triton is installed (tests/gpu/test_fp8_slots_gpu.py runs it compiled)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
 from weightsync.formats import fp8, fp8_slots
 from weightsync.model_spec import Dims
 
 POISON = 0xAB
 KERNEL_ENV = "FP8_SLOTS_KERNEL"
-ROOT = Path(__file__).resolve().parents[4]
 SHAPES = [(1, 1), (1, 5), (7, 200), (129, 257), (300, 128), (128, 128), (1000, 3), (3, 130, 140), (2, 1, 129)]
 
 
@@ -86,21 +81,9 @@ def use_kernel():
     return os.environ.get(KERNEL_ENV) == "1"
 
 
-def test_the_kernel_writes_the_same_bytes(tmp_path):
+def test_the_kernel_writes_the_same_bytes():
     """Every other test of this file again, with the Triton kernel run by Triton's interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (CI): the torch path is what runs here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", KERNEL_ENV: "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not the_kernel_writes"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\b(\d+) passed", proc.stdout) and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    rerun_under_interpreter(__file__, "the_kernel_writes", KERNEL_ENV)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
