@@ -100,11 +100,15 @@ def test_one_choice_stops_early_the_other_runs_to_length(rollout, stream):
     body = {"prompt": PROMPT, "max_tokens": MAX, "temperature": 1.0, "seed": 8, "n": 2, "logprobs": 0}
     full, full_usage, full_steps = _ask(app, body, stream)
     stop = _early_stop(full[0][2], [full[1][2]])
+    decoded = app.servicer.rollout_metrics.completion_tokens.labels("rollout", "http_completions")
+    before = decoded._value.get()
     got, usage, steps = _ask(app, {**body, "stop": [stop]}, stream)
     assert got == {0: _cut(hf, full[0], [stop]), 1: full[1]}
     assert got[0][3] == "stop" and len(got[0][0]) < len(full[0][0])
     assert usage["completion_tokens"] == len(got[0][0]) + len(full[1][0])
     assert steps == full_steps  # the other choice still decodes to its end
+    # the engine decoded choice 0 no further than the token that completed its stop string
+    assert decoded._value.get() - before == len(got[0][0]) + len(full[1][0])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -129,16 +133,16 @@ def test_a_stalled_reader_lets_other_requests_run(rollout):
     app, _ = rollout
     loop = asyncio.new_event_loop()
     ch = Channel(loop, capacity=1, stall_s=HOLD_S)
-    lent = threading.Event()
+    emitted = threading.Semaphore(0)  # released at each decode step's emit, before its put
     failure: list[SyncError] = []
 
     def started(version, lend):
-        def lending(ready, timeout):
-            lent.set()
-            return lend(ready, timeout)
-
-        ch.lend = lending
+        ch.lend = lend
         ch.put(Started(version))  # the channel's only room
+
+    def emit(pi, toks):
+        emitted.release()
+        ch.put(toks)  # no room: waits for the reader
 
     def stalled():
         try:
@@ -147,7 +151,7 @@ def test_a_stalled_reader_lets_other_requests_run(rollout):
                 SamplingParams(max_new_tokens=MAX),
                 "stalled-reader",
                 is_active=lambda: not ch.closed.is_set(),
-                emit=lambda pi, toks: ch.put(toks),
+                emit=emit,
                 on_start=started,
             )
         except SyncError as exc:
@@ -156,14 +160,15 @@ def test_a_stalled_reader_lets_other_requests_run(rollout):
     producer = threading.Thread(target=stalled, daemon=True)
     producer.start()
     try:
-        assert lent.wait(HOLD_S), "the stalled request never waited for room"
+        assert emitted.acquire(timeout=HOLD_S), "the stalled request never emitted"
+        # its first tokens wait for room (HOLD_S at most); the engine is another request's meanwhile
         results, _ = app.servicer.generate([[4, 5, 6]], SamplingParams(max_new_tokens=4), "other")
         assert len(results[0].token_ids) == 4
         assert producer.is_alive() and not ch.closed.is_set() and not failure  # it waited, not cancelled
-        # room again: the stalled request takes a turn, decodes its next step, and waits again
-        lent.clear()
+        assert not emitted.acquire(blocking=False)  # and decoded nothing further without room
+        # room again: the stalled request takes a turn, puts its tokens and decodes its next step
         assert loop.run_until_complete(ch.get(HOLD_S))
-        assert lent.wait(HOLD_S), "the request did not go on once there was room"
+        assert emitted.acquire(timeout=HOLD_S), "the request did not go on once there was room"
     finally:
         ch.closed.set()  # the reader goes: the request stops within a poll
         producer.join(HOLD_S)
