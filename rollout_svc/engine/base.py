@@ -111,7 +111,8 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
         """`step` is given only to an engine that yields_between_steps or stops_on_cancel, `emit`
-        (a keyword: `emit=`) only to one that streams_tokens; the results are the same either way."""
+        (a keyword: `emit=`) only to one that streams_tokens; the results are the same either way,
+        but for the samples emit ends (Emit): they end at the token it saw last."""
 
     @abstractmethod
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
