@@ -12,6 +12,7 @@ import grpc
 
 from rollout_svc.engine.base import Emit, SamplingParams
 from rollout_svc.limits import Admission, LimitsConfig, ManifestLimits, RequestRefused, check_generate
+from rollout_svc.sync.engine_gate import Lend, no_lend
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
 from weightsync.bus.errors import SyncError
@@ -161,7 +162,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         client: str,
         is_active=None,
         emit: Emit | None = None,
-        on_version: Callable[[int], None] | None = None,
+        on_start: Callable[[int, Lend], None] | None = None,
     ):
         """(results, version) of one generation request: gRPC Generate and HTTP /v1/completions share
         the budget, the validation, fair admission per `client`, the engine run and the metrics.
@@ -170,18 +171,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         tens of ms while the engine runs the request (SGLang: `stops_on_cancel`); once it says False
         the request stops with CANCELLED and the engine is free for the next one.
 
-        Streaming: `on_version(version)` is called once the engine admitted the request (version
-        pinned, not STALE), before its first step, with the version every token will come from;
-        `emit` gets each step's tokens (base.Emit) where the engine `streams_tokens`, else nothing
-        (the caller sends the results at the end)."""
+        Streaming: `on_start(version, lend)` is called once the engine admitted the request (version
+        pinned, not STALE), before its first step, with the version every token will come from and
+        the request's engine_gate.Lend: `emit`, when it must wait (a stream reader with no room),
+        waits through `lend` so that other requests take turns meanwhile. `emit` gets each step's
+        tokens where the engine `streams_tokens`, else nothing (the caller sends the results at the
+        end); the samples it returns as finished (a stop string) are decoded no further (base.Emit)."""
         active = is_active if is_active is not None else (lambda: True)
 
         def run(eng, turn):
-            if on_version is not None:
-                # under serve_turns' pin no sync can change the version until this request ends
-                on_version(self.tx.version)
-            kw = {"emit": emit} if emit is not None and eng.streams_tokens else {}
             takes_turns = eng.yields_between_steps
+            if on_start is not None:
+                # under serve_turns' pin no sync can change the version until this request ends
+                on_start(self.tx.version, turn.lend if takes_turns else no_lend)
+            kw = {"emit": emit} if emit is not None and eng.streams_tokens else {}
             if not takes_turns and not eng.stops_on_cancel:
                 return eng.generate(prompts, sampling, **kw)
 

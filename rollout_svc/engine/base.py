@@ -64,9 +64,16 @@ class TokenOut(NamedTuple):
     finish_reason: str | None  # on the sample's last token: its SampleResult.finish_reason; else None
 
 
-#: emit(prompt_index, tokens): the tokens one decode step added to one prompt's samples. It runs on the
-#: engine's thread between steps and may raise to stop the request (its consumer is gone or stalled).
-Emit = Callable[[int, list[TokenOut]], None]
+#: emit(prompt_index, tokens) -> finished: the tokens one decode step added to one prompt's samples. It
+#: runs on the engine's thread between steps and may raise to stop the request (its consumer is gone or
+#: stalled). It returns the samples (their index among the prompt's n) it has seen enough of, or None: a
+#: stop string completed in their text. The engine decodes no more of those: each ends with the token
+#: just emitted (its TokenOut said finish_reason None; the caller knows why it ended), with
+#: finish_reason "stop", and the prompt's decoding stops once all of its samples are done. The other
+#: samples get exactly the tokens they would have got (the batch is still sampled row by row), and the
+#: caller cuts the text at the stop string as it would the whole answer (openai_api/text.py), so only
+#: the tokens after a stop string are saved, never changed.
+Emit = Callable[[int, list[TokenOut]], Iterable[int] | None]
 
 
 class Engine(ABC):
@@ -85,7 +92,8 @@ class Engine(ABC):
     #: without turns (the engine batches requests itself)
     stops_on_cancel: bool = False
     #: generate(..., emit=f) calls f with each decode step's tokens as they are sampled (token
-    #: streaming); an engine without it answers whole, and a stream of it is sent at its end
+    #: streaming) and stops the samples f says are finished (Emit); an engine without it answers
+    #: whole, decoding each sample to a stop token or max_new_tokens, and a stream of it is sent at its end
     streams_tokens: bool = False
 
     @abstractmethod
@@ -103,7 +111,8 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
         """`step` is given only to an engine that yields_between_steps or stops_on_cancel, `emit`
-        (a keyword: `emit=`) only to one that streams_tokens; the results are the same either way."""
+        (a keyword: `emit=`) only to one that streams_tokens; the results are the same either way,
+        but for the samples emit ends (Emit): they end at the token it saw last."""
 
     @abstractmethod
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:

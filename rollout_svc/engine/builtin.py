@@ -218,7 +218,7 @@ class BuiltinEngine(Engine):
     ) -> list[SampleResult]:
         """`step()`, if given, runs before each prefill and decode step; raising there stops the
         request (its client went away) and frees the engine within one step. `emit`, if given, gets
-        each step's sampled tokens before the next step runs (base.Emit)."""
+        each step's sampled tokens before the next step runs, and the samples it returns end there (base.Emit)."""
         sampling.validate()
         for i, p in enumerate(prompts):
             self._check_ids(p, f"prompts[{i}]", sampling.max_new_tokens)
@@ -252,7 +252,9 @@ class BuiltinEngine(Engine):
                         last = done[r] or len(toks[r]) == sampling.max_new_tokens
                         emitted.append(TokenOut(r, t, p, reason[r] if last else None))
                 if emitted:
-                    emit(pi, emitted)
+                    for r in emit(pi, emitted) or ():  # a stop string completed: decode no more of it
+                        if not done[r]:
+                            done[r], reason[r] = True, "stop"
                 if all(done):
                     break
                 step()

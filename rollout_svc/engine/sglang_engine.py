@@ -262,6 +262,11 @@ class SglangEngine(SglangWeightsMixin, Engine):
     #: `streams_tokens` stays off: the adapter sends all (prompt, sample) requests in one batched,
     #: non-streaming `generate` call, so an OpenAI stream of SGLang is sent at the end of generation
     #: (openai_api/routes.py). Streaming through SGLang's `generate(stream=True)` is not wired yet.
+    #: Stop strings (OpenAI `stop`) therefore do not end a sample early here: SGLang decodes it to a
+    #: stop token or max_new_tokens and the OpenAI surface cuts the text after (openai_api/text.py),
+    #: the same answer as the built-in engine's early stop, with the tokens after the stop string
+    #: decoded for nothing. SGLang's own `stop` sampling param cannot be used: the engine runs with
+    #: skip_tokenizer_init (token ids in and out), and it matches strings with its own detokenizer.
     CANCEL_POLL_S = 0.05
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:

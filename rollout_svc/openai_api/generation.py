@@ -70,9 +70,13 @@ async def watch_disconnect(request: Request, gone: threading.Event) -> None:
         await anyio.sleep(0.1)
 
 
-async def generate(servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str):
+async def generate(
+    servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str, watch=None
+):
     """(results, weight version) of one request; the engine runs in a worker thread. `endpoint`
-    labels its latency and token metrics (weightsync.obs.metrics.ENDPOINTS)."""
+    labels its latency and token metrics (weightsync.obs.metrics.ENDPOINTS). `watch` (a
+    stop_watch.StopWatch, for a request with stop strings) is the engine's emit hook: a choice whose
+    text completed a stop string is decoded no further."""
     client = client_of(request)
     gone = threading.Event()  # the client disconnected: the generation stops at its next step
     stopping = request.app.state.stopping  # the service is shutting down
@@ -80,7 +84,7 @@ async def generate(servicer, request: Request, prompts: list[list[int]], samplin
     def run():
         with servicer.rollout_metrics.generation(endpoint) as done:
             results, version = servicer.generate(
-                prompts, sampling, client, is_active=lambda: not (gone.is_set() or stopping.is_set())
+                prompts, sampling, client, is_active=lambda: not (gone.is_set() or stopping.is_set()), emit=watch
             )
             done(sum(map(len, prompts)), sum(len(r.token_ids) for r in results))
             return results, version

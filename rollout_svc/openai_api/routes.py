@@ -12,7 +12,14 @@ stop string or of a character split across tokens is held back, and X-Weight-Ver
 the engine pinned for the request before its first step. The response starts once the first tokens
 (or the whole answer) exist, so a request refused or invalid before then is an ordinary HTTP error;
 a failure after that is a last `data: {"error": ...}` event, then `data: [DONE]`. A client that
-disconnects, or reads nothing for streaming.STALL_S, stops the generation at its next step.
+disconnects, or reads nothing for streaming.STALL_S, stops the generation at its next step; while a
+stream's reader has no room, other requests take turns on the engine.
+
+Stop strings: the answer is cut after the first token whose text holds one (text.py). On an engine
+that `streams_tokens` a choice is also decoded no further than that token, streamed or not
+(stop_watch.py): the answer is the same, fewer tokens are decoded, and a stream ends as soon as its
+last choice hits a stop string. An engine that does not stream (SGLang) decodes each choice to a stop
+token or max_tokens, and the answer is cut after.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from rollout_svc.openai_api.schemas import (
     ModelCard,
     ModelList,
 )
+from rollout_svc.openai_api.stop_watch import StopWatch
 from rollout_svc.openai_api.stream_answer import StreamAnswer
 from rollout_svc.openai_api.streaming import StreamRun
 from rollout_svc.openai_api.text import finish
@@ -122,7 +130,7 @@ class _Routes:
 
         def prepare():
             if stops:
-                tokenizer.require("stop", "stop strings", "use stop_token_ids")
+                tokenizer.require("stop", "stop strings", "use stop_token_ids")  # loads it: get() is quick
             p = body.prompt
             if isinstance(p, str) or (p and isinstance(p[0], str)):
                 texts = [p] if isinstance(p, str) else list(p)
@@ -142,8 +150,10 @@ class _Routes:
                 chunks = answers.CompletionChunks(h, decode, logprobs, echo)
                 return StreamAnswer(chunks, body.n, decode, stops, sum(map(len, prompts)), _usage_asked(body))
 
-            return await self._stream(request, prompts, sampling, "http_completions", "cmpl", streamed)
-        results, version = await generate(self.servicer, request, prompts, sampling, "http_completions")
+            watch = StopWatch(body.n, decode, stops) if stops else None
+            return await self._stream(request, prompts, sampling, "http_completions", "cmpl", streamed, watch)
+        watch = StopWatch(body.n, tokenizer.get().decode, stops) if stops else None
+        results, version = await generate(self.servicer, request, prompts, sampling, "http_completions", watch)
 
         def answer():
             tok = tokenizer.get()
@@ -158,9 +168,10 @@ class _Routes:
         response.headers["X-Weight-Version"] = str(version)
         return out
 
-    async def _stream(self, request: Request, prompts, sampling, endpoint: str, prefix: str, streamed):
-        """The SSE response of a streamed request; `streamed(head)` builds its StreamAnswer."""
-        run = StreamRun(self.servicer, request, prompts, sampling, endpoint)
+    async def _stream(self, request: Request, prompts, sampling, endpoint: str, prefix: str, streamed, watch):
+        """The SSE response of a streamed request; `streamed(head)` builds its StreamAnswer; `watch`
+        (stop strings) stops choices early."""
+        run = StreamRun(self.servicer, request, prompts, sampling, endpoint, watch)
         try:
             version, first = await run.opening()  # an error before the first token is raised here
         except BaseException:
@@ -227,14 +238,15 @@ class _Routes:
         def decode(ids):  # the message's text: the end-of-turn token is not part of it
             return tok.decode(ids, skip_special_tokens=True)
 
+        watch = StopWatch(body.n, decode, stops) if stops else None  # the engine's emit hook: stop early
         if body.stream:
 
             def streamed(h: answers.Head) -> StreamAnswer:
                 chunks = answers.ChatChunks(h, decode, body.logprobs)
                 return StreamAnswer(chunks, body.n, decode, stops, len(prompt), _usage_asked(body))
 
-            return await self._stream(request, [prompt], sampling, "http_chat_completions", "chatcmpl", streamed)
-        results, version = await generate(self.servicer, request, [prompt], sampling, "http_chat_completions")
+            return await self._stream(request, [prompt], sampling, "http_chat_completions", "chatcmpl", streamed, watch)
+        results, version = await generate(self.servicer, request, [prompt], sampling, "http_chat_completions", watch)
 
         def answer():
             samples = finish(results, decode, stops)

@@ -94,7 +94,7 @@ class StreamAnswer:
     def _tokens(self, e: Tokens, out: list[dict]) -> None:
         for tok in e.tokens:
             c = self._choice(e.prompt_index * self.n + tok.sample, e.prompt_index, out)
-            if c.closed:  # a stop string ended it; the engine decodes on until a stop token
+            if c.closed:  # a stop string ended it (an engine that ignores emit's answer decodes on)
                 continue
             self._add(c, tok.token_id, tok.logprob, out)
             if c.stopped or tok.finish_reason is not None:

@@ -1,10 +1,13 @@
 """Token streaming: the engine's thread hands each decode step's tokens to the event loop as it runs.
 
 The generation runs in its own thread through `RolloutServicer.generate` (budget, admission,
-engine gate, metrics) with `on_version` and `emit`; its events go through a bounded channel to the
+engine gate, metrics) with `on_start` and `emit`; its events go through a bounded channel to the
 response. The producer never waits long on a slow reader: while the channel is full it waits at
 most STALL_S for room, then the generation is cancelled, as when the client disconnects (either
-stops it at its next step and frees the engine). Every wait of the reader has a timeout too.
+stops it at its next step and frees the engine). It waits with the engine lent (engine_gate.Lend):
+other requests take turns meanwhile, so a stalled reader holds up only its own request. Every wait
+of the reader has a timeout too. With stop strings, the emit hook also tells the engine which
+choices a stop string ended (stop_watch.StopWatch), so it decodes no further than the answer needs.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import anyio
@@ -20,17 +22,18 @@ from fastapi import Request
 
 from rollout_svc.engine.base import SamplingParams, TokenOut
 from rollout_svc.openai_api.generation import api_error, client_of, watch_disconnect
+from rollout_svc.openai_api.stop_watch import StopWatch
+from rollout_svc.sync.engine_gate import no_lend
 from weightsync.bus.errors import SyncError
 from weightsync.http.errors import ApiError
 
 log = logging.getLogger(__name__)
 
 QUEUE_EVENTS = 1024  # events buffered for a reader that lags (one event = one decode step of one prompt)
-# A reader that makes no room for this long is gone: the generation stops. Short, because a producer
-# waiting here holds the engine between two steps: no other request gets a turn meanwhile.
+# A reader that makes no room for this long is gone: the generation stops (its pin, its admission
+# slot and its KV cache are held meanwhile, though other requests take turns on the engine).
 STALL_S = 5.0
 EVENT_WAIT_S = 600.0  # the longest wait for the next event (a request queued for the engine, then a step)
-_POLL_S = 0.1  # a producer waiting for room notices a disconnect this soon
 
 
 @dataclass
@@ -72,15 +75,26 @@ class Channel:
         self._loop, self._q, self.stall_s = loop, asyncio.Queue(), stall_s
         self._room = threading.Semaphore(capacity)
         self.closed = threading.Event()  # the reader is gone: the generation stops at its next step
+        # how the producer waits for room: its request's engine_gate.Lend once the engine started it
+        # (other requests take turns meanwhile), a plain wait until then
+        self.lend = no_lend
 
     def put(self, event) -> None:
         """From the engine's thread: raises (a CANCELLED SyncError, which stops the generation) once the
         reader is gone or has made no room for `stall_s`."""
-        deadline = time.monotonic() + self.stall_s
-        while not self._room.acquire(timeout=_POLL_S):
-            if self.closed.is_set():
-                break
-            if time.monotonic() > deadline:
+        if not self._room.acquire(blocking=False):
+            room = []
+
+            def ready(wait_s: float) -> bool:
+                if self.closed.is_set():
+                    return True
+                if self._room.acquire(timeout=wait_s):
+                    room.append(True)
+                    return True
+                return False
+
+            self.lend(ready, self.stall_s)
+            if not room and not self.closed.is_set():
                 self.closed.set()
                 raise _cancelled(f"the client read none of the last {self._q.qsize()} events for {self.stall_s:g} s")
         if self.closed.is_set():
@@ -112,10 +126,27 @@ class Channel:
 class StreamRun:
     """One streamed generation: started in a worker thread on construction (inside the event loop)."""
 
-    def __init__(self, servicer, request: Request, prompts: list[list[int]], sampling: SamplingParams, endpoint: str):
+    def __init__(
+        self,
+        servicer,
+        request: Request,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        endpoint: str,
+        watch: StopWatch | None = None,
+    ):
+        """`watch`: the request's stop strings, watched as the tokens come (none: no watching)."""
         self.channel = channel = Channel(asyncio.get_running_loop(), QUEUE_EVENTS, STALL_S)
         stopping = request.app.state.stopping  # the service is shutting down
         client = client_of(request)
+
+        def started(version: int, lend) -> None:
+            channel.lend = lend
+            channel.put(Started(version))
+
+        def emit(prompt_index: int, tokens: list[TokenOut]) -> list[int] | None:
+            channel.put(Tokens(prompt_index, tokens))
+            return watch(prompt_index, tokens) if watch is not None else None
 
         def work():
             try:
@@ -125,8 +156,8 @@ class StreamRun:
                         sampling,
                         client,
                         is_active=lambda: not (channel.closed.is_set() or stopping.is_set()),
-                        emit=lambda prompt_index, tokens: channel.put(Tokens(prompt_index, tokens)),
-                        on_version=lambda version: channel.put(Started(version)),
+                        emit=emit,
+                        on_start=started,
                     )
                     done(sum(map(len, prompts)), sum(len(r.token_ids) for r in results))
                 channel.finish(Done(results, version))

@@ -1,8 +1,9 @@
 """Token ids -> the text of an answer: stop strings, and the incremental decode a stream sends.
 
-The engine stops on token ids only, so a stop string is applied to the finished sample: it is cut
-after the first token whose text completes a stop string, and its text ends just before that
-string (OpenAI's rule: the stop string itself is not returned). `token_ids` and `logprobs` are cut
+A stop string is applied to the finished sample: it is cut after the first token whose text
+completes a stop string, and its text ends just before that string (OpenAI's rule: the stop string
+itself is not returned). The engine may have stopped that sample there already (stop_watch.py) or
+decoded on to a stop token; the cut is the same. `token_ids` and `logprobs` are cut
 at the same token, so an RL caller still gets exactly the tokens whose text it reads.
 """
 

@@ -12,6 +12,10 @@ Two levels:
   short request waits about one step of a long one instead of the whole long request. `turn()` is also
   where a request whose client went away (cancelled, deadline passed, HTTP disconnect) stops.
 
+A request that must wait for something else between two steps (a stream whose reader has no room
+for its tokens: openai_api/streaming.py) lends the engine meanwhile (`Turn.lend`): other requests take
+turns while it waits, and it takes a turn again (as any waiter, least steps first) once it may go on.
+
 Every wait is bounded: a request that cannot get a pin or a turn within its timeout is refused
 with UNAVAILABLE, and waiting turns re-check their client every 100 ms.
 """
@@ -40,6 +44,22 @@ _POLL_S = 0.1
 # steps of it.
 MIN_LEAD_STEPS = 16
 
+#: lend(ready, timeout) -> came: let other requests use the engine while waiting at most `timeout` s
+#: for what `ready(t)` says came (it waits at most t s itself, True: it came, stop waiting); then take
+#: a turn again. Returns ready's last answer. A request that does not take turns just waits (`no_lend`).
+Lend = Callable[[Callable[[float], bool], float], bool]
+
+
+def no_lend(ready: Callable[[float], bool], timeout: float) -> bool:
+    """A Lend for a request that holds no turn: it waits (polling `ready`), no more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if ready(min(left, _POLL_S)):
+            return True
+
 
 class Turn:
     """One request's handle: call it between engine steps."""
@@ -56,6 +76,15 @@ class Turn:
         self.check()
         self.steps += 1
         self.gate._yield_to_fewer_steps(self)
+
+    def lend(self, ready: Callable[[float], bool], timeout: float) -> bool:
+        """A Lend: the engine goes to other requests while this one waits for `ready`; raises (as a
+        turn does) if this request is cancelled, or gets no turn back within its timeout."""
+        self.gate._hand_over(self)
+        came = no_lend(lambda t: ready(t) or not self.is_active(), timeout)  # a cancel ends the wait too
+        self.check()
+        self.gate._take_turn(self)
+        return came
 
 
 class EngineGate:
@@ -167,8 +196,19 @@ class EngineGate:
             # queue at all, and would otherwise wait for the interpreter's switch interval, repeatedly.
             time.sleep(0)
             return
+        self._hand_over(turn)
+        self._take_turn(turn)
+
+    def _hand_over(self, turn: Turn) -> None:
+        """`turn` stops using the engine: a waiting request may take it."""
         with self._cond:
-            self._holder = None
+            if self._holder is turn:
+                self._holder = None
+            self._cond.notify_all()
+
+    def _take_turn(self, turn: Turn) -> None:
+        """Wait (bounded by the request's timeout, and while its client is there) for `turn` to hold the engine."""
+        with self._cond:
             self._queue[turn.ticket] = turn
             self._cond.notify_all()
             deadline = time.monotonic() + turn.timeout

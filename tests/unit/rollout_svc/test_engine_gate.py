@@ -143,3 +143,47 @@ def test_generate_without_step_is_unchanged(tx):
     b = _gen(tx, [[1, 2]], s)[0]
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert torch.tensor(a[0].logprobs).allclose(torch.tensor(b[0].logprobs), atol=0, rtol=0)
+
+
+def test_a_lent_turn_lets_another_request_run_and_is_taken_back():
+    """Turn.lend (a stream waiting for its reader): another request gets the engine while the lender
+    waits, and the lender takes a turn again once what it waits for came and the engine is free."""
+    gate = EngineGate()
+    ready, waiting, order = threading.Event(), threading.Event(), []
+
+    def lender():
+        with gate.pinned(10) as turn:
+
+            def wait(t: float) -> bool:
+                waiting.set()
+                return ready.wait(t)
+
+            came = turn.lend(wait, 10)
+            order.append(("lender back", came, gate._holder is turn))
+
+    t, out = _in_thread(lender)
+    assert waiting.wait(10)
+    with gate.pinned(10) as other:  # no wait: the lender holds its pin but not the engine
+        assert gate._holder is other
+        ready.set()
+        other()  # a step: the lender (0 steps) is not far enough behind to take the engine yet
+        order.append("other done")
+    t.join(10)
+    assert not t.is_alive() and "error" not in out
+    assert order == ["other done", ("lender back", True, True)] and gate.idle
+
+
+def test_a_lent_turn_is_bounded_and_stops_on_cancel():
+    gate = EngineGate()
+    with gate.pinned(10) as turn:
+        t0 = time.monotonic()
+        assert turn.lend(lambda t: False, 0.2) is False  # nothing came: it has its turn back all the same
+        assert 0.2 <= time.monotonic() - t0 < 5 and gate._holder is turn
+    active = [True]
+    with gate.pinned(10, lambda: active[0]) as turn:
+        active[0] = False
+        t0 = time.monotonic()
+        with pytest.raises(GateError, match="cancelled") as e:
+            turn.lend(lambda t: time.sleep(t) or False, 30)
+        assert e.value.code == "CANCELLED" and time.monotonic() - t0 < 5
+    assert gate.idle

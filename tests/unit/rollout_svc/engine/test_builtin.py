@@ -7,6 +7,7 @@ import torch
 
 from rollout_svc.engine.base import SamplingParams
 from rollout_svc.engine.builtin import BuiltinEngine
+from tests.support.counting_model import counting
 from tests.unit.rollout_svc.engine.conftest import CONFIGS, qwen2_config
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 7]]
@@ -85,6 +86,50 @@ def test_emitted_tokens_are_the_results_step_by_step(qwen):
     for k, r in enumerate(plain):
         ids, lps, reasons = got[k]
         assert (ids, lps) == (r.token_ids, r.logprobs) and reasons == [None] * (len(ids) - 1) + [r.finish_reason]
+
+
+def test_samples_emit_ends_decode_no_further_and_the_others_are_unchanged(qwen):
+    """emit's answer (base.Emit): a sample it names ends with the token just emitted (finish_reason
+    "stop"); the others get exactly their tokens; once all are done no further step is decoded."""
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, n=2)
+    with counting(qwen) as plain_steps:
+        plain = qwen.generate([PROMPTS[0]], sp)
+    assert [len(r.token_ids) for r in plain] == [10, 10] and plain_steps.decode_steps == 10
+
+    def ending(at: dict[int, int]):
+        """emit ending sample s after its at[s]-th token; records what each sample was sent."""
+        sent: dict[int, list[int]] = {0: [], 1: []}
+
+        def emit(pi, toks):
+            for t in toks:
+                sent[t.sample].append(t.token_id)
+                assert t.finish_reason in (None, "length")  # no stop token in the vocabulary's use here
+            return [s for s, k in at.items() if len(sent[s]) == k]
+
+        return emit, sent
+
+    # sample 0 ends after 3 tokens, sample 1 runs to length: no step is saved, sample 1 is unchanged
+    emit, sent = ending({0: 3})
+    with counting(qwen) as steps:
+        out = qwen.generate([PROMPTS[0]], sp, emit=emit)
+    assert (out[0].token_ids, out[0].logprobs) == (plain[0].token_ids[:3], plain[0].logprobs[:3])
+    assert out[0].finish_reason == "stop" and sent[0] == out[0].token_ids  # nothing emitted after its end
+    assert (out[1].token_ids, out[1].logprobs, out[1].finish_reason) == (
+        plain[1].token_ids,
+        plain[1].logprobs,
+        plain[1].finish_reason,
+    )
+    assert steps.decode_steps == plain_steps.decode_steps
+    # both end early: decoding stops after the 5th token (4 decode steps after the prefill's token)
+    emit, sent = ending({0: 3, 1: 5})
+    with counting(qwen) as steps:
+        out = qwen.generate([PROMPTS[0]], sp, emit=emit)
+    assert [r.token_ids for r in out] == [plain[0].token_ids[:3], plain[1].token_ids[:5]]
+    assert [r.finish_reason for r in out] == ["stop", "stop"] and steps.decode_steps == 4
+    # None (or nothing) ends nothing
+    with counting(qwen) as steps:
+        out = qwen.generate([PROMPTS[0]], sp, emit=lambda pi, toks: None)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain] and steps.decode_steps == 10
 
 
 def test_model_eos_stops():
