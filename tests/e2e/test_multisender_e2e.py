@@ -134,11 +134,6 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
         assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
         # the funnel packs (rank 0 does not hold the whole model): two 1 MiB buckets at most
         assert funnel.senders[0].flat_buckets == 0 and 0 < funnel.senders[0].peak_buffer_bytes <= 2 << 20
-        # and the stages' next multi-sender sync sends from the buckets they kept (same layout)
-        flat_again = sync_rpc(trainer.address)
-        assert flat_again.ok and all(x.flat_buckets == x.num_buckets for x in flat_again.senders), flat_again
-        for r in rollouts:
-            assert torch.equal(score(rstub(r), PROMPT)[0], want)
 
         # sender 1's link breaks mid-stream: both rollouts abort and keep serving their version
         served = [score(rstub(r), PROMPT) for r in rollouts]
@@ -156,7 +151,10 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
             assert v == version and torch.equal(now, logits)
         # and the next sync goes through
         links.reset()
-        assert sync_rpc(trainer.address).ok
+        after = sync_rpc(trainer.address)
+        assert after.ok
+        # the stages still send in place after the funnel and a failed sync (their plans are kept)
+        assert all(x.flat_buckets == x.num_buckets for x in after.senders), after.senders
         assert not torch.equal(before[0][0], score(rstub(rollouts[0]), PROMPT)[0])
     finally:
         for p in proxies:
