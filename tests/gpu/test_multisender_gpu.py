@@ -66,6 +66,9 @@ def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_fun
         senders = {int(s["rank"]): s for s in rep["senders"]}
         assert sorted(senders) == [0, 1], rep["senders"]
         assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in senders.values())
+        # each stage (TP=EP=1) sends its buckets from its own GPU memory: no export pass, no pack buffers
+        assert all(int(s.get("flat_buckets", 0)) == int(s["num_buckets"]) > 0 for s in senders.values()), senders
+        assert all(int(s.get("peak_buffer_bytes", 0)) == 0 for s in senders.values()), senders
         assert sum(int(s["bytes"]) for s in senders.values()) <= int(rep["bytes"])
         version = int(rep["version"])
         for i, r in enumerate(rs):
@@ -186,6 +189,7 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
                     "bytes": int(s["bytes"]),
                     "seconds": float(s["seconds"]),
                     "peak_buffer_bytes": int(s.get("peak_buffer_bytes", 0)),
+                    "flat_buckets": int(s.get("flat_buckets", 0)),
                 }
                 for k, s in sorted(ms.items())
             ],
