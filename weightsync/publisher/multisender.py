@@ -158,16 +158,16 @@ def run_sender(actor, job: SendJob) -> SenderResult:
             )
         mine = manifest.buckets_of(rank)
         part = rank_delta_stream(actor, job, replace(manifest, buckets=mine))
-        flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job) if mine else None
-        if flat is not None:
-            # the actor took the flat path only for a layout whose export runs no collective: this
-            # rank's export is never started, and no other rank waits for it
-            export = iter(())
-            res.flat_buckets = len(mine)
         if mine:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
             ok = False
             try:
+                flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                if flat is not None:
+                    # the actor takes the flat path only for a layout whose export runs no collective:
+                    # this rank's export is never started, and no other rank waits for it
+                    export = iter(())
+                    res.flat_buckets = len(mine)
                 stats = stream_buckets(
                     replace(manifest, buckets=mine),
                     fmt.tensors(export),
@@ -207,15 +207,21 @@ def run_sender(actor, job: SendJob) -> SenderResult:
     return res
 
 
-def own_flat_buckets(actor, mine: Manifest, job: SendJob) -> list[torch.Tensor] | None:
+def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[torch.Tensor] | None:
     """This rank's buckets written straight from its parameters (the actor's `own_flat_buckets`:
     megatron at TP = EP = 1, trainer_svc/actor/megatron/flat_export.py), streamed in place; None:
-    export and pack them. A quantized format maps the exported tensors, so it always packs. A delta
-    part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones."""
+    export and pack them. A quantized format maps the exported tensors, so it always packs.
+
+    A delta part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones, but
+    keeps its copy on the buckets' device: on a GPU rank streaming over TCP (packed in host memory,
+    `device`) that copy would move from host to GPU memory, a model-sized difference, so such a rank
+    packs as before (sync_encoding=full, or NCCL, sends its GPU buckets in place)."""
     from weightsync.bus.layout import layout_digest
 
     flat = getattr(actor, "own_flat_buckets", None)
     if flat is None or job.export_dtype:
+        return None
+    if part is not None and part.keep and export_device(actor) != torch.device(device):
         return None
     try:
         # the key the actor plans once per layout under (the sync's own digest also names the sync)

@@ -251,9 +251,12 @@ class FlatRankActor(RankActor):
     """A rank whose actor writes its own buckets (as MegatronActor.own_flat_buckets does): packed here
     from its tensors, once per layout digest; its export must then never run. `refuse`: None (pack)."""
 
-    def __init__(self, rank, state, owners, refuse=False):
+    def __init__(self, rank, state, owners, refuse=False, device="cpu"):
         super().__init__(rank, state, owners)
-        self.refuse, self.calls, self.flats = refuse, [], None
+        self.refuse, self.calls, self.flats, self.device = refuse, [], None, device
+
+    def parameters(self):  # where its buckets would live (multisender.export_device)
+        return [torch.empty(1, device=self.device)]
 
     def own_flat_buckets(self, manifest):
         from weightsync.bus.pack import pack_bucket
@@ -325,6 +328,27 @@ def test_a_flat_rank_keeps_its_in_place_buckets_as_its_part_of_a_delta_base():
         assert sorted(base) == [b.index for b in mine]
         for b, f in zip(mine, flat.flats):
             assert torch.equal(base[b.index], f[: b.nbytes]) and base[b.index].data_ptr() != f.data_ptr()
+        for tx, _ in rollouts:
+            assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
+            (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+            assert torch.equal(logits, src.score(IDS, 1)[1])
+    finally:
+        _stop(rollouts, m.sync_id)
+
+
+def test_a_rank_whose_buckets_live_elsewhere_than_its_delta_base_packs():
+    """A GPU rank streaming over TCP packs in host memory, where its delta part keeps its copy of the
+    base: in-place buckets on its GPU would move that copy to GPU memory, so it packs as before (here
+    the 'GPU' is the meta device: the actor is not even asked)."""
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        job.delta = {"base": "", "accepted": [], "layout_digest": "L"}
+        elsewhere = FlatRankActor(0, state, owners, refuse=False, device="meta")
+        elsewhere.export_own_tensors = lambda stats=None: RankActor.export_own_tensors(elsewhere, stats)
+        out = merge(m, _run([elsewhere, RankActor(1, state, owners)], job))
+        assert out.error == "" and out.senders[0].flat_buckets == 0 and elsewhere.calls == [], out.senders
+        assert out.senders[0].peak_buffer_bytes > 0 and out.senders[0].kept
         for tx, _ in rollouts:
             assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
             (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
