@@ -105,7 +105,9 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
         assert sorted(s) == [0, 1], rep.senders
         assert (s[0].bytes, s[1].bytes) == (stage0, stage1)
         assert s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0  # nothing crossed to rank 0
-        assert all(0 < x.peak_buffer_bytes <= 2 << 20 for x in s.values())  # two 1 MiB buckets at most
+        # each stage (TP=EP=1) wrote its buckets straight from its own parameters and sent them in
+        # place (MegatronActor.own_flat_buckets): no export pass, no pack buffers
+        assert all(x.flat_buckets == x.num_buckets > 0 and x.peak_buffer_bytes == 0 for x in s.values()), rep.senders
         assert trainer.metric("weightsync_sync_sender_bytes_total", 'rank="0",role="trainer"') == stage0
         assert trainer.metric("weightsync_sync_sender_bytes_total", 'rank="1",role="trainer"') == stage1
         assert trainer.metric("weightsync_sync_forwarded_bytes_total", 'rank="0",role="trainer"') == 0
@@ -130,6 +132,8 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
         funnel = tstub(trainer).GetStatus(trainer_pb2.TrainerStatusRequest()).last_sync
         assert funnel.ok and [x.rank for x in funnel.senders] == [0]
         assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
+        # the funnel packs (rank 0 does not hold the whole model): two 1 MiB buckets at most
+        assert funnel.senders[0].flat_buckets == 0 and 0 < funnel.senders[0].peak_buffer_bytes <= 2 << 20
 
         # sender 1's link breaks mid-stream: both rollouts abort and keep serving their version
         served = [score(rstub(r), PROMPT) for r in rollouts]
@@ -147,7 +151,10 @@ def test_pp2_every_stage_streams_its_own_layers_and_one_failing_sender_aborts_ev
             assert v == version and torch.equal(now, logits)
         # and the next sync goes through
         links.reset()
-        assert sync_rpc(trainer.address).ok
+        after = sync_rpc(trainer.address)
+        assert after.ok
+        # the stages still send in place after the funnel and a failed sync (their plans are kept)
+        assert all(x.flat_buckets == x.num_buckets for x in after.senders), after.senders
         assert not torch.equal(before[0][0], score(rstub(rollouts[0]), PROMPT)[0])
     finally:
         for p in proxies:
@@ -168,6 +175,7 @@ def test_pp2_fp8_every_stage_quantizes_and_streams_its_own_layers(procs):
         assert rep.num_tensors > plain  # weights travel with their *_scale_inv
         s = _senders(rep)
         assert sorted(s) == [0, 1] and s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0, rep.senders
+        assert all(x.flat_buckets == 0 for x in s.values()), rep.senders  # a quantized format packs
         assert all(sorted(p.connections) == [0, 1] for p in proxies), [p.connections for p in proxies]
         multi = [score(rstub(r), PROMPT) for r in rollouts]
         assert all(v == rep.version for _, v in multi)
@@ -266,6 +274,7 @@ def test_moe_pp2_ep2_every_stage_and_expert_leader_streams_its_own(procs):
         got = {s.rank: s.bytes for s in rep.senders}
         assert got == want, (got, want)
         assert all(s.forwarded_bytes == 0 and not s.error for s in rep.senders)
+        assert all(s.flat_buckets == 0 for s in rep.senders)  # EP=2: every rank exports and packs
         ref = _hf_logits(procs.tmp / "exported")
         for r in rollouts:
             logits, version = score(rstub(r), PROMPT)

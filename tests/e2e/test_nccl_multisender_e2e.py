@@ -73,7 +73,8 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     s = _senders(rep)
     assert sorted(s) == [0, 1] and (s[0].bytes, s[1].bytes) == (stage0, stage1), rep.senders
     assert s[0].forwarded_bytes == 0 and s[1].forwarded_bytes == 0  # nothing crossed to rank 0
-    assert all(0 < x.peak_buffer_bytes <= 2 << 20 for x in s.values())
+    # each stage (TP=EP=1) broadcasts its buckets from its own parameters' storage: no pack buffers
+    assert all(x.flat_buckets == x.num_buckets > 0 and x.peak_buffer_bytes == 0 for x in s.values()), rep.senders
     want = _hf_logits(procs.tmp / "exported")
     for r in rollouts:
         logits, version = score(rstub(r), PROMPT)
@@ -93,6 +94,7 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     funnel = _sync(trainer, senders="rank0")
     assert funnel.ok and [x.rank for x in funnel.senders] == [0], funnel
     assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
+    assert funnel.senders[0].flat_buckets == 0 and 0 < funnel.senders[0].peak_buffer_bytes <= 2 << 20
 
 
 def test_a_sender_killed_mid_stream_aborts_the_nccl_sync_on_every_rollout(procs, gloo_nccl, monkeypatch):

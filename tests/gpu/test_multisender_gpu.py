@@ -66,6 +66,9 @@ def test_pp2_every_stage_streams_from_its_own_gpu_exactly_and_nccl_takes_the_fun
         senders = {int(s["rank"]): s for s in rep["senders"]}
         assert sorted(senders) == [0, 1], rep["senders"]
         assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in senders.values())
+        # over TCP with sync_encoding auto each stage keeps its delta base in host memory, where it
+        # packs: its buckets on the GPU would move that copy into GPU memory, so it packs as before
+        assert all(int(s.get("flat_buckets", 0)) == 0 for s in senders.values()), senders
         assert sum(int(s["bytes"]) for s in senders.values()) <= int(rep["bytes"])
         version = int(rep["version"])
         for i, r in enumerate(rs):
@@ -186,6 +189,7 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
                     "bytes": int(s["bytes"]),
                     "seconds": float(s["seconds"]),
                     "peak_buffer_bytes": int(s.get("peak_buffer_bytes", 0)),
+                    "flat_buckets": int(s.get("flat_buckets", 0)),
                 }
                 for k, s in sorted(ms.items())
             ],
@@ -234,6 +238,8 @@ def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faste
             rc, rep = _sync(t, "--transport", "nccl", "--senders", "all")
             assert rc == 0 and rep["ok"] and sorted(int(s["rank"]) for s in rep["senders"]) == [0, 1], rep
             assert all(int(s.get("forwarded_bytes", 0)) == 0 for s in rep["senders"])
+            # each stage (TP=EP=1) broadcasts its buckets from its own GPU memory: no export, no pack
+            assert all(int(s.get("flat_buckets", 0)) == int(s["num_buckets"]) > 0 for s in rep["senders"]), rep
             multi.append(rep["seconds"])
         for i, r in enumerate(rs):
             _assert_exact(

@@ -7,7 +7,9 @@ checks its digest against rank 0's, so all agree on who sends which bucket witho
 layout — the rollouts' data addresses, and for each sender the hello MAC of its (sync, sender)
 pair; the token itself never leaves rank 0. Every rank then runs the export; each owner packs and
 streams its own buckets to every rollout, concurrently with the other owners, with the usual
-double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns), and reports
+double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns) — or, where
+the actor can (megatron at TP = EP = 1: `own_flat_buckets`), writes its buckets straight from its
+parameters once per sync and streams them in place, with no export pass and no pack — and reports
 a `SenderResult` back to rank 0: its bucket checksums, per-rollout failures, bytes and seconds.
 Rank 0 merges them (`merge`) into the stream's outcome, so commit and abort reflect every sender.
 
@@ -111,6 +113,9 @@ class SenderResult:
     forwarded_bytes: int = 0  # other ranks' tensors it received first (the funnel only)
     peak_buffer_bytes: int = 0  # its pack buffers (<= 2 buckets)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # rollout id -> what it put on the bus for it
+    #: of its buckets, how many it sent straight from its own parameters' storage (the actor's
+    #: `own_flat_buckets`: no export pass, no pack copy); 0 when it exported and packed them
+    flat_buckets: int = 0
     kept: bool = False  # (delta) every bucket it streamed is now its part of the base
     unchanged: bool = False  # (delta) ... and none differs from its part of the previous base
 
@@ -157,6 +162,12 @@ def run_sender(actor, job: SendJob) -> SenderResult:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
             ok = False
             try:
+                flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                if flat is not None:
+                    # the actor takes the flat path only for a layout whose export runs no collective:
+                    # this rank's export is never started, and no other rank waits for it
+                    export = iter(())
+                    res.flat_buckets = len(mine)
                 stats = stream_buckets(
                     replace(manifest, buckets=mine),
                     fmt.tensors(export),
@@ -164,6 +175,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     device=device,
                     timeout=max(0.001, deadline - time.monotonic()),
                     with_checksums=part is None,  # a kept bucket's checksum is summed as it is diffed
+                    in_place=flat,
                 )
                 ok = True
                 checksums = stats.checksums if part is None else part.checksums
@@ -193,6 +205,32 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         res.seconds = time.perf_counter() - t0
         res.forwarded_bytes = int(received.get("forwarded_bytes", 0))
     return res
+
+
+def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[torch.Tensor] | None:
+    """This rank's buckets written straight from its parameters (the actor's `own_flat_buckets`:
+    megatron at TP = EP = 1, trainer_svc/actor/megatron/flat_export.py), streamed in place; None:
+    export and pack them. A quantized format maps the exported tensors, so it always packs.
+
+    A delta part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones, but
+    keeps its copy on the buckets' device: on a GPU rank streaming over TCP (packed in host memory,
+    `device`) that copy would move from host to GPU memory, a model-sized difference, so such a rank
+    packs as before (sync_encoding=full, or NCCL, sends its GPU buckets in place)."""
+    from weightsync.bus.layout import layout_digest
+
+    flat = getattr(actor, "own_flat_buckets", None)
+    if flat is None or job.export_dtype:
+        return None
+    if part is not None and part.keep and export_device(actor) != torch.device(device):
+        return None
+    try:
+        # the key the actor plans once per layout under (the sync's own digest also names the sync)
+        return flat(replace(mine, layout_digest=layout_digest(mine)))
+    except Exception:  # an optimisation only: every parameter still holds its value; pack instead
+        log.exception(
+            "sync %s: rank %d could not lay out its buckets from its parameters; packing", job.sync_id, actor.rank
+        )
+        return None
 
 
 def rank_delta_stream(actor, job: SendJob, mine: Manifest):

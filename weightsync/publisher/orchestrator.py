@@ -330,6 +330,7 @@ class SyncOrchestrator:
                 error=s.error,
                 forwarded_bytes=s.forwarded_bytes,
                 peak_buffer_bytes=s.peak_buffer_bytes,
+                flat_buckets=s.flat_buckets,
             )
             rank = str(s.rank)
             m.sender_bytes.labels(m.role, rank).inc(s.bytes)

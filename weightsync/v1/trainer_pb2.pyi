@@ -78,7 +78,7 @@ class RolloutSyncResult(_message.Message):
     def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class SenderReport(_message.Message):
-    __slots__ = ("rank", "bytes", "num_buckets", "seconds", "error", "forwarded_bytes", "peak_buffer_bytes")
+    __slots__ = ("rank", "bytes", "num_buckets", "seconds", "error", "forwarded_bytes", "peak_buffer_bytes", "flat_buckets")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class SenderReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FORWARDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLAT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     bytes: int
     num_buckets: int
@@ -93,7 +94,8 @@ class SenderReport(_message.Message):
     error: str
     forwarded_bytes: int
     peak_buffer_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., forwarded_bytes: _Optional[int] = ..., peak_buffer_bytes: _Optional[int] = ...) -> None: ...
+    flat_buckets: int
+    def __init__(self, rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., forwarded_bytes: _Optional[int] = ..., peak_buffer_bytes: _Optional[int] = ..., flat_buckets: _Optional[int] = ...) -> None: ...
 
 class SyncReport(_message.Message):
     __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders", "wire_bytes")

@@ -101,9 +101,11 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
             fwd = f", {s.forwarded_bytes / 1e6:.1f} MB forwarded to it" if s.forwarded_bytes else ""
             err = f"  FAILED: {s.error}" if s.error else ""
             buf = f", buffers {s.peak_buffer_bytes / 1e6:.1f} MB" if s.peak_buffer_bytes else ""
+            # sent from the parameters' own storage: no export pass, no pack (MegatronActor.own_flat_buckets)
+            flat = f", {s.flat_buckets} sent in place" if s.flat_buckets else ""
             print(
-                f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets, {s.seconds:.3f}s{buf}{fwd}"
-                f"{mark}{err}"
+                f"    rank {s.rank}: {s.bytes / 1e6:.1f} MB in {s.num_buckets} buckets{flat}, {s.seconds:.3f}s"
+                f"{buf}{fwd}{mark}{err}"
             )
     for r in rep.rollouts:
         how = f" ({r.encoding}, {r.wire_bytes / 1e6:.1f} MB)" if r.encoding else ""

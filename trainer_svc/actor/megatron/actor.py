@@ -186,6 +186,36 @@ class MegatronActor:
         quantized = manifest.quantization is not None
         if quantized and not self._quantizes_in_place(manifest):
             return None
+        return self._flat_buckets(manifest, part=False)
+
+    def own_flat_buckets(self, manifest) -> list[torch.Tensor] | None:
+        """Every rank of a multi-sender stream: `manifest`'s buckets (the ones this rank owns,
+        `Manifest.buckets_of`) written straight from this rank's parameters as `flat_buckets` writes
+        the whole model's, so the rank needs neither its export nor the pack copy.
+
+        None (the rank exports and packs its buckets instead) unless TP = EP = 1 (pipeline stages,
+        virtual ones too), no bridge converter, an unquantized layout with a layout digest, and the
+        parameters mostly in the slots' dtype (as `flat_buckets`). The decision is safe per rank: at
+        TP = ETP = 1 the multi-sender export runs no collective (export.runs_no_collective), so a rank
+        that skips it leaves no other rank waiting, whichever way the others went."""
+        from trainer_svc.actor.megatron.export import runs_no_collective
+
+        if (
+            not manifest.layout_digest
+            or not manifest.buckets
+            or self.converter is not None
+            or manifest.quantization is not None
+            or self.par.ep != 1
+            or not runs_no_collective(self.par)
+        ):
+            return None
+        return self._flat_buckets(manifest, part=True)
+
+    def _flat_buckets(self, manifest, *, part: bool) -> list[torch.Tensor] | None:
+        """The buckets of `manifest` from the layout's FlatExport, planned once per layout digest (None:
+        pack instead). One plan is kept: a sync of another layout (the funnel after a multi-sender sync)
+        plans again, moving the aliased parameters into its buckets."""
+        quantized = manifest.quantization is not None
         flat = self._flat
         if flat is not None and flat.digest == manifest.layout_digest and not flat.stale():
             return self._finite(flat, flat.refresh())  # the parameters are where the plan found them: same dtypes too
@@ -200,7 +230,7 @@ class MegatronActor:
 
         self._flat = None  # the previous layout's buckets are dropped before the new ones are built
         try:
-            self._flat = FlatExport(manifest, self.model, self.spec)
+            self._flat = FlatExport(manifest, self.model, self.spec, part=part)
         except ValueError as exc:  # not planned again for this layout: every sync would pay the attempt
             self._flat_refused = manifest.layout_digest
             log.warning("flat buckets refused for layout %s: %s; syncs pack instead", manifest.layout_digest, exc)

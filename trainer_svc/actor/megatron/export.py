@@ -110,6 +110,15 @@ def export_owners(spec: ModelSpec, par: Parallelism, rmap: RankMap) -> list[int]
     return owners
 
 
+def runs_no_collective(par: Parallelism) -> bool:
+    """Whether the multi-sender export (`to_rank0=False`) of this layout runs no collective: its only
+    ones are the TP and expert-TP gathers (`_gather_tp`), and the funnel's sends to rank 0. A tied
+    embedding is exported by stage 0 alone (the tied tables name no lm_head) and the MTP layers by the
+    last stage from its own parameters, so a rank may then skip the export (flat_export.py) without
+    leaving another rank waiting in a collective."""
+    return par.tp == 1 and par.expert_tp == 1
+
+
 def export_tensors(
     chunks,
     spec: ModelSpec,

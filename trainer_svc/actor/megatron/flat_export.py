@@ -18,6 +18,10 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
   the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
   `_foreach_copy_`, which writes the same bits.
 
+With several senders (pipeline stages, TP = EP = 1: weightsync/publisher/multisender.py) each
+rank plans the same way the buckets it owns, from its own parameters under their global names
+(`part`): a stage's layers, and the embedding or head of the first or last stage.
+
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
 
@@ -79,27 +83,38 @@ def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims,
 
 
 class FlatExport:
-    """One layout's buckets over one rank's whole model; `refresh()` writes the converted slots."""
+    """One layout's buckets over one rank's whole model, or (`part`) over the buckets one sender rank
+    owns (a pipeline stage's tensors); `refresh()` writes the converted slots."""
 
-    def __init__(self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None):
+    def __init__(
+        self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None, part: bool = False
+    ):
+        """`part`: `manifest.buckets` are this rank's own (Manifest.buckets_of): a tensor none of whose
+        HF names are in them is another rank's and is left out; every tensor in them must come from this
+        rank's parameters (under their global names), or the plan fails."""
         if not manifest.layout_digest:
             raise ValueError("FlatExport needs manifest.layout_digest (a layout planned by ManifestCache)")
         self.digest = manifest.layout_digest
-        slots = {s.meta.name: (b.index, s) for b in manifest.buckets for s in b.slots}
+        # a slot's bucket by its position in manifest.buckets (= self.flats), which is its index only
+        # when the manifest is the whole model's: a sender's own buckets keep their global indices
+        slots = {s.meta.name: (k, s) for k, b in enumerate(manifest.buckets) for s in b.slots}
         params = named_parameters_global(chunks)
         device = next(iter(params.values())).device
-        aliases: dict[int, list[tuple[torch.nn.Parameter, Slot]]] = {b.index: [] for b in manifest.buckets}
+        aliases: dict[int, list[tuple[torch.nn.Parameter, Slot]]] = {k: [] for k in range(len(manifest.buckets))}
         converted: list[tuple[Rule, str, list[tuple[int, Slot]]]] = []
         claimed: set[int] = set()
         planned = 0
         for rule, site, names in export_plan(spec):
+            missing = [n for n in names if n not in slots]
+            if part and len(missing) == len(names):
+                continue  # another sender's tensor
             mname = rule.megatron_name(site)
             p = params.get(mname)
             if p is None:
                 raise ValueError(
-                    f"tensor {mname}: not on this rank; the flat export needs the whole model (TP=PP=EP=1)"
+                    f"tensor {mname}: not on this rank; the flat export needs the parameters of every tensor "
+                    "in the buckets it writes (TP=1, EP=1)"
                 )
-            missing = [n for n in names if n not in slots]
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
             where = [slots[n] for n in names]
@@ -117,7 +132,7 @@ class FlatExport:
             # bucket by bucket, as the hf actor: the extra memory is one bucket, not the model
             for b in manifest.buckets:
                 flat = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)  # gaps included: checksummed
-                for p, slot in aliases[b.index]:
+                for p, slot in aliases[len(self.flats)]:
                     view = flat[slot.offset : slot.offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
                     view.copy_(p)
                     p.data = view

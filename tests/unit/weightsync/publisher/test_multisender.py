@@ -4,6 +4,7 @@ megatron actor's per-rank export) stream their own buckets to real rollout recei
 same path runs in tests/e2e/test_multisender_e2e.py."""
 
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -244,3 +245,113 @@ def test_merge_names_the_dropped_rollouts_and_missing_buckets():
     assert [s.rank for s in out.senders] == [0, 1]  # rank 2 owns nothing: not a sender
     short = merge(m, [ok0, SenderResult(rank=1, checksums=[[2, 21]])])
     assert "no sender streamed bucket(s) [3]" in short.error
+
+
+class FlatRankActor(RankActor):
+    """A rank whose actor writes its own buckets (as MegatronActor.own_flat_buckets does): packed here
+    from its tensors, once per layout digest; its export must then never run. `refuse`: None (pack)."""
+
+    def __init__(self, rank, state, owners, refuse=False, device="cpu"):
+        super().__init__(rank, state, owners)
+        self.refuse, self.calls, self.flats, self.device = refuse, [], None, device
+
+    def parameters(self):  # where its buckets would live (multisender.export_device)
+        return [torch.empty(1, device=self.device)]
+
+    def own_flat_buckets(self, manifest):
+        from weightsync.bus.pack import pack_bucket
+
+        assert manifest.layout_digest and all(b.sender == self.rank for b in manifest.buckets), manifest
+        self.calls.append(manifest.layout_digest)
+        if self.refuse:
+            return None
+        if self.flats is None:
+            own = iter((n, t) for (n, t), o in zip(self.state.items(), self.owners) if o == self.rank)
+            self.flats = []
+            for plan in manifest.buckets:
+                buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+                pack_bucket(plan, (next(own) for _ in plan.slots), buf)
+                self.flats.append(buf)
+        return self.flats
+
+    def export_own_tensors(self, stats=None):
+        if self.refuse:
+            yield from super().export_own_tensors(stats)
+            return
+        raise AssertionError(f"rank {self.rank} exported although it sent its buckets in place")
+
+
+def test_a_rank_with_flat_buckets_streams_them_in_place_beside_one_that_packs():
+    """Rank 0 sends its buckets from its own storage (no export, no pack buffers; flat_buckets says
+    so), rank 1's actor declines and packs: the rollouts commit exactly the model either way; a second
+    sync of the same layout asks the actor under the same layout digest (its plan is reused)."""
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        flat, packs = FlatRankActor(0, state, owners), FlatRankActor(1, state, owners, refuse=True)
+        out = merge(m, _run([flat, packs], job))
+        assert out.error == "" and out.failures == {}, out.error
+        s = {r.rank: r for r in out.senders}
+        assert (s[0].flat_buckets, s[0].peak_buffer_bytes) == (len(m.buckets_of(0)), 0), s[0]
+        assert s[1].flat_buckets == 0 and s[1].peak_buffer_bytes > 0, s[1]
+        assert len(flat.calls) == 1 and len(packs.calls) == 1
+        for tx, _ in rollouts:
+            assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
+            (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+            assert torch.equal(logits, src.score(IDS, 1)[1])
+        again = m.sync_id.replace("v7", "v8")
+        m8 = replace(m, sync_id=again, version=8)
+        for tx, _ in rollouts:
+            tx.prepare(m8, timeout=30)
+        job8 = SendJob.make(m8, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        assert merge(m8, _run([flat, packs], job8)).error == ""
+        assert flat.calls[0] == flat.calls[1]  # a layout digest, not the sync's own digest
+        for tx, _ in rollouts:
+            tx.abort(again, "test over")
+    finally:
+        _stop(rollouts, m.sync_id)
+
+
+def test_a_flat_rank_keeps_its_in_place_buckets_as_its_part_of_a_delta_base():
+    """A delta sync's part (rank_delta_stream) diffs and keeps in-place buckets as it does packed
+    ones: the rank's base is a copy of its buckets (not the parameters' storage, which training
+    changes), and its checksums are those of the buckets."""
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        job.delta = {"base": "", "accepted": [], "layout_digest": "L"}
+        flat = FlatRankActor(0, state, owners)
+        out = merge(m, _run([flat, RankActor(1, state, owners)], job))
+        assert out.error == "" and out.senders[0].flat_buckets == len(m.buckets_of(0)) and out.senders[0].kept
+        base = flat._delta_part.base._bufs
+        mine = m.buckets_of(0)
+        assert sorted(base) == [b.index for b in mine]
+        for b, f in zip(mine, flat.flats):
+            assert torch.equal(base[b.index], f[: b.nbytes]) and base[b.index].data_ptr() != f.data_ptr()
+        for tx, _ in rollouts:
+            assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
+            (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+            assert torch.equal(logits, src.score(IDS, 1)[1])
+    finally:
+        _stop(rollouts, m.sync_id)
+
+
+def test_a_rank_whose_buckets_live_elsewhere_than_its_delta_base_packs():
+    """A GPU rank streaming over TCP packs in host memory, where its delta part keeps its copy of the
+    base: in-place buckets on its GPU would move that copy to GPU memory, so it packs as before (here
+    the 'GPU' is the meta device: the actor is not even asked)."""
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        job.delta = {"base": "", "accepted": [], "layout_digest": "L"}
+        elsewhere = FlatRankActor(0, state, owners, refuse=False, device="meta")
+        elsewhere.export_own_tensors = lambda stats=None: RankActor.export_own_tensors(elsewhere, stats)
+        out = merge(m, _run([elsewhere, RankActor(1, state, owners)], job))
+        assert out.error == "" and out.senders[0].flat_buckets == 0 and elsewhere.calls == [], out.senders
+        assert out.senders[0].peak_buffer_bytes > 0 and out.senders[0].kept
+        for tx, _ in rollouts:
+            assert tx.commit(m.sync_id, 7, dict(enumerate(out.checksums)))[0] == 7
+            (_, logits), _ = tx.serve(lambda e: e.score(IDS, 1), timeout=5)
+            assert torch.equal(logits, src.score(IDS, 1)[1])
+    finally:
+        _stop(rollouts, m.sync_id)

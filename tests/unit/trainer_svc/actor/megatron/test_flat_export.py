@@ -3,7 +3,9 @@ checkpoint it loaded and to the per-tensor export packed by the pipeline, for a 
 padded vocabulary (qwen2, llama, qwen3 with per-head norms) and a tied one, in bf16 (fp32 norms
 cast into their slots) and fp32, with the model in one bucket and in many (gate and up split across
 buckets, the embedding alone); the buckets follow a training step and a parameter given new storage.
-Multi-rank layouts take the per-tensor export, whose TP>1 assembly test_megatron_dist.py checks."""
+Pipeline stages (PP=2, and VPP=2) at TP=EP=1: each sender rank's flat buckets over the buckets it
+owns, the same way against its own packed export. Other multi-rank layouts take the per-tensor export,
+whose TP>1 assembly test_megatron_dist.py checks."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.support.megatron_models import FAMILIES, SUPPORT
+from tests.support.megatron_models import FAMILIES, SUPPORT, torchrun
 
 
 def _report(hf_dirs, tmp_path, env=None) -> dict:
@@ -97,3 +99,46 @@ def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
             assert r["quant_launches"] == 0, f"{where}: {r}"
         apart += r["scale_apart"]
     assert apart > 0, f"{family}: no case put a scale in another bucket than its weight"
+
+
+PP_LAYOUTS = [(2, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("pp,vpp", PP_LAYOUTS, ids=[f"pp{p}-vpp{v}" for p, v in PP_LAYOUTS])
+def test_each_stage_flat_buckets_are_its_packed_export_byte_for_byte(pp, vpp, hf_dirs, tmp_path):
+    """Pipeline stages (multi-sender, TP=EP=1): each rank's flat buckets over the buckets it owns
+    (`own_flat_buckets`) are its own per-tensor export packed, and the checkpoint, byte for byte;
+    before and after a step, and replanned for a parameter given new storage. The stages together
+    cover every tensor once (a tied embedding on stage 0 alone)."""
+    out = tmp_path / "report.json"
+    proc = torchrun(
+        SUPPORT / "_flat_export_pp_cases.py",
+        pp,
+        ["--pp", str(pp), "--vpp", str(vpp), "--out", str(out), *[f"{f}={hf_dirs[f]}" for f in FAMILIES]],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert sorted(report) == [str(r) for r in range(pp)]
+    for family in FAMILIES:
+        cases = {}
+        for rank, rep in report.items():
+            rep = rep[family]
+            assert rep.pop("cast_flat_is_none") is True, f"{family} rank {rank}: a casting export must pack"
+            for case, r in rep.items():
+                where = f"{family} {case} pp{pp} vpp{vpp} rank {rank}"
+                assert "error" not in r, f"{where}: {r['error']}"
+                assert r["senders"] == list(range(pp)) and r["buckets"] > 0, f"{where}: {r}"
+                assert r["flat"], f"{where}: the stage did not take the flat path"
+                assert r["iter_vs_hf"] == [], f"{where}: the own export differs from the checkpoint {r}"
+                assert r["flat_vs_iter"] == [] and r["flat_vs_hf"] == [], f"{where}: flat buckets differ {r}"
+                assert r["aliased_bytes"] > 0 and r["aliased_bytes"] + r["copied_bytes"] == r["total_bytes"], where
+                assert r["reused"], f"{where}: a second sync of the same layout planned again"
+                assert r["after_step_changed"] and r["after_step_vs_iter"] == [], f"{where}: after a step {r}"
+                assert r["replanned"] and r["stale_vs_iter"] == [], f"{where}: a parameter with new storage {r}"
+                assert r["whole_is_none"], f"{where}: the whole-model flat_buckets is for TP=PP=EP=1 only"
+                cases.setdefault(case, []).extend(r["names"])
+        for case, names in cases.items():
+            # every tensor of the model sent by exactly one stage
+            assert len(names) == len(set(names)) and "model.embed_tokens.weight" in names, f"{family} {case}"
+            assert any(n.startswith("model.layers.") for n in names) and "model.norm.weight" in names, family

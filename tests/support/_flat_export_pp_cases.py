@@ -1,0 +1,132 @@
+"""Run under torchrun (gloo), one rank per pipeline stage: each sender rank's flat buckets
+(`MegatronActor.own_flat_buckets`, flat_export.py over the buckets it owns) against its own
+per-tensor export (`export_own_tensors`) packed by the pipeline and against the HF checkpoint,
+byte for byte, per family and bucket size; then after a step, and with a parameter given new
+storage. argv: --pp, --vpp, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
+(one entry per rank and case). Every rank works on its own (no rank-0 driver, no worker loop): at
+TP=1 neither the own export nor the flat buckets run a collective, which this script relies on."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.support._flat_export_cases import CASES, _pack_all, _same  # noqa: E402
+
+
+def _rank_manifest(actor, bucket: int):
+    """This rank's buckets of the multi-sender layout (as run_sender computes it), with its digest."""
+    from weightsync.bus.layout import layout_digest
+    from weightsync.publisher.multisender import SendJob, sender_manifest
+
+    job = SendJob(
+        sync_id="s", version=1, bucket_bytes=bucket, model_family=actor.family, checksum_algo="", origin="",
+        digest="", targets={}, macs={}, timeout=1.0,
+    )  # fmt: skip
+    full = sender_manifest(actor.export_metas(), actor.export_owners(), job)
+    mine = replace(full, buckets=full.buckets_of(actor.rank))
+    return full, replace(mine, layout_digest=layout_digest(mine))
+
+
+def run_case(config, hf_dir: str, hf: dict, pp: int, vpp: int, pdt, edt, bucket: int) -> dict:
+    from trainer_svc.actor.megatron.actor import MegatronActor
+
+    actor = MegatronActor(config, pp=pp, vpp=vpp, weights_dir=hf_dir, params_dtype=pdt, export_dtype=edt)
+    full, m = _rank_manifest(actor, bucket)
+    r: dict = {"buckets": len(m.buckets), "senders": full.senders, "names": [x.name for x in m.metas()]}
+    ref = [(x.name, hf[x.name].to(edt)) for x in m.metas()]
+    # the rank's own export (no collective at TP=1), packed as the pipeline packs it
+    packed = _pack_all(m, actor.export_own_tensors())
+    r["iter_vs_hf"] = _same(m, packed, ref)
+    flats = actor.own_flat_buckets(m)
+    fe = actor._flat
+    if flats is None:
+        r["flat"] = False
+        return r
+    r["flat"] = True
+    r["flat_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, packed) if not torch.equal(f[: b.nbytes], w)]
+    r["flat_vs_hf"] = _same(m, flats, ref)
+    r["aliased_bytes"], r["copied_bytes"], r["copies"] = fe.aliased_bytes, fe.copied_bytes, fe.copies
+    r["total_bytes"] = sum(x.nbytes for x in m.metas())
+    # a training step changes the parameters in place: the next sync's buckets follow
+    with torch.no_grad():
+        for i, p in enumerate(actor.parameters()):
+            p.add_(0.25 * (i + 1))
+    again = actor.own_flat_buckets(m)
+    r["reused"] = again is flats and actor._flat is fe
+    stepped = _pack_all(m, actor.export_own_tensors())
+    r["after_step_vs_iter"] = [
+        b.index for b, f, w in zip(m.buckets, again, stepped) if not torch.equal(f[: b.nbytes], w)
+    ]
+    r["after_step_changed"] = not all(torch.equal(a[: b.nbytes], w) for a, b, w in zip(again, m.buckets, packed))
+    # a load that gives a parameter new storage: the plan is stale and made again
+    p0 = actor.parameters()[1]
+    p0.data = p0.data.clone() + 1
+    fresh = actor.own_flat_buckets(m)
+    r["replanned"] = actor._flat is not fe
+    latest = _pack_all(m, actor.export_own_tensors())
+    r["stale_vs_iter"] = [b.index for b, f, w in zip(m.buckets, fresh, latest) if not torch.equal(f[: b.nbytes], w)]
+    # the whole-model path stays rank 0's at TP=PP=EP=1 only
+    r["whole_is_none"] = actor.flat_buckets(replace(full, layout_digest="x")) is None
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    rank = int(os.environ["RANK"])
+    report: dict = {}
+    for arg in args.dirs:
+        family, hf_dir = arg.split("=", 1)
+        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        hf = {}
+        for f in sorted(Path(hf_dir).glob("*.safetensors")):
+            hf.update(load_file(str(f)))
+        rep = report[family] = {}
+        for pdt, edt, bucket in CASES:
+            key = f"{str(pdt)[6:]}-{bucket}"
+            try:
+                rep[key] = run_case(config, hf_dir, hf, args.pp, args.vpp, pdt, edt, bucket)
+            except Exception:
+                rep[key] = {"error": traceback.format_exc()}
+        # parameters in another dtype than the export: every rank packs (the pack path casts)
+        try:
+            from trainer_svc.actor.megatron.actor import MegatronActor
+
+            cast = MegatronActor(
+                config, pp=args.pp, vpp=args.vpp, weights_dir=hf_dir, params_dtype=torch.float32,
+                export_dtype=torch.bfloat16,
+            )  # fmt: skip
+            rep["cast_flat_is_none"] = cast.own_flat_buckets(_rank_manifest(cast, 1 << 22)[1]) is None
+        except Exception:
+            rep["cast_flat_is_none"] = traceback.format_exc()
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, report)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({str(i): t for i, t in enumerate(table)}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
