@@ -94,6 +94,27 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     funnel = _sync(trainer, senders="rank0")
     assert funnel.ok and [x.rank for x in funnel.senders] == [0], funnel
     assert funnel.senders[0].bytes == stage0 + stage1 and funnel.senders[0].forwarded_bytes == stage1
+
+    # a pipelined training step moves the weights the stages send in place (AdamW writes the parameters,
+    # which live in the buckets since the first sync): the next sync carries the trained weights exactly
+    step = tstub(trainer, timeout=120).TrainStep(
+        trainer_pb2.TrainStepRequest(
+            samples=[
+                trainer_pb2.TrainSample(prompt_ids=PROMPT, response_ids=[8, 16, 5, 7], reward=float(i % 2), group_id=0)
+                for i in range(4)
+            ]
+        )
+    )
+    assert step.version == rep.version + 1, step
+    trained = _sync(trainer, senders="all")
+    assert trained.ok and trained.version == step.version, trained
+    assert all(x.flat_buckets == x.num_buckets > 0 for x in trained.senders), trained.senders
+    _exported(trainer, procs.tmp / "trained")
+    before_step, want = want, _hf_logits(procs.tmp / "trained")
+    assert not torch.equal(want, before_step)  # the step changed the model
+    for r in rollouts:
+        logits, version = score(rstub(r), PROMPT)
+        assert version == step.version and torch.equal(logits, want), (logits - want).abs().max()
     assert funnel.senders[0].flat_buckets == 0 and 0 < funnel.senders[0].peak_buffer_bytes <= 2 << 20
 
 
