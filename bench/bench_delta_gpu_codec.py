@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+from bench import cuda_median_s  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
 MODELS = {
@@ -47,18 +48,6 @@ def export_bytes(name: str) -> int:
     kvd = kv * (h // heads)
     layer = 2 * h + (h * h + h) + 2 * (kvd * h + kvd) + h * h + 3 * inter * h
     return 2 * (vocab * h * (1 if tied else 2) + layers * layer + h)
-
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm: compiles the kernels, fills the allocator's cache
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 DEV = torch.device("cuda:0")
@@ -105,7 +94,7 @@ def run_path(news, bases, copies, sums, reps: int) -> dict:
     total = sum(nw.numel() for nw in news)
     res = {"payload_ratio": sum(p.numel() for p in payloads) / total}
     for name, fn in zip(PASSES, (encode, trainer, apply)):
-        s = _time(fn, reps)
+        s = cuda_median_s(fn, reps)
         res[name] = {"seconds": s, "gb_per_s": total / 1e9 / s}
     return res
 
@@ -121,7 +110,7 @@ def fused_compare_torch_gaps(news, bases, reps: int) -> dict:
 
     total = sum(nw.numel() for nw in news)
     payloads = encode()
-    s = _time(encode, reps)
+    s = cuda_median_s(encode, reps)
     return {
         "payload_ratio": sum(p.numel() for p in payloads) / total,
         "encode": {"seconds": s, "gb_per_s": total / 1e9 / s},

@@ -37,17 +37,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-
-def _time(fn, reps: int) -> float:
-    """Median seconds of `fn` on the GPU (synchronized around each call)."""
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+from bench import cuda_median_s  # noqa: E402
 
 
 def codec(args) -> dict:
@@ -89,8 +79,7 @@ def codec(args) -> dict:
     total = n * buckets
     res = {}
     for name, fn in (("diff_encode", trainer_side), ("apply_with_sums", rollout_side), ("device_copy", plain_copy)):
-        fn()  # warm
-        s = _time(fn, args.reps)
+        s = cuda_median_s(fn, args.reps)
         res[name] = {"seconds": s, "s_per_gb": s / (total / 1e9), "gb_per_s": total / 1e9 / s}
         print(f"{name}: {s * 1e3:.1f} ms for {total / 1e9:.2f} GB: {res[name]['gb_per_s']:.1f} GB/s", flush=True)
     res["payload_ratio"] = sum(p.numel() for p in payloads) / total

@@ -5,10 +5,10 @@ tests/unit/weightsync/bus/test_delta_cuda.py runs the same kernels through Trito
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+
+from bench import cuda_median_s
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -98,15 +98,7 @@ def test_damaged_payloads_are_refused_before_writing():
 
 
 def _rate(fn, nbytes: int, reps: int = 5) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return nbytes / 1e9 / sorted(out)[reps // 2]
+    return nbytes / 1e9 / cuda_median_s(fn, reps)
 
 
 @needs_cuda
