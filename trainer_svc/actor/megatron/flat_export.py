@@ -18,9 +18,12 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
   the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
   `_foreach_copy_`, which writes the same bits.
 
-With several senders (pipeline stages, TP = EP = 1: weightsync/publisher/multisender.py) each
-rank plans the same way the buckets it owns, from its own parameters under their global names
-(`part`): a stage's layers, and the embedding or head of the first or last stage.
+With several senders (pipeline stages and expert-parallel ranks, TP = expert-TP = 1:
+weightsync/publisher/multisender.py) each rank plans the same way the buckets it owns, from its own
+parameters under their global layer and expert numbers (`part`): a stage's layers, and the
+embedding or head of the first or last stage; with EP > 1 the stage's dense leader its dense tensors
+and its local experts, every other EP rank its local experts only (the dense replicas it also holds
+are another rank's to send).
 
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
@@ -84,7 +87,7 @@ def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims,
 
 class FlatExport:
     """One layout's buckets over one rank's whole model, or (`part`) over the buckets one sender rank
-    owns (a pipeline stage's tensors); `refresh()` writes the converted slots."""
+    owns (a pipeline stage's or an EP rank's tensors); `refresh()` writes the converted slots."""
 
     def __init__(
         self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None, part: bool = False
@@ -113,7 +116,7 @@ class FlatExport:
             if p is None:
                 raise ValueError(
                     f"tensor {mname}: not on this rank; the flat export needs the parameters of every tensor "
-                    "in the buckets it writes (TP=1, EP=1)"
+                    "in the buckets it writes (TP=1, expert-TP=1)"
                 )
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
