@@ -5,7 +5,8 @@ byte for byte, per family and bucket size; then after a step, and with a paramet
 storage. argv: --pp, --vpp, --ep, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
 (one entry per rank and case). Every rank works on its own (no rank-0 driver, no worker loop): at
 TP = expert-TP = 1 neither the own export nor the flat buckets run a collective, which this script
-relies on. With --ep > 1 (MoE families) a grouped expert layout is also built, which must pack."""
+relies on. With --ep > 1 (MoE families) the bf16 cases run in megatron's grouped expert layout too
+(`grouped-` cases: the experts are views into weight1/weight2, copied into their slots at each sync)."""
 
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     r["after_step_changed"] = not all(torch.equal(a[: b.nbytes], w) for a, b, w in zip(again, m.buckets, packed))
     # a load that gives a parameter new storage: the plan is stale and made again (one this rank
     # sends: a second EP rank also holds the dense replicas, which are the dense leader's to send)
+    # (a grouped layout's weight1: the plan reads its experts through views, which keep their address)
     planned = {id(p) for p, _ in fe._sources}
-    p0 = next(p for p in actor.parameters()[1:] if id(p) in planned)
+    grouped = [p for c in actor.model for n, p in c.named_parameters() if n.endswith(".experts.weight1")]
+    p0 = next(p for p in grouped + actor.parameters()[1:] if id(p) in planned)
     p0.data = p0.data.clone() + 1
     fresh = actor.own_flat_buckets(m)
     r["replanned"] = actor._flat is not fe
@@ -84,22 +87,6 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     # the whole-model path stays rank 0's at TP=PP=EP=1 only
     r["whole_is_none"] = actor.flat_buckets(replace(full, layout_digest="x")) is None
     return r
-
-
-def _grouped_packs(config, hf_dir: str, par: dict):
-    """Whether a grouped expert layout (bf16) declines the flat path (True), else what went wrong."""
-    from tests.support._dist_moe import _install_grouped_gemm_stand_in
-    from trainer_svc.actor.megatron.actor import MegatronActor
-
-    try:
-        _install_grouped_gemm_stand_in()
-        grouped = MegatronActor(
-            config, **par, weights_dir=hf_dir, params_dtype=torch.bfloat16, export_dtype=torch.bfloat16,
-            expert_layout="grouped",
-        )  # fmt: skip
-        return grouped.own_flat_buckets(_rank_manifest(grouped, 1 << 22)[1]) is None
-    except Exception:
-        return traceback.format_exc()
 
 
 def main() -> None:
@@ -142,7 +129,18 @@ def main() -> None:
         except Exception:
             rep["cast_flat_is_none"] = traceback.format_exc()
         if args.ep > 1:
-            rep["grouped_flat_is_none"] = _grouped_packs(config, hf_dir, par)
+            from tests.support._dist_moe import _install_grouped_gemm_stand_in
+
+            _install_grouped_gemm_stand_in()
+            grouped = dict(par, expert_layout="grouped")
+            for pdt, edt, bucket in CASES:
+                if pdt == edt == torch.bfloat16:  # megatron's GroupedMLP runs in bf16 only
+                    try:
+                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = run_case(
+                            config, hf_dir, hf, grouped, pdt, edt, bucket
+                        )
+                    except Exception:
+                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = {"error": traceback.format_exc()}
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, report)
     if rank == 0:

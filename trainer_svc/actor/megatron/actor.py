@@ -59,7 +59,6 @@ class MegatronActor:
         self.config = hf_config
         self.family = self.spec.family
         self.par = Parallelism(tp, pp, vpp, ep=ep, etp=etp)
-        self.expert_layout = expert_layout
         self.export_dtype = export_dtype
         init_model_parallel(self.par)
         self.rmap = rank_map()
@@ -197,14 +196,9 @@ class MegatronActor:
         None (the rank exports and packs its buckets instead) unless TP = expert-TP = 1 (pipeline
         stages, virtual ones too, and any EP: an EP rank writes its own experts, the stage's dense
         leader the dense tensors too), no bridge converter, an unquantized layout with a layout digest,
-        experts kept one module each (`expert_layout='sequential'`), and the parameters mostly in the
-        slots' dtype (as `flat_buckets`). The decision is safe per rank: at TP = ETP = 1 the
-        multi-sender export runs no collective (export.runs_no_collective), so a rank that skips it
-        leaves no other rank waiting, whichever way the others went.
-
-        The grouped layout packs: its experts are views into one weight1/weight2 pair, so a load that
-        gives those new storage would leave the plan's views on the old bytes without `stale()`
-        seeing it (the plan watches the sources it copies from)."""
+        and the parameters mostly in the slots' dtype (as `flat_buckets`). The decision is safe per
+        rank: at TP = ETP = 1 the multi-sender export runs no collective (export.runs_no_collective),
+        so a rank that skips it leaves no other rank waiting, whichever way the others went."""
         from trainer_svc.actor.megatron.export import runs_no_collective
 
         if (
@@ -212,7 +206,6 @@ class MegatronActor:
             or not manifest.buckets
             or self.converter is not None
             or manifest.quantization is not None
-            or self.expert_layout != "sequential"
             or not runs_no_collective(self.par)
         ):
             return None
