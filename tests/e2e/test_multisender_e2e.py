@@ -274,7 +274,10 @@ def test_moe_pp2_ep2_every_stage_and_expert_leader_streams_its_own(procs):
         got = {s.rank: s.bytes for s in rep.senders}
         assert got == want, (got, want)
         assert all(s.forwarded_bytes == 0 and not s.error for s in rep.senders)
-        assert all(s.flat_buckets == 0 for s in rep.senders)  # EP=2: every rank exports and packs
+        # TP = expert-TP = 1: every rank (each stage's dense leader, and the second EP rank with its
+        # experts alone) wrote its buckets straight from its own parameters and sent them in place
+        # (MegatronActor.own_flat_buckets): no export pass, no pack buffers
+        assert all(s.flat_buckets == s.num_buckets > 0 and s.peak_buffer_bytes == 0 for s in rep.senders), rep.senders
         ref = _hf_logits(procs.tmp / "exported")
         for r in rollouts:
             logits, version = score(rstub(r), PROMPT)

@@ -1,10 +1,12 @@
-"""Run under torchrun (gloo), one rank per pipeline stage: each sender rank's flat buckets
+"""Run under torchrun (gloo), one rank per pipeline stage and EP rank: each sender rank's flat buckets
 (`MegatronActor.own_flat_buckets`, flat_export.py over the buckets it owns) against its own
 per-tensor export (`export_own_tensors`) packed by the pipeline and against the HF checkpoint,
 byte for byte, per family and bucket size; then after a step, and with a parameter given new
-storage. argv: --pp, --vpp, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
+storage. argv: --pp, --vpp, --ep, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
 (one entry per rank and case). Every rank works on its own (no rank-0 driver, no worker loop): at
-TP=1 neither the own export nor the flat buckets run a collective, which this script relies on."""
+TP = expert-TP = 1 neither the own export nor the flat buckets run a collective, which this script
+relies on. With --ep > 1 (MoE families) the bf16 cases run in megatron's grouped expert layout too
+(`grouped-` cases: the experts are views into weight1/weight2, copied into their slots at each sync)."""
 
 from __future__ import annotations
 
@@ -39,12 +41,13 @@ def _rank_manifest(actor, bucket: int):
     return full, replace(mine, layout_digest=layout_digest(mine))
 
 
-def run_case(config, hf_dir: str, hf: dict, pp: int, vpp: int, pdt, edt, bucket: int) -> dict:
+def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) -> dict:
     from trainer_svc.actor.megatron.actor import MegatronActor
 
-    actor = MegatronActor(config, pp=pp, vpp=vpp, weights_dir=hf_dir, params_dtype=pdt, export_dtype=edt)
+    actor = MegatronActor(config, **par, weights_dir=hf_dir, params_dtype=pdt, export_dtype=edt)
     full, m = _rank_manifest(actor, bucket)
     r: dict = {"buckets": len(m.buckets), "senders": full.senders, "names": [x.name for x in m.metas()]}
+    r["model_tensors"] = len(full.metas())
     ref = [(x.name, hf[x.name].to(edt)) for x in m.metas()]
     # the rank's own export (no collective at TP=1), packed as the pipeline packs it
     packed = _pack_all(m, actor.export_own_tensors())
@@ -70,8 +73,12 @@ def run_case(config, hf_dir: str, hf: dict, pp: int, vpp: int, pdt, edt, bucket:
         b.index for b, f, w in zip(m.buckets, again, stepped) if not torch.equal(f[: b.nbytes], w)
     ]
     r["after_step_changed"] = not all(torch.equal(a[: b.nbytes], w) for a, b, w in zip(again, m.buckets, packed))
-    # a load that gives a parameter new storage: the plan is stale and made again
-    p0 = actor.parameters()[1]
+    # a load that gives a parameter new storage: the plan is stale and made again (one this rank
+    # sends: a second EP rank also holds the dense replicas, which are the dense leader's to send)
+    # (a grouped layout's weight1: the plan reads its experts through views, which keep their address)
+    planned = {id(p) for p, _ in fe._sources}
+    grouped = [p for c in actor.model for n, p in c.named_parameters() if n.endswith(".experts.weight1")]
+    p0 = next(p for p in grouped + actor.parameters()[1:] if id(p) in planned)
     p0.data = p0.data.clone() + 1
     fresh = actor.own_flat_buckets(m)
     r["replanned"] = actor._flat is not fe
@@ -86,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
     args = ap.parse_args()
@@ -95,6 +103,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     rank = int(os.environ["RANK"])
+    par = dict(pp=args.pp, vpp=args.vpp, ep=args.ep)
     report: dict = {}
     for arg in args.dirs:
         family, hf_dir = arg.split("=", 1)
@@ -106,7 +115,7 @@ def main() -> None:
         for pdt, edt, bucket in CASES:
             key = f"{str(pdt)[6:]}-{bucket}"
             try:
-                rep[key] = run_case(config, hf_dir, hf, args.pp, args.vpp, pdt, edt, bucket)
+                rep[key] = run_case(config, hf_dir, hf, par, pdt, edt, bucket)
             except Exception:
                 rep[key] = {"error": traceback.format_exc()}
         # parameters in another dtype than the export: every rank packs (the pack path casts)
@@ -114,12 +123,24 @@ def main() -> None:
             from trainer_svc.actor.megatron.actor import MegatronActor
 
             cast = MegatronActor(
-                config, pp=args.pp, vpp=args.vpp, weights_dir=hf_dir, params_dtype=torch.float32,
-                export_dtype=torch.bfloat16,
+                config, **par, weights_dir=hf_dir, params_dtype=torch.float32, export_dtype=torch.bfloat16,
             )  # fmt: skip
             rep["cast_flat_is_none"] = cast.own_flat_buckets(_rank_manifest(cast, 1 << 22)[1]) is None
         except Exception:
             rep["cast_flat_is_none"] = traceback.format_exc()
+        if args.ep > 1:
+            from tests.support._dist_moe import _install_grouped_gemm_stand_in
+
+            _install_grouped_gemm_stand_in()
+            grouped = dict(par, expert_layout="grouped")
+            for pdt, edt, bucket in CASES:
+                if pdt == edt == torch.bfloat16:  # megatron's GroupedMLP runs in bf16 only
+                    try:
+                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = run_case(
+                            config, hf_dir, hf, grouped, pdt, edt, bucket
+                        )
+                    except Exception:
+                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = {"error": traceback.format_exc()}
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, report)
     if rank == 0:

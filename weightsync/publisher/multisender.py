@@ -8,7 +8,7 @@ layout — the rollouts' data addresses, and for each sender the hello MAC of it
 pair; the token itself never leaves rank 0. Every rank then runs the export; each owner packs and
 streams its own buckets to every rollout, concurrently with the other owners, with the usual
 double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns) — or, where
-the actor can (megatron at TP = EP = 1: `own_flat_buckets`), writes its buckets straight from its
+the actor can (megatron at TP = expert-TP = 1: `own_flat_buckets`), writes its buckets straight from its
 parameters once per sync and streams them in place, with no export pass and no pack — and reports
 a `SenderResult` back to rank 0: its bucket checksums, per-rollout failures, bytes and seconds.
 Rank 0 merges them (`merge`) into the stream's outcome, so commit and abort reflect every sender.
@@ -209,7 +209,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
 
 def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[torch.Tensor] | None:
     """This rank's buckets written straight from its parameters (the actor's `own_flat_buckets`:
-    megatron at TP = EP = 1, trainer_svc/actor/megatron/flat_export.py), streamed in place; None:
+    megatron at TP = expert-TP = 1, trainer_svc/actor/megatron/flat_export.py), streamed in place; None:
     export and pack them. A quantized format maps the exported tensors, so it always packs.
 
     A delta part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones, but

@@ -193,11 +193,12 @@ class MegatronActor:
         `Manifest.buckets_of`) written straight from this rank's parameters as `flat_buckets` writes
         the whole model's, so the rank needs neither its export nor the pack copy.
 
-        None (the rank exports and packs its buckets instead) unless TP = EP = 1 (pipeline stages,
-        virtual ones too), no bridge converter, an unquantized layout with a layout digest, and the
-        parameters mostly in the slots' dtype (as `flat_buckets`). The decision is safe per rank: at
-        TP = ETP = 1 the multi-sender export runs no collective (export.runs_no_collective), so a rank
-        that skips it leaves no other rank waiting, whichever way the others went."""
+        None (the rank exports and packs its buckets instead) unless TP = expert-TP = 1 (pipeline
+        stages, virtual ones too, and any EP: an EP rank writes its own experts, the stage's dense
+        leader the dense tensors too), no bridge converter, an unquantized layout with a layout digest,
+        and the parameters mostly in the slots' dtype (as `flat_buckets`). The decision is safe per
+        rank: at TP = ETP = 1 the multi-sender export runs no collective (export.runs_no_collective),
+        so a rank that skips it leaves no other rank waiting, whichever way the others went."""
         from trainer_svc.actor.megatron.export import runs_no_collective
 
         if (
@@ -205,7 +206,6 @@ class MegatronActor:
             or not manifest.buckets
             or self.converter is not None
             or manifest.quantization is not None
-            or self.par.ep != 1
             or not runs_no_collective(self.par)
         ):
             return None

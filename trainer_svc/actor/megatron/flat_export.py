@@ -12,15 +12,19 @@ once per layout (the manifest's digest) and each sync moves each byte at most on
   `flat_buckets`); training, loads and exports go on using the same parameter, and a sync sends it
   with no copy at all;
 - every other HF tensor (the query-group interleaved QKV, a padded vocabulary, a parameter shared
-  by two slots, one split across buckets, an fp32 norm cast into a bf16 slot) is written from its
+  by two slots, one split across buckets, an fp32 norm cast into a bf16 slot, a grouped expert
+  layout's experts: transposed views of its weight1/weight2) is written from its
   parameter into its slot at each sync by strided-view copies (hf_copy.py), planned once as
   contiguous runs in an address table: on a GPU one Triton launch per (dtype pair, alignment) for
   the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
   `_foreach_copy_`, which writes the same bits.
 
-With several senders (pipeline stages, TP = EP = 1: weightsync/publisher/multisender.py) each
-rank plans the same way the buckets it owns, from its own parameters under their global names
-(`part`): a stage's layers, and the embedding or head of the first or last stage.
+With several senders (pipeline stages and expert-parallel ranks, TP = expert-TP = 1:
+weightsync/publisher/multisender.py) each rank plans the same way the buckets it owns, from its own
+parameters under their global layer and expert numbers (`part`): a stage's layers, and the
+embedding or head of the first or last stage; with EP > 1 the stage's dense leader its dense tensors
+and its local experts, every other EP rank its local experts only (the dense replicas it also holds
+are another rank's to send).
 
 Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
 the export), kept with the buckets.
@@ -84,7 +88,7 @@ def _aliasable(p: torch.Tensor, rule: Rule, where: list[tuple[int, Slot]], dims,
 
 class FlatExport:
     """One layout's buckets over one rank's whole model, or (`part`) over the buckets one sender rank
-    owns (a pipeline stage's tensors); `refresh()` writes the converted slots."""
+    owns (a pipeline stage's or an EP rank's tensors); `refresh()` writes the converted slots."""
 
     def __init__(
         self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None, part: bool = False
@@ -113,7 +117,7 @@ class FlatExport:
             if p is None:
                 raise ValueError(
                     f"tensor {mname}: not on this rank; the flat export needs the parameters of every tensor "
-                    "in the buckets it writes (TP=1, EP=1)"
+                    "in the buckets it writes (TP=1, expert-TP=1)"
                 )
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
@@ -152,7 +156,7 @@ class FlatExport:
             stand = iter(fp8_slots.stand_ins([s.meta.shape for (_, s), q in zip(where, quant) if q is not None]))
             outs = [by_slot[s.meta.name] if q is None else next(stand) for (_, s), q in zip(where, quant)]
             p = params[mname]
-            self._sources.append((p, p.data_ptr()))
+            self._sources.append(_watched(p))
             mine = [
                 fp8_slots.SlotWeight(s.meta.name, b, s.offset, q[1].offset, out, scale_bucket=q[0])
                 for (b, s), q, out in zip(where, quant, outs)
@@ -202,6 +206,15 @@ class FlatExport:
     def non_finite_error(self) -> ValueError | None:
         """The error naming the first FP8 weight and block of the last refresh that is not finite."""
         return None if self._quant is None else self._quant.first_non_finite()
+
+
+def _watched(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the tensor whose storage a load would replace, its address) for a copy source: a parameter
+    itself, or the parameter a view comes from (a grouped expert layout's experts are views into its
+    weight1/weight2, param_names.py), since replacing that parameter's storage leaves the view's own
+    address as it was."""
+    base = p if isinstance(p, torch.nn.Parameter) or p._base is None else p._base
+    return base, base.data_ptr()
 
 
 def _scale_of(name: str, slots: dict[str, tuple[int, Slot]]) -> tuple[int, Slot] | None:

@@ -3,9 +3,10 @@ checkpoint it loaded and to the per-tensor export packed by the pipeline, for a 
 padded vocabulary (qwen2, llama, qwen3 with per-head norms) and a tied one, in bf16 (fp32 norms
 cast into their slots) and fp32, with the model in one bucket and in many (gate and up split across
 buckets, the embedding alone); the buckets follow a training step and a parameter given new storage.
-Pipeline stages (PP=2, and VPP=2) at TP=EP=1: each sender rank's flat buckets over the buckets it
-owns, the same way against its own packed export. Other multi-rank layouts take the per-tensor export,
-whose TP>1 assembly test_megatron_dist.py checks."""
+Pipeline stages (PP=2, and VPP=2) at TP=EP=1, and expert-parallel ranks (EP=2, and PP=2 x EP=2) of
+MoE models at TP = expert-TP = 1: each sender rank's flat buckets over the buckets it owns, the same
+way against its own packed export, in both expert layouts (sequential; grouped in bf16). Other
+multi-rank layouts take the per-tensor export, whose TP>1 assembly test_megatron_dist.py checks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.support.megatron_models import FAMILIES, SUPPORT, torchrun
+from tests.support.megatron_models import FAMILIES, MOE_FAMILIES, SUPPORT, make_config, save_random_hf, torchrun
 
 
 def _report(hf_dirs, tmp_path, env=None) -> dict:
@@ -101,6 +102,49 @@ def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
     assert apart > 0, f"{family}: no case put a scale in another bucket than its weight"
 
 
+def _own_report(script_args: list[str], nranks: int, tmp_path) -> dict:
+    out = tmp_path / "report.json"
+    proc = torchrun(SUPPORT / "_flat_export_pp_cases.py", nranks, ["--out", str(out), *script_args], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert sorted(report) == [str(r) for r in range(nranks)]
+    return report
+
+
+def _check_own(report: dict, family: str, layout: str) -> dict[str, dict[str, list[str]]]:
+    """Every rank's every case took the flat path and matched its packed own export and the checkpoint
+    byte for byte; across the ranks every tensor of the model is sent exactly once. case -> rank -> names."""
+    cases: dict[str, dict[str, list[str]]] = {}
+    nranks = len(report)
+    for rank, rep in report.items():
+        rep = dict(rep[family])
+        assert rep.pop("cast_flat_is_none") is True, f"{family} rank {rank}: a casting export must pack"
+        for case, r in rep.items():
+            where = f"{family} {case} {layout} rank {rank}"
+            assert "error" not in r, f"{where}: {r['error']}"
+            assert r["senders"] == list(range(nranks)) and r["buckets"] > 0, f"{where}: {r}"
+            assert r["flat"], f"{where}: the rank did not take the flat path"
+            assert r["iter_vs_hf"] == [], f"{where}: the own export differs from the checkpoint {r}"
+            assert r["flat_vs_iter"] == [] and r["flat_vs_hf"] == [], f"{where}: flat buckets differ {r}"
+            assert r["aliased_bytes"] + r["copied_bytes"] == r["total_bytes"], where
+            # a grouped layout's experts are views of weight1/weight2, copied: an EP rank with experts
+            # alone aliases nothing
+            assert r["aliased_bytes"] > 0 or case.startswith("grouped-"), where
+            assert r["reused"], f"{where}: a second sync of the same layout planned again"
+            assert r["after_step_changed"] and r["after_step_vs_iter"] == [], f"{where}: after a step {r}"
+            assert r["replanned"] and r["stale_vs_iter"] == [], f"{where}: a parameter with new storage {r}"
+            assert r["whole_is_none"], f"{where}: the whole-model flat_buckets is for TP=PP=EP=1 only"
+            cases.setdefault(case, {})[rank] = r["names"]
+    for case, by_rank in cases.items():
+        names = [n for ns in by_rank.values() for n in ns]
+        # every tensor of the model sent by exactly one rank
+        total = {report[r][family][case]["model_tensors"] for r in by_rank}
+        assert len(names) == len(set(names)) and {len(names)} == total, f"{family} {case} {layout}: {total}"
+        assert "model.embed_tokens.weight" in names and "model.norm.weight" in names, f"{family} {case}"
+        assert any(n.startswith("model.layers.") for n in names), family
+    return cases
+
+
 PP_LAYOUTS = [(2, 1), (2, 2)]
 
 
@@ -110,35 +154,42 @@ def test_each_stage_flat_buckets_are_its_packed_export_byte_for_byte(pp, vpp, hf
     (`own_flat_buckets`) are its own per-tensor export packed, and the checkpoint, byte for byte;
     before and after a step, and replanned for a parameter given new storage. The stages together
     cover every tensor once (a tied embedding on stage 0 alone)."""
-    out = tmp_path / "report.json"
-    proc = torchrun(
-        SUPPORT / "_flat_export_pp_cases.py",
-        pp,
-        ["--pp", str(pp), "--vpp", str(vpp), "--out", str(out), *[f"{f}={hf_dirs[f]}" for f in FAMILIES]],
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    report = json.loads(out.read_text())
-    assert sorted(report) == [str(r) for r in range(pp)]
+    args = ["--pp", str(pp), "--vpp", str(vpp), *[f"{f}={hf_dirs[f]}" for f in FAMILIES]]
+    report = _own_report(args, pp, tmp_path)
     for family in FAMILIES:
-        cases = {}
+        _check_own(report, family, f"pp{pp} vpp{vpp}")
+
+
+@pytest.fixture(scope="module")
+def moe_hf_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf-moe")
+    return {f: str(save_random_hf(make_config(f), root / f, seed=20 + i)) for i, f in enumerate(MOE_FAMILIES)}
+
+
+EP_LAYOUTS = [(1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("pp,ep", EP_LAYOUTS, ids=[f"pp{p}-ep{e}" for p, e in EP_LAYOUTS])
+def test_each_expert_rank_flat_buckets_are_its_packed_export_byte_for_byte(pp, ep, moe_hf_dirs, tmp_path):
+    """Expert-parallel ranks of MoE models (multi-sender, TP = expert-TP = 1): as the stages above, each
+    rank's flat buckets are its own packed export and the checkpoint, byte for byte. Megatron's rank
+    order at TP=1: stage s holds ranks s*ep .. s*ep+ep-1, and EP rank e of a stage sends that stage's
+    experts e*E/ep .. (e+1)*E/ep-1 (global numbering), its dense leader (EP rank 0) the dense tensors
+    too (the other EP ranks hold replicas of them, sent by no one else). The bf16 cases also run in the
+    grouped layout, whose experts are views into weight1/weight2: weight1 given new storage makes the
+    plan stale (its views would keep the old address) and the next buckets follow it."""
+    args = ["--pp", str(pp), "--ep", str(ep), *[f"{f}={d}" for f, d in moe_hf_dirs.items()]]
+    report = _own_report(args, pp * ep, tmp_path)
+    for family in MOE_FAMILIES:
+        per_expert = MOE_FAMILIES[family]["num_experts"] // ep
         for rank, rep in report.items():
-            rep = rep[family]
-            assert rep.pop("cast_flat_is_none") is True, f"{family} rank {rank}: a casting export must pack"
-            for case, r in rep.items():
-                where = f"{family} {case} pp{pp} vpp{vpp} rank {rank}"
-                assert "error" not in r, f"{where}: {r['error']}"
-                assert r["senders"] == list(range(pp)) and r["buckets"] > 0, f"{where}: {r}"
-                assert r["flat"], f"{where}: the stage did not take the flat path"
-                assert r["iter_vs_hf"] == [], f"{where}: the own export differs from the checkpoint {r}"
-                assert r["flat_vs_iter"] == [] and r["flat_vs_hf"] == [], f"{where}: flat buckets differ {r}"
-                assert r["aliased_bytes"] > 0 and r["aliased_bytes"] + r["copied_bytes"] == r["total_bytes"], where
-                assert r["reused"], f"{where}: a second sync of the same layout planned again"
-                assert r["after_step_changed"] and r["after_step_vs_iter"] == [], f"{where}: after a step {r}"
-                assert r["replanned"] and r["stale_vs_iter"] == [], f"{where}: a parameter with new storage {r}"
-                assert r["whole_is_none"], f"{where}: the whole-model flat_buckets is for TP=PP=EP=1 only"
-                cases.setdefault(case, []).extend(r["names"])
-        for case, names in cases.items():
-            # every tensor of the model sent by exactly one stage
-            assert len(names) == len(set(names)) and "model.embed_tokens.weight" in names, f"{family} {case}"
-            assert any(n.startswith("model.layers.") for n in names) and "model.norm.weight" in names, family
+            grouped = [c for c in rep[family] if c.startswith("grouped-")]
+            assert len(grouped) == 2, f"{family} rank {rank}: the grouped cases did not run {sorted(rep[family])}"
+        for case, by_rank in _check_own(report, family, f"pp{pp} ep{ep}").items():
+            for rank, names in by_rank.items():
+                ep_rank = int(rank) % ep
+                experts = {int(n.split(".")[5]) for n in names if ".mlp.experts." in n}
+                where = f"{family} {case} pp{pp} ep{ep} rank {rank}"
+                assert experts and {e // per_expert for e in experts} == {ep_rank}, f"{where}: experts {experts}"
+                dense = [n for n in names if ".mlp.experts." not in n]
+                assert bool(dense) == (ep_rank == 0), f"{where}: dense tensors {dense[:3]}"
