@@ -10,7 +10,8 @@
 #                                          # (the fused FP8 path: its stream.export should be ~0), then hf 7B
 #                                          # trainer_writes
 #   PART=c bash bench/run_pending_gpu.sh   # two GPUs: full vs delta over NCCL at 1.5B (plain, then with P2P and
-#                                          # SHM off: a slower link), then the NCCL delta GPU tests
+#                                          # SHM off: a slower link), the NCCL delta GPU tests, then each stage
+#                                          # of a 7B PP=2 trainer: its own buckets in place vs export + pack
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -55,7 +56,10 @@ case "$PART" in
        --reps 3 --out "$OUT/results_delta_nccl_1.5b_noP2P_$day.json"
      show delta_nccl_slow 20
      step 150 gpu_tests_nccl_delta "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py
-     show gpu_tests_nccl_delta 15 ;;
+     show gpu_tests_nccl_delta 15
+     step 150 flat_pp python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/bench_flat_pp.py \
+       --model 7b --pp 2 --reps 5 --out "$OUT/results_flat_pp_7b_$day.json"
+     show flat_pp 12 ;;
   *) echo "PART=$PART: must be a, b or c" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
