@@ -38,23 +38,11 @@ import torch.distributed as dist  # noqa: E402
 
 
 def make_actor(name: str, dtype: torch.dtype, pp: int, vpp: int):
-    from transformers import Qwen2Config
 
-    from bench.bench_services import MODELS
+    from bench.bench_services import MODELS, qwen2_config
     from trainer_svc.actor.megatron.actor import MegatronActor
 
-    h, inter, layers, heads, kv, vocab, tied = MODELS[name]
-    cfg = Qwen2Config(
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-    )
+    cfg = qwen2_config(MODELS[name])
     actor = MegatronActor(cfg, pp=pp, vpp=vpp, params_dtype=dtype, export_dtype=dtype, init_weights=False)
     g = torch.Generator(device=actor.parameters()[0].device).manual_seed(actor.rank)
     with torch.no_grad():

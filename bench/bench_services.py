@@ -67,11 +67,19 @@ MODELS = {
 
 
 def write_config(name: str, root: Path) -> Path:
+
+    d = root / name
+    qwen2_config(MODELS[name]).save_pretrained(str(d))
+    return d
+
+
+def qwen2_config(row: tuple):
+    """A Qwen2.5-shaped transformers config from a MODELS row (hidden, intermediate, layers, heads,
+    kv heads, vocab, tied)."""
     from transformers import Qwen2Config
 
-    h, inter, layers, heads, kv, vocab, tied = MODELS[name]
-    d = root / name
-    Qwen2Config(
+    h, inter, layers, heads, kv, vocab, tied = row
+    return Qwen2Config(
         hidden_size=h,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -81,8 +89,7 @@ def write_config(name: str, root: Path) -> Path:
         tie_word_embeddings=tied,
         rope_theta=1e6,
         rms_norm_eps=1e-6,
-    ).save_pretrained(str(d))
-    return d
+    )
 
 
 def rollout_device(args, i: int) -> str:
