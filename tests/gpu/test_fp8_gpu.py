@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.fp8_weights import block_test_weights
+
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -34,19 +36,6 @@ SHAPES = [
 ]
 
 
-def _data(shape, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g) * 0.02
-    if kind == "heavy":
-        w = w * torch.exp(torch.randn(shape, generator=g) * 4)
-    elif kind == "zeros":
-        w[..., :128, :128] = 0
-        w[..., 0, -1] = -0.0
-        if shape[-2] > 128:
-            w[..., 128:256, :128] = 1e-40
-    return w
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["randn", "heavy", "zeros"])
@@ -55,7 +44,7 @@ def test_triton_quantizer_equals_the_cpu_path_bit_for_bit(shape, kind, dtype):
     from weightsync.formats import fp8, fp8_triton
 
     assert fp8_triton.available()  # triton ships with CUDA torch: this is the path GPU exports take
-    w = _data(shape, kind, seed=len(shape) * 1000 + shape[-1]).to(dtype)
+    w = block_test_weights(shape, kind, len(shape) * 1000 + shape[-1], dtype)
     q_cpu, s_cpu = fp8.quantize(w)
     q_gpu, s_gpu = fp8_triton.quantize(w.cuda())
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))

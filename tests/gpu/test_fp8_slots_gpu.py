@@ -16,22 +16,12 @@ import time
 import pytest
 import torch
 
+from tests.support.fp8_weights import block_test_weights
+
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SHAPES = [(1, 5), (129, 257), (300, 128), (7, 200), (1000, 3), (3, 130, 140), (3584, 3584), (512, 3584), (18944, 3584)]
-
-
-def _data(shape, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g) * 0.02
-    if kind == "heavy":
-        w = w * torch.exp(torch.randn(shape, generator=g) * 4)
-    elif kind == "zeros":
-        w[..., :128, :128] = 0
-        if shape[-2] > 128:
-            w[..., 128:256, :128] = 1e-40
-    return w
 
 
 def _layout(shapes, start: int = 0):
@@ -53,7 +43,7 @@ def _layout(shapes, start: int = 0):
 def test_the_compiled_kernel_writes_the_bytes_of_the_cpu_path(kind, dtype):
     from weightsync.formats import fp8, fp8_slots
 
-    named = [_data(s, kind, 10 + i).to(dtype) for i, s in enumerate(SHAPES)]
+    named = [block_test_weights(s, kind, 10 + i, dtype) for i, s in enumerate(SHAPES)]
     places, size = _layout(SHAPES, start=40)
     flat = torch.full((size,), 0xAB, dtype=torch.uint8, device="cuda")
     want = flat.cpu().clone()

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from tests.support.fp8_weights import block_test_weights
 from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
 from weightsync.formats import fp8, fp8_slots
@@ -21,21 +22,6 @@ from weightsync.model_spec import Dims
 POISON = 0xAB
 KERNEL_ENV = "FP8_SLOTS_KERNEL"
 SHAPES = [(1, 1), (1, 5), (7, 200), (129, 257), (300, 128), (128, 128), (1000, 3), (3, 130, 140), (2, 1, 129)]
-
-
-def _data(shape, kind: str, seed: int, dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g) * 0.02
-    if kind == "heavy":
-        w = w * torch.exp(torch.randn(shape, generator=g) * 4)
-    elif kind == "zeros":
-        w[..., :128, :128] = 0
-        w[..., 0, -1] = -0.0
-        if shape[-2] > 128:
-            w[..., 128:256, :128] = 1e-40  # denormal in fp32 (zero in bf16): a scale below MIN_NORMAL
-    elif kind == "huge":
-        w = w * (1e36 if dtype == torch.float32 else 1e30)
-    return w.to(dtype)
 
 
 class Bucket:
@@ -89,7 +75,7 @@ def test_the_kernel_writes_the_same_bytes():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["randn", "heavy", "zeros", "huge"])
 def test_every_shape_in_one_bucket_is_quantize_byte_for_byte(use_kernel, kind, dtype):
-    named = [(f"w{i}", _data(s, kind, 100 + i, dtype)) for i, s in enumerate(SHAPES)]
+    named = [(f"w{i}", block_test_weights(s, kind, 100 + i, dtype)) for i, s in enumerate(SHAPES)]
     b = Bucket([tuple(t.shape) for _, t in named], start=40)
     q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
     assert q is not None and q.use_kernel is use_kernel
@@ -138,7 +124,7 @@ def test_rows_gathered_from_strided_views_and_two_buckets_and_dtypes(use_kernel)
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
-    named = [(n, _data((260, 300), "randn", i, torch.float32)) for i, n in enumerate(("a.weight", "b.weight"))]
+    named = [(n, block_test_weights((260, 300), "randn", i)) for i, n in enumerate(("a.weight", "b.weight"))]
     named[1][1][200, 150] = bad
     b = Bucket([tuple(t.shape) for _, t in named])
     q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
@@ -173,7 +159,7 @@ def test_what_is_not_whole_rows_is_declined():
 def test_a_scale_in_the_bucket_before_its_weight(use_kernel):
     """The exporter sends `X_scale_inv` right before `X`: a plan may end one bucket with the scale and
     open the next with the weight. One launch for the pair, each part in its own bucket."""
-    w = _data((260, 300), "heavy", 5, torch.bfloat16)
+    w = block_test_weights((260, 300), "heavy", 5, torch.bfloat16)
     (si,) = fp8_slots.stand_ins([(260, 300)])
     scales = torch.full((512 + 4 * 3 * 3 + 1,), POISON, dtype=torch.uint8)  # the scale slot at byte 512
     weights = torch.full((w.numel() + 2,), POISON, dtype=torch.uint8)  # the weight slot at byte 0
