@@ -52,7 +52,10 @@ def pending_values(pending: list[PendingChecksum]) -> list[int]:
     return from_many_sums([p.sums for p in pending], [p.tail for p in pending], [p.nbytes for p in pending])
 
 
-def _result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool, sums_to=None):
+def sums_result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool, sums_to=None):
+    """The checksum of `buf[:n]` from a pass's word `sums` (the words before `end`) and its tail: now
+    (`wait`), or as a PendingChecksum to read later without a host synchronisation here. `sums_to`
+    gets the sums first (a delta base keeps them)."""
     if sums_to is not None:
         sums_to(sums)
     if wait:
@@ -132,10 +135,10 @@ def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Ten
         sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
             _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
-        return _result(sums, buf, end, n, wait, sums_to)
+        return sums_result(sums, buf, end, n, wait, sums_to)
     sums = _scatter_cuda(words, _regions(plan), dests)
     _copy_partial_words(plan, buf, dests)
-    return _result(sums, buf, end, n, wait, sums_to)
+    return sums_result(sums, buf, end, n, wait, sums_to)
 
 
 def _laid_out(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]) -> bool:
@@ -222,4 +225,4 @@ def copy_bucket(
     end = n - n % 4
     sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
     out[end:].copy_(buf[end:n])
-    return out, _result(sums, buf, end, n, wait, sums_to)
+    return out, sums_result(sums, buf, end, n, wait, sums_to)

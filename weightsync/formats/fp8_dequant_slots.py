@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus.checksum import from_sums, word_sums
+from weightsync.bus.checksum import word_sums
 from weightsync.bus.plan import BucketPlan, Manifest
-from weightsync.bus.verified_copy import PendingChecksum
+from weightsync.bus.verified_copy import sums_result
 from weightsync.formats.fp8 import dequantize_torch, scale_shape, weight_name
 from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_DTYPE
 
@@ -108,17 +108,8 @@ class FusedDequant:
         for i, what, _, _ in p.steps:
             if what == "hold":
                 held_now.add(weight_name(plan.slots[i].meta.name))
-        if sums_to is not None:
-            sums_to(sums)
         n = plan.nbytes
-        end = n - n % 4
-        if wait:
-            return from_sums(sums, buf[end:n], n)
-        ready = None
-        if buf.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(buf.device))
-        return PendingChecksum(sums, buf[end:n].clone(), n, ready)
+        return sums_result(sums, buf, n - n % 4, n, wait, sums_to)
 
     # ---- planning ---------------------------------------------------------------------------
     def _base(self, device: torch.device) -> tuple[torch.Tensor, ...]:
