@@ -21,11 +21,10 @@ import statistics
 import time
 
 import torch
-from reliability_helpers import load, make_model_dirs, rstub, score, status, sync_rpc, tstub, wait_for
+from reliability_helpers import load, make_model_dirs, rstub, score, status, sync_rpc, wait_for
 
 from tests.support.bus_proxy import BusProxy
 from weightsync.local.procs import free_port
-from weightsync.v1 import trainer_pb2
 
 LIVENESS_S = 1.0
 RPC_TIMEOUT_S = 30.0
@@ -88,7 +87,7 @@ def test_a_stopped_rollout_does_not_hold_the_others_and_is_caught_up_after_sigco
         for k in range(3):
             v = load(taddr, sets[k % 2])
             t0 = time.monotonic()
-            rep = tstub(taddr).Sync(trainer_pb2.SyncRequest(), timeout=4 * RPC_TIMEOUT_S).report
+            rep = sync_rpc(taddr, timeout=4 * RPC_TIMEOUT_S)
             took.append(time.monotonic() - t0)
             by_id = {x.rollout_id: x for x in rep.rollouts}
             healthy = [status(rstub(r)) for r in rollouts[:2]]
@@ -179,7 +178,7 @@ def test_a_rollout_stopped_mid_stream_is_dropped_the_others_commit_on_time_and_i
     before = status(rstub(stopped)).version
     try:
         t0 = time.monotonic()
-        rep = tstub(taddr).Sync(trainer_pb2.SyncRequest(), timeout=4 * RPC_TIMEOUT_S).report
+        rep = sync_rpc(taddr, timeout=4 * RPC_TIMEOUT_S)
         took = time.monotonic() - t0
         assert stopped_at, "the stream never reached a quarter of its bytes at the stopped rollout's proxy"
         by_id = {x.rollout_id: x for x in rep.rollouts}

@@ -68,7 +68,7 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
         self.registry.poll(entry)
         behind = not self.orch.is_current(entry)
         # a source with nothing to send yet (a Publisher before its first sync) leaves it to the next sync
-        scheduled = self.auto_sync and behind and getattr(self.actor, "publishable", True)
+        scheduled = self.auto_sync and self.orch.needs_catch_up(entry) and getattr(self.actor, "publishable", True)
         if scheduled:
             self._catchup.put(request.rollout_id)
         log.info(
@@ -97,7 +97,7 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
             if rid is None:
                 return
             entry = self.registry.get(rid)
-            if entry is None or self.orch.is_current(entry):
+            if entry is None or not self.orch.needs_catch_up(entry):
                 continue
             try:
                 # re-checked once it holds the sync lock: a sync running now may bring it up to date

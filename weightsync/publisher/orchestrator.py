@@ -30,7 +30,7 @@ from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
 from weightsync.publisher.rollout_calls import RolloutCalls
-from weightsync.v1 import trainer_pb2
+from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,9 @@ class SyncOrchestrator:
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
         self.transports = {t.name: t.trainer_end_class().for_trainer(side) for t in TRANSPORTS.values()}
         self.last_report = trainer_pb2.SyncReport()
+        #: the version this trainer's latest sync committed to at least one rollout (None before any):
+        #: the fleet's version, which a registering rollout is caught up to when it lacks it
+        self.fleet_version: int | None = None
         self.in_progress = False
         #: the running sync's clock and what is known of it (GetSyncProgress); None between syncs
         self._live: tuple[PhaseClock, trainer_pb2.SyncProgress] | None = None
@@ -122,9 +125,9 @@ class SyncOrchestrator:
         senders: str = "",
         ipc_direction: str = "",
     ) -> trainer_pb2.SyncReport | None:
-        """Sync `targets`; with `only_behind`, first drop those already on the trainer's version
-        (asked afresh once no other sync runs) and return None when none is left — a catch-up
-        queued while another sync ran is often made moot by it. `ipc_direction`: this sync's, over
+        """Sync `targets`; with `only_behind` (a catch-up), first drop those that need none
+        (`needs_catch_up`, asked afresh once no other sync runs) and return None when none is left —
+        a catch-up queued while another sync ran is often made moot by it. `ipc_direction`: this sync's, over
         transport ipc ("" = the trainer's ipc_direction)."""
         transport = transport or self.default_transport
         if ipc_direction:
@@ -155,7 +158,7 @@ class SyncOrchestrator:
             if only_behind:
                 for e in targets:
                     self.registry.poll(e)
-                targets = [e for e in targets if not self.is_current(e)]
+                targets = [e for e in targets if self.needs_catch_up(e)]
                 if not targets:
                     return None
             self.in_progress = True
@@ -266,6 +269,8 @@ class SyncOrchestrator:
         self._report(report, results, by_id, manifest, phases, time.perf_counter() - t0)
         self._report_senders(report, one.senders)
         self.last_report = report
+        if any(r.ok for r in report.rollouts):
+            self.fleet_version = report.version
         return report
 
     def _export(self):
@@ -401,3 +406,16 @@ class SyncOrchestrator:
 
     def is_current(self, entry: RolloutEntry) -> bool:
         return entry.origin == self.origin and entry.version == self.actor.version
+
+    def needs_catch_up(self, entry: RolloutEntry) -> bool:
+        """Whether a registering rollout missed what the fleet has. One that is on the version this
+        trainer last committed, and behind only because the trainer loaded or trained a newer one
+        since, is not: the fleet's next sync takes it. A catch-up of its own between a weight update
+        and that sync would stream the same version twice and hold the sync lock the caller's sync
+        then finds taken. Before any commit, anything but the trainer's version is behind; a STALE
+        rollout (a failed in-place apply) is always caught up: it refuses generation until then."""
+        if self.is_current(entry):
+            return False
+        if entry.state == rollout_pb2.STALE:
+            return True
+        return not (entry.origin == self.origin and entry.version == self.fleet_version)

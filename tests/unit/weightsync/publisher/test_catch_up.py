@@ -8,6 +8,7 @@ brought it to the same version. Real TrainerApp and RolloutApp on loopback gRPC.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -45,3 +46,54 @@ def test_catch_up_of_a_rollout_the_running_sync_updated_does_nothing():
         )
         assert after == syncs + 1 and rollout.tx.version == trainer.actor.version
         assert rollout.tx.state == rollout_pb2.SERVING
+
+
+def _bump(trainer) -> int:
+    """A new trainer version, as a train step or a LoadWeights makes one, synced to nobody yet."""
+    with torch.no_grad():
+        next(trainer.actor.model.parameters()).add_(1.0)
+    trainer.actor.version += 1
+    return trainer.actor.version
+
+
+def _register(stub, rid, app):
+    from weightsync.v1 import trainer_pb2
+
+    return stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id=rid, address=app.grpc.address))
+
+
+def test_a_heartbeat_between_a_weight_update_and_its_sync_starts_no_catch_up_one_that_missed_a_sync_does():
+    with local_fleet({"a": {}, "b": {}}) as (trainer, rollouts, stub):
+        trainer.servicer.auto_sync = True
+        orch = trainer.orch
+        first = orch.sync(trainer.registry.all())
+        assert first.ok and orch.fleet_version == first.version
+
+        # the trainer moves on; both rollouts are on the fleet's version: their heartbeats queue nothing
+        # (the caller's own sync comes next and would find the lock taken by a catch-up)
+        v2 = _bump(trainer)
+        for rid, app in rollouts.items():
+            resp = _register(stub, rid, app)
+            assert not resp.sync_scheduled and not resp.current, (rid, resp)
+        assert trainer.servicer._catchup.empty()
+
+        # b alone gets v2: a missed the fleet's latest sync, so its next heartbeat catches it up to v2
+        assert orch.sync([trainer.registry.get("b")]).ok and orch.fleet_version == v2
+        assert _register(stub, "a", rollouts["a"]).sync_scheduled
+        deadline = time.monotonic() + 30
+        while rollouts["a"].tx.version != v2:
+            assert time.monotonic() < deadline, "a was not caught up to the fleet's version"
+            time.sleep(0.02)
+        assert torch.equal(*(next(r.engine.model.parameters()) for r in rollouts.values()))  # the same v2
+
+
+def test_a_stale_rollout_on_the_fleet_version_is_caught_up():
+    with local_fleet({"r": {}}) as (trainer, _, _stub):
+        orch = trainer.orch
+        entry = trainer.registry.get("r")
+        assert orch.sync([entry]).ok
+        _bump(trainer)
+        trainer.registry.poll(entry)
+        assert not orch.needs_catch_up(entry)  # on the fleet's version, behind only the unsynced update
+        entry.state = rollout_pb2.STALE  # what a failed in-place apply leaves; refuses generation
+        assert orch.needs_catch_up(entry)
