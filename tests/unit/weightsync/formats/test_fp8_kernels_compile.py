@@ -1,4 +1,5 @@
-"""The fused FP8 kernels (fp8_slots_triton.py, fp8_dequant_slots_triton.py) compile for an H100 (sm_90)
+"""The FP8 kernels (fp8_quant_kernels.py, fp8_dequant_kernels.py: the per-tensor ones and the fused
+slot ones, which share their block arithmetic as jitted helpers) compile for an H100 (sm_90)
 down to a cubin, on a machine without a GPU: Triton's interpreter, which the byte-for-byte tests use,
 accepts code the compiler refuses (a variable typed differently in two branches, a scalar mask).
 Skipped where triton is not installed (CI); run in a subprocess with a fresh cache, so it compiles."""
@@ -12,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from weightsync.formats import fp8_dequant_slots_triton, fp8_slots_triton
+from weightsync.formats import fp8_dequant_slots_triton, fp8_slots_triton, fp8_triton
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -38,9 +39,23 @@ build(
      "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr"},
     {"WB": 4096, "WS": 16, "BR": 128, "BC": 128},
 )
+for x in ("*bf16", "*fp32"):
+    build(
+        fp8_triton._kernel(),
+        {"x_ptr": x, "q_ptr": "*u8", "s_ptr": "*fp32", "rows": "i64", "cols": "i64", "n_rb": "i64", "n_cb": "i64",
+         "BR": "constexpr", "BC": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr"},
+        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126},
+    )
+for out, bf16 in (("*i16", True), ("*fp32", False)):
+    build(
+        fp8_triton._dequant_kernel(),
+        {"q_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": out, "rows": "i64", "cols": "i64", "n_rb": "i64",
+         "n_cb": "i64", "BR": "constexpr", "BC": "constexpr", "OUT_BF16": "constexpr"},
+        {"BR": 128, "BC": 128, "OUT_BF16": bf16},
+    )
 print("compiled")
 """
 
 
-def test_the_fused_fp8_kernels_compile_for_sm90(tmp_path):
+def test_the_fp8_kernels_compile_for_sm90(tmp_path):
     compile_for_sm90(SCRIPT, tmp_path / "cache")

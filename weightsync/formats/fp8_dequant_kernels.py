@@ -1,0 +1,128 @@
+"""The Triton kernels that dequantize block FP8: a tensor's blocks (`dequant_block`, fp8_triton.py)
+and a received bucket into the engine's parameters, checksummed as it goes (`dequant_bucket`,
+fp8_dequant_slots_triton.py says what its two kinds of programs do). Both decode and round with
+the same helpers (`from_e4m3`, `to_bf16_bits`), bit for bit the torch path's.
+
+Imported only by those modules, lazily: triton comes with CUDA builds of torch, not the CPU build.
+The helpers are module globals because a `@triton.jit` function resolves the functions it calls
+among its module's globals (compiled, and under the CPU interpreter alike).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def from_e4m3(code):
+    """float32 of e4m3fn codes (int32 0..255), exact: normal = 2**(e-7) * 1.m, subnormal = m * 2**-9."""
+    e = (code >> 3) & 0xF
+    m = code & 0x7
+    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    v = tl.where((code & 0x7F) == 0x7F, float("nan"), v)  # e4m3fn's only NaN codes
+    # the sign goes on as a bit: Triton's `-v` is `0 - v`, which turns -0.0 into +0.0
+    return (v.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_bf16_bits(x):
+    """The bfloat16 bits (int16) of float32 `x`, rounded to nearest even on the bits as torch's
+    float -> bfloat16 conversion does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def dequant_block(
+    q_ptr, s_ptr, out_ptr, rows, cols, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr
+):
+    pid = tl.program_id(0).to(tl.int64)
+    per_matrix = n_rb * n_cb
+    b = pid // per_matrix
+    r = (pid % per_matrix) // n_cb * BR + tl.arange(0, BR).to(tl.int64)
+    c = pid % n_cb * BC + tl.arange(0, BC).to(tl.int64)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    offs = b * rows * cols + r[:, None] * cols + c[None, :]
+    code = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptr + pid)
+    # one float32 product, one rounding to the output dtype (as float32(q) * s then .to(dtype))
+    prod = from_e4m3(code) * s
+    if OUT_BF16:
+        tl.store(out_ptr + offs, to_bf16_bits(prod), mask=mask)
+    else:
+        tl.store(out_ptr + offs, prod.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# the word-program count differs per bucket: not a specialisation (one compile serves every bucket)
+@triton.jit(do_not_specialize=["n_word"])
+def dequant_bucket(
+    buf_bytes,
+    buf_words,
+    buf_f32,
+    word_base,
+    bf16_base,
+    f32_base,
+    word_ptr,
+    n_word,
+    tensor_ptr,
+    owner_ptr,
+    out_ptr,
+    WB: tl.constexpr,
+    WS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < n_word:
+        src = tl.load(word_ptr + pid * 4)
+        n = tl.load(word_ptr + pid * 4 + 1)
+        dst = tl.load(word_ptr + pid * 4 + 2)
+        has_dst = tl.load(word_ptr + pid * 4 + 3)
+        acc1 = tl.zeros([WB], dtype=tl.int64)
+        acc2 = tl.zeros([WB], dtype=tl.int64)
+        for i in range(WS):
+            offs = i * WB + tl.arange(0, WB)
+            mask = offs < n
+            w = tl.load(buf_words + src + offs, mask=mask, other=0)
+            tl.store(word_base + dst + offs, w, mask=mask & (has_dst != 0))
+            acc1 += w.to(tl.int64)
+            acc2 += (w * w).to(tl.int64)  # the square wraps in int32, as checksum.py's
+        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+    else:
+        t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 9
+        rows = tl.load(tensor_ptr + t)
+        cols = tl.load(tensor_ptr + t + 1)
+        q_off = tl.load(tensor_ptr + t + 2)
+        s_here = tl.load(tensor_ptr + t + 3)
+        s_off = tl.load(tensor_ptr + t + 4)
+        d_off = tl.load(tensor_ptr + t + 5)
+        k = pid - n_word - tl.load(tensor_ptr + t + 6)
+        out_f32 = tl.load(tensor_ptr + t + 7)
+        sums = tl.load(tensor_ptr + t + 8)
+        n_cb = (cols + BC - 1) // BC
+        c0 = (k % n_cb) * BC
+        r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
+        c = c0 + tl.arange(0, BC).to(tl.int64)
+        rmask = r < rows
+        mask = rmask[:, None] & (c[None, :] < cols)
+        offs = r[:, None] * cols + c[None, :]
+        code = tl.load(buf_bytes + q_off + offs, mask=mask, other=0).to(tl.int32)
+        if s_here != 0:
+            s = tl.load(buf_f32 + s_off + k)
+        else:
+            s = tl.load(f32_base + s_off + k)
+        prod = from_e4m3(code) * s  # dequant_block's product and rounding
+        if out_f32 != 0:
+            tl.store(f32_base + d_off + offs, prod, mask=mask)
+        else:
+            tl.store(bf16_base + d_off + offs, to_bf16_bits(prod), mask=mask)
+        # the block's own words (rows of whole words: cols and q_off multiples of 4)
+        j = tl.arange(0, BC // 4).to(tl.int64)
+        wmask = rmask[:, None] & (c0 + 4 * j[None, :] < cols) & (sums != 0)
+        widx = (q_off + r[:, None] * cols + c0) // 4 + j[None, :]
+        w = tl.load(buf_words + widx, mask=wmask, other=0)
+        tl.store(out_ptr + pid * 2, tl.sum(tl.sum(w.to(tl.int64), axis=1), axis=0))
+        tl.store(out_ptr + pid * 2 + 1, tl.sum(tl.sum((w * w).to(tl.int64), axis=1), axis=0))

@@ -1,0 +1,109 @@
+"""The Triton kernels that quantize to block FP8: a tensor's blocks (`quant_block`, fp8_triton.py
+says why its bytes equal torch's) and weights written into bucket slots (`quant_slots`,
+fp8_slots_triton.py). Both call one definition of a block's scale and of the float32 -> e4m3fn
+rounding (`block_scale`, `to_e4m3`), so the two cannot drift apart.
+
+Imported only by those modules, lazily: triton comes with CUDA builds of torch, not the CPU build.
+The helpers are module globals because a `@triton.jit` function resolves the functions it calls
+among its module's globals (compiled, and under the CPU interpreter alike).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def block_scale(x, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    """amax / FMAX of a float32 block (IEEE division, as torch's), 1.0 for an all-tiny block,
+    inf when any value is NaN or infinite (the block is then refused)."""
+    a = tl.where(x == x, tl.abs(x), float("inf"))
+    amax = tl.max(tl.max(a, axis=1), axis=0)
+    s = tl.div_rn(amax, FMAX)
+    return tl.where(s < SMIN, 1.0, s)
+
+
+@triton.jit
+def to_e4m3(x, s, FMAX: tl.constexpr):
+    """The e4m3fn codes (int32, 0..255) of x / s, clamped to +-FMAX, rounded to nearest even on
+    the bits (|y| <= 448: no overflow case left)."""
+    y = tl.div_rn(x, s)
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    bits = y.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits with RNE, then rebias 127 -> 7
+    odd = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + odd) >> 20) - ((127 - 7) << 3)
+    # subnormal e4m3 (|y| < 2**-6, steps of 2**-9): |y| * 512 rounded to an integer in 0..8 by
+    # adding 2**23 (a float32 add rounds to nearest even); 8 is the smallest normal code
+    t = tl.abs(y) * 512.0 + 8388608.0
+    sub = t.to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(mag < (121 << 23), sub, normal) | sign
+
+
+@triton.jit
+def quant_block(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    cols,
+    n_rb,
+    n_cb,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    per_matrix = n_rb * n_cb
+    b = pid // per_matrix
+    rb = (pid % per_matrix) // n_cb
+    cb = pid % n_cb
+    r = rb * BR + tl.arange(0, BR).to(tl.int64)
+    c = cb * BC + tl.arange(0, BC).to(tl.int64)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    offs = b * rows * cols + r[:, None] * cols + c[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = block_scale(x, FMAX, SMIN)
+    code = to_e4m3(x, s, FMAX)
+    tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+    tl.store(s_ptr + pid, s)
+
+
+@triton.jit
+def quant_slots(
+    src_base,
+    row_ptr,
+    tensor_ptr,
+    owner_ptr,
+    q_base,
+    s_base,
+    flag_ptr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
+    rows = tl.load(tensor_ptr + t)
+    cols = tl.load(tensor_ptr + t + 1)
+    q_off = tl.load(tensor_ptr + t + 2)
+    s_off = tl.load(tensor_ptr + t + 3)
+    row0 = tl.load(tensor_ptr + t + 4)
+    k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
+    n_cb = (cols + BC - 1) // BC
+    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
+    c = (k % n_cb) * BC + tl.arange(0, BC).to(tl.int64)
+    rmask = r < rows
+    mask = rmask[:, None] & (c[None, :] < cols)
+    src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
+    x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = block_scale(x, FMAX, SMIN)
+    code = to_e4m3(x, s, FMAX)
+    tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
+    tl.store(s_base + s_off + k, s)
+    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
