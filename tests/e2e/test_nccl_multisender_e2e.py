@@ -35,7 +35,7 @@ def gloo_nccl(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def _fleet(procs, model: str):
+def _fleet(procs, model: str, *trainer_args: str):
     trainer = procs.trainer(
         "--model",
         model,
@@ -46,6 +46,7 @@ def _fleet(procs, model: str):
         "--no-auto-sync-new-rollouts",
         "--nccl-init-timeout-s",
         "60",
+        *trainer_args,
         nproc=2,
     )
     rollouts = [
@@ -64,7 +65,8 @@ def _sync(trainer, timeout: float = 120.0, **kw) -> trainer_pb2.SyncReport:
 
 
 def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(procs, gloo_nccl):
-    trainer, rollouts = _fleet(procs, "tiny-qwen2")
+    # sync_encoding=delta (auto is full on nccl): every stage also keeps its own buckets as its part of the base
+    trainer, rollouts = _fleet(procs, "tiny-qwen2", "--sync-encoding", "delta")
     rep = _sync(trainer, senders="all")
     assert rep.ok, rep
     sd = _exported(trainer, procs.tmp / "exported")
@@ -89,6 +91,19 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     assert again.ok and again.version == rep.version
     assert [r.log().count("joined NCCL group") for r in rollouts] == joins == [2, 2]
     assert trainer.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == builds
+    # that sync was offered the base the stages kept; the rollouts held none yet, so every stage framed
+    # its buckets dense, and the rollouts kept them. Now both hold it: each stage sends its buckets as
+    # deltas on its own group (nothing changed: frame headers only), and the rollouts end exact
+    assert [r.encoding for r in again.rollouts] == ["full", "full"], again.rollouts
+    assert all(r.wire_bytes > stage0 + stage1 for r in again.rollouts), again.rollouts
+    delta = _sync(trainer, senders="all")
+    assert delta.ok and sorted(x.rank for x in delta.senders) == [0, 1], delta
+    assert [r.encoding for r in delta.rollouts] == ["delta", "delta"], delta.rollouts
+    assert all(r.wire_bytes < 4096 for r in delta.rollouts), delta.rollouts
+    for r in rollouts:
+        logits, version = score(rstub(r), PROMPT)
+        assert version == rep.version and torch.equal(logits, want), (logits - want).abs().max()
+    assert [r.log().count("joined NCCL group") for r in rollouts] == [2, 2]
 
     # the funnel over nccl, for contrast: one group of rank 0, stage 1's tensors forwarded to it
     funnel = _sync(trainer, senders="rank0")
