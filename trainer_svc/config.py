@@ -146,9 +146,9 @@ class BusConfig:
         "auto",
         choices=("full", "delta", "auto"),
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
-        "changed 16-bit words (8-bit for fp8) of each bucket, over tcp or nccl (a rollout that lacks the "
-        "base is sent in full; over nccl every target then is, and a multi-sender nccl sync goes in full); "
-        "auto: delta where the link is the bottleneck (tcp, each sender rank diffing its own buckets), full "
+        "changed 16-bit words (8-bit for fp8) of each bucket, over tcp or nccl, each sender rank diffing "
+        "its own buckets (a rollout that lacks the base is sent in full; over nccl every target then is); "
+        "auto: delta where the link is the bottleneck (tcp), full "
         "otherwise (ipc; nccl, where the GPU compare is slower than links from ~90 Gb/s: set delta for a "
         "slower link between hosts)",
     )

@@ -10,6 +10,7 @@ buckets have arrived. The same paths on real NCCL: tests/gpu/test_multisender_gp
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from reliability_helpers import MODEL_KW, rstub, score, status, tstub, wait_for
 from test_multisender_e2e import PROMPT, _bytes, _exported, _hf_logits, _layer, _rank_pid, _senders
 
-from weightsync.local.procs import wait_registered
+from weightsync.local.procs import wait_registered, wsctl
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def gloo_nccl(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def _fleet(procs, model: str):
+def _fleet(procs, model: str, *trainer_args: str):
     trainer = procs.trainer(
         "--model",
         model,
@@ -46,6 +47,7 @@ def _fleet(procs, model: str):
         "--no-auto-sync-new-rollouts",
         "--nccl-init-timeout-s",
         "60",
+        *trainer_args,
         nproc=2,
     )
     rollouts = [
@@ -59,12 +61,32 @@ def _fleet(procs, model: str):
     return trainer, rollouts
 
 
+def _changed_copy(exported: Path, out: Path, sd: dict[str, torch.Tensor]) -> Path:
+    """The exported checkpoint with 2 % of its values changed (what an optimizer step changes of bf16 weights)."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in exported.glob("*.json"):
+        if not f.name.endswith(".index.json"):  # the tensors go into one file below
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(5)
+    changed = {}
+    for name, t in sd.items():
+        t = t.clone()
+        mask = torch.rand(t.shape, generator=g) < 0.02
+        t[mask] = t[mask] * 1.5 + 0.01
+        changed[name] = t
+    save_file(changed, str(out / "model.safetensors"))
+    return out
+
+
 def _sync(trainer, timeout: float = 120.0, **kw) -> trainer_pb2.SyncReport:
     return tstub(trainer, timeout=timeout).Sync(trainer_pb2.SyncRequest(transport="nccl", **kw)).report
 
 
 def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(procs, gloo_nccl):
-    trainer, rollouts = _fleet(procs, "tiny-qwen2")
+    # sync_encoding=delta (auto is full on nccl): every stage also keeps its own buckets as its part of the base
+    trainer, rollouts = _fleet(procs, "tiny-qwen2", "--sync-encoding", "delta")
     rep = _sync(trainer, senders="all")
     assert rep.ok, rep
     sd = _exported(trainer, procs.tmp / "exported")
@@ -89,6 +111,30 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
     assert again.ok and again.version == rep.version
     assert [r.log().count("joined NCCL group") for r in rollouts] == joins == [2, 2]
     assert trainer.metric("weightsync_nccl_group_builds_total", 'role="trainer"') == builds
+    # that sync was offered the base the stages kept; the rollouts held none yet, so every stage framed
+    # its buckets dense, and the rollouts kept them. Now both hold it: each stage sends its buckets as
+    # deltas on its own group (nothing changed: frame headers only), and the rollouts end exact
+    assert [r.encoding for r in again.rollouts] == ["full", "full"], again.rollouts
+    assert all(r.wire_bytes > stage0 + stage1 for r in again.rollouts), again.rollouts
+    delta = _sync(trainer, senders="all")
+    assert delta.ok and sorted(x.rank for x in delta.senders) == [0, 1], delta
+    assert [r.encoding for r in delta.rollouts] == ["delta", "delta"], delta.rollouts
+    assert all(r.wire_bytes < 4096 for r in delta.rollouts), delta.rollouts
+    for r in rollouts:
+        logits, version = score(rstub(r), PROMPT)
+        assert version == rep.version and torch.equal(logits, want), (logits - want).abs().max()
+    assert [r.log().count("joined NCCL group") for r in rollouts] == [2, 2]
+    # a new version that changes 2 % of the values: each stage's deltas carry a few percent of its bytes
+    changed = _changed_copy(procs.tmp / "exported", procs.tmp / "changed", sd)
+    assert wsctl("--address", trainer.address, "load", str(changed)).returncode == 0
+    delta = _sync(trainer, senders="all")
+    assert delta.ok and delta.version > rep.version, delta
+    assert [r.encoding for r in delta.rollouts] == ["delta", "delta"], delta.rollouts
+    assert all(r.wire_bytes < 0.15 * (stage0 + stage1) for r in delta.rollouts), (delta.rollouts, stage0 + stage1)
+    want = _hf_logits(changed)
+    for r in rollouts:
+        logits, version = score(rstub(r), PROMPT)
+        assert version == delta.version and torch.equal(logits, want), (logits - want).abs().max()
 
     # the funnel over nccl, for contrast: one group of rank 0, stage 1's tensors forwarded to it
     funnel = _sync(trainer, senders="rank0")
@@ -105,7 +151,7 @@ def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(
             ]
         )
     )
-    assert step.version == rep.version + 1, step
+    assert step.version == delta.version + 1, step
     trained = _sync(trainer, senders="all")
     assert trained.ok and trained.version == step.version, trained
     assert all(x.flat_buckets == x.num_buckets > 0 for x in trained.senders), trained.senders

@@ -12,14 +12,16 @@ to `WS_BENCH_OUT` when set.
 Exactness as in test_services_gpu.py: a rollout's logits equal, bit for bit, those of a reference
 engine loaded from the trainer's own export on the rollout's GPU. Over NCCL each sending rank has a
 group of its own with the rollouts; a rollout on a sending rank's GPU cannot join that rank's
-group, so on two GPUs the NCCL sync takes the funnel; with four, the last test streams each
-stage over NCCL from its own GPU to rollouts on the other two.
+group, so on two GPUs the NCCL sync takes the funnel; with four, the last two tests stream each
+stage over NCCL from its own GPU to rollouts on the other two, the last with sync_encoding=delta
+(each stage's delta frames on its own group; its figures go to `WS_BENCH_OUT`.nccl4_delta.json).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 
 import pytest
@@ -32,7 +34,7 @@ from test_services_gpu import (
     needs_gpus,
 )
 
-from weightsync.local.procs import start_rollout, start_trainer, wait_registered
+from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl
 
 pytestmark = pytest.mark.gpu
 
@@ -255,5 +257,96 @@ def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faste
             with open(os.environ["WS_BENCH_OUT"] + ".nccl4.json", "w") as fh:
                 json.dump({"multi_s": multi, "funnel_s": funnel, "speedup": f / m}, fh, indent=1)
         assert m < f, (multi, funnel)
+    finally:
+        t.stop()
+
+
+def _changed_weights(trainer, tmp, tag: str, seed: int):
+    """The trainer's export with 2 % of its values changed (what an optimizer step changes of bf16
+    weights), as a checkpoint directory to load."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = tmp / f"export-{tag}-src", tmp / f"weights-{tag}"
+    res = wsctl("--address", trainer.address, "export", str(src))
+    assert res.returncode == 0, res.stdout + res.stderr
+    out.mkdir()
+    shutil.copy(_model_dir(tmp) / "config.json", out / "config.json")
+    g = torch.Generator().manual_seed(seed)
+    sd = load_file(str(src / "model.safetensors"))
+    for t in sd.values():
+        mask = torch.rand(t.shape, generator=g) < 0.02
+        t[mask] = t[mask] * 1.5 + 0.01
+    save_file(sd, str(out / "model.safetensors"))
+    shutil.rmtree(src)
+    return out
+
+
+@needs_gpus(4)
+def test_pp2_over_nccl_with_sync_encoding_delta_every_stage_frames_deltas_on_its_own_group(fleet):
+    """Trainer PP=2 on cuda:0 and cuda:1 with sync_encoding=delta, rollouts on cuda:2 and cuda:3: each
+    stage diffs the buckets it owns against its part of the base (on its GPU) and broadcasts them as
+    delta frames on its own group; the rollouts apply them onto their base copies (on their GPUs), exactly.
+    Timed: the dense framed sync and the delta syncs (2 % of the values changed), on the same model as
+    the test above (its multi-sender full sync time is the comparison)."""
+    _big_model(fleet.tmp)
+    t = start_trainer(
+        fleet.tmp,
+        "--backend",
+        "megatron",
+        "--model",
+        str(_model_dir(fleet.tmp)),
+        "--pp",
+        "2",
+        "--bucket-mb",
+        "64",
+        "--no-auto-sync-new-rollouts",
+        "--init-seed",
+        "1",
+        "--sync-encoding",
+        "delta",
+        nproc=2,
+    )
+    try:
+        t.wait_ready(600)
+        rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
+        for r in rs:
+            r.wait_ready()
+        wait_registered(t.address, ["r0", "r1"])
+        args = ("--transport", "nccl", "--senders", "all")
+        # the first sync keeps each stage's part unoffered; the second is offered, refused (the rollouts
+        # hold no base yet), framed dense and kept by the rollouts
+        dense = []
+        for _ in range(2):
+            rc, rep = _sync(t, *args)
+            assert rc == 0 and rep["ok"] and sorted(int(s["rank"]) for s in rep["senders"]) == [0, 1], rep
+            assert [r["encoding"] for r in rep["rollouts"]] == ["full", "full"], rep["rollouts"]
+            dense.append(rep["seconds"])
+        reps = int(os.environ.get("WS_MS_GPU_REPS", "3"))
+        deltas = []
+        for k in range(reps):
+            changed = _changed_weights(t, fleet.tmp, f"d{k}", seed=k)
+            res = wsctl("--address", t.address, "load", str(changed))
+            assert res.returncode == 0, res.stdout + res.stderr
+            shutil.rmtree(changed)
+            rc, rep = _sync(t, *args)
+            assert rc == 0 and rep["ok"] and sorted(int(s["rank"]) for s in rep["senders"]) == [0, 1], rep
+            assert [r["encoding"] for r in rep["rollouts"]] == ["delta", "delta"], rep["rollouts"]
+            total = int(rep["bytes"])
+            assert all(int(r["wire_bytes"]) < 0.15 * total for r in rep["rollouts"]), (rep["rollouts"], total)
+            deltas.append(rep["seconds"])
+        for i, r in enumerate(rs):
+            _assert_exact(
+                r,
+                _reference_logits(t, fleet.tmp, f"nccl-delta-{i}", f"cuda:{i + 2}", torch.float32),
+                int(rep["version"]),
+            )
+        wire = [int(r["wire_bytes"]) / total for r in rep["rollouts"]]
+        print(
+            f"nccl PP=2 on 4 GPUs, sync_encoding=delta: dense framed {dense[1]:.3f}s, delta syncs "
+            f"{', '.join(f'{s:.3f}' for s in deltas)}s, {wire[0]:.3f}x the bytes on each group"
+        )
+        if os.environ.get("WS_BENCH_OUT"):
+            with open(os.environ["WS_BENCH_OUT"] + ".nccl4_delta.json", "w") as fh:
+                json.dump({"dense_s": dense, "delta_s": deltas, "wire_ratio": wire, "bytes": total}, fh, indent=1)
     finally:
         t.stop()

@@ -17,9 +17,9 @@ deterministic at one version — replaces them, so a rollout on the earlier byte
 rather than a delta that would fail its checksum. (Packing zeroes the alignment gaps between
 tensors for the same reason: weightsync/bus/pack.py.)
 
-Which syncs: delta is carried by tcp (the link is the bottleneck there) and by nccl from one
-sender (its buckets then go framed: weightsync/bus/nccl/framed.py; a broadcast reaches every member
-alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
+Which syncs: delta is carried by tcp (the link is the bottleneck there) and by nccl, from one sender
+or several (the buckets then go framed: weightsync/bus/nccl/framed.py; a broadcast reaches every
+member alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
 ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more
 HBM passes — compare, read the base, write it back — than it saves) and for nccl: measured on an
 H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (docs/BENCHMARKS.md,
@@ -27,13 +27,19 @@ H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (doc
 (NVLink within a host; 100-400 Gb/s between hosts). That was the torch codec; with Triton the GPU
 runs fused kernels (weightsync/bus/delta_cuda.py) that are not measured yet
 (bench/bench_delta_gpu_codec.py): the rule stays until they are. `delta` forces it on nccl (a slower
-link between hosts), and is refused on ipc. A multi-sender nccl stream goes in full. On nccl the trainer's base is
-kept where it exports (its GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
-With several senders (multisender.py)
-each rank keeps and diffs the buckets it owns (`RankPart`, on its actor: host memory for its share
-of the export) and rank 0 keeps only the base's name: a rank uses its part only when its last
-stream is the one rank 0 names (DeltaRankJob.base), so a rank whose part was dropped, or a base
-rank 0 dropped, sends its buckets dense (which a rollout that accepted the delta takes as well).
+link between hosts), and is refused on ipc. On nccl the trainer's base is kept where it exports (its
+GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
+
+With several senders (multisender.py) each rank keeps and diffs the buckets it owns (`RankPart`, on
+its actor: host memory for its share of the export over tcp, its GPU over nccl) and rank 0 keeps
+only the base's name: a rank uses its part only when its last stream is the one rank 0 names
+(DeltaRankJob.base), so a rank whose part was dropped, or a base rank 0 dropped, sends its buckets
+dense (which a rollout that accepted the delta takes as well). Over nccl each sending rank
+broadcasts on a group of its own (weightsync/bus/nccl/sender_groups.py) and frames its buckets
+there once rank 0 offered a base (`DeltaRankJob.framed`: the rollouts, told by PrepareSync alone,
+receive every group framed over their delta base), dense frames included: a rank without a usable
+part still frames. Rank 0 settles, before the ranks start, whether the frames may be deltas: only
+when every target accepted the base (`broadcast_to`), for every rank's group alike.
 
 A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
 checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
@@ -102,18 +108,15 @@ class DeltaBase:
         if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
             self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
         self.held, self.streams = None, ()  # the copy is being overwritten: it is this sync's until its stream ends
-        return DeltaStream(self, manifest, offer, keep=True, prior=prior)
+        return DeltaStream(self, manifest, offer, keep=True, prior=prior, framed=offer is not None)
 
     def _no_delta(self, manifest: Manifest, transport: str) -> str:
         if self.encoding == "full":
             return "sync_encoding=full"
         if transport not in DELTA_TRANSPORTS:
             return f"transport {transport}"
-        if transport == "nccl":
-            if len(manifest.senders) > 1:
-                return "a multi-sender nccl stream (each sender's group would need frames of its own)"
-            if self.encoding == "auto":
-                return "auto on nccl (the GPU compare is slower than NCCL links from ~90 Gb/s; delta forces it)"
+        if transport == "nccl" and self.encoding == "auto":
+            return "auto on nccl (the GPU compare is slower than NCCL links from ~90 Gb/s; delta forces it)"
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:
@@ -153,24 +156,33 @@ class DeltaStream:
     prior: tuple[str, ...] = ()
     #: every bucket so far was compared with the base and found unchanged
     unchanged: bool = True
+    #: a collective channel frames the buckets: the rollouts expect frames, because a base was
+    #: offered in PrepareSync (on a sender rank: rank 0's offer, whatever its own part holds)
+    framed: bool = False
 
     def channel(self, inner: BucketSender, targets: set[str] | None = None) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket.
         A collective channel (one that has `framed()`: nccl) sends every target the same frames:
         framed once a base was offered (the rollouts expect frames then), and deltas only when all
-        of `targets` (the prepared ones) accepted."""
+        of `targets` (the prepared ones) accepted; None: `accepted` was settled so already (a
+        sender rank's part, from rank 0's `rank_job`)."""
         if not self.keep:
             return inner
         if hasattr(inner, "framed"):
-            if self.offer is None:
+            if not self.framed:
                 return _DeltaChannel(inner, self)  # plain dense broadcasts, kept as the next base
-            inner = inner.framed()
-            if self.accepted != set(targets or ()):
-                self.accepted.clear()  # someone takes it dense: everyone does
-            return _DeltaChannel(inner, self)
+            if targets is not None:
+                self.broadcast_to(targets)
+            return _DeltaChannel(inner.framed(), self)
         if self.accepted:
             inner.delta_targets = set(self.accepted)
         return _DeltaChannel(inner, self)
+
+    def broadcast_to(self, targets) -> None:
+        """The stream is a broadcast to `targets` (nccl), which reaches every member alike: deltas
+        only when every one of them accepted the base."""
+        if self.accepted != set(targets):
+            self.accepted.clear()  # someone takes it dense: everyone does
 
     def encode(self, plan: BucketPlan, dense: torch.Tensor):
         """(the delta of bucket `plan` from the base, or None: send it dense; the checksum of `dense`;
@@ -208,15 +220,19 @@ class DeltaStream:
         self.stored.add(plan.index)
         self.checksums.append(checksum)
 
-    def rank_job(self) -> DeltaRankJob | None:
+    def rank_job(self, broadcast_to=None) -> DeltaRankJob | None:
         """What every sender rank of a multi-sender stream needs to diff and keep its own buckets
-        (weightsync/publisher/multisender.py), or None: nothing is kept."""
+        (weightsync/publisher/multisender.py), or None: nothing is kept. `broadcast_to`: the
+        targets, when each rank broadcasts to all of them on its group (nccl: `broadcast_to`)."""
         if not self.keep:
             return None
+        if broadcast_to is not None:
+            self.broadcast_to(broadcast_to)
         return DeltaRankJob(
             base=self.offer.sync_ids[-1] if self.offer is not None and self.offer.sync_ids else "",
             accepted=sorted(self.accepted),
             layout_digest=self.manifest.layout_digest,
+            framed=self.framed,
         )
 
     def senders_kept(self, results) -> None:
@@ -253,9 +269,12 @@ class DeltaRankJob:
 
     #: the last sync whose stream the base is, per rank 0 ("": no base offered; diff against nothing)
     base: str
-    #: the targets that accepted the base: sent deltas where smaller
+    #: the targets that accepted the base: sent deltas where smaller (nccl: all of them, or none)
     accepted: list[str]
     layout_digest: str
+    #: (nccl) rank 0 offered a base in PrepareSync, so the rollouts take every rank's buckets as
+    #: frames (weightsync/bus/nccl/framed.py): a rank frames them even where its part is of no use
+    framed: bool = False
 
 
 class RankPart:
@@ -270,9 +289,11 @@ class RankPart:
     def stream(self, job: DeltaRankJob, mine: Manifest) -> DeltaStream:
         if not job.base or self.base.streams[-1:] != (job.base,):
             self.base.drop()  # not the base rank 0 offered: diff against nothing, keep this stream
+        # "tcp": any transport that carries deltas; the rank's channel decides how its buckets go
         s = self.base.begin(replace(mine, layout_digest=job.layout_digest), "tcp")
         if s.offer is not None:
             s.accepted |= set(job.accepted)
+        s.framed = job.framed  # what the rollouts expect, which this rank's part does not change
         return s
 
     def drop(self) -> None:

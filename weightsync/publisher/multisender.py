@@ -18,6 +18,9 @@ one per sender: weightsync/bus/nccl/sender.py); the rank builds or reuses its co
 (weightsync/bus/nccl/sender_groups.py, kept on the actor across syncs) and broadcasts its buckets
 on it from the GPU it exports on. A failed stream drops the rank's group; rank 0, seeing the
 failure in the merged outcome, plans new groups for every sender.
+
+A delta sync (weightsync/publisher/delta_sync.py) has every rank diff and keep the buckets it owns
+(`DeltaRankJob` in the job); over NCCL each rank then frames its buckets on its own group.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class SendJob:
     nccl_groups: dict[str, dict] = field(default_factory=dict)  # str(sender rank) -> SenderGroupJob fields
     export_dtype: str = ""  # a quantized export format each rank applies to its own tensors ("": none)
     watch_period: float = 1.0  # nccl: how often a sender looks for rank 0's abort flag (seconds)
-    #: delta syncs (tcp): every rank keeps its own buckets as its part of the base (DeltaRankJob)
+    #: delta syncs: every rank keeps its own buckets as its part of the base (DeltaRankJob)
     delta: dict = field(default_factory=dict)
 
     @classmethod
@@ -113,6 +116,9 @@ class SenderResult:
     forwarded_bytes: int = 0  # other ranks' tensors it received first (the funnel only)
     peak_buffer_bytes: int = 0  # its pack buffers (<= 2 buckets)
     wire_bytes: dict[str, int] = field(default_factory=dict)  # rollout id -> what it put on the bus for it
+    #: (nccl, framed) what it broadcast on its group, headers included: every member took all of it
+    #: (the rank does not know the rollouts by id; rank 0 does); None: not counted (wire_bytes or total)
+    broadcast_bytes: int | None = None
     #: of its buckets, how many it sent straight from its own parameters' storage (the actor's
     #: `own_flat_buckets`: no export pass, no pack copy); 0 when it exported and packed them
     flat_buckets: int = 0
@@ -160,7 +166,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         part = rank_delta_stream(actor, job, replace(manifest, buckets=mine))
         if mine:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
-            ok = False
+            channel, ok = sender, False
             try:
                 flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
                 if flat is not None:
@@ -168,10 +174,11 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     # this rank's export is never started, and no other rank waits for it
                     export = iter(())
                     res.flat_buckets = len(mine)
+                channel = sender if part is None else part.channel(sender)
                 stats = stream_buckets(
                     replace(manifest, buckets=mine),
                     fmt.tensors(export),
-                    sender if part is None else part.channel(sender),
+                    channel,
                     device=device,
                     timeout=max(0.001, deadline - time.monotonic()),
                     with_checksums=part is None,  # a kept bucket's checksum is summed as it is diffed
@@ -190,6 +197,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     res.kept, res.unchanged = part.base.held is not None, part.unchanged
                 res.failures = sender.failures()
                 res.wire_bytes = dict(getattr(sender, "wire_bytes", {}))
+                res.broadcast_bytes = getattr(channel, "wire_bytes_sent", None)  # a framed broadcast
                 sender.close()
             if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")

@@ -179,14 +179,17 @@ class StreamPhase:
             nccl_groups=groups,
             export_dtype=fmt.name if fmt.quantization else "",
             watch_period=period,
-            delta=a.delta.rank_job() if self.session.name == "tcp" else None,
+            # a broadcast on each sender's group (nccl) reaches every target alike: deltas for all or none
+            delta=a.delta.rank_job(set(a.prepared) if self.session.group_wide else None),
         )
         self.senders = out.senders
         self.bytes_sent = sum(s.bytes for s in out.senders)
         if a.delta.keep:
             a.delta.senders_kept(out.senders)
         for s in out.senders:
-            for rid, n in s.wire_bytes.items():
+            # a framed broadcast counts its bytes once, for every member of the sender's group
+            sent = s.wire_bytes if s.broadcast_bytes is None else dict.fromkeys(a.prepared, s.broadcast_bytes)
+            for rid, n in sent.items():
                 self._wire[rid] = self._wire.get(rid, 0) + n
         for rid, err in out.failures.items():
             if rid in a.prepared:

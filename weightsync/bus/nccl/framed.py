@@ -7,7 +7,9 @@ base every bucket is two broadcasts: a 32-byte header (index, kind, payload leng
 many payload bytes. A broadcast reaches every member alike, so a bucket goes as a delta only when
 every member accepted the base (publisher/delta_sync.py); the others' syncs are framed too, with
 dense frames. Both ends know whether a sync is framed from PrepareSync alone: the trainer's offer
-(`delta_base`), which a rollout answers with `delta_accepted` or a `delta_refusal`.
+(`delta_base`), which a rollout answers with `delta_accepted` or a `delta_refusal`. With several
+senders each trainer rank frames the buckets it owns on its own group (a group per sender:
+sender_groups.py), dense where its part of the base is of no use.
 
 The header costs one small broadcast and, on the receiver, one device-to-host read per bucket
 before the payload's receive can be posted: a few tens of microseconds, next to the milliseconds a

@@ -11,7 +11,9 @@ restarted rollout makes the trainer rebuild instead of hanging everyone.
 Each sender's join and receive run in a thread started after the transaction is prepared (the
 trainer's ranks join only once every prepare has answered); the thread feeds
 `SyncTransaction.run_receiver` with that sender's buckets. A failure on any sender's group aborts
-the whole sync and every group of it.
+the whole sync and every group of it. When the trainer offered a delta base, every sender's buckets
+come framed on its group (framed.py), each thread writing through the one delta base of the sync
+(rollout_svc/sync/delta_base.py, which takes them under its lock).
 
 A communicator is kept only if its sync received every bucket from it: a sync that ends early
 (abort, error, timeout) may leave receives posted on it, so it is aborted and the next sync rebuilds.
