@@ -12,6 +12,8 @@
 #   PART=c bash bench/run_pending_gpu.sh   # two GPUs: full vs delta over NCCL at 1.5B (plain, then with P2P and
 #                                          # SHM off: a slower link), the NCCL delta GPU tests, then each stage
 #                                          # of a 7B PP=2 trainer: its own buckets in place vs export + pack
+#   PART=d bash bench/run_pending_gpu.sh   # four GPUs (last: not always lent): PP=2 multi-sender over NCCL, full
+#                                          # then sync_encoding=delta (each stage frames its own deltas), timed
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -21,7 +23,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b or c}
+PART=${PART:?set PART to a, b, c or d}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -60,6 +62,9 @@ case "$PART" in
      step 150 flat_pp python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/bench_flat_pp.py \
        --model 7b --pp 2 --reps 5 --out "$OUT/results_flat_pp_7b_$day.json"
      show flat_pp 12 ;;
-  *) echo "PART=$PART: must be a, b or c" >&2; exit 2 ;;
+  d) step 540 gpu_tests_multisender env OMP_NUM_THREADS=4 WS_BENCH_OUT="$OUT/results_nccl_multisender_delta_$day" \
+       "${PYTEST[@]}" tests/gpu/test_multisender_gpu.py -k over_nccl
+     show gpu_tests_multisender 25 ;;
+  *) echo "PART=$PART: must be a, b, c or d" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
