@@ -7,7 +7,8 @@ generating and streaming as SGLang 0.5.10 and 0.5.23 do (read from their wheels)
   and `meta_info["output_token_logprobs"]` (rows `(logprob, token_id, None)`) hold every token so far,
   `meta_info["id"]` is the request's rid, `meta_info["finish_reason"]` is None until its last item.
 - `tokenizer_manager.abort_request(rid)` must run on `self.loop` (it writes SGLang's ZMQ socket); the
-  request then ends with an item whose finish_reason type is "abort" and makes no further token.
+  request then ends with an item whose finish_reason type is "abort" and makes no further token (that
+  item's `output_ids` is not cumulative: 0.5.10 sends a queued request's abort with its last id only).
 
 Requests decode round robin, one token per request per step (stream_interval=1). `per_item` > 1 makes
 each item carry that many new tokens (SGLang coalescing a backlog). `hold_at` holds the engine before
@@ -107,7 +108,8 @@ class FakeSglang:
                 if r in self.aborted:
                     open_.remove(r)
                     self.finished.add(r)
-                    yield self._item(r, ids[r], lps, {"type": "abort", "message": "Abort before/in decoding."})
+                    # as 0.5.10's _handle_abort_req sends a streamed abort: its last token only, not cumulative
+                    yield self._item(r, ids[r][-1:], lps, {"type": "abort", "message": "Abort in waiting queue"})
                     continue
                 took = want[len(ids[r]) : len(ids[r]) + self.per_item]
                 ids[r] += took
