@@ -64,15 +64,15 @@ class TokenOut(NamedTuple):
     finish_reason: str | None  # on the sample's last token: its SampleResult.finish_reason; else None
 
 
-#: emit(prompt_index, tokens) -> finished: the tokens one decode step added to one prompt's samples. It
-#: runs on the engine's thread between steps and may raise to stop the request (its consumer is gone or
-#: stalled). It returns the samples (their index among the prompt's n) it has seen enough of, or None: a
-#: stop string completed in their text. The engine decodes no more of those: each ends with the token
-#: just emitted (its TokenOut said finish_reason None; the caller knows why it ended), with
-#: finish_reason "stop", and the prompt's decoding stops once all of its samples are done. The other
-#: samples get exactly the tokens they would have got (the batch is still sampled row by row), and the
-#: caller cuts the text at the stop string as it would the whole answer (openai_api/text.py), so only
-#: the tokens after a stop string are saved, never changed.
+#: emit(prompt_index, tokens) -> finished: new tokens of one prompt's samples, in order (the built-in engine: one
+#: decode step's; SGLang: one token per call, as its stream delivers them). It runs on the thread driving the engine,
+#: between steps or stream items, and may raise to stop the request (its consumer is gone or stalled). It returns the
+#: samples (their index among the prompt's n) it has seen enough of, or None: a stop string completed in their text.
+#: The engine decodes no more of those: each ends with the token just emitted (its TokenOut said finish_reason None;
+#: the caller knows why it ended), with finish_reason "stop", and the prompt's decoding stops once all of its samples
+#: are done. The other samples get exactly the tokens they would have got (the batch is still sampled row by row), and
+#: the caller cuts the text at the stop string as it would the whole answer (openai_api/text.py), so only the tokens
+#: after a stop string are saved, never changed.
 Emit = Callable[[int, list[TokenOut]], Iterable[int] | None]
 
 
@@ -91,9 +91,9 @@ class Engine(ABC):
     #: generate(..., step=f) asks f() while the request runs and stops the request once f raises,
     #: without turns (the engine batches requests itself)
     stops_on_cancel: bool = False
-    #: generate(..., emit=f) calls f with each decode step's tokens as they are sampled (token
-    #: streaming) and stops the samples f says are finished (Emit); an engine without it answers
-    #: whole, decoding each sample to a stop token or max_new_tokens, and a stream of it is sent at its end
+    #: generate(..., emit=f) calls f with the tokens as they are sampled (token streaming; the built-in engine and the
+    #: SGLang adapter) and stops the samples f says are finished (Emit); an engine without it answers whole, decoding
+    #: each sample to a stop token or max_new_tokens, and a stream of it is sent at its end
     streams_tokens: bool = False
 
     @abstractmethod

@@ -81,8 +81,10 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "context_length",
             "disable_radix_cache",
             "enable_deterministic_inference",
+            "incremental_streaming_output",
         ),
-        why="Engine(**kwargs) builds ServerArgs(**kwargs)",
+        why="Engine(**kwargs) builds ServerArgs(**kwargs); incremental_streaming_output=False (its default in "
+        "0.5.10 and 0.5.23) keeps streamed items cumulative",
     ),
     "Engine.shutdown": ApiUse("method", _ENGINE, "Engine", "shutdown"),
     "Engine.loop": ApiUse(
@@ -90,7 +92,8 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         _ENGINE,
         "Engine",
         "loop",
-        why="the asyncio loop Engine's own sync wrappers run on; used for pause/continue",
+        why="the asyncio loop Engine's own sync wrappers (and generate(stream=True)'s generator) run on; used for "
+        "pause/continue and to queue aborts on",
     ),
     "Engine.tokenizer_manager": ApiUse("attribute", _ENGINE, "Engine", "tokenizer_manager"),
     # ---- generation --------------------------------------------------------------------
@@ -99,7 +102,9 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         _ENGINE,
         "Engine",
         "generate",
-        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"),
+        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"),
+        why="stream=True: a sync generator running Engine.loop per item; each item one request's output so far "
+        "(meta_info id = its rid), cumulative while incremental_streaming_output is off",
     ),
     "SamplingParams": ApiUse(
         "fields",
@@ -112,7 +117,7 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         "fields",
         _IO,
         "GenerateReqInput",
-        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"),
+        params=("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid", "stream"),
     ),
     "TokenizerManager.abort_request": ApiUse(
         "method",
@@ -120,7 +125,8 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         "TokenizerManager",
         "abort_request",
         params=("rid",),
-        why="a cancelled Generate aborts its requests (called on Engine.loop: it writes the scheduler's ZMQ socket)",
+        why="a cancelled Generate aborts its requests, a stop string its sample's request (called on Engine.loop: "
+        "it writes the scheduler's ZMQ socket); an aborted streamed request ends with finish_reason type 'abort'",
     ),
     "generate output keys": ApiUse(
         "literal",
@@ -134,7 +140,9 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "input_token_logprobs",
             "type",
             "cached_tokens",
+            "id",
         ),
+        why="id: meta_info['id'] of a streamed item, the rid of the request it belongs to",
     ),
     # ---- cache and scheduling around a sync --------------------------------------------
     "Engine.flush_cache": ApiUse("method", _ENGINE, "Engine", "flush_cache"),

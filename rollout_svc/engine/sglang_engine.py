@@ -1,7 +1,8 @@
 """SglangEngine: rollout-svc's Engine (engine/base.py) on an in-process SGLang `Engine` (`--engine sglang`).
 
-Lifecycle and generation live here; the weight-update paths live in `sglang_weights` (read its
-docstring for the three paths, the NCCL rendezvous mismatch and what the trainer must serve).
+Lifecycle and generation live here; token streaming (`generate(emit=)`) in `sglang_stream`; the
+weight-update paths in `sglang_weights` (read its docstring for the three paths, the NCCL rendezvous
+mismatch and what the trainer must serve).
 Everything this adapter calls in SGLang is declared in `sglang_api.SGLANG_API_USED` and checked
 against the real sglang wheels by tests/unit/rollout_svc/engine/sglang; SGLang's own CPU Engine runs behind
 the adapter in the opt-in tests/sglang_exec/test_sglang_engine_cpu.py (it cannot run on the lent
@@ -9,8 +10,10 @@ GPU hosts; see docs/sglang.md).
 
 Threading: SGLang's sync `Engine` methods run `loop.run_until_complete` on one asyncio loop, so
 two concurrent calls would collide ("event loop is already running"). Every call goes through
-`self._call` under one lock; rollout-svc's transaction already serialises generation and weight
-application with its engine lock, so this lock is never contended in normal operation.
+`self._call` under one lock (a streamed generate holds it while its items are read); rollout-svc's
+transaction already serialises generation and weight application with its engine lock, so this lock
+is never contended in normal operation. Aborts are the exception: they are queued on SGLang's loop
+(`_abort`), never called from another thread.
 
 sglang is imported only inside functions: a builtin-engine pod never needs it.
 """
@@ -22,13 +25,16 @@ import math
 import os
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rollout_svc.engine.base import Engine, SampleResult, SamplingParams
+from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
+from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
 from weightsync.bus.plan import TensorMeta
 
@@ -84,10 +90,9 @@ def _sampling_params_dict(s: SamplingParams, seed: int | None) -> dict:
 
 def _to_sample(prompt_index: int, out: dict) -> SampleResult:
     meta = out["meta_info"]
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type", "length") if isinstance(reason, dict) else str(reason)
+    kind = finish_kind(meta) or "length"
     if kind == "abort":
-        raise RuntimeError(f"sglang aborted the request for prompt {prompt_index}: {reason}")
+        raise RuntimeError(f"sglang aborted the request for prompt {prompt_index}: {meta.get('finish_reason')}")
     # output_token_logprobs: [(logprob, token_id, text_or_None), ...]
     lps = [float(row[0]) for row in meta.get("output_token_logprobs") or []]
     return SampleResult(
@@ -138,7 +143,7 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
 HOST_ENV_RESTORED = ("NCCL_CUMEM_ENABLE",)
 
 
-class SglangEngine(SglangWeightsMixin, Engine):
+class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -171,6 +176,8 @@ class SglangEngine(SglangWeightsMixin, Engine):
                 trust_remote_code=o.trust_remote_code,
                 enable_deterministic_inference=o.deterministic,
                 skip_tokenizer_init=True,
+                # streamed items hold every token so far, in both versions (sglang_stream.py)
+                incremental_streaming_output=False,
                 log_level=o.log_level,
                 **dict(o.extra),
             )
@@ -259,17 +266,16 @@ class SglangEngine(SglangWeightsMixin, Engine):
     #: raises aborts the request in SGLang's scheduler (rollout_svc.service). SGLang batches requests
     #: itself: there are no turns to hand over between steps, so `yields_between_steps` stays off.
     stops_on_cancel = True
-    #: `streams_tokens` stays off: the adapter sends all (prompt, sample) requests in one batched,
-    #: non-streaming `generate` call, so an OpenAI stream of SGLang is sent at the end of generation
-    #: (openai_api/routes.py). Streaming through SGLang's `generate(stream=True)` is not wired yet.
-    #: Stop strings (OpenAI `stop`) therefore do not end a sample early here: SGLang decodes it to a
-    #: stop token or max_new_tokens and the OpenAI surface cuts the text after (openai_api/text.py),
-    #: the same answer as the built-in engine's early stop, with the tokens after the stop string
-    #: decoded for nothing. SGLang's own `stop` sampling param cannot be used: the engine runs with
-    #: skip_tokenizer_init (token ids in and out), and it matches strings with its own detokenizer.
+    #: `generate(emit=)` runs the request through SGLang's streaming generate and hands each token to
+    #: `emit` as SGLang makes it (sglang_stream.py); a sample emit ends (a stop string, base.Emit) is
+    #: aborted in SGLang at that token. Without `emit` (gRPC Generate, a request with no stop strings
+    #: and no `stream`) it is one non-streaming batched call, as before.
+    streams_tokens = True
     CANCEL_POLL_S = 0.05
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, step=None) -> list[SampleResult]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, step=None, emit: Emit | None = None
+    ) -> list[SampleResult]:
         sampling.validate()
         # One request per (prompt, sample), prompt-major, so each sample can get its own seed
         # (SGLang's n>1 would give a prompt's samples one shared seed); the radix cache still
@@ -281,47 +287,69 @@ class SglangEngine(SglangWeightsMixin, Engine):
                 ids.append(list(p))
                 params.append(_sampling_params_dict(sampling, seed))
                 owner.append(i)
+        if emit is not None:
+            return self._generate_streamed(ids, params, owner, sampling.n, emit, step)
         outs = self._generate(ids, params, step)
         if len(outs) != len(ids):
             raise RuntimeError(f"sglang returned {len(outs)} outputs for {len(ids)} requests")
         return [_to_sample(owner[k], o) for k, o in enumerate(outs)]
 
     def _generate(self, ids, params, step) -> list[dict]:
-        """Engine.generate, one request id per request; with `step`, a watcher asks it every
-        CANCEL_POLL_S, and once it raises the requests are aborted in SGLang (their KV cache freed,
-        the batch slot given back), the generate call returns, and `step`'s exception is raised here."""
+        """Engine.generate, one request id per request, its outputs once all are done; with `step`, a
+        cancellation aborts them (_aborting_on_cancel), the call returns, and `step`'s exception is raised here."""
         rids = [uuid.uuid4().hex for _ in ids]
+        with self._aborting_on_cancel(rids, step) as stopped:
+            try:
+                outs = self._call(
+                    self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids
+                )
+            except Exception:
+                if not stopped:
+                    raise
+                outs = None  # SGLang may answer an aborted request with an error: the cancellation wins
+        if stopped:
+            raise stopped[0]
+        return outs
+
+    def _abort(self, rids: list[str]) -> None:
+        """Abort SGLang requests (their KV cache freed, the batch slot given back). On SGLang's own loop:
+        abort_request writes to the scheduler's ZMQ socket, which belongs to the thread running that loop
+        (queued now, it runs there within the generate call that loop is running or runs next). All in
+        one callback, so that SGLang's loop decodes nothing more for the rest once the first is aborted."""
+        tm = self._sgl.tokenizer_manager
+
+        def abort_all():
+            for rid in rids:
+                tm.abort_request(rid)
+
+        self._sgl.loop.call_soon_threadsafe(abort_all)
+
+    @contextmanager
+    def _aborting_on_cancel(self, rids: list[str], step) -> Iterator[list[BaseException]]:
+        """While the block runs, a watcher asks `step` (None: nothing to ask) every CANCEL_POLL_S; once it
+        raises, requests `rids` are aborted. Yields a list that then holds step's exception."""
+        stopped: list[BaseException] = []
         if step is None:
-            return self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
-        done, stopped = threading.Event(), []
+            yield stopped
+            return
+        done = threading.Event()
 
         def watch():
             while not done.wait(self.CANCEL_POLL_S):
                 try:
                     step()
-                except BaseException as exc:  # noqa: BLE001 — handed to the caller below
+                except BaseException as exc:  # noqa: BLE001 — handed to the caller
                     stopped.append(exc)
-                    tm = self._sgl.tokenizer_manager
-                    # on SGLang's own loop: abort_request writes to the scheduler's ZMQ socket,
-                    # which belongs to the thread now running that loop
-                    for rid in rids:
-                        self._sgl.loop.call_soon_threadsafe(tm.abort_request, rid)
+                    self._abort(rids)
                     return
 
         watcher = threading.Thread(target=watch, name="sglang-cancel-watch", daemon=True)
         watcher.start()
         try:
-            outs = self._call(self._sgl.generate, input_ids=ids, sampling_params=params, return_logprob=True, rid=rids)
-        except Exception:
-            if not stopped:
-                raise
-            outs = None  # SGLang may answer an aborted request with an error: the cancellation wins
+            yield stopped
         finally:
             done.set()
             watcher.join(timeout=5)
-        if stopped:
-            raise stopped[0]
-        return outs
 
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
         """Teacher-forced log-probs via SGLang's input-token log-probs.

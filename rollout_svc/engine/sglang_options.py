@@ -2,8 +2,8 @@
 SGLang before its Engine is built.
 
 Any field of SGLang's ServerArgs may be set, except the few this adapter derives from the rollout's
-own settings (so one setting never has two sources) and the one it needs fixed (token ids in and
-out: no tokenizer in the engine).
+own settings (so one setting never has two sources) and the ones it needs fixed (token ids in and
+out: no tokenizer in the engine; cumulative streamed outputs).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ OWNED = dict(
         ("dtype", "dtype"),
         ("base_gpu_id", "device"),
         ("skip_tokenizer_init", ""),
+        # streamed items must hold every token so far (sglang_stream.py)
+        ("incremental_streaming_output", ""),
     )
 )
 

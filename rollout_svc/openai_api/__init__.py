@@ -4,9 +4,8 @@
 run through the gRPC Generate path and report the weight version of every answer.
 Differences from OpenAI's API, all explicit (docs/operations.md): a prompt may be token ids (the
 tiny built-in models have no tokenizer; text and chat need a model directory with one); log-probs
-are the sampled token's only; a stream of an engine that cannot stream token by token (SGLang) is sent
-once the answer is complete (routes.py); `token_ids` and `weight_version` (also the `X-Weight-Version`
-header) are extensions.
+are the sampled token's only; `token_ids` and `weight_version` (also the `X-Weight-Version` header)
+are extensions. Both engines (built-in, SGLang) stream token by token (routes.py).
 """
 
 from rollout_svc.openai_api.routes import Served, rollout_router

@@ -4,22 +4,23 @@ The token is checked before a route runs (weightsync/http/auth.py); errors are O
 (weightsync/http/errors.py).
 
 Streams (`stream: true`) send tokens as they are decoded on an engine that `streams_tokens` (the
-built-in engine: every decode step's tokens, per choice); on one that does not (the SGLang adapter:
-it runs a request as one batched generate call) the whole answer is generated first and then sent
-one chunk per token, as before. Either way a stream is exact: its text, ids and log-probs join to
+built-in engine: every decode step's tokens, per choice; the SGLang adapter: each token as SGLang's
+streaming generate hands it over); on one that does not, the whole answer is generated first and then
+sent one chunk per token. Either way a stream is exact: its text, ids and log-probs join to
 those of the same request without `stream` (checked at its end), text that may still be part of a
 stop string or of a character split across tokens is held back, and X-Weight-Version is the version
 the engine pinned for the request before its first step. The response starts once the first tokens
 (or the whole answer) exist, so a request refused or invalid before then is an ordinary HTTP error;
 a failure after that is a last `data: {"error": ...}` event, then `data: [DONE]`. A client that
-disconnects, or reads nothing for streaming.STALL_S, stops the generation at its next step; while a
-stream's reader has no room, other requests take turns on the engine.
+disconnects, or reads nothing for streaming.STALL_S, stops the generation at its next step (SGLang:
+its requests are aborted in SGLang's scheduler); while a stream's reader has no room, other requests
+take turns on an engine that takes turns (the built-in one).
 
 Stop strings: the answer is cut after the first token whose text holds one (text.py). On an engine
-that `streams_tokens` a choice is also decoded no further than that token, streamed or not
+that `streams_tokens` (both) a choice is also decoded no further than that token, streamed or not
 (stop_watch.py): the answer is the same, fewer tokens are decoded, and a stream ends as soon as its
-last choice hits a stop string. An engine that does not stream (SGLang) decodes each choice to a stop
-token or max_tokens, and the answer is cut after.
+last choice hits a stop string. An engine that does not stream decodes each choice to a stop token or
+max_tokens, and the answer is cut after.
 """
 
 from __future__ import annotations

@@ -139,6 +139,77 @@ def main() -> dict:
 
         run("generate_cancelled", cancel)
 
+        def streamed():
+            """generate(emit=) through SGLang's streaming generate: emit sees every token, one per call, and
+            the answer is the non-streamed one; a sample emit ends (a stop string) is aborted at that token."""
+            greedy = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+            whole = eng.generate(PROMPTS, greedy)
+            seen: dict[int, list[int]] = {}
+
+            def emit(pi, toks):
+                assert len(toks) == 1, toks
+                seen.setdefault(pi, []).append(toks[0].token_id)
+
+            got = eng.generate(PROMPTS, greedy, emit=emit)
+            assert [r.token_ids for r in got] == [r.token_ids for r in whole], (got, whole)
+            assert [seen[i] for i in range(len(PROMPTS))] == [r.token_ids for r in whole], seen
+            streamed_n = sum(map(len, seen.values()))
+
+            def stop_second(pi, toks):
+                seen[pi] = seen.get(pi, []) + [t.token_id for t in toks]
+                return [0] if pi == 0 and len(seen[pi]) == 2 else None
+
+            seen.clear()
+            tm, aborted = sgl.tokenizer_manager, []
+            # SGLang 0.5.10 keeps the state of requests aborted while queued (the `cancel` check's): only new ones count
+            before = set(tm.rid_to_state)
+            abort_request = tm.abort_request
+
+            def recorded_abort(rid="", abort_all=False):
+                aborted.append(rid)
+                return abort_request(rid=rid, abort_all=abort_all)
+
+            tm.abort_request = recorded_abort
+            try:
+                cut = eng.generate(PROMPTS, greedy, emit=stop_second)
+            finally:
+                del tm.abort_request
+            assert (cut[0].token_ids, cut[0].finish_reason) == (whole[0].token_ids[:2], "stop"), cut[0]
+            assert [r.token_ids for r in cut[1:]] == [r.token_ids for r in whole[1:]]
+            assert len(aborted) == 1, aborted  # prompt 0's request only
+            left = set(tm.rid_to_state) - before
+            assert not left, left  # the stream was read to its end: nothing of it left in SGLang
+
+            class ReaderGone(Exception):
+                pass
+
+            calls = []
+
+            def gone_at_20(pi, toks):  # the stream's reader goes away at the 20th token
+                calls.append(pi)
+                if len(calls) == 20:
+                    raise ReaderGone()
+
+            import time
+
+            t0 = time.monotonic()
+            try:  # the long request of `cancel` above: 8 x 500 tokens
+                eng.generate(PROMPTS[1:], SamplingParams(max_new_tokens=500, temperature=1.0, n=8), emit=gone_at_20)
+                raise AssertionError("an emit that raised did not stop the request")
+            except ReaderGone:
+                gone_s = time.monotonic() - t0
+            assert len(calls) == 20, len(calls)
+            left = {r: tm.rid_to_state[r].finished for r in set(tm.rid_to_state) - before}
+            agree("after streamed requests ended early", dict(start.model.state_dict()))
+            return (
+                f"{streamed_n} tokens emitted one by one; with prompt 0 ended at its 2nd token: "
+                f"{sum(map(len, seen.values()))} emitted, its request aborted, no request state left in SGLang; "
+                f"8 x 500 tokens whose reader went away at token 20 ended {gone_s:.2f}s after start, "
+                f"leaving {len(left)} request states in SGLang ({sum(left.values())} finished)"
+            )
+
+        run("generate_streamed", streamed)
+
         def sync(seed, flattened):
             trainer = HfActor(cfg, seed=seed)
             named = list(trainer.export_tensors())

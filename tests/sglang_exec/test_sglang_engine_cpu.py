@@ -17,7 +17,13 @@ pytestmark = pytest.mark.skipif(
     reason="SGLang CPU Engine e2e is opt-in: set WEIGHTSYNC_SGLANG_ENGINE_E2E=1",
 )
 
-CHECKS = ("generate_and_score_before_sync", "generate_cancelled", "sync_named_cpu_path", "sync_flattened_bucket_path")
+CHECKS = (
+    "generate_and_score_before_sync",
+    "generate_cancelled",
+    "generate_streamed",
+    "sync_named_cpu_path",
+    "sync_flattened_bucket_path",
+)
 _results: dict = {}
 
 

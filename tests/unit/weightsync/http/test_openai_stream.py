@@ -153,7 +153,7 @@ class ScriptedWhole(Scripted):
 
 
 class WholeAnswers(BuiltinEngine):
-    """An engine that cannot stream (as the SGLang adapter): it is never given `emit`."""
+    """An engine that cannot stream (no `streams_tokens`): it is never given `emit`."""
 
     streams_tokens = False
 

@@ -38,6 +38,7 @@ class _ServerArgs:
     trust_remote_code: bool = False
     disable_radix_cache: bool = False
     enable_deterministic_inference: bool = False
+    incremental_streaming_output: bool = False
 
 
 class _Engine:
@@ -130,6 +131,7 @@ def test_options_reach_sglangs_engine(fake_sglang, model_dir):
     assert kwargs["context_length"] == 8192 and kwargs["enable_memory_saver"] is True
     assert (kwargs["model_path"], kwargs["dtype"], kwargs["base_gpu_id"]) == (model_dir, "bfloat16", 1)
     assert kwargs["skip_tokenizer_init"] is True
+    assert kwargs["incremental_streaming_output"] is False  # streamed items stay cumulative (sglang_stream.py)
     assert engine.opts.colocated  # the adapter's own reading of enable_memory_saver (release/resume memory)
 
 
@@ -139,6 +141,7 @@ def test_options_reach_sglangs_engine(fake_sglang, model_dir):
         ("mem_fraction_statc=0.6", "not a field of SGLang .*ServerArgs; did you mean mem_fraction_static"),
         ("tp_size=2", "set by rollout-svc itself: set the rollout's `tp` instead"),
         ("skip_tokenizer_init=false", "set by rollout-svc itself: the adapter needs it"),
+        ("incremental_streaming_output=true", "set by rollout-svc itself: the adapter needs it"),
     ],
 )
 def test_unknown_or_owned_options_are_refused_before_the_engine_starts(fake_sglang, model_dir, option, match):

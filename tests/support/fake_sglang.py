@@ -1,0 +1,144 @@
+"""A stand-in for SGLang's in-process `Engine` (sglang.srt.entrypoints.engine) at the adapter's boundary,
+generating and streaming as SGLang 0.5.10 and 0.5.23 do (read from their wheels):
+
+- `generate(..., stream=True)` returns a plain generator that runs `self.loop` with run_until_complete
+  for each item (Engine.generate's generator_wrapper); without `stream`, the list of final outputs.
+- An item is one request's output so far, cumulative (incremental_streaming_output off): `output_ids`
+  and `meta_info["output_token_logprobs"]` (rows `(logprob, token_id, None)`) hold every token so far,
+  `meta_info["id"]` is the request's rid, `meta_info["finish_reason"]` is None until its last item.
+- `tokenizer_manager.abort_request(rid)` must run on `self.loop` (it writes SGLang's ZMQ socket); the
+  request then ends with an item whose finish_reason type is "abort" and makes no further token (that
+  item's `output_ids` is not cumulative: 0.5.10 sends a queued request's abort with its last id only).
+
+Requests decode round robin, one token per request per step (stream_interval=1). `per_item` > 1 makes
+each item carry that many new tokens (SGLang coalescing a backlog). `hold_at` holds the engine before
+step `hold_at` until `release()` or an abort: what a client got by then was sent before generation went on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+#: answer(request index, prompt ids, sampling params) -> (token ids, log-probs, finish type) of a whole request
+Answer = Callable[[int, list[int], dict], tuple[list[int], list[float], str]]
+
+
+def scripted(ids: list[int], lps: list[float], finish: str = "length") -> Answer:
+    """Every request answers `ids` with `lps` (cut to its max_new_tokens)."""
+
+    def answer(k: int, prompt: list[int], params: dict) -> tuple[list[int], list[float], str]:
+        m = params.get("max_new_tokens", len(ids))
+        return list(ids[:m]), list(lps[:m]), finish if m >= len(ids) else "length"
+
+    return answer
+
+
+class _TokenizerManager:
+    def __init__(self, sgl: FakeSglang):
+        self.sgl = sgl
+
+    def abort_request(self, rid: str) -> None:
+        running = asyncio.get_running_loop()  # raises outside a running loop: SGLang's socket is the loop's
+        assert running is self.sgl.loop, "abort_request must run on Engine.loop"
+        self.sgl.aborted.append(rid)
+        if self.sgl._wake is not None:
+            self.sgl._wake.set()
+
+
+class FakeSglang:
+    def __init__(self, answer: Answer, hold_at: int | None = None, per_item: int = 1, hold_s: float = 30.0):
+        self.answer, self.hold_at, self.per_item, self.hold_s = answer, hold_at, per_item, hold_s
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = _TokenizerManager(self)
+        self.calls: list[dict] = []  # the keywords of every generate call
+        self.aborted: list[str] = []
+        self.made: dict[str, int] = {}  # rid -> tokens decoded
+        self.finished: set[str] = set()  # rids whose last item was made
+        self.held = threading.Event()
+        self._released = False
+        self._wake: asyncio.Event | None = None
+
+    def release(self) -> None:
+        """From the test's thread: a held engine goes on."""
+        self._released = True
+        if self._wake is not None:
+            self.loop.call_soon_threadsafe(self._wake.set)
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, rid=None, stream=False, **kw):
+        self.calls.append(
+            dict(input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob, rid=rid)
+            | dict(stream=stream, **kw)
+        )
+        assert isinstance(input_ids[0], list) and len(rid) == len(input_ids), "the adapter sends one batch"
+        items = self._items(list(rid), [self.answer(k, p, sampling_params[k]) for k, p in enumerate(input_ids)])
+        if stream:
+
+            def generator_wrapper():  # as Engine.generate(stream=True)
+                while True:
+                    try:
+                        yield self.loop.run_until_complete(items.__anext__())
+                    except StopAsyncIteration:
+                        break
+
+            return generator_wrapper()
+
+        async def whole():
+            last = {}
+            async for out in items:
+                last[out["meta_info"]["id"]] = out
+            return [last[r] for r in rid]
+
+        return self.loop.run_until_complete(whole())
+
+    async def _items(self, rids: list[str], answers):
+        self._wake = asyncio.Event()
+        ids = {r: [] for r in rids}
+        open_ = list(rids)
+        step = 0
+        while open_:
+            if step == self.hold_at and not self._released:
+                self.held.set()
+                await asyncio.wait_for(self._wait_release_or_abort(rids), self.hold_s)
+            for k, r in enumerate(rids):
+                if r not in open_:
+                    continue
+                want, lps, kind = answers[k]
+                if r in self.aborted:
+                    open_.remove(r)
+                    self.finished.add(r)
+                    # as 0.5.10's _handle_abort_req sends a streamed abort: its last token only, not cumulative
+                    yield self._item(r, ids[r][-1:], lps, {"type": "abort", "message": "Abort in waiting queue"})
+                    continue
+                took = want[len(ids[r]) : len(ids[r]) + self.per_item]
+                ids[r] += took
+                self.made[r] = len(ids[r])
+                done = len(ids[r]) == len(want)
+                if done:
+                    open_.remove(r)
+                    self.finished.add(r)
+                yield self._item(r, ids[r], lps, {"type": kind} if done else None)
+            step += 1
+
+    async def _wait_release_or_abort(self, rids: list[str]) -> None:
+        while not self._released and not set(rids) & set(self.aborted):
+            self._wake.clear()
+            await self._wake.wait()
+
+    @staticmethod
+    def _item(rid: str, ids: list[int], lps: list[float], finish) -> dict:
+        rows = [(lps[j], t, None) for j, t in enumerate(ids)]
+        meta = {"id": rid, "finish_reason": finish, "output_token_logprobs": rows, "cached_tokens": 0}
+        return {"output_ids": list(ids), "meta_info": meta}
+
+
+def adapter_on(fake: FakeSglang, **opts):
+    """rollout-svc's SglangEngine driving `fake` (its SGLang Engine is never started)."""
+    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions
+
+    eng = SglangEngine.__new__(SglangEngine)
+    eng.opts = SglangOptions(model_path="/fake-sglang-model", **opts)
+    eng.tp_size, eng._metas, eng._lock, eng._update_group, eng._hf_config = 1, {}, threading.RLock(), "", None
+    eng._sgl = fake
+    return eng

@@ -1,0 +1,178 @@
+"""The OpenAI surface streams with `--engine sglang`: tokens go out as SGLang makes them.
+
+A real rollout (tiny-qwen2, a byte-level tokenizer: one token per byte) whose engine is the SGLang adapter
+driving tests/support/fake_sglang.py (SGLang's Engine as 0.5.10 / 0.5.23 stream: cumulative items, aborts
+on Engine.loop). Nothing is timed: the fake holds its engine at a step until the test releases it, and
+every SGLang answer is compared with the built-in engine's answer to the same request (a scripted
+built-in engine, tests/unit/weightsync/http/test_openai_stream.py, giving the same tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from tests.support.fake_sglang import FakeSglang, adapter_on, scripted
+from tests.support.local_apps import start_rollout
+from tests.unit.weightsync.http.rest_helpers import TOKEN, byte_level_model
+from tests.unit.weightsync.http.test_openai_stream import (
+    CHAT_TEMPLATE,
+    HOLD_S,
+    TEXT,
+    Joined,
+    Script,
+    Scripted,
+    _events,
+    _post_json,
+    _post_stream,
+    engine_class,
+)
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = byte_level_model(tmp_path_factory.mktemp("sglang-stream-model"), CHAT_TEMPLATE)
+    app = start_rollout("sglang-stream", model=path, auth_token=TOKEN, serve_initial_weights=True)
+    hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    ids = hf.encode(TEXT, add_special_tokens=False)
+    assert len(ids) == len(TEXT.encode())  # one token per byte
+    yield app, ids
+    app.stop()
+
+
+def _lps(ids):  # the log-probs the scripted built-in engine gives
+    return [-0.25 - j / 64 for j in range(len(ids))]
+
+
+@contextmanager
+def on_sglang(app, fake: FakeSglang):
+    """The rollout's engine is the SGLang adapter on `fake` (its own engine is back on exit)."""
+    own = app.tx.engine
+    app.tx.engine = adapter_on(fake)
+    try:
+        yield fake
+    finally:
+        fake.release()
+        app.tx.engine = own
+
+
+def _answer(app, body: dict, stream: bool) -> tuple[dict, dict]:
+    """(choice index -> (text, token_ids, log-probs, finish_reason), usage) of one /v1/completions request."""
+    if not stream:
+        out = json.loads(_post_json(app, "/v1/completions", body))
+        choices = {
+            c["index"]: (c["text"], c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"])
+            for c in out["choices"]
+        }
+        return choices, out["usage"]
+    conn, resp = _post_stream(
+        app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = list(_events(resp))
+    conn.close()
+    assert events[-1] == "[DONE]", events[-2:]
+    got, usage = Joined(), None
+    for e in events[:-1]:
+        usage = e.get("usage") or usage
+        for c in e["choices"]:
+            got.add(c)
+    return {i: (got.text[i], got.ids[i], got.lps[i], got.reason[i]) for i in got.ids}, usage
+
+
+def test_sglang_streams_its_first_tokens_while_it_is_still_generating(rollout):
+    """The first chunk arrives before SGLang, held at its third step until the test releases it, could
+    finish any request; the whole stream then joins to the answer without `stream`, which is the built-in
+    engine's answer."""
+    app, ids = rollout
+    body = {"prompt": [[1, 2], [3]], "max_tokens": 64, "n": 2, "logprobs": 0}
+    with engine_class(app, Scripted, Script(ids)):
+        builtin, builtin_usage = _answer(app, body, stream=False)
+    with on_sglang(app, FakeSglang(scripted(ids, _lps(ids)))):
+        whole, whole_usage = _answer(app, body, stream=False)
+    assert whole == builtin and whole_usage == builtin_usage and len(whole) == 4
+    with on_sglang(app, FakeSglang(scripted(ids, _lps(ids)), hold_at=3, hold_s=HOLD_S)) as fake:
+        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        conn, resp = _post_stream(app, "/v1/completions", stream_body)
+        events = _events(resp)
+        first = next(events)
+        assert first["choices"][0]["token_ids"], "the first chunk has no token"
+        # it came before the release: SGLang cannot get past its third step (nor finish any request) without it
+        assert fake.held.wait(HOLD_S) and not fake.finished and app.tx.engine_lock.locked()
+        assert max(fake.made.values()) == 3
+        # the stream holds its version pin: a sync cannot take the engine (nor pause SGLang) under it
+        assert not app.tx.engine_lock.acquire(blocking=False)
+        fake.release()
+        rest = list(events)
+        conn.close()
+    assert rest[-1] == "[DONE]" and fake.finished == set(fake.calls[0]["rid"])
+    t0 = time.monotonic()  # the pin goes with the response's end, just after [DONE] was sent
+    while app.tx.engine_lock.locked() and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert app.tx.engine_lock.acquire(blocking=False)  # nothing in flight: a sync may go
+    app.tx.engine_lock.release()
+    got, usage = Joined(), None
+    for e in [first, *rest[:-1]]:
+        usage = e.get("usage") or usage
+        for c in e["choices"]:
+            got.add(c)
+    assert {i: (got.text[i], got.ids[i], got.lps[i], got.reason[i]) for i in got.ids} == builtin
+    assert usage == builtin_usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stop_string_ends_sglangs_request_where_the_builtin_engine_ends_it(rollout, stream):
+    """One choice's stop string completes: SGLang's request for it is aborted at that token (it decodes
+    no further), and the answer is exactly the built-in engine's (text cut before the stop string,
+    token ids and log-probs up to the token that completed it, finish_reason "stop")."""
+    app, ids = rollout
+    stop = "wörld"  # six tokens, one character of them split over two
+    body = {"prompt": [[1, 2]], "max_tokens": 64, "n": 2, "logprobs": 0, "stop": [stop]}
+    with engine_class(app, Scripted, Script(ids)):
+        builtin, builtin_usage = _answer(app, body, stream)
+    with on_sglang(app, FakeSglang(scripted(ids, _lps(ids)))) as fake:
+        got, usage = _answer(app, body, stream)
+    assert got == builtin and usage == builtin_usage
+    cut = len(TEXT[: TEXT.index(stop)].encode()) + len(stop.encode())  # up to the token that completed it
+    assert got[0] == (TEXT[: TEXT.index(stop)], ids[:cut], _lps(ids)[:cut], "stop") and got[1] == got[0]
+    (call,) = fake.calls
+    assert call["stream"] is True  # stop strings are watched as SGLang streams, streamed or not
+    assert sorted(fake.aborted) == sorted(call["rid"])
+    assert all(fake.made[r] == cut for r in call["rid"]) and cut < len(ids)
+
+
+def test_a_client_that_disconnects_aborts_sglangs_requests(rollout):
+    """SGLang is held after two steps (an abort is the only thing that ends its hold); the client reads
+    the first chunk and goes away: every request of its call is aborted in SGLang, the engine is free,
+    and the request counts as cancelled."""
+    app, ids = rollout
+    cancelled = app.servicer.rollout_metrics.requests.labels("rollout", "cancelled")
+    before = cancelled._value.get()
+    body = json.dumps({"prompt": [[1, 2], [3]], "max_tokens": 64, "n": 2, "stream": True}).encode()
+    with on_sglang(app, FakeSglang(scripted(ids, _lps(ids)), hold_at=2, hold_s=HOLD_S)) as fake:
+        s = socket.create_connection(("127.0.0.1", app.http.port))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        s.settimeout(60)
+        got = b""
+        while b"data: " not in got:  # the stream started
+            more = s.recv(65536)
+            assert more, f"the connection closed before the stream started: {got!r}"
+            got += more
+        assert fake.held.wait(HOLD_S) and app.tx.engine_lock.locked() and not fake.aborted
+        s.close()
+        t0 = time.monotonic()
+        while (app.tx.engine_lock.locked() or cancelled._value.get() != before + 1) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        rids = fake.calls[0]["rid"]
+        assert sorted(fake.aborted) == sorted(rids) and fake.finished == set(rids)
+        assert not app.tx.engine_lock.locked() and cancelled._value.get() == before + 1
+        assert max(fake.made.values()) == 2  # nothing decoded after the hold: no orphaned generation
