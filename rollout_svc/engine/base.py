@@ -91,6 +91,10 @@ class Engine(ABC):
     #: generate(..., step=f) asks f() while the request runs and stops the request once f raises,
     #: without turns (the engine batches requests itself)
     stops_on_cancel: bool = False
+    #: generate may be called from several threads at once and runs those calls together (the engine batches
+    #: concurrent requests itself: SGLang's continuous batching), so pinned requests take no turns
+    #: (rollout_svc/sync/engine_gate.py); False: one generate at a time, handing over between steps if it yields
+    batches_requests: bool = False
     #: generate(..., emit=f) calls f with the tokens as they are sampled (token streaming; the built-in engine and the
     #: SGLang adapter) and stops the samples f says are finished (Emit); an engine without it answers whole, decoding
     #: each sample to a stop token or max_new_tokens, and a stream of it is sent at its end

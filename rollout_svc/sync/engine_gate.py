@@ -1,16 +1,21 @@
-"""Who may use the engine, and when: syncs exclusively, requests pinned to a version and taking turns.
+"""Who may use the engine, and when: syncs exclusively, requests pinned to a version, and (for an engine that
+does not batch requests itself) taking turns.
 
 Two levels:
 - Version pins. A request pins the weights for its whole run; a sync that wants to change them
   (the exclusive side, `acquire`/`release`, used by rollout_svc.sync.transaction like a lock) waits until
   no request holds a pin, and while it waits no new pin is granted, so a stream of requests cannot
   starve a sync. A response is therefore computed from one version only, even though requests
-  interleave: the weights never change under a pinned request.
-- Turns. Pinned requests share the engine one step at a time. An engine that supports it calls
+  run at the same time or interleave: the weights never change under a pinned request.
+- Turns, for an engine that runs one request at a time (the built-in engine; `pinned(takes_turns=True)`).
+  Pinned requests share the engine one step at a time. An engine that supports it calls
   `turn()` between decode steps; the request then hands the engine to a waiting request that has
   had at least MIN_LEAD_STEPS fewer steps (least attained service first, FIFO among equals), so a
   short request waits about one step of a long one instead of the whole long request. `turn()` is also
   where a request whose client went away (cancelled, deadline passed, HTTP disconnect) stops.
+  An engine that batches concurrent requests itself (`Engine.batches_requests`: SGLang's continuous
+  batching) takes no turns (`pinned(takes_turns=False)`): every pinned request runs at once, on its
+  own thread, and its Turn only checks its client (`turn()`, `lend` wait without handing anything over).
 
 A request that must wait for something else between two steps (a stream whose reader has no room
 for its tokens: openai_api/streaming.py) lends the engine meanwhile (`Turn.lend`): other requests take
@@ -87,6 +92,20 @@ class Turn:
         return came
 
 
+class SharedTurn(Turn):
+    """The handle of a request on an engine that batches requests itself: it runs alongside the others, so
+    there is no turn to hand over; it only stops once its client went away."""
+
+    def __call__(self) -> None:
+        self.check()
+        self.steps += 1
+
+    def lend(self, ready: Callable[[float], bool], timeout: float) -> bool:
+        came = no_lend(lambda t: ready(t) or not self.is_active(), timeout)
+        self.check()
+        return came
+
+
 class EngineGate:
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -136,13 +155,23 @@ class EngineGate:
 
     # ---- request side -------------------------------------------------------------------
     @contextmanager
-    def pinned(self, timeout: float, is_active: Callable[[], bool] = lambda: True):
-        """Hold a version pin and the first turn; yields the request's Turn."""
+    def pinned(self, timeout: float, is_active: Callable[[], bool] = lambda: True, takes_turns: bool = True):
+        """Hold a version pin, and with `takes_turns` the first turn; yields the request's Turn. Without
+        `takes_turns` (an engine that batches requests itself) the request runs as soon as it holds its pin,
+        alongside every other pinned request (a SharedTurn)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._exclusive or self._writers_waiting:
                 self._wait(deadline, is_active, "engine busy applying weights; retry")
             self._pins += 1
+        if not takes_turns:
+            try:
+                yield SharedTurn(self, next(self._tickets), is_active, timeout)
+            finally:
+                with self._cond:
+                    self._pins -= 1
+                    self._cond.notify_all()
+            return
         turn = Turn(self, next(self._tickets), is_active, timeout)
         try:
             with self._cond:

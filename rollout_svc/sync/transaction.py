@@ -382,7 +382,9 @@ class SyncTransaction:
         """Run `fn(engine, turn)` under a version pin; `fn` calls `turn()` between engine steps to
         let other requests interleave (and to stop once `is_active()` turns false). No sync can
         change the weights while the pin is held, so the version returned is the one every step used."""
-        with self.engine_lock.pinned(timeout, is_active) as turn:
+        # an engine that batches requests itself (SGLang) runs every pinned request at once: no turns
+        takes_turns = not self.engine.batches_requests
+        with self.engine_lock.pinned(timeout, is_active, takes_turns=takes_turns) as turn:
             if self.state == S.STALE:
                 raise SyncError(f"engine is STALE: {self.last_error}", "UNAVAILABLE")
             turn.check()
