@@ -32,6 +32,8 @@ class ApiUse:
                   msgspec / annotated) field.
       "server_args" — every name in `params` is a ServerArgs field (`module.cls`, or, from
                   0.5.2x on, one of the field namespaces under sglang/srt/arg_groups/fields/).
+      "attribute_uses" — `module.cls`'s own methods read `self.name` only as `self.name.<p>` for a `p` in
+                  `params` (assigning it is free): what the adapter may replace that attribute with.
       "function" — `module.name` is a top-level function.
       "unpickle" — `module.cls` is SGLang's SafeUnpickler; each "mod:name" in `params` passes its
                   allow-list (exact pairs or module prefixes, whichever the version has).
@@ -92,8 +94,19 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         _ENGINE,
         "Engine",
         "loop",
-        why="the asyncio loop Engine's own sync wrappers (and generate(stream=True)'s generator) run on; used for "
-        "pause/continue and to queue aborts on",
+        why="the asyncio loop Engine's own sync wrappers (and generate(stream=True)'s generator) run on; the adapter "
+        "replaces it with sglang_loop.LoopThread (the same loop run forever on its own thread), queues aborts on it "
+        "and drives pause/continue through it",
+    ),
+    "Engine.loop uses": ApiUse(
+        "attribute_uses",
+        _ENGINE,
+        "Engine",
+        "loop",
+        params=("run_until_complete",),
+        why="every Engine method reaches its loop only as self.loop.run_until_complete(coroutine), so a LoopThread "
+        "(whose run_until_complete hands the coroutine to the loop's thread) may stand in for it: what lets several "
+        "threads call Engine at once (sglang_loop.py)",
     ),
     "Engine.tokenizer_manager": ApiUse("attribute", _ENGINE, "Engine", "tokenizer_manager"),
     # ---- generation --------------------------------------------------------------------
@@ -171,7 +184,7 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         _IO,
         "",
         params=("in_place",),
-        why="keep requests in the scheduler (none run: our engine lock serialises)",
+        why="keep requests in the scheduler (none run: a sync waits for every request's version pin)",
     ),
     "ContinueGenerationReqInput": ApiUse("class", _IO, "ContinueGenerationReqInput"),
     # ---- weight update: distributed (SGLang receives the NCCL broadcast itself) ----------

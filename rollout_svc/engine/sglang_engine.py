@@ -8,12 +8,14 @@ against the real sglang wheels by tests/unit/rollout_svc/engine/sglang; SGLang's
 the adapter in the opt-in tests/sglang_exec/test_sglang_engine_cpu.py (it cannot run on the lent
 GPU hosts; see docs/sglang.md).
 
-Threading: SGLang's sync `Engine` methods run `loop.run_until_complete` on one asyncio loop, so
-two concurrent calls would collide ("event loop is already running"). Every call goes through
-`self._call` under one lock (a streamed generate holds it while its items are read); rollout-svc's
-transaction already serialises generation and weight application with its engine lock, so this lock
-is never contended in normal operation. Aborts are the exception: they are queued on SGLang's loop
-(`_abort`), never called from another thread.
+Threading: SGLang batches concurrent requests itself (continuous batching), so generation calls from many
+threads run at once (`batches_requests`: the engine gate lets every pinned request in, no turns). SGLang's
+sync `Engine` methods each run `loop.run_until_complete` on the Engine's one asyncio loop, which two
+threads cannot do at once; `sglang_loop.LoopThread` replaces `Engine.loop` with that loop run forever on a
+thread of its own, each call's coroutine handed to it (read its docstring for why this is correct on
+0.5.10 and 0.5.23). Every SGLang call, generation and weight update alike, goes through it; weight
+updates never overlap generation because the engine gate holds a sync until no request holds a version
+pin (rollout_svc/sync/engine_gate.py). Aborts are queued on the loop (`_abort`), never run from another thread.
 
 sglang is imported only inside functions: a builtin-engine pod never needs it.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
+from rollout_svc.engine.sglang_loop import LoopThread
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
@@ -143,6 +146,14 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
 HOST_ENV_RESTORED = ("NCCL_CUMEM_ENABLE",)
 
 
+def drive_loop(sgl) -> LoopThread:
+    """Run SGLang Engine `sgl`'s asyncio loop forever on a thread of its own and make it `sgl.loop`, so that
+    SGLang's sync methods can be called from many threads at once (sglang_loop.py)."""
+    if not isinstance(sgl.loop, LoopThread):
+        sgl.loop = LoopThread(sgl.loop)
+    return sgl.loop
+
+
 class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     name = "sglang"
 
@@ -152,9 +163,9 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
         self._hf_config = hf_config
         self.tp_size = opts.tp_size
         self._metas = metas
-        self._lock = threading.RLock()
         self._update_group = ""
         self._sgl = self._start(opts)
+        drive_loop(self._sgl)
 
     @staticmethod
     def _start(o: SglangOptions):
@@ -227,8 +238,8 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
 
     def _call(self, fn, *args, **kwargs):
-        with self._lock:
-            return fn(*args, **kwargs)
+        # no lock: fn runs its coroutine on SGLang's loop thread (drive_loop), from any number of threads at once
+        return fn(*args, **kwargs)
 
     # ---- Engine ----------------------------------------------------------------
     def hf_config(self) -> Any:
@@ -266,6 +277,8 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     #: raises aborts the request in SGLang's scheduler (rollout_svc.service). SGLang batches requests
     #: itself: there are no turns to hand over between steps, so `yields_between_steps` stays off.
     stops_on_cancel = True
+    #: concurrent generate calls (each on its own thread) run at once in SGLang's scheduler (drive_loop)
+    batches_requests = True
     #: `generate(emit=)` runs the request through SGLang's streaming generate and hands each token to
     #: `emit` as SGLang makes it (sglang_stream.py); a sample emit ends (a stop string, base.Emit) is
     #: aborted in SGLang at that token. Without `emit` (gRPC Generate, a request with no stop strings
@@ -314,7 +327,7 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     def _abort(self, rids: list[str]) -> None:
         """Abort SGLang requests (their KV cache freed, the batch slot given back). On SGLang's own loop:
         abort_request writes to the scheduler's ZMQ socket, which belongs to the thread running that loop
-        (queued now, it runs there within the generate call that loop is running or runs next). All in
+        (sglang_loop.LoopThread: queued now, it runs there next, whatever other calls are waiting). All in
         one callback, so that SGLang's loop decodes nothing more for the rest once the first is aborted."""
         tm = self._sgl.tokenizer_manager
 
@@ -408,4 +421,9 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
         try:
             self.leave_update_group()
         finally:
-            self._call(self._sgl.shutdown)
+            try:
+                self._call(self._sgl.shutdown)
+            finally:
+                loop = getattr(self._sgl, "loop", None)
+                if isinstance(loop, LoopThread):
+                    loop.stop()

@@ -1,8 +1,10 @@
 """Token streaming on SGLang: `SglangEngine.generate(..., emit=f)` hands token ids to `f` as SGLang makes them.
 
 SGLang's `Engine.generate(..., stream=True)` (0.5.10 and 0.5.23 alike) returns a plain generator that
-runs SGLang's asyncio loop (`Engine.loop`) with run_until_complete for each item; the adapter sends
-every (prompt, sample) request of a call in that one batched call, as it does without streaming. Each
+runs each item with `Engine.loop.run_until_complete`; `Engine.loop` is the adapter's LoopThread
+(sglang_loop.py), so each item is made on SGLang's loop thread while the calling thread waits for it, and
+other calls' streams run at the same time. The adapter sends every (prompt, sample) request of a call in
+that one batched call, as it does without streaming. Each
 item is one request's output so far, named by `meta_info["id"]` (the rid we gave). The adapter keeps
 `incremental_streaming_output` off (sglang_options.OWNED): `output_ids` and
 `meta_info["output_token_logprobs"]` are then cumulative in both versions (with it on, 0.5.10 sends
@@ -16,8 +18,8 @@ skip_tokenizer_init (it has no tokenizer to match strings with), and SGLang's ma
 own detokenised text, not the text our answer is cut on (openai_api/text.py), so the same request
 could end at another token than on the built-in engine.
 
-Ending requests early: `abort_request(rid)` is queued on Engine.loop (call_soon_threadsafe; it runs
-inside the next item's run_until_complete, on the loop's own thread, as SGLang's ZMQ socket needs).
+Ending requests early: `abort_request(rid)` is queued on Engine.loop (call_soon_threadsafe; it runs on
+the loop's own thread, as SGLang's ZMQ socket needs).
 SGLang then finishes the request (finish_reason type "abort") and frees its KV cache. The stream is
 read to its end either way, so nothing stays running in SGLang's scheduler or pending in its
 tokenizer manager. A sample emit ended keeps the tokens emit saw, never those SGLang made meanwhile.
@@ -56,7 +58,7 @@ def finish_kind(meta: dict) -> str | None:
 
 
 class SglangStreamMixin:
-    """`_generate_streamed` for SglangEngine (which supplies _sgl, _lock, _abort and _aborting_on_cancel)."""
+    """`_generate_streamed` for SglangEngine (which supplies _sgl, _abort and _aborting_on_cancel)."""
 
     def _generate_streamed(self, ids, params, owner: list[int], n: int, emit: Emit, step) -> list[SampleResult]:
         rids = [uuid.uuid4().hex for _ in ids]
@@ -64,20 +66,21 @@ class SglangStreamMixin:
         failed: list[BaseException] = []
         with self._aborting_on_cancel(rids, step) as cancelled:
             try:
-                with self._lock:  # the stream runs SGLang's loop item by item: no other call may meanwhile
-                    items = self._sgl.generate(
-                        input_ids=ids, sampling_params=params, return_logprob=True, rid=rids, stream=True
-                    )
-                    for out in items:
-                        rid = out["meta_info"]["id"]
-                        if failed or cancelled:
-                            continue  # every request was aborted: read the stream to its end
-                        try:
-                            if self._take(samples[rid], out, emit):
-                                self._abort([rid])
-                        except BaseException as exc:  # noqa: BLE001 — raised below, once SGLang is done
-                            failed.append(exc)
-                            self._abort(rids)
+                # each item is waited for on this thread while SGLang's loop runs on its own (sglang_loop.py):
+                # other requests' streams and calls go on meanwhile
+                items = self._sgl.generate(
+                    input_ids=ids, sampling_params=params, return_logprob=True, rid=rids, stream=True
+                )
+                for out in items:
+                    rid = out["meta_info"]["id"]
+                    if failed or cancelled:
+                        continue  # every request was aborted: read the stream to its end
+                    try:
+                        if self._take(samples[rid], out, emit):
+                            self._abort([rid])
+                    except BaseException as exc:  # noqa: BLE001 — raised below, once SGLang is done
+                        failed.append(exc)
+                        self._abort(rids)
             except Exception:
                 if not (failed or cancelled):
                     raise

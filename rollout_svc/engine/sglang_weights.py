@@ -175,7 +175,8 @@ class _IpcTensor:
 
 class SglangWeightsMixin:
     """Weight paths of SglangEngine. Expects `self._sgl` (sglang Engine), `self.tp_size`, and
-    `self._call(fn, **kw)`, which serialises calls onto SGLang's event loop."""
+    `self._call(fn, **kw)`, which calls SGLang (its coroutine runs on SGLang's loop thread, sglang_loop.py); a
+    sync runs only while no request is pinned (the engine gate), so these never overlap generation."""
 
     _sgl: Any
     tp_size: int

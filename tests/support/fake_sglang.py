@@ -12,7 +12,10 @@ generating and streaming as SGLang 0.5.10 and 0.5.23 do (read from their wheels)
 
 Requests decode round robin, one token per request per step (stream_interval=1). `per_item` > 1 makes
 each item carry that many new tokens (SGLang coalescing a backlog). `hold_at` holds the engine before
-step `hold_at` until `release()` or an abort: what a client got by then was sent before generation went on.
+step `hold_at` until `release()` or an abort: what a client got by then was sent before generation went on;
+with `hold_prompt`, only the calls whose first prompt is `hold_prompt` are held (the others run on: the
+adapter runs the loop on its own thread, sglang_loop.py, so several calls are in the fake at once, as in
+SGLang's scheduler).
 """
 
 from __future__ import annotations
@@ -41,15 +44,23 @@ class _TokenizerManager:
 
     def abort_request(self, rid: str) -> None:
         running = asyncio.get_running_loop()  # raises outside a running loop: SGLang's socket is the loop's
-        assert running is self.sgl.loop, "abort_request must run on Engine.loop"
+        assert running is getattr(self.sgl.loop, "loop", self.sgl.loop), "abort_request must run on Engine.loop"
         self.sgl.aborted.append(rid)
-        if self.sgl._wake is not None:
-            self.sgl._wake.set()
+        for wake in self.sgl._wakes:
+            wake.set()
 
 
 class FakeSglang:
-    def __init__(self, answer: Answer, hold_at: int | None = None, per_item: int = 1, hold_s: float = 30.0):
+    def __init__(
+        self,
+        answer: Answer,
+        hold_at: int | None = None,
+        per_item: int = 1,
+        hold_s: float = 30.0,
+        hold_prompt: list[int] | None = None,
+    ):
         self.answer, self.hold_at, self.per_item, self.hold_s = answer, hold_at, per_item, hold_s
+        self.hold_prompt = hold_prompt
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = _TokenizerManager(self)
         self.calls: list[dict] = []  # the keywords of every generate call
@@ -58,13 +69,18 @@ class FakeSglang:
         self.finished: set[str] = set()  # rids whose last item was made
         self.held = threading.Event()
         self._released = False
-        self._wake: asyncio.Event | None = None
+        self._wakes: set[asyncio.Event] = set()  # one per call in progress
+        self._loop = self.loop  # the real loop, whatever stands in for Engine.loop
 
     def release(self) -> None:
         """From the test's thread: a held engine goes on."""
         self._released = True
-        if self._wake is not None:
-            self.loop.call_soon_threadsafe(self._wake.set)
+
+        def wake_all():
+            for wake in self._wakes:
+                wake.set()
+
+        self._loop.call_soon_threadsafe(wake_all)
 
     def generate(self, input_ids, sampling_params, return_logprob=False, rid=None, stream=False, **kw):
         self.calls.append(
@@ -72,7 +88,9 @@ class FakeSglang:
             | dict(stream=stream, **kw)
         )
         assert isinstance(input_ids[0], list) and len(rid) == len(input_ids), "the adapter sends one batch"
-        items = self._items(list(rid), [self.answer(k, p, sampling_params[k]) for k, p in enumerate(input_ids)])
+        hold = self.hold_prompt is None or list(input_ids[0]) == list(self.hold_prompt)
+        answers = [self.answer(k, p, sampling_params[k]) for k, p in enumerate(input_ids)]
+        items = self._items(list(rid), answers, hold)
         if stream:
 
             def generator_wrapper():  # as Engine.generate(stream=True)
@@ -92,15 +110,23 @@ class FakeSglang:
 
         return self.loop.run_until_complete(whole())
 
-    async def _items(self, rids: list[str], answers):
-        self._wake = asyncio.Event()
+    async def _items(self, rids: list[str], answers, hold: bool = True):
+        wake = asyncio.Event()
+        self._wakes.add(wake)
+        try:
+            async for item in self._steps(rids, answers, hold, wake):
+                yield item
+        finally:
+            self._wakes.discard(wake)
+
+    async def _steps(self, rids: list[str], answers, hold: bool, wake: asyncio.Event):
         ids = {r: [] for r in rids}
         open_ = list(rids)
         step = 0
         while open_:
-            if step == self.hold_at and not self._released:
+            if hold and step == self.hold_at and not self._released:
                 self.held.set()
-                await asyncio.wait_for(self._wait_release_or_abort(rids), self.hold_s)
+                await asyncio.wait_for(self._wait_release_or_abort(rids, wake), self.hold_s)
             for k, r in enumerate(rids):
                 if r not in open_:
                     continue
@@ -121,10 +147,10 @@ class FakeSglang:
                 yield self._item(r, ids[r], lps, {"type": kind} if done else None)
             step += 1
 
-    async def _wait_release_or_abort(self, rids: list[str]) -> None:
+    async def _wait_release_or_abort(self, rids: list[str], wake: asyncio.Event) -> None:
         while not self._released and not set(rids) & set(self.aborted):
-            self._wake.clear()
-            await self._wake.wait()
+            wake.clear()
+            await wake.wait()
 
     @staticmethod
     def _item(rid: str, ids: list[int], lps: list[float], finish) -> dict:
@@ -135,10 +161,11 @@ class FakeSglang:
 
 def adapter_on(fake: FakeSglang, **opts):
     """rollout-svc's SglangEngine driving `fake` (its SGLang Engine is never started)."""
-    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions
+    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions, drive_loop
 
     eng = SglangEngine.__new__(SglangEngine)
     eng.opts = SglangOptions(model_path="/fake-sglang-model", **opts)
-    eng.tp_size, eng._metas, eng._lock, eng._update_group, eng._hf_config = 1, {}, threading.RLock(), "", None
+    eng.tp_size, eng._metas, eng._update_group, eng._hf_config = 1, {}, "", None
     eng._sgl = fake
+    drive_loop(fake)  # as SglangEngine.__init__: the loop runs on its own thread, fake.loop becomes a LoopThread
     return eng

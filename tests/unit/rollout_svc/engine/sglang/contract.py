@@ -164,6 +164,26 @@ def _set_literal(cls: ast.ClassDef, name: str):
     return None
 
 
+def _attribute_use_problems(where: str, cls: ast.ClassDef, name: str, allowed: set[str]) -> list[str]:
+    """Every read of `self.<name>` in `cls`'s methods is `self.<name>.<one of allowed>`; assignments are free, and
+    so is `__init__` (it makes the attribute, before anyone can replace it)."""
+    parents = {id(c): n for n in ast.walk(cls) for c in ast.iter_child_nodes(n)}
+    init = {id(n) for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__" for n in ast.walk(f)}
+    problems, seen = [], 0
+    for node in ast.walk(cls):
+        if id(node) in init:
+            continue
+        if not (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name)):
+            continue
+        if node.value.id != "self" or isinstance(node.ctx, ast.Store):
+            continue
+        seen += 1
+        parent = parents.get(id(node))
+        if not (isinstance(parent, ast.Attribute) and parent.attr in allowed):
+            problems.append(f"{where}: line {node.lineno} uses self.{name} other than as .{'/.'.join(sorted(allowed))}")
+    return problems if seen else [f"{where}: {cls.name} never reads self.{name}"]
+
+
 def check_use(src: SglangSource, key: str, use: ApiUse) -> list[str]:
     """Problems with one table entry in this sglang source; empty means it holds."""
     where = f"{key} ({use.kind} {use.module}{'.' + use.cls if use.cls else ''}{'.' + use.name if use.name else ''})"
@@ -210,6 +230,8 @@ def check_use(src: SglangSource, key: str, use: ApiUse) -> list[str]:
         if any(use.name in _self_attrs(c) for _, c in chain):
             return []
         return [f"{where}: {use.cls} never sets self.{use.name}"]
+    if use.kind == "attribute_uses":
+        return _attribute_use_problems(where, chain[0][1], use.name, set(use.params))
     if use.kind == "method":
         for _, c in chain:
             for n in c.body:

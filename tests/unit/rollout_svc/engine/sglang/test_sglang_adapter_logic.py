@@ -33,10 +33,8 @@ class _Recorder:
 
 def _engine(tp: int = 1, result=(True, "Success"), **opts) -> SglangEngine:
     eng = SglangEngine.__new__(SglangEngine)  # skip _start: no sglang here
-    import threading
-
     eng.opts = SglangOptions(model_path="/m", tp_size=tp, **opts)
-    eng.tp_size, eng._metas, eng._lock, eng._update_group = tp, {}, threading.RLock(), ""
+    eng.tp_size, eng._metas, eng._update_group = tp, {}, ""
     eng._sgl = _Recorder(result)
     return eng
 

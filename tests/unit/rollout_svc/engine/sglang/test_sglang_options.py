@@ -9,6 +9,7 @@ arguments) is installed in sys.modules: the real SGLang needs a GPU; the names a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import sys
@@ -47,6 +48,7 @@ class _Engine:
     def __init__(self, **kwargs):
         _ServerArgs(**kwargs)  # as SGLang does: an unknown keyword is a TypeError
         _Engine.built.append(kwargs)
+        self.loop = asyncio.new_event_loop()  # as SGLang's Engine.__init__; the adapter runs it on its own thread
 
 
 @pytest.fixture
