@@ -169,7 +169,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
         `is_active()` is asked between decode steps (engines that yield between steps), or every few
         tens of ms while the engine runs the request (SGLang: `stops_on_cancel`); once it says False
-        the request stops with CANCELLED and the engine is free for the next one.
+        the request stops with CANCELLED and the engine is free for the next one. On an engine that
+        `batches_requests` (SGLang) concurrent calls run at once, each on its caller's thread.
 
         Streaming: `on_start(version, lend)` is called once the engine admitted the request (version
         pinned, not STALE), before its first step, with the version every token will come from and

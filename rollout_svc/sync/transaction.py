@@ -54,7 +54,8 @@ class SyncTransaction:
             raise ValueError(f"apply_mode={apply_mode!r} must be staged or inplace")
         self.engine = engine
         self.apply_mode = apply_mode
-        # A sync acquires it like a lock; requests pin the version and take turns (engine_gate.py).
+        # A sync acquires it like a lock; requests pin the version and take turns, unless the engine
+        # batches requests itself (engine_gate.py).
         self.engine_lock = EngineGate()
         self.state_lock = threading.RLock()
         self._pending: PendingSync | None = None
