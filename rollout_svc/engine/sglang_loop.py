@@ -51,6 +51,11 @@ class LoopThread:
     may be called from any number of other threads at once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float = CALL_TIMEOUT_S):
+        if loop.is_running():
+            raise RuntimeError(
+                "SGLang's Engine.loop is already running (the Engine was built inside a running asyncio loop, which it "
+                "then adopts); build SglangEngine outside any asyncio loop, so the adapter can run it on its own thread"
+            )
         self.loop, self.timeout_s = loop, timeout_s
         self._thread = threading.Thread(target=self._run, name="sglang-loop", daemon=True)
         self._thread.start()

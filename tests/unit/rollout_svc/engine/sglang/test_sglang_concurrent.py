@@ -127,3 +127,11 @@ def test_loop_thread_gives_up_a_call_that_never_ends():
         lt.run_until_complete(asyncio.Event().wait())
     lt.stop()
     loop.close()
+
+
+def test_loop_thread_refuses_a_loop_someone_else_runs():
+    async def build():
+        with pytest.raises(RuntimeError, match="outside any asyncio loop"):
+            LoopThread(asyncio.get_running_loop())
+
+    asyncio.run(build())
