@@ -50,9 +50,18 @@ def _hf_logprobs(m, ids, start):
     return [lp[i - 1, ids[i]].item() for i in range(start, len(ids))]
 
 
+def tm_requests(sgl) -> set[str]:
+    """The request ids SGLang's tokenizer manager holds state for (both versions), read from another thread."""
+    while True:
+        try:
+            return set(sgl.tokenizer_manager.rid_to_state)
+        except RuntimeError:  # changed size while read: SGLang's loop thread runs on
+            continue
+
+
 def main() -> dict:
     from rollout_svc.engine.base import SamplingParams
-    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions, _hf_param_metas
+    from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions, _hf_param_metas, drive_loop
     from tests.sglang_exec.exec_checks import packed_buckets
     from trainer_svc.actor.hf.actor import HfActor
     from weightsync.models import resolve_model
@@ -82,7 +91,8 @@ def main() -> dict:
 
         eng = SglangEngine.__new__(SglangEngine)  # SglangOptions has no CPU device/attention backend yet
         eng.opts = SglangOptions(model_path=model_dir, dtype="float32")
-        eng.tp_size, eng._lock, eng._update_group, eng._sgl = 1, threading.RLock(), "", sgl
+        eng.tp_size, eng._update_group, eng._sgl = 1, "", sgl
+        drive_loop(sgl)  # as SglangEngine.__init__: SGLang's loop on its own thread (sglang_loop.py)
         eng._metas, eng._hf_config = _hf_param_metas(cfg, torch.float32), cfg
 
         def agree(tag, state):
@@ -209,6 +219,43 @@ def main() -> dict:
             )
 
         run("generate_streamed", streamed)
+
+        def concurrent():
+            """Two threads call generate at once: the short call ends while the long one (8 x 500 tokens, seconds)
+            still runs in SGLang's scheduler beside it (with one call at a time it would wait for the long one),
+            and both answers are those of the same calls made alone."""
+            import time
+
+            greedy = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+            alone = eng.generate(PROMPTS, greedy)
+            long = SamplingParams(max_new_tokens=500, temperature=0.0, n=2)
+            long_alone = eng.generate(PROMPTS[1:], long)
+            out, long_done = {}, threading.Event()
+            before = tm_requests(sgl)  # 0.5.10 keeps the state of requests aborted while queued (checks above)
+
+            def run_long():
+                try:
+                    out["long"] = eng.generate(PROMPTS[1:], long)
+                finally:
+                    long_done.set()
+
+            t0 = time.monotonic()
+            threading.Thread(target=run_long, daemon=True).start()
+            while not tm_requests(sgl) - before:  # the long call is in SGLang
+                assert time.monotonic() - t0 < 30, "the long call never reached SGLang"
+                time.sleep(0.005)
+            short = eng.generate(PROMPTS, greedy)
+            short_s = time.monotonic() - t0
+            assert not long_done.is_set(), (
+                f"the long call ended before the short one ({short_s:.2f}s): too short to tell"
+            )
+            assert long_done.wait(300), "the long call never ended"
+            long_s = time.monotonic() - t0
+            assert [r.token_ids for r in short] == [r.token_ids for r in alone], (short, alone)
+            assert [r.token_ids for r in out["long"]] == [r.token_ids for r in long_alone]
+            return f"a short call ended {short_s:.2f}s after a long one started, which ran {long_s:.2f}s"
+
+        run("generate_concurrent", concurrent)
 
         def sync(seed, flattened):
             trainer = HfActor(cfg, seed=seed)

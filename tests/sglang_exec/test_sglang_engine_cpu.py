@@ -21,6 +21,7 @@ CHECKS = (
     "generate_and_score_before_sync",
     "generate_cancelled",
     "generate_streamed",
+    "generate_concurrent",
     "sync_named_cpu_path",
     "sync_flattened_bucket_path",
 )
