@@ -221,7 +221,7 @@ def main() -> dict:
         run("generate_streamed", streamed)
 
         def concurrent():
-            """Two threads call generate at once: the short call ends while the long one (8 x 500 tokens, seconds)
+            """Two threads call generate at once: the short call ends while the long one (2 x 500 tokens, seconds)
             still runs in SGLang's scheduler beside it (with one call at a time it would wait for the long one),
             and both answers are those of the same calls made alone."""
             import time
