@@ -127,6 +127,9 @@ def test_adapter_scan_sees_the_main_calls():
         ApiUse("literal", "sglang.srt.managers", "", params=("output_token_logprobz",)),
         ApiUse("unpickle", "sglang.srt.utils.common", "SafeUnpickler", params=("os:system",)),
         ApiUse("method", "sglang.srt.no_such_module", "Engine", "generate"),
+        # Engine reads self.tokenizer_manager in many ways, and never reads a self.weight_bus
+        ApiUse("attribute_uses", "sglang.srt.entrypoints.engine", "Engine", "tokenizer_manager", ("flush_cache",)),
+        ApiUse("attribute_uses", "sglang.srt.entrypoints.engine", "Engine", "weight_bus", ("run_until_complete",)),
     ],
 )
 def test_checker_rejects_fabricated_api(src, use):
