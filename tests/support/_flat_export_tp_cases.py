@@ -1,6 +1,7 @@
 """Run under torchrun (gloo), tp * pp ranks: the flat export at TP > 1 (flat_export.py with the TP
 exchange of tp_gather.py) against the per-tensor export packed by the pipeline and the HF checkpoint,
-byte for byte. argv: --tp, --pp, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
+byte for byte. argv: --tp, --pp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the copies through
+the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report
 (one entry per rank, family and case).
 
 Per case every rank calls, together, what a multi-sender sync calls on it (run_sender): its own
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.support._flat_export_cases import CASES, _pack_all, _same  # noqa: E402
+from tests.support._flat_export_cases import CASES, _force_kernel, _pack_all, _same  # noqa: E402
 from tests.support._flat_export_pp_cases import _rank_manifest  # noqa: E402
 
 
@@ -71,6 +72,8 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
             received_bytes=fe.received_bytes,
             gather_buffer_bytes=fe.gather_buffer_bytes,
             copies=fe.copies,
+            launches=fe.launches,
+            torch_copies=fe.torch_copies,
             total_bytes=sum(x.nbytes for x in m.metas()),
         )
     # a training step changes the parameters in place (each rank its own shards): the next buckets follow
@@ -128,17 +131,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="", help="indices into CASES, comma-separated (default: all)")
     ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
     args = ap.parse_args()
+    if os.environ.get("FLAT_CASES_KERNEL") == "1":
+        _force_kernel()
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
 
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     rank = int(os.environ["RANK"])
-    par = dict(tp=args.tp, pp=args.pp, etp=args.etp)
+    par = dict(tp=args.tp, pp=args.pp)
     report: dict = {}
     for arg in args.dirs:
         family, hf_dir = arg.split("=", 1)
@@ -147,7 +153,7 @@ def main() -> None:
         for f in sorted(Path(hf_dir).glob("*.safetensors")):
             hf.update(load_file(str(f)))
         rep = report[family] = {}
-        for pdt, edt, bucket in CASES:
+        for pdt, edt, bucket in cases:
             key = f"{str(pdt)[6:]}-{bucket}"
             try:
                 rep[key] = run_case(config, hf_dir, hf, par, pdt, edt, bucket)
