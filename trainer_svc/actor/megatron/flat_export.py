@@ -1,10 +1,10 @@
-"""The Megatron model as a manifest's buckets: the export straight into the bus, on one rank.
+"""The Megatron model as a manifest's buckets: the export straight into the bus.
 
 The per-parameter export (export.py) casts, splits and assembles every tensor, and the pipeline
-then copies it into a bucket: a second pass over every byte and several launches per tensor. When
-one rank holds the whole model (TP = PP = EP = 1, the colocated case) the layout of every HF tensor
-in the buckets is known before any byte moves and does not change between syncs, so it is planned
-once per layout (the manifest's digest) and each sync moves each byte at most once:
+then copies it into a bucket: a second pass over every byte and several launches per tensor. The
+layout of every HF tensor in the buckets is known before any byte moves and does not change between
+syncs, so it is planned once per layout (the manifest's digest) and each sync moves each byte at
+most once. On one rank holding the whole model (TP = PP = EP = 1, the colocated case):
 
 - a parameter whose HF tensors are its own bytes in order (the export dtype, an identity or the
   [gate; up] split, no vocabulary padding, its tensors adjacent in one bucket) is moved into its
@@ -26,16 +26,31 @@ embedding or head of the first or last stage; with EP > 1 the stage's dense lead
 and its local experts, every other EP rank its local experts only (the dense replicas it also holds
 are another rank's to send).
 
-Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
-the export), kept with the buckets.
+At TP > 1 (EP = 1, experts unsplit; `tp`) the stage leader (TP rank 0, which owns the stage's
+buckets) plans them over its own shards and the other TP ranks' ones, which they send it at each
+sync (tp_gather.py: the list and its order follow from config alone). A remote vocabulary shard
+whose rows all lie inside the HF vocabulary (the embedding or head rows, not the padding past it) is
+received straight into its slot; every other remote shard into its region of one buffer allocated
+with the plan and reused at every sync, from which, with the leader's own shards, the planned copy
+table writes the slots (QKV per query group, gate/up, the row-parallel dim-1 splits): on a GPU one
+batch of receives and a launch or two per sync. A sharded parameter is never aliased (its slot is
+TP times its shard); a replicated one (a norm, a replicated bias) is, as at TP = 1. The other TP ranks
+must run the exchange whenever the leader refreshes: the actor agrees on the path across the group
+first (MegatronActor._flat_tp).
 
-A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py) is planned the same
-way: its bf16 tensors as above, and every FP8 weight quantized from its parameter straight into its
-e4m3 and scale slots by one Triton launch per bucket (weightsync/formats/fp8_slots.py), its rows
-found through the same copy pairs; the bytes are those the per-tensor export quantizes. The FP8
-weights' slots (about half the model's bf16 bytes) are then kept with the buckets, and a weight
-that is not whole rows of its parameter makes the plan fail (the sync packs instead). Non-finite
-weights raise one device flag, read once per sync (`finite()`).
+Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
+the export), kept with the buckets; at TP > 1 on the leader, the converted tensors (every sharded
+one) and the gather buffer ((TP-1)/TP of the sharded bytes, less the vocabulary shards that land in
+their slots).
+
+A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py; TP = 1 only, the
+actor packs it at TP > 1) is planned the same way: its bf16 tensors as above, and every FP8 weight
+quantized from its parameter straight into its e4m3 and scale slots by one Triton launch per bucket
+(weightsync/formats/fp8_slots.py), its rows found through the same copy pairs; the bytes are those
+the per-tensor export quantizes. The FP8 weights' slots (about half the model's bf16 bytes) are
+then kept with the buckets, and a weight that is not whole rows of its parameter makes the plan
+fail (the sync packs instead). Non-finite weights raise one device flag, read once per sync
+(`finite()`).
 """
 
 from __future__ import annotations
@@ -128,7 +143,7 @@ class FlatExport:
             if p is None:
                 raise ValueError(
                     f"tensor {mname}: not on this rank; the flat export needs the parameters of every tensor "
-                    "in the buckets it writes (TP=1, expert-TP=1)"
+                    "in the buckets it writes (and at TP > 1 the shards of its TP group: its leader owns them)"
                 )
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
