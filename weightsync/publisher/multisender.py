@@ -169,7 +169,11 @@ def run_sender(actor, job: SendJob) -> SenderResult:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
             channel, ok = sender, False
             try:
-                flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                try:
+                    flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                except TransportError:
+                    export = iter(())  # its flat path's exchange began: the export's would find no partner
+                    raise
                 if flat is not None:
                     # the actor takes the flat path only where its export runs no collective, or where
                     # every rank of the export's collectives took the flat path with it (megatron's TP
@@ -203,10 +207,18 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 sender.close()
             if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
-        elif own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, export_device(actor)) is not None:
+        else:
             # a rank that owns no bucket may still take part in its owners' flat path (megatron at TP > 1
             # sends its shards to its stage's leader): its export is then never started, as theirs
-            export = iter(())
+            try:
+                if (
+                    own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, export_device(actor))
+                    is not None
+                ):
+                    export = iter(())
+            except TransportError:
+                export = iter(())
+                raise
     except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
         res.error = f"rank {rank}: {exc}"
         end = RANK_ENDS.get(job.transport)
@@ -227,7 +239,9 @@ def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[
     them. A quantized format maps the exported tensors, so it always packs (on every rank alike).
     Every rank asks, its buckets none or some: where the actor's flat path is a collective (megatron
     at TP > 1: a TP group's ranks send their shards to its leader) all of them must, and a rank that
-    declines for its own reasons tells the actor so (`decline_own_flat`), which tells its group.
+    declines for its own reasons tells the actor so (`decline_own_flat`), which tells its group. A
+    TransportError from the actor (its collective began, then failed) fails the rank's stream: the
+    other ranks went flat with it, so packing would leave its export waiting in gathers for them.
 
     A delta part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones, but
     keeps its copy on the buckets' device: on a GPU rank streaming over TCP (packed in host memory,
@@ -247,6 +261,8 @@ def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[
         return None
     try:
         return flat(mine)
+    except TransportError:  # the actor's flat path failed after a collective began: packing would hang
+        raise
     except Exception:  # an optimisation only: every parameter still holds its value; pack instead
         log.exception(
             "sync %s: rank %d could not lay out its buckets from its parameters; packing", job.sync_id, actor.rank

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.train_backend import MegatronBackend
+from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -266,9 +267,15 @@ class MegatronActor:
             ok = flat is not None
         if not tp_gather.agree(ok, g, self.parameters()[0].device):
             return None
-        if g.tp_rank != 0:
-            tp_gather.send_shards(named_parameters_global(self.model), g)
-        return [] if flat is None else flat.refresh()
+        try:
+            if g.tp_rank != 0:
+                tp_gather.send_shards(named_parameters_global(self.model), g)
+            return [] if flat is None else flat.refresh()
+        except Exception as exc:
+            # every rank of the group went flat: none may fall back to the export's gathers now (they
+            # would wait for partners that are not coming), so the sync fails on this rank instead
+            self._flat = None  # its buffers may hold part of an exchange
+            raise TransportError(f"rank {self.rmap.rank}: the TP group's flat-export exchange failed: {exc}") from exc
 
     def _flat_buckets(self, manifest, *, part: bool) -> list[torch.Tensor] | None:
         """The buckets of `manifest` from the layout's FlatExport (`_plan`), written (None: pack instead)."""
@@ -417,7 +424,10 @@ class MegatronActor:
 
                 self.channel.gather(asdict(run_sender(self, SendJob.from_args(args))))
             elif op == "flat_join":  # rank 0's flat_buckets at TP > 1: this rank's shards, if the group agrees
-                self._flat_tp(None, part=False)
+                try:
+                    self._flat_tp(None, part=False)
+                except TransportError:  # rank 0 fails its in-place attempt too, and exports: a command follows
+                    log.exception("rank %d: flat_join", self.rmap.rank)
             elif op == "load_hf":
                 self._load_hf(args["path"])
             elif op == "load_megatron":
