@@ -6,6 +6,7 @@ in the bench's docstring (and `PART=d bash bench/run_pending_gpu.sh`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -34,3 +35,22 @@ def test_tp2_flat_buckets_over_nccl_are_the_packed_export(tmp_path):
     pytest.importorskip("triton")
     assert lead["torch_copies"] == 0 and lead["launches"] >= 1, lead
     print(json.dumps(ranks, indent=1))
+
+
+def test_tp2_flat_cases_over_nccl(tmp_path):
+    """The CPU cases of test_flat_export_tp.py on two GPUs (NCCL, the copy kernel): the stage
+    leader's flat buckets (multi-sender) and rank 0's single-sender `flat_buckets` with the other
+    rank in its worker loop, byte for byte against the packed export, after a step, new storage and
+    a declining rank; every converted copy in the table's launches."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pytest.importorskip("megatron.core")
+    from tests.support.flat_tp_report import check_tp_report, save_tp_models, tp_report
+
+    dirs = save_tp_models(tmp_path / "hf")
+    leaders = check_tp_report(tp_report(dirs, tmp_path, 2, ["--tp", "2"]), tp=2, pp=1)
+    for (family, case), by_rank in leaders.items():
+        r = by_rank["0"]
+        assert r["landed_bytes"] > 0 or family == "qwen2", f"{family} {case}: {r}"
+        if importlib.util.find_spec("triton") is not None:
+            assert r["torch_copies"] == 0 and r["launches"] >= 1, f"{family} {case}: {r}"

@@ -1,6 +1,6 @@
 """Run under torchrun (gloo), tp * pp ranks: the flat export at TP > 1 (flat_export.py with the TP
 exchange of tp_gather.py) against the per-tensor export packed by the pipeline and the HF checkpoint,
-byte for byte. argv: --tp, --pp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the copies through
+byte for byte, on CPU (gloo) or one GPU per rank (NCCL: tests/gpu/test_flat_export_tp_gpu.py). argv: --tp, --pp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the copies through
 the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report
 (one entry per rank, family and case).
 
@@ -43,7 +43,10 @@ def _packed(m, export) -> list[torch.Tensor]:
 
 
 def _differ(m, flats, packed) -> list[int]:
-    return [b.index for b, f, w in zip(m.buckets, flats, packed, strict=True) if not torch.equal(f[: b.nbytes], w)]
+    """Indices of the buckets that differ (compared in host memory: on GPUs the flat buckets live there)."""
+    return [
+        b.index for b, f, w in zip(m.buckets, flats, packed, strict=True) if not torch.equal(f[: b.nbytes].cpu(), w)
+    ]
 
 
 def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) -> dict:
@@ -63,7 +66,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     if flats is None:
         return r
     r["flat_vs_iter"] = _differ(m, flats, packed)
-    r["flat_vs_hf"] = _same(m, flats, ref)
+    r["flat_vs_hf"] = _same(m, [f.cpu() for f in flats], ref)
     if fe is not None:
         r.update(
             aliased_bytes=fe.aliased_bytes,
