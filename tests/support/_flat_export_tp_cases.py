@@ -1,15 +1,17 @@
-"""Run under torchrun (gloo), tp * pp ranks: the flat export at TP > 1 (flat_export.py with the TP
+"""Run under torchrun, tp * pp * ep ranks: the flat export at TP > 1 (flat_export.py with the TP
 exchange of tp_gather.py) against the per-tensor export packed by the pipeline and the HF checkpoint,
-byte for byte, on CPU (gloo) or one GPU per rank (NCCL: tests/gpu/test_flat_export_tp_gpu.py). argv: --tp, --pp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the copies through
-the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report
-(one entry per rank, family and case).
+byte for byte, on CPU (gloo) or one GPU per rank (NCCL: tests/gpu/test_flat_export_tp_gpu.py).
+argv: --tp, --pp, --ep, --etp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the
+copies through the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report (one
+entry per rank, family and case).
 
 Per case every rank calls, together, what a multi-sender sync calls on it (run_sender): its own
-export packed, then `own_flat_buckets` over its own buckets (the stage leader's; none on the other
-TP ranks, which send their shards); again after a step; again after one sharded parameter got new
-storage on every rank (the leader replans, the others send the new storage); and once with a TP rank
-declining (`decline_own_flat`): the whole group must then export. At PP = 1 the funnel too: rank 0's
-`flat_buckets` of the whole model while the other ranks serve `worker_loop` (the `flat_join` command).
+export packed, then `own_flat_buckets` over its own buckets (the stage leader's, and an EP rank's
+experts; none on the other TP ranks, which send their shards); again after a step; again after one
+sharded parameter got new storage on every rank (the leader replans, the others send the new
+storage); and once with a TP rank declining (`decline_own_flat`): the whole group must then export.
+At PP = EP = 1 the single sender too: rank 0's `flat_buckets` of the whole model while the other
+ranks serve `worker_loop` (the `flat_join` command).
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ def _differ(m, flats, packed) -> list[int]:
 def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) -> dict:
     from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.model import named_parameters_global
+    from trainer_svc.actor.megatron.tp_gather import sharded_names
 
     actor = MegatronActor(config, **par, weights_dir=hf_dir, params_dtype=pdt, export_dtype=edt)
     full, m = _rank_manifest(actor, bucket)
     r: dict = {"buckets": len(m.buckets), "senders": full.senders, "names": [x.name for x in m.metas()]}
+    r.update(tp_rank=actor.rmap.tp_rank, replica0=actor.rmap.in_replica0)
     r["model_tensors"] = len(full.metas())
     ref = [(x.name, hf[x.name].to(edt)) for x in m.metas()]
     packed = _packed(m, actor.export_own_tensors())  # collective: every rank
@@ -91,11 +95,12 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     r["after_step_changed"] = bool(_differ(m, again, packed)) or not m.buckets
     # a load that gives a sharded parameter new storage on every rank: the leader's plan is stale and
     # made again, the other ranks send the new storage
-    name = actor._tp.names[0]
+    name = sharded_names(actor.spec, actor.par, actor.rmap.pp_rank)[0]
     p0 = named_parameters_global(actor.model)[name]
     p0.data = p0.data.clone() + 1
     fresh = actor.own_flat_buckets(m)
-    r["replanned"] = fe is None or actor._flat is not fe
+    # (a plan that does not read it, an EP rank's experts alone, stays as it was)
+    r["replanned"] = fe is None or actor._flat is not fe or not any(p is p0 for p, _ in fe._sources)
     latest = _packed(m, actor.export_own_tensors())
     r["stale_vs_iter"] = _differ(m, fresh, latest)
     # one TP rank declines (a delta base kept elsewhere): the whole group exports, nobody waits
@@ -105,7 +110,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     else:
         r["declined"] = actor.own_flat_buckets(m) is None
     r["after_decline_vs_iter"] = _differ(m, _packed(m, actor.export_own_tensors()), latest)
-    if actor.par.pp == 1:
+    if (actor.par.pp, actor.par.ep) == (1, 1):  # the single sender's flat path
         r["funnel"] = _funnel(actor, full, hf)
     return r
 
@@ -134,6 +139,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="", help="indices into CASES, comma-separated (default: all)")
     ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
@@ -147,7 +154,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     rank = int(os.environ["RANK"])
-    par = dict(tp=args.tp, pp=args.pp)
+    par = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     report: dict = {}
     for arg in args.dirs:
         family, hf_dir = arg.split("=", 1)

@@ -27,34 +27,43 @@ def tp_report(tp_hf_dirs, tmp_path, nranks: int, args: list[str], env: dict | No
     return report
 
 
-def check_tp_report(report: dict, tp: int, pp: int) -> dict:
-    """Every case on every rank took the flat path and matched; the leaders' plans. case -> rank -> r."""
-    leaders: dict = {}
+def check_tp_report(report: dict, tp: int, pp: int, ep: int = 1, senders: list[int] | None = None) -> dict:
+    """Every case matched on every rank, and every rank that sends or serves a sender took the flat
+    path (a rank of another dense replica without buckets exports: it runs no collective). The
+    senders' plans: (family, case) -> rank -> report. `senders`: default, the stage leaders."""
+    senders = [s * tp for s in range(pp)] if senders is None else senders
+    plans: dict = {}
     for rank, by_family in report.items():
-        leader = int(rank) % tp == 0
+        sender = int(rank) in senders
         for family, rep in by_family.items():
             rep = dict(rep)
             assert rep.pop("cast_flat_is_none") is True, f"{family} rank {rank}: a casting export must pack"
             for case, r in rep.items():
-                where = f"{family} {case} tp{tp} pp{pp} rank {rank}"
+                where = f"{family} {case} tp{tp} pp{pp} ep{ep} rank {rank}"
                 assert "error" not in r, f"{where}: {r['error']}"
-                assert r["senders"] == [s * tp for s in range(pp)], f"{where}: {r}"
-                assert (r["buckets"] > 0) == leader, f"{where}: only the stage leaders own buckets {r}"
-                assert r["flat"], f"{where}: the group did not take the flat path"
+                assert r["senders"] == senders and (r["buckets"] > 0) == sender, f"{where}: {r}"
                 assert r["iter_vs_hf"] == [], f"{where}: the own export differs from the checkpoint {r}"
+                if not (sender or r["replica0"]):
+                    assert not r["flat"], f"{where}: {r}"
+                    continue
+                assert r["flat"], f"{where}: the group did not take the flat path"
                 assert r["flat_vs_iter"] == [] and r["flat_vs_hf"] == [], f"{where}: flat buckets differ {r}"
                 assert r["reused"], f"{where}: a second sync of the same layout planned again"
                 assert r["after_step_changed"] and r["after_step_vs_iter"] == [], f"{where}: after a step {r}"
                 assert r["replanned"] and r["stale_vs_iter"] == [], f"{where}: new storage {r}"
                 assert r["declined"] and r["after_decline_vs_iter"] == [], f"{where}: a declining rank {r}"
-                if not leader:
+                assert ("funnel" in r) == (r["tp_rank"] == 0 and pp == ep == 1) or not sender, where
+                if not sender:
                     continue
                 assert r["aliased_bytes"] + r["copied_bytes"] + r["landed_bytes"] == r["total_bytes"], where
-                assert r["received_bytes"] > 0 and r["copies"] > 0, where
-                # every remote shard lands in the persistent buffer or its slot, nothing else
-                assert r["received_bytes"] == r["gather_buffer_bytes"] + r["landed_bytes"], where
-                if pp == 1:
+                if r["tp_rank"] == 0:
+                    assert r["received_bytes"] > 0 and r["copies"] > 0, where
+                    # every remote shard lands in the persistent buffer or its slot, nothing else
+                    assert r["received_bytes"] == r["gather_buffer_bytes"] + r["landed_bytes"], where
+                else:  # a TP rank > 0 sends its own buckets (an EP rank's unsplit experts): nothing to receive
+                    assert r["received_bytes"] == 0, where
+                if "funnel" in r:
                     f = r["funnel"]
                     assert f["flat"] and f["flat_vs_iter"] == [] and f["reused"] and f["again_vs_iter"] == [], where
-                leaders.setdefault((family, case), {})[rank] = r
-    return leaders
+                plans.setdefault((family, case), {})[rank] = r
+    return plans

@@ -210,11 +210,11 @@ class MegatronActor:
           experts, the stage's dense leader the dense tensors too). The decision is then safe per rank:
           the multi-sender export runs no collective (export.runs_no_collective), so a rank that skips
           it leaves no other rank waiting, whichever way the others went; or
-        - TP > 1 at EP = expert-TP = 1: a collective of the TP group (tp_gather.py), which every rank
-          of a stage's TP group must call at the same point of a sync, its buckets none or all of the
-          stage's (the leader's); [] on a rank without buckets that sent its shards. The group agrees
-          first, so a plan refused on the leader (or `decline_own_flat` on any rank) makes every rank
-          of the group export."""
+        - TP > 1 at expert-TP = 1 (any EP): a collective of the TP group (tp_gather.py), which every
+          rank of a stage's TP group must call at the same point of a sync with its own buckets (the
+          stage's dense ones on the leader, an EP rank's experts, or none); [] on a rank without
+          buckets that sent its shards. The group agrees first, so a plan refused on any rank of
+          it (or `decline_own_flat`) makes every rank of the group export."""
         from trainer_svc.actor.megatron.export import runs_no_collective
 
         if not manifest.layout_digest or self.converter is not None or manifest.quantization is not None:
@@ -237,11 +237,11 @@ class MegatronActor:
             self._flat_tp(manifest, part=True, decline=True)
 
     def _tp_flat_layout(self) -> bool:
-        """Whether the flat export can run at this TP > 1 layout: dense TP only (EP = 1, experts
-        unsplit: expert-TP = 1), no bridge converter. From config alone: the same on every rank."""
+        """Whether the flat export can run at this TP > 1 layout: dense TP only (experts unsplit:
+        expert-TP = 1, any EP), no bridge converter. From config alone: the same on every rank."""
         par = self.par
         experts_split = bool(self.spec.dims.num_experts) and par.expert_tp > 1
-        return par.tp > 1 and par.ep == 1 and not experts_split and self.converter is None
+        return par.tp > 1 and not experts_split and self.converter is None
 
     def _flat_tp(self, manifest, *, part: bool, decline: bool = False) -> list[torch.Tensor] | None:
         """At TP > 1, on every rank of a stage's TP group together (tp_gather.py): the leader plans
@@ -251,8 +251,11 @@ class MegatronActor:
         from trainer_svc.actor.megatron import tp_gather
         from trainer_svc.actor.megatron.model import named_parameters_global
 
-        if not self.rmap.in_replica0:  # holds nothing any export gathers: its export runs no collective
-            return None
+        if not self.rmap.in_replica0:
+            # holds no dense tensor any export gathers: its export runs no collective, and its buckets (an
+            # EP rank's unsplit experts, if any) are planned as at TP = 1, on this rank's word alone
+            owns = manifest is not None and bool(manifest.buckets)
+            return self._flat_buckets(manifest, part=part) if owns else None
         if self._tp is None:
             self._tp = tp_gather.tp_group(self.spec, self.par, self.rmap.pp_rank, self.rmap.tp_rank, self.export_dtype)
         g = self._tp

@@ -26,8 +26,8 @@ embedding or head of the first or last stage; with EP > 1 the stage's dense lead
 and its local experts, every other EP rank its local experts only (the dense replicas it also holds
 are another rank's to send).
 
-At TP > 1 (EP = 1, experts unsplit; `tp`) the stage leader (TP rank 0, which owns the stage's
-buckets) plans them over its own shards and the other TP ranks' ones, which they send it at each
+At TP > 1 (experts unsplit: expert-TP = 1; `tp`) the stage leader (TP rank 0, which owns the stage's
+dense tensors) plans its buckets over its own shards and the other TP ranks' ones, which they send it at each
 sync (tp_gather.py: the list and its order follow from config alone). A remote vocabulary shard
 whose rows all lie inside the HF vocabulary (the embedding or head rows, not the padding past it) is
 received straight into its slot; every other remote shard into its region of one buffer allocated

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.flat_tp_report import check_tp_report, save_tp_models, tp_report
+from tests.support.megatron_models import MOE_FAMILIES, make_config, save_random_hf
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,20 @@ def test_tp2_pp2_each_stage_leader_writes_its_flat_buckets(tp_hf_dirs, tmp_path)
         assert sorted(by_rank) == ["0", "2"], family
         names = [n for r in by_rank.values() for n in r["names"]]
         assert len(names) == len(set(names)) == by_rank["0"]["model_tensors"], family
+
+
+def test_tp2_ep2_an_expert_rank_beside_the_stage_leader_writes_its_own(tmp_path_factory, tmp_path):
+    """MoE at TP=2 x EP=2 with unsplit experts (expert-TP=1), 4 ranks: megatron puts EP rank 1 on TP
+    rank 1 of the stage (rank 1), which sends its dense shards to rank 0 and writes its own experts'
+    buckets from its own parameters; ranks 2-3 (the second dense replica) hold nothing to send and
+    export (no collective). Every sender's buckets are its packed export, byte for byte."""
+    root = tmp_path_factory.mktemp("hf-moe-tp")
+    dirs = {f: str(save_random_hf(make_config(f), root / f, seed=40 + i)) for i, f in enumerate(MOE_FAMILIES)}
+    report = tp_report(dirs, tmp_path, 4, ["--tp", "2", "--ep", "2", "--etp", "1", "--cases", "0"])
+    for (family, case), by_rank in check_tp_report(report, tp=2, pp=1, ep=2, senders=[0, 1]).items():
+        experts = {r: {n.split(".")[5] for n in x["names"] if ".mlp.experts." in n} for r, x in by_rank.items()}
+        assert experts["0"] and experts["1"] and not experts["0"] & experts["1"], f"{family} {case}: {experts}"
+        assert all(".mlp.experts." in n for n in by_rank["1"]["names"]), f"{family} {case}: dense on rank 1"
 
 
 @pytest.mark.slow  # the Triton interpreter: about 50 s on 2 cores
