@@ -255,7 +255,7 @@ class MegatronActor:
             # holds no dense tensor any export gathers: its export runs no collective, and its buckets (an
             # EP rank's unsplit experts, if any) are planned as at TP = 1, on this rank's word alone
             owns = manifest is not None and bool(manifest.buckets)
-            return self._flat_buckets(manifest, part=part) if owns else None
+            return self._flat_buckets(manifest, part=part) if owns and not decline else None
         if self._tp is None:
             self._tp = tp_gather.tp_group(self.spec, self.par, self.rmap.pp_rank, self.rmap.tp_rank, self.export_dtype)
         g = self._tp
