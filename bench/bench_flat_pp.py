@@ -1,6 +1,6 @@
 """A pipeline stage's part of a multi-sender sync on the trainer side: export + pack against flat buckets.
 
-Run under torchrun, one rank per pipeline stage (TP=EP=1); each rank builds its stage of a
+Run under torchrun, tp ranks per pipeline stage (EP=1); each rank builds its stage (its TP shards) of a
 Qwen2-shaped model (bench_services.py's MODELS) in `--param-dtype`, filled with random bits, and
 times, over the buckets it owns (`Manifest.buckets_of(rank)` of the multi-sender layout):
 
@@ -9,6 +9,9 @@ times, over the buckets it owns (`Manifest.buckets_of(rank)` of the multi-sender
 - `flat`: `MegatronActor.own_flat_buckets` (flat_export.py over the rank's own buckets), what it does
   now: the parameters that are their own HF bytes live in the buckets, the rest is copied into
   their slots; `plan_s` is its first call (the plan, and moving the parameters), not in the median.
+  At `--tp` > 1 the stage leader owns the buckets and the other TP ranks send it their shards in
+  both passes (export.py's gathers for `iter`, tp_gather.py's exchange into the flat plan's buffers
+  and slots for `flat`): their time is the leader's (they wait for it).
 
 Each rank checks that both give the same bucket checksums. Rank 0 prints and writes (`--out`) the
 median seconds per pass of every rank.
@@ -17,6 +20,8 @@ median seconds per pass of every rank.
         bench/bench_flat_pp.py --model tiny --pp 2 --out /tmp/flat_pp_cpu.json
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         bench/bench_flat_pp.py --model 7b --pp 2 --reps 5 --out $OUT/flat_pp_gpu.json   # 2 GPUs
+    python -m torch.distributed.run --standalone --nproc-per-node=2 \
+        bench/bench_flat_pp.py --model 7b --tp 2 --pp 1 --reps 5 --out $OUT/flat_tp2_gpu.json   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ import torch  # noqa: E402 (after the repo root is on the path)
 import torch.distributed as dist  # noqa: E402
 
 
-def make_actor(name: str, dtype: torch.dtype, pp: int, vpp: int):
+def make_actor(name: str, dtype: torch.dtype, pp: int, vpp: int, tp: int = 1):
 
     from bench.bench_services import MODELS, qwen2_config
     from trainer_svc.actor.megatron.actor import MegatronActor
 
     cfg = qwen2_config(MODELS[name])
-    actor = MegatronActor(cfg, pp=pp, vpp=vpp, params_dtype=dtype, export_dtype=dtype, init_weights=False)
+    actor = MegatronActor(cfg, tp=tp, pp=pp, vpp=vpp, params_dtype=dtype, export_dtype=dtype, init_weights=False)
     g = torch.Generator(device=actor.parameters()[0].device).manual_seed(actor.rank)
     with torch.no_grad():
         for p in actor.parameters():  # random bits: a wrong byte anywhere shows in the checksums
@@ -75,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--bucket-mb", type=int, default=256)
@@ -84,10 +90,11 @@ def main() -> None:
     from weightsync.bus.checksum import bucket_checksum
     from weightsync.bus.pack import alloc_buffer, pack_bucket
 
-    actor = make_actor(args.model, getattr(torch, args.param_dtype), args.pp, args.vpp)
+    actor = make_actor(args.model, getattr(torch, args.param_dtype), args.pp, args.vpp, args.tp)
     dev = actor.parameters()[0].device
     m = rank_manifest(actor, args.bucket_mb << 20)
-    bufs = [alloc_buffer(max(b.nbytes for b in m.buckets), dev) for _ in range(2)]
+    # at TP > 1 only the stage leader owns buckets: the other TP ranks only send their shards
+    bufs = [alloc_buffer(max(b.nbytes for b in m.buckets), dev) for _ in range(2)] if m.buckets else []
 
     def run_iter(check: bool):
         it, sums = iter(actor.export_own_tensors()), []
@@ -95,6 +102,8 @@ def main() -> None:
             view = pack_bucket(plan, itertools.islice(it, len(plan.slots)), bufs[k % 2])
             if check:
                 sums.append(bucket_checksum(view))
+        for _ in it:  # a rank without buckets still takes part in its TP group's gathers
+            pass
         _sync(dev)
         return sums
 
@@ -117,10 +126,18 @@ def main() -> None:
         "bytes": sum(b.tensor_bytes for b in m.buckets),
         "exact": want == got,
         "plan_s": plan_s,
-        "aliased_bytes": actor._flat.aliased_bytes,
-        "copied_bytes": actor._flat.copied_bytes,
-        "copies": actor._flat.copies,
     }
+    fe = actor._flat  # None on a TP rank that only sends
+    for key in (
+        "aliased_bytes",
+        "copied_bytes",
+        "copies",
+        "launches",
+        "torch_copies",
+        "received_bytes",
+        "landed_bytes",
+    ):
+        rec[key] = getattr(fe, key, 0)
     for name, fn in (("iter", run_iter), ("flat", run_flat)):
         times = []
         for _ in range(args.reps):
@@ -132,7 +149,14 @@ def main() -> None:
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, rec)
     if actor.rank == 0:
-        out = {"model": args.model, "pp": args.pp, "vpp": args.vpp, "param_dtype": args.param_dtype, "ranks": table}
+        out = {
+            "model": args.model,
+            "tp": args.tp,
+            "pp": args.pp,
+            "vpp": args.vpp,
+            "param_dtype": args.param_dtype,
+            "ranks": table,
+        }
         print(json.dumps(out, indent=1))
         if args.out:
             with open(args.out, "w") as f:

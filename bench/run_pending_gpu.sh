@@ -14,6 +14,8 @@
 #                                          # of a 7B PP=2 trainer: its own buckets in place vs export + pack
 #   PART=d bash bench/run_pending_gpu.sh   # four GPUs (last: not always lent): PP=2 multi-sender over NCCL, full
 #                                          # then sync_encoding=delta (each stage frames its own deltas), timed
+#   PART=e bash bench/run_pending_gpu.sh   # two GPUs: the TP=2 flat export over NCCL (its GPU test, then a 7B
+#                                          # TP=2 stage leader's flat buckets vs its export + pack)
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -23,7 +25,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c or d}
+PART=${PART:?set PART to a, b, c, d or e}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -65,6 +67,11 @@ case "$PART" in
   d) step 540 gpu_tests_multisender env OMP_NUM_THREADS=4 WS_BENCH_OUT="$OUT/results_nccl_multisender_delta_$day" \
        "${PYTEST[@]}" tests/gpu/test_multisender_gpu.py -k over_nccl
      show gpu_tests_multisender 25 ;;
-  *) echo "PART=$PART: must be a, b, c or d" >&2; exit 2 ;;
+  e) step 150 gpu_tests_flat_tp "${PYTEST[@]}" tests/gpu/test_flat_export_tp_gpu.py
+     show gpu_tests_flat_tp 10
+     step 200 flat_tp2 python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/bench_flat_pp.py \
+       --model 7b --tp 2 --pp 1 --reps 5 --out "$OUT/results_flat_tp2_7b_$day.json"
+     show flat_tp2 12 ;;
+  *) echo "PART=$PART: must be a, b, c, d or e" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"

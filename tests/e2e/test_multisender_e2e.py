@@ -285,3 +285,32 @@ def test_moe_pp2_ep2_every_stage_and_expert_leader_streams_its_own(procs):
     finally:
         for p in proxies:
             p.close()
+
+
+def test_tp2_pp2_each_stage_leader_streams_its_flat_buckets_with_its_tp_groups_shards(procs):
+    """TP=2 x PP=2 on 4 ranks: the two stage leaders (ranks 0 and 2) send; each writes its buckets
+    from its own shards and the ones its TP rank sends it (flat_export.py at TP > 1, tp_gather.py),
+    and streams them in place: no export pass, no pack buffers; the rollouts serve the exported model
+    exactly, again after a second (delta) sync."""
+    trainer, rollouts, proxies, links = _fleet(procs, "tiny-qwen2", 4, "--tp", "2")
+    try:
+        rep = sync_rpc(trainer.address)
+        assert rep.ok, rep
+        s = _senders(rep)
+        assert sorted(s) == [0, 2], rep.senders
+        assert all(x.flat_buckets == x.num_buckets > 0 and x.peak_buffer_bytes == 0 for x in s.values()), rep.senders
+        assert all(x.forwarded_bytes == 0 and not x.error for x in s.values()), rep.senders
+        sd = _exported(trainer, procs.tmp / "exported")
+        stage0 = _bytes(sd, lambda n: n.startswith("model.embed_tokens.") or _layer(n) == 0)
+        assert (s[0].bytes, s[2].bytes) == (stage0, _bytes(sd, lambda n: True) - stage0)
+        want = _hf_logits(procs.tmp / "exported")
+        for r in rollouts:
+            logits, version = score(rstub(r), PROMPT)
+            assert version == rep.version and torch.equal(logits, want), (logits - want).abs().max()
+        again = sync_rpc(trainer.address)
+        assert again.ok and all(x.flat_buckets == x.num_buckets for x in again.senders), again.senders
+        for r in rollouts:
+            assert torch.equal(score(rstub(r), PROMPT)[0], want)
+    finally:
+        for p in proxies:
+            p.close()

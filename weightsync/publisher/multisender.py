@@ -8,9 +8,10 @@ layout — the rollouts' data addresses, and for each sender the hello MAC of it
 pair; the token itself never leaves rank 0. Every rank then runs the export; each owner packs and
 streams its own buckets to every rollout, concurrently with the other owners, with the usual
 double-buffered pipeline (extra memory: two buckets plus the largest tensor it owns) — or, where
-the actor can (megatron at TP = expert-TP = 1: `own_flat_buckets`), writes its buckets straight from its
-parameters once per sync and streams them in place, with no export pass and no pack — and reports
-a `SenderResult` back to rank 0: its bucket checksums, per-rollout failures, bytes and seconds.
+the actor can (megatron: `own_flat_buckets`; at TP > 1 with the shards its TP group sends it),
+writes its buckets straight from its parameters once per sync and streams them in place, with no
+export pass and no pack — and reports a `SenderResult` back to rank 0: its bucket checksums,
+per-rollout failures, bytes and seconds.
 Rank 0 merges them (`merge`) into the stream's outcome, so commit and abort reflect every sender.
 
 Over NCCL the job carries, instead of data addresses and MACs, each sender's group (rank 0 plans
@@ -168,10 +169,15 @@ def run_sender(actor, job: SendJob) -> SenderResult:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
             channel, ok = sender, False
             try:
-                flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                try:
+                    flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
+                except TransportError:
+                    export = iter(())  # its flat path's exchange began: the export's would find no partner
+                    raise
                 if flat is not None:
-                    # the actor takes the flat path only for a layout whose export runs no collective:
-                    # this rank's export is never started, and no other rank waits for it
+                    # the actor takes the flat path only where its export runs no collective, or where
+                    # every rank of the export's collectives took the flat path with it (megatron's TP
+                    # group): this rank's export is never started, and no other rank waits for it
                     export = iter(())
                     res.flat_buckets = len(mine)
                 channel = sender if part is None else part.channel(sender)
@@ -201,6 +207,18 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 sender.close()
             if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
+        else:
+            # a rank that owns no bucket may still take part in its owners' flat path (megatron at TP > 1
+            # sends its shards to its stage's leader): its export is then never started, as theirs
+            try:
+                if (
+                    own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, export_device(actor))
+                    is not None
+                ):
+                    export = iter(())
+            except TransportError:
+                export = iter(())
+                raise
     except Exception as exc:  # reported to rank 0, which fails the targets; never kills the worker
         res.error = f"rank {rank}: {exc}"
         end = RANK_ENDS.get(job.transport)
@@ -217,8 +235,13 @@ def run_sender(actor, job: SendJob) -> SenderResult:
 
 def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[torch.Tensor] | None:
     """This rank's buckets written straight from its parameters (the actor's `own_flat_buckets`:
-    megatron at TP = expert-TP = 1, trainer_svc/actor/megatron/flat_export.py), streamed in place; None:
-    export and pack them. A quantized format maps the exported tensors, so it always packs.
+    megatron, trainer_svc/actor/megatron/flat_export.py), streamed in place; None: export and pack
+    them. A quantized format maps the exported tensors, so it always packs (on every rank alike).
+    Every rank asks, its buckets none or some: where the actor's flat path is a collective (megatron
+    at TP > 1: a TP group's ranks send their shards to its leader) all of them must, and a rank that
+    declines for its own reasons tells the actor so (`decline_own_flat`), which tells its group. A
+    TransportError from the actor (its collective began, then failed) fails the rank's stream: the
+    other ranks went flat with it, so packing would leave its export waiting in gathers for them.
 
     A delta part (rank_delta_stream) diffs and keeps in-place buckets as it does packed ones, but
     keeps its copy on the buckets' device: on a GPU rank streaming over TCP (packed in host memory,
@@ -229,11 +252,17 @@ def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[
     flat = getattr(actor, "own_flat_buckets", None)
     if flat is None or job.export_dtype:
         return None
+    # the key the actor plans once per layout under (the sync's own digest also names the sync)
+    mine = replace(mine, layout_digest=layout_digest(mine))
     if part is not None and part.keep and export_device(actor) != torch.device(device):
+        decline = getattr(actor, "decline_own_flat", None)
+        if decline is not None:
+            decline(mine)
         return None
     try:
-        # the key the actor plans once per layout under (the sync's own digest also names the sync)
-        return flat(replace(mine, layout_digest=layout_digest(mine)))
+        return flat(mine)
+    except TransportError:  # the actor's flat path failed after a collective began: packing would hang
+        raise
     except Exception:  # an optimisation only: every parameter still holds its value; pack instead
         log.exception(
             "sync %s: rank %d could not lay out its buckets from its parameters; packing", job.sync_id, actor.rank

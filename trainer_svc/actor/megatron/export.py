@@ -33,7 +33,8 @@ from trainer_svc.actor.megatron.rules.base import LAYER, PRE, Dims, Rule, Site
 from weightsync.model_spec import ModelSpec
 
 
-def _owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:
+def owner_stage(section: str, layer: int | None, num_layers: int, par: Parallelism) -> int:
+    """The pipeline stage holding a rule's parameter (the embedding on the first, the head on the last)."""
     if section == PRE:
         return 0
     if section == LAYER:
@@ -68,7 +69,7 @@ def _gather_tp(shard: torch.Tensor, tp_group, tp: int, tp_rank: int) -> list[tor
 
 def _owner(rule: Rule, site: Site, d: Dims, par: Parallelism, rmap: RankMap) -> tuple[int, bool, str]:
     """(global rank that assembles the HF tensors, whether this rank holds a shard, group kind)."""
-    stage = _owner_stage(rule.section, site.layer, d.num_layers, par)
+    stage = owner_stage(rule.section, site.layer, d.num_layers, par)
     if rule.expert:
         # megatron places global expert e on EP rank e // experts_per_rank (MoELayer's offsets)
         ep_rank = site.expert // (d.num_experts // par.ep)

@@ -1,10 +1,10 @@
-"""The Megatron model as a manifest's buckets: the export straight into the bus, on one rank.
+"""The Megatron model as a manifest's buckets: the export straight into the bus.
 
 The per-parameter export (export.py) casts, splits and assembles every tensor, and the pipeline
-then copies it into a bucket: a second pass over every byte and several launches per tensor. When
-one rank holds the whole model (TP = PP = EP = 1, the colocated case) the layout of every HF tensor
-in the buckets is known before any byte moves and does not change between syncs, so it is planned
-once per layout (the manifest's digest) and each sync moves each byte at most once:
+then copies it into a bucket: a second pass over every byte and several launches per tensor. The
+layout of every HF tensor in the buckets is known before any byte moves and does not change between
+syncs, so it is planned once per layout (the manifest's digest) and each sync moves each byte at
+most once. On one rank holding the whole model (TP = PP = EP = 1, the colocated case):
 
 - a parameter whose HF tensors are its own bytes in order (the export dtype, an identity or the
   [gate; up] split, no vocabulary padding, its tensors adjacent in one bucket) is moved into its
@@ -26,16 +26,31 @@ embedding or head of the first or last stage; with EP > 1 the stage's dense lead
 and its local experts, every other EP rank its local experts only (the dense replicas it also holds
 are another rank's to send).
 
-Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
-the export), kept with the buckets.
+At TP > 1 (experts unsplit: expert-TP = 1; `tp`) the stage leader (TP rank 0, which owns the stage's
+dense tensors) plans its buckets over its own shards and the other TP ranks' ones, which they send it at each
+sync (tp_gather.py: the list and its order follow from config alone). A remote vocabulary shard
+whose rows all lie inside the HF vocabulary (the embedding or head rows, not the padding past it) is
+received straight into its slot; every other remote shard into its region of one buffer allocated
+with the plan and reused at every sync, from which, with the leader's own shards, the planned copy
+table writes the slots (QKV per query group, gate/up, the row-parallel dim-1 splits): on a GPU one
+batch of receives and a launch or two per sync. A sharded parameter is never aliased (its slot is
+TP times its shard); a replicated one (a norm, a replicated bias) is, as at TP = 1. The other TP ranks
+must run the exchange whenever the leader refreshes: the actor agrees on the path across the group
+first (MegatronActor._flat_tp).
 
-A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py) is planned the same
-way: its bf16 tensors as above, and every FP8 weight quantized from its parameter straight into its
-e4m3 and scale slots by one Triton launch per bucket (weightsync/formats/fp8_slots.py), its rows
-found through the same copy pairs; the bytes are those the per-tensor export quantizes. The FP8
-weights' slots (about half the model's bf16 bytes) are then kept with the buckets, and a weight
-that is not whole rows of its parameter makes the plan fail (the sync packs instead). Non-finite
-weights raise one device flag, read once per sync (`finite()`).
+Extra memory: the converted tensors' bytes (for a Qwen2 model, QKV weights and biases: about 6% of
+the export), kept with the buckets; at TP > 1 on the leader, the converted tensors (every sharded
+one) and the gather buffer ((TP-1)/TP of the sharded bytes, less the vocabulary shards that land in
+their slots).
+
+A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py; TP = 1 only, the
+actor packs it at TP > 1) is planned the same way: its bf16 tensors as above, and every FP8 weight
+quantized from its parameter straight into its e4m3 and scale slots by one Triton launch per bucket
+(weightsync/formats/fp8_slots.py), its rows found through the same copy pairs; the bytes are those
+the per-tensor export quantizes. The FP8 weights' slots (about half the model's bf16 bytes) are
+then kept with the buckets, and a weight that is not whole rows of its parameter makes the plan
+fail (the sync packs instead). Non-finite weights raise one device flag, read once per sync
+(`finite()`).
 """
 
 from __future__ import annotations
@@ -48,6 +63,7 @@ from trainer_svc.actor.megatron.hf_copy import copy_pairs
 from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
+from trainer_svc.actor.megatron.tp_gather import ShardReceives, TpGroup, as_bytes
 from weightsync.bus.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
 from weightsync.formats import fp8_slots
@@ -91,11 +107,20 @@ class FlatExport:
     owns (a pipeline stage's or an EP rank's tensors); `refresh()` writes the converted slots."""
 
     def __init__(
-        self, manifest: Manifest, chunks, spec: ModelSpec, *, use_kernel: bool | None = None, part: bool = False
+        self,
+        manifest: Manifest,
+        chunks,
+        spec: ModelSpec,
+        *,
+        use_kernel: bool | None = None,
+        part: bool = False,
+        tp: TpGroup | None = None,
     ):
         """`part`: `manifest.buckets` are this rank's own (Manifest.buckets_of): a tensor none of whose
         HF names are in them is another rank's and is left out; every tensor in them must come from this
-        rank's parameters (under their global names), or the plan fails."""
+        rank's parameters (under their global names), or the plan fails. `tp`: this rank's TP group at
+        TP > 1 (tp_gather.py); its leader's buckets then hold its stage's TP-sharded tensors, whose
+        other shards `refresh()` receives from the group's other ranks (which must send them)."""
         if not manifest.layout_digest:
             raise ValueError("FlatExport needs manifest.layout_digest (a layout planned by ManifestCache)")
         self.digest = manifest.layout_digest
@@ -108,6 +133,7 @@ class FlatExport:
         converted: list[tuple[Rule, str, list[tuple[int, Slot]]]] = []
         claimed: set[int] = set()
         planned = 0
+        gathered: list[str] = []  # the TP-sharded parameters, in plan order
         for rule, site, names in export_plan(spec):
             missing = [n for n in names if n not in slots]
             if part and len(missing) == len(names):
@@ -117,19 +143,30 @@ class FlatExport:
             if p is None:
                 raise ValueError(
                     f"tensor {mname}: not on this rank; the flat export needs the parameters of every tensor "
-                    "in the buckets it writes (TP=1, expert-TP=1)"
+                    "in the buckets it writes (and at TP > 1 the shards of its TP group: its leader owns them)"
                 )
             if missing:
                 raise ValueError(f"tensor {missing[0]}: exported but not in the manifest's buckets")
             where = [slots[n] for n in names]
             planned += len(names) + sum(_scale_of(n, slots) is not None for n in names)
-            if _aliasable(p, rule, where, spec.dims, claimed):
+            if tp is not None and not rule.expert and rule.tp_dim is not None:
+                if tp.tp_rank != 0:
+                    raise ValueError(f"tensor {mname}: TP-sharded, in the buckets of TP rank {tp.tp_rank} (not 0)")
+                gathered.append(mname)
+                converted.append((rule, mname, where))
+            elif _aliasable(p, rule, where, spec.dims, claimed):
                 claimed.add(id(p))
                 aliases[where[0][0]].append((p, where[0][1]))
             else:
                 converted.append((rule, mname, where))
         if planned != len(slots):
             raise ValueError(f"the manifest has {len(slots)} tensors, the export plan {planned}")
+        if tp is not None and tp.tp_rank == 0 and tuple(gathered) != tp.names:
+            # the other TP ranks send tp.names in order (config alone): the receives must be the same list
+            raise ValueError(
+                f"the buckets hold {len(gathered)} of the stage's {len(tp.names)} TP-sharded tensors: the flat "
+                "export at TP > 1 needs the stage leader to own them all"
+            )
         self._aliased: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, address of its slot)
         self.flats: list[torch.Tensor] = []
         with torch.no_grad():
@@ -145,6 +182,7 @@ class FlatExport:
         # sources are taken after the moves above: a parameter read here must be its new storage
         params = named_parameters_global(chunks)
         by_slot = {s.meta.name: _slot_view(self.flats[b], s) for b, s in slots.values()}
+        remote = _RemoteShards(tp, converted, params, self.flats, device) if gathered else None
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         weights: list[fp8_slots.SlotWeight] = []
         #: (parameter, address) of every source: one moved elsewhere since (a load that assigns new
@@ -162,13 +200,20 @@ class FlatExport:
                 for (b, s), q, out in zip(where, quant, outs)
                 if q is not None
             ]
-            for dst, src in copy_pairs(rule, [p.detach()], outs, spec.dims):
+            shards = [p.detach(), *(remote.shards(mname) if remote is not None else [])]
+            for dst, src in copy_pairs(rule, shards, outs, spec.dims):
+                if _same_view(dst, src):  # a shard received into its slot
+                    continue
                 w = next((w for w in mine if _within(dst, w.stand_in)), None) if dst.is_meta else None
                 if w is None:
                     pairs.append((dst, src))
                 else:
                     w.pieces.append((dst, src))
             weights += mine
+        if remote is not None and weights:
+            raise ValueError("an FP8 layout at TP > 1: the flat export quantizes at TP = 1 only")
+        #: the receives of the other TP ranks' shards (None at TP = 1), then the copies
+        self._receives = remote.receives() if remote is not None else None
         self._copy = BatchedCopy(pairs, use_kernel=use_kernel)
         self._quant = fp8_slots.plan(self.flats, weights, use_kernel=use_kernel) if weights else None
         if weights and self._quant is None:
@@ -180,6 +225,11 @@ class FlatExport:
         self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
         self.copied_bytes = sum(math.prod(d.shape) * d.element_size() for d, _ in pairs)
         self.copies = len(pairs)
+        #: bytes received from the other TP ranks at each sync: straight into their slots, and in all
+        self.landed_bytes = remote.landed_bytes if remote is not None else 0
+        self.received_bytes = self._receives.bytes if self._receives is not None else 0
+        #: the persistent buffer the other remote shards land in (allocated once per plan)
+        self.gather_buffer_bytes = remote.buffer.numel() if remote is not None else 0
         #: kernel launches per sync for the copies (table-driven) and copies left to torch, one kernel each
         self.launches, self.torch_copies = len(self._copy.launches), self._copy.torch_pairs
         #: kernel launches per sync that quantize (one per bucket holding FP8 weights)
@@ -193,6 +243,8 @@ class FlatExport:
         """Write every converted slot from its parameter (a launch or two) and quantize every FP8
         weight into its slots (a launch per bucket); the buckets."""
         with torch.no_grad():
+            if self._receives is not None:
+                self._receives.run()
             self._copy.run()
             if self._quant is not None:
                 self._quant.run()
@@ -229,3 +281,84 @@ def _within(view: torch.Tensor, stand_in: torch.Tensor) -> bool:
     """Whether a meta `view` lies in `stand_in` (stand-ins share one storage, disjoint)."""
     start = stand_in.storage_offset()
     return start <= view.storage_offset() < start + stand_in.numel()
+
+
+def _same_view(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (
+        dst.dtype == src.dtype
+        and dst.data_ptr() == src.data_ptr()
+        and dst.shape == src.shape
+        and dst.stride() == src.stride()
+    )
+
+
+#: alignment of each remote shard in the gather buffer (bytes): the copy kernel's widest runs
+_ALIGN = 64
+
+
+class _RemoteShards:
+    """Where the other TP ranks' shards of the sharded tensors land, planned once: a vocabulary shard
+    whose rows all lie in its HF slot lands in the slot itself, every other one in its region of one
+    buffer allocated here (reused at every sync); a region is seen as the shard it holds."""
+
+    def __init__(self, tp: TpGroup, converted, params, flats: list[torch.Tensor], device):
+        self.tp = tp
+        self._targets: list[tuple[int, torch.Tensor]] = []  # (TP rank, bytes it lands in), in send order
+        self._shards: dict[str, list[tuple[int, int, int] | None]] = {}  # per TP rank >= 1: slot rows, or None
+        self.landed_bytes = 0
+        sizes: dict[str, int] = {}
+        for rule, mname, where in converted:
+            if mname not in tp.names:
+                continue
+            p = params[mname]
+            nbytes = p.numel() * tp.export_dtype.itemsize
+            direct = [_rows_in_slot(rule, p, where, r, flats, tp.export_dtype) for r in range(1, len(tp.ranks))]
+            self._shards[mname] = direct
+            sizes[mname] = nbytes
+        offsets, total = {}, 0
+        for mname, direct in self._shards.items():
+            for r, d in enumerate(direct, start=1):
+                if d is None:
+                    offsets[(mname, r)] = total
+                    total += -(-sizes[mname] // _ALIGN) * _ALIGN
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        for mname in tp.names:  # the order every other TP rank sends in
+            p = params[mname]
+            for r, d in enumerate(self._shards[mname], start=1):
+                if d is None:
+                    at = offsets[(mname, r)]
+                    raw = self.buffer[at : at + sizes[mname]]
+                else:
+                    bucket, start, length = d
+                    raw = flats[bucket][start : start + length]
+                    self.landed_bytes += length
+                self._targets.append((r, raw))
+                self._views[(mname, r)] = raw.view(tp.export_dtype).view(p.shape)
+
+    def shards(self, mname: str) -> list[torch.Tensor]:
+        """The other TP ranks' shards of `mname` (TP ranks 1..), as where they land; none for a
+        parameter that is not TP-sharded."""
+        if mname not in self._shards:
+            return []
+        return [self._views[(mname, r)] for r in range(1, len(self.tp.ranks))]
+
+    def receives(self) -> ShardReceives:
+        return ShardReceives(self.tp, [(r, as_bytes(t)) for r, t in self._targets])
+
+
+def _rows_in_slot(rule: Rule, p: torch.Tensor, where, r: int, flats, dtype) -> tuple[int, int, int] | None:
+    """(bucket, byte offset, bytes) of TP rank r's vocabulary shard inside its HF slot when all its
+    rows are HF rows (not the padding past the vocabulary) in the export dtype; else None."""
+    if not rule.vocab or rule.tp_dim != 0 or len(where) != 1:
+        return None
+    bucket, slot = where[0]
+    rows = p.shape[0]
+    if (
+        slot.meta.dtype != dtype
+        or tuple(slot.meta.shape[1:]) != tuple(p.shape[1:])
+        or (r + 1) * rows > slot.meta.shape[0]
+    ):
+        return None
+    row_bytes = math.prod(p.shape[1:]) * dtype.itemsize
+    return bucket, slot.offset + r * rows * row_bytes, rows * row_bytes

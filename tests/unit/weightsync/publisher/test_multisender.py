@@ -355,3 +355,34 @@ def test_a_rank_whose_buckets_live_elsewhere_than_its_delta_base_packs():
             assert torch.equal(logits, src.score(IDS, 1)[1])
     finally:
         _stop(rollouts, m.sync_id)
+
+
+class BrokenExchangeActor(FlatRankActor):
+    """An actor whose flat path fails after its collective began (megatron's TP exchange): the other
+    ranks of its group went flat, so it must neither pack nor run its export (whose gathers would find
+    no partner); a rank owning no bucket (`owners` all another's) is asked too, and fails the same way."""
+
+    def own_flat_buckets(self, manifest):
+        from weightsync.bus.errors import TransportError
+
+        self.calls.append(manifest.layout_digest)
+        raise TransportError(f"rank {self.rank}: the TP group's flat-export exchange failed: peer gone")
+
+
+def test_a_flat_exchange_that_fails_fails_the_rank_without_running_its_export():
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        owner = BrokenExchangeActor(0, state, owners)
+        # a third rank with no bucket of its own (a TP rank that only sends its shards): asked as well
+        idle = BrokenExchangeActor(2, state, owners)
+        results = _run([owner, FlatRankActor(1, state, owners), idle], job)
+        assert all(r is not None for r in results), results  # an export drained would have raised
+        out = merge(m, results)
+        assert "rank 0: the TP group's flat-export exchange failed" in out.error, out.error
+        assert "rank 2: the TP group's flat-export exchange failed" in out.error, out.error
+        assert len(owner.calls) == 1 and len(idle.calls) == 1
+        # (rank 1's stream may fail too: the rollouts drop the sync when rank 0's connection dies)
+        assert results[0].flat_buckets == 0 and results[0].buckets == 0, results[0]
+    finally:
+        _stop(rollouts, m.sync_id)
