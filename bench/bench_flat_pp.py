@@ -127,7 +127,7 @@ def main() -> None:
         "exact": want == got,
         "plan_s": plan_s,
     }
-    fe = actor._flat  # None on a TP rank that only sends
+    fe = actor.flat.plan  # None on a TP rank that only sends
     for key in (
         "aliased_bytes",
         "copied_bytes",

@@ -183,12 +183,12 @@ def main() -> int:
             # flat_torch: the same plan with every converted copy left to torch (one kernel each),
             # the A/B of the table-driven launch; planned afresh either way
             copy_runs_cuda.available = available if name == "flat" else (lambda: False)
-            actor._flat = None
+            actor.flat.drop()
             t0 = time.perf_counter()
             fn()
             sync(dev)
             r["plan_s"] = time.perf_counter() - t0  # once per layout: moves the parameters into the buckets
-            fe = actor._flat
+            fe = actor.flat.plan
             r.update(
                 aliased_bytes=fe.aliased_bytes,
                 copied_bytes=fe.copied_bytes,

@@ -78,7 +78,7 @@ def run_family(family: str, hf_dir: str) -> dict:
         flats_iter = _pack_all(m, actor.export_tensors())
         r["iter_vs_hf"] = _same(m, flats_iter, ref)
         flats = actor.flat_buckets(m)
-        fe = actor._flat
+        fe = actor.flat.plan
         r["flat_vs_hf"] = _same(m, flats, ref)
         r["aliased_bytes"], r["copied_bytes"], r["copies"] = fe.aliased_bytes, fe.copied_bytes, fe.copies
         r["launches"], r["torch_copies"] = fe.launches, fe.torch_copies
@@ -99,7 +99,7 @@ def run_family(family: str, hf_dir: str) -> dict:
             for i, p in enumerate(actor.parameters()):
                 p.add_(0.25 * (i + 1))
         again = actor.flat_buckets(m)
-        r["reused"] = again is flats and actor._flat is fe
+        r["reused"] = again is flats and actor.flat.plan is fe
         r["after_step_vs_iter"] = _same(m, again, list(actor.export_tensors()))
         r["after_step_changed"] = not all(
             torch.equal(a[: b.nbytes], b2) for a, b, b2 in zip(again, m.buckets, flats_iter)
@@ -108,7 +108,7 @@ def run_family(family: str, hf_dir: str) -> dict:
         p0 = actor.parameters()[1]
         p0.data = p0.data.clone() + 1
         fresh = actor.flat_buckets(m)
-        r["replanned"] = actor._flat is not fe
+        r["replanned"] = actor.flat.plan is not fe
         r["stale_vs_iter"] = _same(m, fresh, list(actor.export_tensors()))
         actor.shutdown()
     # parameters in another dtype than the export: no flat buckets (the pack path casts)

@@ -53,7 +53,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     packed = _pack_all(m, actor.export_own_tensors())
     r["iter_vs_hf"] = _same(m, packed, ref)
     flats = actor.own_flat_buckets(m)
-    fe = actor._flat
+    fe = actor.flat.plan
     if flats is None:
         r["flat"] = False
         return r
@@ -67,7 +67,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
         for i, p in enumerate(actor.parameters()):
             p.add_(0.25 * (i + 1))
     again = actor.own_flat_buckets(m)
-    r["reused"] = again is flats and actor._flat is fe
+    r["reused"] = again is flats and actor.flat.plan is fe
     stepped = _pack_all(m, actor.export_own_tensors())
     r["after_step_vs_iter"] = [
         b.index for b, f, w in zip(m.buckets, again, stepped) if not torch.equal(f[: b.nbytes], w)
@@ -81,7 +81,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     p0 = next(p for p in grouped + actor.parameters()[1:] if id(p) in planned)
     p0.data = p0.data.clone() + 1
     fresh = actor.own_flat_buckets(m)
-    r["replanned"] = actor._flat is not fe
+    r["replanned"] = actor.flat.plan is not fe
     latest = _pack_all(m, actor.export_own_tensors())
     r["stale_vs_iter"] = [b.index for b, f, w in zip(m.buckets, fresh, latest) if not torch.equal(f[: b.nbytes], w)]
     # the whole-model path stays rank 0's at TP=PP=EP=1 only

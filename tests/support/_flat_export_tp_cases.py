@@ -65,7 +65,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     packed = _packed(m, actor.export_own_tensors())  # collective: every rank
     r["iter_vs_hf"] = _same(m, packed, ref)
     flats = actor.own_flat_buckets(m)  # collective: every rank
-    fe = actor._flat
+    fe = actor.flat.plan
     r["flat"] = flats is not None
     if flats is None:
         return r
@@ -89,7 +89,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
             p.add_(0.25 * (i + 1))
     again = actor.own_flat_buckets(m)
     # the leader's plan (its gather buffer included) is reused; the other ranks only sent again
-    r["reused"] = again is flats and actor._flat is fe if fe is not None else again == []
+    r["reused"] = again is flats and actor.flat.plan is fe if fe is not None else again == []
     stepped = _packed(m, actor.export_own_tensors())
     r["after_step_vs_iter"] = _differ(m, again, stepped)
     r["after_step_changed"] = bool(_differ(m, again, packed)) or not m.buckets
@@ -100,7 +100,7 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
     p0.data = p0.data.clone() + 1
     fresh = actor.own_flat_buckets(m)
     # (a plan that does not read it, an EP rank's experts alone, stays as it was)
-    r["replanned"] = fe is None or actor._flat is not fe or not any(p is p0 for p, _ in fe._sources)
+    r["replanned"] = fe is None or actor.flat.plan is not fe or not any(p is p0 for p, _ in fe._sources)
     latest = _packed(m, actor.export_own_tensors())
     r["stale_vs_iter"] = _differ(m, fresh, latest)
     # one TP rank declines (a delta base kept elsewhere): the whole group exports, nobody waits

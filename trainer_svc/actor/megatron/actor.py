@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from trainer_svc.actor.megatron.flat_buckets import FlatBuckets
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.train_backend import MegatronBackend
 from weightsync.bus.errors import TransportError
@@ -89,10 +90,8 @@ class MegatronActor:
         self.converter = make_converter(converter, self.spec, self.par, params_dtype)
         if self.converter is not None:
             self._metas = self.converter.plan(self.model, self._metas)
-        #: the model laid out as the current layout's buckets (flat_buckets), once a sync asked for it
-        self._flat = None
-        self._flat_refused = ""  # the layout digest FlatExport could not plan (flat_buckets packs instead)
-        self._tp = None  # at TP > 1: this rank's TP group as the flat export's exchange sees it (tp_gather.py)
+        #: the syncs from flat buckets (the layout's buckets written straight from the parameters)
+        self.flat = FlatBuckets(self)
         #: export_owners(), computed at the first sync (the spec, parallelism and rank map are fixed)
         self._owners: tuple[int, ...] | None = None
         #: what the last funnelled export moved to rank 0 (bytes of other stages' tensors)
@@ -161,171 +160,19 @@ class MegatronActor:
         return list(self._owners)
 
     def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
-        """Rank 0: the manifest's buckets written straight from this model (flat_export.py), so a
-        sync needs neither the per-tensor export nor the pack copy; the parameters that are their
-        own HF bytes move into the buckets on the first call for a layout and stay there.
-
-        At TP > 1 (PP = VPP = EP = 1, experts unsplit, unquantized) the other TP ranks take part: a
-        command puts them in the exchange (`_flat_tp`, tp_gather.py), where they send rank 0 their
-        shards of the sharded parameters, received into persistent buffers or straight into their
-        slots; the group agrees first, so a refused plan leaves every rank to the per-tensor export.
-
-        None (the sync exports and packs instead) unless the model is one pipeline stage (PP=EP=1, any
-        TP; no bridge converter), mostly in the dtype of the unquantized slots: a parameter in another
-        dtype (megatron's fp32 norms in a bf16 model) is cast into its slot at every sync and its slots
-        are memory kept beside the model, which is worth it for a few norms, not for a model-sized
-        second copy (the pack path casts with two buckets' memory).
-
-        A block-FP8 layout (`manifest.quantization`): the FP8 weights are quantized into their slots
-        by one launch per bucket, on a GPU with triton only (elsewhere the per-tensor export keeps
-        its torch path); None also when a block is not finite, without naming it here: the packed
-        export that the sync falls back to refuses the weights naming the tensor, as it always did.
-        """
-        par = self.par
-        if not manifest.layout_digest or self.converter is not None or (par.pp, par.vpp, par.ep) != (1, 1, 1):
-            return None
-        if self.rmap.rank != 0:
-            return None
-        quantized = manifest.quantization is not None
-        if par.tp > 1:
-            if quantized or not self._tp_flat_layout():
-                return None
-            # the other TP ranks send their shards (or hear that rank 0 exports instead): worker_loop
-            self.channel.send("flat_join")
-            return self._flat_tp(manifest, part=False)
-        if quantized and not self._quantizes_in_place(manifest):
-            return None
-        return self._flat_buckets(manifest, part=False)
+        """Rank 0 of a single-sender sync: the manifest's buckets written straight from this model, or
+        None (export and pack instead); flat_buckets.FlatBuckets.whole says when and how."""
+        return self.flat.whole(manifest)
 
     def own_flat_buckets(self, manifest) -> list[torch.Tensor] | None:
-        """Every rank of a multi-sender stream: `manifest`'s buckets (the ones this rank owns,
-        `Manifest.buckets_of`) written straight from this rank's parameters as `flat_buckets` writes
-        the whole model's, so the rank needs neither its export nor the pack copy.
-
-        None (the rank exports and packs its buckets instead) unless no bridge converter, an
-        unquantized layout with a layout digest, and the parameters mostly in the slots' dtype (as
-        `flat_buckets`); and either
-
-        - TP = expert-TP = 1 (pipeline stages, virtual ones too, and any EP: an EP rank writes its own
-          experts, the stage's dense leader the dense tensors too). The decision is then safe per rank:
-          the multi-sender export runs no collective (export.runs_no_collective), so a rank that skips
-          it leaves no other rank waiting, whichever way the others went; or
-        - TP > 1 at expert-TP = 1 (any EP): a collective of the TP group (tp_gather.py), which every
-          rank of a stage's TP group must call at the same point of a sync with its own buckets (the
-          stage's dense ones on the leader, an EP rank's experts, or none); [] on a rank without
-          buckets that sent its shards. The group agrees first, so a plan refused on any rank of
-          it (or `decline_own_flat`) makes every rank of the group export."""
-        from trainer_svc.actor.megatron.export import runs_no_collective
-
-        if not manifest.layout_digest or self.converter is not None or manifest.quantization is not None:
-            return None
-        if not runs_no_collective(self.par):
-            return self._flat_tp(manifest, part=True) if self._tp_flat_layout() else None
-        if not manifest.buckets:
-            return None
-        return self._flat_buckets(manifest, part=True)
+        """Every rank of a multi-sender stream: the buckets it owns written straight from its
+        parameters, [] on a rank without buckets that sent its shards, or None (export and pack
+        instead); FlatBuckets.own (a collective of the TP group at TP > 1)."""
+        return self.flat.own(manifest)
 
     def decline_own_flat(self, manifest) -> None:
-        """A rank of a multi-sender stream that packs this sync for its own reasons, where
-        `own_flat_buckets` would have been a collective: its TP group hears it, and every rank of the
-        group exports (a no-op where the flat path is decided per rank)."""
-        from trainer_svc.actor.megatron.export import runs_no_collective
-
-        if not manifest.layout_digest or self.converter is not None or manifest.quantization is not None:
-            return
-        if not runs_no_collective(self.par) and self._tp_flat_layout():
-            self._flat_tp(manifest, part=True, decline=True)
-
-    def _tp_flat_layout(self) -> bool:
-        """Whether the flat export can run at this TP > 1 layout: dense TP only (experts unsplit:
-        expert-TP = 1, any EP), no bridge converter. From config alone: the same on every rank."""
-        par = self.par
-        experts_split = bool(self.spec.dims.num_experts) and par.expert_tp > 1
-        return par.tp > 1 and not experts_split and self.converter is None
-
-    def _flat_tp(self, manifest, *, part: bool, decline: bool = False) -> list[torch.Tensor] | None:
-        """At TP > 1, on every rank of a stage's TP group together (tp_gather.py): the leader plans
-        its buckets (`manifest`, None on a rank with none), the group agrees, and then the leader's
-        buckets are written, the other ranks sending it their shards. The leader's buckets, [] on the
-        other ranks, or None on every rank of the group (each exports instead)."""
-        from trainer_svc.actor.megatron import tp_gather
-        from trainer_svc.actor.megatron.model import named_parameters_global
-
-        if not self.rmap.in_replica0:
-            # holds no dense tensor any export gathers: its export runs no collective, and its buckets (an
-            # EP rank's unsplit experts, if any) are planned as at TP = 1, on this rank's word alone
-            owns = manifest is not None and bool(manifest.buckets)
-            return self._flat_buckets(manifest, part=part) if owns and not decline else None
-        if self._tp is None:
-            self._tp = tp_gather.tp_group(self.spec, self.par, self.rmap.pp_rank, self.rmap.tp_rank, self.export_dtype)
-        g = self._tp
-        flat = None
-        owns = manifest is not None and bool(manifest.buckets)
-        ok = not decline and (owns or g.tp_rank != 0 or not g.names)
-        if ok and owns:
-            try:
-                flat = self._plan(manifest, part=part, tp=g)
-            except Exception:  # every rank of the group must still hear this one's verdict
-                log.exception("flat buckets: planning layout %s failed; the TP group exports", manifest.layout_digest)
-            ok = flat is not None
-        if not tp_gather.agree(ok, g, self.parameters()[0].device):
-            return None
-        try:
-            if g.tp_rank != 0:
-                tp_gather.send_shards(named_parameters_global(self.model), g)
-            return [] if flat is None else flat.refresh()
-        except Exception as exc:
-            # every rank of the group went flat: none may fall back to the export's gathers now (they
-            # would wait for partners that are not coming), so the sync fails on this rank instead
-            self._flat = None  # its buffers may hold part of an exchange
-            raise TransportError(f"rank {self.rmap.rank}: the TP group's flat-export exchange failed: {exc}") from exc
-
-    def _flat_buckets(self, manifest, *, part: bool) -> list[torch.Tensor] | None:
-        """The buckets of `manifest` from the layout's FlatExport (`_plan`), written (None: pack instead)."""
-        flat = self._plan(manifest, part=part)
-        return None if flat is None else self._finite(flat, flat.refresh())
-
-    def _plan(self, manifest, *, part: bool, tp=None):
-        """The layout's FlatExport, planned once per layout digest and again when a parameter moved
-        (None: pack instead). One plan is kept: a sync of another layout (the funnel after a
-        multi-sender sync) plans again, moving the aliased parameters into its buckets."""
-        quantized = manifest.quantization is not None
-        flat = self._flat
-        if flat is not None and flat.digest == manifest.layout_digest and not flat.stale():
-            return flat  # the parameters are where the plan found them: same dtypes too
-        params = self.parameters()
-        slot_dtype = torch.bfloat16 if quantized else self.export_dtype  # fp8_export keeps the rest in bf16
-        cast = sum(p.numel() for p in params if p.dtype != slot_dtype)
-        if cast * 8 > sum(p.numel() for p in params):
-            return None
-        if self._flat_refused == manifest.layout_digest:
-            return None
-        from trainer_svc.actor.megatron.flat_export import FlatExport
-
-        self._flat = None  # the previous layout's buckets are dropped before the new ones are built
-        try:
-            self._flat = FlatExport(manifest, self.model, self.spec, part=part, tp=tp)
-        except ValueError as exc:  # not planned again for this layout: every sync would pay the attempt
-            self._flat_refused = manifest.layout_digest
-            log.warning("flat buckets refused for layout %s: %s; syncs pack instead", manifest.layout_digest, exc)
-            return None
-        return self._flat
-
-    def _quantizes_in_place(self, manifest) -> bool:
-        """Whether a block-FP8 layout can be quantized into the flat buckets on this rank's device."""
-        from weightsync.formats import fp8_slots_triton
-        from weightsync.formats.fp8_spec import BLOCK_FP8
-
-        device = self.parameters()[0].device
-        return manifest.quantization == BLOCK_FP8 and device.type == "cuda" and fp8_slots_triton.available()
-
-    @staticmethod
-    def _finite(flat, buffers: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """`buffers`, or None when a quantized block is not finite (one host synchronisation per sync)."""
-        if flat.finite():
-            return buffers
-        log.warning("FP8 flat buckets: %s; the sync takes the per-tensor export", flat.non_finite_error())
-        return None
+        """A rank of a multi-sender stream that packs for its own reasons: FlatBuckets.decline."""
+        self.flat.decline(manifest)
 
     @property
     def rank(self) -> int:
@@ -428,7 +275,7 @@ class MegatronActor:
                 self.channel.gather(asdict(run_sender(self, SendJob.from_args(args))))
             elif op == "flat_join":  # rank 0's flat_buckets at TP > 1: this rank's shards, if the group agrees
                 try:
-                    self._flat_tp(None, part=False)
+                    self.flat.tp_exchange(None, part=False)
                 except TransportError:  # rank 0 fails its in-place attempt too, and exports: a command follows
                     log.exception("rank %d: flat_join", self.rmap.rank)
             elif op == "load_hf":
