@@ -18,6 +18,10 @@ shape. Per transport (ipc -> s0, tcp -> s0, nccl -> s1):
      sync (must be False: the radix cache was flushed), served version == the trainer's.
 `--timing-model 1.5b` then restarts the services at that shape (random weights, ipc only) and times the
 colocated sync into SGLang beside the built-in engine.
+`--concurrency N` (before the services stop): N clients each send one greedy Generate of one prompt at
+once, against the same N calls one after another, on the SGLang rollout and on the built-in one: the
+tokens/s of each and their ratio (SGLang batches concurrent requests itself; the built-in engine
+interleaves them step by step), and whether the concurrent answers equal the sequential ones.
 Writes the JSON the issue asks for (date, device, engine_version, runs[...]) plus details, as it goes.
 """
 
@@ -300,6 +304,42 @@ class Fleet:
                 pass
 
 
+def concurrency_run(res: dict, stubs: dict, prompts, clients: int, tokens: int) -> None:
+    """`clients` one-prompt greedy Generate calls at once vs one after another, per engine (s0, b0)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(stub, k: int):
+        req = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=prompts[k % len(prompts)])],
+            sampling=rollout_pb2.SamplingParams(max_new_tokens=tokens, temperature=0.0, n=1),
+        )
+        return [list(x.token_ids) for x in stub.Generate(req, timeout=600).samples]
+
+    for rid in ("s0", "b0"):
+        rec = {"rollout": rid, "engine": "sglang" if rid.startswith("s") else "builtin", "clients": clients}
+        res.setdefault("concurrency_runs", []).append(rec)
+        try:
+            stub = stubs[rid]
+            one(stub, 0)  # warm-up
+            t0 = time.perf_counter()
+            seq = [one(stub, k) for k in range(clients)]
+            rec["sequential_s"] = time.perf_counter() - t0
+            with ThreadPoolExecutor(clients) as pool:
+                t0 = time.perf_counter()
+                conc = list(pool.map(functools.partial(one, stub), range(clients)))
+                rec["concurrent_s"] = time.perf_counter() - t0
+            n_tok = sum(len(ids) for out in seq for ids in out)
+            rec["tokens"] = n_tok
+            rec["sequential_tokens_per_s"] = n_tok / rec["sequential_s"]
+            rec["concurrent_tokens_per_s"] = sum(len(i) for out in conc for i in out) / rec["concurrent_s"]
+            rec["speedup"] = rec["sequential_s"] / rec["concurrent_s"]
+            rec["same_tokens"] = conc == seq
+            log(f"concurrency {rid}: {clients} clients x {tokens} tokens: {rec['speedup']:.2f}x sequential")
+        except Exception as exc:  # noqa: BLE001 — recorded
+            traceback.print_exc()
+            rec["error"] = repr(exc)[:3000]
+
+
 def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float) -> None:
     """Colocated IPC sync time into SGLang and the built-in engine at `model`'s shape (random weights)."""
     rec = {"model": model, "transport": "ipc", "trainer_backend": "megatron", "weights": "random"}
@@ -337,6 +377,8 @@ def main() -> int:
     ap.add_argument("--timing-model", default="", help="then time ipc syncs at this shape (e.g. 1.5b), random weights")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ready-timeout", type=float, default=240)
+    ap.add_argument("--concurrency", type=int, default=0, help="N concurrent one-prompt requests vs sequential")
+    ap.add_argument("--concurrency-tokens", type=int, default=64, help="new tokens per concurrent request")
     args = ap.parse_args()
     # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
@@ -392,6 +434,9 @@ def main() -> int:
                 traceback.print_exc()
                 rec["error"] = repr(exc)[:3000]
                 builtin_only(rec, fleet, args.reps)
+        if args.concurrency:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+            concurrency_run(res, fleet.stubs, prompts, args.concurrency, args.concurrency_tokens)
         from tests.support import sgl_kernel_shim
 
         res["shim_routes"] = {m: r[0] for m, r in sgl_kernel_shim.ROUTES.items()}
@@ -411,6 +456,9 @@ def main() -> int:
     keys = ("transport", "greedy_match", "greedy_match_up_to_ties", "max_abs_logprob_diff", "sync_s", "builtin_sync_s")
     for r in res["runs"]:
         print({k: r.get(k) for k in (*keys, "rollouts_on_version", "radix_cache_flushed", "error")})
+    for r in res.get("concurrency_runs", []):
+        keys_c = ("rollout", "clients", "speedup", "concurrent_tokens_per_s", "same_tokens", "error")
+        print({k: r.get(k) for k in keys_c})
     for r in res.get("timing_runs", []):
         print({k: r.get(k) for k in ("model", "transport", "sync_s", "builtin_sync_s", "bytes", "error")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
