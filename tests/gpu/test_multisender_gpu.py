@@ -209,31 +209,38 @@ def test_pp2_multi_sender_against_the_rank0_funnel_timed_and_exact(tmp_path):
             print(f"----- {p.name} log (tail) -----\n{p.log()[-2000:]}")
 
 
-@needs_gpus(4)
-def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faster_than_the_funnel(fleet):
-    """Trainer PP=2 on cuda:0 and cuda:1, rollouts on cuda:2 and cuda:3: one NCCL group per stage."""
+def _pp2_trainer(fleet, *extra: str):
+    """A megatron trainer at PP=2 on cuda:0 and cuda:1 over the big test model (64 MB buckets), ready."""
     _big_model(fleet.tmp)
     t = start_trainer(
         fleet.tmp,
-        "--backend",
-        "megatron",
-        "--model",
-        str(_model_dir(fleet.tmp)),
-        "--pp",
-        "2",
-        "--bucket-mb",
-        "64",
-        "--no-auto-sync-new-rollouts",
-        "--init-seed",
-        "1",
+        *("--backend", "megatron", "--model", str(_model_dir(fleet.tmp)), "--pp", "2", "--bucket-mb", "64"),
+        *("--no-auto-sync-new-rollouts", "--init-seed", "1", *extra),
         nproc=2,
     )
     try:
         t.wait_ready(600)
-        rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
-        for r in rs:
-            r.wait_ready()
-        wait_registered(t.address, ["r0", "r1"])
+    except BaseException:
+        t.stop()
+        raise
+    return t
+
+
+def _two_rollouts(fleet, t) -> list:
+    """Rollouts r0 and r1 on cuda:2 and cuda:3, ready and registered with trainer `t`."""
+    rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
+    for r in rs:
+        r.wait_ready()
+    wait_registered(t.address, ["r0", "r1"])
+    return rs
+
+
+@needs_gpus(4)
+def test_pp2_over_nccl_every_stage_broadcasts_from_its_own_gpu_exactly_and_faster_than_the_funnel(fleet):
+    """Trainer PP=2 on cuda:0 and cuda:1, rollouts on cuda:2 and cuda:3: one NCCL group per stage."""
+    t = _pp2_trainer(fleet)
+    try:
+        rs = _two_rollouts(fleet, t)
         reps = int(os.environ.get("WS_MS_GPU_REPS", "3"))
         multi, funnel = [], []
         for _ in range(reps + 1):
@@ -288,30 +295,9 @@ def test_pp2_over_nccl_with_sync_encoding_delta_every_stage_frames_deltas_on_its
     delta frames on its own group; the rollouts apply them onto their base copies (on their GPUs), exactly.
     Timed: the dense framed sync and the delta syncs (2 % of the values changed), on the same model as
     the test above (its multi-sender full sync time is the comparison)."""
-    _big_model(fleet.tmp)
-    t = start_trainer(
-        fleet.tmp,
-        "--backend",
-        "megatron",
-        "--model",
-        str(_model_dir(fleet.tmp)),
-        "--pp",
-        "2",
-        "--bucket-mb",
-        "64",
-        "--no-auto-sync-new-rollouts",
-        "--init-seed",
-        "1",
-        "--sync-encoding",
-        "delta",
-        nproc=2,
-    )
+    t = _pp2_trainer(fleet, "--sync-encoding", "delta")
     try:
-        t.wait_ready(600)
-        rs = [fleet.rollout(f"r{i}", "--device", f"cuda:{i + 2}", trainer_proc=t) for i in range(2)]
-        for r in rs:
-            r.wait_ready()
-        wait_registered(t.address, ["r0", "r1"])
+        rs = _two_rollouts(fleet, t)
         args = ("--transport", "nccl", "--senders", "all")
         # the first sync keeps each stage's part unoffered; the second is offered, refused (the rollouts
         # hold no base yet), framed dense and kept by the rollouts

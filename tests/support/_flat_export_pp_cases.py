@@ -99,52 +99,66 @@ def main() -> None:
     args = ap.parse_args()
     faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
 
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    rank = int(os.environ["RANK"])
     par = dict(pp=args.pp, vpp=args.vpp, ep=args.ep)
     report: dict = {}
     for arg in args.dirs:
         family, hf_dir = arg.split("=", 1)
-        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-        hf = {}
-        for f in sorted(Path(hf_dir).glob("*.safetensors")):
-            hf.update(load_file(str(f)))
+        config, hf = read_hf(hf_dir)
         rep = report[family] = {}
-        for pdt, edt, bucket in CASES:
-            key = f"{str(pdt)[6:]}-{bucket}"
-            try:
-                rep[key] = run_case(config, hf_dir, hf, par, pdt, edt, bucket)
-            except Exception:
-                rep[key] = {"error": traceback.format_exc()}
+        run_cases(rep, CASES, run_case, config, hf_dir, hf, par)
         # parameters in another dtype than the export: every rank packs (the pack path casts)
-        try:
-            from trainer_svc.actor.megatron.actor import MegatronActor
-
-            cast = MegatronActor(
-                config, **par, weights_dir=hf_dir, params_dtype=torch.float32, export_dtype=torch.bfloat16,
-            )  # fmt: skip
-            rep["cast_flat_is_none"] = cast.own_flat_buckets(_rank_manifest(cast, 1 << 22)[1]) is None
-        except Exception:
-            rep["cast_flat_is_none"] = traceback.format_exc()
+        cast_declines(rep, config, hf_dir, par)
         if args.ep > 1:
             from tests.support._dist_moe import _install_grouped_gemm_stand_in
 
             _install_grouped_gemm_stand_in()
-            grouped = dict(par, expert_layout="grouped")
-            for pdt, edt, bucket in CASES:
-                if pdt == edt == torch.bfloat16:  # megatron's GroupedMLP runs in bf16 only
-                    try:
-                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = run_case(
-                            config, hf_dir, hf, grouped, pdt, edt, bucket
-                        )
-                    except Exception:
-                        rep[f"grouped-{str(pdt)[6:]}-{bucket}"] = {"error": traceback.format_exc()}
+            bf16 = [c for c in CASES if c[0] == c[1] == torch.bfloat16]  # megatron's GroupedMLP runs in bf16 only
+            run_cases(rep, bf16, run_case, config, hf_dir, hf, dict(par, expert_layout="grouped"), prefix="grouped-")
+    write_report(report, args.out)
+
+
+def read_hf(hf_dir: str):
+    """(the HF config, every tensor of the checkpoint) of `hf_dir`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+    return AutoConfig.from_pretrained(hf_dir, local_files_only=True), hf
+
+
+def run_cases(rep: dict, cases, run, config, hf_dir: str, hf: dict, par: dict, prefix: str = "") -> None:
+    """rep[<prefix><params dtype>-<bucket bytes>] = run(...)'s report of each case, or its traceback."""
+    for pdt, edt, bucket in cases:
+        key = f"{prefix}{str(pdt)[6:]}-{bucket}"
+        try:
+            rep[key] = run(config, hf_dir, hf, par, pdt, edt, bucket)
+        except Exception:
+            rep[key] = {"error": traceback.format_exc()}
+
+
+def cast_declines(rep: dict, config, hf_dir: str, par: dict, then=None) -> None:
+    """rep["cast_flat_is_none"]: whether a float32 model exported in bf16 declines the flat path (its
+    slots would be a model-sized copy); `then(actor, manifest)` runs after (the TP group's export)."""
+    from trainer_svc.actor.megatron.actor import MegatronActor
+
+    try:
+        cast = MegatronActor(config, **par, weights_dir=hf_dir, params_dtype=torch.float32, export_dtype=torch.bfloat16)
+        m = _rank_manifest(cast, 1 << 22)[1]
+        rep["cast_flat_is_none"] = cast.own_flat_buckets(m) is None
+        if then is not None:
+            then(cast, m)
+    except Exception:
+        rep["cast_flat_is_none"] = traceback.format_exc()
+
+
+def write_report(report: dict, out: str) -> None:
+    """Every rank's report, gathered into `out` by rank 0; then the process group ends."""
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, report)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({str(i): t for i, t in enumerate(table)}, indent=1))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({str(i): t for i, t in enumerate(table)}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support._flat_export_cases import CASES, _force_kernel, _pack_all, _same  # noqa: E402
-from tests.support._flat_export_pp_cases import _rank_manifest  # noqa: E402
+from tests.support._flat_export_pp_cases import (  # noqa: E402
+    _rank_manifest,
+    cast_declines,
+    read_hf,
+    run_cases,
+    write_report,
+)
 
 
 def _packed(m, export) -> list[torch.Tensor]:
@@ -150,43 +153,17 @@ def main() -> None:
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
 
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    rank = int(os.environ["RANK"])
     par = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     report: dict = {}
     for arg in args.dirs:
         family, hf_dir = arg.split("=", 1)
-        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-        hf = {}
-        for f in sorted(Path(hf_dir).glob("*.safetensors")):
-            hf.update(load_file(str(f)))
+        config, hf = read_hf(hf_dir)
         rep = report[family] = {}
-        for pdt, edt, bucket in cases:
-            key = f"{str(pdt)[6:]}-{bucket}"
-            try:
-                rep[key] = run_case(config, hf_dir, hf, par, pdt, edt, bucket)
-            except Exception:
-                rep[key] = {"error": traceback.format_exc()}
+        run_cases(rep, cases, run_case, config, hf_dir, hf, par)
         # parameters in another dtype than the export: the leader refuses, so every rank exports
-        try:
-            from trainer_svc.actor.megatron.actor import MegatronActor
-
-            cast = MegatronActor(
-                config, **par, weights_dir=hf_dir, params_dtype=torch.float32, export_dtype=torch.bfloat16
-            )
-            m = _rank_manifest(cast, 1 << 22)[1]
-            rep["cast_flat_is_none"] = cast.own_flat_buckets(m) is None
-            _packed(m, cast.export_own_tensors())  # every rank exports: no one waits in the exchange
-        except Exception:
-            rep["cast_flat_is_none"] = traceback.format_exc()
-    table = [None] * dist.get_world_size()
-    dist.all_gather_object(table, report)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({str(i): t for i, t in enumerate(table)}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+        # (every rank runs the export's gathers: no one waits in the exchange)
+        cast_declines(rep, config, hf_dir, par, then=lambda actor, m: _packed(m, actor.export_own_tensors()))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
