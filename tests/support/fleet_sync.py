@@ -18,6 +18,19 @@ def change_weights(trainer, fraction: float = 0.02, seed: int = 0) -> None:
     trainer.actor.version += 1
 
 
+def sync_until_base_held(trainer, rollouts: dict, sync, seed: int) -> None:
+    """Change 2 % of the weights and `sync()` until the trainer and every rollout hold a delta base (the
+    first sync keeps the trainer's copy unoffered; the next offers it, is refused, goes dense and is
+    kept by the rollouts); every sync must commit."""
+    for i in range(3):
+        if all(app.tx.delta_base.held is not None for app in rollouts.values()) and trainer.orch.delta.held:
+            return
+        change_weights(trainer, 0.02, seed=seed + 100 + i)
+        report = sync()
+        assert report.ok, [r.error for r in report.rollouts]
+    raise AssertionError("the rollouts never held the base")
+
+
 def bump_weights(trainer) -> None:
     """Change every trainer weight (a new version): what a full sync sends."""
     with torch.no_grad():

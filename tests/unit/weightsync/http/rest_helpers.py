@@ -1,6 +1,7 @@
 """Helpers of the HTTP tests (a uniquely named module: `conftest` is ambiguous across test dirs)."""
 
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -30,6 +31,25 @@ def http(
             return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read().decode()
+
+
+def open_stream(port: int, body: dict, path: str = "/v1/completions") -> socket.socket:
+    """A raw connection that POSTed `body` (with the token) and read until the SSE stream started, so a
+    test can drop it mid-stream as a client that goes away does (close it)."""
+    raw = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    s.settimeout(60)
+    got = b""
+    while b"data: " not in got:
+        more = s.recv(65536)
+        assert more, f"the connection closed before the stream started: {got!r}"
+        got += more
+    return s
 
 
 def error_message(text: str) -> str:

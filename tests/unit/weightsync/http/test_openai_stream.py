@@ -26,7 +26,7 @@ from rollout_svc.openai_api.incremental import ChoiceText
 from rollout_svc.openai_api.streaming import Channel
 from rollout_svc.openai_api.text import finish
 from tests.support.local_apps import start_rollout
-from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, byte_level_model
+from tests.unit.weightsync.http.rest_helpers import AUTH, TOKEN, byte_level_model, open_stream
 from weightsync.bus.errors import SyncError
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}<assistant> "
@@ -373,17 +373,8 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(rollout):
     app, _, _ = rollout
     cancelled = app.servicer.rollout_metrics.requests.labels("rollout", "cancelled")
     before = cancelled._value.get()
-    body = json.dumps({"prompt": [[1, 2, 3]] * 50, "max_tokens": 500, "n": 8, "stream": True}).encode()
-    s = socket.create_connection(("127.0.0.1", app.http.port))
-    s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    s.settimeout(60)
-    got = b""
-    while b"data: " not in got:  # the stream started: tokens are being decoded
-        got += s.recv(65536)
+    # once the stream started, tokens are being decoded
+    s = open_stream(app.http.port, {"prompt": [[1, 2, 3]] * 50, "max_tokens": 500, "n": 8, "stream": True})
     assert app.tx.engine_lock.locked()
     s.close()
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.fake_sglang import FakeSglang, adapter_on, scripted
 from tests.support.local_apps import start_rollout
-from tests.unit.weightsync.http.rest_helpers import TOKEN, byte_level_model
+from tests.unit.weightsync.http.rest_helpers import TOKEN, byte_level_model, open_stream
 from tests.unit.weightsync.http.test_openai_stream import (
     CHAT_TEMPLATE,
     HOLD_S,
@@ -154,20 +154,9 @@ def test_a_client_that_disconnects_aborts_sglangs_requests(rollout):
     app, ids = rollout
     cancelled = app.servicer.rollout_metrics.requests.labels("rollout", "cancelled")
     before = cancelled._value.get()
-    body = json.dumps({"prompt": [[1, 2], [3]], "max_tokens": 64, "n": 2, "stream": True}).encode()
+    body = {"prompt": [[1, 2], [3]], "max_tokens": 64, "n": 2, "stream": True}
     with on_sglang(app, FakeSglang(scripted(ids, _lps(ids)), hold_at=2, hold_s=HOLD_S)) as fake:
-        s = socket.create_connection(("127.0.0.1", app.http.port))
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        s.settimeout(60)
-        got = b""
-        while b"data: " not in got:  # the stream started
-            more = s.recv(65536)
-            assert more, f"the connection closed before the stream started: {got!r}"
-            got += more
+        s = open_stream(app.http.port, body)
         assert fake.held.wait(HOLD_S) and app.tx.engine_lock.locked() and not fake.aborted
         s.close()
         t0 = time.monotonic()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.fleet_sync import change_weights
+from tests.support.fleet_sync import change_weights, sync_until_base_held
 from tests.support.local_apps import local_fleet
 from weightsync.bus.nccl import framed
 from weightsync.bus.nccl.sender import NcclSender
@@ -76,21 +76,9 @@ def _exact(trainer, app) -> bool:
     )
 
 
-def _to_base(trainer, rollouts, stub, seed: int) -> None:
-    """Syncs until every rollout holds the trainer's base (two at most: the first keeps the
-    trainer's copy unoffered, the second is offered and refused, dense, and kept by the rollouts)."""
-    for i in range(3):
-        if all(app.tx.delta_base.held is not None for app in rollouts.values()) and trainer.orch.delta.held:
-            return
-        change_weights(trainer, 0.02, seed=seed + 100 + i)
-        report = _sync(stub)
-        assert report.ok, [r.error for r in report.rollouts]
-    raise AssertionError("the rollouts never held the base")
-
-
 def test_delta_frames_over_nccl_are_exact_and_small(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
-    _to_base(trainer, rollouts, stub, seed=1)
+    sync_until_base_held(trainer, rollouts, lambda: _sync(stub), seed=1)
     frames = _Frames(monkeypatch)
     total = sum(b.nbytes for b in trainer.orch.delta._bufs.values())
     for seed in (2, 3, 4):
@@ -109,7 +97,7 @@ def test_delta_frames_over_nccl_are_exact_and_small(fleet, monkeypatch):
 
 def test_a_damaged_base_copy_fails_the_commit_and_the_next_sync_is_dense(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
-    _to_base(trainer, rollouts, stub, seed=10)
+    sync_until_base_held(trainer, rollouts, lambda: _sync(stub), seed=10)
     a = rollouts["staged"]
     buf = next(iter(a.tx.delta_base._bufs.values()))
     buf[:4096] ^= 0x10  # spans words the delta changes: the result's checksum must catch it

@@ -20,7 +20,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.support.fleet_sync import assert_serves_export, change_weights
+from tests.support.fleet_sync import assert_serves_export, change_weights, sync_until_base_held
 from tests.support.gloo_nccl import GlooNcclBus
 from tests.support.local_apps import local_fleet
 from tests.unit.weightsync.bus.nccl.test_nccl_multisender_liveness import TwoRankActor
@@ -83,25 +83,13 @@ def _sync(stub, ids=("staged", "inplace")) -> trainer_pb2.SyncReport:
     return report
 
 
-def _to_base(trainer, rollouts, stub, seed: int) -> None:
-    """Syncs until every rollout holds the trainer's base (the first keeps the ranks' parts
-    unoffered, the next is offered, refused, framed dense and kept by the rollouts)."""
-    for i in range(3):
-        if all(app.tx.delta_base.held is not None for app in rollouts.values()) and trainer.orch.delta.held:
-            return
-        change_weights(trainer, 0.02, seed=seed + 100 + i)
-        report = _sync(stub)
-        assert report.ok, [r.error for r in report.rollouts]
-    raise AssertionError("the rollouts never held the base")
-
-
 def _buckets(report) -> dict[int, int]:
     return {s.rank: s.num_buckets for s in report.senders}
 
 
 def test_every_sending_rank_frames_its_own_buckets_as_deltas_and_the_rollouts_end_exact(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
-    _to_base(trainer, rollouts, stub, seed=1)
+    sync_until_base_held(trainer, rollouts, lambda: _sync(stub), seed=1)
     frames = _Frames(monkeypatch, trainer.orch.actor)
     change_weights(trainer, 0.02, seed=2)
     report = _sync(stub)
@@ -142,7 +130,7 @@ def test_every_sending_rank_frames_its_own_buckets_as_deltas_and_the_rollouts_en
 
 def test_a_rollout_on_another_base_gets_dense_frames_from_every_rank_and_ends_exact(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
-    _to_base(trainer, rollouts, stub, seed=10)
+    sync_until_base_held(trainer, rollouts, lambda: _sync(stub), seed=10)
     # the staged rollout moves on alone: the inplace one stays on the earlier base
     change_weights(trainer, 0.02, seed=11)
     assert _sync(stub, ["staged"]).ok
