@@ -42,7 +42,7 @@ def owner_stage(section: str, layer: int | None, num_layers: int, par: Paralleli
     return par.pp - 1
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     # collectives move raw bytes so that any export dtype (bf16, fp8) works on gloo as on NCCL
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -59,7 +59,7 @@ def _gather_tp(shard: torch.Tensor, tp_group, tp: int, tp_rank: int) -> list[tor
     """All TP shards on TP rank 0 (None elsewhere); shards have equal shapes by construction."""
     if tp == 1:
         return [shard]
-    raw = _as_bytes(shard)
+    raw = as_bytes(shard)
     bufs = [torch.empty_like(raw) for _ in range(tp)] if tp_rank == 0 else None
     dist.gather(raw, bufs, group=tp_group, group_dst=0)
     if tp_rank != 0:
@@ -167,7 +167,7 @@ def export_tensors(
         if leader != 0:
             if rmap.rank == leader:
                 for t in out:
-                    dist.send(_as_bytes(t), dst=0)
+                    dist.send(as_bytes(t), dst=0)
                 out = None
             elif rmap.rank == 0:
                 out = []

@@ -59,11 +59,12 @@ import math
 
 import torch
 
+from trainer_svc.actor.megatron.export import as_bytes
 from trainer_svc.actor.megatron.hf_copy import copy_pairs
 from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
-from trainer_svc.actor.megatron.tp_gather import ShardReceives, TpGroup, as_bytes
+from trainer_svc.actor.megatron.tp_gather import ShardReceives, TpGroup
 from weightsync.bus.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
 from weightsync.formats import fp8_slots

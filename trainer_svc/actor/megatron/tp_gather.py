@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer_svc.actor.megatron.export import owner_stage
+from trainer_svc.actor.megatron.export import as_bytes, owner_stage
 from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.parallel import Parallelism
 from weightsync.model_spec import ModelSpec
@@ -74,10 +74,6 @@ def agree(ok: bool, g: TpGroup, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g.group)
     return bool(flag.item())
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
 
 
 def send_shards(params: dict[str, torch.Tensor], g: TpGroup) -> None:
