@@ -1,6 +1,6 @@
 """The table-driven copy kernel (weightsync/bus/copy_runs.py) compiled on a GPU: bit for bit what
-torch's copies write, for a 7B layer's QKV split per query group, norms cast from float32, a
-padded vocabulary, slots at aligned and unaligned offsets; the gaps around the slots untouched."""
+torch's copies write, for a 7B layer's QKV split per query group, norms cast from float32 (NaNs
+included), a padded vocabulary, slots at aligned and unaligned offsets; the gaps around the slots untouched."""
 
 import pytest
 import torch
@@ -31,6 +31,9 @@ def test_batched_copy_kernel_writes_what_torch_writes(start):
     ]
     norms = [torch.randn(3584, device=dev, generator=g) * 3 for _ in range(3)]  # fp32, cast into bf16 slots
     norms[0][:4] = torch.tensor([1.00390625, 1.01171875, 3.3961e38, 2**-133], device=dev)
+    # a diverged norm: NaNs of both signs and several payloads are what torch's CUDA cast writes
+    nan_words = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64, device=dev)
+    norms[1][:4] = nan_words.to(torch.int32).view(torch.float32)
     emb = torch.randn(152064, 64, device=dev, generator=g).to(torch.bfloat16)  # padded rows dropped
     want = [*QKV.to_hf(srcs[0], d), *QKV.to_hf(srcs[1], d), *(n.to(torch.bfloat16) for n in norms), emb[:152000]]
     flat = torch.full((start + sum(w.numel() for w in want) + 7,), float("nan"), dtype=torch.bfloat16, device=dev)

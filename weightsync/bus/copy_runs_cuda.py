@@ -6,8 +6,10 @@ offsets and count are multiples of `ALIGN` elements is stored divided by it: the
 back by the constant, so Triton knows every address and the mask are 16-byte aligned and moves
 16 bytes per access where a pointer read from memory would otherwise give 2-byte accesses.
 Copies between equal dtypes move integer words (bit for bit, NaN payloads included); the one cast,
-float32 into bfloat16 (megatron's fp32 norms into a bf16 export), rounds as torch's `copy_` does
-(to nearest, ties to even).
+float32 into bfloat16 (megatron's fp32 norms into a bf16 export), writes what torch's `copy_` writes
+on the GPU: compiled, it is the same conversion instruction (to nearest, ties to even, every NaN the
+canonical 0x7FFF; a NaN code of our own would make a diverged norm's bytes differ from the per-tensor
+export's); under Triton's interpreter, whose float cast truncates, the same result in integers.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ def _kernel():
 
     @triton.jit
     def copy_runs(
-        table_ptr, src_base, dst_base, BLOCK: tl.constexpr, STEPS: tl.constexpr, ALIGN: tl.constexpr, CAST: tl.constexpr
+        table_ptr,
+        src_base,
+        dst_base,
+        BLOCK: tl.constexpr,
+        STEPS: tl.constexpr,
+        ALIGN: tl.constexpr,
+        CAST: tl.constexpr,
+        NATIVE: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         s = tl.load(table_ptr + pid * 3) * ALIGN
@@ -41,13 +50,12 @@ def _kernel():
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             x = tl.load(src_base + s + offs, mask=mask)
-            if CAST:
-                # float32 -> bfloat16 bits, to nearest with ties to even and NaN as 0x7FC0, in
-                # integers as c10::BFloat16 does: the same bits on the GPU and in Triton's
-                # interpreter (which truncates a float cast)
+            if CAST and NATIVE:  # cvt.rn.bf16.f32, as torch's CUDA copy
+                x = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            elif CAST:  # the interpreter: to nearest with ties to even in integers, NaN canonical
                 u = x.to(tl.uint32, bitcast=True)
                 h = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
-                x = tl.where(x != x, 0x7FC0, h).to(tl.int16, bitcast=True)
+                x = tl.where(x != x, 0x7FFF, h).to(tl.int16, bitcast=True)
             tl.store(dst_base + d + offs, x, mask=mask)
 
     return copy_runs
@@ -61,7 +69,9 @@ def launch(table: torch.Tensor, src_base: torch.Tensor, dst_base: torch.Tensor, 
     grid = (table.shape[0],)
     cast = src_base.dtype != dst_base.dtype  # float32 into bfloat16's int16 words; else equal words
     if table.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
-        _kernel()[grid](table, src_base, dst_base, BLOCK=BLOCK, STEPS=STEPS, ALIGN=align, CAST=cast)
+        _kernel()[grid](table, src_base, dst_base, BLOCK=BLOCK, STEPS=STEPS, ALIGN=align, CAST=cast, NATIVE=False)
         return
     with torch.cuda.device(table.device):
-        _kernel()[grid](table, src_base, dst_base, BLOCK=BLOCK, STEPS=STEPS, ALIGN=align, CAST=cast, num_warps=4)
+        _kernel()[grid](
+            table, src_base, dst_base, BLOCK=BLOCK, STEPS=STEPS, ALIGN=align, CAST=cast, NATIVE=True, num_warps=4
+        )

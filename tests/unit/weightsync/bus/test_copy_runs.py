@@ -119,3 +119,15 @@ def test_the_kernel_writes_the_bits_torch_writes(interpreted, sdt, ddt, start):
     bc.run()
     for got, want in expect:
         assert torch.equal(_bits(got), _bits(want))
+
+
+def test_the_interpreted_cast_writes_every_nan_as_cudas_canonical_nan(interpreted):
+    """A diverged float32 norm (NaN of any sign and payload) becomes 0x7FFF, what torch's copy_
+    writes on a GPU (cvt.rn.bf16.f32); tests/gpu/test_copy_runs_gpu.py holds the compiled kernel
+    to torch's own CUDA copy of the same words."""
+    words = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FFFFFFF, 0x3F800000], dtype=torch.int64)
+    src = words.to(torch.int32).view(torch.float32)  # the int64 -> int32 cast wraps: the exact words
+    dst = torch.zeros(6, dtype=torch.bfloat16)
+    BatchedCopy([(dst, src)], use_kernel=True).run()
+    assert dst.view(torch.int16).tolist()[:5] == [0x7FFF] * 5
+    assert dst[5].item() == 1.0
