@@ -8,7 +8,7 @@ warm-up, synchronized around each pass over every bucket):
 - apply:   delta.apply_delta with the base's word sums (the rollout), onto a copy already patched: the same work
 Reported in GB/s of bucket, with the payload's share of the bytes (torch picks the smaller of bitmap and
 gaps; the fused path always sends the bitmap). The torch path is forced by making delta.py see no
-Triton. `--configs 2048x16,4096x16,4096x8,1024x8` also times the fused path at other block sizes and
+Triton. `--configs 4096x8,2048x16,4096x16,1024x8` also times the fused path at other block sizes and
 warps (the first is the row's); `triton_compare_torch_gaps`: the fused compare with torch's encoder on
 its positions (gaps: the smaller wire). Checked first: the fused payload is the torch bitmap
 (delta.encode(kind=BITMAP)) byte for byte and both applies are exact.
@@ -158,7 +158,7 @@ def main() -> int:
     ap.add_argument("--densities", default="0.01,0.02,0.03")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--configs", default="2048x16", help="fused path: BLOCKxWARPS list; the first is the row's")
+    ap.add_argument("--configs", default="4096x8", help="fused path: BLOCKxWARPS list; the first is the row's")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from weightsync.bus import delta_cuda

@@ -44,7 +44,7 @@ case "$PART" in
      step 250 services_megatron python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
        --ipc-direction trainer_writes,rollout_reads --reps 10 --out "$OUT/results_services_ipc_megatron_$day.json"
      show services_megatron 14
-     step 150 delta_codec python3 bench/bench_delta_gpu_codec.py --configs 2048x16,4096x16,4096x8,1024x8 \
+     step 150 delta_codec python3 bench/bench_delta_gpu_codec.py --configs 4096x8,2048x16,4096x16,1024x8 \
        --out "$OUT/results_delta_gpu_codec_$day.json"
      show delta_codec 30 ;;
   b) step 330 services_fp8 python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \

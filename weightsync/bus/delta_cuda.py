@@ -40,11 +40,13 @@ from weightsync.bus import delta_format as fmt
 from weightsync.bus.errors import TransportError
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
-#: words per program (256 bitmap bytes) and its warps: every kernel fits in <= 52 registers a thread
-#: (sm_90, Triton 3.8: the scatter with sums is the largest), so an SM holds 1024-2048 threads of them;
-#: 4096 words at 8 warps took 148 for the scatter (256 threads an SM). bench_delta_gpu_codec.py --configs
-BLOCK = 2048
-WARPS = 16
+#: words per program (512 bitmap bytes) and its warps: the fastest of the four configurations that
+#: bench_delta_gpu_codec.py --configs timed on an H200 (docs/BENCHMARKS.md, 2026-11-26), in every row:
+#: at 2 % changed, encode 617 GB/s, the trainer's whole pass 484, apply 395, against 327 / 267 / 278 for
+#: 2048 words at 16 warps (which fits in fewer registers, 52 a thread against 148 for the scatter, but
+#: moves half the bytes per program)
+BLOCK = 4096
+WARPS = 8
 
 
 @functools.lru_cache(maxsize=1)
