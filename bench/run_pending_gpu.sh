@@ -16,6 +16,8 @@
 #                                          # then sync_encoding=delta (each stage frames its own deltas), timed
 #   PART=e bash bench/run_pending_gpu.sh   # two GPUs: the TP=2 flat export over NCCL (its GPU test, then a 7B
 #                                          # TP=2 stage leader's flat buckets vs its export + pack)
+#   PART=f bash bench/run_pending_gpu.sh   # two GPUs: what sync_encoding=auto picks over NCCL at 1.5B, by the rate it
+#                                          # measures (NVLink: full, no base; P2P and SHM off: delta), then its GPU test
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -25,7 +27,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d or e}
+PART=${PART:?set PART to a, b, c, d, e or f}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -72,6 +74,14 @@ case "$PART" in
      step 200 flat_tp2 python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/bench_flat_pp.py \
        --model 7b --tp 2 --pp 1 --reps 5 --out "$OUT/results_flat_tp2_7b_$day.json"
      show flat_tp2 12 ;;
-  *) echo "PART=$PART: must be a, b, c, d or e" >&2; exit 2 ;;
+  f) step 200 auto_nvlink python3 bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6 \
+       --out "$OUT/results_delta_nccl_auto_1.5b_$day.json"
+     show auto_nvlink 12
+     step 200 auto_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py --shape 1.5b \
+       --bucket-mb 1024 --auto 6 --out "$OUT/results_delta_nccl_auto_1.5b_noP2P_$day.json"
+     show auto_slow 12
+     step 120 gpu_tests_auto "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py -k auto_decides
+     show gpu_tests_auto 10 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e or f" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
