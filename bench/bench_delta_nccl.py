@@ -11,6 +11,15 @@ changes `--density` of the trainer's values, then, alternating `--reps` times: a
 auto picks full; after two untimed syncs that give both ends the base). Bit-exact after the last.
 Run it once as is (NVLink / P2P) and once with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL's socket
 transport over loopback: a stand-in for a link between hosts, which this machine does not have).
+Each full row carries `link_GBps`: the link's rate as that sync measured it (publisher/delta_sync.py).
+
+`--auto N`: instead, N syncs under sync_encoding=auto (`--delta-link-gbps`, default the trainer's 400)
+after the untimed first: per sync its encoding, time, wire ratio, the measured rate and whether the
+trainer then holds a base. Over NVLink every one should stay full with no base; over the socket
+transport the third after the first measured one should be a delta:
+
+    python bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6
 
     python bench/bench_delta_nccl.py --codec --out bench/results/results_delta_codec_gpu_<date>.json
     python bench/bench_delta_nccl.py --shape 1.5b --reps 3 --out bench/results/results_delta_nccl_gpu_<date>.json
@@ -133,6 +142,9 @@ def services(args) -> dict:
     rollout.start()
     g = torch.Generator().manual_seed(0)
 
+    if args.delta_link_gbps is not None:
+        trainer.orch.delta.link_gbps = args.delta_link_gbps
+
     def sync(encoding: str) -> trainer_pb2.SyncReport:
         _change(trainer.actor.model, args.density, g)
         trainer.actor.version += 1
@@ -142,15 +154,28 @@ def services(args) -> dict:
             raise RuntimeError(f"sync ({encoding}) failed: {[r.error for r in rep.rollouts]}")
         return rep
 
+    def exact() -> bool:
+        return all(
+            torch.equal(rollout.engine._target(n).cpu(), t.to(rollout.engine._target(n).dtype).cpu())
+            for n, t in trainer.actor.export_tensors()
+        )
+
+    def row(rep: trainer_pb2.SyncReport) -> dict:
+        rate = trainer.orch.delta.link_rate
+        return {**_row(rep), "link_GBps": rate / 1e9 if rate else None, "base_held": bool(trainer.orch.delta.held)}
+
     try:
         with channel(trainer.grpc.address) as ch:
             stub = trainer_stub(ch, "", 600)
             stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r0", address=rollout.grpc.address))
             setup_s = time.perf_counter() - t0
             sync("full")  # the group's build and the first touches, untimed
+            if args.auto:
+                runs = [row(sync("auto")) for _ in range(args.auto)]
+                return {**auto(args, model, setup_s, runs), "bit_exact": exact()}
             runs: dict[str, list[dict]] = {"full": [], "delta": []}
             for _ in range(args.reps):
-                runs["full"].append(_row(sync("full")))
+                runs["full"].append(row(sync("full")))
                 sync("delta")  # kept by the trainer, not offered yet
                 sync("delta")  # offered, refused (no copy on the rollout), framed dense: kept by the rollout
                 runs["delta"].append(_row(sync("delta")))
@@ -160,10 +185,6 @@ def services(args) -> dict:
                     f"(wire {runs['delta'][-1]['wire_bytes'] / runs['delta'][-1]['bytes']:.3f}x)",
                     flush=True,
                 )
-        exact = all(
-            torch.equal(rollout.engine._target(n).cpu(), t.to(rollout.engine._target(n).dtype).cpu())
-            for n, t in trainer.actor.export_tensors()
-        )
         med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
         return {
             "shape": args.shape or "small",
@@ -177,11 +198,35 @@ def services(args) -> dict:
             "runs": runs,
             "median_s": med,
             "speedup": med["full"] / med["delta"],
-            "bit_exact": exact,
+            "bit_exact": exact(),
         }
     finally:
         rollout.stop()
         trainer.stop()
+
+
+def auto(args, model: dict, setup_s: float, runs: list[dict]) -> dict:
+    """The --auto result: what sync_encoding=auto chose, sync by sync, and the rates it measured."""
+    for i, r in enumerate(runs):
+        rate = f"{r['link_GBps']:.1f} GB/s" if r["link_GBps"] else "none"
+        print(
+            f"auto {i + 1}: {r['encoding']} {r['seconds']:.3f}s wire {r['wire_bytes'] / r['bytes']:.3f}x, "
+            f"link {rate}, base {'held' if r['base_held'] else 'none'}",
+            flush=True,
+        )
+    return {
+        "shape": args.shape or "small",
+        "model": model,
+        "model_mb": runs[-1]["bytes"] / 1e6 if runs else 0,
+        "changed_fraction": args.density,
+        "bucket_mb": args.bucket_mb,
+        "apply_mode": args.apply_mode,
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "delta_link_gbps": args.delta_link_gbps,
+        "setup_s": setup_s,
+        "auto_runs": runs,
+        "encodings": [r["encoding"] for r in runs],
+    }
 
 
 def main() -> int:
@@ -197,6 +242,8 @@ def main() -> int:
     ap.add_argument("--trainer-device", default="cuda:0")
     ap.add_argument("--rollout-device", default="cuda:1")
     ap.add_argument("--out", default="")
+    ap.add_argument("--auto", type=int, default=0, help="N syncs under sync_encoding=auto instead of full vs delta")
+    ap.add_argument("--delta-link-gbps", type=float, default=None, help="--auto: the trainer's delta_link_gbps")
     args = ap.parse_args()
     result = codec(args) if args.codec else services(args)
     result.update(
@@ -204,7 +251,8 @@ def main() -> int:
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         command="python bench/bench_delta_nccl.py " + " ".join(sys.argv[1:]),
     )
-    print(json.dumps({k: result[k] for k in ("median_s", "speedup", "bit_exact", "results") if k in result}))
+    keys = ("median_s", "speedup", "bit_exact", "results", "encodings")
+    print(json.dumps({k: result[k] for k in keys if k in result}))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if result.get("bit_exact", True) else 1

@@ -20,6 +20,8 @@
 #                                          # tests, the 7B TP=2 and PP=2 flat exports again (exact on random
 #                                          # bits), then full vs delta over NCCL at 1.5B in the trainer's 1 GiB
 #                                          # buckets (part c used 16 MiB), plain and with P2P and SHM off
+#   PART=g bash bench/run_pending_gpu.sh   # two GPUs: what sync_encoding=auto picks over NCCL at 1.5B, by the rate it
+#                                          # measures (NVLink: full, no base; P2P and SHM off: delta), then its GPU test
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -29,7 +31,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e or f}
+PART=${PART:?set PART to a, b, c, d, e, f or g}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -90,6 +92,14 @@ case "$PART" in
      step 100 delta_nccl_1g_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py \
        --shape 1.5b --reps 3 --bucket-mb 1024 --out "$OUT/results_delta_nccl_1.5b_1g_noP2P_$day.json"
      show delta_nccl_1g_slow 5 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e or f" >&2; exit 2 ;;
+  g) step 200 auto_nvlink python3 bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6 \
+       --out "$OUT/results_delta_nccl_auto_1.5b_$day.json"
+     show auto_nvlink 12
+     step 200 auto_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py --shape 1.5b \
+       --bucket-mb 1024 --auto 6 --out "$OUT/results_delta_nccl_auto_1.5b_noP2P_$day.json"
+     show auto_slow 12
+     step 120 gpu_tests_auto "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py -k auto_decides
+     show gpu_tests_auto 10 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f or g" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"

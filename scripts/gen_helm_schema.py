@@ -51,6 +51,7 @@ BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
         "vpp": {"minimum": 1},
         "ep": {"minimum": 1},
         "bucket_mb": {"minimum": 1, "maximum": 16384},
+        "delta_link_gbps": {"minimum": 0},
         "nccl_init_timeout_s": {"exclusiveMinimum": 0},
         "sync_timeout_s": {"exclusiveMinimum": 0},
         "rpc_timeout_s": {"exclusiveMinimum": 0},

@@ -72,6 +72,7 @@ class TrainerApp:
             make_servicer=lambda *args: TrainerServicer(*args, roots=roots),
             sync_encoding=cfg.bus.sync_encoding,
             delta_base_bytes=cfg.bus.delta_base_mb << 20,
+            delta_link_gbps=cfg.bus.delta_link_gbps,
             ipc_direction=cfg.bus.ipc_direction,
         )
         self.orch = self.host.orch

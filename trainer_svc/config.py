@@ -148,9 +148,8 @@ class BusConfig:
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
         "changed 16-bit words (8-bit for fp8) of each bucket, over tcp or nccl, each sender rank diffing "
         "its own buckets (a rollout that lacks the base is sent in full; over nccl every target then is); "
-        "auto: delta where the link is the bottleneck (tcp), full "
-        "otherwise (ipc; nccl, where the GPU compare is slower than links from ~90 Gb/s: set delta for a "
-        "slower link between hosts)",
+        "auto: delta where the link is the bottleneck: tcp, and nccl once a full sync measured the link "
+        "below delta_link_gbps; full otherwise (ipc; nccl over NVLink)",
     )
     ipc_direction: str = field(
         "auto",
@@ -169,6 +168,15 @@ class BusConfig:
         "model is synced in full; 0: no copy, "
         "no delta",
     )
+    delta_link_gbps: float = field(
+        400.0,
+        help="sync_encoding=auto over nccl: send deltas when the NCCL link's rate, measured by each full "
+        "nccl sync (bytes on the bus / seconds the stream waited on it), is below this many Gb/s. A delta "
+        "costs ~30 ms of "
+        "GPU compare and apply per 3 GB of export and cuts the bytes ~12x: it wins below ~95 GB/s on an "
+        "H200, ~65 on an H100; 400 (50 GB/s) is below both and above inter-host links (100-400 Gb/s "
+        "IB/RoCE), under NVLink; 0: auto stays full on nccl",
+    )
 
     def validate(self) -> None:
         if not 1 <= self.bucket_mb <= 16384:
@@ -177,6 +185,11 @@ class BusConfig:
             raise ConfigError("sync_timeout_s, rpc_timeout_s and nccl_init_timeout_s must be > 0")
         if self.delta_base_mb < 0:
             raise ConfigError(f"delta_base_mb={self.delta_base_mb} must be >= 0 (0: no delta syncs)")
+        if not self.delta_link_gbps >= 0:  # NaN too
+            raise ConfigError(
+                f"delta_link_gbps={self.delta_link_gbps} must be >= 0 (Gb/s below which auto sends deltas over "
+                "nccl; 0: auto stays full on nccl)"
+            )
         if self.sync_encoding == "delta" and self.transport not in ("tcp", "nccl"):
             raise ConfigError(
                 f"sync_encoding=delta is carried by transports tcp and nccl only (transport={self.transport}): "

@@ -85,7 +85,8 @@ def _sync(trainer, timeout: float = 120.0, **kw) -> trainer_pb2.SyncReport:
 
 
 def test_pp2_each_stage_broadcasts_its_own_layers_on_its_own_group_and_keeps_it(procs, gloo_nccl):
-    # sync_encoding=delta (auto is full on nccl): every stage also keeps its own buckets as its part of the base
+    # sync_encoding=delta (auto on nccl waits for a sync to measure a slow link): every stage also keeps its
+    # own buckets as its part of the base
     trainer, rollouts = _fleet(procs, "tiny-qwen2", "--sync-encoding", "delta")
     rep = _sync(trainer, senders="all")
     assert rep.ok, rep

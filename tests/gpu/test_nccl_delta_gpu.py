@@ -113,3 +113,29 @@ def test_delta_syncs_over_nccl_between_two_gpus_are_exact(fleet, monkeypatch):
     report = _sync(trainer, stub, 7)
     assert [r.encoding for r in report.rollouts] == ["full"]
     assert _exact(trainer, app)
+
+
+@pytest.mark.parametrize("link_gbps, want", [(1e9, ["full", "full", "full", "delta"]), (1e-9, ["full"] * 4)])
+def test_auto_decides_by_the_link_measured_over_real_nccl(fleet, monkeypatch, link_gbps, want):
+    """sync_encoding=auto between two GPUs, the knob making any measured rate slow (10^9 Gb/s) or fast
+    (1e-9): slow turns to deltas at the third sync after the one that measured, exact; fast stays full
+    and keeps no base on the GPU (publisher/delta_sync.py)."""
+    trainer, app, stub = fleet
+    delta = trainer.orch.delta
+    monkeypatch.setattr(delta, "encoding", "full")
+    _sync(trainer, stub, 30)  # the group built (a fresh one measures nothing), every base dropped
+    monkeypatch.setattr(delta, "encoding", "auto")
+    monkeypatch.setattr(delta, "link_gbps", link_gbps)
+    delta.link_rate = None
+    got = []
+    for seed in (31, 32, 33, 34):
+        report = _sync(trainer, stub, seed)
+        got.append(report.rollouts[0].encoding)
+        assert delta.link_rate is not None and delta.link_rate > 0, seed  # on a reused group: measured
+        assert _exact(trainer, app)
+    assert got == want, got
+    if link_gbps < 1:
+        assert delta.held is None and delta.held_bytes() == 0
+    else:
+        assert report.wire_bytes < 0.15 * report.bytes, (report.wire_bytes, report.bytes)
+        assert all(b.is_cuda for b in delta._bufs.values())

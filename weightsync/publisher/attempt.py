@@ -99,8 +99,11 @@ class SyncAttempt:
                 # The actor's own storage needs no export: its checksums start on the GPU while the
                 # rollouts answer PrepareSync, and the stream reads them when it needs them.
                 self.prepare(meanwhile=self.streamer.start_in_place)
+            # a group built in this sync: its stream includes the build (nccl; not a measure of the link)
+            fresh = not getattr(self.session, "reused", False)
             with self.phases("stream"):
                 checksums = self.stream()
+            self.delta.streamed(self.streamer.bus_bytes, self.streamer.send_seconds, fresh)
             with self.phases("commit"):
                 self.commit(checksums)
                 self.abort_failed()

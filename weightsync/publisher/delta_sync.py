@@ -21,14 +21,26 @@ Which syncs: delta is carried by tcp (the link is the bottleneck there) and by n
 or several (the buckets then go framed: weightsync/bus/nccl/framed.py; a broadcast reaches every
 member alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
 ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more
-HBM passes — compare, read the base, write it back — than it saves) and for nccl: measured on an
-H100, the trainer's compare and encode on the GPU run at ~12 GB/s of bucket (docs/BENCHMARKS.md,
-"Delta over NCCL"), so a delta sync takes longer than a full one on any NCCL link from ~90 Gb/s up
-(NVLink within a host; 100-400 Gb/s between hosts). That was the torch codec; with Triton the GPU
-runs fused kernels (weightsync/bus/delta_cuda.py) that are not measured yet
-(bench/bench_delta_gpu_codec.py): the rule stays until they are. `delta` forces it on nccl (a slower
-link between hosts), and is refused on ipc. On nccl the trainer's base is kept where it exports (its
-GPU) and the rollout's on its GPU: one more copy of the export bytes on each.
+HBM passes — compare, read the base, write it back — than it saves), and on nccl decides by the
+link's measured rate. Measured on two H200s (bench/bench_delta_nccl.py --shape 1.5b, 3.09 GB of bf16
+buckets, 2 % of the values changed): over NVLink a full sync takes 14.2 ms (its stream 10.6 ms, ~290
+GB/s) and a delta 29-39 ms (the trainer's compare in the stream, the rollout's apply in the commit:
+~30 ms of codec per 3 GB, whatever the link); over NCCL's socket transport (~6 GB/s, a stand-in for a
+link between hosts) full 501 ms and delta 82 ms, 6.1x faster. A delta puts 0.082x of the bytes on the
+bus, so it costs ~30 ms per 3 GB plus 0.082 of the link's time: it wins below ~95 GB/s (~750 Gb/s) on
+an H200 and ~65 GB/s on an H100 (HBM ~30 % slower). Every inter-host link in use (100-400 Gb/s
+IB/RoCE: 12-50 GB/s) is below that, NVLink within a host above. So under auto each full nccl sync
+measures the link (`DeltaStream.streamed`: the bytes each target took / the seconds the stream waited
+in its sends, the link's time the export did not hide; with several senders the longest rank's wait),
+and while that rate is below `delta_link_gbps` (trainer config, default 400 Gb/s = 50 GB/s: below both
+GPUs' break-even, above every inter-host link; 0: never) the next sync keeps its base, so the one
+after offers it. Until a rate is measured, or while it is at or above the knob, auto on nccl is full
+and keeps no base (no GPU memory spent over NVLink). Every full nccl sync measures afresh (one the
+rollouts took dense because one of them missed a version too); a delta sync does not (its sends
+encode), nor a sync on a group built in it (NCCL sets its connections up at the first broadcast).
+The gauge `weightsync_nccl_link_bytes_per_second` shows the last rate. `delta` forces deltas on any
+nccl link, and is refused on ipc. On nccl the trainer's base is kept where it exports (its GPU) and
+the rollout's on its GPU: one more copy of the export bytes on each.
 
 With several senders (multisender.py) each rank keeps and diffs the buckets it owns (`RankPart`, on
 its actor: host memory for its share of the export over tcp, its GPU over nccl) and rank 0 keeps
@@ -68,6 +80,9 @@ log = logging.getLogger(__name__)
 ENCODINGS = ("full", "delta", "auto")
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp", "nccl")
+#: auto on nccl: deltas below this link rate (Gb/s; trainer config delta_link_gbps). 50 GB/s: under the
+#: break-even of an H200 (~95 GB/s) and of an H100 (~65), above every inter-host link in use (12-50 GB/s)
+LINK_GBPS = 400.0
 #: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
 _MAX_STREAMS = 64
 
@@ -75,10 +90,19 @@ _MAX_STREAMS = 64
 class DeltaBase:
     """The trainer's copy of the last export it streamed in full, and which version that is."""
 
-    def __init__(self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = ""):
+    def __init__(
+        self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = "", link_gbps: float = LINK_GBPS
+    ):
         if encoding not in ENCODINGS:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
+        if not link_gbps >= 0:  # NaN too
+            raise ValueError(f"delta_link_gbps={link_gbps} must be >= 0 (Gb/s; 0: auto stays full on nccl)")
         self.encoding, self.limit_bytes, self.origin = encoding, limit_bytes, origin
+        #: auto on nccl: deltas while the link's measured rate is below this (Gb/s); 0: never
+        self.link_gbps = link_gbps
+        #: the NCCL link's rate (bytes/s) as the last full nccl sync on a reused group measured it, or None
+        self.link_rate: float | None = None
+        self._logged_slow: bool | None = None  # the auto-on-nccl decision last logged
         self._bufs: dict[int, torch.Tensor] = {}
         #: bucket index -> int64 [sum, sum of squares] of the words of its base (checksum.word_sums)
         self._sums: dict[int, torch.Tensor] = {}
@@ -98,7 +122,7 @@ class DeltaBase:
             if self.encoding == "delta" and not self._warned:
                 log.warning("sync_encoding=delta: sync %s goes in full: %s", manifest.sync_id, why)
                 self._warned = True
-            return DeltaStream(self, manifest, None, keep=False)
+            return DeltaStream(self, manifest, None, keep=False, transport=transport)
         offer, prior = None, ()
         if self.held is not None and self.held[1] == manifest.layout_digest:
             prior = self.streams
@@ -108,7 +132,7 @@ class DeltaBase:
         if manifest.layout_digest != (self.held or (0, manifest.layout_digest))[1]:
             self._bufs, self._sums = {}, {}  # another layout: the old buckets are of no use
         self.held, self.streams = None, ()  # the copy is being overwritten: it is this sync's until its stream ends
-        return DeltaStream(self, manifest, offer, keep=True, prior=prior, framed=offer is not None)
+        return DeltaStream(self, manifest, offer, keep=True, prior=prior, framed=offer is not None, transport=transport)
 
     def _no_delta(self, manifest: Manifest, transport: str) -> str:
         if self.encoding == "full":
@@ -116,12 +140,49 @@ class DeltaBase:
         if transport not in DELTA_TRANSPORTS:
             return f"transport {transport}"
         if transport == "nccl" and self.encoding == "auto":
-            return "auto on nccl (the GPU compare is slower than NCCL links from ~90 Gb/s; delta forces it)"
+            why = self._fast_link()
+            if why:
+                return why
         if not manifest.layout_digest:
             return "the manifest has no layout digest"
         if manifest.total_bytes > self.limit_bytes:
             return f"the export's {manifest.total_bytes >> 20} MiB exceed delta_base_mb={self.limit_bytes >> 20}"
         return ""
+
+    def _fast_link(self) -> str:
+        """Why auto on nccl stays full ("": the link is slow enough for deltas)."""
+        if not self.link_gbps:
+            return "auto on nccl with delta_link_gbps=0"
+        if self.link_rate is None:
+            return "auto on nccl: no full sync has measured the link yet"
+        if self.link_rate * 8e-9 >= self.link_gbps:
+            return f"auto on nccl: link measured at {_rate(self.link_rate)} >= delta_link_gbps={self.link_gbps:g}"
+        return ""
+
+    def measured(self, rate: float, sync_id: str) -> None:
+        """A full nccl sync moved the bus's bytes at `rate` (bytes/s): auto on nccl decides by it from
+        the next sync on (the one after a slow measurement keeps its base, so deltas start after it)."""
+        self.link_rate = rate
+        if self.encoding != "auto" or not self.link_gbps:
+            return
+        slow = not self._fast_link()
+        if slow != self._logged_slow:
+            self._logged_slow = slow
+            if slow:
+                log.info(
+                    "auto on nccl: sync %s measured the link at %s < delta_link_gbps=%g: delta syncs from the "
+                    "next one (which keeps its base for the one after)",
+                    sync_id,
+                    _rate(rate),
+                    self.link_gbps,
+                )
+            else:
+                log.info(
+                    "auto on nccl: sync %s measured the link at %s >= delta_link_gbps=%g: full syncs, no base kept",
+                    sync_id,
+                    _rate(rate),
+                    self.link_gbps,
+                )
 
     def check(self, transport: str) -> None:
         """ValueError when this trainer's encoding cannot be carried by `transport`."""
@@ -159,6 +220,10 @@ class DeltaStream:
     #: a collective channel frames the buckets: the rollouts expect frames, because a base was
     #: offered in PrepareSync (on a sender rank: rank 0's offer, whatever its own part holds)
     framed: bool = False
+    #: the sync's transport (nccl: a full stream measures the link)
+    transport: str = ""
+    #: every bucket went out (`finish`)
+    ok: bool = False
 
     def channel(self, inner: BucketSender, targets: set[str] | None = None) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket.
@@ -249,8 +314,20 @@ class DeltaStream:
         if self.keep:
             self.base.drop()
 
+    def streamed(self, nbytes: int, seconds: float, fresh: bool) -> None:
+        """The stream put `nbytes` on the bus for each target, waiting `seconds` on it (its sends: the
+        link's time that the export did not hide, which is what a delta can save). A full nccl stream
+        that went out whole measures the link (DeltaBase.measured); not a delta stream (its sends
+        encode too), nor one on a group built in this sync (`fresh`: NCCL sets its connections up at
+        the first broadcast, which would read as a slow link and keep a base on NVLink). A full stream
+        that keeps its base counts its compare and copy too: a few ms per 3 GB on a GPU, slower by far
+        less than the knob separates NVLink from a link between hosts."""
+        if self.transport == "nccl" and self.ok and not self.accepted and not fresh and nbytes > 0 and seconds > 0:
+            self.base.measured(nbytes / seconds, self.manifest.sync_id)
+
     def finish(self, ok: bool) -> None:
         """The stream ended (`ok`: every bucket went out): the copy is this version's base, or none."""
+        self.ok = ok
         if not self.keep:
             return
         if ok and len(self.stored) == len(self.manifest.buckets):
@@ -261,6 +338,10 @@ class DeltaStream:
             self.base.streams = (*same[-(_MAX_STREAMS - 1) :], self.manifest.sync_id)
         else:
             self.base.drop()
+
+
+def _rate(rate: float) -> str:
+    return f"{rate / 1e9:.1f} GB/s ({rate * 8e-9:.0f} Gb/s)"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.http import serve_http
 from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
+from weightsync.publisher.delta_sync import LINK_GBPS
 from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.fleet_servicer import FleetServicer
 from weightsync.publisher.http_api import trainer_router
@@ -93,6 +94,7 @@ class PublisherHost:
         sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
         ipc_direction: str = "auto",
+        delta_link_gbps: float = LINK_GBPS,
     ) -> FleetServicer:
         """Publish `source` (an actor: export_metas/export_tensors/version/family, see trainer_svc/actor/base.py).
         `make_servicer(source, source_lock, registry, orchestrator, backend, auto_sync)` builds the Trainer servicer."""
@@ -119,6 +121,7 @@ class PublisherHost:
             sync_encoding=sync_encoding,
             delta_base_bytes=delta_base_bytes,
             ipc_direction=ipc_direction,
+            delta_link_gbps=delta_link_gbps,
         )
         self.orch.rollouts.liveness_timeout = liveness_timeout_s
         warm_up(self.orch.device, source.export_metas(), self.orch.export_format.quantization is not None)

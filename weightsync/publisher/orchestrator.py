@@ -25,7 +25,7 @@ from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.attempt import SyncAttempt
-from weightsync.publisher.delta_sync import DeltaBase
+from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
 from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
@@ -64,6 +64,7 @@ class SyncOrchestrator:
         sync_encoding: str = "auto",
         delta_base_bytes: int = 32 << 30,
         ipc_direction: str = "auto",
+        delta_link_gbps: float = LINK_GBPS,
     ):
         self.actor = actor
         self.actor_lock = actor_lock
@@ -79,7 +80,10 @@ class SyncOrchestrator:
         self.device = torch.device(device)
         self.export_format = export_format
         #: the last committed export, kept for delta syncs (weightsync/publisher/delta_sync.py)
-        self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin)
+        self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin, delta_link_gbps)
+        link = getattr(metrics, "nccl_link_rate", None)  # the trainer's metrics (not every test's stand-in)
+        if link is not None:
+            link.set_function(lambda: self.delta.link_rate or 0.0)
         if senders not in ("all", "rank0"):
             raise ValueError(f"senders={senders!r} must be all or rank0")
         self.senders = senders

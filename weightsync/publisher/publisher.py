@@ -32,7 +32,7 @@ from weightsync.control.auth import load_token
 from weightsync.publisher.collective import GroupSource, agree_on_owners, expect, send_done, serve_senders
 from weightsync.publisher.commands import CommandChannel
 from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_dict, metas_from_hf_config
-from weightsync.publisher.delta_sync import DeltaBase
+from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
 from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.host import PublisherHost
 from weightsync.v1 import trainer_pb2
@@ -77,6 +77,7 @@ class Publisher:
         group=None,
         sync_encoding: str = "auto",
         delta_base_mb: int = 32768,
+        delta_link_gbps: float = LINK_GBPS,
     ):
         """`model`: an HF model directory (its config.json), a transformers config, or a dict
         {HF name: (shape, dtype)}. `dtype`: the dtype the HF-config tensors are given in (default
@@ -89,8 +90,9 @@ class Publisher:
         process alone. `sync_encoding` (trainer-svc's --sync-encoding): auto sends a rollout that
         holds the last version only the values that changed, over tcp, at the cost of a host copy of
         the last version's export (at most `delta_base_mb`; a larger model is synced in full; with a
-        group, each rank keeps its own tensors' share); full keeps no copy; delta as auto, and
-        refuses other transports (docs/architecture.md "Delta syncs").
+        group, each rank keeps its own tensors' share), and over nccl once a full sync measured the
+        link below `delta_link_gbps` (Gb/s; 0: never); full keeps no copy; delta as auto on every
+        tcp or nccl link, and refuses other transports (docs/architecture.md "Delta syncs").
         Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
         if auth_token and auth_token_file:
             raise ValueError("set auth_token or auth_token_file, not both")
@@ -98,6 +100,11 @@ class Publisher:
             raise ValueError(f"bucket_mb={bucket_mb} must be in [1, 16384]")
         if delta_base_mb < 0:
             raise ValueError(f"delta_base_mb={delta_base_mb} must be >= 0 (0: keep no copy, every sync in full)")
+        if not delta_link_gbps >= 0:  # NaN too
+            raise ValueError(
+                f"delta_link_gbps={delta_link_gbps} must be >= 0 (Gb/s below which auto sends deltas over nccl; "
+                "0: auto stays full on nccl)"
+            )
         transport = AUTO_TRANSPORT if transport == "auto" else transport
         transport_named(transport)  # ValueError naming the choices
         DeltaBase(sync_encoding).check(transport)  # ValueError naming the encodings, or the transport
@@ -149,6 +156,7 @@ class Publisher:
             sync_link=sync_link,
             sync_encoding=sync_encoding,
             delta_base_bytes=delta_base_mb << 20,
+            delta_link_gbps=delta_link_gbps,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------

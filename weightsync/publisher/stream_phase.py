@@ -77,6 +77,10 @@ class StreamPhase:
         self.bytes_sent = 0
         #: rollout_id -> seconds its link was silent when it was dropped from the stream
         self.silent: dict[str, float] = {}
+        #: bytes the stream put on the bus for each target, once it went out to every one of them (else 0)
+        self.bus_bytes = 0
+        #: seconds the stream waited on the bus (the sends; with several senders, the longest wait)
+        self.send_seconds = 0.0
 
     def start_in_place(self) -> None:
         """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
@@ -124,6 +128,8 @@ class StreamPhase:
             r = a.results[rid]
             r.encoding = "delta" if rid in a.delta.accepted else "full"
             r.wire_bytes = self._wire.get(rid, self.manifest.total_bytes if ok else 0)
+        if ok and not self._stream_failed:
+            self.bus_bytes = max(a.results[rid].wire_bytes for rid in streamed)
         self._explain_stream_failures()
         # Multi-rank actors run collectives inside the exporter: drain it so every rank finishes.
         try:
@@ -184,6 +190,7 @@ class StreamPhase:
         )
         self.senders = out.senders
         self.bytes_sent = sum(s.bytes for s in out.senders)
+        self.send_seconds = max((s.send_seconds for s in out.senders), default=0.0)  # they send at once
         if a.delta.keep:
             a.delta.senders_kept(out.senders)
         for s in out.senders:
@@ -242,6 +249,7 @@ class StreamPhase:
                 # the trainer wrote into the engine (ipc trainer_writes): its launches and final sync
                 a.phases.add("stream.trainer_writes", stats.send_seconds)
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
+            sender.send_seconds = self.send_seconds = stats.send_seconds
             return a.delta.checksums if a.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)

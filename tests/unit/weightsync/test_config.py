@@ -25,6 +25,8 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     assert cfg.bus.sync_timeout_s == 22.0  # env beats file
     assert cfg.fleet.rollouts == ["a:1"]  # file beats default
     assert cfg.bus.rpc_timeout_s == 30.0  # default
+    assert cfg.bus.delta_link_gbps == 400.0  # auto on nccl: deltas below 50 GB/s
+    assert _resolve(TrainerConfig, [], {"WS_TRAINER_DELTA_LINK_GBPS": "0"}).bus.delta_link_gbps == 0.0
 
 
 def test_env_config_file_and_bool_and_list(tmp_path):
@@ -44,6 +46,8 @@ def test_env_config_file_and_bool_and_list(tmp_path):
         (["--backend", "hf", "--tp", "2"], {}, "backend=hf runs one process"),
         ([], {"WS_TRAINER_AUTO_SYNC_NEW_ROLLOUTS": "maybe"}, "not a boolean"),
         ([], {"WS_TRAINER_TRANSPORT": "carrier-pigeon"}, "transport"),
+        (["--delta-link-gbps", "-1"], {}, r"delta_link_gbps=-1.0 must be >= 0 \(Gb/s below which auto"),
+        ([], {"WS_TRAINER_DELTA_LINK_GBPS": "-0.5"}, "delta_link_gbps=-0.5 must be >= 0"),
     ],
 )
 def test_errors_name_the_field(argv, env, match):

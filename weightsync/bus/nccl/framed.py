@@ -14,8 +14,9 @@ sender_groups.py), dense where its part of the base is of no use.
 The header costs one small broadcast and, on the receiver, one device-to-host read per bucket
 before the payload's receive can be posted: a few tens of microseconds, next to the milliseconds a
 bucket takes on a link that a delta pays off on (a slow one between hosts). Each send waits for its
-broadcasts, so a framed stream does not overlap buckets as the plain one does. Nothing is framed
-under `sync_encoding=auto` (full on nccl: publisher/delta_sync.py).
+broadcasts, so a framed stream does not overlap buckets as the plain one does. Under
+`sync_encoding=auto` nothing is framed until a full sync measured the link below `delta_link_gbps`
+(NVLink never is: publisher/delta_sync.py).
 
 The group is anything with `broadcast(buf, timeout)` from rank 0 (NcclGroup; the CPU stand-ins of
 the tests) and a `device`.

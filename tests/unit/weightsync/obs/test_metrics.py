@@ -93,6 +93,7 @@ TRAINER_ONLY = {
     "weightsync_sync_forwarded_bytes",
     "weightsync_sync_sender_buffer_bytes",
     "weightsync_sync_calls",
+    "weightsync_nccl_link_bytes_per_second",
 }
 
 

@@ -101,3 +101,84 @@ def test_the_base_is_named_by_the_syncs_that_streamed_exactly_its_bytes():
     assert len(base.streams) == 64 and base.streams[-1] == "e99"
     base.drop()
     assert base.streams == () and base.held is None
+
+
+def _full_nccl_sync(base: DeltaBase, m, buckets, rate: float, accepted=(), fresh: bool = False):
+    """One nccl sync under `base`: its buckets through the channel's steps, then its stream measured at
+    `rate` bytes/s (a one-second stream of that many bytes). Returns its DeltaStream."""
+    s = base.begin(m, "nccl")
+    s.broadcast_to(accepted or {"r"})  # a broadcast: deltas only when every target accepted
+    if s.offer is not None:
+        s.accepted |= set(accepted)
+    for plan, buf in zip(m.buckets, buckets):
+        if s.keep:
+            _, csum, kept = s.encode(plan, buf)
+            s.store(plan, buf, kept, csum)
+    s.finish(True)
+    s.streamed(int(rate), 1.0, fresh)
+    return s
+
+
+def test_auto_on_nccl_keeps_a_base_once_a_full_sync_measured_a_slow_link():
+    """auto on nccl: full, with no base, until a full sync measured the link below delta_link_gbps; then
+    the next sync keeps its base and the one after offers it; a fast measurement drops it again."""
+    cache, g = ManifestCache(), torch.Generator().manual_seed(3)
+    buckets = [torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=g) for p in _manifest(cache, 1).buckets]
+    base = DeltaBase("auto", 1 << 30, "o", link_gbps=400)
+    slow, fast = 6e9, 290e9  # bytes/s: NCCL over sockets, NVLink (48 and 2320 Gb/s)
+    # no rate yet: full, nothing kept; a stream on a group built in it measures nothing
+    s = _full_nccl_sync(base, _manifest(cache, 1), buckets, slow, fresh=True)
+    assert not s.keep and base.held is None and base.link_rate is None
+    # measured slow: this sync was full and kept nothing (decided at its start) ...
+    s = _full_nccl_sync(base, _manifest(cache, 2), buckets, slow)
+    assert not s.keep and base.held is None and base.link_rate == slow
+    # ... the next keeps its base, unoffered (still full on the wire: it measures too) ...
+    s = _full_nccl_sync(base, _manifest(cache, 3), buckets, slow)
+    assert s.keep and s.offer is None and base.held == (3, s.manifest.layout_digest) and base.held_bytes() > 0
+    # ... and the one after offers it; its delta stream's time is the codec's too: not a measure of the link
+    s = _full_nccl_sync(base, _manifest(cache, 4), buckets, fast, accepted={"r"})
+    assert s.offer is not None and s.offer.version == 3 and s.accepted == {"r"}
+    assert base.link_rate == slow
+    # a full sync (the rollout refused the base) measures a fast link: the next goes full and drops the base
+    s = _full_nccl_sync(base, _manifest(cache, 5), buckets, fast)
+    assert s.keep and not s.accepted and base.link_rate == fast and base.held is not None
+    s = _full_nccl_sync(base, _manifest(cache, 6), buckets, fast)
+    assert not s.keep and base.held is None and base.held_bytes() == 0
+    # a failed stream measures nothing
+    s = base.begin(_manifest(cache, 7), "nccl")
+    s.finish(False)
+    s.streamed(int(slow), 1.0, False)
+    assert base.link_rate == fast
+
+
+def test_delta_link_gbps_zero_disables_and_other_encodings_ignore_the_rate():
+    cache = ManifestCache()
+    m = _manifest(cache, 1)
+    off = DeltaBase("auto", link_gbps=0)
+    off.measured(1.0, "s")  # 8 b/s: slower than anything
+    assert not off.begin(m, "nccl").keep and off.held is None
+    # the knob's edge: a rate at it is fast (full); below it, slow
+    edge = DeltaBase("auto", link_gbps=8)  # 1 GB/s
+    edge.measured(1e9, "s")
+    assert not edge.begin(m, "nccl").keep
+    edge.measured(0.99e9, "s")
+    assert edge.begin(m, "nccl").keep
+    # delta forces, full refuses, tcp and ipc do as before, whatever the rate
+    for rate in (1.0, 1e12):
+        for enc, transport, keep in (
+            ("delta", "nccl", True),
+            ("full", "nccl", False),
+            ("auto", "tcp", True),
+            ("auto", "ipc", False),
+        ):
+            b = DeltaBase(enc, link_gbps=400)
+            b.measured(rate, "s")
+            assert b.begin(m, transport).keep == keep, (enc, transport, rate)
+    # only nccl streams measure
+    b = DeltaBase("auto")
+    s = b.begin(m, "tcp")
+    s.finish(True)
+    s.streamed(1000, 1.0, False)
+    assert b.link_rate is None
+    with pytest.raises(ValueError, match="delta_link_gbps=-1 must be >= 0"):
+        DeltaBase("auto", link_gbps=-1)

@@ -90,6 +90,8 @@ def test_bad_options_are_refused_naming_them(tmp_path):
         Publisher(SPEC, sync_encoding="delta", transport="ipc", **LOOPBACK)
     with pytest.raises(ValueError, match="delta_base_mb=-1"):
         Publisher(SPEC, delta_base_mb=-1, **LOOPBACK)
+    with pytest.raises(ValueError, match="delta_link_gbps=-5 must be >= 0"):
+        Publisher(SPEC, delta_link_gbps=-5, **LOOPBACK)
 
 
 def test_an_hf_config_declares_the_checkpoint_tensors(tmp_path):

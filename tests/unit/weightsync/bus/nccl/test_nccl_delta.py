@@ -6,8 +6,8 @@ loopback bus and by the gloo stand-in (tests/support/gloo_nccl.py: real broadcas
 here in one process). Checked: once the rollouts hold the base, a 2 % change goes as delta frames
 (a few percent of the bytes on the group) and both engines serve exactly the trainer's export; a
 damaged base copy fails the commit by its checksum and the next sync goes dense; a target that
-refuses the base makes every target dense (a broadcast reaches all alike); auto on nccl sends
-dense, unframed, and keeps nothing (weightsync/publisher/delta_sync.py).
+refuses the base makes every target dense (a broadcast reaches all alike); auto on a fast nccl link
+sends dense, unframed, and keeps nothing (weightsync/publisher/delta_sync.py).
 Real NCCL between two GPUs: tests/gpu/test_nccl_delta_gpu.py.
 """
 
@@ -167,6 +167,9 @@ def test_auto_on_nccl_streams_dense_and_unframed(fleet, monkeypatch):
     trainer, rollouts, stub = fleet
     frames = _Frames(monkeypatch)
     monkeypatch.setattr(trainer.orch.delta, "encoding", "auto")
+    # every link fast (the earlier syncs measured this one): auto's choice over NVLink; a slow link's is
+    # tests/unit/weightsync/bus/nccl/test_nccl_auto_link.py
+    monkeypatch.setattr(trainer.orch.delta, "link_gbps", 1e-9)
     change_weights(trainer, 0.02, seed=20)
     report = _sync(stub)
     assert report.ok, [r.error for r in report.rollouts]
