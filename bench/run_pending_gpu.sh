@@ -92,14 +92,14 @@ case "$PART" in
      step 100 delta_nccl_1g_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py \
        --shape 1.5b --reps 3 --bucket-mb 1024 --out "$OUT/results_delta_nccl_1.5b_1g_noP2P_$day.json"
      show delta_nccl_1g_slow 5 ;;
-  g) step 200 auto_nvlink python3 bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6 \
-       --out "$OUT/results_delta_nccl_auto_1.5b_$day.json"
-     show auto_nvlink 12
+  g) step 120 gpu_tests_auto "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py -k auto_decides
+     show gpu_tests_auto 10
      step 200 auto_slow env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python3 bench/bench_delta_nccl.py --shape 1.5b \
        --bucket-mb 1024 --auto 6 --out "$OUT/results_delta_nccl_auto_1.5b_noP2P_$day.json"
      show auto_slow 12
-     step 120 gpu_tests_auto "${PYTEST[@]}" tests/gpu/test_nccl_delta_gpu.py -k auto_decides
-     show gpu_tests_auto 10 ;;
+     step 200 auto_nvlink python3 bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6 \
+       --out "$OUT/results_delta_nccl_auto_1.5b_$day.json"
+     show auto_nvlink 12 ;;
   *) echo "PART=$PART: must be a, b, c, d, e, f or g" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
