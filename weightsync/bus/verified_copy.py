@@ -111,32 +111,42 @@ def copy_into(
     dests: Sequence[torch.Tensor],
     wait: bool = True,
     sums_to: Callable[[torch.Tensor], None] | None = None,
+    kernel=None,
 ):
     """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
     dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
     not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way.
     `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
     `buf` unchanged until it has read the value). `sums_to`: given the word sums of `buf`'s whole
-    words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py)."""
+    words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py).
+    `kernel`: a scatter_cuda.Config to run on any device (the benchmark; Triton's interpreter on the CPU)."""
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     _check_buf(plan, buf)
     if not _laid_out(plan, buf, dests):
         return None
-    return _copy_checked(plan, buf, dests, wait, sums_to)
+    return _copy_checked(plan, buf, dests, wait, sums_to, kernel)
 
 
-def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to):
-    """copy_into's copy, for destinations already checked to be laid out for it."""
+def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to, kernel=None):
+    """copy_into's copy, for destinations already checked to be laid out for it. `kernel`: a
+    scatter_cuda.Config to run whatever the device (the benchmark's variants; Triton's interpreter on
+    the CPU); None: the configured kernel on CUDA, torch elsewhere."""
     n = plan.nbytes
     end = n - n % 4
     words = _words(buf[:end])
-    if not (buf.is_cuda and _fused()):
+    if kernel is None and not (buf.is_cuda and _fused()):
         sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
             _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return sums_result(sums, buf, end, n, wait, sums_to)
-    sums = _scatter_cuda(words, _regions(plan), dests)
+    from weightsync.bus import scatter_cuda
+
+    cfg = kernel or scatter_cuda.config()
+    if cfg.kernel == "legacy":
+        sums = _scatter_cuda(words, _regions(plan), dests)
+    else:
+        sums = _scatter_vec([plan], [buf], [dests], cfg)[0]
     _copy_partial_words(plan, buf, dests)
     return sums_result(sums, buf, end, n, wait, sums_to)
 
@@ -170,12 +180,15 @@ def copy_all_into(
     plans: Sequence[BucketPlan],
     bufs: Sequence[torch.Tensor],
     dests: Sequence[Sequence[torch.Tensor]],
+    kernel=None,
 ) -> list[PendingChecksum] | None:
     """`copy_into(plan, buf, dests, wait=False)` of every bucket, queued back to back on the current
     stream with no wait between them, for buffers that stay unchanged until the values are read (the
     actor's own storage: nothing is cloned). None, with nothing copied, when a destination is not laid
     out for it. One fused launch per bucket: a single launch over every bucket's rows (source addresses
-    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md)."""
+    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md):
+    its accesses were 4 bytes wide; the aligned-row kernel's single launch (scatter_rows.py) keeps them
+    16 bytes wide. `kernel`: a scatter_cuda.Config forced (as for copy_into's), else the configured one."""
     if not (len(plans) == len(bufs) == len(dests)):
         raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
     for plan, buf, ds in zip(plans, bufs, dests):
@@ -184,7 +197,30 @@ def copy_all_into(
         _check_buf(plan, buf)
     if not all(map(_laid_out, plans, bufs, dests)):
         return None
-    return [_copy_checked(plan, buf, ds, False, None) for plan, buf, ds in zip(plans, bufs, dests)]
+    if plans and (kernel is not None or (bufs[0].is_cuda and _fused())):
+        from weightsync.bus import scatter_cuda
+
+        cfg = kernel or scatter_cuda.config()
+        if cfg.kernel != "legacy" and cfg.one_launch:
+            return _copy_all_one_launch(plans, bufs, dests, cfg)
+    return [_copy_checked(plan, buf, ds, False, None, kernel) for plan, buf, ds in zip(plans, bufs, dests)]
+
+
+def _copy_all_one_launch(plans, bufs, dests, cfg) -> list[PendingChecksum]:
+    """copy_all_into's buckets in one launch of the aligned-row kernel (scatter_rows.py: offsets from a
+    base pointer in units of 16 bytes, so unlike a table of raw addresses the accesses stay 16 bytes wide)."""
+    sums = _scatter_vec(plans, bufs, dests, cfg)
+    for plan, buf, ds in zip(plans, bufs, dests):
+        _copy_partial_words(plan, buf, ds)
+    ready = None
+    if bufs[0].is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(bufs[0].device))
+    out = []
+    for i, (plan, buf) in enumerate(zip(plans, bufs)):
+        n = plan.nbytes
+        out.append(PendingChecksum(sums[i], buf[n - n % 4 : n].clone(), n, ready))
+    return out
 
 
 def _fused() -> bool:
@@ -226,3 +262,45 @@ def copy_bucket(
     sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
     out[end:].copy_(buf[end:n])
     return out, sums_result(sums, buf, end, n, wait, sums_to)
+
+
+_VEC_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_ANCHORS: dict[tuple, torch.Tensor] = {}
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """A 16-byte aligned int32 tensor kept for the process's life: the base pointer the aligned-row
+    tables' offsets count from (its address never changes, so a table built once stays valid)."""
+    key = (device.type, device.index)
+    a = _ANCHORS.get(key)
+    if a is None:
+        a = _ANCHORS[key] = torch.zeros(4, dtype=torch.int32, device=device)
+    return a
+
+
+def _scatter_vec(plans, bufs, dests, cfg) -> torch.Tensor:
+    """int64 [buckets, 2]: each bucket's word sums, its tensors copied into `dests`, in one launch of the
+    aligned-row kernel (scatter_cuda.py). The table depends only on the layout, the buffers' and the
+    destinations' addresses and the row size: built once and kept."""
+    from weightsync.bus import scatter_cuda, scatter_rows
+
+    device = bufs[0].device
+    anchor = _anchor(device)
+    buckets = []
+    for plan, buf, ds in zip(plans, bufs, dests):
+        regions = tuple((first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan))
+        buckets.append((buf.data_ptr(), regions))
+    key = (device.type, device.index, cfg.row_words, *buckets)
+    hit = _VEC_TABLES.get(key)
+    if hit is None:
+        rows, owner = scatter_rows.rows_of(buckets, anchor.data_ptr(), anchor.data_ptr(), cfg.row_words)
+        table = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64).to(device)
+        own = torch.tensor(owner or [0], dtype=torch.int64).to(device) if len(plans) > 1 else None
+        if len(_VEC_TABLES) >= _MAX_TABLES:
+            _VEC_TABLES.clear()
+        hit = _VEC_TABLES[key] = (table, own)
+    table, own = hit
+    partial = scatter_cuda.launch(anchor, anchor, table, cfg)
+    if own is None:
+        return partial.sum(dim=0, keepdim=True)
+    return torch.zeros((len(plans), 2), dtype=torch.int64, device=device).index_add_(0, own, partial)
