@@ -5,8 +5,9 @@ On one GPU, for Qwen2.5-shaped models laid out as the sync lays them (1 GiB buck
 - `copy_bucket`: one plain `copy_` per bucket (the bytes of the bucket into a buffer of its size);
 - `copy_whole`: one `copy_` of all the bytes (the services bench's "one D2D copy");
 - each config of weightsync/bus/scatter_cuda.CONFIGS (`legacy` is the kernel the sync ran until now)
-  through `verified_copy.copy_all_into`, as the trainer's `send_held` runs it, plus the read of every
-  checksum (`pending_values`: the sync's flush).
+  through `verified_copy.copy_all_into`, plus the read of every checksum (`pending_values`: the sync's
+  flush); `<default>+prepared` the default as the trainer's `send_held` now runs it (per-tensor checks
+  and table kept with the destinations: only the launch is left on the host).
 Each variant is checked once (every destination tensor equal to its slot, every checksum equal to
 `bucket_checksum`), then timed round-robin with the others: CUDA events from before the first launch to
 after the last queued (`gpu_ms`), and host time to the checksums read (`wall_ms`); medians after warm-up.
@@ -59,6 +60,7 @@ def _layout(model: str, bucket_bytes: int, dst_offset: int):
 def run_model(model: str, args, device, configs) -> dict:
     import torch
 
+    from weightsync.bus import scatter_cuda
     from weightsync.bus.checksum import bucket_checksum
     from weightsync.bus.verified_copy import copy_all_into, pending_values
 
@@ -94,6 +96,13 @@ def run_model(model: str, args, device, configs) -> dict:
     variants = {"copy_bucket": copy_bucket, "copy_whole": copy_whole}
     for name, cfg in configs.items():
         variants[name] = (lambda c: lambda: pending_values(copy_all_into(plans, bufs, dests, kernel=c)))(cfg)
+    for name in [n for n in configs if n == scatter_cuda.DEFAULT]:
+        # as trainer_writes runs it: checks and table kept with the destinations (Destinations.prepared)
+        keep: dict = {}
+        variants[name + "+prepared"] = lambda c=configs[name], keep=keep: pending_values(
+            copy_all_into(plans, bufs, dests, kernel=c, prepared=keep)
+        )
+        configs = {**configs, name + "+prepared": configs[name]}
 
     checks = {}
     for name, fn in variants.items():

@@ -116,6 +116,8 @@ class Destinations:
             if m.numel() < h.storage_size:
                 raise DestinationError(f"allocation {i}: mapped {m.numel()} bytes of its {h.storage_size}")
         by_name = {t.name: t for t in table.tensors}
+        #: what verified_copy.copy_all_into checked and built for these views, kept from sync to sync
+        self.prepared: dict = {}
         self.buckets: list[list[torch.Tensor]] = []
         for plan in manifest.buckets:
             views = []
@@ -215,7 +217,7 @@ class TrainerWriteSender(BucketSender):
         stream behind the actor's own writes (no host synchronize first, no wait between buckets)."""
         from weightsync.bus.verified_copy import copy_all_into
 
-        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans])
+        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans], prepared=self.dests.prepared)
         if pending is None:
             raise DestinationError("the engine's parameters cannot take the buckets as words")
         self._pending = pending

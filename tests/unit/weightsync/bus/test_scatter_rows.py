@@ -154,3 +154,49 @@ def test_copy_into_one_bucket_and_a_changed_gap_word_changes_the_checksum(use_ke
         gap = plan.slots[0].offset + plan.slots[0].meta.nbytes + 2
         buf[gap] ^= 0x10
         assert copy_into(plan, buf, dests[0], kernel=cfg) == bucket_checksum(buf), cfg
+
+
+def test_prepared_buffers_skip_the_checks_and_give_the_same_bytes_and_sums(use_kernel, monkeypatch):
+    """copy_all_into's `prepared` (trainer_writes.Destinations keeps one): the second call on the same
+    buffers goes straight to its launch; other buffers are checked again."""
+    from weightsync.bus import verified_copy
+
+    for cfg in _configs(use_kernel):
+        plans, bufs, dests, _ = _buckets(0)
+        want = [bucket_checksum(b) for b in bufs]
+        prepared: dict = {}
+        assert pending_values(copy_all_into(plans, bufs, dests, kernel=cfg, prepared=prepared)) == want, cfg
+        assert len(prepared) == 1
+        checked: list = []
+
+        def counting(*a, checked=checked, real=verified_copy._laid_out):
+            checked.append(a)
+            return real(*a)
+
+        monkeypatch.setattr(verified_copy, "_laid_out", counting)
+        for ds in dests:
+            for d in ds:
+                d.zero_()
+        bufs[1][plans[1].slots[0].offset] ^= 0x01  # new bytes in the same buffers: new sums
+        want = [bucket_checksum(b) for b in bufs]
+        assert pending_values(copy_all_into(plans, bufs, dests, kernel=cfg, prepared=prepared)) == want, cfg
+        assert checked == []
+        for p, b, ds in zip(plans, bufs, dests):  # every byte landed again, the changed one included
+            for slot, d in zip(p.slots, ds):
+                assert torch.equal(d.reshape(-1).view(torch.uint8), b[slot.offset : slot.offset + slot.meta.nbytes])
+        moved = [b.clone() for b in bufs]  # other buffers: checked again
+        assert pending_values(copy_all_into(plans, moved, dests, kernel=cfg, prepared=prepared)) == want, cfg
+        assert len(checked) == len(plans) and len(prepared) == 2
+        monkeypatch.undo()
+
+
+def test_pending_values_read_one_launchs_rows_at_once_and_loose_sums_alike():
+    from weightsync.bus.verified_copy import PendingChecksum, _shared_rows
+
+    rows = torch.tensor([[1, 2], [3, -4], [5, 6]], dtype=torch.int64)
+    tails = [torch.empty(0, dtype=torch.uint8)] * 3
+    shared = [PendingChecksum(rows[i], tails[i], 8 + i) for i in range(3)]
+    loose = [PendingChecksum(rows[i].clone(), tails[i], 8 + i) for i in range(3)]
+    assert _shared_rows(shared) is rows and _shared_rows(loose) is None
+    assert _shared_rows(shared[::-1]) is None and _shared_rows(shared[:2]) is None
+    assert pending_values(shared) == pending_values(loose) == [p.value() for p in loose]
