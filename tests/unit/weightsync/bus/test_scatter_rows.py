@@ -94,12 +94,12 @@ SHAPES = [((5, 3), torch.bfloat16), ((7,), torch.int8), ((4, 4), torch.float32),
 def _buckets(dst_shift: int):
     g = torch.Generator().manual_seed(1)
     named = []
-    for i, (shape, dtype) in enumerate(SHAPES * 3):
+    for i, (shape, dtype) in enumerate(SHAPES * 3 + [((3,), torch.int8)]):  # the last bucket ends mid-word
         raw = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), generator=g, dtype=torch.uint8)
         named.append((f"t{i}", raw.view(dtype).view(shape)))  # any bits: NaN payloads too
     metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named]
     plans = plan_buckets(metas, 16 << 10)
-    assert len(plans) >= 2
+    assert len(plans) >= 2 and plans[-1].nbytes % 4
     flat = torch.randint(0, 256, (sum(p.nbytes + 512 for p in plans),), generator=g, dtype=torch.uint8)
     bufs, pos, it = [], 0, iter(named)
     for p in plans:
