@@ -11,7 +11,12 @@ CONFIGS = {
 
 
 def shapes(name: str, layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
-    h, inter, n_layers, heads, kv, vocab, tied = CONFIGS[name]
+    return shapes_of(CONFIGS[name], layers)
+
+
+def shapes_of(cfg: tuple, layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """`shapes` of a config tuple (CONFIGS' order) that CONFIGS does not name."""
+    h, inter, n_layers, heads, kv, vocab, tied = cfg
     n_layers = layers or n_layers
     hd = h // heads
     out = [("model.embed_tokens.weight", (vocab, h))]

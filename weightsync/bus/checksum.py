@@ -43,14 +43,18 @@ def from_sums(sums: torch.Tensor, tail: torch.Tensor, n: int) -> int:
     return _mix(s1, s2, tail_bytes, n)
 
 
-def from_many_sums(sums: list[torch.Tensor], tails: list[torch.Tensor], ns: list[int]) -> list[int]:
+def from_many_sums(sums: list[torch.Tensor] | torch.Tensor, tails: list[torch.Tensor], ns: list[int]) -> list[int]:
     """`from_sums` of many buffers with one device read for all their sums (and one for any tail
-    bytes), where a loop would wait on the device once per buffer."""
+    bytes), where a loop would wait on the device once per buffer. `sums`: one [2] tensor per buffer,
+    or all of them as the rows of one [buffers, 2] tensor (read as it is: no stacking kernel)."""
     if not (len(sums) == len(tails) == len(ns)):
         raise ValueError(f"from_many_sums: {len(sums)} sums, {len(tails)} tails and {len(ns)} sizes")
-    if not sums:
+    if not len(sums):
         return []
-    pairs = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+    if isinstance(sums, torch.Tensor):
+        pairs = sums.tolist()
+    else:
+        pairs = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
     tail_bytes = []
     if any(t.numel() for t in tails):
         tail_bytes = torch.cat([t.to(tails[0].device) for t in tails]).cpu().tolist()
@@ -207,6 +211,9 @@ def warm_up(device) -> float:
         )
         table = torch.tensor([(words.data_ptr(), 64), (dst.data_ptr(), 32)], dtype=torch.int64).to(device)
         checksum_cuda.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
+        from weightsync.bus import scatter_cuda
+
+        scatter_cuda.warm_up(device)  # the trainer_writes copy's configured kernel (verified_copy.py)
     return time.perf_counter() - t0
 
 

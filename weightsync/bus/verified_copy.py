@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.bus import scatter_cuda
 from weightsync.bus.checksum import copy_word_sums, from_many_sums, from_sums, word_sums
 from weightsync.bus.plan import BucketPlan
 
@@ -49,7 +50,22 @@ def pending_values(pending: list[PendingChecksum]) -> list[int]:
     costs nothing once the copies are done, and a single read of all the sums)."""
     for p in pending:
         p.wait()
-    return from_many_sums([p.sums for p in pending], [p.tail for p in pending], [p.nbytes for p in pending])
+    rows = _shared_rows(pending)
+    sums = rows if rows is not None else [p.sums for p in pending]
+    return from_many_sums(sums, [p.tail for p in pending], [p.nbytes for p in pending])
+
+
+def _shared_rows(pending: list[PendingChecksum]) -> torch.Tensor | None:
+    """The one [n, 2] tensor whose rows are, in order, every pending checksum's sums (copy_all_into's
+    single launch), or None."""
+    base = pending[0].sums._base if pending else None
+    if base is None or base.dim() != 2 or tuple(base.shape) != (len(pending), 2) or not base.is_contiguous():
+        return None
+    at = base.storage_offset()
+    for i, p in enumerate(pending):
+        if p.sums._base is not base or p.sums.storage_offset() != at + 2 * i:
+            return None
+    return base
 
 
 def sums_result(sums: torch.Tensor, buf: torch.Tensor, end: int, n: int, wait: bool, sums_to=None):
@@ -111,32 +127,40 @@ def copy_into(
     dests: Sequence[torch.Tensor],
     wait: bool = True,
     sums_to: Callable[[torch.Tensor], None] | None = None,
+    kernel=None,
 ):
     """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
     dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
     not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way.
     `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
     `buf` unchanged until it has read the value). `sums_to`: given the word sums of `buf`'s whole
-    words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py)."""
+    words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py).
+    `kernel`: a scatter_cuda.Config to run on any device (the benchmark; Triton's interpreter on the CPU)."""
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     _check_buf(plan, buf)
     if not _laid_out(plan, buf, dests):
         return None
-    return _copy_checked(plan, buf, dests, wait, sums_to)
+    return _copy_checked(plan, buf, dests, wait, sums_to, kernel)
 
 
-def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to):
-    """copy_into's copy, for destinations already checked to be laid out for it."""
+def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to, kernel=None):
+    """copy_into's copy, for destinations already checked to be laid out for it. `kernel`: a
+    scatter_cuda.Config to run whatever the device (the benchmark's variants; Triton's interpreter on
+    the CPU); None: the configured kernel on CUDA, torch elsewhere."""
     n = plan.nbytes
     end = n - n % 4
     words = _words(buf[:end])
-    if not (buf.is_cuda and _fused()):
+    if kernel is None and not (buf.is_cuda and _fused()):
         sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
             _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return sums_result(sums, buf, end, n, wait, sums_to)
-    sums = _scatter_cuda(words, _regions(plan), dests)
+    cfg = kernel or scatter_cuda.config()
+    if cfg.kernel == "legacy":
+        sums = _scatter_cuda(words, _regions(plan), dests)
+    else:
+        sums = _scatter_vec([plan], [buf], [dests], cfg)[0]
     _copy_partial_words(plan, buf, dests)
     return sums_result(sums, buf, end, n, wait, sums_to)
 
@@ -170,21 +194,69 @@ def copy_all_into(
     plans: Sequence[BucketPlan],
     bufs: Sequence[torch.Tensor],
     dests: Sequence[Sequence[torch.Tensor]],
+    kernel=None,
+    prepared: dict | None = None,
 ) -> list[PendingChecksum] | None:
     """`copy_into(plan, buf, dests, wait=False)` of every bucket, queued back to back on the current
     stream with no wait between them, for buffers that stay unchanged until the values are read (the
     actor's own storage: nothing is cloned). None, with nothing copied, when a destination is not laid
     out for it. One fused launch per bucket: a single launch over every bucket's rows (source addresses
-    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md)."""
+    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md):
+    its accesses were 4 bytes wide; the aligned-row kernel's single launch (scatter_rows.py) keeps them
+    16 bytes wide. `kernel`: a scatter_cuda.Config forced (as for copy_into's), else the configured one.
+    `prepared`: a dict the caller keeps with `dests` (the same tensors at the same addresses at every call,
+    plans of one layout: trainer_writes.Destinations): what was checked and built for a set of buffers is
+    kept there, so a later call on the same buffers goes straight to its launch (the per-tensor checks and
+    the table's key cost a few hundred microseconds of Python for 339 tensors, with the GPU idle)."""
     if not (len(plans) == len(bufs) == len(dests)):
         raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
     for plan, buf, ds in zip(plans, bufs, dests):
         if len(ds) != len(plan.slots):
             raise ValueError(f"bucket {plan.index}: {len(ds)} destinations for {len(plan.slots)} tensors")
         _check_buf(plan, buf)
-    if not all(map(_laid_out, plans, bufs, dests)):
-        return None
-    return [_copy_checked(plan, buf, ds, False, None) for plan, buf, ds in zip(plans, bufs, dests)]
+    cache = None
+    if prepared is not None:
+        key = tuple((p.index, p.nbytes, b.data_ptr()) for p, b in zip(plans, bufs))
+        cache = prepared.get(key)
+    if cache is None:
+        if not all(map(_laid_out, plans, bufs, dests)):
+            return None
+        if prepared is not None:
+            if len(prepared) >= 8:  # a few sets of buffers (a re-laid-out actor): not one per sync
+                prepared.clear()
+            cache = prepared[key] = {}
+    if plans and (kernel is not None or (bufs[0].is_cuda and _fused())):
+        cfg = kernel or scatter_cuda.config()
+        if cfg.kernel != "legacy" and cfg.one_launch:
+            return _copy_all_one_launch(plans, bufs, dests, cfg, cache)
+    return [_copy_checked(plan, buf, ds, False, None, kernel) for plan, buf, ds in zip(plans, bufs, dests)]
+
+
+def _copy_all_one_launch(plans, bufs, dests, cfg, cache: dict | None) -> list[PendingChecksum]:
+    """copy_all_into's buckets in one launch of the aligned-row kernel (scatter_rows.py: offsets from a
+    base pointer in units of 16 bytes, so unlike a table of raw addresses the accesses stay 16 bytes wide).
+    `cache`: copy_all_into's per-buffers entry of `prepared`, or None."""
+    sums = _scatter_vec(plans, bufs, dests, cfg, cache)
+    odd = None if cache is None else cache.get("odd")
+    if odd is None:  # (bucket, slot) of the tensors whose last bytes do not fill a word
+        odd = [(i, j) for i, plan in enumerate(plans) for j, slot in enumerate(plan.slots) if slot.meta.nbytes % 4]
+        if cache is not None:
+            cache["odd"] = odd
+    for i, j in odd:
+        slot, dst = plans[i].slots[j], dests[i][j]
+        nb = slot.meta.nbytes
+        whole = nb - nb % 4
+        _byte_view(dst)[whole:].copy_(bufs[i][slot.offset + whole : slot.offset + nb])
+    ready = None
+    if bufs[0].is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(bufs[0].device))
+    out = []
+    for i, (plan, buf) in enumerate(zip(plans, bufs)):
+        n = plan.nbytes
+        tail = buf[n - n % 4 : n].clone() if n % 4 else buf[n:n]  # no allocation for none
+        out.append(PendingChecksum(sums[i], tail, n, ready))
+    return out
 
 
 def _fused() -> bool:
@@ -226,3 +298,46 @@ def copy_bucket(
     sums = copy_word_sums(_words(buf[:end]), _words(out[:end])) if end else torch.zeros(2, dtype=torch.int64)
     out[end:].copy_(buf[end:n])
     return out, sums_result(sums, buf, end, n, wait, sums_to)
+
+
+_VEC_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _scatter_vec(plans, bufs, dests, cfg, cache: dict | None = None) -> torch.Tensor:
+    """int64 [buckets, 2]: each bucket's word sums, its tensors copied into `dests`, in one launch of the
+    aligned-row kernel (scatter_cuda.py). The table depends only on the layout, the buffers' and the
+    destinations' addresses and the row size: built once and kept (in `cache` too, a caller's entry for
+    these buffers and destinations, which then skips even the key)."""
+    from weightsync.bus import scatter_rows
+
+    device = bufs[0].device
+    anchor = scatter_cuda.anchor(device)
+    hit = None if cache is None else cache.get(("table", cfg.row_words))
+    if hit is not None:
+        table, own = hit
+        return _launch_vec(anchor, table, own, len(plans), cfg)
+    buckets = []
+    for plan, buf, ds in zip(plans, bufs, dests):
+        regions = tuple((first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan))
+        buckets.append((buf.data_ptr(), regions))
+    key = (device.type, device.index, cfg.row_words, *buckets)
+    hit = _VEC_TABLES.get(key)
+    if hit is None:
+        rows, owner = scatter_rows.rows_of(buckets, anchor.data_ptr(), anchor.data_ptr(), cfg.row_words)
+        table = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64).to(device)
+        own = torch.tensor(owner or [0], dtype=torch.int64).to(device) if len(plans) > 1 else None
+        if len(_VEC_TABLES) >= _MAX_TABLES:
+            _VEC_TABLES.clear()
+        hit = _VEC_TABLES[key] = (table, own)
+    if cache is not None:
+        cache[("table", cfg.row_words)] = hit
+    table, own = hit
+    return _launch_vec(anchor, table, own, len(plans), cfg)
+
+
+def _launch_vec(anchor: torch.Tensor, table: torch.Tensor, own: torch.Tensor | None, buckets: int, cfg):
+    partial = scatter_cuda.launch(anchor, anchor, table, cfg)
+    if own is None:
+        return partial.sum(dim=0, keepdim=True)
+    # integer sums: the same value in any order (index_add_'s atomics included)
+    return torch.zeros((buckets, 2), dtype=torch.int64, device=anchor.device).index_add_(0, own, partial)

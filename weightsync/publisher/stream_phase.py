@@ -248,6 +248,8 @@ class StreamPhase:
             if getattr(channel, "computes_checksums", False):
                 # the trainer wrote into the engine (ipc trainer_writes): its launches and final sync
                 a.phases.add("stream.trainer_writes", stats.send_seconds)
+                for part, seconds in getattr(channel, "phase_seconds", {}).items():
+                    a.phases.add(f"stream.trainer_writes.{part}", seconds)  # parts of the above
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
             sender.send_seconds = self.send_seconds = stats.send_seconds
             return a.delta.checksums if a.delta.keep else stats.checksums

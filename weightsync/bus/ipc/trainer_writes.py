@@ -32,6 +32,7 @@ the independent second read with `ipc_direction: rollout_reads`.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -116,6 +117,8 @@ class Destinations:
             if m.numel() < h.storage_size:
                 raise DestinationError(f"allocation {i}: mapped {m.numel()} bytes of its {h.storage_size}")
         by_name = {t.name: t for t in table.tensors}
+        #: what verified_copy.copy_all_into checked and built for these views, kept from sync to sync
+        self.prepared: dict = {}
         self.buckets: list[list[torch.Tensor]] = []
         for plan in manifest.buckets:
             views = []
@@ -196,6 +199,9 @@ class TrainerWriteSender(BucketSender):
         self._pending: list = []
         self._events: list = []
         self._values: list[int] = []
+        #: parts of the write pass (the sync's stream.trainer_writes.*): `queue` the host time to queue
+        #: the launches, `wait` the stream synchronize after them, `read` the one read of the sums
+        self.phase_seconds: dict[str, float] = {}
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         from weightsync.bus.verified_copy import copy_into
@@ -215,19 +221,25 @@ class TrainerWriteSender(BucketSender):
         stream behind the actor's own writes (no host synchronize first, no wait between buckets)."""
         from weightsync.bus.verified_copy import copy_all_into
 
-        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans])
+        t0 = time.perf_counter()
+        pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans], prepared=self.dests.prepared)
         if pending is None:
             raise DestinationError("the engine's parameters cannot take the buckets as words")
         self._pending = pending
+        self.phase_seconds["queue"] = time.perf_counter() - t0
         return True
 
     def flush(self) -> None:
         from weightsync.bus.verified_copy import pending_values
 
+        t0 = time.perf_counter()
         if self._pending and self._pending[0].ready is not None:
             dev = self.dests.maps[0].device if self.dests.maps else None
             torch.cuda.current_stream(dev).synchronize()  # every byte landed before the commit says so
+        t1 = time.perf_counter()
         self._values = pending_values(self._pending)
+        self.phase_seconds["wait"] = t1 - t0
+        self.phase_seconds["read"] = time.perf_counter() - t1
 
     def checksums(self) -> list[int]:
         return list(self._values)

@@ -64,6 +64,9 @@ def test_the_trainer_writes_every_sync_exactly_with_the_table_shared_and_mapped_
         bump_weights(trainer)
         report = _sync(stub)
         assert "stream.trainer_writes" in report.phase_seconds and report.num_buckets > 2
+        parts = {k: v for k, v in report.phase_seconds.items() if k.startswith("stream.trainer_writes.")}
+        assert set(parts) >= {"stream.trainer_writes.wait", "stream.trainer_writes.read"}, report.phase_seconds
+        assert sum(parts.values()) <= report.phase_seconds["stream.trainer_writes"]  # parts of the write pass
         assert_serves_export(trainer, app)
         assert app.tx.weights_checksum == _expected_weights_checksum(trainer)
         if i == 0:
