@@ -54,12 +54,13 @@ def _configs() -> dict[str, Config]:
 
 
 CONFIGS = _configs()
-#: From the compiled code for sm_90 (ptxas, no GPU run yet): 16-byte accesses (LDG.E.128 / STG.E.128, the
-#: width a plain copy_ uses; `legacy` makes 4-byte ones), 16 words per thread per step (4 loads in flight),
-#: the 4 words of each load added in-thread before the int64 accumulators: 72 registers a thread (121
-#: without the fold, 248 for `legacy`), so 7 blocks of 4 warps fit an SM where `legacy` fits 2; rows of
-#: 256 KiB; one launch for every held bucket. The microbenchmark decides among the configs.
-DEFAULT = "vec-b2048-w4-f4"
+#: Measured on an H200 (bench/bench_verified_copy.py, 2026-11-26, docs/BENCHMARKS.md): every `vec` config
+#: makes 16-byte accesses (LDG.E.128 / STG.E.128, the width a plain copy_ uses; `legacy` makes 4-byte ones)
+#: and beats `legacy` (7B: 8.9 ms against a 7.15 ms copy_ of the same 15.2 GB); 1024 words a step, 4 warps,
+#: the 4 words of each load added in-thread before the int64 accumulators, rows of 256 KiB and one launch
+#: for every held bucket was the fastest at both sizes (7B 8.20 ms, 1.5B 1.86 ms against 1.45), the others
+#: within 2 % except 4096 words at 4 warps (1.4x slower).
+DEFAULT = "vec-b1024-w4-f4"
 
 
 def config() -> Config:
