@@ -261,8 +261,12 @@ class Fleet:
         self.procs, self.chans, self.stubs = [], [], {}
         self.trainer = self.tstub = None
 
-    def start(self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float) -> None:
-        """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others."""
+    def start(
+        self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float, inflight: int = 0
+    ) -> None:
+        """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others.
+        `inflight`: Generate calls one client may have in flight (the rollouts' default is 4; --concurrency
+        sends its N from one client)."""
         t = start_trainer(
             work, "--backend", "megatron", "--model", str(init_model), "--init-seed", "1", "--param-dtype", "bfloat16",
             "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
@@ -273,6 +277,8 @@ class Fleet:
             args = ["--engine", engine, "--model", str(start_dir), "--device", device, "--dtype", "bfloat16"]
             args += ["--apply-mode", "inplace", "--serve-initial-weights", "--trainer-address", t.address]
             args += ["--register-timeout-s", str(ready_timeout)]
+            if inflight > 4:
+                args += ["--max-inflight-requests", str(max(16, inflight)), "--max-inflight-per-client", str(inflight)]
             if engine == "sglang":
                 args += [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
             self.procs.append(start_rollout(work, *args, name=name))
@@ -417,7 +423,7 @@ def main() -> int:
         if "nccl" in transports:
             rollouts.update({"s1": ("sglang", "cuda:1"), "b1": ("builtin", "cuda:1")})
         fleet = Fleet()
-        fleet.start(work, init_model, start_dir, rollouts, args.ready_timeout)
+        fleet.start(work, init_model, start_dir, rollouts, args.ready_timeout, inflight=args.concurrency)
         for i, tr in enumerate(transports):
             Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
             rec = {"transport": tr, "trainer_backend": "megatron"}
