@@ -13,7 +13,10 @@ warm-up; wall clock with the interpreter):
 - `checksum`: the trainer's word sums of every bucket (bus/checksum.py, as InFlightChecksums);
 - `dequant`: the rollout's fused dequantize of every bucket into engine parameters (bf16), its
   checksum included (weightsync/formats/fp8_dequant_slots.py), what the built-in engine's commit does;
-- `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline.
+- `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline;
+- `quant_narrow`, `dequant_narrow` (with the kernels, unless `--no-narrow`): the same launches with
+  every table row marked unaligned, so each block moves one element per access, as both kernels did
+  before their tables said which tensors allow 16-byte accesses: the A/B of that change.
 
 GB/s counts the bytes an ideal kernel moves: read + written once each (the checksum: read only).
 Every result is checked: the quantized buckets against the torch reference (fp8.quantize_torch,
@@ -118,6 +121,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torch", action="store_true", help="the torch paths instead of the Triton kernels")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel summary of one sync's kernels")
+    ap.add_argument("--no-narrow", action="store_true", help="skip the A/B of the one-element-per-access variants")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -204,7 +208,37 @@ def main() -> int:
         for v in views:
             scratch[: v.numel()].copy_(v)
 
+    def narrow(fn, columns):
+        """`fn` with every table row's `aligned` field down: each block and word run takes the variant
+        that moves one element per access, as the kernels did before they had the wide one (the A/B)."""
+
+        def run():
+            saved = [(t, col, t[:, col].clone()) for t, col in columns()]
+            for t, col, _ in saved:
+                t[:, col] = 0
+            try:
+                return fn()
+            finally:
+                for t, col, old in saved:
+                    t[:, col] = old
+
+        return run
+
+    def quant_tables():
+        return [(la[2], 6) for la in fe._quant.launches] if kernel else []
+
+    def dequant_tables():
+        if not kernel:
+            return []
+        if not fused._plans:
+            dequant()  # planned on first use
+        return [t for p in fused._plans.values() for t in ((p.tables[0], 4), (p.tables[1], 9))]
+
     steps = {"quant": quant, "copies": copies, "refresh": refresh, "checksum": sums, "dequant": dequant, "copy": copy}
+    if kernel and not args.no_narrow:
+        steps["quant_narrow"] = narrow(quant, quant_tables)
+        steps["dequant_narrow"] = narrow(dequant, dequant_tables)
+        moved["quant_narrow"], moved["dequant_narrow"] = moved["quant"], moved["dequant"]
     rec = {
         "shape": args.shape,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -228,7 +262,7 @@ def main() -> int:
         f"{fe.quant_launches} quant launches",
         flush=True,
     )
-    print(f"{'step':>9} {'median ms':>10} {'min ms':>9} {'GB moved':>9} {'GB/s':>8}  vs copy")
+    print(f"{'step':>14} {'median ms':>10} {'min ms':>9} {'GB moved':>9} {'GB/s':>8}  vs copy")
     for name, fn in steps.items():
         s = timed(fn, dev, args.reps)
         med = statistics.median(s)
@@ -237,9 +271,27 @@ def main() -> int:
     for name, r in rec["steps"].items():
         r["vs_copy_bandwidth"] = r["gbps"] / base
         print(
-            f"{name:>9} {r['s'] * 1e3:10.3f} {min(r['s_all']) * 1e3:9.3f} {r['bytes_moved'] / 1e9:9.3f} "
+            f"{name:>14} {r['s'] * 1e3:10.3f} {min(r['s_all']) * 1e3:9.3f} {r['bytes_moved'] / 1e9:9.3f} "
             f"{r['gbps']:8.1f}  {r['vs_copy_bandwidth']:.2f}",
             flush=True,
+        )
+
+    if kernel:  # the share of blocks (and checksum words) that took the wide-access variant
+        blocks = [(la[2][la[3].long(), 6] != 0) for la in fe._quant.launches]
+        rec["quant_aligned_blocks"] = float(sum(int(b.sum()) for b in blocks) / max(1, sum(b.numel() for b in blocks)))
+        d_blocks, d_words, d_total = 0, 0, 0
+        n_blocks = 0
+        for p in fused._plans.values():
+            words, tensors, owners = p.tables
+            d_words += int((words[:, 1] * words[:, 4]).sum())
+            d_total += int(words[:, 1].sum())
+            d_blocks += int(tensors[owners.long(), 9].sum())
+            n_blocks += owners.numel()
+        rec["dequant_aligned_blocks"] = d_blocks / max(1, n_blocks)
+        rec["dequant_aligned_words"] = d_words / max(1, d_total)
+        print(
+            f"wide accesses: quant {rec['quant_aligned_blocks']:.3f} of blocks, dequant "
+            f"{rec['dequant_aligned_blocks']:.3f} of blocks and {rec['dequant_aligned_words']:.3f} of words"
         )
 
     # correctness: the kernels' bytes against the torch paths of the same plans

@@ -55,6 +55,88 @@ def dequant_block(
         tl.store(out_ptr + offs, prod.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def word_run(
+    buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB: tl.constexpr, WS: tl.constexpr, WV: tl.constexpr
+):
+    """A word program of dequant_bucket: `n` words from word `src` summed (and copied to word `dst`).
+    WV (constexpr): what src, n and dst are multiples of; multiplying the quotients back by it tells
+    the compiler so (offsets read from a table have no known alignment: one word per access)."""
+    src = (src // WV) * WV
+    n = (n // WV) * WV
+    dst = (dst // WV) * WV
+    acc1 = tl.zeros([WB], dtype=tl.int64)
+    acc2 = tl.zeros([WB], dtype=tl.int64)
+    for i in range(WS):
+        offs = i * WB + tl.arange(0, WB)
+        mask = offs < n
+        w = tl.load(buf_words + src + offs, mask=mask, other=0)
+        tl.store(word_base + dst + offs, w, mask=mask & (has_dst != 0))
+        acc1 += w.to(tl.int64)
+        acc2 += (w * w).to(tl.int64)  # the square wraps in int32, as checksum.py's
+    tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
+    tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+
+
+@triton.jit
+def dequant_tile(
+    buf_bytes,
+    buf_words,
+    buf_f32,
+    bf16_base,
+    f32_base,
+    out_ptr,
+    pid,
+    rows,
+    cols,
+    q_off,
+    s_here,
+    s_off,
+    d_off,
+    k,
+    out_f32,
+    sums,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Block k (row-major) of one FP8 weight of dequant_bucket. VEC (constexpr): what cols, the
+    e4m3 offset and the destination offset are multiples of (as word_run's WV)."""
+    cols = (cols // VEC) * VEC
+    q_off = (q_off // VEC) * VEC
+    d_off = (d_off // VEC) * VEC
+    n_cb = (cols + BC - 1) // BC
+    c0 = (k % n_cb) * BC
+    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
+    c = c0 + tl.arange(0, BC)
+    rmask = r < rows
+    mask = rmask[:, None] & (c[None, :] < cols)
+    offs = r[:, None] * cols + c[None, :]
+    code = tl.load(buf_bytes + q_off + offs, mask=mask, other=0).to(tl.int32)
+    if s_here != 0:
+        s = tl.load(buf_f32 + s_off + k)
+    else:
+        s = tl.load(f32_base + s_off + k)
+    prod = from_e4m3(code) * s  # dequant_block's product and rounding
+    if out_f32 != 0:
+        tl.store(f32_base + d_off + offs, prod, mask=mask)
+    else:
+        tl.store(bf16_base + d_off + offs, to_bf16_bits(prod), mask=mask)
+    # the block's own words (rows of whole words: cols and q_off multiples of 4)
+    if VEC % 4 == 0:  # in words, as multiples of VEC // 4 the compiler can see: 16-byte loads
+        cw = (k % n_cb) * (BC // 4) + tl.arange(0, BC // 4)
+        wcols = (cols // VEC) * (VEC // 4)
+        wmask = rmask[:, None] & (cw[None, :] < wcols) & (sums != 0)
+        widx = (q_off // VEC) * (VEC // 4) + r[:, None] * wcols + cw[None, :]
+    else:
+        j = tl.arange(0, BC // 4)
+        wmask = rmask[:, None] & (c0 + 4 * j[None, :] < cols) & (sums != 0)
+        widx = (q_off + r[:, None] * cols + c0) // 4 + j[None, :]
+    w = tl.load(buf_words + widx, mask=wmask, other=0)
+    tl.store(out_ptr + pid * 2, tl.sum(tl.sum(w.to(tl.int64), axis=1), axis=0))
+    tl.store(out_ptr + pid * 2 + 1, tl.sum(tl.sum((w * w).to(tl.int64), axis=1), axis=0))
+
+
 # the word-program count differs per bucket: not a specialisation (one compile serves every bucket)
 @triton.jit(do_not_specialize=["n_word"])
 def dequant_bucket(
@@ -73,26 +155,24 @@ def dequant_bucket(
     WS: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    VEC: tl.constexpr,
 ):
+    # each row of either table says whether its offsets are multiples of the wide access (WV = 4
+    # words, VEC elements): both variants are compiled, each program takes one (a uniform branch),
+    # so an odd slot does not slow the bucket's others
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_word:
-        src = tl.load(word_ptr + pid * 4)
-        n = tl.load(word_ptr + pid * 4 + 1)
-        dst = tl.load(word_ptr + pid * 4 + 2)
-        has_dst = tl.load(word_ptr + pid * 4 + 3)
-        acc1 = tl.zeros([WB], dtype=tl.int64)
-        acc2 = tl.zeros([WB], dtype=tl.int64)
-        for i in range(WS):
-            offs = i * WB + tl.arange(0, WB)
-            mask = offs < n
-            w = tl.load(buf_words + src + offs, mask=mask, other=0)
-            tl.store(word_base + dst + offs, w, mask=mask & (has_dst != 0))
-            acc1 += w.to(tl.int64)
-            acc2 += (w * w).to(tl.int64)  # the square wraps in int32, as checksum.py's
-        tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
-        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
+        row = word_ptr + pid * 5
+        src = tl.load(row)
+        n = tl.load(row + 1)
+        dst = tl.load(row + 2)
+        has_dst = tl.load(row + 3)
+        if tl.load(row + 4) != 0:
+            word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, 4)
+        else:
+            word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, 1)
     else:
-        t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 9
+        t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 10
         rows = tl.load(tensor_ptr + t)
         cols = tl.load(tensor_ptr + t + 1)
         q_off = tl.load(tensor_ptr + t + 2)
@@ -102,27 +182,47 @@ def dequant_bucket(
         k = pid - n_word - tl.load(tensor_ptr + t + 6)
         out_f32 = tl.load(tensor_ptr + t + 7)
         sums = tl.load(tensor_ptr + t + 8)
-        n_cb = (cols + BC - 1) // BC
-        c0 = (k % n_cb) * BC
-        r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
-        c = c0 + tl.arange(0, BC).to(tl.int64)
-        rmask = r < rows
-        mask = rmask[:, None] & (c[None, :] < cols)
-        offs = r[:, None] * cols + c[None, :]
-        code = tl.load(buf_bytes + q_off + offs, mask=mask, other=0).to(tl.int32)
-        if s_here != 0:
-            s = tl.load(buf_f32 + s_off + k)
+        if tl.load(tensor_ptr + t + 9) != 0:
+            dequant_tile(
+                buf_bytes,
+                buf_words,
+                buf_f32,
+                bf16_base,
+                f32_base,
+                out_ptr,
+                pid,
+                rows,
+                cols,
+                q_off,
+                s_here,
+                s_off,
+                d_off,
+                k,
+                out_f32,
+                sums,
+                BR,
+                BC,
+                VEC,
+            )
         else:
-            s = tl.load(f32_base + s_off + k)
-        prod = from_e4m3(code) * s  # dequant_block's product and rounding
-        if out_f32 != 0:
-            tl.store(f32_base + d_off + offs, prod, mask=mask)
-        else:
-            tl.store(bf16_base + d_off + offs, to_bf16_bits(prod), mask=mask)
-        # the block's own words (rows of whole words: cols and q_off multiples of 4)
-        j = tl.arange(0, BC // 4).to(tl.int64)
-        wmask = rmask[:, None] & (c0 + 4 * j[None, :] < cols) & (sums != 0)
-        widx = (q_off + r[:, None] * cols + c0) // 4 + j[None, :]
-        w = tl.load(buf_words + widx, mask=wmask, other=0)
-        tl.store(out_ptr + pid * 2, tl.sum(tl.sum(w.to(tl.int64), axis=1), axis=0))
-        tl.store(out_ptr + pid * 2 + 1, tl.sum(tl.sum((w * w).to(tl.int64), axis=1), axis=0))
+            dequant_tile(
+                buf_bytes,
+                buf_words,
+                buf_f32,
+                bf16_base,
+                f32_base,
+                out_ptr,
+                pid,
+                rows,
+                cols,
+                q_off,
+                s_here,
+                s_off,
+                d_off,
+                k,
+                out_f32,
+                sums,
+                BR,
+                BC,
+                1,
+            )

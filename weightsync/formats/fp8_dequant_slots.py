@@ -196,7 +196,9 @@ class FusedDequant:
         def region(first: int, count: int, dst_word: int | None) -> None:
             for j in range(0, count, k.WORDS_PER_ROW):
                 n = min(k.WORDS_PER_ROW, count - j)
-                words.append((first + j, n, 0 if dst_word is None else dst_word + j, dst_word is not None))
+                dst = 0 if dst_word is None else dst_word + j
+                aligned = (first + j) % k.WORD_VEC == 0 and n % k.WORD_VEC == 0 and dst % k.WORD_VEC == 0
+                words.append((first + j, n, dst, dst_word is not None, int(aligned)))
 
         def offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
             delta = t.data_ptr() - base.data_ptr()
@@ -227,17 +229,20 @@ class FusedDequant:
                 for mtx in range(math.prod(lead)):
                     if rows * cols == 0:
                         continue
+                    q0, dm = off + mtx * rows * cols, d0 + mtx * rows * cols
+                    aligned = cols % k.VEC == 0 and q0 % k.VEC == 0 and dm % k.VEC == 0
                     tensors.append(
                         (
                             rows,
                             cols,
-                            off + mtx * rows * cols,
+                            q0,
                             s_here,
                             s0 + mtx * nrb * ncb,
-                            d0 + mtx * rows * cols,
+                            dm,
                             len(owners),
                             int(out_f32),
                             int(sums_here),
+                            int(aligned),
                         )
                     )
                     owners.extend([len(tensors) - 1] * (nrb * ncb))
@@ -254,7 +259,7 @@ class FusedDequant:
         if end > pos:
             region(pos // 4, (end - pos) // 4, None)
         return (
-            torch.tensor(words or [(0, 0, 0, 0)], dtype=torch.int64).reshape(-1, k.WORD_FIELDS).to(device),
+            torch.tensor(words or [(0,) * k.WORD_FIELDS], dtype=torch.int64).reshape(-1, k.WORD_FIELDS).to(device),
             torch.tensor(tensors or [(0,) * k.TENSOR_FIELDS], dtype=torch.int64)
             .reshape(-1, k.TENSOR_FIELDS)
             .to(device),

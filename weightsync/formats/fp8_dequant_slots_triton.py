@@ -11,6 +11,9 @@ Two kinds of programs share the launch (fp8_dequant_slots.py builds their tables
 The decode and the rounding are the per-tensor dequantize's (fp8_dequant_kernels.py: one definition,
 bit for bit the torch path's). Every
 address is an element offset from a base tensor the launch passes, as in copy_runs_cuda.py.
+Each row of both tables also says whether its offsets are multiples of the wide access (WORD_VEC
+words, VEC elements): such rows take the variant of their program that moves 16 bytes per access,
+the others one element per access (fp8_slots_triton.py says why this matters: ~10x).
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 WORD_BLOCK = 4096
 WORD_STEPS = 16
 WORDS_PER_ROW = WORD_BLOCK * WORD_STEPS
-WORD_FIELDS = 4  # first word, count, destination word, has a destination
+#: first word, count, destination word, has a destination, aligned (the first three multiples of
+#: WORD_VEC: 16-byte accesses)
+WORD_FIELDS = 5
+WORD_VEC = 4
 #: rows, cols, e4m3 byte offset, scale in this bucket, scale offset (float32 elements), destination
-#: offset (elements of its dtype), first block program, output float32, sums its own words
-TENSOR_FIELDS = 9
+#: offset (elements of its dtype), first block program, output float32, sums its own words, aligned
+#: (cols and both offsets multiples of VEC: a block moves VEC elements per access, not one)
+TENSOR_FIELDS = 10
+VEC = 16
 
 
 def _kernel():
@@ -48,7 +56,7 @@ def launch(buf: torch.Tensor, bases: tuple[torch.Tensor, ...], words: torch.Tens
         return partial.view(-1, 2).sum(dim=0)
     word_base, bf16_base, f32_base = bases
     args = (buf, buf[:whole].view(torch.int32), buf[:whole].view(torch.float32), word_base, bf16_base, f32_base)
-    consts = dict(WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1])
+    consts = dict(WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1], VEC=VEC)
     grid = (programs,)
     if buf.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, words, n_word, tensors, owners, partial, **consts)

@@ -74,6 +74,46 @@ def quant_block(
 
 
 @triton.jit
+def quant_tile(
+    src_base,
+    row_ptr,
+    q_base,
+    s_base,
+    flag_ptr,
+    rows,
+    cols,
+    q_off,
+    s_off,
+    row0,
+    k,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Block k (row-major) of one tensor of quant_slots. VEC (constexpr): what the tensor's columns,
+    e4m3 offset and every source row offset are multiples of; multiplying the quotients back by it
+    tells the compiler so, which lets it read and write VEC elements per instruction (with the
+    offsets read from tables it can prove no alignment at all: one element, one byte, per access)."""
+    cols = (cols // VEC) * VEC
+    q_off = (q_off // VEC) * VEC
+    n_cb = (cols + BC - 1) // BC
+    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
+    c = (k % n_cb) * BC + tl.arange(0, BC)
+    rmask = r < rows
+    mask = rmask[:, None] & (c[None, :] < cols)
+    src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
+    src = (src // VEC) * VEC
+    x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = block_scale(x, FMAX, SMIN)
+    code = to_e4m3(x, s, FMAX)
+    tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
+    tl.store(s_base + s_off + k, s)
+    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+
+
+@triton.jit
 def quant_slots(
     src_base,
     row_ptr,
@@ -86,24 +126,23 @@ def quant_slots(
     BC: tl.constexpr,
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
+    t = tl.load(owner_ptr + pid).to(tl.int64) * 7
     rows = tl.load(tensor_ptr + t)
     cols = tl.load(tensor_ptr + t + 1)
     q_off = tl.load(tensor_ptr + t + 2)
     s_off = tl.load(tensor_ptr + t + 3)
     row0 = tl.load(tensor_ptr + t + 4)
     k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
-    n_cb = (cols + BC - 1) // BC
-    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
-    c = (k % n_cb) * BC + tl.arange(0, BC).to(tl.int64)
-    rmask = r < rows
-    mask = rmask[:, None] & (c[None, :] < cols)
-    src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
-    x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = block_scale(x, FMAX, SMIN)
-    code = to_e4m3(x, s, FMAX)
-    tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
-    tl.store(s_base + s_off + k, s)
-    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+    # the tensor's alignment is a table field: both tile variants are compiled, each program takes
+    # one (a uniform branch), so an odd-shaped tensor does not slow the bucket's other tensors
+    if tl.load(tensor_ptr + t + 6) != 0:
+        quant_tile(
+            src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, VEC
+        )
+    else:
+        quant_tile(
+            src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, 1
+        )

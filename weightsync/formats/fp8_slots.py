@@ -127,7 +127,7 @@ class QuantizeIntoSlots:
         self.bytes = sum(w.stand_in.numel() + 4 * math.prod(scale_shape(w.stand_in.shape)) for w in self.weights)
 
     def _build(self) -> bool:
-        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS
+        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS, VEC
 
         bases: dict[torch.dtype, torch.Tensor] = {}
         # one launch per (weight bucket, scale bucket, source dtype): in practice one per bucket
@@ -150,11 +150,21 @@ class QuantizeIntoSlots:
             for w, rows in members:
                 *lead, nr, nc = w.stand_in.shape
                 nrb, ncb = -(-nr // BLOCK[0]), -(-nc // BLOCK[1])
+                # every offset the kernel reads from the tables a multiple of VEC: wide accesses
+                aligned = int(nc % VEC == 0 and w.q_offset % VEC == 0 and not bool((rows % VEC).any()))
                 for m in range(math.prod(lead)):
                     if nr * nc:
                         first = len(owners)
                         tensors.append(
-                            (nr, nc, w.q_offset + m * nr * nc, w.s_offset // 4 + m * nrb * ncb, row0 + m * nr, first)
+                            (
+                                nr,
+                                nc,
+                                w.q_offset + m * nr * nc,
+                                w.s_offset // 4 + m * nrb * ncb,
+                                row0 + m * nr,
+                                first,
+                                aligned,
+                            )
                         )
                         owners.extend([len(tensors) - 1] * (nrb * ncb))
                 row_tables.append(rows)

@@ -109,6 +109,11 @@ def test_buckets_land_as_the_per_tensor_path_lands_them(use_kernel, dtype, bucke
             assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (name, rep)
         for p in got.values():
             p.fill_(float("nan"))
+    if use_kernel and bucket_bytes == 1 << 20:
+        # both variants of either kind of program ran: 16-byte accesses where the offsets allow
+        # (down_proj: 128 columns, a norm of 64), one element per access where not (k_proj's 130)
+        ((words, tensors, _),) = [p.tables for p in fused._plans.values()]
+        assert set(words[:, 4].tolist()) == {0, 1} and set(tensors[:, 9].tolist()) == {0, 1}, (words, tensors)
 
 
 def test_what_it_cannot_write_is_declined_and_the_per_tensor_load_gets_the_held_scales(use_kernel):
