@@ -14,9 +14,9 @@ warm-up; wall clock with the interpreter):
 - `dequant`: the rollout's fused dequantize of every bucket into engine parameters (bf16), its
   checksum included (weightsync/formats/fp8_dequant_slots.py), what the built-in engine's commit does;
 - `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline;
-- `quant_narrow`, `dequant_narrow` (with the kernels, unless `--no-narrow`): the same launches with
-  every table row marked unaligned, so each block moves one element per access, as both kernels did
-  before their tables said which tensors allow 16-byte accesses: the A/B of that change.
+- `quant_narrow`, `dequant_narrow` (with the kernels, unless `--no-narrow`): the same launches at
+  VEC = 1 and every word run narrow, so each access moves one element, as both kernels did before
+  their launches carried the widest access their tables allow: the A/B of that change.
 
 GB/s counts the bytes an ideal kernel moves: read + written once each (the checksum: read only).
 Every result is checked: the quantized buckets against the torch reference (fp8.quantize_torch,
@@ -31,6 +31,7 @@ checksum. `--profile`: a torch.profiler kernel summary of one refresh + checksum
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -208,36 +209,30 @@ def main() -> int:
         for v in views:
             scratch[: v.numel()].copy_(v)
 
-    def narrow(fn, columns):
-        """`fn` with every table row's `aligned` field down: each block and word run takes the variant
-        that moves one element per access, as the kernels did before they had the wide one (the A/B)."""
+    def narrow(fn):
+        """`fn` with every launch's VEC (and WV) at 1: each access moves one element, as both kernels
+        did before their launches carried the widest access their tables allow (the A/B)."""
 
         def run():
-            saved = [(t, col, t[:, col].clone()) for t, col in columns()]
-            for t, col, _ in saved:
-                t[:, col] = 0
+            q, plans = fe._quant.launches, dict(fused._plans)
+            fe._quant.launches = [(*la[:-1], 1) for la in q]
+            for key, p in plans.items():
+                words = p.tables[0].clone()
+                words[:, 4] = 0
+                fused._plans[key] = dataclasses.replace(p, tables=(words, *p.tables[1:-1], 1))
             try:
                 return fn()
             finally:
-                for t, col, old in saved:
-                    t[:, col] = old
+                fe._quant.launches = q
+                fused._plans.update(plans)
 
         return run
 
-    def quant_tables():
-        return [(la[2], 6) for la in fe._quant.launches] if kernel else []
-
-    def dequant_tables():
-        if not kernel:
-            return []
-        if not fused._plans:
-            dequant()  # planned on first use
-        return [t for p in fused._plans.values() for t in ((p.tables[0], 4), (p.tables[1], 9))]
-
     steps = {"quant": quant, "copies": copies, "refresh": refresh, "checksum": sums, "dequant": dequant, "copy": copy}
     if kernel and not args.no_narrow:
-        steps["quant_narrow"] = narrow(quant, quant_tables)
-        steps["dequant_narrow"] = narrow(dequant, dequant_tables)
+        dequant()  # plans the dequantize (narrow() changes the plans)
+        steps["quant_narrow"] = narrow(quant)
+        steps["dequant_narrow"] = narrow(dequant)
         moved["quant_narrow"], moved["dequant_narrow"] = moved["quant"], moved["dequant"]
     rec = {
         "shape": args.shape,
@@ -276,22 +271,16 @@ def main() -> int:
             flush=True,
         )
 
-    if kernel:  # the share of blocks (and checksum words) that took the wide-access variant
-        blocks = [(la[2][la[3].long(), 6] != 0) for la in fe._quant.launches]
-        rec["quant_aligned_blocks"] = float(sum(int(b.sum()) for b in blocks) / max(1, sum(b.numel() for b in blocks)))
-        d_blocks, d_words, d_total = 0, 0, 0
-        n_blocks = 0
-        for p in fused._plans.values():
-            words, tensors, owners = p.tables
-            d_words += int((words[:, 1] * words[:, 4]).sum())
-            d_total += int(words[:, 1].sum())
-            d_blocks += int(tensors[owners.long(), 9].sum())
-            n_blocks += owners.numel()
-        rec["dequant_aligned_blocks"] = d_blocks / max(1, n_blocks)
-        rec["dequant_aligned_words"] = d_words / max(1, d_total)
+    if kernel:  # the widest accesses the launches' tables allow (16 elements, 4 words: 16 bytes)
+        rec["quant_vec"] = sorted({la[-1] for la in fe._quant.launches})
+        rec["dequant_vec"] = sorted({p.tables[-1] for p in fused._plans.values()})
+        w = [p.tables[0] for p in fused._plans.values()]
+        rec["dequant_wide_words"] = sum(int((t[:, 1] * t[:, 4]).sum()) for t in w) / max(
+            1, sum(int(t[:, 1].sum()) for t in w)
+        )
         print(
-            f"wide accesses: quant {rec['quant_aligned_blocks']:.3f} of blocks, dequant "
-            f"{rec['dequant_aligned_blocks']:.3f} of blocks and {rec['dequant_aligned_words']:.3f} of words"
+            f"launch VEC: quant {rec['quant_vec']}, dequant {rec['dequant_vec']}; "
+            f"{rec['dequant_wide_words']:.3f} of the dequant's words 4 per access"
         )
 
     # correctness: the kernels' bytes against the torch paths of the same plans

@@ -99,7 +99,8 @@ def dequant_tile(
     VEC: tl.constexpr,
 ):
     """Block k (row-major) of one FP8 weight of dequant_bucket. VEC (constexpr): what cols, the
-    e4m3 offset and the destination offset are multiples of (as word_run's WV)."""
+    e4m3 offset and the destination offset of every weight of the launch are multiples of (as
+    word_run's WV)."""
     cols = (cols // VEC) * VEC
     q_off = (q_off // VEC) * VEC
     d_off = (d_off // VEC) * VEC
@@ -154,10 +155,11 @@ def dequant_bucket(
     BR: tl.constexpr,
     BC: tl.constexpr,
     VEC: tl.constexpr,
+    WV: tl.constexpr,
 ):
-    # each row of either table says whether its offsets are multiples of the wide access (WV = 4
-    # words, VEC elements): both variants are compiled, each program takes one (a uniform branch),
-    # so an odd slot does not slow the bucket's others
+    # VEC: what every column count and element offset of the launch's tensor table is a multiple of;
+    # a word run whose table row says so takes the WV-word variant (a uniform branch: a run of an
+    # odd length, such as a 1x1 scale, leaves the others wide); fp8_dequant_slots_triton.py says why
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_word:
         row = word_ptr + pid * 5
@@ -166,11 +168,11 @@ def dequant_bucket(
         dst = tl.load(row + 2)
         has_dst = tl.load(row + 3)
         if tl.load(row + 4) != 0:
-            word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, 4)
+            word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, WV)
         else:
             word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, 1)
     else:
-        t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 10
+        t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 9
         rows = tl.load(tensor_ptr + t)
         cols = tl.load(tensor_ptr + t + 1)
         q_off = tl.load(tensor_ptr + t + 2)
@@ -180,47 +182,24 @@ def dequant_bucket(
         k = pid - n_word - tl.load(tensor_ptr + t + 6)
         out_f32 = tl.load(tensor_ptr + t + 7)
         sums = tl.load(tensor_ptr + t + 8)
-        if tl.load(tensor_ptr + t + 9) != 0:
-            dequant_tile(
-                buf_bytes,
-                buf_words,
-                buf_f32,
-                bf16_base,
-                f32_base,
-                out_ptr,
-                pid,
-                rows,
-                cols,
-                q_off,
-                s_here,
-                s_off,
-                d_off,
-                k,
-                out_f32,
-                sums,
-                BR,
-                BC,
-                VEC,
-            )
-        else:
-            dequant_tile(
-                buf_bytes,
-                buf_words,
-                buf_f32,
-                bf16_base,
-                f32_base,
-                out_ptr,
-                pid,
-                rows,
-                cols,
-                q_off,
-                s_here,
-                s_off,
-                d_off,
-                k,
-                out_f32,
-                sums,
-                BR,
-                BC,
-                1,
-            )
+        dequant_tile(
+            buf_bytes,
+            buf_words,
+            buf_f32,
+            bf16_base,
+            f32_base,
+            out_ptr,
+            pid,
+            rows,
+            cols,
+            q_off,
+            s_here,
+            s_off,
+            d_off,
+            k,
+            out_f32,
+            sums,
+            BR,
+            BC,
+            VEC,
+        )

@@ -197,8 +197,8 @@ class FusedDequant:
             for j in range(0, count, k.WORDS_PER_ROW):
                 n = min(k.WORDS_PER_ROW, count - j)
                 dst = 0 if dst_word is None else dst_word + j
-                aligned = (first + j) % k.WORD_VEC == 0 and n % k.WORD_VEC == 0 and dst % k.WORD_VEC == 0
-                words.append((first + j, n, dst, dst_word is not None, int(aligned)))
+                wide = all(v % k.MAX_WV == 0 for v in (first + j, n, dst))
+                words.append((first + j, n, dst, dst_word is not None, int(wide)))
 
         def offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
             delta = t.data_ptr() - base.data_ptr()
@@ -229,20 +229,17 @@ class FusedDequant:
                 for mtx in range(math.prod(lead)):
                     if rows * cols == 0:
                         continue
-                    q0, dm = off + mtx * rows * cols, d0 + mtx * rows * cols
-                    aligned = cols % k.VEC == 0 and q0 % k.VEC == 0 and dm % k.VEC == 0
                     tensors.append(
                         (
                             rows,
                             cols,
-                            q0,
+                            off + mtx * rows * cols,
                             s_here,
                             s0 + mtx * nrb * ncb,
-                            dm,
+                            d0 + mtx * rows * cols,
                             len(owners),
                             int(out_f32),
                             int(sums_here),
-                            int(aligned),
                         )
                     )
                     owners.extend([len(tensors) - 1] * (nrb * ncb))
@@ -258,12 +255,15 @@ class FusedDequant:
         end = plan.nbytes - plan.nbytes % 4
         if end > pos:
             region(pos // 4, (end - pos) // 4, None)
+        # the widest access every FP8 weight of the bucket allows (one with odd columns narrows it)
+        vec = k.widest(k.MAX_VEC, (v for t in tensors for v in (t[1], t[2], t[5])))
         return (
             torch.tensor(words or [(0,) * k.WORD_FIELDS], dtype=torch.int64).reshape(-1, k.WORD_FIELDS).to(device),
             torch.tensor(tensors or [(0,) * k.TENSOR_FIELDS], dtype=torch.int64)
             .reshape(-1, k.TENSOR_FIELDS)
             .to(device),
             torch.tensor(owners, dtype=torch.int32).to(device),
+            vec,
         )
 
     def _run_torch(self, plan: BucketPlan, buf: torch.Tensor, p: _Plan) -> torch.Tensor:

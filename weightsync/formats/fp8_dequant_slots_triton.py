@@ -11,9 +11,10 @@ Two kinds of programs share the launch (fp8_dequant_slots.py builds their tables
 The decode and the rounding are the per-tensor dequantize's (fp8_dequant_kernels.py: one definition,
 bit for bit the torch path's). Every
 address is an element offset from a base tensor the launch passes, as in copy_runs_cuda.py.
-Each row of both tables also says whether its offsets are multiples of the wide access (WORD_VEC
-words, VEC elements): such rows take the variant of their program that moves 16 bytes per access,
-the others one element per access (fp8_slots_triton.py says why this matters: ~10x).
+Each launch carries the widest access its tensor table allows (VEC elements: 16 for a real model's
+layout) and each word run whether it can move 4 words at once; the kernel tells the compiler by
+multiplying the offsets back by them. Without, every access moved one element, with ~255 registers
+a thread (fp8_slots_triton.py says why this matters: ~10x).
 """
 
 from __future__ import annotations
@@ -26,15 +27,22 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 WORD_BLOCK = 4096
 WORD_STEPS = 16
 WORDS_PER_ROW = WORD_BLOCK * WORD_STEPS
-#: first word, count, destination word, has a destination, aligned (the first three multiples of
-#: WORD_VEC: 16-byte accesses)
+#: first word, count, destination word, has a destination, wide (the first three multiples of MAX_WV)
 WORD_FIELDS = 5
-WORD_VEC = 4
 #: rows, cols, e4m3 byte offset, scale in this bucket, scale offset (float32 elements), destination
-#: offset (elements of its dtype), first block program, output float32, sums its own words, aligned
-#: (cols and both offsets multiples of VEC: a block moves VEC elements per access, not one)
-TENSOR_FIELDS = 10
-VEC = 16
+#: offset (elements of its dtype), first block program, output float32, sums its own words
+TENSOR_FIELDS = 9
+#: the widest accesses: 4 words (16 bytes), 16 elements (16 e4m3 bytes, 32 bytes of bf16)
+MAX_WV, MAX_VEC = 4, 16
+
+
+def widest(limit: int, values) -> int:
+    """The largest power of two up to `limit` that divides every one of `values`."""
+    v = limit
+    for x in values:
+        while x % v:
+            v //= 2
+    return v
 
 
 def _kernel():
@@ -43,11 +51,14 @@ def _kernel():
     return dequant_bucket
 
 
-def launch(buf: torch.Tensor, bases: tuple[torch.Tensor, ...], words: torch.Tensor, tensors, owners) -> torch.Tensor:
+def launch(
+    buf: torch.Tensor, bases: tuple[torch.Tensor, ...], words: torch.Tensor, tensors, owners, vec: int
+) -> torch.Tensor:
     """Run one bucket (`buf`, flat uint8 holding at least every word the tables name) with the tables
     `words` (int64 [rows, WORD_FIELDS]), `tensors` (int64 [n, TENSOR_FIELDS]) and `owners` (int32, one
-    per block program); `bases` = (int32, int16, float32) base tensors of the destination offsets.
-    Returns int64 [2], the word sums of every word the tables cover."""
+    per block program); `bases` = (int32, int16, float32) base tensors of the destination offsets;
+    `vec` divides every column count and element offset of `tensors` (`widest`). Returns int64 [2],
+    the word sums of every word the tables cover."""
     whole = buf.numel() - buf.numel() % 4
     n_word = words.shape[0]
     programs = n_word + owners.numel()
@@ -56,7 +67,7 @@ def launch(buf: torch.Tensor, bases: tuple[torch.Tensor, ...], words: torch.Tens
         return partial.view(-1, 2).sum(dim=0)
     word_base, bf16_base, f32_base = bases
     args = (buf, buf[:whole].view(torch.int32), buf[:whole].view(torch.float32), word_base, bf16_base, f32_base)
-    consts = dict(WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1], VEC=VEC)
+    consts = dict(WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1], VEC=vec, WV=MAX_WV)
     grid = (programs,)
     if buf.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, words, n_word, tensors, owners, partial, **consts)

@@ -92,10 +92,10 @@ def quant_tile(
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    """Block k (row-major) of one tensor of quant_slots. VEC (constexpr): what the tensor's columns,
-    e4m3 offset and every source row offset are multiples of; multiplying the quotients back by it
-    tells the compiler so, which lets it read and write VEC elements per instruction (with the
-    offsets read from tables it can prove no alignment at all: one element, one byte, per access)."""
+    """Block k (row-major) of one tensor of quant_slots. VEC (constexpr): what every tensor's columns,
+    e4m3 offset and source row offsets in the launch are multiples of; multiplying the quotients
+    back by it tells the compiler so, which lets it read and write VEC elements per instruction
+    (offsets read from tables prove no alignment at all: one element, one byte, per access)."""
     cols = (cols // VEC) * VEC
     q_off = (q_off // VEC) * VEC
     n_cb = (cols + BC - 1) // BC
@@ -129,20 +129,11 @@ def quant_slots(
     VEC: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(owner_ptr + pid).to(tl.int64) * 7
+    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
     rows = tl.load(tensor_ptr + t)
     cols = tl.load(tensor_ptr + t + 1)
     q_off = tl.load(tensor_ptr + t + 2)
     s_off = tl.load(tensor_ptr + t + 3)
     row0 = tl.load(tensor_ptr + t + 4)
     k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
-    # the tensor's alignment is a table field: both tile variants are compiled, each program takes
-    # one (a uniform branch), so an odd-shaped tensor does not slow the bucket's other tensors
-    if tl.load(tensor_ptr + t + 6) != 0:
-        quant_tile(
-            src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, VEC
-        )
-    else:
-        quant_tile(
-            src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, 1
-        )
+    quant_tile(src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, VEC)

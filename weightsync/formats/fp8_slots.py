@@ -121,13 +121,13 @@ class QuantizeIntoSlots:
         device = self.flats[0].device if self.flats else torch.device("cpu")
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self._views = [w.pieces for w in self.weights]  # the table holds raw addresses: keep the views
-        #: per launch: (source base, rows, tensors, owners, e4m3 base, scale base)
+        #: per launch: (source base, rows, tensors, owners, e4m3 base, scale base, VEC)
         self.launches: list[tuple[torch.Tensor, ...]] = []
         self._rows: list[torch.Tensor] = []
         self.bytes = sum(w.stand_in.numel() + 4 * math.prod(scale_shape(w.stand_in.shape)) for w in self.weights)
 
     def _build(self) -> bool:
-        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS, VEC
+        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS, vec_of
 
         bases: dict[torch.dtype, torch.Tensor] = {}
         # one launch per (weight bucket, scale bucket, source dtype): in practice one per bucket
@@ -147,24 +147,18 @@ class QuantizeIntoSlots:
         for (bucket, scale_bucket, dtype), members in groups.items():
             flat, sflat = self.flats[bucket], self.flats[scale_bucket]
             tensors, owners, row_tables, row0 = [], [], [], 0
+            vec = vec_of()  # the launch's widest access: what divides every offset it reads from the tables
             for w, rows in members:
                 *lead, nr, nc = w.stand_in.shape
                 nrb, ncb = -(-nr // BLOCK[0]), -(-nc // BLOCK[1])
-                # every offset the kernel reads from the tables a multiple of VEC: wide accesses
-                aligned = int(nc % VEC == 0 and w.q_offset % VEC == 0 and not bool((rows % VEC).any()))
+                vec = vec_of(vec, nc, w.q_offset)
+                while vec > 1 and bool((rows % vec).any()):  # every source row's first element too
+                    vec //= 2
                 for m in range(math.prod(lead)):
                     if nr * nc:
                         first = len(owners)
                         tensors.append(
-                            (
-                                nr,
-                                nc,
-                                w.q_offset + m * nr * nc,
-                                w.s_offset // 4 + m * nrb * ncb,
-                                row0 + m * nr,
-                                first,
-                                aligned,
-                            )
+                            (nr, nc, w.q_offset + m * nr * nc, w.s_offset // 4 + m * nrb * ncb, row0 + m * nr, first)
                         )
                         owners.extend([len(tensors) - 1] * (nrb * ncb))
                 row_tables.append(rows)
@@ -182,6 +176,7 @@ class QuantizeIntoSlots:
                     torch.tensor(owners, dtype=torch.int32).to(dev),
                     flat,
                     sflat[:whole].view(torch.float32),
+                    vec,
                 )
             )
         return True

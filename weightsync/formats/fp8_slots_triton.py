@@ -15,11 +15,12 @@ tensor: the caller reads it once per sync.
 
 Wide accesses: the compiler vectorises a load or store only as far as it can prove the offsets
 aligned, and offsets read from a table prove nothing, so a block went one bf16 element per load and
-one byte per store: about a tenth of HBM bandwidth (the 7B sync's prepare took 77 ms for ~24 GB
-moved). A tensor whose columns, e4m3 offset and source rows are all multiples of VEC elements (every
-weight of a real model) is marked aligned in the table, and its blocks take the variant of the
-program that tells the compiler so (quant_tile: 16-byte accesses); the others keep one element per
-access, in the same launch.
+one byte per store, with 226-254 registers a thread (one block of programs per SM): about a tenth
+of HBM bandwidth (the 7B sync's prepare took 77 ms for ~24 GB moved). Each launch now carries VEC,
+the largest power of two up to 16 that divides every column count, e4m3 offset and source row
+offset in its tables (16 for every weight of a real model), and the kernel multiplies those
+offsets back by it (quant_tile), which lets the compiler use 16-byte accesses (~100 registers).
+One odd tensor lowers its launch's VEC, never the bytes written.
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 #: int64 fields per row of the tensor table: rows, cols, e4m3 byte offset, scale word offset,
-#: first row in the row table, first program, aligned (cols, the e4m3 offset and every source row
-#: offset are multiples of VEC elements: the tensor's blocks move VEC elements per access)
-TENSOR_FIELDS = 7
-#: the alignment (elements) of an aligned tensor: 16 e4m3 bytes, 16 bf16 elements (two 16-byte accesses)
-VEC = 16
+#: first row in the row table, first program
+TENSOR_FIELDS = 6
+#: the widest access (elements): 16 e4m3 bytes, 16 bf16 elements (two 16-byte accesses)
+MAX_VEC = 16
+
+
+def vec_of(*values: int) -> int:
+    """The largest power of two up to MAX_VEC that divides every value: a launch's VEC."""
+    v = MAX_VEC
+    for x in values:
+        while x % v:
+            v //= 2
+    return v
 
 
 def _kernel():
@@ -50,16 +59,18 @@ def launch(
     owners: torch.Tensor,
     q_base: torch.Tensor,
     s_base: torch.Tensor,
+    vec: int,
     flag: torch.Tensor,
 ) -> None:
     """Quantize every block `owners` names (int32, one per program) from `src_base` (offsets in
     `rows`, int64 elements) into `q_base` (uint8) and `s_base` (float32 words of the same buffer);
-    `flag` (int32 [1]) becomes 1 where a block is not finite."""
+    `vec` divides every column count, e4m3 offset and row offset of the tables (`vec_of`); `flag`
+    (int32 [1]) becomes 1 where a block is not finite."""
     grid = (owners.numel(),)
     if grid[0] == 0:
         return
     args = (src_base, rows, tensors, owners, q_base, s_base, flag)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=VEC)
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec)
     if owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, **consts)
         return

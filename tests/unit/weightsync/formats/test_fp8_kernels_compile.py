@@ -30,15 +30,16 @@ for src in ("*bf16", "*fp16", "*fp32"):
         {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "q_base": "*u8",
          "s_base": "*fp32", "flag_ptr": "*i32", "BR": "constexpr", "BC": "constexpr", "FMAX": "constexpr",
          "SMIN": "constexpr", "VEC": "constexpr"},
-        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": fp8_slots_triton.VEC},
+        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": fp8_slots_triton.MAX_VEC},
     )
 build(
     fp8_dequant_slots_triton._kernel(),
     {"buf_bytes": "*u8", "buf_words": "*i32", "buf_f32": "*fp32", "word_base": "*i32", "bf16_base": "*i16",
      "f32_base": "*fp32", "word_ptr": "*i64", "n_word": "i32", "tensor_ptr": "*i64", "owner_ptr": "*i32",
      "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr",
-     "VEC": "constexpr"},
-    {"WB": 4096, "WS": 16, "BR": 128, "BC": 128, "VEC": fp8_dequant_slots_triton.VEC},
+     "VEC": "constexpr", "WV": "constexpr"},
+    {"WB": 4096, "WS": 16, "BR": 128, "BC": 128, "VEC": fp8_dequant_slots_triton.MAX_VEC,
+     "WV": fp8_dequant_slots_triton.MAX_WV},
 )
 for x in ("*bf16", "*fp32"):
     build(
