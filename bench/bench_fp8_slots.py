@@ -309,8 +309,11 @@ def main() -> int:
             sums()
             dequant()
             _sync(dev)
-        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        table_txt = prof.key_averages().table(sort_by=key, row_limit=20)
+        events = prof.key_averages()
+        key = "self_cpu_time_total"
+        if dev.type == "cuda":  # torch >= 2.4 names it for any device; older ones for CUDA
+            key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        table_txt = events.table(sort_by=key, row_limit=20)
         print(table_txt)
         rec["profile"] = table_txt
     actor.shutdown()
