@@ -10,7 +10,10 @@ warm-up; wall clock with the interpreter):
   trainer's prepare.in_place waits for; reads the FP8 weights' bf16 rows, writes e4m3 + scales;
 - `copies`: the converted bf16 copies of the same refresh (QKV biases, padded vocabulary, ...);
 - `refresh`: FlatExport.refresh() + finite(): the whole prepare.in_place of a sync;
-- `checksum`: the trainer's word sums of every bucket (bus/checksum.py, as InFlightChecksums);
+- `checksum`: word sums of every whole bucket (bus/checksum.py), as the trainer read them before;
+- `checksum_rest`: what it reads now: the buckets' bytes outside the FP8 and scale slots, whose
+  word sums the quantizer keeps as it writes them (checked: those + these == the checksums), and
+  `quant_nosums`, the quantize launches without keeping them (the A/B of the sums' cost);
 - `dequant`: the rollout's fused dequantize of every bucket into engine parameters (bf16), its
   checksum included (weightsync/formats/fp8_dequant_slots.py), what the built-in engine's commit does;
 - `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline;
@@ -128,6 +131,8 @@ def main() -> int:
 
     from trainer_svc.actor.megatron.flat_export import FlatExport
     from weightsync.bus import checksum
+    from weightsync.bus.checksum import InFlightChecksums
+    from weightsync.bus.checksum_regions import others
     from weightsync.bus.layout import ManifestCache
     from weightsync.formats.fp8_dequant_slots import FusedDequant
     from weightsync.formats.fp8_export import export_metas
@@ -192,8 +197,15 @@ def main() -> int:
         if not fe.finite():
             raise RuntimeError(f"non-finite FP8 block: {fe.non_finite_error()}")
 
+    fe.refresh()
+    known = fe.known_sums()  # the quantizer's sums of its slots (None: a weight that is not whole words)
+    rest = [others(r, w) for r, w in zip(known.ranges, whole)] if known is not None else None
+
     def sums():
         return checksum._many_word_sums(table, views, whole)
+
+    def sums_rest():  # what a sync reads since the quantizer sums its slots (stream_phase.start_in_place)
+        return [checksum.region_word_sums(v, r) for v, r in zip(views, rest)]
 
     def dequant():
         held = fused.begin(manifest)
@@ -215,7 +227,7 @@ def main() -> int:
 
         def run():
             q, plans = fe._quant.launches, dict(fused._plans)
-            fe._quant.launches = [(*la[:-1], 1) for la in q]
+            fe._quant.launches = [la._replace(vec=1) for la in q]
             for key, p in plans.items():
                 words = p.tables[0].clone()
                 words[:, 4] = 0
@@ -229,6 +241,19 @@ def main() -> int:
         return run
 
     steps = {"quant": quant, "copies": copies, "refresh": refresh, "checksum": sums, "dequant": dequant, "copy": copy}
+    if rest is not None:
+        steps["checksum_rest"] = sums_rest
+        moved["checksum_rest"] = sum(e - s for r in rest for s, e in r)
+
+        def quant_nosums():  # the A/B of the word sums the quantizer keeps for the checksums
+            fe._quant.keep_sums = False
+            try:
+                quant()
+            finally:
+                fe._quant.keep_sums = True
+
+        steps["quant_nosums"] = quant_nosums
+        moved["quant_nosums"] = moved["quant"]
     if kernel and not args.no_narrow:
         dequant()  # plans the dequantize (narrow() changes the plans)
         steps["quant_narrow"] = narrow(quant)
@@ -272,7 +297,7 @@ def main() -> int:
         )
 
     if kernel:  # the widest accesses the launches' tables allow (16 elements, 4 words: 16 bytes)
-        rec["quant_vec"] = sorted({la[-1] for la in fe._quant.launches})
+        rec["quant_vec"] = sorted({la.vec for la in fe._quant.launches})
         rec["dequant_vec"] = sorted({p.tables[-1] for p in fused._plans.values()})
         w = [p.tables[0] for p in fused._plans.values()]
         rec["dequant_wide_words"] = sum(int((t[:, 1] * t[:, 4]).sum()) for t in w) / max(
@@ -289,6 +314,10 @@ def main() -> int:
     fe._quant._run_torch()
     want = [checksum.bucket_checksum(v) for v in views]
     rec["quant_matches_torch"] = got == want
+    if rest is not None:  # the quantizer's own sums + the rest, as a sync computes the checksums
+        refresh()
+        rec["known_sums_match"] = InFlightChecksums(views, fe.known_sums()).values() == want
+        print(f"quantizer's sums + the other bytes == bucket checksums: {rec['known_sums_match']}")
     dequant()
     _sync(dev)
     got_e = checksum.bucket_checksum(eflat)
@@ -319,7 +348,8 @@ def main() -> int:
     actor.shutdown()
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=1))
-    return 0 if rec["quant_matches_torch"] and rec["dequant_matches_torch"] else 1
+    ok = rec["quant_matches_torch"] and rec["dequant_matches_torch"] and rec.get("known_sums_match", True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

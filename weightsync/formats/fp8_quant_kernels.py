@@ -80,6 +80,8 @@ def quant_tile(
     q_base,
     s_base,
     flag_ptr,
+    sums_ptr,
+    pid,
     rows,
     cols,
     q_off,
@@ -91,6 +93,7 @@ def quant_tile(
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     """Block k (row-major) of one tensor of quant_slots. VEC (constexpr): what every tensor's columns,
     e4m3 offset and source row offsets in the launch are multiples of; multiplying the quotients
@@ -111,6 +114,17 @@ def quant_tile(
     tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
     tl.store(s_base + s_off + k, s)
     tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+    if SUMS:
+        # the ws-sum64 word sums of what this block wrote (its rows are whole 32-bit words: cols and
+        # the offset are multiples of 4), so the bucket's checksum need not read them again; the
+        # masked-off codes are 0 and add nothing. Bytes into little-endian words: disjoint bits, so
+        # the int32 sum is their OR (wrapping to the signed word, as a view of the bytes reads it)
+        words = tl.sum(tl.reshape(code, (BR, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+        tl.store(sums_ptr + pid * 4, tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0))
+        tl.store(sums_ptr + pid * 4 + 1, tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0))
+        sw = s.to(tl.int32, bitcast=True)  # the scale's own word, in whichever bucket holds it
+        tl.store(sums_ptr + pid * 4 + 2, sw.to(tl.int64))
+        tl.store(sums_ptr + pid * 4 + 3, (sw * sw).to(tl.int64))
 
 
 @triton.jit
@@ -122,11 +136,13 @@ def quant_slots(
     q_base,
     s_base,
     flag_ptr,
+    sums_ptr,
     BR: tl.constexpr,
     BC: tl.constexpr,
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(owner_ptr + pid).to(tl.int64) * 6
@@ -136,4 +152,24 @@ def quant_slots(
     s_off = tl.load(tensor_ptr + t + 3)
     row0 = tl.load(tensor_ptr + t + 4)
     k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
-    quant_tile(src_base, row_ptr, q_base, s_base, flag_ptr, rows, cols, q_off, s_off, row0, k, BR, BC, FMAX, SMIN, VEC)
+    quant_tile(
+        src_base,
+        row_ptr,
+        q_base,
+        s_base,
+        flag_ptr,
+        sums_ptr,
+        pid,
+        rows,
+        cols,
+        q_off,
+        s_off,
+        row0,
+        k,
+        BR,
+        BC,
+        FMAX,
+        SMIN,
+        VEC,
+        SUMS,
+    )

@@ -60,17 +60,21 @@ def launch(
     q_base: torch.Tensor,
     s_base: torch.Tensor,
     vec: int,
+    sums: torch.Tensor | None,
     flag: torch.Tensor,
 ) -> None:
     """Quantize every block `owners` names (int32, one per program) from `src_base` (offsets in
     `rows`, int64 elements) into `q_base` (uint8) and `s_base` (float32 words of the same buffer);
     `vec` divides every column count, e4m3 offset and row offset of the tables (`vec_of`); `flag`
-    (int32 [1]) becomes 1 where a block is not finite."""
+    (int32 [1]) becomes 1 where a block is not finite. `sums` (int64 [programs, 4], `vec` a multiple
+    of 4), unless None, gets each block's word sums: of its e4m3 words, then of its scale's word."""
     grid = (owners.numel(),)
     if grid[0] == 0:
         return
-    args = (src_base, rows, tensors, owners, q_base, s_base, flag)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec)
+    if sums is not None and vec % 4:
+        raise ValueError(f"word sums need rows of whole 32-bit words: vec={vec} is not a multiple of 4")
+    args = (src_base, rows, tensors, owners, q_base, s_base, flag, flag if sums is None else sums)
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None)
     if owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, **consts)
         return

@@ -24,7 +24,17 @@ def test_bench_fp8_slots_times_every_step_and_checks_the_bytes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     rec = json.loads(out.read_text())
     assert rec["kernels"] == "torch" and rec["quant_matches_torch"] and rec["dequant_matches_torch"], rec
-    assert set(rec["steps"]) == {"quant", "copies", "refresh", "checksum", "dequant", "copy"}
+    assert set(rec["steps"]) == {
+        "quant",
+        "quant_nosums",
+        "copies",
+        "refresh",
+        "checksum",
+        "checksum_rest",
+        "dequant",
+        "copy",
+    }
+    assert rec["known_sums_match"], rec
     for name, r in rec["steps"].items():
         assert r["s"] > 0 and r["bytes_moved"] > 0 and r["gbps"] > 0, (name, r)
     # the tiny Qwen2: every linear weight is FP8, about half the bf16 model's bytes

@@ -28,9 +28,9 @@ for src in ("*bf16", "*fp16", "*fp32"):
     build(
         fp8_slots_triton._kernel(),
         {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "q_base": "*u8",
-         "s_base": "*fp32", "flag_ptr": "*i32", "BR": "constexpr", "BC": "constexpr", "FMAX": "constexpr",
-         "SMIN": "constexpr", "VEC": "constexpr"},
-        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": fp8_slots_triton.MAX_VEC},
+         "s_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
+         "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr"},
+        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True},
     )
 build(
     fp8_dequant_slots_triton._kernel(),
