@@ -96,26 +96,33 @@ def dequant_tile(
     sums,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    RB: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    """Block k (row-major) of one FP8 weight of dequant_bucket. VEC (constexpr): what cols, the
-    e4m3 offset and the destination offset of every weight of the launch are multiples of (as
-    word_run's WV)."""
+    """Tile k (row-major) of RB rows x BC columns of one FP8 weight of dequant_bucket, inside one
+    BR x BC block (its scale's). VEC (constexpr): what cols, the e4m3 offset and the destination
+    offset of every weight of the launch are multiples of (as word_run's WV). A tile of a quarter
+    block: the whole 128 x 128 block in registers held an SM to two programs at a time, each
+    loading, computing and storing in turn (~40% of the copy bandwidth); small tiles let many
+    programs per SM overlap their loads with the others' work."""
     cols = (cols // VEC) * VEC
     q_off = (q_off // VEC) * VEC
     d_off = (d_off // VEC) * VEC
     n_cb = (cols + BC - 1) // BC
-    c0 = (k % n_cb) * BC
-    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
+    cb = k % n_cb
+    c0 = cb * BC
+    r0 = (k // n_cb) * RB
+    r = r0 + tl.arange(0, RB).to(tl.int64)
     c = c0 + tl.arange(0, BC)
     rmask = r < rows
     mask = rmask[:, None] & (c[None, :] < cols)
     offs = r[:, None] * cols + c[None, :]
     code = tl.load(buf_bytes + q_off + offs, mask=mask, other=0)
+    blk = (r0 // BR) * n_cb + cb  # the scale's block
     if s_here != 0:
-        s = tl.load(buf_f32 + s_off + k)
+        s = tl.load(buf_f32 + s_off + blk)
     else:
-        s = tl.load(f32_base + s_off + k)
+        s = tl.load(f32_base + s_off + blk)
     prod = from_e4m3(code) * s  # dequant_block's product and rounding
     if out_f32 != 0:
         tl.store(f32_base + d_off + offs, prod, mask=mask)
@@ -123,7 +130,7 @@ def dequant_tile(
         tl.store(bf16_base + d_off + offs, to_bf16_bits(prod), mask=mask)
     # the block's own words (rows of whole words: cols and q_off multiples of 4)
     if VEC % 4 == 0:  # in words, as multiples of VEC // 4 the compiler can see: 16-byte loads
-        cw = (k % n_cb) * (BC // 4) + tl.arange(0, BC // 4)
+        cw = cb * (BC // 4) + tl.arange(0, BC // 4)
         wcols = (cols // VEC) * (VEC // 4)
         wmask = rmask[:, None] & (cw[None, :] < wcols) & (sums != 0)
         widx = (q_off // VEC) * (VEC // 4) + r[:, None] * wcols + cw[None, :]
@@ -154,6 +161,7 @@ def dequant_bucket(
     WS: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    RB: tl.constexpr,
     VEC: tl.constexpr,
     WV: tl.constexpr,
 ):
@@ -201,5 +209,6 @@ def dequant_bucket(
             sums,
             BR,
             BC,
+            RB,
             VEC,
         )

@@ -226,6 +226,7 @@ class FusedDequant:
                 if d0 is None or s0 is None:
                     return None
                 nrb, ncb = -(-rows // 128), -(-cols // 128)
+                tiles = -(-rows // k.TILE_ROWS) * ncb  # block programs of one matrix
                 for mtx in range(math.prod(lead)):
                     if rows * cols == 0:
                         continue
@@ -242,7 +243,7 @@ class FusedDequant:
                             int(sums_here),
                         )
                     )
-                    owners.extend([len(tensors) - 1] * (nrb * ncb))
+                    owners.extend([len(tensors) - 1] * tiles)
             elif what in ("copy", "hold"):
                 if whole:
                     dw = offset(dst, word_base)

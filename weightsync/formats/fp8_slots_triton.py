@@ -35,6 +35,9 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 TENSOR_FIELDS = 6
 #: the widest access (elements): 16 e4m3 bytes, 16 bf16 elements (two 16-byte accesses)
 MAX_VEC = 16
+#: rows a program holds at a time (a quarter of a block: quant_tile says why), and its warps
+TILE_ROWS = 32
+NUM_WARPS = 4
 
 
 def vec_of(*values: int) -> int:
@@ -74,9 +77,9 @@ def launch(
     if sums is not None and vec % 4:
         raise ValueError(f"word sums need rows of whole 32-bit words: vec={vec} is not a multiple of 4")
     args = (src_base, rows, tensors, owners, q_base, s_base, flag, flag if sums is None else sums)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None)
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None)
     if owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, **consts)
         return
     with torch.cuda.device(owners.device):
-        _kernel()[grid](*args, **consts, num_warps=8)
+        _kernel()[grid](*args, **consts, num_warps=NUM_WARPS)
