@@ -19,7 +19,9 @@ warm-up; wall clock with the interpreter):
 - `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline;
 - `quant_narrow`, `dequant_narrow` (with the kernels, unless `--no-narrow`): the same launches at
   VEC = 1 and every word run narrow, so each access moves one element, as both kernels did before
-  their launches carried the widest access their tables allow: the A/B of that change.
+  their launches carried the widest access their tables allow: the A/B of that change; and
+  `quant_block128`, `dequant_block128`: programs holding a whole 128-row block with 8 warps, as
+  before the 32-row tiles (the A/B of those).
 
 GB/s counts the bytes an ideal kernel moves: read + written once each (the checksum: read only).
 Every result is checked: the quantized buckets against the torch reference (fp8.quantize_torch,
@@ -254,7 +256,32 @@ def main() -> int:
 
         steps["quant_nosums"] = quant_nosums
         moved["quant_nosums"] = moved["quant"]
+
+    def whole_blocks(step: str):
+        """The quantize or the dequantize with programs holding a whole 128-row block (8 warps), as
+        before the 32-row tiles (the A/B of that change; the dequantize planned afresh for it)."""
+        from weightsync.formats import fp8_dequant_slots_triton as dk
+        from weightsync.formats import fp8_slots_triton as qk
+
+        other = FusedDequant(use_kernel=kernel)
+
+        def run():
+            saved = (qk.TILE_ROWS, qk.NUM_WARPS, dk.TILE_ROWS, dk.NUM_WARPS)
+            qk.TILE_ROWS, qk.NUM_WARPS, dk.TILE_ROWS, dk.NUM_WARPS = 128, 8, 128, 8
+            try:
+                if step == "quant":
+                    return quant()
+                held = other.begin(manifest)
+                return [other.copy(p, v, e, held, wait=False) for p, v, e in zip(manifest.buckets, views, eparams)]
+            finally:
+                qk.TILE_ROWS, qk.NUM_WARPS, dk.TILE_ROWS, dk.NUM_WARPS = saved
+
+        return run
+
     if kernel and not args.no_narrow:
+        steps["quant_block128"] = whole_blocks("quant")
+        steps["dequant_block128"] = whole_blocks("dequant")
+        moved["quant_block128"], moved["dequant_block128"] = moved["quant"], moved["dequant"]
         dequant()  # plans the dequantize (narrow() changes the plans)
         steps["quant_narrow"] = narrow(quant)
         steps["dequant_narrow"] = narrow(dequant)
