@@ -212,3 +212,27 @@ def test_a_bucket_dequantized_into_parameters_in_one_launch_equals_the_per_tenso
         f"one Qwen2-7B layer's FP8 bucket into bf16 parameters: checksum + per tensor {old * 1e3:.2f} ms, "
         f"one launch {new * 1e3:.2f} ms"
     )
+
+
+@needs_cuda
+def test_bench_fp8_slots_on_a_1_5b_model(tmp_path):
+    """bench/bench_fp8_slots.py on a Qwen2-1.5B-shaped megatron model: the compiled kernels' bytes equal
+    the torch paths' (quantize and dequantize), every step timed and printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "fp8_slots.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "bench_fp8_slots.py"), "--shape", "1.5b", "--reps", "3"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rec = json.loads(out.read_text())
+    assert rec["kernels"] == "triton" and rec["quant_matches_torch"] and rec["dequant_matches_torch"], rec

@@ -149,6 +149,15 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
     flats = fe.refresh()
     r["flat_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
     r["finite"] = fe.finite()
+    # the quantizer's sums of its slots plus a read of the other bytes: each bucket's checksum
+    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+
+    known = fe.known_sums()
+    views = [f[: b.nbytes] for b, f in zip(m.buckets, flats)]
+    r["known_sums"] = known is not None
+    r["known_vs_read"] = known is not None and (
+        InFlightChecksums(views, known).values() == [bucket_checksum(v) for v in views]
+    )
     r["quantized_bytes"], r["quant_launches"], r["copies"] = fe.quantized_bytes, fe.quant_launches, fe.copies
     r["launches"], r["torch_copies"], r["aliased_bytes"] = fe.launches, fe.torch_copies, fe.aliased_bytes
     r["fp8_bytes"] = sum(x.nbytes for x in metas if x.dtype == torch.float8_e4m3fn or x.name.endswith("_scale_inv"))

@@ -175,6 +175,29 @@ def _whole_word_sums(buf: torch.Tensor, whole: int) -> torch.Tensor:
     return _word_sums(buf[:whole].view(torch.int32))
 
 
+def _read_sums(buf: torch.Tensor, regions: list[tuple[int, int]], known: torch.Tensor) -> torch.Tensor:
+    """`known` plus the word sums of `buf`'s words in byte ranges `regions`."""
+    return region_word_sums(buf, regions) + known.to(buf.device)
+
+
+def region_word_sums(buf: torch.Tensor, regions: list[tuple[int, int]]) -> torch.Tensor:
+    """int64 [2]: the word sums of the words of `buf` (flat uint8) in byte ranges `regions`
+    (word-aligned), on its device (queued on the current stream on a GPU: one launch)."""
+    from weightsync.bus.checksum_regions import region_table
+
+    regions = [(s, e) for s, e in regions if e > s]
+    table = region_table(buf, regions)
+    if table is not None:
+        from weightsync.bus import checksum_cuda
+
+        whole = buf.numel() - buf.numel() % 4
+        return checksum_cuda.scatter_word_sums(buf[:whole].view(torch.int32), table)
+    out = torch.zeros(2, dtype=torch.int64, device=buf.device)
+    for s, e in regions:
+        out += _word_sums(buf[s:e].view(torch.int32)).to(buf.device)
+    return out
+
+
 def combine(checksums: list[int]) -> int:
     """Order-dependent combination of bucket checksums into one weights checksum."""
     acc = 0xCBF29CE484222325
@@ -230,19 +253,40 @@ class InFlightChecksums:
     CPU has nothing to overlap).
     """
 
-    def __init__(self, bufs: list[torch.Tensor]):
+    def __init__(self, bufs: list[torch.Tensor], known=None):
+        """`known` (checksum_regions.KnownSums): the sums of some of each buffer's words, which the
+        kernel that wrote them computed (the block-FP8 quantizer's slots); only the other words
+        are read here."""
         for b in bufs:
             if b.dtype != torch.uint8 or b.dim() != 1:
                 raise ValueError(f"checksum wants flat uint8 buffers, got {b.dtype} with shape {tuple(b.shape)}")
         self._n = [b.numel() for b in bufs]
         self._side = None
+        whole = [n - n % 4 for n in self._n]
+        reads = None
+        if known is not None:
+            from weightsync.bus.checksum_regions import others
+
+            if len(known.ranges) != len(bufs) or tuple(known.sums.shape) != (len(bufs), 2):
+                raise ValueError(
+                    f"known sums for {len(known.ranges)} buffers ({tuple(known.sums.shape)}), not the {len(bufs)} given"
+                )
+            reads = [others(r, w, f"buffer {i}") for i, (r, w) in enumerate(zip(known.ranges, whole))]
         if not bufs or not bufs[0].is_cuda:
-            self._values: list[int | None] = [bucket_checksum(b) for b in bufs]
+            if reads is None:
+                self._values: list[int | None] = [bucket_checksum(b) for b in bufs]
+            else:
+                self._values = [
+                    from_sums(_read_sums(b, rd, known.sums[i]), b[w:], n)
+                    for i, (b, rd, w, n) in enumerate(zip(bufs, reads, whole, self._n))
+                ]
             return
         self._values = [None] * len(bufs)
         device = bufs[0].device
-        whole = [n - n % 4 for n in self._n]
         self._tails = [b[w:] for b, w in zip(bufs, whole)]  # unchanged until the reader is done, like the words
+        if reads is not None:
+            self._start_known(bufs, reads, known.sums, device)
+            return
         rest = _many_table(bufs[1:], whole[1:]) if len(bufs) > 1 else None  # (may copy to the GPU: not on the side)
         self._side = side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -253,6 +297,24 @@ class InFlightChecksums:
             if len(bufs) > 1:
                 sums = _many_word_sums(rest, bufs[1:], whole[1:])
                 self._sums.extend(sums.unbind(0))
+                self._events.append(torch.cuda.Event())
+                self._events[1].record(side)
+
+    def _start_known(self, bufs, reads, known: torch.Tensor, device) -> None:
+        """The GPU path with known sums: each buffer's other words, one launch each (first the first's)."""
+        from weightsync.bus.checksum_regions import region_table
+
+        for b, rd in zip(bufs, reads):
+            region_table(b, rd)  # (may copy to the GPU: not on the side)
+        self._known = known  # read on the side stream: kept alive until this object goes
+        self._side = side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the quantizer that wrote the known sums
+        with torch.cuda.stream(side):
+            self._sums = [_read_sums(bufs[0], reads[0], known[0])]
+            self._events = [torch.cuda.Event()]
+            self._events[0].record(side)
+            if len(bufs) > 1:
+                self._sums.extend(_read_sums(b, rd, known[i]) for i, (b, rd) in enumerate(zip(bufs, reads)) if i)
                 self._events.append(torch.cuda.Event())
                 self._events[1].record(side)
 

@@ -196,7 +196,9 @@ class FusedDequant:
         def region(first: int, count: int, dst_word: int | None) -> None:
             for j in range(0, count, k.WORDS_PER_ROW):
                 n = min(k.WORDS_PER_ROW, count - j)
-                words.append((first + j, n, 0 if dst_word is None else dst_word + j, dst_word is not None))
+                dst = 0 if dst_word is None else dst_word + j
+                wide = all(v % k.MAX_WV == 0 for v in (first + j, n, dst))
+                words.append((first + j, n, dst, dst_word is not None, int(wide)))
 
         def offset(t: torch.Tensor, base: torch.Tensor) -> int | None:
             delta = t.data_ptr() - base.data_ptr()
@@ -224,6 +226,7 @@ class FusedDequant:
                 if d0 is None or s0 is None:
                     return None
                 nrb, ncb = -(-rows // 128), -(-cols // 128)
+                tiles = -(-rows // k.TILE_ROWS) * ncb  # block programs of one matrix
                 for mtx in range(math.prod(lead)):
                     if rows * cols == 0:
                         continue
@@ -240,7 +243,7 @@ class FusedDequant:
                             int(sums_here),
                         )
                     )
-                    owners.extend([len(tensors) - 1] * (nrb * ncb))
+                    owners.extend([len(tensors) - 1] * tiles)
             elif what in ("copy", "hold"):
                 if whole:
                     dw = offset(dst, word_base)
@@ -253,12 +256,15 @@ class FusedDequant:
         end = plan.nbytes - plan.nbytes % 4
         if end > pos:
             region(pos // 4, (end - pos) // 4, None)
+        # the widest access every FP8 weight of the bucket allows (one with odd columns narrows it)
+        vec = k.widest(k.MAX_VEC, (v for t in tensors for v in (t[1], t[2], t[5])))
         return (
-            torch.tensor(words or [(0, 0, 0, 0)], dtype=torch.int64).reshape(-1, k.WORD_FIELDS).to(device),
+            torch.tensor(words or [(0,) * k.WORD_FIELDS], dtype=torch.int64).reshape(-1, k.WORD_FIELDS).to(device),
             torch.tensor(tensors or [(0,) * k.TENSOR_FIELDS], dtype=torch.int64)
             .reshape(-1, k.TENSOR_FIELDS)
             .to(device),
             torch.tensor(owners, dtype=torch.int32).to(device),
+            vec,
         )
 
     def _run_torch(self, plan: BucketPlan, buf: torch.Tensor, p: _Plan) -> torch.Tensor:

@@ -15,13 +15,25 @@ import triton.language as tl
 
 
 @triton.jit
-def block_scale(x, FMAX: tl.constexpr, SMIN: tl.constexpr):
-    """amax / FMAX of a float32 block (IEEE division, as torch's), 1.0 for an all-tiny block,
-    inf when any value is NaN or infinite (the block is then refused)."""
+def abs_max(x):
+    """max |x| of a float32 tile, inf when any value is NaN (or infinite): a maximum of maxima is the
+    maximum, so a block may be reduced a tile at a time."""
     a = tl.where(x == x, tl.abs(x), float("inf"))
-    amax = tl.max(tl.max(a, axis=1), axis=0)
+    return tl.max(tl.max(a, axis=1), axis=0)
+
+
+@triton.jit
+def scale_of(amax, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    """amax / FMAX (IEEE division, as torch's), 1.0 for an all-tiny block, inf for a block holding
+    a NaN or infinite value (it is then refused)."""
     s = tl.div_rn(amax, FMAX)
     return tl.where(s < SMIN, 1.0, s)
+
+
+@triton.jit
+def block_scale(x, FMAX: tl.constexpr, SMIN: tl.constexpr):
+    """The scale of a float32 block held whole."""
+    return scale_of(abs_max(x), FMAX, SMIN)
 
 
 @triton.jit
@@ -74,6 +86,83 @@ def quant_block(
 
 
 @triton.jit
+def quant_tile(
+    src_base,
+    row_ptr,
+    q_base,
+    s_base,
+    flag_ptr,
+    sums_ptr,
+    pid,
+    rows,
+    cols,
+    q_off,
+    s_off,
+    row0,
+    k,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    RB: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+    VEC: tl.constexpr,
+    SUMS: tl.constexpr,
+):
+    """Block k (row-major) of one tensor of quant_slots, RB rows at a time, in two passes: the
+    block's amax, then its codes (the second read of its rows comes from the cache). The whole
+    128 x 128 block in float32 registers held an SM to two programs at a time, each loading,
+    reducing and storing in turn (~40% of the copy bandwidth); RB-row tiles let many programs per
+    SM overlap their loads with the others' work.
+
+    VEC (constexpr): what every tensor's columns, e4m3 offset and source row offsets in the launch
+    are multiples of; multiplying the quotients back by it tells the compiler so, which lets it
+    read and write VEC elements per instruction (offsets read from tables prove no alignment at
+    all: one element, one byte, per access)."""
+    cols = (cols // VEC) * VEC
+    q_off = (q_off // VEC) * VEC
+    n_cb = (cols + BC - 1) // BC
+    r0 = (k // n_cb) * BR
+    c = (k % n_cb) * BC + tl.arange(0, BC)
+    cmask = c < cols
+    amax = 0.0
+    for i in range(BR // RB):
+        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+        rmask = r < rows
+        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
+        src = (src // VEC) * VEC
+        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
+    s = scale_of(amax, FMAX, SMIN)
+    s1 = tl.zeros([], dtype=tl.int64)
+    s2 = tl.zeros([], dtype=tl.int64)
+    for i in range(BR // RB):
+        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+        rmask = r < rows
+        mask = rmask[:, None] & cmask[None, :]
+        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
+        src = (src // VEC) * VEC
+        x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        code = to_e4m3(x, s, FMAX)
+        tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
+        if SUMS:
+            # the ws-sum64 word sums of what this block wrote (its rows are whole 32-bit words: cols
+            # and the offset are multiples of 4), so the bucket's checksum need not read them again;
+            # masked-off codes are 0 and add nothing. Bytes into little-endian words: disjoint bits,
+            # so the int32 sum is their OR (wrapping to the signed word, as a view of the bytes reads it)
+            words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+            s1 += tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
+            s2 += tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0)
+    tl.store(s_base + s_off + k, s)
+    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+    if SUMS:
+        tl.store(sums_ptr + pid * 4, s1)
+        tl.store(sums_ptr + pid * 4 + 1, s2)
+        sw = s.to(tl.int32, bitcast=True)  # the scale's own word, in whichever bucket holds it
+        tl.store(sums_ptr + pid * 4 + 2, sw.to(tl.int64))
+        tl.store(sums_ptr + pid * 4 + 3, (sw * sw).to(tl.int64))
+
+
+@triton.jit
 def quant_slots(
     src_base,
     row_ptr,
@@ -82,10 +171,14 @@ def quant_slots(
     q_base,
     s_base,
     flag_ptr,
+    sums_ptr,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    RB: tl.constexpr,
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
+    VEC: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(owner_ptr + pid).to(tl.int64) * 6
@@ -95,15 +188,25 @@ def quant_slots(
     s_off = tl.load(tensor_ptr + t + 3)
     row0 = tl.load(tensor_ptr + t + 4)
     k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
-    n_cb = (cols + BC - 1) // BC
-    r = (k // n_cb) * BR + tl.arange(0, BR).to(tl.int64)
-    c = (k % n_cb) * BC + tl.arange(0, BC).to(tl.int64)
-    rmask = r < rows
-    mask = rmask[:, None] & (c[None, :] < cols)
-    src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
-    x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = block_scale(x, FMAX, SMIN)
-    code = to_e4m3(x, s, FMAX)
-    tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
-    tl.store(s_base + s_off + k, s)
-    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+    quant_tile(
+        src_base,
+        row_ptr,
+        q_base,
+        s_base,
+        flag_ptr,
+        sums_ptr,
+        pid,
+        rows,
+        cols,
+        q_off,
+        s_off,
+        row0,
+        k,
+        BR,
+        BC,
+        RB,
+        FMAX,
+        SMIN,
+        VEC,
+        SUMS,
+    )

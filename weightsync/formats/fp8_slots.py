@@ -26,9 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from weightsync.bus.checksum import word_sums
 from weightsync.formats.fp8 import non_finite_error, quantize_torch, scale_shape
 from weightsync.formats.fp8_spec import BLOCK, SCALE_DTYPE
 
@@ -109,6 +111,23 @@ def _row_sources(w: SlotWeight, base: torch.Tensor) -> torch.Tensor | None:
     return table
 
 
+class Launch(NamedTuple):
+    """One kernel launch: the weights of one (bucket, scale bucket, source dtype)."""
+
+    src_base: torch.Tensor
+    rows: torch.Tensor
+    tensors: torch.Tensor
+    owners: torch.Tensor
+    q_base: torch.Tensor
+    s_base: torch.Tensor
+    #: what every column count and offset of the tables is a multiple of (fp8_slots_triton.vec_of)
+    vec: int
+    #: int64 [programs, 4]: each block's word sums (its e4m3 words, its scale's word), vec % 4 == 0
+    sums: torch.Tensor
+    bucket: int
+    scale_bucket: int
+
+
 class QuantizeIntoSlots:
     """Quantizes the weights of `weights` into `flats` (one flat uint8 buffer per bucket) at each
     `run()`; sources and buffers must stay where they are between runs (the caller replans when
@@ -121,13 +140,17 @@ class QuantizeIntoSlots:
         device = self.flats[0].device if self.flats else torch.device("cpu")
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
         self._views = [w.pieces for w in self.weights]  # the table holds raw addresses: keep the views
-        #: per launch: (source base, rows, tensors, owners, e4m3 base, scale base)
-        self.launches: list[tuple[torch.Tensor, ...]] = []
+        self.launches: list[Launch] = []
+        #: int64 [buckets, 2]: the word sums of every FP8 and scale slot of each bucket, as the last
+        #: run() wrote them (None: a slot that is not whole 32-bit words; see `word_sums`)
+        self._sums: torch.Tensor | None = None
+        #: whether run() keeps them (benchmarks time the launches without, bench_fp8_slots.py)
+        self.keep_sums = True
         self._rows: list[torch.Tensor] = []
         self.bytes = sum(w.stand_in.numel() + 4 * math.prod(scale_shape(w.stand_in.shape)) for w in self.weights)
 
     def _build(self) -> bool:
-        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS
+        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS, vec_of
 
         bases: dict[torch.dtype, torch.Tensor] = {}
         # one launch per (weight bucket, scale bucket, source dtype): in practice one per bucket
@@ -147,9 +170,13 @@ class QuantizeIntoSlots:
         for (bucket, scale_bucket, dtype), members in groups.items():
             flat, sflat = self.flats[bucket], self.flats[scale_bucket]
             tensors, owners, row_tables, row0 = [], [], [], 0
+            vec = vec_of()  # the launch's widest access: what divides every offset it reads from the tables
             for w, rows in members:
                 *lead, nr, nc = w.stand_in.shape
                 nrb, ncb = -(-nr // BLOCK[0]), -(-nc // BLOCK[1])
+                vec = vec_of(vec, nc, w.q_offset)
+                while vec > 1 and bool((rows % vec).any()):  # every source row's first element too
+                    vec //= 2
                 for m in range(math.prod(lead)):
                     if nr * nc:
                         first = len(owners)
@@ -165,13 +192,17 @@ class QuantizeIntoSlots:
             table = torch.tensor(tensors, dtype=torch.int64).reshape(-1, TENSOR_FIELDS).to(dev)
             whole = sflat.numel() - sflat.numel() % 4
             self.launches.append(
-                (
+                Launch(
                     bases[dtype],
                     torch.cat(row_tables).to(dev),
                     table,
                     torch.tensor(owners, dtype=torch.int32).to(dev),
                     flat,
                     sflat[:whole].view(torch.float32),
+                    vec,
+                    torch.zeros(len(owners), 4, dtype=torch.int64, device=dev),
+                    bucket,
+                    scale_bucket,
                 )
             )
         return True
@@ -184,8 +215,35 @@ class QuantizeIntoSlots:
             return
         from weightsync.formats import fp8_slots_triton as kernel
 
-        for launch in self.launches:
-            kernel.launch(*launch, self.flag)
+        summed = self.keep_sums and bool(self.flats) and all(la.vec % 4 == 0 for la in self.launches)
+        for la in self.launches:
+            sums = la.sums if summed else None
+            kernel.launch(la.src_base, la.rows, la.tensors, la.owners, la.q_base, la.s_base, la.vec, sums, self.flag)
+        self._sums = None
+        if summed:
+            sums = torch.zeros(len(self.flats), 2, dtype=torch.int64, device=self.flag.device)
+            for la in self.launches:
+                part = la.sums.sum(dim=0)
+                sums[la.bucket] += part[:2]
+                sums[la.scale_bucket] += part[2:]
+            self._sums = sums
+
+    def word_sums(self) -> torch.Tensor | None:
+        """int64 [buckets, 2]: the ws-sum64 word sums of the FP8 and scale slots (`slot_ranges`) of
+        each bucket as the last run() wrote them, on the buckets' device (queued, no host wait), so
+        a bucket's checksum reads only its other bytes; None where a slot is not whole 32-bit words
+        (a weight whose columns or offset are not multiples of 4)."""
+        return self._sums
+
+    def slot_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the byte ranges [start, end) of the FP8 and scale slots, sorted."""
+        out: list[list[tuple[int, int]]] = [[] for _ in self.flats]
+        for w in self.weights:
+            n = w.stand_in.numel()
+            if n:
+                out[w.bucket].append((w.q_offset, w.q_offset + n))
+                out[w.scale_bucket].append((w.s_offset, w.s_offset + 4 * math.prod(scale_shape(w.stand_in.shape))))
+        return [sorted(r) for r in out]
 
     def _run_torch(self) -> None:
         """The reference: each weight assembled in float32, quantized by fp8.quantize_torch."""
@@ -202,6 +260,14 @@ class QuantizeIntoSlots:
             flat[w.q_offset : w.q_offset + q.numel()].copy_(q.reshape(-1).view(torch.uint8))
             sflat[w.s_offset : w.s_offset + 4 * s.numel()].copy_(s.reshape(-1).view(torch.uint8))
             self.flag |= (~torch.isfinite(s)).any().to(torch.int32)
+        # the kernel's word sums, from the bytes written (the same values)
+        self._sums = None
+        if self.keep_sums and all(w.q_offset % 4 == 0 and w.stand_in.numel() % 4 == 0 for w in self.weights):
+            sums = torch.zeros(len(self.flats), 2, dtype=torch.int64, device=self.flag.device)
+            for b, ranges in enumerate(self.slot_ranges()):
+                for start, end in ranges:
+                    sums[b] += word_sums(self.flats[b][start:end].view(torch.int32)).to(sums.device)
+            self._sums = sums
 
     def finite(self) -> bool:
         """Whether every block of the last `run()` was finite: one host synchronisation."""

@@ -12,6 +12,15 @@ rounding (fp8_quant_kernels.py; tests compare the bytes with the torch reference
 fp8.quantize_torch, which tests/gpu/test_fp8_gpu.py holds the per-tensor kernel to). A block whose scale
 is not finite (an inf or nan weight) raises a device flag instead of making the host wait per
 tensor: the caller reads it once per sync.
+
+Wide accesses: the compiler vectorises a load or store only as far as it can prove the offsets
+aligned, and offsets read from a table prove nothing, so a block went one bf16 element per load and
+one byte per store, with 226-254 registers a thread (one block of programs per SM): about a tenth
+of HBM bandwidth (the 7B sync's prepare took 77 ms for ~24 GB moved). Each launch now carries VEC,
+the largest power of two up to 16 that divides every column count, e4m3 offset and source row
+offset in its tables (16 for every weight of a real model), and the kernel multiplies those
+offsets back by it (quant_tile), which lets the compiler use 16-byte accesses (~100 registers).
+One odd tensor lowers its launch's VEC, never the bytes written.
 """
 
 from __future__ import annotations
@@ -24,6 +33,20 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 #: int64 fields per row of the tensor table: rows, cols, e4m3 byte offset, scale word offset,
 #: first row in the row table, first program
 TENSOR_FIELDS = 6
+#: the widest access (elements): 16 e4m3 bytes, 16 bf16 elements (two 16-byte accesses)
+MAX_VEC = 16
+#: rows a program holds at a time (a quarter of a block: quant_tile says why), and its warps
+TILE_ROWS = 32
+NUM_WARPS = 4
+
+
+def vec_of(*values: int) -> int:
+    """The largest power of two up to MAX_VEC that divides every value: a launch's VEC."""
+    v = MAX_VEC
+    for x in values:
+        while x % v:
+            v //= 2
+    return v
 
 
 def _kernel():
@@ -39,18 +62,24 @@ def launch(
     owners: torch.Tensor,
     q_base: torch.Tensor,
     s_base: torch.Tensor,
+    vec: int,
+    sums: torch.Tensor | None,
     flag: torch.Tensor,
 ) -> None:
     """Quantize every block `owners` names (int32, one per program) from `src_base` (offsets in
     `rows`, int64 elements) into `q_base` (uint8) and `s_base` (float32 words of the same buffer);
-    `flag` (int32 [1]) becomes 1 where a block is not finite."""
+    `vec` divides every column count, e4m3 offset and row offset of the tables (`vec_of`); `flag`
+    (int32 [1]) becomes 1 where a block is not finite. `sums` (int64 [programs, 4], `vec` a multiple
+    of 4), unless None, gets each block's word sums: of its e4m3 words, then of its scale's word."""
     grid = (owners.numel(),)
     if grid[0] == 0:
         return
-    args = (src_base, rows, tensors, owners, q_base, s_base, flag)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], FMAX=FP8_MAX, SMIN=MIN_NORMAL)
+    if sums is not None and vec % 4:
+        raise ValueError(f"word sums need rows of whole 32-bit words: vec={vec} is not a multiple of 4")
+    args = (src_base, rows, tensors, owners, q_base, s_base, flag, flag if sums is None else sums)
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None)
     if owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, **consts)
         return
     with torch.cuda.device(owners.device):
-        _kernel()[grid](*args, **consts, num_warps=8)
+        _kernel()[grid](*args, **consts, num_warps=NUM_WARPS)

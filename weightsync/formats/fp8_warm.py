@@ -82,7 +82,9 @@ def warm_quantize(metas: Iterable[TensorMeta], device) -> float:
 def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float:
     """Compile the quantize-into-slots kernel (fp8_slots_triton.py) for parameters of `dtypes` on
     `device`; seconds it took (0.0 off-GPU or without triton). Its arguments are all pointers, so one
-    compile per source dtype covers every shape."""
+    compile per source dtype covers every shape whose columns and offsets are multiples of 16 (a
+    real model's: the launch's VEC, fp8_slots_triton.py); an odd layout compiles its own at its
+    first sync."""
     device = _ready(device)
     if device is None:
         return 0.0
@@ -91,8 +93,8 @@ def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float
     t0 = time.perf_counter()
     for dtype in dtypes:
         flat = torch.zeros(1024, dtype=torch.uint8, device=device)
-        src = torch.zeros(3, 5, dtype=dtype, device=device)
-        (stand_in,) = fp8_slots.stand_ins([(3, 5)])
+        src = torch.zeros(16, 16, dtype=dtype, device=device)  # an allocation: rows 16-aligned, as a model's
+        (stand_in,) = fp8_slots.stand_ins([(16, 16)])
         weight = fp8_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
         fp8_slots.plan([flat], [weight], use_kernel=True).run()
     torch.cuda.synchronize(device)
@@ -101,7 +103,9 @@ def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float
 
 def warm_dequantize_into_params(device) -> float:
     """Compile the fused dequantize-and-checksum kernel (fp8_dequant_slots_triton.py) on `device`; seconds
-    it took (0.0 off-GPU or without triton). Pointers and one unspecialised count: one compile."""
+    it took (0.0 off-GPU or without triton). Pointers and one unspecialised count: one compile, for
+    buckets whose FP8 weights' columns and offsets are multiples of 16 (the launch's VEC: a real
+    model's); an odd layout compiles its own at its first sync."""
     device = _ready(device)
     if device is None:
         return 0.0
@@ -110,10 +114,10 @@ def warm_dequantize_into_params(device) -> float:
     from weightsync.formats.fp8_spec import SCALE_DTYPE
 
     t0 = time.perf_counter()
-    metas = [TensorMeta("w_scale_inv", (1, 1), SCALE_DTYPE), TensorMeta("w", (4, 8), FP8_DTYPE)]
+    metas = [TensorMeta("w_scale_inv", (1, 1), SCALE_DTYPE), TensorMeta("w", (4, 16), FP8_DTYPE)]
     (plan,) = make_manifest(metas, version=0, sync_id="warm-up", bucket_bytes=1 << 20).buckets
     buf = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device)
-    out = torch.empty(4, 8, dtype=torch.bfloat16, device=device)
+    out = torch.empty(4, 16, dtype=torch.bfloat16, device=device)
     fused = FusedDequant(use_kernel=True)
     fused.copy(plan, buf, [None, out], set())
     torch.cuda.synchronize(device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,9 +28,23 @@ FP8_BLOCK = "fp8-block"
 class ExportFormat:
     name: str
     quantization: Quantization | None = None
+    #: the last `metas` / `owners` mapping, by its inputs: a sync plans with the actor's same metas
+    #: every time, and mapping them afresh (a regex per tensor, twice) cost ~2 ms of each FP8 sync's
+    #: plan phase, and its new list made the manifest cache compare every entry
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def metas(self, metas: Iterable[TensorMeta]) -> list[TensorMeta]:
-        return fp8_export.export_metas(metas) if self.quantization else list(metas)
+        """The exported tensors' metas (a quantized format: the same list object for the same
+        input, which callers must not change)."""
+        if not self.quantization:
+            return list(metas)
+        metas = list(metas)
+        hit = self._memo.get("metas")
+        if hit is not None and _same(hit[0], metas):
+            return hit[1]
+        out = fp8_export.export_metas(metas)
+        self._memo["metas"] = (metas, out)
+        return out
 
     def tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return fp8_export.export_tensors(named) if self.quantization else iter(named)
@@ -43,10 +57,14 @@ class ExportFormat:
             raise ValueError(f"{len(owners)} owners for {len(metas)} tensors")
         if not self.quantization:
             return owners
+        hit = self._memo.get("owners")
+        if hit is not None and hit[1] == owners and _same(hit[0], metas):
+            return list(hit[2])
         out: list[int] = []
         for m, o in zip(metas, owners):
-            out += [o] * len(self.metas([m]))  # the format maps each tensor on its own, in order
-        return out
+            out += [o] * (2 if fp8_export.is_quantized(m.name, m.shape) else 1)  # a quantized weight: scale + weight
+        self._memo["owners"] = (metas, owners, out)
+        return list(out)
 
     def hf_config(self, config):
         """The config an exported directory declares (with `quantization_config` when quantized)."""
@@ -55,6 +73,11 @@ class ExportFormat:
         config = copy.deepcopy(config)
         config.quantization_config = hf_quantization_config(self.quantization)
         return config
+
+
+def _same(a: list[TensorMeta], b: list[TensorMeta]) -> bool:
+    """Whether two meta lists are equal (the actor's own objects, again: an identity check each)."""
+    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
 
 
 #: no format of its own: the tensors as the actor exports them

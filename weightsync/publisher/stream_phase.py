@@ -91,7 +91,12 @@ class StreamPhase:
         # a trainer that writes into the engine sums as it writes: no checksum pass of its own
         # (if the rollout does not offer it after all, the stream starts the sums then)
         if self.manifest.checksum_algo and not getattr(self.session, "expects_channel_sums", False):
-            self.in_place_checksums = InFlightChecksums(in_place_views(self.manifest, self.in_place_bufs))
+            # an actor whose kernels summed some of the words as they wrote them (megatron's FP8
+            # quantizer: its e4m3 and scale slots) says so: only the other words are read here
+            known = getattr(self.fleet.actor, "flat_known_sums", None)
+            self.in_place_checksums = InFlightChecksums(
+                in_place_views(self.manifest, self.in_place_bufs), known=known() if known is not None else None
+            )
         self.attempt.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
 
     def close(self) -> None:

@@ -164,6 +164,11 @@ class MegatronActor:
         None (export and pack instead); flat_buckets.FlatBuckets.whole says when and how."""
         return self.flat.whole(manifest)
 
+    def flat_known_sums(self):
+        """The word sums the last `flat_buckets` already has of its buckets (its FP8 quantizer's
+        slots: checksum_regions.KnownSums), so their checksums read only the other bytes; or None."""
+        return self.flat.known_sums()
+
     def own_flat_buckets(self, manifest) -> list[torch.Tensor] | None:
         """Every rank of a multi-sender stream: the buckets it owns written straight from its
         parameters, [] on a rank without buckets that sent its shards, or None (export and pack

@@ -39,6 +39,10 @@ class FlatBuckets:
         """The FlatExport kept for the last layout a sync used it for (None: none yet, or dropped)."""
         return self._flat
 
+    def known_sums(self):
+        """The kept plan's KnownSums of the buckets its last refresh wrote (flat_export.py), or None."""
+        return None if self._flat is None else self._flat.known_sums()
+
     def drop(self) -> None:
         """Forget the plan: the next sync plans afresh (benchmarks time the first plan this way)."""
         self._flat = None

@@ -221,6 +221,7 @@ class FlatExport:
             raise ValueError(
                 "an FP8 weight is not whole rows of its parameter: this layout cannot be quantized in place"
             )
+        self._slot_ranges = None  # the FP8 and scale slots' byte ranges per bucket (known_sums), once
         #: bytes of the FP8 weights and scales written by the quantize launches at each sync
         self.quantized_bytes = self._quant.bytes if self._quant is not None else 0
         self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
@@ -255,6 +256,19 @@ class FlatExport:
         """Whether every FP8 block of the last refresh was finite (one host synchronisation; True
         without FP8 weights)."""
         return self._quant is None or self._quant.finite()
+
+    def known_sums(self):
+        """The word sums the last refresh's quantize launches kept of what they wrote (its FP8 and
+        scale slots: checksum_regions.KnownSums), so a bucket's checksum reads only its other
+        bytes (the 16-bit tensors, about a quarter of a Qwen2's FP8 buckets); None without FP8
+        weights, or where a weight is not whole 32-bit words."""
+        if self._quant is None or self._quant.word_sums() is None:
+            return None
+        from weightsync.bus.checksum_regions import KnownSums
+
+        if self._slot_ranges is None:
+            self._slot_ranges = self._quant.slot_ranges()
+        return KnownSums(self._quant.word_sums(), self._slot_ranges)
 
     def non_finite_error(self) -> ValueError | None:
         """The error naming the first FP8 weight and block of the last refresh that is not finite."""

@@ -109,6 +109,11 @@ def test_buckets_land_as_the_per_tensor_path_lands_them(use_kernel, dtype, bucke
             assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (name, rep)
         for p in got.values():
             p.fill_(float("nan"))
+    if use_kernel and bucket_bytes == 1 << 20:
+        # odd columns (up_proj's 5): one element per access; word runs 4 words per access where
+        # their offsets allow (a norm of 64), one where not (the 129-element norm)
+        ((words, _, _, vec),) = [p.tables for p in fused._plans.values()]
+        assert vec == 1 and set(words[:, 4].tolist()) == {0, 1}, (vec, words)
 
 
 def test_what_it_cannot_write_is_declined_and_the_per_tensor_load_gets_the_held_scales(use_kernel):
@@ -144,3 +149,33 @@ def test_what_it_cannot_write_is_declined_and_the_per_tensor_load_gets_the_held_
             if any(s.meta.dtype == FP8_DTYPE for s in b.slots) and b.slots[0].meta.name.endswith("_scale_inv")
         )
         assert fused.copy(fp8_bucket, bufs[fp8_bucket.index], _dests(fp8_bucket, p16), fused.begin(m)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_finite_e4m3_code_decodes_as_torch_decodes_it(use_kernel, dtype):
+    """All 254 finite codes (the two NaN codes the quantizer never writes left out), both signs of
+    zero, with scales whose products need rounding to bf16: the kernel's decode and product equal
+    torch's float32(q) * s rounded once."""
+    from weightsync.bus.plan import make_manifest
+    from weightsync.formats.fp8 import dequantize_torch
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes == 0x7F], codes[codes == 0xFF] = 0x00, 0x80
+    q = torch.cat([codes, codes.flip(0)]).reshape(2, 256)
+    for s in (0.75, 1.1, 3.0e-5, 2.0**-120):
+        scale = torch.full((1, 2), s, dtype=torch.float32)
+        metas = [TensorMeta("w_scale_inv", (1, 2), torch.float32), TensorMeta("w", (2, 256), FP8_DTYPE)]
+        (plan,) = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20).buckets
+        buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        buf[plan.slots[0].offset : plan.slots[0].offset + 8] = scale.view(torch.uint8).reshape(-1)
+        buf[plan.slots[1].offset : plan.slots[1].offset + 512] = q.reshape(-1)
+        out = torch.full((2, 256), float("nan"), dtype=dtype)
+        fused = FusedDequant(use_kernel=use_kernel)
+        assert fused.copy(
+            plan, buf, [None, out], fused.begin(make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 20))
+        ) == bucket_checksum(buf)
+        want = dequantize_torch(q.view(FP8_DTYPE), scale, dtype)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), s
+        if use_kernel:  # 256 columns: 16 elements per access
+            ((*_, vec),) = [p.tables for p in fused._plans.values()]
+            assert vec == 16, vec

@@ -28,16 +28,20 @@ for src in ("*bf16", "*fp16", "*fp32"):
     build(
         fp8_slots_triton._kernel(),
         {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "q_base": "*u8",
-         "s_base": "*fp32", "flag_ptr": "*i32", "BR": "constexpr", "BC": "constexpr", "FMAX": "constexpr",
-         "SMIN": "constexpr"},
-        {"BR": 128, "BC": 128, "FMAX": 448.0, "SMIN": 2.0**-126},
+         "s_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
+         "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr"},
+        {"BR": 128, "BC": 128, "RB": fp8_slots_triton.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126,
+         "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True},
     )
 build(
     fp8_dequant_slots_triton._kernel(),
     {"buf_bytes": "*u8", "buf_words": "*i32", "buf_f32": "*fp32", "word_base": "*i32", "bf16_base": "*i16",
      "f32_base": "*fp32", "word_ptr": "*i64", "n_word": "i32", "tensor_ptr": "*i64", "owner_ptr": "*i32",
-     "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr"},
-    {"WB": 4096, "WS": 16, "BR": 128, "BC": 128},
+     "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr",
+     "RB": "constexpr", "VEC": "constexpr", "WV": "constexpr"},
+    {"WB": fp8_dequant_slots_triton.WORD_BLOCK, "WS": fp8_dequant_slots_triton.WORD_STEPS, "BR": 128, "BC": 128,
+     "RB": fp8_dequant_slots_triton.TILE_ROWS, "VEC": fp8_dequant_slots_triton.MAX_VEC,
+     "WV": fp8_dequant_slots_triton.MAX_WV},
 )
 for x in ("*bf16", "*fp32"):
     build(

@@ -84,6 +84,14 @@ def test_every_shape_in_one_bucket_is_quantize_byte_for_byte(use_kernel, kind, d
     assert q.finite() and q.first_non_finite() is None
     if use_kernel:
         assert len(q.launches) == 1  # one launch for the whole bucket
+        assert q.launches[0].vec == 1 and q.word_sums() is None  # odd columns: one element per access
+        # the aligned shapes alone (columns and 256-byte slots multiples of 16): 16 per access
+        wide = [(i, s) for i, s in enumerate(SHAPES) if s[-1] % 16 == 0]
+        named = [named[i] for i, _ in wide]
+        b = Bucket([s for _, s in wide], start=40)
+        q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
+        q.run()
+        assert q.launches[0].vec == 16 and torch.equal(b.flat, b.expected(named))
 
 
 def test_rows_gathered_from_strided_views_and_two_buckets_and_dtypes(use_kernel):
@@ -173,3 +181,33 @@ def test_a_scale_in_the_bucket_before_its_weight(use_kernel):
     want_w[: w.numel()] = qq.reshape(-1).view(torch.uint8)
     assert torch.equal(scales, want_s) and torch.equal(weights, want_w)
     assert torch.equal(q.scales(q.weights[0]), ss)
+
+
+def test_the_slots_word_sums_complete_each_bucket_checksum(use_kernel):
+    """The sums the quantizer keeps of the e4m3 and scale words it wrote (`word_sums`, over
+    `slot_ranges`) plus a read of every other word give each bucket's `bucket_checksum`: poisoned
+    gaps, a tail that is not a whole word, and a scale whose slot ends the bucket before its weight's
+    (its word counted there). Odd columns (words across rows): no sums, the bucket is read whole."""
+    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.checksum_regions import KnownSums
+
+    shapes = [(300, 128), (128, 128), (3, 130, 64), (260, 16)]
+    named = [(f"w{i}", block_test_weights(s, "heavy", 30 + i, torch.bfloat16)) for i, s in enumerate(shapes)]
+    b = Bucket([tuple(t.shape) for _, t in named[:3]], start=40)
+    w = named[3][1]
+    (si,) = fp8_slots.stand_ins([(260, 16)])
+    nxt = torch.full((w.numel() + 3,), POISON, dtype=torch.uint8)  # its weight opens the next bucket
+    scale_at = -(-b.flat.numel() // 256) * 256
+    first = torch.full((scale_at + 4 * 3 + 2,), POISON, dtype=torch.uint8)  # the scale ends this one
+    first[: b.flat.numel()] = b.flat
+    weights = b.weights(0, named[:3], _whole) + [fp8_slots.SlotWeight("w3", 1, 0, scale_at, si, [(si, w)], 0)]
+    q = fp8_slots.plan([first, nxt], weights, use_kernel=use_kernel)
+    q.run()
+    assert q.word_sums() is not None and q.slot_ranges()[1] == [(0, w.numel())]
+    got = InFlightChecksums([first, nxt], KnownSums(q.word_sums(), q.slot_ranges())).values()
+    assert got == [bucket_checksum(first), bucket_checksum(nxt)]
+    odd = Bucket([(7, 200), (129, 257)])
+    ws = [(f"o{i}", block_test_weights(s, "randn", i, torch.bfloat16)) for i, s in enumerate([(7, 200), (129, 257)])]
+    q = fp8_slots.plan([odd.flat], odd.weights(0, ws, _whole), use_kernel=use_kernel)
+    q.run()
+    assert q.word_sums() is None

@@ -224,7 +224,7 @@ def test_the_fused_dequantize_is_warmed_with_one_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     seen = []
 
-    def launch(buf, bases, words, tensors, owners):
+    def launch(buf, bases, words, tensors, owners, *consts):
         seen.append((words.shape[0], tensors.shape[0], owners.numel()))
         return torch.zeros(2, dtype=torch.int64)
 

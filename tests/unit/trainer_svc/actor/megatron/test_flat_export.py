@@ -94,6 +94,7 @@ def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
         assert r["finite"] and not r["nan_finite"], f"{where}: {r}"
         assert r["nan_error"] == r["iter_error"] != "" and r["bad"] in r["nan_error"], f"{where}: {r}"
         assert r["quantized_bytes"] == r["fp8_bytes"] > 0, f"{where}: {r}"
+        assert r["known_sums"] and r["known_vs_read"], f"{where}: the quantizer's sums + the rest != checksums {r}"
         if kernel:
             assert r["torch_copies"] == 0 and 1 <= r["quant_launches"] <= 2 * r["buckets"], f"{where}: {r}"
         else:
