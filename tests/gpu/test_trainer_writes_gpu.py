@@ -210,7 +210,10 @@ def test_megatron_bf16_trainer_writes_into_the_engine_exactly(fleet):
         backend="megatron",
     )  # fmt: skip
     t.wait_ready(timeout=240)
-    r = fleet.rollout("r-mcore-tw", "--device", "cuda:0", "--dtype", "bfloat16", trainer_proc=t)
+    # in place: a staged rollout offers no destination table, and auto then reads from the trainer
+    r = fleet.rollout(
+        "r-mcore-tw", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", "inplace", trainer_proc=t
+    )
     r.wait_ready()
     wait_registered(t.address, ["r-mcore-tw"])
     for i in range(3):
