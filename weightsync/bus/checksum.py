@@ -288,17 +288,11 @@ class InFlightChecksums:
             self._start_known(bufs, reads, known.sums, device)
             return
         rest = _many_table(bufs[1:], whole[1:]) if len(bufs) > 1 else None  # (may copy to the GPU: not on the side)
-        self._side = side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._sums = [_whole_word_sums(bufs[0], whole[0])]
-            self._events = [torch.cuda.Event()]
-            self._events[0].record(side)
-            if len(bufs) > 1:
-                sums = _many_word_sums(rest, bufs[1:], whole[1:])
-                self._sums.extend(sums.unbind(0))
-                self._events.append(torch.cuda.Event())
-                self._events[1].record(side)
+        self._queue_on_side(
+            device,
+            lambda: _whole_word_sums(bufs[0], whole[0]),
+            lambda: _many_word_sums(rest, bufs[1:], whole[1:]).unbind(0),
+        )
 
     def _start_known(self, bufs, reads, known: torch.Tensor, device) -> None:
         """The GPU path with known sums: each buffer's other words, one launch each (first the first's)."""
@@ -307,14 +301,24 @@ class InFlightChecksums:
         for b, rd in zip(bufs, reads):
             region_table(b, rd)  # (may copy to the GPU: not on the side)
         self._known = known  # read on the side stream: kept alive until this object goes
+        self._queue_on_side(
+            device,
+            lambda: _read_sums(bufs[0], reads[0], known[0]),
+            lambda: [_read_sums(b, rd, known[i]) for i, (b, rd) in enumerate(zip(bufs, reads)) if i],
+        )
+
+    def _queue_on_side(self, device, first, rest) -> None:
+        """Queue, on a side stream after the caller's work so far (what wrote the buffers), `first()`
+        (the first buffer's word sums) then `rest()` (the others'), each followed by an event: the
+        first bucket's value waits for its own launch only."""
         self._side = side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))  # the quantizer that wrote the known sums
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._sums = [_read_sums(bufs[0], reads[0], known[0])]
+            self._sums = [first()]
             self._events = [torch.cuda.Event()]
             self._events[0].record(side)
-            if len(bufs) > 1:
-                self._sums.extend(_read_sums(b, rd, known[i]) for i, (b, rd) in enumerate(zip(bufs, reads)) if i)
+            if len(self._n) > 1:
+                self._sums.extend(rest())
                 self._events.append(torch.cuda.Event())
                 self._events[1].record(side)
 

@@ -168,21 +168,12 @@ class DeltaBase:
         slow = not self._fast_link()
         if slow != self._logged_slow:
             self._logged_slow = slow
-            if slow:
-                log.info(
-                    "auto on nccl: sync %s measured the link at %s < delta_link_gbps=%g: delta syncs from the "
-                    "next one (which keeps its base for the one after)",
-                    sync_id,
-                    _rate(rate),
-                    self.link_gbps,
-                )
-            else:
-                log.info(
-                    "auto on nccl: sync %s measured the link at %s >= delta_link_gbps=%g: full syncs, no base kept",
-                    sync_id,
-                    _rate(rate),
-                    self.link_gbps,
-                )
+            then = (
+                "< delta_link_gbps=%g: delta syncs from the next one (which keeps its base for the one after)"
+                if slow
+                else ">= delta_link_gbps=%g: full syncs, no base kept"
+            )
+            log.info("auto on nccl: sync %s measured the link at %s " + then, sync_id, _rate(rate), self.link_gbps)
 
     def check(self, transport: str) -> None:
         """ValueError when this trainer's encoding cannot be carried by `transport`."""
