@@ -5,6 +5,7 @@ to a built-in rollout took 51.5 s against 3.1 s one after another; on the CPU th
 about 1.4x. This runs the engine and its EngineGate in one process, 16 requests of 64 tokens, in the
 variants that separate the suspects, and prints each variant's time and the gaps between decode steps:
 - sequential, through the gate (the baseline);
+- a new thread per request, each started once the one before ended (a thread's first use of the GPU);
 - 16 threads taking turns (the rollout's behaviour);
 - 16 threads taking turns but never handing over (turns cost nothing);
 - 16 threads behind a plain lock, no gate (the gate is not involved);
@@ -52,7 +53,7 @@ def main() -> None:
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 10, 11], [10, 11, 12, 13, 14, 15]]
     sampling = SamplingParams(max_new_tokens=args.tokens, temperature=0.0)
 
-    def run(label: str, threads: bool, use_gate: bool = True) -> None:
+    def run(label: str, threads: bool, use_gate: bool = True, serial: bool = False) -> None:
         gate, lock, stamps = EngineGate(), threading.Lock(), []
 
         def one(k: int):
@@ -74,6 +75,8 @@ def main() -> None:
             ths = [threading.Thread(target=one, args=(k,)) for k in range(args.requests)]
             for t in ths:
                 t.start()
+                if serial:
+                    t.join()
             for t in ths:
                 t.join()
         else:
@@ -84,7 +87,13 @@ def main() -> None:
         q = (lambda p: f"{gaps[int(p * (len(gaps) - 1))] * 1e3:.2f}") if gaps else (lambda p: "-")
         print(f"{label}: {dt:.3f} s; gap between steps ms p50 {q(0.5)} p90 {q(0.9)} max {q(1.0)}", flush=True)
 
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    worker.start()
+    worker.join()
+    print(f"intra-op threads: main {torch.get_num_threads()}, a new thread {seen[0]}", flush=True)
     run("sequential, through the gate", threads=False)
+    run(f"{args.requests} threads, one after another", threads=True, serial=True)
     run(f"{args.requests} threads taking turns", threads=True)
     lead = gate_mod.MIN_LEAD_STEPS
     gate_mod.MIN_LEAD_STEPS = 1 << 30

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements that the open work waits for, in three device calls (each <= LIMIT s, default 560);
+# The GPU measurements that the open work waits for, in bounded device calls (each <= LIMIT s, default 560);
 # output under $OUT: result JSONs, and every step's whole log in $OUT/logs.tar.gz (kept whatever stops the call).
 #
 #   PART=a bash bench/run_pending_gpu.sh   # one GPU: the GPU tests of the new kernels (trainer writes, fused FP8
@@ -22,6 +22,9 @@
 #                                          # buckets (part c used 16 MiB), plain and with P2P and SHM off
 #   PART=g bash bench/run_pending_gpu.sh   # two GPUs: what sync_encoding=auto picks over NCCL at 1.5B, by the rate it
 #                                          # measures (NVLink: full, no base; P2P and SHM off: delta), then its GPU test
+#   PART=h bash bench/run_pending_gpu.sh   # one GPU: the trainer-writes, copy-and-checksum, FP8 slot and stream GPU
+#                                          # tests, megatron 7B and 1.5B colocated IPC in both directions, then the
+#                                          # built-in engine under 16 concurrent requests against one at a time
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -31,7 +34,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e, f or g}
+PART=${PART:?set PART to a, b, c, d, e, f, g or h}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -100,6 +103,14 @@ case "$PART" in
      step 200 auto_nvlink python3 bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6 \
        --out "$OUT/results_delta_nccl_auto_1.5b_$day.json"
      show auto_nvlink 12 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e, f or g" >&2; exit 2 ;;
+  h) step 200 gpu_tests "${PYTEST[@]}" tests/gpu/test_trainer_writes_gpu.py tests/gpu/test_verified_copy_gpu.py \
+       tests/gpu/test_fp8_slots_gpu.py tests/gpu/test_stream_gpu.py
+     show gpu_tests 25
+     step 250 services_megatron python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+       --ipc-direction trainer_writes,rollout_reads --reps 10 --out "$OUT/results_services_ipc_megatron_$day.json"
+     show services_megatron 14
+     step 120 builtin_concurrency python3 bench/bench_builtin_concurrency.py --device cuda:0
+     show builtin_concurrency 30 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f, g or h" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
