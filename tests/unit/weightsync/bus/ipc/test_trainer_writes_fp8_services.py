@@ -1,0 +1,129 @@
+"""A block-FP8 sync that the trainer writes into the engine (CUDA IPC, trainer_writes), through the real
+services on a CPU: export_dtype fp8-block, the built-in engine (which dequantizes) in inplace mode.
+
+The rollout's table covers the tensors as its engine holds them (each FP8 weight its bf16/fp32
+parameter, no scale); the trainer writes every weight dequantized and commits the sums of the FP8
+buckets. What the engine holds afterwards and the version's checksum must be exactly what an FP8
+rollout_reads sync of the same weights gives. Only the GPU boundary is faked (tests/support/fake_gpu.py);
+the packed export is what a CPU trainer sends (the megatron actor's fused path from its own buckets:
+tests/gpu/test_trainer_writes_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
+from tests.support.fleet_sync import bump_weights
+from tests.support.local_apps import local_fleet
+from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    gpu = FakeGpu()
+    # a bf16 engine: the unquantized tensors (embeddings, norms) travel as bf16 and are copied as words
+    fleet = local_fleet({"a": {"apply_mode": "inplace", "dtype": "bfloat16"}}, TOKEN, export_dtype="fp8-block")
+    with fleet as (trainer, rollouts, stub):
+        fake_gpu_boundary(trainer, rollouts["a"], gpu)
+        trainer.orch.bucket_bytes = 64 << 10  # several buckets, scales before their weights across them
+        yield trainer, rollouts["a"], stub, gpu
+
+
+def _sync(stub, direction: str):
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc", ipc_direction=direction)).report
+    assert report.ok, [r.error for r in report.rollouts]
+    return report
+
+
+def _params(app) -> dict[str, torch.Tensor]:
+    return {n: app.engine._target(n).detach().clone() for n in app.engine.param_metas()}
+
+
+def _poison(app) -> None:
+    with torch.no_grad():
+        for n in app.engine.param_metas():
+            app.engine._target(n).fill_(float("nan"))
+
+
+def test_the_trainer_writes_an_fp8_sync_as_rollout_reads_applies_it(pair):
+    trainer, app, stub, gpu = pair
+    for _ in range(2):
+        bump_weights(trainer)
+        report = _sync(stub, "rollout_reads")
+        assert "stream.trainer_writes" not in report.phase_seconds
+        read, read_sum = _params(app), app.tx.weights_checksum
+        assert any(p.dtype == torch.bfloat16 or p.dtype == torch.float32 for p in read.values())
+        _poison(app)  # every value the writes leave out would stay NaN
+        report = _sync(stub, "trainer_writes")  # the same version, written by the trainer
+        assert "stream.trainer_writes" in report.phase_seconds and report.num_buckets > 2
+        written = _params(app)
+        assert written.keys() == read.keys()
+        for n, t in read.items():
+            assert torch.equal(written[n], t), n
+        assert app.tx.weights_checksum == read_sum and app.tx.state == rollout_pb2.SERVING
+    ((_, (_, table)),) = app.servicer.ipc._offers.items()
+    names = {t.name for t in table.tensors}
+    assert names and not any(n.endswith("_scale_inv") for n in names)  # no scale has a destination
+    m = trainer.orch.manifests.manifest(
+        trainer.orch.export_format.metas(trainer.actor.export_metas()),
+        version=1,
+        sync_id="s",
+        bucket_bytes=trainer.orch.bucket_bytes,
+        quantization=trainer.orch.export_format.quantization,
+    )
+    fp8 = [s.meta for b in m.buckets for s in b.slots if s.meta.dtype == torch.float8_e4m3fn]
+    assert fp8
+    by_name = {t.name: t for t in table.tensors}
+    for meta in fp8:  # each FP8 weight as the engine's parameter
+        assert by_name[meta.name].dtype != bus_pb2.FLOAT8_E4M3FN and tuple(by_name[meta.name].shape) == meta.shape
+
+
+@pytest.mark.parametrize("edit", ["fp8_dtype", "scale_destination"])
+def test_a_table_that_does_not_match_the_fp8_manifest_is_refused_naming_the_tensor(pair, edit):
+    trainer, app, stub, _ = pair
+    bump_weights(trainer)
+    _sync(stub, "auto")
+    ipc_end, sender = app.servicer.ipc, trainer.orch.transports["ipc"]
+    ((key, (table_id, table)),) = ipc_end._offers.items()
+    bad = bus_pb2.IpcDestinations()
+    bad.CopyFrom(table)
+    metas = {m.name: m for m in trainer.orch.export_format.metas(trainer.actor.export_metas())}
+    weight = next(n for n in metas if n + "_scale_inv" in metas)
+    t = next(t for t in bad.tensors if t.name == weight)
+    if edit == "fp8_dtype":
+        t.dtype = bus_pb2.FLOAT16
+        want = f"tensor {weight}: destination dtype torch.float16; the trainer writes this torch.float8_e4m3fn weight"
+    else:
+        bad.tensors.add().CopyFrom(t)
+        bad.tensors[-1].name = weight + "_scale_inv"
+        want = f"tensor {weight}_scale_inv: has a destination in the rollout's table"
+    ipc_end._offers[key] = ("bad-" + table_id, bad)
+    bump_weights(trainer)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc", ipc_direction="trainer_writes")).report
+    assert not report.ok
+    (r,) = report.rollouts
+    assert want in r.error and "refused" in r.error, r.error
+    assert app.tx.state == rollout_pb2.STALE and "a" not in sender.dests
+    ipc_end._offers.clear()
+    _sync(stub, "trainer_writes")
+    assert app.tx.state == rollout_pb2.SERVING and app.tx.version == trainer.actor.version
+
+
+def test_a_rollout_whose_engine_loads_fp8_pairs_offers_no_table(pair, monkeypatch):
+    """An engine that runs the FP8 weights itself (SGLang serving an FP8 checkpoint) takes the pairs as
+    they are: nothing for the trainer to write dequantized; auto falls back to rollout_reads."""
+    trainer, app, stub, _ = pair
+    monkeypatch.setattr(app.engine, "loads_quantized", lambda q: True, raising=False)
+    m = trainer.orch.manifests.manifest(
+        trainer.orch.export_format.metas(trainer.actor.export_metas()),
+        version=1,
+        sync_id="s2",
+        bucket_bytes=trainer.orch.bucket_bytes,
+        quantization=trainer.orch.export_format.quantization,
+    )
+    app.servicer.ipc._offers.clear()
+    assert app.tx.write_metas(m) is None and app.servicer.ipc.destinations(m) is None
+    app.servicer.ipc._offers.clear()
