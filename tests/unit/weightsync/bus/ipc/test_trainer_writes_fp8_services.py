@@ -127,3 +127,132 @@ def test_a_rollout_whose_engine_loads_fp8_pairs_offers_no_table(pair, monkeypatc
     app.servicer.ipc._offers.clear()
     assert app.tx.write_metas(m) is None and app.servicer.ipc.destinations(m) is None
     app.servicer.ipc._offers.clear()
+
+
+class FlatFp8:
+    """What megatron's flat export does on a GPU (trainer_svc/actor/megatron/flat_buckets.py), for the hf
+    actor on the CPU: the manifest's buckets as flat buffers, the 16-bit tensors written into their
+    slots at each call and the FP8 weights quantized into theirs from the parameters (fp8_slots.py's
+    torch path), unless `quantize=False`. Records each call's `quantize`."""
+
+    def __init__(self, trainer):
+        self.trainer, self.calls, self._flats, self._quant = trainer, [], None, None
+
+    def install(self, monkeypatch) -> None:
+        actor = self.trainer.actor
+        for name in ("flat_buckets", "flat_fp8_weights", "flat_quantize", "flat_known_sums"):
+            monkeypatch.setattr(actor, name, getattr(self, name.removeprefix("flat_")), raising=False)
+
+    def buckets(self, manifest, quantize: bool = True):
+        from weightsync.formats import fp8_slots
+
+        self.calls.append(quantize)
+        params = dict(self.trainer.actor.export_tensors())  # the parameters themselves (float32)
+        slots = {s.meta.name: (k, s) for k, b in enumerate(manifest.buckets) for s in b.slots}
+        # fresh zeroed buffers at every call: FP8 slots left unwritten are zeros, never an older sync's bytes
+        self._flats = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        weights = []
+        for name, (k, slot) in slots.items():
+            if slot.meta.dtype == torch.float8_e4m3fn:
+                sk, sslot = slots[name + "_scale_inv"]
+                (si,) = fp8_slots.stand_ins([slot.meta.shape])
+                weights.append(fp8_slots.SlotWeight(name, k, slot.offset, sslot.offset, si, [(si, params[name])], sk))
+            elif name in params:  # (not a scale) the export's 16-bit tensors
+                t = params[name].to(slot.meta.dtype).contiguous()
+                self._flats[k][slot.offset : slot.offset + slot.meta.nbytes] = t.view(-1).view(torch.uint8)
+        self._quant = fp8_slots.plan(self._flats, weights, use_kernel=False)
+        if quantize:
+            self.quantize()
+        return self._flats
+
+    def fp8_weights(self):
+        return self._quant.weights
+
+    def quantize(self):
+        self._quant.run()
+        return None if self._quant.finite() else self._quant.first_non_finite()
+
+    def known_sums(self):
+        return None  # the stream reads every word
+
+
+@pytest.fixture
+def flat(pair, monkeypatch):
+    """The pair's trainer sending from its own buckets, as a GPU trainer does (StreamPhase._in_place
+    takes them on a CUDA device only: the session's device is said to be one while it asks)."""
+    from weightsync.publisher.stream_phase import StreamPhase
+
+    trainer, app, stub, gpu = pair
+    f = FlatFp8(trainer)
+    f.install(monkeypatch)
+    plain = StreamPhase._in_place
+
+    def in_place(self):
+        dev = self.session.device
+        self.session.device = torch.device("cuda")  # (the buffers stay on the CPU)
+        try:
+            return plain(self)
+        finally:
+            self.session.device = dev
+
+    monkeypatch.setattr(StreamPhase, "_in_place", in_place)
+    return f
+
+
+def test_from_the_actors_buckets_the_fp8_weights_are_not_quantized_first_and_a_refusal_falls_back(pair, flat):
+    """Expected to write (its target offered a table last time), the trainer leaves the FP8 slots
+    unwritten at prepare and dequantizes the weights from the parameters; when the rollout offers no
+    table after all, the stream quantizes into the buckets then and the rollout reads them. Every way,
+    the engine holds what an FP8 rollout_reads sync gives, and the same version checksum."""
+    trainer, app, stub, _ = pair
+    ipc_end = app.servicer.ipc
+    bump_weights(trainer)
+    report = _sync(stub, "rollout_reads")
+    assert flat.calls == [True] and "stream.trainer_writes" not in report.phase_seconds
+    read, read_sum = _params(app), app.tx.weights_checksum
+
+    def written_as_read(report, writes: bool):
+        assert ("stream.trainer_writes" in report.phase_seconds) == writes, report.phase_seconds
+        got = _params(app)
+        for n, t in read.items():
+            assert torch.equal(got[n], t), n
+        assert app.tx.weights_checksum == read_sum and app.tx.state == rollout_pb2.SERVING
+
+    _poison(app)
+    written_as_read(_sync(stub, "auto"), writes=True)  # no table held yet: quantized at prepare, written fused
+    _poison(app)
+    written_as_read(_sync(stub, "auto"), writes=True)
+    assert flat.calls[-1] is False  # the table is held: nothing quantized at prepare
+    offers = ipc_end.destinations
+    ipc_end.destinations = lambda manifest: None  # the rollout offers no table this time
+    try:
+        _poison(app)
+        report = _sync(stub, "auto")
+    finally:
+        ipc_end.destinations = offers
+    assert flat.calls[-1] is False and "stream.quantize" in report.phase_seconds  # quantized in the stream
+    written_as_read(report, writes=False)
+
+
+def test_a_non_finite_weight_fails_the_written_sync_naming_it_and_the_rollout_serves_no_part_of_it(pair, flat):
+    trainer, app, stub, _ = pair
+    bump_weights(trainer)
+    _sync(stub, "auto")
+    _sync(stub, "auto")  # the table is held: the next sync defers the quantize
+    version = app.tx.version
+    names = [m.name for m in trainer.orch.export_format.metas(trainer.actor.export_metas())]
+    bad = next(n for n in names if n + "_scale_inv" in names)
+    with torch.no_grad():
+        dict(trainer.actor.model.named_parameters())[bad][3, 5] = float("nan")
+    try:
+        trainer.actor.version += 1
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+        assert flat.calls[-1] is False and not report.ok
+        (r,) = report.rollouts
+        assert bad in r.error and "not finite" in r.error, r.error
+        assert app.tx.state == rollout_pb2.STALE and app.tx.version == version
+    finally:
+        with torch.no_grad():
+            dict(trainer.actor.model.named_parameters())[bad][3, 5] = 0.0
+    _sync(stub, "auto")
+    assert app.tx.state == rollout_pb2.SERVING and app.tx.version == trainer.actor.version
