@@ -27,6 +27,12 @@ and its write (the same registers; no second process re-reads the bytes after th
 write into the parameters by something else in the engine's process during the sync (generation is
 paused, but nothing re-reads the destination). An operator keeps
 the independent second read with `ipc_direction: rollout_reads`.
+
+A quantized manifest (block FP8 into the built-in engine, which dequantizes) is written the same way
+with a writer the publisher hands the session (`QuantizedWrites`: the bus imports no format;
+weightsync/formats/fp8_trainer_writes.py): the table covers the tensors as the engine holds them
+(`check`'s `allowed`: an FP8 weight as its 16- or 32-bit parameter, no scale), and the writer's stream
+dequantizes every weight into it with the same sums.
 """
 
 from __future__ import annotations
