@@ -86,6 +86,8 @@ class IpcReceiver(RolloutEnd):
         self._writes = ""
         if not spec.ipc.trainer_writes:
             return
+        if manifest.quantization is not None and not spec.ipc.writes_dequantized:
+            return  # a trainer that cannot take the engine's own tensors for a quantized manifest
         got = self.destinations(manifest)
         if got is None:
             return  # the trainer shares its buffers and this rollout copies, as without the request

@@ -358,6 +358,7 @@ class _IpcSession(Session):
         spec.ipc.host_id, spec.ipc.device_uuid = socket.gethostname(), self.uuid
         if self._can_write():
             spec.ipc.trainer_writes = True
+            spec.ipc.writes_dequantized = self.manifest is not None and self.manifest.quantization is not None
             held = self.owner.dests.get(getattr(entry, "rollout_id", ""))
             spec.ipc.dest_layout = held[0] if held else ""
         return spec

@@ -256,3 +256,76 @@ def test_a_non_finite_weight_fails_the_written_sync_naming_it_and_the_rollout_se
             dict(trainer.actor.model.named_parameters())[bad][3, 5] = 0.0
     _sync(stub, "auto")
     assert app.tx.state == rollout_pb2.SERVING and app.tx.version == trainer.actor.version
+
+
+def _fp8_manifest(trainer, sync_id: str):
+    return trainer.orch.manifests.manifest(
+        trainer.orch.export_format.metas(trainer.actor.export_metas()),
+        version=1,
+        sync_id=sync_id,
+        bucket_bytes=trainer.orch.bucket_bytes,
+        quantization=trainer.orch.export_format.quantization,
+    )
+
+
+def test_a_trainer_that_cannot_write_dequantized_is_offered_no_table_for_an_fp8_sync(pair):
+    """A trainer that predates `writes_dequantized` asks for trainer_writes of any manifest: the rollout
+    offers it no table of its engine's tensors for a quantized one (it would be refused), and reads."""
+    trainer, app, _, gpu = pair
+    from tests.support.fake_gpu import GPU
+
+    m = _fp8_manifest(trainer, "old-trainer")
+    assert app.servicer.ipc.destinations(m) is not None
+    for new in (False, True):
+        spec = bus_pb2.TransportSpec()
+        spec.ipc.device_uuid, spec.ipc.trainer_writes, spec.ipc.writes_dequantized = GPU, True, new
+        resp = rollout_pb2.PrepareSyncResponse()
+        app.servicer.ipc.prepare(spec, m, resp)
+        assert bool(resp.transport.ipc.dest_layout) is new
+
+
+def test_the_fp8_table_is_checked_against_the_pairs_naming_the_tensor(pair):
+    """check() with the FP8 writer's dtypes: an FP8 weight missing or of another shape, an unquantized
+    tensor of another dtype, a table with nothing but the FP8 metas' own dtypes (what a trainer would get
+    from a rollout that did not dequantize) are refused naming the tensor; the rollout's own table passes."""
+    from weightsync.bus.ipc.trainer_writes import DestinationError, check
+    from weightsync.formats.fp8_trainer_writes import Fp8Writes
+
+    trainer, app, _, _ = pair
+    m = _fp8_manifest(trainer, "check")
+    allowed = Fp8Writes().destination_dtypes(m)
+    _, table = app.servicer.ipc.destinations(m)
+    check(m, table, allowed)
+    metas = {s.meta.name: s.meta for b in m.buckets for s in b.slots}
+    weight = next(n for n in metas if n + "_scale_inv" in metas)
+    plain = next(n for n, x in metas.items() if x.dtype == torch.bfloat16)
+
+    def edited(name, **fields):
+        bad = bus_pb2.IpcDestinations()
+        bad.CopyFrom(table)
+        t = next(t for t in bad.tensors if t.name == name)
+        if fields.pop("drop", False):
+            bad.tensors.remove(t)
+        for k, v in fields.items():
+            if k == "shape":
+                del t.shape[:]
+                t.shape.extend(v)
+            else:
+                setattr(t, k, v)
+        return bad
+
+    shape = list(metas[weight].shape)
+    cases = [
+        (edited(weight, drop=True), f"tensor {weight}: the rollout's destination table lacks it"),
+        (edited(weight, shape=[shape[0] * 2, shape[1] // 2]), f"tensor {weight}: destination shape"),
+        (edited(weight, nbytes=4), f"tensor {weight}: destination nbytes 4 != "),
+        (edited(weight, dtype=bus_pb2.FLOAT8_E4M3FN), f"tensor {weight}: destination dtype torch.float8_e4m3fn;"),
+        (edited(plain, dtype=bus_pb2.FLOAT32), f"tensor {plain}: destination dtype torch.float32 != manifest's"),
+    ]
+    for bad, want in cases:
+        with pytest.raises(DestinationError) as err:
+            check(m, bad, allowed)
+        assert want in str(err.value), (want, str(err.value))
+    # without the writer's dtypes (the FP8 metas themselves): a scale without destination, or a weight's dtype
+    with pytest.raises(DestinationError, match=r"_scale_inv: the rollout's destination table lacks it|dtype torch\.bf"):
+        check(m, table)
