@@ -82,17 +82,24 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
         key = ("fused", tuple((w.name, w.bucket, w.q_offset, *(s.data_ptr() for _, s in w.pieces)) for w in weights))
         state = self.dests.writer_state
         if key not in state:
-            by_name = {
-                slot.meta.name: self.dests.buckets[k][j]
-                for k, plan in enumerate(self.manifest.buckets)
-                for j, slot in enumerate(plan.slots)
-            }
-            dests = [by_name.get(w.name) for w in weights]
+            # (bucket position, e4m3 offset, scale bucket, scale offset, destination) of each FP8 weight
+            where = {}
+            for k, plan in enumerate(self.manifest.buckets):
+                for j, slot in enumerate(plan.slots):
+                    if slot.meta.dtype == FP8_DTYPE:
+                        where[slot.meta.name] = [k, slot.offset, None, None, self.dests.buckets[k][j]]
+            for k, plan in enumerate(self.manifest.buckets):
+                for slot in plan.slots:
+                    w = weight_name(slot.meta.name)
+                    if w in where and slot.meta.dtype == SCALE_DTYPE:
+                        where[w][2:4] = [k, slot.offset]
+            # every FP8 weight of the manifest, at its slots: the sums then cover exactly those slots' words
             fused = None
-            if all(d is not None for d in dests) and len(weights) == sum(
-                m.dtype == FP8_DTYPE for m in slot_metas(self.manifest)
+            if len(weights) == len(where) and all(
+                w.name in where and where[w.name][:4] == [w.bucket, w.q_offset, w.scale_bucket, w.s_offset]
+                for w in weights
             ):
-                fused = fp8_write.plan(weights, dests, len(self.manifest.buckets))
+                fused = fp8_write.plan(weights, [where[w.name][4] for w in weights], len(self.manifest.buckets))
             for k in [k for k in state if k[0] == "fused"]:
                 del state[k]  # another set of sources (a re-planned actor): one kept
             state[key] = fused

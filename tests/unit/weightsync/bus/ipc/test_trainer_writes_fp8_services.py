@@ -213,6 +213,8 @@ def test_from_the_actors_buckets_the_fp8_weights_are_not_quantized_first_and_a_r
 
     def written_as_read(report, writes: bool):
         assert ("stream.trainer_writes" in report.phase_seconds) == writes, report.phase_seconds
+        # written: the writer took the FP8 weights from the parameters (nothing quantized in the stream)
+        assert ("stream.quantize" in report.phase_seconds) != writes, report.phase_seconds
         got = _params(app)
         for n, t in read.items():
             assert torch.equal(got[n], t), n
