@@ -23,6 +23,7 @@ gives, and the engine's parameters the same values. A non-finite weight fails th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -100,7 +101,7 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
                 for w in weights
             ):
                 fused = fp8_write.plan(weights, [where[w.name][4] for w in weights], len(self.manifest.buckets))
-            for k in [k for k in state if k[0] == "fused"]:
+            for k in [k for k in state if isinstance(k, tuple) and k[0] == "fused"]:
                 del state[k]  # another set of sources (a re-planned actor): one kept
             state[key] = fused
         self._fused = state[key]
@@ -118,8 +119,6 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
         then sent, dequantized from its FP8 bytes) without them."""
         if self._fused is None:
             return False
-        import time
-
         from weightsync.bus.verified_copy import copy_all_into
 
         t0 = time.perf_counter()
