@@ -4,7 +4,9 @@ Two levels: two processes sharing real CUDA IPC handles (an 'engine' process off
 this process validates, maps and writes with the fused copy-and-sum kernel: exact bytes after several
 syncs, every checksum equal to bucket_checksum of the packed bucket, a wrong table refused), and the
 real services (hf trainer, built-in rollout in inplace mode): every sync exact, no trainer buffer
-mapped by the rollout. Run: pytest -m gpu tests/gpu/test_trainer_writes_gpu.py
+mapped by the rollout. Block FP8: the fused quantize-dequantize write kernel compiled against the
+quantizer then the dequantizer, and megatron fp8-block trainer_writes into the built-in engine against
+an FP8 rollout_reads sync of the same weights. Run: pytest -m gpu tests/gpu/test_trainer_writes_gpu.py
 """
 
 from __future__ import annotations
