@@ -16,6 +16,12 @@ warm-up; wall clock with the interpreter):
   `quant_nosums`, the quantize launches without keeping them (the A/B of the sums' cost);
 - `dequant`: the rollout's fused dequantize of every bucket into engine parameters (bf16), its
   checksum included (weightsync/formats/fp8_dequant_slots.py), what the built-in engine's commit does;
+- `fused_write`: the FP8 weights quantized and dequantized in one launch straight from the parameters
+  into the engine's (weightsync/formats/fp8_write.py), their e4m3 and scale words summed, never stored;
+  `trainer_writes`: that plus the copy-and-checksum launch of every other byte of the buckets
+  (verified_copy.copy_all_into, FP8 and scale slots left out): the whole GPU work of a block-FP8 ipc
+  trainer_writes sync from the actor's own buckets (no `quant` at prepare; checked: the same engine
+  values as `dequant` and the same checksums as the FP8 buckets');
 - `copy`: a plain `copy_` of every bucket's bytes into a scratch buffer: the bandwidth baseline;
 - `quant_narrow`, `dequant_narrow` (with the kernels, unless `--no-narrow`): the same launches at
   VEC = 1 and every word run narrow, so each access moves one element, as both kernels did before
@@ -242,7 +248,37 @@ def main() -> int:
 
         return run
 
+    from weightsync.bus.verified_copy import copy_all_into, pending_values
+    from weightsync.formats import fp8_write
+
+    fp8_names = {m.name for m in metas if m.dtype == FP8_DTYPE}
+    by_name = {s.meta.name: e for b, row in zip(manifest.buckets, eparams) for s, e in zip(b.slots, row)}
+    writer = fp8_write.plan(
+        fe.fp8_weights(), [by_name[w.name] for w in fe.fp8_weights()], len(manifest.buckets), use_kernel=kernel
+    )
+    rest_dests = [
+        [None if s.meta.name in fp8_names else e for s, e in zip(b.slots, row)]
+        for b, row in zip(manifest.buckets, eparams)
+    ]
+    prepared: dict = {}
+
+    def fused_write():
+        with torch.no_grad():
+            return writer.run()
+
+    def trainer_writes():  # Fp8TrainerWriteSender.send_held's GPU work, without the host's reads
+        fp8 = fused_write()
+        pending = copy_all_into(manifest.buckets, views, rest_dests, prepared=prepared)
+        for i, p in enumerate(pending):
+            p.sums = p.sums + fp8[i]
+        return pending
+
+    moved["fused_write"] = 2 * fp8_elems + 2 * fp8_elems  # bf16 rows read, bf16 values written
+    moved["trainer_writes"] = moved["fused_write"] + 2 * plain_bytes
+
     steps = {"quant": quant, "copies": copies, "refresh": refresh, "checksum": sums, "dequant": dequant, "copy": copy}
+    if writer is not None:
+        steps["fused_write"], steps["trainer_writes"] = fused_write, trainer_writes
     if rest is not None:
         steps["checksum_rest"] = sums_rest
         moved["checksum_rest"] = sum(e - s for r in rest for s, e in r)
@@ -325,13 +361,15 @@ def main() -> int:
 
     if kernel:  # the widest accesses the launches' tables allow (16 elements, 4 words: 16 bytes)
         rec["quant_vec"] = sorted({la.vec for la in fe._quant.launches})
+        rec["fused_write_vec"] = sorted({la.vec for la in writer.launches}) if writer is not None else []
         rec["dequant_vec"] = sorted({p.tables[-1] for p in fused._plans.values()})
         w = [p.tables[0] for p in fused._plans.values()]
         rec["dequant_wide_words"] = sum(int((t[:, 1] * t[:, 4]).sum()) for t in w) / max(
             1, sum(int(t[:, 1].sum()) for t in w)
         )
         print(
-            f"launch VEC: quant {rec['quant_vec']}, dequant {rec['dequant_vec']}; "
+            f"launch VEC: quant {rec['quant_vec']}, dequant {rec['dequant_vec']}, fused write "
+            f"{rec['fused_write_vec']}; "
             f"{rec['dequant_wide_words']:.3f} of the dequant's words 4 per access"
         )
 
@@ -355,6 +393,14 @@ def main() -> int:
         ref.copy(plan, v, params, held)
     rec["dequant_matches_torch"] = got_e == checksum.bucket_checksum(eflat)
     print(f"quant == torch reference: {rec['quant_matches_torch']}; dequant == torch: {rec['dequant_matches_torch']}")
+    if writer is not None:  # the trainer's fused write: the rollout's dequantized values, the FP8 buckets' sums
+        refresh()
+        want_sums = [checksum.bucket_checksum(v) for v in views]
+        eflat.fill_(0xAB)
+        got_sums = pending_values(trainer_writes())
+        _sync(dev)
+        rec["trainer_writes_matches"] = got_sums == want_sums and checksum.bucket_checksum(eflat) == got_e
+        print(f"trainer_writes == dequant of the FP8 buckets (values, checksums): {rec['trainer_writes_matches']}")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -376,6 +422,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(rec, indent=1))
     ok = rec["quant_matches_torch"] and rec["dequant_matches_torch"] and rec.get("known_sums_match", True)
+    ok = ok and rec.get("trainer_writes_matches", True)
     return 0 if ok else 1
 
 

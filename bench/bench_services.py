@@ -20,6 +20,8 @@ Without --out a run is written to bench/results/results_services_<transport>_<UT
     python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
     python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
     python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
+    python bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+        --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10    # FP8 written by the trainer
     python bench/bench_services.py --models 1.5b,7b --backend megatron --out services_nccl_megatron.json
     OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
 """
@@ -327,7 +329,8 @@ def main() -> int:
         "--export-dtypes",
         default="",
         help="comma list of trainer export dtypes to run per model, e.g. bfloat16,fp8-block "
-        "(fp8-block: block-FP8 linear weights, dequantized by the rollout); default --dtype",
+        "(fp8-block: block-FP8 linear weights, dequantized by the rollout, or with --ipc-direction "
+        "trainer_writes by the trainer straight into the engine); default --dtype",
     )
     ap.add_argument(
         "--backend",

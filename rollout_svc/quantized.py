@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
 from weightsync.formats.fp8_import import Dequantizer, logical_metas
-from weightsync.formats.fp8_spec import BLOCK_FP8, check_supported, hf_quantization_config
+from weightsync.formats.fp8_spec import (
+    BLOCK_FP8,
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    SCALE_SUFFIX,
+    check_supported,
+    hf_quantization_config,
+)
 from weightsync.formats.fp8_warm import warm_dequantize as _warm_dequantize
 from weightsync.formats.fp8_warm import warm_dequantize_into_params
 
@@ -32,6 +39,36 @@ def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantize
     if engine.loads_quantized(q):
         return metas, None
     return metas, Dequantizer({n: m.dtype for n, m in engine.param_metas().items()})
+
+
+def write_metas(engine, manifest: Manifest) -> list[TensorMeta | None] | None:
+    """Per slot of a quantized manifest (in order over its buckets), what the trainer writes into the
+    engine when it writes the sync itself (ipc trainer_writes): each FP8 weight dequantized, as the
+    engine's parameter (its dtype, the weight's shape), nothing for a block scale, every other tensor
+    as sent. None when the engine does not take the weights dequantized (it loads the FP8 pairs
+    itself) or the manifest cannot be applied (its prepare says why)."""
+    q = manifest.quantization
+    try:
+        check_supported(q)
+        logical_metas(manifest.metas())  # complete pairs, scales of the weights' shapes
+        if engine.loads_quantized(q):
+            return None
+    except ValueError:
+        return None
+    dtypes = {n: m.dtype for n, m in engine.param_metas().items()}
+    metas = [slot.meta for plan in manifest.buckets for slot in plan.slots]
+    fp8 = {m.name for m in metas if m.dtype == FP8_DTYPE}
+    out: list[TensorMeta | None] = []
+    for m in metas:
+        if m.dtype == SCALE_DTYPE and m.name.endswith(SCALE_SUFFIX) and m.name[: -len(SCALE_SUFFIX)] in fp8:
+            out.append(None)
+        elif m.dtype == FP8_DTYPE:
+            if m.name not in dtypes:
+                return None  # the prepare refuses the manifest, naming the tensor
+            out.append(TensorMeta(m.name, m.shape, dtypes[m.name]))
+        else:
+            out.append(m)
+    return out
 
 
 def serves_same_quantization(hf_config, quantization) -> bool:

@@ -158,8 +158,8 @@ class BusConfig:
         "into the engine's parameters and checksums it in the same pass (one process touches the bytes; "
         "the rollout's independent second read is gone: docs/architecture.md, 'Trainer writes'); "
         "rollout_reads = the rollout copies out of the trainer's shared buffers and checksums what it read; "
-        "auto = trainer_writes where the one target offers it (inplace apply mode, builtin engine), "
-        "else rollout_reads",
+        "auto = trainer_writes where the one target offers it (inplace apply mode, builtin engine; "
+        "export_dtype fp8-block too: the trainer writes the weights dequantized), else rollout_reads",
     )
     delta_base_mb: int = field(
         32768,

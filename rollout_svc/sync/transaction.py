@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from rollout_svc.engine.base import Engine
-from rollout_svc.quantized import plan_apply
+from rollout_svc.quantized import plan_apply, write_metas
 from rollout_svc.sync.alarm import Alarm
 from rollout_svc.sync.apply import ApplyStrategy
 from rollout_svc.sync.apply_inplace import InPlaceApply
@@ -82,6 +82,11 @@ class SyncTransaction:
     def pending_sync_id(self) -> str:
         p = self._pending
         return p.manifest.sync_id if p else ""
+
+    def write_metas(self, manifest: Manifest):
+        """What the trainer writes into the engine for a quantized `manifest` when it writes the sync
+        itself (quantized.write_metas; None: it cannot)."""
+        return write_metas(self.engine, manifest)
 
     def pending_manifest(self, sync_id: str) -> Manifest | None:
         p = self._pending

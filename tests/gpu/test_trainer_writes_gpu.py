@@ -4,7 +4,9 @@ Two levels: two processes sharing real CUDA IPC handles (an 'engine' process off
 this process validates, maps and writes with the fused copy-and-sum kernel: exact bytes after several
 syncs, every checksum equal to bucket_checksum of the packed bucket, a wrong table refused), and the
 real services (hf trainer, built-in rollout in inplace mode): every sync exact, no trainer buffer
-mapped by the rollout. Run: pytest -m gpu tests/gpu/test_trainer_writes_gpu.py
+mapped by the rollout. Block FP8: the fused quantize-dequantize write kernel compiled against the
+quantizer then the dequantizer, and megatron fp8-block trainer_writes into the built-in engine against
+an FP8 rollout_reads sync of the same weights. Run: pytest -m gpu tests/gpu/test_trainer_writes_gpu.py
 """
 
 from __future__ import annotations
@@ -222,3 +224,91 @@ def test_megatron_bf16_trainer_writes_into_the_engine_exactly(fleet):
         rc, rep = _sync(t)
         assert rc == 0 and rep["ok"] and "stream.trainer_writes" in rep.get("phase_seconds", {}), rep
         _assert_exact(r, _reference_logits(t, fleet.tmp, f"mcore-tw{i}", "cuda:0", torch.bfloat16), int(rep["version"]))
+
+
+@needs_gpu
+def test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled():
+    """weightsync/formats/fp8_write.py compiled (the CPU tests run it under Triton's interpreter): bf16
+    and float32 parameters hold what fp8_slots' quantize then the rollout's dequantize give, bit for bit,
+    and the sums are those of the FP8 and scale slots the quantizer writes."""
+    from tests.support.fp8_weights import block_test_weights
+    from weightsync.bus.checksum import word_sums
+    from weightsync.formats import fp8, fp8_slots, fp8_write
+
+    shapes = [(4096, 4096), (300, 128), (129, 256), (3, 130, 144), (260, 304)]
+    named = [(f"w{i}", block_test_weights(s, "heavy", 40 + i, torch.bfloat16).cuda()) for i, s in enumerate(shapes)]
+    pos, places = 0, []
+    for s in shapes:
+        s_off = -(-pos // 256) * 256
+        q_off = -(-(s_off + 4 * int(torch.tensor(fp8.scale_shape(s)).prod())) // 256) * 256
+        places.append((s_off, q_off))
+        pos = q_off + int(torch.tensor(s).prod())
+    weights = [
+        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
+        for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins(shapes), places)
+    ]
+    flat = torch.zeros(pos + 3, dtype=torch.uint8, device="cuda:0")
+    q = fp8_slots.plan([flat], weights)
+    assert q.use_kernel
+    q.run()
+    want_sums = torch.zeros(1, 2, dtype=torch.int64, device="cuda:0")
+    for start, end in q.slot_ranges()[0]:
+        want_sums[0] += word_sums(flat[start:end].view(torch.int32))
+    for dtype in (torch.bfloat16, torch.float32):
+        dests = [torch.full(t.shape, float("nan"), dtype=dtype, device="cuda:0") for _, t in named]
+        f = fp8_write.plan(weights, dests, 1)
+        assert f is not None and f.use_kernel and len(f.launches) == 1
+        sums = f.run()
+        assert f.finite() and torch.equal(sums, want_sums), dtype
+        for (n, t), d, (s_off, q_off) in zip(named, dests, places):
+            nq = t.numel()
+            codes = flat[q_off : q_off + nq].view(torch.float8_e4m3fn).view(t.shape)
+            scales = flat[s_off : s_off + 4 * int(torch.tensor(fp8.scale_shape(t.shape)).prod())].view(torch.float32)
+            want = fp8.dequantize(codes, scales.view(fp8.scale_shape(t.shape)), dtype)
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(d.view(bits), want.view(bits)), (n, dtype)
+
+
+@needs_gpu
+def test_megatron_fp8_trainer_writes_into_the_engine_as_rollout_reads_applies_it(fleet):
+    """export_dtype fp8-block from megatron's flat buckets into the built-in engine (inplace, bf16): the
+    trainer writes the FP8 weights dequantized from its parameters (no quantize pass once the table is
+    held), and the engine then holds exactly what an FP8 rollout_reads sync of the same weights gives (the
+    same logits, bit for bit) with the same version checksum; also after a LoadWeights."""
+    pytest.importorskip("megatron.core")
+    from test_services_gpu import _load, _rollout_logits, _weights_dir
+
+    from weightsync.control.client import channel, rollout_stub, trainer_stub
+    from weightsync.local.procs import wait_registered
+    from weightsync.v1 import rollout_pb2, trainer_pb2
+
+    t = fleet.trainer(
+        "--transport", "ipc", "--init-seed", "3", "--param-dtype", "bfloat16", "--export-dtype", "fp8-block",
+        backend="megatron",
+    )  # fmt: skip
+    t.wait_ready(timeout=240)
+    r = fleet.rollout(
+        "r-mcore-fp8tw", "--device", "cuda:0", "--dtype", "bfloat16", "--apply-mode", "inplace", trainer_proc=t
+    )
+    r.wait_ready()
+    wait_registered(t.address, ["r-mcore-fp8tw"])
+    tstub = trainer_stub(channel(t.address), "", 300)
+    rstub = rollout_stub(channel(r.address), "", 60)
+
+    def sync(direction: str):
+        rep = tstub.Sync(trainer_pb2.SyncRequest(transport="ipc", ipc_direction=direction)).report
+        assert rep.ok, [x.error for x in rep.rollouts]
+        assert ("stream.trainer_writes" in rep.phase_seconds) == (direction == "trainer_writes"), rep.phase_seconds
+        st = rstub.GetStatus(rollout_pb2.GetStatusRequest())
+        logits, version = _rollout_logits(r)
+        assert version == rep.version and st.state == rollout_pb2.SERVING
+        return logits, st.weights_checksum, rep
+
+    for i in range(2):
+        if i == 1:
+            _load(t, _weights_dir(fleet.tmp, 13))
+        read_logits, read_sum, _ = sync("rollout_reads")
+        for _ in range(2):  # the first maps the table (quantized at prepare), the second defers the quantize
+            logits, csum, rep = sync("trainer_writes")
+            assert csum == read_sum and torch.equal(logits, read_logits), (i, rep.phase_seconds)
+        print(f"megatron fp8 trainer_writes: {rep.seconds * 1e3:.1f} ms, {dict(rep.phase_seconds)}")

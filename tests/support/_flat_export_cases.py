@@ -168,12 +168,14 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
     fe.refresh()
     want = _pack_all(m, export_tensors(actor.export_tensors()))
     r["after_step_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
+    r["trainer_writes"] = trainer_writes(fe, m, flats)
     bad = "model.layers.0.mlp.down_proj.weight"
     mname = "decoder.layers.0.mlp.linear_fc2.weight"
     from trainer_svc.actor.megatron.model import named_parameters_global
 
     with torch.no_grad():
         named_parameters_global(actor.model)[mname][1, 2] = float("nan")
+    r["nan_writes_error"] = trainer_writes(fe, m, flats)["error"]
     fe.refresh()
     r["nan_finite"] = fe.finite()
     r["nan_error"] = str(fe.non_finite_error())
@@ -186,6 +188,59 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
     r["bad"] = bad
     actor.shutdown()
     return r
+
+
+def trainer_writes(fe, m, flats) -> dict:
+    """ipc trainer_writes of the FP8 layout from the actor's own buckets (weightsync/formats/
+    fp8_trainer_writes.py) into a bf16 engine, its FP8 slots not quantized first (poisoned: never read):
+    the engine's parameters and the bucket checksums against the rollout_reads path's (the quantized
+    buckets dequantized by the rollout's FusedDequant, the checksums of their bytes)."""
+    from tests.support.fake_gpu import FakeGpu
+    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.ipc.trainer_writes import Destinations, offer
+    from weightsync.bus.plan import TensorMeta
+    from weightsync.formats.fp8_dequant_slots import FusedDequant
+    from weightsync.formats.fp8_trainer_writes import Fp8Writes
+
+    out: dict = {"error": ""}
+    writes = Fp8Writes()
+    allowed = writes.destination_dtypes(m)
+    slots = [s.meta for b in m.buckets for s in b.slots]
+    # each FP8 weight as a bf16 parameter (allowed: bf16 or float32), the rest as sent, no scale
+    wanted = [None if not ok else TensorMeta(x.name, x.shape, ok[0]) for x, ok in zip(slots, allowed)]
+    engine = {w.name: torch.full(w.shape, float("nan"), dtype=w.dtype) for w in wanted if w is not None}
+    ref = {n: torch.empty_like(t) for n, t in engine.items()}
+    # rollout_reads: the quantized buckets, dequantized by the rollout's kernel path (torch here)
+    fe.refresh()
+    views = [f[: b.nbytes] for b, f in zip(m.buckets, flats)]
+    fused = FusedDequant()
+    held = fused.begin(m)
+    want_sums, at = [], 0
+    for plan, v in zip(m.buckets, views):
+        params = [None if w is None else ref[w.name] for w in wanted[at : at + len(plan.slots)]]
+        at += len(plan.slots)
+        want_sums.append(bucket_checksum(v))
+        assert fused.copy(plan, v, params, held) == want_sums[-1]
+    # trainer_writes: the FP8 slots poisoned and not quantized; the writer dequantizes from the parameters
+    fe.refresh(quantize=False)
+    for b, ranges in enumerate(fe._quant.slot_ranges()):
+        for start, end in ranges:
+            flats[b][start:end] = 0xAB
+    gpu = FakeGpu()
+    table = offer(m, [engine[w.name] for w in wanted if w is not None], gpu.share, wanted)
+    dests = Destinations(m, table, gpu.open, allowed)
+    sender = writes.sender(dests, "r", m)
+    out["fused"] = sender.write_fp8_from(fe.fp8_weights())
+    try:
+        assert sender.send_held(list(m.buckets), views)
+        sender.flush()
+    except ValueError as exc:
+        out["error"] = str(exc)
+        return out
+    out["sums_equal"] = sender.checksums() == want_sums
+    out["params_differ"] = sorted(n for n, t in ref.items() if not torch.equal(engine[n], t))
+    out["engine_dtypes"] = sorted({str(t.dtype) for t in engine.values()})
+    return out
 
 
 def _force_kernel() -> None:

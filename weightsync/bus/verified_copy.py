@@ -102,17 +102,18 @@ def _check_buf(plan: BucketPlan, buf: torch.Tensor) -> None:
         )
 
 
-def _regions(plan: BucketPlan) -> list[tuple[int, int, int]]:
+def _regions(plan: BucketPlan, dests: Sequence[torch.Tensor | None] = ()) -> list[tuple[int, int, int]]:
     """The bucket's whole words as (first word, word count, slot index or -1 for a gap): each
     tensor's words go to its destination, the alignment gaps between them are only summed. A
-    tensor's last bytes that do not fill a word are summed with the gap after it."""
+    tensor's last bytes that do not fill a word are summed with the gap after it. A slot whose
+    destination (in `dests`) is None is left out, neither copied nor summed (`_skipped`)."""
     regions, pos = [], 0  # bytes of the bucket before `pos` are covered; a whole number of words
     for i, slot in enumerate(plan.slots):
         off, nb = slot.offset, slot.meta.nbytes  # offsets are aligned (plan.ALIGN): whole words
         if off > pos:
             regions.append((pos // 4, (off - pos) // 4, -1))
         whole = nb - nb % 4
-        if whole:
+        if whole and not (i < len(dests) and dests[i] is None):
             regions.append((off // 4, whole // 4, i))
         pos = off + whole
     end = plan.nbytes - plan.nbytes % 4
@@ -130,8 +131,10 @@ def copy_into(
     kernel=None,
 ):
     """Copy each slot of bucket `plan` from `buf` into `dests` (one per slot, its exact shape and
-    dtype) and return the bucket's checksum; None, with nothing copied, when a destination is
-    not laid out for it (not contiguous, or not 4-byte aligned): the caller copies another way.
+    dtype; None: a slot of whole words neither copied nor summed, whose sums the caller has from
+    elsewhere, which it adds to the returned ones) and return the bucket's checksum; None, with
+    nothing copied, when a destination is not laid out for it (not contiguous, or not 4-byte
+    aligned): the caller copies another way.
     `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
     `buf` unchanged until it has read the value). `sums_to`: given the word sums of `buf`'s whole
     words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py).
@@ -152,13 +155,19 @@ def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Ten
     end = n - n % 4
     words = _words(buf[:end])
     if kernel is None and not (buf.is_cuda and _fused()):
-        sums = word_sums(words)
+        if any(d is None for d in dests):
+            sums = torch.zeros(2, dtype=torch.int64, device=buf.device)
+            for first, count, _ in _regions(plan, dests):
+                sums += word_sums(words[first : first + count])
+        else:
+            sums = word_sums(words)
         for slot, dst in zip(plan.slots, dests):
-            _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
+            if dst is not None:
+                _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return sums_result(sums, buf, end, n, wait, sums_to)
     cfg = kernel or scatter_cuda.config()
     if cfg.kernel == "legacy":
-        sums = _scatter_cuda(words, _regions(plan), dests)
+        sums = _scatter_cuda(words, _regions(plan, dests), dests)
     else:
         sums = _scatter_vec([plan], [buf], [dests], cfg)[0]
     _copy_partial_words(plan, buf, dests)
@@ -169,6 +178,10 @@ def _laid_out(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor]
     """Whether every destination can take its slot as 32-bit words from `buf`'s device."""
     device = buf.device
     for slot, d in zip(plan.slots, dests):
+        if d is None:  # left out (summed elsewhere): only whole words can be
+            if slot.meta.nbytes % 4:
+                return False
+            continue
         # checked on the tensors themselves, no views: this runs for every tensor of every sync
         if (
             not d.is_contiguous()
@@ -185,7 +198,7 @@ def _copy_partial_words(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[tor
     next gap's)."""
     for slot, dst in zip(plan.slots, dests):
         nb = slot.meta.nbytes
-        if nb % 4:
+        if nb % 4 and dst is not None:
             whole = nb - nb % 4
             _byte_view(dst)[whole:].copy_(buf[slot.offset + whole : slot.offset + nb])
 
@@ -239,7 +252,12 @@ def _copy_all_one_launch(plans, bufs, dests, cfg, cache: dict | None) -> list[Pe
     sums = _scatter_vec(plans, bufs, dests, cfg, cache)
     odd = None if cache is None else cache.get("odd")
     if odd is None:  # (bucket, slot) of the tensors whose last bytes do not fill a word
-        odd = [(i, j) for i, plan in enumerate(plans) for j, slot in enumerate(plan.slots) if slot.meta.nbytes % 4]
+        odd = [
+            (i, j)
+            for i, plan in enumerate(plans)
+            for j, slot in enumerate(plan.slots)
+            if slot.meta.nbytes % 4 and dests[i][j] is not None
+        ]
         if cache is not None:
             cache["odd"] = odd
     for i, j in odd:
@@ -318,7 +336,7 @@ def _scatter_vec(plans, bufs, dests, cfg, cache: dict | None = None) -> torch.Te
         return _launch_vec(anchor, table, own, len(plans), cfg)
     buckets = []
     for plan, buf, ds in zip(plans, bufs, dests):
-        regions = tuple((first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan))
+        regions = tuple((first, count, ds[i].data_ptr() if i >= 0 else 0) for first, count, i in _regions(plan, ds))
         buckets.append((buf.data_ptr(), regions))
     key = (device.type, device.index, cfg.row_words, *buckets)
     hit = _VEC_TABLES.get(key)

@@ -101,6 +101,27 @@ def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float
     return time.perf_counter() - t0
 
 
+def warm_fused_write(device, dtypes=(torch.bfloat16, torch.float32)) -> float:
+    """Compile the kernel that writes FP8 weights dequantized straight into an engine's parameters
+    (fp8_write.py: a colocated ipc trainer_writes sync from the actor's own buckets) for sources of
+    `dtypes` on `device`; seconds it took (0.0 off-GPU or without triton). Pointers only: one compile
+    per source dtype for the launch's VEC of a real model (16); an odd layout compiles its own."""
+    device = _ready(device)
+    if device is None:
+        return 0.0
+    from weightsync.formats import fp8_slots, fp8_write
+
+    t0 = time.perf_counter()
+    for dtype in dtypes:
+        src = torch.zeros(16, 16, dtype=dtype, device=device)  # an allocation: rows 16-aligned, as a model's
+        out = torch.empty(16, 16, dtype=torch.bfloat16, device=device)
+        (stand_in,) = fp8_slots.stand_ins([(16, 16)])
+        weight = fp8_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
+        fp8_write.plan([weight], [out], 1, use_kernel=True).run()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def warm_dequantize_into_params(device) -> float:
     """Compile the fused dequantize-and-checksum kernel (fp8_dequant_slots_triton.py) on `device`; seconds
     it took (0.0 off-GPU or without triton). Pointers and one unspecialised count: one compile, for

@@ -64,6 +64,9 @@ class StreamPhase:
         self.senders: list[SenderResult] = []
         #: the actor's own storage as the buckets (GPU only), and their checksums started during prepare
         self.in_place_bufs: list | None = None
+        #: the actor left its block-FP8 slots unwritten at prepare (the sync was expected to write the
+        #: weights into the engine from its parameters): the stream writes them if it does not
+        self.fp8_deferred = False
         self.in_place_checksums: InFlightChecksums | None = None
         #: the stream's channel, kept open after the stream for targets that commit on it or whose
         #: stream end is awaited after their commit (ipc)
@@ -161,8 +164,16 @@ class StreamPhase:
         # (megatron's flat export, one launch per bucket); the others return None and the sync packs
         if flat is None or self.session.device.type != "cuda":
             return None
+        # a block-FP8 sync expected to be written into the engine (its one target offered a table last
+        # time): the writer dequantizes the weights straight from the parameters (fp8_trainer_writes.py),
+        # so the actor does not quantize them into its buckets first; `_hand_fp8` does if it must
+        defer = (
+            self.manifest.quantization is not None
+            and getattr(self.session, "expects_channel_sums", False)
+            and hasattr(self.fleet.actor, "flat_fp8_weights")
+        )
         try:
-            buffers = flat(self.manifest)
+            buffers = flat(self.manifest, quantize=False) if defer else flat(self.manifest)
         except Exception:  # an optimisation only: every parameter still holds its value; pack instead
             log.exception(
                 "sync %s: the actor could not lay its parameters out as the buckets; packing them",
@@ -171,6 +182,7 @@ class StreamPhase:
             return None
         if buffers is not None:
             self.session.use_in_place(buffers)
+            self.fp8_deferred = defer
         return buffers
 
     def _send_from_every_owner(self) -> list[int]:
@@ -213,9 +225,13 @@ class StreamPhase:
 
     def _send(self, export, in_place) -> list[int]:
         a = self.attempt
-        channel = a.delta.channel(
-            self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left()), set(a.prepared)
-        )
+        opened = self.session.open({rid: a.by_id[rid] for rid in a.prepared}, a.left())
+        try:
+            self._hand_fp8(opened, in_place)
+        except Exception:
+            opened.close()
+            raise
+        channel = a.delta.channel(opened, set(a.prepared))
         # A target on the sync link commits there (the cheapest round trip); one without a link,
         # on its IpcBuckets stream when it offered that; the rest call CommitSync.
         on_stream = [rid for rid, resp in a.prepared.items() if resp.commit_on_stream and not a.linked(rid)]
@@ -274,6 +290,32 @@ class StreamPhase:
                     self._stream_failed[rid] = err
             if channel is not self.commit_channel:
                 channel.close()
+
+    def _hand_fp8(self, channel, in_place) -> None:
+        """A block-FP8 sync from the actor's own buckets: a channel that writes into the engine takes
+        the FP8 weights from the parameters (`write_fp8_from`: one fused launch, no quantize pass);
+        otherwise buckets whose FP8 slots were left unwritten at prepare (`fp8_deferred`) are quantized
+        now, and their checksums started, as a prepare that expected no writes would have. A weight
+        that is not finite fails the stream naming it."""
+        if in_place is None or self.manifest.quantization is None:
+            return
+        actor = self.fleet.actor
+        weights = getattr(actor, "flat_fp8_weights", None)
+        take = getattr(channel, "write_fp8_from", None)
+        if weights is not None and take is not None and take(weights()):
+            return
+        if not self.fp8_deferred:
+            return
+        t0 = time.perf_counter()
+        err = actor.flat_quantize()
+        if err is not None:
+            raise ValueError(f"the trainer's weights are not finite: {err}")
+        if self.manifest.checksum_algo and not getattr(channel, "computes_checksums", False):
+            known = getattr(actor, "flat_known_sums", None)
+            self.in_place_checksums = InFlightChecksums(
+                in_place_views(self.manifest, in_place), known=known() if known is not None else None
+            )
+        self.attempt.phases.add("stream.quantize", time.perf_counter() - t0)
 
     def _liveness(self, channel) -> StreamLiveness:
         """The watch that drops, from `channel`, the targets whose sync links fall silent mid-stream."""

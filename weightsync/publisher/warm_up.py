@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
-from weightsync.formats.fp8_warm import warm_quantize, warm_quantize_slots
+from weightsync.formats.fp8_warm import warm_fused_write, warm_quantize, warm_quantize_slots
 
 log = logging.getLogger(__name__)
 
@@ -25,5 +25,7 @@ def warm_up(device, metas, quantized: bool, who: str = "trainer") -> None:
         took = warm_quantize(metas, device)
         # a one-rank actor's flat buckets quantize in place (trainer_svc/actor/megatron/flat_export.py)
         took += warm_quantize_slots(device)
+        # and writes them dequantized into a colocated engine (ipc trainer_writes, fp8_write.py)
+        took += warm_fused_write(device)
         if took:
             log.info("%s: FP8 quantize kernels ready on %s in %.2fs", who, device, took)

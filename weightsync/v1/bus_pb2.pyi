@@ -143,18 +143,20 @@ class NcclSenderGroup(_message.Message):
     def __init__(self, sender: _Optional[int] = ..., unique_id: _Optional[bytes] = ..., group_id: _Optional[str] = ..., new_group: _Optional[bool] = ...) -> None: ...
 
 class IpcTransport(_message.Message):
-    __slots__ = ("host_id", "device_uuid", "trainer_writes", "dest_layout", "destinations")
+    __slots__ = ("host_id", "device_uuid", "trainer_writes", "dest_layout", "destinations", "writes_dequantized")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_WRITES_FIELD_NUMBER: _ClassVar[int]
     DEST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DEQUANTIZED_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device_uuid: str
     trainer_writes: bool
     dest_layout: str
     destinations: IpcDestinations
-    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., trainer_writes: _Optional[bool] = ..., dest_layout: _Optional[str] = ..., destinations: _Optional[_Union[IpcDestinations, _Mapping]] = ...) -> None: ...
+    writes_dequantized: bool
+    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., trainer_writes: _Optional[bool] = ..., dest_layout: _Optional[str] = ..., destinations: _Optional[_Union[IpcDestinations, _Mapping]] = ..., writes_dequantized: _Optional[bool] = ...) -> None: ...
 
 class IpcDestinations(_message.Message):
     __slots__ = ("allocations", "tensors")

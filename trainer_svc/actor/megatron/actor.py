@@ -159,10 +159,21 @@ class MegatronActor:
             self._owners = tuple(export_owners(self.spec, self.par, self.rmap))
         return list(self._owners)
 
-    def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
+    def flat_buckets(self, manifest, quantize: bool = True) -> list[torch.Tensor] | None:
         """Rank 0 of a single-sender sync: the manifest's buckets written straight from this model, or
-        None (export and pack instead); flat_buckets.FlatBuckets.whole says when and how."""
-        return self.flat.whole(manifest)
+        None (export and pack instead); flat_buckets.FlatBuckets.whole says when and how (`quantize`
+        False: a block-FP8 layout's FP8 slots are left for `flat_quantize` or the engine writer)."""
+        return self.flat.whole(manifest, quantize=quantize)
+
+    def flat_fp8_weights(self):
+        """The FP8 weights of the last `flat_buckets` (FlatBuckets.fp8_weights): a sync that writes
+        into the engine dequantizes them straight from the parameters (fp8_trainer_writes.py)."""
+        return self.flat.fp8_weights()
+
+    def flat_quantize(self) -> ValueError | None:
+        """The FP8 slots of the last `flat_buckets(quantize=False)` written now; the error naming a
+        non-finite weight, or None (FlatBuckets.quantize_deferred)."""
+        return self.flat.quantize_deferred()
 
     def flat_known_sums(self):
         """The word sums the last `flat_buckets` already has of its buckets (its FP8 quantizer's

@@ -47,7 +47,7 @@ class FlatBuckets:
         """Forget the plan: the next sync plans afresh (benchmarks time the first plan this way)."""
         self._flat = None
 
-    def whole(self, manifest) -> list[torch.Tensor] | None:
+    def whole(self, manifest, quantize: bool = True) -> list[torch.Tensor] | None:
         """Rank 0: the manifest's buckets written straight from this model (flat_export.py), so a
         sync needs neither the per-tensor export nor the pack copy; the parameters that are their
         own HF bytes move into the buckets on the first call for a layout and stay there.
@@ -67,6 +67,9 @@ class FlatBuckets:
         by one launch per bucket, on a GPU with triton only (elsewhere the per-tensor export keeps
         its torch path); None also when a block is not finite, without naming it here: the packed
         export that the sync falls back to refuses the weights naming the tensor, as it always did.
+        `quantize=False`: the FP8 slots are not written (a sync expected to write the weights into the
+        engine from the parameters, weightsync/formats/fp8_trainer_writes.py); `quantize_deferred`
+        writes them if it does not after all.
         """
         par = self.actor.par
         if not manifest.layout_digest or self.actor.converter is not None or (par.pp, par.vpp, par.ep) != (1, 1, 1):
@@ -82,7 +85,7 @@ class FlatBuckets:
             return self.tp_exchange(manifest, part=False)
         if quantized and not self._quantizes_in_place(manifest):
             return None
-        return self._flat_buckets(manifest, part=False)
+        return self._flat_buckets(manifest, part=False, quantize=quantize)
 
     def own(self, manifest) -> list[torch.Tensor] | None:
         """Every rank of a multi-sender stream: `manifest`'s buckets (the ones this rank owns,
@@ -175,10 +178,26 @@ class FlatBuckets:
                 f"rank {self.actor.rmap.rank}: the TP group's flat-export exchange failed: {exc}"
             ) from exc
 
-    def _flat_buckets(self, manifest, *, part: bool) -> list[torch.Tensor] | None:
+    def _flat_buckets(self, manifest, *, part: bool, quantize: bool = True) -> list[torch.Tensor] | None:
         """The buckets of `manifest` from the layout's FlatExport (`_plan`), written (None: pack instead)."""
         flat = self._plan(manifest, part=part)
-        return None if flat is None else self._finite(flat, flat.refresh())
+        if flat is None:
+            return None
+        buffers = flat.refresh(quantize)
+        return self._finite(flat, buffers) if quantize else buffers
+
+    def fp8_weights(self):
+        """The kept plan's FP8 weights (fp8_slots.SlotWeight: their rows in the parameters, their slots
+        in the buckets): what a sync that writes into the engine dequantizes from (none without a plan)."""
+        return [] if self._flat is None else self._flat.fp8_weights()
+
+    def quantize_deferred(self) -> ValueError | None:
+        """Quantize the FP8 weights into the buckets of the last `whole(quantize=False)` now (the sync did
+        not write into the engine after all); the error naming the first non-finite weight, or None."""
+        if self._flat is None:
+            return None
+        self._flat.quantize()
+        return None if self._flat.finite() else self._flat.non_finite_error()
 
     def _plan(self, manifest, *, part: bool, tp=None):
         """The layout's FlatExport, planned once per layout digest and again when a parameter moved

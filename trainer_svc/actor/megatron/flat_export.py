@@ -222,6 +222,7 @@ class FlatExport:
                 "an FP8 weight is not whole rows of its parameter: this layout cannot be quantized in place"
             )
         self._slot_ranges = None  # the FP8 and scale slots' byte ranges per bucket (known_sums), once
+        self._quantized = False  # whether the FP8 and scale slots hold the last refresh's weights
         #: bytes of the FP8 weights and scales written by the quantize launches at each sync
         self.quantized_bytes = self._quant.bytes if self._quant is not None else 0
         self.aliased_bytes = sum(p.numel() * p.element_size() for p, _ in self._aliased)
@@ -241,19 +242,33 @@ class FlatExport:
         """A parameter's storage was replaced since the plan (the slots would not follow it)."""
         return any(p.data_ptr() != ptr for p, ptr in self._sources)
 
-    def refresh(self) -> list[torch.Tensor]:
+    def refresh(self, quantize: bool = True) -> list[torch.Tensor]:
         """Write every converted slot from its parameter (a launch or two) and quantize every FP8
-        weight into its slots (a launch per bucket); the buckets."""
+        weight into its slots (a launch per bucket); the buckets. `quantize=False`: the FP8 and scale
+        slots are left as they are (a sync that writes the weights into the engine from the parameters
+        themselves, weightsync/formats/fp8_write.py); `quantize()` writes them later if it must."""
         with torch.no_grad():
             if self._receives is not None:
                 self._receives.run()
             self._copy.run()
-            if self._quant is not None:
-                self._quant.run()
+            self._quantized = False
+            if quantize:
+                self.quantize()
         return self.flats
 
+    def quantize(self) -> None:
+        """Quantize every FP8 weight into its slots now (queued; `finite()` reads the flag)."""
+        if self._quant is not None:
+            with torch.no_grad():
+                self._quant.run()
+        self._quantized = True
+
+    def fp8_weights(self) -> list[fp8_slots.SlotWeight]:
+        """The FP8 weights: where their rows are in the parameters and their slots in the buckets."""
+        return [] if self._quant is None else list(self._quant.weights)
+
     def finite(self) -> bool:
-        """Whether every FP8 block of the last refresh was finite (one host synchronisation; True
+        """Whether every FP8 block of the last quantize was finite (one host synchronisation; True
         without FP8 weights)."""
         return self._quant is None or self._quant.finite()
 
@@ -261,8 +276,9 @@ class FlatExport:
         """The word sums the last refresh's quantize launches kept of what they wrote (its FP8 and
         scale slots: checksum_regions.KnownSums), so a bucket's checksum reads only its other
         bytes (the 16-bit tensors, about a quarter of a Qwen2's FP8 buckets); None without FP8
-        weights, or where a weight is not whole 32-bit words."""
-        if self._quant is None or self._quant.word_sums() is None:
+        weights, where a weight is not whole 32-bit words, or when the slots were not written since
+        the last refresh (`quantize=False`)."""
+        if self._quant is None or not self._quantized or self._quant.word_sums() is None:
             return None
         from weightsync.bus.checksum_regions import KnownSums
 

@@ -86,6 +86,8 @@ class IpcReceiver(RolloutEnd):
         self._writes = ""
         if not spec.ipc.trainer_writes:
             return
+        if manifest.quantization is not None and not spec.ipc.writes_dequantized:
+            return  # a trainer that cannot take the engine's own tensors for a quantized manifest
         got = self.destinations(manifest)
         if got is None:
             return  # the trainer shares its buffers and this rollout copies, as without the request
@@ -106,10 +108,13 @@ class IpcReceiver(RolloutEnd):
 
     def destinations(self, manifest) -> tuple[str, bus_pb2.IpcDestinations] | None:
         """(table id, table) of where `manifest`'s tensors go in the engine, or None when this rollout
-        cannot take writes: staged apply, a quantized or multi-sender sync, an engine that does not
-        offer its parameters (SGLang) or not on this GPU. Built and shared once per layout and engine."""
+        cannot take writes: staged apply, a multi-sender sync, a quantized one its engine does not
+        take dequantized (`tx.write_metas`: SGLang loading FP8 pairs), an engine that does not offer
+        its parameters (SGLang) or not on this GPU. Built and shared once per layout and engine. A
+        block-FP8 manifest's table covers the tensors as the engine holds them: each FP8 weight its
+        parameter (its dtype and shape), no scale (the trainer writes the weights dequantized)."""
         tx = self.tx
-        if getattr(tx, "apply_mode", "") != "inplace" or manifest.quantization is not None:
+        if getattr(tx, "apply_mode", "") != "inplace":
             return None
         if len(manifest.senders) > 1 or not manifest.layout_digest:
             return None
@@ -117,10 +122,13 @@ class IpcReceiver(RolloutEnd):
         key = (manifest.layout_digest, id(engine))
         if key in self._offers:
             return self._offers[key]
-        from weightsync.bus.ipc.trainer_writes import DestinationError, layout_id, offer
+        from weightsync.bus.ipc.trainer_writes import DestinationError, layout_id, offer, slot_metas
 
-        metas = [slot.meta for plan in manifest.buckets for slot in plan.slots]
-        params = engine.writable_params(metas)
+        wanted = slot_metas(manifest)
+        if manifest.quantization is not None:
+            write_metas = getattr(tx, "write_metas", None)
+            wanted = write_metas(manifest) if write_metas is not None else None
+        params = engine.writable_params([m for m in wanted if m is not None]) if wanted is not None else None
         got = None
         dev = torch.device(self.device) if self.device is not None else None
         share = self.share_fn  # (CPU tests stand in for CUDA IPC sharing)
@@ -132,7 +140,7 @@ class IpcReceiver(RolloutEnd):
             try:
                 # a fresh token per table: a restarted rollout (or a rebuilt engine) whose parameters
                 # land at the same addresses must not be taken for the one the trainer mapped
-                got = (f"{layout_id(manifest, params)}-{uuid.uuid4().hex[:16]}", offer(manifest, params, share))
+                got = (f"{layout_id(manifest, params)}-{uuid.uuid4().hex[:16]}", offer(manifest, params, share, wanted))
             except DestinationError:
                 got = None
         if len(self._offers) >= 4:  # layouts change rarely

@@ -313,8 +313,17 @@ class _IpcSession(Session):
         self.manifest = None
         #: rollout_id -> the Destinations this sync writes into (trainer_writes), set at accept
         self.writes: dict = {}
+        #: a quantized manifest's writer (trainer_writes.QuantizedWrites, `use_quantized_writes`): without
+        #: one such a sync never asks the rollout for a table
+        self.quantized_writes = None
         # the one target offered a table last time: it most likely does again (the sums wait for it)
-        self.expects_channel_sums = self.asked != "rollout_reads" and n_targets == 1 and len(owner.dests) == 1
+        self._had_table = len(owner.dests) == 1
+
+    @property
+    def expects_channel_sums(self) -> bool:
+        """Before prepare: whether this sync will most likely write into the engine (its target offered
+        a table last time, and the trainer can write this manifest), which then sums as it writes."""
+        return self._had_table and self._can_write()
 
     @property
     def direction(self) -> str:
@@ -323,6 +332,20 @@ class _IpcSession(Session):
 
     def use_manifest(self, manifest) -> None:
         self.manifest = manifest
+
+    def use_quantized_writes(self, writes) -> None:
+        """How this sync's quantized manifest is written into an engine (trainer_writes.QuantizedWrites,
+        from weightsync.formats, which the bus cannot import): its destination dtypes and its stream."""
+        self.quantized_writes = writes
+
+    def _can_write(self) -> bool:
+        """Whether the trainer can write this sync into an engine at all (a quantized one needs its writer)."""
+        quantized = self.manifest is not None and self.manifest.quantization is not None
+        return (
+            self.asked != "rollout_reads"
+            and self.n_targets == 1
+            and (not quantized or self.quantized_writes is not None)
+        )
 
     def use_in_place(self, buffers: list[torch.Tensor]) -> None:
         """The pipeline sends the actor's own bucket storage this sync (long-lived: shared once;
@@ -333,8 +356,9 @@ class _IpcSession(Session):
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         spec = bus_pb2.TransportSpec()
         spec.ipc.host_id, spec.ipc.device_uuid = socket.gethostname(), self.uuid
-        if self.asked != "rollout_reads" and self.n_targets == 1:
+        if self._can_write():
             spec.ipc.trainer_writes = True
+            spec.ipc.writes_dequantized = self.manifest is not None and self.manifest.quantization is not None
             held = self.owner.dests.get(getattr(entry, "rollout_id", ""))
             spec.ipc.dest_layout = held[0] if held else ""
         return spec
@@ -354,16 +378,17 @@ class _IpcSession(Session):
         """Take the rollout's destination table when this sync writes into its engine: "" or why the
         target cannot be synced (a table that does not match the manifest is an error, never a
         silent fallback)."""
-        from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, choose
+        from weightsync.bus.ipc.trainer_writes import Destinations, choose
 
         rid = getattr(entry, "rollout_id", "")
-        offered = bool(ipc.dest_layout)
+        offered = bool(ipc.dest_layout) and self._can_write()
         direction = choose(self.asked, self.n_targets, offered)
         if direction != "trainer_writes":
             if self.asked == "trainer_writes" and self.n_targets == 1:
                 return (
                     "ipc_direction=trainer_writes: the rollout offers no destination table (it must run "
-                    "apply_mode inplace with an engine that offers its parameters, unquantized): set "
+                    "apply_mode inplace with an engine that offers its parameters: the built-in engine, which "
+                    "takes block-FP8 weights dequantized; not SGLang, not staged, one sender): set "
                     "ipc_direction auto or rollout_reads"
                 )
             return ""
@@ -373,14 +398,19 @@ class _IpcSession(Session):
                 return "ipc: a destination table arrived before the sync's manifest was planned"
             self.owner.dests.pop(rid, None)  # the old mapping goes before the new one is opened
             try:
-                dests = Destinations(self.manifest, ipc.destinations, self.owner.open_fn)
-            except DestinationError as exc:
+                allowed = None
+                if self.manifest.quantization is not None:
+                    allowed = self.quantized_writes.destination_dtypes(self.manifest)
+                dests = Destinations(self.manifest, ipc.destinations, self.owner.open_fn, allowed)
+            except ValueError as exc:  # DestinationError, or a manifest the writer cannot pair
                 return f"ipc trainer_writes: the rollout's destination table is refused: {exc}"
             held = self.owner.dests[rid] = (ipc.dest_layout, dests)
         elif held is None or held[0] != ipc.dest_layout:
             return f"ipc trainer_writes: the rollout named table {ipc.dest_layout!r}, which this trainer does not hold"
         elif self.manifest is not None and held[1].digest != self.manifest.layout_digest:
             return "ipc trainer_writes: the rollout's table was made for another layout"
+        elif self.manifest is not None and held[1].logical != (self.manifest.quantization is not None):
+            return "ipc trainer_writes: the rollout's table was made for another quantization"
         self.writes[rid] = held[1]
         return ""
 
@@ -390,6 +420,8 @@ class _IpcSession(Session):
             from weightsync.bus.ipc.trainer_writes import TrainerWriteSender
 
             self.commit_on_stream = False  # no stream: the commit goes on the sync link or as CommitSync
+            if self.manifest is not None and self.manifest.quantization is not None:
+                return self.quantized_writes.sender(self.writes[writing[0]], writing[0], self.manifest)
             return TrainerWriteSender(self.writes[writing[0]], writing[0])
         if self.owner.stream is None:
             raise ValueError("transport=ipc: this trainer has no IpcBuckets stream opener (SyncOrchestrator gives one)")

@@ -27,19 +27,27 @@ and its write (the same registers; no second process re-reads the bytes after th
 write into the parameters by something else in the engine's process during the sync (generation is
 paused, but nothing re-reads the destination). An operator keeps
 the independent second read with `ipc_direction: rollout_reads`.
+
+A quantized manifest (block FP8 into the built-in engine, which dequantizes) is written the same way
+with a writer the publisher hands the session (`QuantizedWrites`: the bus imports no format;
+weightsync/formats/fp8_trainer_writes.py): the table covers the tensors as the engine holds them
+(`check`'s `allowed`: an FP8 weight as its 16- or 32-bit parameter, no scale), and the writer's stream
+dequantizes every weight into it with the same sums.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from weightsync.bus import dtypes
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.bus.plan import BucketPlan, Manifest, TensorMeta
 from weightsync.v1 import bus_pb2
 
 DIRECTIONS = ("auto", "rollout_reads", "trainer_writes")
@@ -54,11 +62,14 @@ def offer(
     manifest: Manifest,
     params: Sequence[torch.Tensor],
     share_storage: Callable[[torch.Tensor], bus_pb2.CudaIpcHandle],
+    wanted: Sequence[TensorMeta | None] | None = None,
 ) -> bus_pb2.IpcDestinations:
     """The destination table of `manifest`'s tensors (in slot order over its buckets), which live in
-    `params` (one per slot, each the exact tensor: contiguous, its dtype and shape): each distinct
-    storage shared once by `share_storage` (a flat uint8 tensor of the whole storage -> handle)."""
-    metas = [slot.meta for plan in manifest.buckets for slot in plan.slots]
+    `params` (one per tensor with a destination, each the exact tensor: contiguous, its dtype and
+    shape): each distinct storage shared once by `share_storage` (a flat uint8 tensor of the whole
+    storage -> handle). `wanted`: per slot, the tensor the engine takes (None: none, a block scale
+    whose weight the trainer writes dequantized); default the slots' own."""
+    metas = [m for m in (wanted if wanted is not None else slot_metas(manifest)) if m is not None]
     if len(params) != len(metas):
         raise DestinationError(f"{len(params)} parameters for the manifest's {len(metas)} tensors")
     out = bus_pb2.IpcDestinations()
@@ -88,6 +99,11 @@ def offer(
     return out
 
 
+def slot_metas(manifest: Manifest) -> list[TensorMeta]:
+    """Every tensor of `manifest`, in slot order over its buckets."""
+    return [slot.meta for plan in manifest.buckets for slot in plan.slots]
+
+
 def layout_id(manifest: Manifest, params: Sequence[torch.Tensor]) -> str:
     """What a destination table covers: the manifest's layout and every parameter's address. The
     rollout adds a fresh token to each table it builds (receiver.py): equal addresses in a restarted
@@ -102,15 +118,18 @@ def layout_id(manifest: Manifest, params: Sequence[torch.Tensor]) -> str:
 # ---- the trainer's side: validate, map, write -----------------------------------------------------------
 class Destinations:
     """A rollout's destination table, validated against a manifest and mapped into this process:
-    per bucket, one flat uint8 view per slot (where that tensor's bytes go)."""
+    per bucket, one view per slot (where that tensor's bytes go): flat uint8, or with `allowed` (a
+    quantized manifest, `check`) the engine's tensor in its dtype and shape, None for a slot that
+    has no destination."""
 
     def __init__(
         self,
         manifest: Manifest,
         table: bus_pb2.IpcDestinations,
         open_fn: Callable[[bus_pb2.CudaIpcHandle], torch.Tensor],
+        allowed: Sequence[tuple[torch.dtype, ...]] | None = None,
     ):
-        check(manifest, table)
+        check(manifest, table, allowed)
         self.digest = manifest.layout_digest
         self.maps = [open_fn(h) for h in table.allocations]  # each allocation once; unmapped when dropped
         for i, (m, h) in enumerate(zip(self.maps, table.allocations)):
@@ -119,57 +138,106 @@ class Destinations:
         by_name = {t.name: t for t in table.tensors}
         #: what verified_copy.copy_all_into checked and built for these views, kept from sync to sync
         self.prepared: dict = {}
+        #: what a quantized manifest's writer built for these views (QuantizedWrites.sender), kept likewise
+        self.writer_state: dict = {}
         self.buckets: list[list[torch.Tensor]] = []
+        #: the logical views (a quantized manifest): each bucket's tensors as the engine holds them
+        self.logical = allowed is not None
         for plan in manifest.buckets:
-            views = []
+            views: list = []
             for slot in plan.slots:
-                t = by_name[slot.meta.name]
-                views.append(self.maps[t.allocation][t.offset : t.offset + t.nbytes])
+                t = by_name.get(slot.meta.name)
+                if t is None:  # no destination (check allowed none)
+                    views.append(None)
+                    continue
+                raw = self.maps[t.allocation][t.offset : t.offset + t.nbytes]
+                if self.logical:
+                    raw = raw.view(dtypes.from_wire(t.dtype)).view(tuple(t.shape))
+                views.append(raw)
             self.buckets.append(views)
 
 
-def check(manifest: Manifest, table: bus_pb2.IpcDestinations) -> None:
+def check(
+    manifest: Manifest, table: bus_pb2.IpcDestinations, allowed: Sequence[tuple[torch.dtype, ...]] | None = None
+) -> None:
     """DestinationError naming the first tensor whose entry does not match the manifest exactly
     (missing, duplicated, unknown, another dtype, shape or size, outside its allocation, not on a
-    4-byte boundary: the kernel writes 32-bit words)."""
+    4-byte boundary: the kernel writes 32-bit words).
+
+    `allowed` (a quantized manifest, as the trainer's writer for it says): per slot, the dtypes its
+    destination may have, its shape the slot's (a block-FP8 weight is written dequantized into a
+    16- or 32-bit parameter); () for a slot that must have none (its block scale). Default: the
+    slot's own dtype."""
     seen: dict[str, bus_pb2.IpcDestTensor] = {}
     for t in table.tensors:
         if t.name in seen:
             raise DestinationError(f"tensor {t.name}: two destinations in the rollout's table")
         seen[t.name] = t
     n_alloc = len(table.allocations)
-    for plan in manifest.buckets:
-        for slot in plan.slots:
-            m = slot.meta
-            t = seen.pop(m.name, None)
-            if t is None:
-                raise DestinationError(f"tensor {m.name}: the rollout's destination table lacks it")
-            try:
-                dtype = dtypes.from_wire(t.dtype)
-            except ValueError:
-                dtype = None
-            if dtype != m.dtype:
+    metas = slot_metas(manifest)
+    if allowed is not None and len(allowed) != len(metas):
+        raise ValueError(f"{len(allowed)} allowed dtype sets for the manifest's {len(metas)} tensors")
+    for i, m in enumerate(metas):
+        ok = (m.dtype,) if allowed is None else tuple(allowed[i])
+        t = seen.pop(m.name, None)
+        if not ok:
+            if t is not None:
+                raise DestinationError(
+                    f"tensor {m.name}: has a destination in the rollout's table, but the trainer writes "
+                    "nothing of it into the engine (a block scale: its weight is written dequantized)"
+                )
+            continue
+        if t is None:
+            raise DestinationError(f"tensor {m.name}: the rollout's destination table lacks it")
+        try:
+            dtype = dtypes.from_wire(t.dtype)
+        except ValueError:
+            dtype = None
+        if dtype not in ok:
+            if allowed is None or ok == (m.dtype,):
                 raise DestinationError(f"tensor {m.name}: destination dtype {dtype} != manifest's {m.dtype}")
-            if tuple(t.shape) != tuple(m.shape):
-                raise DestinationError(
-                    f"tensor {m.name}: destination shape {list(t.shape)} != manifest's {list(m.shape)}"
-                )
-            if t.nbytes != m.nbytes:
-                raise DestinationError(f"tensor {m.name}: destination nbytes {t.nbytes} != manifest's {m.nbytes}")
-            if t.allocation >= n_alloc:
-                raise DestinationError(
-                    f"tensor {m.name}: allocation {t.allocation} out of range (the table shares {n_alloc})"
-                )
-            size = table.allocations[t.allocation].storage_size
-            if t.offset + t.nbytes > size:
-                raise DestinationError(
-                    f"tensor {m.name}: bytes [{t.offset}, {t.offset + t.nbytes}) run past its allocation's {size}"
-                )
-            if t.offset % 4:
-                raise DestinationError(f"tensor {m.name}: offset {t.offset} is not on a 4-byte boundary")
+            raise DestinationError(
+                f"tensor {m.name}: destination dtype {dtype}; the trainer writes this {m.dtype} weight "
+                f"dequantized into {' or '.join(str(d) for d in ok)}"
+            )
+        if tuple(t.shape) != tuple(m.shape):
+            raise DestinationError(f"tensor {m.name}: destination shape {list(t.shape)} != manifest's {list(m.shape)}")
+        if dtype == m.dtype and t.nbytes != m.nbytes:
+            raise DestinationError(f"tensor {m.name}: destination nbytes {t.nbytes} != manifest's {m.nbytes}")
+        if dtype != m.dtype and t.nbytes != math.prod(m.shape) * dtype.itemsize:
+            raise DestinationError(
+                f"tensor {m.name}: destination nbytes {t.nbytes} != {math.prod(m.shape) * dtype.itemsize} "
+                f"({dtype} {list(m.shape)})"
+            )
+        if t.allocation >= n_alloc:
+            raise DestinationError(
+                f"tensor {m.name}: allocation {t.allocation} out of range (the table shares {n_alloc})"
+            )
+        size = table.allocations[t.allocation].storage_size
+        if t.offset + t.nbytes > size:
+            raise DestinationError(
+                f"tensor {m.name}: bytes [{t.offset}, {t.offset + t.nbytes}) run past its allocation's {size}"
+            )
+        if t.offset % 4:
+            raise DestinationError(f"tensor {m.name}: offset {t.offset} is not on a 4-byte boundary")
     if seen:
         extra = sorted(seen)
         raise DestinationError(f"tensor {extra[0]}: in the rollout's destination table but not in the manifest")
+
+
+class QuantizedWrites(Protocol):
+    """How the trainer writes a quantized manifest into an engine that takes it dequantized (block FP8:
+    weightsync/formats/fp8_trainer_writes.py; the bus imports no format). The publisher hands one to
+    the sync's session (`use_quantized_writes`); without it a quantized sync is never written this way."""
+
+    def destination_dtypes(self, manifest: Manifest) -> list[tuple[torch.dtype, ...]]:
+        """Per slot (in order over the buckets), the dtypes its destination may have ((): none);
+        ValueError naming the tensor for a manifest it cannot write."""
+        ...
+
+    def sender(self, dests: Destinations, rid: str, manifest: Manifest) -> TrainerWriteSender:
+        """The stream of one sync into `dests` (validated with `destination_dtypes`)."""
+        ...
 
 
 def choose(direction: str, targets: int, offered: bool) -> str:
@@ -204,17 +272,22 @@ class TrainerWriteSender(BucketSender):
         self.phase_seconds: dict[str, float] = {}
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
-        from weightsync.bus.verified_copy import copy_into
-
-        pending = copy_into(plan, buf, self.dests.buckets[plan.index], wait=False)
-        if pending is None:
-            raise DestinationError(f"bucket {plan.index}: the engine's parameters cannot take it as words")
+        pending = self._write(plan, buf)
         self._pending.append(pending)
         self._events.append(pending.ready)
         if len(self._events) > 1 and self._events[-2] is not None:
             # bucket k-1's buffer may be refilled once send(k) returns: its read must be done (bucket
             # k's launch is already queued behind it, so the GPU does not idle meanwhile)
             self._events[-2].synchronize()
+
+    def _write(self, plan: BucketPlan, buf: torch.Tensor):
+        """Bucket `plan` from `buf` into the engine: its PendingChecksum (queued, not waited for)."""
+        from weightsync.bus.verified_copy import copy_into
+
+        pending = copy_into(plan, buf, self.dests.buckets[plan.index], wait=False)
+        if pending is None:
+            raise DestinationError(f"bucket {plan.index}: the engine's parameters cannot take it as words")
+        return pending
 
     def send_held(self, plans, bufs) -> bool:
         """The actor's own buckets: every one written by its fused launch, all queued on the current
@@ -240,6 +313,10 @@ class TrainerWriteSender(BucketSender):
         self._values = pending_values(self._pending)
         self.phase_seconds["wait"] = t1 - t0
         self.phase_seconds["read"] = time.perf_counter() - t1
+        self._check_written()
+
+    def _check_written(self) -> None:
+        """After the writes landed: raise if what was written may not be committed (a subclass's)."""
 
     def checksums(self) -> list[int]:
         return list(self._values)

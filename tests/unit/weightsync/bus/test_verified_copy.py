@@ -79,3 +79,28 @@ def test_pending_checksums_read_together_equal_each_read_alone():
         want.append(bucket_checksum(view))
     assert pending_values(pending) == [p.value() for p in pending] == want
     assert pending_values([]) == []
+
+
+def test_a_slot_without_destination_is_neither_copied_nor_summed_and_its_own_sums_complete_the_checksum():
+    """A None destination (block-FP8 trainer_writes: the fused kernel writes and sums that slot): its words
+    are left out of the copy's sums, which plus the slot's own word sums are the bucket's; a slot that is
+    not whole words cannot be left out."""
+    from weightsync.bus.checksum import from_sums, word_sums
+    from weightsync.bus.verified_copy import copy_all_into
+
+    plan, buf, view, named = _bucket(SHAPES)
+    dests = [torch.empty_like(t) for _, t in named]
+    dests[2] = None  # the float32 slot: whole words
+    pending = copy_into(plan, buf, dests, wait=False)
+    s = plan.slots[2]
+    own = word_sums(buf[s.offset : s.offset + s.meta.nbytes].view(torch.int32))
+    n = plan.nbytes
+    assert from_sums(pending.sums + own, pending.tail, n) == bucket_checksum(view)
+    assert from_sums(pending.sums, pending.tail, n) != bucket_checksum(view)
+    for i in (0, 1, 3):
+        assert torch.equal(dests[i].view(torch.uint8), named[i][1].contiguous().view(torch.uint8))
+    (all_one,) = copy_all_into([plan], [buf], [dests])
+    assert torch.equal(all_one.sums, pending.sums)
+    odd = [torch.empty_like(t) for _, t in named]
+    odd[0] = None  # 6 bytes: not whole words
+    assert copy_into(plan, buf, odd) is None

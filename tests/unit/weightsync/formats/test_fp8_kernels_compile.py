@@ -1,5 +1,6 @@
 """The FP8 kernels (fp8_quant_kernels.py, fp8_dequant_kernels.py: the per-tensor ones and the fused
-slot ones, which share their block arithmetic as jitted helpers) compile for an H100 (sm_90)
+slot ones, which share their block arithmetic as jitted helpers; fp8_write_kernels.py, which calls
+both's) compile for an H100 (sm_90)
 down to a cubin, on a machine without a GPU: Triton's interpreter, which the byte-for-byte tests use,
 accepts code the compiler refuses (a variable typed differently in two branches, a scalar mask).
 Skipped where triton is not installed (CI); run in a subprocess with a fresh cache, so it compiles."""
@@ -13,7 +14,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from weightsync.formats import fp8_dequant_slots_triton, fp8_slots_triton, fp8_triton
+from weightsync.formats import fp8_dequant_slots_triton, fp8_slots_triton, fp8_triton, fp8_write
+from weightsync.formats.fp8_write_kernels import write_slots
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -57,6 +59,15 @@ for out, bf16 in (("*i16", True), ("*fp32", False)):
          "n_cb": "i64", "BR": "constexpr", "BC": "constexpr", "OUT_BF16": "constexpr"},
         {"BR": 128, "BC": 128, "OUT_BF16": bf16},
     )
+for src in ("*bf16", "*fp32"):
+    for vec in (fp8_slots_triton.MAX_VEC, 4):
+        build(
+            write_slots,
+            {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "bf16_base": "*i16",
+             "f32_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
+             "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr"},
+            {"BR": 128, "BC": 128, "RB": fp8_write.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": vec},
+        )
 print("compiled")
 """
 

@@ -52,6 +52,7 @@ def test_warm_up_is_a_no_op_off_the_gpu(monkeypatch, device):
     assert fp8_warm.warm_quantize(_metas(torch.float32), device) == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), device) == 0.0
     assert fp8_warm.warm_quantize_slots(device) == 0.0
+    assert fp8_warm.warm_fused_write(device) == 0.0
     assert fp8_warm.warm_dequantize_into_params(device) == 0.0
     assert launches.quantize == launches.dequantize == []
 
@@ -62,6 +63,7 @@ def test_warm_up_is_a_no_op_without_triton(monkeypatch):
     assert fp8_warm.warm_quantize(_metas(torch.float32), "cuda:0") == 0.0
     assert fp8_warm.warm_dequantize(_metas(torch.bfloat16), "cuda:0") == 0.0
     assert fp8_warm.warm_quantize_slots("cuda:0") == 0.0
+    assert fp8_warm.warm_fused_write("cuda:0") == 0.0
     assert fp8_warm.warm_dequantize_into_params("cuda:0") == 0.0
     assert launches.quantize == launches.dequantize == []
 
@@ -76,6 +78,18 @@ def test_the_slot_quantizer_is_warmed_once_per_source_dtype(monkeypatch):
     monkeypatch.setattr(fp8_slots_triton, "launch", lambda src, *rest: seen.append((src.dtype, rest[2].numel())))
     assert fp8_warm.warm_quantize_slots("cuda:0") > 0
     assert seen == [(torch.bfloat16, 1), (torch.float32, 1)]  # one block each
+
+
+def test_the_fused_write_is_warmed_once_per_source_dtype_at_the_widest_access(monkeypatch):
+    """fp8_write.py's kernel (ipc trainer_writes of block FP8): one launch per parameter dtype, VEC 16."""
+    from weightsync.formats import fp8_write
+
+    monkeypatch.setattr(fp8_warm, "_ready", lambda device: torch.device("cpu"))  # as on a GPU with triton
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    seen = []
+    monkeypatch.setattr(fp8_write, "_launch", lambda la, bases, flag: seen.append((la.src_base.dtype, la.vec)))
+    assert fp8_warm.warm_fused_write("cuda:0") > 0
+    assert seen == [(torch.bfloat16, 16), (torch.float32, 16)]
 
 
 def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):

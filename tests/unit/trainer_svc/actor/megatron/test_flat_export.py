@@ -84,7 +84,10 @@ def _check(report: dict, kernel: bool = False) -> None:
 def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
     """Block-FP8 layouts: the flat buckets (FP8 weights quantized into their slots, one launch per
     bucket with the kernel) are the per-tensor export packed, byte for byte, before and after a step;
-    a nan weight is caught by the flag and named as the per-tensor export names it."""
+    a nan weight is caught by the flag and named as the per-tensor export names it. Written into an
+    engine by the trainer (ipc trainer_writes, the FP8 slots never quantized), the engine holds what
+    the rollout's dequantize of those buckets gives and the checksums are the buckets'; a nan weight
+    fails the write naming it."""
     assert len(cases) == 2, cases
     apart = 0
     for bucket, r in cases.items():
@@ -95,6 +98,11 @@ def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
         assert r["nan_error"] == r["iter_error"] != "" and r["bad"] in r["nan_error"], f"{where}: {r}"
         assert r["quantized_bytes"] == r["fp8_bytes"] > 0, f"{where}: {r}"
         assert r["known_sums"] and r["known_vs_read"], f"{where}: the quantizer's sums + the rest != checksums {r}"
+        # ipc trainer_writes from the actor's buckets, FP8 slots unwritten: the rollout_reads values and sums
+        tw = r["trainer_writes"]
+        assert tw["error"] == "" and tw["fused"] and tw["engine_dtypes"], f"{where}: {tw}"
+        assert tw["sums_equal"] and tw["params_differ"] == [], f"{where}: trainer_writes differs {tw}"
+        assert r["bad"] in r["nan_writes_error"] and "not finite" in r["nan_writes_error"], f"{where}: {r}"
         if kernel:
             assert r["torch_copies"] == 0 and 1 <= r["quant_launches"] <= 2 * r["buckets"], f"{where}: {r}"
         else:

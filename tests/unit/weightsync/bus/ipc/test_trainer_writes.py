@@ -359,3 +359,29 @@ def test_only_a_channel_that_can_drop_a_target_has_its_targets_watched_mid_strea
     assert not drops_targets(IpcStreamSender.__new__(IpcStreamSender))
     assert drops_targets(TcpBucketSender.__new__(TcpBucketSender))
     assert drops_targets(_DeltaChannel.__new__(_DeltaChannel))  # forwards drop to the tcp channel it wraps
+
+
+def test_a_quantized_manifest_is_asked_for_only_with_its_writer_and_says_so():
+    """Without a writer for its quantization (weightsync/formats, which the publisher hands the session)
+    a quantized sync never asks for a table, expects no channel sums and runs rollout_reads even if a
+    rollout answers with one; with it, the request says the trainer writes dequantized tensors."""
+    import dataclasses
+
+    from weightsync.bus.plan import Quantization
+
+    manifest, ipc = _manifest(), FakeIpc()
+    quantized = dataclasses.replace(manifest, quantization=Quantization("fp8", "e4m3", (128, 128)))
+    sender = _ipc_sender("auto", ipc)
+    sender.dests["r"] = ("t1", object())  # a table held from an earlier sync
+    s = sender.begin([_Entry("r")], "s1", 1 << 20)
+    s.use_manifest(quantized)
+    spec = s.spec_for(_Entry("r"))
+    assert not spec.ipc.trainer_writes and not spec.ipc.writes_dequantized and not s.expects_channel_sums
+    assert s.accept(_Entry("r"), _answer("t1")) == "" and s.direction == "rollout_reads"
+    s.use_quantized_writes(object())
+    spec = s.spec_for(_Entry("r"))
+    assert spec.ipc.trainer_writes and spec.ipc.writes_dequantized and s.expects_channel_sums
+    s = sender.begin([_Entry("r")], "s2", 1 << 20)
+    s.use_manifest(manifest)  # unquantized: no writer needed, and the request says nothing of dequantizing
+    spec = s.spec_for(_Entry("r"))
+    assert spec.ipc.trainer_writes and not spec.ipc.writes_dequantized

@@ -1,0 +1,139 @@
+"""The Triton kernel of a block-FP8 sync that the trainer writes into the engine (fp8_write.py): each
+128x128 block quantized and dequantized in registers, the dequantized values stored into the engine's
+parameter, the e4m3 codes and the scale only summed.
+
+It calls the quantizer's block scale and rounding (`abs_max`, `scale_of`, `to_e4m3`,
+fp8_quant_kernels.py) and the dequantizer's decode and rounding (`from_e4m3`, `to_bf16_bits`,
+fp8_dequant_kernels.py), so what it stores is bit for bit what quantizing (quant_slots) and then
+dequantizing (dequant_bucket) the same weights store, and its word sums are quant_tile's.
+
+Imported only by fp8_write.py, lazily: triton comes with CUDA builds of torch, not the CPU build.
+The helpers are imported as module globals because a `@triton.jit` function resolves the functions it
+calls among its module's globals (compiled, and under the CPU interpreter alike).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from weightsync.formats.fp8_dequant_kernels import from_e4m3, to_bf16_bits
+from weightsync.formats.fp8_quant_kernels import abs_max, scale_of, to_e4m3
+
+
+@triton.jit
+def write_tile(
+    src_base,
+    row_ptr,
+    bf16_base,
+    f32_base,
+    flag_ptr,
+    sums_ptr,
+    pid,
+    rows,
+    cols,
+    d_off,
+    row0,
+    k,
+    out_f32,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    RB: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Block k (row-major) of one weight, RB rows at a time in two passes as quant_tile: the block's
+    amax, then per tile the codes, their dequantized values (stored at element `d_off` of the
+    destination base of the parameter's dtype) and their word sums. VEC (constexpr): what every
+    weight's columns, destination offset and source row offsets in the launch are multiples of (a
+    multiple of 4: the sums need rows of whole words), multiplied back in so the compiler can see it."""
+    cols = (cols // VEC) * VEC
+    d_off = (d_off // VEC) * VEC
+    n_cb = (cols + BC - 1) // BC
+    r0 = (k // n_cb) * BR
+    c = (k % n_cb) * BC + tl.arange(0, BC)
+    cmask = c < cols
+    amax = 0.0
+    for i in range(BR // RB):
+        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+        rmask = r < rows
+        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
+        src = (src // VEC) * VEC
+        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
+    s = scale_of(amax, FMAX, SMIN)
+    s1 = tl.zeros([], dtype=tl.int64)
+    s2 = tl.zeros([], dtype=tl.int64)
+    for i in range(BR // RB):
+        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+        rmask = r < rows
+        mask = rmask[:, None] & cmask[None, :]
+        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
+        src = (src // VEC) * VEC
+        x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        code = to_e4m3(x, s, FMAX)
+        prod = from_e4m3(code.to(tl.uint8)) * s  # dequant_tile's product, rounded once below
+        offs = d_off + r[:, None] * cols + c[None, :]
+        if out_f32 != 0:
+            tl.store(f32_base + offs, prod, mask=mask)
+        else:
+            tl.store(bf16_base + offs, to_bf16_bits(prod), mask=mask)
+        # quant_tile's SUMS: the e4m3 words this block would have written (masked-off codes are 0)
+        words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+        s1 += tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
+        s2 += tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0)
+    tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
+    tl.store(sums_ptr + pid * 4, s1)
+    tl.store(sums_ptr + pid * 4 + 1, s2)
+    sw = s.to(tl.int32, bitcast=True)  # the scale's own word, in whichever bucket holds its slot
+    tl.store(sums_ptr + pid * 4 + 2, sw.to(tl.int64))
+    tl.store(sums_ptr + pid * 4 + 3, (sw * sw).to(tl.int64))
+
+
+@triton.jit
+def write_slots(
+    src_base,
+    row_ptr,
+    tensor_ptr,
+    owner_ptr,
+    bf16_base,
+    f32_base,
+    flag_ptr,
+    sums_ptr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    RB: tl.constexpr,
+    FMAX: tl.constexpr,
+    SMIN: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
+    rows = tl.load(tensor_ptr + t)
+    cols = tl.load(tensor_ptr + t + 1)
+    d_off = tl.load(tensor_ptr + t + 2)
+    row0 = tl.load(tensor_ptr + t + 3)
+    k = pid - tl.load(tensor_ptr + t + 4)  # this block's index in its matrix (row-major)
+    out_f32 = tl.load(tensor_ptr + t + 5)
+    write_tile(
+        src_base,
+        row_ptr,
+        bf16_base,
+        f32_base,
+        flag_ptr,
+        sums_ptr,
+        pid,
+        rows,
+        cols,
+        d_off,
+        row0,
+        k,
+        out_f32,
+        BR,
+        BC,
+        RB,
+        FMAX,
+        SMIN,
+        VEC,
+    )
