@@ -25,6 +25,9 @@
 #   PART=h bash bench/run_pending_gpu.sh   # one GPU: the trainer-writes, copy-and-checksum, FP8 slot and stream GPU
 #                                          # tests, megatron 7B and 1.5B colocated IPC in both directions, then the
 #                                          # built-in engine under 16 concurrent requests against one at a time
+#   PART=i bash bench/run_pending_gpu.sh   # one GPU: block-FP8 trainer_writes (its GPU tests and the fused
+#                                          # kernel's microbench), then megatron 7B and 1.5B, bf16 and fp8-block,
+#                                          # both writing into the engine, in the same services
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -34,7 +37,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e, f, g or h}
+PART=${PART:?set PART to a, b, c, d, e, f, g, h or i}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -111,6 +114,15 @@ case "$PART" in
      show services_megatron 14
      step 120 builtin_concurrency python3 bench/bench_builtin_concurrency.py --device cuda:0
      show builtin_concurrency 30 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e, f, g or h" >&2; exit 2 ;;
+  i) step 150 gpu_tests "${PYTEST[@]}" tests/gpu/test_trainer_writes_gpu.py -k fp8 tests/gpu/test_builtin_threads_gpu.py
+     show gpu_tests 25
+     step 100 fp8_kernels python3 bench/bench_fp8_slots.py --shape 7b --reps 5 --no-narrow \
+       --out "$OUT/results_fp8_slots_$day.json"
+     show fp8_kernels 25
+     step 300 services_fp8_tw python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+       --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
+       --out "$OUT/results_services_ipc_fp8_tw_megatron_$day.json"
+     show services_fp8_tw 20 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h or i" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
