@@ -180,9 +180,13 @@ def run(transport: str, model: str, args, deadline: float, separate: bool) -> di
         conn, theirs = mp.get_context("spawn").Pipe()
         child = mp.get_context("spawn").Process(target=_rollout_process, args=(model, theirs), daemon=True)
         child.start()
+        theirs.close()  # the child's end: a child that dies closes the pipe, and recv says so
         if not conn.poll(120):
             raise RuntimeError("the rollout process did not start within 120 s")
-        address = conn.recv()
+        try:
+            address = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the rollout process failed to start (exit code {child.exitcode})") from None
         trainer = start_trainer(**trainer_fields)
         ipc = trainer.orch.transports["ipc"]
         ipc.needs_cuda, ipc.uuid_of, ipc.open_fn = False, (lambda d: _SharedMemoryGpu.GPU), _SharedMemoryGpu.open
