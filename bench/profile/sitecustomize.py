@@ -90,6 +90,17 @@ def _wrap(obj, name: str, key: str) -> None:
     setattr(obj, name, timed)
 
 
+#: wrapped whenever their module loads, in any service (a megatron trainer's flat export, imported at
+#: its first sync; absent from an hf trainer): the parts of `t.in_place` and of the write pass
+OPTIONAL = [
+    ("trainer_svc.actor.megatron.flat_buckets", "FlatBuckets", "whole", "t.mg.flat_whole"),
+    ("trainer_svc.actor.megatron.flat_export", "FlatExport", "stale", "t.mg.stale"),
+    ("trainer_svc.actor.megatron.flat_export", "FlatExport", "refresh", "t.mg.refresh"),
+    ("weightsync.bus.copy_runs", "BatchedCopy", "run", "t.copy_runs"),
+    ("weightsync.bus.verified_copy", None, "copy_all_into", "t.copy_all_into"),
+    ("weightsync.bus.verified_copy", None, "pending_values", "pending_values"),
+]
+
 #: pieces not found once their modules had loaded (a renamed function): written with the timings
 MISSING: list[str] = []
 
@@ -118,7 +129,24 @@ def _patch() -> None:
                     else:
                         _wrap(owner, name, key)
                 threading.Thread(target=_dump, args=(role,), daemon=True).start()
+                threading.Thread(target=_patch_optional, daemon=True).start()
                 return
+        time.sleep(0.05)
+
+
+def _patch_optional() -> None:
+    """Wrap each OPTIONAL piece once its module has loaded (polled for 10 minutes)."""
+    left = list(OPTIONAL)
+    for _ in range(12000):
+        for piece in list(left):
+            mod, cls, name, key = piece
+            if mod in sys.modules:
+                owner = _owner(sys.modules, mod, cls, name)
+                if owner is not None:
+                    _wrap(owner, name, key)
+                    left.remove(piece)
+        if not left:
+            return
         time.sleep(0.05)
 
 
