@@ -234,6 +234,7 @@ def run(transport: str, model: str, args, deadline: float, separate: bool) -> di
             for k, v in row.items():
                 samples.setdefault(f"{variant}:{k}" if variant else k, []).append(v)
     finally:
+        _THREADED[0] = False
         if separate:
             trainer.stop()
             conn.send("stop")
