@@ -230,10 +230,11 @@ class SyncAttempt:
 
         One target on its sync link (a colocated CUDA IPC sync, most often): the request is sent on this
         thread, `meanwhile` runs, then the answer is read here, waiting already in the socket when the
-        rollout was quicker. No thread takes the call and none hands its answer back: two wake-ups fewer
-        on the path of every sync, and the trainer's own work no longer fights the call's thread for the
-        GIL. There is no other target to compare its silence with (`gather` would wait for it too), and its
-        link still gives up on it after liveness_timeout_s without a beat."""
+        rollout was quicker. No pool thread takes the call and none hands its answer back (three thread
+        wake-ups on the path of every sync: the pool's, the caller's once the call started, the caller's on
+        the answer), and the trainer's own work no longer fights the call's thread for the GIL. There is no
+        other target to compare its silence with (`gather` would wait for it too), and its link still gives
+        up on it after liveness_timeout_s without a beat."""
         if meanwhile is not None and len(calls) == 1 and self.rollouts.link_of(calls[0][0]) is not None:
             e, req = calls[0]
             finish = self.rollouts.send(e, "PrepareSync", req, timeout=self._prepare_timeout(req))
