@@ -203,12 +203,7 @@ class SyncAttempt:
                 )
                 calls.append((e, send_full, req))
             pending = []
-            answers = self._gather(
-                "prepare",
-                {e.rollout_id: self._prepare_call(e, req) for e, _, req in calls},
-                meanwhile,
-                on_late=self._late_prepare,
-            )
+            answers = self._prepare_answers([(e, req) for e, _, req in calls], meanwhile)
             meanwhile = None
             for e, sent_full, _ in calls:
                 if e.rollout_id not in answers:  # dropped: silent
@@ -230,17 +225,49 @@ class SyncAttempt:
             meanwhile()
         return out
 
+    def _prepare_answers(self, calls: list[tuple[RolloutEntry, rollout_pb2.PrepareSyncRequest]], meanwhile) -> dict:
+        """rollout_id -> (answer, error) of each PrepareSync in `calls`, `meanwhile` run once they are out.
+
+        One target on its sync link (a colocated CUDA IPC sync, most often): the request is sent on this
+        thread, `meanwhile` runs, then the answer is read here, waiting already in the socket when the
+        rollout was quicker. No pool thread takes the call and none hands its answer back (three thread
+        wake-ups on the path of every sync: the pool's, the caller's once the call started, the caller's on
+        the answer), and the trainer's own work no longer fights the call's thread for the GIL. There is no
+        other target to compare its silence with (`gather` would wait for it too), and its link still gives
+        up on it after liveness_timeout_s without a beat."""
+        if meanwhile is not None and len(calls) == 1 and self.rollouts.link_of(calls[0][0]) is not None:
+            e, req = calls[0]
+            finish = self.rollouts.send(e, "PrepareSync", req, timeout=self._prepare_timeout(req))
+            if finish is not None:
+                try:
+                    meanwhile()
+                finally:  # the answer is read even when the trainer's work failed: the link is free again
+                    answer = finish()
+                return {e.rollout_id: answer}
+        return self._gather(
+            "prepare",
+            {e.rollout_id: self._prepare_call(e, req) for e, req in calls},
+            meanwhile,
+            on_late=self._late_prepare,
+        )
+
     def _prepare_call(self, e: RolloutEntry, req: rollout_pb2.PrepareSyncRequest) -> Callable:
-        """The PrepareSync call to `e`, bounded by rpc_timeout_s, except for a prepare that pauses
-        generation before it answers (CUDA IPC trainer_writes: the rollout waits for its running
-        requests to finish, as an in-place sync's first bucket does). That wait belongs to the sync,
-        so the call is bounded by what is left of the sync's deadline, as the rollout bounds the
-        pause itself (timeout_seconds); a rollout that hangs still fails it within
-        liveness_timeout_s on its sync link (no beat), and over gRPC by the deadline."""
+        """The PrepareSync call to `e`, bounded by `_prepare_timeout`."""
+        timeout = self._prepare_timeout(req)
+        if timeout is None:
+            return functools.partial(self.rollouts.call, e, "PrepareSync", req)
+        return functools.partial(self.rollouts.call, e, "PrepareSync", req, timeout=timeout)
+
+    def _prepare_timeout(self, req: rollout_pb2.PrepareSyncRequest) -> float | None:
+        """rpc_timeout_s (None), except for a prepare that pauses generation before it answers (CUDA IPC
+        trainer_writes: the rollout waits for its running requests to finish, as an in-place sync's first
+        bucket does). That wait belongs to the sync, so the call is bounded by what is left of the sync's
+        deadline, as the rollout bounds the pause itself (timeout_seconds); a rollout that hangs still fails
+        it within liveness_timeout_s on its sync link (no beat), and over gRPC by the deadline."""
         t = req.transport
         if t.WhichOneof("kind") == "ipc" and t.ipc.trainer_writes:
-            return functools.partial(self.rollouts.call, e, "PrepareSync", req, timeout=self.left())
-        return functools.partial(self.rollouts.call, e, "PrepareSync", req)
+            return self.left()
+        return None
 
     def _late_prepare(self, rid: str, answer) -> None:
         """A dropped rollout answered after all (it resumed): what it prepared must never commit."""

@@ -27,6 +27,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from weightsync.bus.errors import TransportError
 from weightsync.config import parse_host_port
@@ -134,35 +135,70 @@ class SyncLinkClient:
         """(response, "") or (None, "CODE: details"); LinkDown if the request was not sent.
 
         `liveness`: give up after this many seconds without an answer or a beat (None: wait `timeout`)."""
+        return self.send(method, request, timeout, liveness)()
+
+    def send(self, method: str, request, timeout: float, liveness: float | None = None) -> Callable[[], tuple]:
+        """`call` in two halves: the request goes out now, and the function returned reads its answer
+        ((response, "") or (None, "CODE: details")), so the caller's own work runs in between on its own
+        thread. The link carries one request at a time: it stays taken until that function has run, which
+        the caller must call (also when its work in between failed). LinkDown if the request was not sent."""
         _, _, response_type = METHODS[NUMBER_OF[method]]
         deadline = time.monotonic() + timeout
-        with self._lock:
+        self._lock.acquire()
+        try:
+            sock = self._open(deadline, liveness)
+        except _Silent as exc:
+            self.silent = True
+            self._lock.release()
+            err = f"UNAVAILABLE: {exc}"
+            return lambda: (None, err)
+        except BaseException:
+            self._lock.release()
+            raise
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(frame(NUMBER_OF[method], request.SerializeToString()))
+        except OSError as exc:  # a failed send: the rollout cannot have read the whole request
+            self._drop()
+            self._lock.release()
+            raise LinkDown(f"sync link to {self.address}: send failed: {exc}") from None
+        except BaseException:
+            self._drop()  # part of a frame may be out: the next request must go on a fresh link
+            self._lock.release()
+            raise
+        read = []
+
+        def answer() -> tuple:
+            if read:
+                raise RuntimeError(f"sync link to {self.address}: the answer to {method} was already read")
+            read.append(True)
             try:
-                sock = self._open(deadline, liveness)
-            except _Silent as exc:
+                return self._answer_of(sock, method, response_type, timeout, deadline, liveness)
+            finally:
+                self._lock.release()
+
+        return answer
+
+    def _answer_of(self, sock: socket.socket, method: str, response_type, timeout: float, deadline: float, liveness):
+        """The answer to the request just sent on `sock` (under the link's lock), as `call` returns it."""
+        try:
+            status, payload = self._answer(sock, deadline, liveness)
+        except TimeoutError:
+            self._drop()  # its answer may still come: the next request must not read it
+            if time.monotonic() < deadline - 0.01:  # silent before the deadline: the liveness gave up
                 self.silent = True
-                return None, f"UNAVAILABLE: {exc}"
-            try:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock.sendall(frame(NUMBER_OF[method], request.SerializeToString()))
-            except OSError as exc:  # a failed send: the rollout cannot have read the whole request
-                self._drop()
-                raise LinkDown(f"sync link to {self.address}: send failed: {exc}") from None
-            try:
-                status, payload = self._answer(sock, deadline, liveness)
-            except TimeoutError:
-                self._drop()  # its answer may still come: the next request must not read it
-                if time.monotonic() < deadline - 0.01:  # silent before the deadline: the liveness gave up
-                    self.silent = True
-                    return None, (
-                        f"UNAVAILABLE: sync link to {self.address}: {method}: the rollout went silent (no answer "
-                        f"nor liveness beat for {liveness:.1f}s; liveness_timeout_s): stopped, hung or unreachable"
-                    )
-                return None, f"DEADLINE_EXCEEDED: sync link to {self.address}: {method} not answered in {timeout:.1f}s"
-            except (OSError, TransportError) as exc:
-                self._drop()
-                return None, f"UNAVAILABLE: sync link to {self.address}: {method}: {exc}"
-            self.silent = False
+                return None, (
+                    f"UNAVAILABLE: sync link to {self.address}: {method}: the rollout went silent (no answer "
+                    f"nor liveness beat for {liveness:.1f}s; liveness_timeout_s): stopped, hung or unreachable"
+                )
+            return None, f"DEADLINE_EXCEEDED: sync link to {self.address}: {method} not answered in {timeout:.1f}s"
+        except (OSError, TransportError) as exc:
+            self._drop()
+            return None, f"UNAVAILABLE: sync link to {self.address}: {method}: {exc}"
+        except BaseException:
+            self._drop()  # an answer left half read: the next request must not read the rest
+            raise
+        self.silent = False
         if status:
             return None, f"{status_code(status).name}: {payload.decode('utf-8', errors='replace')}"
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -42,22 +43,10 @@ class RolloutCalls:
         `timeout`: the call's bound instead of rpc_timeout_s, for a call whose handler waits on more
         than the rollout's own work (a PrepareSync that pauses generation); on the link, a rollout that
         goes silent still fails it after liveness_timeout_s."""
+        finish = self.send(entry, method, request, timeout)
+        if finish is not None:
+            return finish()
         timeout = self.rpc_timeout if timeout is None else timeout
-        link = self.link_of(entry) if method in LINK_METHODS else None
-        if link is not None:
-            try:
-                resp, err = link.call(method, request, timeout, self.liveness_timeout)
-            except LinkDown as exc:
-                log.warning(
-                    "%s; %s goes over gRPC (the link is tried again in %.0fs)",
-                    exc,
-                    method,
-                    max(0.0, link.retry_at - time.monotonic()),
-                )
-            else:
-                self.metrics.calls.labels("trainer", method, "link").inc()
-                self._learn_link(entry, method, resp)
-                return resp, err
         try:
             resp = getattr(entry.stub(self.token, timeout), method)(request)
         except grpc.RpcError as exc:
@@ -67,6 +56,37 @@ class RolloutCalls:
                 self.metrics.calls.labels("trainer", method, "grpc").inc()
         self._learn_link(entry, method, resp)
         return resp, ""
+
+    def send(
+        self, entry: RolloutEntry, method: str, request, timeout: float | None = None
+    ) -> Callable[[], tuple] | None:
+        """`call` over the rollout's sync link in two halves: the request goes out now and the function
+        returned reads its answer, so the caller's own work runs in between on the caller's thread (no
+        hand-off to another thread and back). None, with nothing sent, when the call cannot go over the
+        link now (no link offered, or it could not be opened): `call` then takes gRPC. The caller must call
+        the function, also when its work in between fails: the link carries one request at a time."""
+        timeout = self.rpc_timeout if timeout is None else timeout
+        link = self.link_of(entry) if method in LINK_METHODS else None
+        if link is None:
+            return None
+        try:
+            answer = link.send(method, request, timeout, self.liveness_timeout)
+        except LinkDown as exc:
+            log.warning(
+                "%s; %s goes over gRPC (the link is tried again in %.0fs)",
+                exc,
+                method,
+                max(0.0, link.retry_at - time.monotonic()),
+            )
+            return None
+
+        def finish() -> tuple:
+            resp, err = answer()
+            self.metrics.calls.labels("trainer", method, "link").inc()
+            self._learn_link(entry, method, resp)
+            return resp, err
+
+        return finish
 
     def link_of(self, entry: RolloutEntry) -> SyncLinkClient | None:
         """The sync link `entry`'s next PrepareSync / CommitSync / AbortSync takes; None: gRPC."""

@@ -45,3 +45,22 @@ def test_many_syncs_use_one_thread_and_a_failing_call_does_not_stop_it():
     a.arm(0.0, lambda: calls.append("after the failure"))
     assert _fired(calls, 1) == ["after the failure"]
     assert sum(t.name == "one-thread" for t in threading.enumerate()) == 1
+
+
+def test_a_steady_prepare_commit_cycle_never_wakes_the_thread_and_an_earlier_deadline_does():
+    """Each prepare arms a deadline later than the one the thread already waits for, each commit cancels:
+    neither wakes the thread (no switch on the handler's path); a deadline earlier than its wait does."""
+    calls, a = [], Alarm("steady")
+    a.arm(60, lambda: calls.append("first"))
+    deadline = time.monotonic() + 5
+    while a._wakes_at is None and time.monotonic() < deadline:  # the thread is in its timed wait
+        time.sleep(0.001)
+    assert a._wakes_at is not None
+    woken = a.wakeups
+    for i in range(100):
+        a.cancel()
+        a.arm(60 + i / 1000, lambda: calls.append("late"))
+    assert a.wakeups == woken and calls == []
+    a.arm(0.01, lambda: calls.append("earlier"))
+    assert a.wakeups == woken + 1
+    assert _fired(calls, 1) == ["earlier"]

@@ -209,3 +209,14 @@ def test_a_sender_naming_an_unknown_checksums_in_band_is_refused_and_a_short_che
         stream_buckets(m, iter(()), s, in_place=flats)
     with pytest.raises(ValueError, match=r"in_place_checksums has 1 for the manifest's \d+ buckets"):
         stream_buckets(m, iter(()), CollectingSender(), in_place=flats, in_place_checksums=InFlightChecksums(flats[:1]))
+
+
+def test_an_in_place_buffer_of_the_buckets_exact_size_is_its_own_view_a_longer_one_is_cut_to_it():
+    from weightsync.bus.pipeline import in_place_views
+
+    _, m = _setup()
+    exact = [torch.zeros(plan.nbytes, dtype=torch.uint8) for plan in m.buckets]
+    longer = [torch.zeros(plan.nbytes + 64, dtype=torch.uint8) for plan in m.buckets]
+    assert all(v is b for v, b in zip(in_place_views(m, exact), exact))  # no slice per bucket per sync
+    for plan, v, b in zip(m.buckets, in_place_views(m, longer), longer):
+        assert v.numel() == plan.nbytes and v.data_ptr() == b.data_ptr()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -269,3 +270,43 @@ def test_a_refused_connection_is_retried_within_a_second_a_refused_handshake_aft
     with pytest.raises(LinkDown):
         wrong.call("AbortSync", rollout_pb2.AbortSyncRequest(), 5)
     assert wrong.retry_at - time.monotonic() > 30
+
+
+def test_a_call_sent_in_two_halves_is_handled_before_its_answer_is_read_and_frees_the_link_after(fleet):
+    """SyncLinkClient.send: the request is out (the rollout handles it) before the caller reads the answer,
+    which it reads once; the link takes the next call only then. A send that never reached the rollout
+    raises LinkDown and leaves the link free."""
+    _, rollouts, _ = fleet
+    app = rollouts["a"]
+    client = SyncLinkClient(app.servicer.sync_link, TOKEN)
+    handled, abort = threading.Event(), app.servicer.AbortSync
+
+    def spy(request, context):
+        try:
+            return abort(request, context)
+        finally:
+            handled.set()
+
+    app.servicer.AbortSync = spy  # the link dispatches to the servicer's attribute
+    try:
+        answer = client.send("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="none"), 10)
+        assert handled.wait(10)  # answered by the rollout while nothing reads the link
+        assert not client._lock.acquire(blocking=False)  # one request at a time: taken until the answer is read
+        resp, err = answer()
+        assert err == "" and resp.state == app.tx.state
+        with pytest.raises(RuntimeError, match="already read"):
+            answer()
+        assert client.call("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="none"), 10)[1] == ""
+    finally:
+        del app.servicer.AbortSync
+        client.close()
+    refused = SyncLinkClient(f"127.0.0.1:{_free_port()}", TOKEN)
+    with pytest.raises(LinkDown, match="could not be opened"):
+        refused.send("AbortSync", rollout_pb2.AbortSyncRequest(sync_id="none"), 2)
+    assert refused._lock.acquire(blocking=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
