@@ -28,10 +28,6 @@
 #   PART=i bash bench/run_pending_gpu.sh   # one GPU: block-FP8 trainer_writes (its GPU tests and the fused
 #                                          # kernel's microbench), then megatron 7B and 1.5B, bf16 and fp8-block,
 #                                          # both writing into the engine, in the same services
-#   PART=j bash bench/run_pending_gpu.sh   # one GPU, LIMIT=330: the FP8 kernels' GPU tests with the GPU's own e4m3
-#                                          # conversions (and the built-in engine's threads), megatron 7B bf16 and
-#                                          # fp8-block trainer_writes in the same services (bit arithmetic if a
-#                                          # test failed), then the kernels' microbench
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -41,7 +37,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e, f, g, h, i or j}
+PART=${PART:?set PART to a, b, c, d, e, f, g, h or i}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -127,18 +123,6 @@ case "$PART" in
        --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
        --out "$OUT/results_services_ipc_fp8_tw_megatron_$day.json"
      show services_fp8_tw 20 ;;
-  j) step 110 gpu_tests "${PYTEST[@]}" tests/gpu/test_fp8_slots_gpu.py tests/gpu/test_builtin_threads_gpu.py \
-       tests/gpu/test_trainer_writes_gpu.py -k "compiled or qkv or fused_fp8 or cudnn or worker_thread"
-     show gpu_tests 14
-     grep -q " passed" "$LOGS/gpu_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/gpu_tests.log" \
-       || { export WS_FP8_HW_CONVERT=0; echo "== a GPU test failed: WS_FP8_HW_CONVERT=0 from here on"; }
-     step 210 services_fp8_tw python3 bench/bench_services.py --models 7b --transport ipc --backend megatron \
-       --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
-       --out "$OUT/results_services_ipc_fp8_tw_megatron_$day.json"
-     show services_fp8_tw 12
-     step 60 fp8_kernels python3 bench/bench_fp8_slots.py --shape 7b --reps 3 --no-narrow \
-       --out "$OUT/results_fp8_slots_hw_$day.json"
-     show fp8_kernels 16 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h, i or j" >&2; exit 2 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h or i" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"

@@ -56,27 +56,6 @@ def to_e4m3(x, s, FMAX: tl.constexpr):
 
 
 @triton.jit
-def to_e4m3_hw(x, s, FMAX: tl.constexpr):
-    """The e4m3fn values (float8e4nv) of x / s, clamped to +-FMAX, by the GPU's own conversion
-    (round to nearest even, two values per instruction on sm_89+): the codes of `to_e4m3` for
-    every finite input, in one instruction where `to_e4m3` takes about fifteen. A block holding a
-    NaN or infinite value has an infinite scale and is refused whatever its codes; the interpreter
-    (CPU tests) has no such conversion and takes `to_e4m3`."""
-    y = tl.div_rn(x, s)
-    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def e4m3_codes(x, s, FMAX: tl.constexpr, HW: tl.constexpr):
-    """The e4m3fn codes (int32, 0..255) of x / s: by the GPU's conversion (HW) or on the bits."""
-    if HW:
-        return to_e4m3_hw(x, s, FMAX).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        return to_e4m3(x, s, FMAX)
-
-
-@triton.jit
 def quant_block(
     x_ptr,
     q_ptr,
@@ -128,7 +107,6 @@ def quant_tile(
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
     SUMS: tl.constexpr,
-    HW: tl.constexpr,
 ):
     """Block k (row-major) of one tensor of quant_slots, RB rows at a time, in two passes: the
     block's amax, then its codes (the second read of its rows comes from the cache). The whole
@@ -164,7 +142,7 @@ def quant_tile(
         src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
         src = (src // VEC) * VEC
         x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        code = e4m3_codes(x, s, FMAX, HW)
+        code = to_e4m3(x, s, FMAX)
         tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
         if SUMS:
             # the ws-sum64 word sums of what this block wrote (its rows are whole 32-bit words: cols
@@ -201,7 +179,6 @@ def quant_slots(
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
     SUMS: tl.constexpr,
-    HW: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(owner_ptr + pid).to(tl.int64) * 6
@@ -232,5 +209,4 @@ def quant_slots(
         SMIN,
         VEC,
         SUMS,
-        HW,
     )

@@ -28,7 +28,6 @@ import torch
 from weightsync.bus.checksum import word_sums
 from weightsync.formats.fp8 import dequantize_torch, non_finite_error, quantize_torch
 from weightsync.formats.fp8_slots import SOURCE_DTYPES, SlotWeight, _row_sources
-from weightsync.formats.fp8_slots_triton import hw_convert
 from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
@@ -215,10 +214,7 @@ def _launch(la: Launch, bases: tuple[torch.Tensor, torch.Tensor], flag: torch.Te
     bf16_base, f32_base = bases
     grid = (la.owners.numel(),)
     args = (la.src_base, la.rows, la.tensors, la.owners, bf16_base, f32_base, flag, la.sums)
-    consts = dict(
-        BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=la.vec,
-        HW=hw_convert(la.owners.device),
-    )  # fmt: skip
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=la.vec)
     if la.owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         write_slots[grid](*args, **consts)
         return

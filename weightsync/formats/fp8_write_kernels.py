@@ -2,7 +2,7 @@
 128x128 block quantized and dequantized in registers, the dequantized values stored into the engine's
 parameter, the e4m3 codes and the scale only summed.
 
-It calls the quantizer's block scale and rounding (`abs_max`, `scale_of`, `to_e4m3`, `to_e4m3_hw`,
+It calls the quantizer's block scale and rounding (`abs_max`, `scale_of`, `to_e4m3`,
 fp8_quant_kernels.py) and the dequantizer's decode and rounding (`from_e4m3`, `to_bf16_bits`,
 fp8_dequant_kernels.py), so what it stores is bit for bit what quantizing (quant_slots) and then
 dequantizing (dequant_bucket) the same weights store, and its word sums are quant_tile's.
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from weightsync.formats.fp8_dequant_kernels import from_e4m3, to_bf16_bits
-from weightsync.formats.fp8_quant_kernels import abs_max, scale_of, to_e4m3, to_e4m3_hw
+from weightsync.formats.fp8_quant_kernels import abs_max, scale_of, to_e4m3
 
 
 @triton.jit
@@ -42,7 +42,6 @@ def write_tile(
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
-    HW: tl.constexpr,
 ):
     """Block k (row-major) of one weight, RB rows at a time in two passes as quant_tile: the block's
     amax, then per tile the codes, their dequantized values (stored at element `d_off` of the
@@ -73,25 +72,13 @@ def write_tile(
         src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
         src = (src // VEC) * VEC
         x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        code = to_e4m3(x, s, FMAX)
+        prod = from_e4m3(code.to(tl.uint8)) * s  # dequant_tile's product, rounded once below
         offs = d_off + r[:, None] * cols + c[None, :]
-        if HW:
-            # the GPU's conversions both ways and to bfloat16 (round to nearest even, as the bit
-            # arithmetic below and torch): the same values for every finite weight, in a third of
-            # the instructions; a non-finite block (infinite scale) is refused whatever it wrote
-            q = to_e4m3_hw(x, s, FMAX)
-            code = q.to(tl.uint8, bitcast=True).to(tl.int32)
-            prod = q.to(tl.float32) * s
-            if out_f32 != 0:
-                tl.store(f32_base + offs, prod, mask=mask)
-            else:
-                tl.store(bf16_base + offs, prod.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+        if out_f32 != 0:
+            tl.store(f32_base + offs, prod, mask=mask)
         else:
-            code = to_e4m3(x, s, FMAX)
-            prod = from_e4m3(code.to(tl.uint8)) * s  # dequant_tile's product, rounded once below
-            if out_f32 != 0:
-                tl.store(f32_base + offs, prod, mask=mask)
-            else:
-                tl.store(bf16_base + offs, to_bf16_bits(prod), mask=mask)
+            tl.store(bf16_base + offs, to_bf16_bits(prod), mask=mask)
         # quant_tile's SUMS: the e4m3 words this block would have written (masked-off codes are 0)
         words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
         s1 += tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
@@ -120,7 +107,6 @@ def write_slots(
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
-    HW: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(owner_ptr + pid).to(tl.int64) * 6
@@ -150,5 +136,4 @@ def write_slots(
         FMAX,
         SMIN,
         VEC,
-        HW,
     )

@@ -26,15 +26,14 @@ def build(fn, signature, constexprs):
     assert "cubin" in kernel.asm, sorted(kernel.asm)
 
 
-for src, hw in (("*bf16", True), ("*bf16", False), ("*fp16", True), ("*fp32", True)):
+for src in ("*bf16", "*fp16", "*fp32"):
     build(
         fp8_slots_triton._kernel(),
         {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "q_base": "*u8",
          "s_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
-         "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr",
-         "HW": "constexpr"},
+         "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr"},
         {"BR": 128, "BC": 128, "RB": fp8_slots_triton.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126,
-         "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True, "HW": hw},
+         "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True},
     )
 build(
     fp8_dequant_slots_triton._kernel(),
@@ -61,14 +60,13 @@ for out, bf16 in (("*i16", True), ("*fp32", False)):
         {"BR": 128, "BC": 128, "OUT_BF16": bf16},
     )
 for src in ("*bf16", "*fp32"):
-    for vec, hw in ((fp8_slots_triton.MAX_VEC, True), (fp8_slots_triton.MAX_VEC, False), (4, True)):
+    for vec in (fp8_slots_triton.MAX_VEC, 4):
         build(
             write_slots,
             {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "bf16_base": "*i16",
              "f32_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
-             "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "HW": "constexpr"},
-            {"BR": 128, "BC": 128, "RB": fp8_write.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": vec,
-             "HW": hw},
+             "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr"},
+            {"BR": 128, "BC": 128, "RB": fp8_write.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": vec},
         )
 print("compiled")
 """
