@@ -25,7 +25,6 @@ share this process (and its GIL): thread hand-offs cost more here than between t
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -38,23 +37,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_fixed_cost import LAYOUTS, write_config  # noqa: E402
+from bench.bench_fixed_cost import LAYOUTS, timed, write_config  # noqa: E402
 
 PHASES = ("plan", "prepare", "prepare.in_place", "stream", "stream.trainer_writes", "commit")
 #: the whole run's bound: each transport's services start once per round, and a sync takes milliseconds
 BUDGET_S = 170.0
-
-
-def _timed(fn, into: list):
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            into.append(time.perf_counter() - t0)
-
-    return wrapper
 
 
 def _in_place_on_cpu() -> None:
@@ -151,8 +138,8 @@ def _rollout_process(model: str, conn) -> None:
         app.servicer.ipc.check = lambda spec: gpu.GPU if spec.device_uuid == gpu.GPU else "GPU-other"
         app.servicer.ipc.share_fn = gpu.share
         side: dict[str, list[float]] = {"rollout.PrepareSync": [], "rollout.CommitSync": []}
-        app.servicer.PrepareSync = _timed(app.servicer.PrepareSync, side["rollout.PrepareSync"])
-        app.servicer.CommitSync = _timed(app.servicer.CommitSync, side["rollout.CommitSync"])
+        app.servicer.PrepareSync = timed(app.servicer.PrepareSync, side["rollout.PrepareSync"])
+        app.servicer.CommitSync = timed(app.servicer.CommitSync, side["rollout.CommitSync"])
         conn.send(app.grpc.address)
         conn.recv()  # stop
         conn.send(side)
@@ -197,8 +184,8 @@ def run(transport: str, model: str, args, deadline: float, separate: bool) -> di
         trainer, rollouts, stub = fleet.__enter__()
         app = rollouts["r0"]
         fake_gpu_boundary(trainer, app, gpu)
-        app.servicer.PrepareSync = _timed(app.servicer.PrepareSync, side["rollout.PrepareSync"])
-        app.servicer.CommitSync = _timed(app.servicer.CommitSync, side["rollout.CommitSync"])
+        app.servicer.PrepareSync = timed(app.servicer.PrepareSync, side["rollout.PrepareSync"])
+        app.servicer.CommitSync = timed(app.servicer.CommitSync, side["rollout.CommitSync"])
     try:
         trainer.orch.bucket_bytes = args.bucket_kb << 10  # below the config's 1 MiB floor: 7B's bucket count
         request = trainer_pb2.SyncRequest(transport=transport)
@@ -245,13 +232,13 @@ def run(transport: str, model: str, args, deadline: float, separate: bool) -> di
             fleet.__exit__(None, None, None)
     n = len(samples.get("seconds", [])) + len(samples.get("before:seconds", []))
     for k, v in side.items():
-        timed = v[-n:] if n else []  # one call each per sync: the timed syncs' are the last n
+        last = v[-n:] if n else []  # one call each per sync: the timed syncs' are the last n
         if args.ab:  # the timed syncs alternate after, before, ...
             first = args.warmup % 2  # the variant of the first timed sync: 0 after, 1 before
-            samples[k] = timed[first::2]
-            samples[f"before:{k}"] = timed[1 - first :: 2]
+            samples[k] = last[first::2]
+            samples[f"before:{k}"] = last[1 - first :: 2]
         else:
-            samples[k] = timed
+            samples[k] = last
     return {
         "transport": transport,
         "rollout": "own process" if separate else "this process",
