@@ -56,6 +56,33 @@ def to_e4m3(x, s, FMAX: tl.constexpr):
 
 
 @triton.jit
+def block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR: tl.constexpr, RB: tl.constexpr, VEC: tl.constexpr):
+    """The amax of a block whose rows start at `row_ptr[row0 + r0 ...]` (offsets in `src_base`, multiples
+    of VEC) and whose columns are `c` (`cmask`), read RB rows at a time (quant_tile says why)."""
+    amax = 0.0
+    for i in range(BR // RB):
+        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+        rmask = r < rows
+        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
+        src = (src // VEC) * VEC
+        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
+    return amax
+
+
+@triton.jit
+def code_word_sums(code, RB: tl.constexpr, BC: tl.constexpr):
+    """The ws-sum64 word sums (sum, sum of squares; int64) of an RB x BC tile of e4m3 codes stored as
+    bytes, rows of whole 32-bit words: bytes into little-endian words have disjoint bits, so the int32
+    sum is their OR (wrapping to the signed word, as a view of the bytes reads it); masked-off codes
+    are 0 and add nothing."""
+    words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+    s1 = tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
+    s2 = tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0)
+    return s1, s2
+
+
+@triton.jit
 def quant_block(
     x_ptr,
     q_ptr,
@@ -124,15 +151,7 @@ def quant_tile(
     r0 = (k // n_cb) * BR
     c = (k % n_cb) * BC + tl.arange(0, BC)
     cmask = c < cols
-    amax = 0.0
-    for i in range(BR // RB):
-        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = r < rows
-        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
-        src = (src // VEC) * VEC
-        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
-    s = scale_of(amax, FMAX, SMIN)
+    s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
     s1 = tl.zeros([], dtype=tl.int64)
     s2 = tl.zeros([], dtype=tl.int64)
     for i in range(BR // RB):
@@ -145,13 +164,11 @@ def quant_tile(
         code = to_e4m3(x, s, FMAX)
         tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
         if SUMS:
-            # the ws-sum64 word sums of what this block wrote (its rows are whole 32-bit words: cols
-            # and the offset are multiples of 4), so the bucket's checksum need not read them again;
-            # masked-off codes are 0 and add nothing. Bytes into little-endian words: disjoint bits,
-            # so the int32 sum is their OR (wrapping to the signed word, as a view of the bytes reads it)
-            words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
-            s1 += tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
-            s2 += tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0)
+            # the word sums of what this block wrote (its rows are whole 32-bit words: cols and the
+            # offset are multiples of 4), so the bucket's checksum need not read them again
+            t1, t2 = code_word_sums(code, RB, BC)
+            s1 += t1
+            s2 += t2
     tl.store(s_base + s_off + k, s)
     tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
     if SUMS:

@@ -2,10 +2,11 @@
 128x128 block quantized and dequantized in registers, the dequantized values stored into the engine's
 parameter, the e4m3 codes and the scale only summed.
 
-It calls the quantizer's block scale and rounding (`abs_max`, `scale_of`, `to_e4m3`,
-fp8_quant_kernels.py) and the dequantizer's decode and rounding (`from_e4m3`, `to_bf16_bits`,
-fp8_dequant_kernels.py), so what it stores is bit for bit what quantizing (quant_slots) and then
-dequantizing (dequant_bucket) the same weights store, and its word sums are quant_tile's.
+It calls the quantizer's block amax, scale, rounding and word sums (`block_amax`, `scale_of`,
+`to_e4m3`, `code_word_sums`, fp8_quant_kernels.py) and the dequantizer's decode and rounding
+(`from_e4m3`, `to_bf16_bits`, fp8_dequant_kernels.py), so what it stores is bit for bit what
+quantizing (quant_slots) and then dequantizing (dequant_bucket) the same weights store, and its word
+sums are quant_tile's.
 
 Imported only by fp8_write.py, lazily: triton comes with CUDA builds of torch, not the CPU build.
 The helpers are imported as module globals because a `@triton.jit` function resolves the functions it
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from weightsync.formats.fp8_dequant_kernels import from_e4m3, to_bf16_bits
-from weightsync.formats.fp8_quant_kernels import abs_max, scale_of, to_e4m3
+from weightsync.formats.fp8_quant_kernels import block_amax, code_word_sums, scale_of, to_e4m3
 
 
 @triton.jit
@@ -54,15 +55,7 @@ def write_tile(
     r0 = (k // n_cb) * BR
     c = (k % n_cb) * BC + tl.arange(0, BC)
     cmask = c < cols
-    amax = 0.0
-    for i in range(BR // RB):
-        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = r < rows
-        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
-        src = (src // VEC) * VEC
-        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
-    s = scale_of(amax, FMAX, SMIN)
+    s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
     s1 = tl.zeros([], dtype=tl.int64)
     s2 = tl.zeros([], dtype=tl.int64)
     for i in range(BR // RB):
@@ -79,10 +72,9 @@ def write_tile(
             tl.store(f32_base + offs, prod, mask=mask)
         else:
             tl.store(bf16_base + offs, to_bf16_bits(prod), mask=mask)
-        # quant_tile's SUMS: the e4m3 words this block would have written (masked-off codes are 0)
-        words = tl.sum(tl.reshape(code, (RB, BC // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
-        s1 += tl.sum(tl.sum(words.to(tl.int64), axis=1), axis=0)
-        s2 += tl.sum(tl.sum((words * words).to(tl.int64), axis=1), axis=0)
+        t1, t2 = code_word_sums(code, RB, BC)  # quant_tile's SUMS: the e4m3 words it would have written
+        s1 += t1
+        s2 += t2
     tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
     tl.store(sums_ptr + pid * 4, s1)
     tl.store(sums_ptr + pid * 4 + 1, s2)
