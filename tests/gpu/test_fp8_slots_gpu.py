@@ -10,31 +10,17 @@ The whole sync is measured by bench/bench_services.py (docs/BENCHMARKS.md, "FP8 
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
 import torch
 
-from tests.support.fp8_weights import block_test_weights
+from tests.support.fp8_weights import block_test_weights, bucket_layout
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SHAPES = [(1, 5), (129, 257), (300, 128), (7, 200), (1000, 3), (3, 130, 140), (3584, 3584), (512, 3584), (18944, 3584)]
-
-
-def _layout(shapes, start: int = 0):
-    """(scale offset, weight offset) per shape, 256-aligned as bucket plans are, and the bucket size."""
-    from weightsync.formats import fp8
-
-    places, pos = [], start
-    for shape in shapes:
-        s_off = -(-pos // 256) * 256
-        q_off = -(-(s_off + 4 * math.prod(fp8.scale_shape(shape))) // 256) * 256
-        places.append((s_off, q_off))
-        pos = q_off + math.prod(shape)
-    return places, pos + 3
 
 
 @needs_cuda
@@ -44,7 +30,7 @@ def test_the_compiled_kernel_writes_the_bytes_of_the_cpu_path(kind, dtype):
     from weightsync.formats import fp8, fp8_slots
 
     named = [block_test_weights(s, kind, 10 + i, dtype) for i, s in enumerate(SHAPES)]
-    places, size = _layout(SHAPES, start=40)
+    places, size = bucket_layout(SHAPES, start=40)
     flat = torch.full((size,), 0xAB, dtype=torch.uint8, device="cuda")
     want = flat.cpu().clone()
     srcs = [w.cuda() for w in named]
@@ -85,7 +71,7 @@ def test_megatron_qkv_and_gate_up_rows_on_the_gpu():
     fc1 = (torch.randn(2 * 18944, 3584, device="cuda") * 0.02).to(torch.bfloat16)
     hf = [*QKV.to_hf(qkv, d), *GATE_UP.to_hf(fc1, d)]
     shapes = [tuple(t.shape) for t in hf]
-    places, size = _layout(shapes)
+    places, size = bucket_layout(shapes)
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
     stands = fp8_slots.stand_ins(shapes)
     pairs = QKV.hf_copies(qkv, stands[:3], d) + GATE_UP.hf_copies(fc1, stands[3:], d)
@@ -107,7 +93,7 @@ def test_one_7b_layer_into_its_bucket_against_quantize_and_pack():
 
     shapes = [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]
     ws = [(torch.randn(s, device="cuda") * 0.02).to(torch.bfloat16) for s in shapes]
-    places, size = _layout(shapes)
+    places, size = bucket_layout(shapes)
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
     weights = [
         fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w)])

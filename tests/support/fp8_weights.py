@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -22,3 +24,17 @@ def block_test_weights(shape, kind: str, seed: int, dtype: torch.dtype = torch.f
     elif kind == "huge":
         w = w * (1e36 if dtype == torch.float32 else 1e30)
     return w.to(dtype)
+
+
+def bucket_layout(shapes, start: int = 0) -> tuple[list[tuple[int, int]], int]:
+    """(scale offset, e4m3 offset) per weight of `shapes` in one bucket from byte `start`, 256-aligned
+    as bucket plans are, and the bucket's size (3 spare bytes: a tail that is not a whole word)."""
+    from weightsync.formats import fp8
+
+    places, pos = [], start
+    for shape in shapes:
+        s_off = -(-pos // 256) * 256
+        q_off = -(-(s_off + 4 * math.prod(fp8.scale_shape(shape))) // 256) * 256
+        places.append((s_off, q_off))
+        pos = q_off + math.prod(shape)
+    return places, pos + 3

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.support.fp8_weights import block_test_weights
+from tests.support.fp8_weights import block_test_weights, bucket_layout
 from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
 from weightsync.bus.checksum import word_sums
@@ -35,19 +35,6 @@ def use_kernel():
 def test_the_kernel_writes_the_same_values():
     """Every other test of this file again, with the Triton kernel run by Triton's interpreter."""
     rerun_under_interpreter(__file__, "the_kernel_writes", KERNEL_ENV)
-
-
-def _layout(shapes, start: int = 40):
-    """(scale offset, e4m3 offset) per weight in one bucket, 256-aligned as plans are, and its size."""
-    import math
-
-    places, pos = [], start
-    for shape in shapes:
-        s_off = -(-pos // 256) * 256
-        q_off = -(-(s_off + 4 * math.prod(fp8.scale_shape(shape))) // 256) * 256
-        places.append((s_off, q_off))
-        pos = q_off + math.prod(shape)
-    return places, pos + 3
 
 
 def _slot_sums(weights, sizes) -> torch.Tensor:
@@ -76,7 +63,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["randn", "heavy", "zeros", "huge"])
 def test_every_shape_is_quantize_then_dequantize_bit_for_bit_with_the_slots_sums(use_kernel, kind, src, out):
     named = [(f"w{i}", block_test_weights(s, kind, 200 + i, src)) for i, s in enumerate(SHAPES)]
-    places, size = _layout(SHAPES)
+    places, size = bucket_layout(SHAPES, 40)
     weights = [
         fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
         for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins(SHAPES), places)
@@ -108,10 +95,10 @@ def test_strided_rows_two_buckets_a_scale_before_its_weight_and_a_rerun(use_kern
         return [*zip(("q", "k", "v"), QKV.to_hf(qkv, d)), *zip(("gate", "up"), GATE_UP.to_hf(fc1, d))]
 
     shapes = [tuple(t.shape) for _, t in hf()]
-    p0, n0 = _layout(shapes[:3], 8)
+    p0, n0 = bucket_layout(shapes[:3], 8)
     gate_scale = n0 + 1 + (-(n0 + 1)) % 4  # the gate's scale ends bucket 0
     n0 = gate_scale + 4 * 3 * 1 + 2
-    p1, n1 = _layout(shapes[3:], 0)
+    p1, n1 = bucket_layout(shapes[3:], 0)
     si0, si1 = fp8_slots.stand_ins(shapes[:3]), fp8_slots.stand_ins(shapes[3:])
     weights = [
         fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [pair])
@@ -139,7 +126,7 @@ def test_strided_rows_two_buckets_a_scale_before_its_weight_and_a_rerun(use_kern
 def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
     named = [(n, block_test_weights((260, 300), "randn", i)) for i, n in enumerate(("a.weight", "b.weight"))]
     named[1][1][200, 150] = bad
-    places, _ = _layout([(260, 300)] * 2)
+    places, _ = bucket_layout([(260, 300)] * 2, 40)
     weights = [
         fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
         for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins([(260, 300)] * 2), places)
