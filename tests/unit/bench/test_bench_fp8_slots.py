@@ -33,8 +33,10 @@ def test_bench_fp8_slots_times_every_step_and_checks_the_bytes(tmp_path):
         "checksum_rest",
         "dequant",
         "copy",
+        "fused_write",
+        "trainer_writes",
     }
-    assert rec["known_sums_match"], rec
+    assert rec["known_sums_match"] and rec["trainer_writes_matches"], rec
     for name, r in rec["steps"].items():
         assert r["s"] > 0 and r["bytes_moved"] > 0 and r["gbps"] > 0, (name, r)
     # the tiny Qwen2: every linear weight is FP8, about half the bf16 model's bytes
