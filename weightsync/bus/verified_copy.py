@@ -34,6 +34,9 @@ class PendingChecksum:
     tail: torch.Tensor
     nbytes: int
     ready: object = None  # a torch.cuda.Event recorded after the copy, or None on the CPU
+    #: the [n, 2] sums of one launch over n buckets, whose row `row` is `sums` (pending_values reads them at once)
+    rows: torch.Tensor | None = None
+    row: int = -1
 
     def wait(self) -> None:
         """Until the copy (and so every read of the source buffer) has completed."""
@@ -58,13 +61,11 @@ def pending_values(pending: list[PendingChecksum]) -> list[int]:
 def _shared_rows(pending: list[PendingChecksum]) -> torch.Tensor | None:
     """The one [n, 2] tensor whose rows are, in order, every pending checksum's sums (copy_all_into's
     single launch), or None."""
-    base = pending[0].sums._base if pending else None
-    if base is None or base.dim() != 2 or tuple(base.shape) != (len(pending), 2) or not base.is_contiguous():
+    base = pending[0].rows if pending else None
+    if base is None or tuple(base.shape) != (len(pending), 2):
         return None
-    at = base.storage_offset()
-    for i, p in enumerate(pending):
-        if p.sums._base is not base or p.sums.storage_offset() != at + 2 * i:
-            return None
+    if any(p.rows is not base or p.row != i for i, p in enumerate(pending)):
+        return None
     return base
 
 
@@ -273,7 +274,7 @@ def _copy_all_one_launch(plans, bufs, dests, cfg, cache: dict | None) -> list[Pe
     for i, (plan, buf) in enumerate(zip(plans, bufs)):
         n = plan.nbytes
         tail = buf[n - n % 4 : n].clone() if n % 4 else buf[n:n]  # no allocation for none
-        out.append(PendingChecksum(sums[i], tail, n, ready))
+        out.append(PendingChecksum(sums[i], tail, n, ready, rows=sums, row=i))
     return out
 
 

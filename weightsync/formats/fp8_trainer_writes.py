@@ -135,7 +135,9 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
         if pending is None:
             raise DestinationError("the engine's parameters cannot take the buckets' unquantized tensors as words")
         for p, plan in zip(pending, plans):
-            p.sums = p.sums + fp8_sums[index[plan.index]]  # the FP8 and scale slots' words, summed as written
+            # the FP8 and scale slots' words, summed as written; in place: p.sums is a row of the launch's
+            # sums, which flush reads all at once (PendingChecksum.rows)
+            p.sums += fp8_sums[index[plan.index]]
         self._pending = pending
         self.phase_seconds["queue"] = time.perf_counter() - t0
         return True

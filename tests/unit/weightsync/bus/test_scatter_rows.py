@@ -195,7 +195,7 @@ def test_pending_values_read_one_launchs_rows_at_once_and_loose_sums_alike():
 
     rows = torch.tensor([[1, 2], [3, -4], [5, 6]], dtype=torch.int64)
     tails = [torch.empty(0, dtype=torch.uint8)] * 3
-    shared = [PendingChecksum(rows[i], tails[i], 8 + i) for i in range(3)]
+    shared = [PendingChecksum(rows[i], tails[i], 8 + i, rows=rows, row=i) for i in range(3)]
     loose = [PendingChecksum(rows[i].clone(), tails[i], 8 + i) for i in range(3)]
     assert _shared_rows(shared) is rows and _shared_rows(loose) is None
     assert _shared_rows(shared[::-1]) is None and _shared_rows(shared[:2]) is None
