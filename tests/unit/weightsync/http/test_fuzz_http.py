@@ -118,7 +118,10 @@ def test_fuzz_sync(services, body):
     ctype=st.sampled_from(["application/json", "text/plain", "multipart/form-data", ""]),
     auth=st.one_of(
         st.just(f"Bearer {TOKEN}"),
-        weird_text.filter(lambda s: s.isascii() and "\n" not in s and "\r" not in s and "\x00" not in s),
+        # a valid header value (printable ASCII and tabs): any other control character (a form feed
+        # drawn on 2026-11-26) makes no HTTP request at all, and the server's HTTP parser answers a
+        # plain-text 400 and drops the connection before the application sees anything
+        weird_text.filter(lambda s: all(c == "\t" or " " <= c <= "~" for c in s)),
     ),
 )
 def test_fuzz_raw_requests(services, raw, path, ctype, auth):
