@@ -28,6 +28,8 @@
 #   PART=i bash bench/run_pending_gpu.sh   # one GPU: block-FP8 trainer_writes (its GPU tests and the fused
 #                                          # kernel's microbench), then megatron 7B and 1.5B, bf16 and fp8-block,
 #                                          # both writing into the engine, in the same services
+#   PART=k bash bench/run_pending_gpu.sh   # one GPU: megatron 7B only, bf16 then fp8-block, both trainer_writes, in
+#                                          # the same services (PART=i's step ran out during 1.5B: ~90 s a start)
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -37,7 +39,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e, f, g, h or i}
+PART=${PART:?set PART to a, b, c, d, e, f, g, h, i or k}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -123,6 +125,10 @@ case "$PART" in
        --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
        --out "$OUT/results_services_ipc_fp8_tw_megatron_$day.json"
      show services_fp8_tw 20 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h or i" >&2; exit 2 ;;
+  k) step 540 services_fp8_tw python3 bench/bench_services.py --models 7b --transport ipc --backend megatron \
+       --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
+       --out "$OUT/results_services_ipc_fp8_tw_megatron_7b_$day.json"
+     show services_fp8_tw 12 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h, i or k" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
