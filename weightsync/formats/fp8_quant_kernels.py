@@ -56,17 +56,36 @@ def to_e4m3(x, s, FMAX: tl.constexpr):
 
 
 @triton.jit
+def block_columns(cols, k, BR: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr):
+    """Block k (row-major) of a weight of `cols` columns: its columns as the compiler sees them (a multiple
+    of VEC: quant_tile says why), its first row, its column indices and their mask."""
+    cols = (cols // VEC) * VEC
+    n_cb = (cols + BC - 1) // BC
+    c = (k % n_cb) * BC + tl.arange(0, BC)
+    return cols, (k // n_cb) * BR, c, c < cols
+
+
+@triton.jit
+def source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB: tl.constexpr, VEC: tl.constexpr):
+    """Tile i (RB rows from row r0) of a block read through the row table (`row_ptr[row0 + r]`: each
+    row's first element in `src_base`, a multiple of VEC): its rows, its mask and its float32 values
+    (0 where masked off)."""
+    r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
+    rmask = r < rows
+    mask = rmask[:, None] & cmask[None, :]
+    src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
+    src = (src // VEC) * VEC
+    x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    return r, mask, x
+
+
+@triton.jit
 def block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR: tl.constexpr, RB: tl.constexpr, VEC: tl.constexpr):
-    """The amax of a block whose rows start at `row_ptr[row0 + r0 ...]` (offsets in `src_base`, multiples
-    of VEC) and whose columns are `c` (`cmask`), read RB rows at a time (quant_tile says why)."""
+    """The amax of a block (`source_tile`'s), read RB rows at a time (quant_tile says why)."""
     amax = 0.0
     for i in range(BR // RB):
-        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = r < rows
-        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)  # each row's first element in src_base
-        src = (src // VEC) * VEC
-        x = tl.load(src_base + src[:, None] + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        amax = tl.maximum(amax, abs_max(x.to(tl.float32)))
+        _, _, x = source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB, VEC)
+        amax = tl.maximum(amax, abs_max(x))
     return amax
 
 
@@ -145,22 +164,13 @@ def quant_tile(
     are multiples of; multiplying the quotients back by it tells the compiler so, which lets it
     read and write VEC elements per instruction (offsets read from tables prove no alignment at
     all: one element, one byte, per access)."""
-    cols = (cols // VEC) * VEC
     q_off = (q_off // VEC) * VEC
-    n_cb = (cols + BC - 1) // BC
-    r0 = (k // n_cb) * BR
-    c = (k % n_cb) * BC + tl.arange(0, BC)
-    cmask = c < cols
+    cols, r0, c, cmask = block_columns(cols, k, BR, BC, VEC)
     s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
     s1 = tl.zeros([], dtype=tl.int64)
     s2 = tl.zeros([], dtype=tl.int64)
     for i in range(BR // RB):
-        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = r < rows
-        mask = rmask[:, None] & cmask[None, :]
-        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
-        src = (src // VEC) * VEC
-        x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        r, mask, x = source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB, VEC)
         code = to_e4m3(x, s, FMAX)
         tl.store(q_base + q_off + r[:, None] * cols + c[None, :], code.to(tl.uint8), mask=mask)
         if SUMS:

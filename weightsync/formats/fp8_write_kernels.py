@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 
 from weightsync.formats.fp8_dequant_kernels import from_e4m3, to_bf16_bits
-from weightsync.formats.fp8_quant_kernels import block_amax, code_word_sums, scale_of, to_e4m3
+from weightsync.formats.fp8_quant_kernels import (
+    block_amax,
+    block_columns,
+    code_word_sums,
+    scale_of,
+    source_tile,
+    to_e4m3,
+)
 
 
 @triton.jit
@@ -49,22 +56,13 @@ def write_tile(
     destination base of the parameter's dtype) and their word sums. VEC (constexpr): what every
     weight's columns, destination offset and source row offsets in the launch are multiples of (a
     multiple of 4: the sums need rows of whole words), multiplied back in so the compiler can see it."""
-    cols = (cols // VEC) * VEC
+    cols, r0, c, cmask = block_columns(cols, k, BR, BC, VEC)
     d_off = (d_off // VEC) * VEC
-    n_cb = (cols + BC - 1) // BC
-    r0 = (k // n_cb) * BR
-    c = (k % n_cb) * BC + tl.arange(0, BC)
-    cmask = c < cols
     s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
     s1 = tl.zeros([], dtype=tl.int64)
     s2 = tl.zeros([], dtype=tl.int64)
     for i in range(BR // RB):
-        r = r0 + i * RB + tl.arange(0, RB).to(tl.int64)
-        rmask = r < rows
-        mask = rmask[:, None] & cmask[None, :]
-        src = tl.load(row_ptr + row0 + r, mask=rmask, other=0)
-        src = (src // VEC) * VEC
-        x = tl.load(src_base + src[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        r, mask, x = source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB, VEC)
         code = to_e4m3(x, s, FMAX)
         prod = from_e4m3(code.to(tl.uint8)) * s  # dequant_tile's product, rounded once below
         offs = d_off + r[:, None] * cols + c[None, :]
