@@ -67,13 +67,7 @@ def test_the_trainer_writes_an_fp8_sync_as_rollout_reads_applies_it(pair):
     ((_, (_, table)),) = app.servicer.ipc._offers.items()
     names = {t.name for t in table.tensors}
     assert names and not any(n.endswith("_scale_inv") for n in names)  # no scale has a destination
-    m = trainer.orch.manifests.manifest(
-        trainer.orch.export_format.metas(trainer.actor.export_metas()),
-        version=1,
-        sync_id="s",
-        bucket_bytes=trainer.orch.bucket_bytes,
-        quantization=trainer.orch.export_format.quantization,
-    )
+    m = _fp8_manifest(trainer, "s")
     fp8 = [s.meta for b in m.buckets for s in b.slots if s.meta.dtype == torch.float8_e4m3fn]
     assert fp8
     by_name = {t.name: t for t in table.tensors}
@@ -117,13 +111,7 @@ def test_a_rollout_whose_engine_loads_fp8_pairs_offers_no_table(pair, monkeypatc
     they are: nothing for the trainer to write dequantized; auto falls back to rollout_reads."""
     trainer, app, stub, _ = pair
     monkeypatch.setattr(app.engine, "loads_quantized", lambda q: True, raising=False)
-    m = trainer.orch.manifests.manifest(
-        trainer.orch.export_format.metas(trainer.actor.export_metas()),
-        version=1,
-        sync_id="s2",
-        bucket_bytes=trainer.orch.bucket_bytes,
-        quantization=trainer.orch.export_format.quantization,
-    )
+    m = _fp8_manifest(trainer, "s2")
     app.servicer.ipc._offers.clear()
     assert app.tx.write_metas(m) is None and app.servicer.ipc.destinations(m) is None
     app.servicer.ipc._offers.clear()
