@@ -60,3 +60,14 @@ def bump_and_sync_exactly(trainer, rollouts: dict, stub, transport: str = "tcp")
         for name, t in exported:
             assert torch.equal(app.engine._target(name), t.to(app.engine._target(name).dtype)), name
     return report
+
+
+def rollout_calls(trainer) -> dict[tuple[str, str], float]:
+    """(method, path) -> how many calls the trainer made to its rollouts so far, from its metrics
+    (path: "grpc" or "link", the sync link)."""
+    out = {}
+    for metric in trainer.orch.metrics.calls.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                out[(s.labels["method"], s.labels["path"])] = s.value
+    return out

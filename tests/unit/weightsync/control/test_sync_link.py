@@ -19,7 +19,7 @@ import time
 import grpc
 import pytest
 
-from tests.support.fleet_sync import bump_and_sync_exactly
+from tests.support.fleet_sync import bump_and_sync_exactly, rollout_calls
 from tests.support.link_peer import link_handshake
 from tests.support.local_apps import local_fleet
 from weightsync.control.client import channel, rollout_stub
@@ -45,25 +45,16 @@ def fleet():
         yield fleet
 
 
-def _calls(trainer) -> dict[tuple[str, str], float]:
-    out = {}
-    for metric in trainer.orch.metrics.calls.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                out[(s.labels["method"], s.labels["path"])] = s.value
-    return out
-
-
 def _delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
 def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
     trainer, rollouts, stub = fleet
-    before = _calls(trainer)
+    before = rollout_calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
     # the first prepare of each pairing is a gRPC call; its answer names the link, so the commit takes it
-    assert _delta(before, _calls(trainer)) == {
+    assert _delta(before, rollout_calls(trainer)) == {
         ("PrepareSync", "grpc"): 3,
         ("CommitSync", "link"): 2,
         ("CommitSync", "grpc"): 1,
@@ -72,9 +63,9 @@ def test_after_the_first_prepare_every_sync_call_goes_over_the_link(fleet):
     for rid in "ab":
         assert trainer.registry.get(rid).link.address == rollouts[rid].servicer.sync_link != ""
     served = {rid: rollouts[rid].link.requests for rid in "ab"}
-    before = _calls(trainer)
+    before = rollout_calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
-    assert _delta(before, _calls(trainer)) == {
+    assert _delta(before, rollout_calls(trainer)) == {
         ("PrepareSync", "link"): 2,
         ("CommitSync", "link"): 2,
         ("PrepareSync", "grpc"): 1,
@@ -93,25 +84,25 @@ def test_a_link_the_rollout_closed_is_reopened_and_a_refused_one_falls_back_to_g
     deadline = time.monotonic() + 5
     while link._open and time.monotonic() < deadline:
         time.sleep(0.01)
-    before = _calls(trainer)
+    before = rollout_calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
-    assert _delta(before, _calls(trainer)).get(("PrepareSync", "link")) == 2  # "a" reopened it before sending
+    assert _delta(before, rollout_calls(trainer)).get(("PrepareSync", "link")) == 2  # "a" reopened it before sending
 
     link.token = "not-the-token"  # "a" now refuses the trainer's link handshake
     for conn in list(link._open):
         conn.shutdown(socket.SHUT_RDWR)
     time.sleep(0.05)
-    before = _calls(trainer)
+    before = rollout_calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)  # still committed everywhere: "a" over gRPC
-    delta = _delta(before, _calls(trainer))
+    delta = _delta(before, rollout_calls(trainer))
     assert delta[("PrepareSync", "grpc")] == 2 and delta[("CommitSync", "grpc")] == 2, delta
     entry = trainer.registry.get("a")
     assert not entry.link.usable() and entry.link.retry_at > time.monotonic() + 30
     link.token = TOKEN
     entry.link.retry_at = 0.0
-    before = _calls(trainer)
+    before = rollout_calls(trainer)
     bump_and_sync_exactly(trainer, rollouts, stub)
-    assert _delta(before, _calls(trainer))[("PrepareSync", "link")] == 2
+    assert _delta(before, rollout_calls(trainer))[("PrepareSync", "link")] == 2
 
 
 def test_the_link_answers_with_the_codes_grpc_gives(fleet):

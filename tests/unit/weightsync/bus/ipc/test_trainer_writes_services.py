@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
-from tests.support.fleet_sync import assert_serves_export, bump_weights
+from tests.support.fleet_sync import assert_serves_export, bump_weights, rollout_calls
 from tests.support.local_apps import local_fleet
 from weightsync.bus.checksum import bucket_checksum, combine
 from weightsync.bus.pack import pack_bucket
@@ -175,25 +175,16 @@ def test_a_direction_that_cannot_apply_is_refused_naming_the_field(pair, request
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
 
 
-def _link_calls(trainer) -> dict[tuple[str, str], float]:
-    out = {}
-    for metric in trainer.orch.metrics.calls.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                out[(s.labels["method"], s.labels["path"])] = s.value
-    return out
-
-
 def test_once_the_link_is_open_prepare_and_commit_of_every_sync_go_over_it(pair):
     """The one target's PrepareSync is sent on the sync's own thread over the link (attempt.py
     `_prepare_answers`), its commit too: no gRPC call in a steady-state trainer_writes sync."""
     trainer, app, stub, _ = pair
     _sync(stub)  # an earlier prepare named the link
-    before = _link_calls(trainer)
+    before = rollout_calls(trainer)
     for _ in range(2):
         bump_weights(trainer)
         _sync(stub)
         assert_serves_export(trainer, app)
-    after = _link_calls(trainer)
+    after = rollout_calls(trainer)
     delta = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
     assert delta == {("PrepareSync", "link"): 2, ("CommitSync", "link"): 2}
