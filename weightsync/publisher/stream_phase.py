@@ -94,13 +94,17 @@ class StreamPhase:
         # a trainer that writes into the engine sums as it writes: no checksum pass of its own
         # (if the rollout does not offer it after all, the stream starts the sums then)
         if self.manifest.checksum_algo and not getattr(self.session, "expects_channel_sums", False):
-            # an actor whose kernels summed some of the words as they wrote them (megatron's FP8
-            # quantizer: its e4m3 and scale slots) says so: only the other words are read here
-            known = getattr(self.fleet.actor, "flat_known_sums", None)
-            self.in_place_checksums = InFlightChecksums(
-                in_place_views(self.manifest, self.in_place_bufs), known=known() if known is not None else None
-            )
+            self._start_checksums(self.in_place_bufs)
         self.attempt.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
+
+    def _start_checksums(self, in_place) -> None:
+        """Start the checksums of the actor's own buckets. An actor whose kernels summed some of the words
+        as they wrote them (megatron's FP8 quantizer: its e4m3 and scale slots) says so: only the other
+        words are read here."""
+        known = getattr(self.fleet.actor, "flat_known_sums", None)
+        self.in_place_checksums = InFlightChecksums(
+            in_place_views(self.manifest, in_place), known=known() if known is not None else None
+        )
 
     def close(self) -> None:
         if self.commit_channel is not None:
@@ -311,10 +315,7 @@ class StreamPhase:
         if err is not None:
             raise ValueError(f"the trainer's weights are not finite: {err}")
         if self.manifest.checksum_algo and not getattr(channel, "computes_checksums", False):
-            known = getattr(actor, "flat_known_sums", None)
-            self.in_place_checksums = InFlightChecksums(
-                in_place_views(self.manifest, in_place), known=known() if known is not None else None
-            )
+            self._start_checksums(in_place)
         self.attempt.phases.add("stream.quantize", time.perf_counter() - t0)
 
     def _liveness(self, channel) -> StreamLiveness:
