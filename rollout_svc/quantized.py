@@ -10,12 +10,11 @@ model).
 from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
+from weightsync.formats.fp8 import is_block_scale
 from weightsync.formats.fp8_import import Dequantizer, logical_metas
 from weightsync.formats.fp8_spec import (
     BLOCK_FP8,
     FP8_DTYPE,
-    SCALE_DTYPE,
-    SCALE_SUFFIX,
     check_supported,
     hf_quantization_config,
 )
@@ -60,7 +59,7 @@ def write_metas(engine, manifest: Manifest) -> list[TensorMeta | None] | None:
     fp8 = {m.name for m in metas if m.dtype == FP8_DTYPE}
     out: list[TensorMeta | None] = []
     for m in metas:
-        if m.dtype == SCALE_DTYPE and m.name.endswith(SCALE_SUFFIX) and m.name[: -len(SCALE_SUFFIX)] in fp8:
+        if is_block_scale(m, fp8):
             out.append(None)
         elif m.dtype == FP8_DTYPE:
             if m.name not in dtypes:

@@ -50,6 +50,12 @@ def weight_name(scale: str) -> str | None:
     return scale[: -len(SCALE_SUFFIX)] if scale.endswith(SCALE_SUFFIX) else None
 
 
+def is_block_scale(meta, fp8_weights) -> bool:
+    """Whether the tensor `meta` (a TensorMeta) is the block scale of one of `fp8_weights` (a set of names)."""
+    w = weight_name(meta.name)
+    return w is not None and meta.dtype == SCALE_DTYPE and w in fp8_weights
+
+
 def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     if len(shape) < 2:
         raise ValueError(f"block FP8 needs a matrix (or a stack of them), got shape {list(shape)}")

@@ -30,10 +30,10 @@ import torch
 
 from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, TrainerWriteSender, slot_metas
 from weightsync.bus.plan import BucketPlan, Manifest
-from weightsync.formats.fp8 import weight_name
+from weightsync.formats.fp8 import is_block_scale, weight_name
 from weightsync.formats.fp8_import import logical_metas
 from weightsync.formats.fp8_slots import SlotWeight
-from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_DTYPE, check_supported
+from weightsync.formats.fp8_spec import FP8_DTYPE, check_supported
 from weightsync.formats.fp8_write import OUT_DTYPES
 
 
@@ -48,15 +48,10 @@ class Fp8Writes:
         logical_metas(manifest.metas())
         metas = slot_metas(manifest)
         fp8 = {m.name for m in metas if m.dtype == FP8_DTYPE}
-        return [OUT_DTYPES if m.dtype == FP8_DTYPE else () if _is_scale(m, fp8) else (m.dtype,) for m in metas]
+        return [OUT_DTYPES if m.dtype == FP8_DTYPE else () if is_block_scale(m, fp8) else (m.dtype,) for m in metas]
 
     def sender(self, dests: Destinations, rid: str, manifest: Manifest) -> Fp8TrainerWriteSender:
         return Fp8TrainerWriteSender(dests, rid, manifest)
-
-
-def _is_scale(m, fp8: set[str]) -> bool:
-    w = weight_name(m.name)
-    return w is not None and m.dtype == SCALE_DTYPE and w in fp8
 
 
 class Fp8TrainerWriteSender(TrainerWriteSender):
@@ -91,9 +86,8 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
                         where[slot.meta.name] = [k, slot.offset, None, None, self.dests.buckets[k][j]]
             for k, plan in enumerate(self.manifest.buckets):
                 for slot in plan.slots:
-                    w = weight_name(slot.meta.name)
-                    if w in where and slot.meta.dtype == SCALE_DTYPE:
-                        where[w][2:4] = [k, slot.offset]
+                    if is_block_scale(slot.meta, where.keys()):
+                        where[weight_name(slot.meta.name)][2:4] = [k, slot.offset]
             # every FP8 weight of the manifest, at its slots: the sums then cover exactly those slots' words
             fused = None
             if len(weights) == len(where) and all(
