@@ -98,6 +98,12 @@ def make_actor(shape: str):
     return actor
 
 
+def _at(p: torch.Tensor, flat: torch.Tensor) -> slice:
+    """The byte range of view `p` of `flat`."""
+    start = p.data_ptr() - flat.data_ptr()
+    return slice(start, start + p.numel() * p.element_size())
+
+
 def engine_params(manifest, dev: torch.device):
     """Per bucket, the parameter of each slot as a built-in engine holds it (bf16; None for a scale),
     all views of one flat buffer (256-byte aligned, as allocations are) so one checksum covers them."""
@@ -270,7 +276,7 @@ def main() -> int:
         fp8 = fused_write()
         pending = copy_all_into(manifest.buckets, views, rest_dests, prepared=prepared)
         for i, p in enumerate(pending):
-            p.sums = p.sums + fp8[i]
+            p.sums += fp8[i]  # in place: the launch reads its rows at once (PendingChecksum.rows)
         return pending
 
     moved["fused_write"] = 2 * fp8_elems + 2 * fp8_elems  # bf16 rows read, bf16 values written
@@ -279,6 +285,19 @@ def main() -> int:
     steps = {"quant": quant, "copies": copies, "refresh": refresh, "checksum": sums, "dequant": dequant, "copy": copy}
     if writer is not None:
         steps["fused_write"], steps["trainer_writes"] = fused_write, trainer_writes
+    if writer is not None and kernel:
+        for rows, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):  # the A/B of the fused write's tile
+
+            def tiled(rows=rows, warps=warps):
+                saved = (fp8_write.TILE_ROWS, fp8_write.NUM_WARPS)
+                fp8_write.TILE_ROWS, fp8_write.NUM_WARPS = rows, {True: warps, False: warps}
+                try:
+                    return fused_write()
+                finally:
+                    fp8_write.TILE_ROWS, fp8_write.NUM_WARPS = saved
+
+            steps[f"fused_write_r{rows}w{warps}"] = tiled
+            moved[f"fused_write_r{rows}w{warps}"] = moved["fused_write"]
     if rest is not None:
         steps["checksum_rest"] = sums_rest
         moved["checksum_rest"] = sum(e - s for r in rest for s, e in r)
@@ -392,6 +411,7 @@ def main() -> int:
     for plan, v, params in zip(manifest.buckets, views, eparams):
         ref.copy(plan, v, params, held)
     rec["dequant_matches_torch"] = got_e == checksum.bucket_checksum(eflat)
+    ref_e = eflat.clone()
     print(f"quant == torch reference: {rec['quant_matches_torch']}; dequant == torch: {rec['dequant_matches_torch']}")
     if writer is not None:  # the trainer's fused write: the rollout's dequantized values, the FP8 buckets' sums
         refresh()
@@ -399,8 +419,25 @@ def main() -> int:
         eflat.fill_(0xAB)
         got_sums = pending_values(trainer_writes())
         _sync(dev)
-        rec["trainer_writes_matches"] = got_sums == want_sums and checksum.bucket_checksum(eflat) == got_e
-        print(f"trainer_writes == dequant of the FP8 buckets (values, checksums): {rec['trainer_writes_matches']}")
+        values_match = checksum.bucket_checksum(eflat) == got_e
+        rec["trainer_writes_matches"] = got_sums == want_sums and values_match
+        print(
+            f"trainer_writes == dequant of the FP8 buckets (values, checksums): {rec['trainer_writes_matches']} "
+            f"(checksums {got_sums == want_sums}, values {values_match})"
+        )
+        if not values_match:  # where: the first parameters whose bytes differ from the torch dequantize's
+            off = [(b.slots[i].meta.name, p) for b, row in zip(manifest.buckets, eparams) for i, p in enumerate(row)]
+            diff = [
+                (n, int((p.reshape(-1).view(torch.uint8) != ref_e[_at(p, eflat)]).sum()))
+                for n, p in off
+                if p is not None
+            ]
+            diff = [d for d in diff if d[1]]
+            rec["trainer_writes_differs"] = diff[:20]
+            print(
+                f"  {len(diff)} parameters differ, first {diff[:6]}; bytes outside them differ: "
+                f"{int((eflat != ref_e).sum()) - sum(d for _, d in diff)}"
+            )
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -33,6 +33,29 @@ def to_bf16_bits(x):
 
 
 @triton.jit
+def to_bf16_cvt(x):
+    """`to_bf16_bits` by the GPU's own conversion (sm_80 and later; round to nearest even, one
+    instruction where the bits take four), written as PTX as fp8_quant_kernels.to_e4m3_cvt is."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.u32.u16 $0, h; }",
+        "=r,f",
+        [x],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    ).to(tl.int16)
+
+
+@triton.jit
+def bf16_bits(x, CVT: tl.constexpr):
+    """The bfloat16 bits (int16) of float32 `x`: by the GPU's conversion (CVT) or on the bits."""
+    if CVT:
+        return to_bf16_cvt(x)
+    else:
+        return to_bf16_bits(x)
+
+
+@triton.jit
 def dequant_block(
     q_ptr, s_ptr, out_ptr, rows, cols, n_rb, n_cb, BR: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr
 ):

@@ -25,6 +25,8 @@ One odd tensor lowers its launch's VEC, never the bytes written.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
@@ -38,6 +40,17 @@ MAX_VEC = 16
 #: rows a program holds at a time (a quarter of a block: quant_tile says why), and its warps
 TILE_ROWS = 32
 NUM_WARPS = 4
+
+
+def gpu_conversions(device: torch.device) -> bool:
+    """Whether the kernels on `device` round to e4m3 (and the fused write to bfloat16) by the GPU's
+    own conversion instructions (sm_89 and later) instead of on the bits: the same codes and values
+    for every finite weight in fewer instructions and registers (these kernels are bound by their
+    arithmetic, not by memory). `WS_FP8_GPU_CONVERT=0` keeps the bit arithmetic, which the CPU
+    interpreter always runs (it has no PTX)."""
+    if device.type != "cuda" or os.environ.get("WS_FP8_GPU_CONVERT", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def vec_of(*values: int) -> int:
@@ -77,7 +90,10 @@ def launch(
     if sums is not None and vec % 4:
         raise ValueError(f"word sums need rows of whole 32-bit words: vec={vec} is not a multiple of 4")
     args = (src_base, rows, tensors, owners, q_base, s_base, flag, flag if sums is None else sums)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None)
+    consts = dict(
+        BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=vec, SUMS=sums is not None,
+        CVT=gpu_conversions(owners.device),
+    )  # fmt: skip
     if owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, **consts)
         return

@@ -28,6 +28,7 @@ import torch
 from weightsync.bus.checksum import word_sums
 from weightsync.formats.fp8 import dequantize_torch, non_finite_error, quantize_torch
 from weightsync.formats.fp8_slots import SOURCE_DTYPES, SlotWeight, _row_sources
+from weightsync.formats.fp8_slots_triton import gpu_conversions
 from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
@@ -36,9 +37,12 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 #: int64 fields per row of the tensor table: rows, cols, destination offset (elements of its dtype),
 #: first row in the row table, first program, output float32
 TENSOR_FIELDS = 6
-#: rows a program holds at a time and its warps (fp8_slots_triton.py's: the same tile shape)
+#: rows a program holds at a time (fp8_slots_triton.py's: the same tile shape)
 TILE_ROWS = 32
-NUM_WARPS = 4
+#: a program's warps, by whether the kernel rounds by the GPU's conversions (fp8_slots_triton.gpu_conversions):
+#: 8 then (a 7B model's fused write 12.4 ms against 13.4 at 4, H100), 4 with the bit arithmetic (16.5 against
+#: 17.7 at 8), bench/bench_fp8_slots.py's fused_write_r<rows>w<warps> steps
+NUM_WARPS = {True: 8, False: 4}
 
 
 class Launch(NamedTuple):
@@ -214,12 +218,13 @@ def _launch(la: Launch, bases: tuple[torch.Tensor, torch.Tensor], flag: torch.Te
     bf16_base, f32_base = bases
     grid = (la.owners.numel(),)
     args = (la.src_base, la.rows, la.tensors, la.owners, bf16_base, f32_base, flag, la.sums)
-    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=la.vec)
+    cvt = gpu_conversions(la.owners.device)
+    consts = dict(BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, FMAX=FP8_MAX, SMIN=MIN_NORMAL, VEC=la.vec, CVT=cvt)
     if la.owners.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         write_slots[grid](*args, **consts)
         return
     with torch.cuda.device(la.owners.device):
-        write_slots[grid](*args, **consts, num_warps=NUM_WARPS)
+        write_slots[grid](*args, **consts, num_warps=NUM_WARPS[cvt])
 
 
 def plan(

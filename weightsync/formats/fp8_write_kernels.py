@@ -18,14 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from weightsync.formats.fp8_dequant_kernels import from_e4m3, to_bf16_bits
+from weightsync.formats.fp8_dequant_kernels import bf16_bits, from_e4m3
 from weightsync.formats.fp8_quant_kernels import (
     block_amax,
     block_columns,
     code_word_sums,
+    e4m3_codes,
     scale_of,
     source_tile,
-    to_e4m3,
 )
 
 
@@ -50,6 +50,7 @@ def write_tile(
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
+    CVT: tl.constexpr,
 ):
     """Block k (row-major) of one weight, RB rows at a time in two passes as quant_tile: the block's
     amax, then per tile the codes, their dequantized values (stored at element `d_off` of the
@@ -59,23 +60,23 @@ def write_tile(
     cols, r0, c, cmask = block_columns(cols, k, BR, BC, VEC)
     d_off = (d_off // VEC) * VEC
     s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
-    s1 = tl.zeros([], dtype=tl.int64)
-    s2 = tl.zeros([], dtype=tl.int64)
+    s1 = tl.zeros([RB], dtype=tl.int64)
+    s2 = tl.zeros([RB], dtype=tl.int64)
     for i in range(BR // RB):
         r, mask, x = source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB, VEC)
-        code = to_e4m3(x, s, FMAX)
+        code = e4m3_codes(x, s, FMAX, CVT)
         prod = from_e4m3(code.to(tl.uint8)) * s  # dequant_tile's product, rounded once below
         offs = d_off + r[:, None] * cols + c[None, :]
         if out_f32 != 0:
             tl.store(f32_base + offs, prod, mask=mask)
         else:
-            tl.store(bf16_base + offs, to_bf16_bits(prod), mask=mask)
+            tl.store(bf16_base + offs, bf16_bits(prod, CVT), mask=mask)
         t1, t2 = code_word_sums(code, RB, BC)  # quant_tile's SUMS: the e4m3 words it would have written
         s1 += t1
         s2 += t2
     tl.atomic_max(flag_ptr, 1, mask=s == float("inf"))  # only a diverged block touches the flag
-    tl.store(sums_ptr + pid * 4, s1)
-    tl.store(sums_ptr + pid * 4 + 1, s2)
+    tl.store(sums_ptr + pid * 4, tl.sum(s1, axis=0))
+    tl.store(sums_ptr + pid * 4 + 1, tl.sum(s2, axis=0))
     sw = s.to(tl.int32, bitcast=True)  # the scale's own word, in whichever bucket holds its slot
     tl.store(sums_ptr + pid * 4 + 2, sw.to(tl.int64))
     tl.store(sums_ptr + pid * 4 + 3, (sw * sw).to(tl.int64))
@@ -97,6 +98,7 @@ def write_slots(
     FMAX: tl.constexpr,
     SMIN: tl.constexpr,
     VEC: tl.constexpr,
+    CVT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(owner_ptr + pid).to(tl.int64) * 6
@@ -126,4 +128,5 @@ def write_slots(
         FMAX,
         SMIN,
         VEC,
+        CVT,
     )

@@ -1,6 +1,7 @@
 """The FP8 kernels (fp8_quant_kernels.py, fp8_dequant_kernels.py: the per-tensor ones and the fused
 slot ones, which share their block arithmetic as jitted helpers; fp8_write_kernels.py, which calls
-both's) compile for an H100 (sm_90)
+both's) compile for an H100 (sm_90), the slot and fused-write kernels with the GPU's conversions
+(PTX) and with the bit arithmetic,
 down to a cubin, on a machine without a GPU: Triton's interpreter, which the byte-for-byte tests use,
 accepts code the compiler refuses (a variable typed differently in two branches, a scalar mask).
 Skipped where triton is not installed (CI); run in a subprocess with a fresh cache, so it compiles."""
@@ -26,14 +27,15 @@ def build(fn, signature, constexprs):
     assert "cubin" in kernel.asm, sorted(kernel.asm)
 
 
-for src in ("*bf16", "*fp16", "*fp32"):
+for src, cvt in (("*bf16", True), ("*bf16", False), ("*fp16", True), ("*fp32", True)):
     build(
         fp8_slots_triton._kernel(),
         {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "q_base": "*u8",
          "s_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
-         "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr"},
+         "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "SUMS": "constexpr",
+         "CVT": "constexpr"},
         {"BR": 128, "BC": 128, "RB": fp8_slots_triton.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126,
-         "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True},
+         "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True, "CVT": cvt},
     )
 build(
     fp8_dequant_slots_triton._kernel(),
@@ -60,13 +62,14 @@ for out, bf16 in (("*i16", True), ("*fp32", False)):
         {"BR": 128, "BC": 128, "OUT_BF16": bf16},
     )
 for src in ("*bf16", "*fp32"):
-    for vec in (fp8_slots_triton.MAX_VEC, 4):
+    for vec, cvt in ((fp8_slots_triton.MAX_VEC, True), (fp8_slots_triton.MAX_VEC, False), (4, True)):
         build(
             write_slots,
             {"src_base": src, "row_ptr": "*i64", "tensor_ptr": "*i64", "owner_ptr": "*i32", "bf16_base": "*i16",
              "f32_base": "*fp32", "flag_ptr": "*i32", "sums_ptr": "*i64", "BR": "constexpr", "BC": "constexpr",
-             "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr"},
-            {"BR": 128, "BC": 128, "RB": fp8_write.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": vec},
+             "RB": "constexpr", "FMAX": "constexpr", "SMIN": "constexpr", "VEC": "constexpr", "CVT": "constexpr"},
+            {"BR": 128, "BC": 128, "RB": fp8_write.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126, "VEC": vec,
+             "CVT": cvt},
         )
 print("compiled")
 """
