@@ -24,6 +24,7 @@ from weightsync.bus.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
+from weightsync.obs.sync_profile import SyncProfile
 from weightsync.publisher.attempt import SyncAttempt
 from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
 from weightsync.publisher.export_format import PLAIN, ExportFormat
@@ -81,6 +82,8 @@ class SyncOrchestrator:
         self.export_format = export_format
         #: the last committed export, kept for delta syncs (weightsync/publisher/delta_sync.py)
         self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin, delta_link_gbps)
+        #: WS_PROFILE_SYNCS: the syncs' host time by function (off unless set)
+        self.profile = SyncProfile()
         link = getattr(metrics, "nccl_link_rate", None)  # the trainer's metrics (not every test's stand-in)
         if link is not None:
             link.set_function(lambda: self.delta.link_rate or 0.0)
@@ -174,7 +177,10 @@ class SyncOrchestrator:
                     self.actor.version,
                     [e.rollout_id for e in targets] or "every rollout",
                 )
-            return self._sync_locked(targets, transport, timeout, senders, allow_rollback, ipc_direction)
+            with self.profile.watching():
+                report = self._sync_locked(targets, transport, timeout, senders, allow_rollback, ipc_direction)
+            self.profile.flush()
+            return report
         finally:
             self.in_progress = False
             self._live = None

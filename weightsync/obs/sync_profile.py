@@ -1,0 +1,46 @@
+"""An opt-in profile of where the trainer's syncs spend their host time (`WS_PROFILE_SYNCS=<path>`).
+
+A sync of a model on one GPU costs milliseconds, most of them fixed: Python on the sync's path
+(planning, the prepare, launches, reading checksums) rather than bytes. The per-phase times in the
+sync report say which phase; this says which functions. Off by default (cProfile slows the code it
+watches): with the variable set, every sync of this process runs under one cProfile, and the
+accumulated statistics are written to `<path>.<pid>` (pstats format) after each sync, outside the
+sync's own timing. Read them with `python -m pstats <file>` or `bench/profile_summary.py`.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import os
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+ENV = "WS_PROFILE_SYNCS"
+
+
+class SyncProfile:
+    def __init__(self):
+        path = os.environ.get(ENV, "")
+        self.path = f"{path}.{os.getpid()}" if path else ""
+        self._prof = cProfile.Profile() if path else None
+        if self._prof is not None:
+            log.warning("%s is set: every sync runs under cProfile (slower); statistics in %s", ENV, self.path)
+
+    @contextmanager
+    def watching(self):
+        """Profile the block (a sync's own work) when enabled."""
+        if self._prof is None:
+            yield
+            return
+        self._prof.enable()
+        try:
+            yield
+        finally:
+            self._prof.disable()
+
+    def flush(self) -> None:
+        """Write the statistics so far (after a sync, outside its timing)."""
+        if self._prof is not None:
+            self._prof.dump_stats(self.path)
