@@ -230,7 +230,7 @@ class FlatBuckets:
         from weightsync.formats import fp8_slots_triton
         from weightsync.formats.fp8_spec import BLOCK_FP8
 
-        device = self.actor.parameters()[0].device
+        device = next(self.actor.model[0].parameters()).device  # asked every sync: not a walk of every parameter
         return manifest.quantization == BLOCK_FP8 and device.type == "cuda" and fp8_slots_triton.available()
 
     @staticmethod
