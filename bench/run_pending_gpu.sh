@@ -30,6 +30,12 @@
 #                                          # both writing into the engine, in the same services
 #   PART=k bash bench/run_pending_gpu.sh   # one GPU: megatron 7B only, bf16 then fp8-block, both trainer_writes, in
 #                                          # the same services (PART=i's step ran out during 1.5B: ~90 s a start)
+#   PART=l bash bench/run_pending_gpu.sh   # one GPU: the FP8 kernels with the GPU's conversions (their GPU tests
+#                                          # against the bit arithmetic, the kernels' microbench with
+#                                          # WS_FP8_GPU_CONVERT=0 then 1), then PART=k's 7B services run,
+#                                          # then 1.5B bf16 and fp8-block with the syncs profiled
+#                                          # (WS_PROFILE_SYNCS: host time by function; slower syncs)
+#   PART=m bash bench/run_pending_gpu.sh   # one GPU: the hf trainer's 7B and 1.5B trainer_writes
 #
 # Each step is bounded by its own limit and by what is left of LIMIT, so a call that runs out keeps what ran.
 # The GPU hosts have no network: megatron-core, grpcio, protobuf and the HTTP stack travel as wheels in .whl/
@@ -39,7 +45,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WS_LOCAL_OMP_THREADS=${WS_LOCAL_OMP_THREADS:-8}
 OUT=${OUT:-/tmp/out}; LOGS=$OUT/logs; mkdir -p "$LOGS"
 LIMIT=${LIMIT:-560}
-PART=${PART:?set PART to a, b, c, d, e, f, g, h, i or k}
+PART=${PART:?set PART to a, b, c, d, e, f, g, h, i, k, l or m}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed" >&2; exit 2; }
@@ -47,7 +53,8 @@ if [ -d .whl ]; then
 fi
 . "$(dirname "$0")/gpu_steps.sh"
 PYTEST=(python3 -m pytest -v -s -m gpu -p no:cacheprovider -o addopts="")
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log --oneline -1 2>/dev/null; } \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log --oneline -1 2>/dev/null;
+  python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)"; } \
   | tee "$LOGS/gpus.txt"
 day=$(date -u +%F)
 
@@ -129,6 +136,25 @@ case "$PART" in
        --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
        --out "$OUT/results_services_ipc_fp8_tw_megatron_7b_$day.json"
      show services_fp8_tw 12 ;;
-  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h, i or k" >&2; exit 2 ;;
+  l) step 150 gpu_tests "${PYTEST[@]}" tests/gpu/test_fp8_gpu_conversions.py tests/gpu/test_fp8_slots_gpu.py \
+       tests/gpu/test_trainer_writes_gpu.py::test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled
+     show gpu_tests 25
+     for cvt in 0 1; do
+       step 80 "fp8_kernels_cvt$cvt" env WS_FP8_GPU_CONVERT=$cvt python3 bench/bench_fp8_slots.py --shape 7b --reps 5 \
+         --no-narrow --out "$OUT/results_fp8_slots_cvt${cvt}_$day.json"
+       show "fp8_kernels_cvt$cvt" 25
+     done
+     step 220 services_fp8_tw python3 bench/bench_services.py --models 7b --transport ipc --backend megatron \
+       --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
+       --out "$OUT/results_services_ipc_fp8_tw_megatron_7b_$day.json"
+     show services_fp8_tw 12
+     step 150 services_profiled env WS_PROFILE_SYNCS="$OUT/sync_profile_1.5b" python3 bench/bench_services.py \
+       --models 1.5b --transport ipc --backend megatron --export-dtypes bfloat16,fp8-block \
+       --ipc-direction trainer_writes --reps 10 --out "$OUT/results_services_profiled_1.5b_$day.json"
+     show services_profiled 10 ;;
+  m) step 250 services_hf python3 bench/bench_services.py --models 7b,1.5b --transport ipc --backend hf \
+       --ipc-direction trainer_writes --reps 10 --out "$OUT/results_services_ipc_hf_tw_$day.json"
+     show services_hf 10 ;;
+  *) echo "PART=$PART: must be a, b, c, d, e, f, g, h, i, k, l or m" >&2; exit 2 ;;
 esac
 echo "== total ${SECONDS}s"
