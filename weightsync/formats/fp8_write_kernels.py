@@ -3,10 +3,11 @@
 parameter, the e4m3 codes and the scale only summed.
 
 It calls the quantizer's block amax, scale, rounding and word sums (`block_amax`, `scale_of`,
-`to_e4m3`, `code_word_sums`, fp8_quant_kernels.py) and the dequantizer's decode and rounding
-(`from_e4m3`, `to_bf16_bits`, fp8_dequant_kernels.py), so what it stores is bit for bit what
+`e4m3_codes`, `code_word_sums`, fp8_quant_kernels.py) and the dequantizer's decode and rounding
+(`from_e4m3`, `bf16_bits`, fp8_dequant_kernels.py), so what it stores is bit for bit what
 quantizing (quant_slots) and then dequantizing (dequant_bucket) the same weights store, and its word
-sums are quant_tile's.
+sums are quant_tile's. CVT (constexpr): both roundings by the GPU's conversions (sm_89+), else on the
+bits (fp8_slots_triton.gpu_conversions).
 
 Imported only by fp8_write.py, lazily: triton comes with CUDA builds of torch, not the CPU build.
 The helpers are imported as module globals because a `@triton.jit` function resolves the functions it
