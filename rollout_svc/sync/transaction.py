@@ -38,6 +38,7 @@ from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
+from weightsync.formats.fp8_import import Dequantizer
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,11 @@ class SyncTransaction:
         self._pending: PendingSync | None = None
         self._timeout = Alarm("sync-timeout")  # the prepared sync's deadline
         self._metas = engine.param_metas()
-        #: layout digests of unquantized manifests already checked against the engine, whose
-        #: parameters do not change shape: a steady-state prepare skips walking every tensor again
-        self._valid_layouts: set[str] = set()
+        #: (layout digest, quantization) of manifests already checked against the engine, whose
+        #: parameters do not change shape, to the dequantizer their syncs load through (None: none):
+        #: a steady-state prepare skips walking every tensor again (1.6 ms a block-FP8 sync of a
+        #: 7B-sized layout, which pairs every weight with its scale)
+        self._valid_layouts: dict[tuple, Dequantizer | None] = {}
         self.state = S.SERVING
         self.version = 0
         self.origin = ""
@@ -96,9 +99,10 @@ class SyncTransaction:
     def validate(self, manifest: Manifest):
         """Check names and shapes against the engine before a byte is accepted; returns the
         dequantizer a quantized sync loads through (None otherwise)."""
-        digest = manifest.layout_digest if manifest.quantization is None else ""
-        if digest and digest in self._valid_layouts:
-            return None
+        key = (manifest.layout_digest, manifest.quantization)
+        if manifest.layout_digest and key in self._valid_layouts:
+            checked = self._valid_layouts[key]
+            return None if checked is None else checked.fresh()  # one per sync: it holds unpaired halves
         try:
             metas, dequantizer = plan_apply(self.engine, manifest)
         except ValueError as exc:
@@ -130,10 +134,11 @@ class SyncTransaction:
                 "a sync must carry the whole model",
                 "INVALID_ARGUMENT",
             )
-        if digest:
+        if manifest.layout_digest:
             if len(self._valid_layouts) >= 16:  # layouts change rarely; keep the set small
                 self._valid_layouts.clear()
-            self._valid_layouts.add(digest)
+            self._valid_layouts[key] = dequantizer
+            return None if dequantizer is None else dequantizer.fresh()
         return dequantizer
 
     def prepare(self, manifest: Manifest, timeout: float) -> None:

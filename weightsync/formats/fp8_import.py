@@ -79,6 +79,10 @@ class Dequantizer:
             else:
                 yield name, t
 
+    def fresh(self) -> "Dequantizer":
+        """A new Dequantizer producing the same dtypes, holding nothing: the next sync's."""
+        return Dequantizer(self._dtypes)
+
     def dtype_of(self, name: str) -> torch.dtype:
         """The dtype weight `name` is produced in (its parameter's)."""
         return self._dtypes.get(name, torch.float32)
