@@ -14,7 +14,9 @@ import pstats
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="pstats files written by WS_PROFILE_SYNCS")
-    ap.add_argument("--syncs", type=int, default=1, help="syncs the file covers: times are divided by it")
+    ap.add_argument(
+        "--syncs", type=int, default=1, help="syncs the file covers (all but the first): times are divided by it"
+    )
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     for path in args.files:
