@@ -144,7 +144,7 @@ case "$PART" in
          --no-narrow --out "$OUT/results_fp8_slots_cvt${cvt}_$day.json"
        show "fp8_kernels_cvt$cvt" 25
      done
-     step 220 services_fp8_tw python3 bench/bench_services.py --models 7b --transport ipc --backend megatron \
+     step 260 services_fp8_tw python3 bench/bench_services.py --models 7b --transport ipc --backend megatron \
        --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10 \
        --out "$OUT/results_services_ipc_fp8_tw_megatron_7b_$day.json"
      show services_fp8_tw 12
