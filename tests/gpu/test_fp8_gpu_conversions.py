@@ -59,27 +59,27 @@ def _weights():
 
 
 def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
-    from weightsync.formats import fp8_slots
+    """The bucket bytes of `named` quantized by the slot kernel on the GPU (`gpu`, WS_FP8_GPU_CONVERT
+    `convert`) or, as the reference, by the CPU torch path into the same places."""
+    from weightsync.formats import fp8, fp8_slots
 
-    monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
     shapes = [tuple(w.shape) for w in named]
     places, size = bucket_layout(shapes)
-    dev = "cuda" if gpu else "cpu"
-    flat = torch.zeros(size, dtype=torch.uint8, device=dev)
-    weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w.to(dev))])
-        for i, (si, w, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(shapes), named, places))
-    ]
-    q = fp8_slots.plan([flat], weights, use_kernel=gpu) if gpu else None
-    if q is None:  # the CPU reference: fp8.quantize per weight, into the same places
-        from weightsync.formats import fp8
-
+    if not gpu:
+        flat = torch.zeros(size, dtype=torch.uint8)
         for w, (s_off, q_off) in zip(named, places):
             qq, ss = fp8.quantize_torch(w.float())
             flat[q_off : q_off + qq.numel()] = qq.reshape(-1).view(torch.uint8)
             flat[s_off : s_off + 4 * ss.numel()] = ss.reshape(-1).view(torch.uint8)
         return flat
-    assert q.use_kernel and all(la.vec == 16 for la in q.launches)  # a launch per source dtype
+    monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
+    flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    weights = [
+        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w.cuda())])
+        for i, (si, w, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(shapes), named, places))
+    ]
+    q = fp8_slots.plan([flat], weights, use_kernel=True)
+    assert q is not None and q.use_kernel and all(la.vec == 16 for la in q.launches)  # a launch per source dtype
     q.run()
     assert q.finite()
     return flat.cpu()
@@ -89,7 +89,7 @@ def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
 def test_the_quantizer_with_the_gpus_conversions_writes_the_bytes_of_the_bit_arithmetic(monkeypatch):
     named = _weights()
     places, _ = bucket_layout([tuple(w.shape) for w in named])
-    want = _quantized(named, False, monkeypatch, "0")
+    want = _quantized(named, False, monkeypatch, "")
     bad = []
     for name, convert in (("bit arithmetic", "0"), ("GPU conversions", "1")):
         got = _quantized(named, True, monkeypatch, convert)
