@@ -1,9 +1,7 @@
 """The Triton kernels that dequantize block FP8: a tensor's blocks (`dequant_block`, fp8_triton.py)
 and a received bucket into the engine's parameters, checksummed as it goes (`dequant_bucket`,
 fp8_dequant_slots_triton.py says what its two kinds of programs do). Both decode and round with
-the same helpers (`from_e4m3`, `to_bf16_bits`), bit for bit the torch path's; on sm_89+ the bucket
-kernel rounds to bfloat16 by the GPU's conversion instead (`bf16_bits` with CVT: the same bits,
-fp8_slots_triton.gpu_conversions).
+the same helpers (`from_e4m3`, `to_bf16_bits`), bit for bit the torch path's.
 
 Imported only by those modules, lazily: triton comes with CUDA builds of torch, not the CPU build.
 The helpers are module globals because a `@triton.jit` function resolves the functions it calls
@@ -123,7 +121,6 @@ def dequant_tile(
     BC: tl.constexpr,
     RB: tl.constexpr,
     VEC: tl.constexpr,
-    CVT: tl.constexpr,
 ):
     """Tile k (row-major) of RB rows x BC columns of one FP8 weight of dequant_bucket, inside one
     BR x BC block (its scale's). VEC (constexpr): what cols, the e4m3 offset and the destination
@@ -153,7 +150,7 @@ def dequant_tile(
     if out_f32 != 0:
         tl.store(f32_base + d_off + offs, prod, mask=mask)
     else:
-        tl.store(bf16_base + d_off + offs, bf16_bits(prod, CVT), mask=mask)
+        tl.store(bf16_base + d_off + offs, to_bf16_bits(prod), mask=mask)
     # the block's own words (rows of whole words: cols and q_off multiples of 4)
     if VEC % 4 == 0:  # in words, as multiples of VEC // 4 the compiler can see: 16-byte loads
         cw = cb * (BC // 4) + tl.arange(0, BC // 4)
@@ -190,7 +187,6 @@ def dequant_bucket(
     RB: tl.constexpr,
     VEC: tl.constexpr,
     WV: tl.constexpr,
-    CVT: tl.constexpr,
 ):
     # VEC: what every column count and element offset of the launch's tensor table is a multiple of;
     # a word run whose table row says so takes the WV-word variant (a uniform branch: a run of an
@@ -238,5 +234,4 @@ def dequant_bucket(
             BC,
             RB,
             VEC,
-            CVT,
         )

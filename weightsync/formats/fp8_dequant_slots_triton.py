@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.formats.fp8_slots_triton import gpu_conversions
 from weightsync.formats.fp8_spec import BLOCK
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
@@ -72,10 +71,7 @@ def launch(
         return partial.view(-1, 2).sum(dim=0)
     word_base, bf16_base, f32_base = bases
     args = (buf, buf[:whole].view(torch.int32), buf[:whole].view(torch.float32), word_base, bf16_base, f32_base)
-    consts = dict(
-        WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, VEC=vec, WV=MAX_WV,
-        CVT=gpu_conversions(buf.device),
-    )  # fmt: skip
+    consts = dict(WB=WORD_BLOCK, WS=WORD_STEPS, BR=BLOCK[0], BC=BLOCK[1], RB=TILE_ROWS, VEC=vec, WV=MAX_WV)
     grid = (programs,)
     if buf.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
         _kernel()[grid](*args, words, n_word, tensors, owners, partial, **consts)

@@ -37,17 +37,16 @@ for src, cvt in (("*bf16", True), ("*bf16", False), ("*fp16", True), ("*fp32", T
         {"BR": 128, "BC": 128, "RB": fp8_slots_triton.TILE_ROWS, "FMAX": 448.0, "SMIN": 2.0**-126,
          "VEC": fp8_slots_triton.MAX_VEC, "SUMS": True, "CVT": cvt},
     )
-for cvt in (True, False):
-    build(
-        fp8_dequant_slots_triton._kernel(),
-        {"buf_bytes": "*u8", "buf_words": "*i32", "buf_f32": "*fp32", "word_base": "*i32", "bf16_base": "*i16",
-         "f32_base": "*fp32", "word_ptr": "*i64", "n_word": "i32", "tensor_ptr": "*i64", "owner_ptr": "*i32",
-         "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr",
-         "RB": "constexpr", "VEC": "constexpr", "WV": "constexpr", "CVT": "constexpr"},
-        {"WB": fp8_dequant_slots_triton.WORD_BLOCK, "WS": fp8_dequant_slots_triton.WORD_STEPS, "BR": 128,
-         "BC": 128, "RB": fp8_dequant_slots_triton.TILE_ROWS, "VEC": fp8_dequant_slots_triton.MAX_VEC,
-         "WV": fp8_dequant_slots_triton.MAX_WV, "CVT": cvt},
-    )
+build(
+    fp8_dequant_slots_triton._kernel(),
+    {"buf_bytes": "*u8", "buf_words": "*i32", "buf_f32": "*fp32", "word_base": "*i32", "bf16_base": "*i16",
+     "f32_base": "*fp32", "word_ptr": "*i64", "n_word": "i32", "tensor_ptr": "*i64", "owner_ptr": "*i32",
+     "out_ptr": "*i64", "WB": "constexpr", "WS": "constexpr", "BR": "constexpr", "BC": "constexpr",
+     "RB": "constexpr", "VEC": "constexpr", "WV": "constexpr"},
+    {"WB": fp8_dequant_slots_triton.WORD_BLOCK, "WS": fp8_dequant_slots_triton.WORD_STEPS, "BR": 128, "BC": 128,
+     "RB": fp8_dequant_slots_triton.TILE_ROWS, "VEC": fp8_dequant_slots_triton.MAX_VEC,
+     "WV": fp8_dequant_slots_triton.MAX_WV},
+)
 for x in ("*bf16", "*fp32"):
     build(
         fp8_triton._kernel(),
