@@ -15,11 +15,15 @@ import triton.language as tl
 
 
 @triton.jit
+def magnitudes(x):
+    """|x| of a float32 tile, inf where a value is NaN: what a block's amax is the maximum of."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
 def abs_max(x):
-    """max |x| of a float32 tile, inf when any value is NaN (or infinite): a maximum of maxima is the
-    maximum, so a block may be reduced a tile at a time."""
-    a = tl.where(x == x, tl.abs(x), float("inf"))
-    return tl.max(tl.max(a, axis=1), axis=0)
+    """max |x| of a float32 tile, inf when any value is NaN (or infinite)."""
+    return tl.max(tl.max(magnitudes(x), axis=1), axis=0)
 
 
 @triton.jit
@@ -116,12 +120,11 @@ def source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB: tl.constexpr
 def block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR: tl.constexpr, RB: tl.constexpr, VEC: tl.constexpr):
     """The amax of a block (`source_tile`'s), read RB rows at a time (quant_tile says why): each thread
     keeps the maxima of its own elements across the tiles, reduced across the block once (a
-    cross-warp reduction per tile cost a round trip through shared memory and a barrier each);
-    inf when a value is NaN, as abs_max."""
+    cross-warp reduction per tile cost a round trip through shared memory and a barrier each)."""
     a = tl.zeros([RB, c.shape[0]], dtype=tl.float32)
     for i in range(BR // RB):
         _, _, x = source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB, VEC)
-        a = tl.maximum(a, tl.where(x == x, tl.abs(x), float("inf")))
+        a = tl.maximum(a, magnitudes(x))
     return tl.max(tl.max(a, axis=1), axis=0)
 
 
