@@ -9,8 +9,8 @@ one sync after start (it builds the NCCL group; `first_sync_s`), then `--reps` t
 the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on disk, TrainStep
 optimizer memory), and a sync at the same version still streams every byte and commits a new sync
 id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
-once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages between
-cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; with `--transport ipc`, one
+once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages from
+cuda:0 to the rollouts' GPUs (cuda:1..cuda:N; bench/bench_sync.py's technique) gives the ceiling; with `--transport ipc`, one
 device-to-device copy of the same bytes on the same GPU, in this process; ratio = raw_s / sync_s.
 Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
 the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
@@ -273,7 +273,7 @@ def d2d_copy_seconds(nbytes: int, reps: int, device: str) -> list[float]:
     return out
 
 
-def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
+def raw_rank(rank: int, world: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
     from weightsync.bus.nccl import libnccl
     from weightsync.bus.nccl.group import NcclGroup
 
@@ -281,19 +281,22 @@ def raw_rank(rank: int, uid_q, res_q, sizes: list[int], reps: int) -> None:
     torch.cuda.set_device(dev)
     uid = libnccl.new_unique_id() if rank == 0 else uid_q.get(timeout=60)
     if rank == 0:
-        uid_q.put(uid)
-    group = NcclGroup(uid, 2, rank, dev, timeout=120)
+        for _ in range(world - 1):
+            uid_q.put(uid)
+    group = NcclGroup(uid, world, rank, dev, timeout=120)
     out = [raw_broadcast_seconds(group, dev, total, reps) for total in sizes]
     group.close()
     res_q.put((rank, out))
 
 
-def raw_nccl(sizes: list[int], reps: int, timeout: float) -> list[list[float]]:
+def raw_nccl(sizes: list[int], reps: int, timeout: float, receivers: int = 1) -> list[list[float]]:
+    """A raw NCCL broadcast of each size from cuda:0 to cuda:1..cuda:`receivers` (the services' GPUs)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     uid_q, res_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=raw_rank, args=(r, uid_q, res_q, sizes, reps)) for r in range(2)]
+    world = 1 + receivers
+    procs = [ctx.Process(target=raw_rank, args=(r, world, uid_q, res_q, sizes, reps)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -303,7 +306,8 @@ def raw_nccl(sizes: list[int], reps: int, timeout: float) -> list[list[float]]:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    return got[1]  # the receiver's clock, as in bench_sync: it finishes last
+    # the receivers' clocks, as in bench_sync: they finish last; with several, the slowest of them per rep
+    return [max(times) for times in zip(*(got[r] for r in range(1, world)))]
 
 
 def _exit_on_sigterm() -> None:
@@ -418,12 +422,13 @@ def main() -> int:
 
         results["nccl"] = libnccl.version()
         try:
-            raw = raw_nccl([r["bytes"] for r in ok], args.reps, timeout=600)
+            raw = raw_nccl([r["bytes"] for r in ok], args.reps, timeout=600, receivers=args.rollouts)
         except Exception as exc:  # keep the services' numbers
             print(f"raw NCCL broadcast FAILED: {exc!r}", file=sys.stderr)
             results["raw_error"], raw, failed = repr(exc), [], True
         for r, times in zip(ok, raw):
-            r.update(raw_s_all=times, raw_s=statistics.median(times), raw_kind="nccl broadcast, 1 GiB messages")
+            kind = f"nccl broadcast, 1 GiB messages, 1 -> {args.rollouts} GPU(s)"
+            r.update(raw_s_all=times, raw_s=statistics.median(times), raw_kind=kind)
             r["ratio"] = r["raw_s"] / r["sync_s"]
     if args.transport == "ipc" and ok:
         for r in ok:  # the services are stopped: their memory is free again
