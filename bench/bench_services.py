@@ -10,8 +10,9 @@ the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on d
 optimizer memory), and a sync at the same version still streams every byte and commits a new sync
 id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
 once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages from
-cuda:0 to the rollouts' GPUs (cuda:1..cuda:N; bench/bench_sync.py's technique) gives the ceiling; with `--transport ipc`, one
-device-to-device copy of the same bytes on the same GPU, in this process; ratio = raw_s / sync_s.
+cuda:0 to the rollouts' GPUs (cuda:1..cuda:N; bench/bench_sync.py's technique) gives the ceiling;
+with `--transport ipc`, one device-to-device copy of the same bytes on the same GPU, in this process;
+ratio = raw_s / sync_s.
 Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
 the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
 
