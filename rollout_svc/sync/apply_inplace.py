@@ -9,7 +9,7 @@ a bucket is copied straight into them and that copy is its checksum pass
 sync with the engine STALE.
 
 A block-FP8 bucket for an engine that dequantizes goes the same way where the engine offers its
-parameters: one launch dequantizes it into them and sums what it reads (fp8_write.py), checked
+parameters: one launch dequantizes it into them and sums what it reads (fp8_fused_write.py), checked
 after the write as above.
 
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from rollout_svc.sync import fp8_write
+from rollout_svc.sync import fp8_fused_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
@@ -128,9 +128,9 @@ class InPlaceApply(ApplyStrategy):
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
     ) -> tuple[object, bool]:
         """A block-FP8 bucket dequantized into the engine's parameters by one launch that also sums
-        what it reads (fp8_write.py): (its checksum, whether deferred), or (None, False) when it
+        what it reads (fp8_fused_write.py): (its checksum, whether deferred), or (None, False) when it
         cannot go that way. The same contract as a bf16 bucket's direct write: checked after it."""
-        copied = fp8_write.write(
+        copied = fp8_fused_write.write(
             self.fp8, self.host.engine, p, plan, buf, wait=not defer_check, sums_to=self._keeper(p, plan, buf)
         )
         if copied is None:
@@ -167,7 +167,9 @@ class InPlaceApply(ApplyStrategy):
             engine.load_bucket(plan, buf)
         else:
             # with the scales the fused write kept for this bucket's weights, if an earlier bucket took it
-            engine.load_weights(p.loadable([*fp8_write.held_scales(self.fp8, p, plan), *unpack_bucket(plan, buf)]))
+            engine.load_weights(
+                p.loadable([*fp8_fused_write.held_scales(self.fp8, p, plan), *unpack_bucket(plan, buf)])
+            )
 
     def _pause_engine(self, p: PendingSync) -> None:
         """Take the engine for the rest of the sync before its first bucket is loaded.

@@ -38,7 +38,7 @@ from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.checksum import combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
-from weightsync.formats.fp8_import import Dequantizer
+from weightsync.formats.fp8.receive import Dequantizer
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

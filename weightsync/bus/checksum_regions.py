@@ -1,7 +1,7 @@
 """Word sums of a buffer's words outside some byte ranges: the rest of a bucket's checksum when the
 kernel that wrote those ranges summed their words as it wrote them.
 
-The trainer's block-FP8 quantizer (weightsync/formats/fp8_slots.py) sums the e4m3 and scale words it
+The trainer's block-FP8 quantizer (weightsync/formats/fp8/quantize_slots.py) sums the e4m3 and scale words it
 writes into a bucket; the bucket's `ws-sum64-v1` checksum then needs only the words of its other
 bytes (its 16-bit tensors and the alignment gaps), which checksum.region_word_sums reads: on a GPU
 one launch per buffer over a table of those regions cut into program-sized rows (`region_table`,

@@ -18,8 +18,8 @@ import torch
 
 from weightsync.bus.dtypes import parse_dtype
 from weightsync.bus.plan import Quantization, TensorMeta
-from weightsync.formats import fp8_export
-from weightsync.formats.fp8_spec import BLOCK_FP8, hf_quantization_config
+from weightsync.formats.fp8 import export as fp8_export
+from weightsync.formats.fp8.spec import BLOCK_FP8, hf_quantization_config
 
 FP8_BLOCK = "fp8-block"
 

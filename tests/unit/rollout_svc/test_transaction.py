@@ -367,8 +367,8 @@ def test_a_block_fp8_layout_is_checked_once_and_each_sync_gets_its_own_dequantiz
     sync), but each sync loads through a dequantizer of its own: one holds unpaired halves."""
     import rollout_svc.sync.transaction as txmod
     from weightsync.bus.layout import ManifestCache
-    from weightsync.formats.fp8_export import export_metas
-    from weightsync.formats.fp8_spec import BLOCK_FP8
+    from weightsync.formats.fp8.export import export_metas
+    from weightsync.formats.fp8.spec import BLOCK_FP8
 
     eng = _engine(2)
     tx = SyncTransaction(eng, "inplace")

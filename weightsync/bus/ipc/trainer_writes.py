@@ -30,7 +30,7 @@ the independent second read with `ipc_direction: rollout_reads`.
 
 A quantized manifest (block FP8 into the built-in engine, which dequantizes) is written the same way
 with a writer the publisher hands the session (`QuantizedWrites`: the bus imports no format;
-weightsync/formats/fp8_trainer_writes.py): the table covers the tensors as the engine holds them
+weightsync/formats/fp8/trainer_writes.py): the table covers the tensors as the engine holds them
 (`check`'s `allowed`: an FP8 weight as its 16- or 32-bit parameter, no scale), and the writer's stream
 dequantizes every weight into it with the same sums.
 """
@@ -227,7 +227,7 @@ def check(
 
 class QuantizedWrites(Protocol):
     """How the trainer writes a quantized manifest into an engine that takes it dequantized (block FP8:
-    weightsync/formats/fp8_trainer_writes.py; the bus imports no format). The publisher hands one to
+    weightsync/formats/fp8/trainer_writes.py; the bus imports no format). The publisher hands one to
     the sync's session (`use_quantized_writes`); without it a quantized sync is never written this way."""
 
     def destination_dtypes(self, manifest: Manifest) -> list[tuple[torch.dtype, ...]]:

@@ -1,5 +1,5 @@
-"""fp8_dequant_slots.py: a received block-FP8 bucket written into an engine's parameters with its
-checksum in one launch gives the parameters the per-tensor path gives (fp8_import.Dequantizer, bit
+"""fp8/dequantize_slots.py: a received block-FP8 bucket written into an engine's parameters with its
+checksum in one launch gives the parameters the per-tensor path gives (receive.Dequantizer, bit
 for bit, bf16 and fp32 parameters) and the bucket's `bucket_checksum`, over buckets that split a
 scale from its weight, odd shapes (rows that are not whole words, a 16-bit tensor ending mid-word,
 stacked experts), and declines what it cannot write. The torch path runs everywhere; the Triton
@@ -17,10 +17,10 @@ from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.pack import pack_bucket
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats.fp8_dequant_slots import FusedDequant
-from weightsync.formats.fp8_export import export_metas, export_tensors
-from weightsync.formats.fp8_import import Dequantizer
-from weightsync.formats.fp8_spec import BLOCK_FP8, FP8_DTYPE
+from weightsync.formats.fp8.dequantize_slots import FusedDequant
+from weightsync.formats.fp8.export import export_metas, export_tensors
+from weightsync.formats.fp8.receive import Dequantizer
+from weightsync.formats.fp8.spec import BLOCK_FP8, FP8_DTYPE
 
 KERNEL_ENV = "FP8_DEQUANT_SLOTS_KERNEL"
 TENSORS = [
@@ -157,7 +157,7 @@ def test_every_finite_e4m3_code_decodes_as_torch_decodes_it(use_kernel, dtype):
     zero, with scales whose products need rounding to bf16: the kernel's decode and product equal
     torch's float32(q) * s rounded once."""
     from weightsync.bus.plan import make_manifest
-    from weightsync.formats.fp8 import dequantize_torch
+    from weightsync.formats.fp8.blocks import dequantize_torch
 
     codes = torch.arange(256, dtype=torch.uint8)
     codes[codes == 0x7F], codes[codes == 0xFF] = 0x00, 0x80

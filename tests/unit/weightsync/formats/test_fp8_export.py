@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from weightsync.bus.plan import TensorMeta, make_manifest
-from weightsync.formats import fp8
-from weightsync.formats.fp8_export import export_metas, export_tensors, is_quantized
-from weightsync.formats.fp8_import import Dequantizer, logical_metas
+from weightsync.formats.fp8 import blocks as fp8
+from weightsync.formats.fp8.export import export_metas, export_tensors, is_quantized
+from weightsync.formats.fp8.receive import Dequantizer, logical_metas
 from weightsync.models import resolve_model
 
 FAMILIES = ["tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe"]
@@ -230,11 +230,11 @@ def test_the_stream_waits_for_the_device_once_at_its_end_not_per_tensor(monkeypa
 
 
 def test_the_end_check_costs_one_wait_per_device_and_searches_only_when_something_is_bad(monkeypatch):
-    from weightsync.formats import fp8_export
+    from weightsync.formats.fp8 import export
 
     checked: list[int] = []
-    orig = fp8_export._all_finite
-    monkeypatch.setattr(fp8_export, "_all_finite", lambda t: checked.append(t.numel()) or orig(t))
+    orig = export._all_finite
+    monkeypatch.setattr(export, "_all_finite", lambda t: checked.append(t.numel()) or orig(t))
     list(export_tensors(iter(_linear_stream())))
     blocks = 4 * 3 * 2  # four 300x200 weights of 3x2 blocks, one concatenated check
     assert checked == [blocks]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.formats import fp8
+from weightsync.formats.fp8 import blocks as fp8
 
 F32 = np.float32
 

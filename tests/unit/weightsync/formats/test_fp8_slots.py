@@ -1,4 +1,4 @@
-"""fp8_slots.py: weights quantized straight into bucket slots write the bytes fp8.quantize writes for
+"""fp8/quantize_slots.py: weights quantized straight into bucket slots write the bytes fp8.quantize writes for
 the same weights (odd shapes, stacked experts, tiny tensors, zero / denormal / huge blocks, bf16 and
 fp32 sources, rows gathered from strided views as Megatron's QKV and gate/up), leave every other byte
 of the bucket alone, raise the one flag for a non-finite block and name it, and decline what is not
@@ -16,7 +16,8 @@ import torch
 from tests.support.fp8_weights import block_test_weights
 from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
-from weightsync.formats import fp8, fp8_slots
+from weightsync.formats.fp8 import blocks as fp8
+from weightsync.formats.fp8 import quantize_slots
 from weightsync.model_spec import Dims
 
 POISON = 0xAB
@@ -38,11 +39,11 @@ class Bucket:
             pos = q_off + math.prod(shape)
         self.flat = torch.full((pos + 3,), POISON, dtype=torch.uint8)  # a tail that is not a whole word
 
-    def weights(self, bucket: int, named, sources_of) -> list[fp8_slots.SlotWeight]:
+    def weights(self, bucket: int, named, sources_of) -> list[quantize_slots.SlotWeight]:
         shapes = [tuple(t.shape) for _, t in named]
         out = []
-        for (name, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins(shapes), self.places):
-            out.append(fp8_slots.SlotWeight(name, bucket, q_off, s_off, si, sources_of(si, t)))
+        for (name, t), si, (s_off, q_off) in zip(named, quantize_slots.stand_ins(shapes), self.places):
+            out.append(quantize_slots.SlotWeight(name, bucket, q_off, s_off, si, sources_of(si, t)))
         return out
 
     def expected(self, named) -> torch.Tensor:
@@ -77,7 +78,7 @@ def test_the_kernel_writes_the_same_bytes():
 def test_every_shape_in_one_bucket_is_quantize_byte_for_byte(use_kernel, kind, dtype):
     named = [(f"w{i}", block_test_weights(s, kind, 100 + i, dtype)) for i, s in enumerate(SHAPES)]
     b = Bucket([tuple(t.shape) for _, t in named], start=40)
-    q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
+    q = quantize_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
     assert q is not None and q.use_kernel is use_kernel
     q.run()
     assert torch.equal(b.flat, b.expected(named))  # slots exact, gaps and tail untouched
@@ -89,7 +90,7 @@ def test_every_shape_in_one_bucket_is_quantize_byte_for_byte(use_kernel, kind, d
         wide = [(i, s) for i, s in enumerate(SHAPES) if s[-1] % 16 == 0]
         named = [named[i] for i, _ in wide]
         b = Bucket([s for _, s in wide], start=40)
-        q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
+        q = quantize_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
         q.run()
         assert q.launches[0].vec == 16 and torch.equal(b.flat, b.expected(named))
 
@@ -107,16 +108,16 @@ def test_rows_gathered_from_strided_views_and_two_buckets_and_dtypes(use_kernel)
     hf = [*zip(("q", "k", "v"), QKV.to_hf(qkv, d)), *zip(("gate", "up"), GATE_UP.to_hf(fc1, d))]
     named = [(n, t.contiguous()) for n, t in hf]
     b0, b1 = Bucket([tuple(t.shape) for _, t in named[:3]], 8), Bucket([tuple(t.shape) for _, t in named[3:]])
-    si0 = fp8_slots.stand_ins([tuple(t.shape) for _, t in named[:3]])
-    si1 = fp8_slots.stand_ins([tuple(t.shape) for _, t in named[3:]])
+    si0 = quantize_slots.stand_ins([tuple(t.shape) for _, t in named[:3]])
+    si1 = quantize_slots.stand_ins([tuple(t.shape) for _, t in named[3:]])
     weights = [
-        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [pair])
+        quantize_slots.SlotWeight(n, 0, q_off, s_off, si, [pair])
         for (n, _), si, (s_off, q_off), pair in zip(named[:3], si0, b0.places, QKV.hf_copies(qkv, si0, d))
     ] + [
-        fp8_slots.SlotWeight(n, 1, q_off, s_off, si, [pair])
+        quantize_slots.SlotWeight(n, 1, q_off, s_off, si, [pair])
         for (n, _), si, (s_off, q_off), pair in zip(named[3:], si1, b1.places, GATE_UP.hf_copies(fc1, si1, d))
     ]
-    q = fp8_slots.plan([b0.flat, b1.flat], weights, use_kernel=use_kernel)
+    q = quantize_slots.plan([b0.flat, b1.flat], weights, use_kernel=use_kernel)
     assert q is not None
     q.run()
     assert torch.equal(b0.flat, b0.expected(named[:3])) and torch.equal(b1.flat, b1.expected(named[3:]))
@@ -135,7 +136,7 @@ def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
     named = [(n, block_test_weights((260, 300), "randn", i)) for i, n in enumerate(("a.weight", "b.weight"))]
     named[1][1][200, 150] = bad
     b = Bucket([tuple(t.shape) for _, t in named])
-    q = fp8_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
+    q = quantize_slots.plan([b.flat], b.weights(0, named, _whole), use_kernel=use_kernel)
     q.run()
     assert not q.finite()
     err = q.first_non_finite()
@@ -149,18 +150,22 @@ def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
 def test_what_is_not_whole_rows_is_declined():
     w = torch.randn(8, 6)
     b = Bucket([(8, 6)])
-    (si,) = fp8_slots.stand_ins([(8, 6)])
+    (si,) = quantize_slots.stand_ins([(8, 6)])
     halves = [(si[:, :3], w[:, :3]), (si[:, 3:], w[:, 3:])]  # a column split
-    assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, halves)]) is None
+    assert quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, halves)]) is None
     rows_missing = [(si[:4], w[:4])]
-    assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, rows_missing)]) is None
+    assert (
+        quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, rows_missing)]) is None
+    )
     twice = [(si, w), (si[:1], w[:1])]
-    assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, twice)]) is None
+    assert quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, twice)]) is None
     transposed = [(si, torch.randn(6, 8).t())]  # rows not contiguous in the source
-    assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, transposed)]) is None
+    assert (
+        quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, transposed)]) is None
+    )
     ints = [(si, torch.ones(8, 6, dtype=torch.int32))]
-    assert fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, ints)]) is None
-    ok = fp8_slots.plan([b.flat], [fp8_slots.SlotWeight("x", 0, *b.places[0][::-1], si, [(si, w)])])
+    assert quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, ints)]) is None
+    ok = quantize_slots.plan([b.flat], [quantize_slots.SlotWeight("x", 0, *b.places[0][::-1], si, [(si, w)])])
     assert ok is not None and not ok.use_kernel  # a CPU buffer: the torch path unless asked
 
 
@@ -168,11 +173,11 @@ def test_a_scale_in_the_bucket_before_its_weight(use_kernel):
     """The exporter sends `X_scale_inv` right before `X`: a plan may end one bucket with the scale and
     open the next with the weight. One launch for the pair, each part in its own bucket."""
     w = block_test_weights((260, 300), "heavy", 5, torch.bfloat16)
-    (si,) = fp8_slots.stand_ins([(260, 300)])
+    (si,) = quantize_slots.stand_ins([(260, 300)])
     scales = torch.full((512 + 4 * 3 * 3 + 1,), POISON, dtype=torch.uint8)  # the scale slot at byte 512
     weights = torch.full((w.numel() + 2,), POISON, dtype=torch.uint8)  # the weight slot at byte 0
-    q = fp8_slots.plan(
-        [scales, weights], [fp8_slots.SlotWeight("x", 1, 0, 512, si, [(si, w)], scale_bucket=0)], use_kernel
+    q = quantize_slots.plan(
+        [scales, weights], [quantize_slots.SlotWeight("x", 1, 0, 512, si, [(si, w)], scale_bucket=0)], use_kernel
     )
     q.run()
     qq, ss = fp8.quantize(w)
@@ -195,19 +200,19 @@ def test_the_slots_word_sums_complete_each_bucket_checksum(use_kernel):
     named = [(f"w{i}", block_test_weights(s, "heavy", 30 + i, torch.bfloat16)) for i, s in enumerate(shapes)]
     b = Bucket([tuple(t.shape) for _, t in named[:3]], start=40)
     w = named[3][1]
-    (si,) = fp8_slots.stand_ins([(260, 16)])
+    (si,) = quantize_slots.stand_ins([(260, 16)])
     nxt = torch.full((w.numel() + 3,), POISON, dtype=torch.uint8)  # its weight opens the next bucket
     scale_at = -(-b.flat.numel() // 256) * 256
     first = torch.full((scale_at + 4 * 3 + 2,), POISON, dtype=torch.uint8)  # the scale ends this one
     first[: b.flat.numel()] = b.flat
-    weights = b.weights(0, named[:3], _whole) + [fp8_slots.SlotWeight("w3", 1, 0, scale_at, si, [(si, w)], 0)]
-    q = fp8_slots.plan([first, nxt], weights, use_kernel=use_kernel)
+    weights = b.weights(0, named[:3], _whole) + [quantize_slots.SlotWeight("w3", 1, 0, scale_at, si, [(si, w)], 0)]
+    q = quantize_slots.plan([first, nxt], weights, use_kernel=use_kernel)
     q.run()
     assert q.word_sums() is not None and q.slot_ranges()[1] == [(0, w.numel())]
     got = InFlightChecksums([first, nxt], KnownSums(q.word_sums(), q.slot_ranges())).values()
     assert got == [bucket_checksum(first), bucket_checksum(nxt)]
     odd = Bucket([(7, 200), (129, 257)])
     ws = [(f"o{i}", block_test_weights(s, "randn", i, torch.bfloat16)) for i, s in enumerate([(7, 200), (129, 257)])]
-    q = fp8_slots.plan([odd.flat], odd.weights(0, ws, _whole), use_kernel=use_kernel)
+    q = quantize_slots.plan([odd.flat], odd.weights(0, ws, _whole), use_kernel=use_kernel)
     q.run()
     assert q.word_sums() is None

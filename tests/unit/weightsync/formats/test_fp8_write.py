@@ -1,4 +1,4 @@
-"""fp8_write.py: FP8 weights quantized and dequantized in one pass into an engine's parameters store the
+"""fp8/write_slots.py: FP8 weights quantized and dequantized in one pass into an engine's parameters store the
 values fp8.quantize_torch then fp8.dequantize_torch give (bf16 and float32 parameters, bf16 and fp32
 sources, rows gathered from strided views as Megatron's QKV and gate/up, a scale slot in the bucket
 before its weight's), return exactly the word sums of the FP8 and scale slots the quantizer writes into
@@ -17,7 +17,8 @@ from tests.support.fp8_weights import block_test_weights, bucket_layout
 from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
 from weightsync.bus.checksum import word_sums
-from weightsync.formats import fp8, fp8_slots, fp8_write
+from weightsync.formats.fp8 import blocks as fp8
+from weightsync.formats.fp8 import quantize_slots, write_slots
 from weightsync.model_spec import Dims
 
 KERNEL_ENV = "FP8_WRITE_KERNEL"
@@ -40,7 +41,7 @@ def test_the_kernel_writes_the_same_values():
 def _slot_sums(weights, sizes) -> torch.Tensor:
     """What the quantizer (torch path) writes into poisoned buckets, summed over its FP8 and scale slots."""
     flats = [torch.full((n,), POISON, dtype=torch.uint8) for n in sizes]
-    q = fp8_slots.plan(flats, weights, use_kernel=False)
+    q = quantize_slots.plan(flats, weights, use_kernel=False)
     q.run()
     out = torch.zeros(len(flats), 2, dtype=torch.int64)
     for b, ranges in enumerate(q.slot_ranges()):
@@ -65,11 +66,11 @@ def test_every_shape_is_quantize_then_dequantize_bit_for_bit_with_the_slots_sums
     named = [(f"w{i}", block_test_weights(s, kind, 200 + i, src)) for i, s in enumerate(SHAPES)]
     places, size = bucket_layout(SHAPES, 40)
     weights = [
-        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
-        for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins(SHAPES), places)
+        quantize_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
+        for (n, t), si, (s_off, q_off) in zip(named, quantize_slots.stand_ins(SHAPES), places)
     ]
     dests = [torch.full(t.shape, float("nan"), dtype=out) for _, t in named]
-    f = fp8_write.plan(weights, dests, 1, use_kernel=use_kernel)
+    f = write_slots.plan(weights, dests, 1, use_kernel=use_kernel)
     assert f is not None and f.use_kernel is use_kernel
     sums = f.run()
     for (n, t), d in zip(named, dests):
@@ -99,16 +100,16 @@ def test_strided_rows_two_buckets_a_scale_before_its_weight_and_a_rerun(use_kern
     gate_scale = n0 + 1 + (-(n0 + 1)) % 4  # the gate's scale ends bucket 0
     n0 = gate_scale + 4 * 3 * 1 + 2
     p1, n1 = bucket_layout(shapes[3:], 0)
-    si0, si1 = fp8_slots.stand_ins(shapes[:3]), fp8_slots.stand_ins(shapes[3:])
+    si0, si1 = quantize_slots.stand_ins(shapes[:3]), quantize_slots.stand_ins(shapes[3:])
     weights = [
-        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [pair])
+        quantize_slots.SlotWeight(n, 0, q_off, s_off, si, [pair])
         for (n, _), si, (s_off, q_off), pair in zip(hf()[:3], si0, p0, QKV.hf_copies(qkv, si0, d))
     ]
     pairs = GATE_UP.hf_copies(fc1, si1, d)
-    weights.append(fp8_slots.SlotWeight("gate", 1, p1[0][1], gate_scale, si1[0], [pairs[0]], scale_bucket=0))
-    weights.append(fp8_slots.SlotWeight("up", 1, p1[1][1], p1[1][0], si1[1], [pairs[1]]))
+    weights.append(quantize_slots.SlotWeight("gate", 1, p1[0][1], gate_scale, si1[0], [pairs[0]], scale_bucket=0))
+    weights.append(quantize_slots.SlotWeight("up", 1, p1[1][1], p1[1][0], si1[1], [pairs[1]]))
     dests = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-    f = fp8_write.plan(weights, dests, 2, use_kernel=use_kernel)
+    f = write_slots.plan(weights, dests, 2, use_kernel=use_kernel)
     assert f is not None
     for _ in range(2):
         sums = f.run()
@@ -128,10 +129,10 @@ def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
     named[1][1][200, 150] = bad
     places, _ = bucket_layout([(260, 300)] * 2, 40)
     weights = [
-        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
-        for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins([(260, 300)] * 2), places)
+        quantize_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
+        for (n, t), si, (s_off, q_off) in zip(named, quantize_slots.stand_ins([(260, 300)] * 2), places)
     ]
-    f = fp8_write.plan(weights, [torch.empty(260, 300, dtype=torch.bfloat16) for _ in named], 1, use_kernel)
+    f = write_slots.plan(weights, [torch.empty(260, 300, dtype=torch.bfloat16) for _ in named], 1, use_kernel)
     f.run()
     assert not f.finite()
     err = f.first_non_finite()
@@ -142,19 +143,19 @@ def test_a_non_finite_block_raises_the_flag_and_is_named(use_kernel, bad):
 
 
 def test_what_cannot_be_summed_or_addressed_is_declined(use_kernel):
-    (si,) = fp8_slots.stand_ins([(8, 6)])
+    (si,) = quantize_slots.stand_ins([(8, 6)])
     w = torch.randn(8, 6)
-    odd = fp8_slots.SlotWeight("x", 0, 256, 0, si, [(si, w)])  # 6 columns: rows are not whole words
-    assert fp8_write.plan([odd], [torch.empty(8, 6)], 1, use_kernel) is None
-    (si,) = fp8_slots.stand_ins([(8, 8)])
+    odd = quantize_slots.SlotWeight("x", 0, 256, 0, si, [(si, w)])  # 6 columns: rows are not whole words
+    assert write_slots.plan([odd], [torch.empty(8, 6)], 1, use_kernel) is None
+    (si,) = quantize_slots.stand_ins([(8, 8)])
     w = torch.randn(8, 8)
-    ok = fp8_slots.SlotWeight("x", 0, 256, 0, si, [(si, w)])
-    assert fp8_write.plan([ok], [torch.empty(8, 8)], 1, use_kernel) is not None
-    assert fp8_write.plan([ok], [torch.empty(8, 4)], 1, use_kernel) is None  # another shape
-    assert fp8_write.plan([ok], [torch.empty(8, 16)[:, :8]], 1, use_kernel) is None  # not contiguous
-    assert fp8_write.plan([fp8_slots.SlotWeight("x", 0, 258, 0, si, [(si, w)])], [torch.empty(8, 8)], 1) is None
+    ok = quantize_slots.SlotWeight("x", 0, 256, 0, si, [(si, w)])
+    assert write_slots.plan([ok], [torch.empty(8, 8)], 1, use_kernel) is not None
+    assert write_slots.plan([ok], [torch.empty(8, 4)], 1, use_kernel) is None  # another shape
+    assert write_slots.plan([ok], [torch.empty(8, 16)[:, :8]], 1, use_kernel) is None  # not contiguous
+    assert write_slots.plan([quantize_slots.SlotWeight("x", 0, 258, 0, si, [(si, w)])], [torch.empty(8, 8)], 1) is None
     if use_kernel:
-        assert fp8_write.plan([ok], [torch.empty(8, 8, dtype=torch.float16)], 1, True) is None  # not written
-        assert fp8_write.plan([ok], [torch.empty(8 * 8 + 1, dtype=torch.bfloat16)[1:].view(8, 8)], 1, True) is None
+        assert write_slots.plan([ok], [torch.empty(8, 8, dtype=torch.float16)], 1, True) is None  # not written
+        assert write_slots.plan([ok], [torch.empty(8 * 8 + 1, dtype=torch.bfloat16)[1:].view(8, 8)], 1, True) is None
     with pytest.raises(ValueError, match="2 FP8 weights, 1 destinations"):
-        fp8_write.plan([ok, ok], [torch.empty(8, 8)], 1)
+        write_slots.plan([ok, ok], [torch.empty(8, 8)], 1)

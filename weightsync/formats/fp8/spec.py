@@ -1,6 +1,6 @@
 """The block FP8 scheme as data: its constants and how a manifest / an HF config names it.
 
-Shared by the torch path (fp8.py) and the Triton kernels (fp8_triton.py), which import nothing
+Shared by the torch path (blocks.py) and the Triton kernels (blocks_triton.py), which import nothing
 of each other's module.
 """
 
@@ -15,7 +15,7 @@ SCALE_DTYPE = torch.float32
 FP8_MAX = 448.0
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
-#: smallest normal float32; a block scale below it is replaced by 1 (see fp8.py)
+#: smallest normal float32; a block scale below it is replaced by 1 (see blocks.py)
 MIN_NORMAL = 2.0**-126
 #: what a manifest announces for it
 BLOCK_FP8 = Quantization(method="fp8", fmt="e4m3", weight_block_size=BLOCK)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats.fp8 import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, dequantize, scale_shape, weight_name
+from weightsync.formats.fp8.blocks import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, dequantize, scale_shape, weight_name
 
 
 def logical_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:

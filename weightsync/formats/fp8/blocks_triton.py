@@ -1,10 +1,10 @@
-"""Block FP8 quantization (weightsync.formats.fp8) as fused Triton kernels, for CUDA tensors.
+"""Block FP8 quantization (weightsync.formats.fp8.blocks) as fused Triton kernels, for CUDA tensors.
 
 One program per 128x128 block: it reads the block once, reduces its amax, and writes the e4m3
 bytes and the block's scale. The result equals the torch path bit for bit (tests/gpu/test_fp8_gpu.py)
 because every step is exactly rounded the same way:
 - both divisions are IEEE round-to-nearest (`div_rn`), as torch's float32 tensor division is;
-- the float32 -> e4m3 rounding is done on the bits (fp8_quant_kernels.py: round to nearest even, e4m3 subnormals by
+- the float32 -> e4m3 rounding is done on the bits (quantize_triton.py: round to nearest even, e4m3 subnormals by
   the add-a-constant trick), the same arithmetic torch's own cast performs, rather than trusting
   whichever conversion instruction the compiler picks for the GPU at hand;
 - denormal float32 intermediates (which the GPU may flush to zero) can only occur where the
@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.formats.fp8_spec import BLOCK, FP8_DTYPE, FP8_MAX, MIN_NORMAL
+from weightsync.formats.fp8.spec import BLOCK, FP8_DTYPE, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 
 def _kernel():
-    from weightsync.formats.fp8_quant_kernels import quant_block
+    from weightsync.formats.fp8.quantize_triton import quant_block
 
     return quant_block
 
 
 def _dequant_kernel():
-    from weightsync.formats.fp8_dequant_kernels import dequant_block
+    from weightsync.formats.fp8.dequantize_triton import dequant_block
 
     return dequant_block
 

@@ -1,6 +1,6 @@
-"""The Triton kernels that quantize to block FP8: a tensor's blocks (`quant_block`, fp8_triton.py
+"""The Triton kernels that quantize to block FP8: a tensor's blocks (`quant_block`, blocks_triton.py
 says why its bytes equal torch's) and weights written into bucket slots (`quant_slots`,
-fp8_slots_triton.py). Both call one definition of a block's scale and of the float32 -> e4m3fn
+quantize_slots_triton.py). Both call one definition of a block's scale and of the float32 -> e4m3fn
 rounding (`block_scale`, `to_e4m3`), so the two cannot drift apart.
 
 Imported only by those modules, lazily: triton comes with CUDA builds of torch, not the CPU build.

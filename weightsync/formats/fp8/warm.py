@@ -1,4 +1,4 @@
-"""Compile the Triton FP8 kernels (fp8_triton.py) at start-up instead of in the first FP8 sync.
+"""Compile the Triton FP8 kernels (blocks_triton.py) at start-up instead of in the first FP8 sync.
 
 Triton compiles a kernel once per specialisation of its arguments: the tensors' dtypes, and for
 each integer argument (rows, cols and the block counts) whether it is 1 and whether it is
@@ -16,8 +16,8 @@ from collections.abc import Iterable
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats.fp8_export import is_quantized
-from weightsync.formats.fp8_spec import BLOCK, FP8_DTYPE
+from weightsync.formats.fp8.export import is_quantized
+from weightsync.formats.fp8.spec import BLOCK, FP8_DTYPE
 
 #: output dtypes the dequantize kernel has (others go through the torch path)
 DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,9 +59,9 @@ def _ready(device) -> torch.device | None:
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
         return None
-    from weightsync.formats import fp8_triton  # lazy: triton comes only with CUDA builds of torch
+    from weightsync.formats.fp8 import blocks_triton  # lazy: triton comes only with CUDA builds of torch
 
-    return device if fp8_triton.available() else None
+    return device if blocks_triton.available() else None
 
 
 def warm_quantize(metas: Iterable[TensorMeta], device) -> float:
@@ -70,60 +70,60 @@ def warm_quantize(metas: Iterable[TensorMeta], device) -> float:
     device = _ready(device)
     if device is None:
         return 0.0
-    from weightsync.formats import fp8_triton
+    from weightsync.formats.fp8 import blocks_triton
 
     t0 = time.perf_counter()
     for dtype, (rows, cols) in _jobs(metas):
-        fp8_triton.quantize(torch.zeros(rows, cols, dtype=dtype, device=device))
+        blocks_triton.quantize(torch.zeros(rows, cols, dtype=dtype, device=device))
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def warm_quantize_slots(device, dtypes=(torch.bfloat16, torch.float32)) -> float:
-    """Compile the quantize-into-slots kernel (fp8_slots_triton.py) for parameters of `dtypes` on
+    """Compile the quantize-into-slots kernel (quantize_slots_triton.py) for parameters of `dtypes` on
     `device`; seconds it took (0.0 off-GPU or without triton). Its arguments are all pointers, so one
     compile per source dtype covers every shape whose columns and offsets are multiples of 16 (a
-    real model's: the launch's VEC, fp8_slots_triton.py); an odd layout compiles its own at its
+    real model's: the launch's VEC, quantize_slots_triton.py); an odd layout compiles its own at its
     first sync."""
     device = _ready(device)
     if device is None:
         return 0.0
-    from weightsync.formats import fp8_slots
+    from weightsync.formats.fp8 import quantize_slots
 
     t0 = time.perf_counter()
     for dtype in dtypes:
         flat = torch.zeros(1024, dtype=torch.uint8, device=device)
         src = torch.zeros(16, 16, dtype=dtype, device=device)  # an allocation: rows 16-aligned, as a model's
-        (stand_in,) = fp8_slots.stand_ins([(16, 16)])
-        weight = fp8_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
-        fp8_slots.plan([flat], [weight], use_kernel=True).run()
+        (stand_in,) = quantize_slots.stand_ins([(16, 16)])
+        weight = quantize_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
+        quantize_slots.plan([flat], [weight], use_kernel=True).run()
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def warm_fused_write(device, dtypes=(torch.bfloat16, torch.float32)) -> float:
     """Compile the kernel that writes FP8 weights dequantized straight into an engine's parameters
-    (fp8_write.py: a colocated ipc trainer_writes sync from the actor's own buckets) for sources of
+    (write_slots.py: a colocated ipc trainer_writes sync from the actor's own buckets) for sources of
     `dtypes` on `device`; seconds it took (0.0 off-GPU or without triton). Pointers only: one compile
     per source dtype for the launch's VEC of a real model (16); an odd layout compiles its own."""
     device = _ready(device)
     if device is None:
         return 0.0
-    from weightsync.formats import fp8_slots, fp8_write
+    from weightsync.formats.fp8 import quantize_slots, write_slots
 
     t0 = time.perf_counter()
     for dtype in dtypes:
         src = torch.zeros(16, 16, dtype=dtype, device=device)  # an allocation: rows 16-aligned, as a model's
         out = torch.empty(16, 16, dtype=torch.bfloat16, device=device)
-        (stand_in,) = fp8_slots.stand_ins([(16, 16)])
-        weight = fp8_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
-        fp8_write.plan([weight], [out], 1, use_kernel=True).run()
+        (stand_in,) = quantize_slots.stand_ins([(16, 16)])
+        weight = quantize_slots.SlotWeight("warm-up", 0, 256, 0, stand_in, [(stand_in, src)])
+        write_slots.plan([weight], [out], 1, use_kernel=True).run()
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def warm_dequantize_into_params(device) -> float:
-    """Compile the fused dequantize-and-checksum kernel (fp8_dequant_slots_triton.py) on `device`; seconds
+    """Compile the fused dequantize-and-checksum kernel (dequantize_slots_triton.py) on `device`; seconds
     it took (0.0 off-GPU or without triton). Pointers and one unspecialised count: one compile, for
     buckets whose FP8 weights' columns and offsets are multiples of 16 (the launch's VEC: a real
     model's); an odd layout compiles its own at its first sync."""
@@ -131,8 +131,8 @@ def warm_dequantize_into_params(device) -> float:
     if device is None:
         return 0.0
     from weightsync.bus.plan import make_manifest
-    from weightsync.formats.fp8_dequant_slots import FusedDequant
-    from weightsync.formats.fp8_spec import SCALE_DTYPE
+    from weightsync.formats.fp8.dequantize_slots import FusedDequant
+    from weightsync.formats.fp8.spec import SCALE_DTYPE
 
     t0 = time.perf_counter()
     metas = [TensorMeta("w_scale_inv", (1, 1), SCALE_DTYPE), TensorMeta("w", (4, 16), FP8_DTYPE)]
@@ -152,12 +152,12 @@ def warm_dequantize(metas: Iterable[TensorMeta], device) -> float:
     device = _ready(device)
     if device is None:
         return 0.0
-    from weightsync.formats import fp8_triton
+    from weightsync.formats.fp8 import blocks_triton
 
     t0 = time.perf_counter()
     for dtype, (rows, cols) in _jobs(metas, DEQUANT_DTYPES):
         q = torch.zeros(rows, cols, dtype=torch.uint8, device=device).view(FP8_DTYPE)
         s = torch.ones(-(-rows // BLOCK[0]), -(-cols // BLOCK[1]), dtype=torch.float32, device=device)
-        fp8_triton.dequantize(q, s, dtype)
+        blocks_triton.dequantize(q, s, dtype)
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0

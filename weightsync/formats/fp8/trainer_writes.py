@@ -7,13 +7,13 @@ its parameter: bf16 or float32, the weight's shape; no scale: rollout_svc/quanti
 and the stream (`Fp8TrainerWriteSender`) writes:
 
 - from the actor's own buckets (megatron's flat export, `write_fp8_from`): every FP8 weight straight
-  from its parameter, quantized and dequantized in one launch (fp8_write.py), and every other tensor
+  from its parameter, quantized and dequantized in one launch (write_slots.py), and every other tensor
   by the fused copy-and-checksum launch of the bf16 path (verified_copy.copy_all_into, its FP8 and
   scale slots left out); a bucket's checksum is the sum of both parts' word sums, which are the words
   of the FP8 bucket any other path sends (its gaps read from the bucket, as always). The actor does
   not quantize into its buckets first: that pass is what this removes (weightsync/publisher/stream_phase.py);
 - from buckets that hold the FP8 bytes (the packed export, or an actor that quantized anyway): each
-  bucket dequantized into the parameters by the rollout's own fused launch (fp8_dequant_slots.py),
+  bucket dequantized into the parameters by the rollout's own fused launch (dequantize_slots.py),
   summing what it reads.
 
 Either way the version's checksum is the one an FP8 rollout_reads or TCP sync of the same weights
@@ -30,11 +30,11 @@ import torch
 
 from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, TrainerWriteSender, slot_metas
 from weightsync.bus.plan import BucketPlan, Manifest
-from weightsync.formats.fp8 import is_block_scale, weight_name
-from weightsync.formats.fp8_import import logical_metas
-from weightsync.formats.fp8_slots import SlotWeight
-from weightsync.formats.fp8_spec import FP8_DTYPE, check_supported
-from weightsync.formats.fp8_write import OUT_DTYPES
+from weightsync.formats.fp8.blocks import is_block_scale, weight_name
+from weightsync.formats.fp8.quantize_slots import SlotWeight
+from weightsync.formats.fp8.receive import logical_metas
+from weightsync.formats.fp8.spec import FP8_DTYPE, check_supported
+from weightsync.formats.fp8.write_slots import OUT_DTYPES
 
 
 class Fp8Writes:
@@ -62,7 +62,7 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
         self.manifest = manifest
         state = dests.writer_state
         if "dequant" not in state:
-            from weightsync.formats.fp8_dequant_slots import FusedDequant
+            from weightsync.formats.fp8.dequantize_slots import FusedDequant
 
             state["dequant"] = FusedDequant()
         self._dequant = state["dequant"]
@@ -72,8 +72,8 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
     def write_fp8_from(self, weights: Sequence[SlotWeight]) -> bool:
         """The actor's FP8 weights (where their rows are in its parameters, where their slots lie in
         its buckets): `send_held` writes them from there. False, taking nothing, when they cannot go
-        that way (fp8_write.plan); the actor then quantizes into its buckets and those are sent."""
-        from weightsync.formats import fp8_write
+        that way (write_slots.plan); the actor then quantizes into its buckets and those are sent."""
+        from weightsync.formats.fp8 import write_slots
 
         key = ("fused", tuple((w.name, w.bucket, w.q_offset, *(s.data_ptr() for _, s in w.pieces)) for w in weights))
         state = self.dests.writer_state
@@ -94,7 +94,7 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
                 w.name in where and where[w.name][:4] == [w.bucket, w.q_offset, w.scale_bucket, w.s_offset]
                 for w in weights
             ):
-                fused = fp8_write.plan(weights, [where[w.name][4] for w in weights], len(self.manifest.buckets))
+                fused = write_slots.plan(weights, [where[w.name][4] for w in weights], len(self.manifest.buckets))
             for k in [k for k in state if isinstance(k, tuple) and k[0] == "fused"]:
                 del state[k]  # another set of sources (a re-planned actor): one kept
             state[key] = fused

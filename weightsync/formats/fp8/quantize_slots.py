@@ -1,12 +1,12 @@
 """Block FP8 weights quantized straight into their bucket slots, planned once per layout.
 
-The exported stream (fp8_export.py) quantizes one tensor at a time into new tensors that the
+The exported stream (export.py) quantizes one tensor at a time into new tensors that the
 pipeline then packs: per weight a launch, a temporary and a copy. When the buckets are fixed memory
 whose layout does not change between syncs (a one-rank trainer's flat export,
 trainer_svc/actor/megatron/flat_export.py), every weight's e4m3 bytes and scale have a fixed place,
 and so does each of its rows in the parameter it comes from. Here those places become tables,
 built once: each sync is then one Triton launch per bucket (per source dtype, in practice one)
-over every 128x128 block of the bucket's weights (fp8_slots_triton.py), writing exactly the bytes
+over every 128x128 block of the bucket's weights (quantize_slots_triton.py), writing exactly the bytes
 fp8.quantize writes (tests/unit/weightsync/formats/test_fp8_slots.py).
 
 A weight is described by where its rows come from: copy pairs (a region of the weight, as a view of
@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 
 from weightsync.bus.checksum import word_sums
-from weightsync.formats.fp8 import non_finite_error, quantize_torch, scale_shape
-from weightsync.formats.fp8_spec import BLOCK, SCALE_DTYPE
+from weightsync.formats.fp8.blocks import non_finite_error, quantize_torch, scale_shape
+from weightsync.formats.fp8.spec import BLOCK, SCALE_DTYPE
 
 #: source dtypes the kernel reads (the quantizer's own inputs)
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,7 +120,7 @@ class Launch(NamedTuple):
     owners: torch.Tensor
     q_base: torch.Tensor
     s_base: torch.Tensor
-    #: what every column count and offset of the tables is a multiple of (fp8_slots_triton.vec_of)
+    #: what every column count and offset of the tables is a multiple of (quantize_slots_triton.vec_of)
     vec: int
     #: int64 [programs, 4]: each block's word sums (its e4m3 words, its scale's word), vec % 4 == 0
     sums: torch.Tensor
@@ -150,7 +150,7 @@ class QuantizeIntoSlots:
         self.bytes = sum(w.stand_in.numel() + 4 * math.prod(scale_shape(w.stand_in.shape)) for w in self.weights)
 
     def _build(self) -> bool:
-        from weightsync.formats.fp8_slots_triton import TENSOR_FIELDS, vec_of
+        from weightsync.formats.fp8.quantize_slots_triton import TENSOR_FIELDS, vec_of
 
         bases: dict[torch.dtype, torch.Tensor] = {}
         # one launch per (weight bucket, scale bucket, source dtype): in practice one per bucket
@@ -213,7 +213,7 @@ class QuantizeIntoSlots:
         if not self.use_kernel:
             self._run_torch()
             return
-        from weightsync.formats import fp8_slots_triton as kernel
+        from weightsync.formats.fp8 import quantize_slots_triton as kernel
 
         summed = self.keep_sums and bool(self.flats) and all(la.vec % 4 == 0 for la in self.launches)
         for la in self.launches:
@@ -292,11 +292,11 @@ def plan(flats: Sequence[torch.Tensor], weights: Sequence[SlotWeight], use_kerne
     """A QuantizeIntoSlots for `weights`, or None when one of them is not whole contiguous rows of
     a source in a dtype the quantizer reads (the caller then quantizes tensor by tensor).
     `use_kernel` None: the Triton kernel where every buffer is on one CUDA device and triton is there."""
-    from weightsync.formats import fp8_slots_triton
+    from weightsync.formats.fp8 import quantize_slots_triton
 
     devices = {f.device for f in flats}
     if use_kernel is None:
-        use_kernel = len(devices) == 1 and next(iter(devices)).type == "cuda" and fp8_slots_triton.available()
+        use_kernel = len(devices) == 1 and next(iter(devices)).type == "cuda" and quantize_slots_triton.available()
     q = QuantizeIntoSlots(flats, weights, use_kernel)
     if not q._build():
         return None

@@ -1,6 +1,6 @@
-"""The Triton kernels that dequantize block FP8: a tensor's blocks (`dequant_block`, fp8_triton.py)
+"""The Triton kernels that dequantize block FP8: a tensor's blocks (`dequant_block`, blocks_triton.py)
 and a received bucket into the engine's parameters, checksummed as it goes (`dequant_bucket`,
-fp8_dequant_slots_triton.py says what its two kinds of programs do). Both decode and round with
+dequantize_slots_triton.py says what its two kinds of programs do). Both decode and round with
 the same helpers (`from_e4m3`, `to_bf16_bits`), bit for bit the torch path's.
 
 Imported only by those modules, lazily: triton comes with CUDA builds of torch, not the CPU build.
@@ -35,7 +35,7 @@ def to_bf16_bits(x):
 @triton.jit
 def to_bf16_cvt(x):
     """`to_bf16_bits` by the GPU's own conversion (sm_80 and later; round to nearest even, one
-    instruction where the bits take four), written as PTX as fp8_quant_kernels.to_e4m3_cvt is."""
+    instruction where the bits take four), written as PTX as quantize_triton.to_e4m3_cvt is."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.u32.u16 $0, h; }",
         "=r,f",
@@ -190,7 +190,7 @@ def dequant_bucket(
 ):
     # VEC: what every column count and element offset of the launch's tensor table is a multiple of;
     # a word run whose table row says so takes the WV-word variant (a uniform branch: a run of an
-    # odd length, such as a 1x1 scale, leaves the others wide); fp8_dequant_slots_triton.py says why
+    # odd length, such as a 1x1 scale, leaves the others wide); dequantize_slots_triton.py says why
     pid = tl.program_id(0).to(tl.int64)
     if pid < n_word:
         row = word_ptr + pid * 5

@@ -1,14 +1,14 @@
-"""Block FP8 quantization straight into bucket slots: one Triton launch per bucket (fp8_slots.py).
+"""Block FP8 quantization straight into bucket slots: one Triton launch per bucket (quantize_slots.py).
 
-The per-tensor quantizer (fp8_triton.py) takes a contiguous tensor and returns new ones, which the
+The per-tensor quantizer (blocks_triton.py) takes a contiguous tensor and returns new ones, which the
 pipeline then copies into a bucket: one launch per weight plus a pack copy. Here one program still
 owns one 128x128 block, but its rows are read through a per-row table of source offsets (so a
 weight may be any set of contiguous rows of a parameter: Megatron's query-group interleaved QKV,
 the gate/up halves of linear_fc1) and its e4m3 bytes and scale are stored at their byte offsets
 in the bucket. Which tensor a program belongs to comes from a per-program table of tensor indices.
 
-The arithmetic is fp8_triton's per-tensor kernel's: both call the same block scale and e4m3
-rounding (fp8_quant_kernels.py; tests compare the bytes with the torch reference,
+The arithmetic is blocks_triton's per-tensor kernel's: both call the same block scale and e4m3
+rounding (quantize_triton.py; tests compare the bytes with the torch reference,
 fp8.quantize_torch, which tests/gpu/test_fp8_gpu.py holds the per-tensor kernel to). A block whose scale
 is not finite (an inf or nan weight) raises a device flag instead of making the host wait per
 tensor: the caller reads it once per sync.
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
+from weightsync.formats.fp8.spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 #: int64 fields per row of the tensor table: rows, cols, e4m3 byte offset, scale word offset,
@@ -63,7 +63,7 @@ def vec_of(*values: int) -> int:
 
 
 def _kernel():
-    from weightsync.formats.fp8_quant_kernels import quant_slots
+    from weightsync.formats.fp8.quantize_triton import quant_slots
 
     return quant_slots
 

@@ -1,10 +1,10 @@
 """Block-FP8 weights written by the trainer straight into an engine that dequantizes: one pass, no FP8 bytes.
 
-A block-FP8 sync into the built-in engine quantizes every weight (the trainer: fp8_slots.py, into its
-buckets), then dequantizes it into the engine's parameters (the rollout: fp8_dequant_slots.py): two
+A block-FP8 sync into the built-in engine quantizes every weight (the trainer: quantize_slots.py, into its
+buckets), then dequantizes it into the engine's parameters (the rollout: dequantize_slots.py): two
 passes over the weights and the e4m3 bytes between them. When the trainer writes into the engine
 itself (ipc trainer_writes, weightsync/bus/ipc/trainer_writes.py) both happen in one: per 128x128
-block the kernel (fp8_write_kernels.py) reads the weight's rows through the same row tables as the
+block the kernel (write_slots_triton.py) reads the weight's rows through the same row tables as the
 quantizer, computes the block's scale and e4m3 codes, and stores the dequantized values into the
 parameter; the codes and the scale are never stored, only summed, so the bucket checksums are those
 of the FP8 buckets any other path sends (`ws-sum64-v1`: each FP8 and scale slot's word sums, which
@@ -26,10 +26,10 @@ from typing import NamedTuple
 import torch
 
 from weightsync.bus.checksum import word_sums
-from weightsync.formats.fp8 import dequantize_torch, non_finite_error, quantize_torch
-from weightsync.formats.fp8_slots import SOURCE_DTYPES, SlotWeight, _row_sources
-from weightsync.formats.fp8_slots_triton import gpu_conversions
-from weightsync.formats.fp8_spec import BLOCK, FP8_MAX, MIN_NORMAL
+from weightsync.formats.fp8.blocks import dequantize_torch, non_finite_error, quantize_torch
+from weightsync.formats.fp8.quantize_slots import SOURCE_DTYPES, SlotWeight, _row_sources
+from weightsync.formats.fp8.quantize_slots_triton import gpu_conversions
+from weightsync.formats.fp8.spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 #: parameter dtypes the kernel writes (the rollout's fused dequantize writes the same ones)
@@ -37,9 +37,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 #: int64 fields per row of the tensor table: rows, cols, destination offset (elements of its dtype),
 #: first row in the row table, first program, output float32
 TENSOR_FIELDS = 6
-#: rows a program holds at a time (fp8_slots_triton.py's: the same tile shape)
+#: rows a program holds at a time (quantize_slots_triton.py's: the same tile shape)
 TILE_ROWS = 32
-#: a program's warps, by whether the kernel rounds by the GPU's conversions (fp8_slots_triton.gpu_conversions):
+#: a program's warps, by whether the kernel rounds by the GPU's conversions (quantize_slots_triton.gpu_conversions):
 #: 8 then (a 7B model's fused write 12.4 ms against 13.4 at 4, H100), 4 with the bit arithmetic (16.5 against
 #: 17.7 at 8), bench/bench_fp8_slots.py's fused_write_r<rows>w<warps> steps
 NUM_WARPS = {True: 8, False: 4}
@@ -61,7 +61,7 @@ class Launch(NamedTuple):
 
 
 class FusedWrite:
-    """`weights` (a flat export's FP8 weights, fp8_slots.SlotWeight) written dequantized into `dests`
+    """`weights` (a flat export's FP8 weights, quantize_slots.SlotWeight) written dequantized into `dests`
     (one per weight: the engine's parameter, contiguous, the weight's shape) at each `run()`, which
     returns the word sums of the FP8 and scale slots of each of `n_buckets` buckets. Sources and
     destinations must stay where they are between runs. Build with `plan`."""
@@ -95,7 +95,7 @@ class FusedWrite:
             return False
         if not self.use_kernel:
             return all(_row_sources(w, _probe(w)) is not None for w in self.weights)
-        from weightsync.formats.fp8_slots_triton import vec_of
+        from weightsync.formats.fp8.quantize_slots_triton import vec_of
 
         dev = self.device
         # fresh allocations: aligned far beyond any element size; every address is an offset from them
@@ -213,7 +213,7 @@ def _probe(w: SlotWeight) -> torch.Tensor:
 
 
 def _launch(la: Launch, bases: tuple[torch.Tensor, torch.Tensor], flag: torch.Tensor) -> None:
-    from weightsync.formats.fp8_write_kernels import write_slots
+    from weightsync.formats.fp8.write_slots_triton import write_slots
 
     bf16_base, f32_base = bases
     grid = (la.owners.numel(),)

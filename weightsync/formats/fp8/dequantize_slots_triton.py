@@ -1,6 +1,6 @@
 """A received block-FP8 bucket into the engine's parameters in one Triton launch, checksummed as it goes.
 
-Two kinds of programs share the launch (fp8_dequant_slots.py builds their tables once per layout):
+Two kinds of programs share the launch (dequantize_slots.py builds their tables once per layout):
 - word programs, one per row of the word table (first word of the bucket, word count, destination
   word or none): they sum the bucket's 32-bit words for `ws-sum64-v1` and copy the 16-bit tensors'
   words (embeddings, norms, biases) into their parameters, as checksum_cuda.scatter_sum64 does;
@@ -9,20 +9,20 @@ Two kinds of programs share the launch (fp8_dequant_slots.py builds their tables
   scale came in the bucket before), write the product rounded once to the parameter's dtype, and
   sum their own words (a weight whose rows are whole words; otherwise its words are the word
   programs').
-The decode and the rounding are the per-tensor dequantize's (fp8_dequant_kernels.py: one definition,
+The decode and the rounding are the per-tensor dequantize's (dequantize_triton.py: one definition,
 bit for bit the torch path's). Every
 address is an element offset from a base tensor the launch passes, as in copy_runs_cuda.py.
 Each launch carries the widest access its tensor table allows (VEC elements: 16 for a real model's
 layout) and each word run whether it can move 4 words at once; the kernel tells the compiler by
 multiplying the offsets back by them. Without, every access moved one element, with ~255 registers
-a thread (fp8_slots_triton.py says why this matters: ~10x).
+a thread (quantize_slots_triton.py says why this matters: ~10x).
 """
 
 from __future__ import annotations
 
 import torch
 
-from weightsync.formats.fp8_spec import BLOCK
+from weightsync.formats.fp8.spec import BLOCK
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 WORD_BLOCK = 1024  # words per step of a word program: 8 a thread at NUM_WARPS = 4 (~60 registers)
@@ -50,7 +50,7 @@ def widest(limit: int, values) -> int:
 
 
 def _kernel():
-    from weightsync.formats.fp8_dequant_kernels import dequant_bucket
+    from weightsync.formats.fp8.dequantize_triton import dequant_bucket
 
     return dequant_bucket
 

@@ -19,7 +19,7 @@ The name says "inv" because s is the inverse of the factor that maps a block ont
 checkpoints store exactly this s. Non-finite weights are refused: they would make every weight of
 their block NaN on the rollout, silently.
 
-On CUDA a fused Triton kernel (fp8_triton.py) computes the same bytes as the torch path here, bit
+On CUDA a fused Triton kernel (blocks_triton.py) computes the same bytes as the torch path here, bit
 for bit (tests/gpu/test_fp8_gpu.py); the torch path runs anywhere and is the reference the unit
 tests compare with a from-the-definition implementation.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.formats.fp8_spec import (  # noqa: F401  (re-exported: the format's names live here too)
+from weightsync.formats.fp8.spec import (  # noqa: F401  (re-exported: the format's names live here too)
     BLOCK,
     BLOCK_FP8,
     FP8_DTYPE,
@@ -66,7 +66,7 @@ def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
 def quantize(w: torch.Tensor, name: str = "tensor", check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 tensor, float32 scale_inv) of `w` on `w`'s device; ValueError for inf/nan weights.
 
-    `check_finite=False` leaves that check to the caller (`check_scales`, or fp8_export's one
+    `check_finite=False` leaves that check to the caller (`check_scales`, or export's one
     check per stream): on a GPU the check makes the host wait for the kernel, which a stream of
     many tensors should do once, not per tensor. A non-finite block's scale is then inf or nan.
     """
@@ -78,10 +78,10 @@ def quantize(w: torch.Tensor, name: str = "tensor", check_finite: bool = True) -
             scale_shape(w.shape), dtype=SCALE_DTYPE, device=w.device
         )
     if w.is_cuda:
-        from weightsync.formats import fp8_triton  # lazy: triton comes only with CUDA builds of torch
+        from weightsync.formats.fp8 import blocks_triton  # lazy: triton comes only with CUDA builds of torch
 
-        if fp8_triton.available():
-            q, s = fp8_triton.quantize(w)
+        if blocks_triton.available():
+            q, s = blocks_triton.quantize(w)
         else:
             q, s = quantize_torch(w)
     else:
@@ -139,10 +139,10 @@ def dequantize(
             f"{list(want)} {SCALE_DTYPE} for a weight of shape {list(q.shape)}"
         )
     if q.is_cuda and q.numel() and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        from weightsync.formats import fp8_triton
+        from weightsync.formats.fp8 import blocks_triton
 
-        if fp8_triton.available():
-            return fp8_triton.dequantize(q, scale_inv, dtype)
+        if blocks_triton.available():
+            return blocks_triton.dequantize(q, scale_inv, dtype)
     return dequantize_torch(q, scale_inv, dtype)
 
 

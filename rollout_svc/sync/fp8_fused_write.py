@@ -3,7 +3,7 @@
 Both apply strategies use it for a quantized sync whose engine dequantizes (the built-in engine)
 and offers its parameters (`writable_params`): inplace at receipt, the bucket's check after the
 write as for a bf16 bucket (apply_inplace.py); staged at commit, from this sync's own copy of each
-bucket, checked before (apply_staged.py). One launch per bucket (weightsync/formats/fp8_dequant_slots.py)
+bucket, checked before (apply_staged.py). One launch per bucket (weightsync/formats/fp8/dequantize_slots.py)
 replaces the per-weight dequantize, its temporary and the engine's copy. A bucket it cannot take
 returns None: the caller loads it through the Dequantizer, with `held_scales` added.
 """
@@ -14,8 +14,8 @@ import torch
 
 from rollout_svc.sync.pending import PendingSync
 from weightsync.bus.plan import BucketPlan, TensorMeta
-from weightsync.formats.fp8_dequant_slots import FusedDequant
-from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX
+from weightsync.formats.fp8.dequantize_slots import FusedDequant
+from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX
 
 
 def params_for(engine, p: PendingSync, plan: BucketPlan) -> list[torch.Tensor | None] | None:
@@ -25,7 +25,7 @@ def params_for(engine, p: PendingSync, plan: BucketPlan) -> list[torch.Tensor | 
     for i, slot in enumerate(plan.slots):
         m = slot.meta
         if m.dtype == SCALE_DTYPE and m.name.endswith(SCALE_SUFFIX):
-            continue  # a scale: its weight is FP8 in this manifest (checked at prepare: fp8_import.logical_metas)
+            continue  # a scale: its weight is FP8 in this manifest (checked at prepare: receive.logical_metas)
         if m.dtype == FP8_DTYPE:
             m = TensorMeta(m.name, m.shape, p.dequantizer.dtype_of(m.name))
         metas.append(m)

@@ -1,10 +1,10 @@
 """A received block-FP8 bucket dequantized straight into an engine's parameters, checksummed in the same launch.
 
-The per-tensor path (fp8_import.Dequantizer, then the engine's `load_weights`) dequantizes each
+The per-tensor path (receive.Dequantizer, then the engine's `load_weights`) dequantizes each
 weight into a new tensor and copies that into its parameter: per weight two launches, a temporary
 and two more passes over its bytes, plus a checksum pass of the bucket. Here, for an engine that
 offers its parameters (`writable_params`) in bfloat16 or float32, one Triton launch per bucket
-(fp8_dequant_slots_triton.py) reads each received word once: it sums every word for the bucket's
+(dequantize_slots_triton.py) reads each received word once: it sums every word for the bucket's
 `ws-sum64-v1` checksum, copies the 16-bit tensors into their parameters, and writes every FP8
 weight's dequantized values into its parameter (the values fp8.dequantize gives, rounded once).
 A scale that arrives in the bucket before its weight (the exporter sends `X_scale_inv` first) is
@@ -32,8 +32,8 @@ import torch
 from weightsync.bus.checksum import word_sums
 from weightsync.bus.plan import BucketPlan, Manifest
 from weightsync.bus.verified_copy import sums_result
-from weightsync.formats.fp8 import dequantize_torch, scale_shape, weight_name
-from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_DTYPE
+from weightsync.formats.fp8.blocks import dequantize_torch, scale_shape, weight_name
+from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_DTYPE
 
 #: parameter dtypes the kernel writes (others: the per-tensor path)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -98,7 +98,7 @@ class FusedDequant:
         if p is None:
             return None
         if p.tables is not None:
-            from weightsync.formats import fp8_dequant_slots_triton as kernel
+            from weightsync.formats.fp8 import dequantize_slots_triton as kernel
 
             sums = kernel.launch(buf, self._base(buf.device), *p.tables)
         else:
@@ -122,9 +122,9 @@ class FusedDequant:
     def _kernel_on(self, device: torch.device) -> bool:
         if self._use_kernel is not None:
             return self._use_kernel
-        from weightsync.formats import fp8_dequant_slots_triton
+        from weightsync.formats.fp8 import dequantize_slots_triton
 
-        return device.type == "cuda" and fp8_dequant_slots_triton.available()
+        return device.type == "cuda" and dequantize_slots_triton.available()
 
     def _plan(self, plan: BucketPlan, device, params, held_now: set[str]) -> _Plan | None:
         names = {s.meta.name for s in plan.slots}
@@ -186,7 +186,7 @@ class FusedDequant:
         return _Plan(tables, steps, tails)
 
     def _tables(self, plan: BucketPlan, device, steps) -> tuple | None:
-        from weightsync.formats import fp8_dequant_slots_triton as k
+        from weightsync.formats.fp8 import dequantize_slots_triton as k
 
         word_base, bf16_base, f32_base = self._base(device)
         words: list[tuple[int, int, int, int]] = []

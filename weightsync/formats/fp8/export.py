@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats.fp8 import FP8_DTYPE, SCALE_DTYPE, non_finite_error, quantize, scale_name, scale_shape
+from weightsync.formats.fp8.blocks import FP8_DTYPE, SCALE_DTYPE, non_finite_error, quantize, scale_name, scale_shape
 
 #: HF names of linear weights (checkpoint names, and transformers 5's fused in-memory experts)
 QUANTIZED_PATTERNS: tuple[re.Pattern, ...] = tuple(

@@ -1,15 +1,15 @@
-"""The Triton kernel of a block-FP8 sync that the trainer writes into the engine (fp8_write.py): each
+"""The Triton kernel of a block-FP8 sync that the trainer writes into the engine (write_slots.py): each
 128x128 block quantized and dequantized in registers, the dequantized values stored into the engine's
 parameter, the e4m3 codes and the scale only summed.
 
 It calls the quantizer's block amax, scale, rounding and word sums (`block_amax`, `scale_of`,
-`e4m3_codes`, `code_word_sums`, fp8_quant_kernels.py) and the dequantizer's decode and rounding
-(`from_e4m3`, `bf16_bits`, fp8_dequant_kernels.py), so what it stores is bit for bit what
+`e4m3_codes`, `code_word_sums`, quantize_triton.py) and the dequantizer's decode and rounding
+(`from_e4m3`, `bf16_bits`, dequantize_triton.py), so what it stores is bit for bit what
 quantizing (quant_slots) and then dequantizing (dequant_bucket) the same weights store, and its word
 sums are quant_tile's. CVT (constexpr): both roundings by the GPU's conversions (sm_89+), else on the
-bits (fp8_slots_triton.gpu_conversions).
+bits (quantize_slots_triton.gpu_conversions).
 
-Imported only by fp8_write.py, lazily: triton comes with CUDA builds of torch, not the CPU build.
+Imported only by write_slots.py, lazily: triton comes with CUDA builds of torch, not the CPU build.
 The helpers are imported as module globals because a `@triton.jit` function resolves the functions it
 calls among its module's globals (compiled, and under the CPU interpreter alike).
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from weightsync.formats.fp8_dequant_kernels import bf16_bits, from_e4m3
-from weightsync.formats.fp8_quant_kernels import (
+from weightsync.formats.fp8.dequantize_triton import bf16_bits, from_e4m3
+from weightsync.formats.fp8.quantize_triton import (
     block_amax,
     block_columns,
     code_word_sums,
