@@ -120,7 +120,7 @@ def fused_compare_torch_gaps(news, bases, reps: int) -> dict:
 def check(news, bases, sums) -> None:
     """The fused payload is the torch bitmap byte for byte; both applies exact, with the sums."""
     from weightsync.bus import delta
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
 
     nw, b, s = news[0], bases[0], sums[0]
     fused = delta.encode(nw, b, 2)
@@ -162,7 +162,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from weightsync.bus import delta_cuda
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
 
     if not delta_cuda.available():
         print("needs a CUDA GPU and triton", file=sys.stderr)

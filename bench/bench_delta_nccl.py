@@ -50,7 +50,7 @@ from bench import cuda_median_s  # noqa: E402
 
 
 def codec(args) -> dict:
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
     from weightsync.bus.delta import apply_delta, diff, encode
 
     dev = torch.device("cuda:0")

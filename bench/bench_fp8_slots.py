@@ -144,9 +144,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from trainer_svc.actor.megatron.flat_export import FlatExport
-    from weightsync.bus import checksum
-    from weightsync.bus.checksum import InFlightChecksums
-    from weightsync.bus.checksum_regions import others
+    from weightsync.bus.copy import checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums
+    from weightsync.bus.copy.checksum_regions import others
     from weightsync.bus.layout import ManifestCache
     from weightsync.formats.fp8.dequantize_slots import FusedDequant
     from weightsync.formats.fp8.export import export_metas
@@ -254,7 +254,7 @@ def main() -> int:
 
         return run
 
-    from weightsync.bus.verified_copy import copy_all_into, pending_values
+    from weightsync.bus.copy.verified_copy import copy_all_into, pending_values
     from weightsync.formats.fp8 import write_slots as fp8_write
 
     fp8_names = {m.name for m in metas if m.dtype == FP8_DTYPE}

@@ -5,7 +5,7 @@ An abort after the first bucket leaves the engine STALE: generation is refused u
 sync commits. A sync's first bucket is checked before the engine is touched, so a bad first bucket
 still leaves the old version serving. Where the engine offers its parameters (`writable_params`),
 a bucket is copied straight into them and that copy is its checksum pass
-(weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
+(weightsync/bus/copy/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
 
 A block-FP8 bucket for an engine that dequantizes goes the same way where the engine offers its
@@ -30,11 +30,11 @@ from rollout_svc.sync import fp8_fused_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
-from weightsync.bus.checksum import from_sums, word_sums
+from weightsync.bus.copy.checksum import from_sums, word_sums
+from weightsync.bus.copy.verified_copy import copy_into
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.verified_copy import copy_into
 from weightsync.v1 import rollout_pb2
 
 S = rollout_pb2

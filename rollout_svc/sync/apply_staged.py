@@ -2,7 +2,7 @@
 
 The engine keeps serving the old version while bytes stream, and an abort just drops the staging
 copy; it costs a host copy of the weights. Each bucket is copied out of the sender's buffer and
-checked in one pass (weightsync/bus/verified_copy.py) before anything enters the staging copy.
+checked in one pass (weightsync/bus/copy/verified_copy.py) before anything enters the staging copy.
 
 A block-FP8 bucket for an engine that dequantizes is staged as received (its FP8 bytes) and, at
 commit, after every checksum has been verified, written from there into the parameters by one
@@ -26,10 +26,10 @@ from rollout_svc.sync import fp8_fused_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
+from weightsync.bus.copy.verified_copy import copy_bucket
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.verified_copy import copy_bucket
 from weightsync.v1 import rollout_pb2
 
 S = rollout_pb2

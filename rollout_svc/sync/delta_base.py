@@ -19,7 +19,7 @@ the copy is then on the rollout's GPU, one more copy of the export bytes there);
 over IPC, or over NCCL without an offer, keeps nothing.
 
 The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), taken from
-the apply strategy's checked copy out of the bucket (verified_copy.py's `sums_to`: the checksum pass
+the apply strategy's checked copy out of the bucket (copy/verified_copy.py's `sums_to`: the checksum pass
 every sync makes, so a full sync pays no extra pass for them; `sums_keeper`) and carried through a
 delta from the words it overwrote
 (delta.apply_delta), always under the lock that guards the bytes: a delta bucket's checksum is
@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.bus.checksum import from_sums
+from weightsync.bus.copy.checksum import from_sums
 from weightsync.bus.delta import Applied, apply_delta
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan, Manifest

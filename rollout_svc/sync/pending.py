@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bus.copy.verified_copy import PendingChecksum, pending_values
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
-from weightsync.bus.verified_copy import PendingChecksum, pending_values
 
 #: the reason the sync's own timer gives when it aborts a sync
 TIMED_OUT = "timed out before commit"

@@ -35,7 +35,7 @@ from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync
 from weightsync.bus.channel import BucketReceiver
-from weightsync.bus.checksum import combine
+from weightsync.bus.copy.checksum import combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
 from weightsync.formats.fp8.receive import Dequantizer
@@ -190,7 +190,7 @@ class SyncTransaction:
         `defer_check`, only once the sync has committed or aborted).
 
         The copy out of `buf` and the checksum are one pass over the bytes where they can be
-        (weightsync/bus/verified_copy.py); the apply strategy says when the check runs
+        (weightsync/bus/copy/verified_copy.py); the apply strategy says when the check runs
         (apply_staged.py, apply_inplace.py).
         `defer_check` (the sender keeps `buf` unchanged until the sync ends): the copy is queued and
         its checksum read at commit, so a caller on a GPU need not wait for it; a mismatch then

@@ -27,7 +27,7 @@ def _pair(nbytes: int, word: int, fraction: float, seed: int, positions=None):
 
 
 def _sums(buf):
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
 
     return word_sums(buf[: buf.numel() - buf.numel() % 4].view(torch.int32))
 

@@ -137,7 +137,7 @@ def test_a_bucket_dequantized_into_parameters_in_one_launch_equals_the_per_tenso
     """The rollout's side (weightsync/formats/fp8/dequantize_slots.py): one Qwen2-7B layer's bucket, with a
     bf16 norm and bias, into bf16 parameters: the parameters the Dequantizer + copy give, the
     bucket_checksum, and both times printed."""
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.layout import ManifestCache
     from weightsync.bus.pack import pack_bucket, unpack_bucket
     from weightsync.bus.plan import TensorMeta

@@ -88,7 +88,7 @@ def _engine_process(to_trainer, from_trainer) -> None:
 
 @needs_gpu
 def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_processes():
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.handles import open_mapping
     from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, TrainerWriteSender
     from weightsync.bus.pack import pack_bucket
@@ -138,9 +138,9 @@ def test_every_bucket_at_once_lands_and_sums_as_copy_into_bucket_by_bucket():
     """verified_copy.copy_all_into (the actor's own buckets, all queued with no wait between them)
     against copy_into bucket by bucket: the same bytes in the destinations and the same checksums, also
     on a second call with new contents in the same buffers."""
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_all_into, copy_into, pending_values
     from weightsync.bus.pack import pack_bucket
-    from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values
 
     manifest = _manifest()
     plans = manifest.buckets
@@ -232,7 +232,7 @@ def test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled():
     and float32 parameters hold what quantize_slots' quantize then the rollout's dequantize give, bit for bit,
     and the sums are those of the FP8 and scale slots the quantizer writes."""
     from tests.support.fp8_weights import block_test_weights
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
     from weightsync.formats.fp8 import blocks as fp8
     from weightsync.formats.fp8 import quantize_slots, write_slots
 

@@ -2,7 +2,7 @@
 checkpoint it loaded and against the per-tensor export packed by the pipeline, byte for byte.
 argv: the report path, then `family=hf_dir` pairs. Writes a JSON report. With FLAT_CASES_KERNEL=1 (and
 TRITON_INTERPRET=1 on a machine without a GPU) the converted copies go through the Triton copy kernel
-(weightsync/bus/copy_runs_cuda.py) instead of torch's, as on a GPU."""
+(weightsync/bus/copy/copy_runs_triton.py) instead of torch's, as on a GPU."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
     r["flat_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
     r["finite"] = fe.finite()
     # the quantizer's sums of its slots plus a read of the other bytes: each bucket's checksum
-    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 
     known = fe.known_sums()
     views = [f[: b.nbytes] for b, f in zip(m.buckets, flats)]
@@ -196,7 +196,7 @@ def trainer_writes(fe, m, flats) -> dict:
     the engine's parameters and the bucket checksums against the rollout_reads path's (the quantized
     buckets dequantized by the rollout's FusedDequant, the checksums of their bytes)."""
     from tests.support.fake_gpu import FakeGpu
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.trainer_writes import Destinations, offer
     from weightsync.bus.plan import TensorMeta
     from weightsync.formats.fp8.dequantize_slots import FusedDequant
@@ -244,7 +244,7 @@ def trainer_writes(fe, m, flats) -> dict:
 
 
 def _force_kernel() -> None:
-    from weightsync.bus import copy_runs
+    from weightsync.bus.copy import copy_runs
 
     plain = copy_runs.BatchedCopy.__init__
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
 from weightsync.bus.delta_format import (
     BITMAP,
     GAP_DTYPES,

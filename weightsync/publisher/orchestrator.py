@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics

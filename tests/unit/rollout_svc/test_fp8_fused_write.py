@@ -13,7 +13,7 @@ import torch
 
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
 from tests.unit.rollout_svc.test_fp8_sync import _engine, _fp8_sync
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.formats.fp8 import blocks as fp8
 from weightsync.formats.fp8 import dequantize_slots, receive
 from weightsync.formats.fp8.export import is_quantized

@@ -12,7 +12,7 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
-from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.copy.checksum import ALGO, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
 from weightsync.formats.fp8 import blocks as fp8

@@ -16,7 +16,7 @@ most once. On one rank holding the whole model (TP = PP = EP = 1, the colocated 
   layout's experts: transposed views of its weight1/weight2) is written from its
   parameter into its slot at each sync by strided-view copies (hf_copy.py), planned once as
   contiguous runs in an address table: on a GPU one Triton launch per (dtype pair, alignment) for
-  the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
+  the whole model, not one kernel per copy (weightsync/bus/copy/copy_runs.py); off the GPU one batched
   `_foreach_copy_`, which writes the same bits.
 
 With several senders (pipeline stages and expert-parallel ranks, TP = expert-TP = 1:
@@ -65,7 +65,7 @@ from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
 from trainer_svc.actor.megatron.tp_gather import ShardReceives, TpGroup
-from weightsync.bus.copy_runs import BatchedCopy
+from weightsync.bus.copy.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
 from weightsync.formats.fp8 import quantize_slots
 from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_SUFFIX
@@ -280,7 +280,7 @@ class FlatExport:
         the last refresh (`quantize=False`)."""
         if self._quant is None or not self._quantized or self._quant.word_sums() is None:
             return None
-        from weightsync.bus.checksum_regions import KnownSums
+        from weightsync.bus.copy.checksum_regions import KnownSums
 
         if self._slot_ranges is None:
             self._slot_ranges = self._quant.slot_ranges()

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
+from weightsync.bus.copy.verified_copy import sums_result
 from weightsync.bus.plan import BucketPlan, Manifest
-from weightsync.bus.verified_copy import sums_result
 from weightsync.formats.fp8.blocks import dequantize_torch, scale_shape, weight_name
 from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_DTYPE
 

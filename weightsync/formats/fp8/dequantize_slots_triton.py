@@ -3,7 +3,7 @@
 Two kinds of programs share the launch (dequantize_slots.py builds their tables once per layout):
 - word programs, one per row of the word table (first word of the bucket, word count, destination
   word or none): they sum the bucket's 32-bit words for `ws-sum64-v1` and copy the 16-bit tensors'
-  words (embeddings, norms, biases) into their parameters, as checksum_cuda.scatter_sum64 does;
+  words (embeddings, norms, biases) into their parameters, as checksum_triton.scatter_sum64 does;
 - block programs, one per 32 rows x 128 columns (TILE_ROWS) of an FP8 weight: they decode its e4m3
   bytes, multiply by their 128x128 block's scale (from this bucket, or from a held copy when the
   scale came in the bucket before), write the product rounded once to the parameter's dtype, and
@@ -11,7 +11,7 @@ Two kinds of programs share the launch (dequantize_slots.py builds their tables 
   programs').
 The decode and the rounding are the per-tensor dequantize's (dequantize_triton.py: one definition,
 bit for bit the torch path's). Every
-address is an element offset from a base tensor the launch passes, as in copy_runs_cuda.py.
+address is an element offset from a base tensor the launch passes, as in copy/copy_runs_triton.py.
 Each launch carries the widest access its tensor table allows (VEC elements: 16 for a real model's
 layout) and each word run whether it can move 4 words at once; the kernel tells the compiler by
 multiplying the offsets back by them. Without, every access moved one element, with ~255 registers

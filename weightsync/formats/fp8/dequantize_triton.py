@@ -94,7 +94,7 @@ def word_run(
         w = tl.load(buf_words + src + offs, mask=mask, other=0)
         tl.store(word_base + dst + offs, w, mask=mask & (has_dst != 0))
         acc1 += w.to(tl.int64)
-        acc2 += (w * w).to(tl.int64)  # the square wraps in int32, as checksum.py's
+        acc2 += (w * w).to(tl.int64)  # the square wraps in int32, as copy/checksum.py's
     tl.store(out_ptr + pid * 2, tl.sum(acc1, axis=0))
     tl.store(out_ptr + pid * 2 + 1, tl.sum(acc2, axis=0))
 

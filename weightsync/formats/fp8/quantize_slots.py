@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
 from weightsync.formats.fp8.blocks import non_finite_error, quantize_torch, scale_shape
 from weightsync.formats.fp8.spec import BLOCK, SCALE_DTYPE
 

@@ -113,7 +113,7 @@ class Fp8TrainerWriteSender(TrainerWriteSender):
         then sent, dequantized from its FP8 bytes) without them."""
         if self._fused is None:
             return False
-        from weightsync.bus.verified_copy import copy_all_into
+        from weightsync.bus.copy.verified_copy import copy_all_into
 
         t0 = time.perf_counter()
         copies = self.dests.writer_state.get("copies")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
 from weightsync.formats.fp8.blocks import dequantize_torch, non_finite_error, quantize_torch
 from weightsync.formats.fp8.quantize_slots import SOURCE_DTYPES, SlotWeight, _row_sources
 from weightsync.formats.fp8.quantize_slots_triton import gpu_conversions

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from weightsync.bus.checksum import InFlightChecksums, bucket_checksum, from_many_sums, word_sums
+from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum, from_many_sums, word_sums
 
 
 def _buffers():

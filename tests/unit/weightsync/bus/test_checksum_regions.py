@@ -1,4 +1,4 @@
-"""checksum_regions.py: a bucket's checksum from sums a writer already has of some byte ranges plus a
+"""copy/checksum_regions.py: a bucket's checksum from sums a writer already has of some byte ranges plus a
 read of the rest equals `bucket_checksum`; ranges that cannot be words of the buffer are refused by
 name (the GPU path: tests/unit/trainer_svc/actor/megatron/test_flat_export.py's FP8 cases on a GPU,
 and bench/bench_fp8_slots.py)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bus.checksum import InFlightChecksums, bucket_checksum, region_word_sums, word_sums
-from weightsync.bus.checksum_regions import KnownSums, others
+from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum, region_word_sums, word_sums
+from weightsync.bus.copy.checksum_regions import KnownSums, others
 
 
 def _known(bufs, ranges) -> KnownSums:

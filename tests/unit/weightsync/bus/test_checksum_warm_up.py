@@ -2,7 +2,7 @@
 
 import torch
 
-from weightsync.bus.checksum import warm_up
+from weightsync.bus.copy.checksum import warm_up
 
 
 def test_warm_up_is_a_no_op_without_a_gpu():

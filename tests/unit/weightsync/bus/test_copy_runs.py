@@ -1,4 +1,4 @@
-"""copy_runs.py: the contiguous runs of a (destination, source) view pair cover it exactly, and the
+"""copy/copy_runs.py: the contiguous runs of a (destination, source) view pair cover it exactly, and the
 batched copy writes what `copy_` writes (torch on the CPU; the Triton kernel through Triton's
 interpreter where triton is installed, bit for bit, casts and unaligned slots included)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV, SWAP_HALVES
-from weightsync.bus import copy_runs_cuda
-from weightsync.bus.copy_runs import MAX_RUNS_PER_PAIR, BatchedCopy, contiguous_runs
+from weightsync.bus.copy import copy_runs_triton
+from weightsync.bus.copy.copy_runs import MAX_RUNS_PER_PAIR, BatchedCopy, contiguous_runs
 from weightsync.model_spec import Dims
 
 D = Dims(num_layers=1, hidden_size=64, num_heads=8, num_query_groups=2, head_dim=8, ffn_hidden_size=12, vocab_size=90)
@@ -89,9 +89,9 @@ def test_off_the_gpu_every_pair_is_torchs_and_exact():
 def interpreted(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    copy_runs_cuda._kernel.cache_clear()  # decorated again, as an interpreted function
+    copy_runs_triton._kernel.cache_clear()  # decorated again, as an interpreted function
     yield
-    copy_runs_cuda._kernel.cache_clear()
+    copy_runs_triton._kernel.cache_clear()
 
 
 @pytest.mark.parametrize("start", [0, 3])
@@ -114,7 +114,7 @@ def test_the_kernel_writes_the_bits_torch_writes(interpreted, sdt, ddt, start):
     bc = BatchedCopy(pairs, use_kernel=True)
     assert bc.torch_pairs == 0 and bc.launches
     # slots at an odd element and the special values' (odd) slot take the unaligned launch
-    aligned = {copy_runs_cuda.ALIGN} if start == 0 else set()
+    aligned = {copy_runs_triton.ALIGN} if start == 0 else set()
     assert {align for *_, align in bc.launches} == aligned | ({1} if start or sdt == torch.float32 else set())
     bc.run()
     for got, want in expect:

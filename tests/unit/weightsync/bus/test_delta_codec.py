@@ -100,7 +100,7 @@ def test_word_is_one_byte_for_fp8_buckets():
 )
 def test_apply_gives_the_written_positions_and_the_results_word_sums(nbytes, fraction, word, step, monkeypatch):
     from weightsync.bus import delta
-    from weightsync.bus.checksum import bucket_checksum, from_sums, word_sums
+    from weightsync.bus.copy.checksum import bucket_checksum, from_sums, word_sums
 
     if step:
         monkeypatch.setattr(delta, "_STEP_ENTRIES", step)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from weightsync.bus import delta, delta_format
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
 from weightsync.bus.errors import TransportError
 
 _WD = {1: torch.uint8, 2: torch.int16}
@@ -200,7 +200,7 @@ def test_the_trainers_delta_stream_on_the_fused_path(fused, monkeypatch):
     """publisher/delta_sync.py's DeltaStream on the fused codec, sync after sync: each bucket's checksum (the
     base's sums plus the diff's change) is a full pass's, the kept base is the bucket, the deltas are bitmaps
     that a rollout's copy applies to exactly the bucket with the sums the rollout then checks."""
-    from weightsync.bus.checksum import bucket_checksum, from_sums
+    from weightsync.bus.copy.checksum import bucket_checksum, from_sums
     from weightsync.bus.layout import ManifestCache
     from weightsync.bus.plan import TensorMeta
     from weightsync.publisher.delta_sync import DeltaBase

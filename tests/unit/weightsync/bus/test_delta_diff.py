@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bus import checksum
+from weightsync.bus.copy import checksum
 from weightsync.bus.delta import apply_delta, diff, encode
 
 

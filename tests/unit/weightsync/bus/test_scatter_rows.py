@@ -1,7 +1,7 @@
-"""scatter_rows.py / scatter_cuda.py: the aligned-row table covers every word of every region exactly once
+"""copy/scatter_rows.py / copy/scatter_triton.py: the aligned-row table covers every word of every region exactly once
 (16-byte rows wherever source and destination allow it, single words elsewhere), and the kernel's copy
 lands every byte and gives bucket_checksum's value for every config. The torch path runs everywhere; the
-kernel (each config of scatter_cuda.CONFIGS, `legacy` included) through Triton's interpreter where triton
+kernel (each config of scatter_triton.CONFIGS, `legacy` included) through Triton's interpreter where triton
 is installed (tests/gpu/test_verified_copy_gpu.py runs them compiled; test_scatter_compile.py compiles
 them for sm_90)."""
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tests.support.triton_cpu import rerun_under_interpreter
-from weightsync.bus import scatter_cuda
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy import scatter_triton
+from weightsync.bus.copy.checksum import bucket_checksum
+from weightsync.bus.copy.scatter_rows import COPY, COPY_VEC, SUM, VEC, rows_of
+from weightsync.bus.copy.verified_copy import copy_all_into, copy_into, pending_values
 from weightsync.bus.pack import pack_bucket
 from weightsync.bus.plan import TensorMeta, plan_buckets
-from weightsync.bus.scatter_rows import COPY, COPY_VEC, SUM, VEC, rows_of
-from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values
 
 KERNEL_ENV = "SCATTER_KERNEL"
 
@@ -77,13 +77,13 @@ def test_unaligned_bases_give_single_word_rows_and_bad_arguments_are_named():
 
 def test_the_config_comes_from_the_environment_and_a_wrong_name_lists_the_choices(monkeypatch):
     monkeypatch.delenv("WS_VERIFIED_COPY", raising=False)
-    assert scatter_cuda.config().name == scatter_cuda.DEFAULT
+    assert scatter_triton.config().name == scatter_triton.DEFAULT
     monkeypatch.setenv("WS_VERIFIED_COPY", "legacy")
-    assert scatter_cuda.config().kernel == "legacy"
+    assert scatter_triton.config().kernel == "legacy"
     monkeypatch.setenv("WS_VERIFIED_COPY", "fast")
     with pytest.raises(ValueError, match="WS_VERIFIED_COPY='fast'.*legacy"):
-        scatter_cuda.config()
-    assert all(c.row_words % VEC == 0 for c in scatter_cuda.CONFIGS.values())
+        scatter_triton.config()
+    assert all(c.row_words % VEC == 0 for c in scatter_triton.CONFIGS.values())
 
 
 # ---- the copy itself: torch here, every kernel config in the interpreter's subprocess ---------------------
@@ -119,7 +119,7 @@ def _buckets(dst_shift: int):
 
 
 def _configs(use_kernel: bool):
-    return list(scatter_cuda.CONFIGS.values()) if use_kernel else [None]
+    return list(scatter_triton.CONFIGS.values()) if use_kernel else [None]
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_copy_into_one_bucket_and_a_changed_gap_word_changes_the_checksum(use_ke
 def test_prepared_buffers_skip_the_checks_and_give_the_same_bytes_and_sums(use_kernel, monkeypatch):
     """copy_all_into's `prepared` (trainer_writes.Destinations keeps one): the second call on the same
     buffers goes straight to its launch; other buffers are checked again."""
-    from weightsync.bus import verified_copy
+    from weightsync.bus.copy import verified_copy
 
     for cfg in _configs(use_kernel):
         plans, bufs, dests, _ = _buckets(0)
@@ -191,7 +191,7 @@ def test_prepared_buffers_skip_the_checks_and_give_the_same_bytes_and_sums(use_k
 
 
 def test_pending_values_read_one_launchs_rows_at_once_and_loose_sums_alike():
-    from weightsync.bus.verified_copy import PendingChecksum, _shared_rows
+    from weightsync.bus.copy.verified_copy import PendingChecksum, _shared_rows
 
     rows = torch.tensor([[1, 2], [3, -4], [5, 6]], dtype=torch.int64)
     tails = [torch.empty(0, dtype=torch.uint8)] * 3

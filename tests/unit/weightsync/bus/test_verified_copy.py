@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
+from weightsync.bus.copy.verified_copy import copy_bucket, copy_into
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
 from weightsync.bus.plan import TensorMeta, plan_buckets
-from weightsync.bus.verified_copy import copy_bucket, copy_into
 
 
 def _bucket(shapes_dtypes, seed=0):
@@ -69,7 +69,7 @@ def test_copy_into_declines_destinations_it_cannot_write_as_words_and_copies_not
 
 
 def test_pending_checksums_read_together_equal_each_read_alone():
-    from weightsync.bus.verified_copy import pending_values
+    from weightsync.bus.copy.verified_copy import pending_values
 
     pending, want = [], []
     for seed in range(3):
@@ -85,8 +85,8 @@ def test_a_slot_without_destination_is_neither_copied_nor_summed_and_its_own_sum
     """A None destination (block-FP8 trainer_writes: the fused kernel writes and sums that slot): its words
     are left out of the copy's sums, which plus the slot's own word sums are the bucket's; a slot that is
     not whole words cannot be left out."""
-    from weightsync.bus.checksum import from_sums, word_sums
-    from weightsync.bus.verified_copy import copy_all_into
+    from weightsync.bus.copy.checksum import from_sums, word_sums
+    from weightsync.bus.copy.verified_copy import copy_all_into
 
     plan, buf, view, named = _bucket(SHAPES)
     dests = [torch.empty_like(t) for _, t in named]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.triton_cpu import rerun_under_interpreter
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.pack import pack_bucket
 from weightsync.bus.plan import TensorMeta

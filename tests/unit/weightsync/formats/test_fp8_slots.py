@@ -193,8 +193,8 @@ def test_the_slots_word_sums_complete_each_bucket_checksum(use_kernel):
     `slot_ranges`) plus a read of every other word give each bucket's `bucket_checksum`: poisoned
     gaps, a tail that is not a whole word, and a scale whose slot ends the bucket before its weight's
     (its word counted there). Odd columns (words across rows): no sums, the bucket is read whole."""
-    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
-    from weightsync.bus.checksum_regions import KnownSums
+    from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.copy.checksum_regions import KnownSums
 
     shapes = [(300, 128), (128, 128), (3, 130, 64), (260, 16)]
     named = [(f"w{i}", block_test_weights(s, "heavy", 30 + i, torch.bfloat16)) for i, s in enumerate(shapes)]

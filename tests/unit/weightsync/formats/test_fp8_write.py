@@ -16,7 +16,7 @@ import torch
 from tests.support.fp8_weights import block_test_weights, bucket_layout
 from tests.support.triton_cpu import rerun_under_interpreter
 from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
-from weightsync.bus.checksum import word_sums
+from weightsync.bus.copy.checksum import word_sums
 from weightsync.formats.fp8 import blocks as fp8
 from weightsync.formats.fp8 import quantize_slots, write_slots
 from weightsync.model_spec import Dims

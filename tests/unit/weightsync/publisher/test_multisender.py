@@ -10,7 +10,7 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.models import resolve_model

@@ -4,7 +4,7 @@ A sum of 32-bit words (and of their squares) accumulated in int64 with wrap-arou
 independent of reduction order, so a bucket checksummed on a GPU by the sender and on a
 CPU (or another GPU) by the receiver agrees bit for bit. It detects corruption and
 truncation, not deliberate tampering or word reordering; authentication is the control
-plane's job. Costs one read of the buffer; on CUDA a fused Triton kernel (checksum_cuda.py),
+plane's job. Costs one read of the buffer; on CUDA a fused Triton kernel (checksum_triton.py),
 which also comes as a copy that checksums what it copies (a rollout's copy-out, verified_copy.py).
 """
 
@@ -85,10 +85,10 @@ def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
             f"{tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}"
         )
     if src.is_cuda and dst.is_cuda and src.numel():
-        from weightsync.bus import checksum_cuda
+        from weightsync.bus.copy import checksum_triton
 
-        if checksum_cuda.available():
-            return checksum_cuda.copy_word_sums(src, dst)
+        if checksum_triton.available():
+            return checksum_triton.copy_word_sums(src, dst)
     if src.device.type == "cpu" and dst.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous():
         return _cpu_word_sums(src, dst)
     dst.copy_(src)
@@ -97,10 +97,10 @@ def copy_word_sums(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 def _word_sums(words: torch.Tensor) -> torch.Tensor:
     if words.is_cuda and words.numel():
-        from weightsync.bus import checksum_cuda  # lazy: triton comes only with CUDA builds of torch
+        from weightsync.bus.copy import checksum_triton  # lazy: triton comes only with CUDA builds of torch
 
-        if checksum_cuda.available():
-            return checksum_cuda.word_sums(words)
+        if checksum_triton.available():
+            return checksum_triton.word_sums(words)
     if words.device.type == "cpu" and words.is_contiguous():
         return _cpu_word_sums(words)
     acc = torch.zeros(2, dtype=torch.int64, device=words.device)
@@ -143,9 +143,9 @@ _MAX_TABLES = 8
 def _many_table(bufs: list[torch.Tensor], whole: list[int]) -> tuple[torch.Tensor, int] | None:
     """The GPU table of (address, word count) rows for `bufs` and the longest count; None where
     the one-launch kernel is not available (each buffer is then summed on its own)."""
-    from weightsync.bus import checksum_cuda
+    from weightsync.bus.copy import checksum_triton
 
-    if not checksum_cuda.available():
+    if not checksum_triton.available():
         return None
     rows = tuple((b.data_ptr(), w // 4) for b, w in zip(bufs, whole))
     if any(addr % 4 for addr, _ in rows):
@@ -162,9 +162,9 @@ def _many_table(bufs: list[torch.Tensor], whole: list[int]) -> tuple[torch.Tenso
 def _many_word_sums(rest: tuple[torch.Tensor, int] | None, bufs: list[torch.Tensor], whole: list[int]) -> torch.Tensor:
     """[len(bufs), 2] word sums: one launch from the table `rest`, or one per buffer without it."""
     if rest is not None:
-        from weightsync.bus import checksum_cuda
+        from weightsync.bus.copy import checksum_triton
 
-        return checksum_cuda.many_word_sums(*rest)
+        return checksum_triton.many_word_sums(*rest)
     return torch.stack([_whole_word_sums(b, w) for b, w in zip(bufs, whole)])
 
 
@@ -183,15 +183,15 @@ def _read_sums(buf: torch.Tensor, regions: list[tuple[int, int]], known: torch.T
 def region_word_sums(buf: torch.Tensor, regions: list[tuple[int, int]]) -> torch.Tensor:
     """int64 [2]: the word sums of the words of `buf` (flat uint8) in byte ranges `regions`
     (word-aligned), on its device (queued on the current stream on a GPU: one launch)."""
-    from weightsync.bus.checksum_regions import region_table
+    from weightsync.bus.copy.checksum_regions import region_table
 
     regions = [(s, e) for s, e in regions if e > s]
     table = region_table(buf, regions)
     if table is not None:
-        from weightsync.bus import checksum_cuda
+        from weightsync.bus.copy import checksum_triton
 
         whole = buf.numel() - buf.numel() % 4
-        return checksum_cuda.scatter_word_sums(buf[:whole].view(torch.int32), table)
+        return checksum_triton.scatter_word_sums(buf[:whole].view(torch.int32), table)
     out = torch.zeros(2, dtype=torch.int64, device=buf.device)
     for s, e in regions:
         out += _word_sums(buf[s:e].view(torch.int32)).to(buf.device)
@@ -224,19 +224,19 @@ def warm_up(device) -> float:
         bucket_checksum(buf)
         words = buf[: nbytes - nbytes % 4].view(torch.int32)
         copy_word_sums(words, torch.empty_like(words))  # the rollout's copy-out kernels (verified_copy.py)
-    from weightsync.bus import checksum_cuda
+    from weightsync.bus.copy import checksum_triton
 
-    if checksum_cuda.available():
+    if checksum_triton.available():
         words = torch.zeros(64, dtype=torch.int32, device=device)
         dst = torch.empty(32, dtype=torch.int32, device=device)
-        checksum_cuda.scatter_word_sums(
-            words, checksum_cuda.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)], device)
+        checksum_triton.scatter_word_sums(
+            words, checksum_triton.scatter_table([(0, 32, dst.data_ptr()), (32, 32, 0)], device)
         )
         table = torch.tensor([(words.data_ptr(), 64), (dst.data_ptr(), 32)], dtype=torch.int64).to(device)
-        checksum_cuda.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
-        from weightsync.bus import scatter_cuda
+        checksum_triton.many_word_sums(table, 64)  # the in-place buckets' one launch (InFlightChecksums)
+        from weightsync.bus.copy import scatter_triton
 
-        scatter_cuda.warm_up(device)  # the trainer_writes copy's configured kernel (verified_copy.py)
+        scatter_triton.warm_up(device)  # the trainer_writes copy's configured kernel (verified_copy.py)
     return time.perf_counter() - t0
 
 
@@ -265,7 +265,7 @@ class InFlightChecksums:
         whole = [n - n % 4 for n in self._n]
         reads = None
         if known is not None:
-            from weightsync.bus.checksum_regions import others
+            from weightsync.bus.copy.checksum_regions import others
 
             if len(known.ranges) != len(bufs) or tuple(known.sums.shape) != (len(bufs), 2):
                 raise ValueError(
@@ -296,7 +296,7 @@ class InFlightChecksums:
 
     def _start_known(self, bufs, reads, known: torch.Tensor, device) -> None:
         """The GPU path with known sums: each buffer's other words, one launch each (first the first's)."""
-        from weightsync.bus.checksum_regions import region_table
+        from weightsync.bus.copy.checksum_regions import region_table
 
         for b, rd in zip(bufs, reads):
             region_table(b, rd)  # (may copy to the GPU: not on the side)

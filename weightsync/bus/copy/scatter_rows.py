@@ -1,4 +1,4 @@
-"""The work table of the copy-and-checksum kernel (scatter_cuda.py): rows that move 16 bytes per access.
+"""The work table of the copy-and-checksum kernel (scatter_triton.py): rows that move 16 bytes per access.
 
 A row read from a table gives Triton no alignment to rely on (a source or destination address loaded
 from memory may be any multiple of 4), so it moves one 4-byte word per access: that is why a single

@@ -5,7 +5,7 @@ The trainer's block-FP8 quantizer (weightsync/formats/fp8/quantize_slots.py) sum
 writes into a bucket; the bucket's `ws-sum64-v1` checksum then needs only the words of its other
 bytes (its 16-bit tensors and the alignment gaps), which checksum.region_word_sums reads: on a GPU
 one launch per buffer over a table of those regions cut into program-sized rows (`region_table`,
-checksum_cuda.scatter_word_sums), built once per layout, since the in-place buckets keep their
+checksum_triton.scatter_word_sums), built once per layout, since the in-place buckets keep their
 addresses from sync to sync.
 """
 
@@ -52,10 +52,10 @@ _MAX_TABLES = 64
 def region_table(buf: torch.Tensor, regions: list[tuple[int, int]]) -> torch.Tensor | None:
     """The GPU work table of checksum.region_word_sums(buf, regions) (cached: call it outside a side
     stream, as it may copy to the GPU), or None where the sums are torch's (no triton, off the GPU)."""
-    from weightsync.bus import checksum_cuda
+    from weightsync.bus.copy import checksum_triton
 
     regions = [(s, e) for s, e in regions if e > s]
-    if not regions or not buf.is_cuda or not checksum_cuda.available() or buf.data_ptr() % 4:
+    if not regions or not buf.is_cuda or not checksum_triton.available() or buf.data_ptr() % 4:
         return None
     key = (buf.device, buf.data_ptr(), tuple(regions))
     table = _TABLES.get(key)
@@ -63,5 +63,5 @@ def region_table(buf: torch.Tensor, regions: list[tuple[int, int]]) -> torch.Ten
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.pop(next(iter(_TABLES)))
         rows = [(s // 4, (e - s) // 4, 0) for s, e in regions]
-        table = _TABLES[key] = checksum_cuda.scatter_table(rows, buf.device)
+        table = _TABLES[key] = checksum_triton.scatter_table(rows, buf.device)
     return table

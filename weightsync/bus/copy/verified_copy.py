@@ -3,7 +3,7 @@
 Checksumming a bucket (`ws-sum64-v1`) and then copying each tensor out (into its staging copy, or
 into the engine's parameters) before the bus buffer is reused would read every word twice. Here
 every word is read once: the copy also accumulates the checksum's word
-sums (on CUDA one Triton kernel per bucket, checksum_cuda.scatter_word_sums). The sums are
+sums (on CUDA one Triton kernel per bucket, checksum_triton.scatter_word_sums). The sums are
 order-independent, so the tensors' sums plus those of the alignment gaps between them give exactly
 the value `bucket_checksum` gives for the whole buffer. Without that kernel (the CPU) each
 operation costs microseconds whatever its size, so the bucket is summed in one operation and each
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus import scatter_cuda
-from weightsync.bus.checksum import copy_word_sums, from_many_sums, from_sums, word_sums
+from weightsync.bus.copy import scatter_triton
+from weightsync.bus.copy.checksum import copy_word_sums, from_many_sums, from_sums, word_sums
 from weightsync.bus.plan import BucketPlan
 
 
@@ -139,7 +139,7 @@ def copy_into(
     `wait=False`: return a PendingChecksum at once, without waiting for the GPU (the caller keeps
     `buf` unchanged until it has read the value). `sums_to`: given the word sums of `buf`'s whole
     words that the copy computed (a rollout's delta base keeps them: rollout_svc/sync/delta_base.py).
-    `kernel`: a scatter_cuda.Config to run on any device (the benchmark; Triton's interpreter on the CPU)."""
+    `kernel`: a scatter_triton.Config to run on any device (the benchmark; Triton's interpreter on the CPU)."""
     if len(dests) != len(plan.slots):
         raise ValueError(f"bucket {plan.index}: {len(dests)} destinations for {len(plan.slots)} tensors")
     _check_buf(plan, buf)
@@ -150,7 +150,7 @@ def copy_into(
 
 def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Tensor], wait: bool, sums_to, kernel=None):
     """copy_into's copy, for destinations already checked to be laid out for it. `kernel`: a
-    scatter_cuda.Config to run whatever the device (the benchmark's variants; Triton's interpreter on
+    scatter_triton.Config to run whatever the device (the benchmark's variants; Triton's interpreter on
     the CPU); None: the configured kernel on CUDA, torch elsewhere."""
     n = plan.nbytes
     end = n - n % 4
@@ -166,7 +166,7 @@ def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Ten
             if dst is not None:
                 _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return sums_result(sums, buf, end, n, wait, sums_to)
-    cfg = kernel or scatter_cuda.config()
+    cfg = kernel or scatter_triton.config()
     if cfg.kernel == "legacy":
         sums = _scatter_cuda(words, _regions(plan, dests), dests)
     else:
@@ -217,7 +217,7 @@ def copy_all_into(
     out for it. One fused launch per bucket: a single launch over every bucket's rows (source addresses
     read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md):
     its accesses were 4 bytes wide; the aligned-row kernel's single launch (scatter_rows.py) keeps them
-    16 bytes wide. `kernel`: a scatter_cuda.Config forced (as for copy_into's), else the configured one.
+    16 bytes wide. `kernel`: a scatter_triton.Config forced (as for copy_into's), else the configured one.
     `prepared`: a dict the caller keeps with `dests` (the same tensors at the same addresses at every call,
     plans of one layout: trainer_writes.Destinations): what was checked and built for a set of buffers is
     kept there, so a later call on the same buffers goes straight to its launch (the per-tensor checks and
@@ -240,7 +240,7 @@ def copy_all_into(
                 prepared.clear()
             cache = prepared[key] = {}
     if plans and (kernel is not None or (bufs[0].is_cuda and _fused())):
-        cfg = kernel or scatter_cuda.config()
+        cfg = kernel or scatter_triton.config()
         if cfg.kernel != "legacy" and cfg.one_launch:
             return _copy_all_one_launch(plans, bufs, dests, cfg, cache)
     return [_copy_checked(plan, buf, ds, False, None, kernel) for plan, buf, ds in zip(plans, bufs, dests)]
@@ -279,9 +279,9 @@ def _copy_all_one_launch(plans, bufs, dests, cfg, cache: dict | None) -> list[Pe
 
 
 def _fused() -> bool:
-    from weightsync.bus import checksum_cuda  # lazy: triton comes only with CUDA builds of torch
+    from weightsync.bus.copy import checksum_triton  # lazy: triton comes only with CUDA builds of torch
 
-    return checksum_cuda.available()
+    return checksum_triton.available()
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -293,7 +293,7 @@ def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dest
     which per tensor (hundreds in a bucket) would cost more than the copy saves. The work table
     (regions of the bucket and the address each goes to) depends only on the layout and the
     destinations' addresses, so it is built once and kept."""
-    from weightsync.bus import checksum_cuda
+    from weightsync.bus.copy import checksum_triton
 
     addressed = [(first, count, dests[i].data_ptr() if i >= 0 else 0) for first, count, i in regions]
     key = (words.device.index, *addressed)
@@ -301,8 +301,8 @@ def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dest
     if table is None:
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
-        table = _TABLES[key] = checksum_cuda.scatter_table(addressed, words.device)
-    return checksum_cuda.scatter_word_sums(words, table)
+        table = _TABLES[key] = checksum_triton.scatter_table(addressed, words.device)
+    return checksum_triton.scatter_word_sums(words, table)
 
 
 def copy_bucket(
@@ -324,13 +324,13 @@ _VEC_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 def _scatter_vec(plans, bufs, dests, cfg, cache: dict | None = None) -> torch.Tensor:
     """int64 [buckets, 2]: each bucket's word sums, its tensors copied into `dests`, in one launch of the
-    aligned-row kernel (scatter_cuda.py). The table depends only on the layout, the buffers' and the
+    aligned-row kernel (scatter_triton.py). The table depends only on the layout, the buffers' and the
     destinations' addresses and the row size: built once and kept (in `cache` too, a caller's entry for
     these buffers and destinations, which then skips even the key)."""
-    from weightsync.bus import scatter_rows
+    from weightsync.bus.copy import scatter_rows
 
     device = bufs[0].device
-    anchor = scatter_cuda.anchor(device)
+    anchor = scatter_triton.anchor(device)
     hit = None if cache is None else cache.get(("table", cfg.row_words))
     if hit is not None:
         table, own = hit
@@ -355,7 +355,7 @@ def _scatter_vec(plans, bufs, dests, cfg, cache: dict | None = None) -> torch.Te
 
 
 def _launch_vec(anchor: torch.Tensor, table: torch.Tensor, own: torch.Tensor | None, buckets: int, cfg):
-    partial = scatter_cuda.launch(anchor, anchor, table, cfg)
+    partial = scatter_triton.launch(anchor, anchor, table, cfg)
     if own is None:
         return partial.sum(dim=0, keepdim=True)
     # integer sums: the same value in any order (index_add_'s atomics included)

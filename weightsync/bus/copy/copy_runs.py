@@ -6,7 +6,7 @@ loops over them one kernel at a time when they are strided or cast (tens of micr
 time each, hundreds of them per model). Every such pair is a few contiguous runs of elements (the
 dimensions that are contiguous on both sides, collapsed); on a GPU with Triton the runs of all the
 pairs go into one address table per (source dtype, destination dtype, alignment), built here once,
-and each sync launches one kernel per table (copy_runs_cuda.py). Pairs that are not runs (an
+and each sync launches one kernel per table (copy_runs_triton.py). Pairs that are not runs (an
 element-wise strided view, a dtype the kernel does not cast) and every pair off the GPU go through
 `_foreach_copy_`, which writes the same bits.
 """
@@ -67,7 +67,7 @@ class BatchedCopy:
     where they are between runs (the caller replans when a source moves)."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, use_kernel: bool | None = None):
-        from weightsync.bus import copy_runs_cuda as kernel
+        from weightsync.bus.copy import copy_runs_triton as kernel
 
         self.pairs = len(pairs)
         # the table holds raw addresses: the views keep their memory allocated (never reused under it)
@@ -126,7 +126,7 @@ class BatchedCopy:
         return len(self._dsts)
 
     def run(self) -> None:
-        from weightsync.bus import copy_runs_cuda as kernel
+        from weightsync.bus.copy import copy_runs_triton as kernel
 
         for table, sb, db, align in self.launches:
             kernel.launch(table, sb, db, align)

@@ -6,7 +6,7 @@ cover one bucket or every bucket of a sync (the actor's own buckets, all unchang
 one launch saves the tail of each launch's last wave and the gaps between launches. `Config` names the
 launch shape; `CONFIGS` holds those the microbenchmark compares (bench/bench_verified_copy.py) and
 `config()` the one the sync uses (`WS_VERIFIED_COPY=<name>` picks another; `legacy` is the kernel of
-checksum_cuda.scatter_word_sums, one launch per bucket, kept until the GPU numbers settle it).
+checksum_triton.scatter_word_sums, one launch per bucket, kept until the GPU numbers settle it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 @dataclass(frozen=True)
 class Config:
     name: str
-    kernel: str = "vec"  # "vec": this module's kernel; "legacy": checksum_cuda.scatter_word_sums
+    kernel: str = "vec"  # "vec": this module's kernel; "legacy": checksum_triton.scatter_word_sums
     block: int = 2048  # words per inner step of one program
     steps: int = 32  # inner steps per row: a row is at most block * steps words
     warps: int = 4
@@ -167,7 +167,7 @@ def launch(src_base: torch.Tensor, dst_base: torch.Tensor, table: torch.Tensor, 
     """Run every row of `table` (int64 [rows, 4], scatter_rows.rows_of) from int32 `src_base` to int32
     `dst_base` (both 16-byte aligned for the vectorised rows to be fast; any 4-byte alignment is
     correct) and return the rows' word sums, int64 [rows, 2]."""
-    from weightsync.bus.scatter_rows import VEC
+    from weightsync.bus.copy.scatter_rows import VEC
 
     rows = table.shape[0]
     partial = torch.empty((max(rows, 1), 2), dtype=torch.int64, device=table.device)
