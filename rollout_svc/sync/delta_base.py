@@ -1,6 +1,6 @@
 """The rollout's copy of its committed version's buckets: the base a delta sync is applied onto.
 
-A delta bucket (weightsync/bus/delta.py) carries only the words that changed since the trainer's
+A delta bucket (weightsync/bus/delta/codec.py) carries only the words that changed since the trainer's
 last committed export, so the rollout needs that export's bucket bytes. It keeps its own copy, as
 the buckets arrived (host memory: one copy of the model's export bytes), rather than reading the
 engine's parameters back: an engine may hold them in another dtype or layout (fused, sharded,
@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from weightsync.bus.copy.checksum import from_sums
-from weightsync.bus.delta import Applied, apply_delta
+from weightsync.bus.delta.codec import Applied, apply_delta
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan, Manifest
 

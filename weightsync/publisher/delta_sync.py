@@ -71,7 +71,7 @@ import torch
 
 from weightsync.bus.channel import BucketSender
 from weightsync.bus.copy.checksum import from_sums, word_sums
-from weightsync.bus.delta import diff, encode, word_bytes
+from weightsync.bus.delta.codec import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
 from weightsync.v1 import rollout_pb2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bus.delta import BITMAP, GAPS, apply_delta, encode, word_bytes
+from weightsync.bus.delta.codec import BITMAP, GAPS, apply_delta, encode, word_bytes
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import TensorMeta, plan_buckets
 
@@ -99,8 +99,8 @@ def test_word_is_one_byte_for_fp8_buckets():
     ],
 )
 def test_apply_gives_the_written_positions_and_the_results_word_sums(nbytes, fraction, word, step, monkeypatch):
-    from weightsync.bus import delta
     from weightsync.bus.copy.checksum import bucket_checksum, from_sums, word_sums
+    from weightsync.bus.delta import codec as delta
 
     if step:
         monkeypatch.setattr(delta, "_STEP_ENTRIES", step)

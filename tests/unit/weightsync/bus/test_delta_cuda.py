@@ -1,7 +1,8 @@
-"""delta_cuda.py, the fused delta codec, through Triton's interpreter on the CPU (tests/gpu/test_delta_gpu_codec.py
-runs it compiled): the payload is byte for byte the torch path's bitmap (delta.encode(kind=BITMAP)), the apply
-writes, reports and sums what the torch apply does, and every payload the torch apply refuses is refused before
-a byte is written. Skipped where triton is not installed (the CPU build of torch: CI); there delta.py's torch
+"""delta/codec_triton.py, the fused delta codec, through Triton's interpreter on the CPU
+(tests/gpu/test_delta_gpu_codec.py runs it compiled): the payload is byte for byte the torch path's
+bitmap (delta.encode(kind=BITMAP)), the apply writes, reports and sums what the torch apply does, and
+every payload the torch apply refuses is refused before a byte is written. Skipped where triton is not
+installed (the CPU build of torch: CI); there delta/codec.py's torch
 path is all there is, and the other delta tests run it."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from weightsync.bus import delta, delta_format
 from weightsync.bus.copy.checksum import word_sums
+from weightsync.bus.delta import codec as delta
+from weightsync.bus.delta import payload as fmt
 from weightsync.bus.errors import TransportError
 
 _WD = {1: torch.uint8, 2: torch.int16}
@@ -28,7 +30,7 @@ def _drop_triton() -> None:
 
 @pytest.fixture
 def fused(monkeypatch):
-    """delta_cuda with its kernels interpreted. Triton decides at decoration whether a function is
+    """codec_triton with its kernels interpreted. Triton decides at decoration whether a function is
     interpreted, its own library's (tl.sum, tl.cumsum) at its import: where triton was imported
     before TRITON_INTERPRET was set (another test), it is imported again, and again after."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -36,13 +38,13 @@ def fused(monkeypatch):
     if again:
         _drop_triton()
     pytest.importorskip("triton")
-    from weightsync.bus import delta_cuda
+    from weightsync.bus.delta import codec_triton
 
-    sys.modules.pop("weightsync.bus.delta_kernels", None)  # decorated again, as interpreted functions
-    delta_cuda._kernels.cache_clear()
-    yield delta_cuda
-    sys.modules.pop("weightsync.bus.delta_kernels", None)
-    delta_cuda._kernels.cache_clear()
+    sys.modules.pop("weightsync.bus.delta.kernels_triton", None)  # decorated again, as interpreted functions
+    codec_triton._kernels.cache_clear()
+    yield codec_triton
+    sys.modules.pop("weightsync.bus.delta.kernels_triton", None)
+    codec_triton._kernels.cache_clear()
     if again:
         _drop_triton()  # compiled again by whoever imports it next
 
@@ -71,8 +73,8 @@ def _sums(buf: torch.Tensor) -> torch.Tensor:
 
 def _apply_fused(fused, payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | None = None):
     """delta.apply_delta's dispatch on a GPU: a bitmap payload to the kernels, the empty one to torch."""
-    kind, word, width, entries = delta_format.read_header(payload, base)
-    delta_format.check_length(payload, kind, word, width, entries, base.numel() // word)
+    kind, word, width, entries = fmt.read_header(payload, base)
+    fmt.check_length(payload, kind, word, width, entries, base.numel() // word)
     if kind != delta.BITMAP:
         return delta.apply_delta(payload, base, sums)
     return fused.apply_bitmap(payload, base, word, entries, sums)
@@ -239,14 +241,14 @@ def test_the_trainers_delta_stream_on_the_fused_path(fused, monkeypatch):
 
 
 def test_torch_runs_where_triton_is_missing_or_the_buffer_is_off_the_gpu(monkeypatch):
-    """No triton needed: which codec delta.py picks. The torch path is what every other delta test runs."""
+    """No triton needed: which codec delta/codec.py picks. The torch path is what every other delta test runs."""
     from types import SimpleNamespace
 
-    from weightsync.bus import delta_cuda
+    from weightsync.bus.delta import codec_triton
 
     gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setattr(delta_cuda, "available", lambda: False)  # a CUDA build without triton, or no GPU
+    monkeypatch.setattr(codec_triton, "available", lambda: False)  # a CUDA build without triton, or no GPU
     assert delta._fused(gpu) is None
-    monkeypatch.setattr(delta_cuda, "available", lambda: True)
-    assert delta._fused(gpu) is delta_cuda
+    monkeypatch.setattr(codec_triton, "available", lambda: True)
+    assert delta._fused(gpu) is codec_triton
     assert delta._fused(torch.zeros(4, dtype=torch.uint8)) is None  # CPU buffers: torch, triton or not

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync.bus.copy import checksum
-from weightsync.bus.delta import apply_delta, diff, encode
+from weightsync.bus.delta.codec import apply_delta, diff, encode
 
 
 def _pair(nbytes: int, fraction: float, word: int, offset: int, seed: int):
@@ -60,7 +60,7 @@ def test_cpu_word_sums_equal_torchs_wrapping_sums():
 
 @pytest.mark.parametrize("fraction", [0.0005, 0.02, 0.3])  # fillers across steps, plain gaps, bitmap
 def test_a_bucket_compared_and_applied_in_steps_gives_the_same_payload_and_result(monkeypatch, fraction):
-    from weightsync.bus import delta
+    from weightsync.bus.delta import codec as delta
 
     new, base = _pair(1 << 16, fraction, 2, 0, seed=7)
     whole = encode(new, base, 2)

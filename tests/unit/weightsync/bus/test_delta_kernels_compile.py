@@ -1,4 +1,4 @@
-"""The fused delta kernels (delta_kernels.py) compile for an H100 (sm_90) down to a cubin, at delta_cuda's
+"""The fused delta kernels (delta/kernels_triton.py) compile for an H100 (sm_90) down to a cubin, at codec_triton's
 block size and warps, on a machine without a GPU: Triton's interpreter, which test_delta_cuda.py runs them
 through, accepts code the compiler refuses. Skipped where triton is not installed (CI); run in a subprocess
 with a fresh cache, so it compiles."""
@@ -12,17 +12,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from weightsync.bus import delta_cuda, delta_kernels as k
+from weightsync.bus.delta import codec_triton, kernels_triton as k
 
 target = GPUTarget("cuda", 90, 32)
 
 
 def build(fn, signature, constexprs):
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    constexprs = {**constexprs, "BLOCK": delta_cuda.BLOCK}
+    constexprs = {**constexprs, "BLOCK": codec_triton.BLOCK}
     signature["BLOCK"] = "constexpr"
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                            options={"num_warps": delta_cuda.WARPS})
+                            options={"num_warps": codec_triton.WARPS})
     assert "cubin" in kernel.asm, sorted(kernel.asm)
 
 

@@ -1,6 +1,6 @@
-"""The Triton kernels of the fused delta codec (delta_cuda.py says what each does and why).
+"""The Triton kernels of the fused delta codec (codec_triton.py says what each does and why).
 
-Imported only by delta_cuda, lazily: triton comes with CUDA builds of torch, not the CPU build.
+Imported only by codec_triton, lazily: triton comes with CUDA builds of torch, not the CPU build.
 Each program takes a block of BLOCK words as a [BLOCK // 8, 8] tile: row r holds the 8 words of
 bitmap byte r (least significant bit first), so the bitmap is a sum over the row and a thread
 loads a row's 8 (or 16) contiguous bytes at once; no reshape of the words is needed but the one

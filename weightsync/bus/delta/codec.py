@@ -8,11 +8,11 @@ smallest for the bucket; a gap too large for its width is bridged by filler posi
 the unchanged word (cheaper than a wider width when such gaps are rare). `encode` returns None
 where the delta would not be smaller than the dense bucket: that bucket goes dense.
 
-The payload's layout: delta_format.py.
+The payload's layout: payload.py.
 
 Everything is batched torch ops on the buffers' device (CPU or GPU), except on a CUDA GPU with
-Triton: there fused kernels (delta_cuda.py) compare, encode and apply, and always encode a bitmap
-(where smaller than the bucket; delta_cuda.py gives the wire cost and why). The receiver checks the
+Triton: there fused kernels (codec_triton.py) compare, encode and apply, and always encode a bitmap
+(where smaller than the bucket; codec_triton.py gives the wire cost and why). The receiver checks the
 RESULT against the sender's checksum of the dense bucket, so a wrong base or a damaged payload
 fails the sync; `apply_delta` itself only refuses payloads that would write out of bounds.
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.bus.copy.checksum import word_sums
-from weightsync.bus.delta_format import (
+from weightsync.bus.delta.payload import (
     BITMAP,
     GAP_DTYPES,
     GAPS,
@@ -43,7 +43,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan
 
 if TYPE_CHECKING:
-    from weightsync.bus import delta_cuda
+    from weightsync.bus.delta import codec_triton
 
 _BITS = None
 
@@ -56,12 +56,12 @@ def word_bytes(plan: BucketPlan) -> int:
 
 
 def _fused(buf: torch.Tensor):
-    """delta_cuda where `buf` is on a CUDA GPU and Triton is there, else None (torch ops)."""
+    """codec_triton where `buf` is on a CUDA GPU and Triton is there, else None (torch ops)."""
     if buf.device.type != "cuda":
         return None
-    from weightsync.bus import delta_cuda  # lazy: triton comes only with CUDA builds of torch
+    from weightsync.bus.delta import codec_triton  # lazy: triton comes only with CUDA builds of torch
 
-    return delta_cuda if delta_cuda.available() else None
+    return codec_triton if codec_triton.available() else None
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -146,7 +146,7 @@ _STEP_BYTES = 16 << 20
 _STEP_ENTRIES = 1 << 21
 
 
-def diff(new: torch.Tensor, base: torch.Tensor, word: int) -> Diff | delta_cuda.FusedDiff:
+def diff(new: torch.Tensor, base: torch.Tensor, word: int) -> Diff | codec_triton.FusedDiff:
     """The words in which flat uint8 `new` and `base` differ. Compared 8 bytes at a time (a quarter
     of the elements for bf16: the pass over the whole bucket is the cost), then word by word within
     the blocks that differ only (~8 % of them at 2 % changed bf16 values); on the CPU in 16 MiB steps."""
@@ -227,7 +227,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, word: int, d=None, kind: int |
     device, or None when it is not smaller than `new`. `d`: diff(new, base, word) (or only its
     positions, changed_words'), if known. `kind`: None for the smaller of bitmap and gaps, BITMAP
     for the bitmap wherever it is smaller than `new` — what the fused codec on a CUDA GPU always
-    emits (delta_cuda.py), byte for byte. Encoded part by part into the one payload buffer."""
+    emits (codec_triton.py), byte for byte. Encoded part by part into the one payload buffer."""
     nbytes = new.numel()
     if base.numel() != nbytes or nbytes % word:
         raise ValueError(f"delta: new has {nbytes} bytes, base {base.numel()} (word {word})")
@@ -292,7 +292,7 @@ def apply_delta(payload: torch.Tensor, base: torch.Tensor, sums: torch.Tensor | 
     of the words written and, given `sums` (checksum.word_sums of `base`'s whole 32-bit words
     before), those of the result, from the words written alone: each step's old and new 32-bit
     words that hold a written word (a word two steps share is counted in both: the changes add up).
-    On a CUDA GPU with Triton a bitmap payload goes through the fused kernels (delta_cuda.py)."""
+    On a CUDA GPU with Triton a bitmap payload goes through the fused kernels (codec_triton.py)."""
     kind, word, width, entries = read_header(payload, base)
     nwords = base.numel() // word
     pos_bytes = check_length(payload, kind, word, width, entries, nwords)

@@ -1,4 +1,4 @@
-"""A delta payload's layout (see delta.py), shared by the torch codec and the fused CUDA one (delta_cuda.py).
+"""A delta payload's layout (see codec.py), shared by the torch codec and the fused CUDA one (codec_triton.py).
 
 Payload (little-endian): u8 kind (0 bitmap, 1 gaps) | u8 word bytes | u8 gap bytes (0 for a
 bitmap; decoders ignore it there) | u8 0 | u32 0 | u64 entries | positions | entries x word bytes

@@ -1,4 +1,4 @@
-"""The delta codec (delta.py) as fused Triton kernels, for buckets on a CUDA GPU: bitmap kind only.
+"""The delta codec (codec.py) as fused Triton kernels, for buckets on a CUDA GPU: bitmap kind only.
 
 The torch codec on CUDA is launch- and host-read-bound (11.6 GB/s of bucket for compare and encode
 on an H100, docs/BENCHMARKS.md); these kernels read each buffer once:
@@ -27,7 +27,7 @@ of bucket. The torch encode that gaps take costs 86 ms per GB on an H100 (docs/B
 the bitmap at kernel speed is through sooner on any link above ~0.7 GB/s (6 Gb/s; ~1.1 GB/s where
 the torch encode would overlap the sends). A CUDA-resident base exists only on the nccl path (tcp
 keeps it in host memory): links from tens of Gb/s up. bench/bench_delta_gpu_codec.py measures both.
-Triton ships with CUDA builds of torch only: delta.py falls back to torch when `available()` is false.
+Triton ships with CUDA builds of torch only: codec.py falls back to torch when `available()` is false.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import functools
 
 import torch
 
-from weightsync.bus import delta_format as fmt
+from weightsync.bus.delta import payload as fmt
 from weightsync.bus.errors import TransportError
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
@@ -52,7 +52,7 @@ WARPS = 8
 @functools.lru_cache(maxsize=1)
 def _kernels():
     # a module of its own (triton at its top): imported here, lazily, and only where triton is
-    from weightsync.bus import delta_kernels as k
+    from weightsync.bus.delta import kernels_triton as k
 
     return k.compare, k.compact, k.write_changed, k.popcount, k.scatter
 
@@ -141,7 +141,7 @@ def encode(new: torch.Tensor, d: FusedDiff) -> torch.Tensor | None:
 
 def apply_bitmap(payload: torch.Tensor, base: torch.Tensor, word: int, entries: int, sums: torch.Tensor | None):
     """delta.apply_delta of a bitmap payload onto `base` on the GPU, its header read and its length
-    checked (delta_format.read_header, check_length)."""
+    checked (payload.read_header, check_length)."""
     nwords, dev = base.numel() // word, base.device
     pos_bytes = (nwords + 7) // 8
     bitmap = payload[fmt.HEADER_BYTES :].to(dev)  # then the new words
