@@ -3,7 +3,7 @@
 Checksumming a bucket (`ws-sum64-v1`) and then copying each tensor out (into its staging copy, or
 into the engine's parameters) before the bus buffer is reused would read every word twice. Here
 every word is read once: the copy also accumulates the checksum's word
-sums (on CUDA one Triton kernel per bucket, checksum_triton.scatter_word_sums). The sums are
+sums (on CUDA one launch of the aligned-row Triton kernel, scatter_triton.py). The sums are
 order-independent, so the tensors' sums plus those of the alignment gaps between them give exactly
 the value `bucket_checksum` gives for the whole buffer. Without that kernel (the CPU) each
 operation costs microseconds whatever its size, so the bucket is summed in one operation and each
@@ -166,11 +166,7 @@ def _copy_checked(plan: BucketPlan, buf: torch.Tensor, dests: Sequence[torch.Ten
             if dst is not None:
                 _byte_view(dst).copy_(buf[slot.offset : slot.offset + slot.meta.nbytes])
         return sums_result(sums, buf, end, n, wait, sums_to)
-    cfg = kernel or scatter_triton.config()
-    if cfg.kernel == "legacy":
-        sums = _scatter_cuda(words, _regions(plan, dests), dests)
-    else:
-        sums = _scatter_vec([plan], [buf], [dests], cfg)[0]
+    sums = _scatter_vec([plan], [buf], [dests], kernel or scatter_triton.config())[0]
     _copy_partial_words(plan, buf, dests)
     return sums_result(sums, buf, end, n, wait, sums_to)
 
@@ -214,10 +210,10 @@ def copy_all_into(
     """`copy_into(plan, buf, dests, wait=False)` of every bucket, queued back to back on the current
     stream with no wait between them, for buffers that stay unchanged until the values are read (the
     actor's own storage: nothing is cloned). None, with nothing copied, when a destination is not laid
-    out for it. One fused launch per bucket: a single launch over every bucket's rows (source addresses
-    read from a table) was built and measured 1.4-1.8x slower per byte on an H100 (docs/BENCHMARKS.md):
-    its accesses were 4 bytes wide; the aligned-row kernel's single launch (scatter_rows.py) keeps them
-    16 bytes wide. `kernel`: a scatter_triton.Config forced (as for copy_into's), else the configured one.
+    out for it. On CUDA one launch of the aligned-row kernel covers every bucket (scatter_rows.py: its
+    offsets count from a base pointer in 16-byte units, so its accesses stay 16 bytes wide, where a table
+    of raw addresses gives 4-byte ones and measured slower on GPU). `kernel`: a scatter_triton.Config
+    forced (as for copy_into's), else the configured one.
     `prepared`: a dict the caller keeps with `dests` (the same tensors at the same addresses at every call,
     plans of one layout: trainer_writes.Destinations): what was checked and built for a set of buffers is
     kept there, so a later call on the same buffers goes straight to its launch (the per-tensor checks and
@@ -240,9 +236,7 @@ def copy_all_into(
                 prepared.clear()
             cache = prepared[key] = {}
     if plans and (kernel is not None or (bufs[0].is_cuda and _fused())):
-        cfg = kernel or scatter_triton.config()
-        if cfg.kernel != "legacy" and cfg.one_launch:
-            return _copy_all_one_launch(plans, bufs, dests, cfg, cache)
+        return _copy_all_one_launch(plans, bufs, dests, kernel or scatter_triton.config(), cache)
     return [_copy_checked(plan, buf, ds, False, None, kernel) for plan, buf, ds in zip(plans, bufs, dests)]
 
 
@@ -284,27 +278,6 @@ def _fused() -> bool:
     return checksum_triton.available()
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
-_MAX_TABLES = 1024  # a few layouts' worth of buckets; the parameters' addresses do not move
-
-
-def _scatter_cuda(words: torch.Tensor, regions: list[tuple[int, int, int]], dests: Sequence[torch.Tensor]):
-    """The copy in one kernel launch per bucket: a launch from Python costs tens of microseconds,
-    which per tensor (hundreds in a bucket) would cost more than the copy saves. The work table
-    (regions of the bucket and the address each goes to) depends only on the layout and the
-    destinations' addresses, so it is built once and kept."""
-    from weightsync.bus.copy import checksum_triton
-
-    addressed = [(first, count, dests[i].data_ptr() if i >= 0 else 0) for first, count, i in regions]
-    key = (words.device.index, *addressed)
-    table = _TABLES.get(key)
-    if table is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        table = _TABLES[key] = checksum_triton.scatter_table(addressed, words.device)
-    return checksum_triton.scatter_word_sums(words, table)
-
-
 def copy_bucket(
     plan: BucketPlan, buf: torch.Tensor, wait: bool = True, sums_to: Callable[[torch.Tensor], None] | None = None
 ):
@@ -320,6 +293,7 @@ def copy_bucket(
 
 
 _VEC_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_MAX_TABLES = 1024  # a few layouts' worth of buckets; the parameters' addresses do not move
 
 
 def _scatter_vec(plans, bufs, dests, cfg, cache: dict | None = None) -> torch.Tensor:

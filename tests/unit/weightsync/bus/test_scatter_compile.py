@@ -1,7 +1,7 @@
 """The copy-and-checksum kernels of every scatter_triton config compile for an H100 (sm_90) down to a cubin,
 on a machine without a GPU (Triton's interpreter, which test_scatter_rows.py runs them through, accepts
 code the compiler refuses), and the aligned-row kernel's rows really move 16 bytes per access (the point
-of copy/scatter_rows.py: `legacy`, with addresses read from its table, moves 4). Skipped where triton is not
+of copy/scatter_rows.py: a kernel whose addresses are read from its table moves 4). Skipped where triton is not
 installed (CI); run in a subprocess with a fresh cache, so it compiles."""
 
 from __future__ import annotations
@@ -14,30 +14,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from weightsync.bus.copy import checksum_triton, scatter_triton
+from weightsync.bus.copy import scatter_triton
 
 target = GPUTarget("cuda", 90, 32)
 aligned = {0: [["tt.divisibility", 16]], 1: [["tt.divisibility", 16]]}  # the bases: the anchor tensor
 done = {}
 for c in scatter_triton.CONFIGS.values():
-    key = (c.kernel, c.block, c.steps, c.warps, c.fold, c.evict_first)
+    key = (c.block, c.steps, c.warps, c.fold)
     if key in done:
         continue
-    if c.kernel == "legacy":
-        sig = {"src_ptr": "*i32", "table_ptr": "*i64", "out_ptr": "*i64", "BLOCK": "constexpr", "STEPS": "constexpr"}
-        consts = {"BLOCK": c.block, "STEPS": c.steps}
-        src = ASTSource(fn=checksum_triton._scatter_kernel(), signature=sig, constexprs=consts)
-    else:
-        consts = {"BLOCK": c.block, "STEPS": c.steps, "VEC": 4, "FOLD": c.fold, "EVICT": c.evict_first}
-        sig = {"src_base": "*i32", "dst_base": "*i32", "table_ptr": "*i64", "out_ptr": "*i64", "n_rows": "i32",
-               **{k: "constexpr" for k in consts}}
-        src = ASTSource(fn=scatter_triton._kernel(), signature=sig, constexprs=consts,
-                        attrs={(k,): v for k, v in aligned.items()})
+    consts = {"BLOCK": c.block, "STEPS": c.steps, "VEC": 4, "FOLD": c.fold}
+    sig = {"src_base": "*i32", "dst_base": "*i32", "table_ptr": "*i64", "out_ptr": "*i64", "n_rows": "i32",
+           **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn=scatter_triton._kernel(), signature=sig, constexprs=consts,
+                    attrs={(k,): v for k, v in aligned.items()})
     kernel = triton.compile(src, target=target, options={"num_warps": c.warps})
     assert "cubin" in kernel.asm, sorted(kernel.asm)
     wide = len(re.findall(r"ld\\.global[^\\n]*\\.v4", kernel.asm["ptx"]))
     done[key] = wide
-    assert (wide > 0) == (c.kernel != "legacy"), (c.name, wide)
+    assert wide > 0, (c.name, wide)
 print("compiled", done)
 """
 

@@ -1,7 +1,7 @@
-"""copy/scatter_rows.py / copy/scatter_triton.py: the aligned-row table covers every word of every region exactly once
-(16-byte rows wherever source and destination allow it, single words elsewhere), and the kernel's copy
-lands every byte and gives bucket_checksum's value for every config. The torch path runs everywhere; the
-kernel (each config of scatter_triton.CONFIGS, `legacy` included) through Triton's interpreter where triton
+"""copy/scatter_rows.py / copy/scatter_triton.py: the aligned-row table covers every word of every region
+exactly once (16-byte rows wherever source and destination allow it, single words elsewhere), and the
+kernel's copy lands every byte and gives bucket_checksum's value for every config. The torch path runs
+everywhere; the kernel (each config of scatter_triton.CONFIGS) through Triton's interpreter where triton
 is installed (tests/gpu/test_verified_copy_gpu.py runs them compiled; test_scatter_compile.py compiles
 them for sm_90)."""
 
@@ -75,14 +75,9 @@ def test_unaligned_bases_give_single_word_rows_and_bad_arguments_are_named():
         rows_of([(4098, [(0, 4, 8192)])], 0, 0, row_words=16)
 
 
-def test_the_config_comes_from_the_environment_and_a_wrong_name_lists_the_choices(monkeypatch):
-    monkeypatch.delenv("WS_VERIFIED_COPY", raising=False)
-    assert scatter_triton.config().name == scatter_triton.DEFAULT
-    monkeypatch.setenv("WS_VERIFIED_COPY", "legacy")
-    assert scatter_triton.config().kernel == "legacy"
-    monkeypatch.setenv("WS_VERIFIED_COPY", "fast")
-    with pytest.raises(ValueError, match="WS_VERIFIED_COPY='fast'.*legacy"):
-        scatter_triton.config()
+def test_the_sync_runs_the_default_config_whose_rows_are_whole_vectors():
+    assert scatter_triton.config() is scatter_triton.CONFIGS[scatter_triton.DEFAULT]
+    assert (scatter_triton.config().block, scatter_triton.config().fold) == (1024, 4)
     assert all(c.row_words % VEC == 0 for c in scatter_triton.CONFIGS.values())
 
 
