@@ -64,8 +64,8 @@ class SyncTransaction:
         self._metas = engine.param_metas()
         #: (layout digest, quantization) of manifests already checked against the engine, whose
         #: parameters do not change shape, to the dequantizer their syncs load through (None: none):
-        #: a steady-state prepare skips walking every tensor again (1.6 ms a block-FP8 sync of a
-        #: 7B-sized layout, which pairs every weight with its scale)
+        #: a steady-state prepare skips walking every tensor again (a block-FP8 layout also pairs every
+        #: weight with its scale)
         self._valid_layouts: dict[tuple, Dequantizer | None] = {}
         self.state = S.SERVING
         self.version = 0

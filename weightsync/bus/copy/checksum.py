@@ -114,9 +114,9 @@ def _word_sums(words: torch.Tensor) -> torch.Tensor:
 
 def _cpu_word_sums(words: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
     """`_word_sums` of contiguous CPU int32 words (copied into `dst` on the way, if given), the same
-    value. numpy, cache-sized steps: torch's int32 -> int64 sum runs at ~1 GB/s on one core here and
-    its square allocates the bucket's size again; numpy's widening sum and a reused square buffer
-    read each word once from memory (~4 GB/s for copy and both sums on the 2-core host)."""
+    value. numpy, cache-sized steps: torch's int32 -> int64 sum is slow on the CPU and its square
+    allocates the bucket's size again; numpy's widening sum and a reused square buffer read each word
+    once from memory (measured several times faster on the CPU)."""
     if dst is not None:
         dst.copy_(words)
     a = words.numpy()

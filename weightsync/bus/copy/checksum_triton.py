@@ -1,7 +1,7 @@
 """The `ws-sum64-v1` bucket checksum as one fused Triton kernel, for buffers on a CUDA GPU.
 
 torch computes the two sums with a widening reduction plus an int32 temporary for the squares
-(254 GB/s on an H200, slow enough to halve an NCCL sync's throughput); this kernel reads each word
+(measured on GPU slow enough to halve an NCCL sync's throughput); this kernel reads each word
 once and keeps both accumulators in registers. Integer addition wraps, so per-program partial
 sums added in any order give the value the CPU path gives, bit for bit (tests/gpu/test_bus_gpu.py).
 Triton ships with CUDA builds of torch, not with the CPU build: callers fall back to torch when

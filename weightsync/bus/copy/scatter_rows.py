@@ -2,8 +2,8 @@
 
 A row read from a table gives Triton no alignment to rely on (a source or destination address loaded
 from memory may be any multiple of 4), so it moves one 4-byte word per access: that is why a single
-launch over every bucket, with raw addresses in its table, ran 1.4-1.8x slower per byte than one launch
-per bucket (docs/BENCHMARKS.md, 2026-11-25). Here each row holds word offsets from two base pointers
+launch over every bucket, with raw addresses in its table, measured slower per byte on GPU than one
+launch per bucket (docs/BENCHMARKS.md). Here each row holds word offsets from two base pointers
 that the launch passes (16-byte aligned), and a row whose offsets and length are multiples of VEC words
 is stored divided by VEC: the kernel multiplies back by the constant, so the compiler knows every
 address and the mask are 16-byte aligned. A copy region that starts off that boundary gets a short

@@ -7,8 +7,8 @@ sums (on CUDA one launch of the aligned-row Triton kernel, scatter_triton.py). T
 order-independent, so the tensors' sums plus those of the alignment gaps between them give exactly
 the value `bucket_checksum` gives for the whole buffer. Without that kernel (the CPU) each
 operation costs microseconds whatever its size, so the bucket is summed in one operation and each
-tensor copied in one more: two reads of small buckets beat hundreds of per-region sums (a
-339-tensor sync on the 2-core CPU: 1.1 ms commit instead of 8).
+tensor copied in one more: two reads of small buckets beat hundreds of per-region sums (measured
+on the CPU: a several times shorter commit for a model of a few hundred tensors).
 
 Nothing here decides what a mismatch means: callers compare the returned checksum with the
 sender's and say what to do with bytes already copied.
@@ -217,7 +217,7 @@ def copy_all_into(
     `prepared`: a dict the caller keeps with `dests` (the same tensors at the same addresses at every call,
     plans of one layout: trainer_writes.Destinations): what was checked and built for a set of buffers is
     kept there, so a later call on the same buffers goes straight to its launch (the per-tensor checks and
-    the table's key cost a few hundred microseconds of Python for 339 tensors, with the GPU idle)."""
+    the table's key cost Python time per tensor, with the GPU idle)."""
     if not (len(plans) == len(bufs) == len(dests)):
         raise ValueError(f"{len(plans)} buckets, {len(bufs)} buffers and {len(dests)} destination lists")
     for plan, buf, ds in zip(plans, bufs, dests):

@@ -1,7 +1,7 @@
 """The delta codec (codec.py) as fused Triton kernels, for buckets on a CUDA GPU: bitmap kind only.
 
-The torch codec on CUDA is launch- and host-read-bound (11.6 GB/s of bucket for compare and encode
-on an H100, docs/BENCHMARKS.md); these kernels read each buffer once:
+The torch codec on CUDA is launch- and host-read-bound (docs/BENCHMARKS.md has its rate); these
+kernels read each buffer once:
 - `diff`: one pass over `new` and `base` in blocks of BLOCK words writes the bitmap of changed
   words, each block's changed count and each block's change of the checksum's word sums
   (checksum.word_sums over the bucket's whole 32-bit words: the unchanged ones cancel).
@@ -23,10 +23,10 @@ Kind: always the bitmap, where it is smaller than the bucket (the torch path pic
 bitmap and gaps; its kind=BITMAP gives these exact bytes). Gaps would need a second scan for the
 gaps' widths and fillers. On the wire, at 1 / 2 / 3 % of bf16 words changed, a bitmap costs 7.3 /
 8.3 / 9.3 % of the bucket's bytes and one-byte gaps about 1.5 / 3.0 / 4.5 %: ~0.05 GB more per GB
-of bucket. The torch encode that gaps take costs 86 ms per GB on an H100 (docs/BENCHMARKS.md), so
-the bitmap at kernel speed is through sooner on any link above ~0.7 GB/s (6 Gb/s; ~1.1 GB/s where
-the torch encode would overlap the sends). A CUDA-resident base exists only on the nccl path (tcp
-keeps it in host memory): links from tens of Gb/s up. bench/bench_delta_gpu_codec.py measures both.
+of bucket. The torch encode that gaps take is slow enough (docs/BENCHMARKS.md) that the bitmap at
+kernel speed is through sooner on any link but a slow one (a few Gb/s), and a CUDA-resident base
+exists only on the nccl path (tcp keeps it in host memory): links from tens of Gb/s up.
+bench/bench_delta_gpu_codec.py measures both.
 Triton ships with CUDA builds of torch only: codec.py falls back to torch when `available()` is false.
 """
 
@@ -40,11 +40,9 @@ from weightsync.bus.delta import payload as fmt
 from weightsync.bus.errors import TransportError
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
-#: words per program (512 bitmap bytes) and its warps: the fastest of the four configurations that
-#: bench_delta_gpu_codec.py --configs timed on an H200 (docs/BENCHMARKS.md, 2026-11-26), in every row:
-#: at 2 % changed, encode 617 GB/s, the trainer's whole pass 484, apply 395, against 327 / 267 / 278 for
-#: 2048 words at 16 warps (which fits in fewer registers, 52 a thread against 148 for the scatter, but
-#: moves half the bytes per program)
+#: words per program (512 bitmap bytes) and its warps: the fastest of the configurations that
+#: bench_delta_gpu_codec.py --configs times (docs/BENCHMARKS.md), in encode, the trainer's whole pass and
+#: apply alike; 2048 words at 16 warps fits in fewer registers but moves half the bytes per program
 BLOCK = 4096
 WARPS = 8
 

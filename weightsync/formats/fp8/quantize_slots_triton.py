@@ -15,8 +15,8 @@ tensor: the caller reads it once per sync.
 
 Wide accesses: the compiler vectorises a load or store only as far as it can prove the offsets
 aligned, and offsets read from a table prove nothing, so a block went one bf16 element per load and
-one byte per store, with 226-254 registers a thread (one block of programs per SM): about a tenth
-of HBM bandwidth (the 7B sync's prepare took 77 ms for ~24 GB moved). Each launch now carries VEC,
+one byte per store, with 226-254 registers a thread (one block of programs per SM): a small fraction
+of HBM bandwidth, as measured on GPU. Each launch now carries VEC,
 the largest power of two up to 16 that divides every column count, e4m3 offset and source row
 offset in its tables (16 for every weight of a real model), and the kernel multiplies those
 offsets back by it (quant_tile), which lets the compiler use 16-byte accesses (~100 registers).

@@ -70,8 +70,8 @@ def to_e4m3_cvt(x, s):
 
     The division stays IEEE (`div_rn`): dividing by the block's reciprocal with one FMA correction
     (the same codes for every bfloat16 and random float32 value over scales 2^-126 .. 2^127, checked
-    on the CPU) measured no faster, 15.6 ms against 14.5 for a 7B model's fused write on an H100 (in
-    a run that also changed the block's reductions)."""
+    on the CPU) measured no faster for a 7B model's fused write on GPU (in a run that also changed the
+    block's reductions)."""
     y = tl.div_rn(x, s)
     return tl.inline_asm_elementwise(
         "{ .reg .b16 h; cvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1; cvt.u32.u16 $0, h; }",

@@ -40,8 +40,8 @@ TENSOR_FIELDS = 6
 #: rows a program holds at a time (quantize_slots_triton.py's: the same tile shape)
 TILE_ROWS = 32
 #: a program's warps, by whether the kernel rounds by the GPU's conversions (quantize_slots_triton.gpu_conversions):
-#: 8 then (a 7B model's fused write 12.4 ms against 13.4 at 4, H100), 4 with the bit arithmetic (16.5 against
-#: 17.7 at 8), bench/bench_fp8_slots.py's fused_write_r<rows>w<warps> steps
+#: 8 then, 4 with the bit arithmetic: the faster of the two in each case on GPU (bench/bench_fp8_slots.py's
+#: fused_write_r<rows>w<warps> steps, docs/BENCHMARKS.md)
 NUM_WARPS = {True: 8, False: 4}
 
 
