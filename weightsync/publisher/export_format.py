@@ -29,8 +29,8 @@ class ExportFormat:
     name: str
     quantization: Quantization | None = None
     #: the last `metas` / `owners` mapping, by its inputs: a sync plans with the actor's same metas
-    #: every time, and mapping them afresh (a regex per tensor, twice) cost ~2 ms of each FP8 sync's
-    #: plan phase, and its new list made the manifest cache compare every entry
+    #: every time, and mapping them afresh (a regex per tensor, twice) cost measurable time in each FP8
+    #: sync's plan phase, and its new list made the manifest cache compare every entry
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def metas(self, metas: Iterable[TensorMeta]) -> list[TensorMeta]:
