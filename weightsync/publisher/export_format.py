@@ -2,7 +2,7 @@
 
 A plain dtype is applied by the actor itself as it exports. `fp8-block` asks the actor for its
 full-precision tensors (float32) and maps that stream onto the block FP8 one
-(weightsync.formats.fp8_export): every linear weight as e4m3 + float32 `weight_scale_inv`, the
+(weightsync.formats.fp8.export): every linear weight as e4m3 + float32 `weight_scale_inv`, the
 rest bf16. The sync and `ExportHf` go through `metas` / `tensors`, so they send and write the
 same bytes; an `ExportHf` directory is then a block-FP8 HF checkpoint (its config.json carries
 `quantization_config`), the form SGLang needs to serve FP8 and take FP8 syncs unchanged.
