@@ -1,7 +1,7 @@
 """The fused delta codec (weightsync/bus/delta/codec_triton.py) compiled on a GPU: the payload byte for byte the torch
 path's bitmap (delta.encode(kind=BITMAP), computed on the CPU), the apply exact with the torch apply's positions
 and sums, damaged payloads refused before a byte is written; and its rate on a 1 GiB bucket, printed (-s).
-tests/unit/weightsync/bus/test_delta_cuda.py runs the same kernels through Triton's interpreter."""
+tests/unit/weightsync/bus/delta/test_delta_codec_triton.py runs the same kernels through Triton's interpreter."""
 
 from __future__ import annotations
 

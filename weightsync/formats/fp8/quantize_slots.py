@@ -7,7 +7,7 @@ trainer_svc/actor/megatron/flat_export.py), every weight's e4m3 bytes and scale 
 and so does each of its rows in the parameter it comes from. Here those places become tables,
 built once: each sync is then one Triton launch per bucket (per source dtype, in practice one)
 over every 128x128 block of the bucket's weights (quantize_slots_triton.py), writing exactly the bytes
-fp8.quantize writes (tests/unit/weightsync/formats/test_fp8_slots.py).
+fp8.quantize writes (tests/unit/weightsync/formats/fp8/test_fp8_slots.py).
 
 A weight is described by where its rows come from: copy pairs (a region of the weight, as a view of
 a stand-in with no memory from `stand_ins`, and the view of the source that belongs there), the

@@ -1,5 +1,5 @@
 """The fused delta kernels (delta/kernels_triton.py) compile for an H100 (sm_90) down to a cubin, at codec_triton's
-block size and warps, on a machine without a GPU: Triton's interpreter, which test_delta_cuda.py runs them
+block size and warps, on a machine without a GPU: Triton's interpreter, which test_delta_codec_triton.py runs them
 through, accepts code the compiler refuses. Skipped where triton is not installed (CI); run in a subprocess
 with a fresh cache, so it compiles."""
 
