@@ -27,10 +27,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from rollout_svc.sync.sparse_write import slot_words, write  # noqa: E402
-from weightsync.bus.checksum import word_sums  # noqa: E402
-from weightsync.bus.delta import apply_delta, encode  # noqa: E402
+from weightsync.bus.copy.checksum import word_sums  # noqa: E402
+from weightsync.bus.copy.verified_copy import copy_into  # noqa: E402
+from weightsync.bus.delta.codec import apply_delta, encode  # noqa: E402
 from weightsync.bus.plan import TensorMeta, plan_buckets  # noqa: E402
-from weightsync.bus.verified_copy import copy_into  # noqa: E402
 
 
 def main() -> int:

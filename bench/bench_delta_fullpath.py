@@ -19,9 +19,9 @@ sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else ".")
 import torch  # noqa: E402
 
 from rollout_svc.sync.delta_base import DeltaBase  # noqa: E402
+from weightsync.bus.copy.verified_copy import copy_into  # noqa: E402
 from weightsync.bus.layout import ManifestCache  # noqa: E402
 from weightsync.bus.plan import TensorMeta  # noqa: E402
-from weightsync.bus.verified_copy import copy_into  # noqa: E402
 
 
 def main() -> int:

@@ -73,7 +73,7 @@ def _buckets(total: int, bucket: int, density: float, seed: int):
 
 
 def run_path(news, bases, copies, sums, reps: int) -> dict:
-    from weightsync.bus import delta
+    from weightsync.bus.delta import codec as delta
 
     def encode():
         return [delta.encode(nw, b, 2, delta.diff(nw, b, 2)) for nw, b in zip(news, bases)]
@@ -103,7 +103,7 @@ def fused_compare_torch_gaps(news, bases, reps: int) -> dict:
     """The alternative to the bitmap on the fused path: the fused compare, then torch's encoder (the smaller
     of bitmap and gaps) on the positions unpacked from the bitmap. Its rate and payload next to the
     fused bitmap's say whether the smaller wire is worth its encode (a threshold on the changed count)."""
-    from weightsync.bus import delta
+    from weightsync.bus.delta import codec as delta
 
     def encode():
         return [delta.encode(nw, b, 2, delta.diff(nw, b, 2).idx) for nw, b in zip(news, bases)]
@@ -119,8 +119,8 @@ def fused_compare_torch_gaps(news, bases, reps: int) -> dict:
 
 def check(news, bases, sums) -> None:
     """The fused payload is the torch bitmap byte for byte; both applies exact, with the sums."""
-    from weightsync.bus import delta
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
+    from weightsync.bus.delta import codec as delta
 
     nw, b, s = news[0], bases[0], sums[0]
     fused = delta.encode(nw, b, 2)
@@ -141,13 +141,13 @@ class torch_only:
     """delta.py sees no Triton inside: its torch ops run on the GPU."""
 
     def __enter__(self):
-        from weightsync.bus import delta
+        from weightsync.bus.delta import codec as delta
 
         self._real = delta._fused
         delta._fused = lambda buf: None
 
     def __exit__(self, *exc):
-        from weightsync.bus import delta
+        from weightsync.bus.delta import codec as delta
 
         delta._fused = self._real
 
@@ -161,8 +161,8 @@ def main() -> int:
     ap.add_argument("--configs", default="4096x8", help="fused path: BLOCKxWARPS list; the first is the row's")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from weightsync.bus import delta_cuda
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
+    from weightsync.bus.delta import codec_triton as delta_cuda
 
     if not delta_cuda.available():
         print("needs a CUDA GPU and triton", file=sys.stderr)

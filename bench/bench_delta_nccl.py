@@ -50,8 +50,8 @@ from bench import cuda_median_s  # noqa: E402
 
 
 def codec(args) -> dict:
-    from weightsync.bus.checksum import word_sums
-    from weightsync.bus.delta import apply_delta, diff, encode
+    from weightsync.bus.copy.checksum import word_sums
+    from weightsync.bus.delta.codec import apply_delta, diff, encode
 
     dev = torch.device("cuda:0")
     n = args.bucket_mb << 20

@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.pack import alloc_buffer, pack_bucket
 
     actor = make_actor(args.model, getattr(torch, args.param_dtype), args.pp, args.vpp, args.tp)

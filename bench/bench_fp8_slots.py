@@ -107,7 +107,7 @@ def _at(p: torch.Tensor, flat: torch.Tensor) -> slice:
 def engine_params(manifest, dev: torch.device):
     """Per bucket, the parameter of each slot as a built-in engine holds it (bf16; None for a scale),
     all views of one flat buffer (256-byte aligned, as allocations are) so one checksum covers them."""
-    from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX
+    from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX
 
     places, pos = [], 0
     for b in manifest.buckets:
@@ -144,13 +144,13 @@ def main() -> int:
     args = ap.parse_args()
 
     from trainer_svc.actor.megatron.flat_export import FlatExport
-    from weightsync.bus import checksum
-    from weightsync.bus.checksum import InFlightChecksums
-    from weightsync.bus.checksum_regions import others
+    from weightsync.bus.copy import checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums
+    from weightsync.bus.copy.checksum_regions import others
     from weightsync.bus.layout import ManifestCache
-    from weightsync.formats.fp8_dequant_slots import FusedDequant
-    from weightsync.formats.fp8_export import export_metas
-    from weightsync.formats.fp8_spec import BLOCK_FP8, FP8_DTYPE, SCALE_SUFFIX
+    from weightsync.formats.fp8.dequantize_slots import FusedDequant
+    from weightsync.formats.fp8.export import export_metas
+    from weightsync.formats.fp8.spec import BLOCK_FP8, FP8_DTYPE, SCALE_SUFFIX
     from weightsync.triton_support import available
 
     t0 = time.perf_counter()
@@ -254,8 +254,8 @@ def main() -> int:
 
         return run
 
-    from weightsync.bus.verified_copy import copy_all_into, pending_values
-    from weightsync.formats import fp8_write
+    from weightsync.bus.copy.verified_copy import copy_all_into, pending_values
+    from weightsync.formats.fp8 import write_slots as fp8_write
 
     fp8_names = {m.name for m in metas if m.dtype == FP8_DTYPE}
     by_name = {s.meta.name: e for b, row in zip(manifest.buckets, eparams) for s, e in zip(b.slots, row)}
@@ -315,8 +315,8 @@ def main() -> int:
     def whole_blocks(step: str):
         """The quantize or the dequantize with programs holding a whole 128-row block (8 warps), as
         before the 32-row tiles (the A/B of that change; the dequantize planned afresh for it)."""
-        from weightsync.formats import fp8_dequant_slots_triton as dk
-        from weightsync.formats import fp8_slots_triton as qk
+        from weightsync.formats.fp8 import dequantize_slots_triton as dk
+        from weightsync.formats.fp8 import quantize_slots_triton as qk
 
         other = FusedDequant(use_kernel=kernel)
 

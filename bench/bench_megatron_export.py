@@ -122,7 +122,7 @@ def main() -> int:
     args = ap.parse_args()
     dtype = getattr(torch, args.param_dtype)
     from trainer_svc.actor.megatron.export import export_tensors
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.layout import ManifestCache
     from weightsync.bus.pack import alloc_buffer
     from weightsync.triton_support import available
@@ -178,7 +178,7 @@ def main() -> int:
         fn, r = paths[name], {}
         checking = False
         if name.startswith("flat"):
-            from weightsync.bus import copy_runs_cuda
+            from weightsync.bus.copy import copy_runs_triton as copy_runs_cuda
 
             # flat_torch: the same plan with every converted copy left to torch (one kernel each),
             # the A/B of the table-driven launch; planned afresh either way

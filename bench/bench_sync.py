@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import default_out  # noqa: E402
 from bench.model_shapes import shapes  # noqa: E402
-from weightsync.bus.checksum import ALGO, bucket_checksum  # noqa: E402
+from weightsync.bus.copy.checksum import ALGO, bucket_checksum  # noqa: E402
 from weightsync.bus.nccl import libnccl  # noqa: E402
 from weightsync.bus.nccl.group import NcclBucketReceiver, NcclBucketSender, NcclGroup  # noqa: E402
 from weightsync.bus.pack import unpack_bucket  # noqa: E402

@@ -61,9 +61,9 @@ def _layout(model: str, bucket_bytes: int, dst_offset: int):
 def run_model(model: str, args, device, configs) -> dict:
     import torch
 
-    from weightsync.bus import scatter_cuda
-    from weightsync.bus.checksum import bucket_checksum
-    from weightsync.bus.verified_copy import copy_all_into, pending_values
+    from weightsync.bus.copy import scatter_triton as scatter_cuda
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_all_into, pending_values
 
     plans, dst_pos, dst_bytes = _layout(model, args.bucket_mb << 20 if not args.tiny else 64 << 10, args.dst_offset)
     src_pos, pos = [], 0
@@ -187,7 +187,7 @@ def main() -> None:
 
     import torch
 
-    from weightsync.bus import scatter_cuda
+    from weightsync.bus.copy import scatter_triton as scatter_cuda
 
     if args.tiny:
         if os.environ.get("TRITON_INTERPRET") != "1":

@@ -15,7 +15,7 @@ from rollout_svc.service import RolloutServicer
 from rollout_svc.sync.link_server import SyncLinkServer
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
+from weightsync.bus.copy.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.config import ConfigError
 from weightsync.control.auth import load_token

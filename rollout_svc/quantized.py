@@ -10,16 +10,16 @@ model).
 from __future__ import annotations
 
 from weightsync.bus.plan import Manifest, TensorMeta
-from weightsync.formats.fp8 import is_block_scale
-from weightsync.formats.fp8_import import Dequantizer, logical_metas
-from weightsync.formats.fp8_spec import (
+from weightsync.formats.fp8.blocks import is_block_scale
+from weightsync.formats.fp8.receive import Dequantizer, logical_metas
+from weightsync.formats.fp8.spec import (
     BLOCK_FP8,
     FP8_DTYPE,
     check_supported,
     hf_quantization_config,
 )
-from weightsync.formats.fp8_warm import warm_dequantize as _warm_dequantize
-from weightsync.formats.fp8_warm import warm_dequantize_into_params
+from weightsync.formats.fp8.warm import warm_dequantize as _warm_dequantize
+from weightsync.formats.fp8.warm import warm_dequantize_into_params
 
 
 def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantizer | None]:
@@ -107,5 +107,5 @@ def warm_dequantize(engine, device) -> float:
         # why (plan_apply); nothing is ever dequantized here
         return 0.0
     took = _warm_dequantize(engine.param_metas().values(), device)
-    # and the kernel that dequantizes a whole bucket into the parameters (rollout_svc/sync/fp8_write.py)
+    # and the kernel that dequantizes a whole bucket into the parameters (rollout_svc/sync/fp8_fused_write.py)
     return took + warm_dequantize_into_params(device)

@@ -172,10 +172,10 @@ class BusConfig:
         400.0,
         help="sync_encoding=auto over nccl: send deltas when the NCCL link's rate, measured by each full "
         "nccl sync (bytes on the bus / seconds the stream waited on it), is below this many Gb/s. A delta "
-        "costs ~30 ms of "
-        "GPU compare and apply per 3 GB of export and cuts the bytes ~12x: it wins below ~95 GB/s on an "
-        "H200, ~65 on an H100; 400 (50 GB/s) is below both and above inter-host links (100-400 Gb/s "
-        "IB/RoCE), under NVLink; 0: auto stays full on nccl",
+        "costs a GPU compare and apply per byte of export and cuts the bytes on the bus many times over: "
+        "it wins below a break-even rate (docs/BENCHMARKS.md); 400 (50 GB/s) is below the break-even "
+        "measured on H100 and H200 and above inter-host links (100-400 Gb/s IB/RoCE), under NVLink; "
+        "0: auto stays full on nccl",
     )
 
     def validate(self) -> None:

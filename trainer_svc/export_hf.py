@@ -16,7 +16,7 @@ def save_hf_dir(actor, out_dir: str, fmt=None) -> int:
     out = Path(out_dir)
     named = fmt.tensors(actor.export_tensors()) if fmt is not None else actor.export_tensors()
     # Read to its end before anything is written: a quantized export refuses non-finite weights
-    # only after its last tensor (weightsync/formats/fp8_export.py), and a failed export must
+    # only after its last tensor (weightsync/formats/fp8/export.py), and a failed export must
     # leave no directory behind, nor touch one that already holds an export.
     tensors = {name: t.detach().cpu().contiguous() for name, t in named}
     out.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,8 @@ TRAINER = [
     ("weightsync.bus.ipc.sender", "IpcStreamSender", "_await", "t._await"),
     ("weightsync.bus.ipc.sender", "_IpcSession", "open", "t.session.open"),
     ("weightsync.bus.ipc.sender", "_IpcSession", "finish", "t.session.finish"),
-    ("weightsync.bus.checksum", "InFlightChecksums", "value", "t.csum.value"),
-    ("weightsync.bus.checksum", "InFlightChecksums", "values", "t.csum.values"),
+    ("weightsync.bus.copy.checksum", "InFlightChecksums", "value", "t.csum.value"),
+    ("weightsync.bus.copy.checksum", "InFlightChecksums", "values", "t.csum.values"),
     # the fixed cost of a sync: its phases, the sync-link calls in their two halves, the write pass
     ("weightsync.publisher.orchestrator", "SyncOrchestrator", "_sync_locked", "t.sync"),
     ("weightsync.publisher.orchestrator", "SyncOrchestrator", "_plan", "t.plan"),
@@ -96,9 +96,9 @@ OPTIONAL = [
     ("trainer_svc.actor.megatron.flat_buckets", "FlatBuckets", "whole", "t.mg.flat_whole"),
     ("trainer_svc.actor.megatron.flat_export", "FlatExport", "stale", "t.mg.stale"),
     ("trainer_svc.actor.megatron.flat_export", "FlatExport", "refresh", "t.mg.refresh"),
-    ("weightsync.bus.copy_runs", "BatchedCopy", "run", "t.copy_runs"),
-    ("weightsync.bus.verified_copy", None, "copy_all_into", "t.copy_all_into"),
-    ("weightsync.bus.verified_copy", None, "pending_values", "pending_values"),
+    ("weightsync.bus.copy.copy_runs", "BatchedCopy", "run", "t.copy_runs"),
+    ("weightsync.bus.copy.verified_copy", None, "copy_all_into", "t.copy_all_into"),
+    ("weightsync.bus.copy.verified_copy", None, "pending_values", "pending_values"),
 ]
 
 #: pieces not found once their modules had loaded (a renamed function): written with the timings

@@ -162,6 +162,6 @@ class Engine(ABC):
 
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
-        the bus buffer is also its checksum pass (weightsync/bus/verified_copy.py), or None: the
+        the bus buffer is also its checksum pass (weightsync/bus/copy/verified_copy.py), or None: the
         bucket then goes through load_bucket. An engine that overrides load_bucket keeps None."""
         return None

@@ -42,8 +42,8 @@ def _avoid_cudnn_attention() -> None:
 
     cuDNN attention builds an execution plan per input shape and caches it per thread. A decode
     step has a new KV length every time, and the service decodes on many threads (each request on
-    its own), so nearly every step built a plan: on an H200, 2.3 ms per attention call instead of
-    0.05, a 0.5B model decoding at 63 ms a token instead of 17 (bench/bench_builtin_concurrency.py).
+    its own), so nearly every step built a plan: measured on GPU, each attention call took tens of
+    times longer and a small model decoded several times slower (bench/bench_builtin_concurrency.py).
     The flash and memory-efficient kernels need no plan. The switch is process-wide, which is what
     a rollout process serving one engine wants."""
     if torch.backends.cuda.cudnn_sdp_enabled():
@@ -258,7 +258,7 @@ class BuiltinEngine(Engine):
             reason = ["length"] * n
             for k in range(sampling.max_new_tokens):
                 tok, lp = choose(logits, sampling, gen)
-                # one conversion per step, not two tensor indexings per sample (n = 64: ~0.3 ms a step)
+                # one conversion per step, not two tensor indexings per sample
                 emitted = []
                 for r, (t, p) in enumerate(zip(tok.tolist(), lp.tolist())):
                     if done[r]:

@@ -22,7 +22,7 @@ from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import PendingSync
 from weightsync.bus.plan import BucketPlan
-from weightsync.formats.fp8_dequant_slots import FusedDequant
+from weightsync.formats.fp8.dequantize_slots import FusedDequant
 
 
 class SyncHost(Protocol):
@@ -46,7 +46,7 @@ class ApplyStrategy(ABC):
 
     def __init__(self, host: SyncHost):
         self.host = host
-        #: block-FP8 buckets written into the parameters by one launch each (fp8_write.py); kept
+        #: block-FP8 buckets written into the parameters by one launch each (fp8_fused_write.py); kept
         #: across syncs (its tables and held scales are per layout)
         self.fp8 = FusedDequant()
 

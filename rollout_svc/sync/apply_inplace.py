@@ -5,11 +5,11 @@ An abort after the first bucket leaves the engine STALE: generation is refused u
 sync commits. A sync's first bucket is checked before the engine is touched, so a bad first bucket
 still leaves the old version serving. Where the engine offers its parameters (`writable_params`),
 a bucket is copied straight into them and that copy is its checksum pass
-(weightsync/bus/verified_copy.py); the check then runs after the write, and a mismatch aborts the
+(weightsync/bus/copy/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
 
 A block-FP8 bucket for an engine that dequantizes goes the same way where the engine offers its
-parameters: one launch dequantizes it into them and sums what it reads (fp8_write.py), checked
+parameters: one launch dequantizes it into them and sums what it reads (fp8_fused_write.py), checked
 after the write as above.
 
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
@@ -26,15 +26,15 @@ import time
 
 import torch
 
-from rollout_svc.sync import fp8_write
+from rollout_svc.sync import fp8_fused_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
-from weightsync.bus.checksum import from_sums, word_sums
+from weightsync.bus.copy.checksum import from_sums, word_sums
+from weightsync.bus.copy.verified_copy import copy_into
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.verified_copy import copy_into
 from weightsync.v1 import rollout_pb2
 
 S = rollout_pb2
@@ -128,9 +128,9 @@ class InPlaceApply(ApplyStrategy):
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
     ) -> tuple[object, bool]:
         """A block-FP8 bucket dequantized into the engine's parameters by one launch that also sums
-        what it reads (fp8_write.py): (its checksum, whether deferred), or (None, False) when it
+        what it reads (fp8_fused_write.py): (its checksum, whether deferred), or (None, False) when it
         cannot go that way. The same contract as a bf16 bucket's direct write: checked after it."""
-        copied = fp8_write.write(
+        copied = fp8_fused_write.write(
             self.fp8, self.host.engine, p, plan, buf, wait=not defer_check, sums_to=self._keeper(p, plan, buf)
         )
         if copied is None:
@@ -167,7 +167,9 @@ class InPlaceApply(ApplyStrategy):
             engine.load_bucket(plan, buf)
         else:
             # with the scales the fused write kept for this bucket's weights, if an earlier bucket took it
-            engine.load_weights(p.loadable([*fp8_write.held_scales(self.fp8, p, plan), *unpack_bucket(plan, buf)]))
+            engine.load_weights(
+                p.loadable([*fp8_fused_write.held_scales(self.fp8, p, plan), *unpack_bucket(plan, buf)])
+            )
 
     def _pause_engine(self, p: PendingSync) -> None:
         """Take the engine for the rest of the sync before its first bucket is loaded.

@@ -2,11 +2,11 @@
 
 The engine keeps serving the old version while bytes stream, and an abort just drops the staging
 copy; it costs a host copy of the weights. Each bucket is copied out of the sender's buffer and
-checked in one pass (weightsync/bus/verified_copy.py) before anything enters the staging copy.
+checked in one pass (weightsync/bus/copy/verified_copy.py) before anything enters the staging copy.
 
 A block-FP8 bucket for an engine that dequantizes is staged as received (its FP8 bytes) and, at
 commit, after every checksum has been verified, written from there into the parameters by one
-dequantizing launch per bucket where the engine offers them (fp8_write.py); nothing reaches a
+dequantizing launch per bucket where the engine offers them (fp8_fused_write.py); nothing reaches a
 served parameter before that.
 
 A delta bucket (rollout_svc/sync/delta_base.py) is checked from the base copy's word sums instead;
@@ -22,14 +22,14 @@ import time
 
 import torch
 
-from rollout_svc.sync import fp8_write
+from rollout_svc.sync import fp8_fused_write
 from rollout_svc.sync.apply import ApplyStrategy, SyncHost
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync, verify
 from rollout_svc.sync.sparse_write import slot_words, writable, write
+from weightsync.bus.copy.verified_copy import copy_bucket
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import BucketPlan
-from weightsync.bus.verified_copy import copy_bucket
 from weightsync.v1 import rollout_pb2
 
 S = rollout_pb2
@@ -143,7 +143,7 @@ class StagedApply(ApplyStrategy):
 
     def _write_fp8(self, p: PendingSync) -> dict:
         """Every staged block-FP8 bucket written into the engine's parameters by one launch each
-        (fp8_write.py), in bucket order (a scale may come a bucket before its weight); their
+        (fp8_fused_write.py), in bucket order (a scale may come a bucket before its weight); their
         checksums were checked before commit got here, so the sums of this pass are not needed.
         Returns what is left for load_weights: the buckets that could not go that way, with the
         scales this pass kept for their weights."""
@@ -152,11 +152,11 @@ class StagedApply(ApplyStrategy):
             flat = p.staged_flats.get(plan.index)
             if flat is None:
                 continue
-            if fp8_write.write(self.fp8, self.host.engine, p, plan, flat, wait=False) is not None:
+            if fp8_fused_write.write(self.fp8, self.host.engine, p, plan, flat, wait=False) is not None:
                 for slot in plan.slots:
                     left.pop(slot.meta.name, None)
             else:
-                left.update(fp8_write.held_scales(self.fp8, p, plan))
+                left.update(fp8_fused_write.held_scales(self.fp8, p, plan))
         return left
 
     def _note_exact(self, p: PendingSync) -> None:

@@ -1,6 +1,6 @@
 """The rollout's copy of its committed version's buckets: the base a delta sync is applied onto.
 
-A delta bucket (weightsync/bus/delta.py) carries only the words that changed since the trainer's
+A delta bucket (weightsync/bus/delta/codec.py) carries only the words that changed since the trainer's
 last committed export, so the rollout needs that export's bucket bytes. It keeps its own copy, as
 the buckets arrived (host memory: one copy of the model's export bytes), rather than reading the
 engine's parameters back: an engine may hold them in another dtype or layout (fused, sharded,
@@ -19,7 +19,7 @@ the copy is then on the rollout's GPU, one more copy of the export bytes there);
 over IPC, or over NCCL without an offer, keeps nothing.
 
 The copy keeps each bucket's word sums (checksum.word_sums, of its whole 32-bit words), taken from
-the apply strategy's checked copy out of the bucket (verified_copy.py's `sums_to`: the checksum pass
+the apply strategy's checked copy out of the bucket (copy/verified_copy.py's `sums_to`: the checksum pass
 every sync makes, so a full sync pays no extra pass for them; `sums_keeper`) and carried through a
 delta from the words it overwrote
 (delta.apply_delta), always under the lock that guards the bytes: a delta bucket's checksum is
@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.bus.checksum import from_sums
-from weightsync.bus.delta import Applied, apply_delta
+from weightsync.bus.copy.checksum import from_sums
+from weightsync.bus.delta.codec import Applied, apply_delta
 from weightsync.bus.errors import TransportError
 from weightsync.bus.plan import BucketPlan, Manifest
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.bus.copy.verified_copy import PendingChecksum, pending_values
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
-from weightsync.bus.verified_copy import PendingChecksum, pending_values
 
 #: the reason the sync's own timer gives when it aborts a sync
 TIMED_OUT = "timed out before commit"
@@ -42,8 +42,8 @@ class PendingSync:
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     started: float = field(default_factory=time.monotonic)
-    dequantizer: object = None  # weightsync.formats.fp8_import.Dequantizer for quantized syncs, else None
-    #: quantized syncs: the weights whose scales the fused FP8 write holds (fp8_write.py), set at its first bucket
+    dequantizer: object = None  # weightsync.formats.fp8.receive.Dequantizer for quantized syncs, else None
+    #: quantized syncs: the weights whose scales the fused FP8 write holds (fp8_fused_write.py), set at its first bucket
     fp8_held: set | None = None
     #: staged apply: bucket index -> this sync's checked copy of the bucket (the FP8 buckets, written at commit)
     staged_flats: dict = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Write a delta bucket into the engine as its changed words alone.
 
-A delta sync changes a few percent of a bucket's words (weightsync/bus/delta.py); when the engine's
+A delta sync changes a few percent of a bucket's words (weightsync/bus/delta/codec.py); when the engine's
 parameters hold exactly the rollout's base copy of the bucket (delta_base.DeltaBase.engine_matches)
 and each is the bucket's tensor byte for byte (Engine.writable_params), writing the words the delta
 wrote makes them exactly the new bucket, for O(changed words) rather than a copy of every byte.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus.delta import Applied
+from weightsync.bus.delta.codec import Applied
 from weightsync.bus.plan import BucketPlan
 
 _WORD = {1: torch.uint8, 2: torch.int16}

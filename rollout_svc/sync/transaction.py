@@ -35,10 +35,10 @@ from rollout_svc.sync.delta_base import DeltaBase
 from rollout_svc.sync.engine_gate import EngineGate
 from rollout_svc.sync.pending import TIMED_OUT, PendingSync
 from weightsync.bus.channel import BucketReceiver
-from weightsync.bus.checksum import combine
+from weightsync.bus.copy.checksum import combine
 from weightsync.bus.errors import SyncError
 from weightsync.bus.plan import Manifest
-from weightsync.formats.fp8_import import Dequantizer
+from weightsync.formats.fp8.receive import Dequantizer
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ class SyncTransaction:
         self._metas = engine.param_metas()
         #: (layout digest, quantization) of manifests already checked against the engine, whose
         #: parameters do not change shape, to the dequantizer their syncs load through (None: none):
-        #: a steady-state prepare skips walking every tensor again (1.6 ms a block-FP8 sync of a
-        #: 7B-sized layout, which pairs every weight with its scale)
+        #: a steady-state prepare skips walking every tensor again (a block-FP8 layout also pairs every
+        #: weight with its scale)
         self._valid_layouts: dict[tuple, Dequantizer | None] = {}
         self.state = S.SERVING
         self.version = 0
@@ -190,7 +190,7 @@ class SyncTransaction:
         `defer_check`, only once the sync has committed or aborted).
 
         The copy out of `buf` and the checksum are one pass over the bytes where they can be
-        (weightsync/bus/verified_copy.py); the apply strategy says when the check runs
+        (weightsync/bus/copy/verified_copy.py); the apply strategy says when the check runs
         (apply_staged.py, apply_inplace.py).
         `defer_check` (the sender keeps `buf` unchanged until the sync ends): the copy is queued and
         its checksum read at commit, so a caller on a GPU need not wait for it; a mismatch then

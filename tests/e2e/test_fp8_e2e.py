@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from weightsync.control.client import channel, rollout_stub
-from weightsync.formats import fp8
+from weightsync.formats.fp8 import blocks as fp8
 from weightsync.local.procs import wsctl
 from weightsync.v1 import rollout_pb2
 

@@ -17,14 +17,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("nbytes", [0, 3, 4, 7, (1 << 20) - 4, (1 << 20) + 4, (64 << 20) + 3, (300 << 20) + 2])
 def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
-    from weightsync.bus import checksum_cuda
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy import checksum_triton
+    from weightsync.bus.copy.checksum import bucket_checksum
 
     g = torch.Generator().manual_seed(nbytes)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     # the fused kernel is what runs on GPU hosts (triton ships with CUDA torch); its partial sums
     # span many programs at the larger sizes, and must add up exactly as the CPU's do
-    assert checksum_cuda.available()
+    assert checksum_triton.available()
     assert bucket_checksum(buf) == bucket_checksum(buf.cuda())
     if nbytes >= 4:
         buf[nbytes // 2] ^= 1  # one flipped bit changes the value on both devices alike
@@ -35,7 +35,7 @@ def test_checksum_is_identical_on_gpu_and_cpu(nbytes):
 def test_in_flight_checksums_of_many_buffers_in_one_launch_equal_the_cpu_ones():
     """Buffers of unequal lengths (the longest spans many programs, one is shorter than a word,
     one empty), tail bytes, the same layout twice (its table reused) and a changed byte."""
-    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 
     g = torch.Generator().manual_seed(7)
     sizes = [(3 << 20) + 1, (64 << 20) + 6, 2, 4096, (17 << 20) + 3, 0, 12]
@@ -56,7 +56,7 @@ def test_in_flight_checksums_of_many_buffers_in_one_launch_equal_the_cpu_ones():
 @needs_cuda
 @pytest.mark.parametrize("nbytes", [4, 8, (1 << 20) - 4, (1 << 20) + 4, (300 << 20) + 8])
 def test_copy_out_kernel_copies_exactly_and_sums_as_the_cpu_does(nbytes):
-    from weightsync.bus.checksum import copy_word_sums, word_sums
+    from weightsync.bus.copy.checksum import copy_word_sums, word_sums
 
     g = torch.Generator().manual_seed(nbytes)
     words = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=g)
@@ -68,12 +68,12 @@ def test_copy_out_kernel_copies_exactly_and_sums_as_the_cpu_does(nbytes):
 
 @needs_cuda
 def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
-    """The rollout's one-pass copy-out (verified_copy.py) on the GPU: bf16 tensors of a Qwen-like mix,
+    """The rollout's one-pass copy-out (copy/verified_copy.py) on the GPU: bf16 tensors of a Qwen-like mix,
     odd sizes included, into separately allocated CUDA tensors."""
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_bucket, copy_into
     from weightsync.bus.pack import alloc_buffer, pack_bucket
     from weightsync.bus.plan import TensorMeta, plan_buckets
-    from weightsync.bus.verified_copy import copy_bucket, copy_into
 
     g = torch.Generator().manual_seed(0)
     shapes = [(3584, 3584), (3584,), (512, 3584), (7,), (18944, 3584), (3, 5)]
@@ -95,7 +95,7 @@ def test_copy_into_cuda_parameters_lands_exactly_with_the_bucket_checksum():
 
 _WARM_PROBE = """
 import json, sys, time, torch
-from weightsync.bus.checksum import InFlightChecksums, bucket_checksum, warm_up
+from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum, warm_up
 warm = warm_up(torch.device("cuda:0"))
 after = []
 for nbytes in ((3 << 20), (3 << 20) + 4, (3 << 20) + 6, (1 << 30) + 2):  # sizes warm_up never saw

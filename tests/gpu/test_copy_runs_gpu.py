@@ -1,4 +1,4 @@
-"""The table-driven copy kernel (weightsync/bus/copy_runs.py) compiled on a GPU: bit for bit what
+"""The table-driven copy kernel (weightsync/bus/copy/copy_runs.py) compiled on a GPU: bit for bit what
 torch's copies write, for a 7B layer's QKV split per query group, norms cast from float32 (NaNs
 included), a padded vocabulary, slots at aligned and unaligned offsets; the gaps around the slots untouched."""
 
@@ -13,11 +13,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize("start", [0, 3])
 def test_batched_copy_kernel_writes_what_torch_writes(start):
     from trainer_svc.actor.megatron.rules.transforms import QKV
-    from weightsync.bus import copy_runs_cuda
-    from weightsync.bus.copy_runs import BatchedCopy
+    from weightsync.bus.copy import copy_runs_triton
+    from weightsync.bus.copy.copy_runs import BatchedCopy
     from weightsync.model_spec import Dims
 
-    assert copy_runs_cuda.available()
+    assert copy_runs_triton.available()
     d = Dims(
         num_layers=2, hidden_size=3584, num_heads=28, num_query_groups=4, head_dim=128, ffn_hidden_size=18944,
         vocab_size=152000,

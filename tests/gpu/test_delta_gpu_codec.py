@@ -1,7 +1,7 @@
-"""The fused delta codec (weightsync/bus/delta_cuda.py) compiled on a GPU: the payload byte for byte the torch
+"""The fused delta codec (weightsync/bus/delta/codec_triton.py) compiled on a GPU: the payload byte for byte the torch
 path's bitmap (delta.encode(kind=BITMAP), computed on the CPU), the apply exact with the torch apply's positions
 and sums, damaged payloads refused before a byte is written; and its rate on a 1 GiB bucket, printed (-s).
-tests/unit/weightsync/bus/test_delta_cuda.py runs the same kernels through Triton's interpreter."""
+tests/unit/weightsync/bus/delta/test_delta_codec_triton.py runs the same kernels through Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _pair(nbytes: int, word: int, fraction: float, seed: int, positions=None):
 
 
 def _sums(buf):
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
 
     return word_sums(buf[: buf.numel() - buf.numel() % 4].view(torch.int32))
 
@@ -42,17 +42,18 @@ def _cases():
 @needs_cuda
 @pytest.mark.parametrize("word,fraction,nbytes", list(_cases()))
 def test_fused_codec_is_the_torch_bitmap_and_exact(word, fraction, nbytes):
-    from weightsync.bus import delta, delta_cuda
+    from weightsync.bus.delta import codec as delta
+    from weightsync.bus.delta import codec_triton
 
-    assert delta_cuda.available(), "triton is missing: the GPU runs the torch codec"
+    assert codec_triton.available(), "triton is missing: the GPU runs the torch codec"
     edges = None
     if fraction is None:
-        b = delta_cuda.BLOCK
+        b = codec_triton.BLOCK
         nbytes = b * word * 3 + word
         edges = torch.tensor([0, 1, b - 1, b, 2 * b - 1, 2 * b, nbytes // word - 1])
     new, base = _pair(nbytes, word, fraction or 0.0, seed=int((fraction or 0) * 1000) + word, positions=edges)
     d = delta.diff(new, base, word)
-    assert isinstance(d, delta_cuda.FusedDiff)
+    assert isinstance(d, codec_triton.FusedDiff)
     payload = delta.encode(new, base, word, d)
     want = delta.encode(new.cpu(), base.cpu(), word, kind=delta.BITMAP)  # the torch path, on the CPU
     assert (payload is None) == (want is None)
@@ -76,7 +77,7 @@ def test_fused_codec_is_the_torch_bitmap_and_exact(word, fraction, nbytes):
 
 @needs_cuda
 def test_damaged_payloads_are_refused_before_writing():
-    from weightsync.bus import delta
+    from weightsync.bus.delta import codec as delta
     from weightsync.bus.errors import TransportError
 
     nbytes = (1 << 20) + 6  # 524291 words: the bitmap's last byte holds 3 of them
@@ -104,7 +105,7 @@ def _rate(fn, nbytes: int, reps: int = 5) -> float:
 @needs_cuda
 def test_fused_codec_rate_is_printed(capsys):
     """Not a threshold (bench/bench_delta_gpu_codec.py measures): a 1 GiB bucket at 2 % runs and is exact."""
-    from weightsync.bus import delta
+    from weightsync.bus.delta import codec as delta
 
     nbytes = 1 << 30
     new, base = _pair(nbytes, 2, 0.02, seed=7)

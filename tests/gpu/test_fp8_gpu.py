@@ -41,12 +41,13 @@ SHAPES = [
 @pytest.mark.parametrize("kind", ["randn", "heavy", "zeros"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_quantizer_equals_the_cpu_path_bit_for_bit(shape, kind, dtype):
-    from weightsync.formats import fp8, fp8_triton
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import blocks_triton
 
-    assert fp8_triton.available()  # triton ships with CUDA torch: this is the path GPU exports take
+    assert blocks_triton.available()  # triton ships with CUDA torch: this is the path GPU exports take
     w = block_test_weights(shape, kind, len(shape) * 1000 + shape[-1], dtype)
     q_cpu, s_cpu = fp8.quantize(w)
-    q_gpu, s_gpu = fp8_triton.quantize(w.cuda())
+    q_gpu, s_gpu = blocks_triton.quantize(w.cuda())
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
     assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
     # the torch path on CUDA (the fallback without triton) agrees too
@@ -67,7 +68,7 @@ def test_triton_quantizer_equals_the_cpu_path_bit_for_bit(shape, kind, dtype):
 @needs_cuda
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_non_finite_weights_are_refused_on_the_gpu_too(bad):
-    from weightsync.formats import fp8
+    from weightsync.formats.fp8 import blocks as fp8
 
     w = torch.randn(300, 260, device="cuda")
     w[299, 1] = bad
@@ -77,7 +78,7 @@ def test_non_finite_weights_are_refused_on_the_gpu_too(bad):
 
 @needs_cuda
 def test_triton_kernels_throughput_on_a_7b_layer():
-    from weightsync.formats import fp8
+    from weightsync.formats.fp8 import blocks as fp8
 
     shapes = [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]
     ws = [torch.randn(s, device="cuda", dtype=torch.float32) * 0.02 for s in shapes]
@@ -111,7 +112,7 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
 
     from rollout_svc.engine.builtin import BuiltinEngine
     from weightsync.control.client import channel, rollout_stub
-    from weightsync.formats import fp8
+    from weightsync.formats.fp8 import blocks as fp8
     from weightsync.local.procs import start_rollout, start_trainer, wait_registered, wsctl
     from weightsync.models import resolve_model
     from weightsync.v1 import rollout_pb2
@@ -202,7 +203,7 @@ def test_fp8_ipc_sync_through_the_services_serves_the_exported_checkpoint(tmp_pa
 @needs_cuda
 def test_the_fp8_export_stream_waits_for_the_gpu_once_at_its_end():
     from weightsync.bus.plan import TensorMeta
-    from weightsync.formats.fp8_export import export_metas, export_tensors
+    from weightsync.formats.fp8.export import export_metas, export_tensors
 
     named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(1000, 700, device="cuda")) for i in range(6)]
     named.insert(3, ("model.norm.weight", torch.ones(700, device="cuda")))
@@ -227,11 +228,11 @@ _FP8_WARM_PROBE = """
 import json, time, torch
 from bench.model_shapes import shapes
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats import fp8_triton, fp8_warm
-from weightsync.formats.fp8_export import is_quantized
+from weightsync.formats.fp8 import blocks_triton, warm
+from weightsync.formats.fp8.export import is_quantized
 metas = [TensorMeta(n, s, torch.float32) for n, s in shapes("7b")]
-warm_q = fp8_warm.warm_quantize(metas, "cuda:0")
-warm_d = fp8_warm.warm_dequantize([TensorMeta(m.name, m.shape, torch.bfloat16) for m in metas], "cuda:0")
+warm_q = warm.warm_quantize(metas, "cuda:0")
+warm_d = warm.warm_dequantize([TensorMeta(m.name, m.shape, torch.bfloat16) for m in metas], "cuda:0")
 after = {}
 for m in metas[:13]:  # embeddings and layer 0: every distinct shape
     if not is_quantized(m.name, m.shape) or str(m.shape) in after:
@@ -239,10 +240,10 @@ for m in metas[:13]:  # embeddings and layer 0: every distinct shape
     w = torch.randn(m.shape, device="cuda:0") * 0.02
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    q, s = fp8_triton.quantize(w)
+    q, s = blocks_triton.quantize(w)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    fp8_triton.dequantize(q, s, torch.bfloat16)
+    blocks_triton.dequantize(q, s, torch.bfloat16)
     torch.cuda.synchronize()
     after[str(m.shape)] = (t1 - t0, time.perf_counter() - t1)
 print(json.dumps({"warm_q": warm_q, "warm_d": warm_d, "after": after}))

@@ -61,7 +61,8 @@ def _weights():
 def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
     """The bucket bytes of `named` quantized by the slot kernel on the GPU (`gpu`, WS_FP8_GPU_CONVERT
     `convert`) or, as the reference, by the CPU torch path into the same places."""
-    from weightsync.formats import fp8, fp8_slots
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import quantize_slots
 
     shapes = [tuple(w.shape) for w in named]
     places, size = bucket_layout(shapes)
@@ -75,10 +76,10 @@ def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
     monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
     weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w.cuda())])
-        for i, (si, w, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(shapes), named, places))
+        quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w.cuda())])
+        for i, (si, w, (s_off, q_off)) in enumerate(zip(quantize_slots.stand_ins(shapes), named, places))
     ]
-    q = fp8_slots.plan([flat], weights, use_kernel=True)
+    q = quantize_slots.plan([flat], weights, use_kernel=True)
     assert q is not None and q.use_kernel and all(la.vec == 16 for la in q.launches)  # a launch per source dtype
     q.run()
     assert q.finite()
@@ -106,21 +107,21 @@ def test_the_quantizer_with_the_gpus_conversions_writes_the_bytes_of_the_bit_ari
 
 @needs_sm89
 def test_the_fused_write_with_the_gpus_conversions_stores_the_bit_arithmetics_values(monkeypatch):
-    from weightsync.formats import fp8_slots, fp8_write
+    from weightsync.formats.fp8 import quantize_slots, write_slots
 
     named = [w.cuda() for w in _weights()]
     shapes = [tuple(w.shape) for w in named]
     places, _ = bucket_layout(shapes)
     weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w)])
-        for i, (si, w, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(shapes), named, places))
+        quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w)])
+        for i, (si, w, (s_off, q_off)) in enumerate(zip(quantize_slots.stand_ins(shapes), named, places))
     ]
     for dtype in (torch.bfloat16, torch.float32):
         got = {}
         for convert in ("0", "1"):
             monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
             dests = [torch.full(w.shape, float("nan"), dtype=dtype, device="cuda") for w in named]
-            f = fp8_write.plan(weights, dests, 1)
+            f = write_slots.plan(weights, dests, 1)
             assert f is not None and f.use_kernel and all(la.vec == 16 for la in f.launches)
             sums = f.run()
             assert f.finite()
@@ -137,7 +138,7 @@ def test_megatron_qkv_rows_with_the_gpus_conversions(monkeypatch):
     """Rows gathered from a fused QKV parameter through the row table, VEC 16: the bytes of the bit
     arithmetic (test_fp8_slots_gpu holds those to the per-tensor kernel)."""
     from trainer_svc.actor.megatron.rules.transforms import QKV
-    from weightsync.formats import fp8_slots
+    from weightsync.formats.fp8 import quantize_slots
     from weightsync.model_spec import Dims
 
     d = Dims(num_layers=1, hidden_size=3584, num_heads=28, num_query_groups=4, head_dim=128,
@@ -146,17 +147,17 @@ def test_megatron_qkv_rows_with_the_gpus_conversions(monkeypatch):
     qkv = (torch.randn((28 + 8) * 128, 3584, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     shapes = [tuple(t.shape) for t in QKV.to_hf(qkv, d)]
     places, size = bucket_layout(shapes)
-    stands = fp8_slots.stand_ins(shapes)
+    stands = quantize_slots.stand_ins(shapes)
     pairs = QKV.hf_copies(qkv, stands, d)
     out = {}
     for convert in ("0", "1"):
         monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
         flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
         weights = [
-            fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [pair])
+            quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [pair])
             for i, (si, pair, (s_off, q_off)) in enumerate(zip(stands, pairs, places))
         ]
-        q = fp8_slots.plan([flat], weights)
+        q = quantize_slots.plan([flat], weights)
         assert all(la.vec == 16 for la in q.launches)
         q.run()
         out[convert] = flat.cpu()

@@ -1,6 +1,6 @@
 """Block FP8 quantized straight into bucket slots on a GPU (pytest -m gpu tests/gpu/test_fp8_slots_gpu.py).
 
-1. The compiled kernel (weightsync/formats/fp8_slots_triton.py) writes the bytes the CPU torch path
+1. The compiled kernel (weightsync/formats/fp8/quantize_slots_triton.py) writes the bytes the CPU torch path
    writes (fp8.quantize), for odd shapes, stacked experts, bf16 and fp32 sources, heavy-tailed,
    zero and denormal blocks and 7B-sized matrices, rows gathered from Megatron's fused QKV and
    gate/up, with one launch per bucket; the flag catches an inf or nan block.
@@ -27,7 +27,8 @@ SHAPES = [(1, 5), (129, 257), (300, 128), (7, 200), (1000, 3), (3, 130, 140), (3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["randn", "heavy", "zeros"])
 def test_the_compiled_kernel_writes_the_bytes_of_the_cpu_path(kind, dtype):
-    from weightsync.formats import fp8, fp8_slots
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import quantize_slots
 
     named = [block_test_weights(s, kind, 10 + i, dtype) for i, s in enumerate(SHAPES)]
     places, size = bucket_layout(SHAPES, start=40)
@@ -35,10 +36,10 @@ def test_the_compiled_kernel_writes_the_bytes_of_the_cpu_path(kind, dtype):
     want = flat.cpu().clone()
     srcs = [w.cuda() for w in named]
     weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, src)])
-        for i, (si, src, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(SHAPES), srcs, places))
+        quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, src)])
+        for i, (si, src, (s_off, q_off)) in enumerate(zip(quantize_slots.stand_ins(SHAPES), srcs, places))
     ]
-    q = fp8_slots.plan([flat], weights)
+    q = quantize_slots.plan([flat], weights)
     assert q is not None and q.use_kernel and len(q.launches) == 1
     q.run()
     assert q.finite()
@@ -55,7 +56,8 @@ def test_the_compiled_kernel_writes_the_bytes_of_the_cpu_path(kind, dtype):
 @needs_cuda
 def test_megatron_qkv_and_gate_up_rows_on_the_gpu():
     from trainer_svc.actor.megatron.rules.transforms import GATE_UP, QKV
-    from weightsync.formats import fp8, fp8_slots
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import quantize_slots
     from weightsync.model_spec import Dims
 
     d = Dims(
@@ -73,13 +75,13 @@ def test_megatron_qkv_and_gate_up_rows_on_the_gpu():
     shapes = [tuple(t.shape) for t in hf]
     places, size = bucket_layout(shapes)
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
-    stands = fp8_slots.stand_ins(shapes)
+    stands = quantize_slots.stand_ins(shapes)
     pairs = QKV.hf_copies(qkv, stands[:3], d) + GATE_UP.hf_copies(fc1, stands[3:], d)
     weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [pair])
+        quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [pair])
         for i, (si, pair, (s_off, q_off)) in enumerate(zip(stands, pairs, places))
     ]
-    q = fp8_slots.plan([flat], weights)
+    q = quantize_slots.plan([flat], weights)
     q.run()
     for t, (s_off, q_off) in zip(hf, places):
         qq, ss = fp8.quantize(t.contiguous())  # the per-tensor Triton kernel, held to the CPU path by test_fp8_gpu
@@ -89,17 +91,18 @@ def test_megatron_qkv_and_gate_up_rows_on_the_gpu():
 
 @needs_cuda
 def test_one_7b_layer_into_its_bucket_against_quantize_and_pack():
-    from weightsync.formats import fp8, fp8_slots
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import quantize_slots
 
     shapes = [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]
     ws = [(torch.randn(s, device="cuda") * 0.02).to(torch.bfloat16) for s in shapes]
     places, size = bucket_layout(shapes)
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
     weights = [
-        fp8_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w)])
-        for i, (si, w, (s_off, q_off)) in enumerate(zip(fp8_slots.stand_ins(shapes), ws, places))
+        quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w)])
+        for i, (si, w, (s_off, q_off)) in enumerate(zip(quantize_slots.stand_ins(shapes), ws, places))
     ]
-    q = fp8_slots.plan([flat], weights)
+    q = quantize_slots.plan([flat], weights)
 
     def per_tensor():
         for w, (s_off, q_off) in zip(ws, places):  # today's path: float32 export, quantize, pack
@@ -131,17 +134,17 @@ def test_one_7b_layer_into_its_bucket_against_quantize_and_pack():
 
 @needs_cuda
 def test_a_bucket_dequantized_into_parameters_in_one_launch_equals_the_per_tensor_path():
-    """The rollout's side (weightsync/formats/fp8_dequant_slots.py): one Qwen2-7B layer's bucket, with a
+    """The rollout's side (weightsync/formats/fp8/dequantize_slots.py): one Qwen2-7B layer's bucket, with a
     bf16 norm and bias, into bf16 parameters: the parameters the Dequantizer + copy give, the
     bucket_checksum, and both times printed."""
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.layout import ManifestCache
     from weightsync.bus.pack import pack_bucket, unpack_bucket
     from weightsync.bus.plan import TensorMeta
-    from weightsync.formats.fp8_dequant_slots import FusedDequant
-    from weightsync.formats.fp8_export import export_metas, export_tensors
-    from weightsync.formats.fp8_import import Dequantizer
-    from weightsync.formats.fp8_spec import BLOCK_FP8
+    from weightsync.formats.fp8.dequantize_slots import FusedDequant
+    from weightsync.formats.fp8.export import export_metas, export_tensors
+    from weightsync.formats.fp8.receive import Dequantizer
+    from weightsync.formats.fp8.spec import BLOCK_FP8
 
     layer = "model.layers.0."
     shapes = {
@@ -210,7 +213,7 @@ def test_bench_fp8_slots_on_a_1_5b_model(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "fp8_slots.json"
+    out = tmp_path / "quantize_slots.json"
     proc = subprocess.run(
         [sys.executable, str(root / "bench" / "bench_fp8_slots.py"), "--shape", "1.5b", "--reps", "3"]
         + ["--out", str(out)],

@@ -24,8 +24,8 @@ NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.parametrize("density", [0.0001, 0.02, 0.3])
 @pytest.mark.parametrize("n", [4 << 20, (4 << 20) + 6])  # and a tail past the last whole 32-bit word
 def test_the_codec_runs_on_cuda_and_is_exact(density, n):
-    from weightsync.bus.checksum import bucket_checksum, from_sums, word_sums
-    from weightsync.bus.delta import apply_delta, diff, encode
+    from weightsync.bus.copy.checksum import bucket_checksum, from_sums, word_sums
+    from weightsync.bus.delta.codec import apply_delta, diff, encode
 
     dev = torch.device("cuda:0")
     base = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)

@@ -28,7 +28,7 @@ import pytest
 import torch
 from test_services_gpu import needs_gpus
 
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.plan import make_manifest, manifest_to_proto
 from weightsync.control.client import channel, rollout_stub
 from weightsync.v1 import bus_pb2, rollout_pb2

@@ -88,7 +88,7 @@ def _engine_process(to_trainer, from_trainer) -> None:
 
 @needs_gpu
 def test_the_trainer_writes_exact_bytes_with_the_bucket_checksums_across_processes():
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.handles import open_mapping
     from weightsync.bus.ipc.trainer_writes import DestinationError, Destinations, TrainerWriteSender
     from weightsync.bus.pack import pack_bucket
@@ -138,9 +138,9 @@ def test_every_bucket_at_once_lands_and_sums_as_copy_into_bucket_by_bucket():
     """verified_copy.copy_all_into (the actor's own buckets, all queued with no wait between them)
     against copy_into bucket by bucket: the same bytes in the destinations and the same checksums, also
     on a second call with new contents in the same buffers."""
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_all_into, copy_into, pending_values
     from weightsync.bus.pack import pack_bucket
-    from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values
 
     manifest = _manifest()
     plans = manifest.buckets
@@ -228,12 +228,13 @@ def test_megatron_bf16_trainer_writes_into_the_engine_exactly(fleet):
 
 @needs_gpu
 def test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled():
-    """weightsync/formats/fp8_write.py compiled (the CPU tests run it under Triton's interpreter): bf16
-    and float32 parameters hold what fp8_slots' quantize then the rollout's dequantize give, bit for bit,
+    """weightsync/formats/fp8/write_slots.py compiled (the CPU tests run it under Triton's interpreter): bf16
+    and float32 parameters hold what quantize_slots' quantize then the rollout's dequantize give, bit for bit,
     and the sums are those of the FP8 and scale slots the quantizer writes."""
     from tests.support.fp8_weights import block_test_weights
-    from weightsync.bus.checksum import word_sums
-    from weightsync.formats import fp8, fp8_slots, fp8_write
+    from weightsync.bus.copy.checksum import word_sums
+    from weightsync.formats.fp8 import blocks as fp8
+    from weightsync.formats.fp8 import quantize_slots, write_slots
 
     shapes = [(4096, 4096), (300, 128), (129, 256), (3, 130, 144), (260, 304)]
     named = [(f"w{i}", block_test_weights(s, "heavy", 40 + i, torch.bfloat16).cuda()) for i, s in enumerate(shapes)]
@@ -244,11 +245,11 @@ def test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled():
         places.append((s_off, q_off))
         pos = q_off + int(torch.tensor(s).prod())
     weights = [
-        fp8_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
-        for (n, t), si, (s_off, q_off) in zip(named, fp8_slots.stand_ins(shapes), places)
+        quantize_slots.SlotWeight(n, 0, q_off, s_off, si, [(si, t)])
+        for (n, t), si, (s_off, q_off) in zip(named, quantize_slots.stand_ins(shapes), places)
     ]
     flat = torch.zeros(pos + 3, dtype=torch.uint8, device="cuda:0")
-    q = fp8_slots.plan([flat], weights)
+    q = quantize_slots.plan([flat], weights)
     assert q.use_kernel
     q.run()
     want_sums = torch.zeros(1, 2, dtype=torch.int64, device="cuda:0")
@@ -256,7 +257,7 @@ def test_the_fused_fp8_write_kernel_is_quantize_then_dequantize_compiled():
         want_sums[0] += word_sums(flat[start:end].view(torch.int32))
     for dtype in (torch.bfloat16, torch.float32):
         dests = [torch.full(t.shape, float("nan"), dtype=dtype, device="cuda:0") for _, t in named]
-        f = fp8_write.plan(weights, dests, 1)
+        f = write_slots.plan(weights, dests, 1)
         assert f is not None and f.use_kernel and len(f.launches) == 1
         sums = f.run()
         assert f.finite() and torch.equal(sums, want_sums), dtype

@@ -1,4 +1,4 @@
-"""verified_copy's fused copy-and-checksum on a real GPU, every kernel config of scatter_cuda.CONFIGS
+"""verified_copy's fused copy-and-checksum on a real GPU, every kernel config of scatter_triton.CONFIGS
 compiled: every destination byte equal to its slot and every bucket's checksum equal to bucket_checksum
 of the same bytes on the CPU, with destinations 16-byte aligned and not, odd-sized tensors, gaps, a
 tensor spanning many rows, one launch for all buckets and one per bucket.
@@ -44,14 +44,14 @@ def _layout(dst_shift: int):
 @needs_gpu
 @pytest.mark.parametrize("dst_shift", [0, 4])
 def test_every_config_copies_and_sums_exactly(dst_shift):
-    from weightsync.bus import scatter_cuda
-    from weightsync.bus.checksum import bucket_checksum
-    from weightsync.bus.verified_copy import copy_all_into, copy_into, pending_values
+    from weightsync.bus.copy import scatter_triton
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_all_into, copy_into, pending_values
 
     plans, cpu_bufs, dests, named = _layout(dst_shift)
     bufs = [b.cuda() for b in cpu_bufs]
     want = [bucket_checksum(b) for b in cpu_bufs]
-    for cfg in [*scatter_cuda.CONFIGS.values(), None]:  # None: the configured default, as the sync runs it
+    for cfg in [*scatter_triton.CONFIGS.values(), None]:  # None: the configured default, as the sync runs it
         for d in dests:
             for t in d:
                 t.zero_()

@@ -2,7 +2,7 @@
 checkpoint it loaded and against the per-tensor export packed by the pipeline, byte for byte.
 argv: the report path, then `family=hf_dir` pairs. Writes a JSON report. With FLAT_CASES_KERNEL=1 (and
 TRITON_INTERPRET=1 on a machine without a GPU) the converted copies go through the Triton copy kernel
-(weightsync/bus/copy_runs_cuda.py) instead of torch's, as on a GPU."""
+(weightsync/bus/copy/copy_runs_triton.py) instead of torch's, as on a GPU."""
 
 from __future__ import annotations
 
@@ -122,14 +122,14 @@ def run_family(family: str, hf_dir: str) -> dict:
 
 
 def run_fp8(config, hf_dir: str, bucket: int) -> dict:
-    """A block-FP8 layout: FlatExport quantizes into the buckets (weightsync/formats/fp8_slots.py)
-    what the per-tensor export (fp8_export.export_tensors) packs, byte for byte, before and after a
+    """A block-FP8 layout: FlatExport quantizes into the buckets (weightsync/formats/fp8/quantize_slots.py)
+    what the per-tensor export (export.export_tensors) packs, byte for byte, before and after a
     step; a nan weight lowers the flag and is named as the per-tensor export names it."""
     from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.flat_export import FlatExport
     from weightsync.bus.layout import ManifestCache
-    from weightsync.formats.fp8_export import export_metas, export_tensors
-    from weightsync.formats.fp8_spec import BLOCK_FP8
+    from weightsync.formats.fp8.export import export_metas, export_tensors
+    from weightsync.formats.fp8.spec import BLOCK_FP8
 
     kernel = os.environ.get("FLAT_CASES_KERNEL") == "1"
     r: dict = {}
@@ -150,7 +150,7 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
     r["flat_vs_iter"] = [b.index for b, f, w in zip(m.buckets, flats, want) if not torch.equal(f[: b.nbytes], w)]
     r["finite"] = fe.finite()
     # the quantizer's sums of its slots plus a read of the other bytes: each bucket's checksum
-    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 
     known = fe.known_sums()
     views = [f[: b.nbytes] for b, f in zip(m.buckets, flats)]
@@ -192,15 +192,15 @@ def run_fp8(config, hf_dir: str, bucket: int) -> dict:
 
 def trainer_writes(fe, m, flats) -> dict:
     """ipc trainer_writes of the FP8 layout from the actor's own buckets (weightsync/formats/
-    fp8_trainer_writes.py) into a bf16 engine, its FP8 slots not quantized first (poisoned: never read):
+    fp8/trainer_writes.py) into a bf16 engine, its FP8 slots not quantized first (poisoned: never read):
     the engine's parameters and the bucket checksums against the rollout_reads path's (the quantized
     buckets dequantized by the rollout's FusedDequant, the checksums of their bytes)."""
     from tests.support.fake_gpu import FakeGpu
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.trainer_writes import Destinations, offer
     from weightsync.bus.plan import TensorMeta
-    from weightsync.formats.fp8_dequant_slots import FusedDequant
-    from weightsync.formats.fp8_trainer_writes import Fp8Writes
+    from weightsync.formats.fp8.dequantize_slots import FusedDequant
+    from weightsync.formats.fp8.trainer_writes import Fp8Writes
 
     out: dict = {"error": ""}
     writes = Fp8Writes()
@@ -244,7 +244,7 @@ def trainer_writes(fe, m, flats) -> dict:
 
 
 def _force_kernel() -> None:
-    from weightsync.bus import copy_runs
+    from weightsync.bus.copy import copy_runs
 
     plain = copy_runs.BatchedCopy.__init__
 

@@ -29,7 +29,7 @@ def block_test_weights(shape, kind: str, seed: int, dtype: torch.dtype = torch.f
 def bucket_layout(shapes, start: int = 0) -> tuple[list[tuple[int, int]], int]:
     """(scale offset, e4m3 offset) per weight of `shapes` in one bucket from byte `start`, 256-aligned
     as bucket plans are, and the bucket's size (3 spare bytes: a tail that is not a whole word)."""
-    from weightsync.formats import fp8
+    from weightsync.formats.fp8 import blocks as fp8
 
     places, pos = [], start
     for shape in shapes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest, TensorMeta, make_manifest
 

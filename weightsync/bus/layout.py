@@ -3,8 +3,7 @@
 A sync's layout — which tensor sits where in which bucket — follows from the export metadata,
 the bucket size, the model family and the checksum algorithm alone, so it is the same from one
 sync to the next while the model is unchanged. Planning it, encoding it and validating its few
-hundred entries on every rollout for every sync would be most of a sync's fixed cost (about 13 ms
-of a 7B sync on H200). So:
+hundred entries on every rollout for every sync would be most of a sync's fixed cost. So:
 
 - the trainer plans a layout once and keeps it while the metadata is unchanged (`ManifestCache`),
   sends the full manifest to a rollout once per layout, and thereafter only the layout's digest;

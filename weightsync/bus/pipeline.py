@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest
 

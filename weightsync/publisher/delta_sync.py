@@ -5,7 +5,7 @@ buckets of the last export streamed in full to the end (host memory on the tcp p
 model's export bytes, bounded by `delta_base_mb`), and offer every target of the next sync that base
 in PrepareSync. A rollout that holds exactly that base — it committed one of the syncs whose
 streams were the base's bytes, and kept its copy (rollout_svc/sync/delta_base.py) — accepts, and
-gets each bucket as the words that changed (weightsync/bus/delta.py) where that is smaller; the
+gets each bucket as the words that changed (weightsync/bus/delta/codec.py) where that is smaller; the
 others (missed a version, restarted, joined late) get it dense, in the same stream. Each bucket's
 checksum is of the dense bucket, so the rollout's check is of the result.
 
@@ -22,18 +22,15 @@ or several (the buckets then go framed: weightsync/bus/nccl/framed.py; a broadca
 member alike, so a bucket goes as a delta only when every target accepted the base). `auto` picks full for
 ipc (a colocated rollout reads the trainer's buffers over the GPU's memory: a delta would cost more
 HBM passes — compare, read the base, write it back — than it saves), and on nccl decides by the
-link's measured rate. Measured on two H200s (bench/bench_delta_nccl.py --shape 1.5b, 3.09 GB of bf16
-buckets, 2 % of the values changed): over NVLink a full sync takes 14.2 ms (its stream 10.6 ms, ~290
-GB/s) and a delta 29-39 ms (the trainer's compare in the stream, the rollout's apply in the commit:
-~30 ms of codec per 3 GB, whatever the link); over NCCL's socket transport (~6 GB/s, a stand-in for a
-link between hosts) full 501 ms and delta 82 ms, 6.1x faster. A delta puts 0.082x of the bytes on the
-bus, so it costs ~30 ms per 3 GB plus 0.082 of the link's time: it wins below ~95 GB/s (~750 Gb/s) on
-an H200 and ~65 GB/s on an H100 (HBM ~30 % slower). Every inter-host link in use (100-400 Gb/s
-IB/RoCE: 12-50 GB/s) is below that, NVLink within a host above. So under auto each full nccl sync
+link's measured rate. A delta costs the codec's passes (the trainer's compare in the stream, the
+rollout's apply in the commit: a fixed time per byte of export, whatever the link) and saves most of
+the link's time, so it wins below a break-even link rate. bench/bench_delta_nccl.py measures both
+sides (docs/BENCHMARKS.md): on the GPUs measured, every inter-host link in use (100-400 Gb/s IB/RoCE)
+is below the break-even and NVLink within a host above it. So under auto each full nccl sync
 measures the link (`DeltaStream.streamed`: the bytes each target took / the seconds the stream waited
 in its sends, the link's time the export did not hide; with several senders the longest rank's wait),
-and while that rate is below `delta_link_gbps` (trainer config, default 400 Gb/s = 50 GB/s: below both
-GPUs' break-even, above every inter-host link; 0: never) the next sync keeps its base, so the one
+and while that rate is below `delta_link_gbps` (trainer config, default 400 Gb/s = 50 GB/s: below the
+measured break-even, above every inter-host link; 0: never) the next sync keeps its base, so the one
 after offers it. Until a rate is measured, or while it is at or above the knob, auto on nccl is full
 and keeps no base (no GPU memory spent over NVLink). Every full nccl sync measures afresh (one the
 rollouts took dense because one of them missed a version too); a delta sync does not (its sends
@@ -54,7 +51,7 @@ part still frames. Rank 0 settles, before the ranks start, whether the frames ma
 when every target accepted the base (`broadcast_to`), for every rank's group alike.
 
 A sync that keeps its buckets computes their checksums here, not in the pipeline's producer: the
-checksum (weightsync/bus/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
+checksum (weightsync/bus/copy/checksum.py) is a wrapping sum of 32-bit words and of their squares, so
 the new bucket's follows from the base's sums and the words that changed — the one pass over the
 bucket is the comparison the delta needs anyway. It is still the checksum of the whole new bucket,
 which every rollout checks against its own full pass over the result; should the trainer's copy
@@ -70,8 +67,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import from_sums, word_sums
-from weightsync.bus.delta import diff, encode, word_bytes
+from weightsync.bus.copy.checksum import from_sums, word_sums
+from weightsync.bus.delta.codec import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
 from weightsync.v1 import rollout_pb2
 
@@ -81,7 +78,7 @@ ENCODINGS = ("full", "delta", "auto")
 #: transports whose channel carries delta frames (TcpBucketSender.send(..., delta=...))
 DELTA_TRANSPORTS = ("tcp", "nccl")
 #: auto on nccl: deltas below this link rate (Gb/s; trainer config delta_link_gbps). 50 GB/s: under the
-#: break-even of an H200 (~95 GB/s) and of an H100 (~65), above every inter-host link in use (12-50 GB/s)
+#: measured break-even of the GPUs benchmarked, above every inter-host link in use (100-400 Gb/s)
 LINK_GBPS = 400.0
 #: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
 _MAX_STREAMS = 64

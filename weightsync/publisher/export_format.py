@@ -2,7 +2,7 @@
 
 A plain dtype is applied by the actor itself as it exports. `fp8-block` asks the actor for its
 full-precision tensors (float32) and maps that stream onto the block FP8 one
-(weightsync.formats.fp8_export): every linear weight as e4m3 + float32 `weight_scale_inv`, the
+(weightsync.formats.fp8.export): every linear weight as e4m3 + float32 `weight_scale_inv`, the
 rest bf16. The sync and `ExportHf` go through `metas` / `tensors`, so they send and write the
 same bytes; an `ExportHf` directory is then a block-FP8 HF checkpoint (its config.json carries
 `quantization_config`), the form SGLang needs to serve FP8 and take FP8 syncs unchanged.
@@ -18,8 +18,8 @@ import torch
 
 from weightsync.bus.dtypes import parse_dtype
 from weightsync.bus.plan import Quantization, TensorMeta
-from weightsync.formats import fp8_export
-from weightsync.formats.fp8_spec import BLOCK_FP8, hf_quantization_config
+from weightsync.formats.fp8 import export as fp8_export
+from weightsync.formats.fp8.spec import BLOCK_FP8, hf_quantization_config
 
 FP8_BLOCK = "fp8-block"
 
@@ -29,8 +29,8 @@ class ExportFormat:
     name: str
     quantization: Quantization | None = None
     #: the last `metas` / `owners` mapping, by its inputs: a sync plans with the actor's same metas
-    #: every time, and mapping them afresh (a regex per tensor, twice) cost ~2 ms of each FP8 sync's
-    #: plan phase, and its new list made the manifest cache compare every entry
+    #: every time, and mapping them afresh (a regex per tensor, twice) cost measurable time in each FP8
+    #: sync's plan phase, and its new list made the manifest cache compare every entry
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def metas(self, metas: Iterable[TensorMeta]) -> list[TensorMeta]:

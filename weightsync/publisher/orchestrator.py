@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
 from weightsync.obs.metrics import SyncMetrics
@@ -310,7 +310,7 @@ class SyncOrchestrator:
             session.use_manifest(manifest)
         if session is not None and manifest.quantization is not None and hasattr(session, "use_quantized_writes"):
             # ipc trainer_writes of block FP8 into an engine that dequantizes (the bus imports no format)
-            from weightsync.formats.fp8_trainer_writes import Fp8Writes
+            from weightsync.formats.fp8.trainer_writes import Fp8Writes
 
             session.use_quantized_writes(Fp8Writes())
         if session is not None and len(manifest.senders) > 1:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from weightsync.bus.channel import drops_targets
-from weightsync.bus.checksum import InFlightChecksums
+from weightsync.bus.copy.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner

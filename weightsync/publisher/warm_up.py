@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from weightsync.bus.checksum import warm_up as bucket_checksum_warm_up
-from weightsync.formats.fp8_warm import warm_fused_write, warm_quantize, warm_quantize_slots
+from weightsync.bus.copy.checksum import warm_up as bucket_checksum_warm_up
+from weightsync.formats.fp8.warm import warm_fused_write, warm_quantize, warm_quantize_slots
 
 log = logging.getLogger(__name__)
 

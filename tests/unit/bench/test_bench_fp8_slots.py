@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_bench_fp8_slots_times_every_step_and_checks_the_bytes(tmp_path):
-    out = tmp_path / "fp8_slots.json"
+    out = tmp_path / "quantize_slots.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_fp8_slots.py"), "--shape", "tiny", "--reps", "1", "--torch"]
         + ["--out", str(out)],

@@ -1,4 +1,5 @@
-"""Block-FP8 buckets written into the built-in engine by one fused write per bucket (rollout_svc/sync/fp8_write.py)
+"""Block-FP8 buckets written into the built-in engine by one fused write per bucket
+(rollout_svc/sync/fp8_fused_write.py)
 through the real transaction: the per-weight dequantize is not called at all, the engine ends with the
 per-tensor path's exact weights, and the apply modes keep their contracts: staged writes nothing
 into a served parameter before every bucket's checksum is verified (also when the check was deferred
@@ -12,9 +13,10 @@ import torch
 
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
 from tests.unit.rollout_svc.test_fp8_sync import _engine, _fp8_sync
-from weightsync.bus.checksum import bucket_checksum
-from weightsync.formats import fp8, fp8_dequant_slots, fp8_import
-from weightsync.formats.fp8_export import is_quantized
+from weightsync.bus.copy.checksum import bucket_checksum
+from weightsync.formats.fp8 import blocks as fp8
+from weightsync.formats.fp8 import dequantize_slots, receive
+from weightsync.formats.fp8.export import is_quantized
 from weightsync.v1 import rollout_pb2
 
 
@@ -22,14 +24,14 @@ from weightsync.v1 import rollout_pb2
 def fused_calls(monkeypatch):
     """(bucket index, written or declined) of every fused write; the per-weight dequantize refuses to run."""
     calls = []
-    plain = fp8_dequant_slots.FusedDequant.copy
+    plain = dequantize_slots.FusedDequant.copy
 
     def copy(self, plan, *a, **k):
         out = plain(self, plan, *a, **k)
         calls.append((plan.index, out is not None))
         return out
 
-    monkeypatch.setattr(fp8_dequant_slots.FusedDequant, "copy", copy)
+    monkeypatch.setattr(dequantize_slots.FusedDequant, "copy", copy)
     return calls
 
 
@@ -37,7 +39,7 @@ def _no_per_weight_dequantize(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a weight went through the per-tensor dequantize")
 
-    monkeypatch.setattr(fp8_import, "dequantize", refuse)
+    monkeypatch.setattr(receive, "dequantize", refuse)
 
 
 def _weights(eng) -> dict[str, torch.Tensor]:

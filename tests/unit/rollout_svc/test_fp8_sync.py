@@ -1,6 +1,6 @@
 """Block FP8 syncs into the built-in engine, through the real transaction (no network).
 
-The trainer side is the real exported stream (weightsync.formats.fp8_export over a transformers
+The trainer side is the real exported stream (weightsync.formats.fp8.export over a transformers
 model's tensors), planned into small buckets so that weights and their scales land in different
 buckets; the manifest crosses the proto boundary as it does over gRPC.
 """
@@ -12,11 +12,11 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncError, SyncTransaction
-from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.copy.checksum import ALGO, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
-from weightsync.formats import fp8
-from weightsync.formats.fp8_export import export_metas, export_tensors, is_quantized
+from weightsync.formats.fp8 import blocks as fp8
+from weightsync.formats.fp8.export import export_metas, export_tensors, is_quantized
 from weightsync.models import resolve_model
 from weightsync.v1 import bus_pb2, rollout_pb2
 

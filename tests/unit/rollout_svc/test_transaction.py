@@ -6,7 +6,7 @@ import torch
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.support.packed import engine_state, packed_sync
-from weightsync.bus.checksum import ALGO, bucket_checksum
+from weightsync.bus.copy.checksum import ALGO, bucket_checksum
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.plan import TensorMeta, make_manifest
@@ -186,7 +186,7 @@ def test_staged_commit_waits_for_a_busy_engine_only_until_the_deadline():
     "mode,bad,after", [("staged", 1, "SERVING"), ("inplace", 0, "SERVING"), ("inplace", 1, "STALE")]
 )
 def test_a_corrupted_bucket_is_data_loss_and_only_an_inplace_sync_past_its_first_bucket_turns_stale(mode, bad, after):
-    """The copy out of the bus buffer is the checksum pass (weightsync/bus/verified_copy.py): inplace
+    """The copy out of the bus buffer is the checksum pass (weightsync/bus/copy/verified_copy.py): inplace
     mode checks a bucket after writing it into the parameters, except the first one, which is still
     checked before the engine is touched."""
     target, eng = _engine(1), _engine(2)
@@ -367,8 +367,8 @@ def test_a_block_fp8_layout_is_checked_once_and_each_sync_gets_its_own_dequantiz
     sync), but each sync loads through a dequantizer of its own: one holds unpaired halves."""
     import rollout_svc.sync.transaction as txmod
     from weightsync.bus.layout import ManifestCache
-    from weightsync.formats.fp8_export import export_metas
-    from weightsync.formats.fp8_spec import BLOCK_FP8
+    from weightsync.formats.fp8.export import export_metas
+    from weightsync.formats.fp8.spec import BLOCK_FP8
 
     eng = _engine(2)
     tx = SyncTransaction(eng, "inplace")

@@ -9,7 +9,7 @@ import torch
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.support.packed import engine_state, packed_sync
-from weightsync.bus.checksum import bucket_checksum, combine
+from weightsync.bus.copy.checksum import bucket_checksum, combine
 from weightsync.bus.errors import SyncError
 from weightsync.models import resolve_model
 from weightsync.v1 import rollout_pb2

@@ -167,7 +167,7 @@ class MegatronActor:
 
     def flat_fp8_weights(self):
         """The FP8 weights of the last `flat_buckets` (FlatBuckets.fp8_weights): a sync that writes
-        into the engine dequantizes them straight from the parameters (fp8_trainer_writes.py)."""
+        into the engine dequantizes them straight from the parameters (fp8/trainer_writes.py)."""
         return self.flat.fp8_weights()
 
     def flat_quantize(self) -> ValueError | None:

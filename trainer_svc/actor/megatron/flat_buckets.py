@@ -68,7 +68,7 @@ class FlatBuckets:
         its torch path); None also when a block is not finite, without naming it here: the packed
         export that the sync falls back to refuses the weights naming the tensor, as it always did.
         `quantize=False`: the FP8 slots are not written (a sync expected to write the weights into the
-        engine from the parameters, weightsync/formats/fp8_trainer_writes.py); `quantize_deferred`
+        engine from the parameters, weightsync/formats/fp8/trainer_writes.py); `quantize_deferred`
         writes them if it does not after all.
         """
         par = self.actor.par
@@ -187,7 +187,7 @@ class FlatBuckets:
         return self._finite(flat, buffers) if quantize else buffers
 
     def fp8_weights(self):
-        """The kept plan's FP8 weights (fp8_slots.SlotWeight: their rows in the parameters, their slots
+        """The kept plan's FP8 weights (quantize_slots.SlotWeight: their rows in the parameters, their slots
         in the buckets): what a sync that writes into the engine dequantizes from (none without a plan)."""
         return [] if self._flat is None else self._flat.fp8_weights()
 
@@ -208,7 +208,7 @@ class FlatBuckets:
         if flat is not None and flat.digest == manifest.layout_digest and not flat.stale():
             return flat  # the parameters are where the plan found them: same dtypes too
         params = self.actor.parameters()
-        slot_dtype = torch.bfloat16 if quantized else self.actor.export_dtype  # fp8_export keeps the rest in bf16
+        slot_dtype = torch.bfloat16 if quantized else self.actor.export_dtype  # export keeps the rest in bf16
         cast = sum(p.numel() for p in params if p.dtype != slot_dtype)
         if cast * 8 > sum(p.numel() for p in params):
             return None
@@ -227,11 +227,11 @@ class FlatBuckets:
 
     def _quantizes_in_place(self, manifest) -> bool:
         """Whether a block-FP8 layout can be quantized into the flat buckets on this rank's device."""
-        from weightsync.formats import fp8_slots_triton
-        from weightsync.formats.fp8_spec import BLOCK_FP8
+        from weightsync.formats.fp8 import quantize_slots_triton
+        from weightsync.formats.fp8.spec import BLOCK_FP8
 
         device = next(self.actor.model[0].parameters()).device  # asked every sync: not a walk of every parameter
-        return manifest.quantization == BLOCK_FP8 and device.type == "cuda" and fp8_slots_triton.available()
+        return manifest.quantization == BLOCK_FP8 and device.type == "cuda" and quantize_slots_triton.available()
 
     @staticmethod
     def _finite(flat, buffers: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -16,7 +16,7 @@ most once. On one rank holding the whole model (TP = PP = EP = 1, the colocated 
   layout's experts: transposed views of its weight1/weight2) is written from its
   parameter into its slot at each sync by strided-view copies (hf_copy.py), planned once as
   contiguous runs in an address table: on a GPU one Triton launch per (dtype pair, alignment) for
-  the whole model, not one kernel per copy (weightsync/bus/copy_runs.py); off the GPU one batched
+  the whole model, not one kernel per copy (weightsync/bus/copy/copy_runs.py); off the GPU one batched
   `_foreach_copy_`, which writes the same bits.
 
 With several senders (pipeline stages and expert-parallel ranks, TP = expert-TP = 1:
@@ -43,10 +43,10 @@ the export), kept with the buckets; at TP > 1 on the leader, the converted tenso
 one) and the gather buffer ((TP-1)/TP of the sharded bytes, less the vocabulary shards that land in
 their slots).
 
-A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8_export.py; TP = 1 only, the
+A block-FP8 layout (`manifest.quantization`, weightsync/formats/fp8/export.py; TP = 1 only, the
 actor packs it at TP > 1) is planned the same way: its bf16 tensors as above, and every FP8 weight
 quantized from its parameter straight into its e4m3 and scale slots by one Triton launch per bucket
-(weightsync/formats/fp8_slots.py), its rows found through the same copy pairs; the bytes are those
+(weightsync/formats/fp8/quantize_slots.py), its rows found through the same copy pairs; the bytes are those
 the per-tensor export quantizes. The FP8 weights' slots (about half the model's bf16 bytes) are
 then kept with the buckets, and a weight that is not whole rows of its parameter makes the plan
 fail (the sync packs instead). Non-finite weights raise one device flag, read once per sync
@@ -65,10 +65,10 @@ from trainer_svc.actor.megatron.hf_meta import export_plan
 from trainer_svc.actor.megatron.model import named_parameters_global
 from trainer_svc.actor.megatron.rules.base import Rule
 from trainer_svc.actor.megatron.tp_gather import ShardReceives, TpGroup
-from weightsync.bus.copy_runs import BatchedCopy
+from weightsync.bus.copy.copy_runs import BatchedCopy
 from weightsync.bus.plan import Manifest, Slot
-from weightsync.formats import fp8_slots
-from weightsync.formats.fp8_spec import FP8_DTYPE, SCALE_SUFFIX
+from weightsync.formats.fp8 import quantize_slots
+from weightsync.formats.fp8.spec import FP8_DTYPE, SCALE_SUFFIX
 from weightsync.model_spec import ModelSpec
 
 
@@ -185,19 +185,19 @@ class FlatExport:
         by_slot = {s.meta.name: _slot_view(self.flats[b], s) for b, s in slots.values()}
         remote = _RemoteShards(tp, converted, params, self.flats, device) if gathered else None
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        weights: list[fp8_slots.SlotWeight] = []
+        weights: list[quantize_slots.SlotWeight] = []
         #: (parameter, address) of every source: one moved elsewhere since (a load that assigns new
         #: storage) makes this plan stale, so the next sync plans again instead of sending old bytes
         self._sources = list(self._aliased)
         for rule, mname, where in converted:
             # an FP8 weight's region is a stand-in with no memory: its pairs say where its rows are
             quant = [_scale_of(s.meta.name, slots) for _, s in where]
-            stand = iter(fp8_slots.stand_ins([s.meta.shape for (_, s), q in zip(where, quant) if q is not None]))
+            stand = iter(quantize_slots.stand_ins([s.meta.shape for (_, s), q in zip(where, quant) if q is not None]))
             outs = [by_slot[s.meta.name] if q is None else next(stand) for (_, s), q in zip(where, quant)]
             p = params[mname]
             self._sources.append(_watched(p))
             mine = [
-                fp8_slots.SlotWeight(s.meta.name, b, s.offset, q[1].offset, out, scale_bucket=q[0])
+                quantize_slots.SlotWeight(s.meta.name, b, s.offset, q[1].offset, out, scale_bucket=q[0])
                 for (b, s), q, out in zip(where, quant, outs)
                 if q is not None
             ]
@@ -216,7 +216,7 @@ class FlatExport:
         #: the receives of the other TP ranks' shards (None at TP = 1), then the copies
         self._receives = remote.receives() if remote is not None else None
         self._copy = BatchedCopy(pairs, use_kernel=use_kernel)
-        self._quant = fp8_slots.plan(self.flats, weights, use_kernel=use_kernel) if weights else None
+        self._quant = quantize_slots.plan(self.flats, weights, use_kernel=use_kernel) if weights else None
         if weights and self._quant is None:
             raise ValueError(
                 "an FP8 weight is not whole rows of its parameter: this layout cannot be quantized in place"
@@ -246,7 +246,7 @@ class FlatExport:
         """Write every converted slot from its parameter (a launch or two) and quantize every FP8
         weight into its slots (a launch per bucket); the buckets. `quantize=False`: the FP8 and scale
         slots are left as they are (a sync that writes the weights into the engine from the parameters
-        themselves, weightsync/formats/fp8_write.py); `quantize()` writes them later if it must."""
+        themselves, weightsync/formats/fp8/write_slots.py); `quantize()` writes them later if it must."""
         with torch.no_grad():
             if self._receives is not None:
                 self._receives.run()
@@ -263,7 +263,7 @@ class FlatExport:
                 self._quant.run()
         self._quantized = True
 
-    def fp8_weights(self) -> list[fp8_slots.SlotWeight]:
+    def fp8_weights(self) -> list[quantize_slots.SlotWeight]:
         """The FP8 weights: where their rows are in the parameters and their slots in the buckets."""
         return [] if self._quant is None else list(self._quant.weights)
 
@@ -280,7 +280,7 @@ class FlatExport:
         the last refresh (`quantize=False`)."""
         if self._quant is None or not self._quantized or self._quant.word_sums() is None:
             return None
-        from weightsync.bus.checksum_regions import KnownSums
+        from weightsync.bus.copy.checksum_regions import KnownSums
 
         if self._slot_ranges is None:
             self._slot_ranges = self._quant.slot_ranges()

@@ -8,7 +8,7 @@ engine offers its parameters (`writable_params`) shares, at PrepareSync, CUDA IP
 parameters' storage plus where each manifest tensor lies in them (`IpcDestinations`, once per layout:
 later prepares name the table by id). The trainer validates every entry against its manifest, maps
 each allocation once, and its stream phase is one fused copy-and-checksum launch per packed bucket
-(weightsync/bus/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction); the
+(weightsync/bus/copy/verified_copy.py `copy_into`, the kernel the rollout runs in the other direction); the
 actor's own in-place buckets are all queued at once, without waits between them (`copy_all_into`),
 straight into the engine's parameters. It synchronizes its stream, then commits with the sums of what
 that kernel read; the rollout (paused since its prepare, STALE if the sync aborts) records them as
@@ -30,7 +30,7 @@ the independent second read with `ipc_direction: rollout_reads`.
 
 A quantized manifest (block FP8 into the built-in engine, which dequantizes) is written the same way
 with a writer the publisher hands the session (`QuantizedWrites`: the bus imports no format;
-weightsync/formats/fp8_trainer_writes.py): the table covers the tensors as the engine holds them
+weightsync/formats/fp8/trainer_writes.py): the table covers the tensors as the engine holds them
 (`check`'s `allowed`: an FP8 weight as its 16- or 32-bit parameter, no scale), and the writer's stream
 dequantizes every weight into it with the same sums.
 """
@@ -227,7 +227,7 @@ def check(
 
 class QuantizedWrites(Protocol):
     """How the trainer writes a quantized manifest into an engine that takes it dequantized (block FP8:
-    weightsync/formats/fp8_trainer_writes.py; the bus imports no format). The publisher hands one to
+    weightsync/formats/fp8/trainer_writes.py; the bus imports no format). The publisher hands one to
     the sync's session (`use_quantized_writes`); without it a quantized sync is never written this way."""
 
     def destination_dtypes(self, manifest: Manifest) -> list[tuple[torch.dtype, ...]]:
@@ -282,7 +282,7 @@ class TrainerWriteSender(BucketSender):
 
     def _write(self, plan: BucketPlan, buf: torch.Tensor):
         """Bucket `plan` from `buf` into the engine: its PendingChecksum (queued, not waited for)."""
-        from weightsync.bus.verified_copy import copy_into
+        from weightsync.bus.copy.verified_copy import copy_into
 
         pending = copy_into(plan, buf, self.dests.buckets[plan.index], wait=False)
         if pending is None:
@@ -292,7 +292,7 @@ class TrainerWriteSender(BucketSender):
     def send_held(self, plans, bufs) -> bool:
         """The actor's own buckets: every one written by its fused launch, all queued on the current
         stream behind the actor's own writes (no host synchronize first, no wait between buckets)."""
-        from weightsync.bus.verified_copy import copy_all_into
+        from weightsync.bus.copy.verified_copy import copy_all_into
 
         t0 = time.perf_counter()
         pending = copy_all_into(plans, bufs, [self.dests.buckets[p.index] for p in plans], prepared=self.dests.prepared)
@@ -303,7 +303,7 @@ class TrainerWriteSender(BucketSender):
         return True
 
     def flush(self) -> None:
-        from weightsync.bus.verified_copy import pending_values
+        from weightsync.bus.copy.verified_copy import pending_values
 
         t0 = time.perf_counter()
         if self._pending and self._pending[0].ready is not None:

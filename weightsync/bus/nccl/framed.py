@@ -1,7 +1,7 @@
 """Framed buckets on a collective group: a bucket goes dense or as a delta, its length told first.
 
 A plain NCCL stream broadcasts each bucket's `nbytes`, which every rank knows from the manifest.
-A delta bucket (weightsync/bus/delta.py) has a length only the trainer knows once it has encoded
+A delta bucket (weightsync/bus/delta/codec.py) has a length only the trainer knows once it has encoded
 it, and a broadcast needs the same count on every rank, so in a sync whose trainer offered a delta
 base every bucket is two broadcasts: a 32-byte header (index, kind, payload length) and then that
 many payload bytes. A broadcast reaches every member alike, so a bucket goes as a delta only when

@@ -8,7 +8,7 @@ Wire format (little-endian), after connecting to the rollout's data address:
   bucket : b"WSB1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | nbytes of payload
   delta  : b"WSD1" | u32 index | u64 nbytes | u64 checksum | u8 has_checksum | u64 length | length bytes of
            payload: the bucket as the words that changed since the rollout's copy of the delta base
-           (weightsync/bus/delta.py), sent to a rollout that accepted the base; length < nbytes, and the
+           (weightsync/bus/delta/codec.py), sent to a rollout that accepted the base; length < nbytes, and the
            checksum is of the resulting dense bucket
 The receiver checks every header against the manifest it accepted in PrepareSync, so a peer
 cannot make it allocate or write more than the manifest declared.

@@ -7,9 +7,9 @@ import torch
 from rollout_svc.engine.base import Engine
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.support.packed import packed_sync
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.plan import TensorMeta
-from weightsync.formats.fp8_spec import BLOCK_FP8
+from weightsync.formats.fp8.spec import BLOCK_FP8
 from weightsync.v1 import rollout_pb2
 
 

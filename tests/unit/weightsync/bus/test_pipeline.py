@@ -140,7 +140,7 @@ def test_buffer_pool_keeps_its_buffers_across_syncs_and_regrows_when_too_small()
 
 
 def test_in_place_buckets_are_sent_as_they_are_checksummed_as_they_are():
-    from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.pack import pack_bucket, unpack_bucket
 
     ts, m = _setup()
@@ -183,7 +183,7 @@ def _flats(ts, m):
 def test_in_place_checksums_travel_in_band_only_where_the_sender_carries_them_and_all_reach_the_commit(
     in_band, carried
 ):
-    from weightsync.bus.checksum import InFlightChecksums, bucket_checksum
+    from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 
     ts, m = _setup()
     flats = _flats(ts, m)
@@ -199,7 +199,7 @@ def test_in_place_checksums_travel_in_band_only_where_the_sender_carries_them_an
 
 
 def test_a_sender_naming_an_unknown_checksums_in_band_is_refused_and_a_short_checksum_list_too():
-    from weightsync.bus.checksum import InFlightChecksums
+    from weightsync.bus.copy.checksum import InFlightChecksums
 
     ts, m = _setup()
     flats = _flats(ts, m)

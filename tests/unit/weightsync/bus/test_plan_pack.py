@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket, unpack_bucket
 from weightsync.bus.plan import ALIGN, TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
 from weightsync.v1 import bus_pb2

@@ -1,7 +1,7 @@
 """Delta syncs of an FP8 export (export_dtype=fp8-block) over TCP are bit-exact.
 
 The delta is of the quantized buckets as they travel — e4m3 bytes, their float32 block scales and
-the bf16 tensors — with one-byte words in a bucket that holds an FP8 tensor (weightsync/bus/delta.py).
+the bf16 tensors — with one-byte words in a bucket that holds an FP8 tensor (weightsync/bus/delta/codec.py).
 Real TrainerApp (hf, tiny-qwen2, sync_encoding=delta) and RolloutApps (staged, inplace) on loopback
 gRPC, TCP bus. Checked after several 2 % changes synced as deltas: every rollout's copy of the
 buckets is byte for byte the trainer's base (quantized bytes and scales), and its engine holds

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta, make_manifest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta
 from weightsync.publisher.delta_sync import DeltaBase

@@ -10,7 +10,7 @@ import torch
 
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.models import resolve_model
@@ -174,7 +174,7 @@ def _stop(rollouts, sync_id):
 def test_fp8_every_owner_quantizes_and_streams_its_own_weights_and_scales():
     """fp8-block with two senders: each rank quantizes the tensors it assembles (a weight's scale
     goes with it), and the rollouts end with exactly what one stream of the whole model gives."""
-    from weightsync.formats.fp8_import import Dequantizer
+    from weightsync.formats.fp8.receive import Dequantizer
 
     _, state, owners = _model()
     fmt, m, rollouts, out = _fp8_sync(state, owners)

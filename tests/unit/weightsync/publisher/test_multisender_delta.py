@@ -15,7 +15,7 @@ import torch
 from rollout_svc.engine.builtin import BuiltinEngine
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.unit.weightsync.publisher.test_multisender import TOKEN, RankActor, _model, _run
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta
 from weightsync.bus.tcp.receiver import TcpReceiver

@@ -73,8 +73,8 @@ def test_declined_when_the_parameters_are_not_the_export_as_they_are():
 def test_a_block_fp8_layout_is_declined_so_the_sync_packs_the_quantized_export():
     """The stream phase now asks every actor for flat buckets of a quantized layout too (megatron's
     quantizes into them); the hf actor has no FP8 slots of its own and must say None."""
-    from weightsync.formats.fp8_export import export_metas
-    from weightsync.formats.fp8_spec import BLOCK_FP8
+    from weightsync.formats.fp8.export import export_metas
+    from weightsync.formats.fp8.spec import BLOCK_FP8
 
     actor = _actor(export_dtype=torch.float32)
     m = ManifestCache().manifest(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer_svc.config import TrainerConfig
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.ipc.trainer_writes import (
     DestinationError,
     Destinations,
@@ -258,7 +258,7 @@ def test_every_bucket_at_once_lands_and_sums_as_copy_into_and_a_bad_layout_copie
     `copy_into` lands them and each bucket's sums give its bucket_checksum, over fresh contents in the
     same buffers; a destination that cannot take its slot as words leaves every destination untouched.
     tests/gpu/test_trainer_writes_gpu.py runs it with the fused kernel."""
-    from weightsync.bus.verified_copy import copy_all_into, pending_values
+    from weightsync.bus.copy.verified_copy import copy_all_into, pending_values
 
     metas = [*METAS, TensorMeta("f", (5000, 3), torch.float32)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=1 << 12, checksum_algo="ws-sum64-v1")

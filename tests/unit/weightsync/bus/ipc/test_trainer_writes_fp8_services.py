@@ -120,7 +120,7 @@ def test_a_rollout_whose_engine_loads_fp8_pairs_offers_no_table(pair, monkeypatc
 class FlatFp8:
     """What megatron's flat export does on a GPU (trainer_svc/actor/megatron/flat_buckets.py), for the hf
     actor on the CPU: the manifest's buckets as flat buffers, the 16-bit tensors written into their
-    slots at each call and the FP8 weights quantized into theirs from the parameters (fp8_slots.py's
+    slots at each call and the FP8 weights quantized into theirs from the parameters (fp8/quantize_slots.py's
     torch path), unless `quantize=False`. Records each call's `quantize`."""
 
     def __init__(self, trainer):
@@ -132,7 +132,7 @@ class FlatFp8:
             monkeypatch.setattr(actor, name, getattr(self, name.removeprefix("flat_")), raising=False)
 
     def buckets(self, manifest, quantize: bool = True):
-        from weightsync.formats import fp8_slots
+        from weightsync.formats.fp8 import quantize_slots
 
         self.calls.append(quantize)
         params = dict(self.trainer.actor.export_tensors())  # the parameters themselves (float32)
@@ -143,12 +143,14 @@ class FlatFp8:
         for name, (k, slot) in slots.items():
             if slot.meta.dtype == torch.float8_e4m3fn:
                 sk, sslot = slots[name + "_scale_inv"]
-                (si,) = fp8_slots.stand_ins([slot.meta.shape])
-                weights.append(fp8_slots.SlotWeight(name, k, slot.offset, sslot.offset, si, [(si, params[name])], sk))
+                (si,) = quantize_slots.stand_ins([slot.meta.shape])
+                weights.append(
+                    quantize_slots.SlotWeight(name, k, slot.offset, sslot.offset, si, [(si, params[name])], sk)
+                )
             elif name in params:  # (not a scale) the export's 16-bit tensors
                 t = params[name].to(slot.meta.dtype).contiguous()
                 self._flats[k][slot.offset : slot.offset + slot.meta.nbytes] = t.view(-1).view(torch.uint8)
-        self._quant = fp8_slots.plan(self._flats, weights, use_kernel=False)
+        self._quant = quantize_slots.plan(self._flats, weights, use_kernel=False)
         if quantize:
             self.quantize()
         return self._flats
@@ -279,7 +281,7 @@ def test_the_fp8_table_is_checked_against_the_pairs_naming_the_tensor(pair):
     tensor of another dtype, a table with nothing but the FP8 metas' own dtypes (what a trainer would get
     from a rollout that did not dequantize) are refused naming the tensor; the rollout's own table passes."""
     from weightsync.bus.ipc.trainer_writes import DestinationError, check
-    from weightsync.formats.fp8_trainer_writes import Fp8Writes
+    from weightsync.formats.fp8.trainer_writes import Fp8Writes
 
     trainer, app, _, _ = pair
     m = _fp8_manifest(trainer, "check")

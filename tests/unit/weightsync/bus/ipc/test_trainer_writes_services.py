@@ -18,7 +18,7 @@ import torch
 from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
 from tests.support.fleet_sync import assert_serves_export, bump_weights, rollout_calls
 from tests.support.local_apps import local_fleet
-from weightsync.bus.checksum import bucket_checksum, combine
+from weightsync.bus.copy.checksum import bucket_checksum, combine
 from weightsync.bus.pack import pack_bucket
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 

@@ -119,7 +119,7 @@ def test_a_damaged_base_copy_fails_the_commit_and_the_next_sync_is_dense(fleet, 
 
 
 def test_a_delta_frame_to_a_rollout_without_a_base_is_refused_not_applied():
-    from weightsync.bus.delta import encode
+    from weightsync.bus.delta.codec import encode
     from weightsync.bus.errors import TransportError
     from weightsync.bus.plan import TensorMeta, plan_buckets
 

@@ -20,7 +20,7 @@ import pytest
 from tests.support.fleet_sync import assert_serves_export, bump_weights
 from tests.support.nccl_loopback import LoopbackBus
 from weightsync.bus.channel import BucketSender
-from weightsync.bus.checksum import ALGO
+from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.pipeline import stream_buckets
 from weightsync.bus.plan import make_manifest, manifest_to_proto
 from weightsync.control.client import channel, rollout_stub

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pack import unpack_bucket
 from weightsync.bus.pipeline import stream_buckets
