@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench import cuda_median_s  # noqa: E402
+from bench.common.timing import cuda_median_s  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
 MODELS = {
