@@ -1,7 +1,7 @@
 """Full vs delta syncs over NCCL between two GPUs, through the services (the codec alone: `delta_codec`).
 
 A TrainerApp (hf, bf16, on cuda:0) and a RolloutApp (built-in engine, on cuda:1) in
-this process, transport nccl (libnccl), `--shape` of bench_services.MODELS. Each timed sync first
+this process, transport nccl (libnccl), `--shape` of bench/common/models.py's MODELS. Each timed sync first
 changes `--density` of the trainer's values, then, alternating `--reps` times: a full sync
 (sync_encoding=full) and a delta sync (sync_encoding=delta, forced: both GPUs are on one host, where
 auto picks full; after two untimed syncs that give both ends the base). Bit-exact after the last.

@@ -10,20 +10,20 @@ the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on d
 optimizer memory), and a sync at the same version still streams every byte and commits a new sync
 id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
 once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages between
-cuda:0 and cuda:1 (bench/bench_sync.py's technique) gives the ceiling; with `--transport ipc`, one
+cuda:0 and cuda:1 (the `bus` bench's technique) gives the ceiling; with `--transport ipc`, one
 device-to-device copy of the same bytes on the same GPU, in this process; ratio = raw_s / sync_s.
 Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
 the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
 
 Without --out a run is written to bench/results/services_<device>_<date>.json (bench/common/results.py).
 
-    python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
-    python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
-    python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
-    python bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+    python -m bench services --models 0.5b,1.5b,7b                              # >= 2 GPUs
+    python -m bench services --models 7b --transport ipc                        # 1 GPU, colocated
+    python -m bench services --models 7b --transport ipc --export-dtypes bfloat16,fp8-block
+    python -m bench services --models 7b,1.5b --transport ipc --backend megatron \
         --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10    # FP8 written by the trainer
-    python bench/bench_services.py --models 1.5b,7b --backend megatron --out services_nccl_megatron.json
-    OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
+    python -m bench services --models 1.5b,7b --backend megatron
+    OMP_NUM_THREADS=1 python -m bench services --models tiny --transport tcp --reps 2 --out /tmp
 """
 
 from __future__ import annotations
