@@ -18,7 +18,7 @@ median seconds per pass of every rank.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m bench flat_pp --model tiny --pp 2 --out /tmp
-    python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench flat_pp --model 7b --pp 2 --reps 5  # 2 GPUs
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench flat_pp --model 7b --pp 2  # 2 GPUs
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m bench flat_pp --model 7b --tp 2 --pp 1 --reps 5   # 2 GPUs
 """
