@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-ms", type=float, default=0.4, help="the trainer's own work during prepare (Python)")
     ap.add_argument("--rollout-ms", type=float, default=0.8, help="the rollout's time to answer")
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     args = ap.parse_args(argv)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "prepare_overlap",
         [{"variant": name, "gather_s": ms / 1e3, "no_work_s": idle} for name, ms in rows],
         baseline={"what": "the same gather with no trainer work, same run", "rows_key": "no_work_s"},
+        out=args.out or None,
         device="cpu",
         work_ms=args.work_ms,
         rollout_ms=args.rollout_ms,
