@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def run(name: str, argv: list[str]) -> int:
     from bench.common.results import set_command
 
     fn = resolve(name)
-    set_command(" ".join(["python -m bench", name, *argv]))
+    set_command("python -m bench " + shlex.join([name, *argv]))
     if inspect.signature(fn).parameters:
         rc = fn(argv)
     else:  # a main() that parses sys.argv itself (bench/sglang_live.py)
