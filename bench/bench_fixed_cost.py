@@ -41,7 +41,7 @@ def round_trips(orch, entry, method: str, request, args) -> list[float]:
     out = []
     for rep in range(args.warmup + args.reps):
         t0 = time.perf_counter()
-        _, err = orch._call(entry, method, request)
+        _, err = orch.rollouts.call(entry, method, request)
         if err:
             raise RuntimeError(f"{method} failed: {err}")
         if rep >= args.warmup:

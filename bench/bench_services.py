@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio"] = r["raw_s"] / r["sync_s"]
             for g in r.get("by_direction", {}).values():
                 g["ratio"] = r["raw_s"] / g["sync_s"]
-    path = write_result(
+    write_result(
         "services",
         rows_of(results["models"]),
         baseline=BOUNDS.get(args.transport),
@@ -407,7 +407,6 @@ def main(argv: list[str] | None = None) -> int:
         **{k: results[k] for k in ("nccl", "raw_error") if k in results},
     )
     print_table(results)
-    print(f"wrote {path}")
     if failed:
         print(f"logs kept under {work}", file=sys.stderr)
     else:
