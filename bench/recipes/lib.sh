@@ -3,7 +3,7 @@
 #          one folder per step), every step's log in $OUT/logs.tar.gz (kept whatever stops the call)
 #   LIMIT  seconds for the whole call (default 560: one 10-minute device call with room to copy back)
 # The GPU hosts have no network: the services' wheels (megatron-core, grpcio, protobuf, the HTTP stack)
-# travel in .whl/ (docs/BENCHMARKS.md, "Running on a GPU host") and are installed into /tmp/site here.
+# travel in .whl/ (docs/BENCHMARKS.md, "Running benchmarks") and are installed into /tmp/site here.
 #   step SECONDS NAME CMD...   CMD bounded by SECONDS and by what is left of LIMIT (5 s kept for `pack`), its
 #                              results in $OUT/NAME/ (BENCH_RESULTS_DIR), its output in $LOGS/NAME.log
 #   show NAME LINES            the end of a step's log, warnings left out
