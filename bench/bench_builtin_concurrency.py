@@ -12,8 +12,8 @@ variants that separate the suspects, and prints each variant's time and the gaps
 - 16 threads taking turns with the interpreter's switch interval at 0.5 ms (a GIL convoy would shrink).
 If none of them is slow, the cause is in the services (gRPC threads, admission, streaming), not the engine.
 
-    python bench/bench_builtin_concurrency.py --device cuda:0        # a 0.5B-shaped random model, one GPU
-    python bench/bench_builtin_concurrency.py --device cpu --hidden 64 --layers 2
+    python -m bench builtin_concurrency --device cuda:0        # a 0.5B-shaped random model, one GPU
+    python -m bench builtin_concurrency --device cpu --hidden 64 --layers 2
 """
 
 from __future__ import annotations
@@ -27,18 +27,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     import torch
     from transformers import Qwen2Config
 
     import rollout_svc.sync.engine_gate as gate_mod
+    from bench.common import timing
+    from bench.common.results import write_result
     from rollout_svc.engine.base import SamplingParams
     from rollout_svc.engine.builtin import BuiltinEngine
     from rollout_svc.sync.engine_gate import EngineGate
@@ -52,6 +55,8 @@ def main() -> None:
     engine = BuiltinEngine.from_config(cfg, dtype=dtype, device=args.device)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 10, 11], [10, 11, 12, 13, 14, 15]]
     sampling = SamplingParams(max_new_tokens=args.tokens, temperature=0.0)
+
+    rows = []
 
     def run(label: str, threads: bool, use_gate: bool = True, serial: bool = False) -> None:
         gate, lock, stamps = EngineGate(), threading.Lock(), []
@@ -86,6 +91,10 @@ def main() -> None:
         gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
         q = (lambda p: f"{gaps[int(p * (len(gaps) - 1))] * 1e3:.2f}") if gaps else (lambda p: "-")
         print(f"{label}: {dt:.3f} s; gap between steps ms p50 {q(0.5)} p90 {q(0.9)} max {q(1.0)}", flush=True)
+        row = {"variant": label, "total_s": dt, "sequential_s": rows[0]["total_s"] if rows else dt}
+        if gaps:
+            row.update(step_gap_p50_s=timing.percentile(gaps, 50), step_gap_max_s=gaps[-1])
+        rows.append(row)
 
     seen = []
     worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
@@ -102,7 +111,11 @@ def main() -> None:
     run(f"{args.requests} threads behind a plain lock", threads=True, use_gate=False)
     sys.setswitchinterval(0.0005)
     run(f"{args.requests} threads taking turns, switch interval 0.5 ms", threads=True)
+    baseline = {"what": "the same requests one after another through the gate, same engine", "rows_key": "sequential_s"}
+    device = "cpu" if args.device == "cpu" else None
+    write_result("builtin_concurrency", rows, baseline=baseline, out=args.out or None, device=device, args=vars(args))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

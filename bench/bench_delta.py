@@ -11,12 +11,12 @@ changes `--density` of the trainer's values (as an optimizer step at a small lea
 alternating, `--reps` times each per rate; the rollout's weights are checked bit-exact after the last one.
 Speed-up = median full seconds / median delta seconds.
 
-The model: a small Qwen2 shape (82 MB in bf16) by default, or `--shape` one of bench_services.MODELS
+The model: a small Qwen2 shape (82 MB in bf16) by default, or `--shape` one of bench/common/models.py's MODELS
 (1.5b: Qwen2.5-1.5B, 3.09 GB in bf16; `--layers` cuts its depth to fit the host's memory: this
 process holds the trainer's parameters and base copy and the rollout's, about 4-5x the export).
 
-    OMP_NUM_THREADS=1 python bench/bench_delta.py --out bench/results/results_delta_cpu_<date>.json
-    OMP_NUM_THREADS=1 python bench/bench_delta.py --shape 1.5b --density 0.02 --gbps 1 10 --reps 3 --out ...
+    OMP_NUM_THREADS=1 python -m bench delta
+    OMP_NUM_THREADS=1 python -m bench delta --shape 1.5b --density 0.02 --gbps 1 10 --reps 3
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.common.models import qwen2_kwargs, row_of  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
+from bench.common.syncs import change_values, sync_row  # noqa: E402
 from tests.support.bus_proxy import BusProxy, SenderLinks  # noqa: E402  (the test proxy: run from a checkout)
 from weightsync.control.client import channel, trainer_stub  # noqa: E402
 from weightsync.local.procs import free_port  # noqa: E402
@@ -55,54 +58,19 @@ MODEL = dict(
 )
 
 
-def _shape(name: str, layers: int) -> dict:
-    from bench.bench_services import MODELS as SHAPES  # hidden, intermediate, layers, heads, kv heads, vocab, tied
-
-    h, inter, n_layers, heads, kv, vocab, tied = SHAPES[name]
-    return dict(
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers or n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        max_position_embeddings=512,
-        tie_word_embeddings=tied,
-    )
-
-
-def _change(model, fraction: float, g: torch.Generator) -> None:
-    """About `fraction` of the values change (random positions, drawn with replacement: a few repeat)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.view(-1)
-            idx = torch.randint(flat.numel(), (round(flat.numel() * fraction),), generator=g)
-            flat[idx] = (flat[idx].float() * 1.5 + 0.01).to(p.dtype)
-
-
-def _row(rep: trainer_pb2.SyncReport) -> dict:
-    r = rep.rollouts[0]
-    return {
-        "seconds": rep.seconds,
-        "stream_s": rep.phase_seconds.get("stream", 0.0),
-        "encoding": r.encoding,
-        "bytes": rep.bytes,
-        "wire_bytes": rep.wire_bytes,
-        "phase_seconds": dict(rep.phase_seconds),
-    }
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gbps", type=float, nargs="+", default=[1.0], help="link rates, Gb/s (each in turn)")
     ap.add_argument("--density", "--changed", type=float, default=0.02, help="fraction of values changed per sync")
-    ap.add_argument("--shape", default="", help="a bench_services.MODELS shape (0.5b, 1.5b, 7b); default: 82 MB")
+    ap.add_argument(
+        "--shape", default="", help="a MODELS shape (bench/common/models.py): 0.5b, 1.5b, 7b; default: 82 MB"
+    )
     ap.add_argument("--layers", type=int, default=0, help="with --shape: this many layers instead of the model's")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=16)
     ap.add_argument("--apply-mode", default="staged", choices=("staged", "inplace"), help="the rollout's apply_mode")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     from transformers import Qwen2Config
 
     from rollout_svc.app import RolloutApp
@@ -110,7 +78,7 @@ def main() -> int:
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    model = _shape(args.shape, args.layers) if args.shape else MODEL
+    model = {**qwen2_kwargs(row_of(args.shape), args.layers), "max_position_embeddings": 512} if args.shape else MODEL
     work = Path(tempfile.mkdtemp(prefix="bench-delta-"))
     Qwen2Config(**model).save_pretrained(str(work / "model"))
     t_setup = time.perf_counter()
@@ -149,7 +117,7 @@ def main() -> int:
     orch = trainer.orch
 
     def sync(encoding: str) -> trainer_pb2.SyncReport:
-        _change(trainer.actor.model, args.density, g)
+        change_values(trainer.actor.model, args.density, g)
         trainer.actor.version += 1
         orch.delta.encoding = encoding
         rep = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
@@ -162,9 +130,9 @@ def main() -> int:
             stub = trainer_stub(ch, "", 900)
             stub.RegisterRollout(trainer_pb2.RegisterRolloutRequest(rollout_id="r0", address=rollout.grpc.address))
             setup_s = time.perf_counter() - t_setup
-            unpaced = {"full": _row(sync("full"))}
+            unpaced = {"full": sync_row(sync("full"))}
             sync("delta")  # the base
-            unpaced["delta"] = _row(sync("delta"))
+            unpaced["delta"] = sync_row(sync("delta"))
             print(
                 f"unpaced: full {unpaced['full']['seconds']:.3f}s  delta {unpaced['delta']['seconds']:.3f}s", flush=True
             )
@@ -173,9 +141,9 @@ def main() -> int:
                 links.reset(gbps * 1e9 / 8)
                 runs: dict[str, list[dict]] = {"full": [], "delta": []}
                 for _ in range(args.reps):
-                    runs["full"].append(_row(sync("full")))
+                    runs["full"].append(sync_row(sync("full")))
                     sync("delta")  # the base (untimed: after a full sync the trainer keeps none)
-                    runs["delta"].append(_row(sync("delta")))
+                    runs["delta"].append(sync_row(sync("delta")))
                     assert runs["delta"][-1]["encoding"] == "delta", runs["delta"][-1]
                     print(
                         f"{gbps:g} Gb/s: full {runs['full'][-1]['seconds']:.3f}s  "
@@ -198,9 +166,7 @@ def main() -> int:
         )
         model_bytes = unpaced["full"]["bytes"]
         result = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
-            "command": "OMP_NUM_THREADS=1 python bench/bench_delta.py " + " ".join(sys.argv[1:]),
             "shape": args.shape or "small",
             "model": model,
             "model_mb": model_bytes / 1e6,
@@ -209,7 +175,6 @@ def main() -> int:
             "apply_mode": args.apply_mode,
             "setup_s": setup_s,
             "unpaced": unpaced,
-            "rates": rates,
             "bit_exact": exact,
             "trainer_base_mb": orch.delta.held_bytes() / 1e6,
             "rollout_base_mb": rollout.tx.delta_base.held_bytes() / 1e6,
@@ -217,8 +182,12 @@ def main() -> int:
         }
         summary = {k: {x: r[x] for x in ("median_s", "wire_ratio", "speedup")} for k, r in rates.items()}
         print(json.dumps({"model_mb": result["model_mb"], "bit_exact": exact, "rates": summary}))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        rows = [
+            {"gbps": r["gbps"], "full_s": r["median_s"]["full"], "delta_s": r["median_s"]["delta"], **r}
+            for r in rates.values()
+        ]
+        baseline = {"what": "full syncs alternating with the delta syncs, same services and link", "rows_key": "full_s"}
+        write_result("delta", rows, baseline=baseline, out=args.out or None, device="cpu", **result)
         return 0 if exact else 1
     finally:
         proxy.close()

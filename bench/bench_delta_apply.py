@@ -8,13 +8,12 @@ per repetition (median of `--reps`), on a fresh copy of the base:
           then only the changed words into the parameters (rollout_svc/sync/sparse_write.py)
 Scaled to `--buckets` buckets (50: the 0.84 GB of bench_delta.py's `--shape 1.5b --layers 4`).
 
-    OMP_NUM_THREADS=1 python bench/bench_delta_apply.py --out bench/results/results_delta_apply_cpu_<date>.json
+    OMP_NUM_THREADS=1 python -m bench delta_apply
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.common.results import write_result  # noqa: E402
 from rollout_svc.sync.sparse_write import slot_words, write  # noqa: E402
 from weightsync.bus.copy.checksum import word_sums  # noqa: E402
 from weightsync.bus.copy.verified_copy import copy_into  # noqa: E402
@@ -33,13 +33,13 @@ from weightsync.bus.delta.codec import apply_delta, encode  # noqa: E402
 from weightsync.bus.plan import TensorMeta, plan_buckets  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--buckets", type=int, default=50)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    ap.add_argument("--out", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     metas = [TensorMeta(f"w{i}", (1 << 19,), torch.bfloat16) for i in range(16)]
     (plan,) = plan_buckets(metas, 16 << 20)
@@ -86,20 +86,23 @@ def main() -> int:
             f"{name}: per 16 MiB bucket apply {r['apply_s'] * 1e3:.2f} ms, into the engine "
             f"{r['into_engine_s'] * 1e3:.2f} ms; x{args.buckets} buckets: {r['per_sync_s']:.2f} s"
         )
-    if args.out:
-        result = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
-            "command": " ".join(["python", *sys.argv]),
-            "density": args.density,
-            "changed_words": int(pos.numel()),
-            "bucket_bytes": plan.nbytes,
-            "payload_bytes": int(payload.numel()),
-            "buckets": args.buckets,
-            "results": out,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    rows = [{"path": name, **r, "full_per_sync_s": out["full"]["per_sync_s"]} for name, r in out.items()]
+    write_result(
+        "delta_apply",
+        rows,
+        baseline={
+            "what": "the full checked copy (path full) of the same bucket, same run",
+            "rows_key": "full_per_sync_s",
+        },
+        out=args.out,
+        device="cpu",
+        machine=f"{platform.machine()} {os.cpu_count()} CPUs",
+        density=args.density,
+        changed_words=int(pos.numel()),
+        bucket_bytes=plan.nbytes,
+        payload_bytes=int(payload.numel()),
+        buckets=args.buckets,
+    )
     return 0
 
 

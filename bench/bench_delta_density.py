@@ -10,7 +10,7 @@ tiny model (`--model`). After each step's sync it records:
 - wire_ratio: that sync's bytes on the bus (SyncReport.wire_bytes, frames included) / the model's bytes,
   and the encoding the rollout got (delta after the first sync)
 
-    OMP_NUM_THREADS=1 python bench/bench_delta_density.py --out bench/results/results_delta_density_<date>.json
+    OMP_NUM_THREADS=1 python -m bench delta_density
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import time
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -123,30 +121,26 @@ def run(backend: str, lr: float, steps: int, model: str, seed: int) -> dict:
     return {"backend": backend, "lr": lr, "steps": rows}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", nargs="+", default=["hf", "megatron"])
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--model", default="tiny-qwen2")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     runs = [run(b, lr, args.steps, args.model, args.seed) for b in args.backends for lr in args.lrs]
     for r in runs:
         later = [s for s in r["steps"] if s["encoding"] == "delta"]
         r["median_changed"] = statistics.median(s["changed"] for s in r["steps"])
         r["median_wire_ratio_delta"] = statistics.median(s["wire_ratio"] for s in later) if later else None
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
-        "command": "OMP_NUM_THREADS=1 python bench/bench_delta_density.py " + " ".join(sys.argv[1:]),
-        "model": args.model,
-        "runs": runs,
-    }
     print(json.dumps([{k: r[k] for k in ("backend", "lr", "median_changed", "median_wire_ratio_delta")} for r in runs]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    from bench.common.results import write_result
+
+    machine = f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+    # no baseline: a count of changed values, not a time against a bound
+    write_result("delta_density", runs, out=args.out or None, device="cpu", machine=machine, model=args.model)
     return 0
 
 

@@ -13,43 +13,25 @@ warps (the first is the row's); `triton_compare_torch_gaps`: the fused compare w
 its positions (gaps: the smaller wire). Checked first: the fused payload is the torch bitmap
 (delta.encode(kind=BITMAP)) byte for byte and both applies are exact.
 
-    python bench/bench_delta_gpu_codec.py --out bench/results/results_delta_gpu_codec_<gpu>_<date>.json
+    python -m bench delta_codec
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench import cuda_median_s  # noqa: E402
-
-# hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
-MODELS = {
-    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
-    "7b": (3584, 18944, 28, 28, 4, 152064, False),
-}
-
+from bench.common.models import export_bytes  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
+from bench.common.timing import cuda_median_s  # noqa: E402
 
 PASSES = ("encode", "trainer", "apply")
-
-
-def export_bytes(name: str) -> int:
-    """bf16 bytes of a Qwen2.5-shaped model (bench/model_shapes.py's tensors)."""
-    h, inter, layers, heads, kv, vocab, tied = MODELS[name]
-    kvd = kv * (h // heads)
-    layer = 2 * h + (h * h + h) + 2 * (kvd * h + kvd) + h * h + 3 * inter * h
-    return 2 * (vocab * h * (1 if tied else 2) + layers * layer + h)
-
-
 DEV = torch.device("cuda:0")
 
 
@@ -152,17 +134,17 @@ class torch_only:
         delta._fused = self._real
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="1.5b,7b")
     ap.add_argument("--densities", default="0.01,0.02,0.03")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--configs", default="4096x8", help="fused path: BLOCKxWARPS list; the first is the row's")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    from weightsync.bus.copy.checksum import word_sums
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     from weightsync.bus.delta import codec_triton as delta_cuda
+    from weightsync.bus.copy.checksum import word_sums
 
     if not delta_cuda.available():
         print("needs a CUDA GPU and triton", file=sys.stderr)
@@ -201,17 +183,11 @@ def main() -> int:
             )
             del news, bases, copies, sums
             torch.cuda.empty_cache()
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "command": "python bench/bench_delta_gpu_codec.py " + " ".join(sys.argv[1:]),
-        "bucket_mb": args.bucket_mb,
-        "reps": args.reps,
-        "rows": rows,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for row in rows:  # each pass's seconds on both paths, flat, next to each other
+        for path in ("torch", "triton"):
+            row.update({f"{path}_{k}_s": row[path][k]["seconds"] for k in PASSES})
+    baseline = {"what": "the torch ops (delta.py without Triton) on the same buckets", "rows_key": "torch_encode_s"}
+    write_result("delta_codec", rows, baseline=baseline, out=args.out or None, bucket_mb=args.bucket_mb, reps=args.reps)
     return 0
 
 

@@ -1,11 +1,7 @@
-"""Full vs delta syncs over NCCL between two GPUs, through the services; and the delta codec on CUDA.
+"""Full vs delta syncs over NCCL between two GPUs, through the services (the codec alone: `delta_codec`).
 
-`--codec`: the codec alone on one GPU, per GB of buckets at `--density` of bf16 values changed:
-the trainer's compare and encode (delta.diff + delta.encode), the rollout's apply with the base's
-word sums (delta.apply_delta), next to a plain device copy of the same bytes; checked exact.
-
-Otherwise: a TrainerApp (hf, bf16, on cuda:0) and a RolloutApp (built-in engine, on cuda:1) in
-this process, transport nccl (libnccl), `--shape` of bench_services.MODELS. Each timed sync first
+A TrainerApp (hf, bf16, on cuda:0) and a RolloutApp (built-in engine, on cuda:1) in
+this process, transport nccl (libnccl), `--shape` of bench/common/models.py's MODELS. Each timed sync first
 changes `--density` of the trainer's values, then, alternating `--reps` times: a full sync
 (sync_encoding=full) and a delta sync (sync_encoding=delta, forced: both GPUs are on one host, where
 auto picks full; after two untimed syncs that give both ends the base). Bit-exact after the last.
@@ -18,15 +14,14 @@ after the untimed first: per sync its encoding, time, wire ratio, the measured r
 trainer then holds a base. Over NVLink every one should stay full with no base; over the socket
 transport the third after the first measured one should be a delta:
 
-    python bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6
-    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python bench/bench_delta_nccl.py --shape 1.5b --bucket-mb 1024 --auto 6
+    python -m bench delta_nccl --shape 1.5b --bucket-mb 1024 --auto 6
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 python -m bench delta_nccl --shape 1.5b --bucket-mb 1024 --auto 6
 
-    python bench/bench_delta_nccl.py --codec --out bench/results/results_delta_codec_gpu_<date>.json
-    python bench/bench_delta_nccl.py --shape 1.5b --reps 3 --out bench/results/results_delta_nccl_gpu_<date>.json
+    python -m bench delta_nccl --shape 1.5b --reps 3
 
 The 1.5B shape's setup (both models built in this process) took over 60 s on an H100 host: give a run
 several minutes. The script itself runs on CPU over the gloo stand-in (a check, not a measurement):
-    WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus python bench/bench_delta_nccl.py --shape "" \
+    WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus python -m bench delta_nccl --shape "" \
         --trainer-device cpu --rollout-device cpu --reps 1
 """
 
@@ -46,59 +41,15 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench import cuda_median_s  # noqa: E402
-
-
-def codec(args) -> dict:
-    from weightsync.bus.copy.checksum import word_sums
-    from weightsync.bus.delta.codec import apply_delta, diff, encode
-
-    dev = torch.device("cuda:0")
-    n = args.bucket_mb << 20
-    buckets = max(1, (args.gb << 30) // n)
-    g = torch.Generator(device=dev).manual_seed(0)
-    bases = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g) for _ in range(buckets)]
-    news = []
-    for b in bases:
-        new = b.clone()
-        w = new.view(torch.int16)
-        pos = (torch.rand(w.numel(), device=dev, generator=g) < args.density).nonzero().squeeze(1)
-        w[pos] ^= 0x21
-        news.append(new)
-    sums = [word_sums(b.view(torch.int32)) for b in bases]
-    payloads = [encode(nw, b, 2, diff(nw, b, 2)) for nw, b in zip(news, bases)]
-    for p, b, nw, s in zip(payloads, bases, news, sums):  # correct first
-        c = b.clone()
-        a = apply_delta(p, c, s)
-        assert torch.equal(c, nw) and torch.equal(a.sums, word_sums(nw.view(torch.int32)))
-    copies = [b.clone() for b in bases]
-
-    def trainer_side():
-        for nw, b in zip(news, bases):
-            encode(nw, b, 2, diff(nw, b, 2))
-
-    def rollout_side():
-        for p, c, s in zip(payloads, copies, sums):
-            apply_delta(p, c, s)  # onto a copy already patched: the same writes, the same work
-
-    def plain_copy():
-        for c, b in zip(copies, bases):
-            c.copy_(b)
-
-    total = n * buckets
-    res = {}
-    for name, fn in (("diff_encode", trainer_side), ("apply_with_sums", rollout_side), ("device_copy", plain_copy)):
-        s = cuda_median_s(fn, args.reps)
-        res[name] = {"seconds": s, "s_per_gb": s / (total / 1e9), "gb_per_s": total / 1e9 / s}
-        print(f"{name}: {s * 1e3:.1f} ms for {total / 1e9:.2f} GB: {res[name]['gb_per_s']:.1f} GB/s", flush=True)
-    res["payload_ratio"] = sum(p.numel() for p in payloads) / total
-    return {"bytes": total, "bucket_mb": args.bucket_mb, "buckets": buckets, "density": args.density, "results": res}
+from bench.common.models import qwen2_kwargs, row_of  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
+from bench.common.syncs import change_values, sync_row  # noqa: E402
 
 
 def services(args) -> dict:
     from transformers import Qwen2Config
 
-    from bench.bench_delta import MODEL, _change, _row, _shape
+    from bench.bench_delta import MODEL
     from rollout_svc.app import RolloutApp
     from rollout_svc.config import RolloutConfig
     from trainer_svc.app import TrainerApp
@@ -106,7 +57,7 @@ def services(args) -> dict:
     from weightsync.control.client import channel, trainer_stub
     from weightsync.v1 import trainer_pb2
 
-    model = _shape(args.shape, args.layers) if args.shape else MODEL
+    model = {**qwen2_kwargs(row_of(args.shape), args.layers), "max_position_embeddings": 512} if args.shape else MODEL
     work = Path(tempfile.mkdtemp(prefix="bench-delta-nccl-"))
     Qwen2Config(**model).save_pretrained(str(work / "model"))
     t0 = time.perf_counter()
@@ -146,7 +97,7 @@ def services(args) -> dict:
         trainer.orch.delta.link_gbps = args.delta_link_gbps
 
     def sync(encoding: str) -> trainer_pb2.SyncReport:
-        _change(trainer.actor.model, args.density, g)
+        change_values(trainer.actor.model, args.density, g)
         trainer.actor.version += 1
         trainer.orch.delta.encoding = encoding
         rep = stub.Sync(trainer_pb2.SyncRequest(transport="nccl")).report
@@ -162,7 +113,7 @@ def services(args) -> dict:
 
     def row(rep: trainer_pb2.SyncReport) -> dict:
         rate = trainer.orch.delta.link_rate
-        return {**_row(rep), "link_GBps": rate / 1e9 if rate else None, "base_held": bool(trainer.orch.delta.held)}
+        return {**sync_row(rep), "link_GBps": rate / 1e9 if rate else None, "base_held": bool(trainer.orch.delta.held)}
 
     try:
         with channel(trainer.grpc.address) as ch:
@@ -178,7 +129,7 @@ def services(args) -> dict:
                 runs["full"].append(row(sync("full")))
                 sync("delta")  # kept by the trainer, not offered yet
                 sync("delta")  # offered, refused (no copy on the rollout), framed dense: kept by the rollout
-                runs["delta"].append(_row(sync("delta")))
+                runs["delta"].append(sync_row(sync("delta")))
                 assert runs["delta"][-1]["encoding"] == "delta", runs["delta"][-1]
                 print(
                     f"nccl: full {runs['full'][-1]['seconds']:.3f}s  delta {runs['delta'][-1]['seconds']:.3f}s "
@@ -229,10 +180,8 @@ def auto(args, model: dict, setup_s: float, runs: list[dict]) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--codec", action="store_true", help="time the codec alone on cuda:0")
-    ap.add_argument("--gb", type=int, default=1, help="--codec: GB of buckets")
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--shape", default="1.5b")
     ap.add_argument("--layers", type=int, default=0)
@@ -241,20 +190,20 @@ def main() -> int:
     ap.add_argument("--apply-mode", default="inplace", choices=("staged", "inplace"))
     ap.add_argument("--trainer-device", default="cuda:0")
     ap.add_argument("--rollout-device", default="cuda:1")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     ap.add_argument("--auto", type=int, default=0, help="N syncs under sync_encoding=auto instead of full vs delta")
     ap.add_argument("--delta-link-gbps", type=float, default=None, help="--auto: the trainer's delta_link_gbps")
-    args = ap.parse_args()
-    result = codec(args) if args.codec else services(args)
-    result.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        command="python bench/bench_delta_nccl.py " + " ".join(sys.argv[1:]),
-    )
-    keys = ("median_s", "speedup", "bit_exact", "results", "encodings")
+    args = ap.parse_args(argv)
+    result = services(args)
+    keys = ("median_s", "speedup", "bit_exact", "encodings")
     print(json.dumps({k: result[k] for k in keys if k in result}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.auto:
+        rows, baseline = result.pop("auto_runs"), None
+    else:
+        med = result.pop("median_s")
+        rows = [{"full_s": med["full"], "delta_s": med["delta"], "speedup": result.pop("speedup")}]
+        baseline = {"what": "full syncs alternating with the delta syncs in the same services", "rows_key": "full_s"}
+    write_result("delta_nccl", rows, baseline=baseline, out=args.out or None, **result)
     return 0 if result.get("bit_exact", True) else 1
 
 

@@ -4,7 +4,7 @@ The rollout's engine gate lets requests take turns between decode steps (shortes
 service first), so a small request should wait about one step of the large one, not all of it.
 This measures it against any rollout-svc (gRPC), e.g. on a GPU host:
 
-    python -m bench.bench_fairness --address 127.0.0.1:50061 --big-prompts 8 --big-n 64 --big-tokens 480
+    python -m bench fairness --address 127.0.0.1:50061 --big-prompts 8 --big-n 64 --big-tokens 480
 
 It prints one JSON object: p50/p99 of the small requests idle (before and after each loaded round,
 pooled) and loaded, their ratio, and how long the engine took to free up after the large request
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import grpc
@@ -114,7 +115,7 @@ def measure(
     return r
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", required=True, help="rollout gRPC address")
     p.add_argument("--token", default="")
@@ -124,16 +125,16 @@ def main() -> None:
     p.add_argument("--big-n", type=int, default=64)
     p.add_argument("--big-tokens", type=int, default=480)
     p.add_argument("--rounds", type=int, default=1, help="alternations of idle and loaded phases")
-    a = p.parse_args()
-    print(
-        json.dumps(
-            measure(
-                a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens, rounds=a.rounds
-            ),
-            indent=2,
-        )
-    )
+    p.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    a = p.parse_args(argv)
+    r = measure(a.address, a.token, a.samples, a.small_tokens, a.big_prompts, a.big_n, a.big_tokens, rounds=a.rounds)
+    print(json.dumps(r, indent=2))
+    from bench.common.results import write_result
+
+    baseline = {"what": "the same small requests on the idle rollout, same run", "rows_key": "idle_p99_s"}
+    write_result("fairness", [r], baseline=baseline, out=a.out or None, rollout=a.address)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,17 +15,14 @@ waited for the last bucket (part of the commit phase, but receive work, not fixe
 the floor of the prepare and commit phases (one RPC each), a GetStatus round trip on the same path
 and, over the link, an AbortSync of no sync.
 
-    OMP_NUM_THREADS=1 python bench/bench_fixed_cost.py --reps 50 --out bench/results/results_fixed_cost_cpu.json
+    OMP_NUM_THREADS=1 python -m bench fixed_cost --reps 50
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import logging
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -34,36 +31,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# hidden, intermediate, layers, heads, kv heads, vocab, tied
-LAYOUTS = {"7b-thin": (56, 64, 28, 28, 4, 256, False), "tiny": (64, 128, 2, 4, 2, 256, False)}
-
-
-def write_config(name: str, root: str) -> str:
-    from transformers import Qwen2Config
-
-    h, inter, layers, heads, kv, vocab, tied = LAYOUTS[name]
-    Qwen2Config(
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-    ).save_pretrained(root)
-    return root
-
-
-def timed(fn, into: list):
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            into.append(time.perf_counter() - t0)
-
-    return wrapper
+from bench.common.models import LAYOUTS, write_config  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
+from bench.common.timing import timed  # noqa: E402
 
 
 def round_trips(orch, entry, method: str, request, args) -> list[float]:
@@ -71,7 +41,7 @@ def round_trips(orch, entry, method: str, request, args) -> list[float]:
     out = []
     for rep in range(args.warmup + args.reps):
         t0 = time.perf_counter()
-        _, err = orch._call(entry, method, request)
+        _, err = orch.rollouts.call(entry, method, request)
         if err:
             raise RuntimeError(f"{method} failed: {err}")
         if rep >= args.warmup:
@@ -87,7 +57,7 @@ def run(layout: str, sync_link: bool, args) -> dict:
     from weightsync.control.client import channel, trainer_stub
     from weightsync.v1 import rollout_pb2, trainer_pb2
 
-    model = write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-"))
+    model = str(write_config(layout, tempfile.mkdtemp(prefix=f"fixed-cost-{layout}-")))
     trainer = TrainerApp(
         TrainerConfig.from_flat(
             grpc_address="127.0.0.1:0",
@@ -177,9 +147,9 @@ def run(layout: str, sync_link: bool, args) -> dict:
         trainer.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", default="7b-thin,tiny", help=f"comma list of {','.join(LAYOUTS)}")
+    ap.add_argument("--layouts", default="7b-thin,tiny-thin", help=f"comma list of {','.join(LAYOUTS)}")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-kb", type=int, default=64, help="bucket size (64 KiB: 15 buckets for 7b-thin)")
@@ -188,15 +158,11 @@ def main() -> int:
         default="link,grpc",
         help="comma list: link (prepare and commit over the sync link), grpc (as gRPC calls)",
     )
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    import torch
 
     out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "loadavg_before": os.getloadavg(),
         "results": [],
@@ -222,9 +188,21 @@ def main() -> int:
             f"one unary round trip (GetStatus) {m['rpc_round_trip'] * 1e3:.2f} ms{link}"
         )
     out["loadavg_after"] = os.getloadavg()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    rows = [
+        {
+            "layout": r["layout"],
+            "path": "link" if r["sync_link"] else "grpc",
+            "fixed_s": r["median_s"]["fixed"],
+            "rpc_round_trip_s": r["median_s"]["rpc_round_trip"],
+            **r,
+        }
+        for r in out.pop("results")
+    ]
+    baseline = {
+        "what": "one unary round trip (GetStatus) to the same rollout on the same path",
+        "rows_key": "rpc_round_trip_s",
+    }
+    write_result("fixed_cost", rows, baseline=baseline, out=args.out or None, device="cpu", **out)
     return 0
 
 

@@ -1,7 +1,7 @@
 """A pipeline stage's part of a multi-sender sync on the trainer side: export + pack against flat buckets.
 
 Run under torchrun, tp ranks per pipeline stage (EP=1); each rank builds its stage (its TP shards) of a
-Qwen2-shaped model (bench_services.py's MODELS) in `--param-dtype`, filled with random bits, and
+Qwen2-shaped model (bench/common/models.py's MODELS) in `--param-dtype`, filled with random bits, and
 times, over the buckets it owns (`Manifest.buckets_of(rank)` of the multi-sender layout):
 
 - `iter`: its own per-tensor export (`export_own_tensors`) packed into two rotating buffers, what
@@ -17,11 +17,10 @@ Each rank checks that both give the same bucket checksums. Rank 0 prints and wri
 median seconds per pass of every rank.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \\
-        bench/bench_flat_pp.py --model tiny --pp 2 --out /tmp/flat_pp_cpu.json
+        -m bench flat_pp --model tiny --pp 2 --out /tmp
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m bench flat_pp --model 7b --pp 2  # 2 GPUs
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
-        bench/bench_flat_pp.py --model 7b --pp 2 --reps 5 --out $OUT/flat_pp_gpu.json   # 2 GPUs
-    python -m torch.distributed.run --standalone --nproc-per-node=2 \
-        bench/bench_flat_pp.py --model 7b --tp 2 --pp 1 --reps 5 --out $OUT/flat_tp2_gpu.json   # 2 GPUs
+        -m bench flat_pp --model 7b --tp 2 --pp 1 --reps 5   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 def make_actor(name: str, dtype: torch.dtype, pp: int, vpp: int, tp: int = 1):
 
-    from bench.bench_services import MODELS, qwen2_config
+    from bench.common.models import MODELS, qwen2_config
     from trainer_svc.actor.megatron.actor import MegatronActor
 
     cfg = qwen2_config(MODELS[name])
@@ -76,7 +75,7 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--pp", type=int, default=2)
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.pack import alloc_buffer, pack_bucket
 
@@ -158,11 +157,14 @@ def main() -> None:
             "ranks": table,
         }
         print(json.dumps(out, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        from bench.common.results import write_result
+
+        rows = [{"rank": i, **r} for i, r in enumerate(out.pop("ranks"))]
+        baseline = {"what": "the same rank's export + pack of its buckets (iter), same run", "rows_key": "iter_s"}
+        write_result("flat_pp", rows, baseline=baseline, out=args.out or None, **out)
     dist.barrier()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The block-FP8 flat sync's kernels alone, each against a plain copy of bytes on the same device.
 
-One process, one rank (TP=PP=EP=1): a Qwen2-shaped megatron model (bench_services.py's MODELS,
+One process, one rank (TP=PP=EP=1): a Qwen2-shaped megatron model (bench/common/models.py's MODELS,
 `--shape`) with bf16 parameters filled with N(0, 0.02), a block-FP8 manifest of `--bucket-mb`
 buckets, and the trainer's flat export of it (trainer_svc/actor/megatron/flat_export.py), as a
 colocated sync uses them. Timed separately (CUDA events on a GPU, the median of `--reps` after a
@@ -34,26 +34,26 @@ Every result is checked: the quantized buckets against the torch reference (fp8.
 tensor by tensor) and the dequantized parameters against the torch path of the same plan, by
 checksum. `--profile`: a torch.profiler kernel summary of one refresh + checksum + dequant.
 
-    python bench/bench_fp8_slots.py --shape 7b --reps 10 --out $OUT/fp8_slots.json      # one GPU, < 3 min
-    TRITON_INTERPRET=1 python bench/bench_fp8_slots.py --shape tiny --reps 1            # CPU, the kernels interpreted
-    python bench/bench_fp8_slots.py --shape tiny --reps 1 --torch                       # CPU, the torch paths
+    python -m bench fp8_slots --shape 7b --reps 10                        # one GPU, < 3 min
+    TRITON_INTERPRET=1 python -m bench fp8_slots --shape tiny --reps 1    # CPU, the kernels interpreted
+    python -m bench fp8_slots --shape tiny --reps 1 --torch               # CPU, the torch paths
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402 (after the repo root is on the path)
+
+from bench.common.results import write_result  # noqa: E402
 
 
 def _sync(dev: torch.device) -> None:
@@ -84,7 +84,7 @@ def timed(fn, dev: torch.device, reps: int, warmup: int = 1) -> list[float]:
 
 
 def make_actor(shape: str):
-    from bench.bench_services import MODELS, qwen2_config
+    from bench.common.models import MODELS, qwen2_config
     from trainer_svc.actor.megatron.actor import MegatronActor
 
     # fp8-block: the actor exports float32 (publisher/export_format.actor_dtype), its parameters are bf16
@@ -132,16 +132,16 @@ def engine_params(manifest, dev: torch.device):
     return flat, params
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="7b", help="a bench_services MODELS row: tiny, 0.5b, 1.5b, 7b")
+    ap.add_argument("--shape", default="7b", help="a bench/common/models.py MODELS row: tiny, 0.5b, 1.5b, 7b")
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torch", action="store_true", help="the torch paths instead of the Triton kernels")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler kernel summary of one sync's kernels")
     ap.add_argument("--no-narrow", action="store_true", help="skip the A/B of the one-element-per-access variants")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
 
     from trainer_svc.actor.megatron.flat_export import FlatExport
     from weightsync.bus.copy import checksum
@@ -343,11 +343,7 @@ def main() -> int:
         moved["quant_narrow"], moved["dequant_narrow"] = moved["quant"], moved["dequant"]
     rec = {
         "shape": args.shape,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
         "kernels": "triton-interpreted" if kernel and dev.type != "cuda" else ("triton" if kernel else "torch"),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "command": " ".join(sys.argv),
         "build_s": build_s,
         "buckets": len(manifest.buckets),
         "bucket_bytes": bucket_bytes,
@@ -359,7 +355,7 @@ def main() -> int:
         "steps": {},
     }
     print(
-        f"{args.shape} on {rec['device']} ({rec['kernels']}): {len(manifest.buckets)} buckets, "
+        f"{args.shape} on {dev} ({rec['kernels']}): {len(manifest.buckets)} buckets, "
         f"{bucket_bytes / 1e9:.3f} GB on the bus, {fp8_elems / 1e9:.3f} G FP8 elements, "
         f"{fe.quant_launches} quant launches",
         flush=True,
@@ -456,8 +452,16 @@ def main() -> int:
         print(table_txt)
         rec["profile"] = table_txt
     actor.shutdown()
-    if args.out:
-        Path(args.out).write_text(json.dumps(rec, indent=1))
+    steps = rec.pop("steps")
+    rows = [
+        {"step": name, "median_s": r["s"], "samples_s": r.pop("s_all"), "copy_gbps": base, **r}
+        for name, r in steps.items()
+    ]
+    baseline = {
+        "what": "a plain copy_ of every bucket's bytes on the same device (the copy step)",
+        "rows_key": "copy_gbps",
+    }
+    write_result("fp8_slots", rows, baseline=baseline, out=args.out or None, device=dev.type, **rec)
     ok = rec["quant_matches_torch"] and rec["dequant_matches_torch"] and rec.get("known_sums_match", True)
     ok = ok and rec.get("trainer_writes_matches", True)
     return 0 if ok else 1

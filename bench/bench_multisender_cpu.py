@@ -12,7 +12,7 @@ that speed. Then, in one run and alternating, `--reps` syncs of each kind throug
 The rate is chosen so that the link, not the CPU, is the bottleneck (the unthrottled sync of the
 same model is reported next to it). Speed-up = median rank0 sync seconds / median all seconds.
 
-    OMP_NUM_THREADS=1 python bench/bench_multisender_cpu.py --out /tmp/ms.json
+    OMP_NUM_THREADS=1 python -m bench multisender
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,14 +72,14 @@ def _row(rep: trainer_pb2.SyncReport) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--rate-mb", type=float, default=20.0, help="per-sender link rate, MB/s")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     from transformers import Qwen2Config
 
     work = Path(tempfile.mkdtemp(prefix="bench-ms-"))
@@ -133,7 +132,6 @@ def main() -> int:
             rep = _sync(stub, "all")
         med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
         result = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.node()} {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})",
             "model_mb": rep.bytes / 1e6,
             "pp": args.pp,
@@ -149,8 +147,14 @@ def main() -> int:
             "speedup": med["rank0"] / med["all"],
         }
         print(json.dumps({k: result[k] for k in ("model_mb", "median_s", "link_bound_s", "speedup")}, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        from bench.common.results import write_result
+
+        rows = [
+            {"senders": k, "sync_s": med[k], "rank0_s": med["rank0"], "link_bound_s": result["link_bound_s"][k]}
+            for k in ("all", "rank0")
+        ]
+        baseline = {"what": "rank 0 alone streaming everything (senders=rank0), alternating", "rows_key": "rank0_s"}
+        write_result("multisender", rows, baseline=baseline, out=args.out or None, device="cpu", **result)
         return 0
     finally:
         for p in proxies:

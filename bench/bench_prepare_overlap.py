@@ -8,7 +8,7 @@ call is on its thread (`_submit_then_yield`). Here, on a CPU: a "rollout" in ano
 each request after `--rollout-ms`; the trainer's work is `--work-ms` of pure Python; the median time of
 one gather, with that start and with a plain submit (the earlier behaviour), and without any work.
 
-    python bench/bench_prepare_overlap.py --work-ms 0.4 --rollout-ms 0.8 --reps 300
+    python -m bench prepare_overlap --work-ms 0.4 --rollout-ms 0.8 --reps 300
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work-ms", type=float, default=0.4, help="the trainer's own work during prepare (Python)")
     ap.add_argument("--rollout-ms", type=float, default=0.8, help="the rollout's time to answer")
     ap.add_argument("--reps", type=int, default=300)
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -93,6 +94,19 @@ def main() -> int:
     )
     for name, ms in rows:
         print(f"  {name:<30} {ms:.3f} ms")
+    from bench.common.results import write_result
+
+    idle = rows[0][1] / 1e3
+    write_result(
+        "prepare_overlap",
+        [{"variant": name, "gather_s": ms / 1e3, "no_work_s": idle} for name, ms in rows],
+        baseline={"what": "the same gather with no trainer work, same run", "rows_key": "no_work_s"},
+        out=args.out or None,
+        device="cpu",
+        work_ms=args.work_ms,
+        rollout_ms=args.rollout_ms,
+        reps=args.reps,
+    )
     return 0
 
 

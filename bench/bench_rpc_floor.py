@@ -10,7 +10,7 @@ comparison, in this process:
   fed through a queue (as the IPC bucket stream is);
 - `socket`: a blocking TCP socket echo (the host's floor: two thread wake-ups per round trip).
 
-    OMP_NUM_THREADS=1 python bench/bench_rpc_floor.py --reps 2000 --out bench/results/results_rpc_floor.json
+    OMP_NUM_THREADS=1 python -m bench rpc_floor --reps 2000
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ import sys
 import threading
 import time
 from concurrent import futures
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import timing  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
 
 _SERVICE = "wsbench.Echo"
 _END = object()
@@ -134,38 +139,40 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    results = {}
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
+    results, rows = {}, []
     for where in ("other_process", "same_process"):
         grpc_port, proc_g = _start(_serve_grpc, where == "same_process")
         sock_port, proc_s = _start(_serve_socket, where == "same_process")
         got = time_grpc(grpc_port, args.reps, args.warmup)
         got["socket"] = time_socket(sock_port, args.reps, args.warmup)
         results[where] = {k: summary(v) for k, v in got.items()}
+        floor = statistics.median(got["socket"])
+        for kind, v in got.items():
+            rows.append({"server": where, "kind": kind, **timing.summary(v), "socket_s": floor})
         for p in (proc_g, proc_s):
             if p is not None:
                 p.terminate()
                 p.join(timeout=10)
-    doc = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "reps": args.reps,
-        "loadavg": os.getloadavg(),
-        "results": results,
-    }
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(results, indent=1))
+    write_result(
+        "rpc_floor",
+        rows,
+        baseline={"what": "a blocking TCP socket echo, same server placement, same run", "rows_key": "socket_s"},
+        out=args.out or None,
+        device="cpu",
+        cpus=os.cpu_count(),
+        python=sys.version.split()[0],
+        reps=args.reps,
+        loadavg=os.getloadavg(),
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

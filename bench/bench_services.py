@@ -10,29 +10,27 @@ the trainer cannot cheaply bump its version (LoadWeights needs a checkpoint on d
 optimizer memory), and a sync at the same version still streams every byte and commits a new sync
 id on every rollout, whose GetStatus must then report the synced version. With `--transport nccl`,
 once the services are stopped, a raw NCCL broadcast of the same bytes in 1 GiB messages from
-cuda:0 to the rollouts' GPUs (cuda:1..cuda:N; bench/bench_sync.py's technique) gives the ceiling;
+cuda:0 to the rollouts' GPUs (cuda:1..cuda:N; the `bus` bench's technique) gives the ceiling;
 with `--transport ipc`, one device-to-device copy of the same bytes on the same GPU, in this process;
 ratio = raw_s / sync_s.
 Phases: plan, prepare, stream, commit, and within stream (overlapping the sends) stream.export —
 the trainer's gather and convert — and stream.pack (export + pack + checksum per bucket).
 
-Without --out a run is written to bench/results/results_services_<transport>_<UTC date and time>.json.
+Without --out a run is written to bench/results/services_<device>_<date>.json (bench/common/results.py).
 
-    python bench/bench_services.py --models 0.5b,1.5b,7b --out services_nccl.json        # >= 2 GPUs
-    python bench/bench_services.py --models 7b --transport ipc --out services_ipc.json    # 1 GPU, colocated
-    python bench/bench_services.py --models 7b --transport ipc --export-dtypes bfloat16,fp8-block --out fp8_ipc.json
-    python bench/bench_services.py --models 7b,1.5b --transport ipc --backend megatron \
+    python -m bench services --models 0.5b,1.5b,7b                              # >= 2 GPUs
+    python -m bench services --models 7b --transport ipc                        # 1 GPU, colocated
+    python -m bench services --models 7b --transport ipc --export-dtypes bfloat16,fp8-block
+    python -m bench services --models 7b,1.5b --transport ipc --backend megatron \
         --export-dtypes bfloat16,fp8-block --ipc-direction trainer_writes --reps 10    # FP8 written by the trainer
-    python bench/bench_services.py --models 1.5b,7b --backend megatron --out services_nccl_megatron.json
-    OMP_NUM_THREADS=1 python bench/bench_services.py --models tiny --transport tcp --reps 2 --out /tmp/bs.json
+    python -m bench services --models 1.5b,7b --backend megatron
+    OMP_NUM_THREADS=1 python -m bench services --models tiny --transport tcp --reps 2 --out /tmp
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -53,46 +51,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench import default_out  # noqa: E402
 from bench.bench_sync import raw_broadcast_seconds  # noqa: E402
-from bench.model_shapes import CONFIGS  # noqa: E402
+from bench.common.models import MODELS, write_config  # noqa: E402,F401  (write_config: bench/sglang_live.py)
+from bench.common.results import write_result  # noqa: E402
 from weightsync.control.client import channel, describe_rpc_error, rollout_stub, trainer_stub  # noqa: E402
 from weightsync.local.procs import start_rollout, start_trainer, wait_registered  # noqa: E402
 from weightsync.v1 import rollout_pb2, trainer_pb2  # noqa: E402
-
-# hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
-MODELS = {
-    "0.5b": CONFIGS["0.5b"],
-    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
-    "7b": CONFIGS["7b"],
-    "tiny": (256, 1024, 4, 4, 2, 4096, False),
-}
-
-
-def write_config(name: str, root: Path) -> Path:
-
-    d = root / name
-    qwen2_config(MODELS[name]).save_pretrained(str(d))
-    return d
-
-
-def qwen2_config(row: tuple):
-    """A Qwen2.5-shaped transformers config from a MODELS row (hidden, intermediate, layers, heads,
-    kv heads, vocab, tied)."""
-    from transformers import Qwen2Config
-
-    h, inter, layers, heads, kv, vocab, tied = row
-    return Qwen2Config(
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-    )
 
 
 def rollout_device(args, i: int) -> str:
@@ -319,7 +283,7 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     _exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {','.join(MODELS)}")
@@ -369,17 +333,14 @@ def main() -> int:
         default="on",
         help="off: the trainer sends PrepareSync / CommitSync as gRPC calls (the baseline of the sync link)",
     )
-    ap.add_argument(
-        "--out", default="", help="result JSON (default: bench/results/results_services_<transport>_<time>.json)"
-    )
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/, the schema's name)")
+    args = ap.parse_args(argv)
     args.transport = args.transport or ("nccl" if torch.cuda.is_available() else "tcp")
     args.param_dtype = args.param_dtype or args.dtype
     args.ipc_directions = [d for d in args.ipc_direction.split(",") if d]
     bad = [d for d in args.ipc_directions if d not in ("auto", "rollout_reads", "trainer_writes")]
     if bad or not args.ipc_directions or len(set(args.ipc_directions)) != len(args.ipc_directions):
         ap.error(f"--ipc-direction {args.ipc_direction!r}: distinct values among auto, rollout_reads, trainer_writes")
-    args.out = args.out or default_out(f"services_{args.transport}")
     args.device_trainer = args.device_trainer or ("cpu" if args.transport == "tcp" else "cuda:0")
     models = [m for m in args.models.split(",") if m]
     export_dtypes = [d for d in args.export_dtypes.split(",") if d] or [args.dtype]
@@ -397,7 +358,6 @@ def main() -> int:
         "gpus": ngpu,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": shlex.join([sys.executable, *sys.argv]),
         "args": vars(args),
         "models": [],
     }
@@ -443,14 +403,53 @@ def main() -> int:
             r["ratio"] = r["raw_s"] / r["sync_s"]
             for g in r.get("by_direction", {}).values():
                 g["ratio"] = r["raw_s"] / g["sync_s"]
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_result(
+        "services",
+        rows_of(results["models"]),
+        baseline=BOUNDS.get(args.transport),
+        out=args.out or None,
+        args=vars(args),
+        gpus=ngpu,
+        **{k: results[k] for k in ("nccl", "raw_error") if k in results},
+    )
     print_table(results)
     if failed:
         print(f"logs kept under {work}", file=sys.stderr)
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed or not all(r["rollouts_on_version"] for r in ok) else 0
+
+
+BOUNDS = {
+    "ipc": {"what": "one device-to-device copy of the same bytes on the same GPU", "rows_key": "bound_s"},
+    "nccl": {"what": "a raw NCCL broadcast of the same bytes, 1 GiB messages, cuda:0 -> cuda:1", "rows_key": "bound_s"},
+}
+
+
+def rows_of(models: list[dict]) -> list[dict]:
+    """One row per model, export dtype and IPC direction: the sync's median against the bound of the same run."""
+    rows = []
+    for r in models:
+        head = {"model": r["model"], "export_dtype": r["export_dtype"]}
+        if "error" in r:
+            rows.append({**head, "error": r["error"]})
+            continue
+        groups = r.get("by_direction")
+        for asked, g in (groups or {"": r}).items():
+            row = {**head, "direction": ",".join(g["directions"]), "sync_s": g["sync_s"], "wall_s": g["wall_s"]}
+            if "raw_s" in r:
+                row.update(bound_s=r["raw_s"], ratio=r["raw_s"] / g["sync_s"], bound_samples_s=r["raw_s_all"])
+            row.update(
+                bytes=g["bytes"],
+                num_buckets=g["num_buckets"],
+                first_sync_s=g["first_sync_s"],
+                phase_s=g["phase_s"],
+                syncs=[s for s in r["syncs"] if not groups or s["asked"] == asked],
+            )
+            if "vs_bfloat16" in r:
+                row["vs_bfloat16"] = r["vs_bfloat16"]
+            rows.append(row)
+    return rows
 
 
 def print_table(results: dict) -> None:
@@ -484,7 +483,6 @@ def print_table(results: dict) -> None:
         if "vs_bfloat16" in r:
             v = r["vs_bfloat16"]
             print(f"{'':<7}fp8-block vs bfloat16 in this run: {v['time']:.3f}x the time, {v['bytes']:.3f}x the bytes")
-    print(f"wrote {a['out']}")
 
 
 if __name__ == "__main__":

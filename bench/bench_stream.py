@@ -5,8 +5,8 @@ the prefill and one decode step, not after the whole generation; its last chunk 
 non-streamed answer comes (the per-token chunks are the overhead). Against any rollout's HTTP port,
 or one started in this process (the built-in engine on `--device`):
 
-    python -m bench.bench_stream --port 8091 --token-file token --n 4 --max-tokens 256
-    python -m bench.bench_stream --model tiny-qwen2 --device cuda:0 --n 4 --max-tokens 256
+    python -m bench stream --port 8091 --token-file token --n 4 --max-tokens 256
+    python -m bench stream --model tiny-qwen2 --device cuda:0 --n 4 --max-tokens 256
 
 It prints one JSON object: medians over `--reps` of the non-streamed answer's latency, the
 stream's first chunk and its end, their ratios, and whether the stream joined to the same ids.
@@ -18,6 +18,7 @@ import argparse
 import http.client
 import json
 import statistics
+import sys
 import time
 
 
@@ -83,7 +84,7 @@ def measure(port: int, token: str = "", prompts: int = 1, n: int = 4, max_tokens
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, help="a running rollout's HTTP port (127.0.0.1)")
     p.add_argument("--token-file", default="", help="the rollout's auth token file, if it has one")
@@ -93,7 +94,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
-    a = p.parse_args()
+    p.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    a = p.parse_args(argv)
     token = open(a.token_file).read().strip() if a.token_file else ""
     app = None
     if a.port is None:
@@ -113,11 +115,18 @@ def main() -> None:
         app.start()
     try:
         port = a.port if app is None else app.http.port
-        print(json.dumps(measure(port, token, a.prompts, a.n, a.max_tokens, a.reps), indent=2))
+        r = measure(port, token, a.prompts, a.n, a.max_tokens, a.reps)
     finally:
         if app is not None:
             app.stop()
+    print(json.dumps(r, indent=2))
+    from bench.common.results import write_result
+
+    baseline = {"what": "the same request not streamed, alternating", "rows_key": "whole_s"}
+    where = f"port {a.port}" if a.port is not None else f"built-in engine on {a.device}"
+    write_result("stream", [r], baseline=baseline, out=a.out or None, rollout=where, model=a.model)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

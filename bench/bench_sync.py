@@ -11,13 +11,12 @@ Two processes (trainer on cuda:0, engine on cuda:1) that share nothing but an nc
              handle, vs a device-to-device copy of the same bytes (the copy bound)
 and the trainer's peak extra memory during the bus sync vs 2 buckets + the largest tensor.
 
-    python bench/bench_sync.py --models 0.5b,7b,32b     # writes bench/results/results_sync_<UTC date and time>.json
+    python -m bench bus --models 0.5b,7b,32b     # writes bench/results/bus_<device>_<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import default_out  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
 from bench.model_shapes import shapes  # noqa: E402
 from weightsync.bus.copy.checksum import ALGO, bucket_checksum  # noqa: E402
 from weightsync.bus.nccl import libnccl  # noqa: E402
@@ -230,7 +229,7 @@ def median(xs):
     return xs[len(xs) // 2]
 
 
-def main():
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="0.5b,7b,32b")
     p.add_argument("--bucket-mb", default="64,256,1024")
@@ -239,9 +238,8 @@ def main():
     p.add_argument("--ipc-buffers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers-32b", type=int, default=0, help="trim the 32B config to this many layers (0 = all 64)")
-    p.add_argument("--out", default="", help="result JSON (default: bench/results/results_sync_<time>.json)")
-    args = p.parse_args()
-    args.out = args.out or default_out("sync")
+    p.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = p.parse_args(argv)
     args.models = args.models.split(",")
     args.bucket_mb = [int(x) for x in args.bucket_mb.split(",")]
     ctx = mp.get_context("spawn")
@@ -251,7 +249,7 @@ def main():
         "nccl": libnccl.version(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-    }
+    }  # for print_table; the file is written by write_result
     if torch.cuda.device_count() >= 2:
         uid_q, res_q = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=run_rank, args=(r, uid_q, res_q, args)) for r in range(2)]
@@ -287,9 +285,36 @@ def main():
         bucket_checksum(buf)
     results["checksum_gbps"] = GiB * 5 / (time.perf_counter() - t0) / 1e9
     del buf
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
     print_table(results)
+    extra = {k: results[k] for k in ("nccl", "nccl_1to1", "ipc", "checksum_gbps") if k in results}
+    write_result("bus", rows_of(results), baseline=BASELINE, out=args.out or None, gpus=results["gpus"], **extra)
+    return 0
+
+
+BASELINE = {
+    "what": "nccl rows: a raw NCCL broadcast of the same bytes in 1 GiB messages; ipc rows: one D2D copy of them",
+    "rows_key": "bound_s",
+}
+
+
+def rows_of(results: dict) -> list[dict]:
+    """One row per model and path: its median seconds (the receiver's clock) against the bound of the same run."""
+    rows = []
+    for rec in results.get("nccl_1to1", []):
+        raw = median(rec["raw_s_rx"])
+        for key in ["naive"] + [k[:-5] for k in rec if k.startswith("bus_") and k.endswith("_s_rx")]:
+            t = median(rec[key + "_s_rx"])
+            peak = rec.get(key + "_peak_extra_bytes")
+            row = {"model": rec["model"], "transport": "nccl", "path": key, "sync_s": t, "bound_s": raw}
+            row.update(ratio=raw / t, bytes=rec["bytes"], exact=rec.get("exact"))
+            if peak:
+                row["peak_extra_bytes"] = max(peak)
+            rows.append(row)
+    for rec in results.get("ipc", []):
+        t, bound = median(rec["ipc_s"]), rec["copy_bound_s"]
+        row = {"model": rec["model"], "transport": "ipc", "path": "ipc", "sync_s": t, "bound_s": bound}
+        rows.append({**row, "ratio": bound / t, "bytes": rec["bytes"], "exact": rec["exact"]})
+    return rows
 
 
 def print_table(results):
@@ -323,4 +348,4 @@ def print_table(results):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,7 @@ process, on loopback, sync link on, checksums on, the table shared and mapped on
 own storage is sent in place (`flat_buckets`: the path a GPU trainer takes; on a CPU the services
 pack instead, so that gate is lifted here), and the write pass is the CPU fallback of the kernel.
 
-Layout: a Qwen2 with 7B's tensor count (339 tensors, bench/bench_fixed_cost.py's `7b-thin`) at a
+Layout: a Qwen2 with 7B's tensor count (339 tensors, bench/common/models.py's `7b-thin`) at a
 width a CPU writes in well under a millisecond, in `--bucket-kb` buckets (64 KiB: 18, a 7B sync has 15).
 Timed per sync (the trainer's SyncReport): plan, prepare (and its prepare.in_place), stream, the
 write pass (stream.trainer_writes), commit; `fixed` = the sync's seconds less its write pass. From
@@ -19,16 +19,14 @@ transport, thread wake-ups and the trainer's own work). `--transports ipc,tcp`: 
 services' TCP-bus sync (the rollout reads and checks every bucket), for comparison. Both services
 share this process (and its GIL): thread hand-offs cost more here than between two processes.
 
-    OMP_NUM_THREADS=1 python bench/bench_sync_fixed_cost.py --reps 40 --rounds 3 --out /tmp/fixed.json
+    OMP_NUM_THREADS=1 python -m bench sync_fixed_cost --reps 40 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_fixed_cost import LAYOUTS, timed, write_config  # noqa: E402
+from bench.common.models import LAYOUTS, write_config  # noqa: E402
+from bench.common.results import write_result  # noqa: E402
+from bench.common.timing import timed  # noqa: E402
 
 PHASES = ("plan", "prepare", "prepare.in_place", "stream", "stream.trainer_writes", "commit")
 #: the whole run's bound: each transport's services start once per round, and a sync takes milliseconds
@@ -251,7 +251,7 @@ def run(transport: str, model: str, args, deadline: float, separate: bool) -> di
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="7b-thin", choices=sorted(LAYOUTS))
     ap.add_argument("--reps", type=int, default=40)
@@ -267,20 +267,16 @@ def main() -> int:
         action="store_true",
         help="every other sync prepares as before 2026-11-26 (PrepareSync on an RPC thread): both in the same services",
     )
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    import torch
 
     _in_place_on_cpu()
     if args.ab:
         _ab_prepare()
     deadline = time.monotonic() + BUDGET_S
-    model = write_config(args.layout, tempfile.mkdtemp(prefix=f"sync-fixed-cost-{args.layout}-"))
+    model = str(write_config(args.layout, tempfile.mkdtemp(prefix=f"sync-fixed-cost-{args.layout}-")))
     out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "loadavg_before": os.getloadavg(),
         "layout": args.layout,
@@ -322,9 +318,12 @@ def main() -> int:
     for t, d in out["median_of_rounds_ms"].items():
         print(f"{t}: median of the rounds' medians (ms): " + " ".join(f"{k} {v:.3f}" for k, v in d.items()))
     out["loadavg_after"] = os.getloadavg()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    rows = [
+        {"fixed_s": r["median_ms"]["fixed"] / 1e3, "sync_s": r["median_ms"]["seconds"] / 1e3, **r}
+        for r in out.pop("results")
+    ]
+    # no bound in the same run: the fixed cost is host work and round trips (bench fixed_cost and rpc_floor time those)
+    write_result("sync_fixed_cost", rows, out=args.out or None, device="cpu", **out)
     return 0
 
 

@@ -16,14 +16,13 @@ checksums read (`wall_ms`: the sync's flush included); medians after warm-up.
 engine's tensors at 512-byte aligned addresses (as separate allocations are); `--dst-offset 4` shifts
 them off the 16-byte boundary to time the single-word fallback.
 
-    python3 bench/bench_verified_copy.py --out bench/results/verified_copy.json          # GPU, < 3 min
-    TRITON_INTERPRET=1 python3 bench/bench_verified_copy.py --tiny                         # CPU check
+    python3 -m bench verified_copy                          # GPU, < 3 min
+    TRITON_INTERPRET=1 python3 -m bench verified_copy --tiny  # CPU check
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODELS = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied (bench/model_shapes.py's order)
-    "7b": (3584, 18944, 28, 28, 4, 152064, False),
-    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
-    "tiny": (64, 160, 2, 4, 2, 250, False),
-}
+from bench.common.results import write_result  # noqa: E402
+from bench.model_shapes import CONFIGS  # noqa: E402
+
+# the real shapes, and a tiny one for Triton's interpreter (odd widths: the kernels' tails)
+MODELS = {"7b": CONFIGS["7b"], "1.5b": CONFIGS["1.5b"], "tiny": (64, 160, 2, 4, 2, 250, False)}
 
 
 def _layout(model: str, bucket_bytes: int, dst_offset: int):
@@ -154,6 +153,9 @@ def run_model(model: str, args, device, configs) -> dict:
         rows.append(
             {
                 "variant": name,
+                "gpu_s": g / 1e3,
+                "wall_s": w / 1e3,
+                "copy_s": ref / 1e3,
                 "gpu_ms": round(g, 4),
                 "wall_ms": round(w, 4),
                 "tb_per_s": round(total / g / 1e9, 3) if g else None,
@@ -173,7 +175,7 @@ def run_model(model: str, args, device, configs) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="7b,1.5b")
     ap.add_argument("--configs", default="all", help="comma list of scatter_cuda.CONFIGS names, or all")
@@ -182,8 +184,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dst-offset", type=int, default=0, help="bytes added to every destination address")
     ap.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (set TRITON_INTERPRET=1)")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
+    args = ap.parse_args(argv)
 
     import torch
 
@@ -221,10 +223,21 @@ def main() -> None:
                 f"{row['variant']:<26} {row['gpu_ms']:8.3f} {row['wall_ms']:8.3f} {row['tb_per_s'] or 0:7.3f} "
                 f"{row['ratio_copy_whole_over_variant'] or 0:8.3f}  {'yes' if row['correct'] else 'NO'}"
             )
-    if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        print(f"\nwrote {args.out}")
+    rows = [{"model": r["model"], "bytes": r["bytes"], **row} for r in results for row in r["rows"]]
+    baseline = {"what": "one copy_ of all the bytes (copy_whole) on the same buffers, same run", "rows_key": "copy_s"}
+    summary = [{k: v for k, v in r.items() if k != "rows"} for r in results]
+    write_result(
+        "verified_copy",
+        rows,
+        baseline=baseline,
+        out=args.out or None,
+        device="cpu" if device.type == "cpu" else None,
+        models=summary,
+        default_config=meta["default_config"],
+        args=meta["args"],
+    )
+    return 0 if all(row["correct"] for row in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The cost model against every recorded 1 -> 1 GPU measurement (bench/results/results_*.json).
+"""The cost model against every recorded 1 -> 1 GPU measurement (bench/results/history/results_*.json).
 
 Each point names the JSON file and field it reads, so the measurement is the recorded one, not a
 number copied by hand. Provenance of the constants in `cost_model.Calibration`:
@@ -21,9 +21,11 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 
-from bench import RESULTS
+from bench.common.results import RESULTS
 from bench.cost_model import CAL, MULTI, Calibration, Fleet, Sync, Trainer, predict
 from bench.model_arch import arch, footprint
+
+HISTORY = RESULTS / "history"  # the runs before the one schema (each in its own shape)
 
 MIB = 1 << 20
 GIB = 1024 * MIB
@@ -54,7 +56,7 @@ class Point:
 
 
 def _load(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
+    return json.loads((HISTORY / name).read_text())
 
 
 def _median(xs) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 CONFIGS = {
     # name: hidden, intermediate, layers, heads, kv heads, vocab, tied
     "0.5b": (896, 4864, 24, 14, 2, 151936, True),
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "7b": (3584, 18944, 28, 28, 4, 152064, False),
     "32b": (5120, 27648, 64, 40, 8, 152064, False),
 }

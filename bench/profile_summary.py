@@ -9,16 +9,17 @@ from __future__ import annotations
 import argparse
 import io
 import pstats
+import sys
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help="pstats files written by WS_PROFILE_SYNCS")
     ap.add_argument(
         "--syncs", type=int, default=1, help="syncs the file covers (all but the first): times are divided by it"
     )
     ap.add_argument("--top", type=int, default=25)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for path in args.files:
         st = pstats.Stats(path)
         total = st.total_tt / args.syncs
@@ -29,7 +30,8 @@ def main() -> None:
             print(f"-- by {key}")
             body = out.getvalue()
             print(body[body.find("   ncalls") :])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

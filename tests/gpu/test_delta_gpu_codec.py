@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import cuda_median_s
+from bench.common.timing import cuda_median_s
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

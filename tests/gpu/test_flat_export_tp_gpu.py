@@ -2,7 +2,7 @@
 receives, the Triton copy table): bench/bench_flat_pp.py on the tiny model, whose stage leader's
 flat buckets must give the checksums of its per-tensor export packed, before and after the timed
 passes, with every converted copy in the table's launches. The timing command for a 7B model is
-in the bench's docstring (and `PART=e bash bench/run_pending_gpu.sh`)."""
+in the bench's docstring (and the `flat-pp` recipe: `python -m bench recipe flat-pp`)."""
 
 from __future__ import annotations
 

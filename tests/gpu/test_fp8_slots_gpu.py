@@ -5,7 +5,8 @@
    zero and denormal blocks and 7B-sized matrices, rows gathered from Megatron's fused QKV and
    gate/up, with one launch per bucket; the flag catches an inf or nan block.
 2. Its time for one Qwen2-7B layer against the per-tensor path (quantize + pack copy), printed.
-The whole sync is measured by bench/bench_services.py (docs/BENCHMARKS.md, "FP8 export").
+The whole sync is measured by `python -m bench services` (docs/BENCHMARKS.md; the first runs:
+docs/benchmarks-history.md, "FP8 export").
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from bench import bench_sync_fixed_cost as bench
+from bench.common.models import write_config
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def model():
     kept = StreamPhase._in_place
     bench._in_place_on_cpu()
     try:
-        yield bench.write_config("tiny", tempfile.mkdtemp(prefix="bench-sync-fixed-cost-"))
+        yield str(write_config("tiny-thin", tempfile.mkdtemp(prefix="bench-sync-fixed-cost-")))
     finally:
         StreamPhase._in_place = kept
 

@@ -45,8 +45,8 @@ def test_fp8_block_bytes():
 
 
 def test_calibration_models_have_the_recorded_bytes_and_tensor_counts():
-    runs = json.loads((calib.RESULTS / "results_services_nccl_phases_2xh200_2026-11-23.json").read_text())["models"]
-    runs += json.loads((calib.RESULTS / "results_2xh200_2026-11-23.json").read_text())["nccl_1to1"]
+    runs = json.loads((calib.HISTORY / "results_services_nccl_phases_2xh200_2026-11-23.json").read_text())["models"]
+    runs += json.loads((calib.HISTORY / "results_2xh200_2026-11-23.json").read_text())["nccl_1to1"]
     assert len(runs) == 4
     for r in runs:
         fp = footprint(arch(f"qwen2.5-{r['model']}"))
@@ -73,7 +73,7 @@ def test_link_constants_reproduce_the_nccl_message_size_curve():
     for size, gbs in calib.MESSAGE_CURVE.items():
         t = CAL.msg_latency_s + size / (Links().nvlink_gbs * 1e9)
         assert size / t / 1e9 == pytest.approx(gbs, rel=0.02), size
-    for r in json.loads((calib.RESULTS / "results_2xh200_2026-11-23.json").read_text())["nccl_1to1"]:
+    for r in json.loads((calib.HISTORY / "results_2xh200_2026-11-23.json").read_text())["nccl_1to1"]:
         n = math.ceil(r["bytes"] / (1 << 30))  # raw: the same bytes in 1 GiB messages
         predicted = n * CAL.msg_latency_s + r["bytes"] / (Links().nvlink_gbs * 1e9)
         assert predicted == pytest.approx(sorted(r["raw_s_rx"])[1], rel=0.02)
