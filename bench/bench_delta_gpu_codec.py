@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="4096x8", help="fused path: BLOCKxWARPS list; the first is the row's")
     ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     args = ap.parse_args(argv)
-    from weightsync.bus.delta import codec_triton as delta_cuda
     from weightsync.bus.copy.checksum import word_sums
+    from weightsync.bus.delta import codec_triton as delta_cuda
 
     if not delta_cuda.available():
         print("needs a CUDA GPU and triton", file=sys.stderr)
