@@ -1,0 +1,127 @@
+"""A sync is one OpenTelemetry trace across the trainer's and the rollout's code (in-process services on
+loopback, the SDK's in-memory exporter): root `sync`, its phases as children, the rollout's prepare and
+commit continuing the trainer's phase spans over gRPC (the first sync of a pairing) and over the sync
+link (the next one), and a generation request continuing the caller's traceparent. With no endpoint and
+no provider nothing of OpenTelemetry is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.local_apps import local_fleet
+from weightsync.control.auth import call_metadata
+from weightsync.control.client import channel
+from weightsync.obs import tracing
+from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
+
+sdk = pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+TOKEN = "trace-test-token"
+PHASES = ("plan", "prepare", "stream", "commit")
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.configure(None)
+        provider.shutdown()
+
+
+def _tree(finished, trace_id: int) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for s in finished:
+        if s.context.trace_id == trace_id:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _check_sync_trace(finished, report, calls_path: str) -> None:
+    roots = [s for s in finished if s.name == "sync" and s.attributes["weightsync.sync_id"] == report.sync_id]
+    assert len(roots) == 1, [s.name for s in finished]
+    root = roots[0]
+    assert root.parent is None
+    assert dict(root.attributes) == {
+        "weightsync.sync_id": report.sync_id,
+        "weightsync.version": report.version,
+        "weightsync.route": report.transport,
+        "weightsync.bytes": report.bytes,
+        "weightsync.ok": True,
+    }
+    tree = _tree(finished, root.context.trace_id)
+    for name in PHASES:  # each phase once, a child of the root
+        assert [s.parent.span_id for s in tree[name]] == [root.context.span_id], (name, calls_path)
+    # the rollout's spans (rollout_svc code) continue the trainer's phase of the same name
+    for side in ("prepare", "commit"):
+        (mine,) = tree[f"rollout.{side}"]
+        assert mine.parent.span_id == tree[side][0].context.span_id, (side, calls_path)
+        assert mine.attributes["weightsync.sync_id"] == report.sync_id
+        assert mine.attributes["weightsync.version"] == report.version
+        assert mine.attributes["weightsync.rollout_id"] == "a"
+    (sender,) = tree["stream.sender"]
+    assert sender.parent.span_id == tree["stream"][0].context.span_id
+    assert sender.attributes["weightsync.bytes"] == report.senders[0].bytes > 0
+    assert {s.resource.attributes.get("service.name") for s in tree["sync"]}  # exported with a resource
+
+
+def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continues_the_callers(spans):
+    with local_fleet({"a": {}}, TOKEN) as (trainer, rollouts, stub):
+        first = stub.Sync(trainer_pb2.SyncRequest()).report
+        assert first.ok, first
+        _check_sync_trace(spans.get_finished_spans(), first, "grpc")
+        spans.clear()
+        second = stub.Sync(trainer_pb2.SyncRequest()).report
+        assert second.ok, second
+        _check_sync_trace(spans.get_finished_spans(), second, "link")
+        calls = trainer.host.metrics.calls  # the second PrepareSync went over the link
+        assert calls.labels("trainer", "PrepareSync", "link")._value.get() >= 1
+        spans.clear()
+
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        with channel(rollouts["a"].grpc.address) as ch:
+            rollout_pb2_grpc.RolloutStub(ch).Generate(
+                rollout_pb2.GenerateRequest(
+                    prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])],
+                    sampling=rollout_pb2.SamplingParams(max_new_tokens=2),
+                ),
+                timeout=60,
+                metadata=(*call_metadata(TOKEN), ("traceparent", parent)),
+            )
+    (gen,) = [s for s in spans.get_finished_spans() if s.name == "generate"]
+    assert f"{gen.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+    assert f"{gen.parent.span_id:016x}" == "b7ad6b7169203331"
+    assert gen.attributes["weightsync.endpoint"] == "grpc_generate"
+
+
+def test_off_without_endpoint_imports_no_opentelemetry():
+    """Off, the helpers import nothing of OpenTelemetry (the control plane's fastapi may import its API
+    for its own use; neither the SDK nor an exporter is ever loaded)."""
+    code = (
+        "import os, sys\n"
+        "for v in ('OTEL_EXPORTER_OTLP_ENDPOINT', 'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT'): os.environ.pop(v, None)\n"
+        "from weightsync.obs import tracing\n"
+        "def sync():\n"
+        "    with tracing.sync_span('tcp') as t:\n"
+        "        tracing.planned('v1-x', 1, 10)\n"
+        "        with tracing.phase('plan'): pass\n"
+        "        assert tracing.traceparent() == ''\n"
+        "        t.finish(None)\n"
+        "sync()\n"
+        "bare = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"
+        "from weightsync.publisher.phases import PhaseClock\n"
+        "with PhaseClock()('plan'): sync()\n"
+        "assert not tracing.enabled()\n"
+        "print(bare, sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
