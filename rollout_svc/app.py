@@ -25,7 +25,7 @@ from weightsync.control.sync_link import LINK_MAGIC, LINK_MAGIC_BEATS
 from weightsync.http import serve_http
 from weightsync.model_spec import family_of
 from weightsync.obs import logs, tracing
-from weightsync.obs.metrics import SyncMetrics
+from weightsync.obs.metrics import AuthFailures, SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class RolloutApp:
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token, scoped_tokens=((generation_key, GENERATION_METHODS),))
         self.metrics = SyncMetrics("rollout")
+        AuthFailures("rollout", self.grpc.auth_failures, self.metrics.registry)
         self._ready = False
         self.http = serve_http(
             cfg.server.http_address,
