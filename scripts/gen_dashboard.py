@@ -177,7 +177,12 @@ ROWS = [
                 "Syncs by outcome",
                 "none",
                 "Trainer: ok, partial, failed; rollout: committed, failed, aborted",
-                [(f"sum by (role, outcome) (increase({sel('weightsync_syncs_total')}[{RATE}]))", "{{role}} {{outcome}}")],
+                [
+                    (
+                        f"sum by (role, outcome) (increase({sel('weightsync_syncs_total')}[{RATE}]))",
+                        "{{role}} {{outcome}}",
+                    )
+                ],
             ),
             (
                 "timeseries",
