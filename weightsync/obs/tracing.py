@@ -191,14 +191,19 @@ def planned(sync_id: str, version: int, total_bytes: int) -> None:
         _open.root.set_attributes({SYNC_ID: sync_id, VERSION: int(version), BYTES: int(total_bytes)})
 
 
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+_OFF = contextlib.nullcontext()  # reusable: what every helper hands out while tracing is off
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
     """One phase of the open sync (plan, prepare, stream, commit) as a child of its root."""
-    tracer, trace = _get(), _open
-    if tracer is None or trace is None:
-        yield
-        return
-    with tracer.start_as_current_span(name, attributes={"weightsync.phase": name}) as span:
+    if _open is None or _get() is None:
+        return _OFF
+    return _phase_span(name, _open)
+
+
+@contextlib.contextmanager
+def _phase_span(name: str, trace: _SyncTrace) -> Iterator[None]:
+    with _get().start_as_current_span(name, attributes={"weightsync.phase": name}) as span:
         trace.current = span
         if name == "stream":
             trace.stream_span, trace.stream_start_ns = span, time.time_ns()
@@ -244,5 +249,5 @@ def traced_sync_handlers(servicer) -> None:
 def generation_span(endpoint: str, carrier: Mapping[str, str] | None) -> contextlib.AbstractContextManager:
     """A generation request's span continuing the `traceparent` of its headers or gRPC metadata."""
     if _get() is None:
-        return contextlib.nullcontext()
+        return _OFF
     return continued("generate", (carrier or {}).get("traceparent", ""), {"weightsync.endpoint": endpoint})
