@@ -1,14 +1,15 @@
 """A sync is one OpenTelemetry trace across the trainer's and the rollout's code (in-process services on
 loopback, the SDK's in-memory exporter): root `sync`, its phases as children, the rollout's prepare and
 commit continuing the trainer's phase spans over gRPC (the first sync of a pairing) and over the sync
-link (the next one), and a generation request continuing the caller's traceparent. With no endpoint and
-no provider nothing of OpenTelemetry is imported."""
+link (the next one), and generation requests (gRPC, HTTP whole and streamed) continuing the caller's
+traceparent. With no endpoint and no provider nothing of OpenTelemetry is imported."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import openai
 import pytest
 
 from tests.support.local_apps import local_fleet
@@ -97,10 +98,27 @@ def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continu
                 timeout=60,
                 metadata=(*call_metadata(TOKEN), ("traceparent", parent)),
             )
-    (gen,) = [s for s in spans.get_finished_spans() if s.name == "generate"]
-    assert f"{gen.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
-    assert f"{gen.parent.span_id:016x}" == "b7ad6b7169203331"
-    assert gen.attributes["weightsync.endpoint"] == "grpc_generate"
+        # HTTP completions, whole and streamed, continue their caller's traceparent header too
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{rollouts['a'].http.port}/v1", api_key=TOKEN, max_retries=0, timeout=60
+        )
+        for i, stream in enumerate((False, True)):
+            answer = client.completions.create(
+                model="tiny-qwen2",
+                prompt=[1, 2, 3],
+                max_tokens=2,
+                stream=stream,
+                extra_headers={"traceparent": parent.replace("b7ad6b7169203331", f"00000000000000a{i}")},
+            )
+            if stream:
+                list(answer)
+    gens = sorted((s for s in spans.get_finished_spans() if s.name == "generate"), key=lambda s: s.parent.span_id)
+    assert [(f"{s.parent.span_id:016x}", s.attributes["weightsync.endpoint"]) for s in gens] == [
+        ("00000000000000a0", "http_completions"),
+        ("00000000000000a1", "http_completions"),
+        ("b7ad6b7169203331", "grpc_generate"),
+    ]
+    assert {f"{s.context.trace_id:032x}" for s in gens} == {"0af7651916cd43dd8448eb211c80319c"}
 
 
 def test_off_without_endpoint_imports_no_opentelemetry():
