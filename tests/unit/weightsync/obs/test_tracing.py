@@ -55,7 +55,8 @@ def _check_sync_trace(finished, report, calls_path: str) -> None:
     assert dict(root.attributes) == {
         "weightsync.sync_id": report.sync_id,
         "weightsync.version": report.version,
-        "weightsync.route": report.transport,
+        # the report's route once it names one (e.g. tcp/full/bf16), else its transport
+        "weightsync.route": getattr(report, "route", "") or report.transport,
         "weightsync.bytes": report.bytes,
         "weightsync.ok": True,
     }
