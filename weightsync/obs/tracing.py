@@ -42,6 +42,7 @@ SYNC_ID, VERSION, ROUTE, BYTES, ROLLOUT_ID = (
 
 _lock = threading.Lock()
 _tracer: Any = None  # an opentelemetry Tracer once on
+_provider: Any = None  # the TracerProvider this module made from the environment (None: none, or a caller's)
 _resolved = False  # the environment was read (once per process, unless configure() says otherwise)
 _service = "weightsync"
 _open: _SyncTrace | None = None  # the trainer's sync in progress (see the module doc)
@@ -55,10 +56,12 @@ def setup(service: str) -> None:
 
 def configure(provider: Any | None) -> None:
     """Trace into `provider` (an opentelemetry.sdk TracerProvider), or None: back to the environment."""
-    global _tracer, _resolved
+    global _tracer, _resolved, _provider
     with _lock:
+        if _provider is not None:
+            _provider.shutdown()  # the one made from the environment: its batch thread ends here
         _tracer = provider.get_tracer("weightsync") if provider is not None else None
-        _resolved = provider is not None
+        _resolved, _provider = provider is not None, None
 
 
 def enabled() -> bool:
@@ -90,9 +93,16 @@ def _from_environment() -> Any:
         )
         return None
     # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, win over the service's own name
-    provider = TracerProvider(resource=Resource.create({"service.name": _service}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return provider.get_tracer("weightsync")
+    global _provider
+    # batched on a thread of its own; flushed at exit (the SDK's shutdown_on_exit) or by `flush`
+    _provider = TracerProvider(resource=Resource.create({"service.name": _service}))
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return _provider.get_tracer("weightsync")
+
+
+def flush(timeout_s: float = 5.0) -> bool:
+    """Send the spans the OTLP exporter still holds; True when there were none left or all went out."""
+    return True if _provider is None else bool(_provider.force_flush(int(timeout_s * 1000)))
 
 
 # ---- W3C trace context ------------------------------------------------------------------------

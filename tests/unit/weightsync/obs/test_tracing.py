@@ -6,8 +6,10 @@ traceparent. With no endpoint and no provider nothing of OpenTelemetry is import
 
 from __future__ import annotations
 
+import http.server
 import subprocess
 import sys
+import threading
 
 import openai
 import pytest
@@ -144,3 +146,40 @@ def test_off_without_endpoint_imports_no_opentelemetry():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+
+
+def test_with_the_standard_endpoint_variable_spans_go_out_over_otlp_http(monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    bodies: list[tuple[str, bytes]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    tracing.setup("trainer-svc")
+    tracing.configure(None)  # read the environment afresh
+    try:
+        with tracing.sync_span("tcp"):
+            tracing.planned("v7-otlp", 7, 1234)
+            with tracing.phase("plan"):
+                assert tracing.traceparent().startswith("00-")
+        assert tracing.flush(30)
+    finally:
+        tracing.configure(None)
+        tracing.setup("weightsync")
+        server.shutdown()
+    (path, body), *_ = bodies
+    assert path == "/v1/traces"
+    for text in (b"trainer-svc", b"v7-otlp", b"weightsync.sync_id", b"plan", b"sync"):
+        assert text in body, text
