@@ -24,7 +24,8 @@ from weightsync.control.grpc_server import ServiceServer
 from weightsync.control.sync_link import LINK_MAGIC, LINK_MAGIC_BEATS
 from weightsync.http import serve_http
 from weightsync.model_spec import family_of
-from weightsync.obs.metrics import SyncMetrics
+from weightsync.obs import logs, tracing
+from weightsync.obs.metrics import AuthFailures, SyncMetrics
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class RolloutApp:
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token, scoped_tokens=((generation_key, GENERATION_METHODS),))
         self.metrics = SyncMetrics("rollout")
+        AuthFailures("rollout", self.grpc.auth_failures, self.metrics.registry)
         self._ready = False
         self.http = serve_http(
             cfg.server.http_address,
@@ -124,6 +126,8 @@ class RolloutApp:
         self.grpc.request_limits["/weightsync.v1.Rollout/PrepareSync"] = self.servicer.manifest_limits.max_request_bytes
         # gRPC Generate timed and counted per request; servicer.generate (shared with HTTP) stays unmetered
         self.servicer.Generate = metered_generate(self.servicer.Generate, self.servicer.rollout_metrics)
+        tracing.traced_sync_handlers(self.servicer)  # spans continuing the trainer's trace (when on)
+        logs.process_fields(rollout_id=self.rollout_id)
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self.grpc.server)
         self.link = SyncLinkServer(self.servicer, token, self.grpc.request_limits, cfg.limits.max_sync_links)
         if cfg.bus.sync_link:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from weightsync.obs import tracing
 from weightsync.obs.metrics import RolloutMetrics
 
 
@@ -16,7 +17,8 @@ def metered_generate(generate: Callable, metrics: RolloutMetrics) -> Callable:
     tokens once and every returned sample's tokens, for requests that return an answer."""
 
     def Generate(request, context):
-        with metrics.generation("grpc_generate") as done:
+        carrier = dict(context.invocation_metadata()) if tracing.enabled() else None
+        with tracing.generation_span("grpc_generate", carrier), metrics.generation("grpc_generate") as done:
             response = generate(request, context)  # context.abort raises: no answer, nothing recorded
             done(sum(len(p.token_ids) for p in request.prompts), sum(len(s.token_ids) for s in response.samples))
         return response

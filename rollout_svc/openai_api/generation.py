@@ -16,6 +16,7 @@ from fastapi import Request
 from rollout_svc.engine.base import SamplingParams
 from weightsync.bus.errors import SyncError
 from weightsync.http.errors import ApiError
+from weightsync.obs import tracing
 
 _MAX_SEED = (1 << 63) - 1
 # gRPC code -> HTTP status; anything else the servicer raises (UNAVAILABLE: busy applying weights,
@@ -82,7 +83,7 @@ async def generate(
     stopping = request.app.state.stopping  # the service is shutting down
 
     def run():
-        with servicer.rollout_metrics.generation(endpoint) as done:
+        with tracing.generation_span(endpoint, request.headers), servicer.rollout_metrics.generation(endpoint) as done:
             results, version = servicer.generate(
                 prompts, sampling, client, is_active=lambda: not (gone.is_set() or stopping.is_set()), emit=watch
             )

@@ -26,6 +26,7 @@ from rollout_svc.openai_api.stop_watch import StopWatch
 from rollout_svc.sync.engine_gate import no_lend
 from weightsync.bus.errors import SyncError
 from weightsync.http.errors import ApiError
+from weightsync.obs import tracing
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,10 @@ class StreamRun:
 
         def work():
             try:
-                with servicer.rollout_metrics.generation(endpoint) as done:
+                with (
+                    tracing.generation_span(endpoint, request.headers),
+                    servicer.rollout_metrics.generation(endpoint) as done,
+                ):
                     results, version = servicer.generate(
                         prompts,
                         sampling,

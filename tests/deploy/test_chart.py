@@ -25,7 +25,7 @@ VALUES = sorted((CHART / "ci").glob("*-values.yaml")) + [CHART / "values-gpu-exa
 K8S_VERSION = "1.34.0"
 FIELDS = {"trainer": set(leaf_names(TrainerConfig)), "rollout": set(leaf_names(RolloutConfig))}
 PREFIX = {"trainer": "WS_TRAINER_", "rollout": "WS_ROLLOUT_"}
-CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 def render(values: dict) -> list[dict]:
@@ -73,7 +73,10 @@ def test_objects_validate_against_kubernetes_schemas(rendered):
     for d in docs:
         kinds.add(d["kind"])
         if (d["apiVersion"], d["kind"]) in CRDS:
-            assert d["spec"]["endpoints"] and d["spec"]["selector"]["matchLabels"]
+            if d["kind"] == "ServiceMonitor":
+                assert d["spec"]["endpoints"] and d["spec"]["selector"]["matchLabels"]
+            else:  # its rules: tests/deploy/test_observability.py
+                assert all(r["alert"] and r["expr"] for g in d["spec"]["groups"] for r in g["rules"])
             continue
         kv.validate(d, K8S_VERSION, strict=True)
     assert {"ConfigMap", "Service"} <= kinds

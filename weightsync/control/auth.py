@@ -13,6 +13,7 @@ so the key handed to inference clients cannot sync, load or abort weights.
 from __future__ import annotations
 
 import hmac
+import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         """`scoped`: (token, full-method-name prefixes it grants) for each token narrower than `token`."""
         self._expected = f"Bearer {token}".encode()
         self._scoped = [(f"Bearer {t}".encode(), tuple(prefixes)) for t, prefixes in scoped if t]
+        self._denials = itertools.count()  # next() is atomic under the GIL: no lock on the refusal path
+        self._denied = 0
 
         def deny(request_iterator, context):
             context.abort(
@@ -73,8 +76,14 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             and self._grants(values[0].encode(), handler_call_details.method)
         ):
             return continuation(handler_call_details)
+        self._denied = next(self._denials) + 1
         handler = continuation(handler_call_details)
         return self._deny_stream if handler is not None and handler.response_streaming else self._deny
+
+    @property
+    def denied(self) -> int:
+        """Calls refused so far (a wrong or missing token, or one outside its scope)."""
+        return self._denied
 
     def _grants(self, presented: bytes, method: str) -> bool:
         ok = hmac.compare_digest(presented, self._expected)

@@ -83,7 +83,8 @@ class ServiceServer:
         self.decode_guard = DecodeGuardInterceptor()
         #: full method name -> largest request in bytes; a service fills it once it knows its model
         self.request_limits = self.decode_guard.request_limits
-        interceptors = ([TokenAuthInterceptor(token, scoped_tokens)] if token else []) + [self.decode_guard]
+        self.auth = TokenAuthInterceptor(token, scoped_tokens) if token else None
+        interceptors = ([self.auth] if self.auth else []) + [self.decode_guard]
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=interceptors,
@@ -102,6 +103,10 @@ class ServiceServer:
                 f"cannot listen on {address}: port in use or address not available; pick another grpc_address"
             )
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
+
+    def auth_failures(self) -> int:
+        """Calls the token check refused (0 without a token: nothing is checked)."""
+        return self.auth.denied if self.auth is not None else 0
 
     def set_serving(self, service: str, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -26,7 +26,8 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -341,3 +342,21 @@ class TrainMetrics:
         if m.get("rollout_logprobs_given"):
             self.mismatch_max.set(m.get("logprob_diff_max", 0.0))
             self.mismatch_mean.set(m.get("logprob_diff_mean", 0.0))
+
+
+class AuthFailures(Collector):
+    """`weightsync_auth_failures_total{role, surface}`: control-plane calls refused for their token, read
+    from the server's own count (`read`) at each scrape, so the refusal path touches no metric."""
+
+    def __init__(self, role: str, read: Callable[[], int], registry: CollectorRegistry):
+        self.role, self.read = role, read
+        registry.register(self)
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(
+            "weightsync_auth_failures",
+            "Control-plane calls refused for a missing, wrong or out-of-scope token, by surface (grpc)",
+            labels=["role", "surface"],
+        )
+        fam.add_metric([self.role, "grpc"], self.read())
+        yield fam

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from weightsync.bus.layout import ManifestCache, compact_proto
 from weightsync.bus.plan import Manifest
+from weightsync.obs import tracing
 from weightsync.publisher.delta_sync import DeltaBase
 from weightsync.publisher.export_format import ExportFormat
 from weightsync.publisher.phases import PhaseClock
@@ -200,6 +201,7 @@ class SyncAttempt:
                     trainer_id=self.fleet.trainer_id,
                     allow_rollback=self.allow_rollback,
                     delta_base=self.delta.offer,
+                    traceparent=tracing.traceparent(),
                 )
                 calls.append((e, send_full, req))
             pending = []
@@ -308,7 +310,10 @@ class SyncAttempt:
     def commit(self, checksums: list[int]) -> None:
         """CommitSync on every target still in the sync."""
         req = rollout_pb2.CommitSyncRequest(
-            sync_id=self.manifest.sync_id, version=self.manifest.version, trainer_id=self.fleet.trainer_id
+            sync_id=self.manifest.sync_id,
+            version=self.manifest.version,
+            trainer_id=self.fleet.trainer_id,
+            traceparent=tracing.traceparent(),
         )
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.http import serve_http
-from weightsync.obs.metrics import SyncMetrics, TrainerMetrics
+from weightsync.obs.metrics import AuthFailures, SyncMetrics, TrainerMetrics
 from weightsync.publisher.delta_sync import LINK_GBPS
 from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.fleet_servicer import FleetServicer
@@ -53,6 +53,7 @@ class PublisherHost:
         self.grpc = ServiceServer(grpc_address, token)
         self.metrics = SyncMetrics("trainer")
         self.trainer_metrics = TrainerMetrics(self.metrics.registry)
+        AuthFailures("trainer", self.grpc.auth_failures, self.metrics.registry)
         self.http = serve_http(
             http_address,
             title=f"weightsync {prog}",

@@ -23,6 +23,7 @@ import torch
 from weightsync.bus.copy.checksum import ALGO
 from weightsync.bus.layout import ManifestCache
 from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_sender_names
+from weightsync.obs import tracing
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.obs.sync_profile import SyncProfile
 from weightsync.publisher.attempt import SyncAttempt
@@ -177,8 +178,9 @@ class SyncOrchestrator:
                     self.actor.version,
                     [e.rollout_id for e in targets] or "every rollout",
                 )
-            with self.profile.watching():
+            with self.profile.watching(), tracing.sync_span(transport) as trace:
                 report = self._sync_locked(targets, transport, timeout, senders, allow_rollback, ipc_direction)
+                trace.finish(report)
             self.profile.flush()
             return report
         finally:
@@ -223,6 +225,7 @@ class SyncOrchestrator:
         for attempt in (1, 2, 3):
             with phases("plan"):
                 session, manifest = self._plan(targets, transport, senders, ipc_direction)
+            tracing.planned(manifest.sync_id, manifest.version, manifest.total_bytes)
             report = trainer_pb2.SyncReport(
                 sync_id=manifest.sync_id,
                 version=manifest.version,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from weightsync.obs import tracing
+
 
 class PhaseClock:
     """Seconds spent in each named phase of one sync (a retried attempt adds to the same phases).
@@ -31,7 +33,8 @@ class PhaseClock:
         t0 = time.perf_counter()
         self.current = name
         try:
-            yield
+            with tracing.phase(name):  # a span of the sync's trace when tracing is on
+                yield
         finally:
             self.current = ""
             self.add(name, time.perf_counter() - t0)

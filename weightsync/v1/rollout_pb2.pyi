@@ -138,20 +138,22 @@ class ScoreResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., last_logits_f32: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PrepareSyncRequest(_message.Message):
-    __slots__ = ("manifest", "transport", "timeout_seconds", "trainer_id", "allow_rollback", "delta_base")
+    __slots__ = ("manifest", "transport", "timeout_seconds", "trainer_id", "allow_rollback", "delta_base", "traceparent")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOW_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     manifest: _bus_pb2.Manifest
     transport: _bus_pb2.TransportSpec
     timeout_seconds: float
     trainer_id: str
     allow_rollback: bool
     delta_base: DeltaBase
-    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., delta_base: _Optional[_Union[DeltaBase, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, manifest: _Optional[_Union[_bus_pb2.Manifest, _Mapping]] = ..., transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., trainer_id: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., delta_base: _Optional[_Union[DeltaBase, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DeltaBase(_message.Message):
     __slots__ = ("version", "origin", "layout_digest", "sync_ids")
@@ -208,16 +210,18 @@ class PushBucketResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., commit: _Optional[_Union[CommitSyncResponse, _Mapping]] = ...) -> None: ...
 
 class CommitSyncRequest(_message.Message):
-    __slots__ = ("sync_id", "version", "checksums", "trainer_id")
+    __slots__ = ("sync_id", "version", "checksums", "trainer_id", "traceparent")
     SYNC_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     checksums: _containers.RepeatedCompositeFieldContainer[_bus_pb2.BucketChecksum]
     trainer_id: str
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., checksums: _Optional[_Iterable[_Union[_bus_pb2.BucketChecksum, _Mapping]]] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., checksums: _Optional[_Iterable[_Union[_bus_pb2.BucketChecksum, _Mapping]]] = ..., trainer_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class CommitSyncResponse(_message.Message):
     __slots__ = ("version", "weights_checksum", "apply_seconds")

@@ -1,0 +1,185 @@
+"""A sync is one OpenTelemetry trace across the trainer's and the rollout's code (in-process services on
+loopback, the SDK's in-memory exporter): root `sync`, its phases as children, the rollout's prepare and
+commit continuing the trainer's phase spans over gRPC (the first sync of a pairing) and over the sync
+link (the next one), and generation requests (gRPC, HTTP whole and streamed) continuing the caller's
+traceparent. With no endpoint and no provider nothing of OpenTelemetry is imported."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+
+from tests.support.local_apps import local_fleet
+from weightsync.control.auth import call_metadata
+from weightsync.control.client import channel
+from weightsync.obs import tracing
+from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
+
+sdk = pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+TOKEN = "trace-test-token"
+PHASES = ("plan", "prepare", "stream", "commit")
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.configure(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.configure(None)
+        provider.shutdown()
+
+
+def _tree(finished, trace_id: int) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for s in finished:
+        if s.context.trace_id == trace_id:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _check_sync_trace(finished, report, calls_path: str) -> None:
+    roots = [s for s in finished if s.name == "sync" and s.attributes["weightsync.sync_id"] == report.sync_id]
+    assert len(roots) == 1, [s.name for s in finished]
+    root = roots[0]
+    assert root.parent is None
+    assert dict(root.attributes) == {
+        "weightsync.sync_id": report.sync_id,
+        "weightsync.version": report.version,
+        # the report's route once it names one (e.g. tcp/full/bf16), else its transport
+        "weightsync.route": getattr(report, "route", "") or report.transport,
+        "weightsync.bytes": report.bytes,
+        "weightsync.ok": True,
+    }
+    tree = _tree(finished, root.context.trace_id)
+    for name in PHASES:  # each phase once, a child of the root
+        assert [s.parent.span_id for s in tree[name]] == [root.context.span_id], (name, calls_path)
+    # the rollout's spans (rollout_svc code) continue the trainer's phase of the same name
+    for side in ("prepare", "commit"):
+        (mine,) = tree[f"rollout.{side}"]
+        assert mine.parent.span_id == tree[side][0].context.span_id, (side, calls_path)
+        assert mine.attributes["weightsync.sync_id"] == report.sync_id
+        assert mine.attributes["weightsync.version"] == report.version
+        assert mine.attributes["weightsync.rollout_id"] == "a"
+    (sender,) = tree["stream.sender"]
+    assert sender.parent.span_id == tree["stream"][0].context.span_id
+    assert sender.attributes["weightsync.bytes"] == report.senders[0].bytes > 0
+    assert {s.resource.attributes.get("service.name") for s in tree["sync"]}  # exported with a resource
+
+
+def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continues_the_callers(spans):
+    with local_fleet({"a": {}}, TOKEN) as (trainer, rollouts, stub):
+        first = stub.Sync(trainer_pb2.SyncRequest()).report
+        assert first.ok, first
+        _check_sync_trace(spans.get_finished_spans(), first, "grpc")
+        spans.clear()
+        second = stub.Sync(trainer_pb2.SyncRequest()).report
+        assert second.ok, second
+        _check_sync_trace(spans.get_finished_spans(), second, "link")
+        calls = trainer.host.metrics.calls  # the second PrepareSync went over the link
+        assert calls.labels("trainer", "PrepareSync", "link")._value.get() >= 1
+        spans.clear()
+
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        with channel(rollouts["a"].grpc.address) as ch:
+            rollout_pb2_grpc.RolloutStub(ch).Generate(
+                rollout_pb2.GenerateRequest(
+                    prompts=[rollout_pb2.Prompt(token_ids=[1, 2, 3])],
+                    sampling=rollout_pb2.SamplingParams(max_new_tokens=2),
+                ),
+                timeout=60,
+                metadata=(*call_metadata(TOKEN), ("traceparent", parent)),
+            )
+        # HTTP completions, whole and streamed, continue their caller's traceparent header too
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{rollouts['a'].http.port}/v1", api_key=TOKEN, max_retries=0, timeout=60
+        )
+        for i, stream in enumerate((False, True)):
+            answer = client.completions.create(
+                model="tiny-qwen2",
+                prompt=[1, 2, 3],
+                max_tokens=2,
+                stream=stream,
+                extra_headers={"traceparent": parent.replace("b7ad6b7169203331", f"00000000000000a{i}")},
+            )
+            if stream:
+                list(answer)
+    gens = sorted((s for s in spans.get_finished_spans() if s.name == "generate"), key=lambda s: s.parent.span_id)
+    assert [(f"{s.parent.span_id:016x}", s.attributes["weightsync.endpoint"]) for s in gens] == [
+        ("00000000000000a0", "http_completions"),
+        ("00000000000000a1", "http_completions"),
+        ("b7ad6b7169203331", "grpc_generate"),
+    ]
+    assert {f"{s.context.trace_id:032x}" for s in gens} == {"0af7651916cd43dd8448eb211c80319c"}
+
+
+def test_off_without_endpoint_imports_no_opentelemetry():
+    """Off, the helpers import nothing of OpenTelemetry (the control plane's fastapi may import its API
+    for its own use; neither the SDK nor an exporter is ever loaded)."""
+    code = (
+        "import os, sys\n"
+        "for v in ('OTEL_EXPORTER_OTLP_ENDPOINT', 'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT'): os.environ.pop(v, None)\n"
+        "from weightsync.obs import tracing\n"
+        "def sync():\n"
+        "    with tracing.sync_span('tcp') as t:\n"
+        "        tracing.planned('v1-x', 1, 10)\n"
+        "        with tracing.phase('plan'): pass\n"
+        "        assert tracing.traceparent() == ''\n"
+        "        t.finish(None)\n"
+        "sync()\n"
+        "bare = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"
+        "from weightsync.publisher.phases import PhaseClock\n"
+        "with PhaseClock()('plan'): sync()\n"
+        "assert not tracing.enabled()\n"
+        "print(bare, sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+
+
+def test_with_the_standard_endpoint_variable_spans_go_out_over_otlp_http(monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    bodies: list[tuple[str, bytes]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    tracing.setup("trainer-svc")
+    tracing.configure(None)  # read the environment afresh
+    try:
+        with tracing.sync_span("tcp"):
+            tracing.planned("v7-otlp", 7, 1234)
+            with tracing.phase("plan"):
+                assert tracing.traceparent().startswith("00-")
+        assert tracing.flush(30)
+    finally:
+        tracing.configure(None)
+        tracing.setup("weightsync")
+        server.shutdown()
+    (path, body), *_ = bodies
+    assert path == "/v1/traces"
+    for text in (b"trainer-svc", b"v7-otlp", b"weightsync.sync_id", b"plan", b"sync"):
+        assert text in body, text
