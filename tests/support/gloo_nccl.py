@@ -98,6 +98,7 @@ class GlooGroup:
 
 class GlooSender(BucketSender):
     checksums_in_band = "none"  # as NCCL's: the receivers checksum what arrived
+    collective = True  # one broadcast reaches every member
 
     def __init__(self, group: GlooGroup):
         if group.rank != 0:

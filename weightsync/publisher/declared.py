@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from weightsync.bus.plan import TensorMeta
+from weightsync.publisher.source import WeightSource
 
 
 def _dtype(value, where: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    dt = getattr(torch, str(value).removeprefix("torch."), None)
+    dt = getattr(torch, str(value).removeprefix("torch."), None)  # foreign: a dtype name of torch
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"{where}: dtype {value!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
     return dt
@@ -65,17 +66,17 @@ def metas_from_hf_config(config, dtype=None) -> list[TensorMeta]:
     from transformers import AutoModelForCausalLM
 
     # `dtype` on recent transformers, `torch_dtype` (deprecated there) on older ones
-    given = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
+    given = getattr(config, "dtype", None) or vars(config).get("torch_dtype")  # foreign: an HF config
     dt = _dtype(dtype or given or torch.float32, "dtype")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", False))  # foreign: an HF config
     return [
         TensorMeta(n, tuple(t.shape), dt) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")
     ]
 
 
-class DeclaredSource:
+class DeclaredSource(WeightSource):
     """The sync orchestrator's actor for a Publisher: declared metas, the tensors of the sync at hand."""
 
     def __init__(self, metas: list[TensorMeta], family: str, device: torch.device):

@@ -218,13 +218,13 @@ class DeltaStream:
 
     def channel(self, inner: BucketSender, targets: set[str] | None = None) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket.
-        A collective channel (one that has `framed()`: nccl) sends every target the same frames:
+        A collective channel (`BucketSender.collective`: nccl) sends every target the same frames:
         framed once a base was offered (the rollouts expect frames then), and deltas only when all
         of `targets` (the prepared ones) accepted; None: `accepted` was settled so already (a
         sender rank's part, from rank 0's `rank_job`)."""
         if not self.keep:
             return inner
-        if hasattr(inner, "framed"):
+        if inner.collective:
             if not self.framed:
                 return _DeltaChannel(inner, self)  # plain dense broadcasts, kept as the next base
             if targets is not None:
@@ -373,11 +373,11 @@ class RankPart:
 
 
 def rank_part(actor) -> RankPart:
-    """This rank's part of the base, kept on the actor across syncs."""
-    part = getattr(actor, "_delta_part", None)
-    if part is None:
-        part = actor._delta_part = RankPart()
-    return part
+    """This rank's part of the base, kept on the actor across syncs (WeightSource.rank_sync_state)."""
+    state = actor.rank_sync_state()
+    if state.delta_part is None:
+        state.delta_part = RankPart()
+    return state.delta_part
 
 
 class _DeltaChannel(BucketSender):
@@ -386,9 +386,20 @@ class _DeltaChannel(BucketSender):
     def __init__(self, inner: BucketSender, stream: DeltaStream):
         self._inner, self._stream = inner, stream
         self.releases_previous, self.checksums_in_band = inner.releases_previous, inner.checksums_in_band
+        self.collective = inner.collective
 
-    def __getattr__(self, name):  # everything but send is the inner channel's
-        return getattr(self._inner, name)
+    # what the stream reads of a channel after its sends is the inner channel's
+    @property
+    def wire_bytes(self):
+        return self._inner.wire_bytes
+
+    @property
+    def wire_bytes_sent(self):
+        return self._inner.wire_bytes_sent
+
+    @property
+    def phase_seconds(self):
+        return self._inner.phase_seconds
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         dense = buf[: plan.nbytes]

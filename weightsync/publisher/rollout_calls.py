@@ -48,7 +48,7 @@ class RolloutCalls:
             return finish()
         timeout = self.rpc_timeout if timeout is None else timeout
         try:
-            resp = getattr(entry.stub(self.token, timeout), method)(request)
+            resp = getattr(entry.stub(self.token, timeout), method)(request)  # foreign: a gRPC stub's RPC by name
         except grpc.RpcError as exc:
             return None, describe_rpc_error(exc)
         finally:
@@ -116,7 +116,7 @@ class RolloutCalls:
 
     def open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
         """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""
-        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)
+        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)  # foreign: gRPC stub
 
     def fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
         result.ok, result.error = False, err

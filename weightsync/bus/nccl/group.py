@@ -122,6 +122,7 @@ class NcclBucketSender(BucketSender):
 
     releases_previous = True
     checksums_in_band = "none"  # receivers checksum what arrived; the trainer's values go with the commit
+    collective = True  # one broadcast reaches every member
 
     def __init__(self, group: NcclGroup):
         if group.rank != 0:

@@ -15,13 +15,14 @@ from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
 from weightsync.publisher.orchestrator import SyncOrchestrator
 from weightsync.publisher.registry import RolloutEntry
+from weightsync.publisher.source import WeightSource
 from weightsync.v1 import rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
 OWNERS = [0, 0, 1, 1]
 
 
-class TwoRankActor:
+class TwoRankActor(WeightSource):
     """Owns w0, w1 on rank 0 and w2, w3 on rank 1; `run_senders` answers with canned reports."""
 
     family, version = "fake", 3
