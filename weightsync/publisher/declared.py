@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,6 +76,27 @@ def metas_from_hf_config(config, dtype=None) -> list[TensorMeta]:
     return [
         TensorMeta(n, tuple(t.shape), dt) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")
     ]
+
+
+@dataclass(frozen=True)
+class DeclaredModel:
+    """A Publisher's model: an HF model directory, a transformers config or a dict {HF name: (shape,
+    dtype)}; `dtype`: the dtype HF-config tensors are given in (default the config's torch_dtype,
+    else float32); `family`: the rollouts' model family (default from the HF config; "" for a dict)."""
+
+    model: Any
+    dtype: Any = None
+    family: str | None = None
+
+    def metas(self) -> tuple[list[TensorMeta], str]:
+        """(the declared tensors, the model family)."""
+        if isinstance(self.model, Mapping):
+            return metas_from_dict(self.model), self.family or ""
+        from weightsync.model_spec import family_of
+
+        config = hf_config(self.model)
+        fam = self.family if self.family is not None else family_of(config)
+        return metas_from_hf_config(config, self.dtype), fam
 
 
 class DeclaredSource(WeightSource):

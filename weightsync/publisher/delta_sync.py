@@ -73,6 +73,7 @@ from weightsync.bus.channel import BucketSender
 from weightsync.bus.checksum import from_sums, word_sums
 from weightsync.bus.delta import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.sync_options import DEFAULTS
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ ENCODINGS = ("full", "delta", "auto")
 DELTA_TRANSPORTS = ("tcp", "nccl")
 #: auto on nccl: deltas below this link rate (Gb/s; trainer config delta_link_gbps). 50 GB/s: under the
 #: break-even of an H200 (~95 GB/s) and of an H100 (~65), above every inter-host link in use (12-50 GB/s)
-LINK_GBPS = 400.0
+LINK_GBPS = DEFAULTS.delta_link_gbps
 #: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
 _MAX_STREAMS = 64
 
@@ -91,7 +92,11 @@ class DeltaBase:
     """The trainer's copy of the last export it streamed in full, and which version that is."""
 
     def __init__(
-        self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = "", link_gbps: float = LINK_GBPS
+        self,
+        encoding: str = "auto",
+        limit_bytes: int = DEFAULTS.delta_base_bytes,
+        origin: str = "",
+        link_gbps: float = LINK_GBPS,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")

@@ -26,11 +26,12 @@ from weightsync.bus.transports import TRANSPORTS, TrainerSide, choices, multi_se
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.obs.sync_profile import SyncProfile
 from weightsync.publisher.attempt import SyncAttempt
-from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
-from weightsync.publisher.export_format import PLAIN, ExportFormat
+from weightsync.publisher.delta_sync import DeltaBase
+from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
 from weightsync.publisher.rollout_calls import RolloutCalls
+from weightsync.sync_options import DEFAULTS, SyncOptions
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -49,55 +50,43 @@ class SyncOrchestrator:
         metrics: SyncMetrics,
         *,
         token: str,
-        bucket_bytes: int,
-        default_transport: str,
-        sync_timeout: float,
-        rpc_timeout: float,
-        origin: str,
-        device: torch.device | str = "cpu",
-        nccl_bus=None,
-        nccl_init_timeout: float = 120.0,
-        on_nccl_group_build=None,
-        export_format: ExportFormat = PLAIN,
+        options: SyncOptions = DEFAULTS,
         trainer_id: str = "",
-        senders: str = "all",
-        sync_link: bool = True,
-        sync_encoding: str = "auto",
-        delta_base_bytes: int = 32 << 30,
-        ipc_direction: str = "auto",
-        delta_link_gbps: float = LINK_GBPS,
+        origin: str = "",
     ):
+        """`options`: how it syncs (weightsync/sync_options.py); `origin`: this trainer run's identity
+        (Manifest.origin; default a new one)."""
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
         self.metrics = metrics
         self.token = token
-        self.bucket_bytes = bucket_bytes
-        self.default_transport = default_transport
-        self.sync_timeout = sync_timeout
-        self.rpc_timeout = rpc_timeout
-        self.origin = origin
+        self.options = options
+        self.bucket_bytes = options.bucket_bytes
+        self.default_transport = options.transport
+        self.sync_timeout = options.sync_timeout_s
+        self.rpc_timeout = options.rpc_timeout_s
+        self.origin = origin or uuid.uuid4().hex[:16]
         self.trainer_id = trainer_id
-        self.device = torch.device(device)
-        self.export_format = export_format
+        self.device = torch.device(options.device)
+        self.export_format = export_format(options.export_dtype) if options.export_dtype else PLAIN
         #: the last committed export, kept for delta syncs (weightsync/publisher/delta_sync.py)
-        self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin, delta_link_gbps)
-        #: WS_PROFILE_SYNCS: the syncs' host time by function (off unless set)
+        self.delta = DeltaBase(options.sync_encoding, options.delta_base_bytes, self.origin, options.delta_link_gbps)
+        #: the syncs' host time by function (debug.profile_syncs; off unless set)
         self.profile = SyncProfile()
         metrics.nccl_link_rate.set_function(lambda: self.delta.link_rate or 0.0)
-        if senders not in ("all", "rank0"):
-            raise ValueError(f"senders={senders!r} must be all or rank0")
-        self.senders = senders
+        self.senders = options.senders
         #: how this trainer reaches a rollout during a sync (sync link or gRPC), and records a failed one
-        self.rollouts = RolloutCalls(token, rpc_timeout, metrics, sync_link)
+        self.rollouts = RolloutCalls(token, options.rpc_timeout_s, metrics, options.sync_link)
+        self.rollouts.liveness_timeout = options.liveness_timeout_s
         side = TrainerSide(
             token,
             self.device,
             call=self.rollouts.call,
             open_stream=self.rollouts.open_stream,
             options={
-                "nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout, "on_build": on_nccl_group_build},
-                "ipc": {"direction": ipc_direction},
+                "nccl": {"init_timeout": options.nccl_init_timeout_s, "on_build": metrics.nccl_group_builds.inc},
+                "ipc": {"direction": options.ipc_direction},
             },
         )
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime

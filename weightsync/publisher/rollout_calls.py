@@ -18,12 +18,13 @@ from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.link_client import LinkDown, SyncLinkClient
 from weightsync.publisher.registry import RolloutEntry
+from weightsync.sync_options import DEFAULTS
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
 #: the default liveness_timeout_s (trainer config bus.liveness_timeout_s)
-LIVENESS_TIMEOUT_S = 3.0
+LIVENESS_TIMEOUT_S = DEFAULTS.liveness_timeout_s
 
 
 class RolloutCalls:
