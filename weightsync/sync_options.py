@@ -21,8 +21,10 @@ ENCODINGS = ("full", "delta", "auto")
 IPC_DIRECTIONS = ("auto", "rollout_reads", "trainer_writes")
 #: the transports that carry deltas (weightsync/publisher/delta_sync.py)
 DELTA_TRANSPORTS = ("tcp", "nccl")
-#: the largest bucket a sync plans (16 GiB)
+#: the largest bucket a sync plans (16 GiB), and the smallest (weightsync.bus.plan.ALIGN: offsets are
+#: aligned to 256 bytes)
 MAX_BUCKET_BYTES = 16384 * MIB
+MIN_BUCKET_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,12 @@ class SyncOptions:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             _bad("transport", self.transport, f"must be {choices()}")
-        if not 1 <= self.bucket_bytes <= MAX_BUCKET_BYTES:
-            _bad("bucket_bytes", self.bucket_bytes, f"must be in [1, {MAX_BUCKET_BYTES}] bytes (bucket_mb <= 16384)")
+        if not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            _bad(
+                "bucket_bytes",
+                self.bucket_bytes,
+                f"must be in [{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}] bytes (trainer-svc: bucket_mb in [1, 16384])",
+            )
         for name in ("sync_timeout_s", "rpc_timeout_s", "nccl_init_timeout_s", "liveness_timeout_s"):
             value = getattr(self, name)  # this dataclass's own fields, by name
             if not (value > 0 and math.isfinite(value)):
