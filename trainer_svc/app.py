@@ -17,6 +17,7 @@ from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
 from trainer_svc.paths import DataRoots
 from trainer_svc.service import TrainerServicer
+from weightsync import debug
 from weightsync.control.auth import load_token
 from weightsync.publisher import PublisherHost
 
@@ -30,6 +31,7 @@ def global_rank() -> int:
 class TrainerApp:
     def __init__(self, cfg: TrainerConfig, actor=None):
         self.cfg = cfg
+        debug.configure(cfg.debug.switches())  # in-process apps (tests) too: the CLI did so already
         self.token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
         # refuses an exposed address without a token before the model is built
         self.host = PublisherHost(

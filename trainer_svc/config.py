@@ -13,7 +13,7 @@ from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
 from weightsync.bus.transports import NAMES as TRANSPORTS
 from weightsync.bus.transports import choices, multi_sender_names, single_sender_names, summary
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
-from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
+from weightsync.config_common import AuthConfig, DebugConfig, LogConfig, ServerConfig
 from weightsync.sync_options import DEFAULTS as SYNC
 from weightsync.sync_options import ENCODINGS, IPC_DIRECTIONS, MIB, SENDERS, SyncOptions
 
@@ -311,6 +311,7 @@ class TrainerConfig(ServiceConfig):
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     auth: AuthConfig = section(AuthConfig)
     log: LogConfig = section(LogConfig)
+    debug: DebugConfig = section(DebugConfig)
 
     def validate(self) -> None:
         super().validate()

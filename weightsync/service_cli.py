@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.config import ConfigError, add_arguments, resolve
+from weightsync.debug import configure as configure_debug
 from weightsync.obs.logs import setup_logging
 
 
@@ -52,6 +53,7 @@ class Service:
             print(f"{self.prog}: config error: {exc}", file=sys.stderr)
             return 2
         setup_logging(self.prog, cfg.log.log_level, cfg.log.log_format)
+        configure_debug(cfg.debug.switches())  # before anything reads a switch (every rank)
         try:
             app = self.make_app(cfg)
         except (RuntimeError, ValueError, ConfigError) as exc:

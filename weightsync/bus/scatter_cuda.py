@@ -5,18 +5,18 @@ word sums (int64, wrapping) are stored per row; the caller adds the rows of each
 cover one bucket or every bucket of a sync (the actor's own buckets, all unchanged while they are read):
 one launch saves the tail of each launch's last wave and the gaps between launches. `Config` names the
 launch shape; `CONFIGS` holds those the microbenchmark compares (bench/bench_verified_copy.py) and
-`config()` the one the sync uses (`WS_VERIFIED_COPY=<name>` picks another; `legacy` is the kernel of
+`config()` the one the sync uses (the config's `debug.verified_copy=<name>` picks another; `legacy` is the kernel of
 checksum_cuda.scatter_word_sums, one launch per bucket, kept until the GPU numbers settle it).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from weightsync.debug import switches
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 
@@ -64,10 +64,10 @@ DEFAULT = "vec-b1024-w4-f4"
 
 
 def config() -> Config:
-    name = os.environ.get("WS_VERIFIED_COPY", DEFAULT)
+    name = switches().verified_copy or DEFAULT  # the config's debug.verified_copy
     c = CONFIGS.get(name)
     if c is None:
-        raise ValueError(f"WS_VERIFIED_COPY={name!r} is not a kernel config; use one of {', '.join(CONFIGS)}")
+        raise ValueError(f"debug.verified_copy={name!r} is not a kernel config; use one of {', '.join(CONFIGS)}")
     return c
 
 

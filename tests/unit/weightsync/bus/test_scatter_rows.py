@@ -75,13 +75,15 @@ def test_unaligned_bases_give_single_word_rows_and_bad_arguments_are_named():
         rows_of([(4098, [(0, 4, 8192)])], 0, 0, row_words=16)
 
 
-def test_the_config_comes_from_the_environment_and_a_wrong_name_lists_the_choices(monkeypatch):
-    monkeypatch.delenv("WS_VERIFIED_COPY", raising=False)
+def test_the_config_comes_from_the_debug_switches_and_a_wrong_name_lists_the_choices(monkeypatch):
+    from weightsync import debug
+
+    monkeypatch.setattr(debug, "_current", debug.Switches())
     assert scatter_cuda.config().name == scatter_cuda.DEFAULT
-    monkeypatch.setenv("WS_VERIFIED_COPY", "legacy")
+    debug.configure(debug.Switches(verified_copy="legacy"))
     assert scatter_cuda.config().kernel == "legacy"
-    monkeypatch.setenv("WS_VERIFIED_COPY", "fast")
-    with pytest.raises(ValueError, match="WS_VERIFIED_COPY='fast'.*legacy"):
+    debug.configure(debug.Switches(verified_copy="fast"))
+    with pytest.raises(ValueError, match="debug.verified_copy='fast'.*legacy"):
         scatter_cuda.config()
     assert all(c.row_words % VEC == 0 for c in scatter_cuda.CONFIGS.values())
 
