@@ -120,7 +120,7 @@ class StreamPhase:
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
         self.route = self._pick_route()
-        log.info("sync %s: route %s", self.manifest.sync_id, self.route)
+        log.debug("sync %s: route %s", self.manifest.sync_id, self.route)  # INFO in the sync's summary line
         multi = self.route.multi_sender
         in_place = self.in_place_bufs if a.prepared else None
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
