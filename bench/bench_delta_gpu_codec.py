@@ -1,4 +1,4 @@
-"""The delta codec on one GPU: torch ops vs the fused Triton kernels (weightsync/bus/delta_cuda.py).
+"""The delta codec on one GPU: torch ops vs the fused Triton kernels (weightsync/bus/delta/codec_triton.py).
 
 For each `--models` shape (its bf16 export's bytes, in buckets of `--bucket-mb`, default the trainer's
 1024) and each `--densities` fraction of changed bf16 words, per path (median of `--reps` after a

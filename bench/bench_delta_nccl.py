@@ -21,8 +21,8 @@ transport the third after the first measured one should be a delta:
 
 The 1.5B shape's setup (both models built in this process) took over 60 s on an H100 host: give a run
 several minutes. The script itself runs on CPU over the gloo stand-in (a check, not a measurement):
-    WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus python -m bench delta_nccl --shape "" \
-        --trainer-device cpu --rollout-device cpu --reps 1
+    python -m bench delta_nccl --shape "" --trainer-device cpu --rollout-device cpu --reps 1 \
+        --nccl-bus tests.support.gloo_nccl:GlooNcclBus
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def services(args) -> dict:
             sync_encoding="delta",
             transport="nccl",
             liveness_timeout_s=60.0,
+            nccl_bus=args.nccl_bus,
         )
     )
     trainer.start()
@@ -88,6 +89,7 @@ def services(args) -> dict:
             device=args.rollout_device,
             rollout_id="r0",
             apply_mode=args.apply_mode,
+            nccl_bus=args.nccl_bus,
         )
     )
     rollout.start()
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     ap.add_argument("--auto", type=int, default=0, help="N syncs under sync_encoding=auto instead of full vs delta")
     ap.add_argument("--delta-link-gbps", type=float, default=None, help="--auto: the trainer's delta_link_gbps")
+    ap.add_argument("--nccl-bus", default="", help="module:attr of a stand-in NCCL bus (the CPU check); empty: libnccl")
     args = ap.parse_args(argv)
     result = services(args)
     keys = ("median_s", "speedup", "bit_exact", "encodings")

@@ -4,7 +4,7 @@ On one GPU, for Qwen2.5-shaped models laid out as the sync lays them (1 GiB buck
 1.5B = 3.1 GB in 3; bf16), every variant runs in the same process on the same buffers:
 - `copy_bucket`: one plain `copy_` per bucket (the bytes of the bucket into a buffer of its size);
 - `copy_whole`: one `copy_` of all the bytes (the services bench's "one D2D copy");
-- each config of weightsync/bus/scatter_cuda.CONFIGS (`legacy` is the kernel the sync ran until now)
+- the config of weightsync/bus/copy/scatter_triton.CONFIGS the sync runs
   through `verified_copy.copy_all_into`, plus the read of every checksum (`pending_values`: the sync's
   flush); `<default>+prepared` the default as the trainer's `send_held` now runs it (per-tensor checks
   and table kept with the destinations: only the launch is left on the host).

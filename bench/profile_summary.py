@@ -1,4 +1,4 @@
-"""The top of a sync profile (weightsync/obs/sync_profile.py, WS_PROFILE_SYNCS): the functions with the
+"""The top of a sync profile (weightsync/obs/sync_profile.py, the `profile_syncs` debug switch): the functions with the
 most time of their own and the most cumulative time, per sync.
 
     python bench/profile_summary.py /tmp/prof/trainer.pstats.1234 [--syncs 12] [--top 25]
@@ -14,7 +14,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+", help="pstats files written by WS_PROFILE_SYNCS")
+    ap.add_argument("files", nargs="+", help="pstats files written by the `profile_syncs` debug switch")
     ap.add_argument(
         "--syncs", type=int, default=1, help="syncs the file covers (all but the first): times are divided by it"
     )

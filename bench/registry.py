@@ -58,7 +58,9 @@ BENCHES: dict[str, Entry] = {
     "control_plane": Entry("bench.control_plane:main", "the control plane's round trips and fan-out"),
     "trace_overhead": Entry("bench.trace_overhead:main", "a sync with tracing off / on vs no tracing hooks"),
     "cost_model": Entry("bench.cost_model:main", "(tool) the fleet cost model: predictions, tables, calibration"),
-    "profile_summary": Entry("bench.profile_summary:main", "(tool) the top of a WS_PROFILE_SYNCS profile"),
+    "profile_summary": Entry(
+        "bench.profile_summary:main", "(tool) the top of a the `profile_syncs` debug switch profile"
+    ),
 }
 
 

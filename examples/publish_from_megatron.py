@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     from trainer_svc.actor.megatron.hf_tensors import hf_tensors
     from weightsync.local.procs import free_port, start_rollout
-    from weightsync.publisher import Publisher
+    from weightsync.publisher import Auth, Publisher, SyncOptions
 
     # the rollout runs one intra-op thread; so does the reference model here: same weights, same logits
     torch.set_num_threads(1)
@@ -162,9 +162,8 @@ def main(argv=None) -> int:
         model=config,
         grpc_address=f"127.0.0.1:{free_port()}",
         http_address=f"127.0.0.1:{free_port()}",
-        auth_token_file=str(token_file) if token_file else "",
-        bucket_mb=1,
-        sync_timeout_s=120,
+        auth=Auth(token_file=str(token_file) if token_file else ""),
+        options=SyncOptions(bucket_bytes=1 << 20, sync_timeout_s=120),
         group=dist.group.WORLD,
     ).start()
     rollout = None

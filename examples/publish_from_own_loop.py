@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     from weightsync.local.procs import free_port, start_rollout
-    from weightsync.publisher import Publisher
+    from weightsync.publisher import Auth, Publisher, SyncOptions
 
     # The rollout runs one intra-op thread (weightsync.local.procs): so does this process, so that
     # the same weights give the same logits bit for bit.
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
         model=model_dir,
         grpc_address=f"127.0.0.1:{free_port()}",
         http_address=f"127.0.0.1:{free_port()}",
-        auth_token_file=str(token_file),
-        bucket_mb=16,
+        auth=Auth(token_file=str(token_file)),
+        options=SyncOptions(bucket_bytes=16 << 20),
     ).start()
     rollout = start_rollout(
         work,

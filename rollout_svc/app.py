@@ -15,6 +15,7 @@ from rollout_svc.service import RolloutServicer
 from rollout_svc.sync.link_server import SyncLinkServer
 from rollout_svc.sync.pinning import TrainerPin
 from rollout_svc.sync.transaction import SyncTransaction
+from weightsync import debug
 from weightsync.bus.copy.checksum import warm_up as bucket_checksum_warm_up
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.config import ConfigError
@@ -37,6 +38,7 @@ GENERATION_METHODS = (f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/Score")
 class RolloutApp:
     def __init__(self, cfg: RolloutConfig):
         self.cfg = cfg
+        debug.configure(cfg.debug.switches())  # in-process apps (tests) too: the CLI did so already
         token, generation_key = self._tokens(cfg)
         # Bind every port before the (slow) engine load so a port clash fails in milliseconds.
         self.grpc = ServiceServer(cfg.server.grpc_address, token, scoped_tokens=((generation_key, GENERATION_METHODS),))

@@ -11,7 +11,7 @@ from typing import Any
 
 from rollout_svc.limits import LimitsConfig
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
-from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
+from weightsync.config_common import AuthConfig, DebugConfig, LogConfig, ServerConfig
 
 ENV_PREFIX = "WS_ROLLOUT"
 
@@ -153,3 +153,4 @@ class RolloutConfig(ServiceConfig):
     limits: LimitsConfig = section(LimitsConfig)
     auth: RolloutAuthConfig = section(RolloutAuthConfig)
     log: LogConfig = section(LogConfig)
+    debug: DebugConfig = section(DebugConfig)

@@ -377,7 +377,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             raise
         started = self._sync_started.pop(request.sync_id, None)
         if started is not None:
-            self.metrics.sync_duration.observe(time.perf_counter() - started)
+            self.metrics.sync_duration.labels(self.metrics.role, "").observe(time.perf_counter() - started)
         if manifest is not None:
             self.metrics.sync_bytes.inc(manifest.total_bytes)
         self.metrics.outcome("committed")

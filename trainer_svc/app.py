@@ -17,9 +17,9 @@ from trainer_svc.actor.device import export_device
 from trainer_svc.config import TrainerConfig
 from trainer_svc.paths import DataRoots
 from trainer_svc.service import TrainerServicer
+from weightsync import debug
 from weightsync.control.auth import load_token
 from weightsync.publisher import PublisherHost
-from weightsync.publisher.export_format import export_format
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ def global_rank() -> int:
 class TrainerApp:
     def __init__(self, cfg: TrainerConfig, actor=None):
         self.cfg = cfg
+        debug.configure(cfg.debug.switches())  # in-process apps (tests) too: the CLI did so already
         self.token = load_token(cfg.auth.auth_token, cfg.auth.auth_token_file)
         # refuses an exposed address without a token before the model is built
         self.host = PublisherHost(
@@ -56,24 +57,11 @@ class TrainerApp:
         self.servicer = self.host.publish(
             self.actor,
             self.actor_lock,
-            bucket_mb=cfg.bus.bucket_mb,
-            transport=cfg.bus.transport,
-            sync_timeout_s=cfg.bus.sync_timeout_s,
-            rpc_timeout_s=cfg.bus.rpc_timeout_s,
-            device=export_device(self.actor),
+            options=cfg.bus.sync_options(cfg.actor.export_dtype, str(export_device(self.actor))),
             backend=cfg.actor.backend,
             auto_sync=cfg.fleet.auto_sync_new_rollouts,
-            nccl_init_timeout_s=cfg.bus.nccl_init_timeout_s,
-            export_format=export_format(cfg.actor.export_dtype),
-            senders=cfg.bus.senders,
-            sync_link=cfg.bus.sync_link,
-            liveness_timeout_s=cfg.bus.liveness_timeout_s,
             origin=getattr(self.actor, "origin", ""),
             make_servicer=lambda *args: TrainerServicer(*args, roots=roots),
-            sync_encoding=cfg.bus.sync_encoding,
-            delta_base_bytes=cfg.bus.delta_base_mb << 20,
-            delta_link_gbps=cfg.bus.delta_link_gbps,
-            ipc_direction=cfg.bus.ipc_direction,
         )
         self.orch = self.host.orch
         # Applies --resume now, so a resumed trainer reports and publishes the checkpoint's version.

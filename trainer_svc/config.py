@@ -13,7 +13,9 @@ from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
 from weightsync.bus.transports import NAMES as TRANSPORTS
 from weightsync.bus.transports import choices, multi_sender_names, single_sender_names, summary
 from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
-from weightsync.config_common import AuthConfig, LogConfig, ServerConfig
+from weightsync.config_common import AuthConfig, DebugConfig, LogConfig, ServerConfig
+from weightsync.sync_options import DEFAULTS as SYNC
+from weightsync.sync_options import ENCODINGS, IPC_DIRECTIONS, MIB, SENDERS, SyncOptions
 
 ENV_PREFIX = "WS_TRAINER"
 
@@ -110,32 +112,35 @@ class ParallelConfig:
 class BusConfig:
     """The weight bus as the trainer drives it: transport, buckets, timeouts of a sync."""
 
-    transport: str = field("tcp", choices=TRANSPORTS, help=f"default weight-bus transport: {summary()}")
+    transport: str = field(SYNC.transport, choices=TRANSPORTS, help=f"default weight-bus transport: {summary()}")
     nccl_init_timeout_s: float = field(
-        120.0, help="bound on building an NCCL group (every rollout must join within it, and within the sync timeout)"
+        SYNC.nccl_init_timeout_s,
+        help="bound on building an NCCL group (every rollout must join within it, and within the sync timeout)",
     )
     bucket_mb: int = field(
-        1024,
+        SYNC.bucket_bytes // MIB,
         help="flat bucket size in MiB (1024 measured best on NVLink, docs/BENCHMARKS.md); two buckets are the "
         "sender's extra memory",
     )
-    sync_timeout_s: float = field(300.0, help="a sync that has not committed on a rollout within this is aborted there")
-    rpc_timeout_s: float = field(30.0, help="timeout of each control-plane RPC to a rollout")
+    sync_timeout_s: float = field(
+        SYNC.sync_timeout_s, help="a sync that has not committed on a rollout within this is aborted there"
+    )
+    rpc_timeout_s: float = field(SYNC.rpc_timeout_s, help="timeout of each control-plane RPC to a rollout")
     liveness_timeout_s: float = field(
-        3.0,
+        SYNC.liveness_timeout_s,
         help="a rollout that sends neither an answer nor a liveness beat on its sync link for this long is "
         "gone (stopped, hung, unreachable): its part of the sync fails at once instead of after rpc_timeout_s, "
         "the others commit, and it is caught up when it registers again",
     )
     sync_link: bool = field(
-        True,
+        SYNC.sync_link,
         help="send PrepareSync, CommitSync and AbortSync over the sync link a rollout "
         "offers on its data port (one authenticated connection kept across syncs; "
         "a fraction of a gRPC call's round trip); false: gRPC only",
     )
     senders: str = field(
-        "all",
-        choices=("all", "rank0"),
+        SYNC.senders,
+        choices=SENDERS,
         help="who streams the buckets: all = every rank that assembles tensors (each pipeline "
         "stage's and expert-parallel leader) streams its own, concurrently, over "
         f"{choices(multi_sender_names())} ({choices(single_sender_names())} carries one sender, "
@@ -143,8 +148,8 @@ class BusConfig:
         "rank0 = every tensor is sent to global rank 0, the only sender (the funnel)",
     )
     sync_encoding: str = field(
-        "auto",
-        choices=("full", "delta", "auto"),
+        SYNC.sync_encoding,
+        choices=ENCODINGS,
         help="full: every bucket dense; delta: to a rollout on the last committed version, only the "
         "changed 16-bit words (8-bit for fp8) of each bucket, over tcp or nccl, each sender rank diffing "
         "its own buckets (a rollout that lacks the base is sent in full; over nccl every target then is); "
@@ -152,8 +157,8 @@ class BusConfig:
         "below delta_link_gbps; full otherwise (ipc; nccl over NVLink)",
     )
     ipc_direction: str = field(
-        "auto",
-        choices=("auto", "rollout_reads", "trainer_writes"),
+        SYNC.ipc_direction,
+        choices=IPC_DIRECTIONS,
         help="transport ipc: who moves the bytes. trainer_writes = the trainer writes each bucket straight "
         "into the engine's parameters and checksums it in the same pass (one process touches the bytes; "
         "the rollout's independent second read is gone: docs/architecture.md, 'Trainer writes'); "
@@ -162,14 +167,14 @@ class BusConfig:
         "export_dtype fp8-block too: the trainer writes the weights dequantized), else rollout_reads",
     )
     delta_base_mb: int = field(
-        32768,
+        SYNC.delta_base_bytes // MIB,
         help="bound on the trainer's copy of the last committed export kept for delta syncs (host "
         "memory over tcp, the export's GPU over nccl: one copy of the model's export bytes); a larger "
         "model is synced in full; 0: no copy, "
         "no delta",
     )
     delta_link_gbps: float = field(
-        400.0,
+        SYNC.delta_link_gbps,
         help="sync_encoding=auto over nccl: send deltas when the NCCL link's rate, measured by each full "
         "nccl sync (bytes on the bus / seconds the stream waited on it), is below this many Gb/s. A delta "
         "costs a GPU compare and apply per byte of export and cuts the bytes on the bus many times over: "
@@ -198,6 +203,26 @@ class BusConfig:
         if not 1.0 <= self.liveness_timeout_s <= 3600:
             # the rollout beats every 0.25 s: a shorter timeout would fail a busy but healthy rollout
             raise ConfigError(f"liveness_timeout_s={self.liveness_timeout_s} must be in [1, 3600] (seconds)")
+
+    def sync_options(self, export_dtype: str = "", device: str = "cpu") -> SyncOptions:
+        """This section as the publisher takes it (bytes and seconds), with the actor's export dtype
+        and device: built once at start-up, passed whole to PublisherHost.publish."""
+        return SyncOptions(
+            transport=self.transport,
+            bucket_bytes=self.bucket_mb * MIB,
+            sync_timeout_s=self.sync_timeout_s,
+            rpc_timeout_s=self.rpc_timeout_s,
+            nccl_init_timeout_s=self.nccl_init_timeout_s,
+            liveness_timeout_s=self.liveness_timeout_s,
+            sync_link=self.sync_link,
+            senders=self.senders,
+            sync_encoding=self.sync_encoding,
+            delta_base_bytes=self.delta_base_mb * MIB,
+            delta_link_gbps=self.delta_link_gbps,
+            ipc_direction=self.ipc_direction,
+            export_dtype=export_dtype,
+            device=device,
+        )
 
 
 @dataclass
@@ -286,6 +311,7 @@ class TrainerConfig(ServiceConfig):
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     auth: AuthConfig = section(AuthConfig)
     log: LogConfig = section(LogConfig)
+    debug: DebugConfig = section(DebugConfig)
 
     def validate(self) -> None:
         super().validate()

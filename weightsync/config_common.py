@@ -59,3 +59,40 @@ class LogConfig:
 
     def validate(self) -> None:
         pass
+
+
+@dataclass
+class DebugConfig:
+    """Debug and tuning switches (weightsync/debug.py): off by default, for diagnosis and tests."""
+
+    fp8_gpu_convert: bool = field(
+        True,
+        help="block-FP8 kernels on sm_89+ round with the GPU's conversion instructions; false: the bit arithmetic "
+        "(the same bytes, docs/architecture.md)",
+    )
+    profile_syncs: str = field(
+        "", help="a path: write each sync's host time by function there (pstats; slower syncs); empty: off"
+    )
+    nccl_library: str = field(
+        "", help="the libnccl.so to load first (before the nvidia.nccl wheel's and the system's); empty: search"
+    )
+    nccl_bus: str = field(
+        "",
+        help="module:attr of a stand-in NCCL bus (tests only, e.g. tests.support.gloo_nccl:GlooNcclBus); "
+        "empty: libnccl",
+    )
+
+    def validate(self) -> None:
+        if self.nccl_bus and ":" not in self.nccl_bus:
+            raise ConfigError(f"nccl_bus={self.nccl_bus!r} must be module:attr (a stand-in bus for tests), or empty")
+
+    def switches(self):
+        """This section as the process's switches (weightsync.debug.configure takes them)."""
+        from weightsync.debug import Switches
+
+        return Switches(
+            fp8_gpu_convert=self.fp8_gpu_convert,
+            profile_syncs=self.profile_syncs,
+            nccl_library=self.nccl_library,
+            nccl_bus=self.nccl_bus,
+        )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.config import ConfigError, add_arguments, resolve
+from weightsync.debug import configure as configure_debug
 from weightsync.obs import tracing
 from weightsync.obs.logs import setup_logging
 
@@ -54,6 +55,7 @@ class Service:
             return 2
         setup_logging(self.prog, cfg.log.log_level, cfg.log.log_format)
         tracing.setup(self.prog)  # spans only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+        configure_debug(cfg.debug.switches())  # before anything reads a switch (every rank)
         try:
             app = self.make_app(cfg)
         except (RuntimeError, ValueError, ConfigError) as exc:

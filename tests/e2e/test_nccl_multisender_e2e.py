@@ -1,7 +1,7 @@
 """Multi-sender NCCL through the real services and processes: a torchrun megatron trainer (gloo)
 with PP=2 whose two stages each broadcast their own buckets on their own group to two rollout
 processes. CI has no GPU, so libnccl is replaced in every process by a gloo stand-in with the
-same interface (tests.support.gloo_nccl, selected by WEIGHTSYNC_NCCL_BUS); what runs is ours:
+same interface (tests.support.gloo_nccl, selected by the services' debug.nccl_bus); what runs is ours:
 rank 0 planning a group per sender, the SendJob carrying each rank its group, every rank building
 and keeping its communicator, each rollout joining both groups and committing once both senders'
 buckets have arrived. The same paths on real NCCL: tests/gpu/test_multisender_gpu.py.
@@ -32,7 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def gloo_nccl(monkeypatch):
     """Every service process started by the test builds its NCCL groups over the gloo stand-in,
     which it imports from the repository root (tests.support is not part of the product)."""
-    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "tests.support.gloo_nccl:GlooNcclBus")
+    for service in ("TRAINER", "ROLLOUT"):  # the services' debug.nccl_bus, by their env prefixes
+        monkeypatch.setenv(f"WS_{service}_NCCL_BUS", "tests.support.gloo_nccl:GlooNcclBus")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 

@@ -58,6 +58,9 @@ def test_sync_makes_rollout_compute_the_trainers_function_and_versions_agree(pro
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] and report["rollouts"][0]["ok"]
+    # the path it took: tcp from rank 0, float32 (the trainer's export_dtype default), dense buckets
+    # (the rollout holds no base yet)
+    assert report["route"] == "tcp/single/fp32/full", report
     version = int(report["version"])
 
     export_dir = procs.tmp / "exported"
@@ -86,7 +89,8 @@ def test_sync_makes_rollout_compute_the_trainers_function_and_versions_agree(pro
     assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= report["seconds"], (phases, report)
     assert sum(phases.values()) > 0.5 * report["seconds"], (phases, report)
     for name in timed:
-        assert trainer.metric("weightsync_sync_phase_seconds_count", f'phase="{name}",role="trainer"') == 1
+        labels = f'phase="{name}",role="trainer",route="tcp/single/fp32/full"'
+        assert trainer.metric("weightsync_sync_phase_seconds_count", labels) == 1
     human = wsctl("--address", trainer.address, "status")
     assert "phases: plan" in human.stdout, human.stdout
 

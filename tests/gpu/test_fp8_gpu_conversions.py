@@ -1,5 +1,5 @@
 """The FP8 slot quantizer and the fused FP8 write with the GPU's own conversions (sm_89+, PTX `cvt`) give
-the bytes of the bit arithmetic (WS_FP8_GPU_CONVERT=0) and of the CPU torch path, in 16-wide launches
+the bytes of the bit arithmetic (debug.fp8_gpu_convert=false) and of the CPU torch path, in 16-wide launches
 (Triton's own float8 downcast did not, there): every bfloat16 value of [-448, 448] under a scale of
 exactly 1 (so every e4m3 tie is met as such), float32 values one ulp either side of every tie,
 heavy-tailed weights in many binades, and rows read through Megatron's QKV table.
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.fp8_weights import block_test_weights, bucket_layout
+from weightsync import debug
 
 pytestmark = pytest.mark.gpu
 needs_sm89 = pytest.mark.skipif(
@@ -59,7 +60,7 @@ def _weights():
 
 
 def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
-    """The bucket bytes of `named` quantized by the slot kernel on the GPU (`gpu`, WS_FP8_GPU_CONVERT
+    """The bucket bytes of `named` quantized by the slot kernel on the GPU (`gpu`, debug.fp8_gpu_convert
     `convert`) or, as the reference, by the CPU torch path into the same places."""
     from weightsync.formats.fp8 import blocks as fp8
     from weightsync.formats.fp8 import quantize_slots
@@ -73,7 +74,7 @@ def _quantized(named, gpu: bool, monkeypatch, convert: str) -> torch.Tensor:
             flat[q_off : q_off + qq.numel()] = qq.reshape(-1).view(torch.uint8)
             flat[s_off : s_off + 4 * ss.numel()] = ss.reshape(-1).view(torch.uint8)
         return flat
-    monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
+    monkeypatch.setattr(debug, "_current", debug.Switches(fp8_gpu_convert=convert != "0"))
     flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
     weights = [
         quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [(si, w.cuda())])
@@ -119,7 +120,7 @@ def test_the_fused_write_with_the_gpus_conversions_stores_the_bit_arithmetics_va
     for dtype in (torch.bfloat16, torch.float32):
         got = {}
         for convert in ("0", "1"):
-            monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
+            monkeypatch.setattr(debug, "_current", debug.Switches(fp8_gpu_convert=convert != "0"))
             dests = [torch.full(w.shape, float("nan"), dtype=dtype, device="cuda") for w in named]
             f = write_slots.plan(weights, dests, 1)
             assert f is not None and f.use_kernel and all(la.vec == 16 for la in f.launches)
@@ -151,7 +152,7 @@ def test_megatron_qkv_rows_with_the_gpus_conversions(monkeypatch):
     pairs = QKV.hf_copies(qkv, stands, d)
     out = {}
     for convert in ("0", "1"):
-        monkeypatch.setenv("WS_FP8_GPU_CONVERT", convert)
+        monkeypatch.setattr(debug, "_current", debug.Switches(fp8_gpu_convert=convert != "0"))
         flat = torch.zeros(size, dtype=torch.uint8, device="cuda")
         weights = [
             quantize_slots.SlotWeight(f"w{i}", 0, q_off, s_off, si, [pair])

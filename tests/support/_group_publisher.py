@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from weightsync.publisher import Publisher
+from weightsync.publisher import Publisher, SyncOptions
 
 SPEC = {
     "embed.weight": ((8, 4), torch.float32),
@@ -56,7 +56,7 @@ def main() -> int:
         return 0
     rank = dist.get_rank(group)
     case("snapshot", lambda: Publisher(model=SPEC, group=group, snapshot=True) and {}, rank)
-    case("ipc", lambda: Publisher(model=SPEC, group=group, transport="ipc") and {}, rank)
+    case("ipc", lambda: Publisher(model=SPEC, group=group, options=SyncOptions(transport="ipc")) and {}, rank)
     pub = Publisher(model=SPEC, grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", group=group)
     pub.start()
 

@@ -6,7 +6,8 @@ This bus gives them the same shape on CPU: `new_unique_id` starts a TCPStore in 
 process (as ncclGetUniqueId starts NCCL's bootstrap root there) and returns its address; every
 rank's `open_group` rendezvous there and builds a gloo group (blocking until the whole world has
 joined, or timing out, as ncclCommInitRank); a bucket is a gloo broadcast from rank 0.
-Selected with WEIGHTSYNC_NCCL_BUS=tests.support.gloo_nccl:GlooNcclBus, in processes that have the
+Selected with the debug switch nccl_bus=tests.support.gloo_nccl:GlooNcclBus (weightsync/debug.py;
+env WS_TRAINER_NCCL_BUS / WS_ROLLOUT_NCCL_BUS for the services), in processes that have the
 repository root on their path (tests only: loopback addresses, no authentication beyond the
 services' own). Real NCCL is exercised by tests/gpu.
 
@@ -98,6 +99,7 @@ class GlooGroup:
 
 class GlooSender(BucketSender):
     checksums_in_band = "none"  # as NCCL's: the receivers checksum what arrived
+    collective = True  # one broadcast reaches every member
 
     def __init__(self, group: GlooGroup):
         if group.rank != 0:

@@ -64,6 +64,7 @@ class _Whole:
 
 
 class LoopbackSender(BucketSender):
+    collective = True  # one broadcast reaches every member
     releases_previous = False
 
     def __init__(self, group: LoopbackGroup):

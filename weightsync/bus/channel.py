@@ -9,6 +9,9 @@ these classes, and what a channel can do is declared on them (the defaults are t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 from weightsync.bus.plan import BucketPlan
@@ -27,6 +30,15 @@ class BucketSender:
     #: writing into the engine, weightsync/bus/ipc/trainer_writes.py): the pipeline sums nothing and
     #: takes `checksums()` after `flush()`
     computes_checksums: bool = False
+    #: every target takes the same broadcast (a collective: nccl): deltas go to all of them or none,
+    #: as frames of `framed()` (weightsync/bus/nccl/framed.py)
+    collective: bool = False
+    #: target id -> bytes this channel put on the bus for it, frames included ({}: not counted)
+    wire_bytes: Mapping[str, int] = MappingProxyType({})
+    #: a framed broadcast's bytes, headers included, which every member took (None: not framed)
+    wire_bytes_sent: int | None = None
+    #: computes_checksums channels: the parts of their send time by name (e.g. queue, wait, read)
+    phase_seconds: Mapping[str, float] = MappingProxyType({})
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         """Deliver `buf[:plan.nbytes]` to every live target; return when `buf` may be reused.
@@ -43,6 +55,16 @@ class BucketSender:
         current stream): True when this channel sent them all (the pipeline then only calls `flush`);
         False, with nothing sent, when it takes them one `send` at a time."""
         return False
+
+    def write_fp8_from(self, weights) -> bool:
+        """A channel that writes block-FP8 weights into the engine from the trainer's parameters
+        (the actor's `flat_fp8_weights`): True when it took them (no quantize pass into the buckets
+        is needed); False, taking nothing, for every other channel."""
+        return False
+
+    def framed(self) -> BucketSender:
+        """A collective channel's sender of framed buckets, dense or delta (nccl/framed.py)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a collective channel")
 
     def flush(self) -> None:
         """After the last `send` of a releases_previous channel (the pipeline calls it for those alone):

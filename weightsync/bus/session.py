@@ -46,6 +46,10 @@ class Session:
     #: before prepare: whether the channel is expected to compute the bucket checksums as it sends
     #: (ipc, trainer writes), so the trainer need not start its own checksum pass meanwhile
     expects_channel_sums: bool = False
+    #: who writes this sync into the engine, for a transport that lets a sync choose
+    #: (Transport.writers: ipc's trainer_writes or rollout_reads), settled once prepare answered;
+    #: "" for the others (their rollouts receive)
+    direction: str = ""
 
     def spec_for(self, entry) -> bus_pb2.TransportSpec:
         """The `transport` of this target's PrepareSyncRequest."""
@@ -61,6 +65,11 @@ class Session:
 
     def use_manifest(self, manifest) -> None:
         """The sync's manifest, once planned (before any prepare)."""
+
+    def use_quantized_writes(self, writes) -> None:
+        """How a quantized manifest is written into an engine (ipc trainer_writes: a
+        trainer_writes.QuantizedWrites from weightsync.formats, which the bus cannot import); called
+        before any prepare of a quantized sync. A session that never writes into an engine ignores it."""
 
     def finish(self, ok: bool, reason: str) -> None:
         """Called once after streaming: ok=False when the stream failed or never started."""

@@ -40,6 +40,10 @@ class Transport:
     #: each member of a group takes a GPU of its own (NCCL): a rollout on a sending rank's GPU is
     #: streamed to from global rank 0 alone
     one_rank_per_gpu: bool = False
+    #: who writes the bucket bytes into the engine, when the transport lets a sync choose
+    #: (`ipc_direction`): these name a sync's route in place of single / multi-sender
+    #: (weightsync/publisher/route.py); () for a transport whose rollout always receives
+    writers: tuple[str, ...] = ()
 
     def trainer_end_class(self) -> type:
         return _load(self.trainer_end)
@@ -87,6 +91,7 @@ TRANSPORTS: dict[str, Transport] = {
             commit_on_stream=True,
             checksums_in_band="all",
             releases_previous=True,
+            writers=("rollout_reads", "trainer_writes"),
         ),
     )
 }

@@ -73,13 +73,15 @@ class SyncMetrics:
             raise ValueError(f"role={role!r} must be 'trainer' or 'rollout'")
         self.registry = registry or service_registry()
         r = self.registry
+        #: by role and route: the trainer's syncs by the path they took (weightsync/publisher/route.py,
+        #: a small closed set); a rollout's with route "" (it does not pick one)
         self.sync_duration = Histogram(
             "weightsync_sync_duration_seconds",
             "Wall time of a sync: trainer from Sync call to last commit; rollout from prepare to commit",
-            ["role"],
+            ["role", "route"],
             buckets=_SYNC_BUCKETS,
             registry=r,
-        ).labels(role)
+        )
         self.sync_bytes = Counter(
             "weightsync_sync_bytes_total",
             "Weight bytes moved by committed and failed syncs (trainer: per receiver)",
@@ -128,8 +130,8 @@ class SyncMetrics:
     def _trainer_families(self, r: CollectorRegistry) -> None:
         self.sync_phase = Histogram(
             "weightsync_sync_phase_seconds",
-            "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit)",
-            ["role", "phase"],
+            "Wall time of each phase of a sync (trainer: plan, prepare, stream, commit), by the sync's route",
+            ["role", "phase", "route"],
             buckets=_PHASE_BUCKETS,
             registry=r,
         )

@@ -1,9 +1,9 @@
-"""An opt-in profile of where the trainer's syncs spend their host time (`WS_PROFILE_SYNCS=<path>`).
+"""An opt-in profile of where the trainer's syncs spend their host time (the config's `debug.profile_syncs=<path>`).
 
 A sync of a model on one GPU costs milliseconds, most of them fixed: Python on the sync's path
 (planning, the prepare, launches, reading checksums) rather than bytes. The per-phase times in the
 sync report say which phase; this says which functions. Off by default (cProfile slows the code it
-watches): with the variable set, every sync of this process but its first runs under one cProfile,
+watches): with the switch set, every sync of this process but its first runs under one cProfile,
 and the accumulated statistics are written to `<path>.<pid>` (pstats format) after each sync, outside
 the sync's own timing. The first sync is left out because its one-time work (planning the layout,
 loading the kernels: tens of milliseconds) would swamp the steady state that repeats.
@@ -17,19 +17,22 @@ import logging
 import os
 from contextlib import contextmanager
 
+from weightsync.debug import switches
+
 log = logging.getLogger(__name__)
 
-ENV = "WS_PROFILE_SYNCS"
+#: how the switch is named where a log line mentions it
+SWITCH = "debug.profile_syncs"
 
 
 class SyncProfile:
     def __init__(self):
-        path = os.environ.get(ENV, "")
+        path = switches().profile_syncs
         self.path = f"{path}.{os.getpid()}" if path else ""
         self._prof = cProfile.Profile() if path else None
         self._seen = 0  # syncs so far: the first is not profiled
         if self._prof is not None:
-            log.warning("%s is set: every sync runs under cProfile (slower); statistics in %s", ENV, self.path)
+            log.warning("%s is set: every sync runs under cProfile (slower); statistics in %s", SWITCH, self.path)
 
     @contextmanager
     def watching(self):

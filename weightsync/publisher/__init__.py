@@ -13,18 +13,23 @@ of the sync link; multisender.py lets every owner rank stream; registry.py is th
 export_format.py is what the export puts on the wire (dtype, block FP8); phases.py times the phases.
 """
 
+from weightsync.publisher.declared import DeclaredModel
 from weightsync.publisher.fleet_servicer import FleetServicer
 from weightsync.publisher.host import PublisherHost
 from weightsync.publisher.orchestrator import SyncInProgress, SyncOrchestrator
-from weightsync.publisher.publisher import Publisher, SyncFailed
+from weightsync.publisher.publisher import Auth, Publisher, SyncFailed
 from weightsync.publisher.registry import RolloutRegistry
+from weightsync.sync_options import SyncOptions
 
 __all__ = [
+    "Auth",
+    "DeclaredModel",
     "FleetServicer",
     "Publisher",
     "PublisherHost",
     "RolloutRegistry",
     "SyncFailed",
     "SyncInProgress",
+    "SyncOptions",
     "SyncOrchestrator",
 ]

@@ -80,13 +80,17 @@ class SyncAttempt:
         self.funnel_retry = ""
         self._pool = fleet.pool  # long-lived: no threads started per sync
         #: delta or full per target (weightsync/publisher/delta_sync.py)
-        base = getattr(fleet, "delta", None) or DeltaBase("full")  # a fleet without one syncs in full
-        self.delta = base.begin(manifest, session.name)
+        self.delta = fleet.delta.begin(manifest, session.name)
         #: targets already sent AbortSync (to learn why their stream broke)
         self.aborted: set[str] = set()
         #: rollout_id -> seconds it was silent when dropped from this attempt (its call still runs)
         self.dropped: dict[str, float] = {}
         self.streamer = StreamPhase(self)
+
+    @property
+    def route(self):
+        """The path this attempt's stream took (weightsync/publisher/route.py)."""
+        return self.streamer.route
 
     @property
     def senders(self):
@@ -101,7 +105,7 @@ class SyncAttempt:
                 # rollouts answer PrepareSync, and the stream reads them when it needs them.
                 self.prepare(meanwhile=self.streamer.start_in_place)
             # a group built in this sync: its stream includes the build (nccl; not a measure of the link)
-            fresh = not getattr(self.session, "reused", False)
+            fresh = not self.session.reused
             with self.phases("stream"):
                 checksums = self.stream()
             self.delta.streamed(self.streamer.bus_bytes, self.streamer.send_seconds, fresh)

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from weightsync.bus.plan import TensorMeta
+from weightsync.publisher.source import WeightSource
 
 
 def _dtype(value, where: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    dt = getattr(torch, str(value).removeprefix("torch."), None)
+    dt = getattr(torch, str(value).removeprefix("torch."), None)  # foreign: a dtype name of torch
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"{where}: dtype {value!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
     return dt
@@ -65,17 +68,38 @@ def metas_from_hf_config(config, dtype=None) -> list[TensorMeta]:
     from transformers import AutoModelForCausalLM
 
     # `dtype` on recent transformers, `torch_dtype` (deprecated there) on older ones
-    given = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
+    given = getattr(config, "dtype", None) or vars(config).get("torch_dtype")  # foreign: an HF config
     dt = _dtype(dtype or given or torch.float32, "dtype")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", False))  # foreign: an HF config
     return [
         TensorMeta(n, tuple(t.shape), dt) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")
     ]
 
 
-class DeclaredSource:
+@dataclass(frozen=True)
+class DeclaredModel:
+    """A Publisher's model: an HF model directory, a transformers config or a dict {HF name: (shape,
+    dtype)}; `dtype`: the dtype HF-config tensors are given in (default the config's torch_dtype,
+    else float32); `family`: the rollouts' model family (default from the HF config; "" for a dict)."""
+
+    model: Any
+    dtype: Any = None
+    family: str | None = None
+
+    def metas(self) -> tuple[list[TensorMeta], str]:
+        """(the declared tensors, the model family)."""
+        if isinstance(self.model, Mapping):
+            return metas_from_dict(self.model), self.family or ""
+        from weightsync.model_spec import family_of
+
+        config = hf_config(self.model)
+        fam = self.family if self.family is not None else family_of(config)
+        return metas_from_hf_config(config, self.dtype), fam
+
+
+class DeclaredSource(WeightSource):
     """The sync orchestrator's actor for a Publisher: declared metas, the tensors of the sync at hand."""
 
     def __init__(self, metas: list[TensorMeta], family: str, device: torch.device):

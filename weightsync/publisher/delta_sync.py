@@ -70,6 +70,7 @@ from weightsync.bus.channel import BucketSender
 from weightsync.bus.copy.checksum import from_sums, word_sums
 from weightsync.bus.delta.codec import diff, encode, word_bytes
 from weightsync.bus.plan import BucketPlan, Manifest
+from weightsync.sync_options import DEFAULTS
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ ENCODINGS = ("full", "delta", "auto")
 DELTA_TRANSPORTS = ("tcp", "nccl")
 #: auto on nccl: deltas below this link rate (Gb/s; trainer config delta_link_gbps). 50 GB/s: under the
 #: measured break-even of the GPUs benchmarked, above every inter-host link in use (100-400 Gb/s)
-LINK_GBPS = 400.0
+LINK_GBPS = DEFAULTS.delta_link_gbps
 #: syncs named in an offer at most (catch-ups of that many rollouts at one version keep the base)
 _MAX_STREAMS = 64
 
@@ -88,7 +89,11 @@ class DeltaBase:
     """The trainer's copy of the last export it streamed in full, and which version that is."""
 
     def __init__(
-        self, encoding: str = "auto", limit_bytes: int = 32 << 30, origin: str = "", link_gbps: float = LINK_GBPS
+        self,
+        encoding: str = "auto",
+        limit_bytes: int = DEFAULTS.delta_base_bytes,
+        origin: str = "",
+        link_gbps: float = LINK_GBPS,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"sync_encoding={encoding!r} must be full, delta or auto")
@@ -215,13 +220,13 @@ class DeltaStream:
 
     def channel(self, inner: BucketSender, targets: set[str] | None = None) -> BucketSender:
         """`inner`, sending deltas to the targets that accepted the base and keeping every bucket.
-        A collective channel (one that has `framed()`: nccl) sends every target the same frames:
+        A collective channel (`BucketSender.collective`: nccl) sends every target the same frames:
         framed once a base was offered (the rollouts expect frames then), and deltas only when all
         of `targets` (the prepared ones) accepted; None: `accepted` was settled so already (a
         sender rank's part, from rank 0's `rank_job`)."""
         if not self.keep:
             return inner
-        if hasattr(inner, "framed"):
+        if inner.collective:
             if not self.framed:
                 return _DeltaChannel(inner, self)  # plain dense broadcasts, kept as the next base
             if targets is not None:
@@ -370,11 +375,11 @@ class RankPart:
 
 
 def rank_part(actor) -> RankPart:
-    """This rank's part of the base, kept on the actor across syncs."""
-    part = getattr(actor, "_delta_part", None)
-    if part is None:
-        part = actor._delta_part = RankPart()
-    return part
+    """This rank's part of the base, kept on the actor across syncs (WeightSource.rank_sync_state)."""
+    state = actor.rank_sync_state()
+    if state.delta_part is None:
+        state.delta_part = RankPart()
+    return state.delta_part
 
 
 class _DeltaChannel(BucketSender):
@@ -383,9 +388,20 @@ class _DeltaChannel(BucketSender):
     def __init__(self, inner: BucketSender, stream: DeltaStream):
         self._inner, self._stream = inner, stream
         self.releases_previous, self.checksums_in_band = inner.releases_previous, inner.checksums_in_band
+        self.collective = inner.collective
 
-    def __getattr__(self, name):  # everything but send is the inner channel's
-        return getattr(self._inner, name)
+    # what the stream reads of a channel after its sends is the inner channel's
+    @property
+    def wire_bytes(self):
+        return self._inner.wire_bytes
+
+    @property
+    def wire_bytes_sent(self):
+        return self._inner.wire_bytes_sent
+
+    @property
+    def phase_seconds(self):
+        return self._inner.phase_seconds
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         dense = buf[: plan.nbytes]

@@ -68,7 +68,7 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
         self.registry.poll(entry)
         behind = not self.orch.is_current(entry)
         # a source with nothing to send yet (a Publisher before its first sync) leaves it to the next sync
-        scheduled = self.auto_sync and self.orch.needs_catch_up(entry) and getattr(self.actor, "publishable", True)
+        scheduled = self.auto_sync and self.orch.needs_catch_up(entry) and self.actor.publishable
         if scheduled:
             self._catchup.put(request.rollout_id)
         log.info(

@@ -19,14 +19,12 @@ from weightsync.control.exposure import check_exposure
 from weightsync.control.grpc_server import ServiceServer
 from weightsync.http import serve_http
 from weightsync.obs.metrics import AuthFailures, SyncMetrics, TrainerMetrics
-from weightsync.publisher.delta_sync import LINK_GBPS
-from weightsync.publisher.export_format import PLAIN, ExportFormat
 from weightsync.publisher.fleet_servicer import FleetServicer
 from weightsync.publisher.http_api import trainer_router
 from weightsync.publisher.orchestrator import SyncOrchestrator
 from weightsync.publisher.registry import RolloutRegistry
-from weightsync.publisher.rollout_calls import LIVENESS_TIMEOUT_S
 from weightsync.publisher.warm_up import warm_up
+from weightsync.sync_options import SyncOptions
 from weightsync.v1 import trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,26 +76,14 @@ class PublisherHost:
         source,
         source_lock: threading.Lock,
         *,
-        bucket_mb: int,
-        transport: str,
-        sync_timeout_s: float,
-        rpc_timeout_s: float,
-        device,
+        options: SyncOptions,
         backend: str,
         auto_sync: bool,
-        nccl_init_timeout_s: float = 120.0,
-        export_format: ExportFormat = PLAIN,
-        senders: str = "all",
-        sync_link: bool = True,
-        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         origin: str = "",
         make_servicer: Callable[..., FleetServicer] = FleetServicer,
-        sync_encoding: str = "auto",
-        delta_base_bytes: int = 32 << 30,
-        ipc_direction: str = "auto",
-        delta_link_gbps: float = LINK_GBPS,
     ) -> FleetServicer:
-        """Publish `source` (an actor: export_metas/export_tensors/version/family, see trainer_svc/actor/base.py).
+        """Publish `source` (a weightsync.publisher.source.WeightSource: trainer_svc/actor/base.py's
+        actors, a Publisher's declared source), syncing as `options` say (weightsync/sync_options.py).
         `make_servicer(source, source_lock, registry, orchestrator, backend, auto_sync)` builds the Trainer servicer."""
         self.source = source
         self.metrics.version.set_function(lambda: source.version)
@@ -107,24 +93,10 @@ class PublisherHost:
             self.registry,
             self.metrics,
             token=self.token,
-            bucket_bytes=bucket_mb << 20,
-            default_transport=transport,
-            sync_timeout=sync_timeout_s,
-            rpc_timeout=rpc_timeout_s,
-            origin=origin or uuid.uuid4().hex[:16],
-            device=device,
-            nccl_init_timeout=nccl_init_timeout_s,
-            on_nccl_group_build=self.metrics.nccl_group_builds.inc,
-            export_format=export_format,
+            options=options,
             trainer_id=self.trainer_id,
-            senders=senders,
-            sync_link=sync_link,
-            sync_encoding=sync_encoding,
-            delta_base_bytes=delta_base_bytes,
-            ipc_direction=ipc_direction,
-            delta_link_gbps=delta_link_gbps,
+            origin=origin,
         )
-        self.orch.rollouts.liveness_timeout = liveness_timeout_s
         warm_up(self.orch.device, source.export_metas(), self.orch.export_format.quantization is not None)
         self.servicer = make_servicer(source, source_lock, self.registry, self.orch, backend, auto_sync)
         trainer_pb2_grpc.add_TrainerServicer_to_server(self.servicer, self.grpc.server)

@@ -206,8 +206,8 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     part.finish(ok)
                     res.kept, res.unchanged = part.base.held is not None, part.unchanged
                 res.failures = sender.failures()
-                res.wire_bytes = dict(getattr(sender, "wire_bytes", {}))
-                res.broadcast_bytes = getattr(channel, "wire_bytes_sent", None)  # a framed broadcast
+                res.wire_bytes = dict(sender.wire_bytes)
+                res.broadcast_bytes = channel.wire_bytes_sent  # a framed broadcast
                 sender.close()
             if watch is not None and watch.tripped:  # the stream may have ended just as the flag came up
                 raise TransportError(f"rank 0 ended the stream: {watch.tripped}")
@@ -253,18 +253,15 @@ def own_flat_buckets(actor, mine: Manifest, job: SendJob, part, device) -> list[
     packs as before (sync_encoding=full, or NCCL, sends its GPU buckets in place)."""
     from weightsync.bus.layout import layout_digest
 
-    flat = getattr(actor, "own_flat_buckets", None)
-    if flat is None or job.export_dtype:
+    if not actor.own_flat or job.export_dtype:
         return None
     # the key the actor plans once per layout under (the sync's own digest also names the sync)
     mine = replace(mine, layout_digest=layout_digest(mine))
     if part is not None and part.keep and export_device(actor) != torch.device(device):
-        decline = getattr(actor, "decline_own_flat", None)
-        if decline is not None:
-            decline(mine)
+        actor.decline_own_flat(mine)
         return None
     try:
-        return flat(mine)
+        return actor.own_flat_buckets(mine)
     except TransportError:  # the actor's flat path failed after a collective began: packing would hang
         raise
     except Exception:  # an optimisation only: every parameter still holds its value; pack instead
@@ -280,7 +277,7 @@ def rank_delta_stream(actor, job: SendJob, mine: Manifest):
     from weightsync.publisher.delta_sync import DeltaRankJob, rank_part
 
     if not job.delta:
-        part = getattr(actor, "_delta_part", None)
+        part = actor.rank_sync_state().delta_part
         if part is not None:
             part.drop()  # a sync that keeps nothing: the next delta starts afresh
         return None
@@ -291,10 +288,10 @@ def nccl_groups(actor):
     """This rank's multi-sender NCCL communicator, kept on the actor across syncs."""
     from weightsync.bus.nccl.sender_groups import SenderGroupCache
 
-    cache = getattr(actor, "_nccl_sender_groups", None)
-    if cache is None:
-        cache = actor._nccl_sender_groups = SenderGroupCache()
-    return cache
+    state = actor.rank_sync_state()
+    if state.nccl_groups is None:
+        state.nccl_groups = SenderGroupCache()
+    return state.nccl_groups
 
 
 def export_device(actor) -> torch.device:
@@ -349,7 +346,7 @@ class _NcclRank:
         group = cache.get(SenderGroupJob(**spec), device, left)
         group.timeout = left  # each broadcast wait is bounded by what is left of the stream
         watch = None
-        flags = getattr(actor, "stream_flags", None)
+        flags = actor.stream_flags
         if flags is not None:  # NCCL never tells this rank that a rollout died; rank 0 sees it and says so
             watch = Watch(
                 lambda: flags.raised(job.sync_id),

@@ -27,11 +27,12 @@ from weightsync.obs import tracing
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.obs.sync_profile import SyncProfile
 from weightsync.publisher.attempt import SyncAttempt
-from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
-from weightsync.publisher.export_format import PLAIN, ExportFormat
+from weightsync.publisher.delta_sync import DeltaBase
+from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry, RolloutRegistry
 from weightsync.publisher.rollout_calls import RolloutCalls
+from weightsync.sync_options import DEFAULTS, SyncOptions
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -50,57 +51,43 @@ class SyncOrchestrator:
         metrics: SyncMetrics,
         *,
         token: str,
-        bucket_bytes: int,
-        default_transport: str,
-        sync_timeout: float,
-        rpc_timeout: float,
-        origin: str,
-        device: torch.device | str = "cpu",
-        nccl_bus=None,
-        nccl_init_timeout: float = 120.0,
-        on_nccl_group_build=None,
-        export_format: ExportFormat = PLAIN,
+        options: SyncOptions = DEFAULTS,
         trainer_id: str = "",
-        senders: str = "all",
-        sync_link: bool = True,
-        sync_encoding: str = "auto",
-        delta_base_bytes: int = 32 << 30,
-        ipc_direction: str = "auto",
-        delta_link_gbps: float = LINK_GBPS,
+        origin: str = "",
     ):
+        """`options`: how it syncs (weightsync/sync_options.py); `origin`: this trainer run's identity
+        (Manifest.origin; default a new one)."""
         self.actor = actor
         self.actor_lock = actor_lock
         self.registry = registry
         self.metrics = metrics
         self.token = token
-        self.bucket_bytes = bucket_bytes
-        self.default_transport = default_transport
-        self.sync_timeout = sync_timeout
-        self.rpc_timeout = rpc_timeout
-        self.origin = origin
+        self.options = options
+        self.bucket_bytes = options.bucket_bytes
+        self.default_transport = options.transport
+        self.sync_timeout = options.sync_timeout_s
+        self.rpc_timeout = options.rpc_timeout_s
+        self.origin = origin or uuid.uuid4().hex[:16]
         self.trainer_id = trainer_id
-        self.device = torch.device(device)
-        self.export_format = export_format
+        self.device = torch.device(options.device)
+        self.export_format = export_format(options.export_dtype) if options.export_dtype else PLAIN
         #: the last committed export, kept for delta syncs (weightsync/publisher/delta_sync.py)
-        self.delta = DeltaBase(sync_encoding, delta_base_bytes, origin, delta_link_gbps)
-        #: WS_PROFILE_SYNCS: the syncs' host time by function (off unless set)
+        self.delta = DeltaBase(options.sync_encoding, options.delta_base_bytes, self.origin, options.delta_link_gbps)
+        #: the syncs' host time by function (debug.profile_syncs; off unless set)
         self.profile = SyncProfile()
-        link = getattr(metrics, "nccl_link_rate", None)  # the trainer's metrics (not every test's stand-in)
-        if link is not None:
-            link.set_function(lambda: self.delta.link_rate or 0.0)
-        if senders not in ("all", "rank0"):
-            raise ValueError(f"senders={senders!r} must be all or rank0")
-        self.senders = senders
+        metrics.nccl_link_rate.set_function(lambda: self.delta.link_rate or 0.0)
+        self.senders = options.senders
         #: how this trainer reaches a rollout during a sync (sync link or gRPC), and records a failed one
-        self.rollouts = RolloutCalls(token, rpc_timeout, metrics, sync_link)
+        self.rollouts = RolloutCalls(token, options.rpc_timeout_s, metrics, options.sync_link)
+        self.rollouts.liveness_timeout = options.liveness_timeout_s
         side = TrainerSide(
             token,
             self.device,
             call=self.rollouts.call,
             open_stream=self.rollouts.open_stream,
             options={
-                "nccl": {"bus": nccl_bus, "init_timeout": nccl_init_timeout, "on_build": on_nccl_group_build},
-                "ipc": {"direction": ipc_direction},
+                "nccl": {"init_timeout": options.nccl_init_timeout_s, "on_build": metrics.nccl_group_builds.inc},
+                "ipc": {"direction": options.ipc_direction},
             },
         )
         #: transport name -> its trainer end (weightsync.bus.transports), kept for the trainer's lifetime
@@ -265,6 +252,7 @@ class SyncOrchestrator:
                 self, session, manifest, targets, deadline, phases, tensors=self._export, allow_rollback=allow_rollback
             )
             attempt_results, retry = one.run()
+            report.route = str(one.route or "")
             results.update(attempt_results)  # a retried rollout's result replaces its earlier one
             if not retry or attempt == 3:
                 break
@@ -309,26 +297,26 @@ class SyncOrchestrator:
             quantization=self.export_format.quantization,
             owners=self._owners(transport, senders, plain),
         )
-        if session is not None and hasattr(session, "use_manifest"):
+        if session is not None:
             session.use_manifest(manifest)
-        if session is not None and manifest.quantization is not None and hasattr(session, "use_quantized_writes"):
+        if session is not None and manifest.quantization is not None:
             # ipc trainer_writes of block FP8 into an engine that dequantizes (the bus imports no format)
             from weightsync.formats.fp8.trainer_writes import Fp8Writes
 
             session.use_quantized_writes(Fp8Writes())
         if session is not None and len(manifest.senders) > 1:
-            session.use_senders(manifest.senders, getattr(self.actor, "rank_gpus", None))  # nccl: a group per rank
+            session.use_senders(manifest.senders, self.actor.rank_gpus)  # nccl: a group per rank
         return session, manifest
 
     def _owners(self, transport: str, senders: str, plain=None) -> list[int] | None:
         """Each tensor's sender rank when every owner streams its own (senders=all over tcp or nccl),
         else None: the funnel through rank 0."""
-        owners = getattr(self.actor, "export_owners", None)
-        if senders != "all" or owners is None:
+        owners = self.actor.export_owners() if senders == "all" else None
+        if owners is None:
             return None
         # a quantized format gives each weight's scale the weight's owner (each rank quantizes its own)
         plain = self.actor.export_metas() if plain is None else plain  # the actor's metas, unformatted
-        owners = self.export_format.owners(plain, owners())
+        owners = self.export_format.owners(plain, owners)
         if not TRANSPORTS[transport].multi_sender and len(set(owners)) > 1:
             if not self._warned_funnel:
                 log.warning(
@@ -398,24 +386,27 @@ class SyncOrchestrator:
         report.rollouts.extend(results.values())
         report.ok = all(r.ok for r in results.values())
         report.seconds = elapsed
+        m, route = self.metrics, report.route
         for name, seconds in phases.seconds.items():
             report.phase_seconds[name] = seconds
-            self.metrics.sync_phase.labels(self.metrics.role, name).observe(seconds)
+            m.sync_phase.labels(m.role, name, route).observe(seconds)
         report.gbps = manifest.total_bytes / elapsed / 1e9 if elapsed > 0 else 0.0
         report.wire_bytes = sum(r.wire_bytes for r in results.values())
         for r in results.values():
             if r.encoding:
                 self.metrics.sync_wire_bytes.labels(self.metrics.role, r.encoding).inc(r.wire_bytes)
         committed = sum(r.ok for r in results.values())
-        self.metrics.sync_duration.observe(elapsed)
+        m.sync_duration.labels(m.role, route).observe(elapsed)
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
         self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
         log.info(
-            "sync %s: %d/%d committed in %.3fs (%.2f GB/s per receiver; %s); %.1f kB on the bus, %d as deltas",
+            "sync %s: %d/%d committed in %.3fs over route %s (%.2f GB/s per receiver; %s); %.1f kB on the bus, "
+            "%d as deltas",
             report.sync_id,
             committed,
             len(results),
             elapsed,
+            route,
             report.gbps,
             phases,
             report.wire_bytes / 1e3,

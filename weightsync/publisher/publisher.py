@@ -1,6 +1,6 @@
 """`Publisher`: the trainer side of weightsync as a library, for a training loop this project does not own.
 
-    pub = Publisher(model="/models/Qwen2.5-7B", grpc_address="0.0.0.0:50051", auth_token_file="/run/token")
+    pub = Publisher("/models/Qwen2.5-7B", grpc_address="0.0.0.0:50051", auth=Auth(token_file="/run/token"))
     pub.start()                              # rollouts started with --trainer-address HOST:50051 register
     report = pub.sync(model.named_parameters())   # HF names, HF layout; returns once committed
     pub.close()
@@ -22,7 +22,8 @@ group's rank 0 serves the control plane (collective.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +32,9 @@ from weightsync.bus.transports import transport as transport_named
 from weightsync.control.auth import load_token
 from weightsync.publisher.collective import GroupSource, agree_on_owners, expect, send_done, serve_senders
 from weightsync.publisher.commands import CommandChannel
-from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_dict, metas_from_hf_config
-from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
-from weightsync.publisher.export_format import PLAIN, export_format
+from weightsync.publisher.declared import DeclaredModel, DeclaredSource
 from weightsync.publisher.host import PublisherHost
+from weightsync.sync_options import DEFAULTS, SyncOptions
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,16 @@ class SyncFailed(RuntimeError):
         super().__init__(f"sync of version {report.version} failed on {len(failed)} rollout(s): " + "; ".join(failed))
 
 
+@dataclass(frozen=True)
+class Auth:
+    """The control plane's token: `token` or the file holding it (`token_file`), never both; a
+    non-loopback address needs one, or `insecure=True`."""
+
+    token: str = ""
+    token_file: str = ""
+    insecure: bool = False
+
+
 class Publisher:
     def __init__(
         self,
@@ -59,70 +69,41 @@ class Publisher:
         *,
         grpc_address: str = "127.0.0.1:50051",
         http_address: str = "127.0.0.1:8081",
-        auth_token: str = "",
-        auth_token_file: str = "",
-        insecure: bool = False,
-        transport: str = "auto",
-        bucket_mb: int = 1024,
-        sync_timeout_s: float = 300.0,
-        rpc_timeout_s: float = 30.0,
-        nccl_init_timeout_s: float = 120.0,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype | str | None = None,
-        family: str | None = None,
-        export_dtype: str = "",
-        sync_link: bool = True,
+        auth: Auth = Auth(),
+        options: SyncOptions = DEFAULTS,
+        group=None,
         snapshot: bool = False,
         trainer_id: str = "",
-        group=None,
-        sync_encoding: str = "auto",
-        delta_base_mb: int = 32768,
-        delta_link_gbps: float = LINK_GBPS,
     ):
         """`model`: an HF model directory (its config.json), a transformers config, or a dict
-        {HF name: (shape, dtype)}. `dtype`: the dtype the HF-config tensors are given in (default
-        the config's torch_dtype, else float32). `device`: where the tensors live (cpu or cuda).
-        `family`: the rollouts' model family (default from the HF config; a rollout of another family
-        is refused at registration). `export_dtype`: trainer-svc's --export-dtype (e.g. fp8-block);
-        empty: as given. `group`: a torch.distributed group whose every rank builds this Publisher
-        (collective) and calls sync() with the tensors it owns; its rank 0 serves the control plane
-        (the addresses and the token are read there only), the others only send; None: this
-        process alone. `sync_encoding` (trainer-svc's --sync-encoding): auto sends a rollout that
-        holds the last version only the values that changed, over tcp, at the cost of a host copy of
-        the last version's export (at most `delta_base_mb`; a larger model is synced in full; with a
-        group, each rank keeps its own tensors' share), and over nccl once a full sync measured the
-        link below `delta_link_gbps` (Gb/s; 0: never); full keeps no copy; delta as auto on every
-        tcp or nccl link, and refuses other transports (docs/architecture.md "Delta syncs").
+        {HF name: (shape, dtype)}; `DeclaredModel(model, dtype=, family=)` says how its tensors are
+        given (default the config's torch_dtype, else float32) and the rollouts' model family (default
+        from the HF config; a rollout of another family is refused at registration).
+        `options`: how it syncs (weightsync/sync_options.py: transport, bucket_bytes, timeouts,
+        `device` where the tensors live, `export_dtype` e.g. fp8-block, `sync_encoding`: auto sends a
+        rollout that holds the last version only the values that changed, over tcp, at the cost of a
+        host copy of the last version's export (at most `delta_base_bytes`; a larger model is synced in
+        full; with a group, each rank keeps its own tensors' share), and over nccl once a full sync
+        measured the link below `delta_link_gbps`; full keeps no copy; delta as auto on every tcp or
+        nccl link: docs/architecture.md "Delta syncs"). `group`: a torch.distributed group whose every
+        rank builds this Publisher (collective) and calls sync() with the tensors it owns; its rank 0
+        serves the control plane (the addresses and the token are read there only), the others only
+        send; None: this process alone. `snapshot`: keep a copy of each sync's tensors, so a rollout
+        that registers between two syncs is caught up at once.
         Raises ValueError for a bad option, ConfigError for an exposed address without a token."""
-        if auth_token and auth_token_file:
-            raise ValueError("set auth_token or auth_token_file, not both")
-        if not 1 <= bucket_mb <= 16384:
-            raise ValueError(f"bucket_mb={bucket_mb} must be in [1, 16384]")
-        if delta_base_mb < 0:
-            raise ValueError(f"delta_base_mb={delta_base_mb} must be >= 0 (0: keep no copy, every sync in full)")
-        if not delta_link_gbps >= 0:  # NaN too
-            raise ValueError(
-                f"delta_link_gbps={delta_link_gbps} must be >= 0 (Gb/s below which auto sends deltas over nccl; "
-                "0: auto stays full on nccl)"
-            )
-        transport = AUTO_TRANSPORT if transport == "auto" else transport
-        transport_named(transport)  # ValueError naming the choices
-        DeltaBase(sync_encoding).check(transport)  # ValueError naming the encodings, or the transport
-        channel = _group_channel(group, sync_timeout_s, transport, snapshot)
+        if auth.token and auth.token_file:
+            raise ValueError("Auth: set token or token_file, not both")
+        declared = model if isinstance(model, DeclaredModel) else DeclaredModel(model)
+        channel = _group_channel(group, options.sync_timeout_s, options.transport, snapshot)
         #: this process's rank in `group` (0 without one): rank 0 serves, every rank sends
         self.rank = 0 if channel is None else channel.rank
-        token = load_token(auth_token, auth_token_file) if self.rank == 0 else ""
-        if isinstance(model, Mapping):
-            metas, fam = metas_from_dict(model), family or ""
-        else:
-            from weightsync.model_spec import family_of
-
-            config = hf_config(model)
-            metas, fam = metas_from_hf_config(config, dtype), family if family is not None else family_of(config)
+        token = load_token(auth.token, auth.token_file) if self.rank == 0 else ""
+        metas, fam = declared.metas()
+        device = torch.device(options.device)
         if channel is None:
-            self.source = DeclaredSource(metas, fam, torch.device(device))
+            self.source = DeclaredSource(metas, fam, device)
         else:
-            self.source = GroupSource(metas, fam, torch.device(device), channel)
+            self.source = GroupSource(metas, fam, device, channel)
             self.source.rank_gpus = _gpus_of(channel, self.source.device)
         self.snapshot = snapshot
         self.group = channel
@@ -136,28 +117,13 @@ class Publisher:
             grpc_address=grpc_address,
             http_address=http_address,
             token=token,
-            insecure=insecure,
+            insecure=auth.insecure,
             prog="publisher",
             trainer_id=trainer_id,
-            rpc_timeout_s=rpc_timeout_s,
+            rpc_timeout_s=options.rpc_timeout_s,
         )
-        self.host.publish(
-            self.source,
-            self.source.lock,
-            bucket_mb=bucket_mb,
-            transport=transport,
-            sync_timeout_s=sync_timeout_s,
-            rpc_timeout_s=rpc_timeout_s,
-            device=self.source.device,
-            backend="external",
-            auto_sync=snapshot,  # a catch-up needs tensors to send
-            nccl_init_timeout_s=nccl_init_timeout_s,
-            export_format=export_format(export_dtype) if export_dtype else PLAIN,
-            sync_link=sync_link,
-            sync_encoding=sync_encoding,
-            delta_base_bytes=delta_base_mb << 20,
-            delta_link_gbps=delta_link_gbps,
-        )
+        # a catch-up needs tensors to send: only a snapshot has them outside sync()
+        self.host.publish(self.source, self.source.lock, options=options, backend="external", auto_sync=snapshot)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Publisher:

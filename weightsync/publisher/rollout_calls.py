@@ -18,12 +18,13 @@ from weightsync.control.sync_link import NUMBER_OF as LINK_METHODS
 from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.link_client import LinkDown, SyncLinkClient
 from weightsync.publisher.registry import RolloutEntry
+from weightsync.sync_options import DEFAULTS
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
 
 #: the default liveness_timeout_s (trainer config bus.liveness_timeout_s)
-LIVENESS_TIMEOUT_S = 3.0
+LIVENESS_TIMEOUT_S = DEFAULTS.liveness_timeout_s
 
 
 class RolloutCalls:
@@ -48,7 +49,7 @@ class RolloutCalls:
             return finish()
         timeout = self.rpc_timeout if timeout is None else timeout
         try:
-            resp = getattr(entry.stub(self.token, timeout), method)(request)
+            resp = getattr(entry.stub(self.token, timeout), method)(request)  # foreign: a gRPC stub's RPC by name
         except grpc.RpcError as exc:
             return None, describe_rpc_error(exc)
         finally:
@@ -116,7 +117,7 @@ class RolloutCalls:
 
     def open_stream(self, entry: RolloutEntry, method: str, requests, timeout: float):
         """A streaming call to a rollout (IpcBuckets): its response iterator; raises grpc.RpcError."""
-        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)
+        return getattr(entry.stub(self.token, timeout), method)(requests, timeout=timeout)  # foreign: gRPC stub
 
     def fail(self, result: trainer_pb2.RolloutSyncResult, entry: RolloutEntry, reason: str, err: str) -> None:
         result.ok, result.error = False, err

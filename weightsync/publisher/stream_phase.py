@@ -28,6 +28,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
+from weightsync.publisher.route import Route, pick
 from weightsync.publisher.stream_liveness import StreamLiveness
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class StreamPhase:
         #: weights into the engine from its parameters): the stream writes them if it does not
         self.fp8_deferred = False
         self.in_place_checksums: InFlightChecksums | None = None
+        #: the path this attempt's stream takes (weightsync/publisher/route.py), picked once prepare answered
+        self.route: Route | None = None
         #: the stream's channel, kept open after the stream for targets that commit on it or whose
         #: stream end is awaited after their commit (ipc)
         self.commit_channel = None
@@ -93,7 +96,7 @@ class StreamPhase:
             return
         # a trainer that writes into the engine sums as it writes: no checksum pass of its own
         # (if the rollout does not offer it after all, the stream starts the sums then)
-        if self.manifest.checksum_algo and not getattr(self.session, "expects_channel_sums", False):
+        if self.manifest.checksum_algo and not self.session.expects_channel_sums:
             self._start_checksums(self.in_place_bufs)
         self.attempt.phases.add("prepare.in_place", time.perf_counter() - t0)  # a part of prepare
 
@@ -101,9 +104,8 @@ class StreamPhase:
         """Start the checksums of the actor's own buckets. An actor whose kernels summed some of the words
         as they wrote them (megatron's FP8 quantizer: its e4m3 and scale slots) says so: only the other
         words are read here."""
-        known = getattr(self.fleet.actor, "flat_known_sums", None)
         self.in_place_checksums = InFlightChecksums(
-            in_place_views(self.manifest, in_place), known=known() if known is not None else None
+            in_place_views(self.manifest, in_place), known=self.fleet.actor.flat_known_sums()
         )
 
     def close(self) -> None:
@@ -117,7 +119,9 @@ class StreamPhase:
         a = self.attempt
         checksums: list[int] = []
         ok, reason = False, "no target prepared"
-        multi = len(self.manifest.senders) > 1
+        self.route = self._pick_route()
+        log.debug("sync %s: route %s", self.manifest.sync_id, self.route)  # INFO in the sync's summary line
+        multi = self.route.multi_sender
         in_place = self.in_place_bufs if a.prepared else None
         # Sending the actor's own storage needs no export pass (nor, then, a drain of one); with
         # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
@@ -158,26 +162,35 @@ class StreamPhase:
                 a.results[rid].error += f"; the export failed too: {exc}"
         return checksums
 
+    def _pick_route(self) -> Route:
+        """This attempt's route, once prepare answered (who writes, who takes deltas): what the stream
+        dispatches on. A broadcast reaches every member alike, so a group-wide session's deltas go to
+        every target or none, settled here (DeltaStream.broadcast_to)."""
+        a = self.attempt
+        if self.session.group_wide and a.delta.keep:
+            a.delta.broadcast_to(a.prepared)
+        return pick(self.session, self.manifest, self.fleet.export_format.name, a.prepared, a.delta.accepted)
+
     def _in_place(self):
         """The actor's own storage as this manifest's buckets (no pack copy), or None.
 
         Only on a GPU: there the copy is what a sync costs; a CPU actor's tensors stay as they are.
         """
-        flat = getattr(self.fleet.actor, "flat_buckets", None)
+        actor = self.fleet.actor
         # a quantized layout too: an actor that quantizes into its buckets says so by returning them
         # (megatron's flat export, one launch per bucket); the others return None and the sync packs
-        if flat is None or self.session.device.type != "cuda":
+        if self.session.device.type != "cuda":
             return None
         # a block-FP8 sync expected to be written into the engine (its one target offered a table last
         # time): the writer dequantizes the weights straight from the parameters (fp8_trainer_writes.py),
         # so the actor does not quantize them into its buckets first; `_hand_fp8` does if it must
         defer = (
             self.manifest.quantization is not None
-            and getattr(self.session, "expects_channel_sums", False)
-            and hasattr(self.fleet.actor, "flat_fp8_weights")
+            and self.session.expects_channel_sums
+            and actor.fp8_weights_from_parameters
         )
         try:
-            buffers = flat(self.manifest, quantize=False) if defer else flat(self.manifest)
+            buffers = actor.flat_buckets(self.manifest, quantize=False) if defer else actor.flat_buckets(self.manifest)
         except Exception:  # an optimisation only: every parameter still holds its value; pack instead
             log.exception(
                 "sync %s: the actor could not lay its parameters out as the buckets; packing them",
@@ -191,7 +204,7 @@ class StreamPhase:
 
     def _send_from_every_owner(self) -> list[int]:
         a, actor, sync_id = self.attempt, self.fleet.actor, self.manifest.sync_id
-        flags = getattr(actor, "stream_flags", None)  # how rank 0 tells every sender to stop
+        flags = actor.stream_flags  # how rank 0 tells every sender to stop
         raise_flag = None if flags is None else (lambda reason: flags.raise_flag(sync_id, reason))
         targets, groups, period = self.session.owner_streams(
             {rid: a.by_id[rid] for rid in a.prepared}, a.left(), raise_flag
@@ -270,10 +283,10 @@ class StreamPhase:
             # and all the trainer's work per bucket (export + pack + checksum)
             a.phases.add("stream.export", stats.export_seconds)
             a.phases.add("stream.pack", stats.pack_seconds)
-            if getattr(channel, "computes_checksums", False):
-                # the trainer wrote into the engine (ipc trainer_writes): its launches and final sync
+            if self.route.trainer_writes:
+                # the trainer wrote into the engine: its launches and final sync
                 a.phases.add("stream.trainer_writes", stats.send_seconds)
-                for part, seconds in getattr(channel, "phase_seconds", {}).items():
+                for part, seconds in channel.phase_seconds.items():
                     a.phases.add(f"stream.trainer_writes.{part}", seconds)  # parts of the above
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
             sender.send_seconds = self.send_seconds = stats.send_seconds
@@ -283,9 +296,9 @@ class StreamPhase:
             raise
         finally:
             sender.seconds = time.perf_counter() - t0
-            sender.forwarded_bytes = int(getattr(self.fleet.actor, "export_stats", {}).get("forwarded_bytes", 0))
-            self._wire = dict(getattr(channel, "wire_bytes", {}))
-            framed = getattr(channel, "wire_bytes_sent", None)  # a framed collective: every member took it all
+            sender.forwarded_bytes = int(self.fleet.actor.export_stats.get("forwarded_bytes", 0))
+            self._wire = dict(channel.wire_bytes)
+            framed = channel.wire_bytes_sent  # a framed collective: every member took it all
             if framed is not None:
                 self._wire = dict.fromkeys(a.prepared, framed)
             for rid, err in channel.failures().items():
@@ -304,9 +317,7 @@ class StreamPhase:
         if in_place is None or self.manifest.quantization is None:
             return
         actor = self.fleet.actor
-        weights = getattr(actor, "flat_fp8_weights", None)
-        take = getattr(channel, "write_fp8_from", None)
-        if weights is not None and take is not None and take(weights()):
+        if actor.fp8_weights_from_parameters and channel.write_fp8_from(actor.flat_fp8_weights()):
             return
         if not self.fp8_deferred:
             return
@@ -314,14 +325,14 @@ class StreamPhase:
         err = actor.flat_quantize()
         if err is not None:
             raise ValueError(f"the trainer's weights are not finite: {err}")
-        if self.manifest.checksum_algo and not getattr(channel, "computes_checksums", False):
+        if self.manifest.checksum_algo and not channel.computes_checksums:
             self._start_checksums(in_place)
         self.attempt.phases.add("stream.quantize", time.perf_counter() - t0)
 
     def _liveness(self, channel) -> StreamLiveness:
         """The watch that drops, from `channel`, the targets whose sync links fall silent mid-stream."""
         a = self.attempt
-        timeout = getattr(a.rollouts, "liveness_timeout", None)  # None: no liveness signal to go by
+        timeout = a.rollouts.liveness_timeout  # None: no liveness signal to go by
         if not drops_targets(channel):
             timeout = None  # it keeps every target to the end (the deadline bounds it): no thread, no pings
         links = {}
@@ -333,7 +344,7 @@ class StreamPhase:
 
     def _drop_silent(self, channel, rid: str, silent_s: float) -> None:
         """Take `rid` out of the stream (on the watch's thread): the others' sends go on without it."""
-        timeout = getattr(self.attempt.rollouts, "liveness_timeout", None)
+        timeout = self.attempt.rollouts.liveness_timeout
         why = (
             f"stream: UNAVAILABLE: the rollout went silent mid-stream (its sync link answered no liveness ping "
             f"for {silent_s:.2f}s; liveness_timeout_s={timeout:g}): stopped, hung or unreachable"

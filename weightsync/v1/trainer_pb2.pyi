@@ -98,7 +98,7 @@ class SenderReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ..., forwarded_bytes: _Optional[int] = ..., peak_buffer_bytes: _Optional[int] = ..., flat_buckets: _Optional[int] = ...) -> None: ...
 
 class SyncReport(_message.Message):
-    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders", "wire_bytes")
+    __slots__ = ("sync_id", "version", "ok", "seconds", "bytes", "num_buckets", "num_tensors", "transport", "rollouts", "gbps", "phase_seconds", "senders", "wire_bytes", "route")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class SyncReport(_message.Message):
     PHASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SENDERS_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     sync_id: str
     version: int
     ok: bool
@@ -132,7 +133,8 @@ class SyncReport(_message.Message):
     phase_seconds: _containers.ScalarMap[str, float]
     senders: _containers.RepeatedCompositeFieldContainer[SenderReport]
     wire_bytes: int
-    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., senders: _Optional[_Iterable[_Union[SenderReport, _Mapping]]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    route: str
+    def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., ok: _Optional[bool] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., transport: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[RolloutSyncResult, _Mapping]]] = ..., gbps: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., senders: _Optional[_Iterable[_Union[SenderReport, _Mapping]]] = ..., wire_bytes: _Optional[int] = ..., route: _Optional[str] = ...) -> None: ...
 
 class SyncResponse(_message.Message):
     __slots__ = ("report",)

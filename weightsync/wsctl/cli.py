@@ -88,6 +88,8 @@ def print_report(rep: trainer_pb2.SyncReport, prefix: str = "sync") -> None:
         f"{rep.gbps:.3f} GB/s over {rep.transport}"
         + (f"; {rep.wire_bytes / 1e6:.1f} MB on the bus" if rep.wire_bytes else "")
     )
+    if rep.route:
+        print(f"  route: {rep.route}")
     if rep.phase_seconds:
         order = ["plan", "prepare", "stream", "commit"]
         names = sorted(rep.phase_seconds, key=lambda n: (order.index(n) if n in order else len(order), n))

@@ -118,3 +118,25 @@ def test_the_token_is_never_a_flag_but_env_and_file_set_it(cls, prefix, tmp_path
     f = tmp_path / "c.yaml"
     f.write_text("auth: {auth_token: from-file}\n")
     assert _resolve(cls, ["--config", str(f)], prefix=prefix).auth.auth_token == "from-file"
+
+
+def test_the_debug_switches_are_one_section_with_the_services_precedence(tmp_path):
+    from weightsync.debug import Switches
+
+    f = tmp_path / "c.yaml"
+    f.write_text("debug: {nccl_library: /opt/from-file.so, profile_syncs: /tmp/from-file, fp8_gpu_convert: false}\n")
+    cfg = _resolve(
+        TrainerConfig,
+        ["--config", str(f), "--nccl-library", "/opt/libnccl.so.2"],
+        {"WS_TRAINER_PROFILE_SYNCS": "/tmp/from-env", "WS_TRAINER_NCCL_LIBRARY": "/opt/from-env.so"},
+    )
+    assert cfg.debug.switches() == Switches(
+        fp8_gpu_convert=False,  # file beats default
+        profile_syncs="/tmp/from-env",  # env beats file
+        nccl_library="/opt/libnccl.so.2",  # flag beats env and file
+        nccl_bus="",  # default
+    )
+    rollout = _resolve(RolloutConfig, [], {"WS_ROLLOUT_NCCL_BUS": "tests.support.gloo_nccl:GlooNcclBus"}, "WS_ROLLOUT")
+    assert rollout.debug.switches() == Switches(nccl_bus="tests.support.gloo_nccl:GlooNcclBus")
+    with pytest.raises(ConfigError, match="nccl_bus='gloo' must be module:attr"):
+        _resolve(TrainerConfig, [], {"WS_TRAINER_NCCL_BUS": "gloo"})

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from trainer_svc.actor.base import Actor
 from trainer_svc.actor.hf.train_backend import HfBackend
 from weightsync.bus.plan import TensorMeta
 from weightsync.model_spec import family_of
 
 
-class HfActor:
+class HfActor(Actor):
     def __init__(
         self,
         config,
@@ -59,7 +60,7 @@ class HfActor:
     def export_metas(self) -> list[TensorMeta]:
         return self._metas
 
-    def flat_buckets(self, manifest) -> list[torch.Tensor] | None:
+    def flat_buckets(self, manifest, quantize: bool = True) -> list[torch.Tensor] | None:
         """The manifest's buckets as this model's own memory, so a sync sends it with no pack copy.
 
         The first call for a layout moves every exported parameter into flat buffers laid out as

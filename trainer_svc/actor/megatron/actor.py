@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from trainer_svc.actor.base import Actor
 from trainer_svc.actor.megatron.flat_buckets import FlatBuckets
 from trainer_svc.actor.megatron.parallel import Parallelism
 from trainer_svc.actor.megatron.train_backend import MegatronBackend
@@ -24,7 +25,12 @@ from weightsync.bus.plan import TensorMeta
 log = logging.getLogger(__name__)
 
 
-class MegatronActor:
+class MegatronActor(Actor):
+    #: its flat buckets' FP8 weights go to an engine writer straight from the parameters (flat_fp8_weights)
+    fp8_weights_from_parameters = True
+    #: each rank of a multi-sender stream writes its own buckets from its parameters (own_flat_buckets)
+    own_flat = True
+
     def __init__(
         self,
         hf_config,

@@ -122,6 +122,7 @@ class NcclBucketSender(BucketSender):
 
     releases_previous = True
     checksums_in_band = "none"  # receivers checksum what arrived; the trainer's values go with the commit
+    collective = True  # one broadcast reaches every member
 
     def __init__(self, group: NcclGroup):
         if group.rank != 0:
@@ -218,7 +219,8 @@ class CudaNcclBus:
 def default_bus():
     """The bus the services use when none is given: libnccl (CudaNcclBus).
 
-    WEIGHTSYNC_NCCL_BUS="module:attr" names a stand-in with the same interface instead: the module
+    The config's `debug.nccl_bus="module:attr"` (weightsync/debug.py) names a stand-in with the same
+    interface instead: the module
     is imported from the process's path and `attr` called with no arguments. It exists for the CPU
     test suite, which runs the multi-process NCCL paths (several trainer ranks, each rollout
     process) over a gloo stand-in that lives with the tests (tests.support.gloo_nccl:GlooNcclBus);
@@ -227,13 +229,14 @@ def default_bus():
     """
     import importlib
     import logging
-    import os
 
-    name = os.environ.get("WEIGHTSYNC_NCCL_BUS", "")
+    from weightsync.debug import switches
+
+    name = switches().nccl_bus
     if not name:
         return CudaNcclBus()
     module, _, attr = name.partition(":")
     if not module or not attr:
-        raise ValueError(f"WEIGHTSYNC_NCCL_BUS={name!r} must be module:attr (a stand-in bus for tests), or unset")
-    logging.getLogger(__name__).warning("NCCL bus replaced by %s (WEIGHTSYNC_NCCL_BUS): for tests only", name)
+        raise ValueError(f"debug.nccl_bus={name!r} must be module:attr (a stand-in bus for tests), or empty")
+    logging.getLogger(__name__).warning("NCCL bus replaced by %s (debug.nccl_bus): for tests only", name)
     return getattr(importlib.import_module(module), attr)()

@@ -2,7 +2,7 @@
 any torch.distributed state: the trainer makes an ncclUniqueId, sends its 128 bytes over gRPC,
 and every rollout rank joins with it.
 
-The library is found, in order, at $WS_NCCL_LIBRARY, in the `nvidia.nccl` wheel that CUDA builds
+The library is found, in order, at the config's `debug.nccl_library`, in the `nvidia.nccl` wheel that CUDA builds
 of torch depend on, or by the system loader. Loaded lazily: importing this module needs no GPU.
 """
 
@@ -12,6 +12,8 @@ import ctypes
 import glob
 import os
 import threading
+
+from weightsync.debug import switches
 
 NCCL_UINT8 = 1
 UNIQUE_ID_BYTES = 128
@@ -42,8 +44,8 @@ _lib_lock = threading.Lock()
 
 def _candidates() -> list[str]:
     out = []
-    if os.environ.get("WS_NCCL_LIBRARY"):
-        out.append(os.environ["WS_NCCL_LIBRARY"])
+    if switches().nccl_library:  # the config's debug.nccl_library
+        out.append(switches().nccl_library)
     try:
         import nvidia.nccl  # the wheel torch's CUDA builds depend on
 
@@ -68,7 +70,10 @@ def lib() -> ctypes.CDLL:
             except OSError as exc:
                 errors.append(f"{path}: {exc}")
         else:
-            raise NcclError("libnccl not found (set WS_NCCL_LIBRARY): " + "; ".join(errors))
+            raise NcclError(
+                "libnccl not found (set the config's debug.nccl_library, e.g. env WS_TRAINER_NCCL_LIBRARY / "
+                "WS_ROLLOUT_NCCL_LIBRARY): " + "; ".join(errors)
+            )
         handle.ncclGetErrorString.restype = ctypes.c_char_p
         handle.ncclGetErrorString.argtypes = [ctypes.c_int]
         handle.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]

@@ -25,10 +25,9 @@ One odd tensor lowers its launch's VEC, never the bytes written.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from weightsync.debug import switches
 from weightsync.formats.fp8.spec import BLOCK, FP8_MAX, MIN_NORMAL
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
@@ -46,9 +45,9 @@ def gpu_conversions(device: torch.device) -> bool:
     """Whether the kernels on `device` round to e4m3 (and the fused write to bfloat16) by the GPU's
     own conversion instructions (sm_89 and later) instead of on the bits: the same codes and values
     for every finite weight in fewer instructions and registers (these kernels are bound by their
-    arithmetic, not by memory). `WS_FP8_GPU_CONVERT=0` keeps the bit arithmetic, which the CPU
+    arithmetic, not by memory). The config's `debug.fp8_gpu_convert=false` keeps the bit arithmetic, which the CPU
     interpreter always runs (it has no PTX)."""
-    if device.type != "cuda" or os.environ.get("WS_FP8_GPU_CONVERT", "1") == "0":
+    if device.type != "cuda" or not switches().fp8_gpu_convert:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 

@@ -43,7 +43,7 @@ def test_every_family_of_both_services_carries_its_role():
     rm.set_state("SERVING", True)
     rollout.outcome("committed")
     trainer.failure("transport")
-    trainer.sync_phase.labels("trainer", "plan").observe(0.1)
+    trainer.sync_phase.labels("trainer", "plan", "tcp/single/fp32/full").observe(0.1)
     for role, m in (("trainer", trainer), ("rollout", rollout)):
         fams = _families(m.registry)
         assert fams, role
@@ -75,7 +75,7 @@ def test_service_registry_drops_created_twins_without_touching_other_registries(
 
     m = SyncMetrics("rollout")
     m.outcome("committed")
-    m.sync_duration.observe(0.2)
+    m.sync_duration.labels(m.role, "").observe(0.2)
     text = generate_latest(m.registry).decode()
     assert "weightsync_syncs_total{" in text and "weightsync_sync_duration_seconds_count{" in text
     assert "_created" not in text

@@ -51,28 +51,14 @@ STANDARD = {
 
 @pytest.fixture(scope="module")
 def services():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
+    from tests.support.local_apps import start_rollout, start_trainer
 
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2", auth_token=TOKEN
-        )
-    )
-    trainer.start()
-    rollout = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="r1",
-            auth_token=TOKEN,
-            serve_initial_weights=True,
-        )
-    )
-    rollout.start()
+    trainer = start_trainer(auth_token=TOKEN)
+    try:
+        rollout = start_rollout("r1", auth_token=TOKEN, serve_initial_weights=True)
+    except BaseException:
+        trainer.stop()
+        raise
     yield trainer, rollout
     rollout.stop()
     trainer.stop()

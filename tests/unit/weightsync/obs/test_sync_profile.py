@@ -1,11 +1,12 @@
-"""WS_PROFILE_SYNCS: a sync's host time by function, written after each sync; nothing without it."""
+"""debug.profile_syncs: a sync's host time by function, written after each sync; nothing without it."""
 
 from __future__ import annotations
 
 import os
 import pstats
 
-from weightsync.obs.sync_profile import ENV, SyncProfile
+from weightsync import debug
+from weightsync.obs.sync_profile import SyncProfile
 
 
 def _busy_sync_step():
@@ -13,7 +14,7 @@ def _busy_sync_step():
 
 
 def test_a_profile_is_written_per_process_with_the_watched_functions_from_the_second_sync(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV, str(tmp_path / "trainer.pstats"))
+    monkeypatch.setattr(debug, "_current", debug.Switches(profile_syncs=str(tmp_path / "trainer.pstats")))
     prof = SyncProfile()
     for _ in range(3):  # the first sync (one-time planning and kernel loads) is left out
         with prof.watching():
@@ -26,8 +27,8 @@ def test_a_profile_is_written_per_process_with_the_watched_functions_from_the_se
     assert calls["_busy_sync_step"] == 2
 
 
-def test_without_the_variable_nothing_is_profiled_or_written(tmp_path, monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+def test_without_the_switch_nothing_is_profiled_or_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(debug, "_current", debug.Switches())
     monkeypatch.chdir(tmp_path)
     prof = SyncProfile()
     with prof.watching():

@@ -12,15 +12,18 @@ from weightsync.bus.layout import ManifestCache
 from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.session import Session
 from weightsync.publisher.attempt import SyncAttempt
+from weightsync.publisher.delta_sync import DeltaBase
+from weightsync.publisher.export_format import PLAIN
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.registry import RolloutEntry
+from weightsync.publisher.source import WeightSource
 from weightsync.v1 import bus_pb2, rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (32,), torch.float32) for i in range(3)]
 TENSORS = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(METAS)}
 
 
-class _Actor:
+class _Actor(WeightSource):
     def export_tensors(self):
         return iter(TENSORS.items())
 
@@ -32,6 +35,8 @@ class _Orch:
     origin = "o1"
     trainer_id = "trainer-test"
     rpc_timeout = 5.0
+    export_format = PLAIN
+    liveness_timeout = None  # as over gRPC: no liveness signal
 
     def __init__(self, refuse_prepare=(), silent=()):
         self.actor, self.refuse_prepare, self.silent = _Actor(), set(refuse_prepare) | set(silent), set(silent)
@@ -39,6 +44,7 @@ class _Orch:
         self.calls: list[tuple[str, str]] = []
         self.failed: list[tuple[str, str]] = []
         self.rollouts = self
+        self.delta = DeltaBase("full")
         #: rollout_id -> the reason its AbortSync answer gives for having aborted on its own
         self.aborted_reason: dict[str, str] = {}
 
@@ -86,7 +92,7 @@ class _Channel(BucketSender):
 
 
 class _Session(Session):
-    name, device, reused = "fake", torch.device("cpu"), False
+    name, device, reused = "tcp", torch.device("cpu"), False
 
     def __init__(self, group_wide=False, fail=False):
         self.group_wide, self.channel, self.finished = group_wide, _Channel(fail), None
@@ -176,7 +182,7 @@ def test_a_stream_failure_fails_every_prepared_target_and_commits_none():
     attempt, *_ = _attempt(orch, session)
     results, retry = attempt.run()
     assert retry == [] and not any(r.ok for r in results.values())
-    assert results["a"].error == "fake stream: peer gone"
+    assert results["a"].error == "tcp stream: peer gone"
     assert sorted(orch.failed) == [("a", "transport"), ("b", "transport")]
     assert session.finished == (False, "stream: peer gone") and session.channel.closed
     assert not any(m == "CommitSync" for _, m in orch.calls)
@@ -209,13 +215,13 @@ def test_non_finite_fp8_weights_fail_the_stream_after_its_last_bucket_and_nothin
     attempt, manifest = _fp8_attempt(orch, session, bad="model.layers.1.self_attn.q_proj.weight")
     results, _ = attempt.run()
     want = (
-        "fake stream: tensor model.layers.1.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
+        "tcp stream: tensor model.layers.1.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
         "to export it as FP8 (the trainer's weights have diverged)"
     )
     assert [r.error for r in results.values()] == [want, want]
     # the check is deferred to the end of the export: every bucket went out, and none was committed
     assert len(session.channel.sent) == len(manifest.buckets) > 2
-    assert session.finished == (False, want.removeprefix("fake "))
+    assert session.finished == (False, want.removeprefix("tcp "))
     assert not any(m == "CommitSync" for _, m in orch.calls)
     assert sorted(r for r, m in orch.calls if m == "AbortSync") == ["a", "b"]
 
@@ -226,7 +232,7 @@ def test_an_export_error_after_a_failed_stream_joins_the_errors_and_the_targets_
     results, retry = attempt.run()  # the drain's error does not escape past the aborts
     assert retry == [] and not any(r.ok for r in results.values())
     assert results["a"].error == (
-        "fake stream: peer gone; the export failed too: tensor "
+        "tcp stream: peer gone; the export failed too: tensor "
         "model.layers.0.self_attn.q_proj.weight: block [0, 0] holds inf or nan; refusing "
         "to export it as FP8 (the trainer's weights have diverged)"
     )

@@ -15,13 +15,14 @@ from weightsync.bus.plan import TensorMeta, make_manifest
 from weightsync.bus.tcp.receiver import TcpReceiver
 from weightsync.models import resolve_model
 from weightsync.publisher.multisender import SenderResult, SendJob, merge, run_sender
+from weightsync.publisher.source import WeightSource
 from weightsync.v1 import rollout_pb2
 
 IDS = [3, 1, 4, 1, 5, 9]
 TOKEN = "s3cret"
 
 
-class RankActor:
+class RankActor(WeightSource):
     """One trainer rank's view: the full metadata and owners, and only its own tensors."""
 
     def __init__(self, rank, state, owners, die_after=None):
@@ -251,6 +252,8 @@ class FlatRankActor(RankActor):
     """A rank whose actor writes its own buckets (as MegatronActor.own_flat_buckets does): packed here
     from its tensors, once per layout digest; its export must then never run. `refuse`: None (pack)."""
 
+    own_flat = True
+
     def __init__(self, rank, state, owners, refuse=False, device="cpu"):
         super().__init__(rank, state, owners)
         self.refuse, self.calls, self.flats, self.device = refuse, [], None, device
@@ -323,7 +326,7 @@ def test_a_flat_rank_keeps_its_in_place_buckets_as_its_part_of_a_delta_base():
         flat = FlatRankActor(0, state, owners)
         out = merge(m, _run([flat, RankActor(1, state, owners)], job))
         assert out.error == "" and out.senders[0].flat_buckets == len(m.buckets_of(0)) and out.senders[0].kept
-        base = flat._delta_part.base._bufs
+        base = flat.rank_sync_state().delta_part.base._bufs
         mine = m.buckets_of(0)
         assert sorted(base) == [b.index for b in mine]
         for b, f in zip(mine, flat.flats):

@@ -86,7 +86,10 @@ def test_every_rank_diffs_its_own_buckets_and_the_result_is_exact():
     try:
         enc, wire, m = f.sync(1)
         assert enc == {"a": "full", "b": "full"} and all(w >= m.total_bytes for w in wire.values())
-        assert all(a._delta_part.base.held_bytes() == sum(b.nbytes for b in m.buckets_of(a.rank)) for a in f.actors)
+        assert all(
+            a.rank_sync_state().delta_part.base.held_bytes() == sum(b.nbytes for b in m.buckets_of(a.rank))
+            for a in f.actors
+        )
         f.change(seed=1)
         enc, wire, m = f.sync(2)
         assert enc == {"a": "delta", "b": "delta"}
@@ -97,7 +100,7 @@ def test_every_rank_diffs_its_own_buckets_and_the_result_is_exact():
         assert f.base.streams == ("v2", "v3")
 
         # rank 1 lost its part (restarted): its buckets go dense, rank 0's as deltas, still exact
-        f.actors[1]._delta_part.drop()
+        f.actors[1].rank_sync_state().delta_part.drop()
         f.change(seed=2)
         enc, wire, m = f.sync(4)
         dense_1 = sum(b.nbytes for b in m.buckets_of(1))

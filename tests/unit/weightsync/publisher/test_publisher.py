@@ -13,7 +13,7 @@ import torch
 from weightsync.config import ConfigError
 from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import http_get
-from weightsync.publisher import Publisher, SyncFailed
+from weightsync.publisher import Auth, DeclaredModel, Publisher, SyncFailed, SyncOptions
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 LOOPBACK = dict(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0")
@@ -70,7 +70,7 @@ def test_without_a_rollout_a_sync_bumps_the_version_and_reports_not_ok_without_r
 def test_an_exposed_address_needs_a_token():
     with pytest.raises(ConfigError, match="without a token"):
         Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0")
-    p = Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0", auth_token="t")
+    p = Publisher(SPEC, grpc_address="0.0.0.0:0", http_address="127.0.0.1:0", auth=Auth(token="t"))
     port = p.http_port
     p.close()  # never started: its ports are released all the same
     with socket.socket() as s:
@@ -79,19 +79,19 @@ def test_an_exposed_address_needs_a_token():
 
 def test_bad_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match="transport"):
-        Publisher(SPEC, transport="carrier-pigeon", **LOOPBACK)
+        Publisher(SPEC, options=SyncOptions(transport="carrier-pigeon"), **LOOPBACK)
     with pytest.raises(ValueError, match="no config.json"):
         Publisher(str(tmp_path), **LOOPBACK)
     with pytest.raises(ValueError, match=r"model\['x'\]"):
         Publisher({"x": (3,)}, **LOOPBACK)
-    with pytest.raises(ValueError, match="sync_encoding='sometimes' must be full, delta or auto"):
-        Publisher(SPEC, sync_encoding="sometimes", **LOOPBACK)
-    with pytest.raises(ValueError, match="sync_encoding=delta is carried by tcp, nccl only, not transport=ipc"):
-        Publisher(SPEC, sync_encoding="delta", transport="ipc", **LOOPBACK)
-    with pytest.raises(ValueError, match="delta_base_mb=-1"):
-        Publisher(SPEC, delta_base_mb=-1, **LOOPBACK)
+    with pytest.raises(ValueError, match="SyncOptions.sync_encoding='sometimes' must be full, delta or auto"):
+        Publisher(SPEC, options=SyncOptions(sync_encoding="sometimes"), **LOOPBACK)
+    with pytest.raises(ValueError, match="sync_encoding='delta' is carried by transports tcp or nccl only"):
+        Publisher(SPEC, options=SyncOptions(sync_encoding="delta", transport="ipc"), **LOOPBACK)
+    with pytest.raises(ValueError, match="delta_base_bytes=-1"):
+        Publisher(SPEC, options=SyncOptions(delta_base_bytes=-1), **LOOPBACK)
     with pytest.raises(ValueError, match="delta_link_gbps=-5 must be >= 0"):
-        Publisher(SPEC, delta_link_gbps=-5, **LOOPBACK)
+        Publisher(SPEC, options=SyncOptions(delta_link_gbps=-5), **LOOPBACK)
 
 
 def test_an_hf_config_declares_the_checkpoint_tensors(tmp_path):
@@ -101,7 +101,7 @@ def test_an_hf_config_declares_the_checkpoint_tensors(tmp_path):
 
     config, _ = resolve_model("tiny-qwen2-tied")
     config.save_pretrained(tmp_path)
-    p = Publisher(str(tmp_path), dtype="bfloat16", **LOOPBACK)
+    p = Publisher(DeclaredModel(str(tmp_path), dtype="bfloat16"), **LOOPBACK)
     try:
         sd = AutoModelForCausalLM.from_config(config).state_dict()
         want = [(n, tuple(t.shape)) for n, t in sd.items() if n != "lm_head.weight"]  # tied: not in a checkpoint
@@ -132,7 +132,9 @@ def test_syncs_into_real_rollouts_are_bit_exact_with_auth_on_and_a_snapshot_catc
 
     token = "s3cret"
     config, _ = resolve_model("tiny-qwen2")
-    pub = Publisher(config, auth_token=token, snapshot=True, bucket_mb=1, **LOOPBACK).start()
+    pub = Publisher(
+        config, auth=Auth(token=token), snapshot=True, options=SyncOptions(bucket_bytes=1 << 20), **LOOPBACK
+    ).start()
     first = _rollout(token, "r1")
     late = None
     try:
@@ -194,7 +196,7 @@ def test_sync_encoding_auto_sends_only_what_changed_and_full_every_byte_both_exa
     from weightsync.models import resolve_model
 
     config, _ = resolve_model("tiny-qwen2")
-    pub = Publisher(config, bucket_mb=1, sync_encoding=encoding, **LOOPBACK).start()
+    pub = Publisher(config, options=SyncOptions(bucket_bytes=1 << 20, sync_encoding=encoding), **LOOPBACK).start()
     app = _rollout("", "r")
     try:
         _register(pub, trainer_stub(channel(pub.address), "", 30), app, "r")

@@ -15,13 +15,15 @@ from weightsync.obs.metrics import SyncMetrics
 from weightsync.publisher.multisender import RANK_ENDS, SenderResult, SendJob, _bus_sender
 from weightsync.publisher.orchestrator import SyncOrchestrator
 from weightsync.publisher.registry import RolloutEntry
+from weightsync.publisher.source import WeightSource
+from weightsync.sync_options import SyncOptions
 from weightsync.v1 import rollout_pb2
 
 METAS = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
 OWNERS = [0, 0, 1, 1]
 
 
-class TwoRankActor:
+class TwoRankActor(WeightSource):
     """Owns w0, w1 on rank 0 and w2, w3 on rank 1; `run_senders` answers with canned reports."""
 
     family, version = "fake", 3
@@ -69,12 +71,8 @@ def _orch(actor, calls, **kw):
         None,
         SyncMetrics("trainer"),
         token="tok",
-        bucket_bytes=256,
-        default_transport="tcp",
-        sync_timeout=30,
-        rpc_timeout=5,
+        options=SyncOptions(bucket_bytes=256, transport="tcp", sync_timeout_s=30, rpc_timeout_s=5, **kw),
         origin="o",
-        **kw,
     )
 
     def call(entry, method, req):
@@ -197,12 +195,12 @@ def test_every_multi_sender_transport_streams_from_each_rank_and_another_is_refu
 def test_a_quantized_export_streams_from_every_owner_with_each_scale_on_its_weights_owner():
     """fp8-block over senders=all: every rank applies the format to its own tensors (SendJob.export_dtype),
     and the plan gives each `*_scale_inv` its weight's owner."""
-    from weightsync.publisher.export_format import FP8_BLOCK, export_format
+    from weightsync.publisher.export_format import FP8_BLOCK
 
     calls, actor = [], TwoRankActor()
     linear = [TensorMeta(f"model.layers.{i}.mlp.down_proj.weight", (128, 128), torch.float32) for i in range(4)]
     actor.export_metas = lambda: list(linear)
-    orch = _orch(actor, calls, export_format=export_format(FP8_BLOCK))
+    orch = _orch(actor, calls, export_dtype=FP8_BLOCK)
     owners = orch._owners("tcp", "all")
     metas = orch.export_format.metas(linear)
     assert {m.name for m in metas[:2]} == {linear[0].name, linear[0].name + "_scale_inv"}

@@ -130,6 +130,8 @@ class FlatFp8:
         actor = self.trainer.actor
         for name in ("flat_buckets", "flat_fp8_weights", "flat_quantize", "flat_known_sums"):
             monkeypatch.setattr(actor, name, getattr(self, name.removeprefix("flat_")), raising=False)
+        # and says so, as megatron's actor declares it (WeightSource.fp8_weights_from_parameters)
+        monkeypatch.setattr(actor, "fp8_weights_from_parameters", True, raising=False)
 
     def buckets(self, manifest, quantize: bool = True):
         from weightsync.formats.fp8 import quantize_slots

@@ -66,7 +66,7 @@ class _Frames:
 
     def by_rank(self) -> dict[int, dict[str, int]]:
         """sender rank -> {kind: frames} of the last sync (each rank's group, as it holds it now)."""
-        groups = {id(r._nccl_sender_groups._group): r.rank for r in self.actor.ranks}
+        groups = {id(r.rank_sync_state().nccl_groups._group): r.rank for r in self.actor.ranks}
         out: dict = defaultdict(lambda: defaultdict(int))
         for group, kind, _ in self.sent:
             out[groups[id(group)]][kind] += 1
@@ -107,7 +107,7 @@ def test_every_sending_rank_frames_its_own_buckets_as_deltas_and_the_rollouts_en
         assert_serves_export(trainer, app)
 
     # rank 1 lost its part (restarted): its buckets go as dense frames, rank 0's as deltas, still exact
-    trainer.orch.actor.ranks[1]._delta_part.drop()
+    trainer.orch.actor.ranks[1].rank_sync_state().delta_part.drop()
     frames.sent.clear()
     change_weights(trainer, 0.02, seed=3)
     report = _sync(stub)

@@ -26,18 +26,19 @@ from weightsync.bus.nccl.liveness import LocalFlags
 from weightsync.bus.nccl.sender import NcclSender
 from weightsync.bus.nccl.sender_groups import SenderGroupCache
 from weightsync.publisher.multisender import SendJob, run_sender
+from weightsync.publisher.source import WeightSource
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 SYNC_TIMEOUT = 8.0
 PERIOD = 0.2
 
 
-class _Rank:
+class _Rank(WeightSource):
     """One trainer rank's view of the hf actor: every tensor's metadata and owner, its own tensors."""
 
     def __init__(self, rank: int, actor, owners: list[int], bus, flags):
         self.rank, self.actor, self.owners, self.stream_flags = rank, actor, owners, flags
-        self._nccl_sender_groups = SenderGroupCache(bus)
+        self.rank_sync_state().nccl_groups = SenderGroupCache(bus)
 
     def export_metas(self):
         return self.actor.export_metas()
@@ -55,7 +56,8 @@ class _Rank:
 
 
 class TwoRankActor:
-    """The hf actor as a two-rank trainer: the first half of the tensors rank 0's, the rest rank 1's."""
+    """The hf actor as a two-rank trainer: the first half of the tensors rank 0's, the rest rank 1's
+    (every other ability is the hf actor's: a WeightSource)."""
 
     def __init__(self, actor, bus, watched: bool):
         self._actor = actor
@@ -171,7 +173,7 @@ def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, w
     assert trainer.orch.actor.stream_flags.raised(rep.sync_id).startswith(want)
     # every sender rank's report says why its stream ended, and both dropped their communicators
     assert {s.rank for s in rep.senders if want in s.error} == {0, 1}, rep.senders
-    assert all(r._nccl_sender_groups.group_id == "" for r in trainer.orch.actor.ranks)
+    assert all(r.rank_sync_state().nccl_groups.group_id == "" for r in trainer.orch.actor.ranks)
     # the next sync without the victim plans new groups and goes through
     again = stub.Sync(
         trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"), timeout=SYNC_TIMEOUT + 30

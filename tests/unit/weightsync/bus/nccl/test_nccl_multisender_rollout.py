@@ -31,32 +31,19 @@ TIMEOUT = 5.0
 
 @pytest.fixture(scope="module")
 def setup():
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-    from trainer_svc.actor.hf.actor import HfActor  # noqa: F401  (the trainer's own export)
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
+    from tests.support.local_apps import start_rollout, start_trainer
 
-    trainer = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            bucket_mb=1,
-            auto_sync_new_rollouts=False,
-        )
-    )
+    trainer = start_trainer()  # its actor's export only: nothing here syncs through it
     bus = LoopbackBus(blocking_send=True)
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r"
-        )
-    )
-    app.servicer.nccl._bus = bus
-    app.start()
+    try:
+        app = start_rollout("r")
+    except BaseException:
+        trainer.stop()
+        raise
+    app.servicer.nccl._bus = bus  # before any prepare: the rollout's NCCL end over the loopback
     yield trainer, app, bus
     app.stop()
+    trainer.stop()
 
 
 def _manifest(trainer, sync_id: str):
