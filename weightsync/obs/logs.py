@@ -35,11 +35,10 @@ def context(**fields: str) -> Iterator[None]:
 
 
 def bind(**fields: str) -> None:
-    """Add `fields` to the current `context` block (outside one: to this thread's or task's lines from now on)."""
+    """Add `fields` to the current `context` block. Outside one it does nothing: a field bound for good
+    would label every later line of the thread (a sync id on the next sync's lines)."""
     scope = _scope.get()
-    if scope is None:
-        _scope.set(dict(fields))
-    else:
+    if scope is not None:
         scope.update(fields)
 
 
