@@ -49,14 +49,15 @@ def owners_drop(session, flags, sync_id: str) -> Drop | None:
     return drop
 
 
-def restart_live(attempt, session, failed: dict[str, str], silent: dict[str, float]) -> dict[str, str]:
-    """After a collective's stream ended because members were cut: send the live members AbortSync,
-    make them the targets of a restart (`attempt.retry`) and leave their results to it; the failures
-    still to report are returned (the cut members', each with why it was cut)."""
-    cut = {rid: why for rid, why in getattr(getattr(session, "cuts", None), "why", {}).items() if rid in silent}
+def restart_live(attempt, session, failed: dict[str, str]) -> dict[str, str]:
+    """After a collective's stream ended because members were cut (silent mid-stream; or dead
+    or out of the sync, as the status watch found): send the live members AbortSync, make them the
+    targets of a restart (`attempt.retry`) and leave their results to it; the failures still to report
+    are returned (the cut members', each with why it was cut)."""
+    cut = {rid: why for rid, why in getattr(getattr(session, "cuts", None), "why", {}).items() if rid in failed}
     if not session.group_wide or not cut:
         return failed
-    live = [rid for rid in failed if rid not in silent]
+    live = [rid for rid in failed if rid not in cut]
     req = attempt.abort_request()
     answers = attempt.on_each(lambda r: attempt.rollouts.call(attempt.by_id[r], "AbortSync", req), live)
     attempt.aborted.update(live)
@@ -64,8 +65,8 @@ def restart_live(attempt, session, failed: dict[str, str], silent: dict[str, flo
         if err:  # it will not take the restart's prepare either, or answers it with its own error
             log.warning("sync %s: AbortSync to %s before the restart failed: %s", attempt.manifest.sync_id, rid, err)
     attempt.retry = [attempt.by_id[rid] for rid in live]
-    note = f"{session.name}: restarted without {', '.join(sorted(cut))}, cut out of the group (silent mid-stream)"
+    note = f"{session.name}: restarted without {', '.join(sorted(cut))}, cut out of the group mid-stream"
     for rid in live:  # superseded by the restart's result: not a failure of this rollout
         attempt.results[rid].ok, attempt.results[rid].error = False, note
     log.warning("sync %s: %s; restarting for %s", attempt.manifest.sync_id, note, ", ".join(live) or "no one")
-    return {rid: err for rid, err in failed.items() if rid in silent} | cut
+    return cut

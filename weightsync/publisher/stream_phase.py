@@ -356,8 +356,8 @@ class StreamPhase:
         report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
         a = self.attempt
         failed, self._stream_failed = self._stream_failed, {}
-        # a collective whose silent members were cut: the live ones are restarted without them
-        failed = restart_live(a, self.session, failed, self.silent)
+        # a collective whose members were cut (silent, dead): the live ones are restarted without them
+        failed = restart_live(a, self.session, failed)
         for rid in [rid for rid in failed if rid in self.silent]:
             # gone: AbortSync would only wait on it (its own prepare timer aborts what it received)
             a.dropped[rid] = self.silent[rid]

@@ -1,11 +1,12 @@
-"""Cutting a silent member out of an NCCL stream: a collective cannot lose one rank, so the whole
-group is aborted on the trainer and the live members are restarted in a group without it.
+"""Cutting a member out of an NCCL stream: a collective cannot lose one rank, so the whole group is
+aborted on the trainer and the live members are restarted in a group without it.
 
 A broadcast needs every rank of its communicator. A member that stops (SIGSTOP, a hung host) without
 dying still holds its connections, so NCCL waits for it and every other member waits with it until
 the sync's deadline; the status watch (liveness.py) cannot tell it from a slow one either. The sync
 link can: the trainer pings it during the stream (weightsync/publisher/stream_liveness.py) and a
-member that leaves a ping unanswered for liveness_timeout_s is handed to `MemberCut.cut`. That aborts
+member that leaves a ping unanswered for liveness_timeout_s is handed to `MemberCut.cut`, and so is one
+the status watch finds dead or out of the sync (liveness.py: its verdict names the member). That aborts
 the stream's communicator (ncclCommAbort on rank 0's group; with several senders, the sync's abort flag
 that every sending rank answers by aborting its own) so the trainer's stream ends at once. NCCL tells
 no other rank, so the publisher then sends the live members AbortSync (each aborts its communicator
@@ -38,8 +39,8 @@ class MemberCut:
             self._abort = abort
 
     def cut(self, rollout_id: str, why: str) -> bool:
-        """End the stream because `rollout_id` went silent; False when it cannot be (not a member, or no
-        stream to end: the sync's deadline bounds it)."""
+        """End the stream because `rollout_id` can no longer take part (`why`); False when it cannot be
+        (not a member, or no stream to end yet)."""
         with self._lock:
             abort = self._abort
             if abort is None or rollout_id not in self.members:
@@ -48,5 +49,5 @@ class MemberCut:
         log.warning(
             "NCCL stream: cutting member %s out (%s); the live members are restarted without it", rollout_id, why
         )
-        abort(f"member {rollout_id} cut out of the group: it went silent mid-stream")
+        abort(f"member {rollout_id} cut out of the group: {why}")
         return True

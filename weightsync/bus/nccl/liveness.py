@@ -91,6 +91,8 @@ class MembersProbe:
         self._asked: dict[str, Future] = {}
         self._closed = False
         self._lock = threading.Lock()  # close() and a round's submissions exclude each other
+        #: the member the last verdict was about ("" before any): the stream cuts it (cut.py)
+        self.culprit = ""
 
     def __call__(self) -> str:
         if len(self.members) == 1:
@@ -116,11 +118,16 @@ class MembersProbe:
         return ""
 
     def _verdict(self, rid: str, resp, err: str) -> str:
+        verdict = ""
         if err.startswith("UNAVAILABLE"):
-            return f"rollout {rid} became unreachable during the stream ({err})"
-        if not err and resp is not None and resp.pending_sync_id != self.sync_id:
-            return f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
-        return ""
+            verdict = f"rollout {rid} became unreachable during the stream ({err})"
+        elif not err and resp is not None and resp.pending_sync_id != self.sync_id:
+            verdict = (
+                f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
+            )
+        if verdict:
+            self.culprit = rid
+        return verdict
 
     def close(self) -> None:
         with self._lock:

@@ -285,15 +285,15 @@ class _NcclSession(Session):
         # each sender broadcasts on its own group: no data addresses
         groups = self.sender_jobs(timeout)
         if raise_flag is not None:  # every sender ends its broadcasts once a rollout can no longer take part
-            self.watch(prepared, raise_flag)
             self.cuts.arm(raise_flag)
+            self.watch(prepared, raise_flag)
         return {}, groups, self.owner.watch_period
 
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))
         group.timeout = timeout  # each broadcast wait is bounded by what is left of the sync
-        self.watch(targets, group.abort)
         self.cuts.arm(group.abort)
+        self.watch(targets, group.abort)
         return self.owner.cache.bus.sender(group)
 
     def watch(self, targets: dict, abort) -> None:
@@ -301,7 +301,12 @@ class _NcclSession(Session):
         out of the sync): rank 0's group, or with several senders the flag they all watch."""
         if self.owner.call is not None:
             probe = members_probe(targets, self.owner.call, self.sync_id, wait_s=self.owner.watch_period)
-            self._watch = Watch(probe, abort, self.owner.watch_period, on_stop=probe.close).start()
+
+            def end(verdict: str) -> None:  # the member it names is cut: the live ones restart without it
+                if not (probe.culprit and self.cuts.cut(probe.culprit, verdict)):
+                    abort(verdict)
+
+            self._watch = Watch(probe, end, self.owner.watch_period, on_stop=probe.close).start()
 
     def cut(self, rollout_id: str, why: str) -> bool:
         """End this sync's stream for every member because `rollout_id` went silent (cut.py)."""

@@ -32,14 +32,17 @@ from weightsync.publisher.multisender import SendJob, merge
 from weightsync.publisher.stream_cut import owners_drop, restart_live, stream_drop
 
 
-def test_a_member_cut_ends_the_armed_stream_once_per_reason_and_only_for_members():
+def test_a_member_cut_ends_the_armed_stream_and_only_for_members_keeping_the_first_reason():
     cut, aborted = MemberCut(["r0", "r1", "r2"]), []
     assert not cut.cut("r2", "silent")  # no stream yet: the deadline bounds it
     cut.arm(aborted.append)
     assert not cut.cut("r9", "silent")  # not a member of this group
     assert cut.cut("r2", "went silent mid-stream (1.00s)") and cut.cut("r2", "again")
     assert cut.why == {"r2": "went silent mid-stream (1.00s)"}
-    assert aborted == ["member r2 cut out of the group: it went silent mid-stream"] * 2
+    assert aborted == [
+        "member r2 cut out of the group: went silent mid-stream (1.00s)",
+        "member r2 cut out of the group: again",
+    ]
 
 
 def test_the_stream_drop_is_the_channels_own_or_a_collectives_cut_or_none():
@@ -71,7 +74,7 @@ def test_after_a_cut_the_live_members_are_aborted_and_restarted_and_only_the_cut
     session.cuts.arm(lambda reason: None)
     session.cuts.cut("c", "stream: UNAVAILABLE: the rollout went silent mid-stream")
     failed = {rid: "nccl stream: NCCL broadcast failed: member c cut out" for rid in ("a", "b", "c")}
-    left = restart_live(attempt, session, failed, {"c": 1.0})
+    left = restart_live(attempt, session, failed)
     assert left == {"c": "stream: UNAVAILABLE: the rollout went silent mid-stream"}
     assert sorted(e.rollout_id for e in attempt.retry) == ["a", "b"]
     assert sorted(orch.calls) == [("a", "AbortSync"), ("b", "AbortSync")]  # never the silent one
@@ -80,7 +83,7 @@ def test_after_a_cut_the_live_members_are_aborted_and_restarted_and_only_the_cut
     # nothing was cut (a stream that failed on its own): every failure is reported as before
     orch2, session2 = _Orch(), _CutSession()
     attempt2, *_ = _attempt(orch2, session2, rids=("a", "b", "c"))
-    assert restart_live(attempt2, session2, dict(failed), {}) == failed and attempt2.retry == []
+    assert restart_live(attempt2, session2, dict(failed)) == failed and attempt2.retry == []
 
 
 def test_drops_raised_by_rank_0_are_read_by_another_rank_in_order_without_a_key_per_sync():
