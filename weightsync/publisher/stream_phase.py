@@ -11,8 +11,10 @@ A target that goes silent mid-stream (stopped, hung: its sync link answers no pi
 liveness_timeout_s, weightsync.publisher.stream_liveness) is dropped from the channel while the others
 stream on: failed `silent`, left on its version (stale) until a later sync, and never sent AbortSync
 (the call would only wait on it): what it received is never committed, since no CommitSync reaches
-it, and its own prepare timer aborts it. Only a channel that can drop one target does this (tcp); the
-others keep the sync's deadline as their bound (docs/architecture.md, "Stragglers").
+it, and its own prepare timer aborts it. A channel that can drop one target (tcp, and every sending
+rank's over multi-sender tcp) does so and the others stream on; a collective (nccl) cuts the member
+out by ending the stream, and its live members are restarted without it (weightsync.publisher.stream_cut;
+docs/architecture.md, "Stragglers").
 """
 
 from __future__ import annotations
