@@ -89,10 +89,10 @@ class TwoRankActor:
 def fleet():
     with contextlib.ExitStack() as made:
 
-        def make(watched: bool):
+        def make(watched: bool, **trainer_fields):
             bus = LoopbackBus(blocking_send=True)
             trainer, apps, stub = fleet = made.enter_context(
-                local_fleet({"live": {}, "victim": {}}, sync_timeout_s=SYNC_TIMEOUT)
+                local_fleet({"live": {}, "victim": {}}, sync_timeout_s=SYNC_TIMEOUT, **trainer_fields)
             )
             trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
             trainer.orch.transports["nccl"] = NcclSender(
@@ -184,3 +184,46 @@ def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, w
         trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"), timeout=SYNC_TIMEOUT + 30
     ).report
     assert again.ok and live.tx.version == again.version == trainer.actor.version, again
+
+
+def test_a_rollout_silent_mid_stream_is_cut_out_of_every_senders_group_and_the_other_commits(fleet):
+    """A stopped process (SIGSTOP) neither dies nor leaves the sync: its gRPC status would still name
+    it (here: it does), so only its sync link's silence tells. The victim's NCCL rank takes no bucket
+    and, from the same moment, its link thread answers no ping (as a stopped process's): after
+    liveness_timeout_s rank 0 cuts it out (the sync's abort flag ends both senders' broadcasts) and
+    the live rollout is synced again at once on new groups, in the same Sync (issue 49)."""
+    trainer, apps, stub = fleet(watched=True, liveness_timeout_s=1.0)
+    first, _ = _sync(stub)  # opens the sync links (the stream is watched on them)
+    assert first.ok, first
+    held = {r.rank: r._nccl_sender_groups.group_id for r in trainer.orch.actor.ranks}
+    victim, stopped, resumed = apps["victim"], threading.Event(), threading.Event()
+    limit = victim.link._limit
+
+    def frozen_limit(kind):  # the link thread reads a frame's kind first: a stopped one answers nothing
+        if stopped.is_set():
+            resumed.wait(SYNC_TIMEOUT + 30)
+        return limit(kind)
+
+    def stuck(sync_id, receiver, sender=0):
+        stopped.set()  # joined this sender's group, then stops: no bucket taken, no ping answered
+        resumed.wait(SYNC_TIMEOUT + 30)
+
+    victim.link._limit = frozen_limit
+    victim.tx.run_receiver = stuck
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    try:
+        rep, took = _sync(stub)
+    finally:
+        resumed.set()
+    by_id = {r.rollout_id: r for r in rep.rollouts}
+    assert not rep.ok and not by_id["victim"].ok, rep
+    assert "silent mid-stream" in by_id["victim"].error and "stale" in by_id["victim"].error, by_id["victim"]
+    live = apps["live"]
+    assert by_id["live"].ok and live.tx.version == rep.version == trainer.actor.version, rep
+    for name, t in trainer.actor.export_tensors():
+        assert torch.equal(live.engine._target(name), t), name
+    assert took < 1.0 + 0.25 + 4.0, f"the live rollout waited {took:.1f}s (liveness_timeout_s 1 s)"
+    assert all(r._nccl_sender_groups.group_id not in ("", held[r.rank]) for r in trainer.orch.actor.ranks)
