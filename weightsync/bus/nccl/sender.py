@@ -197,7 +197,8 @@ class _NcclSession(Session):
         self.sender_gpu_clash = ""
         self.clashing: set[str] = set()  # rollouts on a sending rank's GPU
         self._watch: Watch | None = None
-        #: a member silent mid-stream ends the stream for all (cut.py); armed once the stream has a group
+        #: a member silent, dead or out of the sync mid-stream ends the stream for all, and the live
+        #: members are restarted without it (cut.py); armed once the stream has a group
         self.cuts = MemberCut(rid for rid, _ in self.members)
 
     @property
@@ -309,7 +310,7 @@ class _NcclSession(Session):
             self._watch = Watch(probe, end, self.owner.watch_period, on_stop=probe.close).start()
 
     def cut(self, rollout_id: str, why: str) -> bool:
-        """End this sync's stream for every member because `rollout_id` went silent (cut.py)."""
+        """End this sync's stream for every member because `rollout_id` went silent mid-stream (cut.py)."""
         return self.cuts.cut(rollout_id, why)
 
     def finish(self, ok: bool, reason: str) -> None:
