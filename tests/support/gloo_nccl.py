@@ -15,6 +15,10 @@ A test that must act while a sender is mid-stream (kill it, say) holds that send
 it: with WS_GLOO_HOLD=<path> and WS_GLOO_HOLD_RANK=<global rank> in the services' environment, the
 sender of that trainer rank waits before each bucket while <path> exists, and says so by creating
 <path>.held (the test waits for that file, then acts; removing <path> lets the stream go on).
+RANK unset (a single-process trainer) is rank 0. WS_GLOO_HOLD_AT=<n> holds only from the n-th bucket
+of each stream on (n-1 buckets went through first: the hold lands mid-stream by construction).
+WS_GLOO_PACE_BPS=<bytes per second> paces every stream a trainer process sends, as a slow link
+would, so that a normal stream lasts long against the liveness timeout whatever the box's speed.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ from weightsync.bus.errors import TransportError
 
 _HOST = "127.0.0.1"
 _ID_BYTES = 128
+#: aborted gloo groups, never destroyed (see GlooGroup.abort)
+_ABORTED: list = []
+_POLL_S = 0.001  # a broadcast's completion is polled this often (an abort ends the wait within it)
 _HOLD_LIMIT_S = 300.0  # a test that forgot its hold still ends: the sync's own deadline fails it first
 
 
 def _held_here() -> Path | None:
     """The hold file that gates this process's sends, when this is the held trainer rank."""
     path, rank = os.environ.get("WS_GLOO_HOLD"), os.environ.get("WS_GLOO_HOLD_RANK")
-    if not path or rank is None or os.environ.get("RANK") != rank:
+    if not path or rank is None or os.environ.get("RANK", "0") != rank:
         return None
     return Path(path)
 
@@ -75,8 +82,20 @@ class GlooGroup:
             raise TransportError(f"NCCL group unusable: {self.broken}")
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
+        deadline = time.monotonic() + (timeout or self.timeout)
         try:
-            self.pg.broadcast([buf], opts).wait(_td(timeout or self.timeout))
+            work = self.pg.broadcast([buf], opts)
+            # polled, as NcclGroup.wait polls its event: an abort from another thread ends this wait at
+            # once, as ncclCommAbort does (gloo's own abort leaves a posted operation to its timeout)
+            while not work.is_completed():
+                if self.broken:
+                    raise TransportError(f"NCCL broadcast failed: {self.broken}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"broadcast of {buf.numel()} bytes exceeded its timeout")
+                time.sleep(_POLL_S)
+            work.wait(_td(max(0.001, deadline - time.monotonic())))
+        except TransportError:
+            raise
         except Exception as exc:  # gloo: a peer gone or the wait timed out; the group is done for
             self.abort(f"broadcast of {buf.numel()} bytes failed: {exc}")
             raise TransportError(f"NCCL broadcast failed: {self.broken}") from None
@@ -88,8 +107,12 @@ class GlooGroup:
             if self.broken:
                 return
             self.broken = reason
+        # gloo's destructor waits for the operations still posted on the group (to gloo's own timeout,
+        # the group's): dropped in a request's thread it would hold that thread, and the GIL, that long.
+        # An aborted NCCL communicator costs nothing to drop, so the stand-in keeps aborted groups alive.
+        _ABORTED.append(self.pg)
         try:
-            self.pg.abort()  # ends waits posted on it at once (on every rank, as NCCL's abort does not)
+            self.pg.abort()  # this rank's own posted operations are left to gloo's timeout; `broadcast` stops waiting
         except Exception:  # noqa: BLE001 — aborting an already failed group: nothing left to stop
             pass
 
@@ -106,11 +129,18 @@ class GlooSender(BucketSender):
             raise ValueError("the bus sender must be rank 0 of its NCCL group")
         self.group = group
         self._hold = _held_here()
+        self._hold_at = int(os.environ.get("WS_GLOO_HOLD_AT", "1"))
+        self._pace = float(os.environ.get("WS_GLOO_PACE_BPS", "0"))
+        self._sent, self._bytes, self._t0 = 0, 0, time.monotonic()
 
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
-        if self._hold is not None:
+        self._sent += 1
+        if self._hold is not None and self._sent >= self._hold_at:
             _wait_while_held(self._hold)
         self.group.broadcast(buf[: plan.nbytes].cpu().contiguous())
+        self._bytes += plan.nbytes
+        if self._pace > 0:  # as a link of that rate: the send ends once its bytes would have crossed it
+            time.sleep(max(0.0, self._t0 + self._bytes / self._pace - time.monotonic()))
 
     def framed(self):
         from weightsync.bus.nccl.framed import FramedSender

@@ -63,6 +63,16 @@ class Session:
         """The channel reaching every prepared target (rollout_id -> entry)."""
         raise NotImplementedError
 
+    def cut(self, rollout_id: str, why: str) -> bool:
+        """Mid-stream, `rollout_id` went silent and its channel cannot drop it alone (a collective):
+        end the stream for every target so the live ones can be synced again without it (nccl/cut.py).
+        False: this session cannot (the sync's deadline bounds the stream)."""
+        return False
+
+    def cut_reasons(self) -> dict[str, str]:
+        """rollout id -> why it was cut out of this session's stream (`cut`); empty for a session that cannot cut."""
+        return {}
+
     def use_manifest(self, manifest) -> None:
         """The sync's manifest, once planned (before any prepare)."""
 

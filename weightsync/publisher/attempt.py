@@ -3,7 +3,8 @@
 With tcp and ipc, targets succeed or fail individually. With nccl (a group-wide session) a
 target that fails the prepare stops the whole pass, and the attempt names the targets of a retry:
 every member with a new group when the cached group was refused (a restarted member), else the
-members that prepared, which form a group without the one that could not.
+members that prepared, which form a group without the one that could not. A member cut out
+mid-stream (silent, dead) makes the live members the retry's targets too (weightsync.publisher.stream_cut).
 
 The stream phase is weightsync.publisher.stream_phase. Prepare and commit go to every target at
 once and never wait long on one that went silent (weightsync.publisher.straggler): it is dropped from

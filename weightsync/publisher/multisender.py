@@ -316,15 +316,13 @@ class _TcpRank:
     @staticmethod
     def open(actor, job: SendJob, rank: int, left: float):
         from weightsync.bus.tcp.wire import TcpBucketSender
+        from weightsync.publisher.drop_follow import follow_drops
 
-        # a dead rollout breaks its own connection: nothing to watch
-        return (
-            TcpBucketSender(
-                job.targets, job.sync_id, "", timeout=left, sender=rank, mac=bytes.fromhex(job.macs[str(rank)])
-            ),
-            torch.device("cpu"),
-            None,
+        sender = TcpBucketSender(
+            job.targets, job.sync_id, "", timeout=left, sender=rank, mac=bytes.fromhex(job.macs[str(rank)])
         )
+        # a dead rollout breaks its own connection; a stopped one is dropped on rank 0's word
+        return sender, torch.device("cpu"), follow_drops(actor, job.sync_id, sender)
 
     @staticmethod
     def failed(actor, job: SendJob, exc: Exception) -> None:

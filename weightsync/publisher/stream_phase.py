@@ -11,8 +11,10 @@ A target that goes silent mid-stream (stopped, hung: its sync link answers no pi
 liveness_timeout_s, weightsync.publisher.stream_liveness) is dropped from the channel while the others
 stream on: failed `silent`, left on its version (stale) until a later sync, and never sent AbortSync
 (the call would only wait on it): what it received is never committed, since no CommitSync reaches
-it, and its own prepare timer aborts it. Only a channel that can drop one target does this (tcp); the
-others keep the sync's deadline as their bound (docs/architecture.md, "Stragglers").
+it, and its own prepare timer aborts it. A channel that can drop one target (tcp, and every sending
+rank's over multi-sender tcp) does so and the others stream on; a collective (nccl) cuts the member
+out by ending the stream, and its live members are restarted without it (weightsync.publisher.stream_cut;
+docs/architecture.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from weightsync.bus.channel import drops_targets
 from weightsync.bus.copy.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.route import Route, pick
+from weightsync.publisher.stream_cut import owners_drop, restart_live, stream_drop
 from weightsync.publisher.stream_liveness import StreamLiveness
 
 log = logging.getLogger(__name__)
@@ -210,18 +212,19 @@ class StreamPhase:
             {rid: a.by_id[rid] for rid in a.prepared}, a.left(), raise_flag
         )
         fmt = self.fleet.export_format
-        out = stream_from_every_owner(
-            actor,
-            self.manifest,
-            targets,
-            self.fleet.token,
-            a.left(),
-            nccl_groups=groups,
-            export_dtype=fmt.name if fmt.quantization else "",
-            watch_period=period,
-            # a broadcast on each sender's group (nccl) reaches every target alike: deltas for all or none
-            delta=a.delta.rank_job(set(a.prepared) if self.session.group_wide else None),
-        )
+        with self._liveness(owners_drop(self.session, flags, sync_id)):
+            out = stream_from_every_owner(
+                actor,
+                self.manifest,
+                targets,
+                self.fleet.token,
+                a.left(),
+                nccl_groups=groups,
+                export_dtype=fmt.name if fmt.quantization else "",
+                watch_period=period,
+                # a broadcast on each sender's group (nccl) reaches every target alike: deltas for all or none
+                delta=a.delta.rank_job(set(a.prepared) if self.session.group_wide else None),
+            )
         self.senders = out.senders
         self.bytes_sent = sum(s.bytes for s in out.senders)
         self.send_seconds = max((s.send_seconds for s in out.senders), default=0.0)  # they send at once
@@ -266,7 +269,7 @@ class StreamPhase:
         )
         self.senders = [sender]
         try:
-            with self._liveness(channel):
+            with self._liveness(stream_drop(self.session, channel)):
                 stats = stream_buckets(
                     self.manifest,
                     export,
@@ -329,27 +332,28 @@ class StreamPhase:
             self._start_checksums(in_place)
         self.attempt.phases.add("stream.quantize", time.perf_counter() - t0)
 
-    def _liveness(self, channel) -> StreamLiveness:
-        """The watch that drops, from `channel`, the targets whose sync links fall silent mid-stream."""
+    def _liveness(self, drop) -> StreamLiveness:
+        """The watch that hands `drop` (weightsync.publisher.stream_cut) the targets whose sync links fall
+        silent mid-stream."""
         a = self.attempt
         timeout = a.rollouts.liveness_timeout  # None: no liveness signal to go by
-        if not drops_targets(channel):
+        if drop is None:
             timeout = None  # it keeps every target to the end (the deadline bounds it): no thread, no pings
         links = {}
         for rid in a.prepared if timeout else ():
             link = a.rollouts.link_of(a.by_id[rid])
             if link is not None:
                 links[rid] = link
-        return StreamLiveness(links, timeout or 1.0, lambda rid, silent_s: self._drop_silent(channel, rid, silent_s))
+        return StreamLiveness(links, timeout or 1.0, lambda rid, silent_s: self._drop_silent(drop, rid, silent_s))
 
-    def _drop_silent(self, channel, rid: str, silent_s: float) -> None:
+    def _drop_silent(self, drop, rid: str, silent_s: float) -> None:
         """Take `rid` out of the stream (on the watch's thread): the others' sends go on without it."""
         timeout = self.attempt.rollouts.liveness_timeout
         why = (
             f"stream: UNAVAILABLE: the rollout went silent mid-stream (its sync link answered no liveness ping "
             f"for {silent_s:.2f}s; liveness_timeout_s={timeout:g}): stopped, hung or unreachable"
         )
-        if channel.drop(rid, why):  # a channel that cannot drop one target keeps it (the deadline bounds it)
+        if drop(rid, why):  # a stream that cannot drop one target keeps it (the deadline bounds it)
             self.silent[rid] = silent_s
             log.warning("sync %s: %s dropped from the stream: %s", self.manifest.sync_id, rid, why)
 
@@ -365,6 +369,8 @@ class StreamPhase:
         report, wsctl and the failure metric say DATA_LOSS, not a transport error."""
         a = self.attempt
         failed, self._stream_failed = self._stream_failed, {}
+        # a collective whose members were cut (silent, dead): the live ones are restarted without them
+        failed = restart_live(a, self.session, failed)
         for rid in [rid for rid in failed if rid in self.silent]:
             # gone: AbortSync would only wait on it (its own prepare timer aborts what it received)
             a.dropped[rid] = self.silent[rid]

@@ -11,7 +11,9 @@ bounds a hung member).
 
 With several sending trainer ranks (a multi-sender sync) only global rank 0 talks to the
 rollouts, yet every sender's broadcast must end: rank 0's verdict is raised as a flag on the
-trainer job's own store (`StoreFlags`), which every sending rank watches in the same way.
+trainer job's own store (`StoreFlags`), which every sending rank watches in the same way. The same
+store carries the targets rank 0 drops from a multi-sender TCP stream (`drop_target`: one that went
+silent mid-stream), which every sender drops from its own connections (publisher/drop_follow.py).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class MembersProbe:
         self._asked: dict[str, Future] = {}
         self._closed = False
         self._lock = threading.Lock()  # close() and a round's submissions exclude each other
+        #: the member the last verdict was about ("" before any): the stream cuts it (cut.py)
+        self.culprit = ""
 
     def __call__(self) -> str:
         if len(self.members) == 1:
@@ -114,11 +118,16 @@ class MembersProbe:
         return ""
 
     def _verdict(self, rid: str, resp, err: str) -> str:
+        verdict = ""
         if err.startswith("UNAVAILABLE"):
-            return f"rollout {rid} became unreachable during the stream ({err})"
-        if not err and resp is not None and resp.pending_sync_id != self.sync_id:
-            return f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
-        return ""
+            verdict = f"rollout {rid} became unreachable during the stream ({err})"
+        elif not err and resp is not None and resp.pending_sync_id != self.sync_id:
+            verdict = (
+                f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
+            )
+        if verdict:
+            self.culprit = rid
+        return verdict
 
     def close(self) -> None:
         with self._lock:
@@ -138,6 +147,8 @@ class StoreFlags:
     rather than read once."""
 
     PREFIX = "weightsync/stream-abort/"
+    #: targets dropped from a sync's streams (multi-sender TCP: every sender drops them), numbered 1..n
+    DROPS = "weightsync/stream-drop/"
 
     def __init__(self, store):
         self.store = store
@@ -151,12 +162,32 @@ class StoreFlags:
             return ""
         return self.store.get(key).decode(errors="replace") or "aborted"
 
+    def drop_target(self, sync_id: str, rollout_id: str, reason: str) -> None:
+        """Tell every sender of `sync_id` to drop `rollout_id` from its stream (it went silent)."""
+        n = self.store.add(f"{self.DROPS}{sync_id}/n", 1)
+        self.store.set(f"{self.DROPS}{sync_id}/{n}", f"{rollout_id}\n{reason}".encode()[:4096])
+
+    def dropped(self, sync_id: str) -> dict[str, str]:
+        """rollout id -> why, for every target dropped from `sync_id`'s streams so far."""
+        count = f"{self.DROPS}{sync_id}/n"
+        if not self.store.check([count]):  # asked before any drop: no key is made per sync
+            return {}
+        out: dict[str, str] = {}
+        for i in range(1, self.store.add(count, 0) + 1):
+            key = f"{self.DROPS}{sync_id}/{i}"
+            if not self.store.check([key]):  # counted, not yet written: the next poll reads it
+                break
+            rid, _, why = self.store.get(key).decode(errors="replace").partition("\n")
+            out.setdefault(rid, why)
+        return out
+
 
 class LocalFlags:
     """The same flags within one process (a single-rank trainer, tests)."""
 
     def __init__(self):
         self._flags: dict[str, str] = {}
+        self._drops: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
 
     def raise_flag(self, sync_id: str, reason: str) -> None:
@@ -166,3 +197,11 @@ class LocalFlags:
     def raised(self, sync_id: str) -> str:
         with self._lock:
             return self._flags.get(sync_id, "")
+
+    def drop_target(self, sync_id: str, rollout_id: str, reason: str) -> None:
+        with self._lock:
+            self._drops.setdefault(sync_id, {}).setdefault(rollout_id, reason)
+
+    def dropped(self, sync_id: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self._drops.get(sync_id, {}))

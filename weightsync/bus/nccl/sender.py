@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from weightsync.bus.gpu import uuid_of as gpu_uuid
+from weightsync.bus.nccl.cut import MemberCut
 from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.liveness import Watch, members_probe
 from weightsync.bus.nccl.sender_groups import SenderGroupJob
@@ -196,6 +197,9 @@ class _NcclSession(Session):
         self.sender_gpu_clash = ""
         self.clashing: set[str] = set()  # rollouts on a sending rank's GPU
         self._watch: Watch | None = None
+        #: a member silent, dead or out of the sync mid-stream ends the stream for all, and the live
+        #: members are restarted without it (cut.py); armed once the stream has a group
+        self.cuts = MemberCut(rid for rid, _ in self.members)
 
     @property
     def plan(self) -> GroupPlan:
@@ -282,12 +286,14 @@ class _NcclSession(Session):
         # each sender broadcasts on its own group: no data addresses
         groups = self.sender_jobs(timeout)
         if raise_flag is not None:  # every sender ends its broadcasts once a rollout can no longer take part
+            self.cuts.arm(raise_flag)
             self.watch(prepared, raise_flag)
         return {}, groups, self.owner.watch_period
 
     def open(self, targets: dict, timeout: float):
         group = self.owner.cache.join(self.plan, min(self.owner.init_timeout, timeout))
         group.timeout = timeout  # each broadcast wait is bounded by what is left of the sync
+        self.cuts.arm(group.abort)
         self.watch(targets, group.abort)
         return self.owner.cache.bus.sender(group)
 
@@ -296,7 +302,19 @@ class _NcclSession(Session):
         out of the sync): rank 0's group, or with several senders the flag they all watch."""
         if self.owner.call is not None:
             probe = members_probe(targets, self.owner.call, self.sync_id, wait_s=self.owner.watch_period)
-            self._watch = Watch(probe, abort, self.owner.watch_period, on_stop=probe.close).start()
+
+            def end(verdict: str) -> None:  # the member it names is cut: the live ones restart without it
+                if not (probe.culprit and self.cuts.cut(probe.culprit, verdict)):
+                    abort(verdict)
+
+            self._watch = Watch(probe, end, self.owner.watch_period, on_stop=probe.close).start()
+
+    def cut(self, rollout_id: str, why: str) -> bool:
+        """End this sync's stream for every member because `rollout_id` went silent mid-stream (cut.py)."""
+        return self.cuts.cut(rollout_id, why)
+
+    def cut_reasons(self) -> dict[str, str]:
+        return self.cuts.why
 
     def finish(self, ok: bool, reason: str) -> None:
         if self._watch is not None:

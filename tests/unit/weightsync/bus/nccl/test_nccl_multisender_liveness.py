@@ -1,4 +1,4 @@
-"""A multi-sender NCCL sync ends within a second or so when a rollout can no longer take part.
+"""A multi-sender NCCL sync cuts out a rollout that can no longer take part within a second or so.
 
 NCCL never tells a sender that a receiving rank died or stopped receiving: every sender's broadcast
 waits until the sync's deadline. Global rank 0 is the only rank that talks to the rollouts, so it
@@ -7,7 +7,8 @@ and aborts its own communicator. Here the whole rank-0 path is real (TrainerApp,
 planning a group per sender, the watch); two threads play the two trainer ranks through
 `weightsync.publisher.multisender.run_sender`; the loopback bus (tests/support/nccl_loopback.py) blocks a
 broadcast until every rank took the bucket, as NCCL does. A dead rollout (its gRPC port gone) and
-a live one that left the sync are both caught; unwatched, the same sync waits out its deadline.
+a live one that left the sync are both caught and cut out, and the live rollout is synced again at
+once on new groups (issue 49); unwatched, the same sync waits out its deadline.
 """
 
 from __future__ import annotations
@@ -90,10 +91,10 @@ class TwoRankActor:
 def fleet():
     with contextlib.ExitStack() as made:
 
-        def make(watched: bool):
+        def make(watched: bool, **trainer_fields):
             bus = LoopbackBus(blocking_send=True)
             trainer, apps, stub = fleet = made.enter_context(
-                local_fleet({"live": {}, "victim": {}}, sync_timeout_s=SYNC_TIMEOUT)
+                local_fleet({"live": {}, "victim": {}}, sync_timeout_s=SYNC_TIMEOUT, **trainer_fields)
             )
             trainer.orch.actor = TwoRankActor(trainer.actor, bus, watched)
             trainer.orch.transports["nccl"] = NcclSender(
@@ -147,6 +148,7 @@ def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, w
                 threading.Timer(0.3, victim.tx.abort, (sync_id, "test: a bucket failed its checksum")).start()
         release.wait(SYNC_TIMEOUT + 30)
 
+    held = {r.rank: r.rank_sync_state().nccl_groups.group_id for r in trainer.orch.actor.ranks}
     victim.tx.run_receiver = stuck
     with torch.no_grad():
         for p in trainer.actor.model.parameters():
@@ -157,25 +159,73 @@ def test_a_rollout_that_cannot_take_part_ends_every_senders_stream(fleet, how, w
     finally:
         release.set()
     errors = {r.rollout_id: r.error for r in rep.rollouts}
-    assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
+    by_id = {r.rollout_id: r for r in rep.rollouts}
+    assert not rep.ok and not by_id["victim"].ok, rep
     live = apps["live"]
-    for _ in range(100):  # the live rollout aborts once its receives fail
-        if not live.tx.pending_sync_id:
-            break
-        time.sleep(0.05)
-    assert live.tx.version == first.version and live.tx.state == rollout_pb2.SERVING and not live.tx.pending_sync_id
     if not watched:
+        assert not by_id["live"].ok, rep
+        for _ in range(100):  # the live rollout aborts once its receives fail
+            if not live.tx.pending_sync_id:
+                break
+            time.sleep(0.05)
+        assert live.tx.version == first.version and live.tx.state == rollout_pb2.SERVING
+        assert not live.tx.pending_sync_id
         assert took >= SYNC_TIMEOUT - 1.5, f"unwatched, the senders should have waited out the deadline ({took:.1f}s)"
         return
     assert took < 4.0, f"the senders waited {took:.1f}s for a rollout that could not take part"
     want = "rollout victim became unreachable" if how == "dies" else "rollout victim left sync"
-    assert all(want in e for e in errors.values()), errors
-    assert trainer.orch.actor.stream_flags.raised(rep.sync_id).startswith(want)
-    # every sender rank's report says why its stream ended, and both dropped their communicators
-    assert {s.rank for s in rep.senders if want in s.error} == {0, 1}, rep.senders
-    assert all(r.rank_sync_state().nccl_groups.group_id == "" for r in trainer.orch.actor.ranks)
-    # the next sync without the victim plans new groups and goes through
+    assert want in errors["victim"], errors
+    # the victim was cut out: rank 0 raised the first attempt's flag naming it, every sender aborted its
+    # group, and the live rollout was synced again at once on new groups (issue 49)
+    assert by_id["live"].ok and live.tx.version == rep.version == trainer.actor.version, rep
+    assert live.tx.state == rollout_pb2.SERVING
+    assert trainer.orch.actor.stream_flags.raised(rep.sync_id) == ""  # the restart raised nothing
+    assert all(r.rank_sync_state().nccl_groups.group_id not in ("", held[r.rank]) for r in trainer.orch.actor.ranks)
+    # the next sync without the victim reuses those groups and goes through
     again = stub.Sync(
         trainer_pb2.SyncRequest(rollout_ids=["live"], transport="nccl", senders="all"), timeout=SYNC_TIMEOUT + 30
     ).report
     assert again.ok and live.tx.version == again.version == trainer.actor.version, again
+
+
+def test_a_rollout_silent_mid_stream_is_cut_out_of_every_senders_group_and_the_other_commits(fleet):
+    """A stopped process (SIGSTOP) neither dies nor leaves the sync: its gRPC status would still name
+    it (here: it does), so only its sync link's silence tells. The victim's NCCL rank takes no bucket
+    and, from the same moment, its link thread answers no ping (as a stopped process's): after
+    liveness_timeout_s rank 0 cuts it out (the sync's abort flag ends both senders' broadcasts) and
+    the live rollout is synced again at once on new groups, in the same Sync (issue 49)."""
+    trainer, apps, stub = fleet(watched=True, liveness_timeout_s=1.0)
+    first, _ = _sync(stub)  # opens the sync links (the stream is watched on them)
+    assert first.ok, first
+    held = {r.rank: r.rank_sync_state().nccl_groups.group_id for r in trainer.orch.actor.ranks}
+    victim, stopped, resumed = apps["victim"], threading.Event(), threading.Event()
+    limit = victim.link._limit
+
+    def frozen_limit(kind):  # the link thread reads a frame's kind first: a stopped one answers nothing
+        if stopped.is_set():
+            resumed.wait(SYNC_TIMEOUT + 30)
+        return limit(kind)
+
+    def stuck(sync_id, receiver, sender=0):
+        stopped.set()  # joined this sender's group, then stops: no bucket taken, no ping answered
+        resumed.wait(SYNC_TIMEOUT + 30)
+
+    victim.link._limit = frozen_limit
+    victim.tx.run_receiver = stuck
+    with torch.no_grad():
+        for p in trainer.actor.model.parameters():
+            p.add_(0.01)
+    trainer.actor.version += 1
+    try:
+        rep, took = _sync(stub)
+    finally:
+        resumed.set()
+    by_id = {r.rollout_id: r for r in rep.rollouts}
+    assert not rep.ok and not by_id["victim"].ok, rep
+    assert "silent mid-stream" in by_id["victim"].error and "stale" in by_id["victim"].error, by_id["victim"]
+    live = apps["live"]
+    assert by_id["live"].ok and live.tx.version == rep.version == trainer.actor.version, rep
+    for name, t in trainer.actor.export_tensors():
+        assert torch.equal(live.engine._target(name), t), name
+    assert took < 1.0 + 0.25 + 4.0, f"the live rollout waited {took:.1f}s (liveness_timeout_s 1 s)"
+    assert all(r.rank_sync_state().nccl_groups.group_id not in ("", held[r.rank]) for r in trainer.orch.actor.ranks)

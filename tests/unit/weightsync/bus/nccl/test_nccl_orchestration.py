@@ -258,7 +258,8 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
     """Real NCCL never tells the sender that a receiving process died, or that it aborted its side
     of the sync and stopped receiving: the broadcast just waits. The loopback is set to wait the
     same way (blocking_send); the member's gRPC port going away, or its status no longer naming the
-    sync, is what the trainer's liveness watch sees. Unwatched, the same sync waits out its timeout."""
+    sync, is what the trainer's liveness watch sees: it cuts that member out and the live one is
+    synced again without it. Unwatched, the same sync waits out its timeout."""
     import threading
     import time
 
@@ -296,17 +297,76 @@ def test_rollout_that_dies_mid_stream_aborts_the_group_within_a_watch_period(how
             ).report
             took = time.monotonic() - t0
             errors = {r.rollout_id: r.error for r in rep.rollouts}
-            assert not rep.ok and not any(r.ok for r in rep.rollouts), rep
-            assert apps["live"].tx.version == before and apps["live"].tx.state == rollout_pb2.SERVING
+            by_id = {r.rollout_id: r for r in rep.rollouts}
+            assert not rep.ok and not by_id["dying"].ok, rep
             if watched:
+                # the member the watch found dead (or out of the sync) is cut out, and the live one is
+                # synced again at once in a group without it (issue 49): it commits within this Sync
                 assert took < 3.0, f"the group waited {took:.1f}s for a dead member"
                 want = (
                     "rollout dying became unreachable during the stream" if how == "dies" else "rollout dying left sync"
                 )
-                assert all(want in e for e in errors.values()), errors
+                assert want in errors["dying"], errors
+                assert by_id["live"].ok and apps["live"].tx.version == rep.version != before, rep
+                assert apps["live"].tx.state == rollout_pb2.SERVING
             else:
+                assert not by_id["live"].ok and apps["live"].tx.version == before, rep
                 assert took >= sync_timeout - 1.0, (
                     f"unwatched, the sync should have waited out its timeout ({took:.1f}s)"
                 )
         finally:
             release.set()
+
+
+def test_a_member_silent_mid_stream_is_cut_out_and_the_others_commit_in_the_same_sync():
+    """Issue 49, single sender: a stopped member neither dies nor leaves the sync (its status still
+    names it), so only its sync link tells: its NCCL rank takes no bucket and, from the same moment,
+    its link thread answers no ping. After liveness_timeout_s the trainer cuts it out (aborts its
+    group; the others get AbortSync) and syncs the two live members again in a group of three ranks,
+    within the same Sync. The same through processes over gloo: tests/e2e/test_nccl_straggler.py."""
+    import threading
+    import time
+
+    bus = LoopbackBus(blocking_send=True)
+    sync_timeout = 8.0
+    fleet_of = {"a": {}, "b": {}, "stopped": {}}
+    with local_fleet(fleet_of, sync_timeout_s=sync_timeout, liveness_timeout_s=1.0) as (trainer, apps, stub):
+        trainer.orch.transports["nccl"] = NcclSender(
+            torch.device("cpu"), bus, INIT_TIMEOUT, call=trainer.orch.rollouts.call, watch_period=0.2
+        )
+        for app in apps.values():
+            app.servicer.nccl._bus = bus
+        ids = sorted(fleet_of)
+        first = stub.Sync(trainer_pb2.SyncRequest(rollout_ids=ids, transport="nccl")).report
+        assert first.ok, first  # and the sync links are open: the stream is watched on them
+        victim, stopped, resumed = apps["stopped"], threading.Event(), threading.Event()
+        limit = victim.link._limit
+
+        def frozen_limit(kind):  # the link thread reads each frame's kind first: a stopped one answers nothing
+            if stopped.is_set():
+                resumed.wait(sync_timeout + 30)
+            return limit(kind)
+
+        def stuck(sync_id, receiver, sender=0):
+            stopped.set()
+            resumed.wait(sync_timeout + 30)
+
+        victim.link._limit = frozen_limit
+        victim.tx.run_receiver = stuck
+        bump_weights(trainer)
+        try:
+            t0 = time.monotonic()
+            rep = stub.Sync(
+                trainer_pb2.SyncRequest(rollout_ids=ids, transport="nccl"), timeout=sync_timeout + 30
+            ).report
+            took = time.monotonic() - t0
+        finally:
+            resumed.set()
+        by_id = {r.rollout_id: r for r in rep.rollouts}
+        assert not rep.ok and not by_id["stopped"].ok, rep
+        assert "silent mid-stream" in by_id["stopped"].error and "stale" in by_id["stopped"].error, rep
+        assert victim.tx.version == first.version  # left on its version
+        for rid in ("a", "b"):
+            assert by_id[rid].ok and apps[rid].tx.version == rep.version == trainer.actor.version, rep
+            assert_serves_export(trainer, apps[rid])
+        assert took < 1.0 + 0.25 + 4.0, f"the live members waited {took:.1f}s (liveness_timeout_s 1 s)"
