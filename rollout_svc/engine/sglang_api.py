@@ -84,6 +84,7 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "disable_radix_cache",
             "enable_deterministic_inference",
             "incremental_streaming_output",
+            "custom_weight_loader",
         ),
         why="Engine(**kwargs) builds ServerArgs(**kwargs); incremental_streaming_output=False (its default in "
         "0.5.10 and 0.5.23) keeps streamed items cumulative",

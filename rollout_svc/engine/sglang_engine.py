@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
+from rollout_svc.engine.sglang_direct import SglangDirectMixin
 from rollout_svc.engine.sglang_loop import LoopThread
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
@@ -63,6 +64,8 @@ class SglangOptions:
     disable_radix_cache: bool = False
     trust_remote_code: bool = False
     log_level: str = "error"
+    #: register our loader in SGLang's workers (sglang_loader.py) and send CUDA buckets through it
+    direct_loader: bool = True
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -154,7 +157,7 @@ def drive_loop(sgl) -> LoopThread:
     return sgl.loop
 
 
-class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
+class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Engine):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -171,7 +174,13 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     def _start(o: SglangOptions):
         from sglang.srt.entrypoints.engine import Engine
 
+        from rollout_svc.engine.sglang_loader import LOADER
+
         kept = {k: os.environ.get(k) for k in HOST_ENV_RESTORED}
+        extra = dict(o.extra)
+        loaders = list(extra.pop("custom_weight_loader", None) or [])
+        if o.direct_loader and LOADER not in loaders:
+            loaders.append(LOADER)
         try:
             # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
             return Engine(
@@ -190,7 +199,9 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
                 # streamed items hold every token so far, in both versions (sglang_stream.py)
                 incremental_streaming_output=False,
                 log_level=o.log_level,
-                **dict(o.extra),
+                # functions SGLang's TP workers may run as a load_format (ours: sglang_loader.load)
+                custom_weight_loader=loaders or None,
+                **extra,
             )
         finally:
             # SGLang's schedulers were spawned with SGLang's values; this process keeps its own

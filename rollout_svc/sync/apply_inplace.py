@@ -12,6 +12,10 @@ A block-FP8 bucket for an engine that dequantizes goes the same way where the en
 parameters: one launch dequantizes it into them and sums what it reads (fp8_write.py), checked
 after the write as above.
 
+An engine whose weights live in other processes may load a bucket with a copy of its own that is also the
+checksum pass (`load_bucket_summed`: SGLang's TP workers, rollout_svc/engine/sglang_direct.py); that
+bucket too is checked after the write.
+
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
 base copy's word sums; where the engine holds exactly the base copy's bytes, only the words the
 delta changed are then written (sparse_write.py), and otherwise the whole bucket as above.
@@ -66,6 +70,11 @@ class InPlaceApply(ApplyStrategy):
             copied, deferred = (
                 self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
             )
+            if copied is None and checked and ours is None and p.dequantizer is None:
+                # an engine whose own copy is the checksum pass (SGLang's workers): checked after the write
+                copied = self.host.engine.load_bucket_summed(plan, buf)
+                if copied is not None:
+                    verify(plan.index, copied, sender_checksum)
             if copied is None:
                 if checked and ours is None:
                     ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))

@@ -1,0 +1,232 @@
+"""Our weight loader inside every SGLang TP worker: a bucket written where SGLang reads, in one launch.
+
+SGLang runs a function of ours in each TP worker when it is registered at start
+(`ServerArgs.custom_weight_loader`, a list of import paths) and named as the `load_format` of
+`update_weights_from_tensor`: the worker deserialises its rank's payload, moves each tensor to its GPU
+(a no-op for ours) and calls `load(model, named_tensors)` (0.5.10 `ModelRunner.update_weights_from_tensor`).
+The rollout (sglang_weights.py) sends, per rank, two entries:
+
+  (HEADER + json {"seq", "key", "index", "nbytes", "slots": [[name, shape, dtype, offset], ...]}, bucket)
+  ("ws-result", result of TP rank 0), ("ws-result", result of TP rank 1), ...
+
+`bucket` is the bus buffer as uint8 (colocated: the trainer's own buffer, its CUDA IPC handle forwarded
+unopened, so nothing is copied in rollout-svc); `result` is a small int64 tensor of the rollout's that this
+function fills (its rank's): (seq, status, checksum, how). SGLang's hook returns nothing to the caller, and an exception
+would stop the scheduler, so the outcome and the checksum travel in `result`.
+
+The slot table. The first bucket of a layout (`key`) goes through SGLang's own `model.load_weights` while a
+torch function mode records every `copy_` it makes. Where each of the bucket's tensors went into exactly one
+contiguous region of one parameter, byte for byte (the fused `qkv_proj` / `gate_up_proj` rows of a TP=1
+worker, the embedding's first rows of a padded vocabulary, ...), those regions are the table, checked once
+against what SGLang's loader left there. Every later bucket of that layout is written by one launch of the
+built-in engine's copy-and-checksum kernel (weightsync/bus/verified_copy.py `copy_into`) straight into those
+regions: the checksum is of the words written into SGLang's parameters. (Constants SGLang's loader writes,
+such as the zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write
+that way (a TP shard narrowed out of a tensor, a cast, an in-place op on a parameter, a tensor copied twice)
+keeps SGLang's loader for good, its checksum read from the bucket in the same worker.
+
+Imported by SGLang's worker (`dynamic_import`): torch and the bus's plan and copy modules only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from weightsync.bus import dtypes
+from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.plan import BucketPlan, Slot, TensorMeta
+
+log = logging.getLogger(__name__)
+
+#: what `update_weights_from_tensor(load_format=...)` and `ServerArgs.custom_weight_loader` name
+LOADER = "rollout_svc.engine.sglang_loader.load"
+HEADER = "ws-bucket:"
+RESULT = "ws-result"
+#: result[1]
+OK, FAILED = 1, 2
+#: result[3]: how the bucket was written
+BY_TABLE, BY_SGLANG, LEARNED = 1, 2, 3
+RESULT_WORDS = 4
+
+
+def header(seq: int, plan: BucketPlan) -> str:
+    """The first entry's name: the bucket's layout, in what `load` reads."""
+    slots = [[s.meta.name, list(s.meta.shape), dtypes.to_wire(s.meta.dtype), s.offset] for s in plan.slots]
+    text = json.dumps(slots, separators=(",", ":"))
+    key = hashlib.sha1(f"{plan.nbytes}:{text}".encode()).hexdigest()[:20]
+    return HEADER + json.dumps({"seq": seq, "key": key, "index": plan.index, "nbytes": plan.nbytes, "slots": slots})
+
+
+def read_header(name: str) -> tuple[dict, BucketPlan]:
+    if not name.startswith(HEADER):
+        raise ValueError(f"{LOADER}: the first entry must be the bucket header ({HEADER}...), got {name[:40]!r}")
+    h = json.loads(name[len(HEADER) :])
+    plan = BucketPlan(index=int(h["index"]))
+    for n, shape, dt, off in h["slots"]:
+        plan.slots.append(Slot(TensorMeta(n, tuple(shape), dtypes.from_wire(dt)), int(off)))
+    plan.nbytes = int(h["nbytes"])
+    return h, plan
+
+
+@dataclass
+class Table:
+    """Where each slot of one bucket layout lies in SGLang's parameters (None: SGLang's loader writes it)."""
+
+    plan: BucketPlan
+    dests: list[torch.Tensor] | None
+    why: str = ""
+
+
+def load(model: torch.nn.Module, named_tensors: list) -> None:
+    """SGLang's custom-weight-loader hook (see the module docstring). Never raises: a failure is
+    reported in the result tensor (and logged here), the rollout then aborts the sync."""
+    result = None
+    seq, status, checksum, how = 0, FAILED, 0, 0
+    try:
+        (name, bucket), *results = named_tensors
+        rname, result = results[_tp_rank() if len(results) > 1 else 0]
+        if rname != RESULT:
+            raise ValueError(f"{LOADER}: entries after the header must be {RESULT!r}, got {rname!r}")
+        h, plan = read_header(name)
+        seq = int(h["seq"])
+        checksum, how = write(model, h["key"], plan, bucket)
+        status = OK
+    except Exception:  # noqa: BLE001 — reported to the rollout through `result`; raising would stop SGLang's scheduler
+        log.exception("%s: the bucket was not loaded", LOADER)
+    if result is not None:
+        _report(result, seq, status, checksum, how)
+
+
+def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tensor) -> tuple[int, int]:
+    """Load `plan`'s bucket from `bucket` into `model`: (the bucket's checksum, how it was written)."""
+    from weightsync.bus.verified_copy import copy_into
+
+    if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() < plan.nbytes:
+        raise ValueError(
+            f"bucket {plan.index}: expected a flat uint8 buffer of at least {plan.nbytes} bytes, "
+            f"got {bucket.dtype} {list(bucket.shape)}"
+        )
+    tables: dict[str, Table] = model.__dict__.setdefault("_ws_slot_tables", {})
+    table = tables.get(key)
+    if table is None:
+        tables[key] = table = learn(model, plan, bucket)
+        if table.dests is None:
+            log.warning("bucket layout %s: SGLang's loader keeps writing it (%s)", key, table.why)
+        return _bucket_checksum(bucket, plan), LEARNED
+    if table.dests is not None:
+        ck = copy_into(plan, bucket, table.dests, wait=True)
+        if ck is not None:
+            return int(ck), BY_TABLE
+    model.load_weights(views(plan, bucket))
+    return _bucket_checksum(bucket, plan), BY_SGLANG
+
+
+def views(plan: BucketPlan, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views (what SGLang's flattened-bucket path hands `load_weights`)."""
+    out = []
+    for s in plan.slots:
+        m = s.meta
+        out.append((m.name, bucket[s.offset : s.offset + m.nbytes].view(m.dtype).view(m.shape)))
+    return out
+
+
+def learn(model: torch.nn.Module, plan: BucketPlan, bucket: torch.Tensor) -> Table:
+    """Load the bucket with SGLang's own loader, recording its copies; the table if they fit (module docstring)."""
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    base, end = bucket.data_ptr(), bucket.data_ptr() + plan.nbytes
+    with CopyTrace(storages, base, end) as trace:
+        model.load_weights(views(plan, bucket))
+    if trace.foreign:
+        return Table(plan, None, trace.foreign)
+    by_src: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in trace.copies:
+        by_src.setdefault(src.data_ptr() - base, []).append((dst, src))
+    dests, used = [], 0
+    for s in plan.slots:
+        m = s.meta
+        got = by_src.get(s.offset, [])
+        if len(got) != 1:
+            return Table(plan, None, f"{m.name}: SGLang's loader copied from its start {len(got)} times")
+        dst, src = got[0]
+        whole = src.numel() * src.element_size() == m.nbytes and src.is_contiguous()
+        if not whole or not dst.is_contiguous() or dst.dtype != m.dtype or dst.numel() != src.numel():
+            return Table(
+                plan,
+                None,
+                f"{m.name}: SGLang's loader copies {list(src.shape)} {src.dtype} into "
+                f"{list(dst.shape)} {dst.dtype}{'' if dst.is_contiguous() else ' (strided)'}, not the whole tensor "
+                "into one region",
+            )
+        dest = dst.detach().view(m.shape)
+        if not torch.equal(dest.reshape(-1).view(torch.uint8), bucket[s.offset : s.offset + m.nbytes]):
+            return Table(plan, None, f"{m.name}: SGLang's parameter does not hold the bucket's bytes after its loader")
+        dests.append(dest)
+        used += 1
+    if used != len(trace.copies):
+        return Table(plan, None, f"SGLang's loader made {len(trace.copies)} copies for {used} tensors")
+    return Table(plan, dests)
+
+
+_CONSTANT_FILLS = ("fill_", "zero_")
+
+
+class CopyTrace(TorchFunctionMode):
+    """Records `dst.copy_(src)` calls whose source lies in [base, end) (the bucket) and whose destination is a
+    parameter's storage; a write of a constant (`fill_`, `zero_`) is left in place; any other write into a
+    parameter makes the trace `foreign` (the table cannot replay it)."""
+
+    def __init__(self, storages: set[int], base: int, end: int):
+        super().__init__()
+        self.storages, self.base, self.end = storages, base, end
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.fills = 0
+        self.foreign = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
+        if writes and args and isinstance(args[0], torch.Tensor):
+            if args[0].untyped_storage().data_ptr() in self.storages:
+                self._write(name, args[0], args)
+        return func(*args, **kwargs)
+
+    def _write(self, name: str, dst: torch.Tensor, args) -> None:
+        src = args[1] if len(args) > 1 else None
+        if name == "copy_" and isinstance(src, torch.Tensor) and self.base <= src.data_ptr() < self.end:
+            self.copies.append((dst, src))
+        elif name in _CONSTANT_FILLS and (src is None or isinstance(src, (int, float, bool))):
+            # a constant written the same at every load (a padded vocabulary's spare rows zeroed): it stays
+            # in place between syncs, and a copy over it is still checked against the bucket (`learn`)
+            self.fills += 1
+        elif not self.foreign:
+            self.foreign = f"SGLang's loader wrote a parameter with {name} from outside the bucket"
+
+
+def _tp_rank() -> int:
+    from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _bucket_checksum(bucket: torch.Tensor, plan: BucketPlan) -> int:
+    return int(bucket_checksum(bucket[: plan.nbytes]))
+
+
+def _report(result: torch.Tensor, seq: int, status: int, checksum: int, how: int) -> None:
+    signed = checksum - (1 << 64) if checksum >= 1 << 63 else checksum
+    row = torch.tensor([seq, status, signed, how], dtype=torch.int64)
+    result.view(-1)[:RESULT_WORDS].copy_(row)
+    if result.is_cuda:
+        # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
+        torch.cuda.current_stream(result.device).synchronize()
+
+
+def unsigned(word: int) -> int:
+    return word + (1 << 64) if word < 0 else word
