@@ -14,11 +14,19 @@ engine's direct write.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from rollout_svc.engine import sglang_loader as sl
+
+log = logging.getLogger(__name__)
+_HOW = {
+    sl.BY_TABLE: "by the slot table (one copy-and-checksum launch)",
+    sl.BY_SGLANG: "by SGLang's loader (the layout has no slot table; the worker's log says why)",
+    sl.LEARNED: "by SGLang's loader while learning the slot table",
+}
 
 
 class SglangDirectMixin:
@@ -71,9 +79,7 @@ class SglangDirectMixin:
 
         self._direct_seq += 1
         seq = self._direct_seq
-        rows = self._rows()
-        for r in rows:
-            r.zero_()
+        rows = self._rows()  # not cleared: a row counts only when it carries this call's seq
         _patch_reductions()  # CUDA tensors pickle with the device UUID, as SGLang's workers expect
         entries = [(sl.header(seq, plan), src), *((sl.RESULT, r) for r in rows)]
         res = self._call(
@@ -89,7 +95,10 @@ class SglangDirectMixin:
                     f"({'no answer' if s != seq else 'failed'}; the scheduler's log names the error)"
                 )
             sums.add(sl.unsigned(checksum))
-            self.__dict__.setdefault("direct_how", {})[plan.index] = how
+            hows = self.__dict__.setdefault("direct_how", {})
+            if hows.get(plan.index) != how:
+                log.info("bucket %d: written in SGLang's workers %s", plan.index, _HOW.get(how, how))
+            hows[plan.index] = how
         if len(sums) != 1:
             raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(sums)})")
         return sums.pop()

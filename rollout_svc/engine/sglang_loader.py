@@ -96,6 +96,7 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         h, plan = read_header(name)
         seq = int(h["seq"])
         checksum, how = write(model, h["key"], plan, bucket)
+        _hold(bucket)
         status = OK
     except Exception:  # noqa: BLE001 — reported to the rollout through `result`; raising would stop SGLang's scheduler
         log.exception("%s: the bucket was not loaded", LOADER)
@@ -207,6 +208,22 @@ class CopyTrace(TorchFunctionMode):
             self.fills += 1
         elif not self.foreign:
             self.foreign = f"SGLang's loader wrote a parameter with {name} from outside the bucket"
+
+
+#: the buckets of recent calls, kept mapped: the trainer pushes the same few buffers at every sync, and torch
+#: maps a CUDA IPC handle again (cudaIpcOpenMemHandle) unless a tensor on it is still alive in this process
+_HELD: dict[int, torch.Tensor] = {}
+HELD_BUFFERS = 64
+
+
+def _hold(bucket: torch.Tensor) -> None:
+    if not bucket.is_cuda:
+        return
+    key = bucket.untyped_storage().data_ptr()
+    _HELD.pop(key, None)
+    _HELD[key] = bucket
+    while len(_HELD) > HELD_BUFFERS:
+        _HELD.pop(next(iter(_HELD)))
 
 
 def _tp_rank() -> int:
