@@ -167,6 +167,11 @@ class Engine(ABC):
         live in other processes (SGLang's TP workers, rollout_svc/engine/sglang_direct.py)."""
         return None
 
+    def queue_bucket_summed(self, plan: BucketPlan, buf: torch.Tensor):
+        """As load_bucket_summed, for a bucket whose `buf` stays unchanged until the commit: the engine may
+        write it later (with others) and returns a PendingChecksum whose `wait` writes it; None: not queued."""
+        return None
+
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
         the bus buffer is also its checksum pass (weightsync/bus/verified_copy.py), or None: the

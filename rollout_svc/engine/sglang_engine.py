@@ -406,6 +406,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         """Before the first bucket of a sync: stop the scheduler, open SGLang's update session."""
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        self.drop_queued()  # buckets an aborted sync queued are never written
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
             self._call(
@@ -419,6 +420,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         """After the last bucket: close the session, flush the KV/radix cache, resume scheduling."""
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
+        self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
         self.flush_cache()

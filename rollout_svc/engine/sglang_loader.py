@@ -4,15 +4,16 @@ SGLang runs a function of ours in each TP worker when it is registered at start
 (`ServerArgs.custom_weight_loader`, a list of import paths) and named as the `load_format` of
 `update_weights_from_tensor`: the worker deserialises its rank's payload, moves each tensor to its GPU
 (a no-op for ours) and calls `load(model, named_tensors)` (0.5.10 `ModelRunner.update_weights_from_tensor`).
-The rollout (sglang_weights.py) sends, per rank, two entries:
+The rollout (sglang_direct.py) sends one or more buckets per call, the same entries to every rank:
 
-  (HEADER + json {"seq", "key", "index", "nbytes", "slots": [[name, shape, dtype, offset], ...]}, bucket)
+  (HEADER + json {"seq", "key", "index", "nbytes", "slots": [[name, shape, dtype, offset], ...]}, bucket), ...
   ("ws-result", result of TP rank 0), ("ws-result", result of TP rank 1), ...
 
 `bucket` is the bus buffer as uint8 (colocated: the trainer's own buffer, its CUDA IPC handle forwarded
 unopened, so nothing is copied in rollout-svc); `result` is a small int64 tensor of the rollout's that this
-function fills (its rank's): (seq, status, checksum, how). SGLang's hook returns nothing to the caller, and an exception
-would stop the scheduler, so the outcome and the checksum travel in `result`.
+function fills (its rank's), a row per bucket: (seq, status, the word sums of the checksum, how). SGLang's hook
+returns nothing to the caller, and an exception would stop the scheduler, so the outcome and the sums travel in
+`result`; the rollout adds the bucket's last bytes (weightsync/bus/checksum.py `from_sums`).
 
 The slot table. The first bucket of a layout (`key`) goes through SGLang's own `model.load_weights` while a
 torch function mode records every `copy_` it makes. Where each of the bucket's tensors went into exactly one
@@ -39,7 +40,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from weightsync.bus import dtypes
-from weightsync.bus.checksum import bucket_checksum
 from weightsync.bus.plan import BucketPlan, Slot, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,12 @@ log = logging.getLogger(__name__)
 LOADER = "rollout_svc.engine.sglang_loader.load"
 HEADER = "ws-bucket:"
 RESULT = "ws-result"
-#: result[1]
+#: a result row per bucket: (seq, status, word sum, word sum of squares, how)
+RESULT_WORDS = 5
+#: row[1]
 OK, FAILED = 1, 2
-#: result[3]: how the bucket was written
+#: row[4]: how the bucket was written
 BY_TABLE, BY_SGLANG, LEARNED = 1, 2, 3
-RESULT_WORDS = 4
 
 
 def header(seq: int, plan: BucketPlan) -> str:
@@ -86,26 +87,41 @@ class Table:
 def load(model: torch.nn.Module, named_tensors: list) -> None:
     """SGLang's custom-weight-loader hook (see the module docstring). Never raises: a failure is
     reported in the result tensor (and logged here), the rollout then aborts the sync."""
-    result = None
-    seq, status, checksum, how = 0, FAILED, 0, 0
-    try:
-        (name, bucket), *results = named_tensors
-        rname, result = results[_tp_rank() if len(results) > 1 else 0]
-        if rname != RESULT:
-            raise ValueError(f"{LOADER}: entries after the header must be {RESULT!r}, got {rname!r}")
-        h, plan = read_header(name)
-        seq = int(h["seq"])
-        checksum, how = write(model, h["key"], plan, bucket)
-        _hold(bucket)
-        status = OK
-    except Exception:  # noqa: BLE001 — reported to the rollout through `result`; raising would stop SGLang's scheduler
-        log.exception("%s: the bucket was not loaded", LOADER)
-    if result is not None:
-        _report(result, seq, status, checksum, how)
+    buckets = [(n, t) for n, t in named_tensors if isinstance(n, str) and n.startswith(HEADER)]
+    results = [t for n, t in named_tensors if n == RESULT]
+    if not results:
+        log.error("%s: no %r entry to report into; nothing loaded", LOADER, RESULT)
+        return
+    result = results[_tp_rank() if len(results) > 1 else 0].view(-1, RESULT_WORDS)
+    rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
+    sums: list[torch.Tensor | None] = []
+    for i, (name, bucket) in enumerate(buckets):
+        try:
+            h, plan = read_header(name)
+            rows[i, 0] = int(h["seq"])
+            got, rows[i, 4] = write(model, h["key"], plan, bucket)
+            _hold(bucket)
+            rows[i, 1] = OK
+            sums.append(got)
+        except Exception:  # noqa: BLE001 — reported through `result`; raising would stop SGLang's scheduler
+            log.exception("%s: bucket %d of this call was not loaded", LOADER, i)
+            rows[i, 1] = FAILED
+            break
+    if len(buckets) > result.shape[0]:
+        log.error("%s: %d buckets, room to report %d", LOADER, len(buckets), result.shape[0])
+        return
+    out = result[: len(buckets)]
+    out.copy_(rows)
+    for i, got in enumerate(sums):
+        out[i, 2:4].copy_(got.view(torch.int64))
+    if out.is_cuda:
+        # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
+        torch.cuda.current_stream(out.device).synchronize()
 
 
-def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tensor) -> tuple[int, int]:
-    """Load `plan`'s bucket from `bucket` into `model`: (the bucket's checksum, how it was written)."""
+def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Load `plan`'s bucket from `bucket` into `model`: (the word sums of the bucket's whole words, from
+    which with its last bytes the rollout makes the checksum; how it was written)."""
     from weightsync.bus.verified_copy import copy_into
 
     if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() < plan.nbytes:
@@ -119,13 +135,13 @@ def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tens
         tables[key] = table = learn(model, plan, bucket)
         if table.dests is None:
             log.warning("bucket layout %s: SGLang's loader keeps writing it (%s)", key, table.why)
-        return _bucket_checksum(bucket, plan), LEARNED
+        return _word_sums(bucket, plan), LEARNED
     if table.dests is not None:
-        ck = copy_into(plan, bucket, table.dests, wait=True)
-        if ck is not None:
-            return int(ck), BY_TABLE
+        pending = copy_into(plan, bucket, table.dests, wait=False)
+        if pending is not None:
+            return pending.sums, BY_TABLE
     model.load_weights(views(plan, bucket))
-    return _bucket_checksum(bucket, plan), BY_SGLANG
+    return _word_sums(bucket, plan), BY_SGLANG
 
 
 def views(plan: BucketPlan, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -232,18 +248,8 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def _bucket_checksum(bucket: torch.Tensor, plan: BucketPlan) -> int:
-    return int(bucket_checksum(bucket[: plan.nbytes]))
+def _word_sums(bucket: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
+    from weightsync.bus.checksum import word_sums
 
-
-def _report(result: torch.Tensor, seq: int, status: int, checksum: int, how: int) -> None:
-    signed = checksum - (1 << 64) if checksum >= 1 << 63 else checksum
-    row = torch.tensor([seq, status, signed, how], dtype=torch.int64)
-    result.view(-1)[:RESULT_WORDS].copy_(row)
-    if result.is_cuda:
-        # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
-        torch.cuda.current_stream(result.device).synchronize()
-
-
-def unsigned(word: int) -> int:
-    return word + (1 << 64) if word < 0 else word
+    whole = plan.nbytes - plan.nbytes % 4
+    return word_sums(bucket[:whole].view(torch.int32))

@@ -70,11 +70,14 @@ class InPlaceApply(ApplyStrategy):
             copied, deferred = (
                 self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
             )
-            if copied is None and checked and ours is None and p.dequantizer is None:
-                # an engine whose own copy is the checksum pass (SGLang's workers): checked after the write
-                copied = self.host.engine.load_bucket_summed(plan, buf)
-                if copied is not None:
-                    verify(plan.index, copied, sender_checksum)
+            if (
+                copied is None
+                and checked
+                and ours is None
+                and p.dequantizer is None
+                and not self._keeps_sums(p, plan, buf)
+            ):
+                copied, deferred = self._load_summed(p, plan, buf, sender_checksum, defer_check)
             if copied is None:
                 if checked and ours is None:
                     ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
@@ -131,6 +134,27 @@ class InPlaceApply(ApplyStrategy):
             p.defer(plan.index, copied, sender_checksum)
             return copied, True
         verify(plan.index, copied, sender_checksum)
+        return copied, False
+
+    def _keeps_sums(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor) -> bool:
+        """The delta base keeps this bucket's word sums (it reads them here, from the bucket)."""
+        return self._keeper(p, plan, buf) is not None
+
+    def _load_summed(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
+        """An engine whose own copy is the checksum pass (SGLang's workers): (its checksum, whether deferred),
+        checked after the write; (None, False) when it cannot take the bucket that way. A bucket the sender holds
+        until the commit may be queued and written with others when the commit reads its checksum."""
+        engine = self.host.engine
+        if defer_check:
+            pending = engine.queue_bucket_summed(plan, buf)
+            if pending is not None:
+                p.defer(plan.index, pending, sender_checksum)
+                return pending, True
+        copied = engine.load_bucket_summed(plan, buf)
+        if copied is not None:
+            verify(plan.index, copied, sender_checksum)
         return copied, False
 
     def _write_fp8(

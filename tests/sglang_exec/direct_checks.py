@@ -38,7 +38,8 @@ def direct_adapter(side: SglangSide):
     from tests.sglang_exec.exec_checks import adapter
 
     eng = adapter(side)
-    eng._direct_rows = [torch.zeros(4, dtype=torch.int64)]  # the result row, in shared CPU memory here
+    eng._direct_rows = [torch.zeros(16, 5, dtype=torch.int64)]  # the result rows, in shared CPU memory here
+    eng.direct_cpu = True
     return eng
 
 
@@ -50,7 +51,9 @@ def sync_twice(family: str) -> None:
     from rollout_svc.engine import sglang_loader as sl
     from tests.sglang_exec.exec_checks import _model, assert_model_holds, packed_buckets, trainer_export
     from weightsync.bus.checksum import bucket_checksum
+    from weightsync.bus.verified_copy import pending_values
 
+    calls = 0
     for seed, want in ((3, sl.LEARNED), (4, sl.BY_TABLE)):
         cfg, named = trainer_export(family, seed=seed)
         if seed == 3:
@@ -60,9 +63,17 @@ def sync_twice(family: str) -> None:
             eng = direct_adapter(side)
         ref = _model(cfg)
         ref_eng = direct_adapter(SglangSide(ref))
-        for plan, buf in packed_buckets(named):
-            got = eng._send_direct(plan, buf)
-            assert got == bucket_checksum(buf[: plan.nbytes]), f"bucket {plan.index}: reported checksum differs"
+        buckets = packed_buckets(named)
+        # the first bucket alone (as the transaction's first, checked before the write), the rest queued and
+        # written by one call when the first queued checksum is read (as at the commit)
+        got = [eng.load_bucket_summed(*buckets[0])]
+        queued = [eng.queue_bucket_summed(plan, buf) for plan, buf in buckets[1:]]
+        assert len(side.calls) == calls + 1, "a queued bucket was written before its checksum was read"
+        got += pending_values(queued)
+        calls = len(side.calls)
+        assert calls == (2 if seed == 3 else 4) - (len(buckets) == 1), f"{calls} SGLang calls for 2 syncs"
+        for (plan, buf), ck in zip(buckets, got):
+            assert ck == bucket_checksum(buf[: plan.nbytes]), f"bucket {plan.index}: reported checksum differs"
             assert eng.direct_how[plan.index] == want, (
                 f"bucket {plan.index} ({[s.meta.name for s in plan.slots][:4]}...): written by "
                 f"{eng.direct_how[plan.index]}, expected {want}; the worker's log says why"
@@ -88,7 +99,7 @@ def check_direct_failure_is_reported() -> None:
     eng = direct_adapter(side)
     plan, buf = packed_buckets(named)[0]
     try:
-        eng._send_direct(plan, buf[: plan.nbytes - 4])
+        eng.load_bucket_summed(plan, buf[: plan.nbytes - 4])
     except SglangUpdateError as exc:
         assert "TP rank 0 did not load it (failed" in str(exc), str(exc)
     else:
@@ -135,9 +146,8 @@ def check_direct_forwards_the_trainers_handle() -> None:
             opened[bytes(h.handle)] = buf
             mapped = buf[: plan.nbytes]
             with consuming(mapped, h):
-                src = eng._direct_source(SimpleNamespace(is_cuda=True, data_ptr=mapped.data_ptr, numel=mapped.numel))
-            assert type(src).__name__ == "_IpcTensor", f"the mapped bucket went as {type(src).__name__}"
-            eng._send_direct(plan, src)
+                assert type(eng._direct_source(mapped)).__name__ == "_IpcTensor", "the mapped bucket was not forwarded"
+                eng.load_bucket_summed(plan, mapped)
             assert eng.direct_how[plan.index] == sl.LEARNED
     finally:
         reductions._rebuild_cuda_tensor_original = real

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rollout_svc.engine import sglang_loader as sl
-from weightsync.bus.checksum import bucket_checksum
+from weightsync.bus.checksum import bucket_checksum, from_sums
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, plan_buckets
 
@@ -56,11 +56,14 @@ def _bucket(seed: int):
 
 
 def _send(model, seq, plan, buf):
-    result = torch.zeros(sl.RESULT_WORDS, dtype=torch.int64)
+    result = torch.zeros(1, sl.RESULT_WORDS, dtype=torch.int64)
     sl.load(model, [(sl.header(seq, plan), buf), (sl.RESULT, result)])
-    s, status, checksum, how = result.tolist()
+    s, status, s1, s2, how = result[0].tolist()
     assert s == seq and status == sl.OK, result
-    assert sl.unsigned(checksum) == bucket_checksum(buf[: plan.nbytes])
+    whole = plan.nbytes - plan.nbytes % 4
+    assert from_sums(torch.tensor([s1, s2]), buf[whole : plan.nbytes], plan.nbytes) == bucket_checksum(
+        buf[: plan.nbytes]
+    )
     return how
 
 
@@ -110,8 +113,9 @@ def test_layouts_the_table_cannot_replay_keep_the_models_loader():
 def test_a_failure_is_reported_in_the_result_not_raised():
     model = Toy()
     plan, buf, _ = _bucket(1)
-    result = torch.zeros(sl.RESULT_WORDS, dtype=torch.int64)
-    sl.load(model, [(sl.header(7, plan), buf[:16]), (sl.RESULT, result)])
-    assert result.tolist()[:2] == [7, sl.FAILED]
-    sl.load(model, [("not a header", buf), (sl.RESULT, result)])
-    assert result.tolist()[:2] == [0, sl.FAILED]
+    result = torch.zeros(2, sl.RESULT_WORDS, dtype=torch.int64)
+    sl.load(model, [(sl.header(7, plan), buf[:16]), (sl.header(7, plan), buf), (sl.RESULT, result)])
+    assert result[0].tolist()[:2] == [7, sl.FAILED]
+    assert result[1].tolist()[:2] == [0, 0], "a bucket after a failed one was written"
+    sl.load(model, [(sl.header(8, plan), buf), (sl.RESULT, result)])
+    assert result[0].tolist()[:2] == [8, sl.OK]
