@@ -351,7 +351,9 @@ def direct_lines(fleet, name: str) -> list[str]:
     each change: learning the slot table, then the table, or SGLang's loader where it has none)."""
     for p in fleet.procs:
         if p.name == name:
-            return [ln[-160:] for ln in p.log().splitlines() if "written in SGLang's workers" in ln][-12:]
+            lines = p.log().splitlines()
+            how = [ln[-160:] for ln in lines if "written in SGLang's workers" in ln][-12:]
+            return how + [ln[-400:] for ln in lines if "sglang apply timings" in ln][-8:]
     return []
 
 
@@ -372,6 +374,7 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             rec[key] = statistics.median(secs[1:])
             rec.setdefault("bytes", int(reports[0].get("bytes", 0)))
             rec.setdefault("num_buckets", reports[0].get("num_buckets"))
+            rec[key.replace("sync_s", "phase_s_last")] = reports[-1].get("phase_seconds")
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
         rec["bytes_per_rank"] = rec["bytes"]  # tp_size 1: the rank holds every byte
         st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())

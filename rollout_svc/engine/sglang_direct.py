@@ -19,7 +19,9 @@ reads their checksums (`PendingChecksum.wait`), or at `end_apply`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from typing import Any
 
 import torch
@@ -64,6 +66,16 @@ class SglangDirectMixin:
     _queued: list | None = None
     #: tests/sglang_exec: CPU buffers (and result rows) stand in for CUDA ones
     direct_cpu: bool = False
+
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Adds the block's wall time to `apply_ms[what]` (this sync's, begin_apply resets it)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            ms = self.__dict__.setdefault("apply_ms", {})
+            ms[what] = ms.get(what, 0.0) + (time.perf_counter() - t0) * 1e3
 
     def load_bucket_summed(self, plan, buf: torch.Tensor) -> int | None:
         """Load bucket `plan` (bytes in `buf`) through our loader in SGLang's workers and return the
@@ -133,15 +145,16 @@ class SglangDirectMixin:
         _patch_reductions()  # CUDA tensors pickle with the device UUID, as SGLang's workers expect
         entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
         entries += [(sl.RESULT, r) for r in rows]
-        res = self._call(
-            self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
-        )
+        with self.timed(f"calls_{len(items)}"):
+            res = self._call(
+                self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
+            )
         check_result(res, f"update_weights_from_tensor({sl.LOADER})")
         got = [r.tolist() for r in rows]
         for k, (plan, _, buf, pending) in enumerate(items):
             sums = set()
             for rank, table in enumerate(got):
-                s, status, s1, s2, how = table[k]
+                s, status, s1, s2, how, worker_ns = table[k]
                 if s != seq or status != sl.OK:
                     raise SglangUpdateError(
                         f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
@@ -155,6 +168,8 @@ class SglangDirectMixin:
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
             self._note_how(plan.index, how)
+        ms = self.__dict__.setdefault("apply_ms", {})
+        ms["worker"] = ms.get("worker", 0.0) + got[0][0][5] / 1e6
 
     def _note_how(self, index: int, how: int) -> None:
         hows = self.__dict__.setdefault("direct_how", {})

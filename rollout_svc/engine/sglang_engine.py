@@ -407,12 +407,14 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
         self.drop_queued()  # buckets an aborted sync queued are never written
+        self.apply_ms = {}
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
-            self._call(
-                self._sgl.loop.run_until_complete,
-                self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
-            )
+            with self.timed("pause"):
+                self._call(
+                    self._sgl.loop.run_until_complete,
+                    self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
+                )
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
 
@@ -423,12 +425,16 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
-        self.flush_cache()
+        with self.timed("flush_cache"):
+            self.flush_cache()
         if hasattr(self._sgl.tokenizer_manager, "continue_generation"):
-            self._call(
-                self._sgl.loop.run_until_complete,
-                self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()),
-            )
+            with self.timed("continue"):
+                self._call(
+                    self._sgl.loop.run_until_complete,
+                    self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()),
+                )
+        # where a sync's time goes in SGLang (bench/sglang_live.py records these lines)
+        log.warning("sglang apply timings (ms): %s", {k: round(v, 2) for k, v in self.apply_ms.items()})
 
     def close(self) -> None:
         try:

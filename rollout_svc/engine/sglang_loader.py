@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,8 @@ log = logging.getLogger(__name__)
 LOADER = "rollout_svc.engine.sglang_loader.load"
 HEADER = "ws-bucket:"
 RESULT = "ws-result"
-#: a result row per bucket: (seq, status, word sum, word sum of squares, how)
-RESULT_WORDS = 5
+#: a result row per bucket: (seq, status, word sum, word sum of squares, how, the call's time in the worker, ns)
+RESULT_WORDS = 6
 #: row[1]
 OK, FAILED = 1, 2
 #: row[4]: how the bucket was written
@@ -93,6 +94,7 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         log.error("%s: no %r entry to report into; nothing loaded", LOADER, RESULT)
         return
     result = results[_tp_rank() if len(results) > 1 else 0].view(-1, RESULT_WORDS)
+    t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
     sums: list[torch.Tensor | None] = []
     for i, (name, bucket) in enumerate(buckets):
@@ -116,6 +118,8 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         out[i, 2:4].copy_(got.view(torch.int64))
     if out.is_cuda:
         # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
+        torch.cuda.current_stream(out.device).synchronize()
+        out[:, 5].fill_(time.perf_counter_ns() - t0)
         torch.cuda.current_stream(out.device).synchronize()
 
 

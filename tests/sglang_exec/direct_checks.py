@@ -38,7 +38,7 @@ def direct_adapter(side: SglangSide):
     from tests.sglang_exec.exec_checks import adapter
 
     eng = adapter(side)
-    eng._direct_rows = [torch.zeros(16, 5, dtype=torch.int64)]  # the result rows, in shared CPU memory here
+    eng._direct_rows = [torch.zeros(16, 6, dtype=torch.int64)]  # the result rows, in shared CPU memory here
     eng.direct_cpu = True
     return eng
 
