@@ -96,26 +96,41 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     result = results[_tp_rank() if len(results) > 1 else 0].view(-1, RESULT_WORDS)
     t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
-    sums: list[torch.Tensor | None] = []
+    sums: list[torch.Tensor | None] = [None] * len(buckets)
+    batch: list[tuple[int, BucketPlan, torch.Tensor, list[torch.Tensor]]] = []
     for i, (name, bucket) in enumerate(buckets):
         try:
             h, plan = read_header(name)
             rows[i, 0] = int(h["seq"])
-            got, rows[i, 4] = write(model, h["key"], plan, bucket)
+            table = _table(model, h["key"], plan, bucket)
+            if table is None:  # learnt now: SGLang's loader wrote it
+                sums[i], rows[i, 4] = _word_sums(bucket, plan), LEARNED
+            elif table.dests is None:
+                model.load_weights(views(plan, bucket))
+                sums[i], rows[i, 4] = _word_sums(bucket, plan), BY_SGLANG
+            else:
+                batch.append((i, plan, bucket, table.dests))
             _hold(bucket)
             rows[i, 1] = OK
-            sums.append(got)
         except Exception:  # noqa: BLE001 — reported through `result`; raising would stop SGLang's scheduler
             log.exception("%s: bucket %d of this call was not loaded", LOADER, i)
             rows[i, 1] = FAILED
             break
+    try:
+        written = _write_batch(model, batch, rows, sums)
+    except Exception:  # noqa: BLE001 — as above
+        log.exception("%s: the slot tables' copy failed", LOADER)
+        written = False
+    if not written:
+        rows[[i for i, *_ in batch], 1] = FAILED
     if len(buckets) > result.shape[0]:
         log.error("%s: %d buckets, room to report %d", LOADER, len(buckets), result.shape[0])
         return
     out = result[: len(buckets)]
     out.copy_(rows)
     for i, got in enumerate(sums):
-        out[i, 2:4].copy_(got.view(torch.int64))
+        if got is not None and rows[i, 1] == OK:
+            out[i, 2:4].copy_(got.view(torch.int64))
     if out.is_cuda:
         # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
         torch.cuda.current_stream(out.device).synchronize()
@@ -123,11 +138,8 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         torch.cuda.current_stream(out.device).synchronize()
 
 
-def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Load `plan`'s bucket from `bucket` into `model`: (the word sums of the bucket's whole words, from
-    which with its last bytes the rollout makes the checksum; how it was written)."""
-    from weightsync.bus.verified_copy import copy_into
-
+def _table(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tensor) -> Table | None:
+    """The slot table of layout `key`; None when it was unknown: learnt now, the bucket written by SGLang's loader."""
     if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() < plan.nbytes:
         raise ValueError(
             f"bucket {plan.index}: expected a flat uint8 buffer of at least {plan.nbytes} bytes, "
@@ -139,13 +151,26 @@ def write(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Tens
         tables[key] = table = learn(model, plan, bucket)
         if table.dests is None:
             log.warning("bucket layout %s: SGLang's loader keeps writing it (%s)", key, table.why)
-        return _word_sums(bucket, plan), LEARNED
-    if table.dests is not None:
-        pending = copy_into(plan, bucket, table.dests, wait=False)
-        if pending is not None:
-            return pending.sums, BY_TABLE
-    model.load_weights(views(plan, bucket))
-    return _word_sums(bucket, plan), BY_SGLANG
+        return None
+    return table
+
+
+def _write_batch(model: torch.nn.Module, batch: list, rows: torch.Tensor, sums: list) -> bool:
+    """Write the buckets of `batch` [(row, plan, bucket, dests)] by their slot tables: queued back to back on
+    the current stream (weightsync/bus/verified_copy.py `copy_all_into`, the built-in engine's trainer_writes
+    copy); False when the copy declined them (nothing written)."""
+    from weightsync.bus.verified_copy import copy_all_into
+
+    if not batch:
+        return True
+    prepared = model.__dict__.setdefault("_ws_prepared", {})
+    pending = copy_all_into([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch], prepared=prepared)
+    if pending is None:
+        log.error("%s: the copy declined the slot tables' destinations; nothing written", LOADER)
+        return False
+    for (i, *_), p in zip(batch, pending):
+        sums[i], rows[i, 4] = p.sums, BY_TABLE
+    return True
 
 
 def views(plan: BucketPlan, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

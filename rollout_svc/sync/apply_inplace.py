@@ -70,13 +70,7 @@ class InPlaceApply(ApplyStrategy):
             copied, deferred = (
                 self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
             )
-            if (
-                copied is None
-                and checked
-                and ours is None
-                and p.dequantizer is None
-                and not self._keeps_sums(p, plan, buf)
-            ):
+            if copied is None and checked and ours is None and p.dequantizer is None:
                 copied, deferred = self._load_summed(p, plan, buf, sender_checksum, defer_check)
             if copied is None:
                 if checked and ours is None:
@@ -136,16 +130,13 @@ class InPlaceApply(ApplyStrategy):
         verify(plan.index, copied, sender_checksum)
         return copied, False
 
-    def _keeps_sums(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor) -> bool:
-        """The delta base keeps this bucket's word sums (it reads them here, from the bucket)."""
-        return self._keeper(p, plan, buf) is not None
-
     def _load_summed(
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
     ) -> tuple[object, bool]:
         """An engine whose own copy is the checksum pass (SGLang's workers): (its checksum, whether deferred),
         checked after the write; (None, False) when it cannot take the bucket that way. A bucket the sender holds
-        until the commit may be queued and written with others when the commit reads its checksum."""
+        until the commit may be queued and written with others when the commit reads its checksum. The delta
+        base keeps no word sums of such a bucket: a later delta onto it is checked in full."""
         engine = self.host.engine
         if defer_check:
             pending = engine.queue_bucket_summed(plan, buf)
