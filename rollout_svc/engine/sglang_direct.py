@@ -74,8 +74,11 @@ class SglangDirectMixin:
         try:
             yield
         finally:
-            ms = self.__dict__.setdefault("apply_ms", {})
-            ms[what] = ms.get(what, 0.0) + (time.perf_counter() - t0) * 1e3
+            self._add_ms(what, (time.perf_counter() - t0) * 1e3)
+
+    def _add_ms(self, what: str, ms: float) -> None:
+        acc = self.__dict__.setdefault("apply_ms", {})
+        acc[what] = acc.get(what, 0.0) + ms
 
     def load_bucket_summed(self, plan, buf: torch.Tensor) -> int | None:
         """Load bucket `plan` (bytes in `buf`) through our loader in SGLang's workers and return the
@@ -168,8 +171,7 @@ class SglangDirectMixin:
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
             self._note_how(plan.index, how)
-        ms = self.__dict__.setdefault("apply_ms", {})
-        ms["worker"] = ms.get("worker", 0.0) + got[0][0][5] / 1e6
+        self._add_ms("worker", got[0][0][5] / 1e6)
 
     def _note_how(self, index: int, how: int) -> None:
         hows = self.__dict__.setdefault("direct_how", {})

@@ -6,7 +6,7 @@ SGLang runs a function of ours in each TP worker when it is registered at start
 (a no-op for ours) and calls `load(model, named_tensors)` (0.5.10 `ModelRunner.update_weights_from_tensor`).
 The rollout (sglang_direct.py) sends one or more buckets per call, the same entries to every rank:
 
-  (HEADER + json {"seq", "key", "index", "nbytes", "slots": [[name, shape, dtype, offset], ...]}, bucket), ...
+  (HEADER + json [seq, layout key, bucket index, nbytes, [[name, shape, dtype, offset], ...]], bucket), ...
   ("ws-result", result of TP rank 0), ("ws-result", result of TP rank 1), ...
 
 `bucket` is the bus buffer as uint8 (colocated: the trainer's own buffer, its CUDA IPC handle forwarded
@@ -62,18 +62,19 @@ def header(seq: int, plan: BucketPlan) -> str:
     slots = [[s.meta.name, list(s.meta.shape), dtypes.to_wire(s.meta.dtype), s.offset] for s in plan.slots]
     text = json.dumps(slots, separators=(",", ":"))
     key = hashlib.sha1(f"{plan.nbytes}:{text}".encode()).hexdigest()[:20]
-    return HEADER + json.dumps({"seq": seq, "key": key, "index": plan.index, "nbytes": plan.nbytes, "slots": slots})
+    return HEADER + json.dumps([seq, key, plan.index, plan.nbytes, slots], separators=(",", ":"))
 
 
-def read_header(name: str) -> tuple[dict, BucketPlan]:
+def read_header(name: str) -> tuple[int, str, BucketPlan]:
+    """(seq, layout key, the bucket's plan) from `header`'s text."""
     if not name.startswith(HEADER):
         raise ValueError(f"{LOADER}: the first entry must be the bucket header ({HEADER}...), got {name[:40]!r}")
-    h = json.loads(name[len(HEADER) :])
-    plan = BucketPlan(index=int(h["index"]))
-    for n, shape, dt, off in h["slots"]:
+    seq, key, index, nbytes, slots = json.loads(name[len(HEADER) :])
+    plan = BucketPlan(index=int(index))
+    for n, shape, dt, off in slots:
         plan.slots.append(Slot(TensorMeta(n, tuple(shape), dtypes.from_wire(dt)), int(off)))
-    plan.nbytes = int(h["nbytes"])
-    return h, plan
+    plan.nbytes = int(nbytes)
+    return int(seq), str(key), plan
 
 
 @dataclass
@@ -100,9 +101,9 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     batch: list[tuple[int, BucketPlan, torch.Tensor, list[torch.Tensor]]] = []
     for i, (name, bucket) in enumerate(buckets):
         try:
-            h, plan = read_header(name)
-            rows[i, 0] = int(h["seq"])
-            table = _table(model, h["key"], plan, bucket)
+            seq, key, plan = read_header(name)
+            rows[i, 0] = seq
+            table = _table(model, key, plan, bucket)
             if table is None:  # learnt now: SGLang's loader wrote it
                 sums[i], rows[i, 4] = _word_sums(bucket, plan), LEARNED
             elif table.dests is None:
@@ -272,7 +273,7 @@ def _hold(bucket: torch.Tensor) -> None:
 
 
 def _tp_rank() -> int:
-    from sglang.srt.distributed import get_tensor_model_parallel_rank
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
 
