@@ -346,9 +346,20 @@ def concurrency_run(res: dict, stubs: dict, prompts, clients: int, tokens: int) 
             rec["error"] = repr(exc)[:3000]
 
 
+def direct_lines(fleet, name: str) -> list[str]:
+    """How rollout `name`'s buckets were written in SGLang's workers (rollout_svc/engine/sglang_direct.py logs
+    each change: learning the slot table, then the table, or SGLang's loader where it has none)."""
+    for p in fleet.procs:
+        if p.name == name:
+            lines = p.log().splitlines()
+            how = [ln[-160:] for ln in lines if "written in SGLang's workers" in ln][-12:]
+            return how + [ln[-400:] for ln in lines if "sglang apply timings" in ln][-8:]
+    return []
+
+
 def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float) -> None:
     """Colocated IPC sync time into SGLang and the built-in engine at `model`'s shape (random weights)."""
-    rec = {"model": model, "transport": "ipc", "trainer_backend": "megatron", "weights": "random"}
+    rec = {"model": model, "transport": "ipc", "tp_size": 1, "trainer_backend": "megatron", "weights": "random"}
     res.setdefault("timing_runs", []).append(rec)
     fleet = None
     try:
@@ -363,9 +374,12 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             rec[key] = statistics.median(secs[1:])
             rec.setdefault("bytes", int(reports[0].get("bytes", 0)))
             rec.setdefault("num_buckets", reports[0].get("num_buckets"))
+            rec[key.replace("sync_s", "phase_s_last")] = reports[-1].get("phase_seconds")
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
+        rec["bytes_per_rank"] = rec["bytes"]  # tp_size 1: the rank holds every byte
         st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())
         rec["rollouts_on_version"] = st.version == int(reports[-1]["version"])
+        rec["direct_how"] = direct_lines(fleet, "s0")
     except Exception as exc:  # noqa: BLE001 — recorded
         traceback.print_exc()
         rec["error"] = repr(exc)[:3000]
@@ -436,6 +450,7 @@ def main() -> int:
                 load = functools.partial(save_random_hf, init_model, work / f"load-{tr}", 10 + i)
             try:
                 run_transport(rec, fleet.trainer, fleet.tstub, fleet.stubs, work, prompts, args.reps, load)
+                rec["direct_how"] = direct_lines(fleet, TARGETS[tr][0])
             except Exception as exc:  # noqa: BLE001 — recorded; the next transport still runs
                 traceback.print_exc()
                 rec["error"] = repr(exc)[:3000]
@@ -466,7 +481,7 @@ def main() -> int:
         keys_c = ("rollout", "clients", "speedup", "concurrent_tokens_per_s", "same_tokens", "error")
         print({k: r.get(k) for k in keys_c})
     for r in res.get("timing_runs", []):
-        print({k: r.get(k) for k in ("model", "transport", "sync_s", "builtin_sync_s", "bytes", "error")})
+        print({k: r.get(k) for k in ("model", "transport", "sync_s", "builtin_sync_s", "bytes", "error", "direct_how")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
 

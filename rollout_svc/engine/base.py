@@ -160,6 +160,18 @@ class Engine(ABC):
         the engine can take neither (it serves a checkpoint quantized another way)."""
         return False
 
+    def load_bucket_summed(self, plan: BucketPlan, buf: torch.Tensor) -> int | None:
+        """Load bucket `plan` (bytes in `buf`) as load_bucket does and return the checksum of the bytes the
+        engine's own copy read (its checksum pass), or None, with nothing loaded, where it cannot: the
+        transaction then checksums the bucket itself and calls load_bucket. For an engine whose weights
+        live in other processes (SGLang's TP workers, rollout_svc/engine/sglang_direct.py)."""
+        return None
+
+    def queue_bucket_summed(self, plan: BucketPlan, buf: torch.Tensor):
+        """As load_bucket_summed, for a bucket whose `buf` stays unchanged until the commit: the engine may
+        write it later (with others) and returns a PendingChecksum whose `wait` writes it; None: not queued."""
+        return None
+
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
         the bus buffer is also its checksum pass (weightsync/bus/copy/verified_copy.py), or None: the

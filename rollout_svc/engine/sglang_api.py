@@ -84,9 +84,12 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "disable_radix_cache",
             "enable_deterministic_inference",
             "incremental_streaming_output",
+            "custom_weight_loader",
         ),
-        why="Engine(**kwargs) builds ServerArgs(**kwargs); incremental_streaming_output=False (its default in "
-        "0.5.10 and 0.5.23) keeps streamed items cumulative",
+        why="Engine(**kwargs) builds ServerArgs(**kwargs); custom_weight_loader: update_weights_from_tensor runs "
+        "dynamic_import(load_format)(model, named_tensors) in each TP worker when load_format is listed there (0.5.10 "
+        "ModelRunner, 0.5.23 WeightUpdater; executed in tests/sglang_exec); incremental_streaming_output=False "
+        "(its default in 0.5.10 and 0.5.23) keeps streamed items cumulative",
     ),
     "Engine.shutdown": ApiUse("method", _ENGINE, "Engine", "shutdown"),
     "Engine.loop": ApiUse(
@@ -295,6 +298,14 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         "process's value afterwards (sglang_engine.HOST_ENV_RESTORED) so rollout-svc's NCCL transport agrees "
         "with the trainer's",
     ),
+    # ---- our loader inside SGLang's TP workers (sglang_loader.py) -------------------------
+    "get_tensor_model_parallel_rank": ApiUse(
+        "function",
+        "sglang.srt.distributed.parallel_state",
+        "",
+        "get_tensor_model_parallel_rank",
+        why="the loader picks its rank's result row",
+    ),
     # 0.5.2x: a weight-update session that restores / re-packs weights SGLang keeps in a kernel
     # layout (quantised). Absent in 0.5.10; used when present.
     "Engine.begin_weight_update": ApiUse("method", _ENGINE, "Engine", "begin_weight_update", optional=True),
@@ -310,4 +321,5 @@ SGLANG_IMPORTS: dict[tuple[str, str], str] = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): "FlattenedTensorMetadata",
     ("sglang.srt.utils", "MultiprocessingSerializer"): "MultiprocessingSerializer.serialize",
     ("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"): "monkey_patch_torch_reductions",
+    ("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_rank"): "get_tensor_model_parallel_rank",
 }

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
+from rollout_svc.engine.sglang_direct import SglangDirectMixin
 from rollout_svc.engine.sglang_loop import LoopThread
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
@@ -63,6 +64,8 @@ class SglangOptions:
     disable_radix_cache: bool = False
     trust_remote_code: bool = False
     log_level: str = "error"
+    #: register our loader in SGLang's workers (sglang_loader.py) and send CUDA buckets through it
+    direct_loader: bool = True
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -154,7 +157,7 @@ def drive_loop(sgl) -> LoopThread:
     return sgl.loop
 
 
-class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
+class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Engine):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -171,7 +174,13 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
     def _start(o: SglangOptions):
         from sglang.srt.entrypoints.engine import Engine
 
+        from rollout_svc.engine.sglang_loader import LOADER
+
         kept = {k: os.environ.get(k) for k in HOST_ENV_RESTORED}
+        extra = dict(o.extra)
+        loaders = list(extra.pop("custom_weight_loader", None) or [])
+        if o.direct_loader and LOADER not in loaders:
+            loaders.append(LOADER)
         try:
             # skip_tokenizer_init: prompts and outputs are token ids; no detokenisation cost.
             return Engine(
@@ -190,7 +199,9 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
                 # streamed items hold every token so far, in both versions (sglang_stream.py)
                 incremental_streaming_output=False,
                 log_level=o.log_level,
-                **dict(o.extra),
+                # functions SGLang's TP workers may run as a load_format (ours: sglang_loader.load)
+                custom_weight_loader=loaders or None,
+                **extra,
             )
         finally:
             # SGLang's schedulers were spawned with SGLang's values; this process keeps its own
@@ -395,12 +406,15 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
         """Before the first bucket of a sync: stop the scheduler, open SGLang's update session."""
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        self.drop_queued()  # buckets an aborted sync queued are never written
+        self.apply_ms = {}
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
-            self._call(
-                self._sgl.loop.run_until_complete,
-                self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
-            )
+            with self.timed("pause"):
+                self._call(
+                    self._sgl.loop.run_until_complete,
+                    self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
+                )
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
 
@@ -408,14 +422,19 @@ class SglangEngine(SglangStreamMixin, SglangWeightsMixin, Engine):
         """After the last bucket: close the session, flush the KV/radix cache, resume scheduling."""
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
+        self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
-        self.flush_cache()
+        with self.timed("flush_cache"):
+            self.flush_cache()
         if hasattr(self._sgl.tokenizer_manager, "continue_generation"):
-            self._call(
-                self._sgl.loop.run_until_complete,
-                self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()),
-            )
+            with self.timed("continue"):
+                self._call(
+                    self._sgl.loop.run_until_complete,
+                    self._sgl.tokenizer_manager.continue_generation(ContinueGenerationReqInput()),
+                )
+        # where a sync's time goes in SGLang (bench/sglang_live.py records these lines)
+        log.warning("sglang apply timings (ms): %s", {k: round(v, 2) for k, v in self.apply_ms.items()})
 
     def close(self) -> None:
         try:

@@ -182,6 +182,7 @@ class SglangWeightsMixin:
     tp_size: int
     _call: Any
     _update_group: str = ""  # the SGLang weight-update group joined, "" for none
+    load_bucket_summed: Any  # sglang_direct.SglangDirectMixin
 
     # ---- path 1: tensors held by rollout-svc --------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -201,6 +202,8 @@ class SglangWeightsMixin:
             from weightsync.bus.pack import unpack_bucket
 
             self.load_weights(unpack_bucket(plan, buf))
+            return
+        if self.load_bucket_summed(plan, buf) is not None:  # our loader in SGLang's workers (sglang_direct.py)
             return
         self._send_flattened(self.bucket_payloads(plan, buf))
 

@@ -12,6 +12,10 @@ A block-FP8 bucket for an engine that dequantizes goes the same way where the en
 parameters: one launch dequantizes it into them and sums what it reads (fp8_fused_write.py), checked
 after the write as above.
 
+An engine whose weights live in other processes may load a bucket with a copy of its own that is also the
+checksum pass (`load_bucket_summed`: SGLang's TP workers, rollout_svc/engine/sglang_direct.py); that
+bucket too is checked after the write.
+
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
 base copy's word sums; where the engine holds exactly the base copy's bytes, only the words the
 delta changed are then written (sparse_write.py), and otherwise the whole bucket as above.
@@ -66,6 +70,8 @@ class InPlaceApply(ApplyStrategy):
             copied, deferred = (
                 self._write_direct(p, plan, buf, sender_checksum, defer_check) if checked else (None, False)
             )
+            if copied is None and checked and ours is None and p.dequantizer is None:
+                copied, deferred = self._load_summed(p, plan, buf, sender_checksum, defer_check)
             if copied is None:
                 if checked and ours is None:
                     ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
@@ -122,6 +128,24 @@ class InPlaceApply(ApplyStrategy):
             p.defer(plan.index, copied, sender_checksum)
             return copied, True
         verify(plan.index, copied, sender_checksum)
+        return copied, False
+
+    def _load_summed(
+        self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool
+    ) -> tuple[object, bool]:
+        """An engine whose own copy is the checksum pass (SGLang's workers): (its checksum, whether deferred),
+        checked after the write; (None, False) when it cannot take the bucket that way. A bucket the sender holds
+        until the commit may be queued and written with others when the commit reads its checksum. The delta
+        base keeps no word sums of such a bucket: a later delta onto it is checked in full."""
+        engine = self.host.engine
+        if defer_check:
+            pending = engine.queue_bucket_summed(plan, buf)
+            if pending is not None:
+                p.defer(plan.index, pending, sender_checksum)
+                return pending, True
+        copied = engine.load_bucket_summed(plan, buf)
+        if copied is not None:
+            verify(plan.index, copied, sender_checksum)
         return copied, False
 
     def _write_fp8(

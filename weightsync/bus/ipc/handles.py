@@ -12,6 +12,7 @@ handle names the GPU by UUID and the receiver maps it back to its own index.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Callable, Iterator
 
@@ -111,6 +112,30 @@ class HandleCache:
 
     def clear(self) -> None:
         self._cached.clear()
+
+
+#: (address, handle) of the mapped bucket this thread is consuming (`consuming`)
+_SOURCE: contextvars.ContextVar[tuple[int, bus_pb2.CudaIpcHandle] | None] = contextvars.ContextVar(
+    "ws_ipc_source", default=None
+)
+
+
+@contextlib.contextmanager
+def consuming(buf: torch.Tensor, h: bus_pb2.CudaIpcHandle) -> Iterator[None]:
+    """While the block runs, `source_handle(buf)` is `h`: an engine whose weights live in other processes
+    (SGLang's TP workers) forwards the trainer's handle to them instead of copying the mapped bucket, which
+    torch cannot share again."""
+    token = _SOURCE.set((buf.data_ptr(), h))
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
+def source_handle(buf: torch.Tensor) -> bus_pb2.CudaIpcHandle | None:
+    """The CUDA IPC handle `buf` was mapped from, if this thread is consuming it (`consuming`)."""
+    cur = _SOURCE.get()
+    return cur[1] if cur is not None and cur[0] == buf.data_ptr() else None
 
 
 def open_mapping(h: bus_pb2.CudaIpcHandle) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from weightsync.bus.errors import SyncError
 from weightsync.bus.gpu import require_cuda, uuid_of
+from weightsync.bus.ipc.handles import consuming
 from weightsync.bus.rollout_end import RolloutEnd
 from weightsync.v1 import bus_pb2, rollout_pb2
 
@@ -182,12 +183,13 @@ class IpcReceiver(RolloutEnd):
         # acknowledgement: the copy is queued and its checksum read at commit (consume_bucket).
         held = request.held_until_commit
         if buf.device.type != "cuda":  # (CPU tests stand in for the mapping)
-            self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None, defer_check=held)
+            with consuming(buf, request.ipc):
+                self.tx.consume_bucket(request.sync_id, request.index, buf, request.checksum or None, defer_check=held)
             return
         side = self._side_stream(buf.device)
         # after whatever this process queued on its stream (generation used the weights there)
         side.wait_stream(torch.cuda.current_stream(buf.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), consuming(buf, request.ipc):
             deferred = self.tx.consume_bucket(
                 request.sync_id, request.index, buf, request.checksum or None, defer_check=held
             )

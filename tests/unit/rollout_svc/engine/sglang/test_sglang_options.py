@@ -40,6 +40,7 @@ class _ServerArgs:
     disable_radix_cache: bool = False
     enable_deterministic_inference: bool = False
     incremental_streaming_output: bool = False
+    custom_weight_loader: list[str] | None = None
 
 
 class _Engine:
@@ -135,6 +136,8 @@ def test_options_reach_sglangs_engine(fake_sglang, model_dir):
     assert kwargs["skip_tokenizer_init"] is True
     assert kwargs["incremental_streaming_output"] is False  # streamed items stay cumulative (sglang_stream.py)
     assert engine.opts.colocated  # the adapter's own reading of enable_memory_saver (release/resume memory)
+    # our loader is registered in SGLang's workers (sglang_loader.py): CUDA buckets are written through it
+    assert kwargs["custom_weight_loader"] == ["rollout_svc.engine.sglang_loader.load"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,181 @@
+"""The rollout's side of our loader in SGLang's TP workers (sglang_loader.py): buckets handed over unopened.
+
+A CUDA bucket goes to SGLang as `update_weights_from_tensor(load_format=sglang_loader.LOADER)`: SGLang's
+Engine pickles the same entries for every TP rank, and each rank's worker runs `sglang_loader.load`. The
+bucket itself travels as a CUDA IPC handle: colocated, the trainer's own handle, forwarded unopened
+(`weightsync.bus.ipc.handles.source_handle`: torch refuses to share a storage it imported, which made the
+old path copy every bucket into a staging buffer first); a buffer of rollout-svc's own (TCP or NCCL received
+into CUDA) is shared as it is. Each rank writes a row per bucket (seq, status, word sums, how) into `result`,
+a small tensor of ours on its GPU, before SGLang replies; the sums are those of the words the rank's loader
+read from the bucket as it wrote them into SGLang's parameters (once the layout's slot table is learnt), so
+the transaction checks the bucket after the write (rollout_svc/sync/apply_inplace.py), as for the built-in
+engine's direct write.
+
+Each call costs a round trip through SGLang's tokenizer manager and scheduler (milliseconds, whatever the
+bucket's size), so buckets the trainer holds unchanged until the commit (its own parameter storage,
+`held_until_commit`) are queued (`queue_bucket_summed`) and all written by one call when the commit first
+reads their checksums (`PendingChecksum.wait`), or at `end_apply`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rollout_svc.engine import sglang_loader as sl
+from weightsync.bus.errors import SyncError
+from weightsync.bus.verified_copy import PendingChecksum
+
+log = logging.getLogger(__name__)
+_HOW = {
+    sl.BY_TABLE: "by the slot table (one copy-and-checksum launch)",
+    sl.BY_SGLANG: "by SGLang's loader (the layout has no slot table; the worker's log says why)",
+    sl.LEARNED: "by SGLang's loader while learning the slot table",
+}
+
+
+class _Queued(PendingChecksum):
+    """A queued bucket's checksum: reading it writes every queued bucket first (one SGLang call)."""
+
+    def __init__(self, owner: SglangDirectMixin):
+        super().__init__(torch.zeros(2, dtype=torch.int64), torch.empty(0, dtype=torch.uint8), 0)
+        self._owner, self.done = owner, False
+
+    def wait(self) -> None:
+        if not self.done:
+            try:
+                self._owner.flush_queued()
+            except RuntimeError as exc:  # the commit aborts the sync on a SyncError
+                raise SyncError(f"writing the queued buckets into SGLang failed: {exc}", "INTERNAL") from exc
+
+
+class SglangDirectMixin:
+    """Expects `self._sgl`, `self.tp_size`, `self._call`, `self.opts` (SglangOptions: `base_gpu_id`,
+    `direct_loader`)."""
+
+    _sgl: Any
+    tp_size: int
+    _call: Any
+    opts: Any
+    _direct_seq: int = 0
+    _direct_rows: list[torch.Tensor] | None = None
+    _queued: list | None = None
+    #: tests/sglang_exec: CPU buffers (and result rows) stand in for CUDA ones
+    direct_cpu: bool = False
+
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Adds the block's wall time to `apply_ms[what]` (this sync's, begin_apply resets it)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add_ms(what, (time.perf_counter() - t0) * 1e3)
+
+    def _add_ms(self, what: str, ms: float) -> None:
+        acc = self.__dict__.setdefault("apply_ms", {})
+        acc[what] = acc.get(what, 0.0) + ms
+
+    def load_bucket_summed(self, plan, buf: torch.Tensor) -> int | None:
+        """Load bucket `plan` (bytes in `buf`) through our loader in SGLang's workers and return the
+        checksum of what they read; None (nothing loaded) when this engine cannot take it that way."""
+        src = self._direct_source(buf)
+        if src is None:
+            return None
+        item = (plan, src, buf, _Queued(self))
+        self._send_direct([item])
+        return item[3].value()
+
+    def queue_bucket_summed(self, plan, buf: torch.Tensor) -> PendingChecksum | None:
+        """As load_bucket_summed for a bucket whose buffer stays unchanged until the commit: written later, with
+        every other queued bucket, by one call; the returned checksum's `wait` writes them. None: not queued."""
+        src = self._direct_source(buf)
+        if src is None:
+            return None
+        item = (plan, src, buf, _Queued(self))
+        if self._queued is None:
+            self._queued = []
+        self._queued.append(item)
+        return item[3]
+
+    def flush_queued(self) -> None:
+        """Write every queued bucket now (one SGLang call)."""
+        items, self._queued = self._queued or [], None
+        if items:
+            self._send_direct(items)
+
+    def drop_queued(self) -> None:
+        """Forget the buckets of a sync that ended without them (aborted): they are never written."""
+        self._queued = None
+
+    def _direct_source(self, buf: torch.Tensor):
+        """What to pickle for the bucket in `buf`, or None (not a CUDA bucket, or the loader is off)."""
+        if not getattr(self.opts, "direct_loader", False) or not (buf.is_cuda or self.direct_cpu):
+            return None
+        from weightsync.bus.ipc.handles import source_handle
+
+        h = source_handle(buf)
+        if h is not None:
+            from rollout_svc.engine.sglang_weights import _IpcTensor
+
+            return _IpcTensor(h, buf.numel())
+        return buf
+
+    def _rows(self, n: int) -> list[torch.Tensor]:
+        rows = self._direct_rows
+        if rows is None or rows[0].shape[0] < n:
+            base = int(self.opts.base_gpu_id)
+            # per rank, on the rank's GPU: SGLang moves every entry to the worker's device first
+            rows = [
+                torch.zeros(max(n, 16), sl.RESULT_WORDS, dtype=torch.int64, device=f"cuda:{base + r}")
+                for r in range(self.tp_size)
+            ]
+            self._direct_rows = rows
+        return [r[:n] for r in rows]
+
+    def _send_direct(self, items: list) -> None:
+        """One SGLang call for `items` [(plan, what to pickle, the bucket's buffer here, its _Queued)]; fills each
+        _Queued with the workers' sums and the bucket's last bytes."""
+        from rollout_svc.engine.sglang_weights import SglangUpdateError, _patch_reductions, check_result
+
+        self._direct_seq += 1
+        seq = self._direct_seq
+        rows = self._rows(len(items))  # not cleared: a row counts only when it carries this call's seq
+        _patch_reductions()  # CUDA tensors pickle with the device UUID, as SGLang's workers expect
+        entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
+        entries += [(sl.RESULT, r) for r in rows]
+        with self.timed(f"calls_{len(items)}"):
+            res = self._call(
+                self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
+            )
+        check_result(res, f"update_weights_from_tensor({sl.LOADER})")
+        got = [r.tolist() for r in rows]
+        for k, (plan, _, buf, pending) in enumerate(items):
+            sums = set()
+            for rank, table in enumerate(got):
+                s, status, s1, s2, how, worker_ns = table[k]
+                if s != seq or status != sl.OK:
+                    raise SglangUpdateError(
+                        f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
+                        f"({'no answer' if s != seq else 'failed'}; the scheduler's log names the error)"
+                    )
+                sums.add((s1, s2))
+            if len(sums) != 1:
+                raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(sums)})")
+            whole = plan.nbytes - plan.nbytes % 4
+            pending.sums = torch.tensor(sums.pop(), dtype=torch.int64)
+            pending.tail = buf[whole : plan.nbytes].cpu()
+            pending.nbytes, pending.done = plan.nbytes, True
+            self._note_how(plan.index, how)
+        self._add_ms("worker", got[0][0][5] / 1e6)
+
+    def _note_how(self, index: int, how: int) -> None:
+        hows = self.__dict__.setdefault("direct_how", {})
+        if hows.get(index) != how:
+            # SGLang's Engine sets the root logger to its own level: warning, so that it shows
+            log.warning("bucket %d: written in SGLang's workers %s", index, _HOW.get(how, how))
+        hows[index] = how

@@ -1,0 +1,121 @@
+"""Our loader in SGLang's TP workers (rollout_svc/engine/sglang_loader.py): how it learns a slot table from the
+copies a model's own `load_weights` makes, and when it keeps that loader instead. A toy model stands in for
+SGLang's (fused qkv rows, a padded vocabulary zeroed past the checkpoint's rows); tests/sglang_exec runs the
+same loader against SGLang's real model classes."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout_svc.engine import sglang_loader as sl
+from weightsync.bus.checksum import bucket_checksum, from_sums
+from weightsync.bus.pack import alloc_buffer, pack_bucket
+from weightsync.bus.plan import TensorMeta, plan_buckets
+
+H = 8
+
+
+class Toy(torch.nn.Module):
+    """q/k/v fused into qkv (rows q, k, v), an embedding padded to 16 rows (checkpoint: 10)."""
+
+    def __init__(self, mode: str = "copy"):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.full((3 * H, H), float("nan"), dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.full((16, H), float("nan"), dtype=torch.bfloat16), requires_grad=False)
+        self.mode = mode
+
+    def load_weights(self, named):
+        for name, w in named:
+            if name == "embed":
+                self.embed.data[: w.shape[0]].copy_(w)
+                self.embed.data[w.shape[0] :].fill_(0)
+                continue
+            row = "qkv".index(name) * H
+            dst = self.qkv.data.narrow(0, row, H)
+            if self.mode == "cast":
+                dst.copy_(w.float().to(torch.bfloat16))  # a copy from outside the bucket
+            elif self.mode == "shard":
+                dst[: H // 2].copy_(w.narrow(0, 0, H // 2))  # a TP shard: part of the tensor
+                dst[H // 2 :].copy_(w.narrow(0, H // 2, H // 2))
+            elif self.mode == "scale":
+                dst.copy_(w)
+                dst.mul_(2)
+            else:
+                dst.copy_(w)
+
+
+def _bucket(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    named = [(n, torch.randn(H, H, generator=g).to(torch.bfloat16)) for n in "qkv"]
+    named.append(("embed", torch.randn(10, H, generator=g).to(torch.bfloat16)))
+    (plan,) = plan_buckets([TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named], 1 << 20)
+    buf = alloc_buffer(plan.nbytes)
+    buf.fill_(0xAB)
+    pack_bucket(plan, named, buf)
+    return plan, buf, dict(named)
+
+
+def _send(model, seq, plan, buf):
+    result = torch.zeros(1, sl.RESULT_WORDS, dtype=torch.int64)
+    sl.load(model, [(sl.header(seq, plan), buf), (sl.RESULT, result)])
+    s, status, s1, s2, how, _ = result[0].tolist()
+    assert s == seq and status == sl.OK, result
+    whole = plan.nbytes - plan.nbytes % 4
+    assert from_sums(torch.tensor([s1, s2]), buf[whole : plan.nbytes], plan.nbytes) == bucket_checksum(
+        buf[: plan.nbytes]
+    )
+    return how
+
+
+def _holds(model, named):
+    want = torch.cat([named["q"], named["k"], named["v"]])
+    assert torch.equal(model.qkv, want)
+    assert torch.equal(model.embed[:10], named["embed"]) and not model.embed[10:].any()
+
+
+def test_first_bucket_learns_the_table_and_later_ones_are_written_by_it():
+    model = Toy()
+    plan, buf, named = _bucket(1)
+    assert _send(model, 1, plan, buf) == sl.LEARNED
+    _holds(model, named)
+    (table,) = model._ws_slot_tables.values()
+    # the table's regions are views of the parameters: q, k, v rows of the fused qkv, the embedding's first rows
+    assert [d.data_ptr() for d in table.dests] == [
+        model.qkv.data_ptr(),
+        model.qkv[H:].data_ptr(),
+        model.qkv[2 * H :].data_ptr(),
+        model.embed.data_ptr(),
+    ]
+    for seed in (2, 3):
+        plan, buf, named = _bucket(seed)
+        model.load_weights = None  # the table, not the model's loader, writes it
+        assert _send(model, seed, plan, buf) == sl.BY_TABLE
+        _holds(model, named)
+
+
+def test_layouts_the_table_cannot_replay_keep_the_models_loader():
+    for mode, why in (
+        ("cast", "wrote a parameter with copy_ from outside the bucket"),
+        ("shard", "not the whole tensor into one region"),
+        ("scale", "wrote a parameter with mul_"),
+    ):
+        model = Toy(mode)
+        plan, buf, named = _bucket(1)
+        assert _send(model, 1, plan, buf) == sl.LEARNED
+        (table,) = model._ws_slot_tables.values()
+        assert table.dests is None and why in table.why, (mode, table.why)
+        plan, buf, named = _bucket(2)
+        assert _send(model, 2, plan, buf) == sl.BY_SGLANG
+        if mode != "scale":
+            _holds(model, named)
+
+
+def test_a_failure_is_reported_in_the_result_not_raised():
+    model = Toy()
+    plan, buf, _ = _bucket(1)
+    result = torch.zeros(2, sl.RESULT_WORDS, dtype=torch.int64)
+    sl.load(model, [(sl.header(7, plan), buf[:16]), (sl.header(7, plan), buf), (sl.RESULT, result)])
+    assert result[0].tolist()[:2] == [7, sl.FAILED]
+    assert result[1].tolist()[:2] == [0, 0], "a bucket after a failed one was written"
+    sl.load(model, [(sl.header(8, plan), buf), (sl.RESULT, result)])
+    assert result[0].tolist()[:2] == [8, sl.OK]
