@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from rollout_svc.engine import sglang_loader as sl
+from weightsync.bus.copy.verified_copy import PendingChecksum
 from weightsync.bus.errors import SyncError
-from weightsync.bus.verified_copy import PendingChecksum
 
 log = logging.getLogger(__name__)
 _HOW = {

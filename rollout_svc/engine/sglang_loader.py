@@ -13,14 +13,14 @@ The rollout (sglang_direct.py) sends one or more buckets per call, the same entr
 unopened, so nothing is copied in rollout-svc); `result` is a small int64 tensor of the rollout's that this
 function fills (its rank's), a row per bucket: (seq, status, the word sums of the checksum, how). SGLang's hook
 returns nothing to the caller, and an exception would stop the scheduler, so the outcome and the sums travel in
-`result`; the rollout adds the bucket's last bytes (weightsync/bus/checksum.py `from_sums`).
+`result`; the rollout adds the bucket's last bytes (weightsync/bus/copy/checksum.py `from_sums`).
 
 The slot table. The first bucket of a layout (`key`) goes through SGLang's own `model.load_weights` while a
 torch function mode records every `copy_` it makes. Where each of the bucket's tensors went into exactly one
 contiguous region of one parameter, byte for byte (the fused `qkv_proj` / `gate_up_proj` rows of a TP=1
 worker, the embedding's first rows of a padded vocabulary, ...), those regions are the table, checked once
 against what SGLang's loader left there. Every later bucket of that layout is written by one launch of the
-built-in engine's copy-and-checksum kernel (weightsync/bus/verified_copy.py `copy_into`) straight into those
+built-in engine's copy-and-checksum kernel (weightsync/bus/copy/verified_copy.py `copy_into`) straight into those
 regions: the checksum is of the words written into SGLang's parameters. (Constants SGLang's loader writes,
 such as the zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write
 that way (a TP shard narrowed out of a tensor, a cast, an in-place op on a parameter, a tensor copied twice)
@@ -158,9 +158,9 @@ def _table(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Ten
 
 def _write_batch(model: torch.nn.Module, batch: list, rows: torch.Tensor, sums: list) -> bool:
     """Write the buckets of `batch` [(row, plan, bucket, dests)] by their slot tables: queued back to back on
-    the current stream (weightsync/bus/verified_copy.py `copy_all_into`, the built-in engine's trainer_writes
+    the current stream (weightsync/bus/copy/verified_copy.py `copy_all_into`, the built-in engine's trainer_writes
     copy); False when the copy declined them (nothing written)."""
-    from weightsync.bus.verified_copy import copy_all_into
+    from weightsync.bus.copy.verified_copy import copy_all_into
 
     if not batch:
         return True
@@ -279,7 +279,7 @@ def _tp_rank() -> int:
 
 
 def _word_sums(bucket: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
-    from weightsync.bus.checksum import word_sums
+    from weightsync.bus.copy.checksum import word_sums
 
     whole = plan.nbytes - plan.nbytes % 4
     return word_sums(bucket[:whole].view(torch.int32))

@@ -50,8 +50,8 @@ def _params(model) -> dict[str, torch.Tensor]:
 def sync_twice(family: str) -> None:
     from rollout_svc.engine import sglang_loader as sl
     from tests.sglang_exec.exec_checks import _model, assert_model_holds, packed_buckets, trainer_export
-    from weightsync.bus.checksum import bucket_checksum
-    from weightsync.bus.verified_copy import pending_values
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import pending_values
 
     calls = 0
     for seed, want in ((3, sl.LEARNED), (4, sl.BY_TABLE)):

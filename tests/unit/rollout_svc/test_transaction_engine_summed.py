@@ -7,10 +7,10 @@ import torch
 
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.unit.rollout_svc.test_transaction import IDS, HookedEngine, _buckets, _engine, _logits
-from weightsync.bus.checksum import bucket_checksum, word_sums
+from weightsync.bus.copy.checksum import bucket_checksum, word_sums
+from weightsync.bus.copy.verified_copy import PendingChecksum
 from weightsync.bus.errors import SyncError
 from weightsync.bus.pack import unpack_bucket
-from weightsync.bus.verified_copy import PendingChecksum
 from weightsync.v1 import rollout_pb2
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rollout_svc.engine import sglang_loader as sl
-from weightsync.bus.checksum import bucket_checksum, from_sums
+from weightsync.bus.copy.checksum import bucket_checksum, from_sums
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import TensorMeta, plan_buckets
 
