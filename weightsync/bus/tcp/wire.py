@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -67,19 +68,26 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
         got += k
 
 
-def read_hello(sock: socket.socket, deadline: float, magic: bytes | None = None) -> tuple[str, int, bytes]:
+def read_hello(
+    sock: socket.socket, deadline: float, magic: bytes | None = None, stage: Callable[[int], None] | None = None
+) -> tuple[str, int, bytes]:
     """(sync_id, sender rank, MAC) of a connection's hello (`magic`: its first 4 bytes, if already read),
-    all of it received by `deadline` (time.monotonic())."""
+    all of it received by `deadline` (time.monotonic()). `stage(n)` is told before each part is read
+    that it needs n bytes (the pre-auth budget's measure of progress)."""
     if magic is None:
         magic = recv_magic(sock, deadline)
     if magic != HELLO_MAGIC:
         raise TransportError(f"bad hello magic {magic!r}: not a weightsync bus peer")
     head = bytearray(2)
+    if stage is not None:
+        stage(len(head))
     _recv_exact(sock, memoryview(head), deadline)
     (n,) = struct.unpack("<H", head)
     if not 0 < n <= _MAX_SYNC_ID:
         raise TransportError(f"hello sync_id length {n} out of range")
     rest = bytearray(n + 4 + 32)
+    if stage is not None:
+        stage(len(rest))
     _recv_exact(sock, memoryview(rest), deadline)
     (sender,) = struct.unpack("<I", rest[n : n + 4])
     return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4 :])
