@@ -35,6 +35,7 @@ from weightsync.publisher.declared import DeclaredSource, hf_config, metas_from_
 from weightsync.publisher.delta_sync import LINK_GBPS, DeltaBase
 from weightsync.publisher.export_format import PLAIN, export_format
 from weightsync.publisher.host import PublisherHost
+from weightsync.publisher.resume import resume_version
 from weightsync.v1 import trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,8 @@ class Publisher:
         if not self.source.lock.acquire(timeout=orch.sync_timeout):
             raise TimeoutError(f"a sync still ran after {orch.sync_timeout}s (sync_timeout_s)")
         try:
-            self.source.version += 1
+            # a restarted publisher continues its trainer id's version line (resume.py)
+            self.source.version = resume_version(self.source.version, self.host.registry.all(), orch.trainer_id) + 1
             self.source.hold(tensors)
         finally:
             self.source.lock.release()
