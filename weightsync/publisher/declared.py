@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from weightsync.bus.plan import TensorMeta
+from weightsync.publisher.streamable import check_streamable
 
 
 def _dtype(value, where: str) -> torch.dtype:
@@ -127,6 +128,7 @@ class DeclaredSource:
                 raise ValueError(f"{name}: given twice in one sync")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: a {type(t).__name__}, not a torch.Tensor")
+            check_streamable(name, t)  # before its shape: a nested tensor has none
             if tuple(t.shape) != meta.shape:
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, declared {meta.shape} (give it in HF layout)")
             if t.dtype != meta.dtype:
