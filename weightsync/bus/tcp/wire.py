@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weightsync.bus.channel import BucketReceiver, BucketSender
-from weightsync.bus.errors import TransportError
+from weightsync.bus.delta_format import HEADER_BYTES, framed_size
+from weightsync.bus.errors import CorruptFrame, TransportError
 from weightsync.bus.plan import BucketPlan
 
 HELLO_MAGIC = b"WSH2"
@@ -148,12 +149,21 @@ class TcpBucketReceiver(BucketReceiver):
             head = bytearray(_DELTA_LEN.size)
             self._read(plan, memoryview(head), timeout)
             (size,) = _DELTA_LEN.unpack(head)
-            if size >= nbytes:  # never more than the dense bucket: the manifest bounds what we allocate
-                raise TransportError(f"bucket {plan.index}: delta of {size} bytes for a {nbytes}-byte bucket")
+            if not HEADER_BYTES <= size < nbytes:  # never more than the dense bucket: the manifest bounds it
+                raise CorruptFrame(f"bucket {plan.index}: delta of {size} bytes for a {nbytes}-byte bucket")
         if self._buf is None or self._buf.numel() < size:
             self._buf = torch.empty(size, dtype=torch.uint8)
         view = self._buf[:size]
-        self._read(plan, memoryview(view.numpy()).cast("B"), timeout)
+        raw = memoryview(view.numpy()).cast("B")
+        if magic == DELTA_MAGIC:  # its header first: it must agree with the frame's length
+            self._read(plan, raw[:HEADER_BYTES], timeout)
+            expected = framed_size(bytes(raw[:HEADER_BYTES]), nbytes)
+            if expected != size:
+                raise CorruptFrame(
+                    f"bucket {plan.index}: delta frame of {size} bytes, but its header describes {expected}"
+                )
+            raw = raw[HEADER_BYTES:]
+        self._read(plan, raw, timeout)
         if magic == DELTA_MAGIC:
             view = self.base.patched(plan, view)
         elif self.base is not None:
