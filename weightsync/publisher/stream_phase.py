@@ -329,7 +329,13 @@ class StreamPhase:
             link = a.rollouts.link_of(a.by_id[rid])
             if link is not None:
                 links[rid] = link
-        return StreamLiveness(links, timeout or 1.0, lambda rid, silent_s: self._drop_silent(channel, rid, silent_s))
+        sent = getattr(channel, "sent_bytes", None)  # receive progress, where the channel counts it (tcp)
+        return StreamLiveness(
+            links,
+            timeout or 1.0,
+            lambda rid, silent_s: self._drop_silent(channel, rid, silent_s),
+            progress=sent.get if isinstance(sent, dict) else None,
+        )
 
     def _drop_silent(self, channel, rid: str, silent_s: float) -> None:
         """Take `rid` out of the stream (on the watch's thread): the others' sends go on without it."""

@@ -37,6 +37,8 @@ BUCKET_MAGIC = b"WSB1"
 DELTA_MAGIC = b"WSD1"
 _BUCKET_HDR = struct.Struct("<4sIQQB")
 _DELTA_LEN = struct.Struct("<Q")
+#: bytes per sendall of a payload: the unit of the per-target progress count (sent_bytes)
+_PROGRESS_CHUNK = 16 << 20
 _MAX_SYNC_ID = 256
 _SOCK_BUF = 8 << 20
 
@@ -217,6 +219,8 @@ class TcpBucketSender(BucketSender):
         self._lock = threading.Lock()
         self.delta_targets: set[str] = set()
         self.wire_bytes: dict[str, int] = {tid: 0 for tid in targets}
+        #: payload bytes each target's kernel took so far, counted per chunk while a bucket goes out
+        self.sent_bytes: dict[str, int] = {tid: 0 for tid in targets}
         self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="tcp-send")
         hello = hello_frame(sync_id, sender, hello_mac(token, sync_id, sender) if mac is None else mac)
         for tid, fut in [(tid, self._pool.submit(self._connect, addr, hello)) for tid, addr in targets.items()]:
@@ -239,7 +243,11 @@ class TcpBucketSender(BucketSender):
     def _send_one(self, tid: str, sock: socket.socket, hdr: bytes, payload: memoryview) -> None:
         try:
             sock.sendall(hdr)
-            sock.sendall(payload)
+            # in chunks, each counted once the kernel took it: the stream's liveness watch reads the
+            # count as receive progress (a stopped peer stops taking bytes once its buffers fill)
+            for at in range(0, payload.nbytes, _PROGRESS_CHUNK):
+                sock.sendall(payload[at : at + _PROGRESS_CHUNK])
+                self.sent_bytes[tid] = self.sent_bytes.get(tid, 0) + min(_PROGRESS_CHUNK, payload.nbytes - at)
             self.wire_bytes[tid] += len(hdr) + payload.nbytes
         except OSError as exc:
             with self._lock:
