@@ -94,7 +94,10 @@ def _parse_mapping(name: str, raw: Any) -> dict[str, Any]:
             key, sep, value = str(item).partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"{name}: {item!r} is not KEY=VALUE (e.g. mem_fraction_static=0.6)")
-            out[key.strip()] = _option_value(value.strip())
+            try:
+                out[key.strip()] = _option_value(value.strip())
+            except ValueError as exc:  # an integer past int_max_str_digits
+                raise ConfigError(f"{name}: {key.strip()}: {str(exc)[:200]}") from None
         raw = out
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: {raw!r} is not a mapping of option names to values")
@@ -102,6 +105,14 @@ def _parse_mapping(name: str, raw: Any) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"{name}: option name(s) {bad} are not identifiers")
     return dict(raw)
+
+
+def _shown(raw: Any) -> str:
+    """`raw` for a message, short: repr of a huge int raises (int_max_str_digits), a long text floods the log."""
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw.bit_length() > 256:
+        return f"an integer of {raw.bit_length()} bits"
+    text = repr(raw)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _parse_scalar(name: str, tp: Any, raw: Any) -> Any:
@@ -114,10 +125,14 @@ def _parse_scalar(name: str, tp: Any, raw: Any) -> Any:
         if s in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"{name}: {raw!r} is not a boolean (use true/false)")
+    if isinstance(raw, bool) and tp in (int, float):  # YAML's `true` is a bool, which Python counts as 1
+        raise ConfigError(f"{name}: {raw!r} is a boolean, not a {tp.__name__} (give a number)")
     try:
         value = tp(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: {raw!r} is not a valid {tp.__name__}") from None
+        raise ConfigError(f"{name}: {_shown(raw)} is not a valid {tp.__name__}") from None
+    if tp is int and abs(value) >= 1 << 63:  # no count, size or port needs more; a 5000-digit one is an attack
+        raise ConfigError(f"{name}: {_shown(raw)} is out of range (at most 2^63 - 1)")
     # float("nan") and float("inf") parse, but no timeout, rate or size is meaningful as either:
     # nan compares false with every bound a validate() checks, so it would slip through them all.
     if tp is float and not math.isfinite(value):
@@ -273,17 +288,27 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
         parser.add_argument(flag_name(f.name), **kwargs)
 
 
+def _load_file_text(p: Path) -> Any:
+    """The file's YAML (.yaml/.yml) or JSON; ConfigError naming the file and where it broke."""
+    import yaml
+
+    kind = "YAML" if p.suffix in (".yaml", ".yml") else "JSON"
+    try:
+        text = p.read_text(encoding="utf-8")
+        return (yaml.safe_load(text) or {}) if kind == "YAML" else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p}: not valid {kind}: {str(exc)[:300]}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (int_max_str_digits)
+        raise ConfigError(f"config file {p}: a value cannot be read: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p}: nested too deeply") from None
+
+
 def _read_file(path: str, cls: type) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
+    data = _load_file_text(p)
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping of field names to values")
     flat: dict[str, Any] = {}

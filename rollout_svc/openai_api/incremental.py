@@ -10,21 +10,13 @@ and its text ends before it. `close` checks the whole against the answer the non
 
 from __future__ import annotations
 
+from rollout_svc.openai_api.stop_match import StopTracker
 from rollout_svc.openai_api.text import Decode, Detokenizer, Sample, first_stop
 
 
 class StreamMismatch(Exception):
     """What was streamed is not a prefix of the finished answer (a tokenizer whose decode is not
     incremental); the stream ends with an error event rather than a wrong text."""
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """The length of the longest tail of `text` that is the start of a stop string (not all of one)."""
-    for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stops):
-            return n
-    return 0
 
 
 class ChoiceText:
@@ -39,6 +31,7 @@ class ChoiceText:
         self.sent = 0  # how much of `text` went out
         self.stopped = False  # a stop string completed: the choice takes no more tokens
         self.closed = False
+        self._tracker = StopTracker(stops) if stops and decode is not None else None
 
     def add(self, token: int, logprob: float) -> str:
         self.ids.append(token)
@@ -46,16 +39,17 @@ class ChoiceText:
         if self.det is None:
             return ""
         before = len(self.text)
-        self.text += self.det.push(token)
+        new = self.det.push(token)
+        self.text += new
         end = len(self.text)
         if self.stops:
-            # a stop string that ends in the new text starts at most (longest stop - 1) chars before it
-            scan = max(0, before - max(map(len, self.stops)) + 1)
-            hit = first_stop(self.text[scan:], self.stops)
-            if hit >= 0:
-                self.stopped, end = True, scan + hit
+            # only the new characters move the automaton (stop_match.py): linear in the text
+            if self._tracker.feed(new):
+                # a stop string that ends in the new text starts at most (longest stop - 1) chars before it
+                scan = max(0, before - max(map(len, self.stops)) + 1)
+                self.stopped, end = True, scan + first_stop(self.text[scan:], self.stops)
             else:
-                end -= held_back(self.text, self.stops)
+                end -= self._tracker.held
         piece = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return piece

@@ -37,6 +37,7 @@ from fastapi.responses import StreamingResponse
 from rollout_svc.openai_api import answers
 from rollout_svc.openai_api.generation import check_ranges, generate, sampling_params
 from rollout_svc.openai_api.schemas import (
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -81,6 +82,9 @@ def _stops(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(400, f"stop: give at most {MAX_STOP_STRINGS} non-empty strings, got {stops!r}"[:300], "stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:  # the automaton a request builds grows with them (stop_match.py)
+        raise ApiError(400, f"stop: each string at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop")
     return stops
 
 

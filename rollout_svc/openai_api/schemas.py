@@ -14,6 +14,8 @@ from weightsync.http.types import Text
 
 Prompt = Text | list[Text] | list[int] | list[list[int]]
 MAX_STOP_STRINGS = 16
+#: a stop string is a delimiter; this bounds the matching automaton a request builds (16 x 1024 states)
+MAX_STOP_CHARS = 1024
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +34,9 @@ class _Sampling(BaseModel):
     n: int = Field(1, description="completions per prompt")
     seed: int | None = Field(None, description="sampling seed (default 0: a rollout's sampling is reproducible)")
     stop: Text | list[Text] | None = Field(
-        None, description=f"up to {MAX_STOP_STRINGS} strings: the text ends before the first one (needs a tokenizer)"
+        None,
+        description=f"up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters: the text ends "
+        "before the first one (needs a tokenizer)",
     )
     stop_token_ids: list[int] = Field(default_factory=list, description="extension: extra stop tokens")
     stream: bool = Field(False, description="server-sent events in OpenAI's chunk format, ending with [DONE]")

@@ -6,8 +6,9 @@ bounded like the gRPC server's (`request_limits`, by full method name) and refus
 length before they are read. At most `max_links` authenticated links are open at once; TCP
 keepalive closes one whose trainer vanished without closing it, so a dead peer cannot hold a slot
 for long. A link still in its handshake holds no slot: it waits in a pre-auth budget of its own
-(weightsync.bus.tcp.receiver.HandshakeBudget: `max_handshakes` in all, a few per address) and must
-prove the token within `hello_timeout` seconds in total, so silent peers cannot keep the trainer off.
+(weightsync.bus.tcp.preauth.PreAuthBudget: `max_handshakes` in all, a few per address; over a cap the
+oldest link not making progress is evicted, never the newest refused) and must prove the token within
+`hello_timeout` seconds in total, so silent peers cannot keep the trainer off, from any address.
 
 A link opened with LINK_MAGIC_BEATS gets a BEAT frame as soon as each request is read, then BEAT frames
 while it is handled (one thread, _Beater, beats for every such link): the liveness signal the trainer
@@ -28,7 +29,7 @@ import time
 import grpc
 
 from weightsync.bus.errors import TransportError
-from weightsync.bus.tcp.receiver import HandshakeBudget
+from weightsync.bus.tcp.preauth import PreAuthBudget
 from weightsync.control.grpc_server import MAX_MESSAGE_BYTES
 from weightsync.control.sync_link import (
     ACCEPTED,
@@ -158,7 +159,7 @@ class SyncLinkServer:
         self.max_links = max_links
         self.hello_timeout = hello_timeout
         self._slots = threading.BoundedSemaphore(max_links)
-        self.handshakes = HandshakeBudget(max_handshakes, max_handshakes_per_address)
+        self.handshakes = PreAuthBudget(max_handshakes, max_handshakes_per_address, "sync link")
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -200,18 +201,16 @@ class SyncLinkServer:
 
     def _handshake(self, conn: socket.socket, peer, address: str) -> bool:
         """The token proved within `hello_timeout` in total, under the pre-auth budget (no link slot)."""
-        if not self.handshakes.enter(address):
-            log.warning(
-                "sync link from %s refused: too many unauthenticated links (%d waiting; at most %d from one address)",
-                peer,
-                self.handshakes.waiting(),
-                self.handshakes.per_address,
-            )
-            return False
+        ticket = self.handshakes.enter(conn, address, needs=32)  # its one stage: the MAC
         try:
             return self._authenticate(conn, peer)
+        except (OSError, TimeoutError, ValueError, TransportError) as exc:
+            if not ticket.evicted:
+                raise
+            log.debug("sync link from %s evicted: %s", peer, exc)
+            return False
         finally:
-            self.handshakes.leave(address)
+            self.handshakes.leave(ticket)
 
     def _authenticate(self, conn: socket.socket, peer) -> bool:
         nonce = os.urandom(NONCE_BYTES)

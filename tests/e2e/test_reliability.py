@@ -348,6 +348,7 @@ def test_bus_and_admin_calls_need_the_token(procs, tmp_path):
 
     tok = tmp_path / "token"
     tok.write_text("s3cret\n")
+    tok.chmod(0o600)  # a token file others can read is refused
     trainer = procs.trainer("--model", "tiny-qwen2", "--auth-token-file", str(tok), backend="hf")
     r = procs.rollout("--model", "tiny-qwen2", "--auth-token-file", str(tok))
     trainer.wait_ready()

@@ -189,6 +189,7 @@ def test_shape_mismatch_is_rejected_and_rollout_keeps_serving(procs):
 def test_admin_calls_need_the_token(procs, tmp_path):
     tok = tmp_path / "token"
     tok.write_text("s3cret\n")
+    tok.chmod(0o600)  # a token file others can read is refused
     trainer = procs.trainer("--model", "tiny-qwen2", "--auth-token-file", str(tok))
     trainer.wait_ready()
     denied = wsctl("--address", trainer.address, "status")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer_svc.atomic_file import atomic_write
+from trainer_svc.atomic_file import atomic_write, clean_leftovers
 from trainer_svc.train.step import TrainState, train_state
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,11 @@ def load_checkpoint(actor, step_dir: str | Path) -> TrainState:
 
 
 def resume_if_configured(actor, ckpt) -> bool:
-    """`--resume`: load the latest checkpoint under the `checkpoint` section's checkpoint_dir, if any."""
+    """`--resume`: load the latest checkpoint under the `checkpoint` section's checkpoint_dir, if any.
+    First (resume or not), rank 0 removes the temporary files a trainer killed mid-save left there."""
+    if ckpt.checkpoint_dir and _rank() == 0 and Path(ckpt.checkpoint_dir).is_dir():
+        for p in clean_leftovers(Path(ckpt.checkpoint_dir)):
+            log.warning("removed %s: a partial checkpoint file left by a trainer killed while saving", p)
     if not ckpt.resume:
         return False
     step_dir = latest_checkpoint(ckpt.checkpoint_dir)

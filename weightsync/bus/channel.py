@@ -39,6 +39,9 @@ class BucketSender:
     wire_bytes_sent: int | None = None
     #: computes_checksums channels: the parts of their send time by name (e.g. queue, wait, read)
     phase_seconds: Mapping[str, float] = MappingProxyType({})
+    #: target id -> payload bytes its connection took so far, counted while a bucket goes out (tcp): the
+    #: stream's liveness watch drops a target only on silence and no progress (None: not counted)
+    sent_bytes: Mapping[str, int] | None = None
 
     def send(self, plan: BucketPlan, buf: torch.Tensor, checksum: int | None) -> None:
         """Deliver `buf[:plan.nbytes]` to every live target; return when `buf` may be reused.

@@ -1,6 +1,7 @@
 """The two ways a sync fails on the weight bus.
 
 TransportError: moving bytes failed (peer gone, timeout, corrupt frame); raised by channels.
+CorruptFrame: the TransportError of a frame whose content is damaged (DATA_LOSS, not UNAVAILABLE).
 SyncError: a rollout cannot take part in a sync (bad request, wrong GPU, no such group); its
 `code` names the gRPC status the rollout answers with.
 """
@@ -10,6 +11,13 @@ from __future__ import annotations
 
 class TransportError(RuntimeError):
     """Moving bytes failed (peer gone, timeout, corrupt frame). The sync must abort."""
+
+
+class CorruptFrame(TransportError):
+    """A frame arrived whole but its content cannot be what a sender wrote (a delta's header, length or
+    positions do not fit): corruption in flight, reported DATA_LOSS like a checksum mismatch."""
+
+    code = "DATA_LOSS"
 
 
 class SyncError(RuntimeError):

@@ -25,11 +25,26 @@ _HEADER = "authorization"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
+def check_token_file_mode(p: Path, field: str) -> None:
+    """ConfigError when others (not the owner, not its group) may read or write the token file.
+
+    Like ssh with a private key: a token others can read is not a secret. Group access is allowed,
+    because a Kubernetes Secret volume gives a pod's fsGroup its files (the chart mounts the token
+    0440); anything for "others" is refused. `p` is followed through symlinks (Secret volumes are)."""
+    mode = p.stat().st_mode & 0o777
+    if mode & 0o007:
+        raise ConfigError(
+            f"{field}: {p} has mode {mode:04o}, which lets every local user read the token; run "
+            f"`chmod 600 {p}` (in Kubernetes, mount the Secret with defaultMode 0400 or 0440)"
+        )
+
+
 def load_token(token: str, token_file: str, field_prefix: str = "", field: str = "auth_token_file") -> str:
     if token_file:
         p = Path(token_file)
         if not p.is_file():
             raise ConfigError(f"{field_prefix}{field}: {token_file} does not exist (mount the Secret or unset it)")
+        check_token_file_mode(p, field_prefix + field)
         token = p.read_text().strip()
         if not token:
             raise ConfigError(f"{field_prefix}{field}: {token_file} is empty")

@@ -21,6 +21,7 @@ import torch
 
 from weightsync.bus.plan import TensorMeta
 from weightsync.publisher.source import WeightSource
+from weightsync.publisher.streamable import check_streamable
 
 
 def _dtype(value, where: str) -> torch.dtype:
@@ -151,6 +152,7 @@ class DeclaredSource(WeightSource):
                 raise ValueError(f"{name}: given twice in one sync")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: a {type(t).__name__}, not a torch.Tensor")
+            check_streamable(name, t)  # before its shape: a nested tensor has none
             if tuple(t.shape) != meta.shape:
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, declared {meta.shape} (give it in HF layout)")
             if t.dtype != meta.dtype:

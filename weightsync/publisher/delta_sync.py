@@ -400,6 +400,10 @@ class _DeltaChannel(BucketSender):
         return self._inner.wire_bytes_sent
 
     @property
+    def sent_bytes(self):
+        return self._inner.sent_bytes
+
+    @property
     def phase_seconds(self):
         return self._inner.phase_seconds
 

@@ -20,6 +20,7 @@ from weightsync.bus.transports import transport as transport_named
 from weightsync.config import ConfigError, parse_host_port
 from weightsync.publisher.orchestrator import SyncInProgress, SyncOrchestrator
 from weightsync.publisher.registry import RolloutRegistry
+from weightsync.publisher.status_poll import poll_all
 from weightsync.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,8 @@ class FleetServicer(trainer_pb2_grpc.TrainerServicer):
             origin=self.orch.origin,
             trainer_id=self.orch.trainer_id,
         )
-        for e in self.registry.all():
-            self.registry.poll(e)
-            st.rollouts.append(self.registry.info(e))
+        entries = self.registry.all()
+        poll_all(self.registry, entries)  # at once, not in turn (status_poll.py)
+        st.rollouts.extend(self.registry.info(e) for e in entries)
         st.last_sync.CopyFrom(self.orch.last_report)
         return st

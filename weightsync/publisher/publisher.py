@@ -34,6 +34,7 @@ from weightsync.publisher.collective import GroupSource, agree_on_owners, expect
 from weightsync.publisher.commands import CommandChannel
 from weightsync.publisher.declared import DeclaredModel, DeclaredSource
 from weightsync.publisher.host import PublisherHost
+from weightsync.publisher.resume import resume_version
 from weightsync.sync_options import DEFAULTS, SyncOptions
 from weightsync.v1 import trainer_pb2
 
@@ -245,7 +246,8 @@ class Publisher:
         if not self.source.lock.acquire(timeout=orch.sync_timeout):
             raise TimeoutError(f"a sync still ran after {orch.sync_timeout}s (sync_timeout_s)")
         try:
-            self.source.version += 1
+            # a restarted publisher continues its trainer id's version line (resume.py)
+            self.source.version = resume_version(self.source.version, self.host.registry.all(), orch.trainer_id) + 1
             self.source.hold(tensors)
         finally:
             self.source.lock.release()

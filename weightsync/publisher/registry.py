@@ -20,6 +20,8 @@ class RolloutEntry:
     num_ranks: int = 1
     version: int = 0
     origin: str = ""
+    #: the trainer id the rollout follows, as its status says ("" before it follows one)
+    trainer_id: str = ""
     state: int = rollout_pb2.ENGINE_STATE_UNSPECIFIED
     reachable: bool = False
     last_error: str = ""
@@ -100,6 +102,7 @@ class RolloutRegistry:
         try:
             st = entry.stub(self.token, min(self.rpc_timeout, 5.0)).GetStatus(rollout_pb2.GetStatusRequest())
             entry.version, entry.origin, entry.state, entry.reachable = st.version, st.origin, st.state, True
+            entry.trainer_id = st.trainer_id
             if st.last_error:
                 entry.last_error = st.last_error
         except grpc.RpcError as exc:

@@ -18,6 +18,12 @@ A target whose link is not open (a call broke it) cannot be asked, so its silenc
 is not judged until a ping goes out again. The link is opened right after the PrepareSync that named
 it (weightsync.publisher.rollout_calls), so even a pairing's first stream is watched.
 
+A target is dropped only on silence *and* no progress: with `progress(rid)` (the bus channel's bytes
+sent to it, counted per chunk as its kernel takes them), a target whose stream moved since the last
+round is not silent, whatever its link said: its process is receiving, only its link thread could not
+answer in time (trainer and rollout in one process, a first sync's large copies and page faults). A
+stopped process takes no more than its socket buffers, so its count stops with its answers.
+
 Silence is counted from the oldest ping still unanswered, never from the last answer: a watch that
 itself could not run for a while (its process busy, the GIL held by a long call) has sent no ping in
 that time, so the target had nothing to answer. A round that comes late by more than half the timeout
@@ -59,6 +65,7 @@ class StreamLiveness:
         drop: Callable[[str, float], None],
         period: float = BEAT_PERIOD_S,
         clock: Callable[[], float] = time.monotonic,
+        progress: Callable[[str], object] | None = None,
     ):
         if timeout_s <= 0:
             raise ValueError(f"liveness timeout_s={timeout_s} must be > 0 (seconds)")
@@ -73,6 +80,8 @@ class StreamLiveness:
         #: rid -> when the oldest ping it has not answered was sent
         self._unanswered: dict[str, float] = {}
         self._last_round: float | None = None
+        #: rid -> what progress(rid) said last round: a target whose stream moved is not silent
+        self._progress, self._moved_at = progress, {}
 
     def __enter__(self) -> StreamLiveness:
         if self.links:
@@ -99,7 +108,7 @@ class StreamLiveness:
                 self._unanswered.pop(rid, None)  # no link to ask: its silence says nothing
                 continue
             sent = self._unanswered.get(rid)
-            if late or sent is None or link.last_heard >= sent:
+            if late or sent is None or link.last_heard >= sent or self._moved(rid):
                 self._unanswered[rid] = self._clock()  # the ping just sent is the oldest unanswered
                 continue
             silent = self._clock() - sent
@@ -109,6 +118,16 @@ class StreamLiveness:
                     self._drop(rid, silent)
                 except Exception:  # the watch must outlive one failed drop: the others still need it
                     log.exception("dropping silent target %s from the stream failed", rid)
+
+    def _moved(self, rid: str) -> bool:
+        """Whether `rid`'s stream took bytes since the last round: it is receiving, so it is alive even
+        if its link thread could not answer (its process busy: trainer and rollout in one process)."""
+        if self._progress is None:
+            return False
+        now = self._progress(rid)
+        moved = rid in self._moved_at and now != self._moved_at[rid]
+        self._moved_at[rid] = now
+        return moved
 
     def _run(self) -> None:
         while True:

@@ -269,7 +269,7 @@ class StreamPhase:
         )
         self.senders = [sender]
         try:
-            with self._liveness(stream_drop(self.session, channel)):
+            with self._liveness(stream_drop(self.session, channel), channel):
                 stats = stream_buckets(
                     self.manifest,
                     export,
@@ -332,7 +332,7 @@ class StreamPhase:
             self._start_checksums(in_place)
         self.attempt.phases.add("stream.quantize", time.perf_counter() - t0)
 
-    def _liveness(self, drop) -> StreamLiveness:
+    def _liveness(self, drop, channel=None) -> StreamLiveness:
         """The watch that hands `drop` (weightsync.publisher.stream_cut) the targets whose sync links fall
         silent mid-stream."""
         a = self.attempt
@@ -344,7 +344,13 @@ class StreamPhase:
             link = a.rollouts.link_of(a.by_id[rid])
             if link is not None:
                 links[rid] = link
-        return StreamLiveness(links, timeout or 1.0, lambda rid, silent_s: self._drop_silent(drop, rid, silent_s))
+        sent = channel.sent_bytes if channel is not None else None  # receive progress, where counted (tcp)
+        return StreamLiveness(
+            links,
+            timeout or 1.0,
+            lambda rid, silent_s: self._drop_silent(drop, rid, silent_s),
+            progress=sent.get if sent is not None else None,
+        )
 
     def _drop_silent(self, drop, rid: str, silent_s: float) -> None:
         """Take `rid` out of the stream (on the watch's thread): the others' sends go on without it."""

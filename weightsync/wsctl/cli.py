@@ -19,6 +19,8 @@ from google.protobuf.json_format import MessageToDict
 
 from weightsync import __version__
 from weightsync.bus.transports import NAMES as TRANSPORTS
+from weightsync.config import ConfigError
+from weightsync.control.auth import check_token_file_mode
 from weightsync.control.client import channel, describe_rpc_error, trainer_stub
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
@@ -235,9 +237,12 @@ def _main(argv: list[str] | None) -> int:
     token = os.environ.get("WSCTL_TOKEN", "")
     if ns.token_file:
         try:
+            check_token_file_mode(Path(ns.token_file), "--token-file")
             token = Path(ns.token_file).read_text().strip()
         except OSError as exc:
             return _fail(ns, EXIT_USAGE, f"--token-file {ns.token_file}: {exc.strerror}", "USAGE")
+        except ConfigError as exc:
+            return _fail(ns, EXIT_USAGE, str(exc), "USAGE")
     with channel(ns.address) as ch:
         stub = trainer_stub(ch, token, ns.timeout)
         try:

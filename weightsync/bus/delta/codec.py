@@ -39,7 +39,7 @@ from weightsync.bus.delta.payload import (
     read_header,
     words_of,
 )
-from weightsync.bus.errors import TransportError
+from weightsync.bus.errors import CorruptFrame
 from weightsync.bus.plan import BucketPlan
 
 if TYPE_CHECKING:
@@ -339,10 +339,10 @@ def _bitmap_steps(raw: torch.Tensor, nwords: int, entries: int, device: torch.de
         return bits.nonzero().squeeze(1) + lo * 8
 
     if nwords % 8 and int(raw[-1]) >> (nwords % 8):
-        raise TransportError("delta bitmap marks positions past the bucket's end")
+        raise CorruptFrame("delta bitmap marks positions past the bucket's end")
     marked = sum(int(positions(lo).numel()) for lo in range(0, raw.numel(), step))
     if marked != entries:
-        raise TransportError(f"delta bitmap marks {marked} positions, header says {entries}")
+        raise CorruptFrame(f"delta bitmap marks {marked} positions, header says {entries}")
     return lambda: (positions(lo) for lo in range(0, raw.numel(), step))
 
 
@@ -358,10 +358,10 @@ def _gap_steps(raw: torch.Tensor, width: int, nwords: int):
     for s in range(0, stored.numel(), _STEP_ENTRIES):
         g = gaps(s)
         if int(g.min()) < 1:
-            raise TransportError("delta positions fall outside the bucket")
+            raise CorruptFrame("delta positions fall outside the bucket")
         total += int(g.sum())
     if total > nwords:  # the last position is total - 1
-        raise TransportError("delta positions fall outside the bucket")
+        raise CorruptFrame("delta positions fall outside the bucket")
 
     def positions():
         last = -1

@@ -37,7 +37,7 @@ import functools
 import torch
 
 from weightsync.bus.delta import payload as fmt
-from weightsync.bus.errors import TransportError
+from weightsync.bus.errors import CorruptFrame
 from weightsync.triton_support import available  # noqa: F401 (callers ask this module)
 
 #: words per program (512 bitmap bytes) and its warps: the fastest of the configurations that
@@ -151,9 +151,9 @@ def apply_bitmap(payload: torch.Tensor, base: torch.Tensor, word: int, entries: 
     past = (bitmap[pos_bytes - 1 : pos_bytes].to(torch.int64) >> (nwords % 8)) if nwords % 8 else cum[-1:] * 0
     marked, past = torch.cat([cum[-1:], past]).tolist()
     if past:
-        raise TransportError("delta bitmap marks positions past the bucket's end")
+        raise CorruptFrame("delta bitmap marks positions past the bucket's end")
     if marked != entries:
-        raise TransportError(f"delta bitmap marks {marked} positions, header says {entries}")
+        raise CorruptFrame(f"delta bitmap marks {marked} positions, header says {entries}")
     positions = torch.empty(entries, dtype=torch.int64, device=dev)
     change = torch.zeros(blocks, 2, dtype=torch.int64, device=dev)
     _run(kernels[4], blocks, dev, bitmap, offsets, fmt.words_of(base, word), positions, change, pos_bytes,

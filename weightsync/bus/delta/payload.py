@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.bus.errors import TransportError
+from weightsync.bus.errors import CorruptFrame
 
 _HDR = struct.Struct("<BBBxIQ")
 HEADER_BYTES = _HDR.size
@@ -39,7 +39,7 @@ def empty_payload(word: int, device: torch.device) -> torch.Tensor:
 def read_header(payload: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int]:
     """(kind, word bytes, gap bytes, entries) of `payload`, refused where they cannot fit `base`."""
     if payload.numel() < HEADER_BYTES:
-        raise TransportError(f"delta payload of {payload.numel()} bytes is shorter than its header")
+        raise CorruptFrame(f"delta payload of {payload.numel()} bytes is shorter than its header")
     kind, word, width, _, entries = _HDR.unpack(bytes(payload[:HEADER_BYTES].cpu().numpy()))
     if (
         word not in WORD_DTYPES
@@ -47,10 +47,23 @@ def read_header(payload: torch.Tensor, base: torch.Tensor) -> tuple[int, int, in
         or (kind == GAPS and width not in GAP_DTYPES)
         or kind not in (0, 1)
     ):
-        raise TransportError(
+        raise CorruptFrame(
             f"delta header kind={kind} word={word} gap={width} does not fit a {base.numel()}-byte bucket"
         )
     return kind, word, width, entries
+
+
+def framed_size(head: bytes, nbytes: int) -> int:
+    """The whole size a payload whose first HEADER_BYTES are `head` has, for a bucket of `nbytes`:
+    the receiver checks the frame's length field against it before reading on, so a damaged length
+    or header is found at once, as corruption, not read as a stream that stopped short."""
+    kind, word, width, _, entries = _HDR.unpack(head)
+    if word not in WORD_DTYPES or nbytes % word or (kind == GAPS and width not in GAP_DTYPES) or kind not in (0, 1):
+        raise CorruptFrame(f"delta header kind={kind} word={word} gap={width} does not fit a {nbytes}-byte bucket")
+    nwords = nbytes // word
+    if entries > nwords:
+        raise CorruptFrame(f"delta header says {entries} entries for a bucket of {nwords} words")
+    return HEADER_BYTES + ((nwords + 7) // 8 if kind == BITMAP else entries * width) + entries * word
 
 
 def check_length(payload: torch.Tensor, kind: int, word: int, width: int, entries: int, nwords: int) -> int:
@@ -58,7 +71,7 @@ def check_length(payload: torch.Tensor, kind: int, word: int, width: int, entrie
     pos_bytes = (nwords + 7) // 8 if kind == BITMAP else entries * width
     body = payload.numel() - HEADER_BYTES
     if body != pos_bytes + entries * word:
-        raise TransportError(
+        raise CorruptFrame(
             f"delta payload has {body} bytes after its header; {entries} entries need {pos_bytes + entries * word}"
         )
     return pos_bytes

@@ -2,7 +2,8 @@
 
 Before its hello proves the token, a connection costs almost nothing and holds nothing a trainer
 needs: it waits in a *handshake* budget of its own (`max_handshakes` in all, at most
-`max_handshakes_per_address` from one address; more are closed at accept), and its magic and hello
+`max_handshakes_per_address` from one address; over a cap the oldest connection that makes no
+progress is evicted, not the newest refused: weightsync.bus.tcp.preauth), and its magic and hello
 (at most 294 bytes) must arrive within `hello_timeout` seconds in total, however the peer spaces
 its bytes. Only an authenticated connection for the sync prepared here takes one of the
 `max_connections` stream slots (one thread each), and a bucket buffer is sized from the accepted
@@ -21,38 +22,11 @@ from collections.abc import Callable
 
 from weightsync.bus.errors import SyncError
 from weightsync.bus.rollout_end import RolloutEnd
+from weightsync.bus.tcp.preauth import PreAuthBudget
 from weightsync.bus.tcp.wire import TcpBucketReceiver, hello_mac, read_hello, recv_magic
 from weightsync.config import parse_host_port
 
 log = logging.getLogger(__name__)
-
-
-class HandshakeBudget:
-    """Connections not yet authenticated: a total cap and a cap per peer address."""
-
-    def __init__(self, total: int, per_address: int):
-        self.total, self.per_address = total, per_address
-        self._lock = threading.Lock()
-        self._by_address: dict[str, int] = {}
-
-    def enter(self, address: str) -> bool:
-        with self._lock:
-            if sum(self._by_address.values()) >= self.total or self._by_address.get(address, 0) >= self.per_address:
-                return False
-            self._by_address[address] = self._by_address.get(address, 0) + 1
-            return True
-
-    def leave(self, address: str) -> None:
-        with self._lock:
-            left = self._by_address[address] - 1
-            if left:
-                self._by_address[address] = left
-            else:
-                del self._by_address[address]
-
-    def waiting(self) -> int:
-        with self._lock:
-            return sum(self._by_address.values())
 
 
 class TcpRolloutEnd(RolloutEnd):
@@ -102,7 +76,7 @@ class TcpReceiver:
         self.hello_timeout = hello_timeout
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
-        self.handshakes = HandshakeBudget(max_handshakes, max_handshakes_per_address)
+        self.handshakes = PreAuthBudget(max_handshakes, max_handshakes_per_address, "bus connection")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         # A restarted rollout binds its data port again while the connections its predecessor closed
@@ -131,31 +105,26 @@ class TcpReceiver:
             except OSError:
                 return
             address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-            if not self.handshakes.enter(address):
-                log.warning(
-                    "bus connection from %s refused: too many unauthenticated connections (%d waiting; at "
-                    "most %d from one address)",
-                    peer,
-                    self.handshakes.waiting(),
-                    self.handshakes.per_address,
-                )
-                conn.close()
-                continue
-            threading.Thread(target=self._handshake, args=(conn, peer, address), name="bus-hello", daemon=True).start()
+            ticket = self.handshakes.enter(conn, address, needs=4)  # first stage: the magic
+            threading.Thread(target=self._handshake, args=(conn, peer, ticket), name="bus-hello", daemon=True).start()
 
-    def _handshake(self, conn: socket.socket, peer, address: str) -> None:
+    def _handshake(self, conn: socket.socket, peer, ticket) -> None:
         """Read the first bytes under the handshake budget, then hand the connection on."""
         deadline = time.monotonic() + self.hello_timeout
         try:
             magic = recv_magic(conn, deadline)
             serve = self.other_protocols.get(magic)
-            hello = None if serve is not None else read_hello(conn, deadline, magic)
+            stage = lambda n: self.handshakes.progress(ticket, n)  # noqa: E731
+            hello = None if serve is not None else read_hello(conn, deadline, magic, stage)
         except Exception as exc:
-            log.warning("bus connection from %s rejected: %s", peer, exc)
+            self.handshakes.leave(ticket)
+            if ticket.evicted:  # the budget logged it (rate-limited: a flood evicts many)
+                log.debug("bus connection from %s evicted: %s", peer, exc)
+            else:
+                log.warning("bus connection from %s rejected: %s", peer, exc)
             conn.close()
             return
-        finally:
-            self.handshakes.leave(address)
+        self.handshakes.leave(ticket)
         if serve is not None:
             serve(conn, peer)
         else:

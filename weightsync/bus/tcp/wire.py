@@ -22,12 +22,14 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from weightsync.bus.channel import BucketReceiver, BucketSender
-from weightsync.bus.errors import TransportError
+from weightsync.bus.delta.payload import HEADER_BYTES, framed_size
+from weightsync.bus.errors import CorruptFrame, TransportError
 from weightsync.bus.plan import BucketPlan
 
 HELLO_MAGIC = b"WSH2"
@@ -35,6 +37,8 @@ BUCKET_MAGIC = b"WSB1"
 DELTA_MAGIC = b"WSD1"
 _BUCKET_HDR = struct.Struct("<4sIQQB")
 _DELTA_LEN = struct.Struct("<Q")
+#: bytes per sendall of a payload: the unit of the per-target progress count (sent_bytes)
+_PROGRESS_CHUNK = 16 << 20
 _MAX_SYNC_ID = 256
 _SOCK_BUF = 8 << 20
 
@@ -67,19 +71,26 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
         got += k
 
 
-def read_hello(sock: socket.socket, deadline: float, magic: bytes | None = None) -> tuple[str, int, bytes]:
+def read_hello(
+    sock: socket.socket, deadline: float, magic: bytes | None = None, stage: Callable[[int], None] | None = None
+) -> tuple[str, int, bytes]:
     """(sync_id, sender rank, MAC) of a connection's hello (`magic`: its first 4 bytes, if already read),
-    all of it received by `deadline` (time.monotonic())."""
+    all of it received by `deadline` (time.monotonic()). `stage(n)` is told before each part is read
+    that it needs n bytes (the pre-auth budget's measure of progress)."""
     if magic is None:
         magic = recv_magic(sock, deadline)
     if magic != HELLO_MAGIC:
         raise TransportError(f"bad hello magic {magic!r}: not a weightsync bus peer")
     head = bytearray(2)
+    if stage is not None:
+        stage(len(head))
     _recv_exact(sock, memoryview(head), deadline)
     (n,) = struct.unpack("<H", head)
     if not 0 < n <= _MAX_SYNC_ID:
         raise TransportError(f"hello sync_id length {n} out of range")
     rest = bytearray(n + 4 + 32)
+    if stage is not None:
+        stage(len(rest))
     _recv_exact(sock, memoryview(rest), deadline)
     (sender,) = struct.unpack("<I", rest[n : n + 4])
     return rest[:n].decode("utf-8", errors="replace"), sender, bytes(rest[n + 4 :])
@@ -140,12 +151,21 @@ class TcpBucketReceiver(BucketReceiver):
             head = bytearray(_DELTA_LEN.size)
             self._read(plan, memoryview(head), timeout)
             (size,) = _DELTA_LEN.unpack(head)
-            if size >= nbytes:  # never more than the dense bucket: the manifest bounds what we allocate
-                raise TransportError(f"bucket {plan.index}: delta of {size} bytes for a {nbytes}-byte bucket")
+            if not HEADER_BYTES <= size < nbytes:  # never more than the dense bucket: the manifest bounds it
+                raise CorruptFrame(f"bucket {plan.index}: delta of {size} bytes for a {nbytes}-byte bucket")
         if self._buf is None or self._buf.numel() < size:
             self._buf = torch.empty(size, dtype=torch.uint8)
         view = self._buf[:size]
-        self._read(plan, memoryview(view.numpy()).cast("B"), timeout)
+        raw = memoryview(view.numpy()).cast("B")
+        if magic == DELTA_MAGIC:  # its header first: it must agree with the frame's length
+            self._read(plan, raw[:HEADER_BYTES], timeout)
+            expected = framed_size(bytes(raw[:HEADER_BYTES]), nbytes)
+            if expected != size:
+                raise CorruptFrame(
+                    f"bucket {plan.index}: delta frame of {size} bytes, but its header describes {expected}"
+                )
+            raw = raw[HEADER_BYTES:]
+        self._read(plan, raw, timeout)
         if magic == DELTA_MAGIC:
             view = self.base.patched(plan, view)
         elif self.base is not None:
@@ -199,6 +219,8 @@ class TcpBucketSender(BucketSender):
         self._lock = threading.Lock()
         self.delta_targets: set[str] = set()
         self.wire_bytes: dict[str, int] = {tid: 0 for tid in targets}
+        #: payload bytes each target's kernel took so far, counted per chunk while a bucket goes out
+        self.sent_bytes: dict[str, int] = {tid: 0 for tid in targets}
         self._pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="tcp-send")
         hello = hello_frame(sync_id, sender, hello_mac(token, sync_id, sender) if mac is None else mac)
         for tid, fut in [(tid, self._pool.submit(self._connect, addr, hello)) for tid, addr in targets.items()]:
@@ -221,7 +243,11 @@ class TcpBucketSender(BucketSender):
     def _send_one(self, tid: str, sock: socket.socket, hdr: bytes, payload: memoryview) -> None:
         try:
             sock.sendall(hdr)
-            sock.sendall(payload)
+            # in chunks, each counted once the kernel took it: the stream's liveness watch reads the
+            # count as receive progress (a stopped peer stops taking bytes once its buffers fill)
+            for at in range(0, payload.nbytes, _PROGRESS_CHUNK):
+                sock.sendall(payload[at : at + _PROGRESS_CHUNK])
+                self.sent_bytes[tid] = self.sent_bytes.get(tid, 0) + min(_PROGRESS_CHUNK, payload.nbytes - at)
             self.wire_bytes[tid] += len(hdr) + payload.nbytes
         except OSError as exc:
             with self._lock:

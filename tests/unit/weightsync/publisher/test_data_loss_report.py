@@ -70,7 +70,10 @@ def test_a_byte_flipped_in_flight_is_reported_as_data_loss(fleet, capsys, monkey
     bump_and_sync_exactly(trainer, {"r": app}, stub)
 
 
-def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_exact(fleet):
+#: offsets in the stream after the hello: a delta frame's header is 25 bytes, then its payload's 16-byte
+#: header (kind at 25, word at 26, entries at 33..40), its positions and words; 3000 is well past them
+@pytest.mark.parametrize("flip_at", [3000, 26, 34, 45], ids=["words", "word-size", "entries", "positions"])
+def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_exact(fleet, flip_at):
     trainer, app, stub, proxy = fleet
     bump_and_sync_exactly(trainer, {"r": app}, stub)  # both ends hold the base
     g = torch.Generator().manual_seed(0)
@@ -79,11 +82,13 @@ def test_a_byte_flipped_in_a_delta_fails_the_sync_and_the_next_one_is_full_and_e
             mask = torch.rand(p.shape, generator=g) < 0.02
             p[mask] = p[mask] * 1.5 + 0.01
     trainer.actor.version += 1
-    proxy.set("flip", after_bytes=3000)
+    proxy.set("flip", after_bytes=flip_at)
     rep = stub.Sync(trainer_pb2.SyncRequest()).report
     assert proxy.links.flip_at is None, "the proxy flipped no byte"
     r = rep.rollouts[0]
     assert not rep.ok and r.encoding == "delta" and r.wire_bytes < 0.15 * rep.bytes, (r.encoding, r.wire_bytes)
+    # a damaged delta frame (its header, positions or words) is corruption in flight, as the docs promise
+    assert r.error.startswith("DATA_LOSS: "), r.error
     assert app.tx.version == trainer.actor.version - 1  # the rollout kept its weights
     proxy.set("pass")
     rep = bump_and_sync_exactly(trainer, {"r": app}, stub)  # checks the rollout's weights bit for bit

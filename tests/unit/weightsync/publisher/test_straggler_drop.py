@@ -320,3 +320,29 @@ def test_a_target_silent_mid_stream_is_dropped_from_it_the_others_commit_and_it_
     # every bucket reached the others; c is sent neither its commit nor an abort that would wait on it
     assert [s[0] for s in session.channel.sent] == [p.index for p in manifest.buckets]
     assert ("c", "CommitSync") not in orch.calls and ("c", "AbortSync") not in orch.calls
+
+
+class _Mute:
+    """A link whose pings are never answered: a live rollout whose link thread cannot run (its process
+    busy: trainer and rollout in one process during a big first sync)."""
+
+    last_heard = 0.0
+
+    def ping(self):
+        return True
+
+
+def test_a_target_still_receiving_is_not_dropped_for_a_mute_link_and_is_once_its_stream_stops():
+    # issue 49: dropped only on silence AND no receive progress
+    clock, sent = _Clock(), {"busy": 0}
+    dropped = []
+    watch = StreamLiveness({"busy": _Mute()}, 1.0, lambda rid, s: dropped.append(rid), clock=clock, progress=sent.get)
+    for _ in range(20):  # 5 s, five liveness timeouts: unanswered, but its stream keeps moving
+        clock.t += 0.25
+        sent["busy"] += 16 << 20
+        watch.check()
+    assert dropped == []
+    for _ in range(5):  # its stream stops too: dropped one timeout later
+        clock.t += 0.25
+        watch.check()
+    assert dropped == ["busy"] and watch.dropped["busy"] == 1.0
