@@ -226,9 +226,7 @@ class Pair:
                 num_tensors=manifest.num_tensors,
             )
             result = trainer_pb2.RolloutSyncResult(rollout_id=entry.rollout_id, ok=True, version=resp.version)
-            orch._report(
-                report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001
-            )
+            orch._report(report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001)
         with clock("status"):
             rollout.GetStatus(None, ctx).SerializeToString()
         clock.total(time.perf_counter() - t0)

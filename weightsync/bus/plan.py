@@ -12,6 +12,7 @@ owners, bucket size), so every trainer rank computes the same manifest without t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -84,11 +85,13 @@ class Manifest:
     #: sha256 of the layout (weightsync.bus.layout); "" when not computed
     layout_digest: str = ""
 
-    @property
+    # Computed once per manifest (a sync reads each several times, over every bucket): the buckets of
+    # a manifest are never changed once it is built (plan_buckets, manifest_from_proto, ManifestCache).
+    @functools.cached_property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def num_tensors(self) -> int:
         return sum(len(b.slots) for b in self.buckets)
 
@@ -98,7 +101,11 @@ class Manifest:
     @property
     def senders(self) -> list[int]:
         """The trainer ranks streaming this sync, ascending."""
-        return sorted({b.sender for b in self.buckets})
+        return list(self._senders)
+
+    @functools.cached_property
+    def _senders(self) -> tuple[int, ...]:
+        return tuple(sorted({b.sender for b in self.buckets}))
 
     def buckets_of(self, sender: int) -> list[BucketPlan]:
         """The buckets `sender` streams, in the order it sends them."""
