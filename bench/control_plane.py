@@ -305,7 +305,11 @@ def _git() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma-separated, any of bench/model_arch.py (default: the three large ones)",
+    )
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16, fp8-block")
     p.add_argument("--syncs", type=int, default=10, help="steady-state syncs per configuration (median)")
     p.add_argument("--bucket-mb", type=int, default=BUCKET_MB)
