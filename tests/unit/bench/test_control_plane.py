@@ -14,7 +14,6 @@ from bench.control_plane import Clock, Pair, main
 from bench.model_arch import arch, footprint
 from weightsync.bus.plan import TensorMeta
 
-
 BUCKET = 2_560_000
 
 
