@@ -33,12 +33,26 @@ class ControlRow:
 
 
 @functools.lru_cache(maxsize=1)
+def _newest() -> tuple[str, dict] | None:
+    files = sorted(RESULTS.glob("control_plane_cpu_*.json"))
+    return (files[-1].name, json.loads(files[-1].read_text())) if files else None
+
+
+def before_steady_s(model: str, dtype: str) -> float | None:
+    """The steady state of `model` in `dtype` (the bench's names) recorded in the result's `before`
+    (the same bench on the tree before the control plane was made per bucket), or None."""
+    got = _newest()
+    earlier = (got[1].get("before") or {}).get("rows", []) if got else []
+    return next((r["steady_s"] for r in earlier if r["model"] == model and r["dtype"] == dtype), None)
+
+
+@functools.lru_cache(maxsize=1)
 def rows() -> tuple[ControlRow, ...]:
     """Every row of the newest control_plane_cpu result (by the date in its name); () when none."""
-    files = sorted(RESULTS.glob("control_plane_cpu_*.json"))
-    if not files:
+    got = _newest()
+    if got is None:
         return ()
-    data = json.loads(files[-1].read_text())
+    name, data = got
     return tuple(
         ControlRow(
             r["model"],
@@ -48,7 +62,7 @@ def rows() -> tuple[ControlRow, ...]:
             r["first_s"],
             r["steady_s"],
             r.get("rejoin_s", r["first_s"]),
-            f"{files[-1].name} {r['model']} {r['dtype']}",
+            f"{name} {r['model']} {r['dtype']}",
         )
         for r in data["rows"]
     )

@@ -319,6 +319,7 @@ def main(argv=None) -> int:
     import torch
 
     now = datetime.now(timezone.utc)
+    load_before = os.getloadavg()
     rows = []
     configs = [(m, d) for m in args.models.split(",") for d in args.dtypes.split(",")]
     for i, (model, dtype) in enumerate(configs):
@@ -341,6 +342,9 @@ def main(argv=None) -> int:
         "date": now.isoformat(timespec="seconds"),
         "rows": rows,
         "baseline": None,
+        # a shared host's load scales every absolute time: compare rows of one run
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -115,16 +115,18 @@ def control_markdown() -> str:
     """The control plane at full scale, measured on a CPU (bench/control_plane.py), with the old
     per-tensor extrapolation the fleet tables used before it."""
     rows = [
-        "| model | dtype | tensors | buckets | first sync | steady state | restarted rollout | "
-        "steady per bucket | extrapolated per tensor (before) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | dtype | tensors | buckets | first sync | steady state | steady, before | restarted rollout | "
+        "steady per bucket | the old per-tensor extrapolation |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in control_measured.rows():
         fp = footprint(arch(r.model), FP8 if r.dtype != BF16 else BF16)
         old = 11.1e-3 * fp.tensors / 339 + 2.1e-3  # plan + prepare scaled per tensor, + commit (2026-11-23)
+        before = control_measured.before_steady_s(r.model, r.dtype)
         rows.append(
             f"| {r.model} | {r.dtype} | {r.tensors} | {r.buckets} | {_s(r.first_s)} | {r.steady_s * 1e3:.1f} ms | "
-            f"{_s(r.rejoin_s)} | {r.steady_s / r.buckets * 1e6:.0f} us | {_s(old)} |"
+            f"{'—' if before is None else f'{before * 1e3:.1f} ms'} | {_s(r.rejoin_s)} | "
+            f"{r.steady_s / r.buckets * 1e6:.0f} us | {_s(old)} |"
         )
     return "\n".join(rows)
 
