@@ -12,7 +12,9 @@ owners, bucket size), so every trainer rank computes the same manifest without t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 from dataclasses import dataclass, field
 
@@ -122,6 +124,21 @@ class Manifest:
             for s in b.slots:
                 h.update(f";{s.meta.name}:{s.meta.shape}:{s.meta.dtype}:{s.offset}".encode())
         return h.hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def bulk():
+    """Around building a layout's per-tensor objects (metas, slots: hundreds of thousands, none in a
+    cycle): the cyclic collector paused, then left as it was. Left on, it ran a collection every few
+    hundred of them, each older one over every object alive, which more than doubled the time to
+    plan or validate a 140,000-tensor manifest (bench/control_plane.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _align(n: int) -> int:

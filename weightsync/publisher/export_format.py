@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.dtypes import parse_dtype
-from weightsync.bus.plan import Quantization, TensorMeta
+from weightsync.bus.plan import Quantization, TensorMeta, bulk
 from weightsync.formats import fp8_export
 from weightsync.formats.fp8_spec import BLOCK_FP8, hf_quantization_config
 
@@ -43,7 +43,8 @@ class ExportFormat:
             return hit[1]
         given = metas
         metas = list(metas)
-        out = fp8_export.export_metas(metas)
+        with bulk():
+            out = fp8_export.export_metas(metas)
         # the caller's own list too: an actor that hands back the same list each sync costs one identity check
         self._memo["metas"] = (metas, out, given)
         return out
