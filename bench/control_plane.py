@@ -175,47 +175,20 @@ class Pair:
 
     def sync(self, clock) -> tuple[int, int]:
         """One sync through the control path; (tensors, buckets)."""
-        from weightsync.bus.layout import compact_proto
         from weightsync.publisher.phases import PhaseClock
-        from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
+        from weightsync.v1 import trainer_pb2
 
-        orch, cache, entry, rollout = self.orch, self.orch.manifests, self.entry, self.servicer
-        ctx = _Context()
+        orch, entry, rollout = self.orch, self.entry, self.servicer
         self.actor.version += 1
         t0 = time.perf_counter()
         with clock("plan"):
             _, manifest = orch._plan([], "tcp")
         with clock("prepare"):
-            digest = manifest.layout_digest
-            sent_full = not cache.holds(entry, digest)
-            while True:
-                req = rollout_pb2.PrepareSyncRequest(
-                    manifest=cache.full_proto(manifest) if sent_full else compact_proto(manifest),
-                    timeout_seconds=300.0,
-                    transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
-                    trainer_id="",
-                )
-                wire = req.SerializeToString()
-                got = rollout.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), ctx)
-                resp = rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString())
-                if not resp.manifest_needed:
-                    break
-                if sent_full:
-                    raise RuntimeError("the rollout asked for the full manifest it was just sent")
-                cache.forget(entry)
-                sent_full = True
-            cache.learned(entry, digest)
+            self._prepare(manifest)
         with clock("write"):
             rollout.tx.accept_trainer_writes(manifest.sync_id)  # the byte path: nothing written
         with clock("commit"):
-            req = rollout_pb2.CommitSyncRequest(sync_id=manifest.sync_id, version=manifest.version)
-            for b in manifest.buckets:
-                req.checksums.add(index=b.index, checksum=b.index)
-            wire = req.SerializeToString()
-            got = rollout.CommitSync(rollout_pb2.CommitSyncRequest.FromString(wire), ctx)
-            resp = rollout_pb2.CommitSyncResponse.FromString(got.SerializeToString())
-            if resp.version != manifest.version:
-                raise RuntimeError(f"committed version {resp.version}, expected {manifest.version}")
+            version = self._commit(manifest)
         with clock("report"):
             report = trainer_pb2.SyncReport(
                 sync_id=manifest.sync_id,
@@ -225,12 +198,50 @@ class Pair:
                 num_buckets=len(manifest.buckets),
                 num_tensors=manifest.num_tensors,
             )
-            result = trainer_pb2.RolloutSyncResult(rollout_id=entry.rollout_id, ok=True, version=resp.version)
+            result = trainer_pb2.RolloutSyncResult(rollout_id=entry.rollout_id, ok=True, version=version)
             orch._report(report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001)
         with clock("status"):
-            rollout.GetStatus(None, ctx).SerializeToString()
+            rollout.GetStatus(None, _Context()).SerializeToString()
         clock.total(time.perf_counter() - t0)
         return report.num_tensors, report.num_buckets
+
+    def _prepare(self, manifest) -> None:
+        """PrepareSync as SyncAttempt sends it: the layout's digest to a rollout known to hold it, else
+        the full manifest; a `manifest_needed` answer is sent the full one."""
+        from weightsync.bus.layout import compact_proto
+        from weightsync.v1 import bus_pb2, rollout_pb2
+
+        cache, entry, digest = self.orch.manifests, self.entry, manifest.layout_digest
+        sent_full = not cache.holds(entry, digest)
+        while True:
+            req = rollout_pb2.PrepareSyncRequest(
+                manifest=cache.full_proto(manifest) if sent_full else compact_proto(manifest),
+                timeout_seconds=300.0,
+                transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
+            )
+            wire = req.SerializeToString()
+            got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
+            if not rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString()).manifest_needed:
+                break
+            if sent_full:
+                raise RuntimeError("the rollout asked for the full manifest it was just sent")
+            cache.forget(entry)
+            sent_full = True
+        cache.learned(entry, digest)
+
+    def _commit(self, manifest) -> int:
+        """CommitSync with one checksum per bucket (the trainer's of what it wrote); the committed version."""
+        from weightsync.v1 import rollout_pb2
+
+        req = rollout_pb2.CommitSyncRequest(sync_id=manifest.sync_id, version=manifest.version)
+        for b in manifest.buckets:
+            req.checksums.add(index=b.index, checksum=b.index)
+        wire = req.SerializeToString()
+        got = self.servicer.CommitSync(rollout_pb2.CommitSyncRequest.FromString(wire), _Context())
+        resp = rollout_pb2.CommitSyncResponse.FromString(got.SerializeToString())
+        if resp.version != manifest.version:
+            raise RuntimeError(f"committed version {resp.version}, expected {manifest.version}")
+        return resp.version
 
 
 class Clock:
