@@ -19,7 +19,6 @@ digest by construction: nothing is ever applied under a stale layout.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections import OrderedDict
 
@@ -115,7 +114,7 @@ class ManifestCache:
             self._key, self._metas, self._template, self._full = key, metas, template, None
             self.plans += 1
         # The bucket plans are shared, never mutated after planning; only the per-sync fields differ.
-        return dataclasses.replace(self._template, version=version, sync_id=sync_id, origin=origin)
+        return self._template.for_sync(version, sync_id, origin)
 
     def full_proto(self, m: Manifest) -> bus_pb2.Manifest:
         """The full manifest of `m` (encoded once per layout, then copied with the sync's fields)."""
@@ -184,7 +183,7 @@ class KnownLayouts:
                     f"{msg.layout_digest[:12]}… it names ({getattr(held, name)!r})"
                 )
         self._by_digest.move_to_end(msg.layout_digest)
-        return dataclasses.replace(held, version=msg.version, sync_id=msg.sync_id, origin=msg.origin)
+        return held.for_sync(msg.version, msg.sync_id, msg.origin)
 
     def remember(self, m: Manifest) -> None:
         """Keep `m`'s layout; call only once the engine has accepted it (SyncTransaction.validate)."""

@@ -13,6 +13,7 @@ owners, bucket size), so every trainer rank computes the same manifest without t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import math
@@ -109,6 +110,22 @@ class Manifest:
     def _senders(self) -> tuple[int, ...]:
         return tuple(sorted({b.sender for b in self.buckets}))
 
+    @functools.cached_property
+    def sender_order(self) -> dict[int, list[int]]:
+        """sender rank -> the indices of its buckets, in sending order (shared: do not change)."""
+        out: dict[int, list[int]] = {}
+        for b in self.buckets:
+            out.setdefault(b.sender, []).append(b.index)
+        return out
+
+    def for_sync(self, version: int, sync_id: str, origin: str) -> Manifest:
+        """This layout as one sync's manifest: the buckets shared, and what was computed over them kept,
+        so a steady-state sync walks none of them again."""
+        out = dataclasses.replace(self, version=version, sync_id=sync_id, origin=origin)
+        for name in _PER_LAYOUT:
+            out.__dict__[name] = getattr(self, name)  # computed on the layout's first sync, then kept
+        return out
+
     def buckets_of(self, sender: int) -> list[BucketPlan]:
         """The buckets `sender` streams, in the order it sends them."""
         return [b for b in self.buckets if b.sender == sender]
@@ -124,6 +141,10 @@ class Manifest:
             for s in b.slots:
                 h.update(f";{s.meta.name}:{s.meta.shape}:{s.meta.dtype}:{s.offset}".encode())
         return h.hexdigest()[:32]
+
+
+#: Manifest's cached properties: functions of the buckets alone, which every sync of a layout shares
+_PER_LAYOUT = ("total_bytes", "num_tensors", "_senders", "sender_order")
 
 
 @contextlib.contextmanager
