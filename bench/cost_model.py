@@ -8,7 +8,8 @@
 The model (pure Python; docs/BENCHMARKS.md "Fleet cost model" states it in prose):
 
     sync   = control + stream                       (control only through the services)
-    control = plan + prepare + commit, measured at ~340 tensors, scaled by the tensor count
+    control = plan + prepare + commit: the services' round trips measured at ~340 tensors (GPUs), plus the
+              control host work at scale, measured on a CPU (bench/control_plane.py) or per bucket
     stream = fill + steady + drain
     steady = max over every resource that the bytes cross, all pipelined against each other:
         each sender's egress     bytes_i / link + buckets_i * (msg latency + ring hops * hop latency)
@@ -78,6 +79,7 @@ class Calibration:
     plan_prepare_s: float = 11.1e-3  # plan + prepare at ref_tensors (7B, services, median)
     commit_s: float = 2.1e-3
     ref_tensors: int = 339
+    ref_buckets: int = 15  # the 7B's at 1 GiB: its measured control already pays for them
     ipc_bucket_s: float = 1.13e-3  # CUDA IPC hand-off per bucket (map, ack, syncs); fitted
     ipc_rpc_bucket_s: float = 0.79e-3  # PushBucket round trip per bucket through the services; fitted
 
@@ -223,9 +225,26 @@ def _receiver_bytes(total: float, fleet: Fleet) -> tuple[float, float]:
     return total / t, 0.0
 
 
-def control_seconds(fp: Footprint, cal: Calibration = CAL) -> float:
-    # plan + prepare walk every tensor (manifest); scaled linearly from the measured point
-    return cal.plan_prepare_s * fp.tensors / cal.ref_tensors + cal.commit_s
+def control_seconds(fp: Footprint, cal: Calibration = CAL, bucket_bytes: int = GIB) -> float:
+    """Steady-state control of a sync: the services' round trips and fixed work as measured on GPUs at
+    the reference model (plan + prepare + commit), plus the control host work at `fp`'s scale, measured
+    on a CPU where bench/control_plane.py has a row for it (`control_source`) and otherwise predicted
+    from the measured cost per bucket beyond the reference's buckets. The layout is sent and validated
+    once (first sync, restarted rollout), not per sync: steady state costs per bucket, not per tensor."""
+    from bench import control_measured
+
+    measured = control_measured.row(fp.arch.name, fp.dtype)
+    if measured is not None:
+        return cal.plan_prepare_s + cal.commit_s + measured.steady_s
+    extra = control_measured.buckets(fp.bytes, bucket_bytes) - cal.ref_buckets
+    return cal.plan_prepare_s + cal.commit_s + control_measured.per_bucket_s() * max(0, extra)
+
+
+def control_source(fp: Footprint) -> str:
+    """ "measured" (on a CPU, bench/control_plane.py) or "predicted" (per bucket): whence control_seconds."""
+    from bench import control_measured
+
+    return "measured" if control_measured.row(fp.arch.name, fp.dtype) is not None else "predicted"
 
 
 def predict(
@@ -244,7 +263,7 @@ def predict(
     hbm, total = cal.hbm_rw_gbs * 1e9, fp.bytes
     pack = _pack_traffic(fp, tr)
     csum = (1.0 / (cal.checksum_gbs * 1e9)) if sync.checksum else 0.0
-    control = control_seconds(fp, cal) if sync.services else 0.0
+    control = control_seconds(fp, cal, sync.bucket_bytes) if sync.services else 0.0
     if sync.transport == "ipc":
         return _predict_ipc(fp, tr, fleet, sync, cal, pack, csum, control)
     if sync.transport != "nccl":

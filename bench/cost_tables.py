@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from bench import control_measured
 from bench import cost_calibration as calib
-from bench.cost_model import MULTI, SINGLE, Fleet, Links, Trainer, predict
+from bench.cost_model import MULTI, SINGLE, Fleet, Links, Trainer, control_source, predict
 from bench.model_arch import ARCHS, BF16, FP8, arch, footprint
 
 
@@ -60,7 +61,7 @@ def fleet_markdown(links: Links | None = None) -> str:
     links = links or Links()
     rows = [
         "| model | dtype | trainer | fleet | receiver | single-sender stream | multi-sender stream "
-        "| speed-up | multi bound by | multi, bandwidth only | control (extrapolated) |",
+        "| speed-up | multi bound by | multi, bandwidth only | control |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for sc in SCENARIOS:
@@ -74,7 +75,8 @@ def fleet_markdown(links: Links | None = None) -> str:
                 rows.append(
                     f"| {sc.model} | {dtype} ({fp.bytes / 1e9:.0f} GB) | {_layout(sc.trainer)} | "
                     f"{_fleet(fl)} | {rx} | {_s(one.stream_s)} | {_s(many.stream_s)} | "
-                    f"{one.stream_s / many.stream_s:.1f}x | {many.binding} | {_s(bw)} | {_s(many.control_s)} |"
+                    f"{one.stream_s / many.stream_s:.1f}x | {many.binding} | {_s(bw)} | "
+                    f"{_control(fp, many.control_s)} |"
                 )
     return "\n".join(rows)
 
@@ -99,9 +101,34 @@ def scaling_markdown(links: Links | None = None) -> str:
     return "\n".join(rows)
 
 
+def _control(fp, seconds: float) -> str:
+    return f"{_s(seconds)} ({control_source(fp)})"
+
+
 def _row(model: str, dtype: str, tr: Trainer, fl: Fleet, mode: str) -> str:
-    p = predict(footprint(arch(model), dtype), tr, fl, mode=mode)
-    return f"{_s(p.stream_s)} stream + {_s(p.control_s)} control"
+    fp = footprint(arch(model), dtype)
+    p = predict(fp, tr, fl, mode=mode)
+    return f"{_s(p.stream_s)} stream (predicted) + {_control(fp, p.control_s)} control"
+
+
+def control_markdown() -> str:
+    """The control plane at full scale, measured on a CPU (bench/control_plane.py), with the old
+    per-tensor extrapolation the fleet tables used before it."""
+    rows = [
+        "| model | dtype | tensors | buckets | first sync | steady state | steady, before | restarted rollout | "
+        "steady per bucket | the old per-tensor extrapolation |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in control_measured.rows():
+        fp = footprint(arch(r.model), FP8 if r.dtype != BF16 else BF16)
+        old = 11.1e-3 * fp.tensors / 339 + 2.1e-3  # plan + prepare scaled per tensor, + commit (2026-11-23)
+        before = control_measured.before_steady_s(r.model, r.dtype)
+        rows.append(
+            f"| {r.model} | {r.dtype} | {r.tensors} | {r.buckets} | {_s(r.first_s)} | {r.steady_s * 1e3:.1f} ms | "
+            f"{'—' if before is None else f'{before * 1e3:.1f} ms'} | {_s(r.rejoin_s)} | "
+            f"{r.steady_s / r.buckets * 1e6:.0f} us | {_s(old)} |"
+        )
+    return "\n".join(rows)
 
 
 def anchors_markdown() -> str:
@@ -160,6 +187,8 @@ def tables_markdown() -> str:
             calibration_markdown(),
             f"Fleet predictions (links: {Links()}):",
             fleet_markdown(),
+            "Control plane at scale (measured on a CPU, bench/control_plane.py):",
+            control_markdown(),
             "Published anchors:",
             anchors_markdown(),
             "Adding trainer nodes (Qwen3-235B-A22B bf16, stream time):",

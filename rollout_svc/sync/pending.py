@@ -67,14 +67,13 @@ class PendingSync:
     def trainer_wrote(self, checksums: dict[int, int]) -> None:
         """At commit of a trainer-writes sync: every bucket is in, with the trainer's checksums."""
         with self.lock:
-            for plan in self.manifest.buckets:
-                self.received[plan.index] = checksums.get(plan.index)
+            self.received = {i: checksums.get(i) for i in range(len(self.manifest.buckets))}
             self.arrived = {s: len(o) for s, o in self.order.items()}
             self.done.set()
 
     def __post_init__(self) -> None:
-        for b in self.manifest.buckets:
-            self.order.setdefault(b.sender, []).append(b.index)
+        # the layout's, computed once per layout (Manifest.sender_order): read only here
+        self.order = self.manifest.sender_order
         self.arrived = dict.fromkeys(self.order, 0)
 
     def admit(self, index: int) -> None:

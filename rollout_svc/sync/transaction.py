@@ -37,7 +37,7 @@ from rollout_svc.sync.pending import TIMED_OUT, PendingSync
 from weightsync.bus.channel import BucketReceiver
 from weightsync.bus.copy.checksum import combine
 from weightsync.bus.errors import SyncError
-from weightsync.bus.plan import Manifest
+from weightsync.bus.plan import Manifest, bulk
 from weightsync.formats.fp8.receive import Dequantizer
 from weightsync.v1 import rollout_pb2
 
@@ -104,7 +104,8 @@ class SyncTransaction:
             checked = self._valid_layouts[key]
             return None if checked is None else checked.fresh()  # one per sync: it holds unpaired halves
         try:
-            metas, dequantizer = plan_apply(self.engine, manifest)
+            with bulk():  # a layout not checked yet: every tensor, paired (block FP8)
+                metas, dequantizer = plan_apply(self.engine, manifest)
         except ValueError as exc:
             raise SyncError(str(exc), "INVALID_ARGUMENT") from exc
         seen = set()

@@ -18,12 +18,19 @@ digest by construction: nothing is ever applied under a stale layout.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections import OrderedDict
 
 from weightsync.bus import dtypes
-from weightsync.bus.plan import Manifest, Quantization, TensorMeta, manifest_from_proto, manifest_to_proto, plan_buckets
+from weightsync.bus.plan import (
+    Manifest,
+    Quantization,
+    TensorMeta,
+    bulk,
+    manifest_from_proto,
+    manifest_to_proto,
+    plan_buckets,
+)
 from weightsync.v1 import bus_pb2
 
 DIGEST_SCHEME = "ws-layout-v1"
@@ -92,20 +99,21 @@ class ManifestCache:
         # owners: each tensor's sender rank (None: one sender, rank 0), as for make_manifest
         key = (bucket_bytes, model_family, checksum_algo, quantization, tuple(owners) if owners else None)
         if self._template is None or key != self._key or not (metas is self._metas or metas == self._metas):
-            template = Manifest(
-                version=0,
-                sync_id="",
-                bucket_bytes=bucket_bytes,
-                buckets=plan_buckets(list(metas), bucket_bytes, owners),
-                model_family=model_family,
-                checksum_algo=checksum_algo,
-                quantization=quantization,
-            )
-            template.layout_digest = layout_digest(template)
+            with bulk():
+                template = Manifest(
+                    version=0,
+                    sync_id="",
+                    bucket_bytes=bucket_bytes,
+                    buckets=plan_buckets(list(metas), bucket_bytes, owners),
+                    model_family=model_family,
+                    checksum_algo=checksum_algo,
+                    quantization=quantization,
+                )
+                template.layout_digest = layout_digest(template)
             self._key, self._metas, self._template, self._full = key, metas, template, None
             self.plans += 1
         # The bucket plans are shared, never mutated after planning; only the per-sync fields differ.
-        return dataclasses.replace(self._template, version=version, sync_id=sync_id, origin=origin)
+        return self._template.for_sync(version, sync_id, origin)
 
     def full_proto(self, m: Manifest) -> bus_pb2.Manifest:
         """The full manifest of `m` (encoded once per layout, then copied with the sync's fields)."""
@@ -152,8 +160,9 @@ class KnownLayouts:
         compact one takes the held layout and must agree with it on every layout-wide field.
         """
         if msg.buckets or not msg.layout_digest:
-            m = manifest_from_proto(msg)
-            digest = layout_digest(m)
+            with bulk():
+                m = manifest_from_proto(msg)
+                digest = layout_digest(m)
             if msg.layout_digest and msg.layout_digest != digest:
                 raise ValueError(
                     f"manifest.layout_digest={msg.layout_digest} does not match its buckets "
@@ -173,7 +182,7 @@ class KnownLayouts:
                     f"{msg.layout_digest[:12]}… it names ({getattr(held, name)!r})"
                 )
         self._by_digest.move_to_end(msg.layout_digest)
-        return dataclasses.replace(held, version=msg.version, sync_id=msg.sync_id, origin=msg.origin)
+        return held.for_sync(msg.version, msg.sync_id, msg.origin)
 
     def remember(self, m: Manifest) -> None:
         """Keep `m`'s layout; call only once the engine has accepted it (SyncTransaction.validate)."""

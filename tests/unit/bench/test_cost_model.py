@@ -179,10 +179,20 @@ def test_cli(capsys):
     assert "services 7B NCCL" in capsys.readouterr().out
 
 
-def test_control_cost_scales_with_tensor_count():
-    small, big = footprint(arch("qwen2.5-7b")), footprint(arch("kimi-k2"), FP8)
-    from bench.cost_model import control_seconds
+def test_control_cost_is_measured_at_scale_or_predicted_per_bucket():
+    from bench import control_measured
+    from bench.cost_model import GIB, control_seconds, control_source
 
-    assert control_seconds(small) == pytest.approx(CAL.plan_prepare_s + CAL.commit_s)
-    assert control_seconds(big) == pytest.approx(CAL.plan_prepare_s * big.tensors / 339 + CAL.commit_s)
-    assert math.isclose(big.tensors, 139523)
+    small, big = footprint(arch("qwen2.5-7b")), footprint(arch("kimi-k2"), FP8)
+    base = CAL.plan_prepare_s + CAL.commit_s
+    # the reference: its own measured control, nothing added
+    assert control_seconds(small) == pytest.approx(base) and control_source(small) == "predicted"
+    measured = control_measured.row("kimi-k2", FP8)
+    assert measured is not None and measured.tensors == big.tensors == 139523
+    assert control_seconds(big) == pytest.approx(base + measured.steady_s) and control_source(big) == "measured"
+    # an unmeasured model: per bucket beyond the reference's 15
+    mid = footprint(arch("qwen3-30b-a3b"))
+    extra = control_measured.buckets(mid.bytes, GIB) - 15
+    assert extra > 0
+    assert control_seconds(mid) == pytest.approx(base + control_measured.per_bucket_s() * extra)
+    assert 0 < control_measured.per_bucket_s() < 1e-3  # well under a millisecond per bucket

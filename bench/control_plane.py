@@ -1,0 +1,366 @@
+"""The control plane of a sync at full scale, on a CPU: the manifests of Qwen3-235B-A22B, DeepSeek-V3 and
+Kimi-K2 (bf16 and block FP8, from bench/model_arch.py's configs; metadata only) through the services' own
+control code, with a byte path that carries nothing.
+
+Per sync, as the services run it (each message encoded and parsed as the wire would, so the protobuf cost
+is counted; the two sides share this process, no socket):
+- plan     the trainer's SyncOrchestrator._plan (export format, ManifestCache: the layout planned and
+           digested once, then reused);
+- prepare  the PrepareSync request as SyncAttempt builds it (the full manifest the first time, the layout
+           digest after; a rollout that answers `manifest_needed` is sent the full one), the rollout's
+           RolloutServicer.PrepareSync (limits, KnownLayouts, the transaction's validation against the
+           engine, block-FP8 pairing of every weight with its scale), the answer parsed back;
+- write    the byte path: the rollout hands its engine to a trainer that writes it (the ipc
+           trainer_writes hand-off, SyncTransaction.accept_trainer_writes); nothing is written;
+- commit   CommitSyncRequest with one checksum per bucket, RolloutServicer.CommitSync, the answer;
+- report   the trainer's SyncReport and metrics (SyncOrchestrator._report);
+- status   RolloutServicer.GetStatus, encoded.
+The engine holds the model's parameters as metadata alone (MetaEngine): a built-in-engine rollout
+serving bf16, so a block-FP8 sync is paired and checked for dequantization.
+
+`first_s` is the first sync (layout planned, full manifest, validated); `steady_s` the median of the
+next `--syncs`; `rejoin_s` a sync to a rollout that restarted (its layouts lost: the digest is answered
+`manifest_needed`, then the full manifest). Each phase's median in `phases` (steady) and
+`first_phases`.
+
+    OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>.json
+    OMP_NUM_THREADS=1 python bench/control_plane.py --models kimi-k2 --dtypes fp8-block --profile /tmp/k2.prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # `python bench/control_plane.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+MODELS = ("qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
+DTYPES = ("bf16", "fp8-block")
+BUCKET_MB = 1024  # the trainer's default bucket_mb
+
+
+class _Context:
+    """A grpc.ServicerContext for direct calls: an abort raises, naming the code."""
+
+    def abort(self, code, details):
+        raise RuntimeError(f"{code}: {details}")
+
+
+def meta_engine(metas):
+    """A rollout engine whose parameters are metadata alone (name -> TensorMeta)."""
+    from rollout_svc.engine.base import Engine
+
+    class MetaEngine(Engine):
+        def __init__(self):
+            self._metas = {m.name: m for m in metas}
+            self._numel = sum(_numel(m.shape) for m in metas)
+
+        def param_metas(self):
+            return self._metas
+
+        def load_weights(self, named):
+            for _ in named:
+                pass
+
+        def flush_cache(self):
+            pass
+
+        def generate(self, prompts, sampling, step=None):
+            raise NotImplementedError("the control-plane bench generates nothing")
+
+        def score(self, token_ids, prompt_length):
+            raise NotImplementedError("the control-plane bench scores nothing")
+
+        def num_ranks(self):
+            return 1
+
+        def num_parameters(self):
+            return self._numel
+
+        def prefix_cache_entries(self):
+            return 0
+
+    return MetaEngine()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_metas(name: str, dtype):
+    """The trainer's export metadata of `name` (HF names and shapes, one dtype)."""
+    from bench.control_names import named_tensors
+    from bench.model_arch import arch
+    from weightsync.bus.plan import TensorMeta
+
+    return [TensorMeta(n, tuple(t.shape), dtype) for n, t in named_tensors(arch(name))]
+
+
+class Pair:
+    """One trainer (SyncOrchestrator and its layout cache) and one rollout (RolloutServicer,
+    SyncTransaction inplace, MetaEngine) of `metas`, joined by direct calls."""
+
+    def __init__(self, metas, export_dtype: str, bucket_bytes: int, family: str = "bench"):
+        import torch
+        from prometheus_client import CollectorRegistry
+
+        from weightsync.obs.metrics import SyncMetrics
+        from weightsync.publisher.declared import DeclaredSource
+        from weightsync.publisher.export_format import actor_dtype, export_format
+        from weightsync.publisher.orchestrator import SyncOrchestrator
+        from weightsync.publisher.registry import RolloutRegistry
+
+        plain = [type(m)(m.name, m.shape, actor_dtype(export_dtype)) for m in metas]
+        self.actor = DeclaredSource(plain, family, torch.device("cpu"))
+        self.actor.version = 1
+        registry = RolloutRegistry("token", 30.0)
+        self.entry = registry.upsert("rollout-0", "127.0.0.1:1")
+        self.orch = SyncOrchestrator(
+            self.actor,
+            threading.Lock(),
+            registry,
+            SyncMetrics("trainer", CollectorRegistry()),
+            token="token",
+            bucket_bytes=bucket_bytes,
+            default_transport="tcp",
+            sync_timeout=300.0,
+            rpc_timeout=30.0,
+            origin="bench-trainer",
+            export_format=export_format(export_dtype),
+            sync_link=False,
+        )
+        engine_metas = [type(m)(m.name, m.shape, torch.bfloat16) for m in metas]
+        self.rollout_from = lambda: self._rollout(engine_metas, family, bucket_bytes)
+        self.servicer = self.rollout_from()
+
+    @staticmethod
+    def _rollout(metas, family, bucket_bytes):
+        from prometheus_client import CollectorRegistry
+
+        from rollout_svc.limits import LimitsConfig
+        from rollout_svc.service import RolloutServicer
+        from rollout_svc.sync.transaction import SyncTransaction
+        from weightsync.obs.metrics import SyncMetrics
+
+        engine = meta_engine(metas)
+        tx = SyncTransaction(engine, "inplace")
+        limits = LimitsConfig(max_bucket_mb=16384)  # an embedding is a bucket alone: 2.3 GB for Kimi-K2
+        return RolloutServicer(
+            "rollout-0",
+            engine,
+            tx,
+            SyncMetrics("rollout", CollectorRegistry()),
+            "builtin",
+            family,
+            "127.0.0.1:1",
+            300.0,
+            limits=limits,
+        )
+
+    def sync(self, clock) -> tuple[int, int]:
+        """One sync through the control path; (tensors, buckets)."""
+        from weightsync.publisher.phases import PhaseClock
+        from weightsync.v1 import trainer_pb2
+
+        orch, entry, rollout = self.orch, self.entry, self.servicer
+        self.actor.version += 1
+        t0 = time.perf_counter()
+        with clock("plan"):
+            _, manifest = orch._plan([], "tcp")
+        with clock("prepare"):
+            self._prepare(manifest)
+        with clock("write"):
+            rollout.tx.accept_trainer_writes(manifest.sync_id)  # the byte path: nothing written
+        with clock("commit"):
+            version = self._commit(manifest)
+        with clock("report"):
+            report = trainer_pb2.SyncReport(
+                sync_id=manifest.sync_id,
+                version=manifest.version,
+                transport="tcp",
+                bytes=manifest.total_bytes,
+                num_buckets=len(manifest.buckets),
+                num_tensors=manifest.num_tensors,
+            )
+            result = trainer_pb2.RolloutSyncResult(rollout_id=entry.rollout_id, ok=True, version=version)
+            orch._report(report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001)
+        with clock("status"):
+            rollout.GetStatus(None, _Context()).SerializeToString()
+        clock.total(time.perf_counter() - t0)
+        return report.num_tensors, report.num_buckets
+
+    def _prepare(self, manifest) -> None:
+        """PrepareSync as SyncAttempt sends it: the layout's digest to a rollout known to hold it, else
+        the full manifest; a `manifest_needed` answer is sent the full one."""
+        from weightsync.bus.layout import compact_proto
+        from weightsync.v1 import bus_pb2, rollout_pb2
+
+        cache, entry, digest = self.orch.manifests, self.entry, manifest.layout_digest
+        sent_full = not cache.holds(entry, digest)
+        while True:
+            req = rollout_pb2.PrepareSyncRequest(
+                manifest=cache.full_proto(manifest) if sent_full else compact_proto(manifest),
+                timeout_seconds=300.0,
+                transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
+            )
+            wire = req.SerializeToString()
+            got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
+            if not rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString()).manifest_needed:
+                break
+            if sent_full:
+                raise RuntimeError("the rollout asked for the full manifest it was just sent")
+            cache.forget(entry)
+            sent_full = True
+        cache.learned(entry, digest)
+
+    def _commit(self, manifest) -> int:
+        """CommitSync with one checksum per bucket (the trainer's of what it wrote); the committed version."""
+        from weightsync.v1 import rollout_pb2
+
+        req = rollout_pb2.CommitSyncRequest(sync_id=manifest.sync_id, version=manifest.version)
+        for b in manifest.buckets:
+            req.checksums.add(index=b.index, checksum=b.index)
+        wire = req.SerializeToString()
+        got = self.servicer.CommitSync(rollout_pb2.CommitSyncRequest.FromString(wire), _Context())
+        resp = rollout_pb2.CommitSyncResponse.FromString(got.SerializeToString())
+        if resp.version != manifest.version:
+            raise RuntimeError(f"committed version {resp.version}, expected {manifest.version}")
+        return resp.version
+
+
+class Clock:
+    """Per-phase seconds of each sync, then their medians."""
+
+    def __init__(self):
+        self.syncs: list[dict[str, float]] = []
+
+    def start(self) -> None:
+        self.syncs.append({})
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.syncs[-1][phase] = self.syncs[-1].get(phase, 0.0) + time.perf_counter() - t0
+
+    def total(self, seconds: float) -> None:
+        self.syncs[-1]["total"] = seconds
+
+    def medians(self, syncs) -> dict[str, float]:
+        return {k: round(statistics.median(s[k] for s in syncs), 6) for k in syncs[0]}
+
+
+def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str = "") -> dict:
+    import torch
+
+    pair = Pair(model_metas(model, torch.bfloat16), "bf16" if dtype == "bf16" else dtype, bucket_bytes)
+    clock = Clock()
+    clock.start()
+    tensors, buckets = pair.sync(clock)
+    first = clock.syncs[0]
+    prof = cProfile.Profile() if profile else None
+    for _ in range(syncs):
+        clock.start()
+        if prof:
+            prof.enable()
+        pair.sync(clock)
+        if prof:
+            prof.disable()
+    if prof:
+        prof.dump_stats(profile)
+    steady = clock.medians(clock.syncs[1:])
+    # a restarted rollout: the trainer still holds the layout, the rollout no longer does
+    pair.servicer = pair.rollout_from()
+    clock.start()
+    pair.sync(clock)
+    rejoin = clock.syncs[-1]
+    return {
+        "model": model,
+        "dtype": dtype,
+        "tensors": tensors,
+        "buckets": buckets,
+        "bucket_bytes": bucket_bytes,
+        "first_s": round(first["total"], 6),
+        "steady_s": steady["total"],
+        "rejoin_s": round(rejoin["total"], 6),
+        "phases": {k: v for k, v in steady.items() if k != "total"},
+        "first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
+        "steady_syncs": syncs,
+    }
+
+
+def _git() -> str:
+    def run(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    return run("rev-parse", "--short", "HEAD") + ("-dirty" if run("status", "--porcelain") else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma-separated, any of bench/model_arch.py (default: the three large ones)",
+    )
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of bf16, fp8-block")
+    p.add_argument("--syncs", type=int, default=10, help="steady-state syncs per configuration (median)")
+    p.add_argument("--bucket-mb", type=int, default=BUCKET_MB)
+    p.add_argument("--out", default="", help="result JSON (default bench/results/control_plane_cpu_<date>.json)")
+    p.add_argument("--profile", default="", help="cProfile the steady-state syncs of the last configuration here")
+    args = p.parse_args(argv)
+    import torch
+
+    now = datetime.now(timezone.utc)
+    load_before = os.getloadavg()
+    rows = []
+    configs = [(m, d) for m in args.models.split(",") for d in args.dtypes.split(",")]
+    for i, (model, dtype) in enumerate(configs):
+        last = i == len(configs) - 1
+        row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "")
+        rows.append(row)
+        print(
+            f"{model:16s} {dtype:9s} {row['tensors']:7d} tensors {row['buckets']:5d} buckets  "
+            f"first {row['first_s']:.3f} s  steady {row['steady_s'] * 1e3:.2f} ms  rejoin {row['rejoin_s']:.3f} s  "
+            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases"].items()),
+            flush=True,
+        )
+    out = Path(args.out or ROOT / "bench" / "results" / f"control_plane_cpu_{now.date().isoformat()}.json")
+    result = {
+        "bench": "control_plane",
+        "command": "OMP_NUM_THREADS=1 python bench/control_plane.py " + shlex.join(argv or sys.argv[1:]),
+        "git": _git(),
+        "device": f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "date": now.isoformat(timespec="seconds"),
+        "rows": rows,
+        "baseline": None,
+        # a shared host's load scales every absolute time: compare rows of one run
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
