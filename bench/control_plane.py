@@ -122,9 +122,10 @@ class Pair:
 
         from weightsync.obs.metrics import SyncMetrics
         from weightsync.publisher.declared import DeclaredSource
-        from weightsync.publisher.export_format import actor_dtype, export_format
+        from weightsync.publisher.export_format import actor_dtype
         from weightsync.publisher.orchestrator import SyncOrchestrator
         from weightsync.publisher.registry import RolloutRegistry
+        from weightsync.sync_options import SyncOptions
 
         plain = [type(m)(m.name, m.shape, actor_dtype(export_dtype)) for m in metas]
         self.actor = DeclaredSource(plain, family, torch.device("cpu"))
@@ -137,13 +138,15 @@ class Pair:
             registry,
             SyncMetrics("trainer", CollectorRegistry()),
             token="token",
-            bucket_bytes=bucket_bytes,
-            default_transport="tcp",
-            sync_timeout=300.0,
-            rpc_timeout=30.0,
+            options=SyncOptions(
+                transport="tcp",
+                bucket_bytes=bucket_bytes,
+                sync_timeout_s=300.0,
+                rpc_timeout_s=30.0,
+                export_dtype=export_dtype,
+                sync_link=False,
+            ),
             origin="bench-trainer",
-            export_format=export_format(export_dtype),
-            sync_link=False,
         )
         engine_metas = [type(m)(m.name, m.shape, torch.bfloat16) for m in metas]
         self.rollout_from = lambda: self._rollout(engine_metas, family, bucket_bytes)
