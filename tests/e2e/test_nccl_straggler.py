@@ -53,7 +53,8 @@ def nccl_fleet(procs, tmp_path, monkeypatch):
     cfg_dir, sets = make_model_dirs(tmp_path / "models", [11, 12], vocab_size=16384)
     nbytes = _stream_bytes(sets[0])
     hold = tmp_path / "hold"
-    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "tests.support.gloo_nccl:GlooNcclBus")
+    for service in ("TRAINER", "ROLLOUT"):  # the services' debug.nccl_bus, by their env prefixes
+        monkeypatch.setenv(f"WS_{service}_NCCL_BUS", "tests.support.gloo_nccl:GlooNcclBus")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("WS_GLOO_PACE_BPS", str(nbytes / STREAM_S))
     monkeypatch.setenv("WS_GLOO_HOLD", str(hold))

@@ -38,7 +38,8 @@ WATCH_PERIOD_S = 1.0
 @pytest.fixture
 def held_fleet(fleet, monkeypatch):
     hold = fleet.tmp / "hold"
-    monkeypatch.setenv("WEIGHTSYNC_NCCL_BUS", "tests.support.held_nccl:HeldCudaNcclBus")
+    for service in ("TRAINER", "ROLLOUT"):  # the services' debug.nccl_bus, by their env prefixes
+        monkeypatch.setenv(f"WS_{service}_NCCL_BUS", "tests.support.held_nccl:HeldCudaNcclBus")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("WS_NCCL_HOLD", str(hold))
     monkeypatch.setenv("WS_NCCL_HOLD_AT", "3")  # the model streams in 9 buckets

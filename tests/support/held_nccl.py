@@ -4,9 +4,9 @@ A GPU stream of a test model lasts milliseconds: a test that must stop or kill a
 broadcasts run cannot race it. This bus is weightsync.bus.nccl.group.CudaNcclBus (real communicators,
 real ncclCommAbort) whose trainer sender waits before the WS_NCCL_HOLD_AT-th bucket of each stream
 (default 3) while the file WS_NCCL_HOLD exists, saying so by creating <file>.held; the test then acts
-(SIGSTOP, kill -9) and removes the file. Selected with
-WEIGHTSYNC_NCCL_BUS=tests.support.held_nccl:HeldCudaNcclBus in processes that have the repository
-root on their path. The same hold for the gloo stand-in on CPU: tests/support/gloo_nccl.py.
+(SIGSTOP, kill -9) and removes the file. Selected with the debug switch
+nccl_bus=tests.support.held_nccl:HeldCudaNcclBus (env WS_TRAINER_NCCL_BUS) in processes that have the
+repository root on their path. The same hold for the gloo stand-in on CPU: tests/support/gloo_nccl.py.
 """
 
 from __future__ import annotations
