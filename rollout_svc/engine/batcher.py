@@ -1,0 +1,294 @@
+"""One decode step for every request ready at the same time: the built-in engine's batching.
+
+Each request runs `BuiltinEngine.generate` on its own thread (the service pins it to the served
+version; no turns). All model work goes through one worker thread per engine: prefills (and
+`score`) as jobs, and decode steps. A request's decode state is a Member; its rows (n samples)
+live in the worker's Group, one KV cache whose batch holds every member's rows:
+
+- a member joins the group at its first decode step: the caches are left-padded to one length
+  and stacked; the attention mask hides the padding and explicit position ids keep each row's own
+  positions, so a row sees exactly its own tokens;
+- a step runs once every member that is here (not away in `emit` or in the caller's cancel check)
+  has handed in its next tokens, or after MAX_GATHER_S; a member not in the step gets a masked hole
+  in its rows (a pad token that nothing attends to), so nobody waits for a slow consumer;
+- a member that leaves has its rows dropped; columns no row attends to any more are cut off.
+
+Sampling stays on the request's thread with its own RNG and parameters, so what a request gets
+does not depend on what else ran, up to the float rounding of a batched matmul (greedy tokens are
+the sequential ones on the test models; log-probs agree to ~1e-5, tests/unit/rollout_svc/engine/
+test_batcher.py). Weight loads wait for every pinned request to end (engine_gate.py), so the group
+is empty whenever the weights change.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: A step waits at most this long for a member that is here but has not handed in its tokens yet
+#: (its thread not scheduled on a loaded host); then it runs without it and the member takes the next.
+MAX_GATHER_S = 0.05
+#: Bound on one wait for the worker (a job or a decode step); a longer one is a fault, not load.
+WAIT_S = 600.0
+
+
+def cache_is_batchable(cache) -> bool:
+    """Left padding is sound for caches that keep every position (not a sliding window's ring)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
+
+
+def _left_pad(t: torch.Tensor, k: int, dim: int) -> torch.Tensor:
+    if k == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = k
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class Member:
+    """One prompt's n rows decoding in the group; its methods run on the request's thread."""
+
+    def __init__(self, batcher: "DecodeBatcher", cache, n: int, position: int):
+        self.batcher, self.cache, self.n, self.position = batcher, cache, n, position
+        self.tokens: torch.Tensor | None = None  # handed in, waiting for a step
+        self.logits: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.away = False
+        self.left = False
+        self.merged = False
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Decode `tokens` [n] (one per row); returns the next logits [n, V] (fp32)."""
+        cond = self.batcher.cond
+        deadline = time.monotonic() + WAIT_S
+        with cond:
+            if self.error is not None:
+                raise self.error
+            self.tokens, self.logits = tokens, None
+            cond.notify_all()
+            while self.logits is None and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.left = True
+                    raise TimeoutError(f"a decode step got no result within {WAIT_S:.0f} s (the engine's worker hung)")
+                cond.wait(left)
+            if self.error is not None:
+                raise self.error
+            out, self.logits = self.logits, None
+            return out
+
+    @contextmanager
+    def elsewhere(self):
+        """The request is busy outside the engine (emit, its cancel check): steps do not wait for it."""
+        with self.batcher.cond:
+            self.away = True
+            self.batcher.cond.notify_all()
+        try:
+            yield
+        finally:
+            with self.batcher.cond:
+                self.away = False
+
+    def close(self) -> None:
+        with self.batcher.cond:
+            self.left = True
+            self.batcher.cond.notify_all()
+
+
+class _Group:
+    """The merged KV cache of the members decoding now; touched by the worker thread only."""
+
+    def __init__(self):
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, L] long: 1 = a real token of that row
+        self.pos: torch.Tensor | None = None  # [B] long: the next position id of each row
+        self.members: list[Member] = []  # in row order, each its n rows
+        # no padding and no holes: the forward needs no mask or positions (cheaper, and exactly the
+        # computation of one request alone when it is alone)
+        self.dense = True
+
+    def rows(self) -> dict[int, slice]:
+        out, start = {}, 0
+        for m in self.members:
+            out[id(m)] = slice(start, start + m.n)
+            start += m.n
+        return out
+
+    def add(self, m: Member) -> None:
+        cache, m.cache = m.cache, None
+        length = cache.get_seq_length()
+        mask = torch.ones(m.n, length, dtype=torch.long, device=cache.layers[0].keys.device)
+        pos = torch.full((m.n,), m.position, dtype=torch.long, device=mask.device)
+        m.merged = True
+        if not self.members:
+            self.cache, self.mask, self.pos, self.members = cache, mask, pos, [m]
+            self.dense = True
+            return
+        have = self.mask.shape[1]
+        to = max(have, length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, to - have, -2), _left_pad(theirs.keys, to - length, -2)])
+            mine.values = torch.cat([_left_pad(mine.values, to - have, -2), _left_pad(theirs.values, to - length, -2)])
+        self.mask = torch.cat([_left_pad(self.mask, to - have, -1), _left_pad(mask, to - length, -1)])
+        self.pos = torch.cat([self.pos, pos])
+        self.members.append(m)
+        self.dense = self.dense and have == length
+
+    def drop(self, gone: set[int]) -> None:
+        if not any(id(m) in gone for m in self.members):
+            return
+        rows = self.rows()
+        keep = [m for m in self.members if id(m) not in gone]
+        if not keep:
+            self.__init__()
+            return
+        idx = torch.cat([torch.arange(rows[id(m)].start, rows[id(m)].stop) for m in keep]).to(self.mask.device)
+        self.mask, self.pos, self.members = self.mask[idx], self.pos[idx], keep
+        # columns that no row attends to any more (the padding of a longer member that left)
+        first = int(self.mask.any(0).nonzero()[0])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+        self.mask = self.mask[:, first:]
+        self.dense = bool(self.mask.all())
+
+    def forward(self, model, ready: list[Member]) -> dict[int, torch.Tensor]:
+        rows = self.rows()
+        device = self.mask.device
+        going = {id(m) for m in ready}
+        # one concatenation and one copy a step, not two indexed writes per member
+        ids = torch.cat(
+            [
+                m.tokens.to(device) if id(m) in going else torch.zeros(m.n, dtype=torch.long, device=device)
+                for m in self.members
+            ]
+        )
+        here = torch.tensor([int(id(m) in going) for m in self.members for _ in range(m.n)], device=device)
+        self.mask = torch.cat([self.mask, here[:, None]], dim=1)
+        self.dense = self.dense and len(going) == len(self.members)
+        kw = {} if self.dense else {"attention_mask": self.mask, "position_ids": self.pos[:, None]}
+        out = model(ids[:, None], past_key_values=self.cache, use_cache=True, **kw)
+        self.cache = out.past_key_values
+        self.pos = self.pos + here
+        logits = out.logits[:, -1].float()
+        return {id(m): logits[rows[id(m)]] for m in ready}
+
+
+class DecodeBatcher:
+    """The worker that runs every model call of one engine; started on demand, gone when idle."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cond = threading.Condition(threading.Lock())
+        self._jobs: deque[list] = deque()  # [fn, result, error, done]
+        self._members: list[Member] = []
+        self._worker: threading.Thread | None = None
+        self.steps = 0  # decode forwards run (tests and the bench read it)
+        self.rows_decoded = 0
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="builtin-engine-worker", daemon=True)
+            self._worker.start()
+
+    def call(self, fn: Callable[[], object]):
+        """Run `fn()` on the worker, between decode steps; returns its result or raises its error."""
+        job = [fn, None, None, False]
+        deadline = time.monotonic() + WAIT_S
+        with self.cond:
+            self._jobs.append(job)
+            self._ensure_worker()
+            self.cond.notify_all()
+            while not job[3]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the engine's worker did not run a job within {WAIT_S:.0f} s")
+                self.cond.wait(left)
+        if job[2] is not None:
+            raise job[2]
+        return job[1]
+
+    def join(self, cache, n: int, position: int) -> Member:
+        """A member for `cache` (n rows, `position` tokens each); it joins the group at its first step."""
+        m = Member(self, cache, n, position)
+        with self.cond:
+            self._members.append(m)
+            self._ensure_worker()
+        return m
+
+    # ---- worker thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        group = _Group()
+        first_ready = None
+        gone: set[int] = set()  # members that left, their rows dropped at the next step
+        with torch.no_grad():
+            while True:
+                with self.cond:
+                    job, ready = None, []
+                    while True:
+                        gone |= {id(m) for m in self._members if m.left}
+                        self._members = [m for m in self._members if not m.left]
+                        if self._jobs:
+                            job = self._jobs.popleft()
+                            break
+                        ready = [m for m in self._members if m.tokens is not None]
+                        if ready:
+                            first_ready = first_ready or time.monotonic()
+                            late = [m for m in self._members if m.tokens is None and not m.away]
+                            wait = first_ready + MAX_GATHER_S - time.monotonic()
+                            if not late or wait <= 0:
+                                break
+                        elif not self._members:
+                            self._worker = None
+                            return
+                        else:
+                            wait = WAIT_S
+                        self.cond.wait(wait)
+                if job is not None:
+                    self._run_job(job)
+                    continue
+                first_ready = None
+                self._step(group, ready, gone)
+                gone = set()
+
+    def _run_job(self, job: list) -> None:
+        try:
+            job[1] = job[0]()
+        except BaseException as exc:  # handed to the caller, who raises it
+            job[2] = exc
+        with self.cond:
+            job[3] = True
+            self.cond.notify_all()
+
+    def _step(self, group: _Group, ready: list[Member], gone: set[int]) -> None:
+        try:
+            group.drop(gone)
+            for m in ready:
+                if not m.merged:
+                    group.add(m)
+            logits = group.forward(self.model, ready)
+        except BaseException as exc:
+            # the group's cache may be half updated: every member in it fails, the others go on
+            log.exception("built-in engine: a batched decode step failed; its %d requests fail", len(group.members))
+            with self.cond:
+                for m in group.members + ready:
+                    m.error, m.tokens = exc, None
+                self.cond.notify_all()
+            group.__init__()
+            return
+        with self.cond:
+            self.steps += 1
+            self.rows_decoded += sum(m.n for m in ready)
+            for m in ready:
+                m.logits, m.tokens = logits[id(m)], None
+            self.cond.notify_all()
