@@ -187,7 +187,8 @@ class _Group:
 class DecodeBatcher:
     """The worker that runs every model call of one engine; started on demand, gone when idle."""
 
-    def __init__(self, model):
+    def __init__(self, model: Callable[[], object]):
+        #: the engine's model, asked at each step (tests swap in a counting wrapper)
         self.model = model
         self.cond = threading.Condition(threading.Lock())
         self._jobs: deque[list] = deque()  # [fn, result, error, done]
@@ -276,7 +277,7 @@ class DecodeBatcher:
             for m in ready:
                 if not m.merged:
                     group.add(m)
-            logits = group.forward(self.model, ready)
+            logits = group.forward(self.model(), ready)
         except BaseException as exc:
             # the group's cache may be half updated: every member in it fails, the others go on
             log.exception("built-in engine: a batched decode step failed; its %d requests fail", len(group.members))

@@ -87,6 +87,7 @@ class BuiltinEngine(Engine):
         *,
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ):
         # Inference only: frozen parameters keep a stray forward outside no_grad from building a graph.
         self.model = model.eval().requires_grad_(False)
@@ -105,13 +106,14 @@ class BuiltinEngine(Engine):
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
         from transformers import DynamicCache
 
-        if cache_is_batchable(DynamicCache(config=config)):
-            self._batcher: DecodeBatcher | None = DecodeBatcher(self.model)
+        self._batcher: DecodeBatcher | None = None
+        if batch_requests and cache_is_batchable(DynamicCache(config=config)):
+            self._batcher = DecodeBatcher(lambda: self.model)
         else:
-            # take turns between steps instead; instance attributes, read by the service and the gate
-            self._batcher = None
+            # requests take turns between steps instead (instance attributes: the service and the gate read them)
             self.batches_requests, self.stops_on_cancel, self.yields_between_steps = False, False, True
-            log.info("built-in engine: %s keeps a sliding-window cache; requests take turns", config.model_type)
+            if batch_requests:
+                log.info("built-in engine: %s keeps a sliding-window cache; requests take turns", config.model_type)
         eos = getattr(config, "eos_token_id", None)
         self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
 
@@ -126,6 +128,7 @@ class BuiltinEngine(Engine):
         device: str = "cpu",
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ) -> "BuiltinEngine":
         """Random init from `seed`: the same (config, seed) gives the same weights on any host
         (initialised in fp32 on CPU, then cast and moved), without touching the caller's RNG."""
@@ -140,6 +143,7 @@ class BuiltinEngine(Engine):
             config,
             max_prefix_cache_entries=max_prefix_cache_entries,
             max_prefix_cache_bytes=max_prefix_cache_bytes,
+            batch_requests=batch_requests,
         )
 
     @classmethod
@@ -151,6 +155,7 @@ class BuiltinEngine(Engine):
         device: str = "cpu",
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ) -> "BuiltinEngine":
         """Load a local HF directory (config + safetensors); never reaches the hub."""
         from transformers import AutoModelForCausalLM
@@ -161,6 +166,7 @@ class BuiltinEngine(Engine):
             model.config,
             max_prefix_cache_entries=max_prefix_cache_entries,
             max_prefix_cache_bytes=max_prefix_cache_bytes,
+            batch_requests=batch_requests,
         )
 
     # ---- weights ------------------------------------------------------------------------
