@@ -196,6 +196,7 @@ class DecodeBatcher:
         self._worker: threading.Thread | None = None
         self.steps = 0  # decode forwards run (tests and the bench read it)
         self.rows_decoded = 0
+        self.widest = 0  # the most requests one decode step has run
 
     def _ensure_worker(self) -> None:
         if self._worker is None:
@@ -290,6 +291,7 @@ class DecodeBatcher:
         with self.cond:
             self.steps += 1
             self.rows_decoded += sum(m.n for m in ready)
+            self.widest = max(self.widest, len(ready))
             for m in ready:
                 m.logits, m.tokens = logits[id(m)], None
             self.cond.notify_all()
