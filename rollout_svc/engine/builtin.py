@@ -11,9 +11,11 @@ listed; `lm_head.weight` is still accepted by `load_weights` and lands in the sa
 Log-probs: a generated token's log-prob is log_softmax(logits / T) at that token, before top-k /
 top-p truncation (T = 1 for greedy); `score` uses T = 1. See rollout_svc.engine.sampling.
 
-Concurrency: the service runs one request step at a time (requests interleave between prefill and
-decode steps through `step`; each keeps its own KV cache and RNG, so its output does not depend on
-what ran in between) and loads weights only while no request is in flight. The engine holds
+Concurrency: the service runs concurrent requests at once, each on its thread (`batches_requests`);
+they share decode steps (rollout_svc/engine/batcher.py: one worker runs every model call), each with
+its own KV rows, RNG and sampling parameters, so its output does not depend on what else ran (up to
+float rounding). A sliding-window model, or `batch_requests=False`, takes turns between steps
+instead. Weights load only while no request is in flight (the engine gate). The engine holds
 no copies of weights (parameters are updated in place), and every load drops the prefix cache, so
 no KV state computed from old weights survives a load even if a caller forgets flush_cache().
 """
