@@ -65,7 +65,7 @@ class Member:
         self.error: BaseException | None = None
         self.away = False
         self.left = False
-        self.merged = False
+        self.group: _Group | None = None  # set by the worker at the member's first step
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Decode `tokens` [n] (one per row); returns the next logits [n, V] (fp32)."""
@@ -106,16 +106,21 @@ class Member:
 
 
 class _Group:
-    """The merged KV cache of the members decoding now; touched by the worker thread only."""
+    """Members decoding together: one KV cache over all their rows; touched by the worker thread only."""
 
-    def __init__(self):
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # [B, L] long: 1 = a real token of that row
-        self.pos: torch.Tensor | None = None  # [B] long: the next position id of each row
-        self.members: list[Member] = []  # in row order, each its n rows
+    def __init__(self, m: Member):
+        cache, m.cache = m.cache, None
+        self.cache = cache
+        length = cache.get_seq_length()
+        device = cache.layers[0].keys.device
+        self.mask = torch.ones(m.n, length, dtype=torch.long, device=device)  # [B, L]: 1 = a real token of that row
+        self.pos = torch.full((m.n,), m.position, dtype=torch.long, device=device)  # [B]: each row's next position
+        self.members: list[Member] = [m]  # in row order, each its n rows
+        m.group = self
         # no padding and no holes: the forward needs no mask or positions (cheaper, and exactly the
         # computation of one request alone when it is alone)
         self.dense = True
+        self.steps = 0  # forwards run: the group with the fewest goes first
 
     def rows(self) -> dict[int, slice]:
         out, start = {}, 0
@@ -124,25 +129,20 @@ class _Group:
             start += m.n
         return out
 
-    def add(self, m: Member) -> None:
-        cache, m.cache = m.cache, None
-        length = cache.get_seq_length()
-        mask = torch.ones(m.n, length, dtype=torch.long, device=cache.layers[0].keys.device)
-        pos = torch.full((m.n,), m.position, dtype=torch.long, device=mask.device)
-        m.merged = True
-        if not self.members:
-            self.cache, self.mask, self.pos, self.members = cache, mask, pos, [m]
-            self.dense = True
-            return
-        have = self.mask.shape[1]
+    def absorb(self, other: "_Group") -> None:
+        """Take `other`'s members: both caches left-padded to one length and stacked."""
+        have, length = self.mask.shape[1], other.mask.shape[1]
         to = max(have, length)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, to - have, -2), _left_pad(theirs.keys, to - length, -2)])
             mine.values = torch.cat([_left_pad(mine.values, to - have, -2), _left_pad(theirs.values, to - length, -2)])
-        self.mask = torch.cat([_left_pad(self.mask, to - have, -1), _left_pad(mask, to - length, -1)])
-        self.pos = torch.cat([self.pos, pos])
-        self.members.append(m)
-        self.dense = self.dense and have == length
+        self.mask = torch.cat([_left_pad(self.mask, to - have, -1), _left_pad(other.mask, to - length, -1)])
+        self.pos = torch.cat([self.pos, other.pos])
+        self.members += other.members
+        for m in other.members:
+            m.group = self
+        self.dense = self.dense and other.dense and have == length
+        self.steps = max(self.steps, other.steps)
 
     def drop(self, gone: set[int]) -> None:
         if not any(id(m) in gone for m in self.members):
@@ -150,7 +150,7 @@ class _Group:
         rows = self.rows()
         keep = [m for m in self.members if id(m) not in gone]
         if not keep:
-            self.__init__()
+            self.members = []
             return
         idx = torch.cat([torch.arange(rows[id(m)].start, rows[id(m)].stop) for m in keep]).to(self.mask.device)
         self.mask, self.pos, self.members = self.mask[idx], self.pos[idx], keep
@@ -230,38 +230,52 @@ class DecodeBatcher:
 
     # ---- worker thread -------------------------------------------------------------------
     def _run(self) -> None:
-        group = _Group()
+        groups: list[_Group] = []
         first_ready = None
-        gone: set[int] = set()  # members that left, their rows dropped at the next step
+        gone: list[Member] = []  # members that left, their rows dropped before the next step
         with torch.no_grad():
             while True:
                 with self.cond:
-                    job, ready = None, []
+                    job, chosen, ready, newcomers = None, None, [], []
                     while True:
-                        gone |= {id(m) for m in self._members if m.left}
+                        gone += [m for m in self._members if m.left]
                         self._members = [m for m in self._members if not m.left]
                         if self._jobs:
                             job = self._jobs.popleft()
                             break
-                        ready = [m for m in self._members if m.tokens is not None]
-                        if ready:
+                        if not self._members:
+                            self._worker = None  # its groups go with it: nothing is in flight
+                            return
+                        newcomers = [m for m in self._members if m.group is None and m.tokens is not None]
+                        if newcomers or gone:
+                            break  # place them (below, outside the lock), then choose a group
+                        chosen = _least_served(groups)
+                        wait = WAIT_S
+                        if chosen is not None:
                             first_ready = first_ready or time.monotonic()
-                            late = [m for m in self._members if m.tokens is None and not m.away]
+                            late = [m for m in chosen.members if m.tokens is None and not m.away]
                             wait = first_ready + MAX_GATHER_S - time.monotonic()
                             if not late or wait <= 0:
+                                ready = [m for m in chosen.members if m.tokens is not None]
                                 break
-                        elif not self._members:
-                            self._worker = None
-                            return
-                        else:
-                            wait = WAIT_S
+                            chosen = None
                         self.cond.wait(wait)
                 if job is not None:
                     self._run_job(job)
-                    continue
-                first_ready = None
-                self._step(group, ready, gone)
-                gone = set()
+                elif chosen is None:
+                    self._regroup(groups, gone, newcomers)
+                    gone = []
+                else:
+                    first_ready = None
+                    self._step(groups, chosen, ready)
+
+    @staticmethod
+    def _regroup(groups: list["_Group"], gone: list[Member], newcomers: list[Member]) -> None:
+        ids = {id(m) for m in gone}
+        for g in groups:
+            g.drop(ids)
+        groups[:] = [g for g in groups if g.members] + [_Group(m) for m in newcomers]
+        _merge_level(groups)
 
     def _run_job(self, job: list) -> None:
         try:
@@ -272,22 +286,20 @@ class DecodeBatcher:
             job[3] = True
             self.cond.notify_all()
 
-    def _step(self, group: _Group, ready: list[Member], gone: set[int]) -> None:
+    def _step(self, groups: list["_Group"], group: "_Group", ready: list[Member]) -> None:
         try:
-            group.drop(gone)
-            for m in ready:
-                if not m.merged:
-                    group.add(m)
             logits = group.forward(self.model(), ready)
         except BaseException as exc:
-            # the group's cache may be half updated: every member in it fails, the others go on
+            # the group's cache may be half updated: every member in it fails, the other groups go on
             log.exception("built-in engine: a batched decode step failed; its %d requests fail", len(group.members))
             with self.cond:
-                for m in group.members + ready:
+                for m in group.members:
                     m.error, m.tokens = exc, None
                 self.cond.notify_all()
-            group.__init__()
+            groups.remove(group)
             return
+        group.steps += 1
+        _merge_level(groups)
         with self.cond:
             self.steps += 1
             self.rows_decoded += sum(m.n for m in ready)
@@ -295,3 +307,21 @@ class DecodeBatcher:
             for m in ready:
                 m.logits, m.tokens = logits[id(m)], None
             self.cond.notify_all()
+
+
+def _least_served(groups: list[_Group]) -> _Group | None:
+    """The group with a member ready to decode that has run the fewest steps (least attained service:
+    a new request runs its first steps alone instead of at the pace of a large one, then joins it)."""
+    live = [g for g in groups if any(m.tokens is not None for m in g.members)]
+    return min(live, key=lambda g: g.steps) if live else None
+
+
+def _merge_level(groups: list[_Group]) -> None:
+    """Groups that have run as many steps decode together from now on: requests that came together,
+    or a younger group that has caught up with an older one."""
+    level: dict[int, _Group] = {}
+    for g in list(groups):
+        twin = level.setdefault(g.steps, g)
+        if twin is not g:
+            twin.absorb(g)
+            groups.remove(g)
