@@ -2,22 +2,24 @@
 
 Each request runs `BuiltinEngine.generate` on its own thread (the service pins it to the served
 version; no turns). All model work goes through one worker thread per engine: prefills (and
-`score`) as jobs, and decode steps. A request's decode state is a Member; its rows (n samples)
-live in the worker's Group, one KV cache whose batch holds every member's rows:
+`score`) as jobs, between decode steps, and the decode steps. A request's decode state is a Member
+(one prompt's n rows); members decode in groups, each group one KV cache over its members' rows:
 
-- a member joins the group at its first decode step: the caches are left-padded to one length
-  and stacked; the attention mask hides the padding and explicit position ids keep each row's own
-  positions, so a row sees exactly its own tokens;
-- a step runs once every member that is here (not away in `emit` or in the caller's cancel check)
-  has handed in its next tokens, or after MAX_GATHER_S; a member not in the step gets a masked hole
-  in its rows (a pad token that nothing attends to), so nobody waits for a slow consumer;
+- members that come together form one group: their caches are left-padded to one length and
+  stacked; the attention mask hides the padding and explicit position ids keep each row's own
+  positions, so a row attends to exactly its own tokens;
+- the group that has run the fewest steps goes next, so a request that comes while others decode
+  runs its first steps alone (as when requests took turns: a small request is not held to a large
+  one's pace) and merges with the older group once it has run as many steps;
+- a step waits for the group's members that are sampling their next token (at most MAX_GATHER_S
+  after they got their logits); a member away longer (a stream reader with no room) gets a masked
+  hole in its rows (a pad token nothing attends to), so nobody waits for a slow consumer;
 - a member that leaves has its rows dropped; columns no row attends to any more are cut off.
 
 Sampling stays on the request's thread with its own RNG and parameters, so what a request gets
-does not depend on what else ran, up to the float rounding of a batched matmul (greedy tokens are
-the sequential ones on the test models; log-probs agree to ~1e-5, tests/unit/rollout_svc/engine/
-test_batcher.py). Weight loads wait for every pinned request to end (engine_gate.py), so the group
-is empty whenever the weights change.
+does not depend on what else ran, up to the float rounding of a batched matmul (greedy tokens equal
+and log-probs within 1e-4 on the test models: tests/unit/rollout_svc/engine/test_batcher.py).
+Weight loads wait for every pinned request to end (engine_gate.py), so no group outlives weights.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 
@@ -63,8 +64,9 @@ class Member:
         self.tokens: torch.Tensor | None = None  # handed in, waiting for a step
         self.logits: torch.Tensor | None = None
         self.error: BaseException | None = None
-        self.away = False
         self.left = False
+        # when it last got logits (or joined): a step waits for it a little after that, not longer
+        self.handed = time.monotonic()
         self.group: _Group | None = None  # set by the worker at the member's first step
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -86,18 +88,6 @@ class Member:
                 raise self.error
             out, self.logits = self.logits, None
             return out
-
-    @contextmanager
-    def elsewhere(self):
-        """The request is busy outside the engine (emit, its cancel check): steps do not wait for it."""
-        with self.batcher.cond:
-            self.away = True
-            self.batcher.cond.notify_all()
-        try:
-            yield
-        finally:
-            with self.batcher.cond:
-                self.away = False
 
     def close(self) -> None:
         with self.batcher.cond:
@@ -231,7 +221,6 @@ class DecodeBatcher:
     # ---- worker thread -------------------------------------------------------------------
     def _run(self) -> None:
         groups: list[_Group] = []
-        first_ready = None
         gone: list[Member] = []  # members that left, their rows dropped before the next step
         with torch.no_grad():
             while True:
@@ -249,16 +238,9 @@ class DecodeBatcher:
                         newcomers = [m for m in self._members if m.group is None and m.tokens is not None]
                         if newcomers or gone:
                             break  # place them (below, outside the lock), then choose a group
-                        chosen = _least_served(groups)
-                        wait = WAIT_S
-                        if chosen is not None:
-                            first_ready = first_ready or time.monotonic()
-                            late = [m for m in chosen.members if m.tokens is None and not m.away]
-                            wait = first_ready + MAX_GATHER_S - time.monotonic()
-                            if not late or wait <= 0:
-                                ready = [m for m in chosen.members if m.tokens is not None]
-                                break
-                            chosen = None
+                        chosen, ready, wait = _next_step(groups, time.monotonic())
+                        if ready:
+                            break
                         self.cond.wait(wait)
                 if job is not None:
                     self._run_job(job)
@@ -266,7 +248,6 @@ class DecodeBatcher:
                     self._regroup(groups, gone, newcomers)
                     gone = []
                 else:
-                    first_ready = None
                     self._step(groups, chosen, ready)
 
     @staticmethod
@@ -304,16 +285,28 @@ class DecodeBatcher:
             self.steps += 1
             self.rows_decoded += sum(m.n for m in ready)
             self.widest = max(self.widest, len(ready))
+            now = time.monotonic()
             for m in ready:
-                m.logits, m.tokens = logits[id(m)], None
+                m.logits, m.tokens, m.handed = logits[id(m)], None, now
             self.cond.notify_all()
 
 
-def _least_served(groups: list[_Group]) -> _Group | None:
-    """The group with a member ready to decode that has run the fewest steps (least attained service:
-    a new request runs its first steps alone instead of at the pace of a large one, then joins it)."""
-    live = [g for g in groups if any(m.tokens is not None for m in g.members)]
-    return min(live, key=lambda g: g.steps) if live else None
+def _next_step(groups: list[_Group], now: float) -> tuple[_Group | None, list[Member], float]:
+    """(group, its members ready, 0) for the next decode step, or (None, [], how long to wait).
+
+    The group that has run the fewest steps goes first (least attained service: a new request runs
+    its first steps alone, not at the pace of a large one, then joins it), counting a member that got
+    its logits less than MAX_GATHER_S ago as coming: it is sampling its next token. Within the group
+    the step waits for those; a member away longer (a stream reader with no room) sits steps out."""
+    coming = lambda m: m.tokens is None and now - m.handed < MAX_GATHER_S  # noqa: E731
+    live = [g for g in groups if any(m.tokens is not None or coming(m) for m in g.members)]
+    if not live:
+        return None, [], WAIT_S
+    group = min(live, key=lambda g: g.steps)
+    late = [m.handed for m in group.members if coming(m)]
+    if late:
+        return None, [], max(min(late) + MAX_GATHER_S - now, 1e-4)
+    return group, [m for m in group.members if m.tokens is not None], 0.0
 
 
 def _merge_level(groups: list[_Group]) -> None:

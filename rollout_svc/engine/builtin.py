@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 
 import torch
 
@@ -66,9 +65,6 @@ class _SoloDecoder:
         out = self.model(tokens[:, None].to(self.device), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[:, -1].float()
-
-    def elsewhere(self):
-        return nullcontext()
 
     def close(self) -> None:
         pass
@@ -331,16 +327,13 @@ class BuiltinEngine(Engine):
                     last = done[r] or len(toks[r]) == sampling.max_new_tokens
                     emitted.append(TokenOut(r, t, p, reason[r] if last else None))
             if emitted:
-                with decoder.elsewhere():  # a slow stream reader must not hold the other requests' steps
-                    finished = emit(pi, emitted) or ()
-                for r in finished:  # a stop string completed: decode no more of it
+                for r in emit(pi, emitted) or ():  # a stop string completed: decode no more of it
                     if not done[r]:
                         done[r], reason[r] = True, "stop"
             if all(done) or k == sampling.max_new_tokens - 1:
                 break  # the last token needs no forward: nothing samples from its logits
             if step is not None:
-                with decoder.elsewhere():
-                    step()
+                step()
             logits = decoder.step(tok)
         return toks, lps, reason
 
