@@ -175,3 +175,58 @@ def test_concurrency_does_not_slow_it_down():
         conc.append(concurrent())
     ratio = min(conc) / min(seq)
     assert ratio <= 1.1, f"{len(prompts)} concurrent requests took {ratio:.2f}x the time of the same in sequence"
+
+
+def test_a_request_that_comes_later_runs_alone_first_then_joins():
+    """Least steps first: a request that comes while another decodes runs its first steps without it
+    (the older one waits, as with turns), merges once it has run as many steps (padded caches of two
+    lengths), and both get what they get alone."""
+    alone = BuiltinEngine.from_config(qwen2_config(), seed=0, batch_requests=False)
+    engine = BuiltinEngine.from_config(qwen2_config(), seed=0)
+    old_sp, new_sp = (SamplingParams(max_new_tokens=m, temperature=0.0) for m in (40, 30))
+    old_p, new_p = [1, 2, 3, 4, 5, 6, 7, 8, 9], [50, 51, 52]
+    want_old, want_new = alone.generate([old_p], old_sp), alone.generate([new_p], new_sp)
+    counts = {"old": 0, "new": 0}
+    old_at_new = []  # the old request's tokens when the new one had 1 and 8
+    start_new = threading.Event()
+
+    def counting(name):
+        def emit(pi, toks):
+            counts[name] += 1
+            if name == "old" and counts["old"] == 10:
+                start_new.set()
+            if name == "new" and counts["new"] in (1, 8):
+                old_at_new.append(counts["old"])
+
+        return emit
+
+    out = {}
+    old = threading.Thread(target=lambda: out.setdefault("old", engine.generate([old_p], old_sp, emit=counting("old"))))
+    old.start()
+    assert start_new.wait(60)
+    out["new"] = engine.generate([new_p], new_sp, emit=counting("new"))
+    old.join(60)
+    _assert_same(out["old"], want_old)
+    _assert_same(out["new"], want_new)
+    # the old one waited while the new one caught up (it may take a step or two the new one's thread missed)
+    assert old_at_new[1] - old_at_new[0] < 7, old_at_new
+    assert engine._batcher.widest == 2, "the new request never joined the old one"
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
+    engine = BuiltinEngine.from_config(qwen2_config(), seed=0)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    want = engine.generate([[3, 4, 5]], sp)
+    model = engine.model
+
+    class Failing:
+        def __call__(self, ids, **kw):
+            if ids.shape[1] == 1:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return model(ids, **kw)
+
+    engine.model = Failing()
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate([[3, 4, 5]], sp)
+    engine.model = model
+    _assert_same(engine.generate([[3, 4, 5]], sp), want)
