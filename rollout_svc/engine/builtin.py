@@ -44,8 +44,9 @@ def _avoid_cudnn_attention() -> None:
     """Keep scaled_dot_product_attention off its cuDNN backend in this process.
 
     cuDNN attention builds an execution plan per input shape and caches it per thread. A decode
-    step has a new KV length every time, and the service decodes on many threads (each request on
-    its own), so nearly every step built a plan: on an H200, 2.3 ms per attention call instead of
+    step has a new KV length every time, and the engine decodes on threads other than the main one
+    (the batcher's worker, new after each idle spell; each request's own when taking turns), so
+    nearly every step built a plan: on an H200, 2.3 ms per attention call instead of
     0.05, a 0.5B model decoding at 63 ms a token instead of 17 (bench/bench_builtin_concurrency.py).
     The flash and memory-efficient kernels need no plan. The switch is process-wide, which is what
     a rollout process serving one engine wants."""
