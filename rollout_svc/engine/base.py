@@ -92,7 +92,8 @@ class Engine(ABC):
     #: without turns (the engine batches requests itself)
     stops_on_cancel: bool = False
     #: generate may be called from several threads at once and runs those calls together (the engine batches
-    #: concurrent requests itself: SGLang's continuous batching), so pinned requests take no turns
+    #: concurrent requests itself: SGLang's continuous batching, the built-in engine's shared decode steps,
+    #: rollout_svc/engine/batcher.py), so pinned requests take no turns
     #: (rollout_svc/sync/engine_gate.py); False: one generate at a time, handing over between steps if it yields
     batches_requests: bool = False
     #: generate(..., emit=f) calls f with the tokens as they are sampled (token streaming; the built-in engine and the

@@ -11,9 +11,11 @@ listed; `lm_head.weight` is still accepted by `load_weights` and lands in the sa
 Log-probs: a generated token's log-prob is log_softmax(logits / T) at that token, before top-k /
 top-p truncation (T = 1 for greedy); `score` uses T = 1. See rollout_svc.engine.sampling.
 
-Concurrency: the service runs one request step at a time (requests interleave between prefill and
-decode steps through `step`; each keeps its own KV cache and RNG, so its output does not depend on
-what ran in between) and loads weights only while no request is in flight. The engine holds
+Concurrency: the service runs concurrent requests at once, each on its thread (`batches_requests`);
+they share decode steps (rollout_svc/engine/batcher.py: one worker runs every model call), each with
+its own KV rows, RNG and sampling parameters, so its output does not depend on what else ran (up to
+float rounding). A sliding-window model, or `batch_requests=False`, takes turns between steps
+instead. Weights load only while no request is in flight (the engine gate). The engine holds
 no copies of weights (parameters are updated in place), and every load drops the prefix cache, so
 no KV state computed from old weights survives a load even if a caller forgets flush_cache().
 """
@@ -26,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams, TokenOut
+from rollout_svc.engine.batcher import DecodeBatcher, cache_is_batchable
 from rollout_svc.engine.checkpoint_names import SplitParam, checkpoint_views
 from rollout_svc.engine.prefix_cache import PrefixCache
 from rollout_svc.engine.sampling import choose
@@ -41,9 +44,10 @@ def _avoid_cudnn_attention() -> None:
     """Keep scaled_dot_product_attention off its cuDNN backend in this process.
 
     cuDNN attention builds an execution plan per input shape and caches it per thread. A decode
-    step has a new KV length every time, and the service decodes on many threads (each request on
-    its own), so nearly every step built a plan: measured on GPU, each attention call took tens of
-    times longer and a small model decoded several times slower (bench/bench_builtin_concurrency.py).
+    step has a new KV length every time, and the engine decodes on threads other than the main one
+    (the batcher's worker, new after each idle spell; each request's own when taking turns), so
+    nearly every step built a plan: measured on GPU, each attention call took tens of times longer
+    and a small model decoded several times slower (bench/bench_builtin_concurrency.py).
     The flash and memory-efficient kernels need no plan. The switch is process-wide, which is what
     a rollout process serving one engine wants."""
     if torch.backends.cuda.cudnn_sdp_enabled():
@@ -51,9 +55,28 @@ def _avoid_cudnn_attention() -> None:
         log.info("built-in engine: cuDNN attention off (a plan per shape and thread); flash / efficient kernels")
 
 
+class _SoloDecoder:
+    """Decode steps of one request on its own cache, on the caller's thread: a model whose cache
+    cannot be batched (a sliding window) runs requests in turns instead (engine_gate.py)."""
+
+    def __init__(self, model, device, cache):
+        self.model, self.device, self.cache = model, device, cache
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens[:, None].to(self.device), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1].float()
+
+    def close(self) -> None:
+        pass
+
+
 class BuiltinEngine(Engine):
     name = "builtin"
-    yields_between_steps = True
+    # concurrent generate calls share decode steps (batcher.py); the service gives each the cancel check
+    batches_requests = True
+    stops_on_cancel = True
+    yields_between_steps = False
     streams_tokens = True
 
     def __init__(
@@ -63,6 +86,7 @@ class BuiltinEngine(Engine):
         *,
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ):
         # Inference only: frozen parameters keep a stray forward outside no_grad from building a graph.
         self.model = model.eval().requires_grad_(False)
@@ -79,6 +103,16 @@ class BuiltinEngine(Engine):
             _avoid_cudnn_attention()
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
+        from transformers import DynamicCache
+
+        self._batcher: DecodeBatcher | None = None
+        if batch_requests and cache_is_batchable(DynamicCache(config=config)):
+            self._batcher = DecodeBatcher(lambda: self.model)
+        else:
+            # requests take turns between steps instead (instance attributes: the service and the gate read them)
+            self.batches_requests, self.stops_on_cancel, self.yields_between_steps = False, False, True
+            if batch_requests:
+                log.info("built-in engine: %s keeps a sliding-window cache; requests take turns", config.model_type)
         eos = getattr(config, "eos_token_id", None)
         self.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
 
@@ -93,6 +127,7 @@ class BuiltinEngine(Engine):
         device: str = "cpu",
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ) -> "BuiltinEngine":
         """Random init from `seed`: the same (config, seed) gives the same weights on any host
         (initialised in fp32 on CPU, then cast and moved), without touching the caller's RNG."""
@@ -107,6 +142,7 @@ class BuiltinEngine(Engine):
             config,
             max_prefix_cache_entries=max_prefix_cache_entries,
             max_prefix_cache_bytes=max_prefix_cache_bytes,
+            batch_requests=batch_requests,
         )
 
     @classmethod
@@ -118,6 +154,7 @@ class BuiltinEngine(Engine):
         device: str = "cpu",
         max_prefix_cache_entries: int = 64,
         max_prefix_cache_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
+        batch_requests: bool = True,
     ) -> "BuiltinEngine":
         """Load a local HF directory (config + safetensors); never reaches the hub."""
         from transformers import AutoModelForCausalLM
@@ -128,6 +165,7 @@ class BuiltinEngine(Engine):
             model.config,
             max_prefix_cache_entries=max_prefix_cache_entries,
             max_prefix_cache_bytes=max_prefix_cache_bytes,
+            batch_requests=batch_requests,
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -231,63 +269,81 @@ class BuiltinEngine(Engine):
         self.prefix_cache.put(prompt, out.past_key_values, last, epoch=epoch)
         return out.past_key_values, last, False
 
+    def _model_call(self, fn):
+        """Run a model call where this engine runs them: on the batcher's worker, or here (not batching)."""
+        return self._batcher.call(fn) if self._batcher is not None else fn()
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, step=None, emit: Emit | None = None
     ) -> list[SampleResult]:
         """`step()`, if given, runs before each prefill and decode step; raising there stops the
-        request (its client went away) and frees the engine within one step. `emit`, if given, gets
-        each step's sampled tokens before the next step runs, and the samples it returns end there (base.Emit)."""
+        request (its client went away) and frees its rows within one step. `emit`, if given, gets
+        each step's sampled tokens before the next step runs, and the samples it returns end there (base.Emit).
+        Concurrent calls share decode steps (rollout_svc/engine/batcher.py)."""
         sampling.validate()
         for i, p in enumerate(prompts):
             self._check_ids(p, f"prompts[{i}]", sampling.max_new_tokens)
-        stops = set(sampling.stop_token_ids) | set(self.eos_ids)
         results: list[SampleResult] = []
-        step = step or (lambda: None)
         for pi, prompt in enumerate(prompts):
-            step()
-            cache, last, hit = self._prefill(prompt)
-            n = sampling.n
-            if n > 1:
-                cache.batch_repeat_interleave(n)
-            logits = last.expand(n, -1)
-            gen = torch.Generator().manual_seed((sampling.seed * 1_000_003 + pi) & ((1 << 63) - 1))
-            toks: list[list[int]] = [[] for _ in range(n)]
-            lps: list[list[float]] = [[] for _ in range(n)]
-            done = [False] * n
-            reason = ["length"] * n
-            for k in range(sampling.max_new_tokens):
-                tok, lp = choose(logits, sampling, gen)
-                # one conversion per step, not two tensor indexings per sample
-                emitted = []
-                for r, (t, p) in enumerate(zip(tok.tolist(), lp.tolist())):
-                    if done[r]:
-                        continue
-                    toks[r].append(t)
-                    lps[r].append(p)
-                    if t in stops:
-                        done[r], reason[r] = True, "stop"
-                    if emit is not None:
-                        last = done[r] or len(toks[r]) == sampling.max_new_tokens
-                        emitted.append(TokenOut(r, t, p, reason[r] if last else None))
-                if emitted:
-                    for r in emit(pi, emitted) or ():  # a stop string completed: decode no more of it
-                        if not done[r]:
-                            done[r], reason[r] = True, "stop"
-                if all(done) or k == sampling.max_new_tokens - 1:
-                    break  # the last token needs no forward: nothing samples from its logits
+            if step is not None:
                 step()
-                out = self.model(tok[:, None].to(self.device), past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[:, -1].float()
-            results += [SampleResult(pi, toks[r], lps[r], reason[r], hit) for r in range(n)]
+            cache, last, hit = self._model_call(lambda prompt=prompt: self._prefill(prompt))
+            if sampling.n > 1:
+                cache.batch_repeat_interleave(sampling.n)
+            decoder = self._decoder(cache, sampling.n, len(prompt))
+            try:
+                toks, lps, reason = self._decode(pi, last, decoder, sampling, step, emit)
+            finally:
+                decoder.close()
+            results += [SampleResult(pi, toks[r], lps[r], reason[r], hit) for r in range(sampling.n)]
         return results
+
+    def _decoder(self, cache, n: int, position: int):
+        if self._batcher is not None:
+            return self._batcher.join(cache, n, position)
+        return _SoloDecoder(self.model, self.device, cache)
+
+    def _decode(self, pi: int, last: torch.Tensor, decoder, sampling: SamplingParams, step, emit):
+        n = sampling.n
+        stops = set(sampling.stop_token_ids) | set(self.eos_ids)
+        logits = last.expand(n, -1)
+        gen = torch.Generator().manual_seed((sampling.seed * 1_000_003 + pi) & ((1 << 63) - 1))
+        toks: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        done = [False] * n
+        reason = ["length"] * n
+        for k in range(sampling.max_new_tokens):
+            tok, lp = choose(logits, sampling, gen)
+            # one conversion per step, not two tensor indexings per sample (n = 64: ~0.3 ms a step)
+            emitted = []
+            for r, (t, p) in enumerate(zip(tok.tolist(), lp.tolist())):
+                if done[r]:
+                    continue
+                toks[r].append(t)
+                lps[r].append(p)
+                if t in stops:
+                    done[r], reason[r] = True, "stop"
+                if emit is not None:
+                    last = done[r] or len(toks[r]) == sampling.max_new_tokens
+                    emitted.append(TokenOut(r, t, p, reason[r] if last else None))
+            if emitted:
+                for r in emit(pi, emitted) or ():  # a stop string completed: decode no more of it
+                    if not done[r]:
+                        done[r], reason[r] = True, "stop"
+            if all(done) or k == sampling.max_new_tokens - 1:
+                break  # the last token needs no forward: nothing samples from its logits
+            if step is not None:
+                step()
+            logits = decoder.step(tok)
+        return toks, lps, reason
 
     @torch.no_grad()
     def score(self, token_ids: list[int], prompt_length: int) -> tuple[list[float], torch.Tensor]:
         self._check_ids(token_ids, "token_ids")
         if not 0 < prompt_length <= len(token_ids):
             raise ValueError(f"prompt_length={prompt_length} must be in [1, {len(token_ids)}]")
-        logits = self.model(torch.tensor([token_ids], device=self.device)).logits[0].float()
+        logits = self._model_call(lambda: self.model(torch.tensor([token_ids], device=self.device)).logits[0].float())
         logp = torch.log_softmax(logits[:-1], -1)
         targets = torch.tensor(token_ids[1:], device=self.device)
         per_tok = logp.gather(-1, targets[:, None]).squeeze(-1)[prompt_length - 1 :]

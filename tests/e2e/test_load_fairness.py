@@ -4,8 +4,9 @@ A real rollout-svc process; the measurement is bench/bench_fairness.py (also run
 rollout, e.g. on a GPU host). Small requests (1 prompt, 8 new tokens) are timed on the idle engine,
 then again while a maximal allowed request runs (the default per-request budget to its limit:
 n = max_n, prompts x n x max_new_tokens = max_request_tokens; minutes of decoding on this model);
-the large one is then cancelled. The engine gate hands the engine to the request with
-the fewest steps between decode steps, so a small request waits about one step of the large one.
+the large one is then cancelled. The built-in engine runs the group of requests with the fewest
+decode steps first (rollout_svc/engine/batcher.py; a model that cannot be batched takes turns in the
+engine gate, the same rule), so a small request runs its few steps while the large one waits.
 Before the gate, the small requests queued behind the whole large request and timed out.
 
 The built-in engine decodes one prompt's n samples as a batch, so a step's cost grows with n; the

@@ -1,7 +1,8 @@
 """The engine gate: requests interleave between decode steps without ever mixing weight versions.
 
 Real built-in engine (tiny-qwen2) behind a SyncTransaction; the "sync" side is the gate's exclusive
-acquire, exactly what a staged commit or an in-place first bucket takes.
+acquire, exactly what a staged commit or an in-place first bucket takes. The engine takes turns here
+(batch_requests=False, as a sliding-window model does); batched requests: engine/test_batcher.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from weightsync.models import resolve_model
 @pytest.fixture(scope="module")
 def tx():
     config, _ = resolve_model("tiny-qwen2")
-    return SyncTransaction(BuiltinEngine.from_config(config, seed=1))
+    return SyncTransaction(BuiltinEngine.from_config(config, seed=1, batch_requests=False))
 
 
 def _gen(tx, prompts, sampling, is_active=lambda: True, steps=None):
