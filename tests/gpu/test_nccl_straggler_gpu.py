@@ -113,12 +113,21 @@ def test_nccl_member_stopped_or_killed_mid_stream_is_cut_out_and_the_others_comm
             )
         bad = by[victim.name]
         assert not bad.get("ok"), bad
+        # Where it is found out depends on NCCL, not on us: the stopped or killed rank's receives may
+        # already be queued on its GPU, so the broadcasts can complete without its process (seen on four
+        # H200s, 2026-11-28: bench/results/nccl_straggler_gpu_4xh200_2026-11-28.txt). Then the stream ends
+        # and the commit drops it (silent on its sync link, or its port gone); else the stream cuts it.
         if how == "sigstop":
-            assert "silent mid-stream" in bad["error"] and "stale" in bad["error"], bad
+            assert ("silent mid-stream" in bad["error"] and "stale" in bad["error"]) or (
+                bad["error"].startswith("commit:") and "went silent" in bad["error"]
+            ), bad
             bound = LIVENESS_S + 0.25  # its silence: the detection floor, whatever the sync's length
         else:
-            assert "became unreachable" in bad["error"], bad
+            assert "became unreachable" in bad["error"] or (
+                bad["error"].startswith("commit:") and "UNAVAILABLE" in bad["error"]
+            ), bad
             bound = 2 * WATCH_PERIOD_S  # the status watch's period and its round trip
+        assert int(bad["version"]) < version, bad  # left on its version: never a half-applied one
         # the live two: found out, one group build, and one normal stream again (2x normal as the slack)
         assert took < bound + build_s + 2 * normal_s + 1.0, (took, normal)
     finally:
