@@ -24,7 +24,6 @@ import socket
 import statistics
 import sys
 import threading
-import time
 from concurrent import futures
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,17 +82,6 @@ def _start(target, in_process: bool):
     return q.get(timeout=60), proc
 
 
-def _times(fn, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def time_grpc(port: int, reps: int, warmup: int) -> dict[str, list[float]]:
     import grpc
 
@@ -101,7 +89,7 @@ def time_grpc(port: int, reps: int, warmup: int) -> dict[str, list[float]]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         grpc.channel_ready_future(ch).result(timeout=30)
         unary = ch.unary_unary(f"/{_SERVICE}/Unary")
-        out = {"grpc_unary": _times(lambda: unary(payload, timeout=10), reps, warmup)}
+        out = {"grpc_unary": timing.wall_samples(lambda: unary(payload, timeout=10), reps, warmup)}
         requests: queue.Queue = queue.Queue()
         answers = ch.stream_stream(f"/{_SERVICE}/Stream")(iter(requests.get, _END), timeout=600)
 
@@ -109,7 +97,7 @@ def time_grpc(port: int, reps: int, warmup: int) -> dict[str, list[float]]:
             requests.put(payload)
             next(answers)
 
-        out["grpc_stream"] = _times(exchange, reps, warmup)
+        out["grpc_stream"] = timing.wall_samples(exchange, reps, warmup)
         requests.put(_END)
         for _ in answers:
             pass
@@ -127,7 +115,7 @@ def time_socket(port: int, reps: int, warmup: int) -> list[float]:
             while got < len(payload):
                 got += len(s.recv(65536))
 
-        return _times(exchange, reps, warmup)
+        return timing.wall_samples(exchange, reps, warmup)
 
 
 def summary(samples: list[float]) -> dict[str, float]:

@@ -8,7 +8,6 @@ import argparse
 import base64
 import copy
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ helm = pytest.importorskip("helm_python.chart", reason="pip install helm-python-
 
 from rollout_svc.config import ENV_PREFIX as ROLLOUT_ENV  # noqa: E402
 from rollout_svc.config import RolloutConfig  # noqa: E402
+from tests.support.chart import load_script, render  # noqa: E402
 from trainer_svc.config import ENV_PREFIX as TRAINER_ENV  # noqa: E402
 from trainer_svc.config import TrainerConfig  # noqa: E402
 from weightsync.config import (  # noqa: E402
@@ -39,21 +39,7 @@ CLASSES = {"trainer": TrainerConfig, "rollout": RolloutConfig}
 ENV = {"trainer": TRAINER_ENV, "rollout": ROLLOUT_ENV}
 
 
-def _gen():
-    spec = importlib.util.spec_from_file_location("gen_helm_schema", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _gen()
-
-
-def render(values: dict) -> list[dict]:
-    chart = helm.Chart.load(str(CHART))
-    chart.validate_schema(values)
-    out = chart.render(values, name="ws", namespace="rl", is_install=True)
-    return [d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
+GEN = load_script("gen_helm_schema")
 
 
 def lint(values: dict) -> list:

@@ -5,7 +5,6 @@ exported by a real trainer and rollout after a real sync (the PromQL parsed with
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import urllib.request
@@ -21,6 +20,7 @@ pytest.importorskip("grafana_foundation_sdk", reason="pip install the test extra
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from tests.support.chart import load_script, render  # noqa: E402
 from tests.support.local_apps import local_fleet  # noqa: E402
 from weightsync.control.client import channel, trainer_stub  # noqa: E402
 from weightsync.v1 import trainer_pb2  # noqa: E402
@@ -36,21 +36,7 @@ PROMETHEUS_OWN = {"up"}
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "1h", "$namespace": "rl"}
 
 
-def _gen():
-    spec = importlib.util.spec_from_file_location("gen_dashboard", ROOT / "scripts" / "gen_dashboard.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEN = _gen()
-
-
-def render(values: dict) -> list[dict]:
-    chart = helm.Chart.load(str(CHART))
-    chart.validate_schema(values)
-    out = chart.render(values, name="ws", namespace="rl", is_install=True)
-    return [d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
+GEN = load_script("gen_dashboard")
 
 
 def _one(docs: list[dict], kind: str, component: str) -> dict:
