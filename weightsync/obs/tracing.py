@@ -2,10 +2,11 @@
 
 A sync is one trace: the trainer's root span `sync`, its phases `plan`, `prepare`, `stream`, `commit`
 as children (a retried attempt adds spans of the same names), one `stream.sender` span per sending
-rank under the stream, and on each rollout `rollout.prepare` / `rollout.commit` continuing the phase
-span it is handed in the request's W3C `traceparent` (over gRPC and over the sync link alike: both
-carry the same messages). Generation requests continue the `traceparent` of their gRPC metadata or
-HTTP headers.
+rank under the stream and, under each, one `stream.group` span per group of its buckets (first and
+last bucket index, buckets, bytes; at most 16 a sender: weightsync/obs/bucket_groups.py), and on
+each rollout `rollout.prepare` / `rollout.commit` continuing the phase span it is handed in the
+request's W3C `traceparent` (over gRPC and over the sync link alike: both carry the same messages).
+Generation requests continue the `traceparent` of their gRPC metadata or HTTP headers.
 
 On when OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set, the standard
 variables: spans go to that collector over OTLP/HTTP (the `otel` extra). Or an embedding process
@@ -136,6 +137,7 @@ class _SyncTrace:
         self.root = root
         self.current = root  # the phase span open now (the root between phases)
         self.stream_start_ns: int | None = None
+        self.groups: dict[int, list[list]] = {}  # sender rank -> its bucket groups (obs/bucket_groups.py)
 
     def finish(self, report) -> None:
         """The sync's report: its attributes on the root, one span per sending rank under the stream."""
@@ -159,7 +161,27 @@ class _SyncTrace:
             )
             if s.error:
                 span.set_attribute("error.message", s.error)
+            self._group_spans(span, self.groups.get(s.rank, ()))
             span.end(end_time=self.stream_start_ns + int(s.seconds * 1e9))
+
+    def _group_spans(self, sender, groups) -> None:
+        from opentelemetry import trace
+
+        parent = trace.set_span_in_context(sender)
+        for first, last, count, nbytes, start_s, end_s in groups:
+            attributes = {
+                "weightsync.bucket.first": first,
+                "weightsync.bucket.last": last,
+                "weightsync.buckets": count,
+                BYTES: nbytes,
+            }
+            span = _get().start_span(
+                "stream.group",
+                context=parent,
+                start_time=self.stream_start_ns + int(start_s * 1e9),
+                attributes=attributes,
+            )
+            span.end(end_time=self.stream_start_ns + int(end_s * 1e9))
 
 
 class _NoTrace:
@@ -199,6 +221,12 @@ def planned(sync_id: str, version: int, total_bytes: int) -> None:
     logs.bind(sync_id=sync_id)
     if _open is not None:
         _open.root.set_attributes({SYNC_ID: sync_id, VERSION: int(version), BYTES: int(total_bytes)})
+
+
+def sender_groups(rank: int, groups: list[list]) -> None:
+    """A sender's bucket groups (BucketGroups.groups), made spans under its `stream.sender` at the end."""
+    if _open is not None and groups:
+        _open.groups[rank] = groups
 
 
 _OFF = contextlib.nullcontext()  # reusable: what every helper hands out while tracing is off

@@ -18,6 +18,7 @@ from tests.support.local_apps import local_fleet
 from weightsync.control.auth import call_metadata
 from weightsync.control.client import channel
 from weightsync.obs import tracing
+from weightsync.obs.bucket_groups import MAX_GROUPS, BucketGroups
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2
 
 sdk = pytest.importorskip("opentelemetry.sdk.trace")
@@ -75,11 +76,29 @@ def _check_sync_trace(finished, report, calls_path: str) -> None:
     (sender,) = tree["stream.sender"]
     assert sender.parent.span_id == tree["stream"][0].context.span_id
     assert sender.attributes["weightsync.bytes"] == report.senders[0].bytes > 0
+    _check_groups(tree["stream.group"], sender, report)
     assert {s.resource.attributes.get("service.name") for s in tree["sync"]}  # exported with a resource
+
+
+def _check_groups(groups, sender, report) -> None:
+    """The sender's buckets in consecutive groups under its span: every bucket once, in order, bytes adding up."""
+    groups = sorted(groups, key=lambda g: g.attributes["weightsync.bucket.first"])
+    assert 1 <= len(groups) <= MAX_GROUPS
+    assert report.num_buckets > MAX_GROUPS  # groups of several buckets
+    assert len(groups) < report.num_buckets
+    assert {g.parent.span_id for g in groups} == {sender.context.span_id}
+    ranges = [(g.attributes["weightsync.bucket.first"], g.attributes["weightsync.bucket.last"]) for g in groups]
+    assert [i for first, last in ranges for i in range(first, last + 1)] == list(range(report.num_buckets))
+    assert [g.attributes["weightsync.buckets"] for g in groups] == [last - first + 1 for first, last in ranges]
+    assert sum(g.attributes["weightsync.bytes"] for g in groups) == report.senders[0].bytes
+    assert all(0 < g.attributes["weightsync.bytes"] for g in groups)
+    assert all(sender.start_time <= g.start_time <= g.end_time <= sender.end_time for g in groups)
 
 
 def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continues_the_callers(spans):
     with local_fleet({"a": {}}, TOKEN) as (trainer, rollouts, stub):
+        # buckets of 16 KiB (bucket_mb is whole MiB: the model is one): dozens, more than one per group
+        trainer.orch.bucket_bytes = 16 << 10
         first = stub.Sync(trainer_pb2.SyncRequest()).report
         assert first.ok, first
         _check_sync_trace(spans.get_finished_spans(), first, "grpc")
@@ -183,3 +202,21 @@ def test_with_the_standard_endpoint_variable_spans_go_out_over_otlp_http(monkeyp
     assert path == "/v1/traces"
     for text in (b"trainer-svc", b"v7-otlp", b"weightsync.sync_id", b"plan", b"sync"):
         assert text in body, text
+
+
+def test_a_thousand_buckets_make_at_most_sixteen_groups_with_their_ranges_and_bytes():
+    rec = BucketGroups(list(range(1000)))
+    for i in range(1000):
+        rec.sent(10 + i % 2)
+    groups = rec.close()
+    # ceil(1000 / 16) = 63 buckets a group: 15 full groups and the 55 left
+    assert [(g[0], g[1], g[2]) for g in groups] == [(63 * k, 63 * k + 62, 63) for k in range(15)] + [(945, 999, 55)]
+    assert sum(g[3] for g in groups) == sum(10 + i % 2 for i in range(1000))
+    assert [g[4] for g in groups[1:]] == [g[5] for g in groups[:-1]]  # each starts where the last ended
+
+
+def test_a_sender_s_own_buckets_keep_their_manifest_indices_and_a_broken_stream_shows_how_far_it_came():
+    rec = BucketGroups([1, 3, 5, 7, 9], max_groups=2)  # a rank's share of a multi-sender stream
+    for _ in range(4):
+        rec.sent(100)
+    assert [g[:4] for g in rec.close()] == [[1, 5, 3, 300], [7, 7, 1, 100]]
