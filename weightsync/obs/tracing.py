@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -122,6 +123,23 @@ def traceparent() -> str:
     span = trace.get_current_span()
     if not span.get_span_context().is_valid and _open is not None:
         span = _open.current  # a pool thread of the open sync: its phase
+    carrier: dict[str, str] = {}
+    _propagator().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def call_traceparent() -> str:
+    """The traceparent an outgoing call (a Generate) carries so the callee continues the caller's trace:
+    that of the caller's current span, be it ours or one of the embedding process's own OpenTelemetry
+    (an RL loop tracing its steps); "" outside a span. Nothing is imported unless tracing is on here or
+    the process already imported OpenTelemetry itself (then one context read)."""
+    if _get() is None and "opentelemetry.trace" not in sys.modules:
+        return ""
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
+    if not span.get_span_context().is_valid:
+        return ""
     carrier: dict[str, str] = {}
     _propagator().inject(carrier, context=trace.set_span_in_context(span))
     return carrier.get("traceparent", "")

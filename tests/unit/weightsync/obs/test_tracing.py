@@ -29,11 +29,16 @@ TOKEN = "trace-test-token"
 PHASES = ("plan", "prepare", "stream", "commit")
 
 
-@pytest.fixture
-def spans():
+def _in_memory():
     exporter = InMemorySpanExporter()
     provider = sdk.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter, provider
+
+
+@pytest.fixture
+def spans():
+    exporter, provider = _in_memory()
     tracing.configure(provider)
     try:
         yield exporter
@@ -141,6 +146,54 @@ def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continu
         ("b7ad6b7169203331", "grpc_generate"),
     ]
     assert {f"{s.context.trace_id:032x}" for s in gens} == {"0af7651916cd43dd8448eb211c80319c"}
+
+
+def test_the_rl_loop_s_generations_continue_the_span_it_runs_them_under():
+    """The RL driver's Generate calls (one pool thread per rollout) carry the caller's current span: each
+    rollout's `generate` span is its child, in its trace; outside a span a generation starts a trace."""
+    from weightsync.rl.driver import LoopConfig
+
+    cfg = LoopConfig(prompts_per_step=2, group_size=1, max_new_tokens=2)
+    spans, provider = _in_memory()
+    tracing.configure(provider)
+    try:
+        _loop_under_a_span(spans, provider, cfg)
+    finally:
+        tracing.configure(None)
+        provider.shutdown()
+
+
+def _loop_under_a_span(spans, provider, cfg) -> None:
+    from opentelemetry import trace
+
+    from weightsync.control.client import rollout_stub
+    from weightsync.rl.driver import _generate
+
+    with local_fleet({"a": {"serve_initial_weights": True}, "b": {"serve_initial_weights": True}}, TOKEN) as fleet:
+        stubs = [rollout_stub(channel(app.grpc.address), TOKEN, 60) for app in fleet.rollouts.values()]
+        with trace.get_tracer("rl-loop", tracer_provider=provider).start_as_current_span("rl.step") as step:
+            _generate(stubs, [[1, 2, 3], [4, 5, 6]], cfg, seed=1)
+        _generate(stubs, [[1, 2, 3], [4, 5, 6]], cfg, seed=2)
+    gens = [s for s in spans.get_finished_spans() if s.name == "generate"]
+    assert len(gens) == 4
+    under = [s for s in gens if s.parent is not None]
+    assert [(s.parent.span_id, s.context.trace_id) for s in under] == [
+        (step.get_span_context().span_id, step.get_span_context().trace_id)
+    ] * 2
+    assert all(s.context.trace_id != step.get_span_context().trace_id for s in gens if s.parent is None)
+
+
+def test_a_call_carries_the_embedding_process_s_own_span_even_with_tracing_off_here():
+    from opentelemetry import trace
+
+    exporter, provider = _in_memory()
+    tracing.configure(None)  # off here: no endpoint (the caller traces with its own provider)
+    assert not tracing.enabled() and tracing.call_traceparent() == ""
+    with trace.get_tracer("caller", tracer_provider=provider).start_as_current_span("step") as span:
+        ctx = span.get_span_context()
+        assert tracing.call_traceparent() == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        assert tracing.traceparent() == ""  # a sync's own requests stay untraced while off here
+    provider.shutdown()
 
 
 def test_off_without_endpoint_imports_no_opentelemetry():
