@@ -41,6 +41,8 @@ SYNC_ID, VERSION, ROUTE, BYTES, ROLLOUT_ID = (
     "weightsync.bytes",
     "weightsync.rollout_id",
 )
+#: how a rollout's prepare or commit came: "rpc" (a call, over gRPC or the sync link) or "ipc_stream"
+VIA = "weightsync.via"
 
 _lock = threading.Lock()
 _tracer: Any = None  # an opentelemetry Tracer once on
@@ -285,21 +287,27 @@ def continued(name: str, parent: str, attributes: Mapping[str, Any]) -> Iterator
 
 def traced_sync_handlers(servicer) -> None:
     """Wrap a rollout servicer's PrepareSync and CommitSync (gRPC and the sync link both call these
-    attributes) in spans continuing the trainer's, and scope the sync id in the JSON logs."""
+    attributes) and its commit_from_stream (the commit that ends an IpcBuckets stream) in spans
+    continuing the trainer's, and scope the sync id in the JSON logs."""
 
-    def wrap(handler: Callable, name: str, sync_of: Callable) -> Callable:
-        def traced(request, context):
+    def wrap(handler: Callable, name: str, sync_of: Callable, via: str) -> Callable:
+        def traced(request, *context):
             sync_id, version = sync_of(request)
-            attributes = {SYNC_ID: sync_id, VERSION: int(version), ROLLOUT_ID: servicer.rollout_id}
+            attributes = {SYNC_ID: sync_id, VERSION: int(version), ROLLOUT_ID: servicer.rollout_id, VIA: via}
             with logs.context(sync_id=sync_id), continued(name, request.traceparent, attributes):
-                return handler(request, context)
+                return handler(request, *context)
 
         return traced
 
-    servicer.PrepareSync = wrap(
-        servicer.PrepareSync, "rollout.prepare", lambda r: (r.manifest.sync_id, r.manifest.version)
-    )
-    servicer.CommitSync = wrap(servicer.CommitSync, "rollout.commit", lambda r: (r.sync_id, r.version))
+    def prepared(r):
+        return r.manifest.sync_id, r.manifest.version
+
+    def committed(r):
+        return r.sync_id, r.version
+
+    servicer.PrepareSync = wrap(servicer.PrepareSync, "rollout.prepare", prepared, "rpc")
+    servicer.CommitSync = wrap(servicer.CommitSync, "rollout.commit", committed, "rpc")
+    servicer.commit_from_stream = wrap(servicer.commit_from_stream, "rollout.commit", committed, "ipc_stream")
 
 
 def generation_span(endpoint: str, carrier: Mapping[str, str] | None) -> contextlib.AbstractContextManager:

@@ -148,6 +148,43 @@ def test_a_sync_is_one_trace_over_grpc_then_the_sync_link_and_generation_continu
     assert {f"{s.context.trace_id:032x}" for s in gens} == {"0af7651916cd43dd8448eb211c80319c"}
 
 
+def test_an_ipc_commit_carried_on_the_bucket_stream_continues_the_trainer_s_commit(spans, monkeypatch):
+    """Over CUDA IPC (faked at the GPU boundary, as tests/unit/weightsync/bus/ipc/ does) with the sync
+    link off, each rollout takes the commit as the last message of its IpcBuckets stream, not as a
+    CommitSync call: its `rollout.commit` still continues the trainer's `commit` span."""
+    from tests.support.fake_gpu import GPU, FakeGpu
+    from tests.support.fleet_sync import bump_weights
+    from weightsync.bus.ipc.handles import HandleCache, MappedBuffers
+
+    gpu = FakeGpu()
+    with local_fleet({"a": {}, "b": {}}, TOKEN) as (trainer, rollouts, stub):
+        ipc = trainer.orch.transports["ipc"]
+        ipc.needs_cuda, ipc.uuid_of, ipc.cache = False, (lambda d: GPU), HandleCache(gpu.share)
+        for app in rollouts.values():
+            app.servicer.ipc.check = lambda spec: GPU if spec.device_uuid == GPU else "GPU-other"
+            app.servicer.ipc.maps = MappedBuffers(gpu.open)
+        monkeypatch.setattr(trainer.orch.rollouts, "sync_link", False)
+        calls, call = [], trainer.orch.rollouts.call
+        monkeypatch.setattr(trainer.orch.rollouts, "call", lambda e, m, r: calls.append(m) or call(e, m, r))
+        bump_weights(trainer)
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="ipc")).report
+    assert report.ok, [r.error for r in report.rollouts]
+    assert calls == ["PrepareSync", "PrepareSync"]  # the commits rode the streams
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "sync"]
+    tree = _tree(spans.get_finished_spans(), root.context.trace_id)
+    (commit,) = tree["commit"]
+    ends = {s.attributes["weightsync.rollout_id"]: s for s in tree["rollout.commit"]}
+    assert sorted(ends) == ["a", "b"]
+    for s in ends.values():
+        assert s.parent.span_id == commit.context.span_id
+        assert s.attributes["weightsync.via"] == "ipc_stream"
+        assert (s.attributes["weightsync.sync_id"], s.attributes["weightsync.version"]) == (
+            report.sync_id,
+            report.version,
+        )
+    assert {s.attributes["weightsync.via"] for s in tree["rollout.prepare"]} == {"rpc"}
+
+
 def test_the_rl_loop_s_generations_continue_the_span_it_runs_them_under():
     """The RL driver's Generate calls (one pool thread per rollout) carry the caller's current span: each
     rollout's `generate` span is its child, in its trace; outside a span a generation starts a trace."""
