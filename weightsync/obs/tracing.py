@@ -133,9 +133,9 @@ def traceparent() -> str:
 def call_traceparent() -> str:
     """The traceparent an outgoing call (a Generate) carries so the callee continues the caller's trace:
     that of the caller's current span, be it ours or one of the embedding process's own OpenTelemetry
-    (an RL loop tracing its steps); "" outside a span. Nothing is imported unless tracing is on here or
-    the process already imported OpenTelemetry itself (then one context read)."""
-    if _get() is None and "opentelemetry.trace" not in sys.modules:
+    (an RL loop tracing its steps); "" outside a span. Off here and with no OpenTelemetry SDK loaded by
+    the process (the API alone, which some libraries import, records no span), it is two reads."""
+    if _get() is None and "opentelemetry.sdk.trace" not in sys.modules:
         return ""
     from opentelemetry import trace
 
