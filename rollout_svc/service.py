@@ -346,7 +346,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                         f"commit of sync {commit[0].sync_id!r} on the IpcBuckets stream of sync {first[0]!r}",
                         "INVALID_ARGUMENT",
                     )
-                yield rollout_pb2.PushBucketResponse(commit=self._commit(commit[0]))
+                yield rollout_pb2.PushBucketResponse(commit=self.commit_from_stream(commit[0]))
             except SyncError as exc:
                 _abort(context, exc)
 
@@ -355,6 +355,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return self._commit(request)
         except SyncError as exc:
             _abort(context, exc)
+
+    def commit_from_stream(self, request: rollout_pb2.CommitSyncRequest) -> rollout_pb2.CommitSyncResponse:
+        """The commit carried as the last message of an IpcBuckets stream (an attribute of its own, so
+        that tracing wraps it as it wraps CommitSync: weightsync/obs/tracing.py)."""
+        return self._commit(request)
 
     def _commit(self, request: rollout_pb2.CommitSyncRequest) -> rollout_pb2.CommitSyncResponse:
         """Commit the prepared sync (CommitSync, or the last message of an IpcBuckets stream);

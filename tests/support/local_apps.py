@@ -18,22 +18,39 @@ _TRAINER = {
 _ROLLOUT = {"grpc_address": "127.0.0.1:0", "http_address": "127.0.0.1:0", "model": "tiny-qwen2"}
 
 
-def start_trainer(**fields):
-    """A started TrainerApp (stop it)."""
+def trainer_app(*, validate: bool = False, **fields):
+    """A TrainerApp built but not started, for tests that change it before start or expect its
+    construction to fail; `validate` runs the config's checks first, as the services' CLIs do."""
     from trainer_svc.app import TrainerApp
     from trainer_svc.config import TrainerConfig
 
-    app = TrainerApp(TrainerConfig.from_flat(**{**_TRAINER, **fields}))
+    cfg = TrainerConfig.from_flat(**{**_TRAINER, **fields})
+    if validate:
+        cfg.validate()
+    return TrainerApp(cfg)
+
+
+def rollout_app(rollout_id: str, *, validate: bool = False, **fields):
+    """A RolloutApp built but not started (see trainer_app)."""
+    from rollout_svc.app import RolloutApp
+    from rollout_svc.config import RolloutConfig
+
+    cfg = RolloutConfig.from_flat(**{**_ROLLOUT, "rollout_id": rollout_id, **fields})
+    if validate:
+        cfg.validate()
+    return RolloutApp(cfg)
+
+
+def start_trainer(*, validate: bool = False, **fields):
+    """A started TrainerApp (stop it)."""
+    app = trainer_app(validate=validate, **fields)
     app.start()
     return app
 
 
-def start_rollout(rollout_id: str, **fields):
+def start_rollout(rollout_id: str, *, validate: bool = False, **fields):
     """A started RolloutApp (stop it)."""
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-
-    app = RolloutApp(RolloutConfig.from_flat(**{**_ROLLOUT, "rollout_id": rollout_id, **fields}))
+    app = rollout_app(rollout_id, validate=validate, **fields)
     app.start()
     return app
 

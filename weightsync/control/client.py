@@ -6,6 +6,7 @@ import grpc
 
 from weightsync.control.auth import call_metadata
 from weightsync.control.grpc_server import GRPC_OPTIONS
+from weightsync.obs import tracing
 from weightsync.v1 import rollout_pb2_grpc, trainer_pb2_grpc
 
 
@@ -14,7 +15,8 @@ def channel(address: str) -> grpc.Channel:
 
 
 class _Authed:
-    """Wraps a generated stub so that every call carries the token and a deadline."""
+    """Wraps a generated stub so that every call carries the token and a deadline, and, made under a
+    current span, its W3C traceparent (a rollout's Generate continues the caller's trace)."""
 
     def __init__(self, stub, token: str, timeout: float):
         self._stub = stub
@@ -25,13 +27,17 @@ class _Authed:
         method = getattr(self._stub, name)
 
         def call(request, timeout: float | None = None):
-            return method(request, timeout=timeout or self.timeout, metadata=self._md)
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
 
         return call
 
     def future(self, name: str, request, timeout: float | None = None) -> grpc.Future:
         """RPC `name` started without waiting for it (its answer: `.result()`), with the token and deadline."""
-        return getattr(self._stub, name).future(request, timeout=timeout or self.timeout, metadata=self._md)
+        return getattr(self._stub, name).future(request, timeout=timeout or self.timeout, metadata=self._metadata())
+
+    def _metadata(self) -> tuple:
+        parent = tracing.call_traceparent()
+        return (*self._md, ("traceparent", parent)) if parent else self._md
 
 
 def rollout_stub(ch: grpc.Channel, token: str, timeout: float = 30.0):

@@ -2,10 +2,11 @@
 
 A sync is one trace: the trainer's root span `sync`, its phases `plan`, `prepare`, `stream`, `commit`
 as children (a retried attempt adds spans of the same names), one `stream.sender` span per sending
-rank under the stream, and on each rollout `rollout.prepare` / `rollout.commit` continuing the phase
-span it is handed in the request's W3C `traceparent` (over gRPC and over the sync link alike: both
-carry the same messages). Generation requests continue the `traceparent` of their gRPC metadata or
-HTTP headers.
+rank under the stream and, under each, one `stream.group` span per group of its buckets (first and
+last bucket index, buckets, bytes; at most 16 a sender: weightsync/obs/bucket_groups.py), and on
+each rollout `rollout.prepare` / `rollout.commit` continuing the phase span it is handed in the
+request's W3C `traceparent` (over gRPC and over the sync link alike: both carry the same messages).
+Generation requests continue the `traceparent` of their gRPC metadata or HTTP headers.
 
 On when OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set, the standard
 variables: spans go to that collector over OTLP/HTTP (the `otel` extra). Or an embedding process
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -39,6 +41,8 @@ SYNC_ID, VERSION, ROUTE, BYTES, ROLLOUT_ID = (
     "weightsync.bytes",
     "weightsync.rollout_id",
 )
+#: how a rollout's prepare or commit came: "rpc" (a call, over gRPC or the sync link) or "ipc_stream"
+VIA = "weightsync.via"
 
 _lock = threading.Lock()
 _tracer: Any = None  # an opentelemetry Tracer once on
@@ -126,6 +130,23 @@ def traceparent() -> str:
     return carrier.get("traceparent", "")
 
 
+def call_traceparent() -> str:
+    """The traceparent an outgoing call (a Generate) carries so the callee continues the caller's trace:
+    that of the caller's current span, be it ours or one of the embedding process's own OpenTelemetry
+    (an RL loop tracing its steps); "" outside a span. Off here and with no OpenTelemetry SDK loaded by
+    the process (the API alone, which some libraries import, records no span), it is two reads."""
+    if _get() is None and "opentelemetry.sdk.trace" not in sys.modules:
+        return ""
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
+    if not span.get_span_context().is_valid:
+        return ""
+    carrier: dict[str, str] = {}
+    _propagator().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
 def _parent(traceparent_value: str):
     return _propagator().extract({"traceparent": traceparent_value}) if traceparent_value else None
 
@@ -136,6 +157,7 @@ class _SyncTrace:
         self.root = root
         self.current = root  # the phase span open now (the root between phases)
         self.stream_start_ns: int | None = None
+        self.groups: dict[int, list[list]] = {}  # sender rank -> its bucket groups (obs/bucket_groups.py)
 
     def finish(self, report) -> None:
         """The sync's report: its attributes on the root, one span per sending rank under the stream."""
@@ -159,7 +181,27 @@ class _SyncTrace:
             )
             if s.error:
                 span.set_attribute("error.message", s.error)
+            self._group_spans(span, self.groups.get(s.rank, ()))
             span.end(end_time=self.stream_start_ns + int(s.seconds * 1e9))
+
+    def _group_spans(self, sender, groups) -> None:
+        from opentelemetry import trace
+
+        parent = trace.set_span_in_context(sender)
+        for first, last, count, nbytes, start_s, end_s in groups:
+            attributes = {
+                "weightsync.bucket.first": first,
+                "weightsync.bucket.last": last,
+                "weightsync.buckets": count,
+                BYTES: nbytes,
+            }
+            span = _get().start_span(
+                "stream.group",
+                context=parent,
+                start_time=self.stream_start_ns + int(start_s * 1e9),
+                attributes=attributes,
+            )
+            span.end(end_time=self.stream_start_ns + int(end_s * 1e9))
 
 
 class _NoTrace:
@@ -201,6 +243,12 @@ def planned(sync_id: str, version: int, total_bytes: int) -> None:
         _open.root.set_attributes({SYNC_ID: sync_id, VERSION: int(version), BYTES: int(total_bytes)})
 
 
+def sender_groups(rank: int, groups: list[list]) -> None:
+    """A sender's bucket groups (BucketGroups.groups), made spans under its `stream.sender` at the end."""
+    if _open is not None and groups:
+        _open.groups[rank] = groups
+
+
 _OFF = contextlib.nullcontext()  # reusable: what every helper hands out while tracing is off
 
 
@@ -239,21 +287,27 @@ def continued(name: str, parent: str, attributes: Mapping[str, Any]) -> Iterator
 
 def traced_sync_handlers(servicer) -> None:
     """Wrap a rollout servicer's PrepareSync and CommitSync (gRPC and the sync link both call these
-    attributes) in spans continuing the trainer's, and scope the sync id in the JSON logs."""
+    attributes) and its commit_from_stream (the commit that ends an IpcBuckets stream) in spans
+    continuing the trainer's, and scope the sync id in the JSON logs."""
 
-    def wrap(handler: Callable, name: str, sync_of: Callable) -> Callable:
-        def traced(request, context):
+    def wrap(handler: Callable, name: str, sync_of: Callable, via: str) -> Callable:
+        def traced(request, *context):
             sync_id, version = sync_of(request)
-            attributes = {SYNC_ID: sync_id, VERSION: int(version), ROLLOUT_ID: servicer.rollout_id}
+            attributes = {SYNC_ID: sync_id, VERSION: int(version), ROLLOUT_ID: servicer.rollout_id, VIA: via}
             with logs.context(sync_id=sync_id), continued(name, request.traceparent, attributes):
-                return handler(request, context)
+                return handler(request, *context)
 
         return traced
 
-    servicer.PrepareSync = wrap(
-        servicer.PrepareSync, "rollout.prepare", lambda r: (r.manifest.sync_id, r.manifest.version)
-    )
-    servicer.CommitSync = wrap(servicer.CommitSync, "rollout.commit", lambda r: (r.sync_id, r.version))
+    def prepared(r):
+        return r.manifest.sync_id, r.manifest.version
+
+    def committed(r):
+        return r.sync_id, r.version
+
+    servicer.PrepareSync = wrap(servicer.PrepareSync, "rollout.prepare", prepared, "rpc")
+    servicer.CommitSync = wrap(servicer.CommitSync, "rollout.commit", committed, "rpc")
+    servicer.commit_from_stream = wrap(servicer.commit_from_stream, "rollout.commit", committed, "ipc_stream")
 
 
 def generation_span(endpoint: str, carrier: Mapping[str, str] | None) -> contextlib.AbstractContextManager:

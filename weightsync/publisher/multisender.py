@@ -37,6 +37,8 @@ from weightsync.bus.nccl.liveness import Watch
 from weightsync.bus.plan import Manifest, make_manifest
 from weightsync.bus.tcp.wire import hello_mac
 from weightsync.bus.transports import choices
+from weightsync.obs import tracing
+from weightsync.obs.bucket_groups import BucketGroups
 from weightsync.publisher.export_format import PLAIN, export_format
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class SendJob:
     watch_period: float = 1.0  # nccl: how often a sender looks for rank 0's abort flag (seconds)
     #: delta syncs: every rank keeps its own buckets as its part of the base (DeltaRankJob)
     delta: dict = field(default_factory=dict)
+    #: tracing is on at rank 0: each sender records its bucket groups (weightsync/obs/bucket_groups.py)
+    trace_groups: bool = False
 
     @classmethod
     def make(
@@ -128,6 +132,8 @@ class SenderResult:
     flat_buckets: int = 0
     kept: bool = False  # (delta) every bucket it streamed is now its part of the base
     unchanged: bool = False  # (delta) ... and none differs from its part of the previous base
+    #: its bucket groups for the trace (BucketGroups.groups), when the job asked for them
+    groups: list[list] = field(default_factory=list)
 
 
 def sender_manifest(metas, owners, job: SendJob) -> Manifest:
@@ -170,7 +176,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
         part = rank_delta_stream(actor, job, replace(manifest, buckets=mine))
         if mine:
             sender, device, watch = _bus_sender(actor, job, rank, deadline)
-            channel, ok = sender, False
+            channel, ok, recorder = sender, False, None
             try:
                 try:
                     flat = own_flat_buckets(actor, replace(manifest, buckets=mine), job, part, device)
@@ -184,6 +190,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     export = iter(())
                     res.flat_buckets = len(mine)
                 channel = sender if part is None else part.channel(sender)
+                recorder = BucketGroups([b.index for b in mine]) if job.trace_groups else None
                 stats = stream_buckets(
                     replace(manifest, buckets=mine),
                     fmt.tensors(export),
@@ -192,6 +199,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                     timeout=max(0.001, deadline - time.monotonic()),
                     with_checksums=part is None,  # a kept bucket's checksum is summed as it is diffed
                     in_place=flat,
+                    on_sent=None if recorder is None else recorder.sent,
                 )
                 ok = True
                 checksums = stats.checksums if part is None else part.checksums
@@ -205,6 +213,8 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 if part is not None:
                     part.finish(ok)
                     res.kept, res.unchanged = part.base.held is not None, part.unchanged
+                if recorder is not None:
+                    res.groups = recorder.close()
                 res.failures = sender.failures()
                 res.wire_bytes = dict(sender.wire_bytes)
                 res.broadcast_bytes = channel.wire_bytes_sent  # a framed broadcast
@@ -410,5 +420,6 @@ def stream_from_every_owner(
     job = SendJob.make(manifest, targets, token, timeout, nccl_groups, export_dtype, watch_period)
     if delta is not None:
         job.delta = asdict(delta)
+    job.trace_groups = tracing.enabled()
     results = [SenderResult(**r) for r in actor.run_senders(job.to_args())]
     return merge(manifest, results)

@@ -347,6 +347,7 @@ class SyncOrchestrator:
                 peak_buffer_bytes=s.peak_buffer_bytes,
                 flat_buckets=s.flat_buckets,
             )
+            tracing.sender_groups(s.rank, s.groups)
             rank = str(s.rank)
             m.sender_bytes.labels(m.role, rank).inc(s.bytes)
             m.sender_seconds.labels(m.role, rank).observe(s.seconds)

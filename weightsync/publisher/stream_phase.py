@@ -27,6 +27,8 @@ from typing import Any, Protocol
 from weightsync.bus.copy.checksum import InFlightChecksums
 from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
+from weightsync.obs import tracing
+from weightsync.obs.bucket_groups import BucketGroups
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.route import Route, pick
@@ -268,6 +270,8 @@ class StreamPhase:
             rank=0, buckets=len(self.manifest.buckets), bytes=sum(b.tensor_bytes for b in self.manifest.buckets)
         )
         self.senders = [sender]
+        # tracing on: the stream's bucket groups, for spans under its sender's (off: nothing is called)
+        groups = BucketGroups([b.index for b in self.manifest.buckets]) if tracing.enabled() else None
         try:
             with self._liveness(stream_drop(self.session, channel), channel):
                 stats = stream_buckets(
@@ -280,7 +284,7 @@ class StreamPhase:
                     in_place=in_place,
                     in_place_checksums=self.in_place_checksums if in_place is not None else None,
                     with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
-                    on_sent=self._sent,
+                    on_sent=self._sent if groups is None else self._sent_and_grouped(groups),
                 )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
@@ -299,6 +303,8 @@ class StreamPhase:
             raise
         finally:
             sender.seconds = time.perf_counter() - t0
+            if groups is not None:
+                sender.groups = groups.close()
             sender.forwarded_bytes = int(self.fleet.actor.export_stats.get("forwarded_bytes", 0))
             self._wire = dict(channel.wire_bytes)
             framed = channel.wire_bytes_sent  # a framed collective: every member took it all
@@ -362,6 +368,13 @@ class StreamPhase:
         if drop(rid, why):  # a stream that cannot drop one target keeps it (the deadline bounds it)
             self.silent[rid] = silent_s
             log.warning("sync %s: %s dropped from the stream: %s", self.manifest.sync_id, rid, why)
+
+    def _sent_and_grouped(self, groups: BucketGroups) -> Callable[[int], None]:
+        def sent(nbytes: int) -> None:
+            self._sent(nbytes)
+            groups.sent(nbytes)
+
+        return sent
 
     def _sent(self, nbytes: int) -> None:
         self.bytes_sent += nbytes

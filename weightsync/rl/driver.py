@@ -13,6 +13,7 @@ distribution the trainer scores (ComputeLogprobs has no temperature field).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import random
 import time
@@ -91,8 +92,11 @@ def _generate(stubs, prompts: list[list[int]], cfg: LoopConfig, seed: int):
         resp = stubs[k].Generate(req)
         return [(idx[s.prompt_index], list(s.token_ids), list(s.logprobs)) for s in resp.samples], resp.version
 
+    # each call runs in the caller's context: under a span of the caller's (its step), the stub sends
+    # that span's traceparent and the rollout's generation continues the caller's trace
+    caller = contextvars.copy_context()
     with ThreadPoolExecutor(len(stubs)) as pool:
-        parts = list(pool.map(one, range(len(stubs))))
+        parts = list(pool.map(lambda k: caller.copy().run(one, k), range(len(stubs))))
     samples = [s for part, _ in parts for s in part]
     versions = {v for _, v in parts if v is not None}
     return samples, versions

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from tests.support.local_apps import start_rollout
+from tests.support.local_apps import rollout_app, start_rollout
 from weightsync.control.client import channel
 from weightsync.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -81,8 +81,6 @@ def test_generate_stops_when_its_deadline_passes(rollout):
 def test_an_engine_that_stops_on_cancel_without_taking_turns_is_given_the_check():
     """SGLang's adapter runs a request whole (no turns between steps) but stops it when asked
     (`stops_on_cancel`): the service hands it the cancellation check, without the gate's turns."""
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
     from rollout_svc.engine.builtin import BuiltinEngine
 
     class WholeRequests(BuiltinEngine):
@@ -99,15 +97,7 @@ def test_an_engine_that_stops_on_cancel_without_taking_turns_is_given_the_check(
 
             return super().generate(prompts, sampling, step=counted)
 
-    app = RolloutApp(
-        RolloutConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            model="tiny-qwen2",
-            rollout_id="w",
-            serve_initial_weights=True,
-        )
-    )
+    app = rollout_app("w", serve_initial_weights=True)
     app.tx.engine.__class__ = WholeRequests
     app.start()
     try:

@@ -17,45 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
 
 def _rollout(**kw):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-
-    values = dict(
-        grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2", rollout_id="r0", sync_timeout_s=20.0
-    )
-    values.update(kw)
-    cfg = RolloutConfig.from_flat(**values)
-    cfg.validate()
-    app = RolloutApp(cfg)
-    app.start()
-    return app
+    kw = {"rollout_id": "r0", "sync_timeout_s": 20.0, **kw}
+    return start_rollout(kw.pop("rollout_id"), validate=True, **kw)
 
 
 def _trainer(**kw):
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
-    values = dict(
-        grpc_address="127.0.0.1:0",
-        http_address="127.0.0.1:0",
-        backend="hf",
-        model="tiny-qwen2",
-        bucket_mb=1,
-        rpc_timeout_s=5.0,
-        sync_timeout_s=20.0,
-        auto_sync_new_rollouts=False,
-    )
-    values.update(kw)
-    cfg = TrainerConfig.from_flat(**values)
-    cfg.validate()
-    app = TrainerApp(cfg)
-    app.start()
-    return app
+    return start_trainer(validate=True, **{"rpc_timeout_s": 5.0, "sync_timeout_s": 20.0, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -7,24 +7,17 @@ import os
 import grpc
 import pytest
 
+from tests.support.local_apps import start_trainer
 from weightsync.control.client import channel, trainer_stub
 from weightsync.v1 import trainer_pb2
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     base = tmp_path_factory.mktemp("roots")
     root = base / "data"
     root.mkdir()
-    cfg = TrainerConfig.from_flat(
-        grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", backend="hf", model="tiny-qwen2", data_root=str(root)
-    )
-    cfg.validate()
-    app = TrainerApp(cfg)
-    app.start()
+    app = start_trainer(validate=True, data_root=str(root))
     yield app, base, root, trainer_stub(channel(app.grpc.address), "", 120)
     app.stop()
 

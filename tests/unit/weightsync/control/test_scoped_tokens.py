@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.support.local_apps import start_rollout
+from tests.support.local_apps import rollout_app, start_rollout
 from tests.unit.weightsync.http.rest_helpers import http
 from weightsync.config import ConfigError
 from weightsync.control.client import channel, rollout_stub
@@ -100,15 +100,5 @@ def test_a_generation_key_needs_an_admin_token_and_must_differ_from_it():
         RolloutConfig.from_flat(
             model="tiny-qwen2", auth_token=ADMIN, generation_token=GEN, generation_token_file="/x"
         ).validate()
-    from rollout_svc.app import RolloutApp
-
     with pytest.raises(ConfigError, match="must differ"):
-        RolloutApp(
-            RolloutConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                model="tiny-qwen2",
-                auth_token=ADMIN,
-                generation_token=ADMIN,
-            )
-        )
+        rollout_app("r", auth_token=ADMIN, generation_token=ADMIN)

@@ -24,6 +24,7 @@ def lines():
     setup_logging("trainer-svc", "INFO", "json")
     root.handlers[0].setStream(buf)
     saved_process = dict(logs._process)
+    logs._process.clear()  # a RolloutApp started by an earlier test of this process left its rollout_id
 
     def read() -> list[dict]:
         return [json.loads(line) for line in buf.getvalue().splitlines()]

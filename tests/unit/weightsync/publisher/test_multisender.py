@@ -97,6 +97,7 @@ def test_two_senders_stream_their_own_buckets_and_both_rollouts_commit_exactly()
         assert TOKEN not in str(job.to_args())  # the other ranks get MACs, never the token
         out = merge(m, _run([RankActor(0, state, owners), RankActor(1, state, owners)], job))
         assert out.error == "" and out.failures == {}
+        assert [s.groups for s in out.senders] == [[], []]  # tracing off: no bucket groups recorded
         assert [(s.rank, s.buckets, s.bytes) for s in out.senders] == [
             (r, len(m.buckets_of(r)), sum(b.tensor_bytes for b in m.buckets_of(r))) for r in (0, 1)
         ]
@@ -389,3 +390,21 @@ def test_a_flat_exchange_that_fails_fails_the_rank_without_running_its_export():
         assert results[0].flat_buckets == 0 and results[0].buckets == 0, results[0]
     finally:
         _stop(rollouts, m.sync_id)
+
+
+def test_each_sender_reports_its_bucket_groups_only_when_the_job_traces_them():
+    src, state, owners, m, rollouts = _setup()
+    try:
+        job = SendJob.make(m, {f"r{i}": f"127.0.0.1:{rx.port}" for i, (_, rx) in enumerate(rollouts)}, TOKEN, 30)
+        job.trace_groups = True  # rank 0 traces the sync
+        for s in _run([RankActor(0, state, owners), RankActor(1, state, owners)], job):
+            assert not s.error, s
+            mine = m.buckets_of(s.rank)
+            covered = [i for first, last, *_ in s.groups for i in range(first, last + 1)]
+            # consecutive runs of its own buckets (their manifest indices), in order, bytes adding up
+            assert [i for i in covered if i in {b.index for b in mine}] == [b.index for b in mine], s.groups
+            assert sum(g[2] for g in s.groups) == len(mine) and sum(g[3] for g in s.groups) == s.bytes > 0
+    finally:
+        for tx, rx in rollouts:
+            tx.abort("v7-test", "test over")
+            rx.stop()

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from tests.support.local_apps import start_rollout
 from weightsync.config import ConfigError
 from weightsync.control.client import channel, trainer_stub
 from weightsync.local.procs import http_get
@@ -113,12 +114,7 @@ def test_an_hf_config_declares_the_checkpoint_tensors(tmp_path):
 
 
 def _rollout(token: str, rid: str):
-    from rollout_svc.app import RolloutApp
-    from rollout_svc.config import RolloutConfig
-
-    app = RolloutApp(RolloutConfig.from_flat(model="tiny-qwen2", rollout_id=rid, auth_token=token, **LOOPBACK))
-    app.start()
-    return app
+    return start_rollout(rid, auth_token=token)
 
 
 def _register(pub, stub, app, rid):

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.support.local_apps import start_trainer
 from weightsync.wsctl.cli import EXIT_FAILED, EXIT_OK, main
 
 
@@ -20,20 +21,8 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(root):
-    from trainer_svc.app import TrainerApp
-    from trainer_svc.config import TrainerConfig
-
     # admin file operations stay under the data root: the corrupt checkpoints are written there
-    app = TrainerApp(
-        TrainerConfig.from_flat(
-            grpc_address="127.0.0.1:0",
-            http_address="127.0.0.1:0",
-            backend="hf",
-            model="tiny-qwen2",
-            data_root=str(root),
-        )
-    )
-    app.start()
+    app = start_trainer(data_root=str(root))
     yield app
     app.stop()
 

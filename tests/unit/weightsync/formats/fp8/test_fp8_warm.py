@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.local_apps import start_rollout, start_trainer
 from weightsync.bus.plan import TensorMeta
 from weightsync.formats.fp8 import blocks_triton, warm
 from weightsync.formats.fp8.export import is_quantized
@@ -113,23 +114,12 @@ def test_warm_up_runs_each_kernel_once_per_dtype_and_stand_in(monkeypatch):
 
 
 def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypatch):
-    import trainer_svc.app as app_mod
     import weightsync.publisher.warm_up as warm_mod
-    from trainer_svc.config import TrainerConfig
 
     calls = []
     monkeypatch.setattr(warm_mod, "warm_quantize", lambda metas, device: calls.append((metas, device)) or 0.0)
     for export_dtype in ("bfloat16", "fp8-block"):
-        app = app_mod.TrainerApp(
-            TrainerConfig.from_flat(
-                grpc_address="127.0.0.1:0",
-                http_address="127.0.0.1:0",
-                backend="hf",
-                model="tiny-qwen2",
-                export_dtype=export_dtype,
-            )
-        )
-        app.start()  # (stop() expects a started app)
+        app = start_trainer(export_dtype=export_dtype)
         try:
             assert len(calls) == (export_dtype == "fp8-block"), export_dtype
         finally:
@@ -142,14 +132,10 @@ def test_the_trainer_warms_the_quantizer_at_start_up_only_for_fp8_block(monkeypa
 
 def test_the_rollout_warms_the_dequantizer_at_start_up(monkeypatch):
     import rollout_svc.app as app_mod
-    from rollout_svc.config import RolloutConfig
 
     calls = []
     monkeypatch.setattr(app_mod, "fp8_dequantize_warm_up", lambda engine, device: calls.append((engine, device)) or 0.0)
-    app = app_mod.RolloutApp(
-        RolloutConfig.from_flat(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", model="tiny-qwen2")
-    )
-    app.start()
+    app = start_rollout("warm")
     try:
         assert calls == [(app.engine, app.servicer.device)]
     finally:
