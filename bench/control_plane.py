@@ -151,6 +151,7 @@ class Pair:
         engine_metas = [type(m)(m.name, m.shape, torch.bfloat16) for m in metas]
         self.rollout_from = lambda: self._rollout(engine_metas, family, bucket_bytes)
         self.servicer = self.rollout_from()
+        self.entry.manifest_runs = self.servicer.status().manifest_runs  # as registry.poll learns it
 
     @staticmethod
     def _rollout(metas, family, bucket_bytes):
@@ -218,13 +219,15 @@ class Pair:
         sent_full = not cache.holds(entry, digest)
         while True:
             req = rollout_pb2.PrepareSyncRequest(
-                manifest=cache.full_proto(manifest) if sent_full else compact_proto(manifest),
+                manifest=cache.full_proto(manifest, runs=entry.manifest_runs) if sent_full else compact_proto(manifest),
                 timeout_seconds=300.0,
                 transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
             )
             wire = req.SerializeToString()
             got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
-            if not rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString()).manifest_needed:
+            resp = rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString())
+            entry.manifest_runs = resp.manifest_runs
+            if not resp.manifest_needed:
                 break
             if sent_full:
                 raise RuntimeError("the rollout asked for the full manifest it was just sent")

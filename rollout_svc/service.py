@@ -115,6 +115,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             origin=self.tx.origin,
             trainer_id=self.pin.pinned,
             current=self.current,
+            manifest_runs=True,  # weightsync.bus.runs
         )
 
     # ---- serving ------------------------------------------------------------------------
@@ -267,7 +268,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
             manifest = self.layouts.manifest_of(request.manifest)
             if manifest is None:  # named by a digest not held here: nothing prepared, ask for the full one
-                return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
+                return rollout_pb2.PrepareSyncResponse(
+                    manifest_needed=True, num_ranks=self.engine.num_ranks(), manifest_runs=True
+                )
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
             end = self.ends.get(kind)
@@ -284,6 +287,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 num_ranks=self.engine.num_ranks(),
                 sync_link=self.sync_link,
                 commit_on_stream=TRANSPORTS[kind].commit_on_stream,
+                manifest_runs=True,
             )
             end.prepare(request.transport, manifest, resp)
             deadline = time.monotonic() + timeout

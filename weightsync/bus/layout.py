@@ -79,7 +79,7 @@ class ManifestCache:
         self._key: tuple | None = None
         self._metas: list[TensorMeta] | None = None
         self._template: Manifest | None = None
-        self._full: bus_pb2.Manifest | None = None
+        self._full: dict[bool, bus_pb2.Manifest] = {}  # runs? -> the layout's full manifest, encoded once
         self._known: dict[tuple[str, str], str] = {}  # (rollout_id, address) -> digest it validated
         self.plans = 0  # layouts planned (tests and metrics: 1 while the model is unchanged)
 
@@ -110,19 +110,21 @@ class ManifestCache:
                     quantization=quantization,
                 )
                 template.layout_digest = layout_digest(template)
-            self._key, self._metas, self._template, self._full = key, metas, template, None
+            self._key, self._metas, self._template, self._full = key, metas, template, {}
             self.plans += 1
         # The bucket plans are shared, never mutated after planning; only the per-sync fields differ.
         return self._template.for_sync(version, sync_id, origin)
 
-    def full_proto(self, m: Manifest) -> bus_pb2.Manifest:
-        """The full manifest of `m` (encoded once per layout, then copied with the sync's fields)."""
+    def full_proto(self, m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
+        """The full manifest of `m` (encoded once per layout and form, then copied with the sync's fields);
+        `runs`: alike blocks of tensors (a layer's experts) as run entries, for a rollout that reads them."""
         if self._template is None or m.layout_digest != self._template.layout_digest:
-            return manifest_to_proto(m)
-        if self._full is None:
-            self._full = manifest_to_proto(self._template)
+            return manifest_to_proto(m, runs=runs)
+        if runs not in self._full:
+            with bulk():
+                self._full[runs] = manifest_to_proto(self._template, runs=runs)
         msg = bus_pb2.Manifest()
-        msg.CopyFrom(self._full)
+        msg.CopyFrom(self._full[runs])
         msg.version, msg.sync_id, msg.origin = m.version, m.sync_id, m.origin
         return msg
 

@@ -46,6 +46,14 @@ class TensorMeta:
         object.__setattr__(self, "nbytes", math.prod(self.shape) * dtypes.element_size(self.dtype))
 
 
+def fast_meta(name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> TensorMeta:
+    """A TensorMeta whose `nbytes` the caller has checked (manifest_from_proto): the frozen dataclass's
+    __init__ and __post_init__ cost over a second per 100,000 tensors of a manifest."""
+    m = object.__new__(TensorMeta)
+    m.__dict__.update(name=name, shape=shape, dtype=dtype, nbytes=nbytes)
+    return m
+
+
 @dataclass(frozen=True)
 class Quantization:
     """How quantized tensors of a sync are encoded (bus.proto Quantization); the bus only carries
@@ -60,6 +68,13 @@ class Quantization:
 class Slot:
     meta: TensorMeta
     offset: int
+
+
+def fast_slot(meta: TensorMeta, offset: int) -> Slot:
+    """Slot(meta, offset) without the frozen dataclass's __init__ (as fast_meta)."""
+    s = object.__new__(Slot)
+    s.__dict__.update(meta=meta, offset=offset)
+    return s
 
 
 @dataclass
@@ -227,7 +242,9 @@ def make_manifest(
     )
 
 
-def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
+def manifest_to_proto(m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
+    """`m` on the wire; `runs`: a MoE layer's experts (any run of alike blocks) as one entry each
+    (weightsync.bus.runs), for a rollout that reads them."""
     msg = bus_pb2.Manifest(
         version=m.version,
         sync_id=m.sync_id,
@@ -243,6 +260,12 @@ def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
         msg.quantization.CopyFrom(
             bus_pb2.Quantization(method=q.method, fmt=q.fmt, weight_block_size=list(q.weight_block_size))
         )
+    if runs:
+        from weightsync.bus.runs import encode_bucket
+
+        for b in m.buckets:
+            encode_bucket(msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender), b)
+        return msg
     for b in m.buckets:
         pb = msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender)
         for s in b.slots:
@@ -281,7 +304,13 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         end_prev = 0
         # Each field is read once (protobuf accessors are not free) and the error text is built
         # only on failure: this runs for every tensor of every PrepareSync.
+        at_start = count
         for j, t in enumerate(pb.tensors):
+            if t.run_count:
+                from weightsync.bus.runs import expand
+
+                end_prev, count = expand(t, i, j, end_prev, pb.nbytes, names, count, plan.slots)
+                continue
             name, shape, offset, nbytes = t.name, tuple(t.shape), t.offset, t.nbytes
             count += 1
             if count > MAX_TENSORS:
@@ -292,7 +321,7 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             dt = dtypes.from_wire(t.dtype)
             if len(shape) > 8 or (shape and min(shape) < 0):
                 raise ValueError(f"{_field(i, j, name)}: shape {list(shape)} is not a valid tensor shape")
-            meta = TensorMeta(name, shape, dt)
+            meta = fast_meta(name, shape, dt, math.prod(shape) * dt.itemsize)
             if meta.nbytes != nbytes:
                 raise ValueError(
                     f"{_field(i, j, name)}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
@@ -302,7 +331,12 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             end_prev = offset + nbytes
             if end_prev > pb.nbytes:
                 raise ValueError(f"{_field(i, j, name)}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
-            plan.slots.append(Slot(meta, offset))
+            plan.slots.append(fast_slot(meta, offset))
+        if (pb.num_tensors or len(plan.slots) != len(pb.tensors)) and pb.num_tensors != count - at_start:
+            # a bucket with runs must say how many tensors they hold: limits are checked before expanding
+            raise ValueError(
+                f"manifest.buckets[{i}].num_tensors={pb.num_tensors} but its entries hold {count - at_start}"
+            )
         total += pb.nbytes
         buckets.append(plan)
     if msg.total_bytes and total != msg.total_bytes:
