@@ -21,9 +21,11 @@ serving bf16, so a block-FP8 sync is paired and checked for dequantization.
 `first_s` is the first sync (layout planned, full manifest, validated); `steady_s` the median of the
 next `--syncs`; `rejoin_s` a sync to a rollout that restarted (its layouts lost: the digest is answered
 `manifest_needed`, then the full manifest). Each phase's median in `phases` (steady) and
-`first_phases`.
+`first_phases`. The full manifest goes with run entries (weightsync/bus/runs.py: a layer's experts as
+one entry), as to any rollout that reads them; `plain_first_s` / `plain_rejoin_s` are the same syncs with
+every tensor its own entry (a rollout that predates runs), in the same run (`--no-plain` skips them).
 
-    OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>.json
+    OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>[-N].json
     OMP_NUM_THREADS=1 python bench/control_plane.py --models kimi-k2 --dtypes fp8-block --profile /tmp/k2.prof
 """
 
@@ -31,16 +33,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +115,7 @@ class Pair:
     """One trainer (SyncOrchestrator and its layout cache) and one rollout (RolloutServicer,
     SyncTransaction inplace, MetaEngine) of `metas`, joined by direct calls."""
 
-    def __init__(self, metas, export_dtype: str, bucket_bytes: int, family: str = "bench"):
+    def __init__(self, metas, export_dtype: str, bucket_bytes: int, family: str = "bench", runs: bool = True):
         import torch
         from prometheus_client import CollectorRegistry
 
@@ -151,7 +150,9 @@ class Pair:
         engine_metas = [type(m)(m.name, m.shape, torch.bfloat16) for m in metas]
         self.rollout_from = lambda: self._rollout(engine_metas, family, bucket_bytes)
         self.servicer = self.rollout_from()
-        self.entry.manifest_runs = self.servicer.status().manifest_runs  # as registry.poll learns it
+        # runs=False: the trainer treats the rollout as one that predates run entries (every tensor an entry)
+        self.runs = runs
+        self.entry.manifest_runs = runs and self.servicer.status().manifest_runs  # as registry.poll learns it
 
     @staticmethod
     def _rollout(metas, family, bucket_bytes):
@@ -226,7 +227,7 @@ class Pair:
             wire = req.SerializeToString()
             got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
             resp = rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString())
-            entry.manifest_runs = resp.manifest_runs
+            entry.manifest_runs = self.runs and resp.manifest_runs
             if not resp.manifest_needed:
                 break
             if sent_full:
@@ -274,10 +275,12 @@ class Clock:
         return {k: round(statistics.median(s[k] for s in syncs), 6) for k in syncs[0]}
 
 
-def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str = "") -> dict:
+def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str = "", plain: bool = True) -> dict:
     import torch
 
-    pair = Pair(model_metas(model, torch.bfloat16), "bf16" if dtype == "bf16" else dtype, bucket_bytes)
+    metas = model_metas(model, torch.bfloat16)
+    export = "bf16" if dtype == "bf16" else dtype
+    pair = Pair(metas, export, bucket_bytes)
     clock = Clock()
     clock.start()
     tensors, buckets = pair.sync(clock)
@@ -298,7 +301,7 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
     clock.start()
     pair.sync(clock)
     rejoin = clock.syncs[-1]
-    return {
+    row = {
         "model": model,
         "dtype": dtype,
         "tensors": tensors,
@@ -311,13 +314,27 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
         "first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
         "steady_syncs": syncs,
     }
+    if plain:
+        row.update(_plain(metas, export, bucket_bytes))
+    return row
 
 
-def _git() -> str:
-    def run(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-
-    return run("rev-parse", "--short", "HEAD") + ("-dirty" if run("status", "--porcelain") else "")
+def _plain(metas, export: str, bucket_bytes: int) -> dict:
+    """The first sync and a restarted rollout's with every tensor its own manifest entry (as a rollout that
+    predates run entries is sent): the baseline of the same run."""
+    pair = Pair(metas, export, bucket_bytes, runs=False)
+    clock = Clock()
+    clock.start()
+    pair.sync(clock)
+    pair.servicer = pair.rollout_from()
+    clock.start()
+    pair.sync(clock)
+    first, rejoin = clock.syncs
+    return {
+        "plain_first_s": round(first["total"], 6),
+        "plain_rejoin_s": round(rejoin["total"], 6),
+        "plain_first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
+    }
 
 
 def main(argv=None) -> int:
@@ -332,39 +349,49 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=int, default=BUCKET_MB)
     p.add_argument("--out", default="", help="result JSON (default bench/results/control_plane_cpu_<date>.json)")
     p.add_argument("--profile", default="", help="cProfile the steady-state syncs of the last configuration here")
+    p.add_argument(
+        "--no-plain", action="store_true", help="skip the baseline: first and restarted syncs with plain manifests"
+    )
     args = p.parse_args(argv)
-    import torch
-
-    now = datetime.now(timezone.utc)
     load_before = os.getloadavg()
     rows = []
     configs = [(m, d) for m in args.models.split(",") for d in args.dtypes.split(",")]
     for i, (model, dtype) in enumerate(configs):
         last = i == len(configs) - 1
-        row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "")
+        row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "", not args.no_plain)
         rows.append(row)
+        base = (
+            ""
+            if args.no_plain
+            else f"  (plain: first {row['plain_first_s']:.3f} s rejoin {row['plain_rejoin_s']:.3f} s)"
+        )
         print(
             f"{model:16s} {dtype:9s} {row['tensors']:7d} tensors {row['buckets']:5d} buckets  "
             f"first {row['first_s']:.3f} s  steady {row['steady_s'] * 1e3:.2f} ms  rejoin {row['rejoin_s']:.3f} s  "
-            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases"].items()),
+            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases"].items())
+            + base,
             flush=True,
         )
-    out = Path(args.out or ROOT / "bench" / "results" / f"control_plane_cpu_{now.date().isoformat()}.json")
-    result = {
-        "bench": "control_plane",
-        "command": "OMP_NUM_THREADS=1 python bench/control_plane.py " + shlex.join(argv or sys.argv[1:]),
-        "git": _git(),
-        "device": f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "date": now.isoformat(timespec="seconds"),
-        "rows": rows,
-        "baseline": None,
+    from bench.common.results import write_result
+
+    baseline = None
+    if not args.no_plain:
+        baseline = {
+            "what": "the same first and restarted-rollout syncs with plain manifests (every tensor an entry, as "
+            "a rollout that predates run entries is sent), measured in this run",
+            "rows_key": "plain_first_s",
+        }
+    write_result(
+        "control_plane",
+        rows,
+        baseline,
+        command="OMP_NUM_THREADS=1 python bench/control_plane.py " + shlex.join(argv or sys.argv[1:]),
+        out=args.out or None,
+        device="cpu",
         # a shared host's load scales every absolute time: compare rows of one run
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+        loadavg_before=[round(x, 2) for x in load_before],
+        loadavg_after=[round(x, 2) for x in os.getloadavg()],
+    )
     return 0
 
 

@@ -147,7 +147,7 @@ def expand(
         raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
     members = []
     block_end = 0
-    for k, mb in enumerate(t.run_members):
+    for mb in t.run_members:
         shape, rel, nbytes = tuple(mb.shape), mb.offset, mb.nbytes
         dt = dtypes.from_wire(mb.dtype)
         name = f"{prefix}{first}{mb.name}"  # the first block's tensor, for the error messages

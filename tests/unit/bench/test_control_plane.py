@@ -78,7 +78,7 @@ def test_the_bench_writes_its_rows(tmp_path):
     import json
 
     got = json.loads(out.read_text())
-    assert got["bench"] == "control_plane" and got["baseline"] is None
+    assert got["bench"] == "control_plane" and got["baseline"]["rows_key"] == "plain_first_s"
     bf16, fp8 = got["rows"]
     assert (bf16["model"], bf16["dtype"], fp8["dtype"]) == ("qwen2.5-1.5b", "bf16", "fp8-block")
     assert (bf16["tensors"], fp8["tensors"]) == (

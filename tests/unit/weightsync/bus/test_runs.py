@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weightsync.bus.layout import KnownLayouts, ManifestCache, layout_digest
-from weightsync.bus.plan import TensorMeta, manifest_from_proto, manifest_to_proto
+from weightsync.bus.plan import TensorMeta, manifest_from_proto
 from weightsync.formats.fp8.export import export_metas
 
 HIDDEN, INTER = 256, 128
