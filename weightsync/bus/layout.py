@@ -42,11 +42,20 @@ def layout_digest(m: Manifest) -> str:
     # Quantization changes how a rollout reads the bytes (which tensors are scales): it is layout.
     quant = "" if q is None else f"{q.method}\0{q.fmt}\0{tuple(q.weight_block_size)}"
     parts = [f"{DIGEST_SCHEME}\0{m.bucket_bytes}\0{m.total_bytes}\0{m.model_family}\0{m.checksum_algo}\0{quant}"]
+    # each tensor's line is name, wire dtype, shape, offset; the middle of it is formatted once per (dtype, shape):
+    # a MoE manifest has a handful of those over 100,000 tensors
+    middles: dict[tuple, str] = {}
+    add = parts.append
     for b in m.buckets:
         # the sender of each bucket is layout too: a rollout expects each sender's buckets, in its
         # order, on that sender's own stream
-        parts.append(f"#{b.index}\0{b.nbytes}\0{b.sender}")
-        parts.extend(f"{s.meta.name}\0{dtypes.to_wire(s.meta.dtype)}\0{s.meta.shape}\0{s.offset}" for s in b.slots)
+        add(f"#{b.index}\0{b.nbytes}\0{b.sender}")
+        for s in b.slots:
+            t = s.meta
+            mid = middles.get((t.dtype, t.shape))
+            if mid is None:
+                mid = middles[(t.dtype, t.shape)] = f"\0{dtypes.to_wire(t.dtype)}\0{t.shape}\0"
+            add(f"{t.name}{mid}{s.offset}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from weightsync.bus import dtypes
-from weightsync.bus.plan import MAX_TENSORS, BucketPlan, Slot, TensorMeta, fast_meta, fast_slot
+from weightsync.bus.plan import MAX_TENSORS, BucketPlan, Slot, TensorMeta
 from weightsync.v1 import bus_pb2
 
 # prefix, index, suffix: the last numeric path component is the index (greedy prefix)
@@ -170,7 +170,7 @@ def expand(
     end = base + (n - 1) * stride + block_end
     if end > bucket_nbytes:
         raise ValueError(f"{where}: ends at byte {end}, past the bucket's {bucket_nbytes} bytes")
-    add = names.add
+    add, append, new = names.add, out.append, object.__new__
     for k in range(n):
         index, at = str(first + k), base + k * stride
         for suffix, shape, dt, rel, nbytes in members:
@@ -178,5 +178,12 @@ def expand(
             if name in names:
                 raise ValueError(f"{where}: tensor {name!r} is named twice in the manifest")
             add(name)
-            out.append(fast_slot(fast_meta(name, shape, dt, nbytes), at + rel))
+            # plan.fast_meta and fast_slot, inlined: this runs for every tensor of a run
+            meta = new(TensorMeta)
+            d = meta.__dict__
+            d["name"], d["shape"], d["dtype"], d["nbytes"] = name, shape, dt, nbytes
+            slot = new(Slot)
+            d = slot.__dict__
+            d["meta"], d["offset"] = meta, at + rel
+            append(slot)
     return end, count + n * len(members)
