@@ -24,6 +24,8 @@ next `--syncs`; `rejoin_s` a sync to a rollout that restarted (its layouts lost:
 `first_phases`. The full manifest goes with run entries (weightsync/bus/runs.py: a layer's experts as
 one entry), as to any rollout that reads them; `plain_first_s` / `plain_rejoin_s` are the same syncs with
 every tensor its own entry (a rollout that predates runs), in the same run (`--no-plain` skips them).
+`*_cpu_s`: this process's CPU seconds of the same syncs (a shared host's other tenants count in the wall
+times, not in these).
 
     OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>[-N].json
     OMP_NUM_THREADS=1 python bench/control_plane.py --models kimi-k2 --dtypes fp8-block --profile /tmp/k2.prof
@@ -185,7 +187,7 @@ class Pair:
 
         orch, entry, rollout = self.orch, self.entry, self.servicer
         self.actor.version += 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with clock("plan"):
             _, manifest = orch._plan([], "tcp")
         with clock("prepare"):
@@ -207,7 +209,7 @@ class Pair:
             orch._report(report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001)
         with clock("status"):
             rollout.GetStatus(None, _Context()).SerializeToString()
-        clock.total(time.perf_counter() - t0)
+        clock.total(time.perf_counter() - t0, time.process_time() - c0)
         return report.num_tensors, report.num_buckets
 
     def _prepare(self, manifest) -> None:
@@ -251,6 +253,9 @@ class Pair:
         return resp.version
 
 
+_TOTALS = ("total", "cpu")  # a sync's wall and CPU seconds, not phases
+
+
 class Clock:
     """Per-phase seconds of each sync, then their medians."""
 
@@ -268,8 +273,10 @@ class Clock:
         finally:
             self.syncs[-1][phase] = self.syncs[-1].get(phase, 0.0) + time.perf_counter() - t0
 
-    def total(self, seconds: float) -> None:
+    def total(self, seconds: float, cpu: float) -> None:
         self.syncs[-1]["total"] = seconds
+        # this process's CPU seconds: on a shared host the wall time also counts the other tenants' turns
+        self.syncs[-1]["cpu"] = cpu
 
     def medians(self, syncs) -> dict[str, float]:
         return {k: round(statistics.median(s[k] for s in syncs), 6) for k in syncs[0]}
@@ -310,8 +317,11 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
         "first_s": round(first["total"], 6),
         "steady_s": steady["total"],
         "rejoin_s": round(rejoin["total"], 6),
-        "phases": {k: v for k, v in steady.items() if k != "total"},
-        "first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
+        "first_cpu_s": round(first["cpu"], 6),
+        "steady_cpu_s": steady["cpu"],
+        "rejoin_cpu_s": round(rejoin["cpu"], 6),
+        "phases": {k: v for k, v in steady.items() if k not in _TOTALS},
+        "first_phases": {k: round(v, 6) for k, v in first.items() if k not in _TOTALS},
         "steady_syncs": syncs,
     }
     if plain:
@@ -333,7 +343,9 @@ def _plain(metas, export: str, bucket_bytes: int) -> dict:
     return {
         "plain_first_s": round(first["total"], 6),
         "plain_rejoin_s": round(rejoin["total"], 6),
-        "plain_first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
+        "plain_first_cpu_s": round(first["cpu"], 6),
+        "plain_rejoin_cpu_s": round(rejoin["cpu"], 6),
+        "plain_first_phases": {k: round(v, 6) for k, v in first.items() if k not in _TOTALS},
     }
 
 
@@ -360,11 +372,13 @@ def main(argv=None) -> int:
         last = i == len(configs) - 1
         row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "", not args.no_plain)
         rows.append(row)
-        base = (
-            ""
-            if args.no_plain
-            else f"  (plain: first {row['plain_first_s']:.3f} s rejoin {row['plain_rejoin_s']:.3f} s)"
-        )
+        base = ""
+        if not args.no_plain:
+            base = (
+                f"  (plain: first {row['plain_first_s']:.3f} s rejoin {row['plain_rejoin_s']:.3f} s; CPU: first "
+                f"{row['first_cpu_s']:.3f} / {row['plain_first_cpu_s']:.3f} s, rejoin {row['rejoin_cpu_s']:.3f} / "
+                f"{row['plain_rejoin_cpu_s']:.3f} s)"
+            )
         print(
             f"{model:16s} {dtype:9s} {row['tensors']:7d} tensors {row['buckets']:5d} buckets  "
             f"first {row['first_s']:.3f} s  steady {row['steady_s'] * 1e3:.2f} ms  rejoin {row['rejoin_s']:.3f} s  "

@@ -121,3 +121,45 @@ def test_a_digest_alone_neither_lets_a_foreign_trainer_in_nor_rolls_back(fleet):
         r.PrepareSync(back)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "allow-rollback" in err.value.details()
     assert app.tx.pending_sync_id == "" and app.tx.version == served and app.tx.state == rollout_pb2.SERVING
+
+
+def test_a_rollout_that_predates_run_entries_gets_every_tensor_as_an_entry(fleet):
+    trainer, rollouts, stub, _ = fleet
+    forms: list[tuple[str, int, int]] = []  # (rollout id, entries, of which runs) of each full manifest sent
+    call = trainer.orch.rollouts.call
+
+    def spy(entry, method, req):
+        if method == "PrepareSync" and req.manifest.buckets:
+            entries = [t for b in req.manifest.buckets for t in b.tensors]
+            forms.append((entry.rollout_id, len(entries), sum(1 for t in entries if t.run_count)))
+        return call(entry, method, req)
+
+    old = rollouts["b"].servicer
+    prepare, status = old.PrepareSync, old.status
+
+    def old_prepare(request, context):  # a build before run entries: it never says manifest_runs
+        assert not any(t.run_count for b in request.manifest.buckets for t in b.tensors), "sent runs to an old rollout"
+        resp = prepare(request, context)
+        resp.manifest_runs = False
+        return resp
+
+    def old_status():
+        st = status()
+        st.manifest_runs = False
+        return st
+
+    trainer.orch.rollouts.call = spy
+    old.PrepareSync, old.status = old_prepare, old_status
+    try:
+        for app in rollouts.values():  # both lost their layouts: the next sync sends the full manifest
+            app.servicer.layouts = KnownLayouts()
+        bump_and_sync_exactly(trainer, rollouts, stub)  # "b"'s old answer tells the trainer before the resend
+    finally:
+        old.PrepareSync, old.status = prepare, status
+        trainer.orch.rollouts.call = call
+    tensors = trainer.orch.manifests._template.num_tensors
+    by_id = {rid: (n, runs) for rid, n, runs in forms}
+    assert sorted(by_id) == ["a", "b"]
+    assert by_id["b"] == (tensors, 0)  # plain: one entry per tensor
+    n, runs = by_id["a"]
+    assert runs > 0 and n < tensors  # the same layout with runs, and the same weights committed (bump_and_sync_exactly)
