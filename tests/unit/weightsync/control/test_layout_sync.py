@@ -135,31 +135,29 @@ def test_a_rollout_that_predates_run_entries_gets_every_tensor_as_an_entry(fleet
         return call(entry, method, req)
 
     old = rollouts["b"].servicer
-    prepare, status = old.PrepareSync, old.status
-
-    def old_prepare(request, context):  # a build before run entries: it never says manifest_runs
-        assert not any(t.run_count for b in request.manifest.buckets for t in b.tensors), "sent runs to an old rollout"
-        resp = prepare(request, context)
-        resp.manifest_runs = False
-        return resp
-
-    def old_status():
-        st = status()
-        st.manifest_runs = False
-        return st
-
+    trainer.orch.bucket_bytes = 64 << 20  # the model in one bucket: its alike layers make a run
+    bump_and_sync_exactly(trainer, rollouts, stub)  # both hold the layout
     trainer.orch.rollouts.call = spy
-    old.PrepareSync, old.status = old_prepare, old_status
+    entry_b = trainer.registry.get("b")
+    assert entry_b.manifest_runs  # it said so in its answers so far
+    # "b" restarts as a build before run entries: its status and answers never say manifest_runs
+    old.manifest_runs = False
     try:
         for app in rollouts.values():  # both lost their layouts: the next sync sends the full manifest
             app.servicer.layouts = KnownLayouts()
-        bump_and_sync_exactly(trainer, rollouts, stub)  # "b"'s old answer tells the trainer before the resend
+        # the trainer last heard "b" read runs; its manifest_needed answer says otherwise before the resend
+        bump_and_sync_exactly(trainer, rollouts, stub)
+        assert not entry_b.manifest_runs
+        # and a rollout that registers (the trainer polls its status) is known before any prepare
+        entry_b.manifest_runs = True
+        trainer.registry.poll(entry_b)
+        assert not entry_b.manifest_runs
     finally:
-        old.PrepareSync, old.status = prepare, status
+        old.manifest_runs = True
         trainer.orch.rollouts.call = call
     tensors = trainer.orch.manifests._template.num_tensors
     by_id = {rid: (n, runs) for rid, n, runs in forms}
-    assert sorted(by_id) == ["a", "b"]
+    assert len(forms) == 2 and sorted(by_id) == ["a", "b"], forms
     assert by_id["b"] == (tensors, 0)  # plain: one entry per tensor
     n, runs = by_id["a"]
-    assert runs > 0 and n < tensors  # the same layout with runs, and the same weights committed (bump_and_sync_exactly)
+    assert runs > 0 and n < tensors  # the same layout with runs; both committed the same weights exactly
