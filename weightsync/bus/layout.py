@@ -31,6 +31,7 @@ from weightsync.bus.plan import (
     manifest_to_proto,
     plan_buckets,
 )
+from weightsync.bus.runs import manifest_to_proto_runs
 from weightsync.v1 import bus_pb2
 
 DIGEST_SCHEME = "ws-layout-v1"
@@ -127,11 +128,12 @@ class ManifestCache:
     def full_proto(self, m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
         """The full manifest of `m` (encoded once per layout and form, then copied with the sync's fields);
         `runs`: alike blocks of tensors (a layer's experts) as run entries, for a rollout that reads them."""
+        encode = manifest_to_proto_runs if runs else manifest_to_proto
         if self._template is None or m.layout_digest != self._template.layout_digest:
-            return manifest_to_proto(m, runs=runs)
+            return encode(m)
         if runs not in self._full:
             with bulk():
-                self._full[runs] = manifest_to_proto(self._template, runs=runs)
+                self._full[runs] = encode(self._template)
         msg = bus_pb2.Manifest()
         msg.CopyFrom(self._full[runs])
         msg.version, msg.sync_id, msg.origin = m.version, m.sync_id, m.origin

@@ -242,9 +242,8 @@ def make_manifest(
     )
 
 
-def manifest_to_proto(m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
-    """`m` on the wire; `runs`: a MoE layer's experts (any run of alike blocks) as one entry each
-    (weightsync.bus.runs), for a rollout that reads them."""
+def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
+    """`m` on the wire, every tensor an entry (weightsync.bus.runs writes a layer's experts as one)."""
     msg = bus_pb2.Manifest(
         version=m.version,
         sync_id=m.sync_id,
@@ -260,12 +259,6 @@ def manifest_to_proto(m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
         msg.quantization.CopyFrom(
             bus_pb2.Quantization(method=q.method, fmt=q.fmt, weight_block_size=list(q.weight_block_size))
         )
-    if runs:
-        from weightsync.bus.runs import encode_bucket
-
-        for b in m.buckets:
-            encode_bucket(msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender), b)
-        return msg
     for b in m.buckets:
         pb = msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender)
         for s in b.slots:
@@ -281,6 +274,68 @@ def manifest_to_proto(m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
 
 def _field(bucket: int, tensor: int, name: str) -> str:
     return f"manifest.buckets[{bucket}].tensors[{tensor}] ({name!r})"
+
+
+def _run_field(bucket: int, tensor: int, t) -> str:
+    return f"manifest.buckets[{bucket}].tensors[{tensor}] (run {t.name!r}{{{t.run_first}..}})"
+
+
+def _expand_run(
+    t, bucket: int, tensor: int, end_prev: int, bucket_nbytes: int, names: set[str], count: int, out: list[Slot]
+):
+    """Validate the run entry `t` and append the slots it stands for to `out`; (end offset, count).
+
+    One check per member covers every block (same shape, dtype and offset within each); the names are
+    checked unique one by one, as a plain manifest's are.
+    """
+    where = _run_field(bucket, tensor, t)
+    n, first, stride, base, prefix = t.run_count, t.run_first, t.run_stride, t.offset, t.name
+    if not prefix or not t.run_members:
+        raise ValueError(f"{where}: a run needs a name prefix and at least one member")
+    if count + n * len(t.run_members) > MAX_TENSORS:
+        raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
+    members = []
+    block_end = 0
+    for mb in t.run_members:
+        shape, rel, nbytes = tuple(mb.shape), mb.offset, mb.nbytes
+        dt = dtypes.from_wire(mb.dtype)
+        name = f"{prefix}{first}{mb.name}"  # the first block's tensor, for the error messages
+        if len(shape) > 8 or (shape and min(shape) < 0):
+            raise ValueError(f"{where}: member {name!r}: shape {list(shape)} is not a valid tensor shape")
+        meta = TensorMeta(name, shape, dt)
+        if meta.nbytes != nbytes:
+            raise ValueError(
+                f"{where}: member {name!r}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
+            )
+        itemsize = dt.itemsize
+        if rel < block_end or (base + rel) % itemsize or stride % itemsize:
+            raise ValueError(f"{where}: member {name!r}: offset {rel} overlaps the previous member or is misaligned")
+        block_end = rel + nbytes
+        members.append((mb.name, shape, dt, rel, nbytes))
+    if base < end_prev:
+        raise ValueError(f"{where}: offset {base} overlaps the previous tensor")
+    if n > 1 and stride < block_end:
+        raise ValueError(f"{where}: run_stride={stride} is shorter than a block's {block_end} bytes (blocks overlap)")
+    end = base + (n - 1) * stride + block_end
+    if end > bucket_nbytes:
+        raise ValueError(f"{where}: ends at byte {end}, past the bucket's {bucket_nbytes} bytes")
+    add, append, new = names.add, out.append, object.__new__
+    for k in range(n):
+        index, at = str(first + k), base + k * stride
+        for suffix, shape, dt, rel, nbytes in members:
+            name = prefix + index + suffix
+            if name in names:
+                raise ValueError(f"{where}: tensor {name!r} is named twice in the manifest")
+            add(name)
+            # plan.fast_meta and fast_slot, inlined: this runs for every tensor of a run
+            meta = new(TensorMeta)
+            d = meta.__dict__
+            d["name"], d["shape"], d["dtype"], d["nbytes"] = name, shape, dt, nbytes
+            slot = new(Slot)
+            d = slot.__dict__
+            d["meta"], d["offset"] = meta, at + rel
+            append(slot)
+    return end, count + n * len(members)
 
 
 def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOTAL_BYTES) -> Manifest:
@@ -306,10 +361,8 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         # only on failure: this runs for every tensor of every PrepareSync.
         at_start = count
         for j, t in enumerate(pb.tensors):
-            if t.run_count:
-                from weightsync.bus.runs import expand
-
-                end_prev, count = expand(t, i, j, end_prev, pb.nbytes, names, count, plan.slots)
+            if t.run_count:  # a run of alike blocks (weightsync.bus.runs)
+                end_prev, count = _expand_run(t, i, j, end_prev, pb.nbytes, names, count, plan.slots)
                 continue
             name, shape, offset, nbytes = t.name, tuple(t.shape), t.offset, t.nbytes
             count += 1

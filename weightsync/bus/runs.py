@@ -8,6 +8,7 @@ entry per tensor: at Kimi-K2's 139,523 fp8 tensors, seconds per first sync. A ru
 `name` prefix, the first index, the count, the stride, and the block's members (suffix, dtype, shape,
 offset within the block) — bus.proto TensorEntry.run_count.
 
+This module writes runs (the trainer); `plan.manifest_from_proto` reads them back (the rollout).
 The run is only a spelling: it expands to exactly the slots (names, shapes, dtypes, offsets) of the
 plain entries, and the layout digest is that of the expanded layout, so a rollout that reads runs and
 one sent plain entries hold one layout under one digest. The grouping needs no model knowledge: any
@@ -17,11 +18,12 @@ whole layers share a bucket) group when the blocks agree.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from weightsync.bus import dtypes
-from weightsync.bus.plan import MAX_TENSORS, BucketPlan, Slot, TensorMeta
+from weightsync.bus.plan import BucketPlan, Manifest, Slot, TensorMeta, manifest_to_proto
 from weightsync.v1 import bus_pb2
 
 # prefix, index, suffix: the last numeric path component is the index (greedy prefix)
@@ -127,63 +129,10 @@ def encode_bucket(pb: bus_pb2.BucketSpec, b: BucketPlan) -> None:
     pb.num_tensors = len(b.slots)
 
 
-def _where(bucket: int, tensor: int, t) -> str:
-    return f"manifest.buckets[{bucket}].tensors[{tensor}] (run {t.name!r}{{{t.run_first}..}})"
-
-
-def expand(
-    t, bucket: int, tensor: int, end_prev: int, bucket_nbytes: int, names: set[str], count: int, out: list[Slot]
-):
-    """Validate the run entry `t` and append the slots it stands for to `out`; (end offset, count).
-
-    One check per member covers every block (same shape, dtype and offset within each); the names are
-    checked unique one by one, as a plain manifest's are.
-    """
-    where = _where(bucket, tensor, t)
-    n, first, stride, base, prefix = t.run_count, t.run_first, t.run_stride, t.offset, t.name
-    if not prefix or not t.run_members:
-        raise ValueError(f"{where}: a run needs a name prefix and at least one member")
-    if count + n * len(t.run_members) > MAX_TENSORS:
-        raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
-    members = []
-    block_end = 0
-    for mb in t.run_members:
-        shape, rel, nbytes = tuple(mb.shape), mb.offset, mb.nbytes
-        dt = dtypes.from_wire(mb.dtype)
-        name = f"{prefix}{first}{mb.name}"  # the first block's tensor, for the error messages
-        if len(shape) > 8 or (shape and min(shape) < 0):
-            raise ValueError(f"{where}: member {name!r}: shape {list(shape)} is not a valid tensor shape")
-        meta = TensorMeta(name, shape, dt)
-        if meta.nbytes != nbytes:
-            raise ValueError(
-                f"{where}: member {name!r}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
-            )
-        itemsize = dt.itemsize
-        if rel < block_end or (base + rel) % itemsize or stride % itemsize:
-            raise ValueError(f"{where}: member {name!r}: offset {rel} overlaps the previous member or is misaligned")
-        block_end = rel + nbytes
-        members.append((mb.name, shape, dt, rel, nbytes))
-    if base < end_prev:
-        raise ValueError(f"{where}: offset {base} overlaps the previous tensor")
-    if n > 1 and stride < block_end:
-        raise ValueError(f"{where}: run_stride={stride} is shorter than a block's {block_end} bytes (blocks overlap)")
-    end = base + (n - 1) * stride + block_end
-    if end > bucket_nbytes:
-        raise ValueError(f"{where}: ends at byte {end}, past the bucket's {bucket_nbytes} bytes")
-    add, append, new = names.add, out.append, object.__new__
-    for k in range(n):
-        index, at = str(first + k), base + k * stride
-        for suffix, shape, dt, rel, nbytes in members:
-            name = prefix + index + suffix
-            if name in names:
-                raise ValueError(f"{where}: tensor {name!r} is named twice in the manifest")
-            add(name)
-            # plan.fast_meta and fast_slot, inlined: this runs for every tensor of a run
-            meta = new(TensorMeta)
-            d = meta.__dict__
-            d["name"], d["shape"], d["dtype"], d["nbytes"] = name, shape, dt, nbytes
-            slot = new(Slot)
-            d = slot.__dict__
-            d["meta"], d["offset"] = meta, at + rel
-            append(slot)
-    return end, count + n * len(members)
+def manifest_to_proto_runs(m: Manifest) -> bus_pb2.Manifest:
+    """`m` on the wire with its runs as one entry each (plan.manifest_from_proto expands them back)."""
+    msg = manifest_to_proto(dataclasses.replace(m, buckets=[]))
+    msg.total_bytes = m.total_bytes
+    for b in m.buckets:
+        encode_bucket(msg.buckets.add(index=b.index, nbytes=b.nbytes, sender=b.sender), b)
+    return msg
