@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import shlex
 import statistics
@@ -325,6 +326,8 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
         "steady_syncs": syncs,
     }
     if plain:
+        del pair, prof  # the baseline's collector passes must not walk this pair's objects too
+        gc.collect()
         row.update(_plain(metas, export, bucket_bytes))
     return row
 
