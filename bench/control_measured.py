@@ -30,20 +30,37 @@ class ControlRow:
     steady_s: float
     rejoin_s: float
     source: str
+    #: the same run's first and restarted syncs with plain manifests (every tensor an entry); None before runs
+    plain_first_s: float | None = None
+    plain_rejoin_s: float | None = None
+
+
+def _run_order(path: Path) -> tuple[str, int]:
+    """(date, run of the day): `..._2026-11-28-2.json` is the day's second run, after `..._2026-11-28.json`
+    (a plain sort puts "-" before ".")."""
+    stem = path.stem.removeprefix("control_plane_cpu_")
+    date, _, n = stem[:10], stem[10:11], stem[11:]
+    return date, int(n) if n.isdigit() else 1
 
 
 @functools.lru_cache(maxsize=1)
 def _newest() -> tuple[str, dict] | None:
-    files = sorted(RESULTS.glob("control_plane_cpu_*.json"))
+    files = sorted(RESULTS.glob("control_plane_cpu_*.json"), key=_run_order)
     return (files[-1].name, json.loads(files[-1].read_text())) if files else None
 
 
-def before_steady_s(model: str, dtype: str) -> float | None:
-    """The steady state of `model` in `dtype` (the bench's names) recorded in the result's `before`
-    (the same bench on the tree before the control plane was made per bucket), or None."""
+def before_row(model: str, dtype: str) -> dict | None:
+    """The row of `model` in `dtype` (the bench's names) recorded in the newest result's `before` (the
+    same bench on the tree before that result's change), or None."""
     got = _newest()
     earlier = (got[1].get("before") or {}).get("rows", []) if got else []
-    return next((r["steady_s"] for r in earlier if r["model"] == model and r["dtype"] == dtype), None)
+    return next((r for r in earlier if r["model"] == model and r["dtype"] == dtype), None)
+
+
+def before_steady_s(model: str, dtype: str) -> float | None:
+    """before_row's steady state, or None."""
+    r = before_row(model, dtype)
+    return None if r is None else r["steady_s"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,6 +80,8 @@ def rows() -> tuple[ControlRow, ...]:
             r["steady_s"],
             r.get("rejoin_s", r["first_s"]),
             f"{name} {r['model']} {r['dtype']}",
+            r.get("plain_first_s"),
+            r.get("plain_rejoin_s"),
         )
         for r in data["rows"]
     )

@@ -21,9 +21,13 @@ serving bf16, so a block-FP8 sync is paired and checked for dequantization.
 `first_s` is the first sync (layout planned, full manifest, validated); `steady_s` the median of the
 next `--syncs`; `rejoin_s` a sync to a rollout that restarted (its layouts lost: the digest is answered
 `manifest_needed`, then the full manifest). Each phase's median in `phases` (steady) and
-`first_phases`.
+`first_phases`. The full manifest goes with run entries (weightsync/bus/runs.py: a layer's experts as
+one entry), as to any rollout that reads them; `plain_first_s` / `plain_rejoin_s` are the same syncs with
+every tensor its own entry (a rollout that predates runs), in the same run (`--no-plain` skips them).
+`*_cpu_s`: this process's CPU seconds of the same syncs (a shared host's other tenants count in the wall
+times, not in these).
 
-    OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>.json
+    OMP_NUM_THREADS=1 python bench/control_plane.py            # writes bench/results/control_plane_cpu_<date>[-N].json
     OMP_NUM_THREADS=1 python bench/control_plane.py --models kimi-k2 --dtypes fp8-block --profile /tmp/k2.prof
 """
 
@@ -31,16 +35,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
+import gc
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +118,7 @@ class Pair:
     """One trainer (SyncOrchestrator and its layout cache) and one rollout (RolloutServicer,
     SyncTransaction inplace, MetaEngine) of `metas`, joined by direct calls."""
 
-    def __init__(self, metas, export_dtype: str, bucket_bytes: int, family: str = "bench"):
+    def __init__(self, metas, export_dtype: str, bucket_bytes: int, family: str = "bench", runs: bool = True):
         import torch
         from prometheus_client import CollectorRegistry
 
@@ -151,6 +153,9 @@ class Pair:
         engine_metas = [type(m)(m.name, m.shape, torch.bfloat16) for m in metas]
         self.rollout_from = lambda: self._rollout(engine_metas, family, bucket_bytes)
         self.servicer = self.rollout_from()
+        # runs=False: the trainer treats the rollout as one that predates run entries (every tensor an entry)
+        self.runs = runs
+        self.entry.manifest_runs = runs and self.servicer.status().manifest_runs  # as registry.poll learns it
 
     @staticmethod
     def _rollout(metas, family, bucket_bytes):
@@ -183,7 +188,7 @@ class Pair:
 
         orch, entry, rollout = self.orch, self.entry, self.servicer
         self.actor.version += 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with clock("plan"):
             _, manifest = orch._plan([], "tcp")
         with clock("prepare"):
@@ -205,7 +210,7 @@ class Pair:
             orch._report(report, {entry.rollout_id: result}, {entry.rollout_id: entry}, manifest, PhaseClock(), 0.001)
         with clock("status"):
             rollout.GetStatus(None, _Context()).SerializeToString()
-        clock.total(time.perf_counter() - t0)
+        clock.total(time.perf_counter() - t0, time.process_time() - c0)
         return report.num_tensors, report.num_buckets
 
     def _prepare(self, manifest) -> None:
@@ -218,13 +223,15 @@ class Pair:
         sent_full = not cache.holds(entry, digest)
         while True:
             req = rollout_pb2.PrepareSyncRequest(
-                manifest=cache.full_proto(manifest) if sent_full else compact_proto(manifest),
+                manifest=cache.full_proto(manifest, runs=entry.manifest_runs) if sent_full else compact_proto(manifest),
                 timeout_seconds=300.0,
                 transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
             )
             wire = req.SerializeToString()
             got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
-            if not rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString()).manifest_needed:
+            resp = rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString())
+            entry.manifest_runs = self.runs and resp.manifest_runs
+            if not resp.manifest_needed:
                 break
             if sent_full:
                 raise RuntimeError("the rollout asked for the full manifest it was just sent")
@@ -247,6 +254,9 @@ class Pair:
         return resp.version
 
 
+_TOTALS = ("total", "cpu")  # a sync's wall and CPU seconds, not phases
+
+
 class Clock:
     """Per-phase seconds of each sync, then their medians."""
 
@@ -264,17 +274,21 @@ class Clock:
         finally:
             self.syncs[-1][phase] = self.syncs[-1].get(phase, 0.0) + time.perf_counter() - t0
 
-    def total(self, seconds: float) -> None:
+    def total(self, seconds: float, cpu: float) -> None:
         self.syncs[-1]["total"] = seconds
+        # this process's CPU seconds: on a shared host the wall time also counts the other tenants' turns
+        self.syncs[-1]["cpu"] = cpu
 
     def medians(self, syncs) -> dict[str, float]:
         return {k: round(statistics.median(s[k] for s in syncs), 6) for k in syncs[0]}
 
 
-def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str = "") -> dict:
+def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str = "", plain: bool = True) -> dict:
     import torch
 
-    pair = Pair(model_metas(model, torch.bfloat16), "bf16" if dtype == "bf16" else dtype, bucket_bytes)
+    metas = model_metas(model, torch.bfloat16)
+    export = "bf16" if dtype == "bf16" else dtype
+    pair = Pair(metas, export, bucket_bytes)
     clock = Clock()
     clock.start()
     tensors, buckets = pair.sync(clock)
@@ -295,7 +309,7 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
     clock.start()
     pair.sync(clock)
     rejoin = clock.syncs[-1]
-    return {
+    row = {
         "model": model,
         "dtype": dtype,
         "tensors": tensors,
@@ -304,17 +318,38 @@ def measure(model: str, dtype: str, syncs: int, bucket_bytes: int, profile: str 
         "first_s": round(first["total"], 6),
         "steady_s": steady["total"],
         "rejoin_s": round(rejoin["total"], 6),
-        "phases": {k: v for k, v in steady.items() if k != "total"},
-        "first_phases": {k: round(v, 6) for k, v in first.items() if k != "total"},
+        "first_cpu_s": round(first["cpu"], 6),
+        "steady_cpu_s": steady["cpu"],
+        "rejoin_cpu_s": round(rejoin["cpu"], 6),
+        "phases": {k: v for k, v in steady.items() if k not in _TOTALS},
+        "first_phases": {k: round(v, 6) for k, v in first.items() if k not in _TOTALS},
         "steady_syncs": syncs,
     }
+    if plain:
+        del pair, prof  # the baseline's collector passes must not walk this pair's objects too
+        gc.collect()
+        row.update(_plain(metas, export, bucket_bytes))
+    return row
 
 
-def _git() -> str:
-    def run(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-
-    return run("rev-parse", "--short", "HEAD") + ("-dirty" if run("status", "--porcelain") else "")
+def _plain(metas, export: str, bucket_bytes: int) -> dict:
+    """The first sync and a restarted rollout's with every tensor its own manifest entry (as a rollout that
+    predates run entries is sent): the baseline of the same run."""
+    pair = Pair(metas, export, bucket_bytes, runs=False)
+    clock = Clock()
+    clock.start()
+    pair.sync(clock)
+    pair.servicer = pair.rollout_from()
+    clock.start()
+    pair.sync(clock)
+    first, rejoin = clock.syncs
+    return {
+        "plain_first_s": round(first["total"], 6),
+        "plain_rejoin_s": round(rejoin["total"], 6),
+        "plain_first_cpu_s": round(first["cpu"], 6),
+        "plain_rejoin_cpu_s": round(rejoin["cpu"], 6),
+        "plain_first_phases": {k: round(v, 6) for k, v in first.items() if k not in _TOTALS},
+    }
 
 
 def main(argv=None) -> int:
@@ -329,39 +364,51 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=int, default=BUCKET_MB)
     p.add_argument("--out", default="", help="result JSON (default bench/results/control_plane_cpu_<date>.json)")
     p.add_argument("--profile", default="", help="cProfile the steady-state syncs of the last configuration here")
+    p.add_argument(
+        "--no-plain", action="store_true", help="skip the baseline: first and restarted syncs with plain manifests"
+    )
     args = p.parse_args(argv)
-    import torch
-
-    now = datetime.now(timezone.utc)
     load_before = os.getloadavg()
     rows = []
     configs = [(m, d) for m in args.models.split(",") for d in args.dtypes.split(",")]
     for i, (model, dtype) in enumerate(configs):
         last = i == len(configs) - 1
-        row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "")
+        row = measure(model, dtype, args.syncs, args.bucket_mb << 20, args.profile if last else "", not args.no_plain)
         rows.append(row)
+        base = ""
+        if not args.no_plain:
+            base = (
+                f"  (plain: first {row['plain_first_s']:.3f} s rejoin {row['plain_rejoin_s']:.3f} s; CPU: first "
+                f"{row['first_cpu_s']:.3f} / {row['plain_first_cpu_s']:.3f} s, rejoin {row['rejoin_cpu_s']:.3f} / "
+                f"{row['plain_rejoin_cpu_s']:.3f} s)"
+            )
         print(
             f"{model:16s} {dtype:9s} {row['tensors']:7d} tensors {row['buckets']:5d} buckets  "
             f"first {row['first_s']:.3f} s  steady {row['steady_s'] * 1e3:.2f} ms  rejoin {row['rejoin_s']:.3f} s  "
-            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases"].items()),
+            + " ".join(f"{k} {v * 1e3:.2f}" for k, v in row["phases"].items())
+            + base,
             flush=True,
         )
-    out = Path(args.out or ROOT / "bench" / "results" / f"control_plane_cpu_{now.date().isoformat()}.json")
-    result = {
-        "bench": "control_plane",
-        "command": "OMP_NUM_THREADS=1 python bench/control_plane.py " + shlex.join(argv or sys.argv[1:]),
-        "git": _git(),
-        "device": f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "date": now.isoformat(timespec="seconds"),
-        "rows": rows,
-        "baseline": None,
+    from bench.common.results import write_result
+
+    baseline = None
+    if not args.no_plain:
+        baseline = {
+            "what": "the same first and restarted-rollout syncs with plain manifests (every tensor an entry, as "
+            "a rollout that predates run entries is sent), measured in this run",
+            "rows_key": "plain_first_s",
+        }
+    write_result(
+        "control_plane",
+        rows,
+        baseline,
+        command="OMP_NUM_THREADS=1 python bench/control_plane.py " + shlex.join(argv or sys.argv[1:]),
+        out=args.out or None,
+        device="cpu",
         # a shared host's load scales every absolute time: compare rows of one run
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+        loadavg_before=[round(x, 2) for x in load_before],
+        loadavg_after=[round(x, 2) for x in os.getloadavg()],
+    )
     return 0
 
 

@@ -112,20 +112,27 @@ def _row(model: str, dtype: str, tr: Trainer, fl: Fleet, mode: str) -> str:
 
 
 def control_markdown() -> str:
-    """The control plane at full scale, measured on a CPU (bench/control_plane.py), with the old
-    per-tensor extrapolation the fleet tables used before it."""
+    """The control plane at full scale, measured on a CPU (bench/control_plane.py): the newest run, its
+    plain-manifest baseline, the tree before its change (`before`) and the old per-tensor extrapolation."""
     rows = [
-        "| model | dtype | tensors | buckets | first sync | steady state | steady, before | restarted rollout | "
-        "steady per bucket | the old per-tensor extrapolation |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | dtype | tensors | buckets | first sync | plain | before | restarted rollout | plain | before | "
+        "steady state | steady, before | steady per bucket | the old per-tensor extrapolation |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def opt(seconds) -> str:
+        return "—" if seconds is None else _s(seconds)
+
     for r in control_measured.rows():
         fp = footprint(arch(r.model), FP8 if r.dtype != BF16 else BF16)
         old = 11.1e-3 * fp.tensors / 339 + 2.1e-3  # plan + prepare scaled per tensor, + commit (2026-11-23)
-        before = control_measured.before_steady_s(r.model, r.dtype)
+        before = control_measured.before_row(r.model, r.dtype) or {}
+        steady_before = before.get("steady_s")
         rows.append(
-            f"| {r.model} | {r.dtype} | {r.tensors} | {r.buckets} | {_s(r.first_s)} | {r.steady_s * 1e3:.1f} ms | "
-            f"{'—' if before is None else f'{before * 1e3:.1f} ms'} | {_s(r.rejoin_s)} | "
+            f"| {r.model} | {r.dtype} | {r.tensors} | {r.buckets} | {_s(r.first_s)} | {opt(r.plain_first_s)} | "
+            f"{opt(before.get('first_s'))} | {_s(r.rejoin_s)} | {opt(r.plain_rejoin_s)} | "
+            f"{opt(before.get('rejoin_s'))} | {r.steady_s * 1e3:.1f} ms | "
+            f"{'—' if steady_before is None else f'{steady_before * 1e3:.1f} ms'} | "
             f"{r.steady_s / r.buckets * 1e6:.0f} us | {_s(old)} |"
         )
     return "\n".join(rows)

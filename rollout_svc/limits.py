@@ -156,7 +156,7 @@ class ManifestLimits:
 
     def check(self, manifest_pb) -> None:
         """INVALID_ARGUMENT before any per-tensor work: counts and sizes read from the bucket headers."""
-        count = sum(len(b.tensors) for b in manifest_pb.buckets)
+        count = sum(b.num_tensors or len(b.tensors) for b in manifest_pb.buckets)  # runs expanded
         if count > self.max_tensors:
             raise RequestRefused(
                 f"manifest has {count} tensors; this engine has far fewer parameters (at most "

@@ -87,6 +87,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.nccl, self.ipc = self.ends["nccl"], self.ends["ipc"]  # for their own RPCs (AbortSync, IpcBuckets)
         self.rollout_metrics.ipc_mappings.set_function(lambda: len(self.ipc.maps))
         self.layouts = KnownLayouts()  # validated manifests by layout digest: later prepares send the digest
+        #: said in the status and every PrepareSync answer: this rollout reads run entries (weightsync.bus.runs);
+        #: a test sets it False to stand for a build that predates them
+        self.manifest_runs = True
         #: host:port of the sync link (rollout_svc.sync.link_server) this rollout offers, "" for none
         self.sync_link = ""
         self.refresh_state_metric()
@@ -115,6 +118,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             origin=self.tx.origin,
             trainer_id=self.pin.pinned,
             current=self.current,
+            manifest_runs=self.manifest_runs,
         )
 
     # ---- serving ------------------------------------------------------------------------
@@ -267,7 +271,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
             manifest = self.layouts.manifest_of(request.manifest)
             if manifest is None:  # named by a digest not held here: nothing prepared, ask for the full one
-                return rollout_pb2.PrepareSyncResponse(manifest_needed=True, num_ranks=self.engine.num_ranks())
+                return rollout_pb2.PrepareSyncResponse(
+                    manifest_needed=True, num_ranks=self.engine.num_ranks(), manifest_runs=self.manifest_runs
+                )
             timeout = t if t > 0 else self.sync_timeout
             kind = request.transport.WhichOneof("kind")
             end = self.ends.get(kind)
@@ -284,6 +290,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 num_ranks=self.engine.num_ranks(),
                 sync_link=self.sync_link,
                 commit_on_stream=TRANSPORTS[kind].commit_on_stream,
+                manifest_runs=self.manifest_runs,
             )
             end.prepare(request.transport, manifest, resp)
             deadline = time.monotonic() + timeout

@@ -31,6 +31,7 @@ from weightsync.bus.plan import (
     manifest_to_proto,
     plan_buckets,
 )
+from weightsync.bus.runs import manifest_to_proto_runs
 from weightsync.v1 import bus_pb2
 
 DIGEST_SCHEME = "ws-layout-v1"
@@ -42,11 +43,20 @@ def layout_digest(m: Manifest) -> str:
     # Quantization changes how a rollout reads the bytes (which tensors are scales): it is layout.
     quant = "" if q is None else f"{q.method}\0{q.fmt}\0{tuple(q.weight_block_size)}"
     parts = [f"{DIGEST_SCHEME}\0{m.bucket_bytes}\0{m.total_bytes}\0{m.model_family}\0{m.checksum_algo}\0{quant}"]
+    # each tensor's line is name, wire dtype, shape, offset; the middle of it is formatted once per (dtype, shape):
+    # a MoE manifest has a handful of those over 100,000 tensors
+    middles: dict[tuple, str] = {}
+    add = parts.append
     for b in m.buckets:
         # the sender of each bucket is layout too: a rollout expects each sender's buckets, in its
         # order, on that sender's own stream
-        parts.append(f"#{b.index}\0{b.nbytes}\0{b.sender}")
-        parts.extend(f"{s.meta.name}\0{dtypes.to_wire(s.meta.dtype)}\0{s.meta.shape}\0{s.offset}" for s in b.slots)
+        add(f"#{b.index}\0{b.nbytes}\0{b.sender}")
+        for s in b.slots:
+            t = s.meta
+            mid = middles.get((t.dtype, t.shape))
+            if mid is None:
+                mid = middles[(t.dtype, t.shape)] = f"\0{dtypes.to_wire(t.dtype)}\0{t.shape}\0"
+            add(f"{t.name}{mid}{s.offset}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -79,7 +89,7 @@ class ManifestCache:
         self._key: tuple | None = None
         self._metas: list[TensorMeta] | None = None
         self._template: Manifest | None = None
-        self._full: bus_pb2.Manifest | None = None
+        self._full: dict[bool, bus_pb2.Manifest] = {}  # runs? -> the layout's full manifest, encoded once
         self._known: dict[tuple[str, str], str] = {}  # (rollout_id, address) -> digest it validated
         self.plans = 0  # layouts planned (tests and metrics: 1 while the model is unchanged)
 
@@ -110,19 +120,22 @@ class ManifestCache:
                     quantization=quantization,
                 )
                 template.layout_digest = layout_digest(template)
-            self._key, self._metas, self._template, self._full = key, metas, template, None
+            self._key, self._metas, self._template, self._full = key, metas, template, {}
             self.plans += 1
         # The bucket plans are shared, never mutated after planning; only the per-sync fields differ.
         return self._template.for_sync(version, sync_id, origin)
 
-    def full_proto(self, m: Manifest) -> bus_pb2.Manifest:
-        """The full manifest of `m` (encoded once per layout, then copied with the sync's fields)."""
+    def full_proto(self, m: Manifest, *, runs: bool = False) -> bus_pb2.Manifest:
+        """The full manifest of `m` (encoded once per layout and form, then copied with the sync's fields);
+        `runs`: alike blocks of tensors (a layer's experts) as run entries, for a rollout that reads them."""
+        encode = manifest_to_proto_runs if runs else manifest_to_proto
         if self._template is None or m.layout_digest != self._template.layout_digest:
-            return manifest_to_proto(m)
-        if self._full is None:
-            self._full = manifest_to_proto(self._template)
+            return encode(m)
+        if runs not in self._full:
+            with bulk():
+                self._full[runs] = encode(self._template)
         msg = bus_pb2.Manifest()
-        msg.CopyFrom(self._full)
+        msg.CopyFrom(self._full[runs])
         msg.version, msg.sync_id, msg.origin = m.version, m.sync_id, m.origin
         return msg
 

@@ -46,6 +46,14 @@ class TensorMeta:
         object.__setattr__(self, "nbytes", math.prod(self.shape) * dtypes.element_size(self.dtype))
 
 
+def fast_meta(name: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> TensorMeta:
+    """A TensorMeta whose `nbytes` the caller has checked (manifest_from_proto): the frozen dataclass's
+    __init__ and __post_init__ cost over a second per 100,000 tensors of a manifest."""
+    m = object.__new__(TensorMeta)
+    m.__dict__.update(name=name, shape=shape, dtype=dtype, nbytes=nbytes)
+    return m
+
+
 @dataclass(frozen=True)
 class Quantization:
     """How quantized tensors of a sync are encoded (bus.proto Quantization); the bus only carries
@@ -60,6 +68,13 @@ class Quantization:
 class Slot:
     meta: TensorMeta
     offset: int
+
+
+def fast_slot(meta: TensorMeta, offset: int) -> Slot:
+    """Slot(meta, offset) without the frozen dataclass's __init__ (as fast_meta)."""
+    s = object.__new__(Slot)
+    s.__dict__.update(meta=meta, offset=offset)
+    return s
 
 
 @dataclass
@@ -228,6 +243,7 @@ def make_manifest(
 
 
 def manifest_to_proto(m: Manifest) -> bus_pb2.Manifest:
+    """`m` on the wire, every tensor an entry (weightsync.bus.runs writes a layer's experts as one)."""
     msg = bus_pb2.Manifest(
         version=m.version,
         sync_id=m.sync_id,
@@ -260,6 +276,68 @@ def _field(bucket: int, tensor: int, name: str) -> str:
     return f"manifest.buckets[{bucket}].tensors[{tensor}] ({name!r})"
 
 
+def _run_field(bucket: int, tensor: int, t) -> str:
+    return f"manifest.buckets[{bucket}].tensors[{tensor}] (run {t.name!r}{{{t.run_first}..}})"
+
+
+def _expand_run(
+    t, bucket: int, tensor: int, end_prev: int, bucket_nbytes: int, names: set[str], count: int, out: list[Slot]
+):
+    """Validate the run entry `t` and append the slots it stands for to `out`; (end offset, count).
+
+    One check per member covers every block (same shape, dtype and offset within each); the names are
+    checked unique one by one, as a plain manifest's are.
+    """
+    where = _run_field(bucket, tensor, t)
+    n, first, stride, base, prefix = t.run_count, t.run_first, t.run_stride, t.offset, t.name
+    if not prefix or not t.run_members:
+        raise ValueError(f"{where}: a run needs a name prefix and at least one member")
+    if count + n * len(t.run_members) > MAX_TENSORS:
+        raise ValueError(f"manifest has more than {MAX_TENSORS} tensors")
+    members = []
+    block_end = 0
+    for mb in t.run_members:
+        shape, rel, nbytes = tuple(mb.shape), mb.offset, mb.nbytes
+        dt = dtypes.from_wire(mb.dtype)
+        name = f"{prefix}{first}{mb.name}"  # the first block's tensor, for the error messages
+        if len(shape) > 8 or (shape and min(shape) < 0):
+            raise ValueError(f"{where}: member {name!r}: shape {list(shape)} is not a valid tensor shape")
+        meta = TensorMeta(name, shape, dt)
+        if meta.nbytes != nbytes:
+            raise ValueError(
+                f"{where}: member {name!r}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
+            )
+        itemsize = dt.itemsize
+        if rel < block_end or (base + rel) % itemsize or stride % itemsize:
+            raise ValueError(f"{where}: member {name!r}: offset {rel} overlaps the previous member or is misaligned")
+        block_end = rel + nbytes
+        members.append((mb.name, shape, dt, rel, nbytes))
+    if base < end_prev:
+        raise ValueError(f"{where}: offset {base} overlaps the previous tensor")
+    if n > 1 and stride < block_end:
+        raise ValueError(f"{where}: run_stride={stride} is shorter than a block's {block_end} bytes (blocks overlap)")
+    end = base + (n - 1) * stride + block_end
+    if end > bucket_nbytes:
+        raise ValueError(f"{where}: ends at byte {end}, past the bucket's {bucket_nbytes} bytes")
+    add, append, new = names.add, out.append, object.__new__
+    for k in range(n):
+        index, at = str(first + k), base + k * stride
+        for suffix, shape, dt, rel, nbytes in members:
+            name = prefix + index + suffix
+            if name in names:
+                raise ValueError(f"{where}: tensor {name!r} is named twice in the manifest")
+            add(name)
+            # plan.fast_meta and fast_slot, inlined: this runs for every tensor of a run
+            meta = new(TensorMeta)
+            d = meta.__dict__
+            d["name"], d["shape"], d["dtype"], d["nbytes"] = name, shape, dt, nbytes
+            slot = new(Slot)
+            d = slot.__dict__
+            d["meta"], d["offset"] = meta, at + rel
+            append(slot)
+    return end, count + n * len(members)
+
+
 def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOTAL_BYTES) -> Manifest:
     """Validate a manifest received from the network; every error names the offending field."""
     if not msg.sync_id:
@@ -281,7 +359,11 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
         end_prev = 0
         # Each field is read once (protobuf accessors are not free) and the error text is built
         # only on failure: this runs for every tensor of every PrepareSync.
+        at_start = count
         for j, t in enumerate(pb.tensors):
+            if t.run_count:  # a run of alike blocks (weightsync.bus.runs)
+                end_prev, count = _expand_run(t, i, j, end_prev, pb.nbytes, names, count, plan.slots)
+                continue
             name, shape, offset, nbytes = t.name, tuple(t.shape), t.offset, t.nbytes
             count += 1
             if count > MAX_TENSORS:
@@ -292,7 +374,7 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             dt = dtypes.from_wire(t.dtype)
             if len(shape) > 8 or (shape and min(shape) < 0):
                 raise ValueError(f"{_field(i, j, name)}: shape {list(shape)} is not a valid tensor shape")
-            meta = TensorMeta(name, shape, dt)
+            meta = fast_meta(name, shape, dt, math.prod(shape) * dt.itemsize)
             if meta.nbytes != nbytes:
                 raise ValueError(
                     f"{_field(i, j, name)}: nbytes={nbytes} but shape {list(shape)} x {dt} needs {meta.nbytes}"
@@ -302,7 +384,12 @@ def manifest_from_proto(msg: bus_pb2.Manifest, *, max_total_bytes: int = MAX_TOT
             end_prev = offset + nbytes
             if end_prev > pb.nbytes:
                 raise ValueError(f"{_field(i, j, name)}: ends at byte {end_prev}, past the bucket's {pb.nbytes} bytes")
-            plan.slots.append(Slot(meta, offset))
+            plan.slots.append(fast_slot(meta, offset))
+        if (pb.num_tensors or len(plan.slots) != len(pb.tensors)) and pb.num_tensors != count - at_start:
+            # a bucket with runs must say how many tensors they hold: limits are checked before expanding
+            raise ValueError(
+                f"manifest.buckets[{i}].num_tensors={pb.num_tensors} but its entries hold {count - at_start}"
+            )
         total += pb.nbytes
         buckets.append(plan)
     if msg.total_bytes and total != msg.total_bytes:

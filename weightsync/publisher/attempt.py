@@ -32,7 +32,7 @@ from weightsync.publisher.registry import RolloutEntry
 from weightsync.publisher.rollout_calls import RolloutCalls
 from weightsync.publisher.straggler import gather
 from weightsync.publisher.stream_phase import StreamPhase
-from weightsync.v1 import rollout_pb2, trainer_pb2
+from weightsync.v1 import bus_pb2, rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -190,17 +190,20 @@ class SyncAttempt:
         """
         cache, digest = self.fleet.manifests, self.manifest.layout_digest
         # (a manifest planned without ManifestCache has no digest: it always goes in full)
-        compact, full = (compact_proto(self.manifest) if digest else None), None
+        compact = compact_proto(self.manifest) if digest else None
+        full: dict[bool, bus_pb2.Manifest] = {}  # runs? -> the full manifest in that form
         out: dict[str, tuple[rollout_pb2.PrepareSyncResponse | None, str]] = {}
         pending = list(self.targets)
         while pending:
             calls = []
             for e in pending:
                 send_full = compact is None or not cache.holds(e, digest)
-                if send_full and full is None:
-                    full = cache.full_proto(self.manifest)
+                # a rollout that reads run entries gets a MoE layer's experts as one entry (weightsync.bus.runs)
+                runs = e.manifest_runs
+                if send_full and runs not in full:
+                    full[runs] = cache.full_proto(self.manifest, runs=runs)
                 req = rollout_pb2.PrepareSyncRequest(
-                    manifest=full if send_full else compact,
+                    manifest=full[runs] if send_full else compact,
                     timeout_seconds=self.left(),
                     transport=self.session.spec_for(e),
                     trainer_id=self.fleet.trainer_id,
@@ -217,6 +220,8 @@ class SyncAttempt:
                     cache.forget(e)
                     continue
                 resp, err = answers[e.rollout_id]
+                if not err:
+                    e.manifest_runs = resp.manifest_runs  # a restarted rollout may be another build
                 if not err and resp.manifest_needed:
                     cache.forget(e)
                     if not sent_full:

@@ -28,6 +28,9 @@ class RolloutEntry:
     last_sync_seconds: float = 0.0
     registered_at: float = field(default_factory=time.time)
     _channel: grpc.Channel | None = None
+    #: the rollout reads run entries in a full manifest (its last status or PrepareSync answer said so);
+    #: False until it says so, so a rollout that predates them is sent every tensor as its own entry
+    manifest_runs: bool = False
     #: the sync link this rollout offered in its last PrepareSync answer (weightsync.publisher.link_client)
     link: SyncLinkClient | None = None
 
@@ -103,6 +106,7 @@ class RolloutRegistry:
             st = entry.stub(self.token, min(self.rpc_timeout, 5.0)).GetStatus(rollout_pb2.GetStatusRequest())
             entry.version, entry.origin, entry.state, entry.reachable = st.version, st.origin, st.state, True
             entry.trainer_id = st.trainer_id
+            entry.manifest_runs = st.manifest_runs
             if st.last_error:
                 entry.last_error = st.last_error
         except grpc.RpcError as exc:

@@ -37,30 +37,40 @@ FLOAT8_E4M3FN: DType
 FLOAT8_E5M2: DType
 
 class TensorEntry(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes", "run_count", "run_first", "run_stride", "run_members")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIRST_FIELD_NUMBER: _ClassVar[int]
+    RUN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    RUN_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    run_count: int
+    run_first: int
+    run_stride: int
+    run_members: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., run_count: _Optional[int] = ..., run_first: _Optional[int] = ..., run_stride: _Optional[int] = ..., run_members: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
-    __slots__ = ("index", "nbytes", "tensors", "sender")
+    __slots__ = ("index", "nbytes", "tensors", "sender", "num_tensors")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     index: int
     nbytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     sender: int
-    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., sender: _Optional[int] = ...) -> None: ...
+    num_tensors: int
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., sender: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("version", "sync_id", "bucket_bytes", "buckets", "total_bytes", "model_family", "checksum_algo", "origin", "quantization", "layout_digest")

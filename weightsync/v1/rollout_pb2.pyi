@@ -28,7 +28,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin", "trainer_id", "current")
+    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin", "trainer_id", "current", "manifest_runs")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class RolloutStatus(_message.Message):
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_RUNS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     state: EngineState
     version: int
@@ -59,7 +60,8 @@ class RolloutStatus(_message.Message):
     origin: str
     trainer_id: str
     current: bool
-    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ...) -> None: ...
+    manifest_runs: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ..., manifest_runs: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n")
@@ -168,7 +170,7 @@ class DeltaBase(_message.Message):
     def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., layout_digest: _Optional[str] = ..., sync_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareSyncResponse(_message.Message):
-    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link", "delta_accepted", "delta_refusal")
+    __slots__ = ("transport", "num_ranks", "manifest_needed", "commit_on_stream", "sync_link", "delta_accepted", "delta_refusal", "manifest_runs")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_NEEDED_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +178,7 @@ class PrepareSyncResponse(_message.Message):
     SYNC_LINK_FIELD_NUMBER: _ClassVar[int]
     DELTA_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_RUNS_FIELD_NUMBER: _ClassVar[int]
     transport: _bus_pb2.TransportSpec
     num_ranks: int
     manifest_needed: bool
@@ -183,7 +186,8 @@ class PrepareSyncResponse(_message.Message):
     sync_link: str
     delta_accepted: bool
     delta_refusal: str
-    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ..., sync_link: _Optional[str] = ..., delta_accepted: _Optional[bool] = ..., delta_refusal: _Optional[str] = ...) -> None: ...
+    manifest_runs: bool
+    def __init__(self, transport: _Optional[_Union[_bus_pb2.TransportSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., manifest_needed: _Optional[bool] = ..., commit_on_stream: _Optional[bool] = ..., sync_link: _Optional[str] = ..., delta_accepted: _Optional[bool] = ..., delta_refusal: _Optional[str] = ..., manifest_runs: _Optional[bool] = ...) -> None: ...
 
 class PushBucketRequest(_message.Message):
     __slots__ = ("sync_id", "index", "ipc", "checksum", "held_until_commit", "commit")

@@ -17,12 +17,13 @@ GPU between every weight of a sync.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from weightsync.bus.plan import TensorMeta
+from weightsync.bus.plan import TensorMeta, fast_meta
 from weightsync.formats.fp8.blocks import FP8_DTYPE, SCALE_DTYPE, non_finite_error, quantize, scale_name, scale_shape
 
 #: HF names of linear weights (checkpoint names, and transformers 5's fused in-memory experts)
@@ -39,18 +40,28 @@ QUANTIZED_PATTERNS: tuple[re.Pattern, ...] = tuple(
 )
 
 
+# the patterns as one: a manifest asks this of every tensor (140,000 for Kimi-K2)
+_ANY_QUANTIZED = re.compile("|".join(f"(?:{p.pattern})" for p in QUANTIZED_PATTERNS))
+
+
 def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
     """True when `name` (an HF tensor name) is exported as block FP8."""
-    return len(shape) >= 2 and any(p.search(name) for p in QUANTIZED_PATTERNS)
+    return len(shape) >= 2 and _ANY_QUANTIZED.search(name) is not None
 
 
 def export_metas(metas: Iterable[TensorMeta], keep_dtype: torch.dtype = torch.bfloat16) -> list[TensorMeta]:
     """The manifest entries of `metas` exported as block FP8 (order = `export_tensors`' order)."""
     out: list[TensorMeta] = []
+    scales: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}  # shape -> its scale's shape, nbytes
     for m in metas:
         if is_quantized(m.name, m.shape):
-            out.append(TensorMeta(scale_name(m.name), scale_shape(m.shape), SCALE_DTYPE))
-            out.append(TensorMeta(m.name, m.shape, FP8_DTYPE))
+            shape = tuple(m.shape)
+            got = scales.get(shape)
+            if got is None:
+                s = scale_shape(shape)
+                got = scales[shape] = (s, 4 * math.prod(s))
+            out.append(fast_meta(scale_name(m.name), got[0], SCALE_DTYPE, got[1]))
+            out.append(fast_meta(m.name, shape, FP8_DTYPE, math.prod(shape)))  # e4m3: 1 byte per element
         else:
             out.append(TensorMeta(m.name, m.shape, keep_dtype))
     return out

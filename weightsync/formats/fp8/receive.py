@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from weightsync.bus.plan import TensorMeta
+from weightsync.bus.plan import TensorMeta, fast_meta
 from weightsync.formats.fp8.blocks import FP8_DTYPE, SCALE_DTYPE, SCALE_SUFFIX, dequantize, scale_shape, weight_name
 
 
@@ -23,6 +23,8 @@ def logical_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
     metas = list(metas)
     by_name = {m.name: m for m in metas}
     out: list[TensorMeta] = []
+    # a MoE model has a handful of distinct shapes over 100,000 tensors: each scale shape computed once
+    scale_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     for m in metas:
         w = weight_name(m.name)
         if w is not None and w in by_name:
@@ -35,13 +37,15 @@ def logical_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
             s = by_name.get(m.name + SCALE_SUFFIX)
             if s is None:
                 raise ValueError(f"manifest tensor {m.name} is float8_e4m3fn but {m.name}{SCALE_SUFFIX} is missing")
-            want = scale_shape(m.shape)
+            want = scale_shapes.get(m.shape)
+            if want is None:
+                want = scale_shapes[m.shape] = scale_shape(m.shape)
             if tuple(s.shape) != want or s.dtype != SCALE_DTYPE:
                 raise ValueError(
                     f"manifest tensor {s.name}: shape {list(s.shape)} {s.dtype}, expected {list(want)} "
                     f"{SCALE_DTYPE} for {m.name} of shape {list(m.shape)} (128x128 blocks)"
                 )
-            out.append(TensorMeta(m.name, m.shape, torch.float32))
+            out.append(fast_meta(m.name, m.shape, torch.float32, 4 * m.nbytes))  # e4m3: 1 byte per element
         elif w is not None and m.dtype == SCALE_DTYPE:
             raise ValueError(f"manifest tensor {m.name} is a block scale but {w} is not in the manifest")
         else:

@@ -121,3 +121,43 @@ def test_a_digest_alone_neither_lets_a_foreign_trainer_in_nor_rolls_back(fleet):
         r.PrepareSync(back)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "allow-rollback" in err.value.details()
     assert app.tx.pending_sync_id == "" and app.tx.version == served and app.tx.state == rollout_pb2.SERVING
+
+
+def test_a_rollout_that_predates_run_entries_gets_every_tensor_as_an_entry(fleet):
+    trainer, rollouts, stub, _ = fleet
+    forms: list[tuple[str, int, int]] = []  # (rollout id, entries, of which runs) of each full manifest sent
+    call = trainer.orch.rollouts.call
+
+    def spy(entry, method, req):
+        if method == "PrepareSync" and req.manifest.buckets:
+            entries = [t for b in req.manifest.buckets for t in b.tensors]
+            forms.append((entry.rollout_id, len(entries), sum(1 for t in entries if t.run_count)))
+        return call(entry, method, req)
+
+    old = rollouts["b"].servicer
+    trainer.orch.bucket_bytes = 64 << 20  # the model in one bucket: its alike layers make a run
+    bump_and_sync_exactly(trainer, rollouts, stub)  # both hold the layout
+    trainer.orch.rollouts.call = spy
+    entry_b = trainer.registry.get("b")
+    assert entry_b.manifest_runs  # it said so in its answers so far
+    # "b" restarts as a build before run entries: its status and answers never say manifest_runs
+    old.manifest_runs = False
+    try:
+        for app in rollouts.values():  # both lost their layouts: the next sync sends the full manifest
+            app.servicer.layouts = KnownLayouts()
+        # the trainer last heard "b" read runs; its manifest_needed answer says otherwise before the resend
+        bump_and_sync_exactly(trainer, rollouts, stub)
+        assert not entry_b.manifest_runs
+        # and a rollout that registers (the trainer polls its status) is known before any prepare
+        entry_b.manifest_runs = True
+        trainer.registry.poll(entry_b)
+        assert not entry_b.manifest_runs
+    finally:
+        old.manifest_runs = True
+        trainer.orch.rollouts.call = call
+    tensors = trainer.orch.manifests._template.num_tensors
+    by_id = {rid: (n, runs) for rid, n, runs in forms}
+    assert len(forms) == 2 and sorted(by_id) == ["a", "b"], forms
+    assert by_id["b"] == (tensors, 0)  # plain: one entry per tensor
+    n, runs = by_id["a"]
+    assert runs > 0 and n < tensors  # the same layout with runs; both committed the same weights exactly
