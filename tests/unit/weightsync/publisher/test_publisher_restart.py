@@ -13,8 +13,11 @@ import torch
 from tests.unit.weightsync.publisher.test_publisher import LOOPBACK, _register, _rollout
 from weightsync.bus.errors import SyncError
 from weightsync.control.client import channel, trainer_stub
-from weightsync.publisher import Publisher
+from weightsync.publisher import Auth, Publisher, SyncOptions
+from weightsync.sync_options import MIB
 from weightsync.v1 import rollout_pb2
+
+ONE_MIB = SyncOptions(bucket_bytes=MIB)
 
 
 def _given(pub, seed: int) -> dict:
@@ -35,14 +38,14 @@ def test_a_restarted_publisher_with_the_same_trainer_id_publishes_a_newer_versio
     config, _ = resolve_model("tiny-qwen2")
     app = _rollout(token, "r1")
     try:
-        with Publisher(config, auth_token=token, trainer_id="job-7", bucket_mb=1, **LOOPBACK) as first:
+        with Publisher(config, auth=Auth(token=token), trainer_id="job-7", options=ONE_MIB, **LOOPBACK) as first:
             _register(first, trainer_stub(channel(first.address), token, 30), app, "r1")
             for version in (1, 2, 3):
                 given = _given(first, version)
                 assert first.sync(given.items()).version == version
             _assert_serves(app, given, 3)
         # the job resumes: a new publisher, the same trainer id, its count back at 0
-        with Publisher(config, auth_token=token, trainer_id="job-7", bucket_mb=1, **LOOPBACK) as again:
+        with Publisher(config, auth=Auth(token=token), trainer_id="job-7", options=ONE_MIB, **LOOPBACK) as again:
             assert again.version == 0
             _register(again, trainer_stub(channel(again.address), token, 30), app, "r1")
             given = _given(again, 40)

@@ -8,14 +8,14 @@ import time
 
 from tests.unit.weightsync.publisher.test_publisher import LOOPBACK, SPEC
 from weightsync.control.client import channel, trainer_stub
-from weightsync.publisher import Publisher
+from weightsync.publisher import Publisher, SyncOptions
 from weightsync.v1 import trainer_pb2
 
 
 def test_three_silent_rollouts_cost_one_status_timeout():
     timeout = 1.0  # the registry asks each rollout with min(rpc_timeout_s, 5 s)
     silent = []
-    pub = Publisher(SPEC, rpc_timeout_s=timeout, **LOOPBACK).start()
+    pub = Publisher(SPEC, options=SyncOptions(rpc_timeout_s=timeout), **LOOPBACK).start()
     try:
         for i in range(3):  # listening, never answering: connect succeeds, the call waits out its timeout
             s = socket.socket()

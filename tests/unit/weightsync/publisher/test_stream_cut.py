@@ -67,6 +67,9 @@ class _CutSession(_Session):
         super().__init__(group_wide=True)
         self.cuts = MemberCut(["a", "b", "c"])
 
+    def cut_reasons(self) -> dict[str, str]:  # as the NCCL session declares them (weightsync/bus/nccl/sender.py)
+        return self.cuts.why
+
 
 def test_after_a_cut_the_live_members_are_aborted_and_restarted_and_only_the_cut_one_fails():
     orch, session = _Orch(), _CutSession()
