@@ -352,7 +352,8 @@ def direct_lines(fleet, name: str) -> list[str]:
     for p in fleet.procs:
         if p.name == name:
             lines = p.log().splitlines()
-            how = [ln[-160:] for ln in lines if "written in SGLang's workers" in ln][-12:]
+            marks = ("written in SGLang's workers", "slot tables exported", "will not write into SGLang")
+            how = [ln[-160:] for ln in lines if any(m in ln for m in marks)][-12:]
             return how + [ln[-400:] for ln in lines if "sglang apply timings" in ln][-8:]
     return []
 
@@ -375,6 +376,9 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             rec.setdefault("bytes", int(reports[0].get("bytes", 0)))
             rec.setdefault("num_buckets", reports[0].get("num_buckets"))
             rec[key.replace("sync_s", "phase_s_last")] = reports[-1].get("phase_seconds")
+            # route / builtin_route: what the timed syncs took (SGLang: ipc/trainer_writes/... from its second on)
+            rec[key.replace("sync_s", "route")] = reports[-1].get("route")
+            rec[key.replace("sync_s", "routes_all")] = [r.get("route") for r in reports]
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
         rec["bytes_per_rank"] = rec["bytes"]  # tp_size 1: the rank holds every byte
         st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())
@@ -481,7 +485,8 @@ def main() -> int:
         keys_c = ("rollout", "clients", "speedup", "concurrent_tokens_per_s", "same_tokens", "error")
         print({k: r.get(k) for k in keys_c})
     for r in res.get("timing_runs", []):
-        print({k: r.get(k) for k in ("model", "transport", "sync_s", "builtin_sync_s", "bytes", "error", "direct_how")})
+        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes_per_rank", "route", "error")
+        print({k: r.get(k) for k in (*keys, "direct_how")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
 

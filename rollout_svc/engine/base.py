@@ -173,6 +173,17 @@ class Engine(ABC):
         write it later (with others) and returns a PendingChecksum whose `wait` writes it; None: not queued."""
         return None
 
+    #: the engine's parameters live in another process, which shares them itself: the CUDA IPC receiver asks
+    #: `ipc_destinations` for a ready-made destination table instead of `writable_params` (SGLang's TP worker,
+    #: rollout_svc/engine/sglang_export.py)
+    exports_destinations: bool = False
+
+    def ipc_destinations(self, manifest):
+        """(table id, weightsync.v1 IpcDestinations) of where `manifest`'s tensors lie in the engine's parameters,
+        shared by the process that holds them, or None: the trainer does not write this sync (an engine that
+        `exports_destinations`; weightsync/bus/ipc/trainer_writes.py). Each table id carries a fresh token."""
+        return None
+
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
         the bus buffer is also its checksum pass (weightsync/bus/copy/verified_copy.py), or None: the

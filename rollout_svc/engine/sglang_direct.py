@@ -171,6 +171,8 @@ class SglangDirectMixin:
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
             self._note_how(plan.index, how)
+            if how in (sl.LEARNED, sl.BY_TABLE):  # sglang_export.py exports these layouts' tables
+                self.__dict__.setdefault("sync_layouts", {})[plan.index] = sl.layout_key(plan)
         self._add_ms("worker", got[0][0][5] / 1e6)
 
     def _note_how(self, index: int, how: int) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
 from rollout_svc.engine.sglang_direct import SglangDirectMixin
+from rollout_svc.engine.sglang_export import SglangExportMixin
 from rollout_svc.engine.sglang_loop import LoopThread
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
@@ -157,7 +158,7 @@ def drive_loop(sgl) -> LoopThread:
     return sgl.loop
 
 
-class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Engine):
+class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, SglangWeightsMixin, Engine):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -408,6 +409,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
 
         self.drop_queued()  # buckets an aborted sync queued are never written
         self.apply_ms = {}
+        self.sync_layouts = {}  # this sync's buckets our loader wrote: bucket index -> layout (sglang_export.py)
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
             with self.timed("pause"):
@@ -423,6 +425,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
         self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)
+        self.export_after_sync()  # once per layout: where the trainer may write later syncs (sglang_export.py)
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
         with self.timed("flush_cache"):
@@ -439,6 +442,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
     def close(self) -> None:
         try:
             self.leave_update_group()
+            self.close_export()
         finally:
             try:
                 self._call(self._sgl.shutdown)

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 #: what `update_weights_from_tensor(load_format=...)` and `ServerArgs.custom_weight_loader` name
 LOADER = "rollout_svc.engine.sglang_loader.load"
 HEADER = "ws-bucket:"
+#: an entry asking for the slot tables as a destination table (sglang_export.py), not a bucket
+EXPORT = "ws-export:"
 RESULT = "ws-result"
 #: a result row per bucket: (seq, status, word sum, word sum of squares, how, the call's time in the worker, ns)
 RESULT_WORDS = 6
@@ -57,12 +59,19 @@ OK, FAILED = 1, 2
 BY_TABLE, BY_SGLANG, LEARNED = 1, 2, 3
 
 
+def _slots(plan: BucketPlan) -> list:
+    return [[s.meta.name, list(s.meta.shape), dtypes.to_wire(s.meta.dtype), s.offset] for s in plan.slots]
+
+
+def layout_key(plan: BucketPlan) -> str:
+    """What names bucket `plan`'s layout (its slot table) in the workers: its tensors, their places, its size."""
+    text = json.dumps(_slots(plan), separators=(",", ":"))
+    return hashlib.sha1(f"{plan.nbytes}:{text}".encode()).hexdigest()[:20]
+
+
 def header(seq: int, plan: BucketPlan) -> str:
     """The first entry's name: the bucket's layout, in what `load` reads."""
-    slots = [[s.meta.name, list(s.meta.shape), dtypes.to_wire(s.meta.dtype), s.offset] for s in plan.slots]
-    text = json.dumps(slots, separators=(",", ":"))
-    key = hashlib.sha1(f"{plan.nbytes}:{text}".encode()).hexdigest()[:20]
-    return HEADER + json.dumps([seq, key, plan.index, plan.nbytes, slots], separators=(",", ":"))
+    return HEADER + json.dumps([seq, layout_key(plan), plan.index, plan.nbytes, _slots(plan)], separators=(",", ":"))
 
 
 def read_header(name: str) -> tuple[int, str, BucketPlan]:
@@ -95,6 +104,10 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         log.error("%s: no %r entry to report into; nothing loaded", LOADER, RESULT)
         return
     result = results[_tp_rank() if len(results) > 1 else 0].view(-1, RESULT_WORDS)
+    exports = [n for n, _ in named_tensors if isinstance(n, str) and n.startswith(EXPORT)]
+    if exports:  # not a load: where the slot tables write, for the trainer to write there (sglang_export.py)
+        _export(model, exports[0][len(EXPORT) :], result)
+        return
     t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
     sums: list[torch.Tensor | None] = [None] * len(buckets)
@@ -132,6 +145,32 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     for i, got in enumerate(sums):
         if got is not None and rows[i, 1] == OK:
             out[i, 2:4].copy_(got.view(torch.int64))
+    if out.is_cuda:
+        # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
+        torch.cuda.current_stream(out.device).synchronize()
+        out[:, 5].fill_(time.perf_counter_ns() - t0)
+        torch.cuda.current_stream(out.device).synchronize()
+
+
+def _export(model: torch.nn.Module, text: str, result: torch.Tensor) -> None:
+    """An export call (sglang_export_worker.py), reported in `result`'s first row: (seq, status, the table
+    file's size, 0, how, the worker's time)."""
+    from rollout_svc.engine import sglang_export_worker as worker
+
+    t0 = time.perf_counter_ns()
+    row = torch.zeros(RESULT_WORDS, dtype=torch.int64)
+    try:
+        row[0] = worker.seq_of(text)
+        row[4], row[2] = worker.export(model, text)
+        row[1] = OK
+    except Exception:  # noqa: BLE001 — reported through `result`; raising would stop SGLang's scheduler
+        log.exception("%s: exporting the slot tables failed", LOADER)
+        row[1] = FAILED
+    _report(result[:1], row.view(1, -1), t0)
+
+
+def _report(out: torch.Tensor, rows: torch.Tensor, t0: int) -> None:
+    out.copy_(rows)
     if out.is_cuda:
         # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
         torch.cuda.current_stream(out.device).synchronize()

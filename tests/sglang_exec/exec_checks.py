@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.sglang_exec.direct_checks import CHECKS as DIRECT_CHECKS
+from tests.sglang_exec.export_checks import CHECKS as EXPORT_CHECKS
 from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
 
@@ -331,14 +332,18 @@ CHECKS = {
     "load_weights_distributed[tiny-qwen3-moe]": lambda: load_family_distributed("tiny-qwen3-moe"),
     "load_weights_distributed[tiny-qwen2-tied]": lambda: load_family_distributed("tiny-qwen2-tied"),
     **DIRECT_CHECKS,
+    **EXPORT_CHECKS,
 }
 
 
-def main(version: str) -> None:
+def main(version: str, only: str = "") -> None:
+    """`only`: run the checks whose name contains it (a developer's shortcut; the test runs them all)."""
     activate(version)
     init_tp1()
     results = {}
     for name, fn in CHECKS.items():
+        if only not in name:
+            continue
         try:
             fn()
             results[name] = "ok"
@@ -348,4 +353,4 @@ def main(version: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -111,7 +111,7 @@ class IpcReceiver(RolloutEnd):
         """(table id, table) of where `manifest`'s tensors go in the engine, or None when this rollout
         cannot take writes: staged apply, a multi-sender sync, a quantized one its engine does not
         take dequantized (`tx.write_metas`: SGLang loading FP8 pairs), an engine that does not offer
-        its parameters (SGLang) or not on this GPU. Built and shared once per layout and engine. A
+        its parameters or not on this GPU. Built and shared once per layout and engine. A
         block-FP8 manifest's table covers the tensors as the engine holds them: each FP8 weight its
         parameter (its dtype and shape), no scale (the trainer writes the weights dequantized)."""
         tx = self.tx
@@ -120,6 +120,13 @@ class IpcReceiver(RolloutEnd):
         if len(manifest.senders) > 1 or not manifest.layout_digest:
             return None
         engine = tx.engine
+        if getattr(engine, "exports_destinations", False):
+            # an engine whose parameters live in another process (SGLang's TP worker) hands a table made and
+            # shared there, or None (not learnt yet, or never: rollout_svc/engine/sglang_export.py); it keeps
+            # its own tables, each with a fresh token
+            if manifest.quantization is not None:
+                return None
+            return engine.ipc_destinations(manifest)
         key = (manifest.layout_digest, id(engine))
         if key in self._offers:
             return self._offers[key]

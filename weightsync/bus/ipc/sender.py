@@ -388,7 +388,8 @@ class _IpcSession(Session):
                 return (
                     "ipc_direction=trainer_writes: the rollout offers no destination table (it must run "
                     "apply_mode inplace with an engine that offers its parameters: the built-in engine, which "
-                    "takes block-FP8 weights dequantized; not SGLang, not staged, one sender): set "
+                    "takes block-FP8 weights dequantized, or SGLang with tp_size 1, no enable_memory_saver, 16-bit "
+                    "weights, from its second sync of a layout on; not staged, one sender): set "
                     "ipc_direction auto or rollout_reads"
                 )
             return ""
