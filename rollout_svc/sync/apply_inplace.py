@@ -14,7 +14,9 @@ after the write as above.
 
 An engine whose weights live in other processes may load a bucket with a copy of its own that is also the
 checksum pass (`load_bucket_summed`: SGLang's TP workers, rollout_svc/engine/sglang_direct.py); that
-bucket too is checked after the write.
+bucket too is checked after the write. Buckets the sender holds until the commit are queued there
+(`queue_bucket_summed`) and written together when the commit reads their checksums; the first bucket too,
+once its own early check passed (one engine call per sync).
 
 A delta bucket (rollout_svc/sync/delta_base.py) is checked before it touches the engine, from the
 base copy's word sums; where the engine holds exactly the base copy's bytes, only the words the
@@ -76,6 +78,8 @@ class InPlaceApply(ApplyStrategy):
                 if checked and ours is None:
                     ours = _checksum(buf[: plan.nbytes], self._keeper(p, plan, buf))
                     verify(plan.index, ours, sender_checksum)
+                elif defer_check and self._queue_checked(p, plan, buf, sender_checksum):
+                    return ours, True
                 self._load(p, plan, buf)
             elif ours is None:  # the first bucket keeps the sum checked before the write
                 ours = copied
@@ -147,6 +151,17 @@ class InPlaceApply(ApplyStrategy):
         if copied is not None:
             verify(plan.index, copied, sender_checksum)
         return copied, False
+
+    def _queue_checked(self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None) -> bool:
+        """The first bucket, already checked before the engine was touched: an engine that writes the buckets held
+        until the commit together (SGLang: one call for all) takes it with them; False: not queued."""
+        if p.dequantizer is not None:
+            return False
+        pending = self.host.engine.queue_bucket_summed(plan, buf)
+        if pending is None:
+            return False
+        p.defer(plan.index, pending, sender_checksum)  # and its engine-side sums checked at commit, as the others'
+        return True
 
     def _write_fp8(
         self, p: PendingSync, plan: BucketPlan, buf: torch.Tensor, sender_checksum: int | None, defer_check: bool

@@ -70,13 +70,14 @@ def test_the_engines_summed_load_is_the_check_and_held_buckets_are_written_toget
     for b, buf in zip(m.buckets, bufs):
         tx.consume_bucket("s1", b.index, buf, sums[b.index] if b.index == 0 else None, defer_check=held)
     rest = list(range(1, len(bufs)))
-    # the first bucket is checked before the engine is touched, then loaded on its own
+    # the first bucket is checked before the engine is touched, then loaded on its own, or, held, queued with the
+    # rest: one engine call for the sync
     if held:
-        assert eng.calls == ["begin", ("bucket", 0)] + [("queued", i) for i in rest]
+        assert eng.calls == ["begin"] + [("queued", i) for i in [0, *rest]]
     else:
         assert eng.calls == ["begin", ("bucket", 0)] + [("summed", i) for i in rest]
     tx.commit("s1", 1, dict(enumerate(sums)))
-    assert eng.calls[-2:] == ([("flush", rest), "end"] if held else [("summed", rest[-1]), "end"])
+    assert eng.calls[-2:] == ([("flush", [0, *rest]), "end"] if held else [("summed", rest[-1]), "end"])
     assert torch.equal(_logits(tx), target.score(IDS, 1)[1])
 
 
@@ -95,4 +96,35 @@ def test_a_corrupted_bucket_the_engine_read_aborts_the_sync_and_leaves_it_stale(
     assert err.value.code == "DATA_LOSS"
     if not held:  # raised at receipt: the receiver aborts the sync (as run_receiver does)
         tx.abort("s1", "checksum")
+    assert tx.state == rollout_pb2.STALE and tx.version == 0
+
+
+def test_a_corrupted_first_bucket_is_refused_before_the_engine_is_touched_even_when_held():
+    """The first bucket's early check stays when it is queued with the rest: a bad one leaves the old version
+    serving (the engine never paused, nothing queued)."""
+    eng = _summed_engine(2)
+    tx = SyncTransaction(eng, "inplace")
+    m, bufs = _buckets(_engine(1))
+    sums = [bucket_checksum(b) for b in bufs]
+    bufs[0][3] ^= 0x01
+    tx.prepare(m, timeout=30)
+    with pytest.raises(SyncError, match=r"bucket 0: checksum 0x[0-9a-f]+ != sender.s"):
+        tx.consume_bucket("s1", 0, bufs[0], sums[0], defer_check=True)
+    tx.abort("s1", "checksum")
+    assert eng.calls == [] and tx.state == rollout_pb2.SERVING and tx.version == 0
+
+
+def test_a_held_first_bucket_the_engine_read_wrongly_aborts_at_commit_stale():
+    """Queued, the first bucket is checked twice: before the engine is touched (the buffer), and at commit (what the
+    engine's copy read)."""
+    eng = _summed_engine(2)
+    tx = SyncTransaction(eng, "inplace")
+    m, bufs = _buckets(_engine(1))
+    sums = [bucket_checksum(b) for b in bufs]
+    tx.prepare(m, timeout=30)
+    for b, buf in zip(m.buckets, bufs):
+        tx.consume_bucket("s1", b.index, buf, sums[b.index], defer_check=True)
+    bufs[0][3] ^= 0x01  # changed after the early check, before the engine's queued copy reads it
+    with pytest.raises(SyncError, match=r"bucket 0: checksum 0x[0-9a-f]+ != sender.s"):
+        tx.commit("s1", 1, dict(enumerate(sums)))
     assert tx.state == rollout_pb2.STALE and tx.version == 0
