@@ -381,6 +381,9 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             rec[key.replace("sync_s", "routes_all")] = [r.get("route") for r in reports]
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
         rec["bytes_per_rank"] = rec["bytes"]  # tp_size 1: the rank holds every byte
+        # where SGLang's sync spends more than the built-in engine's, per trainer phase (the last sync of each)
+        mine, theirs = rec.get("phase_s_last") or {}, rec.get("builtin_phase_s_last") or {}
+        rec["phase_s_over_builtin"] = {k: mine[k] - theirs.get(k, 0.0) for k in sorted(mine)}
         st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())
         rec["rollouts_on_version"] = st.version == int(reports[-1]["version"])
         rec["direct_how"] = direct_lines(fleet, "s0")

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -419,11 +420,14 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
                 )
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
+        self._paused_at = time.perf_counter()
 
     def end_apply(self) -> None:
         """After the last bucket: close the session, flush the KV/radix cache, resume scheduling."""
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
+        # paused, until the commit: the buckets' stream (or the trainer's writes) and the commit's arrival
+        self._add_ms("paused_to_commit", (time.perf_counter() - getattr(self, "_paused_at", time.perf_counter())) * 1e3)
         self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)
         self.export_after_sync()  # once per layout: where the trainer may write later syncs (sglang_export.py)
         if hasattr(self._sgl, "end_weight_update"):

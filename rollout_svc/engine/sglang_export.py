@@ -70,7 +70,7 @@ class SglangExportMixin:
         if self._export_declined(manifest.quantization is not None):
             return None
         keys = tuple(sl.layout_key(plan) for plan in manifest.buckets)
-        return self.__dict__.get("_dest_tables", {}).get(keys)
+        return (getattr(self, "_dest_tables", None) or {}).get(keys)
 
     def _export_declined(self, quantized: bool = False) -> str:
         o = self.opts
@@ -88,7 +88,7 @@ class SglangExportMixin:
         """At the end of a sync (SGLang paused): export the tables of its layouts if every bucket went through
         our loader and they were not asked for yet. Once per set of layouts (a few tries where a worker had not
         learnt them all: SGLang's loader wrote a bucket that failed, say)."""
-        got = self.__dict__.get("sync_layouts") or {}
+        got = getattr(self, "sync_layouts", None) or {}
         if not got or sorted(got) != list(range(len(got))) or self._export_declined():
             return
         keys = tuple(got[i] for i in range(len(got)))

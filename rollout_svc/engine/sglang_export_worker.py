@@ -61,7 +61,7 @@ def _table(model: torch.nn.Module, keys: list[str]) -> tuple[int, bytes | None]:
     """(how, the serialized IpcDestinations or None) for layouts `keys`, in order."""
     from weightsync.bus.ipc.trainer_writes import offer
 
-    tables: dict = model.__dict__.get("_ws_slot_tables", {})
+    tables: dict = getattr(model, "_ws_slot_tables", None) or {}
     params, metas = [], []
     for key in keys:
         table = tables.get(key)
