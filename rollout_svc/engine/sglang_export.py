@@ -97,8 +97,12 @@ class SglangExportMixin:
             return
         tries = self.__dict__.setdefault("_export_tries", {})
         tries[keys] = tries.get(keys, 0) + 1
-        with self.timed("export"):
-            table, final = self._export(keys)
+        try:
+            with self.timed("export"):
+                table, final = self._export(keys)
+        except Exception:  # noqa: BLE001 — the sync itself is written: only the trainer's later writes are lost
+            log.exception("exporting SGLang's slot tables failed; the trainer will not write into SGLang")
+            table, final = None, True
         if final or tries[keys] >= EXPORT_TRIES:
             if len(tables) >= 4:  # layouts change rarely
                 tables.clear()

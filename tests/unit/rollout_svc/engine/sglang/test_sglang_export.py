@@ -158,3 +158,23 @@ def test_the_ipc_receiver_asks_the_engine_for_its_table_and_never_for_its_parame
     assert rx.destinations(m) == eng.ipc_destinations(m) is not None
     rx.tx.apply_mode = "staged"
     assert rx.destinations(m) is None
+
+
+def test_a_failed_export_call_does_not_fail_the_sync_and_is_not_retried(ipc):
+    eng = _engine(Toy())
+    real = eng._sgl.update_weights_from_tensor
+
+    refused = []
+
+    def refuse_exports(named_tensors, **kw):
+        if named_tensors[0][0].startswith(sl.EXPORT):
+            refused.append(1)
+            return False, "refused"
+        return real(named_tensors, **kw)
+
+    eng._sgl.update_weights_from_tensor = refuse_exports
+    plan, _, _ = _bucket(1)
+    _sync(eng, 1)  # end_apply's export raised inside: logged, the sync goes on
+    _sync(eng, 2)
+    assert eng.ipc_destinations(_manifest(plan)) is None and len(eng._sgl.calls) == 2  # both syncs loaded
+    assert refused == [1]  # asked once, not again at the next sync
