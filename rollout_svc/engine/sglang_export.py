@@ -69,8 +69,19 @@ class SglangExportMixin:
         exported (yet). Never a call into SGLang: the table was exported at the end of the sync that learnt it."""
         if self._export_declined(manifest.quantization is not None):
             return None
-        keys = tuple(sl.layout_key(plan) for plan in manifest.buckets)
-        return (getattr(self, "_dest_tables", None) or {}).get(keys)
+        return (getattr(self, "_dest_tables", None) or {}).get(self._layout_keys(manifest))
+
+    def _layout_keys(self, manifest) -> tuple[str, ...]:
+        """The workers' layout keys of `manifest`'s buckets, computed once per layout digest (every prepare asks)."""
+        known = self.__dict__.setdefault("_keys_by_digest", {})
+        keys = known.get(manifest.layout_digest) if manifest.layout_digest else None
+        if keys is None:
+            keys = tuple(sl.layout_key(plan) for plan in manifest.buckets)
+            if manifest.layout_digest:
+                if len(known) >= 8:
+                    known.clear()
+                known[manifest.layout_digest] = keys
+        return keys
 
     def _export_declined(self, quantized: bool = False) -> str:
         o = self.opts
