@@ -74,6 +74,8 @@ def main() -> dict:
 
     from sglang.srt.entrypoints.engine import Engine
 
+    from rollout_svc.engine.sglang_loader import LOADER
+
     sgl = Engine(
         model_path=model_dir,
         device="cpu",
@@ -85,6 +87,7 @@ def main() -> dict:
         dtype="float32",
         random_seed=0,
         log_level="error",
+        custom_weight_loader=[LOADER],  # as SglangEngine._start registers it
     )
     try:
         import threading
@@ -271,9 +274,43 @@ def main() -> dict:
 
         run("sync_named_cpu_path", lambda: sync(22, flattened=False))
         run("sync_flattened_bucket_path", lambda: sync(33, flattened=True))
+        run("sync_our_loader_then_export", lambda: sync_our_loader(eng, cfg, agree))
     finally:
         sgl.shutdown()
     return results
+
+
+def sync_our_loader(eng, cfg, agree) -> str:
+    """Two syncs through our loader in SGLang's real scheduler process (sglang_loader.py: the first learns the
+    slot tables, the second is written by them), the buckets and result rows in shared CPU memory; at the end of
+    the first, the export call (sglang_export.py) reaches the worker, which cannot share CPU storage by CUDA IPC:
+    it reports the failure, the sync still commits, and no table is offered."""
+    from rollout_svc.engine import sglang_loader as sl
+    from tests.sglang_exec.exec_checks import packed_buckets
+    from trainer_svc.actor.hf.actor import HfActor
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.plan import TensorMeta, make_manifest
+
+    eng.direct_cpu = True
+    eng._direct_rows = [torch.zeros(16, sl.RESULT_WORDS, dtype=torch.int64).share_memory_()]
+    try:
+        for seed, want in ((44, sl.LEARNED), (55, sl.BY_TABLE)):
+            trainer = HfActor(cfg, seed=seed)
+            named = list(trainer.export_tensors())
+            buckets = packed_buckets(named, bucket_bytes=64 << 10)
+            eng.begin_apply()
+            for plan, buf in buckets:
+                assert eng.load_bucket_summed(plan, buf) == bucket_checksum(buf[: plan.nbytes]), plan.index
+            eng.end_apply()
+            assert set(eng.direct_how.values()) == {want}, eng.direct_how
+            assert ("export" in eng.apply_ms) == (seed == 44), eng.apply_ms  # asked once, at the learning sync
+            agree(f"after our loader's sync seed={seed}", dict(trainer.model.state_dict()))
+        metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named]
+        m = make_manifest(metas, version=1, sync_id="s", bucket_bytes=64 << 10)
+        assert eng.ipc_destinations(m) is None, "a table was offered though the worker could not share CPU storage"
+        return f"{len(buckets)} buckets a sync"
+    finally:
+        eng.direct_cpu = False
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ CHECKS = (
     "generate_concurrent",
     "sync_named_cpu_path",
     "sync_flattened_bucket_path",
+    "sync_our_loader_then_export",
 )
 _results: dict = {}
 
