@@ -1,8 +1,8 @@
 """One RL loop over the control plane: generate → reward → TrainStep → Sync → next step.
 
 Colocated on one GPU (`release_memory`: SGLang with enable_memory_saver), each step also asks every rollout
-to release its engine's GPU memory (ReleaseMemory) once generation is done, before the trainer's forward and
-backward passes; the sync maps it again (weights before its first bucket, the KV cache at commit) and the
+to release its engine's GPU memory (ReleaseMemory) right before the train step (after the mismatch's
+ComputeLogprobs); the sync maps it again (weights before its first bucket, the KV cache at commit) and the
 rollouts refuse requests until it has committed.
 
 Every arrow is a gRPC call to a running trainer-svc / rollout-svc; nothing here imports torch.
@@ -156,7 +156,7 @@ def _release(stubs, cfg: LoopConfig) -> float:
 def _step(
     trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss_cfg, rng, around_train=None
 ) -> StepRecord:
-    """One iteration: generate → reward → (release) → (mismatch) → train step → sync → (checkpoint).
+    """One iteration: generate → reward → (mismatch) → (release) → train step → sync → (checkpoint).
     `around_train`: a context manager factory entered around the train step (bench/sglang_rl.py samples
     the GPU's memory there)."""
     prompts = task.prompts(rng, cfg.prompts_per_step)
@@ -167,9 +167,9 @@ def _step(
         raise RuntimeError(f"rollouts served different versions {sorted(versions)} in one step")
     (rollout_version,) = versions
     samples = _samples(generated, prompts, reward_fn)
+    mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
     # the rollouts are not needed again before the sync, which maps their memory again
     t_release = _release(stubs, cfg) if cfg.release_memory else 0.0
-    mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
     t1 = time.perf_counter()
     with around_train() if around_train else contextlib.nullcontext():
         tr = trainer.TrainStep(
