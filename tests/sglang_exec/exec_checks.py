@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.sglang_exec.colocated_checks import CHECKS as COLOCATED_CHECKS
 from tests.sglang_exec.direct_checks import CHECKS as DIRECT_CHECKS
 from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
@@ -331,6 +332,7 @@ CHECKS = {
     "load_weights_distributed[tiny-qwen3-moe]": lambda: load_family_distributed("tiny-qwen3-moe"),
     "load_weights_distributed[tiny-qwen2-tied]": lambda: load_family_distributed("tiny-qwen2-tied"),
     **DIRECT_CHECKS,
+    **COLOCATED_CHECKS,
 }
 
 
