@@ -88,3 +88,13 @@ def test_rollouts_release_their_memory_after_generating_and_before_the_train_ste
     # the train step ran with every rollout's memory already released, inside around_train
     assert entered and (("r1", "ReleaseMemory") in entered[0]) == release
     assert train == [4] and rec.synced_version == 4 and rec.sync_ok
+
+
+def test_the_cli_starts_sglang_rollouts_colocated_and_releasing():
+    from weightsync.rl.__main__ import _engine_args, _parser
+
+    ns = _parser().parse_args(["--engine", "sglang", "--sglang-arg", "mem_fraction_static=0.3"])
+    args = _engine_args(ns)
+    assert args[:6] == ["--device", "cuda:0", "--engine", "sglang", "--apply-mode", "inplace"]
+    assert args[6:] == ["--sglang-arg", "enable_memory_saver=true", "--sglang-arg", "mem_fraction_static=0.3"]
+    assert _engine_args(_parser().parse_args([])) == []  # the built-in engine: the rollout's own defaults
