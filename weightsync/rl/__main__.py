@@ -98,7 +98,12 @@ def _start(ns, workdir: Path):
         str(ns.seed + 1),
         *par,
         *no_catch_up,
-        *(["--transport", "ipc"] if ns.engine == "sglang" else []),
+        # SGLang serves bf16 here: the trainer trains and exports bf16, so the bus carries what SGLang holds
+        *(
+            ["--transport", "ipc", "--param-dtype", "bfloat16", "--export-dtype", "bfloat16"]
+            if ns.engine == "sglang"
+            else []
+        ),
         nproc=ns.tp * ns.pp,
     )
     procs = [trainer]
@@ -138,7 +143,7 @@ def _engine_args(ns) -> list[str]:
     out = ["--device", ns.device] if ns.device else []
     if ns.engine == "builtin":
         return out
-    out = ["--device", ns.device or "cuda:0", "--engine", "sglang", "--apply-mode", "inplace"]
+    out = ["--device", ns.device or "cuda:0", "--engine", "sglang", "--apply-mode", "inplace", "--dtype", "bfloat16"]
     args = ["enable_memory_saver=true", *ns.sglang_arg]
     return out + [a for kv in args for a in ("--sglang-arg", kv)]
 

@@ -95,6 +95,6 @@ def test_the_cli_starts_sglang_rollouts_colocated_and_releasing():
 
     ns = _parser().parse_args(["--engine", "sglang", "--sglang-arg", "mem_fraction_static=0.3"])
     args = _engine_args(ns)
-    assert args[:6] == ["--device", "cuda:0", "--engine", "sglang", "--apply-mode", "inplace"]
-    assert args[6:] == ["--sglang-arg", "enable_memory_saver=true", "--sglang-arg", "mem_fraction_static=0.3"]
+    assert args[:8] == ["--device", "cuda:0", "--engine", "sglang", "--apply-mode", "inplace", "--dtype", "bfloat16"]
+    assert args[8:] == ["--sglang-arg", "enable_memory_saver=true", "--sglang-arg", "mem_fraction_static=0.3"]
     assert _engine_args(_parser().parse_args([])) == []  # the built-in engine: the rollout's own defaults
