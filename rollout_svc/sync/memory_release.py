@@ -48,7 +48,14 @@ def release(tx: Any, timeout: float) -> tuple[str, ...]:
             tx.memory_released = True  # first: whatever the engine's release did before it failed, refuse
             # the engine no longer holds the delta base's bytes: the next sync writes every word
             tx.delta_base.engine_matches = False
-            tags = engine.release_memory()
+            try:
+                tags = engine.release_memory()
+            except Exception as exc:  # the engine's own failure: say what it leaves behind
+                raise SyncError(
+                    f"the engine's memory release failed ({exc}); generation stays refused until a sync commits "
+                    "(if syncs then fail too, restart the rollout)",
+                    "INTERNAL",
+                ) from exc
     finally:
         tx.engine_lock.release()
     log.info("released the engine's GPU memory %s in %.1f ms", list(tags), (time.perf_counter() - t0) * 1e3)

@@ -82,6 +82,7 @@ class FakeSglang:
         self.weights: dict[str, torch.Tensor] = {}  # what the TP worker holds, by checkpoint name
         self.offload_tags: set[str] = set()  # memory tags released (the scheduler's own set)
         self.events: list[str] = []  # weight and memory calls, in order
+        self.fail_release = ""  # set: release_memory_occupation raises with this message
 
     # ---- weights and memory, as the scheduler of 0.5.10 keeps them (scheduler_update_weights_mixin.py) ----
     def _event(self, what: str) -> None:
@@ -101,6 +102,8 @@ class FakeSglang:
     def release_memory_occupation(self, tags=None):
         async def run():
             assert not self._wakes, "release_memory_occupation should be called only when server is idle."
+            if self.fail_release:
+                raise RuntimeError(self.fail_release)
             for t in tags or ("kv_cache", "weights", "cuda_graph"):
                 self.offload_tags.add(t)
                 if t == "weights":

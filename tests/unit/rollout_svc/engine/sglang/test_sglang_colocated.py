@@ -174,3 +174,17 @@ def test_release_waits_for_a_running_request_at_most_its_timeout():
     assert tx.memory_released and fake.offload_tags == {"weights", "kv_cache", "cuda_graph"}
     assert tx.release_memory(timeout=5) == ("weights", "kv_cache", "cuda_graph")  # idempotent: nothing more released
     assert [e for e in fake.events if e.startswith("release")] == ["release:weights,kv_cache,cuda_graph"]
+
+
+def test_a_failed_release_is_an_internal_error_and_the_rollout_keeps_refusing():
+    fake, eng, tx = _rollout()
+    _sync(tx, _state(1), 1)
+    fake.fail_release = "scheduler not idle"
+    with pytest.raises(SyncError, match="memory release failed .*scheduler not idle") as exc:
+        tx.release_memory(timeout=5)
+    assert exc.value.code == "INTERNAL" and tx.memory_released  # what SGLang freed is unknown: never served
+    with pytest.raises(SyncError, match=RELEASED):
+        _generate(tx)
+    fake.fail_release = ""
+    _sync(tx, _state(2), 2)
+    assert _generate(tx)[1] == 2
