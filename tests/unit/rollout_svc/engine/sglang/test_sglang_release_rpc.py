@@ -2,7 +2,7 @@
 whose engine is the SGLang adapter over tests/support/fake_sglang.py, started with enable_memory_saver. While
 released, gRPC Generate answers UNAVAILABLE and the OpenAI route 503, both naming the release, and no request
 reaches SGLang; the call's own argument is validated; an engine that cannot release refuses with
-FAILED_PRECONDITION; the status and the metrics say it."""
+FAILED_PRECONDITION; the status, readiness and the metrics say it."""
 
 from __future__ import annotations
 
@@ -66,10 +66,13 @@ def test_release_refuses_requests_over_grpc_and_http_until_a_sync_commits(rollou
         status, _, text = http(app.http.port, "/v1/completions", {"prompt": [[1, 2]], "max_tokens": 2}, headers=AUTH)
         assert status == 503 and RELEASED in json.dumps(json.loads(text)), text
         assert len(fake.calls) == calls  # neither reached SGLang
+        status, _, text = http(app.http.port, "/readyz")  # a Service routes no traffic to it meanwhile
+        assert status == 503 and "GPU memory released" in text, text
     finally:
         app.tx.memory_released = False  # the module's rollout serves again for the next test
         app.servicer.refresh_state_metric()
         app.tx.engine = own
+    assert http(app.http.port, "/readyz")[0] == 200
 
 
 @pytest.mark.parametrize("t", [-1.0, math.nan, math.inf, 601.0])
