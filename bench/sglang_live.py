@@ -406,6 +406,9 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=240)
     ap.add_argument("--concurrency", type=int, default=0, help="N concurrent one-prompt requests vs sequential")
     ap.add_argument("--concurrency-tokens", type=int, default=64, help="new tokens per concurrent request")
+    ap.add_argument("--colocated-rl", action="store_true", help="only the colocated RL run (bench/sglang_rl.py)")
+    ap.add_argument("--rl-steps", type=int, default=14, help="colocated RL steps with SGLang's memory released")
+    ap.add_argument("--rl-held-steps", type=int, default=4, help="then steps with it held, for the comparison")
     args = ap.parse_args()
     # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
@@ -433,6 +436,17 @@ def main() -> int:
     if peaked:
         res["peaked_report"] = json.loads((peaked / "peaked_report.json").read_text())
     work = Path(tempfile.mkdtemp(prefix="ws-sglang-live-"))
+    if args.colocated_rl:  # alone: it fits one device call (bench/sglang_rl.py)
+        from bench.sglang_rl import colocated_rl
+
+        def save():
+            Path(args.out).write_text(json.dumps(res, indent=2))
+
+        colocated_rl(res, work, save, args.rl_steps, args.rl_held_steps, args.ready_timeout)
+        rl = res["colocated_rl"]
+        print({k: rl.get(k) for k in ("first_reward", "last_reward", "syncs_exact", "peak_gib_released")}, flush=True)
+        print({k: rl.get(k) for k in ("peak_gib_held", "greedy_match", "greedy_match_up_to_ties", "error")}, flush=True)
+        return 0 if rl.get("syncs_exact") and "error" not in rl else 1
     fleet = None
     try:
         if peaked:

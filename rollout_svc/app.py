@@ -166,6 +166,11 @@ class RolloutApp:
             return False, "engine loading"
         if self.tx.state == rollout_pb2.STALE:
             return False, f"STALE: {self.tx.last_error}"
+        if self.tx.memory_released:  # colocated: the trainer holds the GPU until the next sync commits
+            return (
+                False,
+                "GPU memory released for a colocated train step (ReleaseMemory); ready again once a sync commits",
+            )
         if not self.servicer.current:
             # A (re)started rollout holds its own initial weights: not the trainer's. It becomes ready
             # when the catch-up sync commits, so a Service never routes to weights nobody trained.

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 _SERVE_WAIT_S = 60.0
 _MAX_SYNC_TIMEOUT_S = 7 * 24 * 3600.0
+#: ReleaseMemory waits at most this long for running requests
+_MAX_RELEASE_WAIT_S = 600.0
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -100,6 +102,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 self.rollout_metrics.set_state(name, self.tx.state == num)
         self.metrics.version.set(self.tx.version)
         self.metrics.in_progress.set(1 if self.tx.pending_sync_id else 0)
+        self.rollout_metrics.memory_released.set(1 if self.tx.memory_released else 0)
 
     def status(self) -> rollout_pb2.RolloutStatus:
         return rollout_pb2.RolloutStatus(
@@ -119,6 +122,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             trainer_id=self.pin.pinned,
             current=self.current,
             manifest_runs=self.manifest_runs,
+            memory_released=self.tx.memory_released,
         )
 
     # ---- serving ------------------------------------------------------------------------
@@ -420,4 +424,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         why_id, why = self.tx.aborted_here
         return rollout_pb2.AbortSyncResponse(
             state=self.tx.state, version=self.tx.version, aborted_reason=why if why_id == request.sync_id else ""
+        )
+
+    def ReleaseMemory(self, request, context):
+        """Colocated RL: free the engine's GPU memory for the trainer's step (rollout_svc/sync/memory_release.py);
+        generation is refused until the next sync commits."""
+        t0 = time.perf_counter()
+        try:
+            t = request.timeout_seconds
+            if not (math.isfinite(t) and 0 <= t <= _MAX_RELEASE_WAIT_S):
+                raise ValueError(
+                    f"timeout_seconds={t} must be finite and in [0, {_MAX_RELEASE_WAIT_S:.0f}] "
+                    f"(0 = {_SERVE_WAIT_S:.0f} s): how long to wait for running requests"
+                )
+            tags = self.tx.release_memory(t or _SERVE_WAIT_S)
+        except (ValueError, SyncError) as exc:
+            self.rollout_metrics.memory_release("refused")
+            _abort(context, exc)
+        seconds = time.perf_counter() - t0
+        self.rollout_metrics.memory_release("ok")
+        log.info("rollout %s: GPU memory released (%s) in %.3f s", self.rollout_id, ", ".join(tags), seconds)
+        return rollout_pb2.ReleaseMemoryResponse(
+            state=self.tx.state, version=self.tx.version, seconds=seconds, released=list(tags)
         )

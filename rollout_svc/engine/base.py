@@ -142,6 +142,22 @@ class Engine(ABC):
         IPC transports need), or None when unknown."""
         return None
 
+    #: release_memory() frees the engine's GPU memory for a colocated trainer's step (SGLang with
+    #: enable_memory_saver); the next in-place sync maps it again: weights in begin_apply, the rest in end_apply
+    releases_memory: bool = False
+
+    def release_memory(self) -> tuple[str, ...]:
+        """Free the engine's GPU memory (its weights' contents are lost); returns the memory tags now released.
+        Called with the engine gate held and no sync pending (SyncTransaction.release_memory)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot release its GPU memory")
+
+    def resume_memory(self) -> None:
+        """Map every released memory tag again (a no-op when none is released)."""
+
+    def released_memory(self) -> tuple[str, ...]:
+        """The memory tags released and not yet resumed (none for an engine that never releases)."""
+        return ()
+
     def begin_apply(self) -> None:
         """In-place sync: before its first bucket is loaded, with generation already paused by the
         engine gate. An engine that schedules requests itself pauses them here."""

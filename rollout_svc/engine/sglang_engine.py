@@ -250,6 +250,11 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
 
+    @property
+    def releases_memory(self) -> bool:
+        # SGLang's release/resume_memory_occupation need torch_memory_saver's regions (enable_memory_saver)
+        return bool(self.opts.colocated)
+
     def _call(self, fn, *args, **kwargs):
         # no lock: fn runs its coroutine on SGLang's loop thread (drive_loop), from any number of threads at once
         return fn(*args, **kwargs)
@@ -418,6 +423,10 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
                     self._sgl.loop.run_until_complete,
                     self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
                 )
+        # released for a colocated train step: the weights must be mapped again before a byte is written
+        # (their virtual addresses are kept, so our loader's slot table stays valid); the KV cache waits for
+        # end_apply, so it is not resident while the trainer's buckets are
+        self.resume_memory(["weights"])
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
         self._paused_at = time.perf_counter()
@@ -432,6 +441,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
         self.export_after_sync()  # once per layout: where the trainer may write later syncs (sglang_export.py)
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
+        self.resume_memory()  # what a colocated train step released besides the weights (KV cache, CUDA graphs)
         with self.timed("flush_cache"):
             self.flush_cache()
         if hasattr(self._sgl.tokenizer_manager, "continue_generation"):

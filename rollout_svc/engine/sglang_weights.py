@@ -64,6 +64,7 @@ Nothing here imports sglang at module import time.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -332,17 +333,39 @@ class SglangWeightsMixin:
         check_result(res, f"update_weights_from_distributed(bucket {plan.index})")
 
     # ---- colocated: share the GPU with the trainer --------------------------------------
-    def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free SGLang's GPU memory for training (None: all of "weights", "kv_cache", "cuda_graph").
+    #: memory tags released and not yet resumed, in SGLang's own order (an instance's own set once used)
+    _released: tuple[str, ...] = ()
 
-        SGLang asserts its scheduler is idle; rollout-svc calls this only between rollouts.
+    def release_memory(self, tags: list[str] | None = None) -> tuple[str, ...]:
+        """Free SGLang's GPU memory for training (None: every tag not released yet); returns the tags now
+        released. The weights' contents are lost (no CPU backup): only a complete sync serves again.
+
+        SGLang asserts its scheduler is idle: the transaction calls this under the engine gate, no request pinned.
         """
-        check_result(self._call(self._sgl.release_memory_occupation, tags=_tags(tags)), "release_memory_occupation")
+        want = [t for t in (_tags(tags) or _MEMORY_TAGS) if t not in self._released]
+        if want:
+            t0 = time.perf_counter()
+            res = self._call(self._sgl.release_memory_occupation, tags=want)
+            check_result(res, "release_memory_occupation")
+            self._released = tuple(t for t in _MEMORY_TAGS if t in self._released or t in want)
+            log.warning("sglang released %s in %.1f ms", want, (time.perf_counter() - t0) * 1e3)
+        return self._released
+
+    def released_memory(self) -> tuple[str, ...]:
+        return self._released
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Re-map memory. Colocated sync order: resume(["weights"]) -> load buckets -> resume(["kv_cache",
-        "cuda_graph"]), so the KV cache is not resident while the trainer's buckets still are."""
-        check_result(self._call(self._sgl.resume_memory_occupation, tags=_tags(tags)), "resume_memory_occupation")
+        """Map released memory again (None: every released tag); a tag not released is skipped (SGLang's
+        scheduler raises on a resume of a tag it holds). Colocated sync order (sglang_engine.begin_apply /
+        end_apply): resume(["weights"]) -> the buckets -> resume() the rest (KV cache, CUDA graphs), so the
+        KV cache is not resident while the trainer's buckets still are."""
+        want = [t for t in (_tags(tags) or _MEMORY_TAGS) if t in self._released]
+        if not want:
+            return
+        t0 = time.perf_counter()
+        check_result(self._call(self._sgl.resume_memory_occupation, tags=want), "resume_memory_occupation")
+        self._released = tuple(t for t in self._released if t not in want)
+        self._add_ms("resume_" + "+".join(want), (time.perf_counter() - t0) * 1e3)
 
 
 def _patch_reductions() -> None:

@@ -27,6 +27,7 @@ import torch
 
 from rollout_svc.engine.base import Engine
 from rollout_svc.quantized import plan_apply, write_metas
+from rollout_svc.sync import memory_release
 from rollout_svc.sync.alarm import Alarm
 from rollout_svc.sync.apply import ApplyStrategy
 from rollout_svc.sync.apply_inplace import InPlaceApply
@@ -75,6 +76,9 @@ class SyncTransaction:
         #: (sync_id, "CODE: reason") of the last sync this rollout aborted on its own while receiving
         self.aborted_here: tuple[str, str] = ("", "")
         self.last_apply_seconds = 0.0
+        #: the engine's GPU memory was released for a colocated train step (release_memory): generation is
+        #: refused until a sync commits, whatever that sync's outcome before then (the weights' contents are gone)
+        self.memory_released = False
         self._on_change = on_change or (lambda: None)
         self._apply = APPLY_MODES[apply_mode](self)
         #: the committed version's buckets as received over TCP, which delta buckets apply onto
@@ -344,6 +348,11 @@ class SyncTransaction:
         self.origin = p.manifest.origin
         self.weights_checksum = combine([c or 0 for c in p.checksums()])
         self.delta_base.committed(p.manifest)
+        if self.memory_released:
+            # the sync's own apply mapped the weights and the rest (the engine's end_apply); anything it
+            # left released is mapped now, before the first request is served
+            self.engine.resume_memory()
+            self.memory_released = False
         self.state = S.SERVING
         self.last_error = ""
         self._clear_pending()
@@ -381,6 +390,11 @@ class SyncTransaction:
         self._apply.release()
         self._clear_pending()
 
+    # ---- colocated: the engine's GPU memory handed to the trainer between syncs -----------
+    def release_memory(self, timeout: float) -> tuple[str, ...]:
+        """Free the engine's GPU memory for a colocated train step (memory_release.py); returns the tags released."""
+        return memory_release.release(self, timeout)
+
     def _clear_pending(self) -> None:
         self._timeout.cancel()
         self._pending = None
@@ -399,5 +413,11 @@ class SyncTransaction:
         with self.engine_lock.pinned(timeout, is_active, takes_turns=takes_turns) as turn:
             if self.state == S.STALE:
                 raise SyncError(f"engine is STALE: {self.last_error}", "UNAVAILABLE")
+            if self.memory_released:
+                raise SyncError(
+                    "the engine's GPU memory is released for a colocated train step (ReleaseMemory); "
+                    "it serves again once the next sync commits; retry then",
+                    "UNAVAILABLE",
+                )
             turn.check()
             return fn(self.engine, turn), self.version

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.sglang_exec.colocated_checks import CHECKS as COLOCATED_CHECKS
 from tests.sglang_exec.direct_checks import CHECKS as DIRECT_CHECKS
 from tests.sglang_exec.export_checks import CHECKS as EXPORT_CHECKS
 from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
@@ -333,6 +334,7 @@ CHECKS = {
     "load_weights_distributed[tiny-qwen2-tied]": lambda: load_family_distributed("tiny-qwen2-tied"),
     **DIRECT_CHECKS,
     **EXPORT_CHECKS,
+    **COLOCATED_CHECKS,
 }
 
 

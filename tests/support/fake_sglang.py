@@ -24,6 +24,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import torch
+
 #: answer(request index, prompt ids, sampling params) -> (token ids, log-probs, finish type) of a whole request
 Answer = Callable[[int, list[int], dict], tuple[list[int], list[float], str]]
 
@@ -41,6 +43,12 @@ def scripted(ids: list[int], lps: list[float], finish: str = "length") -> Answer
 class _TokenizerManager:
     def __init__(self, sgl: FakeSglang):
         self.sgl = sgl
+
+    async def pause_generation(self, obj) -> None:
+        self.sgl.events.append("pause")
+
+    async def continue_generation(self, obj) -> None:
+        self.sgl.events.append("continue")
 
     def abort_request(self, rid: str) -> None:
         running = asyncio.get_running_loop()  # raises outside a running loop: SGLang's socket is the loop's
@@ -71,6 +79,53 @@ class FakeSglang:
         self._released = False
         self._wakes: set[asyncio.Event] = set()  # one per call in progress
         self._loop = self.loop  # the real loop, whatever stands in for Engine.loop
+        self.weights: dict[str, torch.Tensor] = {}  # what the TP worker holds, by checkpoint name
+        self.offload_tags: set[str] = set()  # memory tags released (the scheduler's own set)
+        self.events: list[str] = []  # weight and memory calls, in order
+        self.fail_release = ""  # set: release_memory_occupation raises with this message
+
+    # ---- weights and memory, as the scheduler of 0.5.10 keeps them (scheduler_update_weights_mixin.py) ----
+    def _event(self, what: str) -> None:
+        self.events.append(what)
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        async def run():
+            if "weights" in self.offload_tags:  # the real one writes into unmapped memory: a CUDA fault
+                raise AssertionError("update_weights_from_tensor while SGLang's weights are released")
+            for name, t in named_tensors:
+                self.weights[name] = t.clone()
+            self._event("update")
+            return True, "Succeeded to update model weights."
+
+        return self.loop.run_until_complete(run())
+
+    def release_memory_occupation(self, tags=None):
+        async def run():
+            assert not self._wakes, "release_memory_occupation should be called only when server is idle."
+            if self.fail_release:
+                raise RuntimeError(self.fail_release)
+            for t in tags or ("kv_cache", "weights", "cuda_graph"):
+                self.offload_tags.add(t)
+                if t == "weights":
+                    self.weights = {n: torch.full_like(w, float("nan")) for n, w in self.weights.items()}
+            self._event("release:" + ",".join(tags or ("all",)))
+
+        return self.loop.run_until_complete(run())
+
+    def resume_memory_occupation(self, tags=None):
+        async def run():
+            for t in tags or ("kv_cache", "weights", "cuda_graph"):
+                self.offload_tags.remove(t)  # KeyError on a tag not released, as SGLang's scheduler
+            self._event("resume:" + ",".join(tags or ("all",)))
+
+        return self.loop.run_until_complete(run())
+
+    def flush_cache(self):
+        async def run():
+            self._event("flush")
+            return True
+
+        return self.loop.run_until_complete(run())
 
     def release(self) -> None:
         """From the test's thread: a held engine goes on."""
@@ -83,6 +138,8 @@ class FakeSglang:
         self._loop.call_soon_threadsafe(wake_all)
 
     def generate(self, input_ids, sampling_params, return_logprob=False, rid=None, stream=False, **kw):
+        if self.offload_tags:
+            raise AssertionError(f"generate while SGLang's {sorted(self.offload_tags)} are released")
         self.calls.append(
             dict(input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob, rid=rid)
             | dict(stream=stream, **kw)

@@ -228,6 +228,21 @@ class RolloutMetrics:
             ["role"],
             registry=r,
         ).labels(role)
+        # colocated RL (ReleaseMemory): the engine's GPU memory handed to the trainer between syncs
+        self.memory_releases = Counter(
+            "weightsync_memory_releases_total",
+            "ReleaseMemory calls by outcome (refused: a sync in progress, requests still running, engine cannot)",
+            ["role", "outcome"],
+            registry=r,
+        )
+        for outcome in ("ok", "refused"):
+            self.memory_releases.labels(role, outcome)
+        self.memory_released = Gauge(
+            "weightsync_memory_released",
+            "1 while the engine's GPU memory is released (generation refused until the next sync commits)",
+            ["role"],
+            registry=r,
+        ).labels(role)
         # generation requests by endpoint (ENDPOINTS): gRPC Generate, HTTP completions
         self.generation_seconds = Histogram(
             "weightsync_generation_duration_seconds",
@@ -257,6 +272,9 @@ class RolloutMetrics:
         for endpoint in ENDPOINTS:  # every series from the start, so rate() and dashboards see 0, not nothing
             for fam in (self.generation_seconds, self.prompt_tokens, self.completion_tokens, self.in_flight):
                 fam.labels(role, endpoint)
+
+    def memory_release(self, outcome: str) -> None:
+        self.memory_releases.labels(self.role, outcome).inc()
 
     def request(self, outcome: str) -> None:
         self.requests.labels(self.role, outcome).inc()

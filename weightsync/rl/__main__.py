@@ -25,6 +25,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size (megatron; torchrun tp*pp ranks)")
     p.add_argument("--pp", type=int, default=1, help="trainer pipeline-parallel size (megatron)")
     p.add_argument("--rollouts", type=int, default=2, help="rollout processes to start")
+    p.add_argument(
+        "--engine",
+        choices=["builtin", "sglang"],
+        default="builtin",
+        help="the rollouts' engine; sglang: colocated on --device with the trainer (needs an HF model directory "
+        "as --model, SGLang installed), synced over CUDA IPC, its GPU memory released for every train step",
+    )
+    p.add_argument("--device", default="", help="the rollouts' device (default: the rollout's own; sglang: cuda:0)")
+    p.add_argument(
+        "--sglang-arg", action="append", default=[], metavar="KEY=VALUE", help="an SGLang ServerArgs field (repeat)"
+    )
+    p.add_argument(
+        "--no-release-memory",
+        action="store_true",
+        help="sglang: keep SGLang's memory held during the train step (the comparison run)",
+    )
     p.add_argument("--task", default="target-tokens")
     p.add_argument(
         "--reward", default="", help="module:function (prompt_ids, response_ids) -> float; default: the task's"
@@ -82,6 +98,12 @@ def _start(ns, workdir: Path):
         str(ns.seed + 1),
         *par,
         *no_catch_up,
+        # SGLang serves bf16 here: the trainer trains and exports bf16, so the bus carries what SGLang holds
+        *(
+            ["--transport", "ipc", "--param-dtype", "bfloat16", "--export-dtype", "bfloat16"]
+            if ns.engine == "sglang"
+            else []
+        ),
         nproc=ns.tp * ns.pp,
     )
     procs = [trainer]
@@ -95,6 +117,7 @@ def _start(ns, workdir: Path):
             str(100 + i),
             "--trainer-address",
             trainer.address,
+            *_engine_args(ns),
             name=f"rollout-{i}",
         )
         for i in range(ns.rollouts)
@@ -112,6 +135,17 @@ def _start(ns, workdir: Path):
     else:
         raise RuntimeError(f"rollouts did not register with the trainer in time; logs in {workdir}")
     return trainer, procs
+
+
+def _engine_args(ns) -> list[str]:
+    """The rollouts' engine options: SGLang colocated with the trainer, its memory releasable (enable_memory_saver),
+    applied in place (the weights are mapped again before a sync's first bucket)."""
+    out = ["--device", ns.device] if ns.device else []
+    if ns.engine == "builtin":
+        return out
+    out = ["--device", ns.device or "cuda:0", "--engine", "sglang", "--apply-mode", "inplace", "--dtype", "bfloat16"]
+    args = ["enable_memory_saver=true", *ns.sglang_arg]
+    return out + [a for kv in args for a in ("--sglang-arg", kv)]
 
 
 def _summarize(ns, records, task, workdir: Path, wall: float) -> int:
@@ -169,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=ns.micro_batch_size,
         sync=not ns.no_sync,
         seed=ns.seed,
+        release_memory=ns.engine == "sglang" and not ns.no_release_memory,
         checkpoint_every=ns.checkpoint_every,
         checkpoint_dir=ns.checkpoint_dir,
     )

@@ -1,5 +1,10 @@
 """One RL loop over the control plane: generate → reward → TrainStep → Sync → next step.
 
+Colocated on one GPU (`release_memory`: SGLang with enable_memory_saver), each step also asks every rollout
+to release its engine's GPU memory (ReleaseMemory) right before the train step (after the mismatch's
+ComputeLogprobs); the sync maps it again (weights before its first bucket, the KV cache at commit) and the
+rollouts refuse requests until it has committed.
+
 Every arrow is a gRPC call to a running trainer-svc / rollout-svc; nothing here imports torch.
 Each step also measures the train/inference mismatch: the rollouts' log-probs of the tokens they
 sampled versus the trainer's `ComputeLogprobs` on the same tokens, both at the version the
@@ -13,6 +18,7 @@ distribution the trainer scores (ComputeLogprobs has no temperature field).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import random
@@ -48,6 +54,10 @@ class LoopConfig:
     seed: int = 0
     token: str = ""
     rpc_timeout_s: float = 300.0
+    #: colocated: each step, once generation is done, the rollouts release their engine's GPU memory
+    #: (ReleaseMemory) for the trainer; the sync maps it again (SGLang with enable_memory_saver)
+    release_memory: bool = False
+    release_timeout_s: float = 60.0
 
 
 @dataclass
@@ -69,6 +79,7 @@ class StepRecord:
     generate_seconds: float
     train_seconds: float
     metrics: dict = field(default_factory=dict)
+    release_seconds: float = 0.0  # ReleaseMemory on every rollout (0 when not colocated)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,8 +145,20 @@ def _samples(generated, prompts, reward_fn: RewardFn) -> list[trainer_pb2.TrainS
     ]
 
 
-def _step(trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss_cfg, rng) -> StepRecord:
-    """One iteration: generate → reward → (mismatch) → train step → sync → (checkpoint)."""
+def _release(stubs, cfg: LoopConfig) -> float:
+    """Colocated: every rollout frees its engine's GPU memory for the trainer's step; returns the seconds taken."""
+    t0 = time.perf_counter()
+    for stub in stubs:
+        stub.ReleaseMemory(rollout_pb2.ReleaseMemoryRequest(timeout_seconds=cfg.release_timeout_s))
+    return time.perf_counter() - t0
+
+
+def _step(
+    trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss_cfg, rng, around_train=None
+) -> StepRecord:
+    """One iteration: generate → reward → (mismatch) → (release) → train step → sync → (checkpoint).
+    `around_train`: a context manager factory entered around the train step (bench/sglang_rl.py samples
+    the GPU's memory there)."""
     prompts = task.prompts(rng, cfg.prompts_per_step)
     t0 = time.perf_counter()
     generated, versions = _generate(stubs, prompts, cfg, seed=rng.randrange(1 << 30))
@@ -145,10 +168,13 @@ def _step(trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss
     (rollout_version,) = versions
     samples = _samples(generated, prompts, reward_fn)
     mm = _mismatch(trainer, samples) if cfg.measure_mismatch else (float("nan"), float("nan"))
+    # the rollouts are not needed again before the sync, which maps their memory again
+    t_release = _release(stubs, cfg) if cfg.release_memory else 0.0
     t1 = time.perf_counter()
-    tr = trainer.TrainStep(
-        trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg, micro_batch_size=cfg.micro_batch_size)
-    )
+    with around_train() if around_train else contextlib.nullcontext():
+        tr = trainer.TrainStep(
+            trainer_pb2.TrainStepRequest(samples=samples, loss=loss_cfg, micro_batch_size=cfg.micro_batch_size)
+        )
     t_train = time.perf_counter() - t1
     rep = _sync(trainer, "sync") if cfg.sync else None
     if cfg.checkpoint_every and tr.step % cfg.checkpoint_every == 0:
@@ -172,6 +198,7 @@ def _step(trainer, stubs, task: Task, cfg: LoopConfig, reward_fn: RewardFn, loss
         generate_seconds=t_gen,
         train_seconds=t_train,
         metrics=m,
+        release_seconds=t_release,
     )
 
 
@@ -183,8 +210,10 @@ def run_loop(
     cfg: LoopConfig | None = None,
     reward_fn: RewardFn | None = None,
     on_step: Callable[[StepRecord], None] | None = None,
+    around_train=None,
 ) -> list[StepRecord]:
-    """Run `steps` RL iterations against running services; returns one record per step."""
+    """Run `steps` RL iterations against running services; returns one record per step. `around_train`: see
+    `_step`."""
     cfg = cfg or LoopConfig()
     reward_fn = reward_fn or task.reward
     trainer = trainer_stub(channel(trainer_address), cfg.token, cfg.rpc_timeout_s)
@@ -210,7 +239,7 @@ def run_loop(
         _sync(trainer, "initial sync")
     records = []
     for _ in range(steps):
-        records.append(_step(trainer, stubs, task, cfg, reward_fn, loss_cfg, rng))
+        records.append(_step(trainer, stubs, task, cfg, reward_fn, loss_cfg, rng, around_train))
         if on_step:
             on_step(records[-1])
     return records

@@ -28,7 +28,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin", "trainer_id", "current", "manifest_runs")
+    __slots__ = ("rollout_id", "state", "version", "weights_checksum", "engine", "model_family", "num_parameters", "num_ranks", "pending_sync_id", "last_error", "last_apply_seconds", "prefix_cache_entries", "origin", "trainer_id", "current", "manifest_runs", "memory_released")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RolloutStatus(_message.Message):
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_RUNS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RELEASED_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     state: EngineState
     version: int
@@ -61,7 +62,8 @@ class RolloutStatus(_message.Message):
     trainer_id: str
     current: bool
     manifest_runs: bool
-    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ..., manifest_runs: _Optional[bool] = ...) -> None: ...
+    memory_released: bool
+    def __init__(self, rollout_id: _Optional[str] = ..., state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., engine: _Optional[str] = ..., model_family: _Optional[str] = ..., num_parameters: _Optional[int] = ..., num_ranks: _Optional[int] = ..., pending_sync_id: _Optional[str] = ..., last_error: _Optional[str] = ..., last_apply_seconds: _Optional[float] = ..., prefix_cache_entries: _Optional[int] = ..., origin: _Optional[str] = ..., trainer_id: _Optional[str] = ..., current: _Optional[bool] = ..., manifest_runs: _Optional[bool] = ..., memory_released: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "n")
@@ -236,6 +238,24 @@ class CommitSyncResponse(_message.Message):
     weights_checksum: int
     apply_seconds: float
     def __init__(self, version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseMemoryRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseMemoryResponse(_message.Message):
+    __slots__ = ("state", "version", "seconds", "released")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    state: EngineState
+    version: int
+    seconds: float
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., version: _Optional[int] = ..., seconds: _Optional[float] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortSyncRequest(_message.Message):
     __slots__ = ("sync_id", "reason", "trainer_id")

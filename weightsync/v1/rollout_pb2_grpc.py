@@ -74,6 +74,11 @@ class RolloutStub:
                 request_serializer=weightsync_dot_v1_dot_rollout__pb2.AbortSyncRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_rollout__pb2.AbortSyncResponse.FromString,
                 _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/weightsync.v1.Rollout/ReleaseMemory',
+                request_serializer=weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -130,6 +135,12 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +183,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.AbortSync,
                     request_deserializer=weightsync_dot_v1_dot_rollout__pb2.AbortSyncRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_rollout__pb2.AbortSyncResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +406,33 @@ class Rollout:
             '/weightsync.v1.Rollout/AbortSync',
             weightsync_dot_v1_dot_rollout__pb2.AbortSyncRequest.SerializeToString,
             weightsync_dot_v1_dot_rollout__pb2.AbortSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Rollout/ReleaseMemory',
+            weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryRequest.SerializeToString,
+            weightsync_dot_v1_dot_rollout__pb2.ReleaseMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
