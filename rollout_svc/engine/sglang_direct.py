@@ -53,6 +53,32 @@ class _Queued(PendingChecksum):
                 raise SyncError(f"writing the queued buckets into SGLang failed: {exc}", "INTERNAL") from exc
 
 
+def _combined(plan, ranks: list[list[int]], seq: int) -> tuple[int, int]:
+    """The bucket's word sums from every TP rank's result row (sglang_loader.RESULT_WORDS): the ranks' `common`
+    sums must agree (each rank read those words itself: the whole bucket, or all but the slots it shards), and
+    their `shard` sums add up to the rest (weightsync/bus/copy/shard_copy.py)."""
+    from rollout_svc.engine.sglang_weights import SglangUpdateError
+
+    common, s1, s2 = set(), 0, 0
+    for rank, row in enumerate(ranks):
+        if row[0] != seq or row[1] != sl.OK:
+            raise SglangUpdateError(
+                f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
+                f"({'no answer' if row[0] != seq else 'failed'}; the scheduler's log names the error)"
+            )
+        common.add((row[2], row[3]))
+        s1, s2 = s1 + row[6], s2 + row[7]
+    if len(common) != 1:
+        raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(common)})")
+    c1, c2 = common.pop()
+    return _int64(c1 + s1), _int64(c2 + s2)
+
+
+def _int64(v: int) -> int:
+    """`v` wrapped as the int64 the checksum's sums are (they wrap on every device)."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 class SglangDirectMixin:
     """Expects `self._sgl`, `self.tp_size`, `self._call`, `self.opts` (SglangOptions: `base_gpu_id`,
     `direct_loader`)."""
@@ -155,22 +181,14 @@ class SglangDirectMixin:
         check_result(res, f"update_weights_from_tensor({sl.LOADER})")
         got = [r.tolist() for r in rows]
         for k, (plan, _, buf, pending) in enumerate(items):
-            sums = set()
-            for rank, table in enumerate(got):
-                s, status, s1, s2, how, worker_ns = table[k]
-                if s != seq or status != sl.OK:
-                    raise SglangUpdateError(
-                        f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
-                        f"({'no answer' if s != seq else 'failed'}; the scheduler's log names the error)"
-                    )
-                sums.add((s1, s2))
-            if len(sums) != 1:
-                raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(sums)})")
+            pending.sums = torch.tensor(_combined(plan, [table[k] for table in got], seq), dtype=torch.int64)
             whole = plan.nbytes - plan.nbytes % 4
-            pending.sums = torch.tensor(sums.pop(), dtype=torch.int64)
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
-            self._note_how(plan.index, how)
+            self._note_how(plan.index, got[0][k][4])
+            per_rank = self.__dict__.setdefault("bytes_per_rank", [0] * len(got))
+            for rank, table in enumerate(got):
+                per_rank[rank] += table[k][8]
         self._add_ms("worker", got[0][0][5] / 1e6)
 
     def _note_how(self, index: int, how: int) -> None:
