@@ -187,7 +187,9 @@ def _write_batch(model: torch.nn.Module, batch: list, rows: torch.Tensor, sums: 
     whole = [b for b in batch if b[3].pieces is None]
     if whole:
         prepared = model.__dict__.setdefault("_ws_prepared", {})
-        pending = copy_all_into([b[1] for b in whole], [b[2] for b in whole], [b[3].dests for b in whole], prepared=prepared)
+        pending = copy_all_into(
+            [b[1] for b in whole], [b[2] for b in whole], [b[3].dests for b in whole], prepared=prepared
+        )
         if pending is None:
             log.error("%s: the copy declined the slot tables' destinations; nothing written", LOADER)
             return False

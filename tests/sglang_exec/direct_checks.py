@@ -35,10 +35,11 @@ def register_loader(side: SglangSide) -> None:
 
 
 def direct_adapter(side: SglangSide):
+    from rollout_svc.engine import sglang_loader as sl
     from tests.sglang_exec.exec_checks import adapter
 
     eng = adapter(side)
-    eng._direct_rows = [torch.zeros(16, 6, dtype=torch.int64)]  # the result rows, in shared CPU memory here
+    eng._direct_rows = [torch.zeros(16, sl.RESULT_WORDS, dtype=torch.int64)]  # the result rows, in shared CPU memory
     eng.direct_cpu = True
     return eng
 

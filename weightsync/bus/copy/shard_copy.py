@@ -193,7 +193,9 @@ def _tables(plans, bufs, pieces, row_words: int):
 
     long, short = [], []
     for plan, buf, ps in zip(plans, bufs, pieces):
-        regions = [(first, count, 0 if d is None else d.data_ptr(), COMMON) for first, count, d in common_regions(plan, ps)]
+        regions = [
+            (first, count, 0 if d is None else d.data_ptr(), COMMON) for first, count, d in common_regions(plan, ps)
+        ]
         rows = []
         sharded = sharded_slots(plan, ps)
         for p in ps:
