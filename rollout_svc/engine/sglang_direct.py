@@ -88,6 +88,9 @@ class SglangDirectMixin:
     _call: Any
     opts: Any
     _direct_seq: int = 0
+    #: this sync's bytes per TP rank through our loader, and the bytes of those buckets (begin_apply resets)
+    rank_bytes: list[int] | None = None
+    _direct_bytes: int = 0
     _direct_rows: list[torch.Tensor] | None = None
     _queued: list | None = None
     #: tests/sglang_exec: CPU buffers (and result rows) stand in for CUDA ones
@@ -166,7 +169,7 @@ class SglangDirectMixin:
     def _send_direct(self, items: list) -> None:
         """One SGLang call for `items` [(plan, what to pickle, the bucket's buffer here, its _Queued)]; fills each
         _Queued with the workers' sums and the bucket's last bytes."""
-        from rollout_svc.engine.sglang_weights import SglangUpdateError, _patch_reductions, check_result
+        from rollout_svc.engine.sglang_weights import _patch_reductions, check_result
 
         self._direct_seq += 1
         seq = self._direct_seq
@@ -186,10 +189,28 @@ class SglangDirectMixin:
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
             self._note_how(plan.index, got[0][k][4])
-            per_rank = self.__dict__.setdefault("bytes_per_rank", [0] * len(got))
-            for rank, table in enumerate(got):
-                per_rank[rank] += table[k][8]
+            self._count_bytes(plan.nbytes, buf, [table[k][8] for table in got])
         self._add_ms("worker", got[0][0][5] / 1e6)
+
+    def _count_bytes(self, nbytes: int, buf: torch.Tensor, read: list[int]) -> None:
+        """Add one bucket's bytes per TP rank: what the rank's loader read, or the whole bucket for a rank on
+        another GPU than the bucket's (SGLang's worker moves every entry onto its own GPU before our loader runs)."""
+        counts = self.rank_bytes
+        if counts is None or len(counts) != len(read):
+            counts, self._direct_bytes = [0] * len(read), 0
+            self.rank_bytes = counts
+        self._direct_bytes += nbytes
+        base = int(getattr(self.opts, "base_gpu_id", 0))
+        for rank, n in enumerate(read):
+            moved = buf.is_cuda and buf.device.index != base + rank
+            counts[rank] += nbytes if moved else n
+
+    def bytes_per_rank(self, sync_bytes: int) -> list[int]:
+        """Per TP rank, the bytes of this sync's buckets it read (sglang_loader's rows) or received; a bucket
+        not loaded through our loader (SGLang's own paths) counts whole for every rank."""
+        if self.rank_bytes is None:
+            return [sync_bytes] * self.tp_size
+        return [c + max(sync_bytes - self._direct_bytes, 0) for c in self.rank_bytes]
 
     def _note_how(self, index: int, how: int) -> None:
         hows = self.__dict__.setdefault("direct_how", {})

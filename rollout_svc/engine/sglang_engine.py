@@ -408,6 +408,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
 
         self.drop_queued()  # buckets an aborted sync queued are never written
         self.apply_ms = {}
+        self.rank_bytes = None  # counted by our loader's calls (sglang_direct.py)
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
             with self.timed("pause"):

@@ -222,3 +222,20 @@ def test_a_column_shard_inside_a_word_keeps_the_models_loader():
     ck, rows = _send_ranks(models, 2, plan, buf)
     assert ck == bucket_checksum(buf[: plan.nbytes]) and [r[4] for r in rows] == [sl.BY_SGLANG] * 2
     assert torch.equal(models[1].row, named["row"][:, 3:])
+
+
+def test_bytes_per_rank_count_each_ranks_reads_and_a_whole_bucket_for_a_rank_on_another_gpu():
+    from types import SimpleNamespace
+
+    from rollout_svc.engine.sglang_direct import SglangDirectMixin
+
+    eng = SglangDirectMixin()
+    eng.tp_size, eng.opts = 2, SimpleNamespace(base_gpu_id=0)
+    assert eng.bytes_per_rank(1000) == [1000, 1000], "no bucket through our loader: SGLang's paths read it whole"
+    eng._count_bytes(600, torch.zeros(8, dtype=torch.uint8), [310, 300])
+    assert eng.bytes_per_rank(1000) == [310 + 400, 300 + 400], "the other 400 bytes went through SGLang's own path"
+    on_gpu0 = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    eng.rank_bytes = None  # begin_apply
+    eng._count_bytes(600, on_gpu0, [310, 300])
+    # SGLang's worker on GPU 1 moves the bucket from GPU 0 onto its own before our loader reads its shard
+    assert eng.bytes_per_rank(600) == [310, 600]
