@@ -175,7 +175,13 @@ class SglangDirectMixin:
         seq = self._direct_seq
         rows = self._rows(len(items))  # not cleared: a row counts only when it carries this call's seq
         _patch_reductions()  # CUDA tensors pickle with the device UUID, as SGLang's workers expect
-        entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
+        peer = self._peer_gpus(items)
+        if peer:
+            from rollout_svc.engine.sglang_peer import per_rank
+
+            entries = [(sl.header(seq, plan), per_rank(src, peer)) for plan, src, _, _ in items]
+        else:
+            entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
         entries += [(sl.RESULT, r) for r in rows]
         with self.timed(f"calls_{len(items)}"):
             res = self._call(
@@ -189,12 +195,24 @@ class SglangDirectMixin:
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
             self._note_how(plan.index, got[0][k][4])
-            self._count_bytes(plan.nbytes, buf, [table[k][8] for table in got])
+            self._count_bytes(plan.nbytes, buf, [table[k][8] for table in got], moved=not peer)
         self._add_ms("worker", got[0][0][5] / 1e6)
 
-    def _count_bytes(self, nbytes: int, buf: torch.Tensor, read: list[int]) -> None:
-        """Add one bucket's bytes per TP rank: what the rank's loader read, or the whole bucket for a rank on
-        another GPU than the bucket's (SGLang's worker moves every entry onto its own GPU before our loader runs)."""
+    def _peer_gpus(self, items: list) -> list[int]:
+        """Each TP rank's GPU when the buckets go to every rank opened on its own GPU (sglang_peer.py), else []."""
+        if (
+            self.tp_size < 2
+            or not getattr(self.opts, "peer_reads", False)
+            or not all(b.is_cuda for _, _, b, _ in items)
+        ):
+            return []
+        base = int(self.opts.base_gpu_id)
+        return [base + r for r in range(self.tp_size)]
+
+    def _count_bytes(self, nbytes: int, buf: torch.Tensor, read: list[int], moved: bool = True) -> None:
+        """Add one bucket's bytes per TP rank: what the rank's loader read, or (`moved`) the whole bucket for a
+        rank on another GPU than the bucket's (SGLang's worker moves an entry onto its own GPU before our loader
+        runs, unless it was opened there: sglang_peer.py)."""
         counts = self.rank_bytes
         if counts is None or len(counts) != len(read):
             counts, self._direct_bytes = [0] * len(read), 0
@@ -202,8 +220,8 @@ class SglangDirectMixin:
         self._direct_bytes += nbytes
         base = int(getattr(self.opts, "base_gpu_id", 0))
         for rank, n in enumerate(read):
-            moved = buf.is_cuda and buf.device.index != base + rank
-            counts[rank] += nbytes if moved else n
+            whole = moved and buf.is_cuda and buf.device.index != base + rank
+            counts[rank] += nbytes if whole else n
 
     def bytes_per_rank(self, sync_bytes: int) -> list[int]:
         """Per TP rank, the bytes of this sync's buckets it read (sglang_loader's rows) or received; a bucket

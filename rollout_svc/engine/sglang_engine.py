@@ -66,6 +66,9 @@ class SglangOptions:
     log_level: str = "error"
     #: register our loader in SGLang's workers (sglang_loader.py) and send CUDA buckets through it
     direct_loader: bool = True
+    #: tp_size > 1: every TP rank opens the bucket on its own GPU and reads only its shards across the link
+    #: (sglang_peer.py), where SGLang would move the whole bucket onto the rank's GPU first
+    peer_reads: bool = True
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -214,6 +217,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
         """`cfg`: the rollout config's `inference` section."""
+        from rollout_svc.engine.sglang_peer import PEER_READS_ENV
         from weightsync.bus.dtypes import parse_dtype
         from weightsync.models import resolve_model
 
@@ -244,6 +248,8 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
             trust_remote_code=bool(args.pop("trust_remote_code", False)),
             deterministic=bool(args.pop("enable_deterministic_inference", False)),
             log_level=args.pop("log_level", "error"),
+            # the first GPU runs of tp_size > 1 may need the old hand-over (docs/sglang.md)
+            peer_reads=os.environ.get(PEER_READS_ENV, "1") != "0",
             extra=tuple(sorted(args.items())),
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
