@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-
 #: "0": SglangOptions.peer_reads off (the old hand-over) for a rollout built from its config
 PEER_READS_ENV = "WS_SGLANG_PEER_READS"
 
