@@ -264,8 +264,10 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
 
     def receive_device(self) -> torch.device:
         # SGLang runs in this process's CUDA context from its first TP rank's GPU, where buckets are
-        # handed over with load_bucket
-        return torch.device("cuda", int(self.opts.base_gpu_id))
+        # handed over with load_bucket. With tp_size > 1 they land on the last rank's GPU instead: a trainer
+        # colocated on the first GPU (a host of tp_size GPUs) is then not on the GPU of rollout-svc's NCCL rank
+        # (NCCL takes no two ranks on one GPU), and every rank reads its shards from there (sglang_peer.py).
+        return torch.device("cuda", int(self.opts.base_gpu_id) + int(self.opts.tp_size) - 1)
 
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)
