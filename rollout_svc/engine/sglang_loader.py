@@ -16,15 +16,18 @@ returns nothing to the caller, and an exception would stop the scheduler, so the
 `result`; the rollout adds the bucket's last bytes (weightsync/bus/copy/checksum.py `from_sums`).
 
 The slot table. The first bucket of a layout (`key`) goes through SGLang's own `model.load_weights` while a
-torch function mode records every `copy_` it makes. Where each of the bucket's tensors went into exactly one
-contiguous region of one parameter, byte for byte (the fused `qkv_proj` / `gate_up_proj` rows of a TP=1
-worker, the embedding's first rows of a padded vocabulary, ...), those regions are the table, checked once
-against what SGLang's loader left there. Every later bucket of that layout is written by one launch of the
-built-in engine's copy-and-checksum kernel (weightsync/bus/copy/verified_copy.py `copy_into`) straight into those
-regions: the checksum is of the words written into SGLang's parameters. (Constants SGLang's loader writes,
-such as the zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write
-that way (a TP shard narrowed out of a tensor, a cast, an in-place op on a parameter, a tensor copied twice)
-keeps SGLang's loader for good, its checksum read from the bucket in the same worker.
+torch function mode records every `copy_` it makes from the bucket into a parameter. Each copy is a `Piece`
+(weightsync/bus/copy/shard_copy.py): the whole tensor, or at `tp_size` > 1 the rank's shard SGLang's layer
+narrowed out of it (a row range: one byte range; a column range: rows at the source's stride), into one
+contiguous parameter region, checked once against what SGLang's loader left there. Every later bucket of
+that layout is written from those regions by one launch of the built-in engine's copy-and-checksum kernel
+(weightsync/bus/copy/verified_copy.py `copy_all_into` when every tensor lands whole; shard_copy.py
+`copy_sharded_all` when the rank holds shards): the checksum is of the words written into SGLang's parameters.
+A rank holding shards reports two pairs of sums, `common` (words every rank reads) and `shard` (its own), that
+the rollout combines across ranks (sglang_direct._combined). (Constants SGLang's loader writes, such as the
+zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write that way
+(a cast, an in-place op on a parameter, a tensor copied whole twice, a shard edge inside a 4-byte word) keeps
+SGLang's loader for good, its checksum read from the whole bucket in the same worker.
 
 Imported by SGLang's worker (`dynamic_import`): torch and the bus's plan and copy modules only.
 """
