@@ -311,6 +311,8 @@ class Fleet:
             if engine == "sglang":
                 args += [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
                 args += ["--tp", str(tp_size)]
+                if tp_size > 1:  # its custom all-reduce is sgl_kernel's (absent: the shim); NCCL's instead
+                    args += ["--sglang-arg", "disable_custom_all_reduce=true"]
             self.procs.append(start_rollout(work, *args, name=name))
         deadline = time.monotonic() + ready_timeout
         for p in self.procs:
