@@ -190,11 +190,13 @@ def rollout_layout(transports: list[str], gpus: int, tp: int) -> dict:
     """name -> (engine, device) of the rollouts, the trainer on cuda:0. ipc/tcp: s0 (SGLang, its TP ranks on
     GPUs 0..tp-1) and b0 on cuda:0. nccl: s1 and b1 on cuda:1 when there are tp + 1 GPUs (the trainer's GPU
     its own); else s1's ranks share GPUs 0..tp-1 with the trainer (SGLang receives on its last rank's GPU:
-    NCCL takes no two ranks on one GPU) and b1 is on cuda:1."""
-    rollouts = {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}
+    NCCL takes no two ranks on one GPU: `--receive-rank`) and b1 is on cuda:1. An SGLang rollout's entry also
+    names its receive rank."""
+    rollouts = {"s0": ("sglang", "cuda:0", 0), "b0": ("builtin", "cuda:0")}
     if "nccl" in transports:
         own = gpus >= tp + 1
-        rollouts.update({"s1": ("sglang", "cuda:1" if own else "cuda:0"), "b1": ("builtin", "cuda:1")})
+        s1 = ("sglang", "cuda:1", 0) if own else ("sglang", "cuda:0", tp - 1)
+        rollouts.update({"s1": s1, "b1": ("builtin", "cuda:1")})
     return rollouts
 
 
@@ -276,7 +278,8 @@ def builtin_only(rec: dict, fleet, reps: int) -> None:
 
 
 class Fleet:
-    """A megatron trainer on cuda:0 and rollouts (name -> (engine, device)), all serving `start_dir`."""
+    """A megatron trainer on cuda:0 and rollouts (name -> (engine, device[, receive rank])), all serving
+    `start_dir`."""
 
     def __init__(self):
         self.procs, self.chans, self.stubs = [], [], {}
@@ -302,7 +305,7 @@ class Fleet:
         )  # fmt: skip
         self.procs.append(t)
         self.trainer = t
-        for name, (engine, device) in rollouts.items():
+        for name, (engine, device, *receive) in rollouts.items():
             args = ["--engine", engine, "--model", str(start_dir), "--device", device, "--dtype", "bfloat16"]
             args += ["--apply-mode", "inplace", "--serve-initial-weights", "--trainer-address", t.address]
             args += ["--register-timeout-s", str(ready_timeout)]
@@ -310,7 +313,7 @@ class Fleet:
                 args += ["--max-inflight-requests", str(max(16, inflight)), "--max-inflight-per-client", str(inflight)]
             if engine == "sglang":
                 args += [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
-                args += ["--tp", str(tp_size)]
+                args += ["--tp", str(tp_size), "--receive-rank", str(receive[0] if receive else 0)]
                 if tp_size > 1:  # its custom all-reduce is sgl_kernel's (absent: the shim); NCCL's instead
                     args += ["--sglang-arg", "disable_custom_all_reduce=true"]
             self.procs.append(start_rollout(work, *args, name=name))

@@ -69,6 +69,8 @@ class SglangOptions:
     #: tp_size > 1: every TP rank opens the bucket on its own GPU and reads only its shards across the link
     #: (sglang_peer.py), where SGLang would move the whole bucket onto the rank's GPU first
     peer_reads: bool = True
+    #: the TP rank whose GPU rollout-svc receives buckets on (the rollout config's `receive_rank`)
+    receive_rank: int = 0
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -238,6 +240,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
         opts = SglangOptions(
             model_path=weights_dir,
             tp_size=cfg.tp,
+            receive_rank=int(getattr(cfg, "receive_rank", 0)),
             dtype=cfg.dtype,
             base_gpu_id=gpu,
             random_seed=args.pop("random_seed", cfg.init_seed),
@@ -264,10 +267,10 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangWeightsMixin, Eng
 
     def receive_device(self) -> torch.device:
         # SGLang runs in this process's CUDA context from its first TP rank's GPU, where buckets are
-        # handed over with load_bucket. With tp_size > 1 they land on the last rank's GPU instead: a trainer
-        # colocated on the first GPU (a host of tp_size GPUs) is then not on the GPU of rollout-svc's NCCL rank
-        # (NCCL takes no two ranks on one GPU), and every rank reads its shards from there (sglang_peer.py).
-        return torch.device("cuda", int(self.opts.base_gpu_id) + int(self.opts.tp_size) - 1)
+        # handed over with load_bucket; `receive_rank` > 0 moves that to another rank's GPU (NCCL takes no two
+        # ranks on one GPU: a trainer sharing the first GPU syncs over nccl into another); every rank reads its
+        # shards from there (sglang_peer.py)
+        return torch.device("cuda", int(self.opts.base_gpu_id) + int(self.opts.receive_rank))
 
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)
