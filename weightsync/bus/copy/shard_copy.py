@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weightsync.bus.copy.checksum import word_sums
@@ -78,7 +79,17 @@ def check(plan: BucketPlan, pieces: Sequence[Piece]) -> str:
     for i, ps in by_slot.items():
         if len(ps) > 1 and any(p.whole(plan) for p in ps):
             return f"{plan.slots[i].meta.name}: copied whole and again"
+        if len(ps) > 1 and _overlap(ps):
+            return f"{plan.slots[i].meta.name}: two shards copied from the same bytes (their sums would count twice)"
     return ""
+
+
+def _overlap(pieces: Sequence[Piece]) -> bool:
+    """Whether any two rows of these pieces share a byte (once per layout: numpy over every row's range)."""
+    starts = np.concatenate([p.src + np.arange(p.rows, dtype=np.int64) * p.stride for p in pieces])
+    ends = np.concatenate([p.src + np.arange(p.rows, dtype=np.int64) * p.stride + p.row_bytes for p in pieces])
+    order = np.argsort(starts, kind="stable")
+    return bool((starts[order][1:] < ends[order][:-1]).any())
 
 
 def sharded_slots(plan: BucketPlan, pieces: Sequence[Piece]) -> set[int]:

@@ -84,6 +84,11 @@ def test_shards_inside_a_word_are_refused():
     row = plan.slots[1]
     narrow = Piece(1, row.offset, H, 6, 4 * H * 2, torch.zeros(H, 3, dtype=torch.bfloat16))
     assert "rows are not whole 4-byte words" in shard_copy.check(plan, [narrow])
+    half = Piece(1, row.offset, H, 2 * H * 2, 4 * H * 2, torch.zeros(H, 2 * H, dtype=torch.bfloat16))
+    again = Piece(1, row.offset + H * 2, H, 2 * H * 2, 4 * H * 2, torch.zeros(H, 2 * H, dtype=torch.bfloat16))
+    other = Piece(1, row.offset + 2 * H * 2, H, 2 * H * 2, 4 * H * 2, torch.zeros(H, 2 * H, dtype=torch.bfloat16))
+    assert "copied from the same bytes" in shard_copy.check(plan, [half, again])  # columns 8..15 twice
+    assert shard_copy.check(plan, [half, other]) == ""  # both column halves: one rank at tp=1
 
 
 def _run_rows(anchor: torch.Tensor, table: torch.Tensor, cfg) -> torch.Tensor:
