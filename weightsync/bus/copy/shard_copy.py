@@ -187,14 +187,32 @@ def copy_sharded_all(
     for short, (table, owner) in zip((False, True), tables):
         if table is not None:
             sums.index_add_(0, owner, scatter_triton.launch(anchor, anchor, table, cfg, short=short))
-    for plan, buf, ps in zip(plans, bufs, pieces):
-        sharded = sharded_slots(plan, ps)
-        _copy_tails(plan, buf, ps, sharded)
-        for p in ps:
-            n_words, rest = shard_words(p)
-            if p.slot in sharded and rest:
-                _flat(p.dst)[4 * n_words :].copy_(buf[p.src + 4 * n_words : p.src + p.row_bytes])
+    tails = None if cache is None else cache.get("tails")
+    if tails is None:
+        tails = _tails(plans, pieces)
+        if cache is not None:
+            cache["tails"] = tails
+    for b, dst, start, end in tails:
+        dst.copy_(bufs[b][start:end])
     return sums.view(len(plans), 2, 2)
+
+
+def _tails(plans, pieces) -> list[tuple[int, torch.Tensor, int, int]]:
+    """(bucket, destination bytes, source start, end) of the bytes the kernel does not move (it moves words):
+    the last bytes of a tensor held whole, and of a row shard that ends a tensor of odd size."""
+    out = []
+    for b, (plan, ps) in enumerate(zip(plans, pieces)):
+        sharded = sharded_slots(plan, ps)
+        for p in ps:
+            nb = plan.slots[p.slot].meta.nbytes
+            if p.slot not in sharded and nb % 4:
+                whole = nb - nb % 4
+                out.append((b, _flat(p.dst)[whole:], p.src + whole, p.src + nb))
+            elif p.slot in sharded:
+                n_words, rest = shard_words(p)
+                if rest:
+                    out.append((b, _flat(p.dst)[4 * n_words :], p.src + 4 * n_words, p.src + p.row_bytes))
+    return out
 
 
 def _tables(plans, bufs, pieces, row_words: int):
