@@ -116,7 +116,7 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
     sums: list[torch.Tensor | None] = [None] * len(buckets)
-    batch: list[tuple[int, BucketPlan, torch.Tensor, list[torch.Tensor]]] = []
+    batch: list[tuple[int, BucketPlan, torch.Tensor, Table]] = []
     for i, (name, bucket) in enumerate(buckets):
         try:
             seq, key, plan = read_header(name)
