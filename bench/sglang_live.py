@@ -18,6 +18,8 @@ shape. Per transport (ipc -> s0, tcp -> s0, nccl -> s1):
      sync (must be False: the radix cache was flushed), served version == the trainer's.
 `--timing-model 1.5b` then restarts the services at that shape (random weights, ipc only) and times the
 colocated sync into SGLang beside the built-in engine.
+`--tp-size N`: SGLang's tp_size (every SGLang rollout; its ranks on GPUs 0..N-1 for ipc and tcp, beside the
+trainer on cuda:0; nccl: rollout_layout), each run recording `tp_size` and the SGLang rollout's `bytes_per_rank`.
 `--concurrency N` (before the services stop): N clients each send one greedy Generate of one prompt at
 once, against the same N calls one after another, on the SGLang rollout and on the built-in one: the
 tokens/s of each and their ratio (SGLang batches concurrent requests itself; the built-in engine
@@ -178,6 +180,26 @@ def sync_times(address: str, tstub, rid: str, transport: str, reps: int) -> tupl
     return reports, [float(r["seconds"]) for r in reports]
 
 
+def bytes_per_rank(report: dict) -> list[int]:
+    """The SGLang rollout's bytes per TP rank in a sync's report (RolloutSyncResult.bytes_per_rank)."""
+    (rollout,) = report.get("rollouts", [{}])
+    return [int(b) for b in rollout.get("bytes_per_rank", [])]
+
+
+def rollout_layout(transports: list[str], gpus: int, tp: int) -> dict:
+    """name -> (engine, device) of the rollouts, the trainer on cuda:0. ipc/tcp: s0 (SGLang, its TP ranks on
+    GPUs 0..tp-1) and b0 on cuda:0. nccl: s1 and b1 on cuda:1 when there are tp + 1 GPUs (the trainer's GPU
+    its own); else s1's ranks share GPUs 0..tp-1 with the trainer (SGLang receives on its last rank's GPU:
+    NCCL takes no two ranks on one GPU: `--receive-rank`) and b1 is on cuda:1. An SGLang rollout's entry also
+    names its receive rank."""
+    rollouts = {"s0": ("sglang", "cuda:0", 0), "b0": ("builtin", "cuda:0")}
+    if "nccl" in transports:
+        own = gpus >= tp + 1
+        s1 = ("sglang", "cuda:1", 0) if own else ("sglang", "cuda:0", tp - 1)
+        rollouts.update({"s1": s1, "b1": ("builtin", "cuda:1")})
+    return rollouts
+
+
 def run_transport(rec: dict, t, tstub, stubs, work: Path, prompts, reps: int, load) -> dict:
     """Fills `rec` as it goes (a run cut off by its time limit still records what it measured).
     `load`: None (sync the trainer's weights as they are) or a callable returning an HF directory to
@@ -205,6 +227,7 @@ def run_transport(rec: dict, t, tstub, stubs, work: Path, prompts, reps: int, lo
     rec["sync_s"] = statistics.median(secs[1:])
     rec["first_sync_s"] = secs[0]
     rec["bytes"] = int(reports[0].get("bytes", 0))
+    rec["bytes_per_rank"] = bytes_per_rank(reports[-1])
     rec["num_buckets"] = reports[0].get("num_buckets")
     rec["phase_s_first"] = reports[0].get("phase_seconds")
     trainer_version = int(reports[-1]["version"])
@@ -255,25 +278,34 @@ def builtin_only(rec: dict, fleet, reps: int) -> None:
 
 
 class Fleet:
-    """A megatron trainer on cuda:0 and rollouts (name -> (engine, device)), all serving `start_dir`."""
+    """A megatron trainer on cuda:0 and rollouts (name -> (engine, device[, receive rank])), all serving
+    `start_dir`."""
 
     def __init__(self):
         self.procs, self.chans, self.stubs = [], [], {}
         self.trainer = self.tstub = None
 
     def start(
-        self, work: Path, init_model: Path, start_dir: Path, rollouts: dict, ready_timeout: float, inflight: int = 0
+        self,
+        work: Path,
+        init_model: Path,
+        start_dir: Path,
+        rollouts: dict,
+        ready_timeout: float,
+        inflight: int = 0,
+        tp_size: int = 1,
     ) -> None:
         """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others.
         `inflight`: Generate calls one client may have in flight (the rollouts' default is 4; --concurrency
-        sends its N from one client)."""
+        sends its N from one client). `tp_size`: SGLang's, its ranks on the GPUs from each SGLang rollout's
+        device on."""
         t = start_trainer(
             work, "--backend", "megatron", "--model", str(init_model), "--init-seed", "1", "--param-dtype", "bfloat16",
             "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
         )  # fmt: skip
         self.procs.append(t)
         self.trainer = t
-        for name, (engine, device) in rollouts.items():
+        for name, (engine, device, *receive) in rollouts.items():
             args = ["--engine", engine, "--model", str(start_dir), "--device", device, "--dtype", "bfloat16"]
             args += ["--apply-mode", "inplace", "--serve-initial-weights", "--trainer-address", t.address]
             args += ["--register-timeout-s", str(ready_timeout)]
@@ -281,6 +313,9 @@ class Fleet:
                 args += ["--max-inflight-requests", str(max(16, inflight)), "--max-inflight-per-client", str(inflight)]
             if engine == "sglang":
                 args += [a for k, v in SGLANG_ARGS.items() for a in ("--sglang-arg", f"{k}={v}")]
+                args += ["--tp", str(tp_size), "--receive-rank", str(receive[0] if receive else 0)]
+                if tp_size > 1:  # its custom all-reduce is sgl_kernel's (absent: the shim); NCCL's instead
+                    args += ["--sglang-arg", "disable_custom_all_reduce=true"]
             self.procs.append(start_rollout(work, *args, name=name))
         deadline = time.monotonic() + ready_timeout
         for p in self.procs:
@@ -358,16 +393,23 @@ def direct_lines(fleet, name: str) -> list[str]:
     return []
 
 
-def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float) -> None:
+def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int = 1) -> None:
     """Colocated IPC sync time into SGLang and the built-in engine at `model`'s shape (random weights)."""
-    rec = {"model": model, "transport": "ipc", "tp_size": 1, "trainer_backend": "megatron", "weights": "random"}
+    rec = {"model": model, "transport": "ipc", "tp_size": tp, "trainer_backend": "megatron", "weights": "random"}
     res.setdefault("timing_runs", []).append(rec)
     fleet = None
     try:
         cfg_dir = write_config(model, work)
         start_dir = save_random_hf(cfg_dir, work / f"start-{model}", seed=2)
         fleet = Fleet()
-        fleet.start(work, cfg_dir, start_dir, {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}, ready_timeout)
+        fleet.start(
+            work,
+            cfg_dir,
+            start_dir,
+            {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")},
+            ready_timeout,
+            tp_size=tp,
+        )
         for rid, key in (("s0", "sync_s"), ("b0", "builtin_sync_s")):
             log(f"timing {model}: syncing {rid} over ipc ({reps} + 1)")
             reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, "ipc", reps + 1)
@@ -379,8 +421,9 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             # route / builtin_route: what the timed syncs took (SGLang: ipc/trainer_writes/... from its second on)
             rec[key.replace("sync_s", "route")] = reports[-1].get("route")
             rec[key.replace("sync_s", "routes_all")] = [r.get("route") for r in reports]
+            if rid == "s0":
+                rec["bytes_per_rank"] = bytes_per_rank(reports[-1])
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
-        rec["bytes_per_rank"] = rec["bytes"]  # tp_size 1: the rank holds every byte
         # where SGLang's sync spends more than the built-in engine's, per trainer phase (the last sync of each)
         mine, theirs = rec.get("phase_s_last") or {}, rec.get("builtin_phase_s_last") or {}
         rec["phase_s_over_builtin"] = {k: mine[k] - theirs.get(k, 0.0) for k in sorted(mine)}
@@ -409,6 +452,7 @@ def main() -> int:
     ap.add_argument("--colocated-rl", action="store_true", help="only the colocated RL run (bench/sglang_rl.py)")
     ap.add_argument("--rl-steps", type=int, default=14, help="colocated RL steps with SGLang's memory released")
     ap.add_argument("--rl-held-steps", type=int, default=4, help="then steps with it held, for the comparison")
+    ap.add_argument("--tp-size", type=int, default=1, help="SGLang's tp_size (its ranks on GPUs 0..N-1; nccl: below)")
     args = ap.parse_args()
     # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
@@ -418,6 +462,8 @@ def main() -> int:
     transports = args.transports.split(",") if args.transports else ["ipc", "tcp"] + (["nccl"] if gpus >= 2 else [])
     if "nccl" in transports and gpus < 2:
         raise SystemExit("transport nccl needs 2 visible GPUs (trainer on cuda:0, rollouts on cuda:1)")
+    if args.tp_size > gpus:
+        raise SystemExit(f"--tp-size {args.tp_size} needs as many visible GPUs ({gpus} here)")
     peaked = Path(args.peaked) if args.peaked else None
     prompts = peaked_model.PROMPTS if peaked else RANDOM_PROMPTS
     res: dict = {
@@ -431,6 +477,7 @@ def main() -> int:
         "prompts": prompts,
         "max_new_tokens": N_NEW,
         "sglang_args": SGLANG_ARGS,
+        "tp_size": args.tp_size,
         "runs": [],
     }
     if peaked:
@@ -454,14 +501,15 @@ def main() -> int:
         else:
             init_model = write_config(args.model, work)
         start_dir = save_random_hf(init_model, work / "start", seed=2)  # what every rollout serves at start
-        rollouts = {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")}
-        if "nccl" in transports:
-            rollouts.update({"s1": ("sglang", "cuda:1"), "b1": ("builtin", "cuda:1")})
+        rollouts = rollout_layout(transports, gpus, args.tp_size)
+        res["rollouts"] = rollouts
         fleet = Fleet()
-        fleet.start(work, init_model, start_dir, rollouts, args.ready_timeout, inflight=args.concurrency)
+        fleet.start(
+            work, init_model, start_dir, rollouts, args.ready_timeout, inflight=args.concurrency, tp_size=args.tp_size
+        )
         for i, tr in enumerate(transports):
             Path(args.out).write_text(json.dumps(res, indent=2))  # what is known so far, if cut off
-            rec = {"transport": tr, "trainer_backend": "megatron"}
+            rec = {"transport": tr, "trainer_backend": "megatron", "tp_size": args.tp_size}
             res["runs"].append(rec)
             if i == 0:
                 load = None  # the trainer's initial weights
@@ -487,7 +535,7 @@ def main() -> int:
         fleet = None
         if args.timing_model:
             Path(args.out).write_text(json.dumps(res, indent=2))
-            timing_run(res, args.timing_model, work, args.reps, args.ready_timeout)
+            timing_run(res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size)
     except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
         traceback.print_exc()
         res["error"] = repr(exc)[:3000]
@@ -495,15 +543,16 @@ def main() -> int:
         if fleet is not None:
             fleet.stop(res)
     Path(args.out).write_text(json.dumps(res, indent=2))
-    keys = ("transport", "greedy_match", "greedy_match_up_to_ties", "max_abs_logprob_diff", "sync_s", "builtin_sync_s")
+    keys = ("transport", "tp_size", "greedy_match", "greedy_match_up_to_ties", "max_abs_logprob_diff", "sync_s")
+    keys += ("builtin_sync_s", "bytes", "bytes_per_rank")
     for r in res["runs"]:
         print({k: r.get(k) for k in (*keys, "rollouts_on_version", "radix_cache_flushed", "error")})
     for r in res.get("concurrency_runs", []):
         keys_c = ("rollout", "clients", "speedup", "concurrent_tokens_per_s", "same_tokens", "error")
         print({k: r.get(k) for k in keys_c})
     for r in res.get("timing_runs", []):
-        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes_per_rank", "route", "error")
-        print({k: r.get(k) for k in (*keys, "direct_how")})
+        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes", "bytes_per_rank", "route")
+        print({k: r.get(k) for k in (*keys, "error", "direct_how")})
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
 

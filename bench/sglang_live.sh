@@ -4,7 +4,8 @@
 # fits one 10-minute device call:
 #
 #   WS_SGLANG_WHL=<dir of SGLang's wheels> [WS_PEAKED_DIR=<dir>] [LIVE_ARGS=--timing-model=1.5b] bash bench/sglang_live.sh
-# (LIVE_ARGS="--concurrency 16": also 16 concurrent one-prompt requests against the same 16 in sequence)
+# (LIVE_ARGS="--concurrency 16": also 16 concurrent one-prompt requests against the same 16 in sequence;
+#  LIVE_ARGS="--transports=ipc,nccl --tp-size 2" on 2 GPUs: SGLang tp_size=2, bytes read per TP rank recorded)
 #
 # WS_PEAKED_DIR: bench/peaked_model.py's checkpoints (a small Qwen2 trained to decisive next-token margins,
 # so the greedy comparison with transformers is strict); made there first if the folder has none.

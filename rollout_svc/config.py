@@ -28,6 +28,11 @@ class InferenceConfig:
     dtype: str = field("float32", choices=("float32", "bfloat16", "float16"), help="engine weight dtype")
     device: str = field("cpu", help="torch device of the built-in engine (cpu, cuda:0, ...)")
     tp: int = field(1, help="engine tensor-parallel size (sglang)")
+    receive_rank: int = field(
+        0,
+        help="engine=sglang, tp>1: the TP rank whose GPU rollout-svc receives buckets on (0: the first, the GPU a "
+        "colocated trainer shares for ipc; over nccl a rank whose GPU is not the trainer's)",
+    )
     max_prefix_cache_entries: int = field(64, help="prefix KV cache capacity (prompts)")
     sglang: dict[str, Any] = field(
         default_factory=dict,
@@ -41,6 +46,8 @@ class InferenceConfig:
             raise ConfigError(f"tp={self.tp} must be >= 1")
         if self.engine == "builtin" and self.tp != 1:
             raise ConfigError("engine=builtin runs one rank: set tp=1 or use engine=sglang")
+        if not 0 <= self.receive_rank < self.tp:
+            raise ConfigError(f"receive_rank={self.receive_rank} must be a TP rank: 0 <= receive_rank < tp={self.tp}")
         if self.sglang and self.engine != "sglang":
             raise ConfigError(
                 f"sglang options {sorted(self.sglang)} are set but engine={self.engine}: set engine=sglang"

@@ -404,7 +404,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             log.warning("ROLLBACK committed: now serving version %d from trainer %s", version, prepared_by)
         self.rollout_metrics.apply_seconds.observe(self.tx.last_apply_seconds)
         return rollout_pb2.CommitSyncResponse(
-            version=version, weights_checksum=checksum, apply_seconds=self.tx.last_apply_seconds
+            version=version,
+            weights_checksum=checksum,
+            apply_seconds=self.tx.last_apply_seconds,
+            bytes_per_rank=self.engine.bytes_per_rank(manifest.total_bytes if manifest is not None else 0),
         )
 
     def AbortSync(self, request, context):

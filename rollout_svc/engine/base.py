@@ -158,6 +158,11 @@ class Engine(ABC):
         """The memory tags released and not yet resumed (none for an engine that never releases)."""
         return ()
 
+    def bytes_per_rank(self, sync_bytes: int) -> list[int]:
+        """Bytes of the last committed sync's buckets (`sync_bytes` in all) that each rank of this engine read or
+        received (CommitSyncResponse.bytes_per_rank): one rank, the whole sync, unless the engine counts itself."""
+        return [sync_bytes]
+
     def begin_apply(self) -> None:
         """In-place sync: before its first bucket is loaded, with generation already paused by the
         engine gate. An engine that schedules requests itself pauses them here."""

@@ -261,6 +261,7 @@ SGLANG_API_USED: dict[str, ApiUse] = {
             "torch.multiprocessing.reductions:rebuild_storage_fd",
             "multiprocessing.resource_sharer:DupFd",
             "sglang.srt.weight_sync.tensor_bucket:FlattenedTensorMetadata",
+            "sglang.srt.model_executor.model_runner:LocalSerializedTensor",
             "copyreg:__newobj__",
             "torch:Tensor",
             "torch.storage:UntypedStorage",
@@ -306,6 +307,23 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         "get_tensor_model_parallel_rank",
         why="the loader picks its rank's result row",
     ),
+    # tp_size > 1: each rank's own pickle of a bucket, opened on its GPU (sglang_peer.py); the class moved
+    "LocalSerializedTensor (0.5.10)": ApiUse(
+        "fields",
+        "sglang.srt.model_executor.model_runner",
+        "LocalSerializedTensor",
+        params=("values",),
+        optional=True,
+        why="_unwrap_tensor deserialises values[tp_rank] in each worker; 0.5.10's place",
+    ),
+    "LocalSerializedTensor (0.5.2x)": ApiUse(
+        "fields",
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "LocalSerializedTensor",
+        params=("values",),
+        optional=True,
+        why="_unwrap_tensor deserialises values[tp_rank] in each worker; 0.5.2x's place",
+    ),
     # 0.5.2x: a weight-update session that restores / re-packs weights SGLang keeps in a kernel
     # layout (quantised). Absent in 0.5.10; used when present.
     "Engine.begin_weight_update": ApiUse("method", _ENGINE, "Engine", "begin_weight_update", optional=True),
@@ -322,4 +340,9 @@ SGLANG_IMPORTS: dict[tuple[str, str], str] = {
     ("sglang.srt.utils", "MultiprocessingSerializer"): "MultiprocessingSerializer.serialize",
     ("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"): "monkey_patch_torch_reductions",
     ("sglang.srt.distributed.parallel_state", "get_tensor_model_parallel_rank"): "get_tensor_model_parallel_rank",
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): "LocalSerializedTensor (0.5.10)",
+    (
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "LocalSerializedTensor",
+    ): "LocalSerializedTensor (0.5.2x)",
 }

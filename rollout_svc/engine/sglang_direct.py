@@ -53,6 +53,32 @@ class _Queued(PendingChecksum):
                 raise SyncError(f"writing the queued buckets into SGLang failed: {exc}", "INTERNAL") from exc
 
 
+def _combined(plan, ranks: list[list[int]], seq: int) -> tuple[int, int]:
+    """The bucket's word sums from every TP rank's result row (sglang_loader.RESULT_WORDS): the ranks' `common`
+    sums must agree (each rank read those words itself: the whole bucket, or all but the slots it shards), and
+    their `shard` sums add up to the rest (weightsync/bus/copy/shard_copy.py)."""
+    from rollout_svc.engine.sglang_weights import SglangUpdateError
+
+    common, s1, s2 = set(), 0, 0
+    for rank, row in enumerate(ranks):
+        if row[0] != seq or row[1] != sl.OK:
+            raise SglangUpdateError(
+                f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
+                f"({'no answer' if row[0] != seq else 'failed'}; the scheduler's log names the error)"
+            )
+        common.add((row[2], row[3]))
+        s1, s2 = s1 + row[6], s2 + row[7]
+    if len(common) != 1:
+        raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(common)})")
+    c1, c2 = common.pop()
+    return _int64(c1 + s1), _int64(c2 + s2)
+
+
+def _int64(v: int) -> int:
+    """`v` wrapped as the int64 the checksum's sums are (they wrap on every device)."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 class SglangDirectMixin:
     """Expects `self._sgl`, `self.tp_size`, `self._call`, `self.opts` (SglangOptions: `base_gpu_id`,
     `direct_loader`)."""
@@ -62,6 +88,9 @@ class SglangDirectMixin:
     _call: Any
     opts: Any
     _direct_seq: int = 0
+    #: this sync's bytes per TP rank through our loader, and the bytes of those buckets (begin_apply resets)
+    rank_bytes: list[int] | None = None
+    _direct_bytes: int = 0
     _direct_rows: list[torch.Tensor] | None = None
     _queued: list | None = None
     #: tests/sglang_exec: CPU buffers (and result rows) stand in for CUDA ones
@@ -140,13 +169,19 @@ class SglangDirectMixin:
     def _send_direct(self, items: list) -> None:
         """One SGLang call for `items` [(plan, what to pickle, the bucket's buffer here, its _Queued)]; fills each
         _Queued with the workers' sums and the bucket's last bytes."""
-        from rollout_svc.engine.sglang_weights import SglangUpdateError, _patch_reductions, check_result
+        from rollout_svc.engine.sglang_weights import _patch_reductions, check_result
 
         self._direct_seq += 1
         seq = self._direct_seq
         rows = self._rows(len(items))  # not cleared: a row counts only when it carries this call's seq
         _patch_reductions()  # CUDA tensors pickle with the device UUID, as SGLang's workers expect
-        entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
+        peer = self._peer_gpus(items)
+        if peer:
+            from rollout_svc.engine.sglang_peer import per_rank
+
+            entries = [(sl.header(seq, plan), per_rank(src, peer)) for plan, src, _, _ in items]
+        else:
+            entries = [(sl.header(seq, plan), src) for plan, src, _, _ in items]
         entries += [(sl.RESULT, r) for r in rows]
         with self.timed(f"calls_{len(items)}"):
             res = self._call(
@@ -155,25 +190,48 @@ class SglangDirectMixin:
         check_result(res, f"update_weights_from_tensor({sl.LOADER})")
         got = [r.tolist() for r in rows]
         for k, (plan, _, buf, pending) in enumerate(items):
-            sums = set()
-            for rank, table in enumerate(got):
-                s, status, s1, s2, how, worker_ns = table[k]
-                if s != seq or status != sl.OK:
-                    raise SglangUpdateError(
-                        f"bucket {plan.index}: SGLang TP rank {rank} did not load it "
-                        f"({'no answer' if s != seq else 'failed'}; the scheduler's log names the error)"
-                    )
-                sums.add((s1, s2))
-            if len(sums) != 1:
-                raise SglangUpdateError(f"bucket {plan.index}: SGLang's TP ranks read different bytes ({sorted(sums)})")
+            pending.sums = torch.tensor(_combined(plan, [table[k] for table in got], seq), dtype=torch.int64)
             whole = plan.nbytes - plan.nbytes % 4
-            pending.sums = torch.tensor(sums.pop(), dtype=torch.int64)
             pending.tail = buf[whole : plan.nbytes].cpu()
             pending.nbytes, pending.done = plan.nbytes, True
+            how = got[0][k][4]
             self._note_how(plan.index, how)
             if how in (sl.LEARNED, sl.BY_TABLE):  # sglang_export.py exports these layouts' tables
                 self.__dict__.setdefault("sync_layouts", {})[plan.index] = sl.layout_key(plan)
+            self._count_bytes(plan.nbytes, buf, [table[k][8] for table in got], moved=not peer)
         self._add_ms("worker", got[0][0][5] / 1e6)
+
+    def _peer_gpus(self, items: list) -> list[int]:
+        """Each TP rank's GPU when the buckets go to every rank opened on its own GPU (sglang_peer.py), else []."""
+        if (
+            self.tp_size < 2
+            or not getattr(self.opts, "peer_reads", False)
+            or not all(b.is_cuda for _, _, b, _ in items)
+        ):
+            return []
+        base = int(self.opts.base_gpu_id)
+        return [base + r for r in range(self.tp_size)]
+
+    def _count_bytes(self, nbytes: int, buf: torch.Tensor, read: list[int], moved: bool = True) -> None:
+        """Add one bucket's bytes per TP rank: what the rank's loader read, or (`moved`) the whole bucket for a
+        rank on another GPU than the bucket's (SGLang's worker moves an entry onto its own GPU before our loader
+        runs, unless it was opened there: sglang_peer.py)."""
+        counts = self.rank_bytes
+        if counts is None or len(counts) != len(read):
+            counts, self._direct_bytes = [0] * len(read), 0
+            self.rank_bytes = counts
+        self._direct_bytes += nbytes
+        base = int(getattr(self.opts, "base_gpu_id", 0))
+        for rank, n in enumerate(read):
+            whole = moved and buf.is_cuda and buf.device.index != base + rank
+            counts[rank] += nbytes if whole else n
+
+    def bytes_per_rank(self, sync_bytes: int) -> list[int]:
+        """Per TP rank, the bytes of this sync's buckets it read (sglang_loader's rows) or received; a bucket
+        not loaded through our loader (SGLang's own paths) counts whole for every rank."""
+        if self.rank_bytes is None:
+            return [sync_bytes] * self.tp_size
+        return [c + max(sync_bytes - self._direct_bytes, 0) for c in self.rank_bytes]
 
     def _note_how(self, index: int, how: int) -> None:
         hows = self.__dict__.setdefault("direct_how", {})

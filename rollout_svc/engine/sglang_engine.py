@@ -68,6 +68,11 @@ class SglangOptions:
     log_level: str = "error"
     #: register our loader in SGLang's workers (sglang_loader.py) and send CUDA buckets through it
     direct_loader: bool = True
+    #: tp_size > 1: every TP rank opens the bucket on its own GPU and reads only its shards across the link
+    #: (sglang_peer.py), where SGLang would move the whole bucket onto the rank's GPU first
+    peer_reads: bool = True
+    #: the TP rank whose GPU rollout-svc receives buckets on (the rollout config's `receive_rank`)
+    receive_rank: int = 0
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
     extra: tuple[tuple[str, Any], ...] = ()
 
@@ -216,6 +221,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
         """`cfg`: the rollout config's `inference` section."""
+        from rollout_svc.engine.sglang_peer import PEER_READS_ENV
         from weightsync.bus.dtypes import parse_dtype
         from weightsync.models import resolve_model
 
@@ -236,6 +242,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
         opts = SglangOptions(
             model_path=weights_dir,
             tp_size=cfg.tp,
+            receive_rank=int(getattr(cfg, "receive_rank", 0)),
             dtype=cfg.dtype,
             base_gpu_id=gpu,
             random_seed=args.pop("random_seed", cfg.init_seed),
@@ -246,6 +253,8 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
             trust_remote_code=bool(args.pop("trust_remote_code", False)),
             deterministic=bool(args.pop("enable_deterministic_inference", False)),
             log_level=args.pop("log_level", "error"),
+            # the first GPU runs of tp_size > 1 may need the old hand-over (docs/sglang.md)
+            peer_reads=os.environ.get(PEER_READS_ENV, "1") != "0",
             extra=tuple(sorted(args.items())),
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
@@ -265,8 +274,10 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
 
     def receive_device(self) -> torch.device:
         # SGLang runs in this process's CUDA context from its first TP rank's GPU, where buckets are
-        # handed over with load_bucket
-        return torch.device("cuda", int(self.opts.base_gpu_id))
+        # handed over with load_bucket; `receive_rank` > 0 moves that to another rank's GPU (NCCL takes no two
+        # ranks on one GPU: a trainer sharing the first GPU syncs over nccl into another); every rank reads its
+        # shards from there (sglang_peer.py)
+        return torch.device("cuda", int(self.opts.base_gpu_id) + int(self.opts.receive_rank))
 
     def param_metas(self) -> dict[str, TensorMeta]:
         return dict(self._metas)
@@ -416,6 +427,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
         self.drop_queued()  # buckets an aborted sync queued are never written
         self.apply_ms = {}
         self.sync_layouts = {}  # this sync's buckets our loader wrote: bucket index -> layout (sglang_export.py)
+        self.rank_bytes = None  # counted by our loader's calls (sglang_direct.py)
         # SGLang's Engine has no pause wrapper (0.5.10, 0.5.23): drive the tokenizer manager's.
         if hasattr(self._sgl.tokenizer_manager, "pause_generation"):
             with self.timed("pause"):

@@ -179,11 +179,11 @@ class SglangExportMixin:
         """Forget every exported table (SGLang's memory is released: its parameters may move)."""
         self.__dict__.pop("_dest_tables", None)
 
-    def release_memory(self, *args, **kwargs) -> None:
-        """SglangWeightsMixin.release_memory, forgetting every exported table first: SGLang may move what it
-        releases (never offered with enable_memory_saver anyway)."""
+    def release_memory(self, *args, **kwargs):
+        """SglangWeightsMixin.release_memory (its answer: the tags released), forgetting every exported table
+        first: SGLang may move what it releases (never offered with enable_memory_saver anyway)."""
         self.drop_destinations()
-        super().release_memory(*args, **kwargs)  # type: ignore[misc]
+        return super().release_memory(*args, **kwargs)  # type: ignore[misc]
 
     def close_export(self) -> None:
         """Remove the private directory (empty unless a call failed between the worker's write and our read)."""

@@ -16,21 +16,26 @@ returns nothing to the caller, and an exception would stop the scheduler, so the
 `result`; the rollout adds the bucket's last bytes (weightsync/bus/copy/checksum.py `from_sums`).
 
 The slot table. The first bucket of a layout (`key`) goes through SGLang's own `model.load_weights` while a
-torch function mode records every `copy_` it makes. Where each of the bucket's tensors went into exactly one
-contiguous region of one parameter, byte for byte (the fused `qkv_proj` / `gate_up_proj` rows of a TP=1
-worker, the embedding's first rows of a padded vocabulary, ...), those regions are the table, checked once
-against what SGLang's loader left there. Every later bucket of that layout is written by one launch of the
-built-in engine's copy-and-checksum kernel (weightsync/bus/copy/verified_copy.py `copy_into`) straight into those
-regions: the checksum is of the words written into SGLang's parameters. (Constants SGLang's loader writes,
-such as the zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write
-that way (a TP shard narrowed out of a tensor, a cast, an in-place op on a parameter, a tensor copied twice)
-keeps SGLang's loader for good, its checksum read from the bucket in the same worker.
+torch function mode records every `copy_` it makes from the bucket into a parameter. Each copy is a `Piece`
+(weightsync/bus/copy/shard_copy.py): the whole tensor, or at `tp_size` > 1 the rank's shard SGLang's layer
+narrowed out of it (a row range: one byte range; a column range: rows at the source's stride), into one
+contiguous parameter region, checked once against what SGLang's loader left there. Every later bucket of
+that layout is written from those regions by one launch of the built-in engine's copy-and-checksum kernel
+(weightsync/bus/copy/verified_copy.py `copy_all_into` when every tensor lands whole; shard_copy.py
+`copy_sharded_all` when the rank holds shards): the checksum is of the words written into SGLang's parameters.
+A rank holding shards reports two pairs of sums, `common` (words every rank reads) and `shard` (its own), that
+the rollout combines across ranks (sglang_direct._combined). (Constants SGLang's loader writes, such as the
+zeroed spare rows of a padded vocabulary, stay as written.) A layout SGLang's loader does not write that way
+(a cast, an in-place op on a parameter, a tensor copied whole twice, a shard edge inside a 4-byte word) keeps
+SGLang's loader for good, its checksum read from the whole bucket in the same worker.
 
 Imported by SGLang's worker (`dynamic_import`): torch and the bus's plan and copy modules only.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -41,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from weightsync.bus import dtypes
+from weightsync.bus.copy import shard_copy
 from weightsync.bus.plan import BucketPlan, Slot, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -51,8 +57,10 @@ HEADER = "ws-bucket:"
 #: an entry asking for the slot tables as a destination table (sglang_export.py), not a bucket
 EXPORT = "ws-export:"
 RESULT = "ws-result"
-#: a result row per bucket: (seq, status, word sum, word sum of squares, how, the call's time in the worker, ns)
-RESULT_WORDS = 6
+#: a result row per bucket: (seq, status, word sum, word sum of squares, how, the call's time in the worker (ns),
+#: the shard's word sum, its sum of squares, the bucket's bytes this rank read). Sums: of the whole bucket (shard
+#: sums 0), or of a TP rank's `common` and `shard` words (weightsync/bus/copy/shard_copy.py)
+RESULT_WORDS = 9
 #: row[1]
 OK, FAILED = 1, 2
 #: row[4]: how the bucket was written
@@ -88,11 +96,21 @@ def read_header(name: str) -> tuple[int, str, BucketPlan]:
 
 @dataclass
 class Table:
-    """Where each slot of one bucket layout lies in SGLang's parameters (None: SGLang's loader writes it)."""
+    """Where each slot of one bucket layout lies in SGLang's parameters: `dests` (one whole region per slot), or
+    `pieces` (a TP rank's shards, weightsync/bus/copy/shard_copy.py); both None: SGLang's loader writes it."""
 
     plan: BucketPlan
     dests: list[torch.Tensor] | None
     why: str = ""
+    pieces: list[shard_copy.Piece] | None = None
+
+    @property
+    def replays(self) -> bool:
+        return self.dests is not None or self.pieces is not None
+
+    @functools.cached_property
+    def bytes_read(self) -> int:
+        return shard_copy.bytes_read(self.plan, self.pieces or [])
 
 
 def load(model: torch.nn.Module, named_tensors: list) -> None:
@@ -111,19 +129,22 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
     sums: list[torch.Tensor | None] = [None] * len(buckets)
-    batch: list[tuple[int, BucketPlan, torch.Tensor, list[torch.Tensor]]] = []
+    batch: list[tuple[int, BucketPlan, torch.Tensor, Table]] = []
     for i, (name, bucket) in enumerate(buckets):
         try:
             seq, key, plan = read_header(name)
             rows[i, 0] = seq
             table = _table(model, key, plan, bucket)
+            rows[i, 8] = plan.nbytes
             if table is None:  # learnt now: SGLang's loader wrote it
                 sums[i], rows[i, 4] = _word_sums(bucket, plan), LEARNED
-            elif table.dests is None:
+            elif not table.replays:
                 model.load_weights(views(plan, bucket))
                 sums[i], rows[i, 4] = _word_sums(bucket, plan), BY_SGLANG
             else:
-                batch.append((i, plan, bucket, table.dests))
+                batch.append((i, plan, bucket, table))
+                if table.pieces is not None:
+                    rows[i, 8] = table.bytes_read
             _hold(bucket)
             rows[i, 1] = OK
         except Exception:  # noqa: BLE001 — reported through `result`; raising would stop SGLang's scheduler
@@ -144,7 +165,10 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     out.copy_(rows)
     for i, got in enumerate(sums):
         if got is not None and rows[i, 1] == OK:
-            out[i, 2:4].copy_(got.view(torch.int64))
+            got = got.view(-1, 2)  # [whole] or [common, shard]
+            out[i, 2:4].copy_(got[0])
+            if got.shape[0] > 1:
+                out[i, 6:8].copy_(got[1])
     if out.is_cuda:
         # the rollout reads it after SGLang's reply, from another process: nothing may still be queued
         torch.cuda.current_stream(out.device).synchronize()
@@ -189,27 +213,43 @@ def _table(model: torch.nn.Module, key: str, plan: BucketPlan, bucket: torch.Ten
     table = tables.get(key)
     if table is None:
         tables[key] = table = learn(model, plan, bucket)
-        if table.dests is None:
+        if not table.replays:
             log.warning("bucket layout %s: SGLang's loader keeps writing it (%s)", key, table.why)
         return None
     return table
 
 
 def _write_batch(model: torch.nn.Module, batch: list, rows: torch.Tensor, sums: list) -> bool:
-    """Write the buckets of `batch` [(row, plan, bucket, dests)] by their slot tables: queued back to back on
+    """Write the buckets of `batch` [(row, plan, bucket, table)] by their slot tables: queued back to back on
     the current stream (weightsync/bus/copy/verified_copy.py `copy_all_into`, the built-in engine's trainer_writes
-    copy); False when the copy declined them (nothing written)."""
+    copy; a TP rank's shards by shard_copy.py `copy_sharded_all`); False when the copy declined them (nothing
+    written)."""
     from weightsync.bus.copy.verified_copy import copy_all_into
 
-    if not batch:
-        return True
-    prepared = model.__dict__.setdefault("_ws_prepared", {})
-    pending = copy_all_into([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch], prepared=prepared)
-    if pending is None:
-        log.error("%s: the copy declined the slot tables' destinations; nothing written", LOADER)
-        return False
-    for (i, *_), p in zip(batch, pending):
-        sums[i], rows[i, 4] = p.sums, BY_TABLE
+    whole = [b for b in batch if b[3].pieces is None]
+    if whole:
+        prepared = model.__dict__.setdefault("_ws_prepared", {})
+        pending = copy_all_into(
+            [b[1] for b in whole], [b[2] for b in whole], [b[3].dests for b in whole], prepared=prepared
+        )
+        if pending is None:
+            log.error("%s: the copy declined the slot tables' destinations; nothing written", LOADER)
+            return False
+        for (i, *_), p in zip(whole, pending):
+            sums[i], rows[i, 4] = p.sums, BY_TABLE
+    shards = [b for b in batch if b[3].pieces is not None]
+    if shards:
+        from weightsync.bus.copy.shard_copy import copy_sharded_all
+
+        prepared = model.__dict__.setdefault("_ws_prepared_shards", {})
+        key = tuple((b[1].index, b[1].nbytes, b[2].data_ptr()) for b in shards)
+        if key not in prepared and len(prepared) >= 8:
+            prepared.clear()
+        got = copy_sharded_all(
+            [b[1] for b in shards], [b[2] for b in shards], [b[3].pieces for b in shards], prepared.setdefault(key, {})
+        )
+        for k, (i, *_) in enumerate(shards):
+            sums[i], rows[i, 4] = got[k], BY_TABLE
     return True
 
 
@@ -230,33 +270,71 @@ def learn(model: torch.nn.Module, plan: BucketPlan, bucket: torch.Tensor) -> Tab
         model.load_weights(views(plan, bucket))
     if trace.foreign:
         return Table(plan, None, trace.foreign)
-    by_src: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    pieces = []
     for dst, src in trace.copies:
-        by_src.setdefault(src.data_ptr() - base, []).append((dst, src))
-    dests, used = [], 0
-    for s in plan.slots:
-        m = s.meta
-        got = by_src.get(s.offset, [])
-        if len(got) != 1:
-            return Table(plan, None, f"{m.name}: SGLang's loader copied from its start {len(got)} times")
-        dst, src = got[0]
-        whole = src.numel() * src.element_size() == m.nbytes and src.is_contiguous()
-        if not whole or not dst.is_contiguous() or dst.dtype != m.dtype or dst.numel() != src.numel():
-            return Table(
-                plan,
-                None,
-                f"{m.name}: SGLang's loader copies {list(src.shape)} {src.dtype} into "
-                f"{list(dst.shape)} {dst.dtype}{'' if dst.is_contiguous() else ' (strided)'}, not the whole tensor "
-                "into one region",
-            )
-        dest = dst.detach().view(m.shape)
-        if not torch.equal(dest.reshape(-1).view(torch.uint8), bucket[s.offset : s.offset + m.nbytes]):
-            return Table(plan, None, f"{m.name}: SGLang's parameter does not hold the bucket's bytes after its loader")
-        dests.append(dest)
-        used += 1
-    if used != len(trace.copies):
-        return Table(plan, None, f"SGLang's loader made {len(trace.copies)} copies for {used} tensors")
+        piece = _piece(plan, bucket, base, dst, src)
+        if isinstance(piece, str):
+            return Table(plan, None, piece)
+        pieces.append(piece)
+    copied = {p.slot for p in pieces}
+    missing = [s.meta.name for i, s in enumerate(plan.slots) if i not in copied]
+    if missing:
+        return Table(plan, None, f"{missing[0]}: SGLang's loader did not copy it ({len(missing)} such tensors)")
+    why = shard_copy.check(plan, pieces)
+    if why:
+        return Table(plan, None, why)
+    if shard_copy.sharded_slots(plan, pieces):
+        return Table(plan, None, pieces=pieces)
+    dests: list = [None] * len(plan.slots)
+    for p in pieces:
+        dests[p.slot] = p.dst.view(plan.slots[p.slot].meta.shape)
     return Table(plan, dests)
+
+
+def _piece(plan: BucketPlan, bucket: torch.Tensor, base: int, dst: torch.Tensor, src: torch.Tensor):
+    """The Piece of one recorded `dst.copy_(src)` (`src` a view of the bucket: the whole tensor, a row range,
+    or a column range), checked against what SGLang's loader left in `dst`; or why it cannot be replayed."""
+    off = src.data_ptr() - base
+    i = bisect.bisect_right([s.offset for s in plan.slots], off) - 1
+    slot = plan.slots[i] if i >= 0 else None
+    if slot is None or off >= slot.offset + slot.meta.nbytes:
+        return f"SGLang's loader copied from bucket byte {off}, outside every tensor"
+    name = slot.meta.name
+    if src.dtype != slot.meta.dtype or dst.dtype != src.dtype or dst.numel() != src.numel():
+        return f"{name}: SGLang's loader copies {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}"
+    if not dst.is_contiguous():
+        return f"{name}: SGLang's loader copies into a strided region of a parameter"
+    rows = _rows(src)
+    if rows is None:
+        return f"{name}: SGLang's loader copies a region of {list(src.shape)} strides {src.stride()} (not rows)"
+    n, row_elems, stride_elems = rows
+    size = src.element_size()
+    dest = dst.detach()
+    if not torch.equal(_bytes(dest), _bytes(src)):
+        return f"{name}: SGLang's parameter does not hold the bucket's bytes after its loader"
+    return shard_copy.Piece(i, off, n, row_elems * size, stride_elems * size, dest)
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """`t` as (rows, elements per row, elements between rows) when its elements are rows of contiguous
+    elements at one stride (a whole tensor is one row), else None."""
+    dims = [(n, st) for n, st in zip(t.shape, t.stride()) if n != 1]
+    inner, k = 1, len(dims)
+    while k and dims[k - 1][1] == inner:  # the contiguous innermost dims: one row
+        inner *= dims[k - 1][0]
+        k -= 1
+    if k == 0:
+        return 1, inner, inner
+    n, stride = dims[k - 1]
+    for j in range(k - 1, 0, -1):  # the outer dims must step through rows at one stride
+        if dims[j - 1][1] != dims[j][1] * dims[j][0]:
+            return None
+        n *= dims[j - 1][0]
+    return n, inner, stride
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 _CONSTANT_FILLS = ("fill_", "zero_")

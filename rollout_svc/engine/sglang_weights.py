@@ -145,15 +145,17 @@ class _IpcTensor:
     the form SGLang's patched rebuild compares.
     """
 
-    def __init__(self, handle: Any, nbytes: int):
+    def __init__(self, handle: Any, nbytes: int, device: str | int | None = None):
         self.handle = handle
         self.nbytes = nbytes
+        #: where SGLang's worker opens it (a GPU's UUID; sglang_peer.py); None: the handle's own GPU
+        self.device = device
 
     def __reduce__(self):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         h = self.handle
-        device = h.device_uuid or int(h.device)
+        device = self.device if self.device is not None else (h.device_uuid or int(h.device))
         args = (
             torch.Tensor,
             (self.nbytes,),

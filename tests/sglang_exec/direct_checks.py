@@ -35,10 +35,11 @@ def register_loader(side: SglangSide) -> None:
 
 
 def direct_adapter(side: SglangSide):
+    from rollout_svc.engine import sglang_loader as sl
     from tests.sglang_exec.exec_checks import adapter
 
     eng = adapter(side)
-    eng._direct_rows = [torch.zeros(16, 6, dtype=torch.int64)]  # the result rows, in shared CPU memory here
+    eng._direct_rows = [torch.zeros(16, sl.RESULT_WORDS, dtype=torch.int64)]  # the result rows, in shared CPU memory
     eng.direct_cpu = True
     return eng
 
@@ -154,8 +155,61 @@ def check_direct_forwards_the_trainers_handle() -> None:
     assert_model_holds(model, cfg, named)
 
 
+def check_peer_handles_open_on_each_ranks_gpu() -> None:
+    """tp_size=2: the trainer's handle goes to SGLang as its per-rank LocalSerializedTensor; SGLang's own unwrap
+    (`_unwrap_tensor`, then the patched rebuild that matches GPUs by UUID) opens rank r's on GPU r, so its
+    `.to(device)` moves nothing (sglang_peer.py)."""
+    from torch.multiprocessing import reductions
+
+    from rollout_svc.engine import sglang_peer
+    from rollout_svc.engine.sglang_weights import _IpcTensor
+
+    if _is_0_5_2x():
+        from sglang.srt.model_executor.model_runner_components.weight_updater import _unwrap_tensor
+    else:
+        from sglang.srt.model_executor.model_runner import _unwrap_tensor
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    uuids = ["GPU-aaaa-stand-in", "GPU-bbbb-stand-in"]
+    opened_on = []
+    saved = torch.cuda.device_count, torch.cuda.get_device_properties
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.get_device_properties = lambda d: SimpleNamespace(uuid=uuids[d])
+    sglang_peer.gpu_uuid.cache_clear()
+    real = reductions._rebuild_cuda_tensor_original
+
+    def rebuild(*a):  # stands in for the IPC open: records the device SGLang's rebuild asks for
+        opened_on.append(a[6])
+        return torch.zeros(a[1][0], dtype=torch.uint8)
+
+    reductions._rebuild_cuda_tensor_original = rebuild
+    h = SimpleNamespace(
+        handle=b"h0001",
+        device_uuid=uuids[0],
+        device=0,
+        storage_size=64,
+        storage_offset=0,
+        ref_counter_handle=b"rc",
+        ref_counter_offset=0,
+        event_handle=b"ev",
+        event_sync_required=False,
+    )
+    try:
+        entry = sglang_peer.per_rank(_IpcTensor(h, 64), [0, 1])
+        for rank in (0, 1):
+            got = _unwrap_tensor(entry, tp_rank=rank, device="cpu")
+            assert got.numel() == 64
+    finally:
+        reductions._rebuild_cuda_tensor_original = real
+        torch.cuda.device_count, torch.cuda.get_device_properties = saved
+        sglang_peer.gpu_uuid.cache_clear()
+    assert opened_on == [0, 1], f"rank r's handle opened on GPUs {opened_on}, expected [0, 1]"
+
+
 CHECKS = {
     **{f"direct_loader_two_syncs[{f}]": (lambda f=f: sync_twice(f)) for f in TABLE_FAMILIES},
     "direct_loader_failure_reported": check_direct_failure_is_reported,
     "direct_loader_forwards_trainer_handle": check_direct_forwards_the_trainers_handle,
+    "direct_loader_peer_handles_per_rank": check_peer_handles_open_on_each_ranks_gpu,
 }

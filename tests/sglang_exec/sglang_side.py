@@ -39,20 +39,28 @@ def _is_0_5_2x() -> bool:
 
 def init_tp1() -> None:
     """SGLang's own world-size-1 parallel state on gloo (what its layer tests do at TP=1)."""
+    init_tp(0, 1, free_port())
+
+
+def init_tp(rank: int, size: int, port: int) -> None:
+    """SGLang's own parallel state of TP rank `rank` of `size` on gloo (one process per rank, rendezvous on
+    `port`): its layers then shard as they do in a TP worker."""
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank)
+    )
+    init_distributed_environment(world_size=size, rank=rank, local_rank=rank, backend="gloo")
     if _is_0_5_2x():
         from sglang.srt.distributed import parallel_state
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
 
         reset_context()
         publish(
-            ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+            ServerArgs(model_path="dummy", tp_size=size, ep_size=1, pp_size=1, device="cpu"),
             role="test",
-            ranks=SpawnRanks(world_rank=0),
+            ranks=SpawnRanks(world_rank=rank),
         )
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
         initialize_model_parallel(backend="gloo")
@@ -62,11 +70,12 @@ def init_tp1() -> None:
         from sglang.srt.layers.dp_attention import initialize_dp_attention
         from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-        args = ServerArgs(model_path="dummy", device="cpu", custom_weight_loader=[])  # [] as after a launch's post-init
+        # [] as after a launch's post-init
+        args = ServerArgs(model_path="dummy", device="cpu", custom_weight_loader=[], tp_size=size)
         set_global_server_args_for_scheduler(args)
-        initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=size, backend="gloo")
         # What ModelRunner does next; of the model config it reads hidden_size and dtype only
-        # (for a gather buffer that TP=1 without DP attention never uses).
+        # (for a gather buffer that these checks, without DP attention, never use).
         initialize_dp_attention(server_args=args, model_config=SimpleNamespace(hidden_size=64, dtype=torch.bfloat16))
 
 

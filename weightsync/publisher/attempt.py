@@ -343,6 +343,7 @@ class SyncAttempt:
                     self.delta.commit_failed()  # a dense bucket refused: the trainer's base is suspect
             else:
                 r.ok, r.version = True, resp.version
+                r.bytes_per_rank[:] = resp.bytes_per_rank
                 e.version, e.state, e.reachable, e.last_error = resp.version, rollout_pb2.SERVING, True, ""
                 e.origin = self.fleet.origin
 

@@ -230,14 +230,16 @@ class CommitSyncRequest(_message.Message):
     def __init__(self, sync_id: _Optional[str] = ..., version: _Optional[int] = ..., checksums: _Optional[_Iterable[_Union[_bus_pb2.BucketChecksum, _Mapping]]] = ..., trainer_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class CommitSyncResponse(_message.Message):
-    __slots__ = ("version", "weights_checksum", "apply_seconds")
+    __slots__ = ("version", "weights_checksum", "apply_seconds", "bytes_per_rank")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     version: int
     weights_checksum: int
     apply_seconds: float
-    def __init__(self, version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., weights_checksum: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., bytes_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseMemoryRequest(_message.Message):
     __slots__ = ("timeout_seconds",)

@@ -60,7 +60,7 @@ class SyncRequest(_message.Message):
     def __init__(self, rollout_ids: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., senders: _Optional[str] = ..., allow_rollback: _Optional[bool] = ..., ipc_direction: _Optional[str] = ...) -> None: ...
 
 class RolloutSyncResult(_message.Message):
-    __slots__ = ("rollout_id", "ok", "version", "error", "seconds", "encoding", "wire_bytes")
+    __slots__ = ("rollout_id", "ok", "version", "error", "seconds", "encoding", "wire_bytes", "bytes_per_rank")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class RolloutSyncResult(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     ok: bool
     version: int
@@ -75,7 +76,8 @@ class RolloutSyncResult(_message.Message):
     seconds: float
     encoding: str
     wire_bytes: int
-    def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    bytes_per_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rollout_id: _Optional[str] = ..., ok: _Optional[bool] = ..., version: _Optional[int] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., bytes_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SenderReport(_message.Message):
     __slots__ = ("rank", "bytes", "num_buckets", "seconds", "error", "forwarded_bytes", "peak_buffer_bytes", "flat_buckets")

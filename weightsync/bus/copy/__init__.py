@@ -5,6 +5,8 @@
   whose other words a kernel summed as it wrote them);
 - `verified_copy`: a received bucket copied out of the bus buffer and checksummed in the same pass;
   `scatter_rows`: that copy's work table (16-byte-aligned rows), built once per layout;
+- `shard_copy`: a tensor-parallel rank's shards copied out of a bucket, with sums the ranks add up to the
+  bucket's (SGLang's TP workers);
 - `copy_runs`: many strided-view copies (a layout's converted tensors) planned once as contiguous runs.
 
 Each has its Triton side in `<name>_triton` (`checksum_triton`, `scatter_triton`, `copy_runs_triton`),

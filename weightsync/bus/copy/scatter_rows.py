@@ -27,13 +27,15 @@ def rows_of(
     src_base: int,
     dst_base: int,
     row_words: int,
+    groups: int = 1,
 ) -> tuple[list[tuple[int, int, int, int]], list[int]]:
     """The table's rows (kind, source offset, destination offset, count) and each row's bucket index.
 
     `buckets`: per bucket, (byte address of its words, regions as (first word, word count, destination
-    byte address or 0 for words only summed)); `src_base` / `dst_base`: the byte addresses the offsets
+    byte address or 0 for words only summed[, group])); `src_base` / `dst_base`: the byte addresses the offsets
     are taken from (word offsets; they may be negative); `row_words`: the most words of one row (one
-    program's work), a multiple of VEC."""
+    program's work), a multiple of VEC. `groups`: a row's owner is `bucket * groups + group` (a region's
+    fourth field, 0 when absent): sums kept apart within a bucket (a TP rank's shards, shard_copy.py)."""
     if row_words <= 0 or row_words % VEC:
         raise ValueError(f"row_words={row_words} must be a positive multiple of {VEC}")
     if src_base % 4 or dst_base % 4:
@@ -54,24 +56,26 @@ def rows_of(
     for b, (addr, regions) in enumerate(buckets):
         if addr % 4:
             raise ValueError(f"bucket {b}: its words at {addr:#x} are not 4-byte aligned")
-        for first, count, dst in regions:
+        for region in regions:
+            first, count, dst = region[:3]
             if count <= 0:
                 continue
+            g = b * groups + (region[3] if len(region) > 3 else 0)
             src = addr + 4 * first
             if not dst:
-                add(SUM, src, 0, count, b)
+                add(SUM, src, 0, count, g)
                 continue
             if dst % 4:
                 raise ValueError(f"bucket {b}: destination {dst:#x} is not 4-byte aligned")
             head = (-src % (4 * VEC)) // 4
             if not bases_aligned or (src - dst) % (4 * VEC) or count - head < VEC:
-                add(COPY, src, dst, count, b)
+                add(COPY, src, dst, count, g)
                 continue
             body = (count - head) // VEC * VEC
             if head:
-                add(COPY, src, dst, head, b)
-            add(COPY_VEC, src + 4 * head, dst + 4 * head, body, b)
+                add(COPY, src, dst, head, g)
+            add(COPY_VEC, src + 4 * head, dst + 4 * head, body, g)
             rest = count - head - body
             if rest:
-                add(COPY, src + 4 * (head + body), dst + 4 * (head + body), rest, b)
+                add(COPY, src + 4 * (head + body), dst + 4 * (head + body), rest, g)
     return rows, owner

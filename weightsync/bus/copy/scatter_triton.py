@@ -104,6 +104,63 @@ def _kernel():
     return scatter_sum64_vec
 
 
+@functools.lru_cache(maxsize=1)
+def _short_kernel():
+    """The same rows, for tables of many rows far shorter than a row's most words (a TP rank's column
+    shard: one row per source row, e.g. 896 words at 7B): the inner loop runs only over the row's own
+    steps, where the aligned-row kernel's fixed STEPS would spend most iterations masked. A separate
+    function, so the aligned-row kernel of the plain path is compiled exactly as before."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def scatter_sum64_short(
+        src_base,
+        dst_base,
+        table_ptr,
+        out_ptr,
+        n_rows,
+        BLOCK: tl.constexpr,
+        STEPS: tl.constexpr,
+        VEC: tl.constexpr,
+        FOLD: tl.constexpr,
+    ):
+        # STEPS is unused here (the launch passes one config's fields); rows as in scatter_sum64_vec
+        tile = tl.arange(0, BLOCK // FOLD)[:, None] * FOLD + tl.arange(0, FOLD)[None, :]
+        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            row = table_ptr + r * 4
+            kind = tl.load(row)
+            s = tl.load(row + 1)
+            d = tl.load(row + 2)
+            n = tl.load(row + 3)
+            acc1 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
+            acc2 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
+            if kind == 1:
+                s = s * VEC
+                d = d * VEC
+                n = n * VEC
+                for i in range(0, tl.cdiv(n, BLOCK)):
+                    offs = i * BLOCK + tile
+                    mask = offs < n
+                    w = tl.load(src_base + s + offs, mask=mask, other=0)
+                    tl.store(dst_base + d + offs, w, mask=mask)
+                    acc1 += tl.sum(w.to(tl.int64), axis=1)
+                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)
+            else:
+                for i in range(0, tl.cdiv(n, BLOCK)):
+                    offs = i * BLOCK + tile
+                    mask = offs < n
+                    w = tl.load(src_base + s + offs, mask=mask, other=0)
+                    if kind == 2:
+                        tl.store(dst_base + d + offs, w, mask=mask)
+                    acc1 += tl.sum(w.to(tl.int64), axis=1)
+                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)
+            tl.store(out_ptr + r * 2, tl.sum(acc1, axis=0))
+            tl.store(out_ptr + r * 2 + 1, tl.sum(acc2, axis=0))
+
+    return scatter_sum64_short
+
+
 _ANCHORS: dict[tuple, torch.Tensor] = {}
 
 
@@ -124,10 +181,12 @@ def warm_up(device: torch.device) -> None:
     launch(a, a, torch.zeros((1, 4), dtype=torch.int64, device=device), config())
 
 
-def launch(src_base: torch.Tensor, dst_base: torch.Tensor, table: torch.Tensor, cfg: Config) -> torch.Tensor:
+def launch(
+    src_base: torch.Tensor, dst_base: torch.Tensor, table: torch.Tensor, cfg: Config, short: bool = False
+) -> torch.Tensor:
     """Run every row of `table` (int64 [rows, 4], scatter_rows.rows_of) from int32 `src_base` to int32
     `dst_base` (both 16-byte aligned for the vectorised rows to be fast; any 4-byte alignment is
-    correct) and return the rows' word sums, int64 [rows, 2]."""
+    correct) and return the rows' word sums, int64 [rows, 2]. `short`: the short-row form (`_short_kernel`)."""
     from weightsync.bus.copy.scatter_rows import VEC
 
     rows = table.shape[0]
@@ -136,9 +195,10 @@ def launch(src_base: torch.Tensor, dst_base: torch.Tensor, table: torch.Tensor, 
         return partial.zero_()
     grid = rows
     kw = dict(BLOCK=cfg.block, STEPS=cfg.steps, VEC=VEC, FOLD=cfg.fold)
+    kernel = _short_kernel() if short else _kernel()
     if table.device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1): the CPU tests
-        _kernel()[(grid,)](src_base, dst_base, table, partial, rows, **kw)
+        kernel[(grid,)](src_base, dst_base, table, partial, rows, **kw)
         return partial
     with torch.cuda.device(table.device):
-        _kernel()[(grid,)](src_base, dst_base, table, partial, rows, num_warps=cfg.warps, **kw)
+        kernel[(grid,)](src_base, dst_base, table, partial, rows, num_warps=cfg.warps, **kw)
     return partial

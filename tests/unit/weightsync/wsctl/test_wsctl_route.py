@@ -27,6 +27,9 @@ def test_the_route_is_in_the_json_report_the_plain_output_and_the_metrics(fleet,
     # tiny-qwen2 exported in float32 (trainer-svc's export_dtype default), rank 0 alone, dense buckets
     assert report["ok"] is True and report["route"] == "tcp/single/fp32/full"
     assert trainer.orch.last_report.route == "tcp/single/fp32/full"
+    # the built-in engine (one rank) reports the sync's bytes as its own; SGLang one entry per TP rank
+    (rollout,) = report["rollouts"]
+    assert rollout["bytes_per_rank"] == [report["bytes"]], rollout
 
     trainer.actor.version += 1
     assert main(["--address", trainer.grpc.address, "sync"]) == EXIT_OK

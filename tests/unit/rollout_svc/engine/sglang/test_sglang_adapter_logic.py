@@ -264,3 +264,15 @@ def test_a_bucket_mapped_from_another_process_is_copied_before_it_is_handed_to_s
     monkeypatch.setattr(eng, "_payload", lambda flat, slots: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="other"):
         eng.bucket_payloads(plan, mapped)
+
+
+def test_buckets_are_received_on_the_receive_ranks_gpu_and_the_rank_must_exist():
+    from rollout_svc.config import ConfigError, InferenceConfig
+
+    eng = SglangEngine.__new__(SglangEngine)
+    eng.opts = SglangOptions(model_path="/m", tp_size=2, base_gpu_id=1)
+    assert eng.receive_device() == torch.device("cuda", 1)  # the first rank's GPU: a colocated trainer's for ipc
+    eng.opts = SglangOptions(model_path="/m", tp_size=2, base_gpu_id=1, receive_rank=1)
+    assert eng.receive_device() == torch.device("cuda", 2)
+    with pytest.raises(ConfigError, match="receive_rank=2 must be a TP rank"):
+        InferenceConfig(engine="sglang", tp=2, receive_rank=2).validate()

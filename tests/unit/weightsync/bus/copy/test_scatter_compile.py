@@ -26,13 +26,13 @@ for c in scatter_triton.CONFIGS.values():
     consts = {"BLOCK": c.block, "STEPS": c.steps, "VEC": 4, "FOLD": c.fold}
     sig = {"src_base": "*i32", "dst_base": "*i32", "table_ptr": "*i64", "out_ptr": "*i64", "n_rows": "i32",
            **{k: "constexpr" for k in consts}}
-    src = ASTSource(fn=scatter_triton._kernel(), signature=sig, constexprs=consts,
-                    attrs={(k,): v for k, v in aligned.items()})
-    kernel = triton.compile(src, target=target, options={"num_warps": c.warps})
-    assert "cubin" in kernel.asm, sorted(kernel.asm)
-    wide = len(re.findall(r"ld\\.global[^\\n]*\\.v4", kernel.asm["ptx"]))
-    done[key] = wide
-    assert wide > 0, (c.name, wide)
+    for name, fn in (("vec", scatter_triton._kernel()), ("short", scatter_triton._short_kernel())):  # short: TP shards
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(k,): v for k, v in aligned.items()})
+        kernel = triton.compile(src, target=target, options={"num_warps": c.warps})
+        assert "cubin" in kernel.asm, sorted(kernel.asm)
+        wide = len(re.findall(r"ld\\.global[^\\n]*\\.v4", kernel.asm["ptx"]))
+        done[(name, *key)] = wide
+        assert wide > 0, (c.name, name, wide)
 print("compiled", done)
 """
 
