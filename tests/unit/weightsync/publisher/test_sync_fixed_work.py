@@ -4,8 +4,9 @@ The fixed cost of a colocated sync (CUDA IPC, the trainer writing into the engin
 7.5 ms on an H200) is round trips and per-sync host work (bench/bench_sync_fixed_cost.py). Timings on
 a shared CPU cannot catch a regression of a fraction of a millisecond; counts can. Once a rollout holds
 the layout, a sync to it is exactly two round trips on its sync link (PrepareSync naming the layout by
-digest, CommitSync), and re-plans, re-validates, re-shares and re-maps nothing, starts no thread and
-sends no other call; the rollout's state metric writes only the series whose value changes.
+digest, CommitSync), and re-plans, re-validates, re-shares and re-maps nothing, walks no bucket's
+tensors, starts no thread and sends no other call; the rollout's state metric writes only the series
+whose value changes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import rollout_svc.sync.transaction as transaction
 from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
 from tests.support.fleet_sync import assert_serves_export, bump_weights, rollout_calls
 from tests.support.local_apps import local_fleet
+from weightsync.bus.plan import BucketPlan
 from weightsync.v1 import trainer_pb2
 
 STEADY_SYNCS = 4
@@ -48,6 +50,7 @@ class _Counting:
         self.threads: list[str] = []  # threads started in this process (both services)
         self.prepare_buckets: list[int] = []  # bucket entries each PrepareSync carried (0: the digest alone)
         self.state_writes = 0  # series of the rollout's state metric written
+        self.bucket_walks = 0  # sums over a bucket's tensors (per tensor: a layout's, computed once)
         plan_apply = transaction.plan_apply
 
         def counting_plan_apply(*a, **k):
@@ -55,6 +58,13 @@ class _Counting:
             return plan_apply(*a, **k)
 
         monkeypatch.setattr(transaction, "plan_apply", counting_plan_apply)
+        tensor_bytes = BucketPlan.tensor_bytes.fget
+
+        def counting_tensor_bytes(plan):
+            self.bucket_walks += 1
+            return tensor_bytes(plan)
+
+        monkeypatch.setattr(BucketPlan, "tensor_bytes", property(counting_tensor_bytes))
         start = threading.Thread.start
 
         def counting_start(thread):
@@ -103,6 +113,7 @@ def test_a_steady_state_sync_is_two_round_trips_on_the_link_and_repeats_no_setup
     assert counting.validated == 0  # the layout's check against the engine is kept by digest
     assert (gpu.shares, gpu.opens) == (counting.shares, counting.opens)  # the table named by id, mapped once
     assert counting.threads == []  # no thread (nor executor) per sync, on either side
+    assert counting.bucket_walks == 0  # the stream's byte count is the layout's, not summed tensor by tensor
     # SERVING -> SYNCING at prepare, SYNCING -> SERVING at commit: two series written each time
     assert counting.state_writes == 4 * n
 
