@@ -367,8 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         {"fixed_s": r["median_ms"]["fixed"] / 1e3, "sync_s": r["median_ms"]["seconds"] / 1e3, **r}
         for r in out.pop("results")
     ]
-    # no bound in the same run: the fixed cost is host work and round trips (bench fixed_cost and rpc_floor time those)
-    write_result("sync_fixed_cost", rows, out=args.out or None, device="cpu", **out)
+    # no bound in the same run: the fixed cost is host work and round trips (bench fixed_cost and rpc_floor time
+    # those); with --ab, the other variant's syncs in the same services are the baseline
+    baseline = None
+    if args.ab:
+        for row in rows:
+            m = row["median_ms"]
+            row["before_fixed_s"], row["before_sync_s"] = m["before:fixed"] / 1e3, m["before:seconds"] / 1e3
+        baseline = {"what": f"every other sync as before ({args.ab_what}), same services", "rows_key": "before_fixed_s"}
+    write_result("sync_fixed_cost", rows, baseline=baseline, out=args.out or None, device="cpu", **out)
     return 0
 
 
