@@ -20,6 +20,7 @@ services' TCP-bus sync (the rollout reads and checks every bucket), for comparis
 share this process (and its GIL): thread hand-offs cost more here than between two processes.
 
     OMP_NUM_THREADS=1 python -m bench sync_fixed_cost --reps 40 --rounds 3
+    OMP_NUM_THREADS=1 python -m bench sync_fixed_cost --ab --ab-what fixed-work --rollout inline  # A/B, 2026-11-28
 """
 
 from __future__ import annotations
@@ -79,6 +80,43 @@ def _ab_prepare() -> None:
         )
 
     SyncAttempt._prepare_answers = _prepare_answers
+
+
+def _ab_fixed_work() -> None:
+    """Let `_THREADED` (every other sync) run the per-sync work removed on 2026-11-28, for an A/B in the same
+    services: the pipeline's producer on a thread started for the sync (tcp; the CPU's ipc trainer_writes
+    sends its buckets at once, with no producer), and the rollout's state metric written series by series
+    (a rollout in this process only: `--rollout inline`)."""
+    import threading
+
+    from rollout_svc.service import RolloutServicer
+    from weightsync.bus import pipeline
+    from weightsync.v1 import rollout_pb2
+
+    kept = pipeline.PRODUCERS
+
+    class _ThreadPerSync:
+        @staticmethod
+        def submit(fn):
+            if not _THREADED[0]:
+                return kept.submit(fn)
+            t = threading.Thread(target=fn, name="pack-per-sync", daemon=True)
+            t.start()
+            return t
+
+    pipeline.PRODUCERS = _ThreadPerSync()
+    changed_only = RolloutServicer.refresh_state_metric
+
+    def refresh_state_metric(self):
+        if not _THREADED[0]:
+            return changed_only(self)
+        for name, num in rollout_pb2.EngineState.items():
+            if num:
+                self.rollout_metrics.set_state(name, self.tx.state == num)
+        self.metrics.version.set(self.tx.version)
+        self.metrics.in_progress.set(1 if self.tx.pending_sync_id else 0)
+
+    RolloutServicer.refresh_state_metric = refresh_state_metric
 
 
 class _SharedMemoryGpu:
@@ -265,7 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ab",
         action="store_true",
-        help="every other sync prepares as before 2026-11-26 (PrepareSync on an RPC thread): both in the same services",
+        help="every other sync runs as before (--ab-what): both variants in the same services, sync by sync",
+    )
+    ap.add_argument(
+        "--ab-what",
+        default="prepare",
+        choices=("prepare", "fixed-work"),
+        help="--ab's before: prepare (PrepareSync on an RPC thread, 2026-11-26) or fixed-work (a producer thread "
+        "started per sync and the state metric written series by series, 2026-11-28; --rollout inline)",
     )
     ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     args = ap.parse_args(argv)
@@ -273,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _in_place_on_cpu()
     if args.ab:
-        _ab_prepare()
+        (_ab_fixed_work if args.ab_what == "fixed-work" else _ab_prepare)()
     deadline = time.monotonic() + BUDGET_S
     model = str(write_config(args.layout, tempfile.mkdtemp(prefix=f"sync-fixed-cost-{args.layout}-")))
     out = {
@@ -304,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.ab:
                 print(
-                    "   every other sync, prepared as before (on an RPC thread): "
+                    f"   every other sync, as before ({args.ab_what}): "
                     + " ".join(
                         f"{k} {m['before:' + k]:.3f}" for k in ("prepare", "fixed", "seconds") if "before:" + k in m
                     )
@@ -322,8 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         {"fixed_s": r["median_ms"]["fixed"] / 1e3, "sync_s": r["median_ms"]["seconds"] / 1e3, **r}
         for r in out.pop("results")
     ]
-    # no bound in the same run: the fixed cost is host work and round trips (bench fixed_cost and rpc_floor time those)
-    write_result("sync_fixed_cost", rows, out=args.out or None, device="cpu", **out)
+    # no bound in the same run: the fixed cost is host work and round trips (bench fixed_cost and rpc_floor time
+    # those); with --ab, the other variant's syncs in the same services are the baseline
+    baseline = None
+    if args.ab:
+        for row in rows:
+            m = row["median_ms"]
+            row["before_fixed_s"], row["before_sync_s"] = m["before:fixed"] / 1e3, m["before:seconds"] / 1e3
+        baseline = {"what": f"every other sync as before ({args.ab_what}), same services", "rows_key": "before_fixed_s"}
+    write_result("sync_fixed_cost", rows, baseline=baseline, out=args.out or None, device="cpu", **out)
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from bench.common.results import RESULTS
 from bench.cost_model import CAL, MULTI, Calibration, Fleet, Sync, Trainer, predict
@@ -44,12 +45,21 @@ class Point:
     weights: str = "bf16"  # the hf backend holds fp32 and casts during the sync
     source: str = ""
     fitted: str = ""  # which constant was fitted on this point ("" = an independent check)
+    #: the engine the bytes went to: one GPU on the trainer's NVLink (or the same GPU for IPC) unless said
+    fleet: Fleet = Fleet(same_node=True)
+    #: bytes each engine rank received, as the run recorded them (a sharded receiver's point; None: not recorded)
+    per_rank_bytes: float | None = None
 
     def predicted_s(self, cal: Calibration = CAL) -> float:
         fp = footprint(arch(self.model))
-        # one trainer GPU, one engine GPU on the same NVLink (or the same GPU for IPC)
+        # one trainer GPU
         tr = Trainer(nodes=1, gpus_per_node=1, weights=self.weights)
-        return predict(fp, tr, Fleet(same_node=True), sync=self.sync, mode=MULTI, cal=cal).seconds
+        return predict(fp, tr, self.fleet, sync=self.sync, mode=MULTI, cal=cal).seconds
+
+    def predicted_rank_bytes(self) -> float:
+        """Bytes the model has each engine rank receive (cost_model's receiver modes)."""
+        total = footprint(arch(self.model)).bytes
+        return total if self.fleet.receiver == "full" else total / self.fleet.tp
 
     def error(self, cal: Calibration = CAL) -> float:
         return self.predicted_s(cal) / self.measured_s - 1.0
@@ -158,6 +168,45 @@ def stream_phase_points() -> list[tuple[Point, float]]:
 
 def all_points() -> list[Point]:
     return bus_points() + services_points() + ipc_points()
+
+
+#: SGLang runs (bench/sglang_live.py) whose engine has this many ranks: the first sharded receivers to check
+SHARD_TP = 2
+
+
+def shard_points(results: Path = RESULTS) -> list[Point]:
+    """The model against SGLang runs with tp_size=2 over NCCL (the 2-GPU run of bench/sglang_live.py with
+    a receiver that gives each rank its own bytes): one point per row of every `sglang_live_*.json` whose
+    `tp_size` is SHARD_TP, with its `sync_s` and `bytes_per_rank`. A row whose ranks each took every byte
+    is a `full` receiver (each rank loads the whole model), fewer a `shard` one. [] until such a run is
+    recorded. Kept apart from `all_points`: the SGLang loader is not the built-in engine the constants were
+    fitted on, so these points test the receiver model (bytes per rank, ingress over TP ranks), and their
+    error is read, not bounded (docs/BENCHMARKS.md "Sharded receivers")."""
+    out = []
+    for path in sorted(results.glob("sglang_live_*.json")):
+        data = json.loads(path.read_text())
+        for i, r in enumerate(data.get("rows", [])):
+            if r.get("tp_size") != SHARD_TP or r.get("transport") != "nccl":
+                continue  # IPC is one GPU (colocated); a tp_size=1 row is a 1 -> 1 pair
+            name = f"qwen2.5-{r['model']}"
+            total = footprint(arch(name)).bytes
+            per_rank = r.get("bytes_per_rank")
+            if per_rank is None:
+                raise ValueError(f"{path.name} rows[{i}]: a tp_size={SHARD_TP} row must record bytes_per_rank")
+            receiver = "full" if per_rank >= total else "shard"
+            out.append(
+                Point(
+                    f"SGLang {r['model'].upper()} NCCL, tp_size={SHARD_TP} ({receiver} receiver)",
+                    name,
+                    r["sync_s"],
+                    Sync(GIB),
+                    weights=r.get("trainer_weights", "bf16"),
+                    source=f"{path.name} rows[{i}].sync_s",
+                    fleet=Fleet(replicas=1, tp=SHARD_TP, receiver=receiver, same_node=True),
+                    per_rank_bytes=float(per_rank),
+                )
+            )
+    return out
 
 
 def fit_per_tensor(lo: float = 0.0, hi: float = 200e-6, steps: int = 2001) -> float:

@@ -3,7 +3,8 @@
     python bench/cost_model.py --model qwen3-235b-a22b --dtype bf16 \
         --trainer tp=4,pp=8,ep=8,nodes=8 --fleet replicas=16,tp=8,receiver=full --links nic_gbit=400
     python bench/cost_model.py --table        # the tables of docs/BENCHMARKS.md "Fleet cost model"
-    python bench/cost_model.py --calibration  # prediction against every recorded GPU measurement
+    python bench/cost_model.py --calibration  # prediction against every recorded GPU measurement (and the
+                                              # SGLang tp_size=2 runs: sharded receivers, once recorded)
 
 The model (pure Python; docs/BENCHMARKS.md "Fleet cost model" states it in prose):
 
@@ -376,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.table or a.calibration:
         from bench import cost_tables
 
-        print(cost_tables.calibration_markdown() if a.calibration else cost_tables.tables_markdown())
+        if a.calibration:
+            print(cost_tables.calibration_markdown() + "\n\n" + cost_tables.shard_markdown())
+        else:
+            print(cost_tables.tables_markdown())
         return 0
     try:
         fp = footprint(arch(a.model), a.dtype)

@@ -138,34 +138,60 @@ def control_markdown() -> str:
     return "\n".join(rows)
 
 
-def anchors_markdown() -> str:
-    """Published figures next to the model's closest row. Their setups differ; the notes say how."""
+def _provenance(model: str, dtype: str, shard_points: list) -> str:
+    """What of a comparison row's figures is measured and what predicted (the anchors table's column)."""
+    fp = footprint(arch(model), dtype)
+    control = (
+        "measured (on a CPU at this model's scale, bench/control_plane.py, plus the GPU round trips measured at 7B)"
+        if control_source(fp) == "measured"
+        else "predicted (per bucket from the measured rows)"
+    )
+    if shard_points:
+        checked = ", ".join(f"{p.label} {p.error():+.0%}" for p in shard_points)
+        shard = f"shard receivers checked against {checked}"
+    else:
+        shard = f"shard receivers not yet checked against a run (the SGLang tp_size={calib.SHARD_TP} point)"
+    return (
+        f"**stream predicted** (calibrated on 1 -> 1 NVLink pairs; no multi-node run; {shard}); "
+        f"**control {control}**; theirs published, not reproduced here"
+    )
+
+
+def anchors_markdown(shard_points: list | None = None) -> str:
+    """Published figures next to the model's closest row, each row saying which of our figures are
+    measured and which predicted. Their setups differ; the notes say how."""
+    shard_points = calib.shard_points() if shard_points is None else shard_points
     k_tr, k_fl = Trainer(tp=2, pp=8, ep=16, nodes=32), Fleet(replicas=8, tp=16)
     q_tr, q_fl = Trainer(tp=4, pp=8, ep=8, nodes=8), Fleet(replicas=8, tp=8)
+
+    def ours(model: str, dtype: str) -> str:
+        return _provenance(model, dtype, shard_points)
+
     rows = [
-        "| published | setup | this model, closest case | how the setups differ |",
-        "| --- | --- | --- | --- |",
+        "| published | setup | this model, closest case | ours: measured or predicted | how the setups differ |",
+        "| --- | --- | --- | --- | --- |",
         "| Perplexity RL refit: **1.3 s** | Kimi-K2, 256 training GPUs (bf16) -> 128 inference GPUs (fp8), "
         "RDMA WRITE from every training GPU | multi-sender, shard receivers, fp8: "
         f"{_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
-        f"single-sender, full receivers: {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | "
+        f"single-sender, full receivers: {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | {ours('kimi-k2', FP8)} | "
         "their receivers take only their own shard and quantise on the sender; their control plane "
         "is a precomputed static schedule (no per-sync manifest) |",
         "| checkpoint-engine (README, v0.1.3): **6.75 s** broadcast, 6.2 s is also quoted | Qwen3-235B-A22B "
         "bf16, 8x H800, one vLLM TP8 instance | (no matching case) 8 x TP8 fleet, 64 trainer GPUs, "
         f"multi/shard: {_row('qwen3-235b-a22b', BF16, q_tr, replace(q_fl, receiver='shard'), MULTI)}; "
-        f"single/full: {_row('qwen3-235b-a22b', BF16, q_tr, q_fl, SINGLE)} | weights start in host "
-        "memory on the inference node: H2D over PCIe, broadcast over NVLink inside the node, IPC "
-        "reload; no trainer and no network hop |",
+        f"single/full: {_row('qwen3-235b-a22b', BF16, q_tr, q_fl, SINGLE)} | {ours('qwen3-235b-a22b', BF16)} | "
+        "weights start in host memory on the inference node: H2D over PCIe, broadcast over NVLink inside the "
+        "node, IPC reload; no trainer and no network hop |",
         "| checkpoint-engine (README, v0.1.3): **15.45 s** on 16x H20 TP16, **21.50 s** on 256x H20 "
         "(16 instances of TP16) | Kimi-K2 fp8 | 8 x TP16 fleet: "
         f"multi/shard {_row('kimi-k2', FP8, k_tr, replace(k_fl, receiver='shard'), MULTI)}; "
-        f"single/full {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | as above: host memory to GPUs "
-        "on the inference nodes |",
+        f"single/full {_row('kimi-k2', FP8, k_tr, k_fl, SINGLE)} | {ours('kimi-k2', FP8)} | as above: host "
+        "memory to GPUs on the inference nodes |",
         "| NeMo-RL: **47 s** refit against a **3.3 s** speed of light | DeepSeek-V3 (layout not stated "
         "with the figure) | 256 -> 8 x TP16, bf16: multi/shard "
         f"{_row('deepseek-v3', BF16, k_tr, replace(k_fl, receiver='shard'), MULTI)}; single/full "
-        f"{_row('deepseek-v3', BF16, k_tr, k_fl, SINGLE)} | unknown layout and links |",
+        f"{_row('deepseek-v3', BF16, k_tr, k_fl, SINGLE)} | {ours('deepseek-v3', BF16)} | unknown layout and "
+        "links |",
     ]
     return "\n".join(rows)
 
@@ -185,6 +211,29 @@ def calibration_markdown() -> str:
     return "\n".join(rows)
 
 
+def shard_markdown(points: list | None = None) -> str:
+    """The model against SGLang runs with tp_size=2 (cost_calibration.shard_points): the first check of
+    the receiver modes beyond one receiving GPU. A line saying none is recorded until such a run exists."""
+    points = calib.shard_points() if points is None else points
+    if not points:
+        return (
+            f"(no SGLang run with tp_size={calib.SHARD_TP} over NCCL is recorded yet: every `shard` and `split` "
+            "figure above is predicted; `python bench/cost_model.py --calibration` lists the run here once "
+            "bench/results/sglang_live_*.json has a row with tp_size 2 and bytes_per_rank)"
+        )
+    rows = [
+        "| point | model | measured | predicted | error | bytes per rank, measured | predicted | source |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in points:
+        rows.append(
+            f"| {p.label} | {p.model} | {p.measured_s * 1e3:.1f} ms | {p.predicted_s() * 1e3:.1f} ms | "
+            f"{p.error():+.1%} | {p.per_rank_bytes / 1e9:.2f} GB | {p.predicted_rank_bytes() / 1e9:.2f} GB | "
+            f"`{p.source}` |"
+        )
+    return "\n".join(rows)
+
+
 def tables_markdown() -> str:
     return "\n\n".join(
         [
@@ -192,6 +241,8 @@ def tables_markdown() -> str:
             params_markdown(),
             "Calibration (1 -> 1 GPU, 2x H200 NV18):",
             calibration_markdown(),
+            f"Sharded receivers (SGLang tp_size={calib.SHARD_TP}, 2 GPUs):",
+            shard_markdown(),
             f"Fleet predictions (links: {Links()}):",
             fleet_markdown(),
             "Control plane at scale (measured on a CPU, bench/control_plane.py):",

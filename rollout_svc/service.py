@@ -27,6 +27,8 @@ _SERVE_WAIT_S = 60.0
 _MAX_SYNC_TIMEOUT_S = 7 * 24 * 3600.0
 #: ReleaseMemory waits at most this long for running requests
 _MAX_RELEASE_WAIT_S = 600.0
+#: the engine states the state metric has a series for (the proto's 0, unset, is never a state)
+_STATE_NAMES = tuple(name for name, num in rollout_pb2.EngineState.items() if num)
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -97,9 +99,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.refresh_state_metric()
 
     def refresh_state_metric(self) -> None:
-        for name, num in rollout_pb2.EngineState.items():
-            if num:
-                self.rollout_metrics.set_state(name, self.tx.state == num)
+        self.rollout_metrics.show_state(rollout_pb2.EngineState.Name(self.tx.state), _STATE_NAMES)
         self.metrics.version.set(self.tx.version)
         self.metrics.in_progress.set(1 if self.tx.pending_sync_id else 0)
         self.rollout_metrics.memory_released.set(1 if self.tx.memory_released else 0)

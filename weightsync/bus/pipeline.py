@@ -1,6 +1,6 @@
 """The sending pipeline: export → pack bucket k+1 while bucket k is on the wire.
 
-A producer thread pulls tensors from the actor's export iterator and packs them into one of
+A producer thread (kept across syncs) pulls tensors from the actor's export iterator and packs them into one of
 `num_buffers` reusable flat buffers; the calling thread hands filled buffers to the channel.
 With two buffers, gathering/packing overlaps sending, and extra memory stays at two buckets
 plus whatever single tensor the exporter holds: a sync never materialises the whole model.
@@ -32,6 +32,7 @@ from weightsync.bus.channel import BucketSender
 from weightsync.bus.copy.checksum import InFlightChecksums, bucket_checksum
 from weightsync.bus.pack import alloc_buffer, pack_bucket
 from weightsync.bus.plan import Manifest
+from weightsync.bus.workers import Workers
 
 
 @dataclass
@@ -47,6 +48,8 @@ class StreamStats:
 
 
 _DONE = object()
+#: the producers' threads, kept across syncs (weightsync/bus/workers.py: none started per sync)
+PRODUCERS = Workers("bus-pack")
 
 
 def _zero_copy_candidate(plan, bucket_bytes: int) -> bool:
@@ -196,10 +199,7 @@ def stream_buckets(
             torch.cuda.current_stream(views[0].device).synchronize()
         produce = functools.partial(_produce_in_place, st, views, csums, in_band)
     t_start = time.perf_counter()
-    producer = threading.Thread(
-        target=_handing_errors_on, args=(st, produce), name=f"pack-{manifest.sync_id}", daemon=True
-    )
-    producer.start()
+    producer = PRODUCERS.submit(functools.partial(_handing_errors_on, st, produce))
     try:
         _consume(st, sender, csums, on_sent)
     finally:
@@ -208,7 +208,7 @@ def stream_buckets(
             csums.release()
         producer.join(timeout=30)
         if producer.is_alive():
-            # Raising here would hide the error that got us here; the thread is a daemon.
+            # Raising here would hide the error that got us here; the thread is a daemon (another takes the next).
             log.error("sync %s: packing thread still busy 30s after the stream ended", manifest.sync_id)
     stats.wall_seconds = time.perf_counter() - t_start
     return stats

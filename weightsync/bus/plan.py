@@ -113,6 +113,11 @@ class Manifest:
     def num_tensors(self) -> int:
         return sum(len(b.slots) for b in self.buckets)
 
+    @functools.cached_property
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors alone (total_bytes also counts the alignment gaps between them)."""
+        return sum(b.tensor_bytes for b in self.buckets)
+
     def metas(self) -> list[TensorMeta]:
         return [s.meta for b in self.buckets for s in b.slots]
 
@@ -159,7 +164,7 @@ class Manifest:
 
 
 #: Manifest's cached properties: functions of the buckets alone, which every sync of a layout shares
-_PER_LAYOUT = ("total_bytes", "num_tensors", "_senders", "sender_order")
+_PER_LAYOUT = ("total_bytes", "num_tensors", "tensor_bytes", "_senders", "sender_order")
 
 
 @contextlib.contextmanager

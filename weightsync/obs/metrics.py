@@ -13,9 +13,11 @@ registry, not prometheus_client's global switch, so a library user's own registr
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -216,6 +218,11 @@ class RolloutMetrics:
         self.state = Gauge(
             "weightsync_rollout_state", "Engine state (1 for the current state)", ["role", "state"], registry=r
         )
+        #: show_state's series by state name (looked up once), the state shown now, and their lock (the
+        #: transaction's changes come from the RPC threads and its timeout's)
+        self._states: dict[str, Any] | None = None
+        self._shown = ""
+        self._state_lock = threading.Lock()
         self.ipc_mappings = Gauge(
             "weightsync_ipc_mapped_buffers",
             "Trainer buffers this rollout holds mapped by CUDA IPC (kept across syncs)",
@@ -281,6 +288,21 @@ class RolloutMetrics:
 
     def set_state(self, name: str, current: bool) -> None:
         self.state.labels(self.role, name).set(1 if current else 0)
+
+    def show_state(self, current: str, names: Iterable[str]) -> None:
+        """1 for the engine state `current`, 0 for the other `names`. Runs at every prepare and commit
+        (60 us a call when every state's series was looked up and written, bench/bench_sync_fixed_cost.py):
+        the series are looked up once and only the two whose value changes are written."""
+        with self._state_lock:
+            if self._states is None:
+                self._states = {n: self.state.labels(self.role, n) for n in names}
+                for n, series in self._states.items():
+                    series.set(1 if n == current else 0)
+            elif current != self._shown:
+                for n, value in ((self._shown, 0), (current, 1)):
+                    if n in self._states:  # a state outside `names` (none: the proto's 0) shows as all 0
+                        self._states[n].set(value)
+            self._shown = current
 
     @contextmanager
     def generation(self, endpoint: str) -> Iterator[Callable[[int, int], None]]:

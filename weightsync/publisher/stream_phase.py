@@ -266,9 +266,8 @@ class StreamPhase:
             channel.commit_elsewhere(linked)
             self.commit_channel = channel
         t0 = time.perf_counter()
-        sender = SenderResult(
-            rank=0, buckets=len(self.manifest.buckets), bytes=sum(b.tensor_bytes for b in self.manifest.buckets)
-        )
+        # (per layout, not per tensor: a steady-state sync walks no tensor list)
+        sender = SenderResult(rank=0, buckets=len(self.manifest.buckets), bytes=self.manifest.tensor_bytes)
         self.senders = [sender]
         # tracing on: the stream's bucket groups, for spans under its sender's (off: nothing is called)
         groups = BucketGroups([b.index for b in self.manifest.buckets]) if tracing.enabled() else None

@@ -47,3 +47,25 @@ def test_ab_keeps_the_old_prepare_apart(model, monkeypatch):
     raw = r["raw_s"]
     assert len(raw["prepare"]) == len(raw["before:prepare"]) == 2
     assert len(raw["rollout.PrepareSync"]) == len(raw["before:rollout.PrepareSync"]) == 2
+
+
+def test_ab_fixed_work_runs_every_other_sync_with_a_thread_and_every_state_series_written(model, monkeypatch):
+    import threading
+
+    from rollout_svc.service import RolloutServicer
+    from weightsync.bus import pipeline
+
+    # undone after: the bench replaces both for the rest of its process
+    monkeypatch.setattr(RolloutServicer, "refresh_state_metric", RolloutServicer.refresh_state_metric)
+    monkeypatch.setattr(pipeline, "PRODUCERS", pipeline.PRODUCERS)
+    bench._ab_fixed_work()
+    started = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda t: (started.append(t.name), start(t))[1])
+    args = types.SimpleNamespace(bucket_kb=16, warmup=1, reps=4, ab=True)
+    r = bench.run("tcp", model, args, time.monotonic() + 120, separate=False)
+    raw = r["raw_s"]
+    assert len(raw["seconds"]) == len(raw["before:seconds"]) == 2
+    assert len(raw["rollout.PrepareSync"]) == len(raw["before:rollout.PrepareSync"]) == 2
+    # the producer on a thread of its own in exactly the "before" syncs (the warm-up, rep 0, is an "after")
+    assert started.count("pack-per-sync") == 2

@@ -196,3 +196,40 @@ def test_control_cost_is_measured_at_scale_or_predicted_per_bucket():
     assert extra > 0
     assert control_seconds(mid) == pytest.approx(base + control_measured.per_bucket_s() * extra)
     assert 0 < control_measured.per_bucket_s() < 1e-3  # well under a millisecond per bucket
+
+
+def test_a_tp2_sglang_run_becomes_a_sharded_receiver_point_with_its_bytes_per_rank(tmp_path):
+    import json
+
+    from bench import cost_tables
+    from bench.cost_calibration import shard_points
+
+    assert shard_points(tmp_path) == []
+    assert "no SGLang run with tp_size=2" in cost_tables.shard_markdown([])
+    assert "not yet checked against a run" in cost_tables.anchors_markdown([])
+    total = footprint(arch("qwen2.5-7b")).bytes
+    rows = [
+        {"model": "7b", "transport": "nccl", "tp_size": 2, "sync_s": 0.060, "bytes_per_rank": total / 2},
+        {"model": "7b", "transport": "nccl", "tp_size": 2, "sync_s": 0.090, "bytes_per_rank": total},
+        {"model": "7b", "transport": "ipc", "tp_size": 2, "sync_s": 0.020, "bytes_per_rank": total},  # one GPU
+        {"model": "7b", "transport": "nccl", "tp_size": 1, "sync_s": 0.050, "bytes_per_rank": total},  # a pair
+    ]
+    (tmp_path / "sglang_live_2xh200_2026-11-29.json").write_text(json.dumps({"rows": rows}))
+    shard, full = shard_points(tmp_path)
+    assert (shard.fleet.receiver, shard.fleet.tp, full.fleet.receiver) == ("shard", 2, "full")
+    assert shard.predicted_rank_bytes() == pytest.approx(total / 2) and full.predicted_rank_bytes() == total
+    assert shard.measured_s == 0.060 and shard.source.endswith("rows[0].sync_s")
+    # half the bytes into each of the two GPUs (one sender: its egress still binds both streams)
+    fp, one = footprint(arch("qwen2.5-7b")), Trainer(nodes=1, gpus_per_node=1)
+    rx = {p.fleet.receiver: predict(fp, one, p.fleet, sync=p.sync).terms["receiver ingress"] for p in (shard, full)}
+    assert rx["shard"] == pytest.approx(rx["full"] / 2)
+    assert shard.error() == pytest.approx(shard.predicted_s() / 0.060 - 1)
+    table = cost_tables.shard_markdown([shard, full])
+    assert "| SGLang 7B NCCL, tp_size=2 (shard receiver) | qwen2.5-7b | 60.0 ms |" in table
+    assert f"{total / 2e9:.2f} GB" in table
+    assert "shard receivers checked against SGLang 7B NCCL" in cost_tables.anchors_markdown([shard])
+    (tmp_path / "sglang_live_2xh200_2026-11-30.json").write_text(
+        json.dumps({"rows": [dict(rows[0], bytes_per_rank=None)]})
+    )
+    with pytest.raises(ValueError, match="must record bytes_per_rank"):
+        shard_points(tmp_path)

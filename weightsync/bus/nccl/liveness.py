@@ -25,11 +25,14 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Callable
 
 from weightsync.bus.session import RpcCall
+from weightsync.bus.workers import Job, Workers
 from weightsync.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], str]  # "" while all is well, else why the stream must end
+#: the watches' threads, kept across syncs (weightsync/bus/workers.py)
+WATCHES = Workers("nccl-liveness")
 
 
 class Watch:
@@ -46,10 +49,10 @@ class Watch:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # a verdict is given before stop() returns, or never
         self.tripped = ""
-        self._thread = threading.Thread(target=self._run, name="nccl-liveness", daemon=True)
+        self._job: Job | None = None
 
     def start(self) -> "Watch":
-        self._thread.start()
+        self._job = WATCHES.submit(self._run)  # a kept thread: none is started per sync
         return self
 
     def stop(self) -> None:

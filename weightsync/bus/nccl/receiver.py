@@ -8,12 +8,12 @@ communicator run one after another on every rank, so a group shared by several r
 serialise them. `new_group` builds a communicator from the trainer's unique id (dropping the one
 held for that sender), otherwise the rollout must still hold `group_id`, or it refuses, so a
 restarted rollout makes the trainer rebuild instead of hanging everyone.
-Each sender's join and receive run in a thread started after the transaction is prepared (the
-trainer's ranks join only once every prepare has answered); the thread feeds
-`SyncTransaction.run_receiver` with that sender's buckets. A failure on any sender's group aborts
-the whole sync and every group of it. When the trainer offered a delta base, every sender's buckets
-come framed on its group (framed.py), each thread writing through the one delta base of the sync
-(rollout_svc/sync/delta_base.py, which takes them under its lock).
+Each sender's join and receive run on a thread of their own (kept across syncs: RECEIVES) once the
+transaction is prepared (the trainer's ranks join only once every prepare has answered); the thread
+feeds `SyncTransaction.run_receiver` with that sender's buckets. A failure on any sender's group
+aborts the whole sync and every group of it. When the trainer offered a delta base, every sender's
+buckets come framed on its group (framed.py), each thread writing through the one delta base of the
+sync (rollout_svc/sync/delta_base.py, which takes them under its lock).
 
 A communicator is kept only if its sync received every bucket from it: a sync that ends early
 (abort, error, timeout) may leave receives posted on it, so it is aborted and the next sync rebuilds.
@@ -21,6 +21,7 @@ A communicator is kept only if its sync received every bucket from it: a sync th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -38,6 +39,7 @@ from weightsync.bus.nccl.lazy_bus import LazyBus
 from weightsync.bus.nccl.libnccl import UNIQUE_ID_BYTES
 from weightsync.bus.plan import Manifest
 from weightsync.bus.rollout_end import RolloutEnd
+from weightsync.bus.workers import Job, Workers
 from weightsync.v1 import bus_pb2
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ _MAX_GROUP_ID = 128
 _MAX_SENDERS = 1 << 12
 _MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _SETTLE_S = 5.0
+#: the receives' threads, kept across syncs (weightsync/bus/workers.py)
+RECEIVES = Workers("nccl-recv")
 
 GroupKey = tuple[str, int, int]  # (group_id, world_size, rank)
 
@@ -97,7 +101,7 @@ class _Part:
 
     group: object = None
     rx: _CountingReceiver | None = None
-    thread: threading.Thread | None = None
+    thread: Job | None = None  # its receive, on a kept thread (RECEIVES)
 
 
 @dataclass
@@ -264,17 +268,14 @@ class NcclReceiver(LazyBus, RolloutEnd):
                 if g.new_group:
                     self._drop_group_locked(g.sender, f"replaced by group {g.group_id}")
                 held = self._groups.get(g.sender)
-                part = _Part(group=None if g.new_group else (held[0] if held else None))
-                part.thread = threading.Thread(
-                    target=self._receive,
-                    args=(job, part, g, manifest, spec, deadline, framed),
-                    name=f"nccl-recv-{manifest.sync_id}-s{g.sender}",
-                    daemon=True,
-                )
-                job.parts[g.sender] = part
+                job.parts[g.sender] = _Part(group=None if g.new_group else (held[0] if held else None))
             self._active = job
-        for part in job.parts.values():
-            part.thread.start()
+        for g in groups:
+            part = job.parts[g.sender]
+            # on a kept thread: starting one per sync was on the path of every PrepareSync
+            part.thread = RECEIVES.submit(
+                functools.partial(self._receive, job, part, g, manifest, spec, deadline, framed)
+            )
 
     def _receive(
         self,
