@@ -133,7 +133,7 @@ class SglangExportMixin:
             self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
         )
         check_result(res, f"update_weights_from_tensor({sl.LOADER}, export)")
-        s, status, size, _, how, _ = rows[0][0].tolist()
+        s, status, size, _, how = rows[0][0].tolist()[:5]
         if s != seq or status != sl.OK:
             what = "no answer" if s != seq else "failed: the scheduler's log names the error"
             log.error("exporting SGLang's slot tables: %s; the trainer will not write into SGLang", what)
