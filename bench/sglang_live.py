@@ -393,26 +393,37 @@ def direct_lines(fleet, name: str) -> list[str]:
     return []
 
 
-def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int = 1) -> None:
-    """Colocated IPC sync time into SGLang and the built-in engine at `model`'s shape (random weights)."""
-    rec = {"model": model, "transport": "ipc", "tp_size": tp, "trainer_backend": "megatron", "weights": "random"}
+def print_timing(res: dict) -> None:
+    for r in res.get("timing_runs", []):
+        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes", "bytes_per_rank", "route")
+        print({k: r.get(k) for k in (*keys, "error", "direct_how")}, flush=True)
+
+
+def timing_run(
+    res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int = 1, transports=("ipc",), gpus: int = 1
+) -> None:
+    """Sync time into SGLang and the built-in engine at `model`'s shape (random weights), per transport: ipc
+    colocated on cuda:0; nccl with the rollouts where rollout_layout puts them. One fleet per transport, so two
+    SGLang engines never share a GPU's memory."""
+    for transport in transports:
+        rollouts = {k: v for k, v in rollout_layout([transport], gpus, tp).items() if k in TARGETS[transport]}
+        timing_one(res, model, work, reps, ready_timeout, tp, transport, rollouts)
+
+
+def timing_one(res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int, transport: str, rollouts):
+    sid, bid = TARGETS[transport]
+    rec = {"model": model, "transport": transport, "tp_size": tp, "trainer_backend": "megatron", "weights": "random"}
+    rec["rollouts"] = rollouts
     res.setdefault("timing_runs", []).append(rec)
     fleet = None
     try:
         cfg_dir = write_config(model, work)
         start_dir = save_random_hf(cfg_dir, work / f"start-{model}", seed=2)
         fleet = Fleet()
-        fleet.start(
-            work,
-            cfg_dir,
-            start_dir,
-            {"s0": ("sglang", "cuda:0"), "b0": ("builtin", "cuda:0")},
-            ready_timeout,
-            tp_size=tp,
-        )
-        for rid, key in (("s0", "sync_s"), ("b0", "builtin_sync_s")):
-            log(f"timing {model}: syncing {rid} over ipc ({reps} + 1)")
-            reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, "ipc", reps + 1)
+        fleet.start(work, cfg_dir, start_dir, rollouts, ready_timeout, tp_size=tp)
+        for rid, key in ((sid, "sync_s"), (bid, "builtin_sync_s")):
+            log(f"timing {model}: syncing {rid} over {transport} ({reps} + 1)")
+            reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, transport, reps + 1)
             rec[key + "_all"] = secs
             rec[key] = statistics.median(secs[1:])
             rec.setdefault("bytes", int(reports[0].get("bytes", 0)))
@@ -421,21 +432,21 @@ def timing_run(res: dict, model: str, work: Path, reps: int, ready_timeout: floa
             # route / builtin_route: what the timed syncs took (SGLang: ipc/trainer_writes/... from its second on)
             rec[key.replace("sync_s", "route")] = reports[-1].get("route")
             rec[key.replace("sync_s", "routes_all")] = [r.get("route") for r in reports]
-            if rid == "s0":
+            if rid == sid:
                 rec["bytes_per_rank"] = bytes_per_rank(reports[-1])
             log(f"timing {model}: {rid} sync_s={rec[key]:.3f}")
         # where SGLang's sync spends more than the built-in engine's, per trainer phase (the last sync of each)
         mine, theirs = rec.get("phase_s_last") or {}, rec.get("builtin_phase_s_last") or {}
         rec["phase_s_over_builtin"] = {k: mine[k] - theirs.get(k, 0.0) for k in sorted(mine)}
-        st = fleet.stubs["s0"].GetStatus(rollout_pb2.GetStatusRequest())
+        st = fleet.stubs[sid].GetStatus(rollout_pb2.GetStatusRequest())
         rec["rollouts_on_version"] = st.version == int(reports[-1]["version"])
-        rec["direct_how"] = direct_lines(fleet, "s0")
+        rec["direct_how"] = direct_lines(fleet, sid)
     except Exception as exc:  # noqa: BLE001 — recorded
         traceback.print_exc()
         rec["error"] = repr(exc)[:3000]
     finally:
         if fleet is not None:
-            fleet.stop(res, tag=f"{model}-")
+            fleet.stop(res, tag=f"{model}-{transport}-")
 
 
 def main() -> int:
@@ -452,6 +463,8 @@ def main() -> int:
     ap.add_argument("--colocated-rl", action="store_true", help="only the colocated RL run (bench/sglang_rl.py)")
     ap.add_argument("--rl-steps", type=int, default=14, help="colocated RL steps with SGLang's memory released")
     ap.add_argument("--rl-held-steps", type=int, default=4, help="then steps with it held, for the comparison")
+    ap.add_argument("--timing-transports", default="ipc", help="transports of the --timing-model runs (ipc,nccl)")
+    ap.add_argument("--timing-only", action="store_true", help="only the --timing-model runs (no greedy runs)")
     ap.add_argument("--tp-size", type=int, default=1, help="SGLang's tp_size (its ranks on GPUs 0..N-1; nccl: below)")
     args = ap.parse_args()
     # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
@@ -464,6 +477,9 @@ def main() -> int:
         raise SystemExit("transport nccl needs 2 visible GPUs (trainer on cuda:0, rollouts on cuda:1)")
     if args.tp_size > gpus:
         raise SystemExit(f"--tp-size {args.tp_size} needs as many visible GPUs ({gpus} here)")
+    if args.tp_size > 1:
+        # the trainer sits on cuda:0 only: SGLang's ranks see unequal free memory there by design
+        os.environ.setdefault("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "false")
     peaked = Path(args.peaked) if args.peaked else None
     prompts = peaked_model.PROMPTS if peaked else RANDOM_PROMPTS
     res: dict = {
@@ -494,6 +510,16 @@ def main() -> int:
         print({k: rl.get(k) for k in ("first_reward", "last_reward", "syncs_exact", "peak_gib_released")}, flush=True)
         print({k: rl.get(k) for k in ("peak_gib_held", "greedy_match", "greedy_match_up_to_ties", "error")}, flush=True)
         return 0 if rl.get("syncs_exact") and "error" not in rl else 1
+    timing_transports = args.timing_transports.split(",")
+    if "nccl" in timing_transports and gpus < 2:
+        raise SystemExit("--timing-transports nccl needs 2 visible GPUs")
+    if args.timing_only:
+        if not args.timing_model:
+            raise SystemExit("--timing-only needs --timing-model")
+        timing_run(res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print_timing(res)
+        return 0 if all(r.get("error") is None for r in res["timing_runs"]) else 1
     fleet = None
     try:
         if peaked:
@@ -535,7 +561,9 @@ def main() -> int:
         fleet = None
         if args.timing_model:
             Path(args.out).write_text(json.dumps(res, indent=2))
-            timing_run(res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size)
+            timing_run(
+                res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus
+            )
     except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
         traceback.print_exc()
         res["error"] = repr(exc)[:3000]
@@ -550,9 +578,7 @@ def main() -> int:
     for r in res.get("concurrency_runs", []):
         keys_c = ("rollout", "clients", "speedup", "concurrent_tokens_per_s", "same_tokens", "error")
         print({k: r.get(k) for k in keys_c})
-    for r in res.get("timing_runs", []):
-        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes", "bytes_per_rank", "route")
-        print({k: r.get(k) for k in (*keys, "error", "direct_how")})
+    print_timing(res)
     ok = res["runs"] and all(r.get("greedy_match") for r in res["runs"])
     return 0 if ok else 1
 
