@@ -186,13 +186,15 @@ def shard_points(results: Path = RESULTS) -> list[Point]:
     for path in sorted(results.glob("sglang_live_*.json")):
         data = json.loads(path.read_text())
         for i, r in enumerate(data.get("rows", [])):
-            if r.get("tp_size") != SHARD_TP or r.get("transport") != "nccl":
-                continue  # IPC is one GPU (colocated); a tp_size=1 row is a 1 -> 1 pair
+            if r.get("tp_size") != SHARD_TP or r.get("transport") != "nccl" or "model" not in r:
+                continue  # IPC is one GPU (colocated); a tp_size=1 row is a 1 -> 1 pair; no model: a token check
             name = f"qwen2.5-{r['model']}"
             total = footprint(arch(name)).bytes
             per_rank = r.get("bytes_per_rank")
             if per_rank is None:
                 raise ValueError(f"{path.name} rows[{i}]: a tp_size={SHARD_TP} row must record bytes_per_rank")
+            if isinstance(per_rank, list):  # RolloutSyncResult.bytes_per_rank: one figure per rank
+                per_rank = max(per_rank)
             receiver = "full" if per_rank >= total else "shard"
             out.append(
                 Point(

@@ -233,3 +233,25 @@ def test_a_tp2_sglang_run_becomes_a_sharded_receiver_point_with_its_bytes_per_ra
     )
     with pytest.raises(ValueError, match="must record bytes_per_rank"):
         shard_points(tmp_path)
+
+
+def test_a_shard_point_far_off_the_model_checks_its_bytes_per_rank_only(tmp_path):
+    """The recorded tp_size=2 run: per-rank bytes as a list (RolloutSyncResult.bytes_per_rank), a token-check row
+    without a model skipped, and a time far off the model said not to check the receiver's time."""
+    import json
+
+    from bench import cost_tables
+    from bench.cost_calibration import shard_points
+
+    half = footprint(arch("qwen2.5-7b")).bytes / 2
+    rows = [
+        {"transport": "nccl", "tp_size": 2, "sync_s": 0.018, "bytes_per_rank": [1, 1]},  # the peaked model's check
+        {"model": "7b", "transport": "nccl", "tp_size": 2, "sync_s": 0.99, "bytes_per_rank": [half, half]},
+    ]
+    (tmp_path / "sglang_live_2xh200_2026-11-28.json").write_text(json.dumps({"rows": rows}))
+    (point,) = shard_points(tmp_path)
+    assert point.fleet.receiver == "shard" and point.source.endswith("rows[1].sync_s")
+    assert point.error() < -0.5
+    text = cost_tables.anchors_markdown([point])
+    assert "bytes per rank checked against SGLang 7B NCCL, tp_size=2 (shard receiver), its time not" in text
+    assert "shard receivers checked against" not in text
