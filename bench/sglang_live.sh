@@ -18,17 +18,9 @@
 # Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json), its log
 # sglang_live.txt and the services' logs in logs.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/sglang_env.sh"
 # NCCL's own reason for a failed init in the services' logs (the 2026-11-25b run had only "unhandled cuda error")
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WS_SGLANG_WHL=${WS_SGLANG_WHL:?set WS_SGLANG_WHL to the folder of SGLang wheels}
-WHEELS=("$WS_SGLANG_WHL"/*.whl)
-[ -d ../../.whl ] && WHEELS+=(../../.whl/*.whl)
-[ -d .whl ] && WHEELS+=(.whl/*.whl)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" \
-  || { echo "installing wheels failed" >&2; exit 2; }
-export PYTHONPATH=$PWD/tests/support/sglang_gpu_site:$PWD:/tmp/site WS_SGL_KERNEL_SHIM=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
 PEAKED=()
 if [ -n "${WS_PEAKED_DIR:-}" ]; then

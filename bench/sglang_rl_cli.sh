@@ -6,18 +6,10 @@
 #
 #   WS_SGLANG_WHL=<dir of SGLang's wheels> [RL_STEPS=12] bash bench/sglang_rl_cli.sh
 #
-# Wheels and the sgl_kernel shim as in bench/sglang_live.sh. Output: $OUT/rl_cli.json (the per-step records),
+# Wheels and the sgl_kernel shim: bench/sglang_env.sh. Output: $OUT/rl_cli.json (the per-step records),
 # rl_cli.txt (the CLI's table), rl_cli.png, the services' logs in logs.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-WS_SGLANG_WHL=${WS_SGLANG_WHL:?set WS_SGLANG_WHL to the folder of SGLang wheels}
-WHEELS=("$WS_SGLANG_WHL"/*.whl)
-[ -d ../../.whl ] && WHEELS+=(../../.whl/*.whl)
-[ -d .whl ] && WHEELS+=(.whl/*.whl)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS[@]}" \
-  || { echo "installing wheels failed" >&2; exit 2; }
-export PYTHONPATH=$PWD/tests/support/sglang_gpu_site:$PWD:/tmp/site WS_SGL_KERNEL_SHIM=1
+. "$(dirname "$0")/sglang_env.sh"
 WORK=$(mktemp -d /tmp/ws-rl-cli-XXXX)
 python3 - "$WORK/model" <<'PY' || { echo "writing the start model failed" >&2; exit 3; }
 import sys
