@@ -1,5 +1,9 @@
 import sys
 
-from trainer_svc.cli import main
+from weightsync import fast_exit
 
-sys.exit(main())
+fast_exit.arm()  # before the service's imports register their atexit handlers: it runs last
+
+from trainer_svc.cli import main  # noqa: E402
+
+sys.exit(fast_exit.run(main))

@@ -33,41 +33,7 @@ STREAM_S = 3.0
 
 
 def test_a_stopped_rollout_does_not_hold_the_others_and_is_caught_up_after_sigcont(procs, tmp_path):
-    cfg_dir, sets = make_model_dirs(tmp_path / "models", [11, 12])
-    taddr = f"127.0.0.1:{free_port()}"
-    rollouts = [
-        procs.rollout(
-            "--model",
-            str(cfg_dir),
-            "--init-seed",
-            "7",
-            "--trainer-address",
-            taddr,
-            "--heartbeat-s",
-            "1",
-            name=f"r{i}",
-            grpc_port=free_port(),
-        )
-        for i in range(3)
-    ]
-    for r in rollouts:
-        r.wait_ready()
-    trainer = procs.trainer(
-        "--model",
-        str(sets[0]),
-        "--bucket-mb",
-        "1",
-        "--grpc-address",
-        taddr,
-        "--rpc-timeout-s",
-        str(RPC_TIMEOUT_S),
-        "--liveness-timeout-s",
-        str(LIVENESS_S),
-        backend="hf",
-    )
-    trainer.wait_ready()
-    for r in rollouts:
-        wait_for(lambda r=r: status(rstub(r)).version == 1, 60, f"{r.name} catch-up to v1")
+    taddr, rollouts, sets = _fleet(procs, tmp_path)
 
     # normal syncs (the first of each pairing goes over gRPC and opens the sync links)
     normal = []

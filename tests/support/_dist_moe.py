@@ -213,3 +213,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # the report is written: end without the interpreter's teardown of torch and megatron (seconds
+    # per process on a busy 2-core box, paid by every rank of every launch)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -165,3 +165,8 @@ def write_report(report: dict, out: str) -> None:
 
 if __name__ == "__main__":
     main()
+    # the report is written: end without the interpreter's teardown of torch and megatron (seconds
+    # per process on a busy 2-core box, paid by every rank of every launch)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
