@@ -80,11 +80,11 @@ def test_first_sync_with_runs_grows_slower_than_the_experts(fmt):
     _first_sync(small, fmt, True), _first_sync(small, fmt, False)  # warm: imports, caches
     t = {(r, n): [] for r in (True, False) for n in ("small", "large")}
     wire = {}
-    for _ in range(3):  # interleaved
+    for _ in range(5):  # interleaved; the fastest of each: a shared 2-core box's stalls only ever add time
         for (runs, size), out in t.items():
             took, wire[(runs, size)] = _first_sync(small if size == "small" else large, fmt, runs)
             out.append(took)
-    med = {k: statistics.median(v) for k, v in t.items()}
+    med = {k: min(v) for k, v in t.items()}
     (entries, nbytes, _), (entries_small, nbytes_small, _) = wire[(True, "large")], wire[(True, "small")]
     assert entries == entries_small and nbytes < 1.1 * nbytes_small  # one entry per layer's experts, any count
     plain_entries, _, tensors = wire[(False, "large")]
