@@ -185,7 +185,10 @@ class SyncTransaction:
                 raise SyncError(f"sync {sync_id} was aborted here: {details}", code)
             raise SyncError(f"sync {sync_id} is not prepared here (pending: {self.pending_sync_id or 'none'})")
         if p.error:
-            raise SyncError(f"sync {sync_id} already failed: {p.error}")
+            # the receive thread records why (with its code) before it aborts; a commit can land between the two
+            gone_id, why = self.aborted_here
+            code = why.partition(": ")[0] if gone_id == sync_id else ""
+            raise SyncError(f"sync {sync_id} already failed: {p.error}", code or "FAILED_PRECONDITION")
         return p
 
     def consume_bucket(

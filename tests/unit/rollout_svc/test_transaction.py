@@ -421,3 +421,18 @@ def test_a_commit_after_the_receiver_aborted_on_a_corrupted_bucket_is_data_loss(
     assert err.value.code == "DATA_LOSS"
     with pytest.raises(SyncError, match="not prepared here"):  # any other sync: as before
         tx.commit("s2", 1, {})
+
+
+def test_a_commit_between_a_failed_receive_and_its_abort_keeps_the_failures_code():
+    """The receive thread records why a sync failed (code first) before it aborts it; a commit that lands in
+    between is refused with that code (DATA_LOSS), not as a plain precondition failure."""
+    tx = SyncTransaction(_engine(2), "staged")
+    m, bufs = _buckets(_engine(1))
+    tx.prepare(m, timeout=30)
+    why = "bucket 0: checksum 0x1 != sender's 0x2 (corrupted in transit)"
+    with tx.state_lock:  # the receive thread's first two steps, before abort_locked
+        tx.aborted_here = ("s1", f"DATA_LOSS: {why}")
+        tx._pending.error = why
+    with pytest.raises(SyncError, match="already failed: bucket 0") as err:
+        tx.commit("s1", 1, {b.index: bucket_checksum(buf) for b, buf in zip(m.buckets, bufs)})
+    assert err.value.code == "DATA_LOSS"
