@@ -47,6 +47,9 @@ class SglangMappedMixin:
     open_allocation = staticmethod(open_mapping)
     #: set by begin_apply, cleared by end_apply: an in-place sync holds SGLang paused
     writing_in_place: bool = False
+    #: name -> SGLang's parameter bytes of that tensor, mapped into this process; the ids of the tables mapped
+    _mapped_views: dict[str, torch.Tensor] | None = None
+    _mapped_ids: set[str] | None = None
 
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """SGLang's parameters of tensors `metas`, mapped from an exported table, while an in-place sync holds
@@ -54,7 +57,7 @@ class SglangMappedMixin:
         holds with its exact dtype and shape."""
         if not self.writing_in_place or self._rollout_writes_declined():
             return None
-        views = self.__dict__.get("_mapped_views") or {}
+        views = self._mapped_views or {}
         out = []
         for m in metas:
             v = views.get(m.name)
@@ -73,8 +76,10 @@ class SglangMappedMixin:
         super().export_after_sync()  # type: ignore[misc]
         if self._rollout_writes_declined():
             return
-        mapped = self.__dict__.setdefault("_mapped_ids", set())
-        for got in list((self.__dict__.get("_dest_tables") or {}).values()):
+        if self._mapped_ids is None:
+            self._mapped_ids = set()
+        mapped = self._mapped_ids
+        for got in list((getattr(self, "_dest_tables", None) or {}).values()):
             if got is None or got[0] in mapped:
                 continue
             mapped.add(got[0])  # once, mapped or not: a table that failed to map is not tried again
@@ -83,7 +88,7 @@ class SglangMappedMixin:
             except Exception:  # noqa: BLE001 — the sync is written: later syncs go through SGLang's loader
                 log.exception("mapping SGLang's exported table failed; its buckets keep going through SGLang's loader")
                 continue
-            self.__dict__.setdefault("_mapped_views", {}).update(views)
+            self._mapped_views = {**(self._mapped_views or {}), **views}
             log.warning(
                 "SGLang's parameters mapped (%d tensors): rollout-svc writes NCCL/TCP buckets itself", len(views)
             )
@@ -113,8 +118,7 @@ class SglangMappedMixin:
         super().drop_destinations()  # type: ignore[misc]
 
     def drop_mappings(self) -> None:
-        self.__dict__.pop("_mapped_views", None)
-        self.__dict__.pop("_mapped_ids", None)
+        self._mapped_views = self._mapped_ids = None
 
     def close_export(self) -> None:
         self.drop_mappings()

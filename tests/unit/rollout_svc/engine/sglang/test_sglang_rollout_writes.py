@@ -171,10 +171,10 @@ def test_without_a_usable_table_every_sync_goes_through_sglangs_loader(ipc, how)
 def test_releasing_sglangs_memory_drops_the_mappings_and_the_next_sync_learns_again(ipc):
     model, sgl, eng, tx = _rollout(ipc)
     _sync(tx, 1)
-    assert eng.__dict__.get("_mapped_views")
+    assert eng._mapped_views
     eng.release_memory(["weights"])
     eng.resume_memory()
-    assert not eng.__dict__.get("_mapped_views") and not eng.__dict__.get("_dest_tables")
+    assert not eng._mapped_views and not eng.__dict__.get("_dest_tables")
     _assert_holds(model, _sync(tx, 2))  # through the loader, which learns and exports again
     _assert_holds(model, _sync(tx, 3))  # mapped again and written by rollout-svc
     assert sgl.loads == (["bucket"] * 4 + ["export"]) * 2 and ipc.opens == 4
@@ -184,7 +184,7 @@ def test_the_staged_apply_never_writes_the_mapped_parameters(ipc):
     """The staged apply never pauses SGLang (no begin_apply): nothing is offered to it."""
     model, sgl, eng, tx = _rollout(ipc)
     _sync(tx, 1)
-    assert eng.__dict__.get("_mapped_views")
+    assert eng._mapped_views
     staged = SyncTransaction(eng, "staged")
     _assert_holds(model, _sync(staged, 2))
     assert sgl.loads[5:] == ["update"]  # SGLang's own loader took the staged tensors (one chunk)
