@@ -4,10 +4,12 @@ Buckets are handed to the sync transaction as the TCP and NCCL receivers hand th
 apply), onto the SGLang adapter over tests/support/fake_sglang.py whose `update_weights_from_tensor` runs our loader
 on test_sglang_loader.py's toy model (fused qkv, a padded embedding) in-process, as SGLang's TP worker would. The
 table SGLang's worker exports is shared and mapped through a stand-in for CUDA IPC that maps a handle back to the
-same storage (test_sglang_export.py's); tests/sglang_exec runs the mapped write against SGLang's model classes."""
+same storage (test_sglang_export.py's); tests/sglang_exec runs the mapped write against SGLang's model classes.
+The last test syncs over TCP through the real services (trainer-svc to rollout-svc) into the same adapter."""
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -68,8 +70,8 @@ def ipc(monkeypatch):
     return fake
 
 
-def _rollout(ipc: FakeIpc, **opts):
-    model = Toy()
+def _rollout(ipc: FakeIpc, model=None, **opts):
+    model = Toy() if model is None else model
     sgl = ToySglang(model)
     eng = adapter_on(sgl, **opts)
     eng._direct_rows, eng.direct_cpu = [torch.zeros(16, sl.RESULT_WORDS, dtype=torch.int64)], True
@@ -188,3 +190,76 @@ def test_the_staged_apply_never_writes_the_mapped_parameters(ipc):
     staged = SyncTransaction(eng, "staged")
     _assert_holds(model, _sync(staged, 2))
     assert sgl.loads[5:] == ["update"]  # SGLang's own loader took the staged tensors (one chunk)
+
+
+class FlatModel(torch.nn.Module):
+    """SGLang's model as far as weights go, for any tensor names: every tensor a region of one flat parameter per
+    dtype, as SGLang's fused layers hold several checkpoint tensors in one storage."""
+
+    def __init__(self, metas: dict[str, TensorMeta]):
+        super().__init__()
+        self.where: dict[str, tuple[str, int]] = {}
+        ends: dict[torch.dtype, int] = {}
+        for m in metas.values():
+            self.where[m.name] = (str(m.dtype).split(".")[-1], ends.get(m.dtype, 0))
+            ends[m.dtype] = ends.get(m.dtype, 0) + math.prod(m.shape)
+        self.metas = metas
+        for dtype, n in ends.items():
+            self.register_parameter(
+                str(dtype).split(".")[-1], torch.nn.Parameter(torch.full((n,), float("nan"), dtype=dtype), False)
+            )
+
+    def region(self, name: str) -> torch.Tensor:
+        flat, start = self.where[name]
+        shape = self.metas[name].shape
+        return getattr(self, flat).data[start : start + math.prod(shape)].view(shape)
+
+    def load_weights(self, named):
+        for name, w in named:
+            self.region(name).copy_(w)
+
+
+@pytest.fixture
+def sglang_fleet(ipc, monkeypatch):
+    """A trainer and one rollout whose engine is the SGLang adapter over a FlatModel of the rollout's tensors
+    (its fake worker runs our loader), the rollout's bus on the CPU, every trainer weight in several buckets."""
+    from rollout_svc.engine import factory
+    from tests.support.local_apps import local_fleet
+
+    made = {}
+    real = factory.make_engine
+
+    def make_engine(cfg):
+        metas = real(cfg).param_metas()
+        model = FlatModel(metas)
+        _, sgl, eng, _ = _rollout(ipc, model=model)
+        eng._metas = metas
+        eng.receive_device = lambda: None  # the bus on the CPU (the adapter says cuda)
+        made.update(model=model, sgl=sgl, eng=eng)
+        return eng
+
+    monkeypatch.setattr(factory, "make_engine", make_engine)
+    with local_fleet({"s": {"apply_mode": "inplace"}}, "tok") as (trainer, rollouts, stub):
+        trainer.orch.bucket_bytes = 64 << 10
+        yield trainer, rollouts["s"], stub, made
+
+
+def test_tcp_syncs_into_sglang_through_the_services_are_written_by_rollout_svc_after_the_first(sglang_fleet):
+    from tests.support.fleet_sync import bump_weights
+    from weightsync.v1 import trainer_pb2
+
+    trainer, app, stub, made = sglang_fleet
+    model, sgl = made["model"], made["sgl"]
+    for version in range(3):
+        bump_weights(trainer)
+        loads = list(sgl.loads)
+        report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
+        assert report.ok, [r.error for r in report.rollouts]
+        for name, t in trainer.actor.export_tensors():
+            assert torch.equal(model.region(name), t), name  # SGLang's parameter is the trainer's tensor exactly
+        assert app.tx.version == trainer.actor.version and app.tx.state == rollout_pb2.SERVING
+        added = sgl.loads[len(loads) :]
+        if version == 0:
+            assert added.count("bucket") > 1 and added[-1] == "export", added  # learnt, then exported
+        else:
+            assert added == [], added  # no SGLang loader call: rollout-svc wrote every bucket itself
