@@ -81,8 +81,8 @@ class Engine(ABC):
 
     The abstract methods are what every engine must do. The rest are capabilities with defaults
     that suit an engine holding its weights in this process; an engine overrides the ones it does
-    differently (the SGLang adapter: begin_apply, load_bucket, end_apply, loads_quantized; the
-    built-in engine: writable_params)."""
+    differently (the SGLang adapter: begin_apply, load_bucket, end_apply, loads_quantized, writable_params
+    once its parameters are mapped; the built-in engine: writable_params)."""
 
     name: str = ""
     #: generate(..., step=f) calls f() before each prefill and decode step (f may raise to stop the
@@ -208,5 +208,6 @@ class Engine(ABC):
     def writable_params(self, metas: list[TensorMeta]) -> list[torch.Tensor] | None:
         """The parameters that tensors `metas` can be written into byte for byte, so the copy out of
         the bus buffer is also its checksum pass (weightsync/bus/copy/verified_copy.py), or None: the
-        bucket then goes through load_bucket. An engine that overrides load_bucket keeps None."""
+        bucket then goes through load_bucket. SGLang offers views of its parameters mapped from the table its
+        worker exported (rollout_svc/engine/sglang_mapped.py), only while an in-place sync holds it paused."""
         return None

@@ -39,6 +39,7 @@ from rollout_svc.engine.base import Emit, Engine, SampleResult, SamplingParams
 from rollout_svc.engine.sglang_direct import SglangDirectMixin
 from rollout_svc.engine.sglang_export import SglangExportMixin
 from rollout_svc.engine.sglang_loop import LoopThread
+from rollout_svc.engine.sglang_mapped import SglangMappedMixin
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
@@ -71,6 +72,9 @@ class SglangOptions:
     #: tp_size > 1: every TP rank opens the bucket on its own GPU and reads only its shards across the link
     #: (sglang_peer.py), where SGLang would move the whole bucket onto the rank's GPU first
     peer_reads: bool = True
+    #: tp_size 1 without the memory saver: once SGLang's worker exported a layout's table (sglang_export.py),
+    #: rollout-svc maps SGLang's parameters and writes NCCL/TCP buckets into them itself (sglang_mapped.py)
+    rollout_writes: bool = True
     #: the TP rank whose GPU rollout-svc receives buckets on (the rollout config's `receive_rank`)
     receive_rank: int = 0
     #: every other ServerArgs field the rollout config sets (`inference.sglang`), as (name, value) pairs
@@ -164,7 +168,9 @@ def drive_loop(sgl) -> LoopThread:
     return sgl.loop
 
 
-class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, SglangWeightsMixin, Engine):
+class SglangEngine(
+    SglangStreamMixin, SglangDirectMixin, SglangMappedMixin, SglangExportMixin, SglangWeightsMixin, Engine
+):
     name = "sglang"
 
     def __init__(self, opts: SglangOptions, metas: dict[str, TensorMeta], hf_config: Any = None):
@@ -221,6 +227,7 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
         """`cfg`: the rollout config's `inference` section."""
+        from rollout_svc.engine.sglang_mapped import ROLLOUT_WRITES_ENV
         from rollout_svc.engine.sglang_peer import PEER_READS_ENV
         from weightsync.bus.dtypes import parse_dtype
         from weightsync.models import resolve_model
@@ -255,6 +262,8 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
             log_level=args.pop("log_level", "error"),
             # the first GPU runs of tp_size > 1 may need the old hand-over (docs/sglang.md)
             peer_reads=os.environ.get(PEER_READS_ENV, "1") != "0",
+            # off: every NCCL/TCP bucket goes through SGLang's worker (an A/B on the GPU)
+            rollout_writes=os.environ.get(ROLLOUT_WRITES_ENV, "1") != "0",
             extra=tuple(sorted(args.items())),
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
@@ -442,11 +451,13 @@ class SglangEngine(SglangStreamMixin, SglangDirectMixin, SglangExportMixin, Sgla
         if hasattr(self._sgl, "begin_weight_update"):
             check_result(self._call(self._sgl.begin_weight_update), "begin_weight_update")
         self._paused_at = time.perf_counter()
+        self.writing_in_place = True  # SGLang paused: rollout-svc may write its mapped parameters (sglang_mapped.py)
 
     def end_apply(self) -> None:
         """After the last bucket: close the session, flush the KV/radix cache, resume scheduling."""
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
+        self.writing_in_place = False  # every write of this sync was checked before the commit got here
         # paused, until the commit: the buckets' stream (or the trainer's writes) and the commit's arrival
         self._add_ms("paused_to_commit", (time.perf_counter() - getattr(self, "_paused_at", time.perf_counter())) * 1e3)
         self.flush_queued()  # any bucket queued and not yet written (sglang_direct.py)

@@ -19,6 +19,7 @@ SGLang is still paused: a call made while requests run would wait for them behin
 and keeps the answer; PrepareSync then offers it (`ipc_destinations`, asked by weightsync/bus/ipc/receiver.py
 for an engine that `exports_destinations`) exactly as the built-in engine's table, and the trainer writes
 every later sync of that layout itself (route `ipc/trainer_writes/...`, the same checksum guarantee).
+rollout-svc maps the same table itself for NCCL and TCP syncs (sglang_mapped.py).
 
 Never offered: with `enable_memory_saver` (SGLang's parameters are virtual-memory allocations that torch cannot
 export, and release/resume would move them), with `tp_size` > 1 (one table per rank; the trainer writes one

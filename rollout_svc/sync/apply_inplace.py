@@ -8,6 +8,9 @@ a bucket is copied straight into them and that copy is its checksum pass
 (weightsync/bus/copy/verified_copy.py); the check then runs after the write, and a mismatch aborts the
 sync with the engine STALE.
 
+SGLang offers its parameters this way too once its worker exported their table and rollout-svc mapped it
+(rollout_svc/engine/sglang_mapped.py): NCCL and TCP buckets are then written here, in this process's CUDA context.
+
 A block-FP8 bucket for an engine that dequantizes goes the same way where the engine offers its
 parameters: one launch dequantizes it into them and sums what it reads (fp8_fused_write.py), checked
 after the write as above.

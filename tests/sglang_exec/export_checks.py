@@ -8,7 +8,8 @@ allocation), with a stand-in for CUDA IPC that maps a handle back to the same st
 buckets (other weights) are written through it by the trainer's own write pass (`TrainerWriteSender`, on a CPU
 verified_copy's torch copy-and-sum), with no SGLang call. Every parameter must then equal, exactly, a second
 model that SGLang's own flattened-bucket path loaded from the same buckets, and what the HF weights imply;
-the trainer's checksums must be the buckets' own.
+the trainer's checksums must be the buckets' own. rollout-svc's own write of NCCL/TCP buckets maps the same table
+(rollout_svc/engine/sglang_mapped.py) and is checked the same way.
 """
 
 from __future__ import annotations
@@ -45,39 +46,61 @@ def _manifest(named, seq: int):
     return make_manifest(metas, version=seq, sync_id=f"s{seq}", bucket_bytes=BUCKET_BYTES, checksum_algo="ws-sum64-v1")
 
 
+def _learnt(family: str, ipc: _FakeIpc):
+    """A first sync of `family` through our loader in SGLang's worker, then the export at its end: (SGLang's side,
+    the adapter, the model SGLang serves, the table exported)."""
+    from tests.sglang_exec.exec_checks import _model, packed_buckets, trainer_export
+
+    cfg, named = trainer_export(family, seed=3)
+    model = _model(cfg)
+    side = SglangSide(model)
+    register_loader(side)
+    eng = direct_adapter(side)
+    eng.open_allocation = ipc.open  # rollout-svc maps the exported table (sglang_mapped.py)
+    manifest = _manifest(named, 1)
+    assert eng.ipc_destinations(manifest) is None, "a table was offered before any sync learnt the layouts"
+    eng.sync_layouts = {}  # (begin_apply)
+    for plan, buf in packed_buckets(named):
+        eng.load_bucket_summed(plan, buf)
+    calls = len(side.calls)
+    eng.export_after_sync()  # (end_apply)
+    assert len(side.calls) == calls + 1, "the export is one SGLang call"
+    eng.export_after_sync()
+    assert len(side.calls) == calls + 1, "a layout's table is exported once"
+    got = eng.ipc_destinations(manifest)
+    assert got is not None, "the learnt layouts were not exported (the worker's log says why)"
+    assert got[0].startswith("sglang-") and len(got[1].tensors) == len(named)
+    return side, eng, model, got
+
+
+def _assert_as_sglangs_loader(family: str, model, cfg, named, buckets, who: str) -> None:
+    """`model` holds exactly what SGLang's own flattened-bucket path makes of `buckets`, and what `named` implies."""
+    from tests.sglang_exec.exec_checks import _model, assert_model_holds
+
+    ref = _model(cfg)
+    ref_eng = direct_adapter(SglangSide(ref))
+    for plan, buf in buckets:
+        ref_eng._send_flattened(ref_eng.bucket_payloads(plan, buf))  # SGLang's own path
+    assert_model_holds(model, cfg, named)
+    mine, theirs = _params(model), _params(ref)
+    for n, t in theirs.items():
+        assert torch.equal(mine[n], t), f"{n}: {who}'s write through the table differs from SGLang's loader"
+
+
 def trainer_writes_through_the_table(family: str) -> None:
     from rollout_svc.engine import sglang_export_worker
-    from tests.sglang_exec.exec_checks import _model, assert_model_holds, packed_buckets, trainer_export
+    from tests.sglang_exec.exec_checks import packed_buckets, trainer_export
     from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.trainer_writes import Destinations, TrainerWriteSender
 
     ipc = _FakeIpc()
     sglang_export_worker.share_storage = ipc.share
     try:
-        cfg, named = trainer_export(family, seed=3)
-        model = _model(cfg)
-        side = SglangSide(model)
-        register_loader(side)
-        eng = direct_adapter(side)
-        manifest = _manifest(named, 1)
-        assert eng.ipc_destinations(manifest) is None, "a table was offered before any sync learnt the layouts"
-        eng.sync_layouts = {}  # (begin_apply)
-        for plan, buf in packed_buckets(named):
-            eng.load_bucket_summed(plan, buf)
-        calls = len(side.calls)
-        eng.export_after_sync()  # (end_apply)
-        assert len(side.calls) == calls + 1, "the export is one SGLang call"
-        eng.export_after_sync()
-        assert len(side.calls) == calls + 1, "a layout's table is exported once"
-        got = eng.ipc_destinations(manifest)
-        assert got is not None, "the learnt layouts were not exported (the worker's log says why)"
-        table_id, table = got
-        assert table_id.startswith("sglang-") and len(table.tensors) == len(named)
-
+        side, eng, model, got = _learnt(family, ipc)
         cfg, named = trainer_export(family, seed=4)
         manifest = _manifest(named, 2)
         assert eng.ipc_destinations(manifest) == got, "another sync of the same layouts is offered the same table"
-        dests = Destinations(manifest, table, ipc.open)  # the trainer's validation of every entry
+        dests = Destinations(manifest, got[1], ipc.open)  # the trainer's validation of every entry
         buckets = packed_buckets(named)
         writer = TrainerWriteSender(dests, "r0")
         calls = len(side.calls)
@@ -87,15 +110,36 @@ def trainer_writes_through_the_table(family: str) -> None:
         assert len(side.calls) == calls, "SGLang was called while the trainer wrote"
         want = [bucket_checksum(buf[: plan.nbytes]) for plan, buf in buckets]
         assert writer.checksums() == want, "the trainer's checksums differ from the buckets'"
+        _assert_as_sglangs_loader(family, model, cfg, named, buckets, "the trainer")
+    finally:
+        sglang_export_worker.share_storage = None
 
-        ref = _model(cfg)
-        ref_eng = direct_adapter(SglangSide(ref))
+
+def rollout_writes_through_the_table(family: str) -> None:
+    """rollout-svc's own NCCL/TCP write (rollout_svc/engine/sglang_mapped.py): the exported table mapped in
+    rollout-svc, offered as `writable_params` while SGLang is paused, and written by the in-place apply's
+    copy-and-checksum (verified_copy.copy_into), with no SGLang call."""
+    from rollout_svc.engine import sglang_export_worker
+    from tests.sglang_exec.exec_checks import packed_buckets, trainer_export
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_into
+
+    ipc = _FakeIpc()
+    sglang_export_worker.share_storage = ipc.share
+    try:
+        side, eng, model, _ = _learnt(family, ipc)
+        cfg, named = trainer_export(family, seed=4)
+        buckets = packed_buckets(named)
+        calls = len(side.calls)
+        metas = [slot.meta for slot in buckets[0][0].slots]
+        assert eng.writable_params(metas) is None, "SGLang's parameters were offered outside a paused sync"
+        eng.writing_in_place = True  # (begin_apply)
         for plan, buf in buckets:
-            ref_eng._send_flattened(ref_eng.bucket_payloads(plan, buf))  # SGLang's own path
-        assert_model_holds(model, cfg, named)
-        mine, theirs = _params(model), _params(ref)
-        for n, t in theirs.items():
-            assert torch.equal(mine[n], t), f"{n}: the trainer's write through the table differs from SGLang's loader"
+            params = eng.writable_params([slot.meta for slot in plan.slots])
+            assert params is not None, f"bucket {plan.index}: the mapped table does not cover it"
+            assert copy_into(plan, buf, params) == bucket_checksum(buf[: plan.nbytes]), f"bucket {plan.index}"
+        assert len(side.calls) == calls, "SGLang was called while rollout-svc wrote"
+        _assert_as_sglangs_loader(family, model, cfg, named, buckets, "rollout-svc")
     finally:
         sglang_export_worker.share_storage = None
 
@@ -124,5 +168,6 @@ def check_unlearnt_layout_is_given_up() -> None:
 
 CHECKS = {
     **{f"trainer_writes_through_table[{f}]": (lambda f=f: trainer_writes_through_the_table(f)) for f in TABLE_FAMILIES},
+    **{f"rollout_writes_through_table[{f}]": (lambda f=f: rollout_writes_through_the_table(f)) for f in TABLE_FAMILIES},
     "export_unlearnt_layout_given_up": check_unlearnt_layout_is_given_up,
 }
