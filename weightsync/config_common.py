@@ -82,6 +82,17 @@ class DebugConfig:
         "empty: libnccl",
     )
 
+    sglang_peer_reads: bool = field(
+        True,
+        help="SGLang at tp_size > 1: each rank opens the bucket on its own GPU and reads its shards; false: SGLang "
+        "moves the whole bucket to every rank first (rollout only)",
+    )
+    sglang_rollout_writes: bool = field(
+        True,
+        help="SGLang: rollout-svc writes NCCL/TCP buckets into the parameters SGLang exported; false: every bucket "
+        "through SGLang's worker (rollout only)",
+    )
+
     def validate(self) -> None:
         if self.nccl_bus and ":" not in self.nccl_bus:
             raise ConfigError(f"nccl_bus={self.nccl_bus!r} must be module:attr (a stand-in bus for tests), or empty")
@@ -95,4 +106,6 @@ class DebugConfig:
             profile_syncs=self.profile_syncs,
             nccl_library=self.nccl_library,
             nccl_bus=self.nccl_bus,
+            sglang_peer_reads=self.sglang_peer_reads,
+            sglang_rollout_writes=self.sglang_rollout_writes,
         )

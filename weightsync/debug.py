@@ -24,6 +24,12 @@ class Switches:
     nccl_library: str = ""
     #: "module:attr" of a stand-in for the NCCL bus (tests only: tests.support.gloo_nccl:GlooNcclBus)
     nccl_bus: str = ""
+    #: SGLang at tp_size > 1: each TP rank opens the bucket on its own GPU and reads its shards (False: SGLang's worker
+    #: moves the whole bucket onto every rank's GPU first, the hand-over before the shard tables)
+    sglang_peer_reads: bool = True
+    #: SGLang: rollout-svc writes NCCL/TCP buckets into the parameters SGLang's worker exported (False: every bucket
+    #: through SGLang's worker, one call each)
+    sglang_rollout_writes: bool = True
 
 
 _current = Switches()

@@ -227,9 +227,8 @@ class SglangEngine(
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
         """`cfg`: the rollout config's `inference` section."""
-        from rollout_svc.engine.sglang_mapped import ROLLOUT_WRITES_ENV
-        from rollout_svc.engine.sglang_peer import PEER_READS_ENV
         from weightsync.bus.dtypes import parse_dtype
+        from weightsync.debug import switches
         from weightsync.models import resolve_model
 
         config, weights_dir = resolve_model(cfg.model)
@@ -260,10 +259,9 @@ class SglangEngine(
             trust_remote_code=bool(args.pop("trust_remote_code", False)),
             deterministic=bool(args.pop("enable_deterministic_inference", False)),
             log_level=args.pop("log_level", "error"),
-            # the first GPU runs of tp_size > 1 may need the old hand-over (docs/sglang.md)
-            peer_reads=os.environ.get(PEER_READS_ENV, "1") != "0",
-            # off: every NCCL/TCP bucket goes through SGLang's worker (an A/B on the GPU)
-            rollout_writes=os.environ.get(ROLLOUT_WRITES_ENV, "1") != "0",
+            # the debug section's (docs/operations.md "Debug switches"): the old hand-overs, for an A/B on a GPU
+            peer_reads=switches().sglang_peer_reads,
+            rollout_writes=switches().sglang_rollout_writes,
             extra=tuple(sorted(args.items())),
         )
         return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)

@@ -19,7 +19,8 @@ is how the table is learnt). Offered only while an in-place sync holds SGLang pa
 the staged apply, which never pauses SGLang, keeps the loader), for tensors a mapped table holds with the exact
 dtype and shape (any other bucket goes through the loader), and never where the table is never exported:
 with `enable_memory_saver` (its parameters cannot be shared by CUDA IPC and release/resume moves them), with
-`tp_size` > 1, or with `rollout_writes=False` (`ROLLOUT_WRITES_ENV`=0: every bucket through SGLang's worker).
+`tp_size` > 1, or with `rollout_writes=False` (the debug switch `sglang_rollout_writes`: every bucket through
+SGLang's worker).
 The mappings are dropped when SGLang's memory is released and when the engine closes.
 """
 
@@ -35,8 +36,6 @@ from weightsync.bus.ipc.handles import open_mapping
 from weightsync.bus.plan import TensorMeta
 
 log = logging.getLogger(__name__)
-#: set to 0 in rollout-svc's environment: SglangOptions.rollout_writes=False
-ROLLOUT_WRITES_ENV = "WS_SGLANG_ROLLOUT_WRITES"
 
 
 class SglangMappedMixin:

@@ -8,7 +8,7 @@ handle, labelled with that rank's GPU (SGLang's per-rank `LocalSerializedTensor`
 admits): the worker opens the handle on its own device (CUDA maps it there with peer access enabled), the
 `.to(device)` is a no-op, and our loader's copy reads only the rank's shards across the link.
 
-Not yet run on a GPU (docs/sglang.md); `SglangOptions.peer_reads=False` (`PEER_READS_ENV`=0) hands
+Run on 2×H200 (docs/sglang.md); `SglangOptions.peer_reads=False` (the debug switch `sglang_peer_reads`) hands
 every rank the same pickle as before.
 """
 
@@ -18,9 +18,6 @@ import functools
 from typing import Any
 
 import torch
-
-#: "0": SglangOptions.peer_reads off (the old hand-over) for a rollout built from its config
-PEER_READS_ENV = "WS_SGLANG_PEER_READS"
 
 
 class _Rebuild:

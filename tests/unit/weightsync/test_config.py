@@ -138,5 +138,9 @@ def test_the_debug_switches_are_one_section_with_the_services_precedence(tmp_pat
     )
     rollout = _resolve(RolloutConfig, [], {"WS_ROLLOUT_NCCL_BUS": "tests.support.gloo_nccl:GlooNcclBus"}, "WS_ROLLOUT")
     assert rollout.debug.switches() == Switches(nccl_bus="tests.support.gloo_nccl:GlooNcclBus")
+    sglang = _resolve(
+        RolloutConfig, ["--no-sglang-peer-reads"], {"WS_ROLLOUT_SGLANG_ROLLOUT_WRITES": "false"}, "WS_ROLLOUT"
+    )
+    assert sglang.debug.switches() == Switches(sglang_peer_reads=False, sglang_rollout_writes=False)
     with pytest.raises(ConfigError, match="nccl_bus='gloo' must be module:attr"):
         _resolve(TrainerConfig, [], {"WS_TRAINER_NCCL_BUS": "gloo"})
