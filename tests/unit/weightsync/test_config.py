@@ -8,7 +8,7 @@ from weightsync.config import ConfigError, add_arguments, resolve
 
 
 def _resolve(cls, argv, env=None, prefix="WS_TRAINER"):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)  # as the services' `serve` parses (weightsync/service_cli.py)
     add_arguments(p, cls, prefix)
     return resolve(cls, p.parse_args(argv), prefix, env or {})
 

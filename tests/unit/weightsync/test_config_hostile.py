@@ -42,7 +42,7 @@ def test_a_non_utf8_config_file_is_a_config_error(tmp_path):
     [
         (["--max-n", HUGE], {}, r"^max_n: '9999.*\(5002 characters\) is not a valid int$"),
         ([], {"WS_ROLLOUT_MAX_N": "1" + "0" * 30}, r"^max_n: '1000000000000000000000000000000' is out of range"),
-        (["--sglang", f"max_running_requests={HUGE}"], {}, r"^sglang: max_running_requests: Exceeds the limit"),
+        (["--sglang-arg", f"max_running_requests={HUGE}"], {}, r"^sglang: max_running_requests: Exceeds the limit"),
     ],
     ids=["flag", "env-over-int64", "option"],
 )
