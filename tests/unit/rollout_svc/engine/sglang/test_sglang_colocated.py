@@ -5,9 +5,7 @@ sync transaction onto the SGLang adapter over tests/support/fake_sglang.py, whic
 rules: a tag resumed twice raises, a write into released weights or a request while anything is released fails,
 and released weights lose their contents."""
 
-import sys
 import threading
-import types
 
 import pytest
 import torch
@@ -25,15 +23,7 @@ IDS, LPS = [5, 6, 7], [-0.1, -0.2, -0.3]
 RELEASED = "the engine's GPU memory is released for a colocated train step"
 
 
-@pytest.fixture(autouse=True)
-def io_struct(monkeypatch):
-    """SGLang's pause/continue request types (the adapter imports them in begin_apply / end_apply)."""
-    mod = types.ModuleType("sglang.srt.managers.io_struct")
-    mod.PauseGenerationReqInput = lambda mode: ("pause", mode)
-    mod.ContinueGenerationReqInput = lambda: ("continue",)
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
+pytestmark = pytest.mark.usefixtures("io_struct")  # conftest.py
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

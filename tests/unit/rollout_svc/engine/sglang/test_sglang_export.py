@@ -12,11 +12,9 @@ import os
 import pytest
 import torch
 
-from rollout_svc.engine import sglang_export_worker
 from rollout_svc.engine import sglang_loader as sl
 from rollout_svc.engine.sglang_engine import SglangEngine, SglangOptions
 from tests.unit.rollout_svc.engine.sglang.test_sglang_loader import Toy, _bucket
-from tests.unit.weightsync.bus.ipc.test_trainer_writes import FakeIpc
 from weightsync.bus.copy.checksum import bucket_checksum
 from weightsync.bus.ipc.trainer_writes import Destinations, TrainerWriteSender
 from weightsync.bus.plan import Manifest
@@ -36,14 +34,6 @@ class FakeSgl:
 
     def release_memory_occupation(self, tags=None):
         self.released += 1
-
-
-@pytest.fixture
-def ipc(monkeypatch):
-    fake = FakeIpc()
-    monkeypatch.setattr(sglang_export_worker, "share_storage", fake.share)
-    monkeypatch.setattr("rollout_svc.engine.sglang_weights._patch_reductions", lambda: None)
-    return fake
 
 
 def _engine(model, **opts) -> SglangEngine:

@@ -10,13 +10,10 @@ The last test syncs over TCP through the real services (trainer-svc to rollout-s
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 import torch
 
-from rollout_svc.engine import sglang_export_worker
 from rollout_svc.engine import sglang_loader as sl
 from rollout_svc.sync.transaction import SyncTransaction
 from tests.support.fake_sglang import FakeSglang, adapter_on, scripted
@@ -51,23 +48,7 @@ class ToySglang(FakeSglang):
         return True, "Succeeded"
 
 
-@pytest.fixture(autouse=True)
-def io_struct(monkeypatch):
-    """SGLang's pause/continue request types (the adapter imports them in begin_apply / end_apply)."""
-    mod = types.ModuleType("sglang.srt.managers.io_struct")
-    mod.PauseGenerationReqInput = lambda mode: ("pause", mode)
-    mod.ContinueGenerationReqInput = lambda: ("continue",)
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
-
-
-@pytest.fixture
-def ipc(monkeypatch):
-    fake = FakeIpc()
-    monkeypatch.setattr(sglang_export_worker, "share_storage", fake.share)
-    monkeypatch.setattr("rollout_svc.engine.sglang_weights._patch_reductions", lambda: None)
-    return fake
+pytestmark = pytest.mark.usefixtures("io_struct")  # conftest.py
 
 
 def _rollout(ipc: FakeIpc, model=None, **opts):
