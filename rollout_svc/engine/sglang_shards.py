@@ -36,8 +36,8 @@ from weightsync.bus.copy.shard_copy import Piece
 from weightsync.bus.copy.verified_copy import PendingChecksum
 
 log = logging.getLogger(__name__)
-#: prepared copy tables kept (per rank, layout, source buffer): the receive buffers are reused every sync
-MAX_PREPARED = 256
+#: prepared copy tables kept (per rank and layout)
+MAX_PREPARED = 512
 
 
 def map_shard_tables(tables: Sequence, open_allocation) -> dict[str, list[list[Piece]]]:
@@ -80,11 +80,13 @@ def write_rank(plan, buf: torch.Tensor, pieces: list[Piece], cache: dict, peer: 
         src.copy_(buf[: plan.nbytes])  # torch orders it after the receive GPU's stream and before the kernel
     if len(cache) >= MAX_PREPARED:
         cache.clear()
-    prepared = cache.setdefault((src.data_ptr(), sl.layout_key(plan), id(pieces)), {})
+    # per rank and layout (a rank's pieces of one layout are one list): the copy's tables count from the
+    # bucket's buffer, so the receiver's fresh buffers of a later sync reuse them
+    prepared = cache.setdefault(id(pieces), {})
     if src.is_cuda:
         with torch.cuda.device(src.device):
-            return shard_copy.copy_sharded_all([plan], [src], [pieces], prepared)[0]
-    return shard_copy.copy_sharded_all([plan], [src], [pieces], prepared)[0]
+            return shard_copy.copy_sharded_all([plan], [src], [pieces], prepared, src_relative=True)[0]
+    return shard_copy.copy_sharded_all([plan], [src], [pieces], prepared, src_relative=True)[0]
 
 
 def enable_peer(a: torch.device, b: torch.device) -> bool:
