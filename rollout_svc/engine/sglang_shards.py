@@ -131,27 +131,34 @@ class SglangShardsMixin:
             return None
         checked = self.__dict__.setdefault("_shards_checked", {})
         if key not in checked:  # once per layout: the mapped geometry against the bucket's plan
-            whys = [shard_copy.check(plan, ps) for ps in ranks]
-            checked[key] = (next((w for w in whys if w), ""), [shard_copy.bytes_read(plan, ps) for ps in ranks])
-        why, read = checked[key]
-        if why:
-            raise ValueError(f"bucket {plan.index}: the mapped shard table does not fit its layout: {why}")
+            why = next((w for w in (shard_copy.check(plan, ps) for ps in ranks) if w), "")
+            if why:  # (the worker checked the same pieces: a table that does not fit is a defect, not a state)
+                log.error(
+                    "bucket %d: the mapped shard table does not fit its layout (%s); SGLang's loader writes it",
+                    plan.index,
+                    why,
+                )
+                del self._shard_pieces[key]
+                return None
+            checked[key] = [shard_copy.bytes_read(plan, ps) for ps in ranks]
+        read = checked[key]
         cache = self.__dict__.setdefault("_shard_prepared", {})
         stages = self.__dict__.setdefault("_shard_stages", {})
         peer = self.__dict__.setdefault("_peer_ok", {})
-        sums = []
-        for pieces in ranks:
-            dev = pieces[0].dst.device
-            if (buf.device, dev) not in peer:
-                peer[(buf.device, dev)] = bool(self.peer_writes) and enable_peer(buf.device, dev)
-            sums.append(write_rank(plan, buf, pieces, cache, peer[(buf.device, dev)], stages))
-        total = _combined(plan.index, [s.cpu().tolist() for s in sums])
+        with self.timed("shard_writes"):  # type: ignore[attr-defined]
+            sums = []
+            for pieces in ranks:
+                dev = pieces[0].dst.device
+                if (buf.device, dev) not in peer:
+                    peer[(buf.device, dev)] = bool(self.peer_writes) and enable_peer(buf.device, dev)
+                sums.append(write_rank(plan, buf, pieces, cache, peer[(buf.device, dev)], stages))
+            total = _combined(plan.index, [s.cpu().tolist() for s in sums])
         self._count_bytes(plan.nbytes, buf, read, moved=False)  # type: ignore[attr-defined]
         whole = plan.nbytes - plan.nbytes % 4
         return PendingChecksum(total, buf[whole : plan.nbytes].cpu(), plan.nbytes)
 
     def drop_shards(self) -> None:
-        for name in ("_shard_pieces", "_shards_checked", "_shard_prepared", "_shard_stages"):
+        for name in ("_shard_pieces", "_shards_checked", "_shard_prepared", "_shard_stages", "_peer_ok"):
             self.__dict__.pop(name, None)
 
 

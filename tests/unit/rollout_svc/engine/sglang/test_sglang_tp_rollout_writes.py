@@ -213,3 +213,21 @@ def test_a_rank_whose_common_words_differ_fails_the_bucket(rollout, monkeypatch)
     with pytest.raises(SyncError, match="read different bytes") as err:
         _sync(tx, 2)
     assert err.value.code == "DATA_LOSS" and calls
+
+
+@pytest.mark.parametrize("how", ["a mapping shorter than its entries", "rollout_writes=False"])
+def test_without_usable_shard_tables_every_sync_goes_through_sglangs_loader(rollout, ipc, how):
+    import dataclasses
+
+    models, sgl, eng, tx = rollout
+    if how == "a mapping shorter than its entries":
+        eng.open_allocation = lambda h: ipc.open(h)[:8]
+    else:
+        eng.opts = dataclasses.replace(eng.opts, rollout_writes=False)
+    _sync(tx, 1)
+    loads = sgl.loads.count("bucket")
+    for version in (2, 3):
+        state, bufs = _sync(tx, version)
+        _assert_holds(models, state)
+    assert sgl.loads.count("bucket") == loads + 2 * len(bufs), sgl.loads  # every bucket through the loader
+    assert not eng._shard_pieces
