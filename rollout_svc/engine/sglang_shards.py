@@ -120,10 +120,17 @@ class SglangShardsMixin:
         return len(got)
 
     def write_shards(self, plan, buf: torch.Tensor) -> PendingChecksum | None:
-        """Write bucket `plan` (bytes in `buf`) into every TP rank's mapped shards and return its checksum
-        (every rank's copy done); None (nothing written) when no mapped table covers its layout or SGLang is
-        not held paused by an in-place sync."""
+        """Write bucket `plan` (bytes in `buf`, received by rollout-svc over NCCL or TCP) into every TP rank's
+        mapped shards and return its checksum (every rank's copy done); None (nothing written) when no mapped
+        table covers its layout, SGLang is not held paused by an in-place sync, or `buf` is a trainer's IPC
+        buffer."""
         if not self._shard_pieces or not self.writing_in_place or self._rollout_writes_declined():  # type: ignore[attr-defined]
+            return None
+        from weightsync.bus.ipc.handles import source_handle
+
+        if source_handle(buf) is not None:
+            # a colocated IPC bucket (the trainer's own buffer) keeps going to the ranks as per-rank handles
+            # (sglang_peer.py), the path measured at tp 2; this write is for buffers rollout-svc received
             return None
         key = sl.layout_key(plan)
         ranks = self._shard_pieces.get(key)

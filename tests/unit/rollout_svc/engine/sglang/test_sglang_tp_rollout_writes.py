@@ -231,3 +231,18 @@ def test_without_usable_shard_tables_every_sync_goes_through_sglangs_loader(roll
         _assert_holds(models, state)
     assert sgl.loads.count("bucket") == loads + 2 * len(bufs), sgl.loads  # every bucket through the loader
     assert not eng._shard_pieces
+
+
+def test_a_colocated_ipc_bucket_keeps_the_per_rank_handles_path(rollout):
+    """A trainer's IPC buffer mapped here (handles.consuming) is not written by rollout-svc: the ranks open it."""
+    from weightsync.bus.ipc.handles import consuming
+    from weightsync.v1 import bus_pb2
+
+    _, _, eng, tx = rollout
+    _sync(tx, 1)
+    m, bufs = packed_sync(_state(2), version=2, sync_id="s2", bucket_bytes=384)
+    eng.writing_in_place = True  # (begin_apply)
+    assert eng.write_shards(m.buckets[0], bufs[0]) is not None  # a received bucket: written here
+    with consuming(bufs[1], bus_pb2.CudaIpcHandle(handle=b"trainer")):
+        assert eng.write_shards(m.buckets[1], bufs[1]) is None
+    eng.writing_in_place = False
