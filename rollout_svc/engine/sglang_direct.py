@@ -111,7 +111,11 @@ class SglangDirectMixin:
 
     def load_bucket_summed(self, plan, buf: torch.Tensor) -> int | None:
         """Load bucket `plan` (bytes in `buf`) through our loader in SGLang's workers and return the
-        checksum of what they read; None (nothing loaded) when this engine cannot take it that way."""
+        checksum of what they read; None (nothing loaded) when this engine cannot take it that way. At
+        tp_size > 1 with every rank's shards mapped, rollout-svc writes them itself (sglang_shards.py)."""
+        written = self.write_shards(plan, buf)  # type: ignore[attr-defined]
+        if written is not None:
+            return written.value()
         src = self._direct_source(buf)
         if src is None:
             return None
@@ -121,7 +125,11 @@ class SglangDirectMixin:
 
     def queue_bucket_summed(self, plan, buf: torch.Tensor) -> PendingChecksum | None:
         """As load_bucket_summed for a bucket whose buffer stays unchanged until the commit: written later, with
-        every other queued bucket, by one call; the returned checksum's `wait` writes them. None: not queued."""
+        every other queued bucket, by one call; the returned checksum's `wait` writes them. None: not queued.
+        Written at once where rollout-svc writes the ranks' shards itself (sglang_shards.py)."""
+        written = self.write_shards(plan, buf)  # type: ignore[attr-defined]
+        if written is not None:
+            return written
         src = self._direct_source(buf)
         if src is None:
             return None

@@ -41,6 +41,7 @@ from rollout_svc.engine.sglang_export import SglangExportMixin
 from rollout_svc.engine.sglang_loop import LoopThread
 from rollout_svc.engine.sglang_mapped import SglangMappedMixin
 from rollout_svc.engine.sglang_options import check_options, server_arg_names
+from rollout_svc.engine.sglang_shards import SglangShardsMixin
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
 from weightsync.bus.plan import TensorMeta
@@ -169,7 +170,13 @@ def drive_loop(sgl) -> LoopThread:
 
 
 class SglangEngine(
-    SglangStreamMixin, SglangDirectMixin, SglangMappedMixin, SglangExportMixin, SglangWeightsMixin, Engine
+    SglangStreamMixin,
+    SglangDirectMixin,
+    SglangShardsMixin,
+    SglangMappedMixin,
+    SglangExportMixin,
+    SglangWeightsMixin,
+    Engine,
 ):
     name = "sglang"
 

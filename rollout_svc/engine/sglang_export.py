@@ -21,13 +21,16 @@ for an engine that `exports_destinations`) exactly as the built-in engine's tabl
 every later sync of that layout itself (route `ipc/trainer_writes/...`, the same checksum guarantee).
 rollout-svc maps the same table itself for NCCL and TCP syncs (sglang_mapped.py).
 
+At `tp_size` > 1 each TP rank exports a table of its own shards (sglang_export_worker.py, one file per rank):
+rollout-svc maps those for its NCCL/TCP writes (sglang_shards.py); they are never offered to the trainer (its
+write pass takes one target's table of whole tensors).
+
 Never offered: with `enable_memory_saver` (SGLang's parameters are virtual-memory allocations that torch cannot
-export, and release/resume would move them), with `tp_size` > 1 (one table per rank; the trainer writes one
-target's), for a quantized manifest, or a layout SGLang's loader writes in a way a table cannot say (a shard,
-a cast: `UNWRITABLE`). The table is valid as long as SGLang's parameters stay where they are: they are
-allocated once and written in place by every path this adapter drives; a restarted engine is a new
-`SglangEngine` with no tables (and every table carries a fresh token, as the built-in engine's), and
-`release_memory` forgets them all.
+export, and release/resume would move them), with `tp_size` > 1 (above), for a quantized manifest, or a layout
+SGLang's loader writes in a way a table cannot say (a cast: `UNWRITABLE`). The table is valid as long as SGLang's
+parameters stay where they are: they are allocated once and written in place by every path this adapter drives;
+a restarted engine is a new `SglangEngine` with no tables (and every table carries a fresh token, as the
+built-in engine's), and `release_memory` forgets them all.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class SglangExportMixin:
     def ipc_destinations(self, manifest) -> tuple[str, object] | None:
         """(table id, IpcDestinations) of where `manifest`'s tensors lie in SGLang's parameters, or None: not
         exported (yet). Never a call into SGLang: the table was exported at the end of the sync that learnt it."""
-        if self._export_declined(manifest.quantization is not None):
-            return None
+        if self.tp_size != 1 or self._export_declined(manifest.quantization is not None):
+            return None  # tp_size > 1: each rank's table is of its shards, for rollout-svc's writes only
         return (getattr(self, "_dest_tables", None) or {}).get(self._layout_keys(manifest))
 
     def _layout_keys(self, manifest) -> tuple[str, ...]:
@@ -90,8 +93,6 @@ class SglangExportMixin:
             return "our loader is off (direct_loader=False)"
         if getattr(o, "colocated", False):
             return "enable_memory_saver: SGLang's parameters cannot be shared by CUDA IPC"
-        if self.tp_size != 1:
-            return f"tp_size={self.tp_size}: the trainer writes one table, each rank holds its own"
         if quantized:
             return "a quantized manifest"
         return ""
@@ -127,29 +128,52 @@ class SglangExportMixin:
         self._direct_seq += 1
         seq = self._direct_seq
         out_dir = self._private_dir()
+        sharded = self.tp_size > 1
         rows = self._rows(1)
         ask = torch.zeros(1, dtype=torch.uint8, device=rows[0].device)  # SGLang moves every entry's tensor
-        entries = [(sl.EXPORT + request(seq, out_dir, list(keys)), ask), *[(sl.RESULT, r) for r in rows]]
-        res = self._call(
-            self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
-        )
-        check_result(res, f"update_weights_from_tensor({sl.LOADER}, export)")
-        s, status, size, _, how = rows[0][0].tolist()[:5]
-        if s != seq or status != sl.OK:
-            what = "no answer" if s != seq else "failed: the scheduler's log names the error"
-            log.error("exporting SGLang's slot tables: %s; the trainer will not write into SGLang", what)
-            return None, True
-        if how == UNLEARNED:
-            return None, False
-        if how != EXPORTED:
-            log.warning(
-                "SGLang's loader writes a layout of this model itself (the scheduler's log says why): "
-                "the trainer will not write into SGLang"
+        entries = [(sl.EXPORT + request(seq, out_dir, list(keys), sharded), ask), *[(sl.RESULT, r) for r in rows]]
+        try:
+            res = self._call(
+                self._sgl.update_weights_from_tensor, named_tensors=entries, load_format=sl.LOADER, flush_cache=False
             )
+            check_result(res, f"update_weights_from_tensor({sl.LOADER}, export)")
+            answers = [r[0].tolist()[:5] for r in rows]  # one row per TP rank
+            for rank, (s, status, _, _, _) in enumerate(answers):
+                if s != seq or status != sl.OK:
+                    what = "no answer" if s != seq else "failed: the scheduler's log names the error"
+                    log.error("exporting SGLang's slot tables: TP rank %d %s; rollout-svc keeps the loader", rank, what)
+                    return None, True
+            hows = {a[4] for a in answers}
+            if UNLEARNED in hows:
+                return None, False
+            if hows != {EXPORTED}:
+                log.warning(
+                    "SGLang's loader writes a layout of this model itself (the scheduler's log says why): "
+                    "its slot tables are not exported"
+                )
+                return None, True
+            paths = [table_path(out_dir, seq, r if sharded else None) for r in range(len(rows))]
+            tables = [self._read_table(path, a[2]) for path, a in zip(paths, answers)]
+        finally:
+            for r in range(len(rows)):  # whatever a rank wrote and was not read (removed as it is read)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(table_path(out_dir, seq, r if sharded else None))
+        if any(t is None for t in tables):
             return None, True
-        return self._read_table(table_path(out_dir, seq), size), True
+        digest = hashlib.sha256(b"".join(t.SerializeToString() for t in tables)).hexdigest()[:24]
+        # SGLang's Engine sets the root logger to its own level: warning, so that it shows
+        log.warning(
+            "SGLang's slot tables exported (%d TP ranks, %d entries, %d allocations)",
+            len(tables),
+            sum(len(t.tensors) for t in tables),
+            sum(len(t.allocations) for t in tables),
+        )
+        # a fresh token per table, as the built-in engine's: another engine's table is never taken for this one
+        return (f"sglang-{digest}-{uuid.uuid4().hex[:16]}", tables if sharded else tables[0]), True
 
-    def _read_table(self, path: str, size: int) -> tuple[str, object] | None:
+    @staticmethod
+    def _read_table(path: str, size: int):
+        """The IpcDestinations in `path` (removed once read), or None when it is not `size` bytes."""
         from weightsync.v1 import bus_pb2
 
         try:
@@ -157,19 +181,10 @@ class SglangExportMixin:
                 log.error("the exported table %s is not the %d bytes the worker reported", path, size)
                 return None
             with open(path, "rb") as f:
-                table = bus_pb2.IpcDestinations.FromString(f.read())
+                return bus_pb2.IpcDestinations.FromString(f.read())
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-        digest = hashlib.sha256(table.SerializeToString()).hexdigest()[:24]
-        # SGLang's Engine sets the root logger to its own level: warning, so that it shows
-        log.warning(
-            "SGLang's slot tables exported (%d tensors, %d allocations): the trainer writes later syncs into SGLang",
-            len(table.tensors),
-            len(table.allocations),
-        )
-        # a fresh token per table, as the built-in engine's: another engine's table is never taken for this one
-        return f"sglang-{digest}-{uuid.uuid4().hex[:16]}", table
 
     def _private_dir(self) -> str:
         if not self._export_dir or not os.path.isdir(self._export_dir):

@@ -124,7 +124,7 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
     result = results[_tp_rank() if len(results) > 1 else 0].view(-1, RESULT_WORDS)
     exports = [n for n, _ in named_tensors if isinstance(n, str) and n.startswith(EXPORT)]
     if exports:  # not a load: where the slot tables write, for the trainer to write there (sglang_export.py)
-        _export(model, exports[0][len(EXPORT) :], result)
+        _export(model, exports[0][len(EXPORT) :], result, _tp_rank() if len(results) > 1 else 0)
         return
     t0 = time.perf_counter_ns()
     rows = torch.zeros(len(buckets), RESULT_WORDS, dtype=torch.int64)
@@ -176,16 +176,16 @@ def load(model: torch.nn.Module, named_tensors: list) -> None:
         torch.cuda.current_stream(out.device).synchronize()
 
 
-def _export(model: torch.nn.Module, text: str, result: torch.Tensor) -> None:
-    """An export call (sglang_export_worker.py), reported in `result`'s first row: (seq, status, the table
-    file's size, 0, how, the worker's time)."""
+def _export(model: torch.nn.Module, text: str, result: torch.Tensor, rank: int) -> None:
+    """An export call (sglang_export_worker.py) at TP rank `rank`, reported in `result`'s first row: (seq,
+    status, the table file's size, 0, how, the worker's time)."""
     from rollout_svc.engine import sglang_export_worker as worker
 
     t0 = time.perf_counter_ns()
     row = torch.zeros(RESULT_WORDS, dtype=torch.int64)
     try:
         row[0] = worker.seq_of(text)
-        row[4], row[2] = worker.export(model, text)
+        row[4], row[2] = worker.export(model, text, rank)
         row[1] = OK
     except Exception:  # noqa: BLE001 — reported through `result`; raising would stop SGLang's scheduler
         log.exception("%s: exporting the slot tables failed", LOADER)

@@ -18,9 +18,9 @@ the first bucket leaves the rollout STALE, and the first sync of a layout still 
 is how the table is learnt). Offered only while an in-place sync holds SGLang paused (begin_apply to end_apply:
 the staged apply, which never pauses SGLang, keeps the loader), for tensors a mapped table holds with the exact
 dtype and shape (any other bucket goes through the loader), and never where the table is never exported:
-with `enable_memory_saver` (its parameters cannot be shared by CUDA IPC and release/resume moves them), with
-`tp_size` > 1, or with `rollout_writes=False` (the debug switch `sglang_rollout_writes`: every bucket through
-SGLang's worker).
+with `enable_memory_saver` (its parameters cannot be shared by CUDA IPC and release/resume moves them) or with
+`rollout_writes=False` (the debug switch `sglang_rollout_writes`: every bucket through SGLang's worker). At
+`tp_size` > 1 each rank's table is of its shards: sglang_shards.py maps and writes those.
 The mappings are dropped when SGLang's memory is released and when the engine closes.
 """
 
@@ -82,6 +82,9 @@ class SglangMappedMixin:
             if got is None or got[0] in mapped:
                 continue
             mapped.add(got[0])  # once, mapped or not: a table that failed to map is not tried again
+            if isinstance(got[1], list):  # tp_size > 1: one table of shards per TP rank (sglang_shards.py)
+                self._map_shards_logged(got[1])
+                continue
             try:
                 views = self._map_table(got[1])
             except Exception:  # noqa: BLE001 — the sync is written: later syncs go through SGLang's loader
@@ -91,6 +94,16 @@ class SglangMappedMixin:
             log.warning(
                 "SGLang's parameters mapped (%d tensors): rollout-svc writes NCCL/TCP buckets itself", len(views)
             )
+
+    def _map_shards_logged(self, tables: list) -> None:
+        try:
+            n = self.map_shards(tables)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 — the sync is written: later syncs go through SGLang's loader
+            log.exception("mapping SGLang's exported shard tables failed; its buckets keep going through the loader")
+            return
+        log.warning(
+            "SGLang's %d TP ranks' shards mapped (%d layouts): rollout-svc writes NCCL/TCP buckets", len(tables), n
+        )
 
     def _map_table(self, table) -> dict[str, torch.Tensor]:
         """name -> a view of that tensor in SGLang's parameters, in its dtype and shape; ValueError naming the
@@ -118,6 +131,7 @@ class SglangMappedMixin:
 
     def drop_mappings(self) -> None:
         self._mapped_views = self._mapped_ids = None
+        self.drop_shards()  # type: ignore[attr-defined]
 
     def close_export(self) -> None:
         self.drop_mappings()

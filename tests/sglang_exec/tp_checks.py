@@ -7,7 +7,10 @@ which prints its rows; it prints RESULT_MARK + JSON {check: "ok" | traceback} as
 rank's parameters equal, exactly, a model of the same rank that SGLang's own flattened-bucket path loaded; the
 second sync is written by the slot table with shards (BY_TABLE); the ranks' sums, combined as the rollout
 combines them (sglang_direct._combined), give each bucket's checksum; each rank read about its shard, not the
-whole bucket.
+whole bucket. Then each rank exports its table of pieces through SGLang's `update_weights_from_tensor` (our
+EXPORT entry; sglang_export_worker.py, one file per rank), the table is mapped as rollout-svc maps it (CUDA IPC
+stood in for) and a third sync is written by rollout-svc's shard copy (rollout_svc/engine/sglang_shards.py
+`write_rank`) with no SGLang call: the same exact parameters, and the ranks' sums again give each checksum.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def _rank_syncs(family: str, rank: int) -> dict:
     from tests.sglang_exec.sglang_side import SglangSide
     from weightsync.bus.copy.checksum import bucket_checksum
 
-    syncs, model, side = [], None, None
-    for seq0, seed in ((100, 3), (200, 4)):
+    syncs, model, side, pieces = [], None, None, None
+    for seq0, seed in ((100, 3), (200, 4), (300, 5)):
         cfg, named = trainer_export(family, seed=seed)
         if model is None:
             model = _model(cfg)
@@ -58,11 +61,18 @@ def _rank_syncs(family: str, rank: int) -> dict:
         ref = _model(cfg)
         ref_eng = adapter(SglangSide(ref))
         rows, sums = [], []
-        for k, (plan, buf) in enumerate(packed_buckets(named)):
-            results = [torch.zeros(1, sl.RESULT_WORDS, dtype=torch.int64) for _ in range(TP)]
-            entries = [(sl.header(seq0 + k, plan), buf)] + [(sl.RESULT, r) for r in results]
-            side.update_weights_from_tensor(named_tensors=entries, load_format=sl.LOADER)
-            rows.append(results[rank][0].tolist())
+        buckets = packed_buckets(named)
+        if seq0 == 300:  # rollout-svc writes this sync from the ranks' exported tables
+            pieces = _export_pieces(side, [sl.layout_key(plan) for plan, _ in buckets], rank)
+            calls = len(side.calls)
+        for k, (plan, buf) in enumerate(buckets):
+            if pieces is not None:
+                rows.append(_written_by_rollout(plan, buf, pieces, seq0 + k))
+            else:
+                results = [torch.zeros(1, sl.RESULT_WORDS, dtype=torch.int64) for _ in range(TP)]
+                entries = [(sl.header(seq0 + k, plan), buf)] + [(sl.RESULT, r) for r in results]
+                side.update_weights_from_tensor(named_tensors=entries, load_format=sl.LOADER)
+                rows.append(results[rank][0].tolist())
             whole = plan.nbytes - plan.nbytes % 4
             sums.append(
                 [plan.index, plan.nbytes, bucket_checksum(buf[: plan.nbytes]), buf[whole : plan.nbytes].tolist()]
@@ -72,7 +82,51 @@ def _rank_syncs(family: str, rank: int) -> dict:
         differ = [n for n, t in theirs.items() if not torch.equal(mine[n], t)]
         assert not differ, f"rank {rank}: our loader's parameters differ from SGLang's loader's: {differ[:5]}"
         syncs.append({"rows": rows, "buckets": sums})
+    assert len(side.calls) == calls, "SGLang was called while rollout-svc wrote the shards"
     return {"syncs": syncs}
+
+
+def _export_pieces(side, keys: list[str], rank: int) -> dict:
+    """This rank's table of pieces, exported through SGLang's update_weights_from_tensor (our EXPORT entry) and
+    mapped as rollout-svc maps it: layout key -> this rank's pieces."""
+    import tempfile
+
+    from rollout_svc.engine import sglang_export_worker as worker
+    from rollout_svc.engine import sglang_loader as sl
+    from rollout_svc.engine.sglang_export import SglangExportMixin
+    from rollout_svc.engine.sglang_shards import map_shard_tables
+    from tests.sglang_exec.export_checks import _FakeIpc
+
+    ipc, out_dir = _FakeIpc(), tempfile.mkdtemp(prefix="ws-tp-tables-")
+    worker.share_storage = ipc.share
+    try:
+        results = [torch.zeros(1, sl.RESULT_WORDS, dtype=torch.int64) for _ in range(TP)]
+        ask = torch.zeros(1, dtype=torch.uint8)
+        entries = [(sl.EXPORT + worker.request(7, out_dir, keys, sharded=True), ask)]
+        side.update_weights_from_tensor(
+            named_tensors=entries + [(sl.RESULT, r) for r in results], load_format=sl.LOADER
+        )
+        seq, status, size, _, how = results[rank][0].tolist()[:5]
+        assert (seq, status, how) == (7, sl.OK, worker.EXPORTED), f"rank {rank}'s export: {results[rank][0].tolist()}"
+        table = SglangExportMixin._read_table(worker.table_path(out_dir, 7, rank), size)
+        assert table is not None and not os.listdir(out_dir), "the rank's table file was not read whole and removed"
+    finally:
+        worker.share_storage = None
+    got = map_shard_tables([table], ipc.open)
+    assert sorted(got) == sorted(set(keys)), "the exported table does not cover every layout"
+    return {key: ranks[0] for key, ranks in got.items()}
+
+
+def _written_by_rollout(plan, buf, pieces: dict, seq: int) -> list[int]:
+    """rollout-svc's write of this rank's pieces of one bucket, reported as the loader's result row."""
+    from rollout_svc.engine import sglang_loader as sl
+    from rollout_svc.engine.sglang_shards import write_rank
+    from weightsync.bus.copy import shard_copy
+
+    mine = pieces[sl.layout_key(plan)]
+    assert not shard_copy.check(plan, mine), shard_copy.check(plan, mine)
+    got = write_rank(plan, buf, mine, {}, True, {}).tolist()
+    return [seq, sl.OK, *got[0], sl.BY_TABLE, 0, *got[1], shard_copy.bytes_read(plan, mine)]
 
 
 def combine(family: str, ranks: list[dict]) -> None:
@@ -96,7 +150,7 @@ def combine(family: str, ranks: list[dict]) -> None:
             how = {row[4] for row in rows}
             assert how == ({sl.LEARNED} if s == 0 else {sl.BY_TABLE}), f"sync {s} bucket {index}: written {how}"
             read = [read[0] + rows[0][8], read[1] + rows[1][8]]
-        if s == 1:
+        if s >= 1:
             total = sum(nbytes for _, nbytes, _, _ in a["buckets"])
             # the shards halve the matrices; norms, biases and alignment gaps every rank reads whole
             assert all(r < 0.6 * total for r in read), f"bytes read per rank {read} of {total}: not its shard"

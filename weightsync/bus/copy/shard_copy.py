@@ -167,26 +167,38 @@ def _copy_tails(plan: BucketPlan, buf: torch.Tensor, pieces: Sequence[Piece], sh
 
 
 def copy_sharded_all(
-    plans: Sequence[BucketPlan], bufs: Sequence[torch.Tensor], pieces: Sequence[Sequence[Piece]], cache: dict | None
+    plans: Sequence[BucketPlan],
+    bufs: Sequence[torch.Tensor],
+    pieces: Sequence[Sequence[Piece]],
+    cache: dict | None,
+    src_relative: bool = False,
 ) -> torch.Tensor:
     """`copy_sharded` of every bucket, int64 [buckets, 2, 2], queued on the current stream: on CUDA with
     Triton one launch of the aligned-row kernel for the common regions and the row shards, one of its
-    short-row form for the column shards' rows (their tables built once per set of buffers, in `cache`)."""
+    short-row form for the column shards' rows (their tables built once per set of buffers, in `cache`).
+    `src_relative` (one bucket): the tables' source offsets count from the bucket's buffer, so `cache` serves
+    any buffer at the same alignment (a receiver's buffers change between syncs; the tables are built once)."""
     if not (bufs and bufs[0].is_cuda and _fused()):
         return torch.stack([copy_sharded(p, b, ps) for p, b, ps in zip(plans, bufs, pieces)])
     from weightsync.bus.copy import scatter_triton
 
     cfg = scatter_triton.config()
-    tables = None if cache is None else cache.get(("shard-tables", cfg.row_words))
-    if tables is None:
-        tables = _tables(plans, bufs, pieces, cfg.row_words)
-        if cache is not None:
-            cache[("shard-tables", cfg.row_words)] = tables
     anchor = scatter_triton.anchor(bufs[0].device)
+    src_base = anchor
+    if src_relative:
+        if len(bufs) != 1:
+            raise ValueError(f"src_relative copies one bucket, got {len(bufs)}")
+        src_base = bufs[0][: bufs[0].numel() - bufs[0].numel() % 4].view(torch.int32)
+    key = ("shard-tables", cfg.row_words, src_base.data_ptr() % 16 if src_relative else None)
+    tables = None if cache is None else cache.get(key)
+    if tables is None:
+        tables = _tables(plans, bufs, pieces, cfg.row_words, src_base.data_ptr())
+        if cache is not None:
+            cache[key] = tables
     sums = torch.zeros((2 * len(plans), 2), dtype=torch.int64, device=anchor.device)
     for short, (table, owner) in zip((False, True), tables):
         if table is not None:
-            sums.index_add_(0, owner, scatter_triton.launch(anchor, anchor, table, cfg, short=short))
+            sums.index_add_(0, owner, scatter_triton.launch(src_base, anchor, table, cfg, short=short))
     tails = None if cache is None else cache.get("tails")
     if tails is None:
         tails = _tails(plans, pieces)
@@ -215,9 +227,9 @@ def _tails(plans, pieces) -> list[tuple[int, torch.Tensor, int, int]]:
     return out
 
 
-def _tables(plans, bufs, pieces, row_words: int):
+def _tables(plans, bufs, pieces, row_words: int, src_base: int):
     """(table, owner) for the long regions and for the column shards' rows (None where there are none):
-    scatter_rows rows whose owner is 2 * bucket + (COMMON or SHARD)."""
+    scatter_rows rows whose owner is 2 * bucket + (COMMON or SHARD); source offsets from `src_base`."""
     from weightsync.bus.copy import scatter_rows, scatter_triton
 
     long, short = [], []
@@ -244,7 +256,7 @@ def _tables(plans, bufs, pieces, row_words: int):
         if not any(regions for _, regions in buckets):
             out.append((None, None))
             continue
-        rows, owner = scatter_rows.rows_of(buckets, anchor.data_ptr(), anchor.data_ptr(), row_words, groups=2)
+        rows, owner = scatter_rows.rows_of(buckets, src_base, anchor.data_ptr(), row_words, groups=2)
         device = bufs[0].device
         out.append(
             (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(owner, dtype=torch.int64).to(device))

@@ -89,9 +89,11 @@ def test_the_table_is_exported_once_after_the_learning_sync_and_the_trainer_writ
 
 @pytest.mark.parametrize(
     "opts, quantized",
-    [({"colocated": True}, False), ({"tp_size": 2}, False), ({"direct_loader": False}, False), ({}, True)],
+    [({"colocated": True}, False), ({"direct_loader": False}, False), ({}, True)],
 )
-def test_memory_saver_tp_shards_no_loader_or_a_quantized_manifest_never_offer_nor_export(ipc, opts, quantized):
+def test_memory_saver_no_loader_or_a_quantized_manifest_never_offer_nor_export(ipc, opts, quantized):
+    """(tp_size > 1: each rank's table is exported for rollout-svc's writes, never offered to the trainer:
+    test_sglang_tp_rollout_writes.py)"""
     eng = _engine(Toy(), **opts)
     if not quantized:  # (a dequantized sync's buckets never reach our loader: no layout to export)
         eng.sync_layouts = {0: "some-layout"}

@@ -91,9 +91,11 @@ def test_shards_inside_a_word_are_refused():
     assert shard_copy.check(plan, [half, other]) == ""  # both column halves: one rank at tp=1
 
 
-def _run_rows(anchor: torch.Tensor, table: torch.Tensor, cfg) -> torch.Tensor:
-    """What scatter_triton's kernels do with a table, word by word (addresses from the anchor)."""
+def _run_rows(anchor: torch.Tensor, table: torch.Tensor, cfg, dst_anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """What scatter_triton's kernels do with a table, word by word (source addresses from `anchor`,
+    destinations from `dst_anchor`, default the same)."""
     base = anchor.data_ptr()
+    dst_base = base if dst_anchor is None else dst_anchor.data_ptr()
     out = torch.zeros(table.shape[0], 2, dtype=torch.int64)
     for r, (kind, s, d, n) in enumerate(table.tolist()):
         unit = VEC if kind == COPY_VEC else 1
@@ -102,7 +104,7 @@ def _run_rows(anchor: torch.Tensor, table: torch.Tensor, cfg) -> torch.Tensor:
         out[r, 0] = int(w.sum())
         out[r, 1] = int((src * src).astype(np.int64).sum())  # squares wrap in int32
         if kind != SUM:
-            np.ctypeslib.as_array((ctypes.c_int32 * (n * unit)).from_address(base + 4 * d * unit))[:] = src
+            np.ctypeslib.as_array((ctypes.c_int32 * (n * unit)).from_address(dst_base + 4 * d * unit))[:] = src
     return out
 
 
@@ -127,3 +129,32 @@ def test_the_kernels_tables_copy_and_sum_as_the_reference(monkeypatch):
             _holds(dst, named, rank)
     # the column shard's 8 rows went to the short-row kernel, the rest to the aligned-row one
     assert {short for short, _ in launched} == {False, True}
+
+
+def test_tables_counted_from_the_buffer_serve_another_buffer_of_the_same_layout(monkeypatch):
+    """src_relative (rollout-svc's write of a received bucket, rollout_svc/engine/sglang_shards.py): the receiver
+    hands each sync's buckets in fresh buffers; the tables are built once and copy exactly from any of them."""
+    plan, buf, named = _bucket(1)
+    monkeypatch.setattr(shard_copy, "_fused", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(
+        scatter_triton, "launch", lambda src, dst, table, cfg, short=False: _run_rows(src, table, cfg, dst)
+    )
+    built = []
+    real = shard_copy._tables
+    monkeypatch.setattr(shard_copy, "_tables", lambda *a: built.append(1) or real(*a))
+    other = torch.zeros(buf.numel() + 64, dtype=torch.uint8)
+    at = (-other.data_ptr() % 16) + 16  # another address, the same alignment
+    other = other[at : at + buf.numel()]
+    other.copy_(buf)
+    for rank in (0, 1):
+        want = shard_copy.copy_sharded(plan, buf, _rank_pieces(plan, rank)[0])
+        pieces, dst = _rank_pieces(plan, rank)
+        cache, built[:] = {}, []
+        for source in (buf, other, buf):
+            for d in dst.values():
+                d.zero_()
+            got = shard_copy.copy_sharded_all([plan], [source], [pieces], cache, src_relative=True)
+            assert torch.equal(got[0], want), rank
+            _holds(dst, named, rank)
+        assert len(built) == 1, f"the tables were built {len(built)} times for one layout"
