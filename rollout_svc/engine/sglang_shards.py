@@ -9,10 +9,11 @@ table (each allocation opens on its own GPU) and writes each received bucket int
 (`copy_sharded_all`: the copy-and-checksum kernel, aligned rows and short column rows):
 
 - a rank on the receive GPU: the kernel there, as SGLang's own worker would run it;
-- a rank on another GPU, peer access available: the same kernel on the receive GPU writes through peer access
-  (NVLink): only the rank's shard and the tensors it holds whole leave the receive GPU;
-- no peer access: one peer copy of the bucket to the rank's GPU (a staging buffer kept per GPU), then the kernel
-  there.
+- a rank on another GPU: one peer copy of the bucket to the rank's GPU (a staging buffer kept per GPU), then the
+  kernel there. The kernel on the receive GPU could write the other GPU's memory through peer access, moving
+  only the rank's shard over NVLink, and does so for ordinary allocations; but into memory mapped from another
+  process by CUDA IPC (SGLang's parameters) it faulted with an illegal address on 2xH200 (torch 2.11, CUDA 13,
+  2026-11-28, tests/gpu/test_sglang_peer_write_gpu.py), so `peer_writes` is off unless a deployment proves it.
 
 Each rank's copy reports its `common` and `shard` word sums, combined as the workers' are (sglang_direct._combined):
 the ranks' `common` sums agree and their `shard` sums add up to the bucket's, so the transaction's check after
@@ -110,8 +111,9 @@ class SglangShardsMixin:
 
     #: layout key -> per TP rank, its pieces mapped into this process
     _shard_pieces: dict[str, list[list[Piece]]] | None = None
-    #: False: a rank on another GPU always gets a peer copy of the bucket first (the fallback without peer access)
-    peer_writes: bool = True
+    #: True: the receive GPU's kernel writes a rank on another GPU through peer access; off by default: it faulted
+    #: writing CUDA-IPC-mapped memory (the module's docstring), so that rank gets a peer copy of the bucket first
+    peer_writes: bool = False
 
     def map_shards(self, tables: Sequence) -> int:
         """Map every TP rank's exported table (sglang_export.py); the number of layouts now covered."""

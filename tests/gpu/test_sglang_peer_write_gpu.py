@@ -111,14 +111,14 @@ def _owner(q_out, q_in):
     q_in.get(timeout=120)
 
 
-def test_the_peer_write_lands_in_another_processs_ipc_shared_memory():
+def test_the_peer_copy_first_write_lands_in_another_processs_ipc_shared_memory():
+    """rollout-svc's default for a rank on another GPU (`peer_writes` off): the kernel writing through peer
+    access faulted with an illegal address into CUDA-IPC-mapped memory on 2xH200 (2026-11-28)."""
     import torch.multiprocessing as mp
 
     from weightsync.bus.copy.checksum import bucket_checksum
 
     _need_two_gpus()
-    if not torch.cuda.can_device_access_peer(1, 0):
-        pytest.skip("no peer access between cuda:1 and cuda:0")
     ctx = mp.get_context("spawn")
     q_out, q_in = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_owner, args=(q_out, q_in), daemon=True)
@@ -126,7 +126,7 @@ def test_the_peer_write_lands_in_another_processs_ipc_shared_memory():
     try:
         mapped = q_out.get(timeout=120)  # opened here by CUDA IPC, on cuda:0
         plan, buf, named = _bucket("cuda:1")
-        got = _write_both(plan, buf, [mapped, _dsts("cuda:1")], peer=True)
+        got = _write_both(plan, buf, [mapped, _dsts("cuda:1")], peer=False)
         assert got == bucket_checksum(buf[: plan.nbytes].cpu())
         q_in.put("written")
         seen = q_out.get(timeout=120)  # what the owner reads in its own process
