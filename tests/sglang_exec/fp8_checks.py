@@ -210,8 +210,47 @@ def check_block_alignment_as_sglang() -> None:
         assert ok or "k_proj.weight: 64 rows" in ours, ours
 
 
+def check_rollout_writes_fp8_through_the_table() -> None:
+    """Over NCCL or TCP (rollout_svc/engine/sglang_mapped.py): after a learning sync, the table SGLang's worker
+    exports covers the FP8 layout byte for byte (each e4m3 weight and float32 scale where SGLang's Fp8LinearMethod
+    holds them), rollout-svc maps it, and the in-place apply's copy-and-checksum writes a second sync's buckets
+    into SGLang's parameters with no SGLang call: the same bytes as SGLang's own loader, the buckets' checksums."""
+    from rollout_svc.engine import sglang_export_worker
+    from tests.sglang_exec.exec_checks import packed_buckets
+    from tests.sglang_exec.export_checks import _FakeIpc
+    from weightsync.bus.copy.checksum import bucket_checksum
+    from weightsync.bus.copy.verified_copy import copy_into
+
+    ipc = _FakeIpc()
+    sglang_export_worker.share_storage = ipc.share
+    try:
+        cfg, named = fp8_export(3)
+        model = fp8_model(cfg)
+        side = SglangSide(model)
+        register_loader(side)
+        eng = direct_adapter(side)
+        eng.open_allocation = ipc.open
+        eng.sync_layouts = {}  # (begin_apply)
+        for plan, buf in packed_buckets(named):
+            eng.load_bucket_summed(plan, buf)
+        eng.export_after_sync()  # (end_apply)
+        cfg, named = fp8_export(4)
+        buckets = packed_buckets(named)
+        calls = len(side.calls)
+        eng.writing_in_place = True  # (begin_apply)
+        for plan, buf in buckets:
+            params = eng.writable_params([slot.meta for slot in plan.slots])
+            assert params is not None, f"bucket {plan.index}: the mapped table does not cover it"
+            assert copy_into(plan, buf, params) == bucket_checksum(buf[: plan.nbytes]), f"bucket {plan.index}"
+        assert len(side.calls) == calls, "SGLang was called while rollout-svc wrote"
+        assert_holds_the_export(model, cfg, named)
+    finally:
+        sglang_export_worker.share_storage = None
+
+
 CHECKS = {
     "fp8_block_two_syncs[tiny-qwen2-fp8]": check_two_fp8_syncs,
     "fp8_block_prepare_refusals": check_prepare_refuses_what_sglang_does_not_hold,
     "fp8_block_alignment_as_sglang": check_block_alignment_as_sglang,
+    "fp8_block_rollout_writes_through_table": check_rollout_writes_fp8_through_the_table,
 }
