@@ -137,3 +137,17 @@ def test_prepare_takes_the_pairs_and_refuses_what_sglang_does_not_hold():
     tx2 = SyncTransaction(_Fp8Sglang(cfg2))
     with pytest.raises(SyncError, match=r"o_proj\.weight: the manifest sends it in block FP8 but the engine holds"):
         tx2.validate(_manifest(cfg2, True, "s5"))
+
+
+def test_rollout_svc_refuses_a_misaligned_fp8_checkpoint_before_starting_sglang(tmp_path):
+    from types import SimpleNamespace
+
+    cfg = _config(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1)
+    cfg.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # resolve_model wants weights; never read
+    inference = SimpleNamespace(
+        model=str(tmp_path), device="cuda:0", sglang={}, tp=1, receive_rank=0, dtype="bfloat16", init_seed=0
+    )
+    # SGLang is not installed here: getting as far as starting it would raise ModuleNotFoundError instead
+    with pytest.raises(ValueError, match=r"k_proj\.weight: 64 rows give 64 per TP rank \(tp_size=1\)"):
+        SglangEngine.from_rollout_config(inference)
