@@ -22,7 +22,7 @@ from typing import Any
 
 from weightsync.bus.plan import TensorMeta
 from weightsync.formats.fp8.export import is_quantized
-from weightsync.formats.fp8.spec import BLOCK, BLOCK_FP8, FP8_DTYPE, hf_quantization_config
+from weightsync.formats.fp8.spec import BLOCK, BLOCK_FP8, FP8_DTYPE
 
 #: parts of a column-parallel layer (their rows split over TP ranks; fused with their siblings)
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
@@ -41,12 +41,12 @@ def quantization_config(hf_config: Any) -> dict | None:
 
 def serves_block_fp8(hf_config: Any) -> bool:
     """True when SGLang serves this checkpoint with block-FP8 linear layers of the scheme the trainer exports."""
-    qc = quantization_config(hf_config)
-    if qc is None:
+    from rollout_svc.quantized import serves_same_quantization
+
+    try:
+        return serves_same_quantization(hf_config, BLOCK_FP8)
+    except ValueError:  # quantized another way: the prepare of a block-FP8 sync is refused, saying why
         return False
-    want = hf_quantization_config(BLOCK_FP8)
-    got = (qc.get("quant_method"), qc.get("fmt", "e4m3"), list(qc.get("weight_block_size") or []))
-    return got == (want["quant_method"], want["fmt"], want["weight_block_size"])
 
 
 def _ignored(name: str, ignored: list[str]) -> bool:
