@@ -248,9 +248,65 @@ def check_rollout_writes_fp8_through_the_table() -> None:
         sglang_export_worker.share_storage = None
 
 
+def check_fp8_syncs_through_the_transaction() -> None:
+    """The rollout's own transaction (in-place apply) over the adapter, SGLang's receive code behind it: prepare of
+    the trainer's fp8-block manifest (as it crosses the wire), every bucket with the trainer's checksum, commit;
+    twice. The pairs reach SGLang as they are (no dequantizer), the second sync by the slot table, and SGLang then
+    serves the committed version's bytes."""
+    from types import SimpleNamespace
+
+    from rollout_svc.engine import sglang_loader as sl
+    from rollout_svc.engine.sglang_engine import _hf_param_metas
+    from rollout_svc.engine.sglang_fp8 import served_metas
+    from rollout_svc.sync.transaction import SyncTransaction
+    from tests.sglang_exec.exec_checks import BUCKET_BYTES
+    from weightsync.bus.copy.checksum import ALGO, bucket_checksum
+    from weightsync.bus.pack import alloc_buffer, pack_bucket
+    from weightsync.bus.plan import TensorMeta, make_manifest, manifest_from_proto, manifest_to_proto
+    from weightsync.formats.fp8.spec import BLOCK_FP8
+
+    cfg, _ = fp8_export(3)
+    model = fp8_model(cfg)
+    side = SglangSide(model)
+    side.tokenizer_manager = SimpleNamespace()  # no pause/continue here: begin_apply skips them
+    side.flush_cache = lambda: (side.calls.append(("flush_cache", {})), True)[1]
+    register_loader(side)
+    eng = direct_adapter(side)
+    eng._hf_config, eng._metas = cfg, served_metas(_hf_param_metas(cfg, torch.bfloat16), cfg)
+    tx = SyncTransaction(eng, "inplace")
+    for version in (1, 2):
+        _, named = fp8_export(2 + version)
+        metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in named]
+        m = make_manifest(
+            metas,
+            version=version,
+            sync_id=f"s{version}",
+            bucket_bytes=BUCKET_BYTES,
+            checksum_algo=ALGO,
+            quantization=BLOCK_FP8,
+        )
+        m = manifest_from_proto(manifest_to_proto(m))  # as the rollout receives it
+        state, bufs = dict(named), []
+        for b in m.buckets:
+            buf = alloc_buffer(b.nbytes)
+            pack_bucket(b, [(slot.meta.name, state[slot.meta.name]) for slot in b.slots], buf)
+            bufs.append(buf)
+        sums = {i: bucket_checksum(b) for i, b in enumerate(bufs)}
+        tx.prepare(m, timeout=60)
+        assert tx._pending.dequantizer is None, "an FP8 SGLang should take the pairs as they are"
+        for i, buf in enumerate(bufs):
+            tx.consume_bucket(m.sync_id, i, buf, sums[i])
+        tx.commit(m.sync_id, version, sums)
+        assert tx.version == version, f"version {tx.version} after committing {version}"
+        assert_holds_the_export(model, cfg, named)
+    assert set(eng.direct_how.values()) == {sl.BY_TABLE}, f"the second sync was written by {eng.direct_how}"
+    assert ("flush_cache", {}) in side.calls
+
+
 CHECKS = {
     "fp8_block_two_syncs[tiny-qwen2-fp8]": check_two_fp8_syncs,
     "fp8_block_prepare_refusals": check_prepare_refuses_what_sglang_does_not_hold,
     "fp8_block_alignment_as_sglang": check_block_alignment_as_sglang,
     "fp8_block_rollout_writes_through_table": check_rollout_writes_fp8_through_the_table,
+    "fp8_block_syncs_through_the_transaction": check_fp8_syncs_through_the_transaction,
 }
