@@ -18,6 +18,8 @@ shape. Per transport (ipc -> s0, tcp -> s0, nccl -> s1):
      sync (must be False: the radix cache was flushed), served version == the trainer's.
 `--timing-model 1.5b` then restarts the services at that shape (random weights, ipc only) and times the
 colocated sync into SGLang beside the built-in engine.
+`--timing-dtype fp8-block`: those runs export block FP8 (the trainer's fp8-block), SGLang serving a block-FP8
+checkpoint of the same random weights (`save_random_fp8`) and the built-in engine the bf16 one.
 `--tp-size N`: SGLang's tp_size (every SGLang rollout; its ranks on GPUs 0..N-1 for ipc and tcp, beside the
 trainer on cuda:0; nccl: rollout_layout), each run recording `tp_size` and the SGLang rollout's `bytes_per_rank`.
 `--concurrency N` (before the services stop): N clients each send one greedy Generate of one prompt at
