@@ -18,6 +18,8 @@ shape. Per transport (ipc -> s0, tcp -> s0, nccl -> s1):
      sync (must be False: the radix cache was flushed), served version == the trainer's.
 `--timing-model 1.5b` then restarts the services at that shape (random weights, ipc only) and times the
 colocated sync into SGLang beside the built-in engine.
+`--timing-dtype fp8-block`: those runs export block FP8 (the trainer's fp8-block), SGLang serving a block-FP8
+checkpoint of the same random weights (`save_random_fp8`) and the built-in engine the bf16 one.
 `--tp-size N`: SGLang's tp_size (every SGLang rollout; its ranks on GPUs 0..N-1 for ipc and tcp, beside the
 trainer on cuda:0; nccl: rollout_layout), each run recording `tp_size` and the SGLang rollout's `bytes_per_rank`.
 `--concurrency N` (before the services stop): N clients each send one greedy Generate of one prompt at
@@ -91,6 +93,29 @@ def save_random_hf(cfg_dir: Path, out: Path, seed: int) -> Path:
     m.save_pretrained(out)
     del m
     torch.cuda.empty_cache()
+    return out
+
+
+def save_random_fp8(bf16_dir: Path, out: Path, device: str = "cuda") -> Path:
+    """`bf16_dir`'s weights as a block-FP8 checkpoint, written as DeepSeek-V3's are: every linear weight e4m3 beside
+    its float32 `weight_scale_inv` (one per 128x128 block; weightsync's own fp8-block export, quantized on the GPU)
+    and config.json with the `quantization_config` from which SGLang builds block-FP8 (Fp8LinearMethod) layers."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from weightsync.formats.fp8.export import export_tensors
+    from weightsync.formats.fp8.spec import BLOCK_FP8, hf_quantization_config
+
+    out.mkdir(parents=True, exist_ok=True)  # a later run at the same shape overwrites it, as save_random_hf does
+    cfg = AutoConfig.from_pretrained(bf16_dir)
+    cfg.quantization_config = hf_quantization_config(BLOCK_FP8)
+    cfg.save_pretrained(out)
+    for i, f in enumerate(sorted(bf16_dir.glob("*.safetensors"))):  # shard by shard: one in GPU memory at a time
+        quantized = {n: t.contiguous() for n, t in export_tensors(load_file(f, device=device).items())}
+        save_file(quantized, out / f"model-fp8-{i:05d}.safetensors", metadata={"format": "pt"})
+        del quantized
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -294,19 +319,23 @@ class Fleet:
         ready_timeout: float,
         inflight: int = 0,
         tp_size: int = 1,
+        export_dtype: str = "bfloat16",
+        sglang_dir: Path | None = None,
     ) -> None:
         """Assign the Fleet before calling this: if a service fails to start, stop() still reaches the others.
         `inflight`: Generate calls one client may have in flight (the rollouts' default is 4; --concurrency
         sends its N from one client). `tp_size`: SGLang's, its ranks on the GPUs from each SGLang rollout's
-        device on."""
+        device on. `export_dtype`: the trainer's; `sglang_dir`: what the SGLang rollouts serve instead of
+        `start_dir` (a block-FP8 checkpoint for fp8-block syncs: save_random_fp8)."""
         t = start_trainer(
             work, "--backend", "megatron", "--model", str(init_model), "--init-seed", "1", "--param-dtype", "bfloat16",
-            "--transport", "ipc", "--export-dtype", "bfloat16", "--no-auto-sync-new-rollouts",
+            "--transport", "ipc", "--export-dtype", export_dtype, "--no-auto-sync-new-rollouts",
         )  # fmt: skip
         self.procs.append(t)
         self.trainer = t
         for name, (engine, device, *receive) in rollouts.items():
-            args = ["--engine", engine, "--model", str(start_dir), "--device", device, "--dtype", "bfloat16"]
+            serves = sglang_dir if engine == "sglang" and sglang_dir else start_dir
+            args = ["--engine", engine, "--model", str(serves), "--device", device, "--dtype", "bfloat16"]
             args += ["--apply-mode", "inplace", "--serve-initial-weights", "--trainer-address", t.address]
             args += ["--register-timeout-s", str(ready_timeout)]
             if inflight > 4:
@@ -395,32 +424,63 @@ def direct_lines(fleet, name: str) -> list[str]:
 
 def print_timing(res: dict) -> None:
     for r in res.get("timing_runs", []):
-        keys = ("model", "transport", "tp_size", "sync_s", "builtin_sync_s", "bytes", "bytes_per_rank", "route")
+        keys = ("model", "transport", "export_dtype", "tp_size", "sync_s", "builtin_sync_s", "bytes", "bytes_per_rank")
+        keys += ("route", "builtin_route")
         print({k: r.get(k) for k in (*keys, "error", "direct_how")}, flush=True)
 
 
 def timing_run(
-    res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int = 1, transports=("ipc",), gpus: int = 1
+    res: dict,
+    model: str,
+    work: Path,
+    reps: int,
+    ready_timeout: float,
+    tp: int = 1,
+    transports=("ipc",),
+    gpus: int = 1,
+    export_dtype: str = "bfloat16",
 ) -> None:
     """Sync time into SGLang and the built-in engine at `model`'s shape (random weights), per transport: ipc
     colocated on cuda:0; nccl with the rollouts where rollout_layout puts them. One fleet per transport, so two
-    SGLang engines never share a GPU's memory."""
+    SGLang engines never share a GPU's memory. `export_dtype` fp8-block: the trainer sends block FP8, SGLang
+    serves a block-FP8 checkpoint of the same weights (takes the pairs as they are), the built-in engine the
+    16-bit one (dequantizes)."""
     for transport in transports:
         rollouts = {k: v for k, v in rollout_layout([transport], gpus, tp).items() if k in TARGETS[transport]}
-        timing_one(res, model, work, reps, ready_timeout, tp, transport, rollouts)
+        timing_one(res, model, work, reps, ready_timeout, tp, transport, rollouts, export_dtype)
 
 
-def timing_one(res: dict, model: str, work: Path, reps: int, ready_timeout: float, tp: int, transport: str, rollouts):
+def timing_one(
+    res: dict,
+    model: str,
+    work: Path,
+    reps: int,
+    ready_timeout: float,
+    tp: int,
+    transport: str,
+    rollouts,
+    export_dtype: str = "bfloat16",
+):
     sid, bid = TARGETS[transport]
     rec = {"model": model, "transport": transport, "tp_size": tp, "trainer_backend": "megatron", "weights": "random"}
-    rec["rollouts"] = rollouts
+    rec["rollouts"], rec["export_dtype"] = rollouts, export_dtype
     res.setdefault("timing_runs", []).append(rec)
     fleet = None
     try:
         cfg_dir = write_config(model, work)
         start_dir = save_random_hf(cfg_dir, work / f"start-{model}", seed=2)
+        sglang_dir = save_random_fp8(start_dir, work / f"start-{model}-fp8") if export_dtype == "fp8-block" else None
         fleet = Fleet()
-        fleet.start(work, cfg_dir, start_dir, rollouts, ready_timeout, tp_size=tp)
+        fleet.start(
+            work,
+            cfg_dir,
+            start_dir,
+            rollouts,
+            ready_timeout,
+            tp_size=tp,
+            export_dtype=export_dtype,
+            sglang_dir=sglang_dir,
+        )
         for rid, key in ((sid, "sync_s"), (bid, "builtin_sync_s")):
             log(f"timing {model}: syncing {rid} over {transport} ({reps} + 1)")
             reports, secs = sync_times(fleet.trainer.address, fleet.tstub, rid, transport, reps + 1)
@@ -466,6 +526,12 @@ def main() -> int:
     ap.add_argument("--timing-transports", default="ipc", help="transports of the --timing-model runs (ipc,nccl)")
     ap.add_argument("--timing-only", action="store_true", help="only the --timing-model runs (no greedy runs)")
     ap.add_argument("--tp-size", type=int, default=1, help="SGLang's tp_size (its ranks on GPUs 0..N-1; nccl: below)")
+    ap.add_argument(
+        "--timing-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "fp8-block"),
+        help="the trainer's export dtype in the --timing-model runs; fp8-block: SGLang serves a block-FP8 checkpoint",
+    )
     args = ap.parse_args()
     # `timeout` sends SIGTERM: unwind through `finally` so the services are stopped and the JSON written
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"terminated (SIGTERM) at {time.strftime('%H:%M:%S')}"))
@@ -516,7 +582,10 @@ def main() -> int:
     if args.timing_only:
         if not args.timing_model:
             raise SystemExit("--timing-only needs --timing-model")
-        timing_run(res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus)
+        timing_run(
+            res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus,
+            args.timing_dtype,
+        )  # fmt: skip
         Path(args.out).write_text(json.dumps(res, indent=2))
         print_timing(res)
         return 0 if all(r.get("error") is None for r in res["timing_runs"]) else 1
@@ -562,8 +631,9 @@ def main() -> int:
         if args.timing_model:
             Path(args.out).write_text(json.dumps(res, indent=2))
             timing_run(
-                res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus
-            )
+                res, args.timing_model, work, args.reps, args.ready_timeout, args.tp_size, timing_transports, gpus,
+                args.timing_dtype,
+            )  # fmt: skip
     except BaseException as exc:  # noqa: BLE001 — SystemExit from SIGTERM too: record, then clean up
         traceback.print_exc()
         res["error"] = repr(exc)[:3000]

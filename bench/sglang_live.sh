@@ -5,7 +5,9 @@
 #
 #   WS_SGLANG_WHL=<dir of SGLang's wheels> [WS_PEAKED_DIR=<dir>] [LIVE_ARGS=--timing-model=1.5b] bash bench/sglang_live.sh
 # (LIVE_ARGS="--concurrency 16": also 16 concurrent one-prompt requests against the same 16 in sequence;
-#  LIVE_ARGS="--transports=ipc,nccl --tp-size 2" on 2 GPUs: SGLang tp_size=2, bytes read per TP rank recorded)
+#  LIVE_ARGS="--transports=ipc,nccl --tp-size 2" on 2 GPUs: SGLang tp_size=2, bytes read per TP rank recorded;
+#  LIVE_ARGS="--timing-only --timing-model=7b --timing-dtype=fp8-block": block-FP8 syncs, SGLang serving a
+#  block-FP8 checkpoint, against the built-in engine in the same run)
 #
 # WS_PEAKED_DIR: bench/peaked_model.py's checkpoints (a small Qwen2 trained to decisive next-token margins,
 # so the greedy comparison with transformers is strict); made there first if the folder has none.

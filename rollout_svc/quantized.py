@@ -29,6 +29,7 @@ def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantize
     """
     q = manifest.quantization
     if q is None:
+        check_fp8_where_held(engine.param_metas(), manifest.metas(), quantized=False)
         return manifest.metas(), None
     try:
         check_supported(q)
@@ -36,8 +37,36 @@ def plan_apply(engine, manifest: Manifest) -> tuple[list[TensorMeta], Dequantize
         raise ValueError(f"manifest.quantization: {exc}") from None
     metas = logical_metas(manifest.metas())
     if engine.loads_quantized(q):
+        check_fp8_where_held(engine.param_metas(), manifest.metas(), quantized=True)
         return metas, None
     return metas, Dequantizer({n: m.dtype for n, m in engine.param_metas().items()})
+
+
+def check_fp8_where_held(params: dict[str, TensorMeta], metas: list[TensorMeta], quantized: bool) -> None:
+    """An engine that holds some parameters in FP8 (SGLang serving a block-FP8 checkpoint) loads the manifest's
+    tensors as they are: each of those must arrive as FP8 (with its scale, checked by logical_metas), and no other
+    may. A 16-bit weight copied into an FP8 parameter would be cast without a scale, an FP8 one into a 16-bit
+    parameter read as a few bits of it. ValueError naming the tensor and the fix."""
+    fp8_held = {n for n, m in params.items() if m.dtype == FP8_DTYPE}
+    if not fp8_held:
+        return
+    for m in metas:
+        if m.name not in params:
+            continue  # a block scale; an unknown name is refused by the prepare's name check, naming it
+        held = params[m.name].dtype
+        if m.name in fp8_held and m.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"tensor {m.name}: the engine holds it in block FP8 (it serves a checkpoint with quantization_config "
+                f"{dict(hf_quantization_config(BLOCK_FP8))}) but the manifest sends {m.dtype}"
+                + ("" if quantized else " (manifest.quantization: none)")
+                + ": set the trainer's export_dtype=fp8-block, or serve the model from a 16-bit checkpoint"
+            )
+        if m.name not in fp8_held and m.dtype == FP8_DTYPE:
+            raise ValueError(
+                f"tensor {m.name}: the manifest sends it in block FP8 but the engine holds it in {held} (the served "
+                f"checkpoint's quantization_config leaves it unquantized): serve a checkpoint written by the same "
+                f"trainer's ExportHf with export_dtype=fp8-block, whose quantized tensors are the manifest's"
+            )
 
 
 def write_metas(engine, manifest: Manifest) -> list[TensorMeta | None] | None:

@@ -276,6 +276,14 @@ SGLANG_API_USED: dict[str, ApiUse] = {
         why="the scheduler unpickles update payloads with an allow-list (module prefixes in 0.5.10, exact "
         "(module, name) pairs in 0.5.23); every global our payloads pickle must pass it",
     ),
+    "Fp8Config layers left unquantized": ApiUse(
+        "literal",
+        "sglang.srt.layers.quantization.fp8",
+        "",
+        params=("ignored_layers", "modules_to_not_convert"),
+        why="Fp8Config.from_config reads the layers a block-FP8 checkpoint keeps 16-bit from these keys of its "
+        "quantization_config; sglang_fp8.served_metas leaves them out of the weights it declares FP8",
+    ),
     # ---- colocated: hand the GPU back to the trainer between rollouts --------------------
     "Engine.release_memory_occupation": ApiUse(
         "method", _ENGINE, "Engine", "release_memory_occupation", params=("tags",)

@@ -234,6 +234,7 @@ class SglangEngine(
     @classmethod
     def from_rollout_config(cls, cfg) -> SglangEngine:
         """`cfg`: the rollout config's `inference` section."""
+        from rollout_svc.engine.sglang_fp8 import check_block_aligned, served_metas
         from weightsync.bus.dtypes import parse_dtype
         from weightsync.debug import switches
         from weightsync.models import resolve_model
@@ -271,7 +272,11 @@ class SglangEngine(
             rollout_writes=switches().sglang_rollout_writes,
             extra=tuple(sorted(args.items())),
         )
-        return cls(opts, _hf_param_metas(config, parse_dtype(cfg.dtype)), hf_config=config)
+        # a block-FP8 checkpoint: its linear weights are float8_e4m3fn in SGLang (sglang_fp8.py), checked for block
+        # alignment here, before SGLang starts, so the error names the tensor and the fix
+        metas = served_metas(_hf_param_metas(config, parse_dtype(cfg.dtype)), config)
+        check_block_aligned(metas, config, cfg.tp)
+        return cls(opts, metas, hf_config=config)
 
     @property
     def releases_memory(self) -> bool:

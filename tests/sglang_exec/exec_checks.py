@@ -15,6 +15,7 @@ import torch
 from tests.sglang_exec.colocated_checks import CHECKS as COLOCATED_CHECKS
 from tests.sglang_exec.direct_checks import CHECKS as DIRECT_CHECKS
 from tests.sglang_exec.export_checks import CHECKS as EXPORT_CHECKS
+from tests.sglang_exec.fp8_checks import CHECKS as FP8_CHECKS
 from tests.sglang_exec.sglang_side import SglangSide, build_model, init_tp1
 from tests.support.sglang_site import RESULT_MARK, activate
 
@@ -77,9 +78,9 @@ def expected_sglang_params(cfg, hf: dict[str, torch.Tensor]) -> dict[str, torch.
             elif which == "gate_proj":
                 up = hf[name.replace("gate_proj", "up_proj")]
                 exp.setdefault(f"{pre}.mlp.experts.w13_weight", {})[e] = torch.cat([t, up])
-        elif name.endswith(".gate_proj.weight"):  # dense MLP, or a MoE's shared expert
+        elif name.endswith((".gate_proj.weight", ".gate_proj.weight_scale_inv")):  # dense MLP, or a shared expert
             exp[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, hf[name.replace("gate_proj", "up_proj")]])
-        elif name.endswith(".up_proj.weight"):
+        elif name.endswith((".up_proj.weight", ".up_proj.weight_scale_inv")):  # (block FP8: fp8_checks.py)
             continue
         else:
             exp[name] = t
@@ -335,6 +336,7 @@ CHECKS = {
     **DIRECT_CHECKS,
     **EXPORT_CHECKS,
     **COLOCATED_CHECKS,
+    **FP8_CHECKS,
 }
 
 
