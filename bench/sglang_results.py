@@ -53,8 +53,10 @@ def document(res: dict) -> dict:
         "torch": res["torch"],
         "date": res["date"],
         "rows": rows_of(res),
-        "baseline": BASELINE,
+        "baseline": None,
     }
+    # no row (the colocated RL run alone, or nothing measured yet): nothing is compared with the baseline
+    doc["baseline"] = BASELINE if doc["rows"] else None
     if os.environ.get("WS_LIVE_COMMAND"):  # bench/sglang_live.sh: the recipe's own line (env + LIVE_ARGS)
         doc["shell_command"] = os.environ["WS_LIVE_COMMAND"]
     clash = set(doc) & (set(res) - {"torch", "date"})
