@@ -17,7 +17,7 @@
 # ($WS_SGLANG_WHL: sglang 0.5.10 + its light deps; docs/sglang.md lists them), installed --no-deps into
 # /tmp/site. sgl_kernel and flashinfer cannot be installed on the host: the harness shim
 # (tests/support/sgl_kernel_shim.py) stands in, loaded in every process by sitecustomize.
-# Output: $OUT/sglang_live.json (copy it to bench/results/results_sglang_live_<device>_<date>.json), its log
+# Output: $OUT/sglang_live.json (copy it to bench/results/sglang_live_<device>_<date>.json), its log
 # sglang_live.txt and the services' logs in logs.tgz.
 set -uo pipefail
 . "$(dirname "$0")/sglang_env.sh"
@@ -30,6 +30,8 @@ if [ -n "${WS_PEAKED_DIR:-}" ]; then
     || { echo "training the peaked model failed" >&2; exit 3; }
   PEAKED=(--peaked "$WS_PEAKED_DIR")
 fi
+# the JSON's `shell_command`: this recipe's own line (its `command` is the python line below)
+export WS_LIVE_COMMAND=${WS_LIVE_COMMAND:-"WS_PEAKED_DIR=${WS_PEAKED_DIR:-} LIVE_TIMEOUT=${LIVE_TIMEOUT:-480} LIVE_ARGS=\"${LIVE_ARGS:-}\" bash bench/sglang_live.sh"}
 timeout ${LIVE_TIMEOUT:-480} python3 bench/sglang_live.py --out "$OUT/sglang_live.json" "${PEAKED[@]}" ${LIVE_ARGS:-} 2>&1 \
   | tee "$OUT/sglang_live.txt"
 rc=$?

@@ -109,7 +109,8 @@ def _phase(rec: dict, name: str, records) -> None:
 
 def _greedy_check(rec: dict, trainer_address: str, stub, work: Path, prompts) -> None:
     """SGLang's greedy tokens against transformers' on the trainer's exported weights."""
-    from bench.sglang_live import generate, hf_reference, ws
+    from bench.sglang_fleet import ws
+    from bench.sglang_greedy import generate, hf_reference
 
     after, served = generate(stub, prompts)
     export_dir = work / "rl-export"
@@ -124,7 +125,7 @@ def _greedy_check(rec: dict, trainer_address: str, stub, work: Path, prompts) ->
 def colocated_rl(res: dict, work: Path, save, steps: int, held_steps: int, ready_timeout: float) -> None:
     """Fills `res["colocated_rl"]` as it goes; `save()` writes `res` (a run cut off keeps what it measured)."""
     from bench import peaked_model
-    from bench.sglang_live import SGLANG_ARGS, save_random_hf
+    from bench.sglang_fleet import SGLANG_ARGS, save_random_hf
     from weightsync.control.client import channel, rollout_stub
     from weightsync.rl.driver import LoopConfig, run_loop
     from weightsync.rl.tasks import make_task

@@ -50,7 +50,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 def sync_twice(family: str) -> None:
     from rollout_svc.engine import sglang_loader as sl
-    from tests.sglang_exec.exec_checks import _model, assert_model_holds, packed_buckets, trainer_export
+    from tests.sglang_exec.exec_checks import _model, assert_model_holds, several_buckets, trainer_export
     from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.copy.verified_copy import pending_values
 
@@ -64,7 +64,7 @@ def sync_twice(family: str) -> None:
             eng = direct_adapter(side)
         ref = _model(cfg)
         ref_eng = direct_adapter(SglangSide(ref))
-        buckets = packed_buckets(named)
+        buckets = several_buckets(named)
         # the first bucket alone (as the transaction's first, checked before the write), the rest queued and
         # written by one call when the first queued checksum is read (as at the commit)
         got = [eng.load_bucket_summed(*buckets[0])]

@@ -136,6 +136,18 @@ def packed_buckets(named, bucket_bytes=BUCKET_BYTES):
     return out
 
 
+#: a sync "in several buckets": the hand-over from one bucket to the next is exercised, not one bucket alone
+MIN_BUCKETS = 4
+
+
+def several_buckets(named, bucket_bytes=BUCKET_BYTES):
+    """`packed_buckets`, refusing a layout of fewer than MIN_BUCKETS buckets (a check of one bucket would pass
+    however the adapter carried state from a bucket to the next)."""
+    out = packed_buckets(named, bucket_bytes)
+    assert len(out) >= MIN_BUCKETS, f"{len(out)} buckets of {bucket_bytes} bytes: lower bucket_bytes"
+    return out
+
+
 def dense_plan(named, index=0):
     """A bucket laid out as SGLang's distributed flattened receive expects: no padding."""
     from weightsync.bus.plan import BucketPlan, Slot, TensorMeta
@@ -294,7 +306,7 @@ def load_family_path1(family: str):
     model = _model(cfg)
     side = SglangSide(model)
     eng = adapter(side)
-    for plan, buf in packed_buckets(named):
+    for plan, buf in several_buckets(named):
         eng._send_flattened(eng.bucket_payloads(plan, buf))  # load_bucket's CUDA branch, from a CPU buffer
     assert_model_holds(model, cfg, named)
     assert all(kw["load_format"] == "flattened_bucket" and kw["flush_cache"] is False for _, kw in side.calls)

@@ -89,7 +89,7 @@ def _assert_as_sglangs_loader(family: str, model, cfg, named, buckets, who: str)
 
 def trainer_writes_through_the_table(family: str) -> None:
     from rollout_svc.engine import sglang_export_worker
-    from tests.sglang_exec.exec_checks import packed_buckets, trainer_export
+    from tests.sglang_exec.exec_checks import several_buckets, trainer_export
     from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.ipc.trainer_writes import Destinations, TrainerWriteSender
 
@@ -101,7 +101,7 @@ def trainer_writes_through_the_table(family: str) -> None:
         manifest = _manifest(named, 2)
         assert eng.ipc_destinations(manifest) == got, "another sync of the same layouts is offered the same table"
         dests = Destinations(manifest, got[1], ipc.open)  # the trainer's validation of every entry
-        buckets = packed_buckets(named)
+        buckets = several_buckets(named)
         writer = TrainerWriteSender(dests, "r0")
         calls = len(side.calls)
         for plan, buf in buckets:
@@ -120,7 +120,7 @@ def rollout_writes_through_the_table(family: str) -> None:
     rollout-svc, offered as `writable_params` while SGLang is paused, and written by the in-place apply's
     copy-and-checksum (verified_copy.copy_into), with no SGLang call."""
     from rollout_svc.engine import sglang_export_worker
-    from tests.sglang_exec.exec_checks import packed_buckets, trainer_export
+    from tests.sglang_exec.exec_checks import several_buckets, trainer_export
     from weightsync.bus.copy.checksum import bucket_checksum
     from weightsync.bus.copy.verified_copy import copy_into
 
@@ -129,7 +129,7 @@ def rollout_writes_through_the_table(family: str) -> None:
     try:
         side, eng, model, _ = _learnt(family, ipc)
         cfg, named = trainer_export(family, seed=4)
-        buckets = packed_buckets(named)
+        buckets = several_buckets(named)
         calls = len(side.calls)
         metas = [slot.meta for slot in buckets[0][0].slots]
         assert eng.writable_params(metas) is None, "SGLang's parameters were offered outside a paused sync"

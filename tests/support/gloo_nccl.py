@@ -17,8 +17,10 @@ sender of that trainer rank waits before each bucket while <path> exists, and sa
 <path>.held (the test waits for that file, then acts; removing <path> lets the stream go on).
 RANK unset (a single-process trainer) is rank 0. WS_GLOO_HOLD_AT=<n> holds only from the n-th bucket
 of each stream on (n-1 buckets went through first: the hold lands mid-stream by construction).
-WS_GLOO_PACE_BPS=<bytes per second> paces every stream a trainer process sends, as a slow link
-would, so that a normal stream lasts long against the liveness timeout whatever the box's speed.
+WS_GLOO_PACE_BPS=<bytes per second> paces every bucket a trainer process sends, as a slow link
+would, so that a normal stream lasts long against the liveness timeout whatever the box's speed. Each
+bucket on its own: a send ends no earlier than its bytes would have crossed such a link from the send's
+start, so no bucket goes faster than the link, also after one that waited for a late receiver.
 """
 
 from __future__ import annotations
@@ -131,16 +133,16 @@ class GlooSender(BucketSender):
         self._hold = _held_here()
         self._hold_at = int(os.environ.get("WS_GLOO_HOLD_AT", "1"))
         self._pace = float(os.environ.get("WS_GLOO_PACE_BPS", "0"))
-        self._sent, self._bytes, self._t0 = 0, 0, time.monotonic()
+        self._sent = 0
 
     def send(self, plan, buf: torch.Tensor, checksum) -> None:
         self._sent += 1
         if self._hold is not None and self._sent >= self._hold_at:
             _wait_while_held(self._hold)
+        t0 = time.monotonic()
         self.group.broadcast(buf[: plan.nbytes].cpu().contiguous())
-        self._bytes += plan.nbytes
         if self._pace > 0:  # as a link of that rate: the send ends once its bytes would have crossed it
-            time.sleep(max(0.0, self._t0 + self._bytes / self._pace - time.monotonic()))
+            time.sleep(max(0.0, t0 + plan.nbytes / self._pace - time.monotonic()))
 
     def framed(self):
         from weightsync.bus.nccl.framed import FramedSender

@@ -45,6 +45,15 @@ class StreamStats:
     send_seconds: float = 0.0
     wall_seconds: float = 0.0
     peak_buffer_bytes: int = 0
+    #: bytes/s of the bucket that crossed the bus fastest (its bytes over the send wait its transfer ended
+    #: in; 0: none measured). A receiver late to take a bucket lengthens that bucket's wait, never shortens
+    #: one, so the fastest bucket is the link's own rate where the aggregate (bytes / send_seconds) would
+    #: read a slow receiver as a slow link (publisher/delta_sync.py decides by it)
+    link_rate: float = 0.0
+
+    def bucket_waited(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.link_rate = max(self.link_rate, nbytes / seconds)
 
 
 _DONE = object()
@@ -233,6 +242,7 @@ def _sent_at_once(
         stats.checksums = sender.checksums()
     stats.send_seconds += time.perf_counter() - t0
     stats.wall_seconds = stats.send_seconds
+    stats.bucket_waited(stats.bytes_sent, stats.send_seconds)  # one hand-over: no bucket of its own
     return True
 
 
@@ -321,6 +331,8 @@ def _consume(
     stats, manifest = st.stats, st.manifest
     releases_previous = sender.releases_previous
     held = None  # with a releases_previous sender, bucket k's buffer is reusable only after send(k+1)
+    # a releases_previous sender's send(k) waits for bucket k-1's transfer (flush for the last one's)
+    waited_for = 0
     while True:
         try:
             item = st.ready.get(timeout=st.remaining())
@@ -333,7 +345,10 @@ def _consume(
         plan, buf, view, csum = item
         t0 = time.perf_counter()
         sender.send(plan, view, csum)
-        stats.send_seconds += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        stats.send_seconds += waited
+        stats.bucket_waited(waited_for if releases_previous else plan.nbytes, waited)
+        waited_for = plan.nbytes
         stats.bytes_sent += plan.nbytes
         if on_sent is not None:
             on_sent(plan.nbytes)
@@ -348,7 +363,9 @@ def _consume(
     if releases_previous:  # the others' sends returned with their buckets delivered
         t0 = time.perf_counter()
         sender.flush()
-        stats.send_seconds += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        stats.send_seconds += waited
+        stats.bucket_waited(waited_for, waited)
     if csums is not None:
         t0 = time.perf_counter()
         stats.checksums = csums.values()

@@ -168,8 +168,8 @@ class SyncMetrics:
         )
         self.nccl_link_rate = Gauge(
             "weightsync_nccl_link_bytes_per_second",
-            "The NCCL link's rate as the last full nccl sync measured it (bytes on the bus per second of "
-            "its stream; 0: none measured yet): sync_encoding=auto sends deltas over nccl below delta_link_gbps",
+            "The NCCL link's rate as the last full nccl sync measured it (its fastest bucket's bytes per "
+            "second; 0: none measured yet): sync_encoding=auto sends deltas over nccl below delta_link_gbps",
             ["role"],
             registry=r,
         ).labels(self.role)

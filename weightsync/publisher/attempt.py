@@ -109,7 +109,7 @@ class SyncAttempt:
             fresh = not self.session.reused
             with self.phases("stream"):
                 checksums = self.stream()
-            self.delta.streamed(self.streamer.bus_bytes, self.streamer.send_seconds, fresh)
+            self.delta.streamed(self.streamer.bus_bytes, self.streamer.send_seconds, fresh, self.streamer.link_rate)
             with self.phases("commit"):
                 self.commit(checksums)
                 self.abort_failed()

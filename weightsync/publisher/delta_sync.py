@@ -27,8 +27,9 @@ rollout's apply in the commit: a fixed time per byte of export, whatever the lin
 the link's time, so it wins below a break-even link rate. bench/bench_delta_nccl.py measures both
 sides (docs/BENCHMARKS.md): on the GPUs measured, every inter-host link in use (100-400 Gb/s IB/RoCE)
 is below the break-even and NVLink within a host above it. So under auto each full nccl sync
-measures the link (`DeltaStream.streamed`: the bytes each target took / the seconds the stream waited
-in its sends, the link's time the export did not hide; with several senders the longest rank's wait),
+measures the link (`DeltaStream.streamed`: the rate of its fastest bucket, the bucket's bytes over the
+send wait its transfer ended in, the link's time the export did not hide; a slow receiver lengthens some
+buckets' waits but cannot make any bucket faster than the link; with several senders the slowest rank's),
 and while that rate is below `delta_link_gbps` (trainer config, default 400 Gb/s = 50 GB/s: below the
 measured break-even, above every inter-host link; 0: never) the next sync keeps its base, so the one
 after offers it. Until a rate is measured, or while it is at or above the knob, auto on nccl is full
@@ -307,16 +308,20 @@ class DeltaStream:
         if self.keep:
             self.base.drop()
 
-    def streamed(self, nbytes: int, seconds: float, fresh: bool) -> None:
+    def streamed(self, nbytes: int, seconds: float, fresh: bool, link_rate: float = 0.0) -> None:
         """The stream put `nbytes` on the bus for each target, waiting `seconds` on it (its sends: the
-        link's time that the export did not hide, which is what a delta can save). A full nccl stream
-        that went out whole measures the link (DeltaBase.measured); not a delta stream (its sends
-        encode too), nor one on a group built in this sync (`fresh`: NCCL sets its connections up at
-        the first broadcast, which would read as a slow link and keep a base on NVLink). A full stream
-        that keeps its base counts its compare and copy too: a few ms per 3 GB on a GPU, slower by far
-        less than the knob separates NVLink from a link between hosts."""
+        link's time that the export did not hide, which is what a delta can save); `link_rate`: the
+        bytes/s of its fastest bucket (StreamStats.link_rate), which the link is judged by when given.
+        Not the aggregate: a receiver slow to take each bucket (SGLang's hand-over at tp_size 2 was, at
+        15 GB/s over NVLink) lengthens the sends as a slow link would, and deltas would not shorten that
+        time (the receiver's own apply of a delta costs more), while no bucket crosses a link faster
+        than the link. A full nccl stream that went out whole measures the link (DeltaBase.measured);
+        not a delta stream (its sends encode too), nor one on a group built in this sync (`fresh`: NCCL
+        sets its connections up at the first broadcast, which would read as a slow link and keep a base
+        on NVLink). A full stream that keeps its base counts its compare and copy too: a few ms per 3 GB
+        on a GPU, slower by far less than the knob separates NVLink from a link between hosts."""
         if self.transport == "nccl" and self.ok and not self.accepted and not fresh and nbytes > 0 and seconds > 0:
-            self.base.measured(nbytes / seconds, self.manifest.sync_id)
+            self.base.measured(link_rate or nbytes / seconds, self.manifest.sync_id)
 
     def finish(self, ok: bool) -> None:
         """The stream ended (`ok`: every bucket went out): the copy is this version's base, or none."""

@@ -118,6 +118,8 @@ class SenderResult:
     #: of `seconds`, the time its stream waited on the bus (in its channel's sends: what the link did
     #: not hide behind the export); rank 0 measures the NCCL link by it (publisher/delta_sync.py)
     send_seconds: float = 0.0
+    #: bytes/s of its fastest bucket (StreamStats.link_rate: the link's rate, not a slow receiver's)
+    link_rate: float = 0.0
     error: str = ""  # the whole stream failed (every target misses its buckets)
     failures: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was dropped
     checksums: list[list[int]] = field(default_factory=list)  # [bucket index, checksum]
@@ -206,7 +208,7 @@ def run_sender(actor, job: SendJob) -> SenderResult:
                 res.checksums = [[b.index, c] for b, c in zip(mine, checksums)]
                 res.buckets, res.bytes = len(mine), sum(b.tensor_bytes for b in mine)
                 res.peak_buffer_bytes = stats.peak_buffer_bytes
-                res.send_seconds = stats.send_seconds
+                res.send_seconds, res.link_rate = stats.send_seconds, stats.link_rate
             finally:
                 if watch is not None:
                     watch.stop()

@@ -427,8 +427,13 @@ class SyncOrchestrator:
         since, is not: the fleet's next sync takes it. A catch-up of its own between a weight update
         and that sync would stream the same version twice and hold the sync lock the caller's sync
         then finds taken. Before any commit, anything but the trainer's version is behind; a STALE
-        rollout (a failed in-place apply) is always caught up: it refuses generation until then."""
-        if self.is_current(entry):
+        rollout (a failed in-place apply) is always caught up: it refuses generation until then.
+
+        Except one whose GPU memory is released (colocated RL, ReleaseMemory): a train step owns that GPU
+        now or is about to, and a catch-up (it would take the sync lock between the release and the
+        step) would map the rollout's weights and KV cache back under the trainer. The driver's sync after
+        the step targets every rollout, behind or not, and maps the memory back itself."""
+        if self.is_current(entry) or entry.memory_released:
             return False
         if entry.state == rollout_pb2.STALE:
             return True

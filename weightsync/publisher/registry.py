@@ -31,6 +31,8 @@ class RolloutEntry:
     #: the rollout reads run entries in a full manifest (its last status or PrepareSync answer said so);
     #: False until it says so, so a rollout that predates them is sent every tensor as its own entry
     manifest_runs: bool = False
+    #: its engine's GPU memory is released for a colocated train step (its last status said so): not caught up
+    memory_released: bool = False
     #: the sync link this rollout offered in its last PrepareSync answer (weightsync.publisher.link_client)
     link: SyncLinkClient | None = None
 
@@ -107,6 +109,7 @@ class RolloutRegistry:
             entry.version, entry.origin, entry.state, entry.reachable = st.version, st.origin, st.state, True
             entry.trainer_id = st.trainer_id
             entry.manifest_runs = st.manifest_runs
+            entry.memory_released = st.memory_released
             if st.last_error:
                 entry.last_error = st.last_error
         except grpc.RpcError as exc:

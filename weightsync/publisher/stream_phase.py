@@ -91,6 +91,8 @@ class StreamPhase:
         self.bus_bytes = 0
         #: seconds the stream waited on the bus (the sends; with several senders, the longest wait)
         self.send_seconds = 0.0
+        #: bytes/s of its fastest bucket (StreamStats.link_rate; with several senders, the slowest rank's)
+        self.link_rate = 0.0
 
     def start_in_place(self) -> None:
         """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
@@ -230,6 +232,7 @@ class StreamPhase:
         self.senders = out.senders
         self.bytes_sent = sum(s.bytes for s in out.senders)
         self.send_seconds = max((s.send_seconds for s in out.senders), default=0.0)  # they send at once
+        self.link_rate = min((s.link_rate for s in out.senders if s.link_rate > 0), default=0.0)
         if a.delta.keep:
             a.delta.senders_kept(out.senders)
         for s in out.senders:
@@ -296,6 +299,7 @@ class StreamPhase:
                     a.phases.add(f"stream.trainer_writes.{part}", seconds)  # parts of the above
             sender.peak_buffer_bytes = stats.peak_buffer_bytes
             sender.send_seconds = self.send_seconds = stats.send_seconds
+            sender.link_rate = self.link_rate = stats.link_rate
             return a.delta.checksums if a.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)

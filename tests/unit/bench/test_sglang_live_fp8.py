@@ -1,4 +1,5 @@
-"""bench/sglang_live.py `--timing-dtype fp8-block`: the block-FP8 checkpoint SGLang is started from holds what the
+"""bench/sglang_live.py `--timing-dtype fp8-block` (bench/sglang_fleet.py `save_random_fp8`): the block-FP8
+checkpoint SGLang is started from holds what the
 trainer's fp8-block sync carries (names, dtypes, scale shapes) and declares the scheme SGLang serves as block FP8."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from weightsync.formats.fp8.export import export_metas
 
 
 def test_save_random_fp8_writes_the_checkpoint_sglang_serves_as_block_fp8(tmp_path):
-    from bench.sglang_live import save_random_fp8
+    from bench.sglang_fleet import save_random_fp8
 
     cfg = AutoConfig.for_model(
         "qwen2",

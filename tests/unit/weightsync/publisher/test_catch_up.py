@@ -97,3 +97,35 @@ def test_a_stale_rollout_on_the_fleet_version_is_caught_up():
         assert not orch.needs_catch_up(entry)  # on the fleet's version, behind only the unsynced update
         entry.state = rollout_pb2.STALE  # what a failed in-place apply leaves; refuses generation
         assert orch.needs_catch_up(entry)
+
+
+def test_a_rollout_whose_memory_is_released_is_not_caught_up_the_next_fleet_sync_maps_it_back():
+    """Colocated RL: a rollout released its GPU memory for the trainer's step. Behind or not, its heartbeat
+    queues no catch-up (one would take the sync lock between the release and the step and map the rollout's
+    memory back under the trainer), a catch-up queued earlier finds nothing to do; the driver's sync of the
+    whole fleet after the step brings it to the trainer's weights and serving again."""
+    with local_fleet({"a": {}, "b": {}}) as (trainer, rollouts, stub):
+        trainer.servicer.auto_sync = True
+        orch = trainer.orch
+        assert orch.sync(trainer.registry.all()).ok
+        v2 = _bump(trainer)
+        assert orch.sync([trainer.registry.get("b")]).ok and orch.fleet_version == v2  # a missed v2: behind
+        a = rollouts["a"]
+        a.tx.memory_released = True  # as ReleaseMemory leaves it (the built-in engine has nothing to free)
+        resp = _register(stub, "a", a)
+        entry = trainer.registry.get("a")
+        assert entry.memory_released and entry.version < v2
+        assert not resp.sync_scheduled and trainer.servicer._catchup.empty()
+        assert orch.sync([entry], only_behind=True) is None  # a catch-up queued before the release
+        assert a.tx.version < v2 and a.tx.memory_released
+
+        v3 = _bump(trainer)  # the train step
+        report = orch.sync(trainer.registry.all())  # the driver's sync after it
+        assert report.ok and {r.rollout_id for r in report.rollouts} == {"a", "b"}
+        assert a.tx.version == v3 and not a.tx.memory_released and a.tx.state == rollout_pb2.SERVING
+        trainer.registry.poll(entry)
+        assert not entry.memory_released and not orch.needs_catch_up(entry)
+        want, held = dict(trainer.actor.export_tensors()), a.engine.model.state_dict()
+        assert set(want) <= set(held)
+        for name, t in want.items():
+            assert torch.equal(held[name], t.to(held[name].dtype)), name

@@ -12,6 +12,7 @@ the rate is on the trainer's metrics (weightsync/publisher/delta_sync.py).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -84,3 +85,60 @@ def test_a_fast_link_keeps_auto_on_nccl_full_with_no_base():
             for app in rollouts.values():
                 assert _exact(trainer, app), (i, app.tx.version)
         assert delta.link_rate > 0 and _gauge(trainer) == pytest.approx(delta.link_rate)
+
+
+#: the knob of the two tests below, in bytes/s: between the paced links' rates and a slow receiver's aggregate
+KNOB_BPS = 1.6e6
+
+
+def _streamed_calls(monkeypatch) -> list:
+    """What each full stream handed the link rule: (bytes, seconds waited in the sends, fastest bucket's rate)."""
+    from weightsync.publisher import delta_sync
+
+    calls, real = [], delta_sync.DeltaStream.streamed
+
+    def streamed(self, nbytes, seconds, fresh, link_rate=0.0):
+        calls.append((nbytes, seconds, link_rate))
+        return real(self, nbytes, seconds, fresh, link_rate)
+
+    monkeypatch.setattr(delta_sync.DeltaStream, "streamed", streamed)
+    return calls
+
+
+def test_a_receiver_slow_to_take_each_bucket_is_not_read_as_a_slow_link(monkeypatch):
+    """The link paced at 8 MB/s, one rollout 150 ms late to take each bucket after the first (its hand-over
+    of the previous one, as SGLang's at tp_size 2): the stream's aggregate rate is far below the knob, its
+    fastest bucket's, the link's, above it: auto stays full, no base kept."""
+    monkeypatch.setenv("WS_GLOO_PACE_BPS", str(8e6))
+    calls = _streamed_calls(monkeypatch)
+    with _fleet(KNOB_BPS * 8e-9) as (trainer, rollouts, stub):
+        slow = rollouts["inplace"].tx
+        consume = slow.consume_bucket
+
+        def late(*args, **kwargs):
+            time.sleep(0.15)  # the receiver, not the link: it takes the next bucket this much later
+            return consume(*args, **kwargs)
+
+        slow.consume_bucket = late
+        delta = trainer.orch.delta
+        for i in range(3):
+            report = _sync(trainer, stub, seed=80 + i)
+            assert {r.encoding for r in report.rollouts} == {"full"}, i
+            for app in rollouts.values():
+                assert _exact(trainer, app), (i, app.tx.version)
+        assert delta.held is None and delta.held_bytes() == 0
+        nbytes, seconds, fastest = calls[-1]
+        assert nbytes / seconds < KNOB_BPS / 2, "the receiver did not slow the stream: the test shows nothing"
+        assert KNOB_BPS < fastest <= 8e6 * 1.01 and delta.link_rate == fastest
+
+
+def test_a_paced_slow_link_still_reads_slow(monkeypatch):
+    """No bucket crosses a 1 MB/s link faster than 1 MB/s: the fastest bucket's rate is below the knob."""
+    monkeypatch.setenv("WS_GLOO_PACE_BPS", str(1e6))
+    calls = _streamed_calls(monkeypatch)
+    with _fleet(KNOB_BPS * 8e-9) as (trainer, rollouts, stub):
+        for i in range(2):
+            _sync(trainer, stub, seed=90 + i)
+        delta = trainer.orch.delta
+        assert 0 < delta.link_rate <= 1e6 * 1.01 and delta.link_rate == calls[-1][2]
+        assert delta._fast_link() == "", "a 1 MB/s link read as fast"
