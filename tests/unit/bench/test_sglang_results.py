@@ -68,7 +68,8 @@ def test_timing_runs_time_every_shape_over_every_transport_each_in_a_fleet_of_it
             self.stubs = {k: SimpleNamespace(GetStatus=lambda req: SimpleNamespace(version=7)) for k in TARGET_IDS}
             fleets.append(self)
 
-        def start(self, work, cfg_dir, start_dir, rollouts, ready_timeout, tp_size=1):
+        def start(self, work, cfg_dir, start_dir, rollouts, ready_timeout, tp_size=1, export_dtype="?", sglang_dir="?"):
+            assert (export_dtype, sglang_dir) == ("bfloat16", None)  # no --timing-dtype: bf16, SGLang serves start_dir
             self.rollouts = rollouts
 
         def stop(self, res, tag=""):
