@@ -45,6 +45,7 @@ from rollout_svc.engine.sglang_shards import SglangShardsMixin
 from rollout_svc.engine.sglang_stream import SglangStreamMixin, finish_kind
 from rollout_svc.engine.sglang_weights import SglangWeightsMixin, check_result
 from weightsync.bus.plan import TensorMeta
+from weightsync.bus.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,33 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
 #: trainer keeps NCCL's default, so a rollout that inherited SGLang's 0 failed ncclCommInitRank with
 #: "unhandled cuda error" (seen on two H100s, bench/sglang_live.py). Restored once the Engine has started.
 HOST_ENV_RESTORED = ("NCCL_CUMEM_ENABLE",)
+#: begin_apply's radix cache flushes run here (threads kept across syncs: none started per sync)
+_FLUSHES = Workers("sglang-flush")
+#: longest end_apply waits for that flush (a scheduler round trip: milliseconds)
+FLUSH_TIMEOUT_S = 60.0
+
+
+class _EarlyFlush:
+    """begin_apply's flush of SGLang's radix cache, on a kept thread while the buckets arrive; end_apply waits."""
+
+    def __init__(self, engine):
+        self.exc: BaseException | None = None
+        self.job = _FLUSHES.submit(lambda: self._run(engine))
+
+    def _run(self, engine) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine.flush_cache()
+        except BaseException as exc:  # noqa: BLE001 — handed to wait(), which fails the sync with it
+            self.exc = exc
+        engine._add_ms("flush_cache", (time.perf_counter() - t0) * 1e3)
+
+    def wait(self) -> None:
+        self.job.join(FLUSH_TIMEOUT_S)
+        if self.job.is_alive():
+            raise TimeoutError(f"SGLang's flush_cache did not answer in {FLUSH_TIMEOUT_S:.0f} s")
+        if self.exc is not None:
+            raise self.exc
 
 
 def drive_loop(sgl) -> LoopThread:
@@ -454,6 +482,11 @@ class SglangEngine(
                     self._sgl.loop.run_until_complete,
                     self._sgl.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="in_place")),
                 )
+        # The radix cache is flushed now, while the buckets arrive, not after the last one: paused, SGLang
+        # schedules no forward, so nothing enters the cache before continue; SGLang's flush (a scheduler round
+        # trip, 1.2-2 ms on an H200) was the gap between a sync into SGLang and one into the built-in engine.
+        # With memory released (colocated RL) its pools are not mapped: the flush waits for end_apply's resume.
+        self._flush = None if self.released_memory() else _EarlyFlush(self)
         # released for a colocated train step: the weights must be mapped again before a byte is written
         # (their virtual addresses are kept, so our loader's slot table stays valid); the KV cache waits for
         # end_apply, so it is not resident while the trainer's buckets are
@@ -475,8 +508,13 @@ class SglangEngine(
         if hasattr(self._sgl, "end_weight_update"):
             check_result(self._call(self._sgl.end_weight_update), "end_weight_update")
         self.resume_memory()  # what a colocated train step released besides the weights (KV cache, CUDA graphs)
-        with self.timed("flush_cache"):
-            self.flush_cache()
+        flush, self._flush = getattr(self, "_flush", None), None
+        if flush is None:
+            with self.timed("flush_cache"):
+                self.flush_cache()
+        else:
+            with self.timed("flush_wait"):  # begin_apply's flush; its error (a busy scheduler) fails the sync
+                flush.wait()
         if hasattr(self._sgl.tokenizer_manager, "continue_generation"):
             with self.timed("continue"):
                 self._call(
