@@ -19,6 +19,7 @@ docs/architecture.md, "Stragglers").
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.obs import tracing
 from weightsync.obs.bucket_groups import BucketGroups
+from weightsync.publisher.early_commit import EarlyCommits
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.route import Route, pick
@@ -59,6 +61,7 @@ class Attempt(Protocol):
     def linked(self, rid: str) -> bool: ...
     def on_each(self, fn: Callable, items: list) -> list: ...
     def abort_request(self): ...
+    def commit_request(self, checksums: list[int]): ...
 
 
 class StreamPhase:
@@ -91,6 +94,9 @@ class StreamPhase:
         self.bus_bytes = 0
         #: seconds the stream waited on the bus (the sends; with several senders, the longest wait)
         self.send_seconds = 0.0
+        #: CommitSync sent as the last bucket went out (nccl, tcp: targets on a sync link)
+        self.early = EarlyCommits(attempt)
+        self._watch: StreamLiveness | None = None
 
     def start_in_place(self) -> None:
         """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
@@ -113,6 +119,8 @@ class StreamPhase:
         )
 
     def close(self) -> None:
+        # a commit sent early whose answer no phase read (the attempt failed in between): the link is freed
+        self.early.settle("the sync attempt ended before its commit phase")
         if self.commit_channel is not None:
             self.commit_channel.close()
         if self.in_place_checksums is not None:
@@ -131,6 +139,7 @@ class StreamPhase:
         # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
         export = iter(a.tensors()) if a.prepared and in_place is None and not multi else iter(())
         streamed = list(a.prepared)
+        answered = dict(a.prepared)
         if a.prepared:
             try:
                 checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
@@ -142,6 +151,9 @@ class StreamPhase:
                 for rid in list(a.prepared):
                     self._stream_failed[rid] = f"{self.session.name} {reason}"
                 a.prepared.clear()
+                for rid in self.early.committed():  # whole and checked before the stream broke: it serves it
+                    self._stream_failed.pop(rid, None)
+                    a.prepared[rid] = answered[rid]
         self.session.finish(ok, reason)
         a.delta.finish(ok)
         for rid in streamed:
@@ -265,6 +277,9 @@ class StreamPhase:
             # their streams' ends need not hold up the stream phase: awaited when the channel closes
             channel.commit_elsewhere(linked)
             self.commit_channel = channel
+        early = None
+        if linked and not self.session.commit_on_stream:
+            early = functools.partial(self._commit_early, channel)
         t0 = time.perf_counter()
         # (per layout, not per tensor: a steady-state sync walks no tensor list)
         sender = SenderResult(rank=0, buckets=len(self.manifest.buckets), bytes=self.manifest.tensor_bytes)
@@ -272,7 +287,7 @@ class StreamPhase:
         # tracing on: the stream's bucket groups, for spans under its sender's (off: nothing is called)
         groups = BucketGroups([b.index for b in self.manifest.buckets]) if tracing.enabled() else None
         try:
-            with self._liveness(stream_drop(self.session, channel), channel):
+            with self._liveness(stream_drop(self.session, channel), channel) as self._watch:
                 stats = stream_buckets(
                     self.manifest,
                     export,
@@ -284,6 +299,7 @@ class StreamPhase:
                     in_place_checksums=self.in_place_checksums if in_place is not None else None,
                     with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
                     on_sent=self._sent if groups is None else self._sent_and_grouped(groups),
+                    on_last_sent=early,
                 )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
@@ -299,8 +315,10 @@ class StreamPhase:
             return a.delta.checksums if a.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)
+            self.early.settle(str(exc))  # before any AbortSync on their links
             raise
         finally:
+            self._watch = None
             sender.seconds = time.perf_counter() - t0
             if groups is not None:
                 sender.groups = groups.close()
@@ -315,6 +333,18 @@ class StreamPhase:
                     self._stream_failed[rid] = err
             if channel is not self.commit_channel:
                 channel.close()
+
+    def _commit_early(self, channel, checksums: list[int]) -> None:
+        """CommitSync to every linked target still in the stream, now that the last bucket went out
+        (weightsync.publisher.early_commit); their answers are read at the commit phase."""
+        a, failed = self.attempt, channel.failures()
+        rids = [rid for rid in a.prepared if a.linked(rid) and rid not in failed and rid not in self.silent]
+        # a stream that keeps its buckets summed each as it diffed it (its channel's send): all are known
+        sent = self.early.send(rids, list(a.delta.checksums) if a.delta.keep else checksums)
+        if sent:
+            self.session.committing(sent)
+            if self._watch is not None:
+                self._watch.calling.update(sent)
 
     def _hand_fp8(self, channel, in_place) -> None:
         """A block-FP8 sync from the actor's own buckets: a channel that writes into the engine takes
