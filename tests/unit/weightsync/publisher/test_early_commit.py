@@ -15,11 +15,13 @@ import threading
 import pytest
 import torch
 
-from tests.support.fleet_sync import assert_serves_export, bump_weights, rollout_calls
+from tests.support.bus_proxy import BusProxy
+from tests.support.fleet_sync import assert_serves_export, bump_and_sync_exactly, bump_weights, rollout_calls
 from tests.support.local_apps import local_fleet
 from tests.support.nccl_loopback import LoopbackBus, LoopbackSender
 from weightsync.bus.errors import TransportError
 from weightsync.bus.nccl.sender import NcclSender
+from weightsync.local.procs import free_port
 from weightsync.v1 import rollout_pb2, trainer_pb2
 
 WAIT_S = 10.0
@@ -142,3 +144,60 @@ def test_a_last_broadcast_that_fails_after_the_commit_went_out_leaves_the_old_ve
     report = _sync(stub, bus)
     assert report.ok, [r.error for r in report.rollouts]
     assert_serves_export(trainer, app)
+
+
+@pytest.fixture(scope="module")
+def tcp_fleet():
+    dport = free_port()
+    proxy = BusProxy("127.0.0.2", dport, ("127.0.0.1", dport))
+    rollout = {"r": {"data_address": f"127.0.0.1:{dport}", "advertise_data_host": "127.0.0.2"}}
+    try:
+        with local_fleet(rollout, sync_encoding="full") as (trainer, apps, stub):
+            trainer.orch.bucket_bytes = 64 << 10  # several buckets
+            app, seen = apps["r"], threading.Event()
+            commit = app.servicer.CommitSync
+
+            def seen_commit(request, *context):
+                seen.set()
+                return commit(request, *context)
+
+            app.servicer.CommitSync = seen_commit
+            yield trainer, app, stub, proxy, seen
+    finally:
+        proxy.close()
+
+
+def test_a_tcp_stream_whose_last_bytes_never_arrive_after_the_commit_went_out_leaves_the_old_version(tcp_fleet):
+    trainer, app, stub, proxy, seen = tcp_fleet
+    bump_and_sync_exactly(trainer, {"r": app}, stub)  # the link is open, the layout sent
+    proxy.set("pass")
+    bump_and_sync_exactly(trainer, {"r": app}, stub)
+    stream_bytes = proxy.links.sent[0]  # what a full sync of this layout puts on the bus
+    old_version = app.tx.version
+    old = {name: app.engine._target(name).clone() for name, _ in trainer.actor.export_tensors()}
+    held = []
+
+    def cut_before_the_last_bytes() -> None:
+        # the proxy holds the chunk with the stream's last byte until the rollout has the commit, then cuts
+        held.append(seen.wait(WAIT_S))
+        raise OSError("test: the link broke before the last bucket's end")
+
+    proxy.set("pass")
+    proxy.links.hooks.append((0, stream_bytes, cut_before_the_last_bytes))
+    seen.clear()
+    before = rollout_calls(trainer)
+    bump_weights(trainer)
+    report = stub.Sync(trainer_pb2.SyncRequest(transport="tcp")).report
+    proxy.set("pass")
+    assert held == [True]  # CommitSync reached the rollout while its last bytes were held
+    assert not report.ok
+    (r,) = report.rollouts
+    assert r.error.startswith("commit: "), r.error  # the trainer's sends had all gone out: the commit refused
+    assert app.tx.version == old_version != trainer.actor.version
+    assert app.tx.state == rollout_pb2.SERVING
+    for name, t in old.items():
+        assert torch.equal(app.engine._target(name), t), name
+    now = rollout_calls(trainer)
+    calls = {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
+    assert calls == {("PrepareSync", "link"): 1, ("CommitSync", "link"): 1, ("AbortSync", "link"): 1}, calls
+    bump_and_sync_exactly(trainer, {"r": app}, stub)
