@@ -36,6 +36,10 @@ class Attempt(Protocol):
     rollouts: Any
     by_id: dict
     manifest: Any
+    prepared: dict
+    delta: Any
+
+    def linked(self, rid: str) -> bool: ...
 
     def commit_request(self, checksums: list[int]): ...
     def abort_request(self): ...
@@ -49,6 +53,27 @@ class EarlyCommits:
         self._pending: dict[str, Callable[[], tuple]] = {}
         #: rollout_id -> (response, error) of its early CommitSync, once read
         self.answers: dict[str, tuple] = {}
+
+    def last_sent(self, channel, checksums: list[int], silent, watch, session) -> None:
+        """The last bucket went out on `channel`: CommitSync to every linked target still in the stream
+        (not one the channel failed, nor one dropped as `silent`); the stream's liveness `watch` and the
+        `session`'s own watch are told which ones now have a call on their link."""
+        a, failed = self.attempt, channel.failures()
+        rids = [rid for rid in a.prepared if a.linked(rid) and rid not in failed and rid not in silent]
+        # a stream that keeps its buckets summed each as it diffed it (its channel's send): all are known
+        sent = self.send(rids, list(a.delta.checksums) if a.delta.keep else checksums)
+        if sent:
+            session.committing(sent)
+            if watch is not None:
+                watch.calling.update(sent)
+
+    def keep_committed(self, stream_failed: dict, prepared: dict, answered: dict) -> None:
+        """A target whose stream failed after its commit went out, and whose commit applied every bucket
+        checked before that: it serves the new version, so it goes back to `prepared` (its PrepareSync
+        answer from `answered`) and the commit phase reports the answer it gave."""
+        for rid in self.committed() & set(stream_failed):
+            stream_failed.pop(rid)
+            prepared[rid] = answered[rid]
 
     def send(self, rids: list[str], checksums: list[int]) -> list[str]:
         """CommitSync to each of `rids` on its sync link, answers unread; the ones it went out to (a
@@ -73,9 +98,10 @@ class EarlyCommits:
     def committed(self) -> set[str]:
         return {rid for rid, (resp, err) in self.answers.items() if resp is not None and not err}
 
-    def settle(self, why: str) -> None:
-        """The stream failed after the commits went out: AbortSync to each over gRPC, then its answer."""
-        rids = list(self._pending)
+    def settle(self, why: str, rids=None) -> None:
+        """The stream failed after the commits went out (to `rids`, default all): AbortSync to each over
+        gRPC, then its answer. Nothing else may call a target on its link while its commit's answer is unread."""
+        rids = [rid for rid in self._pending if rids is None or rid in rids]
         if not rids:
             return
         a = self.attempt

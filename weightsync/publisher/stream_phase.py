@@ -151,9 +151,7 @@ class StreamPhase:
                 for rid in list(a.prepared):
                     self._stream_failed[rid] = f"{self.session.name} {reason}"
                 a.prepared.clear()
-                for rid in self.early.committed():  # whole and checked before the stream broke: it serves it
-                    self._stream_failed.pop(rid, None)
-                    a.prepared[rid] = answered[rid]
+        self.early.keep_committed(self._stream_failed, a.prepared, answered)
         self.session.finish(ok, reason)
         a.delta.finish(ok)
         for rid in streamed:
@@ -331,20 +329,14 @@ class StreamPhase:
                 if rid in a.prepared:
                     a.prepared.pop(rid)
                     self._stream_failed[rid] = err
+            # a target that left the stream after its commit went out: its link is freed before any AbortSync
+            self.early.settle("its stream failed", set(self._stream_failed))
             if channel is not self.commit_channel:
                 channel.close()
 
     def _commit_early(self, channel, checksums: list[int]) -> None:
-        """CommitSync to every linked target still in the stream, now that the last bucket went out
-        (weightsync.publisher.early_commit); their answers are read at the commit phase."""
-        a, failed = self.attempt, channel.failures()
-        rids = [rid for rid in a.prepared if a.linked(rid) and rid not in failed and rid not in self.silent]
-        # a stream that keeps its buckets summed each as it diffed it (its channel's send): all are known
-        sent = self.early.send(rids, list(a.delta.checksums) if a.delta.keep else checksums)
-        if sent:
-            self.session.committing(sent)
-            if self._watch is not None:
-                self._watch.calling.update(sent)
+        """CommitSync now that the last bucket went out (weightsync.publisher.early_commit)."""
+        self.early.last_sent(channel, checksums, self.silent, self._watch, self.session)
 
     def _hand_fp8(self, channel, in_place) -> None:
         """A block-FP8 sync from the actor's own buckets: a channel that writes into the engine takes
