@@ -119,6 +119,51 @@ def _ab_fixed_work() -> None:
     RolloutServicer.refresh_state_metric = refresh_state_metric
 
 
+def _ab_logs() -> None:
+    """Let `_THREADED` (every other sync) write its log lines as before 2026-11-28 (3): the rollout's
+    "prepared" and "committed" lines inside the PrepareSync and CommitSync handlers, not after their
+    answers, and the trainer's opening line at INFO. The services log at INFO, to a file here."""
+    from rollout_svc import service
+    from weightsync.publisher import orchestrator
+
+    after_answer = service._after_answer
+
+    def _after_answer(context, fn):
+        if _THREADED[0]:
+            return fn()
+        return after_answer(context, fn)
+
+    service._after_answer = _after_answer
+    quiet = orchestrator.log
+
+    class _Opening:
+        def __getattr__(self, name):
+            return getattr(quiet, name)
+
+        def debug(self, *a, **k):
+            (quiet.info if _THREADED[0] else quiet.debug)(*a, **k)
+
+    orchestrator.log = _Opening()
+
+
+def _ab_early_commit() -> None:
+    """Let `_THREADED` (every other sync) send CommitSync after the stream as before 2026-11-28 (3), not
+    as the last bucket goes out (tcp, nccl: weightsync/publisher/early_commit.py)."""
+    from weightsync.publisher.stream_phase import StreamPhase
+
+    early = StreamPhase._commit_early
+
+    def _commit_early(self, channel, checksums):
+        if not _THREADED[0]:
+            early(self, channel, checksums)
+
+    StreamPhase._commit_early = _commit_early
+
+
+#: --ab-what -> what makes every other sync run as before
+AB = {"prepare": _ab_prepare, "fixed-work": _ab_fixed_work, "logs": _ab_logs, "early-commit": _ab_early_commit}
+
+
 class _SharedMemoryGpu:
     """The GPU boundary between two processes on a CPU: each engine parameter moved into a file of its
     own in /dev/shm, mapped shared, stands for its CUDA allocation, and the file's path for its IPC handle."""
@@ -308,17 +353,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ab-what",
         default="prepare",
-        choices=("prepare", "fixed-work"),
-        help="--ab's before: prepare (PrepareSync on an RPC thread, 2026-11-26) or fixed-work (a producer thread "
-        "started per sync and the state metric written series by series, 2026-11-28; --rollout inline)",
+        choices=sorted(AB),
+        help="--ab's before: prepare (PrepareSync on an RPC thread, 2026-11-26), fixed-work (a producer thread "
+        "started per sync and the state metric written series by series, 2026-11-28; --rollout inline), logs "
+        "(the sync's INFO lines inside the round trips; --rollout inline; logs at INFO to a file) or early-commit "
+        "(CommitSync after the stream, tcp)",
     )
     ap.add_argument("--out", default="", help="result file or directory (default: bench/results/)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    if args.ab and args.ab_what == "logs":  # the services' own level, written where a deployment writes them
+        log_file = tempfile.NamedTemporaryFile(prefix="sync-fixed-cost-", suffix=".log", delete=False).name
+        logging.basicConfig(level=logging.INFO, filename=log_file)
+        print(f"services log at INFO to {log_file}")
+    else:
+        logging.basicConfig(level=logging.WARNING)
 
     _in_place_on_cpu()
     if args.ab:
-        (_ab_fixed_work if args.ab_what == "fixed-work" else _ab_prepare)()
+        AB[args.ab_what]()
     deadline = time.monotonic() + BUDGET_S
     model = str(write_config(args.layout, tempfile.mkdtemp(prefix=f"sync-fixed-cost-{args.layout}-")))
     out = {

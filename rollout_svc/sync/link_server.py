@@ -70,6 +70,19 @@ class _LinkContext:
 
     def __init__(self, peer: str):
         self._peer = peer
+        #: run once the answer went out, as gRPC runs a call's callbacks when it ends
+        self.callbacks: list = []
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def run_callbacks(self) -> None:
+        for fn in self.callbacks:
+            try:
+                fn()
+            except Exception:  # a callback's failure must not take the link down with it
+                log.exception("sync link: a callback after the answer failed")
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise _Aborted(code, details)
@@ -256,15 +269,17 @@ class SyncLinkServer:
                 continue
             if beats:
                 self._beater.begin(conn, send_lock)
+            context = _LinkContext(peer)
             try:
-                answer = self._dispatch(kind, payload, peer)
+                answer = self._dispatch(kind, payload, context)
             finally:
                 if beats:
                     self._beater.end(conn)
             with send_lock:
                 conn.sendall(answer)
+            context.run_callbacks()
 
-    def _dispatch(self, kind: int, payload: bytes, peer: str) -> bytes:
+    def _dispatch(self, kind: int, payload: bytes, context: _LinkContext) -> bytes:
         if kind not in METHODS:
             return self._error(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -279,7 +294,7 @@ class SyncLinkServer:
                 f"{_SERVICE}{name}: the request is not a valid protobuf message ({exc})",
             )
         try:
-            response = getattr(self.servicer, name)(request, _LinkContext(peer))
+            response = getattr(self.servicer, name)(request, context)
         except _Aborted as exc:
             return self._error(exc.code, exc.details)
         except Exception as exc:  # a handler bug: answered as gRPC would, and logged with its trace

@@ -159,14 +159,6 @@ class SyncTransaction:
                 self.state = S.SYNCING
             sync_id = manifest.sync_id
             self._timeout.arm(timeout, lambda: self._expire(sync_id))
-        log.info(
-            "prepared sync %s: version %d, %d buckets, %d bytes, mode %s",
-            manifest.sync_id,
-            manifest.version,
-            len(manifest.buckets),
-            manifest.total_bytes,
-            self.apply_mode,
-        )
         self._on_change()
 
     def _expire(self, sync_id: str) -> None:
@@ -298,9 +290,6 @@ class SyncTransaction:
             finally:
                 self._apply.release()  # after the new version (or STALE) is set: a request pinned next sees it
             self.last_apply_seconds = time.perf_counter() - t0 + 0.0
-            log.info(
-                "committed sync %s: now serving version %d (%.3fs apply)", sync_id, version, self.last_apply_seconds
-            )
         self._on_change()
         return self.version, self.weights_checksum, time.monotonic() - p.started
 

@@ -162,6 +162,7 @@ def stream_buckets(
     in_place: list[torch.Tensor] | None = None,
     in_place_checksums: InFlightChecksums | None = None,
     on_sent: Callable[[int], None] | None = None,
+    on_last_sent: Callable[[list[int]], None] | None = None,
 ) -> StreamStats:
     """Pack and send every bucket of `manifest`; raise on the first export or transport error.
 
@@ -170,6 +171,10 @@ def stream_buckets(
     actor's own storage); `tensors` is then not read and nothing is packed.
     `in_place_checksums`: their checksums, started earlier (by default started here).
     `on_sent(nbytes)`: called after each bucket's send with the bucket's size (progress).
+    `on_last_sent(checksums)`: called once the last bucket was handed to the sender, before a sender
+    that `releases_previous` is flushed (its last transfers may still be on the wire), with every
+    bucket's checksum: the caller can send its commit while they complete. Not called by a stream
+    that fails first, nor for a sender that `computes_checksums` (its sums exist only after its flush).
 
     `sender.checksums_in_band` says which buckets' checksums it sends with the bucket: "all" (the
     default: tcp), "first" (CUDA IPC of held buffers: a rollout checks the first before it touches
@@ -210,7 +215,7 @@ def stream_buckets(
     t_start = time.perf_counter()
     producer = PRODUCERS.submit(functools.partial(_handing_errors_on, st, produce))
     try:
-        _consume(st, sender, csums, on_sent)
+        _consume(st, sender, csums, on_sent, None if own_sums else on_last_sent)
     finally:
         st.stop.set()
         if csums is not None and in_place_checksums is None:  # a caller's own are the caller's to release
@@ -325,7 +330,11 @@ def _take_free(st: _Stream) -> torch.Tensor | None:
 
 
 def _consume(
-    st: _Stream, sender: BucketSender, csums: InFlightChecksums | None, on_sent: Callable[[int], None] | None = None
+    st: _Stream,
+    sender: BucketSender,
+    csums: InFlightChecksums | None,
+    on_sent: Callable[[int], None] | None = None,
+    on_last_sent: Callable[[list[int]], None] | None = None,
 ) -> None:
     """Hand each produced bucket to `sender` in order, giving its buffer back once reusable."""
     stats, manifest = st.stats, st.manifest
@@ -360,15 +369,26 @@ def _consume(
             held = buf
         elif buf is not None:
             st.free.put(buf)
+    if on_last_sent is not None:
+        # the commit goes out while the last transfers complete (the receiver checks every bucket
+        # before it commits): the in-place sums are read now, not after the flush
+        _read_sums(stats, csums)
+        on_last_sent(list(stats.checksums))
     if releases_previous:  # the others' sends returned with their buckets delivered
         t0 = time.perf_counter()
         sender.flush()
         waited = time.perf_counter() - t0
         stats.send_seconds += waited
         stats.bucket_waited(waited_for, waited)
+    if csums is not None and on_last_sent is None:
+        _read_sums(stats, csums)
+    elif getattr(sender, "computes_checksums", False):
+        stats.checksums = sender.checksums()
+
+
+def _read_sums(stats: StreamStats, csums: InFlightChecksums | None) -> None:
+    """The in-place buckets' checksums into `stats` (the packed ones are there already)."""
     if csums is not None:
         t0 = time.perf_counter()
         stats.checksums = csums.values()
         stats.pack_seconds += time.perf_counter() - t0
-    elif getattr(sender, "computes_checksums", False):
-        stats.checksums = sender.checksums()

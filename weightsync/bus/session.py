@@ -69,6 +69,10 @@ class Session:
         False: this session cannot (the sync's deadline bounds the stream)."""
         return False
 
+    def committing(self, rollout_ids) -> None:
+        """These targets were sent their CommitSync before the stream's last transfers completed: a
+        watch of the stream must not take one that committed meanwhile for one that left the sync."""
+
     def cut_reasons(self) -> dict[str, str]:
         """rollout id -> why it was cut out of this session's stream (`cut`); empty for a session that cannot cut."""
         return {}

@@ -317,8 +317,7 @@ class SyncAttempt:
         self.prepared.clear()
 
     # ---- commit / abort ---------------------------------------------------------------------
-    def commit(self, checksums: list[int]) -> None:
-        """CommitSync on every target still in the sync."""
+    def commit_request(self, checksums: list[int]) -> rollout_pb2.CommitSyncRequest:
         req = rollout_pb2.CommitSyncRequest(
             sync_id=self.manifest.sync_id,
             version=self.manifest.version,
@@ -327,6 +326,12 @@ class SyncAttempt:
         )
         for i, c in enumerate(checksums):
             req.checksums.add(index=i, checksum=c)
+        return req
+
+    def commit(self, checksums: list[int]) -> None:
+        """CommitSync on every target still in the sync; a target sent its commit as the last bucket
+        went out (weightsync.publisher.early_commit) has its answer read here."""
+        req = self.commit_request(checksums)
         answers = self._gather(
             "commit",
             {rid: functools.partial(self._commit_one, rid, req) for rid in self.prepared},
@@ -348,6 +353,8 @@ class SyncAttempt:
                 e.origin = self.fleet.origin
 
     def _commit_one(self, rid: str, req: rollout_pb2.CommitSyncRequest):
+        if self.streamer.early.sent(rid):
+            return self.streamer.early.answer(rid)
         if rid in self.streamer.on_stream:
             return self.streamer.commit_channel.commit(rid, req, timeout=self.rollouts.rpc_timeout)
         return self.rollouts.call(self.by_id[rid], "CommitSync", req)

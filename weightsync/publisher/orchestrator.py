@@ -230,7 +230,8 @@ class SyncOrchestrator:
                 log.warning("sync %s: no rollout registered", manifest.sync_id)
                 self.last_report = report
                 return report
-            log.info(
+            # DEBUG: it is written inside the sync's time; the summary after the commit says it at INFO
+            log.debug(
                 "sync %s: version %d to %d rollout(s), %d tensors in %d buckets (%.1f MB) over %s%s",
                 manifest.sync_id,
                 manifest.version,
@@ -405,9 +406,13 @@ class SyncOrchestrator:
         self.metrics.sync_bytes.inc(manifest.total_bytes * committed)
         self.metrics.outcome("ok" if report.ok else ("partial" if committed else "failed"))
         log.info(
-            "sync %s: %d/%d committed in %.3fs over route %s (%.2f GB/s per receiver; %s); %.1f kB on the bus, "
-            "%d as deltas",
+            "sync %s: version %d, %d tensors in %d buckets (%.1f MB): %d/%d committed in %.3fs over route %s "
+            "(%.2f GB/s per receiver; %s); %.1f kB on the bus, %d as deltas",
             report.sync_id,
+            report.version,
+            report.num_tensors,
+            report.num_buckets,
+            manifest.total_bytes / 1e6,
             committed,
             len(results),
             elapsed,

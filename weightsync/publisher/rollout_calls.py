@@ -37,14 +37,15 @@ class RolloutCalls:
         #: a rollout silent this long on its sync link (no answer, no beat) is gone: its call fails then
         self.liveness_timeout: float | None = LIVENESS_TIMEOUT_S
 
-    def call(self, entry: RolloutEntry, method: str, request, timeout: float | None = None):
+    def call(self, entry: RolloutEntry, method: str, request, timeout: float | None = None, link: bool = True):
         """(response, "") or (None, "CODE: details"): over the rollout's sync link when it offered one
         (PrepareSync, CommitSync, AbortSync), else — or when the link cannot be opened — over gRPC.
 
         `timeout`: the call's bound instead of rpc_timeout_s, for a call whose handler waits on more
         than the rollout's own work (a PrepareSync that pauses generation); on the link, a rollout that
-        goes silent still fails it after liveness_timeout_s."""
-        finish = self.send(entry, method, request, timeout)
+        goes silent still fails it after liveness_timeout_s. `link=False`: over gRPC, for a call that must
+        not wait for the link's call in flight (an AbortSync while an early CommitSync is out on it)."""
+        finish = self.send(entry, method, request, timeout) if link else None
         if finish is not None:
             return finish()
         timeout = self.rpc_timeout if timeout is None else timeout

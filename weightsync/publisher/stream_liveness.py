@@ -74,6 +74,9 @@ class StreamLiveness:
         self.period = min(period, timeout_s / 4)
         #: rid -> seconds its link had been silent when it was dropped
         self.dropped: dict[str, float] = {}
+        #: targets whose link now carries a call (a CommitSync sent before the last bucket completed):
+        #: the answer's reader reads their beats, and that call's own liveness judges them
+        self.calling: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._clock = clock
@@ -102,7 +105,7 @@ class StreamLiveness:
         late = self._last_round is not None and now - self._last_round > self.timeout_s / 2
         self._last_round = now
         for rid, link in self.links.items():
-            if rid in self.dropped or self._stop.is_set():
+            if rid in self.dropped or rid in self.calling or self._stop.is_set():
                 continue
             if not link.ping():  # reads the answers that came (last_heard), then asks again
                 self._unanswered.pop(rid, None)  # no link to ask: its silence says nothing

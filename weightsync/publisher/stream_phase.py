@@ -19,6 +19,7 @@ docs/architecture.md, "Stragglers").
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from weightsync.bus.errors import TransportError
 from weightsync.bus.pipeline import in_place_views, stream_buckets
 from weightsync.obs import tracing
 from weightsync.obs.bucket_groups import BucketGroups
+from weightsync.publisher.early_commit import EarlyCommits
 from weightsync.publisher.multisender import SenderResult, stream_from_every_owner
 from weightsync.publisher.phases import PhaseClock
 from weightsync.publisher.route import Route, pick
@@ -59,6 +61,7 @@ class Attempt(Protocol):
     def linked(self, rid: str) -> bool: ...
     def on_each(self, fn: Callable, items: list) -> list: ...
     def abort_request(self): ...
+    def commit_request(self, checksums: list[int]): ...
 
 
 class StreamPhase:
@@ -93,6 +96,9 @@ class StreamPhase:
         self.send_seconds = 0.0
         #: bytes/s of its fastest bucket (StreamStats.link_rate; with several senders, the slowest rank's)
         self.link_rate = 0.0
+        #: CommitSync sent as the last bucket went out (nccl, tcp: targets on a sync link)
+        self.early = EarlyCommits(attempt)
+        self._watch: StreamLiveness | None = None
 
     def start_in_place(self) -> None:
         """Lay the actor's own storage out as the buckets, and start their checksums (runs during prepare)."""
@@ -115,6 +121,8 @@ class StreamPhase:
         )
 
     def close(self) -> None:
+        # a commit sent early whose answer no phase read (the attempt failed in between): the link is freed
+        self.early.settle("the sync attempt ended before its commit phase")
         if self.commit_channel is not None:
             self.commit_channel.close()
         if self.in_place_checksums is not None:
@@ -133,6 +141,7 @@ class StreamPhase:
         # several senders every rank exports its own tensors (weightsync/publisher/multisender.py).
         export = iter(a.tensors()) if a.prepared and in_place is None and not multi else iter(())
         streamed = list(a.prepared)
+        answered = dict(a.prepared)
         if a.prepared:
             try:
                 checksums = self._send_from_every_owner() if multi else self._send(export, in_place)
@@ -144,6 +153,7 @@ class StreamPhase:
                 for rid in list(a.prepared):
                     self._stream_failed[rid] = f"{self.session.name} {reason}"
                 a.prepared.clear()
+        self.early.keep_committed(self._stream_failed, a.prepared, answered)
         self.session.finish(ok, reason)
         a.delta.finish(ok)
         for rid in streamed:
@@ -268,6 +278,9 @@ class StreamPhase:
             # their streams' ends need not hold up the stream phase: awaited when the channel closes
             channel.commit_elsewhere(linked)
             self.commit_channel = channel
+        early = None
+        if linked and not self.session.commit_on_stream:
+            early = functools.partial(self._commit_early, channel)
         t0 = time.perf_counter()
         # (per layout, not per tensor: a steady-state sync walks no tensor list)
         sender = SenderResult(rank=0, buckets=len(self.manifest.buckets), bytes=self.manifest.tensor_bytes)
@@ -275,7 +288,7 @@ class StreamPhase:
         # tracing on: the stream's bucket groups, for spans under its sender's (off: nothing is called)
         groups = BucketGroups([b.index for b in self.manifest.buckets]) if tracing.enabled() else None
         try:
-            with self._liveness(stream_drop(self.session, channel), channel):
+            with self._liveness(stream_drop(self.session, channel), channel) as self._watch:
                 stats = stream_buckets(
                     self.manifest,
                     export,
@@ -287,6 +300,7 @@ class StreamPhase:
                     in_place_checksums=self.in_place_checksums if in_place is not None else None,
                     with_checksums=not a.delta.keep,  # a sync that keeps its buckets sums them as it diffs them
                     on_sent=self._sent if groups is None else self._sent_and_grouped(groups),
+                    on_last_sent=early,
                 )
             # parts of the stream phase, overlapping the sends: the actor's export (gather, convert)
             # and all the trainer's work per bucket (export + pack + checksum)
@@ -303,8 +317,10 @@ class StreamPhase:
             return a.delta.checksums if a.delta.keep else stats.checksums
         except Exception as exc:
             sender.error = str(exc)
+            self.early.settle(str(exc))  # before any AbortSync on their links
             raise
         finally:
+            self._watch = None
             sender.seconds = time.perf_counter() - t0
             if groups is not None:
                 sender.groups = groups.close()
@@ -317,8 +333,14 @@ class StreamPhase:
                 if rid in a.prepared:
                     a.prepared.pop(rid)
                     self._stream_failed[rid] = err
+            # a target that left the stream after its commit went out: its link is freed before any AbortSync
+            self.early.settle("its stream failed", set(self._stream_failed))
             if channel is not self.commit_channel:
                 channel.close()
+
+    def _commit_early(self, channel, checksums: list[int]) -> None:
+        """CommitSync now that the last bucket went out (weightsync.publisher.early_commit)."""
+        self.early.last_sent(channel, checksums, self.silent, self._watch, self.session)
 
     def _hand_fp8(self, channel, in_place) -> None:
         """A block-FP8 sync from the actor's own buckets: a channel that writes into the engine takes

@@ -96,6 +96,9 @@ class MembersProbe:
         self._lock = threading.Lock()  # close() and a round's submissions exclude each other
         #: the member the last verdict was about ("" before any): the stream cuts it (cut.py)
         self.culprit = ""
+        #: members sent their CommitSync before the last broadcast completed: one that no longer holds
+        #: the sync may have committed it, which its commit's answer says; only an unreachable one is a verdict
+        self.committing: set[str] = set()
 
     def __call__(self) -> str:
         if len(self.members) == 1:
@@ -124,7 +127,7 @@ class MembersProbe:
         verdict = ""
         if err.startswith("UNAVAILABLE"):
             verdict = f"rollout {rid} became unreachable during the stream ({err})"
-        elif not err and resp is not None and resp.pending_sync_id != self.sync_id:
+        elif not err and resp is not None and resp.pending_sync_id != self.sync_id and rid not in self.committing:
             verdict = (
                 f"rollout {rid} left sync {self.sync_id} during the stream ({resp.last_error or 'no error given'})"
             )

@@ -197,6 +197,7 @@ class _NcclSession(Session):
         self.sender_gpu_clash = ""
         self.clashing: set[str] = set()  # rollouts on a sending rank's GPU
         self._watch: Watch | None = None
+        self._probe = None  # the watch's MembersProbe
         #: a member silent, dead or out of the sync mid-stream ends the stream for all, and the live
         #: members are restarted without it (cut.py); armed once the stream has a group
         self.cuts = MemberCut(rid for rid, _ in self.members)
@@ -302,12 +303,17 @@ class _NcclSession(Session):
         out of the sync): rank 0's group, or with several senders the flag they all watch."""
         if self.owner.call is not None:
             probe = members_probe(targets, self.owner.call, self.sync_id, wait_s=self.owner.watch_period)
+            self._probe = probe
 
             def end(verdict: str) -> None:  # the member it names is cut: the live ones restart without it
                 if not (probe.culprit and self.cuts.cut(probe.culprit, verdict)):
                     abort(verdict)
 
             self._watch = Watch(probe, end, self.owner.watch_period, on_stop=probe.close).start()
+
+    def committing(self, rollout_ids) -> None:
+        if self._probe is not None:
+            self._probe.committing.update(rollout_ids)
 
     def cut(self, rollout_id: str, why: str) -> bool:
         """End this sync's stream for every member because `rollout_id` went silent mid-stream (cut.py)."""

@@ -71,10 +71,11 @@ def _check_sync_trace(finished, report, calls_path: str) -> None:
     tree = _tree(finished, root.context.trace_id)
     for name in PHASES:  # each phase once, a child of the root
         assert [s.parent.span_id for s in tree[name]] == [root.context.span_id], (name, calls_path)
-    # the rollout's spans (rollout_svc code) continue the trainer's phase of the same name
-    for side in ("prepare", "commit"):
+    # the rollout's spans (rollout_svc code) continue the trainer's phase that sent them: its prepare, and
+    # its stream for the commit, which went out as the last bucket did (weightsync/publisher/early_commit.py)
+    for side, sent_in in (("prepare", "prepare"), ("commit", "stream")):
         (mine,) = tree[f"rollout.{side}"]
-        assert mine.parent.span_id == tree[side][0].context.span_id, (side, calls_path)
+        assert mine.parent.span_id == tree[sent_in][0].context.span_id, (side, calls_path)
         assert mine.attributes["weightsync.sync_id"] == report.sync_id
         assert mine.attributes["weightsync.version"] == report.version
         assert mine.attributes["weightsync.rollout_id"] == "a"

@@ -48,7 +48,7 @@ class _Orch:
         #: rollout_id -> the reason its AbortSync answer gives for having aborted on its own
         self.aborted_reason: dict[str, str] = {}
 
-    def call(self, entry, method, req):
+    def call(self, entry, method, req, timeout=None, link=True):
         self.calls.append((entry.rollout_id, method))
         if method == "PrepareSync":
             if entry.rollout_id in self.refuse_prepare:
@@ -59,6 +59,13 @@ class _Orch:
         if method == "CommitSync":
             return rollout_pb2.CommitSyncResponse(version=req.version), ""
         return rollout_pb2.AbortSyncResponse(aborted_reason=self.aborted_reason.get(entry.rollout_id, "")), ""
+
+    def send(self, entry, method, req, timeout=None):
+        """A call on the target's link in two halves (a commit sent as the last bucket goes out)."""
+        if self.link_of(entry) is None:
+            return None
+        answer = self.call(entry, method, req)
+        return lambda: answer
 
     def fail(self, result, entry, reason, err):
         result.ok, result.error = False, err

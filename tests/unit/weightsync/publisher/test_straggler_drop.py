@@ -346,3 +346,16 @@ def test_a_target_still_receiving_is_not_dropped_for_a_mute_link_and_is_once_its
         clock.t += 0.25
         watch.check()
     assert dropped == ["busy"] and watch.dropped["busy"] == 1.0
+
+
+def test_a_target_whose_link_carries_its_early_commit_is_left_to_that_calls_liveness():
+    # its beats are read by the commit's answer, not by the watch: silence on the watch says nothing
+    clock, dropped = _Clock(), []
+    watch = StreamLiveness(
+        {"committing": _Mute(), "mute": _Mute()}, 1.0, lambda rid, s: dropped.append(rid), clock=clock
+    )
+    watch.calling.add("committing")
+    for _ in range(10):
+        clock.t += 0.25
+        watch.check()
+    assert dropped == ["mute"]

@@ -11,7 +11,9 @@ whose value changes.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import pytest
 
@@ -20,9 +22,11 @@ from tests.support.fake_gpu import FakeGpu, fake_gpu_boundary
 from tests.support.fleet_sync import assert_serves_export, bump_weights, rollout_calls
 from tests.support.local_apps import local_fleet
 from weightsync.bus.plan import BucketPlan
+from weightsync.publisher.link_client import SyncLinkClient
 from weightsync.v1 import trainer_pb2
 
 STEADY_SYNCS = 4
+WAIT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +142,47 @@ def test_the_state_metric_shows_one_state_as_it_changes(pair):
         app.servicer.refresh_state_metric()
     assert stale["STALE"] == 1 and sum(stale.values()) == 1, stale
     assert set(stale) == set(after_sync)  # every state keeps its series, at 0 when not current
+
+
+def test_the_rollouts_sync_log_lines_are_written_after_its_answers_went_out(pair, monkeypatch):
+    # a log line costs its formatting and write: not inside the round trips the trainer waits on
+    trainer, app, stub, _ = pair
+    bump_weights(trainer)
+    _sync(stub)  # the link is open
+    answered = {"PrepareSync": threading.Event(), "CommitSync": threading.Event()}
+    answer_of = SyncLinkClient._answer_of
+
+    def reading(self, sock, method, *rest):
+        try:
+            return answer_of(self, sock, method, *rest)
+        finally:
+            answered[method].set()
+
+    monkeypatch.setattr(SyncLinkClient, "_answer_of", reading)
+    order: list[tuple[str, bool]] = []
+
+    class _Waits(logging.Handler):
+        """Holds each line until the trainer read the answer it follows (a line written before the answer
+        would hold the answer: the wait runs out, False)."""
+
+        def emit(self, record):
+            for line, method in (("prepared sync", "PrepareSync"), ("committed sync", "CommitSync")):
+                if record.getMessage().startswith(line):
+                    order.append((line, answered[method].wait(WAIT_S)))
+
+    handler, logger = _Waits(level=logging.INFO), logging.getLogger("rollout_svc.service")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        bump_weights(trainer)
+        _sync(stub)
+        answered["CommitSync"].wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while len(order) < 2 and time.monotonic() < deadline:  # the commit's line follows its answer
+            time.sleep(0.01)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert order == [("prepared sync", True), ("committed sync", True)]
+    assert_serves_export(trainer, app)

@@ -78,6 +78,14 @@ def test_members_probe_names_the_dead_and_the_departed_and_passes_busy_or_presen
         "rollout g became unreachable during the stream (UNAVAILABLE: connection refused)"
     )
     assert members_probe({"l": "left"}, call, "s1")() == "rollout l left sync s1 during the stream (checksum mismatch)"
+    # sent its CommitSync before the last broadcast completed: no longer holding the sync may mean it
+    # committed it, which its commit's answer says; unreachable is still a verdict
+    committing = members_probe({"l": "left", "a": "ok"}, call, "s1")
+    committing.committing.add("l")
+    assert committing() == ""
+    dead = members_probe({"g": "gone"}, call, "s1")
+    dead.committing.add("g")
+    assert dead() == "rollout g became unreachable during the stream (UNAVAILABLE: connection refused)"
 
 
 def test_members_probe_is_not_held_up_by_a_member_whose_answer_hangs():
