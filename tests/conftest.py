@@ -37,7 +37,8 @@ def _lock(f, mode: int, what: str) -> None:
             time.sleep(0.02)
 
 
-@pytest.hookimpl(wrapper=True)
+# outermost (tryfirst): pytest-timeout's timer, started inside, counts the test and not its wait here
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     if not _RUN:
         return (yield)
