@@ -1,9 +1,17 @@
+"""`python -m trainer_svc` and the `trainer-svc` console script (pyproject's [project.scripts]): both end through
+weightsync.fast_exit, so a cleanly stopped service skips the interpreter's teardown however it was started."""
+
 import sys
 
 from weightsync import fast_exit
 
-fast_exit.arm()  # before the service's imports register their atexit handlers: it runs last
 
-from trainer_svc.cli import main  # noqa: E402
+def main() -> int:
+    fast_exit.arm()  # before the service's imports register their atexit handlers: it runs last
+    from trainer_svc.cli import main as cli_main
 
-sys.exit(fast_exit.run(main))
+    return fast_exit.run(cli_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

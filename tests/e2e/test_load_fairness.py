@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.bench_fairness import measure
 from rollout_svc.limits import LimitsConfig
 
@@ -25,6 +27,7 @@ _L = LimitsConfig()
 BIG = dict(big_prompts=_L.max_request_tokens // (_L.max_n * 256), big_n=_L.max_n, big_tokens=256)
 
 
+@pytest.mark.serial
 def test_small_request_p99_within_2x_of_idle_while_a_large_request_runs(procs):
     assert BIG["big_prompts"] * BIG["big_n"] * BIG["big_tokens"] == _L.max_request_tokens  # the largest allowed
     r = procs.rollout("--model", "tiny-qwen2", "--serve-initial-weights")  # no trainer here

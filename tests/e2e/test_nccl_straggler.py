@@ -32,7 +32,7 @@ from reliability_helpers import load, make_model_dirs, rstub, score, status, syn
 
 from weightsync.local.procs import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # times the others against a normal sync
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIVENESS_S = 1.0
 RPC_TIMEOUT_S = 30.0

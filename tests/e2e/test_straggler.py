@@ -20,11 +20,15 @@ import signal
 import statistics
 import time
 
+import pytest
 import torch
 from reliability_helpers import load, make_model_dirs, rstub, score, status, sync_rpc, wait_for
 
 from tests.support.bus_proxy import BusProxy
 from weightsync.local.procs import free_port
+
+# the others' sync time against a median of this run's normal syncs (tests/conftest.py)
+pytestmark = pytest.mark.serial
 
 LIVENESS_S = 1.0
 RPC_TIMEOUT_S = 30.0

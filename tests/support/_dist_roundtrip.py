@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo): for each family dir given, HF -> Megatron (TP/PP/VPP) -> HF.
+"""Run under torchrun (gloo): for each TP/PP/VPP layout given (all of one world size: one launch pays
+megatron's imports once for them) and each family dir, HF -> Megatron -> HF.
 
 Every rank builds the actor (a collective load). Then rank 0 drives through the public API while
 the other ranks sit in `worker_loop()`: export_tensors (compared bit-exactly with the original
@@ -26,15 +27,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--layout", action="append", required=True, help="TP,PP,VPP; repeat for several")
     ap.add_argument("--out", required=True)
     ap.add_argument("dirs", nargs="+", help="HF dirs, one per family")
     args = ap.parse_args()
-    # a hang in a collective should leave stacks behind, not only a test timeout
-    faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "170")), exit=True)
+    from megatron.core import parallel_state as ps
 
+    rank = int(os.environ["RANK"])
+    report = {}
+    for layout in args.layout:
+        # a hang in a collective should leave stacks behind, not only a test timeout (re-armed per layout)
+        faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "170")), exit=True)
+        tp, pp, vpp = (int(x) for x in layout.split(","))
+        report[layout] = _roundtrip(args, tp, pp, vpp, rank)
+        ps.destroy_model_parallel()  # the next layout initialises its own groups
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+
+
+def _roundtrip(args, tp: int, pp: int, vpp: int, rank: int) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,11 +54,10 @@ def main() -> None:
     from trainer_svc.actor.megatron.actor import MegatronActor
     from trainer_svc.actor.megatron.model import forward_logits
 
-    rank = int(os.environ["RANK"])
     report = {}
     for d in args.dirs:
         cfg = AutoConfig.from_pretrained(d, local_files_only=True)
-        actor = MegatronActor(cfg, tp=args.tp, pp=args.pp, vpp=args.vpp, weights_dir=d)
+        actor = MegatronActor(cfg, tp=tp, pp=pp, vpp=vpp, weights_dir=d)
         res = {"family": actor.family}
         # a tied model at PP>1 keeps a second copy of the embedding as the last stage's head; it is
         # never exported, so check it here against this rank's vocab rows of the HF embedding
@@ -83,7 +94,7 @@ def main() -> None:
                 it = actor.export_tensors()
                 next(it)
                 it.close()  # stops early: the actor must still finish the collectives
-                out = Path(args.out).parent / f"saved-{actor.family}-{args.tp}{args.pp}{args.vpp}"
+                out = Path(args.out).parent / f"saved-{actor.family}-{tp}{pp}{vpp}"
                 actor.save_hf(str(out))
                 reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
                 ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -94,7 +105,7 @@ def main() -> None:
                 res["error"] = traceback.format_exc()
             finally:
                 actor.shutdown()
-        if args.pp == 1:
+        if pp == 1:
             torch.manual_seed(0)
             ids = torch.randint(0, cfg.vocab_size, (2, 16))
             with torch.no_grad():
@@ -106,9 +117,7 @@ def main() -> None:
                 res["logits_rel_err"] = float((logits - want).norm() / want.norm())
         report[actor.family] = res
         dist.barrier()
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ in a dedicated subprocess (`run_in_sglang`), never in the pytest process.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -28,6 +30,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -134,6 +137,41 @@ def _pip(args: list[str], what: str) -> None:
     raise RuntimeError(f"pip {' '.join(args[:2])} for {what} failed (PyPI is reachable):\n{proc.stderr[-2000:]}")
 
 
+_lock_depth = [0]
+
+
+@contextlib.contextmanager
+def cache_lock(timeout: float = 900.0):
+    """The cache is filled by one process at a time: pytest-xdist workers (and runs side by side) would
+    otherwise download into, unzip into or pip-install into the same directory at once, and one could
+    glob another's half-written wheel. Re-entrant within a process (site() takes it, then wheel())."""
+    if _lock_depth[0]:
+        _lock_depth[0] += 1
+        try:
+            yield
+        finally:
+            _lock_depth[0] -= 1
+        return
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    with open(CACHE_DIR / ".lock", "w") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{CACHE_DIR / '.lock'} held by another process for {timeout:.0f}s") from None
+                time.sleep(0.1)
+        _lock_depth[0] = 1
+        try:
+            yield
+        finally:
+            _lock_depth[0] = 0
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@cache_lock()
 def wheel(version: str) -> Path:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     have = sorted(CACHE_DIR.glob(f"sglang-{version}-*.whl"))
@@ -146,6 +184,7 @@ def wheel(version: str) -> Path:
     return have[0]
 
 
+@cache_lock()
 def site(version: str) -> Path:
     """The unpacked wheel (idempotent; a marker file says the unpack finished)."""
     out = CACHE_DIR / f"site-{version}"
@@ -157,6 +196,7 @@ def site(version: str) -> Path:
     return out
 
 
+@cache_lock()
 def deps(engine: bool = False) -> Path:
     pins = DEPS + (ENGINE_DEPS if engine else ())
     out = CACHE_DIR / ("deps-" + hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12])

@@ -84,7 +84,7 @@ class Proc:
                     return
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a loopback GET: cheap, and every service start waits here
         raise TimeoutError(f"{self.name} not ready within {timeout}s:\n{self.log()[-4000:]}")
 
     def metric(self, name: str, labels: str = "") -> float | None:
@@ -193,7 +193,7 @@ def wait_registered(trainer_address: str, rollout_ids: list[str], timeout: float
             known = {r.rollout_id for r in stub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts}
             if set(rollout_ids) <= known:
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         ch.close()
     raise TimeoutError(

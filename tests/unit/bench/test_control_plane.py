@@ -25,6 +25,7 @@ def _metas(count: int, total_bytes: int) -> list[TensorMeta]:
     ]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
 def test_steady_state_control_time_follows_buckets_not_tensors(fmt):
     # equal bytes in equal buckets: 16 buckets of 2,560,000 bytes, as 160 tensors or as 1,600 (every size a

@@ -146,6 +146,7 @@ def test_a_stalled_consumer_holds_neither_the_others_nor_a_load_after_it():
     tx.engine_lock.release()
 
 
+@pytest.mark.serial
 def test_concurrency_does_not_slow_it_down():
     """N requests at once take no longer than the same N one after another (on one model, one run)."""
     engine = BuiltinEngine.from_config(qwen2_config(), seed=0)

@@ -143,6 +143,7 @@ def test_a_silent_rollout_fails_the_call_after_the_liveness_not_the_timeout(answ
         close()
 
 
+@pytest.mark.serial
 def test_one_silent_rollout_does_not_hold_the_sync_and_is_caught_up_when_it_answers(fleet):
     trainer, rollouts, stub = fleet
     rep, _ = _sync(stub)  # every pairing's first prepare goes over gRPC and names the link

@@ -42,6 +42,7 @@ def _run(text: str) -> float:
         gc.enable()
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("pattern", ["zy", "ab"], ids=["never-a-stop", "always-a-stop-start"])
 def test_three_times_the_tokens_cost_at_most_about_four_times_the_time(pattern):
     n = 900  # text shorter than the stops: where the tail search grew with the square of the text

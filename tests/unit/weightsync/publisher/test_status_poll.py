@@ -6,12 +6,15 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from tests.unit.weightsync.publisher.test_publisher import LOOPBACK, SPEC
 from weightsync.control.client import channel, trainer_stub
 from weightsync.publisher import Publisher, SyncOptions
 from weightsync.v1 import trainer_pb2
 
 
+@pytest.mark.serial
 def test_three_silent_rollouts_cost_one_status_timeout():
     timeout = 1.0  # the registry asks each rollout with min(rpc_timeout_s, 5 s)
     silent = []

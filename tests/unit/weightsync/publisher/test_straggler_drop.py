@@ -42,6 +42,7 @@ def test_the_grace_follows_the_answered_targets_own_progress():
     assert grace_s([0.05, 0.3]) == pytest.approx(straggler.GRACE_FACTOR * 0.3)
 
 
+@pytest.mark.serial
 def test_a_silent_target_is_dropped_a_grace_after_the_others_answered_and_its_late_answer_is_handed_on():
     release, late = threading.Event(), []
     calls = {"a": _after(0.02, "A"), "b": _after(0.3, "B"), "c": _after(0, "C", release)}

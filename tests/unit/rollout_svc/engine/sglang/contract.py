@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout_svc.engine.sglang_api import ApiUse
-from tests.support.sglang_site import pypi_reachable
+from tests.support.sglang_site import cache_lock, pypi_reachable
 
 CACHE_DIR = Path.home() / ".cache" / "weightsync" / "sglang"
 # sglang 0.5.2x ships cp311 manylinux wheels only (compiled Rust extensions inside); ask pip for
@@ -33,6 +33,7 @@ class WheelUnavailable(Exception):
     """PyPI cannot be reached: the contract cannot be checked here (a skip, not a pass)."""
 
 
+@cache_lock()  # another xdist worker may be downloading it right now
 def fetch_wheel(version: str, cache_dir: Path = CACHE_DIR) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     have = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
