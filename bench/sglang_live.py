@@ -68,7 +68,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="0.5b", help="shape of the random weights when --peaked is not given")
     ap.add_argument("--peaked", default="", help="bench/peaked_model.py's output dir (checkpoints a and b)")
     ap.add_argument("--transports", default="", help="default: ipc,tcp, and nccl when 2 GPUs are visible")
-    ap.add_argument("--reps", type=int, default=5, help="timed syncs per transport and engine, after one warm-up")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed syncs per transport and engine (greedy runs: after one warm-up; --timing-model runs: after two)",
+    )
     ap.add_argument("--bucket-mb", type=int, default=1, help="the trainer's bucket size (MiB) in the token checks")
     ap.add_argument("--timing-model", default="", help="then time syncs at these shapes (1.5b,7b), random weights")
     ap.add_argument("--out", required=True)

@@ -78,10 +78,11 @@ def test_timing_runs_time_every_shape_over_every_transport_each_in_a_fleet_of_it
     TARGET_IDS = ("s0", "b0", "s1", "b1")
 
     def sync_times(address, tstub, rid, transport, reps):
+        assert reps == 2 + 3  # two warm-ups (learning the tables, mapping them), then --reps timed
         secs = {"s": 0.02, "b": 0.01}[rid[0]]
         rep = {"version": "7", "bytes": "300", "num_buckets": 3, "route": f"{transport}/x"}
         rep["rollouts"] = [{"bytes_per_rank": ["300"]}]  # uint64 fields come as strings from MessageToDict
-        return [rep] * reps, [1.0] + [secs] * (reps - 1)
+        return [rep] * reps, [1.0, 0.5] + [secs] * (reps - 2)  # the warm-ups are not in the median
 
     monkeypatch.setattr(sglang_timing, "Fleet", Fleet)
     monkeypatch.setattr(sglang_timing, "sync_times", sync_times)
