@@ -55,10 +55,23 @@ BUCKET_MB = 1024  # the trainer's default bucket_mb
 
 
 class _Context:
-    """A grpc.ServicerContext for direct calls: an abort raises, naming the code."""
+    """A grpc.ServicerContext for direct calls: an abort raises, naming the code; the callbacks a handler adds
+    for after its answer went out (the rollout's log lines) run at `answered()`, as gRPC runs them after the
+    reply, so they stay out of the handler's time as they do on the wire."""
+
+    def __init__(self):
+        self._after: list = []
 
     def abort(self, code, details):
         raise RuntimeError(f"{code}: {details}")
+
+    def add_callback(self, fn) -> bool:
+        self._after.append(fn)
+        return True
+
+    def answered(self):
+        for fn in self._after:
+            fn()
 
 
 def meta_engine(metas):
@@ -228,8 +241,10 @@ class Pair:
                 transport=bus_pb2.TransportSpec(tcp=bus_pb2.TcpTransport()),
             )
             wire = req.SerializeToString()
-            got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), _Context())
+            ctx = _Context()
+            got = self.servicer.PrepareSync(rollout_pb2.PrepareSyncRequest.FromString(wire), ctx)
             resp = rollout_pb2.PrepareSyncResponse.FromString(got.SerializeToString())
+            ctx.answered()
             entry.manifest_runs = self.runs and resp.manifest_runs
             if not resp.manifest_needed:
                 break
@@ -247,8 +262,10 @@ class Pair:
         for b in manifest.buckets:
             req.checksums.add(index=b.index, checksum=b.index)
         wire = req.SerializeToString()
-        got = self.servicer.CommitSync(rollout_pb2.CommitSyncRequest.FromString(wire), _Context())
+        ctx = _Context()
+        got = self.servicer.CommitSync(rollout_pb2.CommitSyncRequest.FromString(wire), ctx)
         resp = rollout_pb2.CommitSyncResponse.FromString(got.SerializeToString())
+        ctx.answered()
         if resp.version != manifest.version:
             raise RuntimeError(f"committed version {resp.version}, expected {manifest.version}")
         return resp.version
