@@ -28,6 +28,19 @@ _EXTRA_TENSORS = 64
 _MAX_ELEMENT_BYTES = 4
 _ALIGN_SLACK = 256
 
+#: The LimitsConfig fields that must be >= 1 (validate() checks them; the Helm schema states the same bound).
+AT_LEAST_ONE = (
+    "max_prompts",
+    "max_n",
+    "max_new_tokens",
+    "max_request_tokens",
+    "max_inflight_requests",
+    "max_inflight_per_client",
+    "max_bucket_mb",
+    "max_bus_connections",
+    "max_sync_links",
+)
+
 
 @dataclass
 class LimitsConfig:
@@ -56,17 +69,7 @@ class LimitsConfig:
     )
 
     def validate(self) -> None:
-        for name in (
-            "max_prompts",
-            "max_n",
-            "max_new_tokens",
-            "max_request_tokens",
-            "max_inflight_requests",
-            "max_inflight_per_client",
-            "max_bucket_mb",
-            "max_bus_connections",
-            "max_sync_links",
-        ):
+        for name in AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_inflight_per_client > self.max_inflight_requests:
