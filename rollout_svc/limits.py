@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from weightsync.bus.errors import SyncError
-from weightsync.config import ConfigError, field
+from weightsync.config import ConfigError, field, require_positive
 
 #: The manifest may carry a few tensors the engine does not list as parameters (fp8 scales, buffers);
 #: anything beyond twice its own count plus this is not a manifest for this engine.
@@ -69,9 +69,7 @@ class LimitsConfig:
     )
 
     def validate(self) -> None:
-        for name in AT_LEAST_ONE:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        require_positive(self, AT_LEAST_ONE)
         if self.max_inflight_per_client > self.max_inflight_requests:
             raise ConfigError(
                 f"max_inflight_per_client={self.max_inflight_per_client} must be <= "
