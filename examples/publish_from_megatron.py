@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -103,17 +102,10 @@ def gathered_hf_model(chunks, config):
 
 
 def rollout_last_logits(address: str, token: str) -> tuple[torch.Tensor, int]:
-    from weightsync.control.client import channel, rollout_stub
-    from weightsync.v1 import rollout_pb2
+    """The rollout's logits at the last prompt position, and the weights version that computed them."""
+    from weightsync.control.client import last_logits
 
-    ch = channel(address)
-    try:
-        r = rollout_stub(ch, token=token, timeout=60).Score(
-            rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True)
-        )
-    finally:
-        ch.close()
-    return torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()), r.version
+    return last_logits(address, PROMPT, token=token)
 
 
 def last_logits(model) -> torch.Tensor:
