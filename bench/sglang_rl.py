@@ -151,19 +151,20 @@ def colocated_rl(res: dict, work: Path, save, steps: int, held_steps: int, ready
             rec.setdefault("rewards_so_far", []).append(round(r.reward_mean, 4))
             save()
 
-        released = run_loop(
-            trainer.address, [rollout.address], task, steps, LoopConfig(**loop, release_memory=True, seed=0),
-            on_step=on_step, around_train=peak.around("released"),
-        )  # fmt: skip
-        _phase(rec, "released", released)
-        rec["peak_gib_released"] = max(peak.peaks["released"])
-        save()
-        held = run_loop(
-            trainer.address, [rollout.address], task, held_steps, LoopConfig(**loop, release_memory=False, seed=1),
-            on_step=on_step, around_train=peak.around("held"),
-        )  # fmt: skip
-        _phase(rec, "held", held)
-        rec["peak_gib_held"] = max(peak.peaks["held"])
+        def phase(name: str, n_steps: int, release: bool, seed: int) -> list:
+            """Run `n_steps` RL steps with the rollout's memory released (or held) around each train step."""
+            results = run_loop(
+                trainer.address, [rollout.address], task, n_steps,
+                LoopConfig(**loop, release_memory=release, seed=seed),
+                on_step=on_step, around_train=peak.around(name),
+            )  # fmt: skip
+            _phase(rec, name, results)
+            rec[f"peak_gib_{name}"] = max(peak.peaks[name])
+            save()
+            return results
+
+        released = phase("released", steps, release=True, seed=0)
+        held = phase("held", held_steps, release=False, seed=1)
         rec["peaks_gib"] = {k: [round(x, 3) for x in v] for k, v in peak.peaks.items()}
         every = released + held
         k = max(1, steps // 5)

@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,20 +32,11 @@ PROMPT = [5, 17, 42, 7, 99, 3]
 
 
 def tiny_qwen2():
-    from transformers import Qwen2Config
+    """The tiny Qwen2 config the services also know by name (--model tiny-qwen2), built locally."""
+    from weightsync.models import resolve_model
 
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
+    config, _ = resolve_model("tiny-qwen2")
+    return config
 
 
 def build_model(config):
@@ -112,17 +102,10 @@ def gathered_hf_model(chunks, config):
 
 
 def rollout_last_logits(address: str, token: str) -> tuple[torch.Tensor, int]:
-    from weightsync.control.client import channel, rollout_stub
-    from weightsync.v1 import rollout_pb2
+    """The rollout's logits at the last prompt position, and the weights version that computed them."""
+    from weightsync.control.client import last_logits
 
-    ch = channel(address)
-    try:
-        r = rollout_stub(ch, token=token, timeout=60).Score(
-            rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True)
-        )
-    finally:
-        ch.close()
-    return torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()), r.version
+    return last_logits(address, PROMPT, token=token)
 
 
 def last_logits(model) -> torch.Tensor:

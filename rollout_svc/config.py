@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_svc.limits import LimitsConfig
-from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
+from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, require_positive, section
 from weightsync.config_common import AuthConfig, DebugConfig, LogConfig, ServerConfig
 
 ENV_PREFIX = "WS_ROLLOUT"
@@ -42,8 +42,7 @@ class InferenceConfig:
     )
 
     def validate(self) -> None:
-        if self.tp < 1:
-            raise ConfigError(f"tp={self.tp} must be >= 1")
+        require_positive(self, ("tp",))
         if self.engine == "builtin" and self.tp != 1:
             raise ConfigError("engine=builtin runs one rank: set tp=1 or use engine=sglang")
         if not 0 <= self.receive_rank < self.tp:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from weightsync.bus.errors import SyncError
-from weightsync.config import ConfigError, field
+from weightsync.config import ConfigError, field, require_positive
 
 #: The manifest may carry a few tensors the engine does not list as parameters (fp8 scales, buffers);
 #: anything beyond twice its own count plus this is not a manifest for this engine.
@@ -27,6 +27,19 @@ _EXTRA_TENSORS = 64
 #: Largest element a manifest may carry (float32) and the per-tensor alignment padding of a bucket.
 _MAX_ELEMENT_BYTES = 4
 _ALIGN_SLACK = 256
+
+#: The LimitsConfig fields that must be >= 1 (validate() checks them; the Helm schema states the same bound).
+AT_LEAST_ONE = (
+    "max_prompts",
+    "max_n",
+    "max_new_tokens",
+    "max_request_tokens",
+    "max_inflight_requests",
+    "max_inflight_per_client",
+    "max_bucket_mb",
+    "max_bus_connections",
+    "max_sync_links",
+)
 
 
 @dataclass
@@ -56,19 +69,7 @@ class LimitsConfig:
     )
 
     def validate(self) -> None:
-        for name in (
-            "max_prompts",
-            "max_n",
-            "max_new_tokens",
-            "max_request_tokens",
-            "max_inflight_requests",
-            "max_inflight_per_client",
-            "max_bucket_mb",
-            "max_bus_connections",
-            "max_sync_links",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        require_positive(self, AT_LEAST_ONE)
         if self.max_inflight_per_client > self.max_inflight_requests:
             raise ConfigError(
                 f"max_inflight_per_client={self.max_inflight_per_client} must be <= "

@@ -23,6 +23,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "deploy" / "helm" / "weightsync" / "values.schema.json"
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the services' packages sit at the root
+
+from rollout_svc.limits import AT_LEAST_ONE  # noqa: E402 (needs the path above)
 
 #: role -> fields the chart's templates set (an entry that is not a field is an error)
 MANAGED = {
@@ -68,27 +71,13 @@ BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
         "sync_timeout_s": {"exclusiveMinimum": 0},
         "register_timeout_s": {"minimum": 0},
         "heartbeat_s": {"minimum": 0},
-        **{
-            name: {"minimum": 1}
-            for name in (
-                "max_prompts",
-                "max_n",
-                "max_new_tokens",
-                "max_request_tokens",
-                "max_inflight_requests",
-                "max_inflight_per_client",
-                "max_bucket_mb",
-                "max_bus_connections",
-                "max_sync_links",
-            )
-        },
+        **{name: {"minimum": 1} for name in AT_LEAST_ONE},
     },
 }
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object"}
 
 
 def config_classes() -> dict[str, type]:
-    sys.path.insert(0, str(ROOT))
     from rollout_svc.config import RolloutConfig
     from trainer_svc.config import TrainerConfig
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from trainer_svc.bridge_contract import CONTRACTS, missing_package_error
 from weightsync.bus.transports import NAMES as TRANSPORTS
 from weightsync.bus.transports import choices, multi_sender_names, single_sender_names, summary
-from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, section
+from weightsync.config import ConfigError, ServiceConfig, field, parse_host_port, require_positive, section
 from weightsync.config_common import AuthConfig, DebugConfig, LogConfig, ServerConfig
 from weightsync.sync_options import DEFAULTS as SYNC
 from weightsync.sync_options import ENCODINGS, IPC_DIRECTIONS, MIB, SENDERS, SyncOptions
@@ -101,9 +101,7 @@ class ParallelConfig:
     )
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "vpp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        require_positive(self, ("tp", "pp", "vpp", "ep"))
         if self.vpp > 1 and self.pp < 2:
             raise ConfigError(f"vpp={self.vpp} needs pp >= 2 (virtual stages interleave pipeline ranks)")
 

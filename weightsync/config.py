@@ -206,6 +206,14 @@ def field_type(f: dataclasses.Field) -> tuple[Any, bool]:
     return _base_type(f.type)
 
 
+def require_positive(cfg: Any, names: typing.Iterable[str]) -> None:
+    """Refuse any of the int fields `names` of `cfg` that is below 1, naming the field and its value."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+
+
 def validate_sections(cfg: Any) -> None:
     """Run each section's own `validate()`; the service's validate then checks across sections."""
     for name in sections(type(cfg)):

@@ -15,10 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from weightsync.control.client import channel, rollout_stub
+from weightsync.control.client import channel, last_logits, rollout_stub
 from weightsync.local.procs import start_rollout, start_trainer, wsctl
 from weightsync.v1 import rollout_pb2
 
@@ -26,19 +25,14 @@ PROMPT = [11, 42, 7, 199, 3, 64, 5]
 
 
 def _logits(proc) -> tuple[torch.Tensor, int, bool]:
-    stub = rollout_stub(channel(proc.address), "", 60)
-    r = stub.Score(rollout_pb2.ScoreRequest(token_ids=PROMPT, prompt_length=1, return_last_logits=True))
-    g = stub.Generate(
+    logits, version = last_logits(proc.address, PROMPT)
+    g = rollout_stub(channel(proc.address), "", 60).Generate(
         rollout_pb2.GenerateRequest(
             prompts=[rollout_pb2.Prompt(token_ids=PROMPT)],
             sampling=rollout_pb2.SamplingParams(max_new_tokens=4, temperature=0),
         )
     )
-    return (
-        torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()),
-        r.version,
-        g.samples[0].prefix_cache_hit,
-    )
+    return logits, version, g.samples[0].prefix_cache_hit
 
 
 def _reference_logits(model_dir: Path) -> torch.Tensor:

@@ -27,9 +27,9 @@ from weightsync.bus.plan import (
     Quantization,
     TensorMeta,
     bulk,
+    make_manifest,
     manifest_from_proto,
     manifest_to_proto,
-    plan_buckets,
 )
 from weightsync.bus.runs import manifest_to_proto_runs
 from weightsync.v1 import bus_pb2
@@ -110,14 +110,16 @@ class ManifestCache:
         key = (bucket_bytes, model_family, checksum_algo, quantization, tuple(owners) if owners else None)
         if self._template is None or key != self._key or not (metas is self._metas or metas == self._metas):
             with bulk():
-                template = Manifest(
+                # the per-sync fields (version, sync id, origin) are left empty: for_sync sets them
+                template = make_manifest(
+                    list(metas),
                     version=0,
                     sync_id="",
                     bucket_bytes=bucket_bytes,
-                    buckets=plan_buckets(list(metas), bucket_bytes, owners),
                     model_family=model_family,
                     checksum_algo=checksum_algo,
                     quantization=quantization,
+                    owners=owners,
                 )
                 template.layout_digest = layout_digest(template)
             self._key, self._metas, self._template, self._full = key, metas, template, {}

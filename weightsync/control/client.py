@@ -52,3 +52,22 @@ def describe_rpc_error(exc: grpc.RpcError) -> str:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return f"{code.name if code else 'UNKNOWN'}: {details}"
+
+
+def last_logits(address: str, token_ids: list[int], token: str = "", timeout: float = 60.0):
+    """The rollout's float32 logits at the last position of `token_ids` (Score with return_last_logits,
+    a torch tensor [vocab]) and the weights version that computed them: what a bit-exact check of a
+    sync compares against the trainer's own forward."""
+    import numpy as np  # lazy: the control plane imports no tensor library at start
+    import torch
+
+    from weightsync.v1 import rollout_pb2
+
+    ch = channel(address)
+    try:
+        r = rollout_stub(ch, token=token, timeout=timeout).Score(
+            rollout_pb2.ScoreRequest(token_ids=token_ids, prompt_length=1, return_last_logits=True)
+        )
+    finally:
+        ch.close()
+    return torch.from_numpy(np.frombuffer(r.last_logits_f32, dtype="<f4").copy()), r.version

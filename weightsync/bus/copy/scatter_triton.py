@@ -46,62 +46,10 @@ def config() -> Config:
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    import triton
-    import triton.language as tl
+    """The aligned-row kernel (scatter_kernels.scatter_sum64_vec): every row runs the config's STEPS."""
+    from weightsync.bus.copy import scatter_kernels  # lazy: triton comes only with CUDA builds of torch
 
-    # n_rows unspecialised: one compilation whatever the count (Triton would compile one for a count
-    # divisible by 16 and one for the others: a first sync of another model would pay a JIT)
-    @triton.jit(do_not_specialize=["n_rows"])
-    def scatter_sum64_vec(
-        src_base,
-        dst_base,
-        table_ptr,
-        out_ptr,
-        n_rows,
-        BLOCK: tl.constexpr,
-        STEPS: tl.constexpr,
-        VEC: tl.constexpr,
-        FOLD: tl.constexpr,
-    ):
-        # table rows (kind, source offset, destination offset, count): kind 1 in units of VEC words
-        # (so the compiler knows addresses and mask are VEC-aligned: 16-byte accesses), kind 2 single
-        # words copied, kind 0 single words only summed. Offsets are words from the two bases.
-        # A step is a [BLOCK // FOLD, FOLD] tile: each thread adds its FOLD adjacent words before the
-        # int64 accumulators, which so take FOLD times fewer registers (more warps, more loads in flight).
-        tile = tl.arange(0, BLOCK // FOLD)[:, None] * FOLD + tl.arange(0, FOLD)[None, :]
-        # one program per row (the grid is the row count): the loop runs once
-        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            row = table_ptr + r * 4  # int32 offsets: rows stay far below 2**29
-            kind = tl.load(row)
-            s = tl.load(row + 1)
-            d = tl.load(row + 2)
-            n = tl.load(row + 3)
-            acc1 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
-            acc2 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
-            if kind == 1:
-                s = s * VEC
-                d = d * VEC
-                n = n * VEC
-                for i in range(STEPS):
-                    offs = i * BLOCK + tile
-                    mask = offs < n
-                    w = tl.load(src_base + s + offs, mask=mask, other=0)
-                    tl.store(dst_base + d + offs, w, mask=mask)
-                    acc1 += tl.sum(w.to(tl.int64), axis=1)
-                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)  # the square wraps in int32, as on the CPU path
-            else:
-                for i in range(STEPS):
-                    offs = i * BLOCK + tile
-                    mask = offs < n
-                    w = tl.load(src_base + s + offs, mask=mask, other=0)
-                    if kind == 2:
-                        tl.store(dst_base + d + offs, w, mask=mask)
-                    acc1 += tl.sum(w.to(tl.int64), axis=1)
-                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)
-            tl.store(out_ptr + r * 2, tl.sum(acc1, axis=0))
-            tl.store(out_ptr + r * 2 + 1, tl.sum(acc2, axis=0))
-
-    return scatter_sum64_vec
+    return scatter_kernels.scatter_sum64_vec
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,56 +57,10 @@ def _short_kernel():
     """The same rows, for tables of many rows far shorter than a row's most words (a TP rank's column
     shard: one row per source row, e.g. 896 words at 7B): the inner loop runs only over the row's own
     steps, where the aligned-row kernel's fixed STEPS would spend most iterations masked. A separate
-    function, so the aligned-row kernel of the plain path is compiled exactly as before."""
-    import triton
-    import triton.language as tl
+    kernel, so the aligned-row kernel of the plain path is compiled exactly as before."""
+    from weightsync.bus.copy import scatter_kernels
 
-    @triton.jit(do_not_specialize=["n_rows"])
-    def scatter_sum64_short(
-        src_base,
-        dst_base,
-        table_ptr,
-        out_ptr,
-        n_rows,
-        BLOCK: tl.constexpr,
-        STEPS: tl.constexpr,
-        VEC: tl.constexpr,
-        FOLD: tl.constexpr,
-    ):
-        # STEPS is unused here (the launch passes one config's fields); rows as in scatter_sum64_vec
-        tile = tl.arange(0, BLOCK // FOLD)[:, None] * FOLD + tl.arange(0, FOLD)[None, :]
-        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            row = table_ptr + r * 4
-            kind = tl.load(row)
-            s = tl.load(row + 1)
-            d = tl.load(row + 2)
-            n = tl.load(row + 3)
-            acc1 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
-            acc2 = tl.zeros([BLOCK // FOLD], dtype=tl.int64)
-            if kind == 1:
-                s = s * VEC
-                d = d * VEC
-                n = n * VEC
-                for i in range(0, tl.cdiv(n, BLOCK)):
-                    offs = i * BLOCK + tile
-                    mask = offs < n
-                    w = tl.load(src_base + s + offs, mask=mask, other=0)
-                    tl.store(dst_base + d + offs, w, mask=mask)
-                    acc1 += tl.sum(w.to(tl.int64), axis=1)
-                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)
-            else:
-                for i in range(0, tl.cdiv(n, BLOCK)):
-                    offs = i * BLOCK + tile
-                    mask = offs < n
-                    w = tl.load(src_base + s + offs, mask=mask, other=0)
-                    if kind == 2:
-                        tl.store(dst_base + d + offs, w, mask=mask)
-                    acc1 += tl.sum(w.to(tl.int64), axis=1)
-                    acc2 += tl.sum((w * w).to(tl.int64), axis=1)
-            tl.store(out_ptr + r * 2, tl.sum(acc1, axis=0))
-            tl.store(out_ptr + r * 2 + 1, tl.sum(acc2, axis=0))
-
-    return scatter_sum64_short
+    return scatter_kernels.scatter_sum64_short
 
 
 _ANCHORS: dict[tuple, torch.Tensor] = {}

@@ -48,25 +48,14 @@ def share(buf: torch.Tensor) -> bus_pb2.CudaIpcHandle:
 @contextlib.contextmanager
 def mapped_ipc_bucket(h: bus_pb2.CudaIpcHandle, nbytes: int) -> Iterator[torch.Tensor]:
     """Map the sender's buffer for the duration of the block (no copy); consume it inside."""
-    dev = local_index_of(h.device_uuid) if h.device_uuid else h.device
     if nbytes > h.storage_size:
         raise ValueError(f"IPC bucket of {h.storage_size} bytes cannot hold the {nbytes} bytes the manifest declares")
-    storage = torch.UntypedStorage._new_shared_cuda(
-        dev,
-        h.handle,
-        h.storage_size,
-        h.storage_offset,
-        h.ref_counter_handle,
-        h.ref_counter_offset,
-        h.event_handle or None,
-        h.event_sync_required,
-    )
-    mapped = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
+    mapped = open_mapping(h)
     try:
         yield mapped[:nbytes]
-        torch.cuda.current_stream(dev).synchronize()  # the sender may overwrite the buffer after we return
+        torch.cuda.current_stream(mapped.device).synchronize()  # the sender may overwrite the buffer after we return
     finally:
-        del mapped, storage
+        del mapped
 
 
 class HandleCache:

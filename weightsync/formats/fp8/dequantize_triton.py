@@ -108,15 +108,8 @@ def dequant_tile(
     f32_base,
     out_ptr,
     pid,
-    rows,
-    cols,
-    q_off,
-    s_here,
-    s_off,
-    d_off,
-    k,
-    out_f32,
-    sums,
+    entry,
+    tile_pid,
     BR: tl.constexpr,
     BC: tl.constexpr,
     RB: tl.constexpr,
@@ -127,7 +120,18 @@ def dequant_tile(
     offset of every weight of the launch are multiples of (as word_run's WV). A tile of a quarter
     block: the whole 128 x 128 block in registers held an SM to two programs at a time, each
     loading, computing and storing in turn (~40% of the copy bandwidth); small tiles let many
-    programs per SM overlap their loads with the others' work."""
+    programs per SM overlap their loads with the others' work. `entry`: the weight's row of the tensor
+    table (rows, cols, e4m3 offset, scale here?, scale offset, destination offset, its first tile
+    program, float32 out?, summed?); `tile_pid`: this program's index among the tile programs."""
+    rows = tl.load(entry)
+    cols = tl.load(entry + 1)
+    q_off = tl.load(entry + 2)
+    s_here = tl.load(entry + 3)
+    s_off = tl.load(entry + 4)
+    d_off = tl.load(entry + 5)
+    k = tile_pid - tl.load(entry + 6)  # this tile's index in its weight (row-major)
+    out_f32 = tl.load(entry + 7)
+    sums = tl.load(entry + 8)
     cols = (cols // VEC) * VEC
     q_off = (q_off // VEC) * VEC
     d_off = (d_off // VEC) * VEC
@@ -204,15 +208,6 @@ def dequant_bucket(
             word_run(buf_words, word_base, out_ptr, pid, src, n, dst, has_dst, WB, WS, 1)
     else:
         t = tl.load(owner_ptr + (pid - n_word)).to(tl.int64) * 9
-        rows = tl.load(tensor_ptr + t)
-        cols = tl.load(tensor_ptr + t + 1)
-        q_off = tl.load(tensor_ptr + t + 2)
-        s_here = tl.load(tensor_ptr + t + 3)
-        s_off = tl.load(tensor_ptr + t + 4)
-        d_off = tl.load(tensor_ptr + t + 5)
-        k = pid - n_word - tl.load(tensor_ptr + t + 6)
-        out_f32 = tl.load(tensor_ptr + t + 7)
-        sums = tl.load(tensor_ptr + t + 8)
         dequant_tile(
             buf_bytes,
             buf_words,
@@ -221,15 +216,8 @@ def dequant_bucket(
             f32_base,
             out_ptr,
             pid,
-            rows,
-            cols,
-            q_off,
-            s_here,
-            s_off,
-            d_off,
-            k,
-            out_f32,
-            sums,
+            tensor_ptr + t,
+            pid - n_word,
             BR,
             BC,
             RB,

@@ -19,7 +19,7 @@ one byte per store, with 226-254 registers a thread (one block of programs per S
 of HBM bandwidth, as measured on GPU. Each launch now carries VEC,
 the largest power of two up to 16 that divides every column count, e4m3 offset and source row
 offset in its tables (16 for every weight of a real model), and the kernel multiplies those
-offsets back by it (quant_tile), which lets the compiler use 16-byte accesses (~100 registers).
+offsets back by it (quant_slots), which lets the compiler use 16-byte accesses (~100 registers).
 One odd tensor lowers its launch's VEC, never the bytes written.
 """
 
@@ -36,7 +36,7 @@ from weightsync.triton_support import available  # noqa: F401 (callers ask this 
 TENSOR_FIELDS = 6
 #: the widest access (elements): 16 e4m3 bytes, 16 bf16 elements (two 16-byte accesses)
 MAX_VEC = 16
-#: rows a program holds at a time (a quarter of a block: quant_tile says why), and its warps
+#: rows a program holds at a time (a quarter of a block: quant_slots says why), and its warps
 TILE_ROWS = 32
 NUM_WARPS = 4
 

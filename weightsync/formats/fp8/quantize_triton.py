@@ -95,7 +95,7 @@ def e4m3_codes(x, s, FMAX: tl.constexpr, CVT: tl.constexpr):
 @triton.jit
 def block_columns(cols, k, BR: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr):
     """Block k (row-major) of a weight of `cols` columns: its columns as the compiler sees them (a multiple
-    of VEC: quant_tile says why), its first row, its column indices and their mask."""
+    of VEC: quant_slots says why), its first row, its column indices and their mask."""
     cols = (cols // VEC) * VEC
     n_cb = (cols + BC - 1) // BC
     c = (k % n_cb) * BC + tl.arange(0, BC)
@@ -118,7 +118,7 @@ def source_tile(src_base, row_ptr, row0, r0, i, rows, c, cmask, RB: tl.constexpr
 
 @triton.jit
 def block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR: tl.constexpr, RB: tl.constexpr, VEC: tl.constexpr):
-    """The amax of a block (`source_tile`'s), read RB rows at a time (quant_tile says why): each thread
+    """The amax of a block (`source_tile`'s), read RB rows at a time (quant_slots says why): each thread
     keeps the maxima of its own elements across the tiles, reduced across the block once (a
     cross-warp reduction per tile cost a round trip through shared memory and a barrier each)."""
     a = tl.zeros([RB, c.shape[0]], dtype=tl.float32)
@@ -172,20 +172,15 @@ def quant_block(
 
 
 @triton.jit
-def quant_tile(
+def quant_slots(
     src_base,
     row_ptr,
+    tensor_ptr,
+    owner_ptr,
     q_base,
     s_base,
     flag_ptr,
     sums_ptr,
-    pid,
-    rows,
-    cols,
-    q_off,
-    s_off,
-    row0,
-    k,
     BR: tl.constexpr,
     BC: tl.constexpr,
     RB: tl.constexpr,
@@ -195,9 +190,9 @@ def quant_tile(
     SUMS: tl.constexpr,
     CVT: tl.constexpr,
 ):
-    """Block k (row-major) of one tensor of quant_slots, RB rows at a time, in two passes: the
-    block's amax, then its codes (the second read of its rows comes from the cache). The whole
-    128 x 128 block in float32 registers held an SM to two programs at a time, each loading,
+    """One program per block: block k (row-major) of the tensor that owns it, RB rows at a time, in
+    two passes: the block's amax, then its codes (the second read of its rows comes from the cache).
+    The whole 128 x 128 block in float32 registers held an SM to two programs at a time, each loading,
     reducing and storing in turn (~40% of the copy bandwidth); RB-row tiles let many programs per
     SM overlap their loads with the others' work.
 
@@ -205,7 +200,14 @@ def quant_tile(
     are multiples of; multiplying the quotients back by it tells the compiler so, which lets it
     read and write VEC elements per instruction (offsets read from tables prove no alignment at
     all: one element, one byte, per access)."""
-    q_off = (q_off // VEC) * VEC
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
+    rows = tl.load(tensor_ptr + t)
+    cols = tl.load(tensor_ptr + t + 1)
+    q_off = (tl.load(tensor_ptr + t + 2) // VEC) * VEC
+    s_off = tl.load(tensor_ptr + t + 3)
+    row0 = tl.load(tensor_ptr + t + 4)
+    k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
     cols, r0, c, cmask = block_columns(cols, k, BR, BC, VEC)
     s = scale_of(block_amax(src_base, row_ptr, row0, r0, c, cmask, rows, BR, RB, VEC), FMAX, SMIN)
     s1 = tl.zeros([RB], dtype=tl.int64)
@@ -228,55 +230,3 @@ def quant_tile(
         sw = s.to(tl.int32, bitcast=True)  # the scale's own word, in whichever bucket holds it
         tl.store(sums_ptr + pid * 4 + 2, sw.to(tl.int64))
         tl.store(sums_ptr + pid * 4 + 3, (sw * sw).to(tl.int64))
-
-
-@triton.jit
-def quant_slots(
-    src_base,
-    row_ptr,
-    tensor_ptr,
-    owner_ptr,
-    q_base,
-    s_base,
-    flag_ptr,
-    sums_ptr,
-    BR: tl.constexpr,
-    BC: tl.constexpr,
-    RB: tl.constexpr,
-    FMAX: tl.constexpr,
-    SMIN: tl.constexpr,
-    VEC: tl.constexpr,
-    SUMS: tl.constexpr,
-    CVT: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(owner_ptr + pid).to(tl.int64) * 6
-    rows = tl.load(tensor_ptr + t)
-    cols = tl.load(tensor_ptr + t + 1)
-    q_off = tl.load(tensor_ptr + t + 2)
-    s_off = tl.load(tensor_ptr + t + 3)
-    row0 = tl.load(tensor_ptr + t + 4)
-    k = pid - tl.load(tensor_ptr + t + 5)  # this block's index in its tensor (row-major)
-    quant_tile(
-        src_base,
-        row_ptr,
-        q_base,
-        s_base,
-        flag_ptr,
-        sums_ptr,
-        pid,
-        rows,
-        cols,
-        q_off,
-        s_off,
-        row0,
-        k,
-        BR,
-        BC,
-        RB,
-        FMAX,
-        SMIN,
-        VEC,
-        SUMS,
-        CVT,
-    )

@@ -10,42 +10,32 @@ from rollout_svc.engine.builtin import BuiltinEngine
 torch.set_num_threads(2)
 
 
-def qwen2_config(**kw):
-    from transformers import Qwen2Config
+# What both families share (no eos/bos: generation runs to max_new_tokens unless a test sets one).
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
-    base = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    base.update(kw)
-    return Qwen2Config(**base)
+
+def _config(model_type: str, **kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**_BASE, **kw})
+
+
+def qwen2_config(**kw):
+    return _config("qwen2", **{"num_key_value_heads": 2, **kw})  # GQA
 
 
 def llama_config(**kw):
-    from transformers import LlamaConfig
-
-    base = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    base.update(kw)
-    return LlamaConfig(**base)
+    return _config("llama", **{"num_key_value_heads": 4, **kw})  # MHA
 
 
 CONFIGS = {

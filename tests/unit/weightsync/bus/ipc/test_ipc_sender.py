@@ -98,6 +98,24 @@ def _share_counting(calls):
     return share
 
 
+def _cpu_ipc(stream, share_calls: list | None = None) -> IpcSender:
+    """An IpcSender on the CPU whose rollouts all report one GPU, streaming through the fake `stream`;
+    each share of a buffer's handle is noted in `share_calls`."""
+    return IpcSender(
+        torch.device("cpu"),
+        call=None,
+        uuid_of=lambda d: "GPU-t",
+        needs_cuda=False,
+        stream=stream,
+        cache=HandleCache(_share_counting([] if share_calls is None else share_calls)),
+    )
+
+
+def _numbered(metas) -> dict[str, torch.Tensor]:
+    """Each tensor of `metas` filled with its position in the list."""
+    return {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+
+
 def test_ipc_stream_shares_each_long_lived_buffer_once_across_syncs_and_drops_a_failing_target():
     """Five regular buckets through two pooled buffers plus one oversized tensor, synced twice:
     the pool's buffers are shared once for both syncs, the one-off tensor once per sync."""
@@ -106,17 +124,10 @@ def test_ipc_stream_shares_each_long_lived_buffer_once_across_syncs_and_drops_a_
     assert len(manifest.buckets) == 6
     got: dict[str, list] = {"ok": [], "bad": []}
     share_calls: list[int] = []
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=_fake_streams(got, {"bad": 2}),
-        cache=HandleCache(_share_counting(share_calls)),
-    )
+    ipc = _cpu_ipc(_fake_streams(got, {"bad": 2}), share_calls)
     targets = {"ok": _Entry("ok"), "bad": _Entry("bad")}
     for sync_id in ("s1", "s2"):
-        tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+        tensors = _numbered(metas)
         session = ipc.begin(list(targets.values()), sync_id, manifest.bucket_bytes)
         sender = session.open(targets, timeout=30)
         stats = stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=session.buffers)
@@ -135,14 +146,7 @@ def test_ipc_stream_waits_for_the_previous_acknowledgement_and_fails_when_no_tar
     got: dict[str, list] = {"r": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=_fake_streams(got, {"r": 1}),
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(_fake_streams(got, {"r": 1}))
     sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
     buf = torch.zeros(256, dtype=torch.uint8)
     sender.send(manifest.buckets[0], buf, 1)
@@ -156,14 +160,7 @@ def test_ipc_stream_waits_for_the_previous_acknowledgement_and_fails_when_no_tar
 
 
 def test_in_place_buckets_are_long_lived_for_the_handle_cache():
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=_fake_streams({}, {}),
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(_fake_streams({}, {}))
     flats = [torch.zeros(512, dtype=torch.uint8), torch.zeros(300, dtype=torch.uint8)]
     session = ipc.begin([_Entry("r")], "s", 256)
     assert not ipc.long_lived(flats[1][:10])
@@ -177,14 +174,7 @@ def test_held_buckets_go_out_without_waiting_for_acknowledgements_and_only_the_f
     got: dict[str, list] = {"r": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(4)]
     manifest = make_manifest(metas, version=1, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=_fake_streams(got, {}),
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(_fake_streams(got, {}))
     flats = [torch.full((256,), i, dtype=torch.uint8) for i in range(len(manifest.buckets))]
     session = ipc.begin([_Entry("r")], "s", 256)
     session.use_in_place(flats)
@@ -224,18 +214,11 @@ def test_targets_that_commit_on_their_stream_keep_it_open_past_flush_and_get_the
     got: dict[str, list] = {"s": [], "u": [], "bad": []}
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=_committing_streams(got, {"bad"}),
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(_committing_streams(got, {"bad"}))
     targets = {rid: _Entry(rid) for rid in got}
     sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
     sender.commit_on_stream(["s", "bad", "not-a-target"])
-    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    tensors = _numbered(metas)
     stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
     assert got == {"s": [0, 1, 2], "u": [0, 1, 2], "bad": [0, 1, 2]} and sender.failures() == {}
     req = rollout_pb2.CommitSyncRequest(sync_id="s", version=4)
@@ -262,18 +245,11 @@ def test_targets_that_commit_elsewhere_have_their_stream_ended_at_flush_and_its_
 
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(3)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=open_stream,
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(open_stream)
     targets = {rid: _Entry(rid) for rid in ("linked", "plain")}
     sender = ipc.begin(list(targets.values()), "s", 256).open(targets, timeout=30)
     sender.commit_elsewhere(["linked", "not-a-target"])
-    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    tensors = _numbered(metas)
     stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
     assert ends_read == ["plain"] and sender.failures() == {}
     sender.close()
@@ -309,17 +285,10 @@ class _HangingCall:
 def test_a_commit_on_the_stream_not_answered_within_the_timeout_fails_as_a_deadline():
     metas = [TensorMeta(f"w{i}", (64,), torch.float32) for i in range(2)]
     manifest = make_manifest(metas, version=4, sync_id="s", bucket_bytes=256)
-    ipc = IpcSender(
-        torch.device("cpu"),
-        call=None,
-        uuid_of=lambda d: "GPU-t",
-        needs_cuda=False,
-        stream=lambda entry, method, requests, timeout: _HangingCall(requests),
-        cache=HandleCache(_share_counting([])),
-    )
+    ipc = _cpu_ipc(lambda entry, method, requests, timeout: _HangingCall(requests))
     sender = ipc.begin([_Entry("r")], "s", 256).open({"r": _Entry("r")}, timeout=30)
     sender.commit_on_stream(["r"])
-    tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(metas)}
+    tensors = _numbered(metas)
     stream_buckets(manifest, iter(tensors.items()), sender, timeout=30, buffers=ipc.buffers)
     t0 = time.monotonic()
     resp, err = sender.commit("r", rollout_pb2.CommitSyncRequest(sync_id="s", version=4), timeout=0.2)
