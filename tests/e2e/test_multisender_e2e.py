@@ -61,7 +61,8 @@ def _fleet(procs, model: str, nproc: int, *trainer_args: str, rate: float | None
 
 
 def _exported(trainer, out: Path) -> dict[str, torch.Tensor]:
-    assert wsctl("--address", trainer.address, "export", str(out)).returncode == 0
+    # the RPC wsctl's export makes (a wsctl process would add a Python start-up per export)
+    tstub(trainer).ExportHf(trainer_pb2.ExportHfRequest(out_dir=str(out)))
     sd = {}
     for f in glob.glob(str(out / "*.safetensors")):
         sd.update(load_file(f))

@@ -14,7 +14,6 @@ import sys
 import time
 
 from weightsync.control.client import channel, trainer_stub
-from weightsync.local.procs import wsctl
 from weightsync.rl import LoopConfig, TargetTokensTask, run_loop
 from weightsync.v1 import trainer_pb2
 
@@ -23,14 +22,15 @@ LR = "1e-2"
 
 
 def _wait_registered(trainer, n, same_version=True, timeout=120):
+    # polled over gRPC: a wsctl call per poll is a Python start-up, a second or more on a busy box
+    stub = trainer_stub(channel(trainer.address), token="", timeout=30)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = wsctl("--address", trainer.address, "--json", "status")
-        st = json.loads(out.stdout) if out.returncode == 0 else {}
-        rs = st.get("rollouts", [])
-        if len(rs) == n and (not same_version or all(int(r["version"]) == int(st["version"]) for r in rs)):
-            return st
-        time.sleep(0.3)
+        st = stub.GetStatus(trainer_pb2.TrainerStatusRequest())
+        rs = st.rollouts
+        if len(rs) == n and (not same_version or all(r.version == st.version for r in rs)):
+            return
+        time.sleep(0.05)
     raise TimeoutError(f"{n} rollouts did not register: {trainer.log()[-2000:]}")
 
 

@@ -6,9 +6,9 @@ import socket
 import numpy as np
 import torch
 
-from weightsync.control.client import channel, rollout_stub
+from weightsync.control.client import channel, rollout_stub, trainer_stub
 from weightsync.local.procs import free_port, wsctl
-from weightsync.v1 import rollout_pb2
+from weightsync.v1 import rollout_pb2, trainer_pb2
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 
@@ -100,12 +100,17 @@ def test_new_weights_change_outputs_and_flush_the_prefix_cache(procs):
     trainer.wait_ready()
     rollout = procs.rollout("--model", "tiny-qwen2", "--init-seed", "2", "--trainer-address", trainer.address)
     rollout.wait_ready()
-    # auto catch-up sync on registration brings the rollout to the trainer's version
+    # auto catch-up sync on registration brings the rollout to the trainer's version (polled over
+    # gRPC: a wsctl call is a Python start-up, seconds on a busy box)
     import time
 
+    tstub = trainer_stub(channel(trainer.address), token="", timeout=60)
     deadline = time.monotonic() + 60
-    while _status(trainer)["rollouts"][0]["version"] in ("0", 0) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        rollouts = tstub.GetStatus(trainer_pb2.TrainerStatusRequest()).rollouts
+        if rollouts and rollouts[0].version != 0:
+            break
+        time.sleep(0.05)
     v1 = int(_status(trainer)["version"])
     assert int(_status(trainer)["rollouts"][0]["version"]) == v1
 

@@ -2,8 +2,10 @@
 (`MegatronActor.own_flat_buckets`, flat_export.py over the buckets it owns) against its own
 per-tensor export (`export_own_tensors`) packed by the pipeline and against the HF checkpoint,
 byte for byte, per family and bucket size; then after a step, and with a parameter given new
-storage. argv: --pp, --vpp, --ep, --out, then `family=hf_dir` pairs. Rank 0 writes the JSON report
-(one entry per rank and case). Every rank works on its own (no rank-0 driver, no worker loop): at
+storage. argv: --out, then a layout's --pp, --vpp, --ep and `family=hf_dir` pairs; further layouts of
+the same world size after `--then` run in turn in the same launch (each launch pays megatron's imports
+in every rank, a layout only its builds). Rank 0 writes the JSON report: rank -> [one entry per layout,
+family and case]. Every rank works on its own (no rank-0 driver, no worker loop): at
 TP = expert-TP = 1 neither the own export nor the flat buckets run a collective, which this script
 relies on. With --ep > 1 (MoE families) the bf16 cases run in megatron's grouped expert layout too
 (`grouped-` cases: the experts are views into weight1/weight2, copied into their slots at each sync)."""
@@ -90,15 +92,25 @@ def run_case(config, hf_dir: str, hf: dict, par: dict, pdt, edt, bucket: int) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--vpp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
+    out, runs = split_runs(sys.argv[1:])
+    report = []
+    for argv in runs:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--pp", type=int, default=2)
+        ap.add_argument("--vpp", type=int, default=1)
+        ap.add_argument("--ep", type=int, default=1)
+        ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
+        args = ap.parse_args(argv)
+        report.append(run_layout(args))
+    write_report(report, out)
 
+
+def run_layout(args) -> dict:
+    """family -> case -> this rank's report, for one layout; its parallel state destroyed after."""
+    from megatron.core import parallel_state as ps
+
+    # a hang in a collective should leave stacks behind, not only a test timeout (re-armed per layout)
+    faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
     par = dict(pp=args.pp, vpp=args.vpp, ep=args.ep)
     report: dict = {}
     for arg in args.dirs:
@@ -114,7 +126,21 @@ def main() -> None:
             _install_grouped_gemm_stand_in()
             bf16 = [c for c in CASES if c[0] == c[1] == torch.bfloat16]  # megatron's GroupedMLP runs in bf16 only
             run_cases(rep, bf16, run_case, config, hf_dir, hf, dict(par, expert_layout="grouped"), prefix="grouped-")
-    write_report(report, args.out)
+    ps.destroy_model_parallel()  # the next layout initialises its own groups
+    return report
+
+
+def split_runs(argv: list[str]) -> tuple[str, list[list[str]]]:
+    """(--out's value, each layout's arguments): `--out OUT` first, layouts separated by `--then`."""
+    if len(argv) < 3 or argv[0] != "--out":
+        raise SystemExit("usage: --out OUT LAYOUT_ARGS [--then LAYOUT_ARGS ...]")
+    runs: list[list[str]] = [[]]
+    for a in argv[2:]:
+        if a == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(a)
+    return argv[1], runs
 
 
 def read_hf(hf_dir: str):

@@ -1,9 +1,10 @@
 """Run under torchrun, tp * pp * ep ranks: the flat export at TP > 1 (flat_export.py with the TP
 exchange of tp_gather.py) against the per-tensor export packed by the pipeline and the HF checkpoint,
 byte for byte, on CPU (gloo) or one GPU per rank (NCCL: tests/gpu/test_flat_export_tp_gpu.py).
-argv: --tp, --pp, --ep, --etp, --out, --cases, then `family=hf_dir` pairs (FLAT_CASES_KERNEL=1: the
-copies through the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report (one
-entry per rank, family and case).
+argv: --out, then a layout's --tp, --pp, --ep, --etp, --cases and `family=hf_dir` pairs; further
+layouts of the same world size after `--then` run in turn in the same launch (FLAT_CASES_KERNEL=1: the
+copies through the Triton copy kernel, as _flat_export_cases.py). Rank 0 writes the JSON report:
+rank -> [one entry per layout, family and case].
 
 Per case every rank calls, together, what a multi-sender sync calls on it (run_sender): its own
 export packed, then `own_flat_buckets` over its own buckets (the stage leader's, and an EP rank's
@@ -33,6 +34,7 @@ from tests.support._flat_export_pp_cases import (  # noqa: E402
     cast_declines,
     read_hf,
     run_cases,
+    split_runs,
     write_report,
 )
 
@@ -139,18 +141,26 @@ def _funnel(actor, full, hf) -> dict | None:
 
 
 def main() -> None:
+    out, runs = split_runs(sys.argv[1:])
+    if os.environ.get("FLAT_CASES_KERNEL") == "1":
+        _force_kernel()
+    write_report([run_layout(argv) for argv in runs], out)
+
+
+def run_layout(argv: list[str]) -> dict:
+    """family -> case -> this rank's report, for one layout; its parallel state destroyed after."""
+    from megatron.core import parallel_state as ps
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="", help="indices into CASES, comma-separated (default: all)")
     ap.add_argument("dirs", nargs="+", help="family=hf_dir pairs")
-    args = ap.parse_args()
-    if os.environ.get("FLAT_CASES_KERNEL") == "1":
-        _force_kernel()
+    args = ap.parse_args(argv)
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    # a hang in a collective should leave stacks behind, not only a test timeout (re-armed per layout)
     faulthandler.dump_traceback_later(float(os.environ.get("WS_DIST_HANG_S", "400")), exit=True)
 
     par = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
@@ -163,7 +173,8 @@ def main() -> None:
         # parameters in another dtype than the export: the leader refuses, so every rank exports
         # (every rank runs the export's gathers: no one waits in the exchange)
         cast_declines(rep, config, hf_dir, par, then=lambda actor, m: _packed(m, actor.export_own_tensors()))
-    write_report(report, args.out)
+    ps.destroy_model_parallel()  # the next layout initialises its own groups
+    return report
 
 
 if __name__ == "__main__":

@@ -18,13 +18,23 @@ def save_tp_models(root: Path) -> dict[str, str]:
 
 def tp_report(tp_hf_dirs, tmp_path, nranks: int, args: list[str], env: dict | None = None, only=None) -> dict:
     """Run the cases under torchrun (`nranks` ranks) on `tp_hf_dirs` (family -> HF dir); the report by rank."""
+    dirs = {f: d for f, d in tp_hf_dirs.items() if only is None or f in only}
+    return tp_reports([(dirs, args)], tmp_path, nranks, env)[0]
+
+
+def tp_reports(layouts: list[tuple[dict, list[str]]], tmp_path, nranks: int, env: dict | None = None) -> list[dict]:
+    """Several layouts of one world size, each (family -> HF dir, its arguments), run in turn in one
+    torchrun launch (each launch pays megatron's imports in every rank): per layout, the report by rank."""
     out = tmp_path / "report.json"
-    dirs = [f"{f}={d}" for f, d in tp_hf_dirs.items() if only is None or f in only]
-    proc = torchrun(SUPPORT / "_flat_export_tp_cases.py", nranks, ["--out", str(out), *args, *dirs], 600, env)
+    argv = ["--out", str(out)]
+    for i, (dirs, args) in enumerate(layouts):
+        argv += [*(["--then"] if i else []), *args, *(f"{f}={d}" for f, d in dirs.items())]
+    proc = torchrun(SUPPORT / "_flat_export_tp_cases.py", nranks, argv, 600 * len(layouts), env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert sorted(report) == [str(r) for r in range(nranks)]
-    return report
+    assert all(len(by_layout) == len(layouts) for by_layout in report.values()), [a for _, a in layouts]
+    return [{rank: by_layout[i] for rank, by_layout in report.items()} for i in range(len(layouts))]
 
 
 def check_tp_report(report: dict, tp: int, pp: int, ep: int = 1, senders: list[int] | None = None) -> dict:

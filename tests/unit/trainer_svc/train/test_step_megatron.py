@@ -1,5 +1,5 @@
 """train_step on the megatron-core backend (CPU, gloo): parity with the transformers backend,
-loss decreases, checkpoint resume, and TP=2 / PP=2 under torchrun equal to TP=1."""
+loss decreases, checkpoint resume, and TP=2 / PP=2 under torchrun (one launch) equal to TP=1."""
 
 import json
 import os
@@ -73,14 +73,16 @@ def test_megatron_loss_decreases_and_checkpoint_resume_is_exact(tmp_path):
     assert [train_step(b, req)["loss"] for _ in range(2)] == want
 
 
+# both 2-rank layouts in one torchrun launch (each launch pays megatron's imports in every rank)
+LAYOUTS = {"tp2": "2,1", "pp2": "1,2"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parallel_layouts_match_tp1(tmp_path, layout):
-    tp, pp = layout
+def test_parallel_layouts_match_tp1(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     script = str(SUPPORT / "_mp_worker.py")
     single = subprocess.run(
-        [sys.executable, script, str(tmp_path / "tp1.json"), "1", "1", str(tmp_path / "w")],
+        [sys.executable, script, str(tmp_path / "tp1.json"), str(tmp_path / "w"), "1,1"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -96,21 +98,25 @@ def test_parallel_layouts_match_tp1(tmp_path, layout):
             "--nproc-per-node=2",
             script,
             str(tmp_path / "mp.json"),
-            str(tp),
-            str(pp),
             str(tmp_path / "w"),
+            *LAYOUTS.values(),
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=300 * len(LAYOUTS),
         env=env,
     )
     assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-3000:]
-    a, b = json.loads((tmp_path / "tp1.json").read_text()), json.loads((tmp_path / "mp.json").read_text())
-    assert max(abs(x - y) for r, s in zip(a["logprobs"], b["logprobs"]) for x, y in zip(r, s)) < 1e-5
-    for sa, sb in zip(a["steps"], b["steps"]):
-        for k in ("loss", "entropy", "kl", "grad_norm"):
-            assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), (k, sa, sb)
+    a = json.loads((tmp_path / "tp1.json").read_text())["1,1"]
+    reports = json.loads((tmp_path / "mp.json").read_text())
+    assert sorted(reports) == sorted(LAYOUTS.values())
+    for name, layout in LAYOUTS.items():
+        b = reports[layout]
+        err = max(abs(x - y) for r, s in zip(a["logprobs"], b["logprobs"]) for x, y in zip(r, s))
+        assert err < 1e-5, f"{name}: logprobs differ from TP=1 by {err}"
+        for sa, sb in zip(a["steps"], b["steps"]):
+            for k in ("loss", "entropy", "kl", "grad_norm"):
+                assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), (name, k, sa, sb)
 
 
 def test_save_checkpoint_torch_dist_holds_the_trained_weights(tmp_path):

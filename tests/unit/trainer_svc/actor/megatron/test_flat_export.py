@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -111,13 +112,19 @@ def _check_fp8(family: str, cases: dict, kernel: bool) -> None:
     assert apart > 0, f"{family}: no case put a scale in another bucket than its weight"
 
 
-def _own_report(script_args: list[str], nranks: int, tmp_path) -> dict:
+def _own_reports(layouts: list[list[str]], nranks: int, tmp_path) -> list[dict]:
+    """Every layout (its script arguments) run in turn in one torchrun launch of `nranks` ranks: each
+    launch pays megatron's imports in every rank. Per layout, rank -> family -> case -> report."""
     out = tmp_path / "report.json"
-    proc = torchrun(SUPPORT / "_flat_export_pp_cases.py", nranks, ["--out", str(out), *script_args], timeout=900)
+    args = ["--out", str(out)]
+    for i, layout in enumerate(layouts):
+        args += [*(["--then"] if i else []), *layout]
+    proc = torchrun(SUPPORT / "_flat_export_pp_cases.py", nranks, args, timeout=600 * len(layouts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert sorted(report) == [str(r) for r in range(nranks)]
-    return report
+    assert all(len(by_layout) == len(layouts) for by_layout in report.values()), layouts
+    return [{rank: by_layout[i] for rank, by_layout in report.items()} for i in range(len(layouts))]
 
 
 def _check_own(report: dict, family: str, layout: str) -> dict[str, dict[str, list[str]]]:
@@ -155,18 +162,7 @@ def _check_own(report: dict, family: str, layout: str) -> dict[str, dict[str, li
 
 
 PP_LAYOUTS = [(2, 1), (2, 2)]
-
-
-@pytest.mark.parametrize("pp,vpp", PP_LAYOUTS, ids=[f"pp{p}-vpp{v}" for p, v in PP_LAYOUTS])
-def test_each_stage_flat_buckets_are_its_packed_export_byte_for_byte(pp, vpp, hf_dirs, tmp_path):
-    """Pipeline stages (multi-sender, TP=EP=1): each rank's flat buckets over the buckets it owns
-    (`own_flat_buckets`) are its own per-tensor export packed, and the checkpoint, byte for byte;
-    before and after a step, and replanned for a parameter given new storage. The stages together
-    cover every tensor once (a tied embedding on stage 0 alone)."""
-    args = ["--pp", str(pp), "--vpp", str(vpp), *[f"{f}={hf_dirs[f]}" for f in FAMILIES]]
-    report = _own_report(args, pp, tmp_path)
-    for family in FAMILIES:
-        _check_own(report, family, f"pp{pp} vpp{vpp}")
+EP_LAYOUTS = [(1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +171,45 @@ def moe_hf_dirs(tmp_path_factory) -> dict[str, str]:
     return {f: str(save_random_hf(make_config(f), root / f, seed=20 + i)) for i, f in enumerate(MOE_FAMILIES)}
 
 
-EP_LAYOUTS = [(1, 2), (2, 2)]
+@pytest.fixture(scope="module")
+def own_reports(hf_dirs, moe_hf_dirs, tmp_path_factory) -> Callable[[tuple[str, int, int]], dict]:
+    """("pp"|"ep", pp, vpp|ep) -> the layout's report. The 2-rank layouts (both PP ones and EP=2 at
+    PP=1) run in one torchrun launch; PP=2 x EP=2 (4 ranks) in another, on its first use."""
+    dense = [f"{f}={hf_dirs[f]}" for f in FAMILIES]
+    moe = [f"{f}={d}" for f, d in moe_hf_dirs.items()]
+    layouts = {("pp", p, v): ["--pp", str(p), "--vpp", str(v), *dense] for p, v in PP_LAYOUTS}
+    layouts |= {("ep", p, e): ["--pp", str(p), "--ep", str(e), *moe] for p, e in EP_LAYOUTS}
+    reports: dict = {}
+
+    def get(key):
+        if key not in reports:
+            nranks = key[1] * (key[2] if key[0] == "ep" else 1)
+            keys = [k for k in layouts if k[1] * (k[2] if k[0] == "ep" else 1) == nranks]
+            tmp = tmp_path_factory.mktemp(f"own-world{nranks}")
+            try:
+                reports.update(zip(keys, _own_reports([layouts[k] for k in keys], nranks, tmp)))
+            except AssertionError as exc:  # a failed launch fails each of its layouts' tests, run once
+                reports.update(dict.fromkeys(keys, exc))
+        if isinstance(reports[key], AssertionError):
+            raise reports[key]
+        return reports[key]
+
+    return get
+
+
+@pytest.mark.parametrize("pp,vpp", PP_LAYOUTS, ids=[f"pp{p}-vpp{v}" for p, v in PP_LAYOUTS])
+def test_each_stage_flat_buckets_are_its_packed_export_byte_for_byte(pp, vpp, own_reports):
+    """Pipeline stages (multi-sender, TP=EP=1): each rank's flat buckets over the buckets it owns
+    (`own_flat_buckets`) are its own per-tensor export packed, and the checkpoint, byte for byte;
+    before and after a step, and replanned for a parameter given new storage. The stages together
+    cover every tensor once (a tied embedding on stage 0 alone)."""
+    report = own_reports(("pp", pp, vpp))
+    for family in FAMILIES:
+        _check_own(report, family, f"pp{pp} vpp{vpp}")
 
 
 @pytest.mark.parametrize("pp,ep", EP_LAYOUTS, ids=[f"pp{p}-ep{e}" for p, e in EP_LAYOUTS])
-def test_each_expert_rank_flat_buckets_are_its_packed_export_byte_for_byte(pp, ep, moe_hf_dirs, tmp_path):
+def test_each_expert_rank_flat_buckets_are_its_packed_export_byte_for_byte(pp, ep, own_reports):
     """Expert-parallel ranks of MoE models (multi-sender, TP = expert-TP = 1): as the stages above, each
     rank's flat buckets are its own packed export and the checkpoint, byte for byte. Megatron's rank
     order at TP=1: stage s holds ranks s*ep .. s*ep+ep-1, and EP rank e of a stage sends that stage's
@@ -187,8 +217,7 @@ def test_each_expert_rank_flat_buckets_are_its_packed_export_byte_for_byte(pp, e
     too (the other EP ranks hold replicas of them, sent by no one else). The bf16 cases also run in the
     grouped layout, whose experts are views into weight1/weight2: weight1 given new storage makes the
     plan stale (its views would keep the old address) and the next buckets follow it."""
-    args = ["--pp", str(pp), "--ep", str(ep), *[f"{f}={d}" for f, d in moe_hf_dirs.items()]]
-    report = _own_report(args, pp * ep, tmp_path)
+    report = own_reports(("ep", pp, ep))
     for family in MOE_FAMILIES:
         per_expert = MOE_FAMILIES[family]["num_experts"] // ep
         for rank, rep in report.items():

@@ -12,13 +12,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.flat_tp_report import check_tp_report, save_tp_models, tp_report
+from tests.support.flat_tp_report import check_tp_report, save_tp_models, tp_report, tp_reports
 from tests.support.megatron_models import MOE_FAMILIES, make_config, save_random_hf
 
 
 @pytest.fixture(scope="module")
 def tp_hf_dirs(tmp_path_factory) -> dict[str, str]:
     return save_tp_models(tmp_path_factory.mktemp("hf-tp"))
+
+
+@pytest.fixture(scope="module")
+def world4_reports(tp_hf_dirs, tmp_path_factory) -> dict[str, dict]:
+    """TP=2 x PP=2 (dense) and TP=2 x EP=2 (MoE, unsplit experts), 4 ranks each: one torchrun launch
+    runs both (each launch pays megatron's imports in every rank). layout -> report by rank."""
+    root = tmp_path_factory.mktemp("hf-moe-tp")
+    moe = {f: str(save_random_hf(make_config(f), root / f, seed=40 + i)) for i, f in enumerate(MOE_FAMILIES)}
+    layouts = {
+        "tp2-pp2": (tp_hf_dirs, ["--tp", "2", "--pp", "2", "--cases", "1"]),
+        "tp2-ep2": (moe, ["--tp", "2", "--ep", "2", "--etp", "1", "--cases", "0"]),
+    }
+    reports = tp_reports(list(layouts.values()), tmp_path_factory.mktemp("world4"), 4)
+    return dict(zip(layouts, reports))
 
 
 def test_tp2_flat_buckets_are_the_packed_export_byte_for_byte(tp_hf_dirs, tmp_path):
@@ -34,25 +48,21 @@ def test_tp2_flat_buckets_are_the_packed_export_byte_for_byte(tp_hf_dirs, tmp_pa
         assert all(x["launches"] == 0 and x["torch_copies"] == x["copies"] for x in by_rank.values())
 
 
-def test_tp2_pp2_each_stage_leader_writes_its_flat_buckets(tp_hf_dirs, tmp_path):
+def test_tp2_pp2_each_stage_leader_writes_its_flat_buckets(world4_reports):
     """Two stages of two TP ranks (multi-sender): each stage leader's buckets, from its TP group."""
-    leaders = check_tp_report(
-        tp_report(tp_hf_dirs, tmp_path, 4, ["--tp", "2", "--pp", "2", "--cases", "1"]), tp=2, pp=2
-    )
+    leaders = check_tp_report(world4_reports["tp2-pp2"], tp=2, pp=2)
     for (family, _), by_rank in leaders.items():
         assert sorted(by_rank) == ["0", "2"], family
         names = [n for r in by_rank.values() for n in r["names"]]
         assert len(names) == len(set(names)) == by_rank["0"]["model_tensors"], family
 
 
-def test_tp2_ep2_an_expert_rank_beside_the_stage_leader_writes_its_own(tmp_path_factory, tmp_path):
+def test_tp2_ep2_an_expert_rank_beside_the_stage_leader_writes_its_own(world4_reports):
     """MoE at TP=2 x EP=2 with unsplit experts (expert-TP=1), 4 ranks: megatron puts EP rank 1 on TP
     rank 1 of the stage (rank 1), which sends its dense shards to rank 0 and writes its own experts'
     buckets from its own parameters; ranks 2-3 (the second dense replica) hold nothing to send and
     export (no collective). Every sender's buckets are its packed export, byte for byte."""
-    root = tmp_path_factory.mktemp("hf-moe-tp")
-    dirs = {f: str(save_random_hf(make_config(f), root / f, seed=40 + i)) for i, f in enumerate(MOE_FAMILIES)}
-    report = tp_report(dirs, tmp_path, 4, ["--tp", "2", "--ep", "2", "--etp", "1", "--cases", "0"])
+    report = world4_reports["tp2-ep2"]
     for (family, case), by_rank in check_tp_report(report, tp=2, pp=1, ep=2, senders=[0, 1]).items():
         experts = {r: {n.split(".")[5] for n in x["names"] if ".mlp.experts." in n} for r, x in by_rank.items()}
         assert experts["0"] and experts["1"] and not experts["0"] & experts["1"], f"{family} {case}: {experts}"
