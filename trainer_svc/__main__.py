@@ -7,10 +7,7 @@ from weightsync import fast_exit
 
 
 def main() -> int:
-    fast_exit.arm()  # before the service's imports register their atexit handlers: it runs last
-    from trainer_svc.cli import main as cli_main
-
-    return fast_exit.run(cli_main)
+    return fast_exit.run_cli("trainer_svc.cli")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,12 @@ def run(main: Callable[[], int | None]) -> int:
         print(rc, file=sys.stderr)
     _code[0] = rc if isinstance(rc, int) else (0 if rc is None else 1)
     return _code[0]
+
+
+def run_cli(module: str) -> int:
+    """A service's entry (`python -m` and its console script): arm the final exit, then import `module` (its
+    imports register their atexit handlers after ours, so ours runs last) and run its `main`."""
+    import importlib
+
+    arm()
+    return run(importlib.import_module(module).main)
